@@ -1,0 +1,33 @@
+"""Exceptions a user of moirai can cause; each message says what was wrong and what to do."""
+
+
+class MoiraiError(Exception):
+    """Base class of every error moirai raises on purpose."""
+
+
+class TraceError(MoiraiError):
+    """The model could not be traced into an fx graph."""
+
+
+class ClusterError(MoiraiError):
+    """A cluster description is malformed or inconsistent."""
+
+
+class ProblemError(MoiraiError):
+    """A placement problem is malformed (bad shapes, unknown names, cycles)."""
+
+
+class PlanError(MoiraiError):
+    """A plan does not fit the problem or graph it is applied to."""
+
+
+class InfeasibleError(MoiraiError):
+    """No placement satisfies the constraints (usually memory)."""
+
+
+class InputError(MoiraiError):
+    """Inputs given to a compiled model do not match the traced example inputs."""
+
+
+class DistributedError(MoiraiError):
+    """A rank of a distributed run failed or timed out."""
