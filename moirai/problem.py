@@ -231,7 +231,7 @@ class Problem:
         return {
             "devices": [
                 {"name": name, "memory_bytes": float(cap)}
-                for name, cap in zip(self.device_names, self.memory_capacity_bytes)
+                for name, cap in zip(self.device_names, self.memory_capacity_bytes, strict=True)
             ],
             "tasks": [
                 {"name": name, "compute_s": self.compute_s[i].tolist(), "memory_bytes": float(self.memory_bytes[i])}

@@ -44,7 +44,7 @@ class TracedModel:
 
     def flatten_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The flat input tensors of a call, checked against the traced example inputs."""
-        expected_keys = self.in_spec.children_specs[1].context
+        expected_keys = self.in_spec.child(1).context
         if set(kwargs) == set(expected_keys):
             kwargs = {key: kwargs[key] for key in expected_keys}
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -53,7 +53,7 @@ class TracedModel:
                 f"{self.model_name} was traced with inputs structured as {self.in_spec}, "
                 f"called with {spec}; call it with the same arguments as the example inputs"
             )
-        for position, (value, expected) in enumerate(zip(flat, self.input_specs)):
+        for position, (value, expected) in enumerate(zip(flat, self.input_specs, strict=True)):
             if not isinstance(value, torch.Tensor):
                 raise InputError(f"{self.model_name}: input {position} must be a tensor, got {type(value).__name__}")
             if tuple(value.shape) != expected.shape or value.dtype != expected.dtype:
@@ -68,7 +68,9 @@ class TracedModel:
         return pytree.tree_unflatten(list(flat_outputs), self.out_spec)
 
 
-def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict[str, Any] | None = None) -> TracedModel:
+def trace(
+    model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict[str, Any] | None = None
+) -> TracedModel:
     """Trace ``model`` with ``torch.export`` (non-strict), falling back to ``symbolic_trace``.
 
     Weights may live on the ``meta`` device; example inputs should then be ``meta`` tensors too.
@@ -127,7 +129,8 @@ def _flatten_output(graph_module: fx.GraphModule) -> None:
 
 
 def _drop_guard_calls(graph_module: fx.GraphModule) -> None:
-    """Exported modules call an input guard; moirai checks inputs itself, with clearer errors."""
+    """Exported modules check inputs in a pre-hook and a guard call; moirai checks flat inputs itself."""
+    graph_module._forward_pre_hooks.clear()
     for node in list(graph_module.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             graph_module.graph.erase_node(node)

@@ -1,0 +1,123 @@
+"""trace and OpGraph: meta["val"] everywhere, costs that add up, meta-device models, clear errors."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from moirai.errors import InputError, TraceError
+from moirai.graph import build_op_graph
+from moirai.trace import trace
+
+
+class TwoLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(16, 32)
+        self.second = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor, *, bias: torch.Tensor) -> dict:
+        h = torch.relu(self.first(x))
+        return {"out": self.second(h) + bias, "hidden": (h,)}
+
+
+class DataDependent(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x * 2
+        return x - 1
+
+
+def test_trace_is_flat_and_every_node_has_val() -> None:
+    model = TwoLayer().eval()
+    x, bias = torch.randn(4, 16), torch.randn(8)
+    traced = trace(model, (x,), {"bias": bias})
+    for node in traced.graph_module.graph.nodes:
+        if node.op != "output":
+            assert "val" in node.meta, node.name
+    flat = traced.flatten_inputs((x,), {"bias": bias})
+    outputs = traced.unflatten_outputs(traced.graph_module(*flat))
+    expected = model(x, bias=bias)
+    torch.testing.assert_close(outputs["out"], expected["out"])
+    torch.testing.assert_close(outputs["hidden"][0], expected["hidden"][0])
+
+
+@torch.fx.wrap
+def _clamp_if_positive(x: torch.Tensor) -> torch.Tensor:
+    # Data-dependent branch: export cannot trace it, symbolic_trace keeps it as one leaf call.
+    return x.clamp(max=1.0) if x.sum() > 0 else x
+
+
+class LeafWithBranch(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _clamp_if_positive(torch.relu(x)) * 2
+
+
+def test_symbolic_trace_fallback_records_val() -> None:
+    x = torch.randn(3, 5)
+    traced = trace(LeafWithBranch(), (x,))
+    targets = [n.target for n in traced.graph_module.graph.nodes if n.op == "call_function"]
+    assert _clamp_if_positive in targets  # the fallback ran, not export
+    assert all("val" in n.meta for n in traced.graph_module.graph.nodes if n.op != "output")
+    (output,) = traced.graph_module(*traced.flatten_inputs((x,), {}))
+    torch.testing.assert_close(output, LeafWithBranch()(x))
+
+
+def test_op_graph_counts_flops_bytes_and_parameters() -> None:
+    traced = trace(TwoLayer().eval(), (torch.randn(4, 16),), {"bias": torch.randn(8)})
+    graph = build_op_graph(traced)
+    linears = [n for n in graph.nodes if n.targets == ("aten.linear.default",)]
+    assert [n.flops for n in linears] == [2 * 4 * 16 * 32, 2 * 4 * 32 * 8]
+    assert [n.param_bytes for n in linears] == [(16 * 32 + 32) * 4, (32 * 8 + 8) * 4]
+    assert graph.total_param_bytes == sum(p.numel() * 4 for p in TwoLayer().parameters())
+    relu_edge = next(e for e in graph.edges if graph.nodes[e.src].targets == ("aten.relu.default",))
+    assert relu_edge.bytes == 4 * 32 * 4
+    assert graph.to_networkx().number_of_edges() == len(graph.edges)
+
+
+def test_merge_preserves_totals_and_sends_a_tensor_once_per_group() -> None:
+    traced = trace(TwoLayer().eval(), (torch.randn(4, 16),), {"bias": torch.randn(8)})
+    graph = build_op_graph(traced)
+    merged = graph.merge([[0], list(range(1, len(graph.nodes)))])
+    assert len(merged.nodes) == 2
+    assert merged.total_flops == graph.total_flops
+    assert sum(n.bytes_moved for n in merged.nodes) == sum(n.bytes_moved for n in graph.nodes)
+    # linear -> relu is the only edge from group 0; its tensor crosses once.
+    assert [(e.src, e.dst) for e in merged.edges] == [(0, 1)]
+
+
+def test_untraceable_model_raises_trace_error_naming_model_and_line() -> None:
+    with pytest.raises(TraceError, match=r"DataDependent.*test_trace_graph.py"):
+        trace(DataDependent(), (torch.randn(3),))
+
+
+def test_wrong_input_shape_and_structure_raise_input_error() -> None:
+    traced = trace(TwoLayer().eval(), (torch.randn(4, 16),), {"bias": torch.randn(8)})
+    with pytest.raises(InputError, match=r"shape \(5, 16\).*\(4, 16\)"):
+        traced.flatten_inputs((torch.randn(5, 16),), {"bias": torch.randn(8)})
+    with pytest.raises(InputError, match="structured"):
+        traced.flatten_inputs((torch.randn(4, 16),), {})
+
+
+@pytest.mark.slow
+def test_meta_model_of_over_a_billion_parameters_traces_without_weight_memory() -> None:
+    # A fresh interpreter so the peak RSS is this model's alone.
+    script = textwrap.dedent(
+        """
+        import resource, torch
+        from moirai.trace import trace
+        from moirai.graph import build_op_graph
+        with torch.device("meta"):
+            model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(16)])
+        graph = build_op_graph(trace(model, (torch.randn(8, 8192, device="meta"),)))
+        print(sum(p.numel() for p in model.parameters()), len(graph.nodes), graph.total_param_bytes,
+              resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    parameters, nodes, param_bytes, peak_rss = (float(v) for v in result.stdout.split())
+    assert parameters > 1.07e9 and nodes == 16
+    assert param_bytes == parameters * 4  # 4.3 GB of fp32 weights are counted...
+    assert peak_rss < 1.5e9  # ...but never allocated: the bound is torch's import plus the graph
