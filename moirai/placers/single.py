@@ -1,0 +1,40 @@
+"""``single``: the whole model on the fastest device that can hold it (the no-parallelism reference)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moirai.bounds import format_bytes
+from moirai.errors import InfeasibleError
+from moirai.placers import register
+from moirai.problem import Plan, Problem
+
+
+def device_speed(problem: Problem) -> np.ndarray:
+    """Relative speed of every device (sums to 1): inverse of its time on the tasks every device can run."""
+    runs_everywhere = np.isfinite(problem.compute_s).all(axis=1)
+    total = problem.compute_s[runs_everywhere].sum(axis=0)
+    if not runs_everywhere.any() or np.any(total <= 0):
+        return np.full(problem.num_devices, 1.0 / problem.num_devices)
+    speed = 1.0 / total
+    return speed / speed.sum()
+
+
+@register("single")
+def place_single(problem: Problem) -> Plan:
+    """Every task on the device with the least total compute time among those that hold the whole model."""
+    needed = float(problem.memory_bytes.sum())
+    total_s = problem.compute_s.sum(axis=0)
+    candidates = np.flatnonzero((problem.memory_capacity_bytes >= needed) & np.isfinite(total_s))
+    if candidates.size == 0:
+        largest = float(problem.memory_capacity_bytes.max())
+        if largest < needed:
+            reason = f"it needs {format_bytes(needed)}, the largest device has {format_bytes(largest)}"
+        else:
+            reason = "every device with enough memory has a task it cannot run (infinite compute time)"
+        raise InfeasibleError(
+            f"no single device can run the whole model: {reason}; use a placer that splits the model, e.g. 'heft'"
+        )
+    device = int(candidates[np.argmin(total_s[candidates])])
+    order = tuple(problem.topological_order if d == device else () for d in range(problem.num_devices))
+    return Plan(np.full(problem.num_tasks, device), problem.device_names, order=order, placer="single")

@@ -1,0 +1,371 @@
+"""Discrete-event simulator: the one judge of every plan's makespan.
+
+Semantics (the contract between the simulator, the MILP and the runtime):
+
+* Task ``i`` on device ``p(i)`` runs for ``compute_s[i, p(i)]``, non-preemptively, one task at
+  a time per device.
+* Tensor ``t`` made by a task on device ``a`` is sent once to every other device ``b`` hosting
+  at least one of its consumers and takes ``transfer_s[t, a, b]``; consumers on ``a`` use it as
+  soon as its producer finishes. A multi-hop route is one directed pair with its effective time.
+* With ``contention=True`` transfers on one directed link ``(a, b)`` never overlap; transfers on
+  different links overlap each other, and compute overlaps communication (separate streams, as
+  on GPUs). A transfer starts when its producer has finished and its link is free. With
+  ``contention=False`` a transfer starts as soon as its producer finishes.
+* A task starts when its device has finished the task before it in the device's order and every
+  input tensor is on its device. ``plan.order`` is followed exactly when given;
+  ``plan.transfer_order[(a, b)]`` is followed on that link when given (with contention; without
+  it links do not queue), else the link sends the tensor that became ready first (ties: lower
+  tensor index).
+* When ``plan.order`` is None the devices are list-scheduled: whenever a device is idle it starts,
+  among its tasks whose inputs have all arrived, the one with the longest remaining path
+  (:func:`upward_rank`: compute on the assigned devices plus the transfers the placement
+  implies, Mayer et al.'s PCT); ties go to the earlier task in topological order.
+* Memory is static: a device holds the sum of ``memory_bytes`` of its tasks. A plan that
+  exceeds a device's capacity is still simulated; :attr:`Timeline.fits_memory` says so.
+* Graph inputs are on every device for free; graph outputs are not sent anywhere.
+
+Every start happens at the earliest moment the rules allow, so the simulated times of a plan
+whose orders come from a feasible schedule are never later than that schedule's.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from moirai.errors import PlanError
+from moirai.problem import Plan, Problem
+
+
+class Transfer(NamedTuple):
+    """One tensor sent over one directed link."""
+
+    tensor: int
+    src: int
+    dst: int
+    start: float
+    finish: float
+
+
+@dataclass(frozen=True, eq=False)
+class Timeline:
+    """Start and finish of every task and transfer of one simulated plan."""
+
+    makespan: float
+    task_start: np.ndarray
+    task_finish: np.ndarray
+    placement: np.ndarray
+    transfers: list[Transfer]
+    busy_s: np.ndarray
+    memory_bytes: np.ndarray
+    memory_capacity_bytes: np.ndarray
+    contention: bool
+    execution_sequences: tuple[tuple[int, ...], ...]
+
+    @property
+    def fits_memory(self) -> bool:
+        """Whether every device holds no more than its capacity."""
+        return bool(np.all(self.memory_bytes <= self.memory_capacity_bytes))
+
+    @property
+    def utilisation(self) -> np.ndarray:
+        """Fraction of the makespan each device spends computing."""
+        return self.busy_s / self.makespan if self.makespan > 0 else np.zeros_like(self.busy_s)
+
+    def device_order(self) -> tuple[tuple[int, ...], ...]:
+        """Tasks of every device in the order they ran (sorted by start time)."""
+        return self.execution_sequences
+
+    def transfer_order(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        """Tensors sent over every used link, in the order they were sent."""
+        order: dict[tuple[int, int], list[int]] = {}
+        for transfer in sorted(self.transfers, key=lambda x: (x.start, x.finish)):
+            order.setdefault((transfer.src, transfer.dst), []).append(transfer.tensor)
+        return {link: tuple(tensors) for link, tensors in order.items()}
+
+
+def upward_rank(problem: Problem, placement: np.ndarray) -> np.ndarray:
+    """Longest path from each task to a sink under ``placement``: compute plus cross-device transfers.
+
+    Mayer et al.'s PCT (eq. 12): a task's own time on its device plus the largest, over its
+    consumers, of the transfer (0 on the same device) and the consumer's rank.
+    """
+    placement = np.asarray(placement, int)
+    duration = problem.compute_s[np.arange(problem.num_tasks), placement].tolist()
+    rank = [0.0] * problem.num_tasks
+    device = placement.tolist()
+    outputs = problem.output_tensors
+    consumers = problem.tensor_consumers
+    transfer = problem.transfer_s
+    for u in reversed(problem.topological_order):
+        a = device[u]
+        tail = 0.0
+        for t in outputs[u]:
+            for c in consumers[t]:
+                b = device[c]
+                value = rank[c] if a == b else rank[c] + transfer[t, a, b]
+                if value > tail:
+                    tail = value
+        rank[u] = duration[u] + tail
+    return np.array(rank)
+
+
+class _Transfers(NamedTuple):
+    """The transfers a placement implies, and who waits for what."""
+
+    tensor: list[int]
+    src: list[int]
+    dst: list[int]
+    duration: list[float]
+    consumers: list[list[int]]  # tasks that wait for each transfer
+    by_producer: list[list[int]]  # transfers each task triggers when it finishes
+    local_consumers: list[list[int]]  # tasks on the producer's device that wait for each task
+    inputs_needed: list[int]  # distinct input tensors of every task
+
+
+def _transfers(problem: Problem, placement: np.ndarray) -> _Transfers:
+    n = problem.num_tasks
+    pair_tensor = np.fromiter((t for t, cs in enumerate(problem.tensor_consumers) for _ in cs), int, count=-1)
+    pair_consumer = np.fromiter((c for cs in problem.tensor_consumers for c in cs), int, count=-1)
+    if pair_tensor.size:
+        unique_pairs = np.unique(np.stack([pair_tensor, pair_consumer], axis=1), axis=0)
+        pair_tensor, pair_consumer = unique_pairs[:, 0], unique_pairs[:, 1]
+    producer = problem.tensor_producer[pair_tensor]
+    src = placement[producer]
+    dst = placement[pair_consumer]
+    inputs_needed = np.bincount(pair_consumer, minlength=n).tolist()
+
+    local_consumers: list[list[int]] = [[] for _ in range(n)]
+    local = src == dst
+    for u, c in zip(producer[local].tolist(), pair_consumer[local].tolist(), strict=True):
+        local_consumers[u].append(c)
+
+    remote = ~local
+    # One transfer per (tensor, destination device); consumers on that device share it.
+    keys = pair_tensor[remote] * problem.num_devices + dst[remote]
+    unique_keys, transfer_of_pair = np.unique(keys, return_inverse=True)
+    tensor = (unique_keys // problem.num_devices).astype(int)
+    transfer_dst = (unique_keys % problem.num_devices).astype(int)
+    transfer_src = placement[problem.tensor_producer[tensor]]
+    duration = problem.transfer_s[tensor, transfer_src, transfer_dst]
+    waiting: list[list[int]] = [[] for _ in range(unique_keys.size)]
+    for q, c in zip(transfer_of_pair.tolist(), pair_consumer[remote].tolist(), strict=True):
+        waiting[q].append(c)
+    by_producer: list[list[int]] = [[] for _ in range(n)]
+    for q, u in enumerate(problem.tensor_producer[tensor].tolist()):
+        by_producer[u].append(q)
+    return _Transfers(
+        tensor.tolist(),
+        transfer_src.tolist(),
+        transfer_dst.tolist(),
+        duration.tolist(),
+        waiting,
+        by_producer,
+        local_consumers,
+        inputs_needed,
+    )
+
+
+def _check_runnable(problem: Problem, placement: np.ndarray, duration: np.ndarray, transfers: _Transfers) -> None:
+    impossible = np.flatnonzero(~np.isfinite(duration))
+    if impossible.size:
+        i = int(impossible[0])
+        raise PlanError(
+            f"task {problem.task_names[i]!r} is placed on {problem.device_names[placement[i]]!r}, "
+            "where it cannot run (infinite compute time); place it on another device"
+        )
+    for q, seconds in enumerate(transfers.duration):
+        if not np.isfinite(seconds):
+            raise PlanError(
+                f"tensor {problem.tensor_names[transfers.tensor[q]]!r} must go from "
+                f"{problem.device_names[transfers.src[q]]!r} to {problem.device_names[transfers.dst[q]]!r}, "
+                "which have no link (infinite transfer time); co-locate its producer and consumers"
+            )
+
+
+def _link_sequences(problem: Problem, plan: Plan, transfers: _Transfers) -> dict[int, list[int]]:
+    """The transfer order the plan prescribes on each link, as transfer indices (link = a * K + b)."""
+    k = problem.num_devices
+    on_link: dict[tuple[int, int], dict[int, int]] = {}
+    for q, (t, a, b) in enumerate(zip(transfers.tensor, transfers.src, transfers.dst, strict=True)):
+        on_link.setdefault((a, b), {})[t] = q
+    sequences: dict[int, list[int]] = {}
+    for (a, b), tensors in (plan.transfer_order or {}).items():
+        expected = on_link.get((a, b), {})
+        if sorted(tensors) != sorted(expected):
+            missing = sorted(set(expected) - set(tensors))
+            extra = sorted(set(tensors) - set(expected))
+            raise PlanError(
+                f"transfer_order for link {problem.device_names[a]!r} -> {problem.device_names[b]!r} must list "
+                f"exactly the tensors the placement sends over it once each (missing {missing}, not sent {extra})"
+            )
+        sequences[a * k + b] = [expected[t] for t in tensors]
+    return sequences
+
+
+def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
+    """Simulate ``plan`` on ``problem``; raise :class:`PlanError` if its orders deadlock."""
+    plan.check(problem)
+    n, k = problem.num_tasks, problem.num_devices
+    placement = plan.placement
+    duration_array = problem.compute_s[np.arange(n), placement]
+    transfers = _transfers(problem, placement)
+    _check_runnable(problem, placement, duration_array, transfers)
+    duration = duration_array.tolist()
+    device_of = placement.tolist()
+    inputs_needed = transfers.inputs_needed
+    local_consumers, by_producer = transfers.local_consumers, transfers.by_producer
+    transfer_duration, transfer_consumers = transfers.duration, transfers.consumers
+    link_of = [a * k + b for a, b in zip(transfers.src, transfers.dst, strict=True)]
+    num_transfers = len(link_of)
+
+    ordered = plan.order is not None
+    if ordered:
+        device_queue = [list(tasks) for tasks in plan.order]
+        head = [0] * k
+    else:
+        rank = upward_rank(problem, placement).tolist()
+        task_at = problem.topological_order
+        priority = [(0.0, 0)] * n  # (-rank, topological position): the heap pops the longest path first
+        for p, u in enumerate(task_at):
+            priority[u] = (-rank[u], p)
+        ready_heap: list[list[tuple[float, int]]] = [[] for _ in range(k)]
+        for u in range(n):
+            if inputs_needed[u] == 0:
+                ready_heap[device_of[u]].append(priority[u])
+        for waiting in ready_heap:
+            heapq.heapify(waiting)
+    link_sequences = _link_sequences(problem, plan, transfers) if contention else {}
+    link_head = dict.fromkeys(link_sequences, 0)
+    link_fifo: dict[int, list[tuple[float, int, int]]] = {}
+    producer_done = [False] * num_transfers
+    link_busy: set[int] = set()
+    device_busy = [False] * k
+
+    task_start = [0.0] * n
+    task_finish = [0.0] * n
+    transfer_start = [0.0] * num_transfers
+    transfer_finish = [0.0] * num_transfers
+    sequences: list[list[int]] = [[] for _ in range(k)]
+    events: list[tuple[float, int]] = []  # (time, code): code < n is a task, else n + transfer
+    dirty_devices: set[int] = set(range(k))
+    dirty_links: set[int] = set()
+    now = 0.0
+
+    def input_arrived(c: int) -> None:
+        inputs_needed[c] -= 1
+        if inputs_needed[c] == 0:
+            d = device_of[c]
+            if not ordered:
+                heapq.heappush(ready_heap[d], priority[c])
+            dirty_devices.add(d)
+
+    while True:
+        for d in dirty_devices:
+            if device_busy[d]:
+                continue
+            if ordered:
+                if head[d] == len(device_queue[d]) or inputs_needed[device_queue[d][head[d]]]:
+                    continue
+                u = device_queue[d][head[d]]
+                head[d] += 1
+            else:
+                if not ready_heap[d]:
+                    continue
+                u = task_at[heapq.heappop(ready_heap[d])[1]]
+            device_busy[d] = True
+            task_start[u] = now
+            sequences[d].append(u)
+            heapq.heappush(events, (now + duration[u], u))
+        dirty_devices.clear()
+        for link in dirty_links:
+            if link in link_busy:
+                continue
+            if link in link_sequences:
+                sequence = link_sequences[link]
+                if link_head[link] == len(sequence) or not producer_done[sequence[link_head[link]]]:
+                    continue
+                q = sequence[link_head[link]]
+                link_head[link] += 1
+            else:
+                fifo = link_fifo.get(link)
+                if not fifo:
+                    continue
+                q = heapq.heappop(fifo)[2]
+            link_busy.add(link)
+            transfer_start[q] = now
+            heapq.heappush(events, (now + transfer_duration[q], n + q))
+        dirty_links.clear()
+        if not events:
+            break
+        now = events[0][0]
+        while events and events[0][0] == now:
+            code = heapq.heappop(events)[1]
+            if code < n:
+                task_finish[code] = now
+                d = device_of[code]
+                device_busy[d] = False
+                dirty_devices.add(d)
+                for c in local_consumers[code]:
+                    input_arrived(c)
+                for q in by_producer[code]:
+                    producer_done[q] = True
+                    if contention:
+                        link = link_of[q]
+                        if link not in link_sequences:
+                            heapq.heappush(link_fifo.setdefault(link, []), (now, transfers.tensor[q], q))
+                        dirty_links.add(link)
+                    else:
+                        transfer_start[q] = now
+                        heapq.heappush(events, (now + transfer_duration[q], n + q))
+            else:
+                q = code - n
+                transfer_finish[q] = now
+                if contention:
+                    link_busy.discard(link_of[q])
+                    dirty_links.add(link_of[q])
+                for c in transfer_consumers[q]:
+                    input_arrived(c)
+
+    if sum(len(s) for s in sequences) < n:
+        raise PlanError(_deadlock_message(problem, plan, sequences, inputs_needed))
+    busy = np.bincount(placement, weights=duration_array, minlength=k) if n else np.zeros(k)
+    memory = np.bincount(placement, weights=problem.memory_bytes, minlength=k) if n else np.zeros(k)
+    transfer_list = [
+        Transfer(t, a, b, s, f)
+        for t, a, b, s, f in zip(
+            transfers.tensor, transfers.src, transfers.dst, transfer_start, transfer_finish, strict=True
+        )
+    ]
+    finish = np.array(task_finish)
+    return Timeline(
+        makespan=float(finish.max()) if n else 0.0,
+        task_start=np.array(task_start),
+        task_finish=finish,
+        placement=placement.copy(),
+        transfers=transfer_list,
+        busy_s=busy,
+        memory_bytes=memory,
+        memory_capacity_bytes=problem.memory_capacity_bytes.copy(),
+        contention=contention,
+        execution_sequences=tuple(tuple(s) for s in sequences),
+    )
+
+
+def _deadlock_message(problem: Problem, plan: Plan, sequences: list[list[int]], inputs_needed: list[int]) -> str:
+    stuck = []
+    for d, tasks in enumerate(plan.order or ()):
+        if len(sequences[d]) < len(tasks):
+            waiting = tasks[len(sequences[d])]
+            stuck.append(
+                f"{problem.device_names[d]!r} waits to run {problem.task_names[waiting]!r} "
+                f"({inputs_needed[waiting]} input(s) never arrive)"
+            )
+    detail = "; ".join(stuck) or "a link's transfer_order waits for a tensor whose producer never runs"
+    return (
+        f"the plan's per-device orders (and transfer orders) are jointly inconsistent and deadlock: {detail}. "
+        "Give orders that follow one topological order of the graph."
+    )

@@ -1,0 +1,327 @@
+"""Lower bounds against brute force, and the single / expert / hash / heft / cp_pct placers on hand graphs."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import moirai.placers
+from moirai.bounds import lower_bound, lower_bounds
+from moirai.errors import InfeasibleError, PlanError
+from moirai.placers import get_placer, place
+from moirai.placers.cp_pct import critical_path
+from moirai.placers.heft import upward_rank_mean_costs
+from moirai.problem import Plan, Problem
+from moirai.simulate import simulate
+
+MY_PLACERS = ("single", "expert", "hash", "heft", "cp_pct")
+
+
+def problem_of(tasks, edges, devices=None, transfer=None):
+    """Tasks as ``{name: (compute_s per device, memory_bytes)}``, edges as ``(src, dst)`` or ``(src, dst, seconds)``."""
+    k = len(next(iter(tasks.values()))[0])
+    devices = devices or [{"name": f"gpu{d}"} for d in range(k)]
+    off_diagonal = 1.0 - np.eye(k)
+    return Problem.from_dict(
+        {
+            "devices": devices,
+            "tasks": [{"name": n, "compute_s": list(c), "memory_bytes": m} for n, (c, m) in tasks.items()],
+            "edges": [
+                {
+                    "src": e[0],
+                    "dst": e[1],
+                    "transfer_s": ((e[2] if len(e) > 2 else transfer or 0.0) * off_diagonal).tolist(),
+                }
+                for e in edges
+            ],
+        }
+    )
+
+
+def topcuoglu_example() -> Problem:
+    """The 10-task, 3-processor graph of Topcuoglu et al. 2002, Fig. 2 (edge weights are transfer times)."""
+    compute = [
+        [14, 16, 9], [13, 19, 18], [11, 13, 19], [13, 8, 17], [12, 13, 10],
+        [13, 16, 9], [7, 15, 11], [5, 11, 14], [18, 12, 20], [21, 7, 16],
+    ]  # fmt: skip
+    edges = [
+        (1, 2, 18), (1, 3, 12), (1, 4, 9), (1, 5, 11), (1, 6, 14), (2, 8, 19), (2, 9, 16), (3, 7, 23),
+        (4, 8, 27), (4, 9, 23), (5, 9, 13), (6, 8, 15), (7, 10, 17), (8, 10, 11), (9, 10, 13),
+    ]  # fmt: skip
+    return problem_of(
+        {f"n{i + 1}": (c, 0.0) for i, c in enumerate(compute)},
+        [(f"n{a}", f"n{b}", c) for a, b, c in edges],
+        devices=[{"name": f"P{d + 1}"} for d in range(3)],
+    )
+
+
+def random_problem(rng: np.random.Generator, n: int, k: int, memory: bool = False, forbid: bool = False) -> Problem:
+    """Random DAG; ``memory``: tight device capacities; ``forbid``: some tasks cannot run on one device."""
+    edges = [
+        (f"t{u}", f"t{v}", float(rng.choice([0.0, 0.5, 2.0]))) for v in range(n) for u in range(v) if rng.random() < 0.4
+    ]
+    compute = rng.choice([0.5, 1.0, 2.0, 3.0], (n, k))
+    if forbid:
+        compute[np.arange(n), rng.integers(0, k, n)] = np.where(rng.random(n) < 0.4, np.inf, 1.0)
+    tasks = {f"t{i}": (compute[i].tolist(), float(rng.integers(1, 4))) for i in range(n)}
+    capacity = float(rng.integers(3, 3 * n)) if memory else float("inf")
+    return problem_of(tasks, edges, devices=[{"name": f"d{d}", "memory_bytes": capacity} for d in range(k)])
+
+
+def brute_force_optimum(problem: Problem, contention: bool) -> float:
+    """Best makespan over every memory-feasible placement and every order on every device."""
+    best = np.inf
+    n, k = problem.num_tasks, problem.num_devices
+    for placement in itertools.product(range(k), repeat=n):
+        placement = np.array(placement)
+        used = np.bincount(placement, weights=problem.memory_bytes, minlength=k)
+        if np.any(used > problem.memory_capacity_bytes):
+            continue
+        per_device = [np.flatnonzero(placement == d).tolist() for d in range(k)]
+        for order in itertools.product(*(itertools.permutations(tasks) for tasks in per_device)):
+            try:
+                makespan = simulate(problem, Plan(placement, problem.device_names, order=order), contention).makespan
+            except PlanError:  # orders that contradict the graph deadlock
+                continue
+            best = min(best, makespan)
+    return best
+
+
+# --- lower bounds -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_lower_bound_never_exceeds_the_brute_force_optimum(seed):
+    rng = np.random.default_rng(seed)
+    problem = random_problem(rng, n=int(rng.integers(2, 5)), k=2, memory=seed % 2 == 1, forbid=seed >= 10)
+    optimum = brute_force_optimum(problem, contention=False)
+    if not np.isfinite(optimum):
+        with pytest.raises(InfeasibleError):
+            place(problem, "heft")
+        return
+    assert lower_bound(problem) <= optimum + 1e-9
+    assert brute_force_optimum(problem, contention=True) >= optimum
+
+
+def test_load_bound_is_total_work_over_total_speed_on_related_devices():
+    rng = np.random.default_rng(0)
+    work, speed = rng.uniform(1, 2, 40), np.array([1.0, 2.0, 5.0])
+    problem = problem_of({f"t{i}": (w / speed, 0.0) for i, w in enumerate(work)}, [])
+    assert lower_bounds(problem).load_s == pytest.approx(work.sum() / speed.sum())
+
+
+def test_critical_path_bound_uses_each_tasks_fastest_device():
+    problem = problem_of({"a": ([1.0, 4.0], 0.0), "b": ([4.0, 2.0], 0.0), "c": ([3.0, 3.0], 0.0)}, [("a", "b", 9.0)])
+    assert lower_bounds(problem).critical_path_s == 3.0
+
+
+def test_memory_makes_the_load_bound_tighter():
+    # The fast device holds only one of the two tasks; the other must run on the slow one (10 s).
+    devices = [{"name": "fast", "memory_bytes": 1.0}, {"name": "slow", "memory_bytes": 10.0}]
+    problem = problem_of({"a": ([1.0, 10.0], 1.0), "b": ([1.0, 10.0], 1.0)}, [], devices=devices)
+    assert lower_bound(problem) == pytest.approx(brute_force_optimum(problem, contention=False)) == pytest.approx(10.0)
+
+
+def test_every_plan_is_at_least_the_lower_bound():
+    rng = np.random.default_rng(7)
+    for _ in range(5):
+        problem = random_problem(rng, n=12, k=3)
+        for name in MY_PLACERS:
+            plan = place(problem, name)
+            assert plan.makespan_s >= plan.lower_bound_s - 1e-9 >= 0
+
+
+# --- heft -------------------------------------------------------------------------------
+
+
+def test_heft_reproduces_topcuoglu_makespan_80():
+    problem = topcuoglu_example()
+    rank = upward_rank_mean_costs(problem)
+    assert rank[[0, 1, 2, 3, 9]] == pytest.approx([108.0, 77.0, 80.0, 80.0, 44.0 / 3.0])
+    plan = get_placer("heft")(problem, contention=False)
+    assert plan.info["predicted_makespan_s"] == 80.0
+    assert simulate(problem, plan, contention=False).makespan == 80.0
+    names = [[problem.task_names[i] for i in order] for order in plan.order]
+    assert names == [["n2", "n8"], ["n4", "n6", "n9", "n10"], ["n1", "n3", "n5", "n7"]]  # the paper's Fig. 4(a)
+
+
+def shared_tensor_problem(rng: np.random.Generator, n: int, k: int) -> Problem:
+    """Random DAG where a task's one output tensor feeds up to three later tasks (sent once per device)."""
+    producers, consumers = [], []
+    for u in range(n - 1):
+        readers = sorted({int(v) for v in rng.integers(u + 1, n, size=rng.integers(1, 4))})
+        producers.append(u)
+        consumers.append(tuple(readers))
+    transfer = rng.uniform(0.1, 3.0, (len(producers), k, k))
+    transfer[:, np.arange(k), np.arange(k)] = 0.0
+    return Problem(
+        device_names=tuple(f"d{d}" for d in range(k)),
+        memory_capacity_bytes=np.full(k, np.inf),
+        task_names=tuple(f"t{i}" for i in range(n)),
+        compute_s=rng.uniform(0.5, 3.0, (n, k)),
+        memory_bytes=np.zeros(n),
+        tensor_names=tuple(f"x{t}" for t in range(len(producers))),
+        tensor_producer=np.array(producers),
+        tensor_consumers=tuple(consumers),
+        transfer_s=transfer,
+    )
+
+
+@pytest.mark.parametrize("contention", [True, False])
+def test_heft_schedule_is_what_the_simulator_replays(contention):
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        problem = random_problem(rng, n=15, k=3) if trial % 2 else shared_tensor_problem(rng, n=25, k=3)
+        plan = get_placer("heft")(problem, contention=contention)
+        assert simulate(problem, plan, contention).makespan == pytest.approx(plan.info["predicted_makespan_s"])
+
+
+def test_heft_never_places_a_task_where_it_no_longer_fits():
+    # Three independent 1-byte tasks, fastest on gpu0 which holds one of them.
+    devices = [{"name": "gpu0", "memory_bytes": 1.0}, {"name": "gpu1", "memory_bytes": 5.0}]
+    problem = problem_of({n: ([1.0, 3.0], 1.0) for n in "abc"}, [], devices=devices)
+    plan = place(problem, "heft")
+    assert np.bincount(plan.placement, minlength=2).tolist() == [1, 2]
+
+
+def test_heft_says_how_much_memory_the_model_needs():
+    devices = [{"name": "gpu0", "memory_bytes": 2e9}, {"name": "gpu1", "memory_bytes": 2e9}]
+    problem = problem_of({n: ([1.0, 1.0], 1.5e9) for n in "abc"}, [], devices=devices)
+    with pytest.raises(InfeasibleError, match=r"model needs 4\.5 GB, cluster has 4\.0 GB"):
+        place(problem, "heft")
+    too_big = problem_of({"a": ([1.0, 1.0], 3e9)}, [], devices=devices)
+    with pytest.raises(InfeasibleError, match=r"task 'a' needs 3\.0 GB"):
+        place(too_big, "heft")
+
+
+def test_heft_out_of_memory_midway_names_the_task():
+    # 2.5 GB free in total, but 3 x 0.8 GB + 0.1 GB: the last fits nowhere after greedy choices.
+    devices = [{"name": "gpu0", "memory_bytes": 1.0e9}, {"name": "gpu1", "memory_bytes": 1.5e9}]
+    problem = problem_of({"a": ([1.0, 1.0], 0.8e9), "b": ([1.0, 1.0], 0.8e9), "c": ([1.0, 1.0], 0.8e9)}, [], devices)
+    with pytest.raises(InfeasibleError, match="heft cannot fit the model.*no device with room for task 'c'"):
+        place(problem, "heft")
+
+
+# --- single, expert, hash, cp_pct -----------------------------------------------------------
+
+
+def test_single_picks_the_fastest_device_that_fits():
+    devices = [
+        {"name": "fast_small", "memory_bytes": 1.0},
+        {"name": "medium", "memory_bytes": 10.0},
+        {"name": "slow", "memory_bytes": 10.0},
+    ]
+    problem = problem_of({"a": ([1.0, 2.0, 3.0], 2.0), "b": ([1.0, 2.0, 3.0], 2.0)}, [("a", "b")], devices=devices)
+    plan = place(problem, "single")
+    assert plan.placement.tolist() == [1, 1]
+    assert plan.makespan_s == 4.0
+    small = [{**d, "memory_bytes": 3.0} for d in devices]
+    with pytest.raises(InfeasibleError, match="needs 4 B, the largest device has 3 B"):
+        place(problem_of({"a": ([1.0, 2.0, 3.0], 2.0), "b": ([1.0, 2.0, 3.0], 2.0)}, [], small), "single")
+
+
+def chain(n: int, times: list[float], memory: float = 0.0, capacity: list[float] | None = None) -> Problem:
+    devices = [{"name": f"gpu{d}", "memory_bytes": c} for d, c in enumerate(capacity or [np.inf] * len(times))]
+    return problem_of(
+        {f"l{i}": (times, memory) for i in range(n)}, [(f"l{i}", f"l{i + 1}", 0.1) for i in range(n - 1)], devices
+    )
+
+
+def test_expert_splits_a_chain_into_contiguous_stages_by_speed():
+    assert place(chain(6, [1.0, 1.0]), "expert").placement.tolist() == [0, 0, 0, 1, 1, 1]
+    # gpu0 twice as fast: it takes twice the layers.
+    assert place(chain(6, [1.0, 2.0]), "expert").placement.tolist() == [0, 0, 0, 0, 1, 1]
+
+
+def test_expert_respects_memory():
+    plan = place(chain(6, [1.0, 1.0], memory=1.0, capacity=[2.0, 10.0]), "expert")
+    assert plan.placement.tolist() == [0, 0, 1, 1, 1, 1]
+    # Layers of 2, 2, 1, 1 bytes on two 3-byte devices: {2, 1} + {2, 1} fits, but no contiguous split does.
+    layers = {f"l{i}": ([1.0, 1.0], m) for i, m in enumerate([2.0, 2.0, 1.0, 1.0])}
+    devices = [{"name": "gpu0", "memory_bytes": 3.0}, {"name": "gpu1", "memory_bytes": 3.0}]
+    problem = problem_of(layers, [("l0", "l1"), ("l1", "l2"), ("l2", "l3")], devices)
+    with pytest.raises(InfeasibleError, match="no split into contiguous chunks"):
+        place(problem, "expert")
+    assert simulate(problem, place(problem, "heft")).fits_memory
+
+
+def test_hash_spreads_tasks_in_proportion_to_speed_and_is_stable():
+    problem = problem_of({f"t{i}": ([1.0, 3.0], 0.0) for i in range(400)}, [])
+    plan = place(problem, "hash")
+    share = np.bincount(plan.placement, minlength=2) / 400
+    assert share[0] == pytest.approx(0.75, abs=0.07)
+    assert place(problem, "hash").placement.tolist() == plan.placement.tolist()
+    assert place(problem, "hash", seed=1).placement.tolist() != plan.placement.tolist()
+
+
+def test_hash_respects_memory():
+    devices = [{"name": "gpu0", "memory_bytes": 5.0}, {"name": "gpu1", "memory_bytes": 100.0}]
+    problem = problem_of({f"t{i}": ([1.0, 10.0], 1.0) for i in range(50)}, [], devices=devices)
+    assert np.sum(place(problem, "hash").placement == 0) == 5
+
+
+def side_branch_graph(devices=None) -> Problem:
+    # The chain a -> b -> c -> d is the critical path; x and y are short side tasks.
+    tasks = {n: ([6.0, 3.0, 6.0], 1.0) for n in "abcd"} | {n: ([2.0, 1.0, 2.0], 1.0) for n in "xy"}
+    edges = [("a", "b", 1.0), ("b", "c", 1.0), ("c", "d", 1.0), ("a", "x", 1.0), ("x", "y", 1.0), ("y", "d", 1.0)]
+    return problem_of(tasks, edges, devices=devices)
+
+
+def test_cp_pct_puts_the_critical_path_on_the_fastest_device():
+    problem = side_branch_graph()
+    # Only gpu0 can hold the whole path: it is the fastest feasible device.
+    small_fast = [{"name": "gpu0", "memory_bytes": 9.0}, {"name": "gpu1", "memory_bytes": 3.0}, {"name": "gpu2"}]
+    assert place(side_branch_graph(small_fast), "cp_pct").placement[:4].tolist() == [0, 0, 0, 0]
+    plan = place(problem, "cp_pct")
+    path = [problem.task_index(n) for n in "abcd"]
+    assert plan.info["critical_path"] == path
+    assert plan.placement[path].tolist() == [1, 1, 1, 1]  # gpu1 is twice as fast
+
+
+def test_cp_pct_divides_a_critical_path_that_fits_no_device_among_the_fastest():
+    devices = [
+        {"name": "gpu0", "memory_bytes": 3.0},
+        {"name": "gpu1", "memory_bytes": 2.0},
+        {"name": "gpu2", "memory_bytes": 2.0},
+    ]
+    problem = side_branch_graph(devices)
+    plan = place(problem, "cp_pct")
+    # No device holds all of a, b, c, d: gpu1 (fastest) takes a, b; gpu0 and gpu2 are equally fast, gpu0 comes first.
+    assert plan.placement[[problem.task_index(n) for n in "abcd"]].tolist() == [1, 1, 0, 0]
+    assert simulate(problem, plan).fits_memory
+
+
+def test_critical_path_follows_the_longest_chain():
+    problem = side_branch_graph()
+    assert critical_path(problem, np.array([6.0, 6.0, 6.0, 6.0, 2.0, 2.0])) == [0, 1, 2, 3]
+    assert critical_path(problem, np.array([6.0, 1.0, 1.0, 6.0, 2.0, 2.0])) == [0, 4, 5, 3]
+
+
+def test_cp_pct_orders_by_pct():
+    # On gpu0, r (3 s, a sink) and p (1 s, feeding a 10 s task) are both ready: PCT runs p first.
+    problem = problem_of(
+        {"r": ([3.0, 30.0], 0.0), "p": ([1.0, 10.0], 0.0), "q": ([10.0, 10.0], 0.0)}, [("p", "q", 0.5)]
+    )
+    plan = get_placer("cp_pct")(problem)
+    on_gpu0 = [i for i in plan.order[0] if i in (0, 1)]
+    assert on_gpu0 == [1, 0]
+
+
+@pytest.mark.parametrize("name", MY_PLACERS)
+def test_memory_is_respected_on_random_graphs(name):
+    rng = np.random.default_rng(11)
+    for _ in range(6):
+        problem = random_problem(rng, n=10, k=3, memory=True)
+        try:
+            plan = place(problem, name)
+        except InfeasibleError as error:
+            assert "needs" in str(error) or "memory" in str(error) or "fits" in str(error)
+            continue
+        assert simulate(problem, plan).fits_memory
+        assert plan.order is not None
+
+
+def test_my_placers_are_registered():
+    assert set(MY_PLACERS) <= set(moirai.placers.placers())
