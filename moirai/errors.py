@@ -17,6 +17,10 @@ class ProblemError(MoiraiError):
     """A placement problem is malformed (bad shapes, unknown names, cycles)."""
 
 
+class FusionRuleError(MoiraiError):
+    """A fusion rule file is malformed or names an op class that does not exist."""
+
+
 class PlanError(MoiraiError):
     """A plan does not fit the problem or graph it is applied to."""
 
