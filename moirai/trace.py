@@ -33,7 +33,9 @@ class TracedModel:
     """A flat GraphModule: placeholders are the flat tensor inputs, the output is a flat tuple.
 
     ``in_spec`` and ``out_spec`` turn a user's ``(args, kwargs)`` into the flat inputs and the
-    flat outputs back into the model's (possibly nested) output structure.
+    flat outputs back into the model's (possibly nested) output structure. Non-tensor inputs
+    (``use_cache=False``, a float scale) are baked into the graph: ``constant_inputs`` maps their
+    flat positions to the traced values, and a call must pass the same values.
     """
 
     graph_module: fx.GraphModule
@@ -41,6 +43,7 @@ class TracedModel:
     out_spec: pytree.TreeSpec
     input_specs: tuple[TensorSpec, ...]
     model_name: str
+    constant_inputs: dict[int, Any]
 
     def flatten_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The flat input tensors of a call, checked against the traced example inputs."""
@@ -53,7 +56,14 @@ class TracedModel:
                 f"{self.model_name} was traced with inputs structured as {self.in_spec}, "
                 f"called with {spec}; call it with the same arguments as the example inputs"
             )
-        for position, (value, expected) in enumerate(zip(flat, self.input_specs, strict=True)):
+        for position, constant in self.constant_inputs.items():
+            if flat[position] != constant:
+                raise InputError(
+                    f"{self.model_name} was traced with the non-tensor input {constant!r} at flat position "
+                    f"{position}, called with {flat[position]!r}; compile again to plan for that value"
+                )
+        tensors = [value for position, value in enumerate(flat) if position not in self.constant_inputs]
+        for position, (value, expected) in enumerate(zip(tensors, self.input_specs, strict=True)):
             if not isinstance(value, torch.Tensor):
                 raise InputError(f"{self.model_name}: input {position} must be a tensor, got {type(value).__name__}")
             if tuple(value.shape) != expected.shape or value.dtype != expected.dtype:
@@ -62,7 +72,7 @@ class TracedModel:
                     f"the plan was made for shape {expected.shape} and dtype {expected.dtype}; "
                     "compile again with example inputs of the shape you will serve"
                 )
-        return flat
+        return tensors
 
     def unflatten_outputs(self, flat_outputs: list[Any]) -> Any:
         return pytree.tree_unflatten(list(flat_outputs), self.out_spec)
@@ -92,11 +102,13 @@ def trace(
         _drop_guard_calls(graph_module)
     in_spec = pytree.tree_structure((args, kwargs))
     flat_inputs = pytree.tree_leaves((args, kwargs))
+    constant_inputs = {i: value for i, value in enumerate(flat_inputs) if not isinstance(value, torch.Tensor)}
     graph_module.graph.set_codegen(fx.graph.CodeGen())
+    _bake_constant_inputs(graph_module, constant_inputs)
     _flatten_output(graph_module)
     graph_module.recompile()
-    input_specs = tuple(TensorSpec(tuple(t.shape), t.dtype) for t in flat_inputs)
-    return TracedModel(graph_module, in_spec, out_spec, input_specs, name)
+    input_specs = tuple(TensorSpec(tuple(t.shape), t.dtype) for t in flat_inputs if isinstance(t, torch.Tensor))
+    return TracedModel(graph_module, in_spec, out_spec, input_specs, name, constant_inputs)
 
 
 def _symbolic_trace_fallback(model: torch.nn.Module, args: tuple, name: str, export_error: Exception) -> fx.GraphModule:
@@ -121,6 +133,16 @@ def _flat_output_marker(graph_module: fx.GraphModule) -> Any:
     """A placeholder structure mirroring the graph's output argument, used to get its TreeSpec."""
     (output_node,) = graph_module.graph.find_nodes(op="output")
     return pytree.tree_map(lambda _: 0, output_node.args[0])
+
+
+def _bake_constant_inputs(graph_module: fx.GraphModule, constant_inputs: dict[int, Any]) -> None:
+    """Replace the placeholders of non-tensor inputs by their traced values."""
+    placeholders = graph_module.graph.find_nodes(op="placeholder")
+    for position, value in constant_inputs.items():
+        node = placeholders[position]
+        for user in list(node.users):
+            user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs), lambda n: value if n is node else n)
+        graph_module.graph.erase_node(node)
 
 
 def _flatten_output(graph_module: fx.GraphModule) -> None:

@@ -121,3 +121,18 @@ def test_meta_model_of_over_a_billion_parameters_traces_without_weight_memory() 
     assert parameters > 1.07e9 and nodes == 16
     assert param_bytes == parameters * 4  # 4.3 GB of fp32 weights are counted...
     assert peak_rss < 1.5e9  # ...but never allocated: the bound is torch's import plus the graph
+
+
+class Scaled(torch.nn.Module):
+    def forward(self, x: torch.Tensor, use_cache: bool = True, scale: float = 1.0) -> torch.Tensor:
+        return x * scale if use_cache else x + scale
+
+
+def test_non_tensor_inputs_are_baked_in_and_checked() -> None:
+    x = torch.randn(3)
+    traced = trace(Scaled(), (x,), {"use_cache": False, "scale": 3.0})
+    assert [n.name for n in traced.graph_module.graph.find_nodes(op="placeholder")] == ["x"]
+    flat = traced.flatten_inputs((x,), {"scale": 3.0, "use_cache": False})
+    torch.testing.assert_close(traced.graph_module(*flat)[0], x + 3.0)
+    with pytest.raises(InputError, match="non-tensor input 3.0"):
+        traced.flatten_inputs((x,), {"use_cache": False, "scale": 2.0})

@@ -1,0 +1,152 @@
+"""Run every part of a :class:`~moirai.split.SplitProgram` in this process.
+
+Example::
+
+    outputs = run_local(program, flat_inputs, ["cuda:0", "cuda:1", "cpu"])
+
+One thread runs the parts node by node in a fixed order: part 0 until it must wait for a
+tensor not yet sent, then part 1, and so on round the parts until all have finished. A sent
+tensor is moved to its receiving device with ``.to``. Outputs are returned on
+the first device. Each part is moved to its device in place (like ``Module.to``), so repeated
+calls do not copy weights again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from moirai.errors import InputError, PlanError
+from moirai.split import DevicePart, SplitProgram, TensorTransfer
+
+
+def run_local(
+    program: SplitProgram, flat_inputs: Sequence[torch.Tensor], torch_devices: Sequence[str]
+) -> list[torch.Tensor]:
+    """The program's flat outputs, on ``torch_devices[0]``; part ``k`` runs on ``torch_devices[k]``."""
+    if len(torch_devices) != program.num_devices:
+        raise InputError(
+            f"the program has {program.num_devices} parts but {len(torch_devices)} torch devices were given; "
+            "give one torch device per part"
+        )
+    check_inputs(program, flat_inputs)
+    devices = [torch.device(d) for d in torch_devices]
+    transport = _LocalTransport(program.transfers, devices)
+    runs = [
+        _PartRun(place_part(part, device), [transport, *(flat_inputs[i].to(device) for i in part.input_indices)])
+        for part, device in zip(program.parts, devices, strict=True)
+    ]
+    with torch.no_grad():
+        while not all(run.finished for run in runs):
+            if not any([run.advance(transport) for run in runs]):
+                blocked = ", ".join(f"part {k} at {run.next_node}" for k, run in enumerate(runs) if not run.finished)
+                raise PlanError(f"the parts wait for each other's tensors ({blocked}); was a part's graph edited?")
+    return [_to(runs[location.device].outputs[location.index], devices[0]) for location in program.outputs]
+
+
+def check_inputs(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> None:
+    """Raise :class:`moirai.InputError` unless the inputs match the traced shapes and dtypes."""
+    if len(flat_inputs) != len(program.input_specs):
+        raise InputError(
+            f"the program takes {len(program.input_specs)} flat input tensors, got {len(flat_inputs)}; "
+            "flatten (args, kwargs) with TracedModel.flatten_inputs"
+        )
+    for position, (value, spec) in enumerate(zip(flat_inputs, program.input_specs, strict=True)):
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
+            got = f"shape {tuple(value.shape)}, {value.dtype}" if isinstance(value, torch.Tensor) else type(value)
+            raise InputError(
+                f"flat input {position} must have shape {spec.shape} and dtype {spec.dtype} (as traced), got {got}; "
+                "split a model traced with inputs of the shape you serve"
+            )
+
+
+def place_part(part: DevicePart, device: torch.device) -> fx.GraphModule:
+    """The part's module with its attributes on ``device`` and its ops' device arguments set to it.
+
+    Traced graphs record the device of tracing in ops that create tensors (``arange(device=cpu)``,
+    ``_to_copy``); each part must create them on its own device instead.
+    """
+    module = part.graph_module
+    on_meta = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if on_meta and device.type != "meta":
+        raise InputError(
+            f"part {part.device} holds {', '.join(on_meta[:3])} on the meta device; a program split from a "
+            "model with meta weights can be inspected but not run: load real weights and split again"
+        )
+    module.to(device)
+    stale = [node for node in module.graph.nodes if _mentions_other_device(node, device)]
+    for node in stale:
+        node.args, node.kwargs = pytree.tree_map_only(torch.device, lambda _: device, (node.args, node.kwargs))
+    if stale:
+        module.recompile()
+    return module
+
+
+class _PartRun:
+    """One part run node by node; it pauses at a wait for a tensor that has not been sent yet."""
+
+    def __init__(self, module: fx.GraphModule, args: list) -> None:
+        self._interpreter = fx.Interpreter(module)
+        self._interpreter.env = {}
+        self._interpreter.args_iter = iter(args)
+        self._nodes = list(module.graph.nodes)
+        self._position = 0
+        self.outputs: tuple = ()
+
+    @property
+    def finished(self) -> bool:
+        return self._position == len(self._nodes)
+
+    @property
+    def next_node(self) -> str:
+        return self._nodes[self._position].format_node()
+
+    def advance(self, transport: _LocalTransport) -> bool:
+        """Run until blocked or finished; whether any node ran."""
+        start, env = self._position, self._interpreter.env
+        while not self.finished:
+            node = self._nodes[self._position]
+            if node.target == "wait_recv" and not transport.delivered(env[node.args[1]]):
+                break
+            value = self._interpreter.run_node(node)
+            if node.op == "output":
+                self.outputs = value
+            else:
+                env[node] = value
+                for finished in self._interpreter.user_to_last_uses.get(node, ()):
+                    del env[finished]
+            self._position += 1
+        return self._position > start
+
+
+class _LocalTransport:
+    """Sends are moved to the receiving device at once and kept until waited for."""
+
+    def __init__(self, transfers: Sequence[TensorTransfer], devices: Sequence[torch.device]) -> None:
+        self._transfers = transfers
+        self._devices = devices
+        self._delivered: dict[int, torch.Tensor] = {}
+
+    def send(self, tensor: torch.Tensor, transfer_index: int) -> None:
+        self._delivered[transfer_index] = tensor.to(self._devices[self._transfers[transfer_index].dst])
+
+    def post_recv(self, transfer_index: int) -> int:
+        return transfer_index
+
+    def wait_recv(self, pending: int) -> torch.Tensor:
+        return self._delivered.pop(pending)
+
+    def delivered(self, pending: int) -> bool:
+        return pending in self._delivered
+
+
+def _mentions_other_device(node: fx.Node, device: torch.device) -> bool:
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return any(isinstance(leaf, torch.device) and leaf != device for leaf in leaves)
+
+
+def _to(value: object, device: torch.device) -> object:
+    return value.to(device) if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,339 @@
+"""Split programs give the original model's outputs, locally and across gloo processes.
+
+One module-scoped runner (4 worker processes) serves every distributed case; spawning costs
+seconds on a small machine. The failure test spawns its own 2 processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import pickle
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from models_for_tests import (
+    MLP,
+    FanOut,
+    KwargsDictOutput,
+    ResidualBlock,
+    SmallCNN,
+    TiedEmbedding,
+    contiguous_assignment,
+    random_assignment,
+)
+
+from moirai.errors import DistributedError, InputError, PlanError
+from moirai.runtime import DistributedRunner, run_distributed, run_local
+from moirai.split import SplitProgram, split_module
+from moirai.trace import TracedModel, trace
+
+WORLD_SIZE = 4
+
+
+def _mlp():
+    return MLP(), (torch.randn(4, 16),), {}
+
+
+def _cnn():
+    model = SmallCNN()
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.uniform_(-0.5, 0.5)
+            module.running_var.uniform_(0.5, 2.0)
+    return model, (torch.randn(2, 3, 8, 8),), {}
+
+
+def _residual():
+    return ResidualBlock(), (torch.randn(4, 16),), {}
+
+
+def _kwargs_dict():
+    mask = (torch.rand(3, 12) > 0.3).float()
+    return KwargsDictOutput(), (torch.randn(3, 8),), {"mask": mask, "scale": torch.tensor(1.5)}
+
+
+def _tied():
+    return TiedEmbedding(), (torch.randint(0, 50, (2, 6)),), {}
+
+
+def _fan_out():
+    return FanOut(), (torch.randn(4, 16),), {}
+
+
+def _bert():
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+        max_position_embeddings=64,
+    )
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 6:] = 0
+    return BertModel(config), (torch.randint(0, 99, (2, 8)),), {"attention_mask": mask}
+
+
+def _swin():
+    from transformers import SwinConfig, SwinModel
+
+    config = SwinConfig(
+        image_size=32, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4
+    )
+    return SwinModel(config), (torch.randn(1, 3, 32, 32),), {}
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # use_cache goes in the config: trace takes tensor inputs only.
+    config = GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=False)
+    return GPT2LMHeadModel(config), (torch.randint(0, 100, (1, 8)),), {}
+
+
+@dataclass(frozen=True)
+class Case:
+    make: Callable[[], tuple[torch.nn.Module, tuple, dict]]
+    num_devices: int
+
+
+CASES = {
+    "mlp": Case(_mlp, 3),
+    "cnn_batchnorm": Case(_cnn, 4),
+    "residual": Case(_residual, 3),
+    "kwargs_dict_output": Case(_kwargs_dict, 2),
+    "tied_parameter": Case(_tied, 2),
+    "fan_out": Case(_fan_out, 4),
+    "bert": Case(_bert, 4),
+    "swin": Case(_swin, 3),
+    "gpt2": Case(_gpt2, 4),
+}
+HUGGING_FACE = {"bert", "swin", "gpt2"}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    traced: TracedModel
+    node_device: dict[str, int]
+    program: SplitProgram
+    flat_inputs: list[torch.Tensor]
+    expected: object
+
+
+@functools.cache
+def prepared(name: str) -> Prepared:
+    case = CASES[name]
+    torch.manual_seed(0)
+    model, args, kwargs = case.make()
+    model.eval()
+    with torch.no_grad():
+        expected = model(*args, **kwargs)
+    traced = trace(model, args, kwargs)
+    node_device = contiguous_assignment(traced, case.num_devices)
+    program = split_module(traced, node_device, case.num_devices)
+    return Prepared(traced, node_device, program, traced.flatten_inputs(args, kwargs), expected)
+
+
+def _case_params(names):
+    return [pytest.param(n, marks=pytest.mark.slow) if n in HUGGING_FACE else n for n in names]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    with DistributedRunner(["cpu"] * WORLD_SIZE, timeout_s=120.0) as shared:
+        yield shared
+
+
+def _assert_matches(case: Prepared, flat_outputs: list[torch.Tensor]) -> None:
+    torch.testing.assert_close(flat_outputs, pytree.tree_leaves(case.expected))
+    torch.testing.assert_close(case.traced.unflatten_outputs(flat_outputs), case.expected)
+
+
+@pytest.mark.parametrize("name", _case_params(CASES))
+def test_distributed_matches_original(name, runner):
+    case = prepared(name)
+    assert set(case.node_device.values()) == set(range(case.program.num_devices)), "every device gets work"
+    assert case.program.transfers, "the split must cross devices"
+    _assert_matches(case, runner.run(case.program, case.flat_inputs))
+
+
+@pytest.mark.parametrize("name", _case_params(CASES))
+def test_local_matches_original(name):
+    case = prepared(name)
+    _assert_matches(case, run_local(case.program, case.flat_inputs, ["cpu"] * case.program.num_devices))
+
+
+@pytest.mark.parametrize("name", _case_params(CASES))
+def test_parts_hold_only_the_attributes_their_ops_read(name):
+    case = prepared(name)
+    graph = case.traced.graph_module.graph
+    (output,) = graph.find_nodes(op="output")
+    for part in case.program.parts:
+        read = {
+            source.target
+            for node in graph.nodes
+            if case.node_device.get(node.name) == part.device
+            for source in node.all_input_nodes
+            if source.op == "get_attr"
+        }
+        if part.device == 0:
+            read |= {v.target for v in output.args[0] if v.op == "get_attr"}
+        module = part.graph_module
+        held = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        held |= {name for name, _ in module.named_buffers(remove_duplicate=False)}
+        assert held == read
+        assert set(part.attribute_names) == read
+
+
+@pytest.mark.parametrize("name", ["tied_parameter", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_tied_parameter_is_copied_to_both_devices(name):
+    program = prepared(name).program
+    tied = {"tied_parameter": "embedding.weight", "gpt2": "lm_head.weight"}[name]
+    holders = [part.device for part in program.parts if tied in part.attribute_names]
+    assert holders == [0, program.num_devices - 1]
+    first, last = (program.parts[d].graph_module.get_parameter(tied) for d in holders)
+    assert first is not last and first.data_ptr() == last.data_ptr()
+
+
+def test_tensor_read_twice_on_a_remote_device_is_sent_once():
+    case = prepared("fan_out")
+    program = case.program
+    trunk = next(n.name for n in case.traced.graph_module.graph.nodes if n.target == torch.ops.aten.sigmoid.default)
+    assert case.node_device[trunk] == 0
+    readers_on_1 = [
+        user for user in case.traced.graph_module.graph.nodes
+        if case.node_device.get(user.name) == 1 and any(a.name == trunk for a in user.all_input_nodes)
+    ]
+    assert len(readers_on_1) == 2
+    assert sorted(t.dst for t in program.transfers if t.tensor == trunk) == [1, 2, 3]
+    sends = [n for n in program.parts[0].graph_module.graph.nodes if n.op == "call_method" and n.target == "send"]
+    assert [n.args[1].name for n in sends].count(trunk) == 3
+    waits = [n for n in program.parts[1].graph_module.graph.nodes if n.target == "wait_recv"]
+    assert [n.name for n in waits].count(trunk) == 1
+
+
+def test_receive_is_posted_early_and_waited_for_just_before_use():
+    graph = prepared("residual").program.parts[2].graph_module.graph
+    names = [n.name for n in graph.nodes]
+    consumer = next(n for n in graph.nodes if n.target == torch.ops.aten.add.Tensor)
+    skip_wait = next(a for a in consumer.args if a.target == "wait_recv" and a.name != consumer.args[0].name)
+    assert names.index(skip_wait.args[1].name) < names.index(consumer.args[0].args[1].name), "skip posted first"
+    assert names.index(skip_wait.name) == names.index(consumer.name) - 1
+
+
+def test_device_order_is_followed_and_checked():
+    case = prepared("fan_out")
+    ops = [n.name for n in case.traced.graph_module.graph.nodes if n.op == "call_function"]
+    node_device = {name: 0 if position < 2 else 1 for position, name in enumerate(ops)}
+    right_branch_first = [ops[:2], ops[4:6] + ops[2:4] + ops[6:]]
+    program = split_module(case.traced, node_device, 2, right_branch_first)
+    part_ops = [n.name for n in program.parts[1].graph_module.graph.nodes if n.op == "call_function"]
+    assert part_ops == right_branch_first[1]
+    torch.testing.assert_close(run_local(program, case.flat_inputs, ["cpu", "cpu"]), [case.expected])
+    with pytest.raises(PlanError, match="contradicts the data dependencies"):
+        split_module(case.traced, node_device, 2, [ops[:2], ops[2:][::-1]])
+    with pytest.raises(PlanError, match="exactly once"):
+        split_module(case.traced, node_device, 2, [ops[:2], ops[3:]])
+
+
+@pytest.mark.parametrize("name", ["cnn_batchnorm", "kwargs_dict_output", "fan_out"])
+def test_random_placements_and_orders_match_locally(name):
+    case = prepared(name)
+    for seed in range(10):
+        node_device, device_order = random_assignment(case.traced, 3, seed)
+        program = split_module(case.traced, node_device, 3, device_order)
+        assert len({(t.tensor, t.dst) for t in program.transfers}) == len(program.transfers), "each tensor once"
+        _assert_matches(case, run_local(program, case.flat_inputs, ["cpu"] * 3))
+
+
+def test_random_placement_with_many_round_trips_runs_distributed(runner):
+    case = prepared("cnn_batchnorm")
+    node_device, device_order = random_assignment(case.traced, WORLD_SIZE, seed=8)
+    program = split_module(case.traced, node_device, WORLD_SIZE, device_order)
+    links = {(t.src, t.dst) for t in program.transfers}
+    assert len(links) >= 6, "messages go both ways on several links"
+    _assert_matches(case, runner.run(program, case.flat_inputs))
+
+
+def test_program_survives_pickling():
+    case = prepared("residual")
+    restored = pickle.loads(pickle.dumps(case.program))
+    _assert_matches(case, run_local(restored, case.flat_inputs, ["cpu"] * 3))
+
+
+def test_op_without_device_is_a_plan_error():
+    case = prepared("mlp")
+    partial = dict(case.node_device)
+    missing = next(iter(partial))
+    del partial[missing]
+    with pytest.raises(PlanError, match=f"no device.*{missing}"):
+        split_module(case.traced, partial, 3)
+
+
+def test_unknown_device_and_unknown_op_are_plan_errors():
+    case = prepared("mlp")
+    with pytest.raises(PlanError, match="devices are 0..2"):
+        split_module(case.traced, {**case.node_device, next(iter(case.node_device)): 5}, 3)
+    with pytest.raises(PlanError, match="not ops of the traced graph"):
+        split_module(case.traced, {**case.node_device, "no_such_op": 0}, 3)
+
+
+def test_multi_output_op_split_from_its_getitems_is_a_plan_error():
+    case = prepared("kwargs_dict_output")
+    graph = case.traced.graph_module.graph
+    split_node = next(n for n in graph.nodes if n.target == torch.ops.aten.split.Tensor)
+    moved = {**case.node_device, split_node.name: 0, **{u.name: 1 for u in split_node.users}}
+    with pytest.raises(PlanError, match="only tensors can cross devices"):
+        split_module(case.traced, moved, 2)
+
+
+def test_meta_weights_split_for_inspection_but_do_not_run():
+    with torch.device("meta"):
+        model = MLP()
+    traced = trace(model, (torch.empty(4, 16, device="meta"),))
+    program = split_module(traced, contiguous_assignment(traced, 2), 2)
+    assert all(p.is_meta for part in program.parts for p in part.graph_module.parameters())
+    with pytest.raises(InputError, match="meta device"):
+        run_local(program, [torch.randn(4, 16)], ["cpu", "cpu"])
+
+
+def test_wrong_input_shape_is_an_input_error():
+    case = prepared("mlp")
+    with pytest.raises(InputError, match="shape"):
+        run_local(case.program, [torch.randn(5, 16)], ["cpu"] * 3)
+
+
+def test_failing_rank_fails_the_call_with_its_rank_and_error():
+    case = prepared("mlp")
+    program = split_module(case.traced, contiguous_assignment(case.traced, 2), 2)
+    module = program.parts[1].graph_module
+    first_op = next(n for n in module.graph.nodes if n.op == "call_function" and n.target != operator.getitem)
+    with module.graph.inserting_before(first_op):
+        # Tensors have no such method: the part fails when run (unpickling the part only traces it).
+        module.graph.call_method("injected_failure_for_the_test", (first_op.args[0],))
+    module.recompile()
+    started = time.monotonic()
+    expected = r"rank 1 \(cpu\) failed during call(.|\n)*no attribute 'injected_failure_for_the_test'"
+    with pytest.raises(DistributedError, match=expected):
+        run_distributed(program, case.flat_inputs, ["cpu", "cpu"], timeout_s=30.0)
+    assert time.monotonic() - started < 60.0
+
+
+def test_missing_message_times_out_instead_of_hanging(runner):
+    """Last on purpose: a failure stops the shared workers (a later call would start new ones)."""
+    case = prepared("mlp")
+    program = split_module(case.traced, case.node_device, 3)
+    module = program.parts[0].graph_module
+    send = next(n for n in module.graph.nodes if n.target == "send")
+    never_sent = send.args[1].name
+    module.graph.erase_node(send)
+    module.recompile()
+    started = time.monotonic()
+    with pytest.raises(DistributedError, match="failed during call") as failure:
+        runner.run(program, case.flat_inputs, timeout_s=3.0)
+    assert time.monotonic() - started < 3.0 + 10.0
+    assert re.search(f"rank 1: receiving tensor {never_sent} from rank 0 failed .*Timed out", str(failure.value))
