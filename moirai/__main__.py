@@ -1,0 +1,5 @@
+import sys
+
+from moirai.cli import main
+
+sys.exit(main())

@@ -1,0 +1,82 @@
+"""moirai.compile end to end: plan, split, run locally and distributed, save and load."""
+
+import numpy as np
+import pytest
+import torch
+
+import moirai
+from moirai.errors import InputError, PlanError
+
+
+class Residual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = x
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x + skip
+
+
+@pytest.fixture(scope="module")
+def compiled() -> moirai.CompiledModel:
+    torch.manual_seed(0)
+    return moirai.compile(
+        Residual().eval(), ["cpu", "cpu", "cpu"], example_inputs=(torch.randn(4, 32),), placer="round_robin"
+    )
+
+
+def test_compiled_model_matches_original_locally_and_uses_every_device(compiled: moirai.CompiledModel) -> None:
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), compiled.traced.graph_module(x)[0])
+    assert set(compiled.node_device.values()) == {0, 1, 2}
+
+
+def test_compiled_model_runs_distributed(compiled: moirai.CompiledModel) -> None:
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.run_distributed(x), compiled(x))
+
+
+def test_plan_carries_simulated_makespan_and_lower_bound(compiled: moirai.CompiledModel) -> None:
+    plan = compiled.plan
+    assert plan.makespan_s == pytest.approx(moirai.simulate(compiled.problem, plan).makespan)
+    assert 0 < plan.lower_bound_s <= plan.makespan_s
+
+
+def test_save_and_load_rebuild_the_same_split(compiled: moirai.CompiledModel, tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    model = Residual().eval()  # fresh weights: the loaded split must run these, not the planned ones
+    loaded = moirai.load(path, model, example_inputs=(torch.randn(4, 32),))
+    assert loaded.node_device == compiled.node_device
+    np.testing.assert_array_equal(loaded.plan.placement, compiled.plan.placement)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x))
+
+
+def test_wrong_input_shape_is_a_clear_error(compiled: moirai.CompiledModel) -> None:
+    with pytest.raises(InputError, match="compile again with example inputs"):
+        compiled(torch.randn(5, 32))
+
+
+def test_load_rejects_a_plan_for_another_model(compiled: moirai.CompiledModel, tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    other = torch.nn.Sequential(torch.nn.Linear(32, 32)).eval()
+    with pytest.raises(PlanError, match="compile again"):
+        moirai.load(path, other, example_inputs=(torch.randn(4, 32),))
+
+
+def test_plan_with_unknown_device_or_missing_task_is_rejected(compiled: moirai.CompiledModel) -> None:
+    problem = compiled.problem
+    bad_device = moirai.Plan(np.full(problem.num_tasks, 7), problem.device_names)
+    with pytest.raises(PlanError, match="unknown device"):
+        bad_device.check(problem)
+    missing = moirai.Plan(np.zeros(problem.num_tasks - 1, int), problem.device_names)
+    with pytest.raises(PlanError, match="places .* tasks"):
+        missing.check(problem)
