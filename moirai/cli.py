@@ -1,4 +1,4 @@
-"""Command line: ``moirai demo``, ``moirai plan problem.json``, ``moirai placers``."""
+"""Command line: ``moirai demo``, ``moirai plan problem.json``, ``moirai placers``, ``moirai calibrate``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 import moirai
+from moirai import calibrate as calibrate_command
 from moirai.errors import MoiraiError
 
 
@@ -22,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--placer", default="heft")
     plan.add_argument("--output", help="write the plan as JSON here")
     commands.add_parser("placers", help="list the registered placers")
+    calibrate_command.add_arguments(
+        commands.add_parser("calibrate", help="measure links between local ranks, write a cluster file")
+    )
     args = parser.parse_args(argv)
     console = Console()
     try:
@@ -29,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if moirai.demo.run_demo(args.placer, console) else 1
         if args.command == "plan":
             return _plan(args, console)
+        if args.command == "calibrate":
+            return calibrate_command.run(args, console)
         console.print("\n".join(moirai.placers()))
         return 0
     except MoiraiError as error:

@@ -115,6 +115,7 @@ def compile(
     placer: str = "heft",
     fusion_rules: str | Path = "default",
     target_nodes: int | None = None,
+    cost: str = "analytic",
     **placer_options: Any,
 ) -> CompiledModel:
     """Split ``model`` across ``devices`` so that one inference finishes soonest.
@@ -122,11 +123,13 @@ def compile(
     ``devices`` is a :class:`moirai.Cluster` or a list of torch device strings (a repeated
     ``"cpu"`` gives separate logical devices). ``placer`` names a registered placer
     (``moirai.placers()``); ``placer_options`` go to it (e.g. ``time_limit_s`` for ``milp``).
+    ``cost`` is ``"analytic"`` (roofline from the device table) or ``"measured"`` (profile every
+    op group on the local devices, cached on disk).
     """
     cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(list(devices))
     traced = trace(model, example_inputs, example_kwargs)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
-    problem = build_problem(coarse, cluster)
+    problem = build_problem(coarse, cluster, cost, traced)
     plan = place(problem, placer=placer, **placer_options)
     return _assemble(traced, cluster, coarse, problem, plan)
 
@@ -151,7 +154,7 @@ def load(
     program = _split(traced, node_device, record["device_order"], len(cluster), source=str(path))
     graph = build_op_graph(traced)
     coarse = graph.merge([[graph.node_of_fx_name[name] for name in group] for group in record["groups"]])
-    problem = build_problem(coarse, cluster)
+    problem = build_problem(coarse, cluster, traced=traced)
     plan = Plan.from_dict(record["plan"])
     plan.device_names = cluster.names
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)

@@ -138,10 +138,10 @@ def _flat_output_marker(graph_module: fx.GraphModule) -> Any:
 def _bake_constant_inputs(graph_module: fx.GraphModule, constant_inputs: dict[int, Any]) -> None:
     """Replace the placeholders of non-tensor inputs by their traced values."""
     placeholders = graph_module.graph.find_nodes(op="placeholder")
-    for position, value in constant_inputs.items():
-        node = placeholders[position]
+    substitute = {placeholders[position]: value for position, value in constant_inputs.items()}
+    for node in substitute:
         for user in list(node.users):
-            user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs), lambda n: value if n is node else n)
+            user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs), lambda n: substitute.get(n, n))
         graph_module.graph.erase_node(node)
 
 

@@ -1,0 +1,292 @@
+"""Cluster files, routes, presets and validation (moirai/devices.py)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moirai.devices import GBPS_IN_BYTES_PER_S, Cluster, Device, Link
+from moirai.errors import ClusterError
+
+GBPS = GBPS_IN_BYTES_PER_S
+MB = 1e6
+
+TABLE_III_INTER_GBPS = [
+    [0, 44.26, 32.92, 44.28],
+    [42.39, 0, 35.32, 44.51],
+    [33.2, 35.31, 0, 32.95],
+    [42.08, 43.22, 33.28, 0],
+]
+TABLE_III_INTRA_GBPS = [
+    [0, 1170.04, 626.10, 610.56],
+    [1148.16, 0, 618.98, 581.09],
+    [630.43, 609.82, 0, 571.96],
+    [622.67, 575.08, 581.35, 0],
+]
+
+
+def cpu(name: str) -> Device:
+    return Device(name, "cpu", memory_bytes=1e9, peak_flops=1e11, memory_bandwidth_bytes_per_s=1e10)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cluster.toml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def two_device_file(link: str = 'src = "a"\ndst = "b"\nbandwidth_gbps = 10\n', device_b: str = "") -> str:
+    return (
+        '[[devices]]\nname = "a"\ntype = "t4"\n\n'
+        f'[[devices]]\nname = "b"\ntype = "p4"\n{device_b}\n'
+        f"[[links]]\n{link}both_directions = true\n"
+    )
+
+
+# --- routes ----------------------------------------------------------------------------------
+
+
+def test_paper_fig3_example_bottleneck_sets_the_time() -> None:
+    # Paper §III-C: A-B at 10 MB/s and B-D at 5 MB/s: 100 MB from A to D takes 20 s.
+    devices = [cpu(n) for n in "ABD"]
+    links = [Link("A", "B", 10 * MB), Link("B", "D", 5 * MB)]
+    cluster = Cluster.from_links(devices, links + [Link(x.dst, x.src, x.bandwidth_bytes_per_s) for x in links])
+    a, d = cluster.index("A"), cluster.index("D")
+    assert cluster.transfer_time_s(100 * MB, a, d) == pytest.approx(20.0)
+    assert cluster.route("A", "D") == ("A", "B", "D")
+
+
+def test_widest_path_wins_over_the_shortest() -> None:
+    # s -> t directly is absent; s-x-t has bottleneck 3, s-y-z-t has bottleneck 5 (longer but wider).
+    devices = [cpu(n) for n in ("s", "x", "y", "z", "t")]
+    links = [
+        Link("s", "x", 100 * MB, 1e-6),
+        Link("x", "t", 3 * MB, 1e-6),
+        Link("s", "y", 5 * MB, 2e-6),
+        Link("y", "z", 50 * MB, 3e-6),
+        Link("z", "t", 8 * MB, 4e-6),
+        Link("t", "s", 1 * MB, 1e-6),
+    ]
+    cluster = Cluster.from_links(devices, links)
+    s, t = cluster.index("s"), cluster.index("t")
+    assert cluster.route("s", "t") == ("s", "y", "z", "t")
+    assert cluster.bandwidth_bytes_per_s[s, t] == pytest.approx(5 * MB)
+    assert cluster.latency_s[s, t] == pytest.approx(9e-6)
+    # The way back goes t -> s (1 MB/s) and then on: asymmetric routes are kept.
+    assert cluster.route("t", "x") == ("t", "s", "x")
+    assert cluster.bandwidth_bytes_per_s[t, cluster.index("x")] == pytest.approx(1 * MB)
+
+
+def test_among_equally_wide_paths_the_lowest_latency_is_taken() -> None:
+    devices = [cpu(n) for n in "sabt"]
+    links = [Link("s", "a", MB, 5e-6), Link("a", "t", MB, 5e-6), Link("s", "b", MB, 1e-6), Link("b", "t", MB, 1e-6)]
+    links += [Link(x.dst, x.src, x.bandwidth_bytes_per_s, x.latency_s) for x in links]
+    cluster = Cluster.from_links(devices, links)
+    assert cluster.route("s", "t") == ("s", "b", "t")
+    assert cluster.latency_s[0, 3] == pytest.approx(2e-6)
+
+
+def test_asymmetric_links_stay_asymmetric() -> None:
+    cluster = Cluster.from_links([cpu("a"), cpu("b")], [Link("a", "b", 10 * MB, 1e-6), Link("b", "a", 2 * MB, 3e-6)])
+    assert cluster.transfer_time_s(10 * MB, 0, 1) == pytest.approx(1 + 1e-6)
+    assert cluster.transfer_time_s(10 * MB, 1, 0) == pytest.approx(5 + 3e-6)
+
+
+def test_unreachable_device_is_named() -> None:
+    with pytest.raises(ClusterError, match="'c' cannot be reached from 'a'"):
+        Cluster.from_links([cpu("a"), cpu("b"), cpu("c")], [Link("a", "b", MB), Link("b", "a", MB), Link("c", "a", MB)])
+
+
+# --- presets ---------------------------------------------------------------------------------
+
+
+def test_presets_are_listed() -> None:
+    assert {"moirai-inter-server", "moirai-intra-server"} <= set(Cluster.presets())
+    assert len(Cluster.presets()) >= 5
+    for name in Cluster.presets():
+        assert len(Cluster.preset(name)) >= 2
+
+
+@pytest.mark.parametrize(
+    ("preset", "types", "memory_gb", "matrix"),
+    [
+        ("moirai-inter-server", ["rtx2080ti", "t4", "p4", "rtx3060ti"], [11, 16, 8, 8], TABLE_III_INTER_GBPS),
+        ("moirai-intra-server", ["v100", "v100", "p100", "p100"], [32, 32, 16, 16], TABLE_III_INTRA_GBPS),
+    ],
+)
+def test_paper_presets_match_table_iii(preset: str, types: list[str], memory_gb: list[int], matrix: list) -> None:
+    cluster = Cluster.preset(preset)
+    assert cluster.names == ("A", "B", "C", "D")
+    assert [d.device_type for d in cluster.devices] == types
+    assert [d.memory_bytes for d in cluster.devices] == [m * 1e9 for m in memory_gb]
+    expected = np.array(matrix, float) * GBPS
+    off_diagonal = ~np.eye(4, dtype=bool)
+    np.testing.assert_allclose(cluster.bandwidth_bytes_per_s[off_diagonal], expected[off_diagonal], rtol=1e-12)
+    # Table III is a full mesh: no pair is routed.
+    assert all(len(cluster.route(a, b)) == 2 for a in cluster.names for b in cluster.names if a != b)
+
+
+def test_inter_server_preset_is_asymmetric_and_on_four_hosts() -> None:
+    cluster = Cluster.preset("moirai-inter-server")
+    assert cluster.bandwidth_bytes_per_s[0, 1] == pytest.approx(44.26 * GBPS)
+    assert cluster.bandwidth_bytes_per_s[1, 0] == pytest.approx(42.39 * GBPS)
+    assert len({d.host for d in cluster.devices}) == 4
+    assert [d.rank for d in cluster.devices] == [0, 1, 2, 3]
+
+
+def test_our_presets_route_through_the_host_and_the_nic() -> None:
+    mixed = Cluster.preset("mixed-cpu-gpu")
+    assert mixed.route("a100", "t4") == ("a100", "cpu", "t4")
+    assert mixed.bandwidth_bytes_per_s[mixed.index("a100"), mixed.index("t4")] == pytest.approx(96 * GBPS)
+    hosts = Cluster.preset("two-hosts-100gbe")
+    assert hosts.route("a1", "b1") == ("a1", "a0", "b0", "b1")
+    assert hosts.latency_s[hosts.index("a1"), hosts.index("b1")] == pytest.approx(35e-6)
+    h100 = Cluster.preset("h100x8-nvlink")
+    assert len(h100) == 8 and h100.devices[0].peak_flops_for("bfloat16") == pytest.approx(989.4e12)
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(ClusterError, match="no preset cluster 'nope'"):
+        Cluster.preset("nope")
+
+
+# --- files -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["moirai-inter-server", "mixed-cpu-gpu", "two-hosts-100gbe"])
+def test_file_round_trip(tmp_path: Path, preset: str) -> None:
+    cluster = Cluster.preset(preset)
+    cluster.to_file(tmp_path / "c.toml")
+    again = Cluster.from_file(tmp_path / "c.toml")
+    assert again.devices == cluster.devices
+    assert again.name == cluster.name
+    np.testing.assert_allclose(again.bandwidth_bytes_per_s, cluster.bandwidth_bytes_per_s, rtol=1e-12)
+    np.testing.assert_allclose(again.latency_s, cluster.latency_s, rtol=1e-12, atol=1e-15)
+    assert again.route(cluster.names[1], cluster.names[-1]) == cluster.route(cluster.names[1], cluster.names[-1])
+
+
+def test_round_trip_of_a_matrix_cluster(tmp_path: Path) -> None:
+    cluster = Cluster.from_devices(["cpu", "cpu"])
+    cluster.to_file(tmp_path / "c.toml")
+    again = Cluster.from_file(tmp_path / "c.toml")
+    assert again.devices == cluster.devices
+    assert again.transfer_time_s(1e6, 0, 1) == pytest.approx(cluster.transfer_time_s(1e6, 0, 1))
+
+
+def test_custom_file_with_type_and_explicit_numbers(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        name = "lab"
+
+        [[devices]]
+        name = "gpu"
+        torch_device = "cuda:0"
+        host = "box"
+        rank = 1
+        type = "t4"
+
+        [[devices]]
+        name = "cpu"
+        kind = "cpu"
+        memory_gb = 64
+        peak_tflops = { fp32 = 2.0, bf16 = 4.0 }
+        memory_bandwidth_gb_per_s = 100
+        launch_overhead_us = 3
+
+        [[links]]
+        src = "gpu"
+        dst = "cpu"
+        bandwidth_gbps = 100
+        latency_us = 10
+        both_directions = true
+        """,
+    )
+    cluster = Cluster.from_file(path)
+    gpu, host_cpu = cluster.devices
+    assert (gpu.kind, gpu.host, gpu.rank, gpu.memory_bytes) == ("gpu", "box", 1, 16e9)
+    assert gpu.peak_flops == pytest.approx(8.1e12) and gpu.peak_flops_for("float16") == pytest.approx(65e12)
+    assert host_cpu.peak_flops_for("bfloat16") == pytest.approx(4e12)
+    assert host_cpu.peak_flops_for("float16") == pytest.approx(2e12)  # no fp16 path: the fp32 peak
+    assert host_cpu.launch_overhead_s == pytest.approx(3e-6)
+    assert cluster.transfer_time_s(12.5e6, 1, 0) == pytest.approx(1e-3 + 10e-6)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (two_device_file(link='src = "a"\ndst = "b"\n'), "has no bandwidth_gbps"),
+        (two_device_file(link='src = "a"\ndst = "b"\nbandwidth_gbps = -1\n'), "must be positive"),
+        (two_device_file(device_b="memory_gb = 0\n"), "device 'b' has memory 0"),
+        (two_device_file(link='src = "a"\ndst = "z"\nbandwidth_gbps = 1\n'), "unknown device 'z'"),
+        (two_device_file().replace('name = "b"', 'name = "a"'), r"duplicate device names \['a'\]"),
+        (two_device_file().replace('type = "p4"', 'type = "tpu9"'), "unknown type 'tpu9'"),
+        (two_device_file(device_b="speed = 3\n"), r"unknown keys \['speed'\]"),
+        (
+            '[[devices]]\nname = "a"\ntype = "t4"\n[[devices]]\nname = "b"\ntype = "t4"\n'
+            "[matrix]\nbandwidth_gbps = [[0, 1], [1, 0, 3]]\n",
+            "must be 2x2",
+        ),
+        (
+            '[[devices]]\nname = "a"\ntype = "t4"\n[[devices]]\nname = "b"\ntype = "t4"\n'
+            "[matrix]\nbandwidth_gbps = [[0, 1], [1, 0], [1, 1]]\n",
+            "must be 2x2",
+        ),
+        (
+            '[[devices]]\nname = "a"\ntype = "t4"\n[[devices]]\nname = "b"\ntype = "t4"\n'
+            "[matrix]\nbandwidth_gbps = [[0, 1], [-2, 0]]\n",
+            "'b' -> 'a' is -2.0 Gbps",
+        ),
+        ('[[devices]]\nname = "a"\nmemory_gb = 1\n', "needs memory_bandwidth_gb_per_s"),
+        ('[[devices]]\nname = "a"\ntype = "t4"\n[[devices]]\nname = "b"\ntype = "t4"\n', "needs \\[\\[links\\]\\]"),
+        ("[[devices]]\nname = \"a\"\ntype = \"t4\"\n[[links]]\nsrc = 'a'\ndst = 'a'\nbandwidth_gbps = 1\n", "itself"),
+        ("name = [", "not valid TOML"),
+        (two_device_file() + '[[links]]\nsrc = "b"\ndst = "a"\nbandwidth_gbps = 5\n', "more than once"),
+    ],
+)
+def test_bad_cluster_files(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ClusterError, match=message):
+        Cluster.from_file(write(tmp_path, text))
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ClusterError, match="does not exist"):
+        Cluster.from_file("/nonexistent/cluster.toml")
+
+
+def test_bad_matrices_given_directly() -> None:
+    devices = (cpu("a"), cpu("b"))
+    with pytest.raises(ClusterError, match="must be 2x2"):
+        Cluster(devices, np.ones((2, 3)), np.zeros((2, 2)))
+    with pytest.raises(ClusterError, match="positive bandwidth"):
+        Cluster(devices, np.array([[1.0, -1.0], [1.0, 1.0]]), np.zeros((2, 2)))
+    with pytest.raises(ClusterError, match="positive bandwidth"):
+        Cluster(devices, np.array([[1.0, np.nan], [1.0, 1.0]]), np.zeros((2, 2)))
+    with pytest.raises(ClusterError, match="non-negative"):
+        Cluster(devices, np.ones((2, 2)), np.array([[0.0, -1.0], [0.0, 0.0]]))
+    with pytest.raises(ClusterError, match="duplicate device names"):
+        Cluster((cpu("a"), cpu("a")), np.ones((2, 2)), np.zeros((2, 2)))
+    with pytest.raises(ClusterError, match="device .z. has memory 0"):
+        Cluster.from_links([Device("z", "cpu", 0.0, 1e9, 1e9)], [])
+
+
+# --- local devices ---------------------------------------------------------------------------
+
+
+def test_detect_finds_the_local_cpu() -> None:
+    cluster = Cluster.detect()
+    assert cluster.devices[0].torch_device == "cpu" and cluster.devices[0].kind == "cpu"
+    assert cluster.devices[0].memory_bytes > 0 and cluster.devices[0].peak_flops > 0
+
+
+def test_from_devices_still_splits_one_cpu() -> None:
+    cluster = Cluster.from_devices(["cpu", "cpu"])
+    assert cluster.names == ("cpu_0", "cpu_1")
+    assert cluster.devices[0].memory_bytes == pytest.approx(Cluster.from_devices(["cpu"]).devices[0].memory_bytes / 2)
+    assert cluster.transfer_time_s(0, 0, 1) > 0
