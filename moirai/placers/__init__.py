@@ -17,7 +17,20 @@ from moirai.problem import Plan, Problem
 Placer = Callable[..., Plan]
 
 _REGISTRY: dict[str, Placer] = {}
-_PLACER_MODULES = ("round_robin",)
+_PLACER_MODULES = (
+    "round_robin",
+    "single",
+    "expert",
+    "hash",
+    "heft",
+    "cp_pct",
+    "m_topo",
+    "m_etf",
+    "m_sct",
+    "getf",
+    "pesto",
+    "milp",
+)
 
 
 def register(name: str) -> Callable[[Placer], Placer]:
@@ -44,6 +57,7 @@ def get_placer(name: str) -> Placer:
 
 def place(problem: Problem, placer: str = "heft", **options: Any) -> Plan:
     """Place ``problem`` with the named placer; the plan's makespan is the simulator's."""
+    from moirai.bounds import lower_bound
     from moirai.simulate import simulate
 
     start = time.perf_counter()
@@ -52,6 +66,8 @@ def place(problem: Problem, placer: str = "heft", **options: Any) -> Plan:
     plan.placer = plan.placer or placer
     plan.check(problem)
     plan.makespan_s = simulate(problem, plan).makespan
+    # A placer may prove a stronger bound (the MILP's); keep the better of the two.
+    plan.lower_bound_s = max(plan.lower_bound_s or 0.0, lower_bound(problem))
     return plan
 
 
