@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moirai.coarsen import coarsen
-from moirai.cost import build_problem
+from moirai.cost import activation_peak_bytes, build_problem
 from moirai.devices import Cluster
 from moirai.errors import PlanError
 from moirai.graph import OpGraph, build_op_graph
@@ -68,20 +68,19 @@ class CompiledModel:
     def summary(self, console: Console | None = None) -> Table:
         """Print (and return) the plan as a table: one row per device."""
         timeline = simulate(self.problem, self.plan)
+        reserve = activation_peak_bytes(self.graph)
         table = Table(title=f"moirai plan for {self.traced.model_name} ({self.plan.placer})")
-        for column in ("device", "torch device", "groups", "ops", "params", "memory / capacity", "busy"):
+        for column in ("device", "torch device", "groups", "ops", "weights", "in use / memory", "busy"):
             table.add_column(column, justify="left" if column in ("device", "torch device") else "right")
         for k, device in enumerate(self.cluster.devices):
             tasks = np.flatnonzero(self.plan.placement == k)
-            params = frozenset().union(*(self.graph.nodes[i].param_names for i in tasks))
-            param_bytes = sum(self.graph.parameter_bytes.get(p, 0.0) for p in params)
             table.add_row(
                 device.name,
                 device.torch_device,
                 str(len(tasks)),
                 str(sum(len(self.graph.nodes[i].targets) for i in tasks)),
-                _format_bytes(param_bytes),
-                f"{_format_bytes(timeline.memory_bytes[k])} / {_format_bytes(device.memory_bytes)}",
+                _format_bytes(timeline.memory_bytes[k]),
+                f"{_format_bytes(timeline.memory_bytes[k] + reserve)} / {_format_bytes(device.memory_bytes)}",
                 _format_seconds(timeline.busy_s[k]),
             )
         lower = self.plan.lower_bound_s

@@ -58,8 +58,8 @@ class TinyDecoder(torch.nn.Module):
 def demo_cluster() -> Cluster:
     megabyte = 1e6
     devices = (
-        Device("fast", "cpu", memory_bytes=24 * megabyte, peak_flops=120e9, memory_bandwidth_bytes_per_s=40e9),
-        Device("medium", "cpu", memory_bytes=32 * megabyte, peak_flops=60e9, memory_bandwidth_bytes_per_s=20e9),
+        Device("fast", "cpu", memory_bytes=16 * megabyte, peak_flops=120e9, memory_bandwidth_bytes_per_s=40e9),
+        Device("medium", "cpu", memory_bytes=12 * megabyte, peak_flops=60e9, memory_bandwidth_bytes_per_s=20e9),
         Device("slow", "cpu", memory_bytes=64 * megabyte, peak_flops=20e9, memory_bandwidth_bytes_per_s=10e9),
     )
     bandwidth = np.full((3, 3), 2e9)

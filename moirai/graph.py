@@ -33,7 +33,11 @@ from moirai.trace import TracedModel
 
 @dataclass(frozen=True)
 class OpNode:
-    """One op (or, in a coarse graph, one group of ops in topological order)."""
+    """One op (or, in a coarse graph, one group of ops in topological order).
+
+    ``output_bytes`` is the memory its outputs allocate: a view (``transpose``, ``view``,
+    ``expand``...) allocates none. ``bytes_moved`` is what it reads and writes.
+    """
 
     name: str
     targets: tuple[str, ...]
@@ -153,6 +157,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
         params = frozenset(n.name for n in inputs if n.op == "get_attr")
         input_bytes = sum(_nbytes(n.meta.get("val")) for n in inputs)
         output_bytes = _nbytes(fx_node.meta.get("val"))
+        allocated_bytes = 0 if _is_view(fx_node) else output_bytes
         nodes.append(
             OpNode(
                 name=fx_node.name,
@@ -160,7 +165,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
                 fx_names=(fx_node.name,),
                 flops=_flops(fx_node),
                 bytes_moved=float(input_bytes + output_bytes),
-                output_bytes=float(output_bytes),
+                output_bytes=float(allocated_bytes),
                 param_names=params,
                 param_bytes=float(sum(parameter_bytes[p] for p in params)),
             )
@@ -178,6 +183,15 @@ def _target_name(node: fx.Node) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
     return getattr(target, "__name__", str(target))
+
+
+def _is_view(node: fx.Node) -> bool:
+    """An aten op whose first output aliases an input, as its schema declares."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return False
+    alias = target._schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
 
 
 def _nbytes(value: object) -> int:

@@ -11,7 +11,7 @@ from torch import nn
 
 import moirai.cost as cost
 from moirai.calibrate import calibrate, fit_link
-from moirai.cost import analytic_compute_s, build_problem, node_dtypes, profile_nodes
+from moirai.cost import activation_peak_bytes, analytic_compute_s, build_problem, node_dtypes, profile_nodes
 from moirai.devices import Cluster, Device, Link
 from moirai.errors import ClusterError
 from moirai.graph import OpEdge, OpGraph, OpNode, build_op_graph
@@ -57,8 +57,29 @@ def test_problem_transfers_and_memory() -> None:
     assert problem.transfer_s[0, 0, 1] == pytest.approx(1e-5 + 4e5 / 1e8)
     assert problem.transfer_s[0, 1, 0] == pytest.approx(2e-5 + 4e5 / 5e7)
     assert problem.transfer_s[0, 0, 0] == 0 and problem.transfer_s[0, 1, 1] == 0
-    np.testing.assert_allclose(problem.memory_bytes, [2e5 + 4e5, 3e5])
-    np.testing.assert_allclose(problem.memory_capacity_bytes, [1e9, 1e9])
+    # Tasks hold their parameters; every device keeps the activation peak free:
+    # mm's 4e5 live until add_relu has run, add_relu's 3e5 live to the end (a model output).
+    np.testing.assert_allclose(problem.memory_bytes, [2e5, 0])
+    np.testing.assert_allclose(problem.memory_capacity_bytes, [1e9 - 7e5, 1e9 - 7e5])
+
+
+def test_activation_peak_frees_tensors_after_their_last_consumer() -> None:
+    def node(name: str, output_bytes: float) -> OpNode:
+        return OpNode(name, ("aten.relu",), (name,), 0.0, 0.0, output_bytes, frozenset(), 0.0)
+
+    # a -> b -> c -> d with a skip a -> d: a lives to the end, b dies after c, c after d.
+    nodes = (node("a", 100), node("b", 10), node("c", 1), node("d", 1000))
+    edges = (OpEdge(0, 1, "a", 100), OpEdge(1, 2, "b", 10), OpEdge(2, 3, "c", 1), OpEdge(0, 3, "a", 100))
+    assert activation_peak_bytes(OpGraph(nodes, edges)) == 100 + 1 + 1000
+
+
+def test_views_allocate_no_activation_memory() -> None:
+    class Views(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.transpose(0, 1).unsqueeze(0) * 2
+
+    graph = build_op_graph(trace(Views(), (torch.randn(8, 4),)))
+    assert [n.output_bytes for n in graph.nodes] == [0, 0, 8 * 4 * 4]
 
 
 def test_unknown_mode_and_measured_without_trace() -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks: the model zoo (bench.models) and the runner (bench/run.py)."""

@@ -1,0 +1,425 @@
+"""The bench runner: zoo models x clusters x placers -> simulated latency, speedup, placement time, memory, gap.
+
+Per model: trace on the meta device (paper sizes) or CPU (small sizes) -> OpGraph -> coarsen with the
+fusion rules (``--target-nodes`` also merges to a size; ``--no-coarsen`` keeps the original graph).
+Per cluster: ``moirai.cost.build_problem`` (analytic costs) and ``moirai.bounds.lower_bound``.
+Per placer: ``moirai.placers.place``; its makespan is the simulator's. A placer that raises
+``InfeasibleError`` is shown as "does not fit"; any other exception is shown as an error in its row.
+
+Columns: latency (simulated makespan), speedup (the reference placer's latency / this one's), gap to the
+lower bound ((latency - bound) / latency), placement time, the process's peak RSS while the placer ran
+(sampled every 5 ms; it includes the traced model, the graph and memory earlier rows left to the
+allocator) and its growth during the placer (what the placer needed beyond that).
+
+Run::
+
+    python bench/run.py --quick                        # ~2 minutes; appends a section to bench/RESULTS.md
+    python bench/run.py                                # every small model x every placer, paper sizes x fast placers
+    python bench/run.py --models gpt3:13B swin --clusters moirai-intra-server --placers heft m_sct milp \\
+        --time-limit 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import os
+import platform
+import shlex
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+from rich.console import Console
+from rich.table import Table
+
+if __package__ in (None, ""):
+    # Run as ``python bench/run.py``: make the repository root importable, as ``python -m bench.run`` does.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.models import ZOO, build, model_sizes, size_spec  # noqa: E402
+from moirai.bounds import lower_bound  # noqa: E402
+from moirai.coarsen import coarsen  # noqa: E402
+from moirai.cost import build_problem  # noqa: E402
+from moirai.devices import Cluster  # noqa: E402
+from moirai.errors import InfeasibleError, MoiraiError  # noqa: E402
+from moirai.graph import OpGraph, build_op_graph  # noqa: E402
+from moirai.placers import get_placer, place, placers  # noqa: E402
+from moirai.problem import Plan, Problem  # noqa: E402
+from moirai.trace import trace  # noqa: E402
+
+RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
+PAPER_CLUSTERS = ("moirai-inter-server", "moirai-intra-server")
+# Solver-based placers with a time limit: run on small models by default, on paper sizes only when named.
+SLOW_PLACERS = ("pesto", "milp")
+QUICK_MODELS = ("gpt3:small", "googlenet:small", "transformer:small", "evoformer:small", "gpt3:330M")
+DEFAULT_TIME_LIMIT_S = 30.0
+QUICK_TIME_LIMIT_S = 5.0
+RSS_SAMPLE_PERIOD_S = 0.005
+
+
+@dataclass(frozen=True)
+class ModelGraph:
+    """A traced zoo model and the graph the placers see."""
+
+    name: str
+    size: str
+    parameters: int
+    original_ops: int
+    graph: OpGraph
+    coarsening: str
+    prepare_s: float
+
+
+@dataclass(frozen=True)
+class Row:
+    """One placer on one model and cluster.
+
+    ``status``: "ok", "exceeds memory: ..." (a plan from a placer that ignores memory), "does not fit"
+    (the placer found no plan within memory) or "error: ...".
+    """
+
+    model: str
+    cluster: str
+    placer: str
+    status: str
+    latency_s: float | None = None
+    placement_s: float | None = None
+    peak_rss_bytes: float | None = None
+    rss_growth_bytes: float | None = None
+    lower_bound_s: float | None = None
+    speedup: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        if self.latency_s is None or self.lower_bound_s is None or self.latency_s == 0:
+            return None
+        return (self.latency_s - self.lower_bound_s) / self.latency_s
+
+
+class PeakRss:
+    """Peak resident memory of this process while the ``with`` block runs, sampled by a thread.
+
+    ``growth_bytes`` is the peak minus the resident memory at entry: what the block itself needed
+    beyond memory the process already held (freed memory the allocator kept is reused first).
+    """
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self.start_bytes = 0
+        self.peak_bytes = 0
+
+    @property
+    def growth_bytes(self) -> int:
+        return self.peak_bytes - self.start_bytes
+
+    def __enter__(self) -> PeakRss:
+        self.start_bytes = self.peak_bytes = self._process.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self._process.memory_info().rss)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(RSS_SAMPLE_PERIOD_S):
+            self.peak_bytes = max(self.peak_bytes, self._process.memory_info().rss)
+
+
+def parse_model_specs(specs: list[str]) -> list[tuple[str, str]]:
+    """``name:size`` picks one size; a bare ``name`` picks every size of that family."""
+    chosen = []
+    for spec in specs:
+        name, _, size = spec.partition(":")
+        sizes = [size] if size else list(ZOO[name].sizes) if name in ZOO else [""]
+        for one in sizes:
+            size_spec(name, one)
+            chosen.append((name, one))
+    return chosen
+
+
+def prepare_model(name: str, size: str, no_coarsen: bool, target_nodes: int | None) -> ModelGraph:
+    start = time.perf_counter()
+    spec = size_spec(name, size)
+    model, args, kwargs = build(name, size, device="meta" if spec.paper_size else "cpu")
+    graph = build_op_graph(trace(model, args, kwargs))
+    original_ops = len(graph.nodes)
+    coarsening = "none"
+    if not no_coarsen:
+        graph = coarsen(graph, rules="default", target_nodes=target_nodes).graph
+        coarsening = "fusion rules" + (f" + merge to {target_nodes}" if target_nodes else "")
+    parameters = sum(p.numel() for p in model.parameters())
+    return ModelGraph(name, size, parameters, original_ops, graph, coarsening, time.perf_counter() - start)
+
+
+def placer_options(placer: str, time_limit_s: float) -> dict[str, float]:
+    """Pass the time limit to the placers that take one."""
+    accepts = inspect.signature(get_placer(placer)).parameters
+    return {"time_limit_s": time_limit_s} if "time_limit_s" in accepts else {}
+
+
+def run_placer(
+    problem: Problem, placer: str, model: str, cluster: str, time_limit_s: float, bound_s: float | None
+) -> Row:
+    try:
+        with PeakRss() as rss:
+            plan = place(problem, placer, **placer_options(placer, time_limit_s))
+    except InfeasibleError:
+        return Row(model, cluster, placer, "does not fit", lower_bound_s=bound_s)
+    except Exception as error:  # a broken placer is a row of the table, not the end of the run
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return Row(model, cluster, placer, f"error: {type(error).__name__}: {message[:80]}", lower_bound_s=bound_s)
+    status = memory_status(problem, plan)
+    return Row(
+        model,
+        cluster,
+        placer,
+        status,
+        plan.makespan_s,
+        plan.placement_time_s,
+        rss.peak_bytes,
+        rss.growth_bytes,
+        bound_s,
+    )
+
+
+def memory_status(problem: Problem, plan: Plan) -> str:
+    """The status "ok", or the devices holding more than their memory (placers that ignore it, e.g. round_robin)."""
+    held = np.bincount(plan.placement, weights=problem.memory_bytes, minlength=problem.num_devices)
+    over = [
+        f"{problem.device_names[k]} {held[k] / 1e9:.1f}/{problem.memory_capacity_bytes[k] / 1e9:.1f} GB"
+        for k in np.flatnonzero(held > problem.memory_capacity_bytes)
+    ]
+    return "ok" if not over else "exceeds memory: " + ", ".join(over)
+
+
+def with_speedups(rows: list[Row], reference: str) -> list[Row]:
+    reference_latency = {
+        (r.model, r.cluster): r.latency_s for r in rows if r.placer == reference and r.latency_s is not None
+    }
+    result = []
+    for r in rows:
+        base = reference_latency.get((r.model, r.cluster))
+        speedup = base / r.latency_s if base is not None and r.latency_s else None
+        result.append(replace(r, speedup=speedup))
+    return result
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else format(value, pattern)
+
+
+MODEL_COLUMNS = ("model", "params", "graph ops", "placed nodes", "Table IV / Fig. 4 ops", "coarsening", "prepare s")
+RESULT_COLUMNS = (
+    "model",
+    "cluster",
+    "placer",
+    "latency ms",
+    "speedup",
+    "gap to bound",
+    "place s",
+    "peak RSS MB",
+    "RSS growth MB",
+    "status",
+)
+
+
+def model_cells(m: ModelGraph) -> list[str]:
+    paper = size_spec(m.name, m.size).paper_ops
+    paper_text = "-" if paper is None else f"{paper.original} / {paper.coarsened or '-'}"
+    return [
+        f"{m.name}:{m.size}",
+        f"{m.parameters / 1e6:.1f}M",
+        str(m.original_ops),
+        str(len(m.graph.nodes)),
+        paper_text,
+        m.coarsening,
+        f"{m.prepare_s:.1f}",
+    ]
+
+
+def result_cells(r: Row) -> list[str]:
+    speedup = "-" if r.speedup is None else f"{r.speedup:.2f}x"
+    return [
+        r.model,
+        r.cluster,
+        r.placer,
+        _ms(r.latency_s),
+        speedup,
+        _fmt(r.gap, ".1%"),
+        _fmt(r.placement_s, ".3f"),
+        _fmt(None if r.peak_rss_bytes is None else r.peak_rss_bytes / 2**20, ".0f"),
+        _fmt(None if r.rss_growth_bytes is None else r.rss_growth_bytes / 2**20, ".0f"),
+        r.status,
+    ]
+
+
+def rich_table(title: str, columns: tuple[str, ...], rows: list[list[str]], group_by: int = 0) -> Table:
+    """A table with a rule under every group of rows sharing their first ``group_by`` cells."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("model", "cluster", "placer", "status") else "right")
+    for row, following in zip(rows, [*rows[1:], None], strict=True):
+        table.add_row(*row, end_section=following is None or following[:group_by] != row[:group_by])
+    return table
+
+
+def markdown_table(columns: tuple[str, ...], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_gb = psutil.virtual_memory().total / 2**30
+    return (
+        f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {memory_gb:.0f} GiB RAM, "
+        f"Python {platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+def write_results(
+    path: Path,
+    command: str,
+    reference: str,
+    time_limit_s: float,
+    models: list[ModelGraph],
+    rows: list[Row],
+    elapsed_s: float,
+) -> None:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = "\n\n".join(
+        [
+            f"## {now}",
+            f"Command: `{command}`  \nMachine: {machine_description()}  \n"
+            f"Reference placer for speedup: `{reference}`; solver time limit {time_limit_s:g} s; "
+            "costs: analytic (moirai.cost); latency: moirai.simulate with link contention; "
+            f"whole run {elapsed_s:.0f} s.",
+            markdown_table(MODEL_COLUMNS, [model_cells(m) for m in models]),
+            markdown_table(RESULT_COLUMNS, [result_cells(r) for r in rows]),
+        ]
+    )
+    header = "# Bench results\n\nWritten by `bench/run.py`; every number in a section was measured in that run.\n"
+    existing = path.read_text() if path.exists() else header
+    path.write_text(existing.rstrip("\n") + "\n\n" + section + "\n")
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a ~2 minute subset: small models and GPT-3 330M")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        metavar="NAME[:SIZE]",
+        help=f"zoo models (default: every size); families: {', '.join(ZOO)}",
+    )
+    parser.add_argument(
+        "--clusters",
+        nargs="+",
+        default=list(PAPER_CLUSTERS),
+        help=f"cluster presets; available: {', '.join(Cluster.presets())}",
+    )
+    parser.add_argument(
+        "--placers",
+        nargs="+",
+        help=f"default: every registered placer ({', '.join(placers())}); "
+        f"{', '.join(SLOW_PLACERS)} only on small models unless named",
+    )
+    parser.add_argument("--reference", default="m_sct", help="placer the speedup is measured against")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        help=f"seconds for solver placers (pesto, milp, getf); default "
+        f"{DEFAULT_TIME_LIMIT_S:g}, {QUICK_TIME_LIMIT_S:g} with --quick",
+    )
+    parser.add_argument("--target-nodes", type=int, help="after fusion, merge the graph down to this many nodes")
+    parser.add_argument("--no-coarsen", action="store_true", help="place the original graph")
+    parser.add_argument("--results", type=Path, default=RESULTS_PATH, help="markdown file the section is appended to")
+    parser.add_argument("--no-write", action="store_true", help="print the tables only")
+    options = parser.parse_args(argv)
+    if options.quick:
+        options.models = options.models or list(QUICK_MODELS)
+    if options.time_limit is None:
+        options.time_limit = QUICK_TIME_LIMIT_S if options.quick else DEFAULT_TIME_LIMIT_S
+    try:
+        options.models = parse_model_specs(options.models) if options.models else model_sizes()
+        options.clusters = {name: Cluster.preset(name) for name in options.clusters}
+        for placer in [*(options.placers or []), options.reference]:
+            get_placer(placer)
+    except (KeyError, MoiraiError) as error:
+        parser.error(str(error).strip("'\""))
+    return options
+
+
+def placers_for(model: ModelGraph, chosen: list[str] | None) -> list[str]:
+    if chosen:
+        return chosen
+    paper_size = size_spec(model.name, model.size).paper_size
+    return [p for p in placers() if not (paper_size and p in SLOW_PLACERS)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse_arguments(argv)
+    console = Console(width=None if sys.stdout.isatty() else 160, emoji=False)
+    started = time.perf_counter()
+    clusters: dict[str, Cluster] = options.clusters
+    models: list[ModelGraph] = []
+    rows: list[Row] = []
+    for name, size in options.models:
+        with console.status(f"tracing and coarsening {name}:{size}"):
+            model = prepare_model(name, size, options.no_coarsen, options.target_nodes)
+        models.append(model)
+        for cluster_name, cluster in clusters.items():
+            problem = build_problem(model.graph, cluster)
+            try:
+                bound_s: float | None = lower_bound(problem)
+            except InfeasibleError:  # the model fits nowhere on this cluster: every placer will say so
+                bound_s = None
+            for placer in placers_for(model, options.placers):
+                with console.status(f"{name}:{size} on {cluster_name}: {placer}"):
+                    rows.append(
+                        run_placer(problem, placer, f"{name}:{size}", cluster_name, options.time_limit, bound_s)
+                    )
+        console.print(
+            f"{name}:{size}: {model.original_ops} ops -> {len(model.graph.nodes)} nodes, "
+            f"{len(clusters)} clusters done ({time.perf_counter() - started:.0f} s)"
+        )
+    rows = with_speedups(rows, options.reference)
+    console.print(rich_table("Models", MODEL_COLUMNS, [model_cells(m) for m in models]))
+    console.print(
+        rich_table(
+            f"Placers (speedup vs {options.reference})", RESULT_COLUMNS, [result_cells(r) for r in rows], group_by=2
+        )
+    )
+    if not options.no_write:
+        command = " ".join(["python bench/run.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
+        write_results(
+            options.results, command, options.reference, options.time_limit, models, rows, time.perf_counter() - started
+        )
+        console.print(f"appended to {options.results}")
+
+
+if __name__ == "__main__":
+    main()
