@@ -50,14 +50,12 @@ import networkx as nx
 import numpy as np
 import pyomo.environ as pyo
 from pyomo.common.collections import ComponentMap
-from pyomo.contrib.solver.common.results import SolutionStatus
-from pyomo.contrib.solver.solvers.highs import Highs
 
 from moirai.placers import register
 from moirai.placers._list_scheduling import PartialSchedule, check_fits_at_all
 from moirai.placers.m_etf import m_etf_schedule
 from moirai.problem import Plan, Problem
-from moirai.solve.milp import _highs_warm_start as highs_warm_start
+from moirai.solve.milp import run_highs
 
 
 @register("pesto")
@@ -240,22 +238,19 @@ def solve_pesto_ilp(
     its makespan is the big-M.
     """
     ilp = build_pesto_ilp(problem, warm_start.makespan_s)
-    solver = Highs()
-    highs_warm_start(solver, ilp.model, _warm_start_values(problem, ilp, warm_start))
-    results = solver.solve(
+    outcome = run_highs(
         ilp.model,
-        time_limit=max(deadline - time.perf_counter(), 0.0),
+        _warm_start_values(problem, ilp, warm_start),
+        time_limit_s=max(deadline - time.perf_counter(), 0.0),
         threads=1,
-        load_solutions=False,
-        raise_exception_on_nonoptimal_result=False,
     )
-    if results.solution_status not in (SolutionStatus.optimal, SolutionStatus.feasible):
+    if outcome.value is None:
         return None
-    results.solution_loader.load_vars()
+    value = outcome.value
     m = ilp.model
-    placement = np.array([max(m.devices, key=lambda k, i=i: pyo.value(m.x[i, k])) for i in m.tasks], int)
-    start = np.array([pyo.value(m.start[i]) for i in m.tasks]) * ilp.horizon_s
-    return placement, start, f"ILP {results.solution_status.name} ({results.termination_condition.name})"
+    placement = np.array([max(m.devices, key=lambda k, i=i: value(m.x[i, k])) for i in m.tasks], int)
+    start = np.array([value(m.start[i]) for i in m.tasks]) * ilp.horizon_s
+    return placement, start, f"ILP {'optimal' if outcome.optimal else 'feasible'} ({outcome.status})"
 
 
 def build_pesto_ilp(problem: Problem, horizon_s: float) -> PestoIlp:

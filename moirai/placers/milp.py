@@ -1,0 +1,266 @@
+"""``milp``: the Moirai MILP (paper §III-D), anytime: never worse than the best heuristic, within its budget.
+
+1. Every fast heuristic places the problem; the simulator judges them; the best is the start
+   plan and its makespan the horizon (a valid big-M and upper bound for the model).
+2. A problem small enough for one model (``FULL_MODEL_MAX_TASKS``, measured with
+   ``bench/milp_ablation.py``) is solved whole by :mod:`moirai.solve.milp`, warm-started from
+   the best plan, with whatever time the budget has left after the heuristics and the build.
+3. A larger one goes to the window search of :mod:`moirai.solve.search`: windows of the
+   schedule re-solved as small MILPs, each kept only if the simulator confirms a shorter makespan.
+
+The returned plan carries the placement, every device's order and every link's transfer
+order, so the simulator replays the schedule found; ``lower_bound_s`` is the best proven bound
+(the solver's, or :func:`moirai.bounds.lower_bound`), ``info`` says what ran and how it ended.
+A solver that fails or cannot take the model (Gurobi's size-limited licence) leaves a warning
+and the best plan found so far, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from moirai.bounds import check_memory_feasible, format_bytes, lower_bound
+from moirai.errors import InfeasibleError, MoiraiError
+from moirai.placers import get_placer, placers, register
+from moirai.problem import Plan, Problem
+from moirai.simulate import Timeline, simulate
+from moirai.solve.milp import (
+    FORMULATIONS,
+    SOLVERS,
+    SolverSettings,
+    build_model,
+    plan_from_times,
+    relabel_identical_devices,
+    solve_model,
+    whole_problem,
+)
+from moirai.solve.search import DEFAULT_WINDOW_TASKS, improve_by_windows
+
+# Heuristics tried for the start plan, most promising first; absent ones are skipped. The numbers
+# are seconds per (1,000 tasks)^1.4 measured on this machine (2 cores, 2026-11): a heuristic whose
+# predicted time does not fit what is left of the start-plan budget is not started.
+WARM_START_PLACERS = {
+    "heft": 0.12,
+    "single": 0.001,
+    "expert": 0.001,
+    "round_robin": 0.001,
+    "m_topo": 0.01,
+    "cp_pct": 0.03,
+    "m_etf": 0.12,
+    "getf": 0.25,
+    "m_sct": 1.1,
+    "hash": 0.04,
+}
+_SIMULATE_S_PER_TASK = 4e-5
+FULL_MODEL_MAX_TASKS = 24
+STRATEGIES = ("auto", "full", "windows")
+_HEURISTIC_SHARE = 0.3  # of the budget, at most, for start plans on a large problem
+_SAFETY_S = 0.05
+
+
+@register("milp")
+def place_milp(
+    problem: Problem,
+    solver: str = "highs",
+    time_limit_s: float = 60.0,
+    mip_gap: float = 1e-4,
+    threads: int | None = None,
+    formulation: str = "strong",
+    strategy: str = "auto",
+    window_tasks: int = DEFAULT_WINDOW_TASKS,
+    progress: bool | None = None,
+) -> Plan:
+    """Place and schedule ``problem`` with the MILP within ``time_limit_s`` seconds of wall time.
+
+    ``solver``: ``"highs"`` or ``"gurobi"`` (falls back to HiGHS with a warning when Gurobi cannot
+    take the model). ``mip_gap``: relative gap at which a whole-model solve stops. ``threads``:
+    solver threads (solver default if None). ``formulation``: ``"strong"`` or the paper's literal
+    ``"paper"``. ``strategy``: ``"auto"`` (whole model up to ``FULL_MODEL_MAX_TASKS`` tasks, window
+    search beyond), ``"full"`` or ``"windows"``. ``window_tasks``: tasks freed per window.
+    ``progress``: a rich status line on stderr (default: when stderr is a terminal).
+    """
+    deadline = time.perf_counter() + time_limit_s
+    if solver not in SOLVERS:
+        raise MoiraiError(f"unknown solver {solver!r}; choose one of {SOLVERS}")
+    if formulation not in FORMULATIONS:
+        raise MoiraiError(f"unknown formulation {formulation!r}; choose one of {FORMULATIONS}")
+    if strategy not in STRATEGIES:
+        raise MoiraiError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    check_memory_feasible(problem)
+    show = sys.stderr.isatty() if progress is None else progress
+    status = _status() if show else None
+    with status if status is not None else nullcontext():
+        report = status.update if status is not None else (lambda _: None)
+        settings = SolverSettings(solver, time_limit_s, mip_gap, threads, report if show else None)
+        start_plan, timeline, heuristic_makespans = _best_heuristic(problem, deadline, report)
+        finish_by = deadline - _finishing_time(problem)
+        whole = strategy == "full" or (strategy == "auto" and problem.num_tasks <= FULL_MODEL_MAX_TASKS)
+        if whole:
+            plan, timeline, info = _solve_whole(problem, start_plan, timeline, settings, formulation, finish_by)
+        elif start_plan is None:
+            raise InfeasibleError(
+                "no heuristic found a placement that fits memory and the graph is too large for one MILP "
+                f"(model needs {format_bytes(float(problem.memory_bytes.sum()))}, cluster has "
+                f"{format_bytes(float(problem.memory_capacity_bytes.sum()))}); add memory or devices"
+            )
+        else:
+            report("window search")
+            search = improve_by_windows(problem, start_plan, timeline, finish_by, settings, window_tasks, report)
+            plan, timeline = search.plan, search.timeline
+            info = {
+                "strategy": "windows",
+                "windows_tried": search.windows_tried,
+                "windows_improved": search.windows_improved,
+                "window_tasks": window_tasks,
+                "history": search.history,
+            }
+    final = _with_transfer_order(problem, plan, timeline)
+    final.placer = "milp"
+    final.lower_bound_s = max(lower_bound(problem), info.get("solver_bound_s") or 0.0)
+    final.info = {**info, "heuristics": heuristic_makespans, "solver": solver, "formulation": formulation}
+    return final
+
+
+def _status() -> Any:
+    from rich.console import Console
+
+    # Solvers may capture the process's stderr while they run; draw on a copy of it.
+    console = Console(file=os.fdopen(os.dup(2), "w"), stderr=True)
+    return console.status("[bold]milp[/] start plans")
+
+
+def _best_heuristic(
+    problem: Problem, deadline: float, report: Any
+) -> tuple[Plan | None, Timeline | None, dict[str, float]]:
+    """The memory-feasible heuristic plan with the shortest simulated makespan, and every makespan."""
+    available = set(placers())
+    started = time.perf_counter()
+    budget = (deadline - started) * _HEURISTIC_SHARE
+    best: tuple[Plan, Timeline] | None = None
+    makespans: dict[str, float] = {}
+    for name, cost in WARM_START_PLACERS.items():
+        predicted = cost * (problem.num_tasks / 1000) ** 1.4 + _SIMULATE_S_PER_TASK * problem.num_tasks
+        if name not in available or (best is not None and time.perf_counter() - started + predicted > budget):
+            continue
+        report(f"start plan: {name}")
+        try:
+            plan = get_placer(name)(problem)
+            timeline = simulate(problem, plan)
+        except MoiraiError:
+            continue  # e.g. a heuristic that cannot respect memory here
+        except Exception as error:  # noqa: BLE001 - one broken heuristic must not stop the MILP
+            warnings.warn(f"heuristic {name!r} failed ({type(error).__name__}: {error}); skipping it", stacklevel=3)
+            continue
+        if not timeline.fits_memory:
+            continue
+        makespans[name] = timeline.makespan
+        if best is None or timeline.makespan < best[1].makespan:
+            best = (plan, timeline)
+    if best is None:
+        return None, None, makespans
+    return best[0], best[1], makespans
+
+
+def _solve_whole(
+    problem: Problem,
+    start_plan: Plan | None,
+    timeline: Timeline | None,
+    settings: SolverSettings,
+    formulation: str,
+    deadline: float,
+) -> tuple[Plan, Timeline, dict[str, Any]]:
+    """The full MILP, warm-started from ``start_plan``; falls back to it if the solver finds nothing better."""
+    if start_plan is not None and formulation == "strong":
+        start_plan, timeline = _relabeled(problem, start_plan)
+    horizon = timeline.makespan if timeline is not None else _serial_upper_bound(problem)
+    built = build_model(problem, whole_problem(problem, horizon), formulation)
+    remaining = deadline - time.perf_counter() - _SAFETY_S
+    info: dict[str, Any] = {
+        "strategy": "full",
+        "binaries": built.size.binaries,
+        "constraints": built.size.constraints,
+        "build_s": built.size.build_s,
+    }
+    if remaining <= 0.05:
+        warnings.warn("the time budget ran out building the MILP; returning the best heuristic plan", stacklevel=3)
+        return _fallback(problem, start_plan, timeline, info)
+    settings = replace(settings, time_limit_s=remaining)
+    solution = solve_model(built, settings, timeline)
+    info.update(
+        solver_status=solution.status,
+        solver_used=solution.solver,
+        solver_objective_s=solution.objective_s,
+        solver_bound_s=solution.bound_s,
+        solve_s=solution.solve_s,
+        solver_log_tail=solution.log_tail[-8:],
+    )
+    if not solution.has_solution:
+        if solution.status.startswith(("error", "unavailable")):
+            warnings.warn(f"the MILP solver failed ({solution.status}); using the best heuristic plan", stacklevel=3)
+        return _fallback(problem, start_plan, timeline, info)
+    placement = np.array([solution.placement[i] for i in range(problem.num_tasks)])
+    start = np.array([solution.start_s[i] for i in range(problem.num_tasks)])
+    plan = plan_from_times(problem, placement, start, solution.transfer_start_s, "milp")
+    solved = simulate(problem, plan)
+    if timeline is not None and solved.makespan > timeline.makespan:
+        return start_plan, timeline, info
+    return plan, solved, info
+
+
+def _fallback(
+    problem: Problem, start_plan: Plan | None, timeline: Timeline | None, info: dict[str, Any]
+) -> tuple[Plan, Timeline, dict[str, Any]]:
+    if start_plan is None:
+        raise InfeasibleError(
+            "neither the heuristics nor the MILP found a placement that fits memory "
+            f"(model needs {format_bytes(float(problem.memory_bytes.sum()))}, cluster has "
+            f"{format_bytes(float(problem.memory_capacity_bytes.sum()))} over {problem.num_devices} devices); "
+            "add memory or devices, or give the MILP more time"
+        )
+    return start_plan, timeline, info
+
+
+def _relabeled(problem: Problem, plan: Plan) -> tuple[Plan, Timeline]:
+    """The same plan with identical devices renamed to obey the model's symmetry-breaking rows."""
+    mapping = relabel_identical_devices(problem, plan.placement)
+    order = None
+    if plan.order is not None:
+        by_device = [()] * problem.num_devices
+        for old, tasks in enumerate(plan.order):
+            by_device[mapping[old]] = tasks
+        order = tuple(by_device)
+    transfer_order = None
+    if plan.transfer_order is not None:
+        transfer_order = {(int(mapping[a]), int(mapping[b])): q for (a, b), q in plan.transfer_order.items()}
+    relabeled = Plan(mapping[plan.placement], plan.device_names, order, transfer_order, plan.placer)
+    return relabeled, simulate(problem, relabeled)
+
+
+def _with_transfer_order(problem: Problem, plan: Plan, timeline: Timeline) -> Plan:
+    """The plan (simulated as ``timeline``) with every device's and link's order written out as it ran."""
+    order = plan.order if plan.order is not None else timeline.device_order()
+    explicit = Plan(plan.placement, plan.device_names, order, timeline.transfer_order(), plan.placer)
+    explicit.makespan_s = simulate(problem, explicit).makespan
+    if explicit.makespan_s != timeline.makespan:  # a tie on a link replayed differently: keep the plan as it was
+        return replace(plan, makespan_s=timeline.makespan)
+    return explicit
+
+
+def _serial_upper_bound(problem: Problem) -> float:
+    """A makespan every placement beats: all work and every possible transfer one after another."""
+    compute = np.where(np.isfinite(problem.compute_s), problem.compute_s, 0.0).max(axis=1).sum()
+    transfers = np.where(np.isfinite(problem.transfer_s), problem.transfer_s, 0.0).max(axis=(1, 2))
+    return float(compute + transfers.sum() * problem.num_devices)
+
+
+def _finishing_time(problem: Problem) -> float:
+    """Time kept back for writing out the plan's orders and simulating it twice (here and in ``place``)."""
+    return 0.05 + 2 * _SIMULATE_S_PER_TASK * problem.num_tasks
