@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from moirai.errors import PlanError
 from moirai.graph import OpGraph, build_op_graph
 from moirai.placers import place
 from moirai.problem import Plan, Problem
-from moirai.runtime.distributed import run_distributed
+from moirai.runtime.distributed import run_distributed, run_rank
 from moirai.runtime.local import run_local
 from moirai.simulate import simulate
 from moirai.split import SplitProgram, split_module
@@ -60,6 +61,17 @@ class CompiledModel:
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
         outputs = run_distributed(self.program, flat_inputs, self.torch_devices, timeout_s=timeout_s)
         return self.traced.unflatten_outputs(outputs)
+
+    def run_rank(self, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> Any:
+        """Run this process's part under ``torchrun`` (rank and world size from its environment).
+
+        Rank 0 passes the inputs and gets the outputs; the other ranks may call it without
+        arguments and get ``None``. Every rank must have loaded the same plan (``moirai.load``).
+        """
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        flat_inputs = self.traced.flatten_inputs(args, kwargs) if rank == 0 else None
+        outputs = run_rank(self.program, rank, world_size, flat_inputs, self.torch_devices, timeout_s=timeout_s)
+        return None if outputs is None else self.traced.unflatten_outputs(outputs)
 
     @property
     def torch_devices(self) -> list[str]:

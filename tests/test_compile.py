@@ -80,3 +80,38 @@ def test_plan_with_unknown_device_or_missing_task_is_rejected(compiled: moirai.C
     missing = moirai.Plan(np.zeros(problem.num_tasks - 1, int), problem.device_names)
     with pytest.raises(PlanError, match="places .* tasks"):
         missing.check(problem)
+
+
+SERVE_SCRIPT = """
+import sys, torch, moirai
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)]).eval()
+x = torch.randn(4, 32)
+plan = sys.argv[2]
+if sys.argv[1] == "plan":
+    moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="round_robin").save(plan)
+else:
+    compiled = moirai.load(plan, model, example_inputs=(x,))
+    with torch.no_grad():
+        for _ in range(2):
+            y = compiled.run_rank(x)
+            if y is not None:
+                torch.testing.assert_close(y, model(x))
+                print("rank 0 outputs match")
+    torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_saved_plan_serves_under_torchrun(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    script, plan = tmp_path / "serve.py", tmp_path / "plan.json"
+    script.write_text(SERVE_SCRIPT)
+    subprocess.run([sys.executable, str(script), "plan", str(plan)], check=True, timeout=300)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = subprocess.run(
+        [*torchrun, str(script), "serve", str(plan)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.count("rank 0 outputs match") == 2
