@@ -8,6 +8,10 @@
 3. A larger one goes to the window search of :mod:`moirai.solve.search`: windows of the
    schedule re-solved as small MILPs, each kept only if the simulator confirms a shorter makespan.
 
+The budget is an upper limit, not a target: the search returns as soon as the makespan is within
+``mip_gap`` of the proven lower bound, or (window search) when no critical window improves the
+plan any more. ``info["stop_reason"]`` says which: "gap closed", "no improving window", "time limit".
+
 The returned plan carries the placement, every device's order and every link's transfer
 order, so the simulator replays the schedule found; ``lower_bound_s`` is the best proven bound
 (the solver's, or :func:`moirai.bounds.lower_bound`), ``info`` says what ran and how it ended.
@@ -35,6 +39,7 @@ from moirai.simulate import Timeline, simulate
 from moirai.solve.milp import (
     FORMULATIONS,
     SOLVERS,
+    MilpSolution,
     SolverSettings,
     build_model,
     plan_from_times,
@@ -42,7 +47,13 @@ from moirai.solve.milp import (
     solve_model,
     whole_problem,
 )
-from moirai.solve.search import DEFAULT_WINDOW_TASKS, improve_by_windows
+from moirai.solve.search import (
+    DEFAULT_WINDOW_TASKS,
+    STOP_GAP_CLOSED,
+    STOP_TIME_LIMIT,
+    gap_closed,
+    improve_by_windows,
+)
 
 # Heuristics tried for the start plan, most promising first; absent ones are skipped. The numbers
 # are seconds per (1,000 tasks)^1.4 measured on this machine (2 cores, 2026-11): a heuristic whose
@@ -81,7 +92,7 @@ def place_milp(
     """Place and schedule ``problem`` with the MILP within ``time_limit_s`` seconds of wall time.
 
     ``solver``: ``"highs"`` or ``"gurobi"`` (falls back to HiGHS with a warning when Gurobi cannot
-    take the model). ``mip_gap``: relative gap at which a whole-model solve stops. ``threads``:
+    take the model). ``mip_gap``: relative gap to the proven lower bound at which the search stops. ``threads``:
     solver threads (solver default if None). ``formulation``: ``"strong"`` or the paper's literal
     ``"paper"``. ``strategy``: ``"auto"`` (whole model up to ``FULL_MODEL_MAX_TASKS`` tasks, window
     search beyond), ``"full"`` or ``"windows"``. ``window_tasks``: tasks freed per window.
@@ -102,8 +113,11 @@ def place_milp(
         settings = SolverSettings(solver, time_limit_s, mip_gap, threads, report if show else None)
         start_plan, timeline, heuristic_makespans = _best_heuristic(problem, deadline, report)
         finish_by = deadline - _finishing_time(problem)
+        bound_s = lower_bound(problem)
         whole = strategy == "full" or (strategy == "auto" and problem.num_tasks <= FULL_MODEL_MAX_TASKS)
-        if whole:
+        if whole and timeline is not None and gap_closed(timeline.makespan, bound_s, mip_gap):
+            plan, info = start_plan, {"strategy": "full", "stop_reason": STOP_GAP_CLOSED}
+        elif whole:
             plan, timeline, info = _solve_whole(problem, start_plan, timeline, settings, formulation, finish_by)
         elif start_plan is None:
             raise InfeasibleError(
@@ -113,18 +127,22 @@ def place_milp(
             )
         else:
             report("window search")
-            search = improve_by_windows(problem, start_plan, timeline, finish_by, settings, window_tasks, report)
+            search = improve_by_windows(
+                problem, start_plan, timeline, finish_by, settings, window_tasks, report, lower_bound_s=bound_s
+            )
             plan, timeline = search.plan, search.timeline
             info = {
                 "strategy": "windows",
+                "stop_reason": search.stop_reason,
                 "windows_tried": search.windows_tried,
                 "windows_improved": search.windows_improved,
+                "windows_unproven": search.windows_unproven,
                 "window_tasks": window_tasks,
                 "history": search.history,
             }
     final = _with_transfer_order(problem, plan, timeline)
     final.placer = "milp"
-    final.lower_bound_s = max(lower_bound(problem), info.get("solver_bound_s") or 0.0)
+    final.lower_bound_s = max(bound_s, info.get("solver_bound_s") or 0.0)
     final.info = {**info, "heuristics": heuristic_makespans, "solver": solver, "formulation": formulation}
     return final
 
@@ -191,10 +209,11 @@ def _solve_whole(
     }
     if remaining <= 0.05:
         warnings.warn("the time budget ran out building the MILP; returning the best heuristic plan", stacklevel=3)
-        return _fallback(problem, start_plan, timeline, info)
+        return _fallback(problem, start_plan, timeline, {**info, "stop_reason": STOP_TIME_LIMIT})
     settings = replace(settings, time_limit_s=remaining)
     solution = solve_model(built, settings, timeline)
     info.update(
+        stop_reason=_stop_reason(solution),
         solver_status=solution.status,
         solver_used=solution.solver,
         solver_objective_s=solution.objective_s,
@@ -213,6 +232,15 @@ def _solve_whole(
     if timeline is not None and solved.makespan > timeline.makespan:
         return start_plan, timeline, info
     return plan, solved, info
+
+
+def _stop_reason(solution: MilpSolution) -> str:
+    """Why the whole-model solve ended, in the words the window search uses where they apply."""
+    if solution.optimal:
+        return STOP_GAP_CLOSED  # the solver proved the gap at most ``mip_gap``
+    if "timelimit" in solution.status.lower().replace(" ", ""):  # HiGHS: "Time limit reached"; Gurobi: maxTimeLimit
+        return STOP_TIME_LIMIT
+    return f"solver: {solution.status}"
 
 
 def _fallback(

@@ -105,7 +105,7 @@ class SolverSettings:
     time_limit_s: float = 60.0
     mip_gap: float = 1e-4
     threads: int | None = None
-    report: Callable[[str], None] | None = None  # receives the solver's progress lines
+    report: Callable[[str], None] | None = None  # receives status lines: incumbent, bound and gap in ms
 
 
 @dataclass(frozen=True)
@@ -600,13 +600,28 @@ def warm_start_values(built: MilpModel, timeline: Timeline) -> ComponentMap:
     return values
 
 
-class _LogStream(io.TextIOBase):
-    """Keeps the last lines of the solver's log and passes its progress lines (they show a gap) on."""
+def progress_text(stage: str, incumbent_s: float | None, bound_s: float | None) -> str:
+    """``stage: incumbent 1.2345 ms, bound 1.1000 ms, gap 10.9%``: a status line in the problem's own time."""
+    has_incumbent = incumbent_s is not None and math.isfinite(incumbent_s)
+    has_bound = bound_s is not None and math.isfinite(bound_s)
+    incumbent = f"{incumbent_s * 1e3:.4f} ms" if has_incumbent else "none yet"
+    bound = f"{bound_s * 1e3:.4f} ms" if has_bound else "none yet"
+    gap = "?"
+    if has_incumbent and has_bound and incumbent_s > 0:
+        gap = f"{max(0.0, incumbent_s - bound_s) / incumbent_s:.2%}"
+    return f"{stage}: incumbent {incumbent}, bound {bound}, gap {gap}"
 
-    def __init__(self, report: Callable[[str], None] | None) -> None:
+
+class _LogStream(io.TextIOBase):
+    """Keeps the last lines of the solver's log; passes Gurobi's progress lines on to ``progress``.
+
+    A Gurobi progress line ends its columns with ``... Incumbent BestBd Gap% ...``.
+    """
+
+    def __init__(self, progress: Callable[[float, float], None] | None) -> None:
         self.lines: list[str] = []
         self._partial = ""
-        self._report = report
+        self._progress = progress
 
     def writable(self) -> bool:
         return True
@@ -618,9 +633,26 @@ class _LogStream(io.TextIOBase):
             if line.strip():
                 self.lines.append(line.rstrip())
                 del self.lines[:-_LOG_LINES_KEPT]
-                if self._report is not None and "%" in line:
-                    self._report(f"MILP {' '.join(line.split())}")
+                if self._progress is not None:
+                    self._pass_on_progress(line.split())
         return len(text)
+
+    def _pass_on_progress(self, words: list[str]) -> None:
+        gap_at = next((n for n, word in enumerate(words) if word.endswith("%")), None)
+        if gap_at is None or gap_at < 2:
+            return
+        try:
+            incumbent, bound = float(words[gap_at - 2]), float(words[gap_at - 1])
+        except ValueError:
+            return  # a "-" where no incumbent exists yet, or a line that is not a progress line
+        self._progress(incumbent, bound)
+
+
+def _progress_in_seconds(report: Callable[[str], None] | None, unit_s: float) -> Callable[[float, float], None] | None:
+    """Turns the solver's (incumbent, bound) in model units into a status line for ``report``."""
+    if report is None:
+        return None
+    return lambda incumbent, bound: report(progress_text("MILP", incumbent * unit_s, bound * unit_s))
 
 
 def solve_model(built: MilpModel, settings: SolverSettings, warm_start: Timeline | None = None) -> MilpSolution:
@@ -640,11 +672,13 @@ def solve_model(built: MilpModel, settings: SolverSettings, warm_start: Timeline
 def _solve_with(
     built: MilpModel, settings: SolverSettings, values: ComponentMap | None, solver_name: str
 ) -> MilpSolution:
-    log = _LogStream(settings.report)
+    progress = _progress_in_seconds(settings.report, built.unit_s)
+    # HiGHS reports its bounds through a callback; Gurobi's only come in its log.
+    log = _LogStream(progress if solver_name == "gurobi" else None)
     started = time.perf_counter()
     run = _run_highs if solver_name == "highs" else _run_gurobi
     try:
-        outcome = run(built, settings, values, log)
+        outcome = run(built, settings, values, log, progress)
     except Exception as error:  # noqa: BLE001 - a failing solver must fall back, never crash the placer
         kind = "unavailable" if _is_licence_or_missing(error) else "error"
         message = f"{kind}: {type(error).__name__}: {error}".splitlines()[0]
@@ -688,8 +722,12 @@ def run_highs(
     mip_gap: float = 1e-4,
     threads: int | None = None,
     log: io.TextIOBase | None = None,
+    progress: Callable[[float, float], None] | None = None,
 ) -> SolverOutcome:
     """Solve a Pyomo model with HiGHS from an optional start (values of its variables), within ``time_limit_s``.
+
+    HiGHS stops as soon as it proves the relative gap at most ``mip_gap``. ``progress`` receives
+    the incumbent's objective and the bound (model units) at every line of HiGHS's MIP log.
 
     The model goes to HiGHS the way Pyomo writes it (LP format), which loads an order of
     magnitude faster than Pyomo's persistent HiGHS interface and lets the start be set. The
@@ -700,6 +738,10 @@ def run_highs(
     highs.setOptionValue("log_to_console", False)
     if log is not None:
         highs.cbLogging.subscribe(lambda event: log.write(event.message))
+    if progress is not None:
+        highs.cbMipLogging.subscribe(
+            lambda event: progress(event.data_out.mip_primal_bound, event.data_out.mip_dual_bound)
+        )
     with tempfile.TemporaryDirectory(prefix="moirai-milp-") as folder:
         path = os.path.join(folder, "model.lp")
         with open(path, "w") as stream:
@@ -741,13 +783,21 @@ def run_highs(
 
 
 def _run_highs(
-    built: MilpModel, settings: SolverSettings, values: ComponentMap | None, log: _LogStream
+    built: MilpModel,
+    settings: SolverSettings,
+    values: ComponentMap | None,
+    log: _LogStream,
+    progress: Callable[[float, float], None] | None,
 ) -> SolverOutcome:
-    return run_highs(built.model, values, settings.time_limit_s, settings.mip_gap, settings.threads, log)
+    return run_highs(built.model, values, settings.time_limit_s, settings.mip_gap, settings.threads, log, progress)
 
 
 def _run_gurobi(
-    built: MilpModel, settings: SolverSettings, values: ComponentMap | None, log: _LogStream
+    built: MilpModel,
+    settings: SolverSettings,
+    values: ComponentMap | None,
+    log: _LogStream,
+    progress: Callable[[float, float], None] | None,  # fed from the log instead
 ) -> SolverOutcome:
     from pyomo.contrib.solver.solvers.gurobi.gurobi_direct import GurobiDirect
 
