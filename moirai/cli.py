@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moirai", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="plan a bundled model on a bundled cluster, run it split, check outputs")
-    demo.add_argument("--placer", default="heft")
+    demo.add_argument("--placer", default="milp")
+    demo.add_argument("--time-limit", type=float, default=20.0, help="seconds the milp placer may take")
     plan = commands.add_parser("plan", help="place a Problem given as JSON and print the plan")
     plan.add_argument("problem", help="path of a Problem JSON file (see README)")
     plan.add_argument("--placer", default="heft")
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     try:
         if args.command == "demo":
-            return 0 if moirai.demo.run_demo(args.placer, console) else 1
+            return 0 if moirai.demo.run_demo(args.placer, console, args.time_limit) else 1
         if args.command == "plan":
             return _plan(args, console)
         if args.command == "calibrate":

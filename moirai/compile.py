@@ -2,7 +2,7 @@
 
 Example::
 
-    cm = moirai.compile(model, ["cpu", "cpu", "cpu"], example_inputs=(x,), placer="heft")
+    cm = moirai.compile(model, ["cpu", "cpu", "cpu"], example_inputs=(x,), placer="milp", time_limit_s=30)
     cm.summary()          # plan per device
     y = cm(x)             # local runner: every part from this process
     y = cm.run_distributed(x)   # one process per device, torch.distributed send/recv
@@ -123,7 +123,7 @@ def compile(
     devices: Cluster | Sequence[str],
     example_inputs: tuple = (),
     example_kwargs: dict[str, Any] | None = None,
-    placer: str = "heft",
+    placer: str = "milp",
     fusion_rules: str | Path = "default",
     target_nodes: int | None = None,
     cost: str = "analytic",

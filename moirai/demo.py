@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 from rich.console import Console
+from rich.table import Table
 
 import moirai
 from moirai.devices import Cluster, Device
@@ -68,7 +69,26 @@ def demo_cluster() -> Cluster:
     return Cluster(devices, bandwidth, latency)
 
 
-def run_demo(placer: str = "heft", console: Console | None = None) -> bool:
+BASELINES = ("heft", "m_sct", "m_etf", "getf", "cp_pct", "expert", "single")
+
+
+def compare_placers(problem: moirai.Problem, plan: moirai.Plan, console: Console) -> None:
+    """Simulated latency of the chosen plan next to the published heuristics' on the same problem."""
+    table = Table(title="the same problem placed by the baselines (simulated latency)")
+    for column in ("placer", "latency", "moirai's speedup"):
+        table.add_column(column, justify="left" if column == "placer" else "right")
+    table.add_row(plan.placer, f"{plan.makespan_s * 1e3:.3f} ms", "")
+    for name in BASELINES:
+        try:
+            baseline = moirai.place(problem, placer=name)
+        except moirai.InfeasibleError:
+            table.add_row(name, "does not fit", "")
+            continue
+        table.add_row(name, f"{baseline.makespan_s * 1e3:.3f} ms", f"{baseline.makespan_s / plan.makespan_s:.2f}x")
+    console.print(table)
+
+
+def run_demo(placer: str = "milp", console: Console | None = None, time_limit_s: float = 20.0) -> bool:
     console = console or Console()
     torch.manual_seed(0)
     model = TinyDecoder().eval()
@@ -82,9 +102,11 @@ def run_demo(placer: str = "heft", console: Console | None = None) -> bool:
         )
     )
     start = time.perf_counter()
-    compiled = moirai.compile(model, cluster, example_inputs=(tokens,), placer=placer)
+    options = {"time_limit_s": time_limit_s} if placer == "milp" else {}
+    compiled = moirai.compile(model, cluster, example_inputs=(tokens,), placer=placer, **options)
     console.print(f"compiled in {time.perf_counter() - start:.1f} s")
     compiled.summary(console)
+    compare_placers(compiled.problem, compiled.plan, console)
     with torch.no_grad():
         expected = model(tokens)
         actual = compiled.run_distributed(tokens)
