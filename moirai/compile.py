@@ -23,6 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from moirai.bounds import format_bytes
 from moirai.coarsen import coarsen
 from moirai.cost import activation_peak_bytes, build_problem
 from moirai.devices import Cluster
@@ -91,8 +92,8 @@ class CompiledModel:
                 device.torch_device,
                 str(len(tasks)),
                 str(sum(len(self.graph.nodes[i].targets) for i in tasks)),
-                _format_bytes(timeline.memory_bytes[k]),
-                f"{_format_bytes(timeline.memory_bytes[k] + reserve)} / {_format_bytes(device.memory_bytes)}",
+                format_bytes(timeline.memory_bytes[k]),
+                f"{format_bytes(timeline.memory_bytes[k] + reserve)} / {format_bytes(device.memory_bytes)}",
                 _format_seconds(timeline.busy_s[k]),
             )
         lower = self.plan.lower_bound_s
@@ -189,13 +190,6 @@ def _split(
             "the model or its example inputs differ from the ones planned: compile again"
         )
     return split_module(traced, node_device, num_devices, device_order)
-
-
-def _format_bytes(num_bytes: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{num_bytes:.0f} B"
 
 
 def _format_seconds(seconds: float) -> str:
