@@ -320,3 +320,23 @@ def test_solver_failure_falls_back_to_the_best_heuristic_with_a_warning(monkeypa
     with pytest.warns(UserWarning, match="solver failed"):
         plan = place(problem, "milp", time_limit_s=5)
     assert plan.makespan_s == pytest.approx(min(plan.info["heuristics"].values()))
+
+
+def test_a_plan_over_memory_from_the_search_is_never_returned(monkeypatch):
+    base = random_layered_problem(60, 3, seed=5)
+    memory = np.random.default_rng(5).uniform(0.5, 1.5, base.num_tasks)
+    capacity = np.full(base.num_devices, memory.sum() / base.num_devices * 1.1)
+    problem = replace(base, memory_bytes=memory, memory_capacity_bytes=capacity)
+    milp_placer = importlib.import_module("moirai.placers.milp")
+    real_search = milp_placer.improve_by_windows
+
+    def overflowing_search(problem, start_plan, *args, **kwargs):
+        # What merging two windows that each fit could do: everything on one device.
+        result = real_search(problem, start_plan, *args, **kwargs)
+        crowded = Plan(np.zeros(problem.num_tasks, int), problem.device_names)
+        return replace(result, plan=crowded, timeline=simulate(problem, crowded))
+
+    monkeypatch.setattr(milp_placer, "improve_by_windows", overflowing_search)
+    with pytest.warns(UserWarning, match="over memory"):
+        plan = place(problem, placer="milp", time_limit_s=3, strategy="windows")
+    assert simulate(problem, plan).fits_memory

@@ -140,6 +140,10 @@ def place_milp(
                 "window_tasks": window_tasks,
                 "history": search.history,
             }
+    if not timeline.fits_memory:
+        # The model and the search enforce memory; this guards the promise, never a silent overflow.
+        warnings.warn("the MILP search produced a plan over memory; using the best heuristic plan", stacklevel=2)
+        plan, timeline, info = _fallback(problem, start_plan, start_plan and simulate(problem, start_plan), info)
     final = _with_transfer_order(problem, plan, timeline)
     final.placer = "milp"
     final.lower_bound_s = max(bound_s, info.get("solver_bound_s") or 0.0)

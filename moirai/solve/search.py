@@ -154,7 +154,7 @@ def _keep_confirmed(
     deadline: float,
 ) -> tuple[bool, int]:
     """Put into ``result`` the first of (all improving windows merged, then each alone, largest gain first)
-    whose simulation shortens the makespan. Returns whether one was kept and how many were simulated.
+    whose simulation fits memory and shortens the makespan. Returns whether one was kept and how many were simulated.
     """
     alone = [[window] for window in sorted(improved, key=lambda w: w[0], reverse=True)]
     attempts = alone if len(improved) == 1 else [improved, *alone]
@@ -166,7 +166,10 @@ def _keep_confirmed(
             # Link orders taken from two schedules can contradict the device orders; first ready, first sent cannot.
             candidate = replace(candidate, transfer_order=None)
             candidate_timeline = simulate(problem, candidate)
-        if candidate_timeline.makespan < result.timeline.makespan * (1 - _IMPROVEMENT):
+        # Each window respects memory against the current plan; windows merged together may not.
+        if candidate_timeline.fits_memory and candidate_timeline.makespan < result.timeline.makespan * (
+            1 - _IMPROVEMENT
+        ):
             result.plan, result.timeline = candidate, candidate_timeline
             result.windows_improved += len(attempt)
             return True, count
