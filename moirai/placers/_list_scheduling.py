@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moirai.bounds import format_bytes
 from moirai.errors import InfeasibleError
 from moirai.problem import Plan, Problem
 
@@ -206,39 +207,19 @@ def topological_rank(problem: Problem) -> np.ndarray:
     return rank
 
 
-def check_fits_at_all(problem: Problem, placer: str) -> None:
-    """Raise :class:`InfeasibleError` unless the cluster's memory could hold the model and every task."""
-    runnable = np.isfinite(problem.compute_s) & (problem.memory_bytes[:, None] <= problem.memory_capacity_bytes)
-    homeless = np.flatnonzero(~runnable.any(axis=1))
-    if problem.memory_bytes.sum() > problem.memory_capacity_bytes.sum() or homeless.size:
-        task = int(homeless[0]) if homeless.size else int(np.argmax(problem.memory_bytes))
-        raise memory_error(problem, placer, task, np.zeros(problem.num_devices))
-
-
 def memory_error(problem: Problem, placer: str, task: int, used_bytes: np.ndarray) -> InfeasibleError:
-    """The error a memory-aware placer raises when ``task`` fits on no device any more."""
-    need = float(problem.memory_bytes.sum())
-    have = float(problem.memory_capacity_bytes.sum())
-    task_bytes = problem.memory_bytes[task]
-    runnable = np.isfinite(problem.compute_s[task])
-    if need > have:
-        reason = f"the model needs {need / 1e9:.3f} GB and the cluster has {have / 1e9:.3f} GB in total"
-        advice = "add devices or memory, or lower the model's footprint (e.g. fp16)"
-    elif not (runnable & (task_bytes <= problem.memory_capacity_bytes)).any():
-        reason = (
-            f"task {problem.task_names[task]!r} needs {task_bytes / 1e9:.3f} GB and no device that can run it "
-            f"has that much (the model needs {need / 1e9:.3f} GB, the cluster has {have / 1e9:.3f} GB)"
-        )
-        advice = "split the task (less fusion) or add a larger device"
-    else:
-        free = ", ".join(
-            f"{name}: {max(cap - used, 0.0) / 1e9:.3f} GB free"
-            for name, cap, used in zip(problem.device_names, problem.memory_capacity_bytes, used_bytes, strict=True)
-        )
-        reason = (
-            f"the model needs {need / 1e9:.3f} GB and the cluster has {have / 1e9:.3f} GB in total, "
-            f"but {placer}'s greedy placement left no device with room for task {problem.task_names[task]!r} "
-            f"({task_bytes / 1e9:.3f} GB; {free})"
-        )
-        advice = "try the 'milp' placer or another baseline, or add memory"
-    return InfeasibleError(f"{placer} cannot fit the model: {reason}; {advice}")
+    """The error a greedy placer raises when ``task`` fits on no device any more, though the model fits the cluster.
+
+    Models that cannot fit at all are refused before placing, by :func:`moirai.bounds.check_memory_feasible`.
+    """
+    free = ", ".join(
+        f"{name}: {format_bytes(max(cap - used, 0.0))} free"
+        for name, cap, used in zip(problem.device_names, problem.memory_capacity_bytes, used_bytes, strict=True)
+    )
+    return InfeasibleError(
+        f"{placer} cannot fit the model: it needs {format_bytes(float(problem.memory_bytes.sum()))} and the cluster "
+        f"has {format_bytes(float(problem.memory_capacity_bytes.sum()))} in total, but {placer}'s greedy placement "
+        f"left no device with room for task {problem.task_names[task]!r} "
+        f"({format_bytes(float(problem.memory_bytes[task]))}; {free}); try the 'milp' placer or another baseline, "
+        "or add memory"
+    )

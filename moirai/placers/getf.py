@@ -33,9 +33,10 @@ from functools import partial
 
 import numpy as np
 
+from moirai.bounds import check_memory_feasible
 from moirai.placers import register
 from moirai.placers._linear_program import SparseLinearProgram
-from moirai.placers._list_scheduling import check_fits_at_all, earliest_time_first, list_schedule
+from moirai.placers._list_scheduling import earliest_time_first, list_schedule
 from moirai.problem import Plan, Problem
 
 
@@ -47,7 +48,7 @@ def place_getf(
     time_limit_s: float = 30.0,
     contention: bool = True,
 ) -> Plan:
-    check_fits_at_all(problem, "getf")
+    check_memory_feasible(problem)
     groups = speed_groups(problem, speed_ratio)
     task_group = group_assignment(problem, groups, integral, time_limit_s)
     allowed = np.zeros((problem.num_tasks, problem.num_devices), bool)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from functools import partial
 
+from moirai.bounds import check_memory_feasible
 from moirai.placers import register
 from moirai.placers._list_scheduling import (
     PartialSchedule,
-    check_fits_at_all,
     earliest_time_first,
     list_schedule,
     topological_rank,
@@ -29,6 +29,6 @@ def place_m_etf(problem: Problem, contention: bool = True) -> Plan:
 
 def m_etf_schedule(problem: Problem, contention: bool = True) -> PartialSchedule:
     """The m-ETF schedule of ``problem`` (start time of every task included)."""
-    check_fits_at_all(problem, "m_etf")
+    check_memory_feasible(problem)
     choose = partial(earliest_time_first, priority=topological_rank(problem))
     return list_schedule(problem, choose, "m_etf", contention)

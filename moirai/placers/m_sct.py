@@ -28,15 +28,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from moirai.bounds import check_memory_feasible
 from moirai.placers import register
 from moirai.placers._linear_program import SparseLinearProgram
-from moirai.placers._list_scheduling import Choice, ReadyTasks, check_fits_at_all, list_schedule, topological_rank
+from moirai.placers._list_scheduling import Choice, ReadyTasks, list_schedule, topological_rank
 from moirai.problem import Plan, Problem
 
 
 @register("m_sct")
 def place_m_sct(problem: Problem, threshold: float = 0.5, contention: bool = True) -> Plan:
-    check_fits_at_all(problem, "m_sct")
+    check_memory_feasible(problem)
     favourite = favourite_children(problem, threshold)
     priority = topological_rank(problem)
     schedule = list_schedule(problem, lambda ready: _sct_choice(ready, favourite, priority), "m_sct", contention)

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from moirai.bounds import check_memory_feasible
 from moirai.placers import register
-from moirai.placers._list_scheduling import check_fits_at_all, memory_error
+from moirai.placers._list_scheduling import memory_error
 from moirai.problem import Plan, Problem
 
 
 @register("m_topo")
 def place_m_topo(problem: Problem, uniform: bool = True) -> Plan:
-    check_fits_at_all(problem, "m_topo")
+    check_memory_feasible(problem)
     capacity = problem.memory_capacity_bytes
     if uniform:
         even_share = problem.memory_bytes.sum() / problem.num_devices + problem.memory_bytes.max(initial=0.0)

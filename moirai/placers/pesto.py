@@ -51,8 +51,9 @@ import numpy as np
 import pyomo.environ as pyo
 from pyomo.common.collections import ComponentMap
 
+from moirai.bounds import check_memory_feasible
 from moirai.placers import register
-from moirai.placers._list_scheduling import PartialSchedule, check_fits_at_all
+from moirai.placers._list_scheduling import PartialSchedule
 from moirai.placers.m_etf import m_etf_schedule
 from moirai.problem import Plan, Problem
 from moirai.solve.milp import run_highs
@@ -62,7 +63,7 @@ from moirai.solve.milp import run_highs
 def place_pesto(problem: Problem, target_tasks: int = 200, time_limit_s: float = 30.0) -> Plan:
     """Pesto's plan; ``time_limit_s`` is the wall-clock budget of the whole placer (the solver gets what is left)."""
     deadline = time.perf_counter() + time_limit_s
-    check_fits_at_all(problem, "pesto")
+    check_memory_feasible(problem)
     groups = coarsen(problem, target_tasks)
     coarse = merge_tasks(problem, groups)
     # m-ETF's schedule of the coarse graph is feasible for the ILP: its makespan bounds the optimum (big-M).
