@@ -4,11 +4,13 @@ Run: ``python -m bench.cost_fidelity [--models gpt3 googlenet ...] [--threads 1]
 
 Latency: for every small model of the bench zoo (plus a plain MLP), the predicted single-device
 latency is the sum of the compute times of its op groups on the local CPU, ``analytic``
-(roofline from the detected CPU) and ``measured`` (every group run alone, median of repeats);
-the reference is the real eager model, and the traced fx graph run whole (what moirai runs on one
-device: it skips eager's per-module Python overhead, as the op groups do). The graph is measured per op and
-coarsened into contiguous groups of ``--group-size`` ops in graph order (a stand-in for the
-coarsener: contiguous groups of a topological order keep the graph acyclic). Profiles go to a
+(roofline from the detected CPU) and ``measured`` (every group timed inside runs of the whole
+traced graph, median of repeats; see :mod:`moirai.cost`); the reference is the real eager model,
+and the traced fx graph run whole (what moirai runs on one device: it skips eager's per-module
+Python overhead, as the op groups do, but looks up every parameter through the module tree).
+The graph is measured per op and coarsened into contiguous groups of ``--group-size`` ops in
+graph order (a stand-in for the coarsener: contiguous groups of a topological order keep the
+graph acyclic). Profiles go to a
 fresh cache, so every number is measured in this run; real and measured alternate over ``--rounds``
 rounds and each column is the median over rounds. ``--threads`` sets torch's thread count for
 every run (1 by default: on a shared machine, multi-threaded timings wait on descheduled threads).

@@ -8,17 +8,24 @@ Compute time of every node (op or op group) on every device, two modes:
   :mod:`moirai.devices`). Ops the FLOP counter does not cover have 0 FLOPs and cost their bytes
   moved. The dtype of a node is that of its largest floating-point output (read from the traced
   model when one is given; float32 otherwise).
-* ``measured``: every node runs on the real device, as a small ``fx.GraphModule`` of its ops fed
-  with the values the full model produces on random inputs (integer inputs are zeros, weights on
-  the meta device are random): warm-up runs, then the median of repeated runs, each repeat
-  running every group once in graph order (so caches are as cold as in the model); runs are timed
-  with wall time unless another ``clock`` is given. Profiling holds the activations of one forward
-  pass of the model in memory. Times are cached
-  on disk (``$MOIRAI_CACHE_DIR``, else ``~/.cache/moirai``) keyed by the node's op signature
-  (targets, argument shapes, dtypes, strides, constants) and the device, so a second compile,
-  or a second identical layer, does not profile again. Every device of the cluster must be on
-  this machine; devices sharing a torch device share its measurements, taken with the current
-  ``torch.get_num_threads()``.
+* ``measured``: every node is timed inside runs of the whole model on the real device, with
+  random inputs of the traced shapes (integer inputs are zeros; weights on the meta device become
+  random). The traced graph is regenerated with each node's ops contiguous (nodes in a
+  topological order of ``graph``, ties in the model's op order; ops of a node in the model's
+  order) and a clock reading between nodes; a parameter is fetched by the first node that reads
+  it, and fx frees every value after its last use, as in the model's own run. So a node's time
+  is that of its ops with the memory and caches the model leaves them (fresh allocations,
+  outputs that stay live, the previous node's data in cache) and without a per-call overhead the
+  model does not have: the times add up to the run of the traced graph, which is what moirai
+  runs (each part is such a graph). Each node's time is the median over the repeats,
+  after warm-up runs, minus the clock's own cost (the median of spans with no op between two
+  readings). Readings use wall time unless another ``clock`` is given (``time.thread_time``
+  suits single-threaded CPU profiling on a shared machine). Times are cached on disk
+  (``$MOIRAI_CACHE_DIR``, else ``~/.cache/moirai``) keyed by the node's op signature (targets,
+  argument shapes, dtypes, strides, constants) and the device: nodes of one signature share the
+  median of their times, and a second compile reads the cache instead of profiling. Every device
+  of the cluster must be on this machine; devices sharing a torch device share its
+  measurements, taken with the current ``torch.get_num_threads()``.
 
 Communication: tensor ``t`` from device ``a`` to ``b`` takes ``latency[a, b] + bytes / bandwidth[a, b]``
 on the cluster's (routed) link matrices, 0 on one device.
@@ -47,6 +54,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import networkx as nx
 import numpy as np
 import torch
 import torch.fx as fx
@@ -57,9 +65,10 @@ from moirai.devices import Cluster, Device
 from moirai.errors import ClusterError
 from moirai.graph import OpGraph
 from moirai.problem import Problem
-from moirai.trace import TensorSpec, TracedModel
+from moirai.trace import TracedModel
 
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
+_EMPTY_SPANS = 4  # spans with no op in profiling runs, to time the clock itself
 
 
 def build_problem(
@@ -216,10 +225,11 @@ def profile_nodes(
     progress: bool = True,
     clock: Callable[[], float] = time.perf_counter,
 ) -> np.ndarray:
-    """Median time (s) of every node of ``graph`` run alone on ``torch_device``; disk-cached.
+    """Median time (s) of every node of ``graph`` on ``torch_device``, timed inside a run of the whole model.
 
     ``clock`` times the runs: wall time by default; ``time.thread_time`` counts only this thread's
     CPU time, which suits single-threaded CPU profiling on a machine shared with other work.
+    Nodes with equal op signatures share the median of their times; times are disk-cached.
     """
     if warmup < 0 or repeats < 1:
         raise ClusterError(f"profiling needs warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
@@ -230,14 +240,14 @@ def profile_nodes(
     missing = list(dict.fromkeys(s for s in signatures if s not in cache.times_s))
     if missing:
         module = _module_on(traced.graph_module, device)
-        values = _node_values(module, traced, device)
-        first_node_of = {s: i for i, s in reversed(list(enumerate(signatures)))}
-        groups = [
-            _group_module(module, [fx_nodes[f] for f in graph.nodes[first_node_of[s]].fx_names], values)
-            for s in missing
-        ]
-        medians = _median_times_s(groups, device, warmup, repeats, progress, clock)
-        cache.times_s.update(zip(missing, medians, strict=True))
+        order = _group_order(graph, traced.graph_module)
+        timed = _timed_module(module, [graph.nodes[i].fx_names for i in order], clock, device)
+        inputs = [_random_like(torch.empty(s.shape, dtype=s.dtype, device=device)) for s in traced.input_specs]
+        times = _in_situ_times_s(timed, inputs, warmup, repeats, progress, f"{len(order)} op groups on {device}")
+        occurrences: dict[str, list[float]] = {}
+        for index, time_s in zip(order, times, strict=True):
+            occurrences.setdefault(signatures[index], []).append(float(time_s))
+        cache.times_s.update({s: statistics.median(occurrences[s]) for s in missing})
         cache.save()
     return np.array([cache.times_s[s] for s in signatures])
 
@@ -279,12 +289,13 @@ def _check_local(device: Device) -> None:
 
 
 def _device_key(device: torch.device, clock: Callable[[], float]) -> str:
-    """What a measurement depends on besides the ops: the hardware, the thread count, torch, the clock."""
+    """What a measurement depends on besides the ops: the hardware, the thread count, torch, the clock
+    and how nodes are timed (in situ: profiles of nodes run alone, taken by earlier versions, differ)."""
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device.index or 0)
     else:
         hardware = f"{_cpu_model()} threads={torch.get_num_threads()}"
-    return f"{device.type}|{hardware}|torch {torch.__version__}|{clock.__name__}"
+    return f"{device.type}|{hardware}|torch {torch.__version__}|{clock.__name__}|in situ"
 
 
 def _cpu_model() -> str:
@@ -340,68 +351,81 @@ def _random_like(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
 
 
-class _ValueRecorder(fx.Interpreter):
-    """Runs the whole graph on random inputs of the traced specs and keeps every node's value."""
+def _group_order(graph: OpGraph, module: fx.GraphModule) -> list[int]:
+    """Node indices in a topological order of ``graph``, ties broken by the model's own op order."""
+    position = {n.name: p for p, n in enumerate(module.graph.nodes)}
+    covered = {f for node in graph.nodes for f in node.fx_names}
+    compute = {n.name for n in module.graph.nodes if n.op in ("call_function", "call_method", "call_module")}
+    if covered != compute:
+        raise ClusterError(
+            f"the graph's nodes cover {len(covered)} fx nodes but the traced model has {len(compute)} ops; "
+            "profile a graph built from this traced model (build_op_graph, then merges of it)"
+        )
+    first_op = [min(position[f] for f in node.fx_names) for node in graph.nodes]
+    try:
+        return list(nx.lexicographical_topological_sort(graph.to_networkx(), key=first_op.__getitem__))
+    except nx.NetworkXUnfeasible as cycle:
+        raise ClusterError(
+            "the op groups depend on each other in a cycle, so no run of the model executes each group in one "
+            "piece; merge only groups that keep the coarse graph acyclic"
+        ) from cycle
 
-    def __init__(self, module: fx.GraphModule, input_specs: Sequence[TensorSpec], device: torch.device) -> None:
-        super().__init__(module, garbage_collect_values=False)
-        self.pending_inputs = iter(input_specs)
-        self.device = device
 
-    def placeholder(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        spec = next(self.pending_inputs)
-        return _random_like(torch.empty(spec.shape, dtype=spec.dtype, device=self.device))
+def _timed_module(
+    module: fx.GraphModule, groups: Sequence[Sequence[str]], clock: Callable[[], float], device: torch.device
+) -> fx.GraphModule:
+    """``module``'s graph with every group's ops contiguous, groups in the given order, and a clock read
+    before the first and after every group; it returns ``(clock readings, model outputs)``, the readings
+    starting with ``_EMPTY_SPANS + 1`` empty spans.
 
+    Inputs come first, outside the timed spans; a parameter or buffer is fetched just before the
+    first op that reads it, in that op's span, as the model's run (or a part holding that op)
+    fetches it. fx code generation frees every value after its last use, as in the model's own
+    run, so the ops allocate and reuse memory as they will when the model runs.
+    """
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else None
 
-def _node_values(module: fx.GraphModule, traced: TracedModel, device: torch.device) -> dict[str, Any]:
-    """Value of every node of ``module`` (by name) when the model runs on random inputs."""
-    recorder = _ValueRecorder(module, traced.input_specs, device)
-    with torch.no_grad():
-        recorder.run()
-    return {n.name: value for n, value in recorder.env.items()}
+    def timestamp() -> float:
+        if synchronize is not None:
+            synchronize()
+        return clock()
 
-
-def _group_module(
-    module: fx.GraphModule, nodes: Sequence[fx.Node], values: dict[str, Any]
-) -> tuple[fx.GraphModule, list[Any]]:
-    """A GraphModule running ``nodes`` alone, and the values of its inputs."""
-    # ``nodes`` come from the traced graph; ``module`` may be a copy of it on another device.
+    position = {n.name: p for p, n in enumerate(module.graph.nodes)}
     own = {n.name: n for n in module.graph.nodes}
     graph = fx.Graph()
-    copies: dict[fx.Node, fx.Node] = {}
-    inputs: list[Any] = []
-    for original in nodes:
-        node = own[original.name]
-        for producer in node.all_input_nodes:
-            if producer not in copies:
-                copies[producer] = graph.placeholder(f"input_{len(inputs)}")
-                inputs.append(values[producer.name])
-        copies[node] = graph.node_copy(node, lambda n: copies[n])
-    graph.output(tuple(copies[own[n.name]] for n in nodes))
-    return fx.GraphModule(module, graph), inputs
+    copies = {node: graph.node_copy(node) for node in module.graph.find_nodes(op="placeholder")}
+    # Empty spans time the clock's own cost, which every span includes; the first reading after the
+    # inputs is slower than the rest (its code is cold), so the first span is only a warm-up.
+    stamps = [graph.call_function(timestamp) for _ in range(_EMPTY_SPANS + 2)]
+    for group in groups:
+        for name in sorted(group, key=position.__getitem__):
+            node = own[name]
+            # A parameter is looked up (through the module tree) by the first group that reads it.
+            for attribute in node.all_input_nodes:
+                if attribute.op == "get_attr" and attribute not in copies:
+                    copies[attribute] = graph.node_copy(attribute)
+            copies[node] = graph.node_copy(node, copies.__getitem__)
+        stamps.append(graph.call_function(timestamp))
+    (output,) = module.graph.find_nodes(op="output")
+    for attribute in module.graph.find_nodes(op="get_attr"):
+        copies.setdefault(attribute, graph.node_copy(attribute))
+    graph.output((tuple(stamps), fx.node.map_arg(output.args[0], copies.__getitem__)))
+    return fx.GraphModule(module, graph)
 
 
-def _median_times_s(
-    groups: Sequence[tuple[fx.GraphModule, list[Any]]],
-    device: torch.device,
-    warmup: int,
-    repeats: int,
-    progress: bool,
-    clock: Callable[[], float],
-) -> list[float]:
-    """Median time of every group; each repeat runs all groups in graph order, as the model does,
-    so a group finds the caches as the groups before it left them, not warm from its own last run."""
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: list[list[float]] = [[] for _ in groups]
+def _in_situ_times_s(
+    timed: fx.GraphModule, inputs: Sequence[torch.Tensor], warmup: int, repeats: int, progress: bool, what: str
+) -> np.ndarray:
+    """Per group of ``timed`` (see :func:`_timed_module`), the median over ``repeats`` runs of the time
+    between its clock readings, after ``warmup`` runs, minus the clock's own cost (the median empty span)."""
+    runs = []
     with torch.no_grad(), Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task(f"profiling {len(groups)} op groups on {device}", total=warmup + repeats)
+        task = bar.add_task(f"profiling {what}", total=warmup + repeats)
         for run in range(warmup + repeats):
-            for (group, inputs), group_times in zip(groups, times, strict=True):
-                synchronize()
-                start = clock()
-                group(*inputs)
-                synchronize()
-                if run >= warmup:
-                    group_times.append(clock() - start)
+            stamps, _ = timed(*inputs)
+            if run >= warmup:
+                runs.append(np.diff(stamps))
             bar.advance(task)
-    return [statistics.median(t) for t in times]
+    spans = np.array(runs)[:, 1:]
+    clock_cost = np.median(spans[:, :_EMPTY_SPANS])
+    return np.maximum(np.median(spans[:, _EMPTY_SPANS:], axis=0) - clock_cost, 0.0)

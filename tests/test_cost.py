@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moirai.cost as cost
 from moirai.calibrate import calibrate, fit_link
@@ -119,22 +123,22 @@ def test_node_dtypes_follow_the_traced_model() -> None:
 
 def test_measured_profiles_once_then_reads_the_cache(traced_two_layers, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     traced, graph = traced_two_layers
-    measured_groups = []
-    real_timer = cost._median_times_s
+    profiling_runs = []
+    real_timer = cost._in_situ_times_s
 
-    def counting_timer(groups, *args):  # noqa: ANN001, ANN002, ANN202
-        measured_groups.extend(groups)
-        return real_timer(groups, *args)
+    def counting_timer(timed, *args):  # noqa: ANN001, ANN002, ANN202
+        profiling_runs.append(timed)
+        return real_timer(timed, *args)
 
-    monkeypatch.setattr(cost, "_median_times_s", counting_timer)
+    monkeypatch.setattr(cost, "_in_situ_times_s", counting_timer)
     cluster = Cluster.from_devices(["cpu", "cpu"])
     first = build_problem(graph, cluster, "measured", traced, cache_dir=tmp_path, repeats=3, progress=False)
-    # The two Linear layers have the same signature: measured once. Linear, relu, (same Linear).
-    assert len(graph.nodes) == 3 and len(measured_groups) == 2
+    # Both devices are the local CPU: one profile. Linear, relu, Linear: the Linears share a signature.
+    assert len(graph.nodes) == 3 and len(profiling_runs) == 1
     assert first.compute_s.shape == (3, 2) and np.all(first.compute_s > 0)
     assert first.compute_s[0, 0] == first.compute_s[2, 0] == first.compute_s[0, 1]
     second = build_problem(graph, cluster, "measured", traced, cache_dir=tmp_path, repeats=3, progress=False)
-    assert len(measured_groups) == 2
+    assert len(profiling_runs) == 1
     np.testing.assert_array_equal(first.compute_s, second.compute_s)
     assert list((tmp_path / "profiles").glob("*.json"))
 
@@ -146,13 +150,104 @@ def test_measured_cache_dir_from_environment(traced_two_layers, tmp_path: Path, 
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
 
 
-def test_measured_group_runs_its_ops(traced_two_layers, tmp_path: Path) -> None:  # noqa: ANN001
+class Branches(nn.Module):
+    """relu feeds a chain neg -> exp -> tanh and, last in graph order, a sigmoid."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.relu(x)
+        return torch.tanh(torch.exp(torch.neg(a))), torch.sigmoid(a)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run and the tensors they made that are still alive: fake clocks for profiling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.live = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.live += 1
+                weakref.finalize(t, self.free)
+        return out
+
+    def free(self) -> None:
+        self.live -= 1
+
+
+@pytest.fixture(scope="module")
+def traced_branches():  # noqa: ANN201
+    traced = trace(Branches(), (torch.randn(4, 8),))
+    graph = build_op_graph(traced)
+    assert [n.targets for n in graph.nodes] == [
+        ("aten.relu.default",), ("aten.neg.default",), ("aten.exp.default",), ("aten.tanh.default",),
+        ("aten.sigmoid.default",),
+    ]
+    return traced, graph
+
+
+def profile_with_fake_clock(graph: OpGraph, traced, tmp_path: Path, reading: str) -> np.ndarray:  # noqa: ANN001
+    counter = OpCounter()
+    readings = iter(range(1_000_000))
+
+    def fake_clock() -> float:
+        # Each reading also advances the clock by 1: the clock's own cost, which profiling subtracts.
+        return float(getattr(counter, reading) + next(readings))
+
+    with counter:
+        return profile_nodes(graph, traced, "cpu", cache_dir=tmp_path, warmup=1, repeats=3, progress=False,
+                             clock=fake_clock)
+
+
+def test_measured_times_add_up_to_the_whole_run(traced_branches, tmp_path: Path) -> None:  # noqa: ANN001
+    traced, graph = traced_branches
+    # With a clock counting aten ops, a node's time is the number of its ops: nothing outside the ops
+    # (the clock's own cost, inputs, parameters) is charged to a node.
+    np.testing.assert_array_equal(profile_with_fake_clock(graph, traced, tmp_path, "ops"), [1, 1, 1, 1, 1])
+
+
+def test_measured_runs_each_group_in_one_piece(traced_branches, tmp_path: Path) -> None:  # noqa: ANN001
+    traced, graph = traced_branches
+    # The group of relu and sigmoid runs first (sigmoid moves up from last), then neg -> exp -> tanh.
+    grouped = graph.merge([[1, 2, 3], [0, 4]])
+    np.testing.assert_array_equal(profile_with_fake_clock(grouped, traced, tmp_path, "ops"), [3, 2])
+
+
+def test_measured_frees_values_after_their_last_use(traced_branches, tmp_path: Path) -> None:  # noqa: ANN001
+    traced, graph = traced_branches
+    # A clock reading the number of live tensors: each op adds its output, and its input is freed
+    # right after it unless a later op reads it (relu's output lives until sigmoid).
+    np.testing.assert_array_equal(profile_with_fake_clock(graph, traced, tmp_path, "live"), [1, 1, 0, 0, 0])
+
+
+def test_measured_nodes_of_one_signature_share_the_median_of_their_times(traced_two_layers, tmp_path: Path) -> None:  # noqa: ANN001
     traced, graph = traced_two_layers
-    values = cost._node_values(traced.graph_module, traced, torch.device("cpu"))
-    whole = [n for n in traced.graph_module.graph.nodes if n.name in graph.merge([[0, 1, 2]]).nodes[0].fx_names]
-    module, inputs = cost._group_module(traced.graph_module, whole, values)
-    outputs = module(*inputs)
-    torch.testing.assert_close(outputs[-1], values[whole[-1].name])
+    # Live tensors: the first Linear adds its output (its input is the caller's); relu and the second
+    # Linear each free their input. The two Linears share a signature: both get the median of 1 and 0.
+    np.testing.assert_array_equal(profile_with_fake_clock(graph, traced, tmp_path, "live"), [0.5, 0, 0.5])
+
+
+def test_measured_needs_an_acyclic_grouping_of_all_ops(traced_branches, tmp_path: Path) -> None:  # noqa: ANN001
+    traced, graph = traced_branches
+    with pytest.raises(ClusterError, match="cycle"):
+        profile_nodes(graph.merge([[0, 2], [1], [3], [4]]), traced, "cpu", cache_dir=tmp_path, progress=False)
+    partial = OpGraph(graph.nodes[:4], tuple(e for e in graph.edges if e.dst < 4), graph.parameter_bytes)
+    with pytest.raises(ClusterError, match="cover 4 fx nodes but the traced model has 5 ops"):
+        profile_nodes(partial, traced, "cpu", cache_dir=tmp_path, progress=False)
+
+
+def test_timed_module_returns_the_model_outputs(traced_two_layers) -> None:  # noqa: ANN001
+    traced, graph = traced_two_layers
+    x = torch.randn(8, 64)
+    timed = cost._timed_module(traced.graph_module, [n.fx_names for n in graph.nodes], time.perf_counter,
+                               torch.device("cpu"))
+    stamps, outputs = timed(x)
+    assert len(stamps) == cost._EMPTY_SPANS + 2 + len(graph.nodes) and list(stamps) == sorted(stamps)
+    torch.testing.assert_close(outputs, traced.graph_module(x))
 
 
 def test_measured_needs_local_devices(traced_two_layers, tmp_path: Path) -> None:  # noqa: ANN001
