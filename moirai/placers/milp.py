@@ -5,8 +5,12 @@
 2. A problem small enough for one model (``FULL_MODEL_MAX_TASKS``, measured with
    ``bench/milp_ablation.py``) is solved whole by :mod:`moirai.solve.milp`, warm-started from
    the best plan, with whatever time the budget has left after the heuristics and the build.
-3. A larger one goes to the window search of :mod:`moirai.solve.search`: windows of the
-   schedule re-solved as small MILPs, each kept only if the simulator confirms a shorter makespan.
+3. A larger one first gets a better start: HEFT re-run with a lookahead (how long the best plan
+   so far runs on after each task, on each device) while the simulator confirms a shorter makespan
+   (:mod:`moirai.solve.start_plans`; on random layered graphs of 3,000, 20,000 and 50,000 tasks it
+   gained 3.3%, 2.6% and 4.7% over HEFT, far more per second than windows at that size); then the window search of
+   :mod:`moirai.solve.search`: windows of the schedule re-solved as small MILPs, each kept only if
+   the simulator confirms a shorter makespan.
 
 The budget is an upper limit, not a target: the search returns as soon as the makespan is within
 ``mip_gap`` of the proven lower bound, or (window search) when no critical window improves the
@@ -43,6 +47,7 @@ from moirai.solve.milp import (
     SolverSettings,
     build_model,
     plan_from_times,
+    progress_text,
     relabel_identical_devices,
     solve_model,
     whole_problem,
@@ -50,10 +55,12 @@ from moirai.solve.milp import (
 from moirai.solve.search import (
     DEFAULT_WINDOW_TASKS,
     STOP_GAP_CLOSED,
+    STOP_NO_IMPROVING_WINDOW,
     STOP_TIME_LIMIT,
     gap_closed,
     improve_by_windows,
 )
+from moirai.solve.start_plans import improve_start_plan
 
 # Heuristics tried for the start plan, most promising first; absent ones are skipped. The numbers
 # are seconds per (1,000 tasks)^1.4 measured on this machine (2 cores, 2026-11): a heuristic whose
@@ -74,7 +81,14 @@ _SIMULATE_S_PER_TASK = 4e-5
 FULL_MODEL_MAX_TASKS = 24
 STRATEGIES = ("auto", "full", "windows")
 _HEURISTIC_SHARE = 0.3  # of the budget, at most, for start plans on a large problem
+# Of what is left after the heuristics, at most, for lookahead rounds (they stop earlier when they stall,
+# as they did within 3 s on 3,000 tasks): with 0.7 of a 120 s budget on 50,000 tasks the rounds were
+# still improving when stopped (4.81% below HEFT after 16) and the window search kept none of its 199
+# windows; with 0.9 they stalled on their own after 26 (4.85%). On 20,000 tasks (60 s) they stall with
+# time left either way and the window search adds 0.01% to their 2.6%.
+_LOOKAHEAD_SHARE = 0.9
 _SAFETY_S = 0.05
+_MIN_SEARCH_S = 0.3  # the window search needs more than this to solve a window
 
 
 @register("milp")
@@ -126,20 +140,9 @@ def place_milp(
                 f"{format_bytes(float(problem.memory_capacity_bytes.sum()))}); add memory or devices"
             )
         else:
-            report("window search")
-            search = improve_by_windows(
-                problem, start_plan, timeline, finish_by, settings, window_tasks, report, lower_bound_s=bound_s
+            plan, timeline, info = _search_large(
+                problem, start_plan, timeline, finish_by, settings, window_tasks, report, bound_s
             )
-            plan, timeline = search.plan, search.timeline
-            info = {
-                "strategy": "windows",
-                "stop_reason": search.stop_reason,
-                "windows_tried": search.windows_tried,
-                "windows_improved": search.windows_improved,
-                "windows_unproven": search.windows_unproven,
-                "window_tasks": window_tasks,
-                "history": search.history,
-            }
     if not timeline.fits_memory:
         # The model and the search enforce memory; this guards the promise, never a silent overflow.
         warnings.warn("the MILP search produced a plan over memory; using the best heuristic plan", stacklevel=2)
@@ -189,6 +192,69 @@ def _best_heuristic(
     if best is None:
         return None, None, makespans
     return best[0], best[1], makespans
+
+
+def _search_large(
+    problem: Problem,
+    start_plan: Plan,
+    timeline: Timeline,
+    deadline: float,
+    settings: SolverSettings,
+    window_tasks: int,
+    report: Any,
+    bound_s: float,
+) -> tuple[Plan, Timeline, dict[str, Any]]:
+    """Lookahead rounds from the best heuristic plan, then the window search from their result and from the
+    heuristic plan, sharing the time: each search not yet at a local optimum gets an equal share of what is
+    left, and a search that stops early leaves its time to the others. The shortest plan found wins.
+
+    Why both: on GPT-3 13B (inter-server) the windows from HEFT's plan reached a local optimum 2.0% below
+    it, those from the (0.6% shorter) lookahead plan one 0.65% below HEFT; on random graphs of 3,000 tasks
+    and more the lookahead plan is 2.6-4.8% shorter than HEFT's and windows from HEFT never catch up.
+    """
+    report("start plan: HEFT with lookahead")
+    lookahead_by = time.perf_counter() + _LOOKAHEAD_SHARE * (deadline - time.perf_counter())
+    lookahead = improve_start_plan(problem, start_plan, timeline, lookahead_by)
+    pending = [(lookahead.plan, lookahead.timeline)]  # searches not at a local optimum yet
+    if lookahead.plan is not start_plan:
+        pending.append((start_plan, timeline))
+    info: dict[str, Any] = {
+        "strategy": "windows",
+        "lookahead": {
+            "rounds": lookahead.rounds,
+            "improved": lookahead.improved,
+            "makespan_s": lookahead.timeline.makespan,
+        },
+        "window_tasks": window_tasks,
+        "window_starts": len(pending),
+        "windows_tried": 0,
+        "windows_improved": 0,
+        "windows_unproven": 0,
+        "history": [(0.0, lookahead.timeline.makespan)],  # (seconds, makespan) of the search that won
+    }
+    best: tuple[Plan, Timeline] | None = None  # the first search's result (never worse than its start), or shorter
+    gap_is_closed = False
+    while pending and not gap_is_closed and deadline - time.perf_counter() > _MIN_SEARCH_S:
+        plan, start_timeline = pending.pop(0)
+        until = time.perf_counter() + (deadline - time.perf_counter()) / (len(pending) + 1)
+        report("window search")
+        search = improve_by_windows(problem, plan, start_timeline, until, settings, window_tasks, report, bound_s)
+        for count in ("windows_tried", "windows_improved", "windows_unproven"):
+            info[count] += getattr(search, count)
+        if best is None or search.timeline.makespan < best[1].makespan:
+            best = (search.plan, search.timeline)
+            info["history"] = search.history
+        gap_is_closed = search.stop_reason == STOP_GAP_CLOSED
+        if search.stop_reason == STOP_TIME_LIMIT:
+            pending.append((search.plan, search.timeline))
+    if best is None:
+        best = (lookahead.plan, lookahead.timeline)
+    info["stop_reason"] = STOP_GAP_CLOSED if gap_is_closed else STOP_TIME_LIMIT if pending else STOP_NO_IMPROVING_WINDOW
+    report(
+        f"{progress_text('window search', best[1].makespan, bound_s)}; "
+        f"{info['windows_tried']} windows from {info['window_starts']} start plan(s)"
+    )
+    return best[0], best[1], info
 
 
 def _solve_whole(

@@ -220,7 +220,7 @@ class _ScheduleIndex:
         self.by_start = np.lexsort((topo_position, timeline.task_finish, timeline.task_start))
         self.position = np.empty(problem.num_tasks, int)
         self.position[self.by_start] = np.arange(problem.num_tasks)
-        self.latest_start = _latest_starts(problem, timeline)
+        self.latest_start = latest_starts(problem, timeline)
         self.remaining = timeline.makespan - self.latest_start  # how long the plan runs on from each task
         slack = self.latest_start - timeline.task_start
         self.critical = np.flatnonzero(slack <= _IMPROVEMENT * timeline.makespan)
@@ -319,7 +319,7 @@ class _ScheduleIndex:
         )
 
 
-def _latest_starts(problem: Problem, timeline: Timeline) -> np.ndarray:
+def latest_starts(problem: Problem, timeline: Timeline) -> np.ndarray:
     """Latest start of every task that keeps the makespan, with the schedule's orders fixed (backward pass)."""
     n = problem.num_tasks
     transfers = timeline.transfers
