@@ -115,3 +115,19 @@ def test_saved_plan_serves_under_torchrun(tmp_path) -> None:
         [*torchrun, str(script), "serve", str(plan)], capture_output=True, text=True, timeout=120, check=True
     )
     assert result.stdout.count("rank 0 outputs match") == 2
+
+
+def test_compile_with_measured_costs_profiles_the_fused_groups(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MOIRAI_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = Residual().eval()
+    compiled = moirai.compile(
+        model, ["cpu", "cpu"], example_inputs=(torch.randn(4, 32),), placer="heft", cost="measured"
+    )
+    times = compiled.problem.compute_s
+    assert np.all(np.isfinite(times)) and np.all(times >= 0) and times.sum() > 0
+    np.testing.assert_array_equal(times[:, 0], times[:, 1])  # both logical devices are this CPU: one profile
+    assert list((tmp_path / "profiles").glob("*.json"))
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
