@@ -9,11 +9,10 @@ traced graph, median of repeats; see :mod:`moirai.cost`); the references are the
 run whole, which is what moirai runs (on one device, and each part of a split model is such a
 graph), and the eager model. The traced graph has no per-module Python calls, so on models made of
 many small modules (the CNNs) it runs 15-30% faster than eager, and a prediction of what moirai
-runs is that much below eager.
-The graph is measured per op and coarsened into contiguous groups of ``--group-size`` ops in
-graph order (a stand-in for the coarsener: contiguous groups of a topological order keep the
-graph acyclic). Profiles go to a
-fresh cache, so every number is measured in this run; real and measured alternate over ``--rounds``
+runs is that much below eager. The graph is measured per op and coarsened into contiguous groups
+of ``--group-size`` ops in graph order (a stand-in for the coarsener: contiguous groups of a
+topological order keep the graph acyclic). Profiles go to a fresh cache, so every number is
+measured in this run; real and measured alternate over ``--rounds``
 rounds and each column is the median over rounds. ``--threads`` sets torch's thread count for
 every run (1 by default: on a shared machine, multi-threaded timings wait on descheduled threads).
 Groups are profiled with ``clock=time.thread_time`` and the real model's reference is its median

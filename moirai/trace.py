@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import operator
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -159,9 +160,7 @@ def _flatten_attributes(graph_module: fx.GraphModule) -> fx.GraphModule:
     """
     root = torch.nn.Module()
     for node in graph_module.graph.find_nodes(op="get_attr"):
-        value = graph_module
-        for atom in str(node.target).split("."):
-            value = getattr(value, atom)
+        value = operator.attrgetter(str(node.target))(graph_module)
         if isinstance(value, torch.nn.Parameter):
             root.register_parameter(node.name, value)
         elif isinstance(value, torch.Tensor):
