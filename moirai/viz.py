@@ -6,7 +6,7 @@ number the placers report.
 
 * :func:`gantt`: one lane per device and one per directed link in use; op groups are bars
   coloured by kind (the group's main aten op) or by layer (the model's top-level module), transfers
-  are bars on their link's lane, the critical path is outlined in red; the title gives the
+  are bars on their link's lane, the critical path is underlined in black; the title gives the
   predicted latency, the lower bound and the gap. Needs matplotlib (``pip install 'moirai[plot]'``).
 * :func:`text_gantt`: the same lanes as coloured characters for a terminal.
 * :func:`summary_table`: one row per device that fits an 80-column terminal.
@@ -51,7 +51,8 @@ _MAIN_OPS = (
 _PALETTE = "tab20"
 _TRANSFER_COLOUR = "0.45"
 _MAX_LEGEND_GROUPS = 11  # more kinds than this: the ones with the least time share one grey "other"
-_OTHER, _TRANSFER, _CRITICAL = "other", "transfer", "black"
+_OTHER, _TRANSFER, _CRITICAL, _CRITICAL_LABEL = "other", "transfer", "black", "critical path"
+_TASK_HEIGHT, _TRANSFER_HEIGHT, _UNDERLINE_HEIGHT = 0.7, 0.5, 0.1
 
 
 def predicted_latency_s(timeline: Timeline) -> float:
@@ -105,14 +106,14 @@ def kind_of_name(task_name: str) -> str:
 
 
 def layer_of_module_path(module_path: str) -> str:
-    """The top-level layer of a module path: ``blocks.3.mlp.fc1`` -> ``blocks.3``, ``norm`` -> ``norm``."""
+    """A module path's layer: up to its first index (``blocks.3.mlp.fc1`` -> ``blocks.3``), else two levels."""
     if not module_path:
         return "(model)"
     parts = module_path.split(".")
     for i, part in enumerate(parts):
         if part.isdigit():
             return ".".join(parts[: i + 1])
-    return parts[0]
+    return ".".join(parts[:2])
 
 
 # --- the critical path -----------------------------------------------------------------------------
@@ -258,10 +259,10 @@ def gantt(
             [int(timeline.placement[i]) for i in tasks],
             [(timeline.task_finish[i] - timeline.task_start[i]) / scale for i in tasks],
             left=[timeline.task_start[i] / scale for i in tasks],
-            height=0.7,
+            height=_TASK_HEIGHT,
             color=colour[group],
-            edgecolor=[_CRITICAL if i in critical.tasks else "white" for i in tasks],
-            linewidth=[1.8 if i in critical.tasks else 0.3 for i in tasks],
+            edgecolor="white",
+            linewidth=0.3,
             label=group,
         )
     if timeline.transfers:
@@ -269,12 +270,29 @@ def gantt(
             [link_lane[(x.src, x.dst)] for x in timeline.transfers],
             [(x.finish - x.start) / scale for x in timeline.transfers],
             left=[x.start / scale for x in timeline.transfers],
-            height=0.5,
+            height=_TRANSFER_HEIGHT,
             color=_TRANSFER_COLOUR,
-            edgecolor=[_CRITICAL if q in critical.transfers else "white" for q in range(len(timeline.transfers))],
-            linewidth=[1.8 if q in critical.transfers else 0.3 for q in range(len(timeline.transfers))],
+            edgecolor="white",
+            linewidth=0.3,
             label=_TRANSFER,
         )
+    # The critical path underlines its tasks and transfers (outlines would hide short bars).
+    on_path = [
+        (int(timeline.placement[i]), _TASK_HEIGHT, timeline.task_start[i], timeline.task_finish[i])
+        for i in critical.tasks
+    ]
+    on_path += [
+        (link_lane[(x.src, x.dst)], _TRANSFER_HEIGHT, x.start, x.finish)
+        for x in (timeline.transfers[q] for q in critical.transfers)
+    ]
+    ax.barh(
+        [lane_y + height / 2 + _UNDERLINE_HEIGHT / 2 for lane_y, height, _, _ in on_path],
+        [(finish - start) / scale for _, _, start, finish in on_path],
+        left=[start / scale for _, _, start, _ in on_path],
+        height=_UNDERLINE_HEIGHT,
+        color=_CRITICAL,
+        label=_CRITICAL_LABEL,
+    )
     ax.set_yticks(range(len(lane.labels)), lane.labels)
     ax.set_ylim(len(lane.labels) - 0.5, -0.5)
     ax.set_xlim(0, max(predicted_latency_s(timeline) / scale, 1e-12) * 1.01)
@@ -283,10 +301,10 @@ def gantt(
         ax.axhline(problem.num_devices - 0.5, color="0.8", linewidth=0.8)
     ax.grid(axis="x", color="0.92")
     ax.set_axisbelow(True)
-    labels = [*ordered, *([_TRANSFER] if timeline.transfers else []), "critical path"]
+    labels = [*ordered, *([_TRANSFER] if timeline.transfers else []), _CRITICAL_LABEL]
     handles = [Patch(facecolor=colour[g]) for g in ordered]
     handles += [Patch(facecolor=_TRANSFER_COLOUR)] if timeline.transfers else []
-    handles.append(Patch(facecolor="white", edgecolor=_CRITICAL, linewidth=1.8))
+    handles.append(Patch(facecolor=_CRITICAL))
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
     ax.set_title(title or f"{plan.placer or 'plan'}: {headline(problem, plan, timeline)}", loc="left")
     if path is not None:

@@ -49,8 +49,10 @@ def test_gantt_writes_a_png_with_one_lane_per_device_and_per_link_in_use(problem
     labels = [label.get_text() for label in axes.get_yticklabels()]
     assert labels == ["gpu0", "gpu1", "gpu0 → gpu1", "gpu1 → gpu0"]
     timeline = moirai.simulate(problem, plan)
-    bars = [patch for container in axes.containers for patch in container.patches]
+    bars = [bar for c in axes.containers if c.get_label() != "critical path" for bar in c.patches]
     assert len(bars) == problem.num_tasks + len(timeline.transfers) == 6
+    (underlines,) = [c for c in axes.containers if c.get_label() == "critical path"]
+    assert len(underlines.patches) == len(viz.critical_path(problem, timeline).tasks) + 2  # and 2 transfers
     # Every bar sits on its device's or link's lane, from the task's (transfer's) start to its finish.
     spans = sorted((round(b.get_y() + b.get_height() / 2), b.get_x(), b.get_x() + b.get_width()) for b in bars)
     expected = [(int(timeline.placement[i]), timeline.task_start[i], timeline.task_finish[i]) for i in range(4)]
@@ -145,3 +147,10 @@ def test_compiled_gantt_colours_by_kind_or_layer(tmp_path) -> None:
     assert {"0", "2"} <= set(legend)  # the Sequential's children
     with pytest.raises(moirai.MoiraiError, match="color_by"):
         compiled.gantt(color_by="colour")
+
+
+def test_layer_of_module_path() -> None:
+    assert viz.layer_of_module_path("blocks.3.mlp.fc1") == "blocks.3"
+    assert viz.layer_of_module_path("transformer.h.11.attn") == "transformer.h.11"
+    assert viz.layer_of_module_path("transformer.wte") == "transformer.wte"
+    assert viz.layer_of_module_path("") == "(model)"
