@@ -95,12 +95,13 @@ class CompiledModel:
         (console or Console()).print(table)
         return table
 
-    def gantt(self, path: str | Path | None = None, color_by: str = "kind") -> Figure:
+    def gantt(self, path: str | Path | None = None, color_by: str = "kind", plan: Plan | None = None) -> Figure:
         """The simulated schedule as a matplotlib figure (saved to ``path`` when given; Jupyter shows it).
 
         ``color_by``: ``"kind"`` (each group's main op) or ``"layer"`` (the model's top-level module).
+        ``plan``: another plan of this model's problem to draw (e.g. from ``moirai.place``), default its own.
         """
-        return viz.gantt(self.problem, self.plan, path, groups=self._task_groups(color_by))
+        return viz.gantt(self.problem, plan or self.plan, path, groups=self._task_groups(color_by))
 
     def text_gantt(self, width: int = 60, color_by: str = "kind", console: Console | None = None) -> Table:
         """Print (and return) the simulated schedule as coloured text, one row per device and link."""
