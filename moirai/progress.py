@@ -85,15 +85,15 @@ def stage(name: str) -> Iterator[None]:
 
 @contextmanager
 def _jupyter_line(name: str, start: float) -> Iterator[None]:
-    from IPython.display import display
+    from IPython.display import Pretty, display
 
-    handle = display(f"… {name}", display_id=True)
+    handle = display(Pretty(f"… {name}"), display_id=True)
     outcome = "✗"
     try:
         yield
         outcome = "✓"
     finally:
-        handle.update(f"{outcome} {name}  {format_seconds(time.perf_counter() - start)}")
+        handle.update(Pretty(f"{outcome} {name}  {format_seconds(time.perf_counter() - start)}"))
 
 
 def format_seconds(seconds: float) -> str:

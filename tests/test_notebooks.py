@@ -18,3 +18,6 @@ def test_notebook_executes(path: Path) -> None:
     client.execute()
     outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
     assert any("image/png" in output.get("data", {}) for output in outputs), f"{path.name} shows no picture"
+    texts = [output.get("data", {}).get("text/plain", "") for output in outputs]
+    if "moirai.compile(" in "".join(cell.source for cell in notebook.cells):
+        assert any(text.startswith("✓ trace") for text in texts), "compile's progress lines are missing"
