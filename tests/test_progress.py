@@ -54,3 +54,15 @@ def test_format_seconds_is_compact() -> None:
         "1.25 min",
         "120 min",
     ]
+
+
+def test_load_reports_its_stages_unless_progress_is_false(tmp_path, capfd) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    x = torch.randn(2, 8)
+    moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft", progress=False).save(tmp_path / "p.json")
+    capfd.readouterr()
+    moirai.load(tmp_path / "p.json", model, example_inputs=(x,), progress=False)
+    assert "moirai:" not in capfd.readouterr().err
+    loaded = moirai.load(tmp_path / "p.json", model, example_inputs=(x,))
+    assert re.findall(r"^moirai: (trace|split) ", capfd.readouterr().err, re.MULTILINE) == ["trace", "split"]
+    torch.testing.assert_close(loaded(x), model(x))
