@@ -92,6 +92,10 @@ def _placement_arguments(parser: argparse.ArgumentParser, default_placer: str) -
 
 
 def _compile(args: argparse.Namespace, console: Console) -> int:
+    if args.placer not in moirai.placers():  # before the model is imported and traced
+        raise MoiraiError(f"unknown placer {args.placer!r}; choose one of {', '.join(moirai.placers())}")
+    if args.gantt:
+        viz.check_picture_path(args.gantt)
     cluster = moirai.Cluster.from_devices(_device_list(args.devices)) if args.devices else _cluster(args.cluster)
     model, example_inputs = _load_factory(args.factory)
     options = _placer_options(args, moirai.compile)

@@ -218,6 +218,24 @@ def _groups_by_time(groups: Sequence[str], timeline: Timeline, limit: int) -> di
     return {group: group if group in kept else _OTHER for group in total}
 
 
+def _pyplot() -> Any:
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MoiraiError("the Gantt picture needs matplotlib: pip install 'moirai[plot]'") from None
+    return plt
+
+
+def check_picture_path(path: str | Path) -> None:
+    """Raise :class:`MoiraiError` unless matplotlib is there and can write a picture of ``path``'s suffix."""
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    supported = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).suffix.lstrip(".").lower() not in supported:
+        raise MoiraiError(f"cannot draw into {str(path)!r}: name a picture file, one of .{', .'.join(supported)}")
+
+
 def gantt(
     problem: Problem,
     plan: Plan,
@@ -232,11 +250,11 @@ def gantt(
     ``groups`` names the colour of every task (default: its kind, from its name). Returns the
     matplotlib Figure, which Jupyter shows inline.
     """
-    try:
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
-        raise MoiraiError("the Gantt picture needs matplotlib: pip install 'moirai[plot]'") from None
+    if path is not None:
+        check_picture_path(path)
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
     timeline = timeline or simulate(problem, plan)
     groups = list(groups) if groups is not None else [kind_of_name(name) for name in problem.task_names]
     if len(groups) != problem.num_tasks:

@@ -74,6 +74,8 @@ def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factor
         (["compile", "no_such_module_xyz:make", "--devices", "cpu"], "cannot import no_such_module_xyz"),
         (["compile", "{factory}:make", "--cluster", "nowhere"], "neither a cluster file nor a preset"),
         (["compile", "{factory}:make", "--devices", "cpu", "--objective", "cheapest"], "--objective 'cheapest'"),
+        (["compile", "{factory}:make", "--devices", "cpu", "--placer", "best"], "unknown placer 'best'"),
+        (["compile", "{factory}:make", "--devices", "cpu", "--placer", "heft", "--gantt", "plan.xyz"], "plan.xyz"),
     ],
 )
 def test_errors_are_one_red_line_without_traceback(args, message, factory_file: Path, capsys) -> None:
