@@ -24,7 +24,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from moirai.bounds import format_bytes, lower_bound
+from moirai.bounds import lower_bound
 from moirai.errors import InfeasibleError, MoiraiError
 from moirai.problem import Plan, Problem
 from moirai.progress import format_seconds
@@ -76,15 +76,33 @@ def best_lower_bound_s(problem: Problem, plan: Plan) -> float | None:
 
 
 def headline(problem: Problem, plan: Plan, timeline: Timeline) -> str:
-    """``predicted 1.23 ms · bound 1.10 ms · gap 10.6%``: what a plan promises and how far from optimal."""
+    """``predicted 1.23 ms · bound 1.10 ms · gap 10.6%``: what a plan promises and how far from optimal.
+
+    The bound holds for plans that fit memory only, so a plan over memory gets none.
+    """
     latency = predicted_latency_s(timeline)
-    bound = best_lower_bound_s(problem, plan)
+    bound = best_lower_bound_s(problem, plan) if timeline.fits_memory else None
     words = [f"predicted {format_seconds(latency)}"]
     if bound is not None:
         words.append(f"bound {format_seconds(bound)}")
         if latency > 0:
             words.append(f"gap {max(latency - bound, 0.0) / latency:.1%}")
     return " · ".join(words)
+
+
+def format_bytes_compact(num_bytes: float) -> str:
+    """Three significant digits and a unit, at most 7 characters: ``812 GB``, ``1.20 TB``, ``16.0 MB``, ``512 B``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            value = num_bytes / scale
+            return (
+                f"{value:.0f} {unit}"
+                if value >= 100
+                else f"{value:.1f} {unit}"
+                if value >= 10
+                else f"{value:.2f} {unit}"
+            )
+    return f"{num_bytes:.0f} B"
 
 
 # --- what colours a task ---------------------------------------------------------------------------
@@ -402,13 +420,19 @@ def summary_table(
 
     ``reserve_bytes`` is memory every device keeps free besides its tasks' (the activation peak
     of a compiled model); the capacity shown is the device's, the problem's plus the reserve.
-    Fits an 80-column terminal for device names up to 16 characters.
+    Fits an 80-column terminal for device names up to 16 characters (``format_bytes_compact``, ``format_seconds``).
     """
     timeline = timeline or simulate(problem, plan)
     latency = predicted_latency_s(timeline)
-    table = Table(title=title or f"moirai plan ({plan.placer or 'given'})", box=box.SIMPLE_HEAD, title_justify="left")
+    table = Table(
+        title=title or f"moirai plan ({plan.placer or 'given'})",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1, 0, 0),  # with the divider, two spaces between columns: 80 columns hold 16-character names
+    )
     columns = ["device", *(["torch"] if torch_devices is not None else []), "groups"]
-    columns += [*(["ops"] if ops_per_task is not None else []), "memory used / capacity", "busy", "util"]
+    columns += [*(["ops"] if ops_per_task is not None else []), "memory / capacity", "busy", "util"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("device", "torch") else "right", no_wrap=True)
     for k, name in enumerate(problem.device_names):
@@ -416,7 +440,7 @@ def summary_table(
         used = float(timeline.memory_bytes[k]) + reserve_bytes
         capacity = float(timeline.memory_capacity_bytes[k]) + reserve_bytes
         over = timeline.memory_bytes[k] > timeline.memory_capacity_bytes[k]
-        memory = f"{format_bytes(used)} / {format_bytes(capacity) if np.isfinite(capacity) else '∞'}"
+        memory = f"{format_bytes_compact(used)} / {format_bytes_compact(capacity) if np.isfinite(capacity) else '∞'}"
         row: list[Any] = [name, *([torch_devices[k]] if torch_devices is not None else []), str(len(tasks))]
         if ops_per_task is not None:
             row.append(str(sum(ops_per_task[i] for i in tasks)))

@@ -113,11 +113,11 @@ def test_summary_fits_80_columns_and_marks_memory_over_capacity_red(problem) -> 
     lines = render(table)
     assert all(len(line) <= 80 for line in lines)
     row = next(line for line in lines if line.strip().startswith("gpu1"))
-    assert "9.0 GB / 4.0 GB" in row  # one line: units never wrap
-    memory = table.columns[[c.header for c in table.columns].index("memory used / capacity")]
+    assert "9.00 GB / 4.00 GB" in row  # one line: units never wrap
+    memory = table.columns[[c.header for c in table.columns].index("memory / capacity")]
     cells = list(memory.cells)
     assert cells[1].style == "bold red" and cells[0].style == ""
-    assert "over memory" in str(table.caption)
+    assert "over memory" in str(table.caption) and "bound" not in str(table.caption)  # bounds assume it fits
 
 
 def test_summary_of_a_compiled_model_fits_80_columns_with_long_device_names() -> None:
@@ -158,3 +158,28 @@ def test_layer_of_module_path() -> None:
     assert viz.layer_of_module_path("transformer.h.11.attn") == "transformer.h.11"
     assert viz.layer_of_module_path("transformer.wte") == "transformer.wte"
     assert viz.layer_of_module_path("") == "(model)"
+
+
+def test_compact_bytes() -> None:
+    assert [viz.format_bytes_compact(b) for b in (512, 16e6, 812e9, 1.2e12, 999.6e9)] == [
+        "512 B",
+        "16.0 MB",
+        "812 GB",
+        "1.20 TB",
+        "1000 GB",
+    ]
+
+
+def test_summary_fits_80_columns_with_16_character_device_names_and_large_numbers() -> None:
+    names = ["gpu-server-a-0x1", "cpu-host-memory9"]
+    problem = moirai.Problem.from_dict(
+        {
+            "devices": [{"name": names[0], "memory_bytes": 812e9}, {"name": names[1], "memory_bytes": 999e9}],
+            "tasks": [{"name": f"t{i}", "compute_s": [123.4, 567.8], "memory_bytes": 401e9} for i in range(4)],
+        }
+    )
+    plan = moirai.Plan(np.array([0, 0, 0, 1]), problem.device_names, placer="by hand")
+    lines = render(viz.summary_table(problem, plan, torch_devices=["cuda:10", "cpu"], ops_per_task=[99999] * 4))
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    row = next(line for line in lines if line.startswith(names[0]))
+    assert "1.20 TB / 812 GB" in row and "6.17 min" in row and "cuda:10" in row and "299997" in row  # busy: 370 s
