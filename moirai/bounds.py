@@ -21,6 +21,7 @@ import highspy
 import numpy as np
 
 from moirai.errors import InfeasibleError
+from moirai.highs import new_highs
 from moirai.problem import Problem
 
 
@@ -151,7 +152,7 @@ def _solve_load_lp(problem: Problem, respect_memory: bool) -> tuple[np.ndarray, 
     lp.a_matrix_.start_ = starts
     lp.a_matrix_.index_ = rows
     lp.a_matrix_.value_ = values
-    solver = highspy.Highs()
+    solver = new_highs()
     solver.setOptionValue("output_flag", False)
     # Interior point without crossover: several times faster than simplex on 10^5 columns, and the
     # duals need not be exact (see the module docstring).

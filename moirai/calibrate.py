@@ -138,9 +138,7 @@ def calibrate(
     else:
         devices = base.devices
     fits = measure_links(world_size, backend, sizes_bytes, repeats)
-    links = [
-        Link(devices[f.src].name, devices[f.dst].name, f.bandwidth_bytes_per_s, f.latency_s) for f in fits
-    ]
+    links = [Link(devices[f.src].name, devices[f.dst].name, f.bandwidth_bytes_per_s, f.latency_s) for f in fits]
     cluster = Cluster.from_links(devices, links, name=base.name if base is not None else f"calibrated-{backend}")
     if output is not None:
         cluster.to_file(output)
@@ -169,7 +167,10 @@ def _rank_main(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -223,8 +224,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     for column in ("link", "bandwidth Gbps", "latency us"):
         table.add_column(column, justify="right")
     for link in cluster.links:
-        table.add_row(f"{link.src} -> {link.dst}", f"{link.bandwidth_bytes_per_s * 8 / 1e9:.2f}",
-                      f"{link.latency_s * 1e6:.1f}")
+        table.add_row(
+            f"{link.src} -> {link.dst}", f"{link.bandwidth_bytes_per_s * 8 / 1e9:.2f}", f"{link.latency_s * 1e6:.1f}"
+        )
     console.print(table)
     return 0
 
