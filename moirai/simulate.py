@@ -55,7 +55,7 @@ class Transfer(NamedTuple):
 class Timeline:
     """Start and finish of every task and transfer of one simulated plan."""
 
-    makespan: float
+    makespan_s: float
     task_start: np.ndarray
     task_finish: np.ndarray
     placement: np.ndarray
@@ -74,7 +74,7 @@ class Timeline:
     @property
     def utilisation(self) -> np.ndarray:
         """Fraction of the makespan each device spends computing."""
-        return self.busy_s / self.makespan if self.makespan > 0 else np.zeros_like(self.busy_s)
+        return self.busy_s / self.makespan_s if self.makespan_s > 0 else np.zeros_like(self.busy_s)
 
     def device_order(self) -> tuple[tuple[int, ...], ...]:
         """Tasks of every device in the order they ran (sorted by start time)."""
@@ -287,7 +287,7 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
     ]
     finish = np.array(task_finish)
     return Timeline(
-        makespan=float(finish.max()) if n else 0.0,
+        makespan_s=float(finish.max()) if n else 0.0,
         task_start=np.array(task_start),
         task_finish=finish,
         placement=placement.copy(),

@@ -65,7 +65,7 @@ def place(problem: Problem, placer: str = "heft", **options: Any) -> Plan:
     plan.placement_time_s = time.perf_counter() - start
     plan.placer = plan.placer or placer
     plan.check(problem)
-    plan.makespan_s = simulate(problem, plan).makespan
+    plan.makespan_s = simulate(problem, plan).makespan_s
     # A placer may prove a stronger bound (the MILP's); keep the better of the two.
     plan.lower_bound_s = max(plan.lower_bound_s or 0.0, lower_bound(problem))
     return plan
