@@ -27,6 +27,7 @@ import networkx as nx
 import numpy as np
 
 from moirai.errors import PlanError, ProblemError
+from moirai.report import PlacerReport
 
 
 @dataclass(frozen=True, eq=False)
@@ -292,20 +293,22 @@ class Plan:
     order: tuple[tuple[int, ...], ...] | None = None
     transfer_order: dict[tuple[int, int], tuple[int, ...]] | None = None
     placer: str = ""
-    makespan_s: float | None = None
-    lower_bound_s: float | None = None
+    makespan_s: float | None = None  # the simulated latency of one request
+    objective: str = "latency"  # what the plan was made to minimise (moirai.objective)
+    objective_s: float | None = None  # the simulated value of that objective
+    lower_bound_s: float | None = None  # a proven bound on the objective
     placement_time_s: float | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+    report: PlacerReport = field(default_factory=PlacerReport)
 
     def __post_init__(self) -> None:
         self.placement = np.asarray(self.placement, int)
 
     @property
     def gap(self) -> float | None:
-        """Relative gap between the plan's makespan and the proven lower bound."""
-        if self.makespan_s is None or self.lower_bound_s is None or self.makespan_s == 0:
+        """Relative gap between the plan's objective value and the proven lower bound on it."""
+        if self.objective_s is None or self.lower_bound_s is None or self.objective_s == 0:
             return None
-        return (self.makespan_s - self.lower_bound_s) / self.makespan_s
+        return (self.objective_s - self.lower_bound_s) / self.objective_s
 
     def check(self, problem: Problem) -> None:
         """Raise :class:`PlanError` unless this plan covers every task of ``problem`` with known devices."""
@@ -334,9 +337,11 @@ class Plan:
             else [[a, b, list(tensors)] for (a, b), tensors in self.transfer_order.items()],
             "placer": self.placer,
             "makespan_s": self.makespan_s,
+            "objective": self.objective,
+            "objective_s": self.objective_s,
             "lower_bound_s": self.lower_bound_s,
             "placement_time_s": self.placement_time_s,
-            "info": self.info,
+            "report": self.report.to_dict(),
         }
 
     @classmethod
@@ -352,7 +357,9 @@ class Plan:
             else {(int(a), int(b)): tuple(tensors) for a, b, tensors in transfer_order},
             placer=d.get("placer", ""),
             makespan_s=d.get("makespan_s"),
+            objective=d.get("objective", "latency"),
+            objective_s=d.get("objective_s"),
             lower_bound_s=d.get("lower_bound_s"),
             placement_time_s=d.get("placement_time_s"),
-            info=d.get("info", {}),
+            report=PlacerReport.from_dict(d.get("report", {})),
         )

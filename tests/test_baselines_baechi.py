@@ -185,7 +185,7 @@ def test_pesto_finds_the_optimum_of_a_tiny_two_device_instance():
         [("a", "b", 0.5), ("a", "c", 0.3), ("b", "d", 0.4), ("c", "d", 0.6), ("a", "e", 0.2)],
     )
     plan = get_placer("pesto")(problem, time_limit_s=20.0)
-    assert plan.info["solution"].startswith("ILP optimal")
+    assert plan.report.solver_status.startswith("ILP optimal")
     assert simulate(problem, plan).makespan_s == pytest.approx(brute_force_makespan(problem), abs=1e-6)
 
 
@@ -207,10 +207,10 @@ def test_pesto_starts_from_its_warm_start_and_falls_back_to_it(monkeypatch):
     problem = random_problem(20, 3, seed=2)
     # With no time to search, the incumbent is the m-ETF warm start handed to HiGHS.
     plan = get_placer("pesto")(problem, time_limit_s=0.0)
-    assert plan.info["solution"].startswith("ILP feasible")
+    assert plan.report.solver_status.startswith("ILP feasible")
     monkeypatch.setattr(pesto, "solve_pesto_ilp", lambda *args: None)
     fallback = get_placer("pesto")(problem, time_limit_s=0.0)
-    assert fallback.info["solution"].startswith("m_etf warm start")
+    assert fallback.report.solver_status.startswith("m_etf warm start")
     groups = coarsen(problem, target_tasks=200)
     warm_start = m_etf_schedule(merge_tasks(problem, groups))
     for group, members in enumerate(groups):
@@ -228,11 +228,11 @@ def test_plans_check_and_simulate_through_the_registry(placer):
     assert plan.order is not None
     timeline = simulate(problem, plan)
     assert timeline.makespan_s == pytest.approx(plan.makespan_s)
-    if "scheduled_makespan_s" in plan.info:
+    if plan.report.predicted_makespan_s is not None:
         # The simulator replays the list schedule (m-SCT's deliberate waits can only shrink).
-        assert timeline.makespan_s <= plan.info["scheduled_makespan_s"] + 1e-9
+        assert timeline.makespan_s <= plan.report.predicted_makespan_s + 1e-9
         if placer != "m_sct":
-            assert timeline.makespan_s == pytest.approx(plan.info["scheduled_makespan_s"])
+            assert timeline.makespan_s == pytest.approx(plan.report.predicted_makespan_s)
 
 
 @pytest.mark.parametrize("placer", BASELINES)

@@ -18,6 +18,7 @@ from moirai.bounds import lower_bound
 from moirai.errors import InfeasibleError, PlanError
 from moirai.placers import place
 from moirai.problem import Plan, Problem
+from moirai.report import StopReason
 from moirai.simulate import simulate
 from moirai.solve.milp import (
     SolverSettings,
@@ -180,12 +181,12 @@ def test_placer_plan_replays_the_solution_and_beats_every_heuristic():
     started = time.perf_counter()
     plan = place(problem, "milp", time_limit_s=60)
     assert time.perf_counter() - started < 20  # the solver proved the optimum: no reason to use the budget
-    assert plan.info["stop_reason"] == "gap closed"
+    assert plan.report.stop_reason == StopReason.GAP_CLOSED
     assert plan.order is not None and plan.transfer_order is not None
-    assert plan.info["strategy"] == "full"
-    assert plan.makespan_s == pytest.approx(plan.info["solver_objective_s"], rel=1e-6)
+    assert plan.report.strategy == "full"
+    assert plan.makespan_s == pytest.approx(plan.report.solver_objective_s, rel=1e-6)
     assert plan.lower_bound_s <= plan.makespan_s * (1 + 1e-9)
-    assert all(plan.makespan_s <= m * (1 + 1e-9) for m in plan.info["heuristics"].values())
+    assert all(plan.makespan_s <= m * (1 + 1e-9) for m in plan.report.heuristics.values())
 
 
 def test_memory_forces_a_split_and_every_device_holds_its_share():
@@ -206,7 +207,7 @@ def test_memory_forces_a_split_and_every_device_holds_its_share():
     timeline = simulate(limited, plan)
     assert timeline.fits_memory
     assert np.count_nonzero(plan.placement != fastest) >= 2
-    assert plan.makespan_s == pytest.approx(plan.info["solver_objective_s"], rel=1e-6)
+    assert plan.makespan_s == pytest.approx(plan.report.solver_objective_s, rel=1e-6)
 
 
 def test_memory_infeasible_says_how_much_is_needed_and_available():
@@ -226,8 +227,8 @@ def test_budget_is_honoured_on_a_large_problem_and_the_plan_is_no_worse_than_hef
     plan = place(problem, "milp", time_limit_s=5)
     elapsed = time.perf_counter() - started
     assert elapsed < 5.5
-    assert plan.info["strategy"] == "windows"
-    assert plan.makespan_s <= min(plan.info["heuristics"].values()) * (1 + 1e-12)
+    assert plan.report.strategy == "windows"
+    assert plan.makespan_s <= min(plan.report.heuristics.values()) * (1 + 1e-12)
     assert plan.makespan_s == simulate(problem, plan).makespan_s
 
 
@@ -255,10 +256,10 @@ def test_window_search_returns_at_a_local_optimum_well_before_its_budget(monkeyp
     started = time.perf_counter()
     plan = place(problem, "milp", time_limit_s=60, progress=True)
     assert time.perf_counter() - started < 20
-    assert plan.info["strategy"] == "windows"
-    assert plan.info["stop_reason"] == "no improving window"
-    assert plan.info["windows_improved"] >= 1
-    assert plan.makespan_s < min(plan.info["heuristics"].values())
+    assert plan.report.strategy == "windows"
+    assert plan.report.stop_reason == StopReason.NO_IMPROVING_WINDOW
+    assert plan.report.windows_improved >= 1
+    assert plan.makespan_s < min(plan.report.heuristics.values())
     # The status line speaks the problem's milliseconds, not the model's units.
     last = [line for line in status.lines if line.startswith("window search:")][-1]
     assert f"incumbent {plan.makespan_s * 1e3:.4f} ms" in last
@@ -285,8 +286,8 @@ def test_window_search_stops_at_once_when_the_start_plan_meets_the_lower_bound()
     started = time.perf_counter()
     plan = place(problem, "milp", time_limit_s=60)
     assert time.perf_counter() - started < 10
-    assert plan.info["stop_reason"] == "gap closed"
-    assert plan.info["windows_tried"] == 0
+    assert plan.report.stop_reason == StopReason.GAP_CLOSED
+    assert plan.report.windows_tried == 0
     assert plan.makespan_s == pytest.approx(lower_bound(problem), rel=1e-9)
 
 
@@ -305,8 +306,8 @@ def test_whole_model_progress_is_in_milliseconds_of_the_problem():
 def test_window_search_improves_on_the_best_heuristic():
     problem = random_layered_problem(300, 4, seed=5)
     plan = place(problem, "milp", time_limit_s=8, strategy="windows")
-    assert plan.makespan_s < min(plan.info["heuristics"].values())
-    assert plan.info["windows_improved"] >= 1
+    assert plan.makespan_s < min(plan.report.heuristics.values())
+    assert plan.report.windows_improved >= 1
 
 
 def test_solver_failure_falls_back_to_the_best_heuristic_with_a_warning(monkeypatch):
@@ -319,7 +320,7 @@ def test_solver_failure_falls_back_to_the_best_heuristic_with_a_warning(monkeypa
     problem = random_small_problem(4)
     with pytest.warns(UserWarning, match="solver failed"):
         plan = place(problem, "milp", time_limit_s=5)
-    assert plan.makespan_s == pytest.approx(min(plan.info["heuristics"].values()))
+    assert plan.makespan_s == pytest.approx(min(plan.report.heuristics.values()))
 
 
 def test_a_plan_over_memory_from_the_search_is_never_returned(monkeypatch):

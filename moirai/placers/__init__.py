@@ -7,11 +7,13 @@ listing the module in ``_PLACER_MODULES``.
 from __future__ import annotations
 
 import importlib
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
 
 from moirai.errors import MoiraiError
+from moirai.objective import Objective, as_objective
 from moirai.problem import Plan, Problem
 
 Placer = Callable[..., Plan]
@@ -55,19 +57,28 @@ def get_placer(name: str) -> Placer:
         raise MoiraiError(f"unknown placer {name!r}; choose one of {sorted(_REGISTRY)}") from None
 
 
-def place(problem: Problem, placer: str = "heft", **options: Any) -> Plan:
-    """Place ``problem`` with the named placer; the plan's makespan is the simulator's."""
-    from moirai.bounds import lower_bound
+def place(problem: Problem, placer: str = "heft", objective: str | Objective = "latency", **options: Any) -> Plan:
+    """Place ``problem`` with the named placer for ``objective`` (:mod:`moirai.objective`).
+
+    The plan's makespan and objective value are the simulator's. A placer that compares plans (milp) takes
+    the objective as an option; the others build one schedule their own way.
+    """
     from moirai.simulate import simulate
 
+    chosen = as_objective(objective)
+    function = get_placer(placer)
+    if "objective" in inspect.signature(function).parameters:
+        options = {**options, "objective": chosen}
     start = time.perf_counter()
-    plan = get_placer(placer)(problem, **options)
+    plan = function(problem, **options)
     plan.placement_time_s = time.perf_counter() - start
     plan.placer = plan.placer or placer
     plan.check(problem)
-    plan.makespan_s = simulate(problem, plan).makespan_s
+    timeline = simulate(problem, plan)
+    plan.makespan_s = timeline.makespan_s
+    plan.objective, plan.objective_s = chosen.name, chosen.value_s(timeline)
     # A placer may prove a stronger bound (the MILP's); keep the better of the two.
-    plan.lower_bound_s = max(plan.lower_bound_s or 0.0, lower_bound(problem))
+    plan.lower_bound_s = max(plan.lower_bound_s or 0.0, chosen.lower_bound_s(problem))
     return plan
 
 

@@ -20,10 +20,11 @@ import numpy as np
 from moirai.bounds import format_bytes
 from moirai.errors import InfeasibleError
 from moirai.problem import Plan, Problem
+from moirai.report import PlacerReport
 from moirai.schedule import ScheduleBuilder
 
 
-def to_plan(schedule: ScheduleBuilder, placer: str, **info: object) -> Plan:
+def to_plan(schedule: ScheduleBuilder, placer: str, **notes: object) -> Plan:
     """The plan of a finished list schedule: its device orders and its link orders, which the simulator replays."""
     return Plan(
         np.array(schedule.placement, int),
@@ -31,7 +32,7 @@ def to_plan(schedule: ScheduleBuilder, placer: str, **info: object) -> Plan:
         order=tuple(tuple(tasks) for tasks in schedule.order),
         transfer_order=schedule.transfer_order(),
         placer=placer,
-        info={"scheduled_makespan_s": schedule.makespan_s, **info},
+        report=PlacerReport(predicted_makespan_s=schedule.makespan_s, contention=schedule.contention, notes=notes),
     )
 
 

@@ -21,6 +21,7 @@ from moirai.placers import register
 from moirai.placers._list_scheduling import memory_error
 from moirai.placers.single import device_speed
 from moirai.problem import Plan, Problem
+from moirai.report import PlacerReport
 from moirai.simulate import simulate
 
 
@@ -88,4 +89,10 @@ def place_cp_pct(problem: Problem, contention: bool = True) -> Plan:
 
     partition = Plan(placement, problem.device_names)
     order = simulate(problem, partition, contention=contention).device_order()
-    return Plan(placement, problem.device_names, order=order, placer="cp_pct", info={"critical_path": path})
+    return Plan(
+        placement,
+        problem.device_names,
+        order=order,
+        placer="cp_pct",
+        report=PlacerReport(notes={"critical_path": path}),
+    )

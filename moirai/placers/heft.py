@@ -21,7 +21,7 @@ to the finish time when choosing the device), so the milp placer's start plans
 (:mod:`moirai.solve.start_plans`) are this same schedule with a tail added.
 
 The plan carries every device's order and, with contention, every link's transfer order, so
-the simulator replays the schedule HEFT built: its makespan equals ``info["predicted_makespan_s"]``
+the simulator replays the schedule HEFT built: its makespan equals ``report.predicted_makespan_s``
 under the same ``contention`` setting.
 """
 
@@ -35,6 +35,7 @@ from moirai.bounds import check_memory_feasible
 from moirai.placers import register
 from moirai.placers._list_scheduling import memory_error
 from moirai.problem import Plan, Problem
+from moirai.report import PlacerReport
 from moirai.schedule import ScheduleBuilder
 
 
@@ -107,5 +108,5 @@ def heft_schedule(
         order=tuple(tuple(tasks) for tasks in schedule.order),
         transfer_order=schedule.transfer_order() if contention else None,
         placer=placer,
-        info={"predicted_makespan_s": schedule.makespan_s, "contention": contention},
+        report=PlacerReport(predicted_makespan_s=schedule.makespan_s, contention=contention),
     )

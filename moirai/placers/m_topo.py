@@ -17,6 +17,7 @@ from moirai.bounds import check_memory_feasible
 from moirai.placers import register
 from moirai.placers._list_scheduling import memory_error
 from moirai.problem import Plan, Problem
+from moirai.report import PlacerReport
 
 
 @register("m_topo")
@@ -58,4 +59,10 @@ def _fits(problem: Problem, task: int, device: int, used: np.ndarray, limit_byte
 
 def _plan(problem: Problem, placement: np.ndarray, limit: str) -> Plan:
     order = tuple(tuple(t for t in problem.topological_order if placement[t] == d) for d in range(problem.num_devices))
-    return Plan(placement, problem.device_names, order=order, placer="m_topo", info={"memory_limit": limit})
+    return Plan(
+        placement,
+        problem.device_names,
+        order=order,
+        placer="m_topo",
+        report=PlacerReport(notes={"memory_limit": limit}),
+    )

@@ -56,6 +56,7 @@ from moirai.highs import run_highs
 from moirai.placers import register
 from moirai.placers.m_etf import m_etf_schedule
 from moirai.problem import Plan, Problem
+from moirai.report import SolverReport
 from moirai.schedule import ScheduleBuilder, transfer_duration_s
 
 
@@ -69,12 +70,12 @@ def place_pesto(problem: Problem, target_tasks: int = 200, time_limit_s: float =
     # m-ETF's schedule of the coarse graph is feasible for the ILP: its makespan bounds the optimum (big-M).
     heuristic = m_etf_schedule(coarse)
     solution = solve_pesto_ilp(coarse, heuristic, deadline)
-    info: dict[str, object] = {"coarse_tasks": coarse.num_tasks, "time_limit_s": time_limit_s}
+    report = SolverReport(solver="highs", notes={"coarse_tasks": coarse.num_tasks, "time_limit_s": time_limit_s})
     if solution is None:
         group_device, group_start = heuristic.placement, heuristic.start_s
-        info["solution"] = "m_etf warm start (the solver returned no incumbent)"
+        report.solver_status = "m_etf warm start (the solver returned no incumbent)"
     else:
-        group_device, group_start, info["solution"] = solution
+        group_device, group_start, report.solver_status = solution
     placement = np.empty(problem.num_tasks, int)
     group_of = np.empty(problem.num_tasks, int)
     for g, members in enumerate(groups):
@@ -87,7 +88,7 @@ def place_pesto(problem: Problem, target_tasks: int = 200, time_limit_s: float =
     per_device: list[list[int]] = [[] for _ in range(problem.num_devices)]
     for task in order:
         per_device[placement[task]].append(task)
-    return Plan(placement, problem.device_names, order=tuple(map(tuple, per_device)), placer="pesto", info=info)
+    return Plan(placement, problem.device_names, order=tuple(map(tuple, per_device)), placer="pesto", report=report)
 
 
 # --- coarsening (§3.3) -------------------------------------------------------------

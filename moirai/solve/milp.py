@@ -49,11 +49,16 @@ import pyomo.environ as pyo
 from pyomo.common.collections import ComponentMap
 from pyomo.contrib.solver.common.results import SolutionStatus, TerminationCondition
 
+from moirai.errors import MoiraiError
 from moirai.highs import SolverOutcome, run_highs
+from moirai.objective import LATENCY, Objective
 from moirai.problem import Plan, Problem
 from moirai.simulate import Timeline
 
 FORMULATIONS = ("strong", "paper")
+# Objectives the model has rows for (moirai.objective): "latency" is the makespan T >= every finish plus tail.
+# Another objective adds its variable and rows where build_model writes "objective rows", and its cuts.
+MILP_OBJECTIVES = ("latency",)
 SOLVERS = ("highs", "gurobi")
 _MODEL_TIME_SCALE = 1000.0  # the horizon, in model time units
 _PAPER_BIG_M = 100.0 * _MODEL_TIME_SCALE
@@ -283,10 +288,14 @@ def _devices_identical(problem: Problem, a: int, b: int) -> bool:
 # --- the model -----------------------------------------------------------------------
 
 
-def build_model(problem: Problem, window: Window, formulation: str = "strong") -> MilpModel:
-    """The Pyomo model of ``window`` (use :func:`whole_problem` for the full MILP)."""
+def build_model(
+    problem: Problem, window: Window, formulation: str = "strong", objective: Objective = LATENCY
+) -> MilpModel:
+    """The Pyomo model of ``window`` (use :func:`whole_problem` for the full MILP) minimising ``objective``."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    if objective.name not in MILP_OBJECTIVES:
+        raise MoiraiError(f"the MILP has no rows for objective {objective.name!r}; it models {MILP_OBJECTIVES}")
     started = time.perf_counter()
     strong = formulation == "strong"
     unit = window.horizon_s / _MODEL_TIME_SCALE if window.horizon_s > 0 else 1.0
