@@ -71,7 +71,7 @@ def check_memory_feasible(problem: Problem) -> None:
 
 def _fastest_holding_device_time(problem: Problem) -> np.ndarray:
     """Each task's time on its fastest device that could hold it alone; raise if there is none."""
-    holds = (problem.memory_bytes[:, None] <= problem.memory_capacity_bytes[None, :]) & np.isfinite(problem.compute_s)
+    holds = problem.fits
     homeless = np.flatnonzero(~holds.any(axis=1))
     if homeless.size:
         i = int(homeless[0])
@@ -100,7 +100,7 @@ def _load_bound(problem: Problem) -> float:
         or _solve_load_lp(problem, respect_memory=False)
         or (np.full(problem.num_devices, 1.0 / problem.num_devices), np.zeros(problem.num_devices))
     )
-    finite = np.isfinite(problem.compute_s)
+    finite = problem.runs_on
     price = device_weight[None, :] * np.where(finite, problem.compute_s, 0.0)
     per_task = np.where(finite, price + memory_price[None, :] * problem.memory_bytes[:, None], np.inf)
     finite_capacity = np.where(np.isfinite(problem.memory_capacity_bytes), problem.memory_capacity_bytes, 0.0)
@@ -115,7 +115,7 @@ def _solve_load_lp(problem: Problem, respect_memory: bool) -> tuple[np.ndarray, 
     and memory to the capacity so the solver sees numbers near 1.
     """
     n, k = problem.num_tasks, problem.num_devices
-    finite = np.isfinite(problem.compute_s)
+    finite = problem.runs_on
     time_scale = float(problem.compute_s[finite].max()) if finite.any() else 1.0
     time_scale = time_scale if time_scale > 0 else 1.0
     capacity = problem.memory_capacity_bytes

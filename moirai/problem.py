@@ -141,6 +141,85 @@ class Problem:
             outputs[int(producer)].append(t)
         return tuple(tuple(x) for x in outputs)
 
+    # --- facts every placer, bound and model uses, each computed once here ------------
+
+    @cached_property
+    def topological_position(self) -> np.ndarray:
+        """``position[i]``: the index of task ``i`` in :attr:`topological_order` (the placers' usual tie-break)."""
+        position = np.empty(self.num_tasks, int)
+        position[list(self.topological_order)] = np.arange(self.num_tasks)
+        return position
+
+    @cached_property
+    def runs_on(self) -> np.ndarray:
+        """``runs_on[i, k]``: task ``i`` can run on device ``k`` (its compute time there is finite)."""
+        return np.isfinite(self.compute_s)
+
+    @cached_property
+    def fits(self) -> np.ndarray:
+        """``fits[i, k]``: task ``i`` can run on device ``k`` and its memory alone fits there."""
+        return self.runs_on & (self.memory_bytes[:, None] <= self.memory_capacity_bytes[None, :])
+
+    @cached_property
+    def device_speed(self) -> np.ndarray:
+        """Relative speed of every device, summing to 1: the inverse of its total compute time on the tasks
+        every device can run (equal speeds when no task runs everywhere or a device takes no time on them).
+        The one definition of device speed the placers use (single, cp_pct, hash, round_robin, getf)."""
+        runs_everywhere = self.runs_on.all(axis=1)
+        total = self.compute_s[runs_everywhere].sum(axis=0)
+        if not runs_everywhere.any() or np.any(total <= 0):
+            return np.full(self.num_devices, 1.0 / self.num_devices)
+        speed = 1.0 / total
+        return speed / speed.sum()
+
+    @cached_property
+    def mean_compute_s(self) -> np.ndarray:
+        """Every task's mean compute time over the devices that can run it (0 where none can)."""
+        return np.where(self.runs_on, self.compute_s, 0.0).sum(axis=1) / np.maximum(self.runs_on.sum(axis=1), 1)
+
+    @cached_property
+    def mean_transfer_s(self) -> np.ndarray:
+        """Every tensor's mean transfer time over the ordered pairs of distinct devices (0 with one device)."""
+        if self.num_devices < 2:
+            return np.zeros(self.num_tensors)
+        return self.transfer_s[:, ~np.eye(self.num_devices, dtype=bool)].mean(axis=1)
+
+    @cached_property
+    def consumer_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(tensor, consumer)`` of every consumption, as two index arrays (a tensor to one task counted once)."""
+        tensor = [t for t, consumers in enumerate(self.tensor_consumers) for _ in consumers]
+        consumer = [c for consumers in self.tensor_consumers for c in consumers]
+        return np.array(tensor, int), np.array(consumer, int)
+
+    def longest_path_to_sink_s(self, task_s: np.ndarray, pair_s: np.ndarray | float = 0.0) -> np.ndarray:
+        """``rank[u] = task_s[u] + max over consumptions (t, c) of u's tensors of (pair_s + rank[c])``: the
+        longest path from every task to a sink, with ``pair_s`` per entry of :attr:`consumer_pairs` (or one
+        number for all). HEFT's upward rank, the simulator's PCT priority and ETF's static level are this."""
+        tensor, consumer = self.consumer_pairs
+        edge = np.broadcast_to(np.asarray(pair_s, float), tensor.shape).tolist()
+        out: list[list[tuple[int, float]]] = [[] for _ in range(self.num_tasks)]
+        for c, t, seconds in zip(consumer.tolist(), tensor.tolist(), edge, strict=True):
+            out[int(self.tensor_producer[t])].append((c, seconds))
+        duration = np.asarray(task_s, float).tolist()
+        rank = [0.0] * self.num_tasks
+        for u in reversed(self.topological_order):
+            tail = 0.0
+            for c, seconds in out[u]:
+                value = seconds + rank[c]
+                if value > tail:
+                    tail = value
+            rank[u] = duration[u] + tail
+        return np.array(rank)
+
+    def reachable(self) -> np.ndarray:
+        """``reach[i, j]``: a path leads from task ``i`` to task ``j`` (an n x n matrix: for small graphs)."""
+        reach = np.zeros((self.num_tasks, self.num_tasks), bool)
+        for task in reversed(self.topological_order):
+            for successor in self.successors[task]:
+                reach[task, successor] = True
+                reach[task] |= reach[successor]
+        return reach
+
     def task_index(self, name: str) -> int:
         try:
             return self._task_index[name]

@@ -108,9 +108,7 @@ def earliest_time_first(ready: ReadyTasks, priority: np.ndarray, allowed: np.nda
 
 def topological_rank(problem: Problem) -> np.ndarray:
     """Position of every task in the problem's topological order (Baechi's tie-break)."""
-    rank = np.empty(problem.num_tasks, int)
-    rank[list(problem.topological_order)] = np.arange(problem.num_tasks)
-    return rank
+    return problem.topological_position
 
 
 def memory_error(problem: Problem, placer: str, task: int, used_bytes: np.ndarray) -> InfeasibleError:

@@ -41,19 +41,8 @@ from moirai.schedule import ScheduleBuilder
 
 def upward_rank_mean_costs(problem: Problem) -> np.ndarray:
     """HEFT's ``rank_u`` from mean compute and mean transfer times."""
-    finite = np.isfinite(problem.compute_s)
-    mean_compute = np.where(finite, problem.compute_s, 0.0).sum(axis=1) / np.maximum(finite.sum(axis=1), 1)
-    k = problem.num_devices
-    off_diagonal = ~np.eye(k, dtype=bool)
-    mean_transfer = problem.transfer_s[:, off_diagonal].mean(axis=1) if k > 1 else np.zeros(problem.num_tensors)
-    rank = np.zeros(problem.num_tasks)
-    for u in reversed(problem.topological_order):
-        tail = max(
-            (mean_transfer[t] + rank[c] for t in problem.output_tensors[u] for c in problem.tensor_consumers[t]),
-            default=0.0,
-        )
-        rank[u] = mean_compute[u] + tail
-    return rank
+    tensor, _ = problem.consumer_pairs
+    return problem.longest_path_to_sink_s(problem.mean_compute_s, problem.mean_transfer_s[tensor])
 
 
 @register("heft")
@@ -76,8 +65,7 @@ def heft_schedule(
     Raises :class:`InfeasibleError` when a task fits on no device any more (memory only fills up).
     """
     n, k = problem.num_tasks, problem.num_devices
-    position = np.empty(n, int)
-    position[list(problem.topological_order)] = np.arange(n)
+    position = problem.topological_position
     schedule = ScheduleBuilder(problem, insertion=True, contention=contention)
     compute = problem.compute_s.tolist()
     lookahead = np.zeros((n, k)).tolist() if lookahead_s is None else lookahead_s.tolist()

@@ -51,10 +51,7 @@ def favourite_children(problem: Problem, threshold: float = 0.5) -> np.ndarray:
     favourite = np.full(n, -1, int)
     if e == 0:
         return favourite
-    compute = np.where(np.isfinite(problem.compute_s), problem.compute_s, np.nan)
-    task_s = np.nanmean(compute, axis=1)
-    off_diagonal = ~np.eye(problem.num_devices, dtype=bool)
-    tensor_s = problem.transfer_s[:, off_diagonal].mean(axis=1) if off_diagonal.any() else np.zeros(problem.num_tensors)
+    task_s, tensor_s = problem.mean_compute_s, problem.mean_transfer_s
     # Columns: x per edge, then s per task, then the makespan w.
     start, makespan = e, e + n
     lp = SparseLinearProgram(

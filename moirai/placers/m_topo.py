@@ -51,10 +51,7 @@ def _fill_in_topological_order(problem: Problem, limit_bytes: np.ndarray) -> tup
 
 
 def _fits(problem: Problem, task: int, device: int, used: np.ndarray, limit_bytes: np.ndarray) -> bool:
-    return bool(
-        np.isfinite(problem.compute_s[task, device])
-        and used[device] + problem.memory_bytes[task] <= limit_bytes[device]
-    )
+    return bool(problem.runs_on[task, device] and used[device] + problem.memory_bytes[task] <= limit_bytes[device])
 
 
 def _plan(problem: Problem, placement: np.ndarray, limit: str) -> Plan:

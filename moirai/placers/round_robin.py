@@ -17,9 +17,7 @@ from moirai.problem import Plan, Problem
 def place_round_robin(problem: Problem) -> Plan:
     order = list(problem.topological_order)
     k = problem.num_devices
-    finite = np.where(np.isfinite(problem.compute_s), problem.compute_s, np.nan)
-    speed = 1.0 / np.maximum(np.nansum(finite, axis=0), 1e-30)
-    work_share = speed / speed.sum()
+    work_share = problem.device_speed
     cuts = np.round(np.cumsum(work_share)[:-1] * len(order)).astype(int)
     if len(order) >= k:
         # Every chunk non-empty: cut d lies in [d + 1, n - (k - 1 - d)] and cuts strictly increase.

@@ -164,9 +164,7 @@ class MilpSolution:
 
 
 def _allowed_devices(problem: Problem, tasks: Iterable[int]) -> dict[int, tuple[int, ...]]:
-    fits = problem.memory_bytes[:, None] <= problem.memory_capacity_bytes[None, :]
-    ok = np.isfinite(problem.compute_s) & fits
-    return {i: tuple(int(k) for k in np.flatnonzero(ok[i])) for i in tasks}
+    return {i: tuple(int(k) for k in np.flatnonzero(problem.fits[i])) for i in tasks}
 
 
 def _time_windows(
@@ -500,8 +498,7 @@ def build_model(
         earliest = {i: scaled(earliest_s[i]) for i in free}
         _add_chain_load_cuts(m, problem, allowed, descendants, earliest, shortest_tail, unit)
         # Identical devices: the k-th of a group is used only after the (k-1)-th (by first task).
-        topo_position = {i: p for p, i in enumerate(problem.topological_order)}
-        order = sorted(free, key=topo_position.__getitem__)
+        order = sorted(free, key=problem.topological_position.__getitem__)
         for group in symmetric_groups:
             for previous, device in zip(group, group[1:], strict=False):
                 for p, i in enumerate(order):
@@ -920,11 +917,9 @@ def plan_from_times(
     unit = _ORDER_TOLERANCE * max(float(np.max(start_s, initial=0.0)), 1e-30) / _MODEL_TIME_SCALE
     key = np.round(start_s / unit) if unit > 0 else start_s
     duration = problem.compute_s[np.arange(problem.num_tasks), placement]
-    topo_position = np.empty(problem.num_tasks, int)
-    topo_position[list(problem.topological_order)] = np.arange(problem.num_tasks)
     # Zero-length tasks go before longer ones starting at the same moment.
     sorted_tasks = nx.lexicographical_topological_sort(
-        problem.graph, key=lambda i: (key[i], duration[i] > 0, topo_position[i])
+        problem.graph, key=lambda i: (key[i], duration[i] > 0, problem.topological_position[i])
     )
     order: list[list[int]] = [[] for _ in range(problem.num_devices)]
     for i in sorted_tasks:

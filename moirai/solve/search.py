@@ -214,10 +214,8 @@ class _ScheduleIndex:
         self.problem = problem
         self.timeline = timeline
         self.window_tasks = window_tasks
-        topo_position = np.empty(problem.num_tasks, int)
-        topo_position[list(problem.topological_order)] = np.arange(problem.num_tasks)
         # Start order (ties: finish, then topological position), so it is a topological order.
-        self.by_start = np.lexsort((topo_position, timeline.task_finish, timeline.task_start))
+        self.by_start = np.lexsort((problem.topological_position, timeline.task_finish, timeline.task_start))
         self.position = np.empty(problem.num_tasks, int)
         self.position[self.by_start] = np.arange(problem.num_tasks)
         self.latest_start = latest_starts(problem, timeline)
