@@ -106,11 +106,6 @@ def earliest_time_first(ready: ReadyTasks, priority: np.ndarray, allowed: np.nda
     return start, task, device
 
 
-def topological_rank(problem: Problem) -> np.ndarray:
-    """Position of every task in the problem's topological order (Baechi's tie-break)."""
-    return problem.topological_position
-
-
 def memory_error(problem: Problem, placer: str, task: int, used_bytes: np.ndarray) -> InfeasibleError:
     """The error a greedy placer raises when ``task`` fits on no device any more, though the model fits the cluster.
 

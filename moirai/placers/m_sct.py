@@ -31,7 +31,7 @@ import numpy as np
 from moirai.bounds import check_memory_feasible
 from moirai.highs import SparseLinearProgram
 from moirai.placers import register
-from moirai.placers._list_scheduling import Choice, ReadyTasks, list_schedule, to_plan, topological_rank
+from moirai.placers._list_scheduling import Choice, ReadyTasks, list_schedule, to_plan
 from moirai.problem import Plan, Problem
 
 
@@ -39,7 +39,7 @@ from moirai.problem import Plan, Problem
 def place_m_sct(problem: Problem, threshold: float = 0.5, contention: bool = True) -> Plan:
     check_memory_feasible(problem)
     favourite = favourite_children(problem, threshold)
-    priority = topological_rank(problem)
+    priority = problem.topological_position
     schedule = list_schedule(problem, lambda ready: _sct_choice(ready, favourite, priority), "m_sct", contention)
     return to_plan(schedule, "m_sct", favourite_children=int((favourite >= 0).sum()))
 
