@@ -33,7 +33,10 @@ from rich.table import Table
 from moirai.placers import get_placer, place
 from moirai.problem import Problem
 from moirai.simulate import simulate
-from moirai.solve.milp import SolverSettings, build_model, plan_from_times, solve_model, whole_problem
+from moirai.solve.model import build_model
+from moirai.solve.solver import SolverSettings, solve_model
+from moirai.solve.warm_start import plan_from_times
+from moirai.solve.window import whole_problem
 
 
 def random_layered_problem(

@@ -173,3 +173,21 @@ def _solve_load_lp(problem: Problem, respect_memory: bool) -> tuple[np.ndarray, 
         # Undo the row scaling: a price per scaled row is a price per capacity-fraction.
         memory_price[d] = max(0.0, -row_dual[n + k + r]) * time_scale / problem.memory_capacity_bytes[d]
     return device_weight, memory_price
+
+
+def memory_error(problem: Problem, placer: str, task: int, used_bytes: np.ndarray) -> InfeasibleError:
+    """The error a greedy placer raises when ``task`` fits on no device any more, though the model fits the cluster.
+
+    Models that cannot fit at all are refused before placing, by :func:`check_memory_feasible`.
+    """
+    free = ", ".join(
+        f"{name}: {format_bytes(max(cap - used, 0.0))} free"
+        for name, cap, used in zip(problem.device_names, problem.memory_capacity_bytes, used_bytes, strict=True)
+    )
+    return InfeasibleError(
+        f"{placer} cannot fit the model: it needs {format_bytes(float(problem.memory_bytes.sum()))} and the cluster "
+        f"has {format_bytes(float(problem.memory_capacity_bytes.sum()))} in total, but {placer}'s greedy placement "
+        f"left no device with room for task {problem.task_names[task]!r} "
+        f"({format_bytes(float(problem.memory_bytes[task]))}; {free}); try the 'milp' placer or another baseline, "
+        "or add memory"
+    )

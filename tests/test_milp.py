@@ -20,14 +20,10 @@ from moirai.placers import place
 from moirai.problem import Plan, Problem
 from moirai.report import StopReason
 from moirai.simulate import simulate
-from moirai.solve.milp import (
-    SolverSettings,
-    build_model,
-    identical_device_groups,
-    plan_from_times,
-    solve_model,
-    whole_problem,
-)
+from moirai.solve.model import build_model
+from moirai.solve.solver import SolverSettings, solve_model
+from moirai.solve.warm_start import plan_from_times
+from moirai.solve.window import identical_device_groups, whole_problem
 
 
 def random_small_problem(seed: int) -> Problem:
@@ -311,12 +307,12 @@ def test_window_search_improves_on_the_best_heuristic():
 
 
 def test_solver_failure_falls_back_to_the_best_heuristic_with_a_warning(monkeypatch):
-    import moirai.solve.milp as milp
+    import moirai.solve.solver as solver
 
     def broken(*args):
         raise RuntimeError("solver crashed")
 
-    monkeypatch.setattr(milp, "_run_highs", broken)
+    monkeypatch.setattr(solver, "_run_highs", broken)
     problem = random_small_problem(4)
     with pytest.warns(UserWarning, match="solver failed"):
         plan = place(problem, "milp", time_limit_s=5)

@@ -11,8 +11,8 @@ import pytest
 
 from bench.milp_ablation import random_layered_problem
 from moirai.placers import get_placer, place
-from moirai.placers.heft import heft_schedule, upward_rank_mean_costs
 from moirai.report import StopReason
+from moirai.schedule.heft import heft_schedule, upward_rank_mean_costs
 from moirai.simulate import simulate, upward_rank
 from moirai.solve.start_plans import improve_start_plan, placement_tail, schedule_tail
 

@@ -17,8 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moirai.bounds import format_bytes
-from moirai.errors import InfeasibleError
+from moirai.bounds import memory_error
 from moirai.problem import Plan, Problem
 from moirai.report import PlacerReport
 from moirai.schedule import ScheduleBuilder
@@ -104,21 +103,3 @@ def earliest_time_first(ready: ReadyTasks, priority: np.ndarray, allowed: np.nda
         candidates.append((float(starts[device]), float(priority[task]), task, device))
     start, _, task, device = min(candidates)
     return start, task, device
-
-
-def memory_error(problem: Problem, placer: str, task: int, used_bytes: np.ndarray) -> InfeasibleError:
-    """The error a greedy placer raises when ``task`` fits on no device any more, though the model fits the cluster.
-
-    Models that cannot fit at all are refused before placing, by :func:`moirai.bounds.check_memory_feasible`.
-    """
-    free = ", ".join(
-        f"{name}: {format_bytes(max(cap - used, 0.0))} free"
-        for name, cap, used in zip(problem.device_names, problem.memory_capacity_bytes, used_bytes, strict=True)
-    )
-    return InfeasibleError(
-        f"{placer} cannot fit the model: it needs {format_bytes(float(problem.memory_bytes.sum()))} and the cluster "
-        f"has {format_bytes(float(problem.memory_capacity_bytes.sum()))} in total, but {placer}'s greedy placement "
-        f"left no device with room for task {problem.task_names[task]!r} "
-        f"({format_bytes(float(problem.memory_bytes[task]))}; {free}); try the 'milp' placer or another baseline, "
-        "or add memory"
-    )

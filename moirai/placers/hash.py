@@ -15,9 +15,8 @@ import itertools
 
 import numpy as np
 
-from moirai.bounds import check_memory_feasible
+from moirai.bounds import check_memory_feasible, memory_error
 from moirai.placers import register
-from moirai.placers._list_scheduling import memory_error
 from moirai.problem import Plan, Problem
 from moirai.simulate import simulate
 

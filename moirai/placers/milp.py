@@ -3,7 +3,7 @@
 1. Every fast heuristic places the problem; the simulator judges them; the best is the start
    plan and its makespan the horizon (a valid big-M and upper bound for the model).
 2. A problem small enough for one model (``FULL_MODEL_MAX_TASKS``, measured with
-   ``bench/milp_ablation.py``) is solved whole by :mod:`moirai.solve.milp`, warm-started from
+   ``bench/milp_ablation.py``) is solved whole by :mod:`moirai.solve.model`, warm-started from
    the best plan, with whatever time the budget has left after the heuristics and the build.
 3. A larger one first gets a better start: HEFT re-run with a lookahead (how long the best plan
    so far runs on after each task, on each device) while the simulator confirms a shorter makespan
@@ -43,20 +43,12 @@ from moirai.placers import get_placer, placers, register
 from moirai.problem import Plan, Problem
 from moirai.report import BoundSource, SolverReport, StopReason
 from moirai.simulate import Timeline, simulate
-from moirai.solve.milp import (
-    FORMULATIONS,
-    SOLVERS,
-    MilpSolution,
-    SolverSettings,
-    build_model,
-    plan_from_times,
-    progress_text,
-    relabel_identical_devices,
-    solve_model,
-    whole_problem,
-)
+from moirai.solve.model import FORMULATIONS, build_model
 from moirai.solve.search import DEFAULT_WINDOW_TASKS, gap_closed, improve_by_windows
+from moirai.solve.solver import SOLVERS, MilpSolution, SolverSettings, progress_text, solve_model
 from moirai.solve.start_plans import improve_start_plan
+from moirai.solve.warm_start import plan_from_times, relabel_identical_devices
+from moirai.solve.window import whole_problem
 
 # Heuristics tried for the start plan, most promising first; absent ones are skipped. The numbers
 # are seconds per (1,000 tasks)^1.4 measured on this machine (2 cores, 2026-11): a heuristic whose

@@ -41,16 +41,10 @@ from moirai.objective import LATENCY, Objective
 from moirai.problem import Plan, Problem
 from moirai.report import StopReason
 from moirai.simulate import Timeline, simulate
-from moirai.solve.milp import (
-    MilpModel,
-    MilpSolution,
-    SolverSettings,
-    Window,
-    build_model,
-    plan_from_times,
-    progress_text,
-    solve_model,
-)
+from moirai.solve.model import MilpModel, build_model
+from moirai.solve.solver import MilpSolution, SolverSettings, progress_text, solve_model
+from moirai.solve.warm_start import plan_from_times
+from moirai.solve.window import Window
 
 DEFAULT_WINDOW_TASKS = 8
 _WINDOW_TIME_LIMIT_S = 1.0

@@ -39,8 +39,8 @@ import numpy as np
 
 from moirai.errors import InfeasibleError
 from moirai.objective import LATENCY, Objective
-from moirai.placers.heft import heft_schedule, upward_rank_mean_costs
 from moirai.problem import Plan, Problem
+from moirai.schedule.heft import heft_schedule, upward_rank_mean_costs
 from moirai.simulate import Timeline, simulate, upward_rank
 from moirai.solve.search import latest_starts
 
