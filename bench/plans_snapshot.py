@@ -22,24 +22,15 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.run import PAPER_CLUSTERS, SLOW_PLACERS, prepare_model  # noqa: E402
+from moirai.placers import list_placers, place  # noqa: E402
 from moirai.problem import Problem  # noqa: E402
 
 ABSOLUTE_TOLERANCE_S = 1e-9
 
 
-def _list_placers() -> list[str]:
-    import importlib
-
-    registry = importlib.import_module("moirai.placers")  # the package, whatever ``moirai.placers`` names
-    listing = getattr(registry, "list_placers", None) or registry.placers
-    return listing()
-
-
 def _place(problem: Problem, placer: str, **options: object) -> float:
-    from moirai.placers import place
-
     plan = place(problem, placer, **options)
-    return float(getattr(plan, "latency_s", None) or plan.makespan_s)
+    return float(plan.makespan_s)
 
 
 def _problems(directory: Path) -> dict[str, Problem]:
@@ -77,7 +68,7 @@ def snapshot(path: Path) -> dict[str, float | str]:
     problems = _problems(path.with_suffix(".problems"))
     result: dict[str, float | str] = {}
     for key, problem in problems.items():
-        for placer in _list_placers():
+        for placer in list_placers():
             if placer in SLOW_PLACERS:
                 continue
             try:

@@ -324,4 +324,4 @@ def test_memory_is_respected_on_random_graphs(name):
 
 
 def test_my_placers_are_registered():
-    assert set(MY_PLACERS) <= set(moirai.placers())
+    assert set(MY_PLACERS) <= set(moirai.list_placers())

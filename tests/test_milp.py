@@ -246,8 +246,9 @@ class _RecordedStatus:
 
 def test_window_search_returns_at_a_local_optimum_well_before_its_budget(monkeypatch):
     status = _RecordedStatus()
-    # moirai.placers is shadowed by the placers() function on the package: import the module by name.
-    monkeypatch.setattr(importlib.import_module("moirai.placers.milp"), "_status", lambda: status)
+    import moirai.placers.milp as milp_placer
+
+    monkeypatch.setattr(milp_placer, "_status", lambda: status)
     problem = random_layered_problem(40, 4, seed=1)
     started = time.perf_counter()
     plan = place(problem, "milp", time_limit_s=60, progress=True)

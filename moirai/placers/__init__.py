@@ -1,14 +1,16 @@
 """The placer registry: a placer is a function ``(problem, **options) -> Plan``.
 
 Add one by writing a module here with a function decorated ``@register("name")`` and
-listing the module in ``_PLACER_MODULES``.
+listing the module in ``_PLACER_MODULES``. :func:`list_placers` names them all.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +45,7 @@ def register(name: str) -> Callable[[Placer], Placer]:
     return add
 
 
-def placers() -> list[str]:
+def list_placers() -> list[str]:
     """Names of every registered placer."""
     _load_all()
     return sorted(_REGISTRY)
@@ -85,3 +87,13 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
 def _load_all() -> None:
     for module in _PLACER_MODULES:
         importlib.import_module(f"moirai.placers.{module}")
+
+
+class _Package(types.ModuleType):
+    """``moirai.placers`` is this package; calling it, as the listing function of that name once was, says so."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[str]:
+        raise MoiraiError("moirai.placers() is now moirai.list_placers(); moirai.placers is the package of placers")
+
+
+sys.modules[__name__].__class__ = _Package

@@ -39,7 +39,7 @@ import numpy as np
 from moirai.bounds import check_memory_feasible, format_bytes
 from moirai.errors import InfeasibleError, MoiraiError
 from moirai.objective import LATENCY, Objective
-from moirai.placers import get_placer, placers, register
+from moirai.placers import get_placer, list_placers, register
 from moirai.problem import Plan, Problem
 from moirai.report import BoundSource, SolverReport, StopReason
 from moirai.simulate import Timeline, simulate
@@ -159,7 +159,7 @@ def _best_heuristic(
     problem: Problem, deadline: float, report: Any, objective: Objective
 ) -> tuple[Plan | None, Timeline | None, dict[str, float]]:
     """The acceptable heuristic plan (memory first) best by ``objective``, and every heuristic's objective value."""
-    available = set(placers())
+    available = set(list_placers())
     started = time.perf_counter()
     budget = (deadline - started) * _HEURISTIC_SHARE
     best: tuple[Plan, Timeline] | None = None
