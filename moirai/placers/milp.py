@@ -143,6 +143,7 @@ def place_milp(
     final.lower_bound_s = bound_s
     if info.solver_bound_s is not None and info.solver_bound_s > bound_s:
         final.lower_bound_s, info.bound_source = info.solver_bound_s, BoundSource.SOLVER
+    info.time_limit_s, info.elapsed_s = time_limit_s, time.perf_counter() - (deadline - time_limit_s)
     final.report = info
     return final
 
