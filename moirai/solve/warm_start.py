@@ -9,6 +9,7 @@ import numpy as np
 from pyomo.common.collections import ComponentMap
 
 from moirai.problem import Plan, Problem
+from moirai.schedule.transfers import transfer_duration_s
 from moirai.simulate import Timeline
 from moirai.solve.model import MODEL_TIME_SCALE, MilpModel
 from moirai.solve.window import identical_device_groups
@@ -96,7 +97,7 @@ def plan_from_times(
         links: dict[tuple[int, int], list[tuple[float, float, int]]] = {}
         for (t, b), begin in transfer_start_s.items():
             a = int(placement[problem.tensor_producer[t]])
-            length = problem.transfer_s[t, a, b]
+            length = transfer_duration_s(problem, t, a, b)
             links.setdefault((a, b), []).append((round(begin / unit), length > 0, t))
         transfer_order = {link: tuple(t for *_, t in sorted(entries)) for link, entries in links.items()}
     return Plan(
