@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyomo.environ as pyo
 
-from moirai.errors import MoiraiError
+from moirai.errors import InfeasibleError, MoiraiError
 from moirai.objective import LATENCY, Objective
 from moirai.problem import Problem
 from moirai.schedule.transfers import transfer_duration_s
@@ -89,6 +90,7 @@ class MilpModel:
     device_pairs: dict[tuple[int, int], str]  # (i, j) -> "delta" | "i_first" | "j_first" | "apart"
     transfer_pairs: dict[tuple[tuple[int, int], tuple[int, int]], str]
     symmetric_groups: tuple[tuple[int, ...], ...]
+    objective_var: Any = None  # the variable minimised: T (latency) or P (period), in model units
     size: ModelSize | None = None
 
 
@@ -135,21 +137,23 @@ def build_model(
         raise MoiraiError(f"the MILP has no rows for objective {objective.name!r}; it models {sorted(MILP_OBJECTIVES)}")
     started = time.perf_counter()
     c = _bounded_model(problem, window, formulation)
-    objective_rows, objective_cuts = MILP_OBJECTIVES[objective.name]
+    rows = MILP_OBJECTIVES[objective.name]
     _assignment_and_memory_rows(c)
     _precedence_rows(c)
-    objective_rows(c)
+    rows.before_transfers(c, objective)
     transfers = _transfer_rows(c)
+    rows.after_transfers(c, objective, transfers)
     device_pairs = _device_order_rows(c)
     transfer_pairs = _link_order_rows(c, transfers)
     symmetric_groups: tuple[tuple[int, ...], ...] = ()
     if c.strong:
-        objective_cuts(c)
+        rows.cuts(c)
         if len(c.free) == problem.num_tasks:
             symmetric_groups = identical_device_groups(problem)
             _symmetry_rows(c, symmetric_groups)
     m = c.m
-    m.objective = pyo.Objective(expr=m.T, sense=pyo.minimize)
+    objective_var = m.P if hasattr(m, "P") else m.T
+    m.objective = pyo.Objective(expr=objective_var, sense=pyo.minimize)
     built = MilpModel(
         problem=problem,
         window=window,
@@ -160,6 +164,7 @@ def build_model(
         device_pairs=device_pairs,
         transfer_pairs=transfer_pairs,
         symmetric_groups=symmetric_groups,
+        objective_var=objective_var,
     )
     delta_pairs = sum(kind == "delta" for kind in device_pairs.values())
     link_delta_pairs = sum(kind == "delta" for kind in transfer_pairs.values())
@@ -194,6 +199,12 @@ def _bounded_model(problem: Problem, window: Window, formulation: str) -> _Model
             if narrowed == allowed:
                 break
             allowed = narrowed
+        stuck = [i for i in free if not allowed[i]]
+        if stuck:
+            raise InfeasibleError(
+                f"task {problem.task_names[stuck[0]]!r} cannot finish on any device within the horizon "
+                f"({window.horizon_s:g} s): no plan meets it"
+            )
         # The windows narrowed by the devices left: heads and tails count transfers.
         for i in free:
             earliest_s[i] = max(earliest_s[i], min(head_s[i, k] for k in allowed[i]))
@@ -261,7 +272,7 @@ def _precedence_rows(c: _Model) -> None:
             c.add(m.S[i] >= sum(r * m.x[i, k] for k, r in ready.items()))
 
 
-def _latency_rows(c: _Model) -> None:
+def _latency_rows(c: _Model, objective: Objective | None = None) -> None:
     """The latency objective: T covers every free task plus what runs after it on its device."""
     for f, i in enumerate(c.free):
         c.add(c.m.T >= c.finish[i] + sum(c.scaled(c.window.tail_s[f, k]) * c.m.x[i, k] for k in c.allowed[i]))
@@ -284,9 +295,47 @@ def _latency_cuts(c: _Model) -> None:
     _add_chain_load_cuts(m, c.problem, allowed, c.descendants, earliest, shortest_tail, c.unit_s)
 
 
-# Objective name (moirai.objective) -> (its rows, its strong cuts). A throughput objective adds its period
-# variable, the rows "every device's and link's busy time per request <= period", and its cuts here.
-MILP_OBJECTIVES = {"latency": (_latency_rows, _latency_cuts)}
+def _period_rows(c: _Model, objective: Objective) -> None:
+    """Throughput: the period P covers every device's compute per request; with a latency limit (then the
+    window's horizon), T covers every finish and stays within it."""
+    if len(c.free) != c.problem.num_tasks:
+        raise MoiraiError("the throughput objective is modelled for the whole problem only, not windows")
+    m = c.m
+    m.P = pyo.Var(bounds=(0.0, MODEL_TIME_SCALE))  # a period never exceeds the latency, nor that the horizon
+    for k in range(c.problem.num_devices):
+        users = [i for i in c.free if k in c.allowed[i]]
+        if users:
+            c.add(m.P >= sum(c.scaled(c.problem.compute_s[i, k]) * m.x[i, k] for i in users))
+    if getattr(objective, "max_latency_s", None) is not None:
+        _latency_rows(c)
+        c.add(m.T <= MODEL_TIME_SCALE)
+
+
+def _link_period_rows(c: _Model, objective: Objective, transfers: _Transfers) -> None:
+    """Throughput: the period covers every directed link's transfers per request (a tensor sent once per device)."""
+    on_link: dict[tuple[int, int], list[Any]] = {}
+    for (t, b), sources in transfers.sources.items():
+        for a in sources:
+            on_link.setdefault((a, b), []).append(c.scaled(transfer_duration_s(c.problem, t, a, b)) * c.m.w[t, a, b])
+    for terms in on_link.values():
+        c.add(c.m.P >= sum(terms))
+
+
+def _no_rows(*args: Any) -> None:
+    return None
+
+
+class _ObjectiveRows(NamedTuple):
+    before_transfers: Callable[..., None]
+    after_transfers: Callable[..., None]
+    cuts: Callable[[_Model], None]  # strong formulation only
+
+
+# Objective name (moirai.objective) -> its rows: the variable it minimises (T: latency, P: period) and its cuts.
+MILP_OBJECTIVES = {
+    "latency": _ObjectiveRows(_latency_rows, _no_rows, _latency_cuts),
+    "throughput": _ObjectiveRows(_period_rows, _link_period_rows, _no_rows),
+}
 
 
 @dataclass
