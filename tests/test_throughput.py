@@ -6,7 +6,10 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
+from rich.console import Console
 
+import moirai
 from moirai.bounds import lower_bounds
 from moirai.errors import InfeasibleError
 from moirai.objective import Throughput, as_objective
@@ -92,3 +95,18 @@ def test_pipeline_stages_are_contiguous_and_balance_a_chain():
 def test_unknown_objective_names_the_choices():
     with pytest.raises(Exception, match="latency.*throughput"):
         as_objective("energy")
+
+
+@pytest.mark.slow
+def test_compile_for_throughput_splits_correctly_and_the_summary_shows_both_figures():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(6))).eval()
+    x = torch.randn(4, 32)
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="pipeline", objective="throughput")
+    assert compiled.plan.objective == "throughput"
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    console = Console(record=True, width=200)
+    compiled.summary(console)
+    text = console.export_text()
+    assert "predicted latency" in text and "requests/s pipelined" in text and "objective throughput" in text
