@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
+from moirai.device_kinds import kind_for_backend
 from moirai.devices import Cluster, Link
 from moirai.errors import ClusterError, DistributedError
 
@@ -99,9 +100,10 @@ def time_links(
     """Fastest time (message + acknowledgement) per size, for every directed pair of local ranks."""
     if world_size < 2:
         raise ClusterError("calibration needs at least two ranks (world_size >= 2)")
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        available = torch.cuda.device_count()
-        raise ClusterError(f"backend 'nccl' needs {world_size} CUDA devices, this machine has {available}")
+    kind = kind_for_backend(backend)
+    if kind.accelerator and kind.count() < world_size:
+        available = kind.count()
+        raise ClusterError(f"backend {backend!r} needs {world_size} {kind.name} devices, this machine has {available}")
     sizes = tuple(int(s) for s in sizes_bytes)
     with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir:
         settings = (world_size, backend, _free_port(), sizes, repeats, warmup, timeout_s, results_dir)
@@ -129,7 +131,8 @@ def calibrate(
     if base is not None and len(base) != world_size:
         raise ClusterError(f"base cluster has {len(base)} devices, calibration runs {world_size} ranks")
     if base is None:
-        local = ["cpu"] * world_size if backend == "gloo" else [f"cuda:{r}" for r in range(world_size)]
+        kind = kind_for_backend(backend)
+        local = [f"{kind.name}:{r}" if kind.accelerator else kind.name for r in range(world_size)]
         host = socket.gethostname()
         devices = tuple(
             dataclasses.replace(d, name=f"rank{r}", host=host, rank=r)
@@ -165,14 +168,16 @@ def _rank_main(
     results_dir: str,
 ) -> None:
     """One rank: take part in every pair in the same order; the sender of a pair records times."""
-    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    kind = kind_for_backend(backend)
+    device = torch.device(f"{kind.name}:{rank}" if kind.accelerator else kind.name)
+    kind.set_current(device)
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    def synchronize() -> None:
+        kind.synchronize(device)
+
     ack = torch.zeros(_ACK_ELEMENTS, device=device)
     results = []
     try:

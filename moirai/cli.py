@@ -13,7 +13,6 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
-import inspect
 import json
 import sys
 from pathlib import Path
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args, console)
         if args.command == "calibrate":
             return calibrate_command.run(args, console)
-        console.print("\n".join(moirai.placers()))
+        console.print("\n".join(moirai.list_placers()))
         return 0
     except (MoiraiError, OSError) as error:
         if args.debug:
@@ -84,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
 def _placement_arguments(parser: argparse.ArgumentParser, default_placer: str) -> None:
     parser.add_argument("--placer", default=default_placer, help=f"a registered placer (default {default_placer})")
     parser.add_argument("--time-limit", type=float, help="seconds the placer may take (placers with time_limit_s)")
-    parser.add_argument("--objective", default="latency", help="what the plan minimises (default latency)")
+    parser.add_argument("--objective", default="latency", help="latency or throughput (default latency)")
     parser.add_argument("--output", help="write the plan as JSON here")
     parser.add_argument("--gantt", help="draw the schedule into this picture (.png, .svg, .pdf; needs matplotlib)")
     parser.add_argument("--timeline", action="store_true", help="print the schedule as a text timeline")
@@ -92,13 +91,13 @@ def _placement_arguments(parser: argparse.ArgumentParser, default_placer: str) -
 
 
 def _compile(args: argparse.Namespace, console: Console) -> int:
-    if args.placer not in moirai.placers():  # before the model is imported and traced
-        raise MoiraiError(f"unknown placer {args.placer!r}; choose one of {', '.join(moirai.placers())}")
+    if args.placer not in moirai.list_placers():  # before the model is imported and traced
+        raise MoiraiError(f"unknown placer {args.placer!r}; choose one of {', '.join(moirai.list_placers())}")
     if args.gantt:
         viz.check_picture_path(args.gantt)
     cluster = moirai.Cluster.from_devices(_device_list(args.devices)) if args.devices else _cluster(args.cluster)
     model, example_inputs = _load_factory(args.factory)
-    options = _placer_options(args, moirai.compile)
+    options = _placer_options(args)
     compiled = moirai.compile(
         model, cluster, example_inputs=example_inputs, placer=args.placer, cost=args.cost, **options
     )
@@ -128,7 +127,7 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
 def _plan(args: argparse.Namespace, console: Console) -> int:
     problem = moirai.Problem.from_json(args.problem)
     with progress.shown():
-        plan = moirai.place(problem, placer=args.placer, **_placer_options(args, moirai.place))
+        plan = moirai.place(problem, placer=args.placer, **_placer_options(args))
     timeline = moirai.simulate(problem, plan)
     console.print(viz.summary_table(problem, plan, timeline=timeline, title=f"{args.placer} on {args.problem}"))
     if args.timeline:
@@ -141,14 +140,14 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _placer_options(args: argparse.Namespace, entry_point: Any) -> dict[str, Any]:
-    """``time_limit_s`` when given; ``objective`` only where the entry point takes it, else latency alone."""
+def _placer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``time_limit_s`` when given, and the objective (checked before any model is traced)."""
+    from moirai.objective import OBJECTIVES
+
+    if args.objective not in OBJECTIVES:
+        raise MoiraiError(f"--objective {args.objective!r} is not an objective; choose one of {', '.join(OBJECTIVES)}")
     options: dict[str, Any] = {} if args.time_limit is None else {"time_limit_s": args.time_limit}
-    if "objective" in inspect.signature(entry_point).parameters:
-        options["objective"] = args.objective
-    elif args.objective != "latency":
-        raise MoiraiError(f"--objective {args.objective!r} is not supported by this moirai; use --objective latency")
-    return options
+    return {**options, "objective": args.objective}
 
 
 def _device_list(devices: str) -> list[str]:

@@ -29,6 +29,7 @@ from moirai.cost import activation_peak_bytes, build_problem
 from moirai.devices import Cluster
 from moirai.errors import MoiraiError, PlanError
 from moirai.graph import OpGraph, build_op_graph
+from moirai.objective import Objective
 from moirai.placers import place
 from moirai.problem import Plan, Problem
 from moirai.runtime.distributed import run_distributed, run_rank
@@ -142,6 +143,7 @@ def compile(
     fusion_rules: str | Path = "default",
     target_nodes: int | None = None,
     cost: str = "analytic",
+    objective: str | Objective = "latency",
     progress: bool = True,
     **placer_options: Any,
 ) -> CompiledModel:
@@ -149,7 +151,9 @@ def compile(
 
     ``devices`` is a :class:`moirai.Cluster` or a list of torch device strings (a repeated
     ``"cpu"`` gives separate logical devices). ``placer`` names a registered placer
-    (``moirai.placers()``); ``placer_options`` go to it (e.g. ``time_limit_s`` for ``milp``).
+    (``moirai.list_placers()``); ``placer_options`` go to the placer (e.g.
+    ``time_limit_s`` for ``milp``). ``objective`` is ``"latency"`` (one request finishes soonest) or
+    ``"throughput"`` (the period of pipelined requests, :class:`moirai.objective.Throughput` for a latency limit).
     ``cost`` is ``"analytic"`` (roofline from the device table) or ``"measured"`` (profile every
     op group on the local devices, cached on disk). ``progress=False`` silences the line per stage.
     """
@@ -157,7 +161,7 @@ def compile(
     traced = trace(model, example_inputs, example_kwargs)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
     problem = build_problem(coarse, cluster, cost, traced)
-    plan = place(problem, placer=placer, **placer_options)
+    plan = place(problem, placer=placer, objective=objective, **placer_options)
     return _assemble(traced, cluster, coarse, problem, plan)
 
 

@@ -24,8 +24,8 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from moirai.bounds import lower_bound
 from moirai.errors import InfeasibleError, MoiraiError
+from moirai.objective import as_objective
 from moirai.problem import Plan, Problem
 from moirai.progress import format_seconds
 from moirai.simulate import Timeline, simulate
@@ -57,18 +57,20 @@ _TASK_HEIGHT, _TRANSFER_HEIGHT, _UNDERLINE_HEIGHT = 0.7, 0.5, 0.1
 
 def predicted_latency_s(timeline: Timeline) -> float:
     """The simulated latency of a plan (the one place that reads the timeline's makespan)."""
-    return timeline.makespan
+    return timeline.makespan_s
 
 
 def stop_reason(plan: Plan) -> str | None:
     """Why the placer stopped ("gap closed", "time limit", ...), when it says."""
-    return plan.info.get("stop_reason")
+    reason = getattr(plan.report, "stop_reason", None)
+    return None if reason is None else reason.value
 
 
 def best_lower_bound_s(problem: Problem, plan: Plan) -> float | None:
-    """The larger of the placer's proven bound and :func:`moirai.lower_bound` (both hold for every plan)."""
+    """The larger of the placer's proven bound and the objective's own bound (both hold for every plan that fits),
+    on the objective the plan was made for: latency, or the period of pipelined requests."""
     try:
-        bound = lower_bound(problem)
+        bound = as_objective(plan.objective).lower_bound_s(problem)
     except InfeasibleError:
         bound = None
     candidates = [b for b in (bound, plan.lower_bound_s) if b is not None]
@@ -76,17 +78,23 @@ def best_lower_bound_s(problem: Problem, plan: Plan) -> float | None:
 
 
 def headline(problem: Problem, plan: Plan, timeline: Timeline) -> str:
-    """``predicted 1.23 ms · bound 1.10 ms · gap 10.6%``: what a plan promises and how far from optimal.
+    """``predicted 1.23 ms · 812 req/s · bound 1.10 ms · gap 10.6%``: what a plan promises (one request's latency,
+    and requests per second when pipelined) and how far from optimal on its objective.
 
     The bound holds for plans that fit memory only, so a plan over memory gets none.
     """
     latency = predicted_latency_s(timeline)
-    bound = best_lower_bound_s(problem, plan) if timeline.fits_memory else None
     words = [f"predicted {format_seconds(latency)}"]
+    if timeline.period_s > 0:
+        words.append(f"{1 / timeline.period_s:.3g} req/s")
+    bound = best_lower_bound_s(problem, plan) if timeline.fits_memory else None
     if bound is not None:
-        words.append(f"bound {format_seconds(bound)}")
-        if latency > 0:
-            words.append(f"gap {max(latency - bound, 0.0) / latency:.1%}")
+        objective = as_objective(plan.objective)
+        value = objective.value_s(timeline)
+        label = "bound" if objective.name == "latency" else f"{objective.name} bound"
+        words.append(f"{label} {format_seconds(bound)}")
+        if value > 0:
+            words.append(f"gap {max(value - bound, 0.0) / value:.1%}")
     return " · ".join(words)
 
 

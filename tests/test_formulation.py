@@ -6,22 +6,17 @@ import numpy as np
 import pyomo.environ as pyo
 import pytest
 
-import moirai.solve.milp as milp
 from bench.milp_ablation import random_layered_problem
 from moirai.bounds import lower_bound
+from moirai.highs import run_highs
 from moirai.placers import place
 from moirai.problem import Plan, Problem
 from moirai.simulate import Timeline, simulate
-from moirai.solve.milp import (
-    SolverSettings,
-    build_model,
-    plan_from_times,
-    run_highs,
-    solve_model,
-    warm_start_values,
-    whole_problem,
-)
-from tests.test_milp import random_small_problem
+from moirai.solve.model import MilpModel, build_model
+from moirai.solve.solver import SolverSettings, solve_model
+from moirai.solve.warm_start import plan_from_times, warm_start_values
+from moirai.solve.window import whole_problem
+from tests.conftest import random_problem
 
 TOLERANCE = 1e-6  # model time units (the horizon is 1000)
 
@@ -38,7 +33,7 @@ def random_plans(problem: Problem, count: int, seed: int) -> list[Plan]:
     return plans
 
 
-def violated_rows(built: milp.MilpModel, timeline: Timeline) -> list[str]:
+def violated_rows(built: MilpModel, timeline: Timeline) -> list[str]:
     """Rows and variable bounds of ``built`` that the schedule in ``timeline`` breaks."""
     m = built.model
     values = warm_start_values(built, timeline)
@@ -66,16 +61,16 @@ def violated_rows(built: milp.MilpModel, timeline: Timeline) -> list[str]:
 @pytest.mark.parametrize("instances", ["small", "layered"])
 def test_every_feasible_schedule_satisfies_every_row(formulation, seed, instances):
     """A cut, window or fixed variable that removes a schedule within the horizon would be invalid."""
-    problem = random_small_problem(seed + 20) if instances == "small" else random_layered_problem(12, 3, seed=seed)
+    problem = random_problem(seed + 20) if instances == "small" else random_layered_problem(12, 3, seed=seed)
     for plan in random_plans(problem, 6, seed):
         timeline = simulate(problem, plan)
         for slack in (1.0, 1.3):  # the horizon equal to the schedule's makespan, and above it
-            built = build_model(problem, whole_problem(problem, timeline.makespan * slack), formulation)
+            built = build_model(problem, whole_problem(problem, timeline.makespan_s * slack), formulation)
             assert violated_rows(built, timeline) == [], (seed, plan.placement)
 
 
 def lp_bound_s(problem: Problem, formulation: str) -> float:
-    horizon = simulate(problem, place(problem, "heft")).makespan
+    horizon = simulate(problem, place(problem, "heft")).makespan_s
     built = build_model(problem, whole_problem(problem, horizon), formulation)
     pyo.TransformationFactory("core.relax_integer_vars").apply_to(built.model)
     outcome = run_highs(built.model, None, time_limit_s=30, threads=1)
@@ -96,7 +91,7 @@ def test_strong_lp_bound_is_at_least_the_papers_and_the_combinatorial_bound():
 
 def optimum_s(problem: Problem, formulation: str) -> float:
     timeline = simulate(problem, place(problem, "heft"))
-    built = build_model(problem, whole_problem(problem, timeline.makespan), formulation)
+    built = build_model(problem, whole_problem(problem, timeline.makespan_s), formulation)
     solution = solve_model(built, SolverSettings(time_limit_s=60, mip_gap=0.0, threads=1), timeline)
     assert solution.optimal, solution.status
     return solution.objective_s
@@ -108,15 +103,17 @@ def test_chain_load_cuts_and_device_fixing_keep_the_optimum(monkeypatch, seed):
     problem = random_layered_problem(10, 3, seed=seed)
     strong = optimum_s(problem, "strong")
     assert strong == pytest.approx(optimum_s(problem, "paper"), rel=1e-6)
-    monkeypatch.setattr(milp, "_add_chain_load_cuts", lambda *args: None)
-    monkeypatch.setattr(milp, "_devices_in_time", lambda problem, allowed, *windows: allowed)
-    monkeypatch.setattr(milp, "_add_device_load_cuts", lambda *args: None)
+    import moirai.solve.model as model
+
+    monkeypatch.setattr(model, "_add_chain_load_cuts", lambda *args: None)
+    monkeypatch.setattr(model, "devices_in_time", lambda problem, allowed, *windows: allowed)
+    monkeypatch.setattr(model, "_add_device_load_cuts", lambda *args: None)
     assert strong == pytest.approx(optimum_s(problem, "strong"), rel=1e-6)
 
 
 def test_a_device_too_slow_to_finish_inside_the_horizon_is_never_offered():
     problem = random_layered_problem(8, 3, seed=2)
-    horizon = simulate(problem, place(problem, "heft")).makespan
+    horizon = simulate(problem, place(problem, "heft")).makespan_s
     compute = problem.compute_s.copy()
     compute[3, 1] = 2 * horizon
     slow = Problem(
@@ -140,15 +137,15 @@ def test_a_device_too_slow_to_finish_inside_the_horizon_is_never_offered():
 def test_the_papers_optimal_schedule_satisfies_every_strong_row():
     """Optimal schedules are where an invalid cut bites: the paper's optimum must be feasible for the strong model."""
     for seed in range(20, 40):
-        problem = random_small_problem(seed)
+        problem = random_problem(seed)
         start = simulate(problem, place(problem, "heft"))
-        built = build_model(problem, whole_problem(problem, start.makespan), "paper")
+        built = build_model(problem, whole_problem(problem, start.makespan_s), "paper")
         solution = solve_model(built, SolverSettings(time_limit_s=30, mip_gap=0.0, threads=1), start)
         assert solution.optimal, (seed, solution.status)
         n = problem.num_tasks
         placement = np.array([solution.placement[i] for i in range(n)])
         starts = np.array([solution.start_s[i] for i in range(n)])
         optimum = simulate(problem, plan_from_times(problem, placement, starts, solution.transfer_start_s, "paper"))
-        for horizon in (optimum.makespan, start.makespan):  # a horizon above the optimum keeps more devices
+        for horizon in (optimum.makespan_s, start.makespan_s):  # a horizon above the optimum keeps more devices
             strong = build_model(problem, whole_problem(problem, horizon), "strong")
             assert violated_rows(strong, optimum) == [], seed

@@ -1,17 +1,21 @@
 """The placer registry: a placer is a function ``(problem, **options) -> Plan``.
 
 Add one by writing a module here with a function decorated ``@register("name")`` and
-listing the module in ``_PLACER_MODULES``.
+listing the module in ``_PLACER_MODULES``. :func:`list_placers` names them all.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
 from moirai.errors import MoiraiError
+from moirai.objective import Objective, as_objective
 from moirai.problem import Plan, Problem
 from moirai.progress import stage
 
@@ -30,6 +34,7 @@ _PLACER_MODULES = (
     "m_sct",
     "getf",
     "pesto",
+    "pipeline",
     "milp",
 )
 
@@ -42,7 +47,7 @@ def register(name: str) -> Callable[[Placer], Placer]:
     return add
 
 
-def placers() -> list[str]:
+def list_placers() -> list[str]:
     """Names of every registered placer."""
     _load_all()
     return sorted(_REGISTRY)
@@ -57,22 +62,41 @@ def get_placer(name: str) -> Placer:
 
 
 @stage("place")
-def place(problem: Problem, placer: str = "heft", **options: Any) -> Plan:
-    """Place ``problem`` with the named placer; the plan's makespan is the simulator's."""
-    from moirai.bounds import lower_bound
+def place(problem: Problem, placer: str = "heft", objective: str | Objective = "latency", **options: Any) -> Plan:
+    """Place ``problem`` with the named placer for ``objective`` (:mod:`moirai.objective`).
+
+    The plan's makespan and objective value are the simulator's. A placer that compares plans (milp) takes
+    the objective as an option; the others build one schedule their own way.
+    """
     from moirai.simulate import simulate
 
+    chosen = as_objective(objective)
+    function = get_placer(placer)
+    if "objective" in inspect.signature(function).parameters:
+        options = {**options, "objective": chosen}
     start = time.perf_counter()
-    plan = get_placer(placer)(problem, **options)
+    plan = function(problem, **options)
     plan.placement_time_s = time.perf_counter() - start
     plan.placer = plan.placer or placer
     plan.check(problem)
-    plan.makespan_s = simulate(problem, plan).makespan
+    timeline = simulate(problem, plan)
+    plan.makespan_s = timeline.makespan_s
+    plan.objective, plan.objective_s = chosen.name, chosen.value_s(timeline)
     # A placer may prove a stronger bound (the MILP's); keep the better of the two.
-    plan.lower_bound_s = max(plan.lower_bound_s or 0.0, lower_bound(problem))
+    plan.lower_bound_s = max(plan.lower_bound_s or 0.0, chosen.lower_bound_s(problem))
     return plan
 
 
 def _load_all() -> None:
     for module in _PLACER_MODULES:
         importlib.import_module(f"moirai.placers.{module}")
+
+
+class _Package(types.ModuleType):
+    """``moirai.placers`` is this package; calling it, as the listing function of that name once was, says so."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[str]:
+        raise MoiraiError("moirai.placers() is now moirai.list_placers(); moirai.placers is the package of placers")
+
+
+sys.modules[__name__].__class__ = _Package

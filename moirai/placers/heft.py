@@ -16,175 +16,24 @@ policy); ties go to the lower device index. Two extensions make the schedule the
   model: a transfer starts as soon as its producer finishes.
 * memory: a device is a candidate only while it has room for the task (static memory model).
 
-:func:`heft_schedule` takes the priority and an optional lookahead (a per task and device time added
-to the finish time when choosing the device), so the milp placer's start plans
+:func:`moirai.schedule.heft.heft_schedule` takes the priority and an optional lookahead (a per task and device
+time added to the finish time when choosing the device), so the milp placer's start plans
 (:mod:`moirai.solve.start_plans`) are this same schedule with a tail added.
 
 The plan carries every device's order and, with contention, every link's transfer order, so
-the simulator replays the schedule HEFT built: its makespan equals ``info["predicted_makespan_s"]``
+the simulator replays the schedule HEFT built: its makespan equals ``report.predicted_makespan_s``
 under the same ``contention`` setting.
 """
 
 from __future__ import annotations
 
-import heapq
-from bisect import bisect_right
-from dataclasses import dataclass, field
-
-import numpy as np
-
 from moirai.bounds import check_memory_feasible
 from moirai.placers import register
-from moirai.placers._list_scheduling import memory_error
 from moirai.problem import Plan, Problem
-
-
-@dataclass
-class BusyIntervals:
-    """Busy intervals of one device or link, sorted and disjoint, with what occupies each."""
-
-    starts: list[float] = field(default_factory=list)
-    finishes: list[float] = field(default_factory=list)
-    items: list[int] = field(default_factory=list)
-
-    def earliest_slot(self, ready_s: float, duration_s: float) -> tuple[float, int]:
-        """Earliest start at or after ``ready_s`` of an idle gap of ``duration_s``, and the index to insert at."""
-        index = bisect_right(self.finishes, ready_s)
-        start = max(ready_s, self.finishes[index - 1]) if index else ready_s
-        while index < len(self.starts) and start + duration_s > self.starts[index]:
-            start = max(ready_s, self.finishes[index])
-            index += 1
-        return start, index
-
-    def insert(self, index: int, start_s: float, duration_s: float, item: int) -> None:
-        self.starts.insert(index, start_s)
-        self.finishes.insert(index, start_s + duration_s)
-        self.items.insert(index, item)
-
-    def remove(self, index: int) -> None:
-        del self.starts[index], self.finishes[index], self.items[index]
-
-
-def upward_rank_mean_costs(problem: Problem) -> np.ndarray:
-    """HEFT's ``rank_u`` from mean compute and mean transfer times."""
-    finite = np.isfinite(problem.compute_s)
-    mean_compute = np.where(finite, problem.compute_s, 0.0).sum(axis=1) / np.maximum(finite.sum(axis=1), 1)
-    k = problem.num_devices
-    off_diagonal = ~np.eye(k, dtype=bool)
-    mean_transfer = problem.transfer_s[:, off_diagonal].mean(axis=1) if k > 1 else np.zeros(problem.num_tensors)
-    rank = np.zeros(problem.num_tasks)
-    for u in reversed(problem.topological_order):
-        tail = max(
-            (mean_transfer[t] + rank[c] for t in problem.output_tensors[u] for c in problem.tensor_consumers[t]),
-            default=0.0,
-        )
-        rank[u] = mean_compute[u] + tail
-    return rank
+from moirai.schedule.heft import heft_schedule, upward_rank_mean_costs
 
 
 @register("heft")
 def place_heft(problem: Problem, contention: bool = True) -> Plan:
     check_memory_feasible(problem)
     return heft_schedule(problem, upward_rank_mean_costs(problem), contention=contention)
-
-
-def heft_schedule(
-    problem: Problem,
-    priority: np.ndarray,
-    lookahead_s: np.ndarray | None = None,
-    contention: bool = True,
-    placer: str = "heft",
-) -> Plan:
-    """Insertion list scheduling: the ready task (all its producers placed) of highest ``priority`` first
-    (ties: topological position), each on the device, among those with room for it, minimising its finish
-    time plus ``lookahead_s[task, device]`` (none: HEFT's choice).
-
-    Raises :class:`InfeasibleError` when a task fits on no device any more (memory only fills up).
-    """
-    n, k = problem.num_tasks, problem.num_devices
-    position = np.empty(n, int)
-    position[list(problem.topological_order)] = np.arange(n)
-    devices = [BusyIntervals() for _ in range(k)]
-    links: dict[tuple[int, int], BusyIntervals] = {}
-    placement = [-1] * n
-    finish = [0.0] * n
-    arrival: dict[tuple[int, int], float] = {}  # (tensor, device) -> when it is there
-    used = [0.0] * k
-    producer = problem.tensor_producer.tolist()
-    compute = problem.compute_s.tolist()
-    capacity = problem.memory_capacity_bytes.tolist()
-    memory = problem.memory_bytes.tolist()
-    lookahead = np.zeros((n, k)).tolist() if lookahead_s is None else lookahead_s.tolist()
-
-    def book_inputs(task: int, device: int) -> tuple[float, list[tuple[int, int, int, float]]]:
-        """When every input of ``task`` is on ``device``; new transfers are booked: (source, index, tensor, arrival)."""
-        ready_s, booked, remote = 0.0, [], []
-        for t in problem.input_tensors[task]:
-            source = placement[producer[t]]
-            if source == device:
-                ready_s = max(ready_s, finish[producer[t]])
-            elif (t, device) in arrival:
-                ready_s = max(ready_s, arrival[t, device])
-            elif not contention:
-                ready_s = max(ready_s, finish[producer[t]] + float(problem.transfer_s[t, source, device]))
-            else:
-                remote.append(t)
-        for t in sorted(remote, key=lambda t: (finish[producer[t]], t)):
-            source = placement[producer[t]]
-            link = links.setdefault((source, device), BusyIntervals())
-            seconds = float(problem.transfer_s[t, source, device])
-            start, index = link.earliest_slot(finish[producer[t]], seconds)
-            link.insert(index, start, seconds, t)
-            booked.append((source, index, t, start + seconds))
-            ready_s = max(ready_s, start + seconds)
-        return ready_s, booked
-
-    def unbook(device: int, booked: list[tuple[int, int, int, float]]) -> None:
-        for source, index, _, _ in reversed(booked):  # the last booked is still at its index
-            links[source, device].remove(index)
-
-    missing_inputs = [len(p) for p in problem.predecessors]
-    ready = [(-priority[u], position[u], u) for u in range(n) if not missing_inputs[u]]
-    heapq.heapify(ready)
-    while ready:
-        u = heapq.heappop(ready)[2]
-        best: tuple[float, int] | None = None
-        for d in range(k):
-            seconds = compute[u][d]
-            if seconds == np.inf or used[d] + memory[u] > capacity[d]:
-                continue
-            ready_s, booked = book_inputs(u, d)
-            start, _ = devices[d].earliest_slot(ready_s, seconds)
-            unbook(d, booked)
-            score = start + seconds + lookahead[u][d]
-            if best is None or score < best[0]:
-                best = (score, d)
-        if best is None:
-            raise memory_error(problem, placer, u, np.array(used))
-        d = best[1]
-        ready_s, booked = book_inputs(u, d)
-        for _, _, t, arrival_s in booked:
-            arrival[t, d] = arrival_s
-        seconds = compute[u][d]
-        start, index = devices[d].earliest_slot(ready_s, seconds)
-        devices[d].insert(index, start, seconds, u)
-        placement[u] = d
-        finish[u] = start + seconds
-        used[d] += memory[u]
-        if not contention:
-            for t in problem.input_tensors[u]:
-                source = placement[producer[t]]
-                if source != d and (t, d) not in arrival:
-                    arrival[t, d] = finish[producer[t]] + float(problem.transfer_s[t, source, d])
-        for successor in problem.successors[u]:
-            missing_inputs[successor] -= 1
-            if not missing_inputs[successor]:
-                heapq.heappush(ready, (-priority[successor], position[successor], successor))
-    return Plan(
-        np.array(placement, int),
-        problem.device_names,
-        order=tuple(tuple(device.items) for device in devices),
-        transfer_order={link: tuple(busy.items) for link, busy in links.items()} if contention else None,
-        placer=placer,
-        info={"predicted_makespan_s": max(finish, default=0.0), "contention": contention},
-    )

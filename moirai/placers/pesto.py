@@ -52,11 +52,12 @@ import pyomo.environ as pyo
 from pyomo.common.collections import ComponentMap
 
 from moirai.bounds import check_memory_feasible
+from moirai.highs import run_highs
 from moirai.placers import register
-from moirai.placers._list_scheduling import PartialSchedule
 from moirai.placers.m_etf import m_etf_schedule
 from moirai.problem import Plan, Problem
-from moirai.solve.milp import run_highs
+from moirai.report import SolverReport
+from moirai.schedule import ScheduleBuilder, transfer_duration_s
 
 
 @register("pesto")
@@ -69,25 +70,25 @@ def place_pesto(problem: Problem, target_tasks: int = 200, time_limit_s: float =
     # m-ETF's schedule of the coarse graph is feasible for the ILP: its makespan bounds the optimum (big-M).
     heuristic = m_etf_schedule(coarse)
     solution = solve_pesto_ilp(coarse, heuristic, deadline)
-    info: dict[str, object] = {"coarse_tasks": coarse.num_tasks, "time_limit_s": time_limit_s}
+    report = SolverReport(solver="highs", notes={"coarse_tasks": coarse.num_tasks, "time_limit_s": time_limit_s})
     if solution is None:
         group_device, group_start = heuristic.placement, heuristic.start_s
-        info["solution"] = "m_etf warm start (the solver returned no incumbent)"
+        report.solver_status = "m_etf warm start (the solver returned no incumbent)"
     else:
-        group_device, group_start, info["solution"] = solution
+        group_device, group_start, report.solver_status = solution
     placement = np.empty(problem.num_tasks, int)
     group_of = np.empty(problem.num_tasks, int)
     for g, members in enumerate(groups):
         placement[members] = group_device[g]
         group_of[members] = g
-    rank = {task: position for position, task in enumerate(problem.topological_order)}
+    rank = problem.topological_position
     order = nx.lexicographical_topological_sort(
         problem.graph, key=lambda task: (group_start[group_of[task]], group_of[task], rank[task])
     )
     per_device: list[list[int]] = [[] for _ in range(problem.num_devices)]
     for task in order:
         per_device[placement[task]].append(task)
-    return Plan(placement, problem.device_names, order=tuple(map(tuple, per_device)), placer="pesto", info=info)
+    return Plan(placement, problem.device_names, order=tuple(map(tuple, per_device)), placer="pesto", report=report)
 
 
 # --- coarsening (§3.3) -------------------------------------------------------------
@@ -96,7 +97,7 @@ def place_pesto(problem: Problem, target_tasks: int = 200, time_limit_s: float =
 def coarsen(problem: Problem, target_tasks: int) -> list[list[int]]:
     """Groups of tasks (each a list in topological order) whose quotient graph is a DAG of about ``target_tasks``."""
     group_of = np.arange(problem.num_tasks)
-    edge_s = _mean_transfer_s(problem)
+    edge_s = problem.mean_transfer_s
     while len(np.unique(group_of)) > target_tasks:
         quotient, weight = _quotient(problem, group_of, edge_s)
         pairs = _mergeable_matching(problem, quotient, weight, group_of, quotient.number_of_nodes() - target_tasks)
@@ -107,18 +108,11 @@ def coarsen(problem: Problem, target_tasks: int) -> list[list[int]]:
         for u, v in merged:
             relabel[v] = u
         group_of = relabel[group_of]
-    rank = {task: position for position, task in enumerate(problem.topological_order)}
+    rank = problem.topological_position
     members: dict[int, list[int]] = {}
     for task in sorted(range(problem.num_tasks), key=rank.__getitem__):
         members.setdefault(int(group_of[task]), []).append(task)
     return sorted(members.values(), key=lambda tasks: rank[tasks[0]])
-
-
-def _mean_transfer_s(problem: Problem) -> np.ndarray:
-    off_diagonal = ~np.eye(problem.num_devices, dtype=bool)
-    if not off_diagonal.any():
-        return np.zeros(problem.num_tensors)
-    return problem.transfer_s[:, off_diagonal].mean(axis=1)
 
 
 def _quotient(problem: Problem, group_of: np.ndarray, edge_s: np.ndarray) -> tuple[nx.DiGraph, dict]:
@@ -229,7 +223,7 @@ class PestoIlp:
 
 
 def solve_pesto_ilp(
-    problem: Problem, warm_start: PartialSchedule, deadline: float
+    problem: Problem, warm_start: ScheduleBuilder, deadline: float
 ) -> tuple[np.ndarray, np.ndarray, str] | None:
     """Device and start time of every task from the Pesto ILP's best incumbent, or None if there is none.
 
@@ -265,9 +259,9 @@ def build_pesto_ilp(problem: Problem, horizon_s: float) -> PestoIlp:
         for e, (u, v) in enumerate(edges)
         for a, b in links
     }
-    runnable = np.isfinite(problem.compute_s) & (problem.memory_bytes[:, None] <= problem.memory_capacity_bytes)
+    runnable = problem.fits
     compute = np.where(runnable, problem.compute_s, 0.0) / horizon
-    reach = _reachability(problem)
+    reach = problem.reachable()
     task_pairs = [(i, j) for i, j in itertools.combinations(range(n), 2) if not (reach[i, j] or reach[j, i])]
     transfer_pairs = [
         (q, r)
@@ -332,7 +326,7 @@ def _ordered_by_a_path(before: tuple[int, int], after: tuple[int, int], reach: n
     return before[1] == after[0] or bool(reach[before[1], after[0]])
 
 
-def _warm_start_values(problem: Problem, ilp: PestoIlp, schedule: PartialSchedule) -> ComponentMap:
+def _warm_start_values(problem: Problem, ilp: PestoIlp, schedule: ScheduleBuilder) -> ComponentMap:
     """Values of every variable of ``ilp`` for the list schedule ``schedule``."""
     m, unit = ilp.model, ilp.horizon_s
     placement = schedule.placement
@@ -348,7 +342,7 @@ def _warm_start_values(problem: Problem, ilp: PestoIlp, schedule: PartialSchedul
         send[e] = schedule.finish_s[u] / unit
         if a != b:
             (t,) = problem.graph.edges[u, v]["tensors"]
-            send[e] = (schedule.arrival_s[t, b] - problem.transfer_s[t, a, b]) / unit
+            send[e] = (schedule.arrival_s[t, b] - transfer_duration_s(problem, t, a, b)) / unit
         values[m.send[e]] = send[e]
         link.append((a, b) if a != b else None)
         for a_b in ilp.links:
@@ -361,13 +355,3 @@ def _warm_start_values(problem: Problem, ilp: PestoIlp, schedule: PartialSchedul
         values[m.same_link[q, r]] = float(link[q] is not None and link[q] == link[r])
         values[m.transfer_first[q, r]] = float(send[q] <= send[r])
     return values
-
-
-def _reachability(problem: Problem) -> np.ndarray:
-    """``reach[i, j]``: a path leads from task ``i`` to task ``j``."""
-    reach = np.zeros((problem.num_tasks, problem.num_tasks), bool)
-    for task in reversed(problem.topological_order):
-        for successor in problem.successors[task]:
-            reach[task, successor] = True
-            reach[task] |= reach[successor]
-    return reach

@@ -63,6 +63,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moirai import device_kinds
+from moirai.device_kinds import kind_of
 from moirai.errors import DistributedError, InputError
 from moirai.progress import stage
 from moirai.runtime.local import check_inputs, place_part
@@ -83,10 +85,7 @@ def run_distributed(
 
 def backend_for(torch_devices: Sequence[str]) -> str:
     """The process-group backend for a world with these devices (see the module docstring)."""
-    kinds = {torch.device(d).type for d in torch_devices}
-    if kinds == {"cuda"}:
-        return "nccl"
-    return "cpu:gloo,cuda:nccl" if "cuda" in kinds else "gloo"
+    return device_kinds.backend_for(torch_devices)
 
 
 def init_rank(
@@ -94,8 +93,7 @@ def init_rank(
 ) -> None:
     """Join the default process group (``env://`` reads torchrun's MASTER_ADDR/MASTER_PORT)."""
     device = torch.device(torch_devices[rank])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    kind_of(device).set_current(device)
     backend = backend_for(torch_devices)
     dist.init_process_group(
         backend,
@@ -355,7 +353,8 @@ class _Link:
     def wire_device(self, peer: int) -> torch.device:
         """Where a message to or from ``peer`` lives: device memory between CUDA ranks (NCCL), else host (gloo)."""
         mine = self.devices[self.rank]
-        return mine if mine.type == "cuda" and self.devices[peer].type == "cuda" else torch.device("cpu")
+        in_device_memory = kind_of(mine).messages_in_device_memory and self.devices[peer].type == mine.type
+        return mine if in_device_memory else torch.device("cpu")
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
         staged = tensor.detach().to(self.wire_device(dst)).contiguous()
@@ -377,7 +376,7 @@ class _Link:
     def _wait(self, work: Any, what: str, wire: torch.device) -> None:
         try:
             # NCCL waits are asynchronous (the compute stream waits); the process group's timeout bounds them.
-            if wire.type == "cuda":
+            if kind_of(wire).messages_in_device_memory:
                 work.wait()
             else:
                 work.wait(self.timeout)

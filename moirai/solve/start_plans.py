@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moirai.errors import InfeasibleError
-from moirai.placers.heft import heft_schedule, upward_rank_mean_costs
+from moirai.objective import LATENCY, Objective
 from moirai.problem import Plan, Problem
+from moirai.schedule.heft import heft_schedule, upward_rank_mean_costs
+from moirai.schedule.transfers import transfer_duration_s
 from moirai.simulate import Timeline, simulate, upward_rank
 from moirai.solve.search import latest_starts
 
@@ -61,7 +63,7 @@ def schedule_tail(problem: Problem, timeline: Timeline) -> np.ndarray:
     """``tail[i, d]`` as :func:`placement_tail`, but each consumer runs on for as long as the simulated
     schedule ``timeline`` makes it (its device's later tasks and its links' queues included).
     """
-    return _through_consumers(problem, timeline.placement, timeline.makespan - latest_starts(problem, timeline))
+    return _through_consumers(problem, timeline.placement, timeline.makespan_s - latest_starts(problem, timeline))
 
 
 def _through_consumers(problem: Problem, placement: np.ndarray, runs_on_s: np.ndarray) -> np.ndarray:
@@ -69,10 +71,11 @@ def _through_consumers(problem: Problem, placement: np.ndarray, runs_on_s: np.nd
     ``c``'s device (0 on the same device) plus ``runs_on_s[c]`` (how long the schedule runs from ``c``'s start).
     """
     tail = np.zeros((problem.num_tasks, problem.num_devices))
+    devices = np.arange(problem.num_devices)
     for t, consumers in enumerate(problem.tensor_consumers):
         u = int(problem.tensor_producer[t])
         for c in consumers:
-            np.maximum(tail[u], problem.transfer_s[t, :, placement[c]] + runs_on_s[c], out=tail[u])
+            np.maximum(tail[u], transfer_duration_s(problem, t, devices, placement[c]) + runs_on_s[c], out=tail[u])
     return tail
 
 
@@ -82,15 +85,17 @@ class StartPlanResult:
     timeline: Timeline
     rounds: int = 0
     improved: int = 0
-    history: list[float] = field(default_factory=list)  # makespan of every round's schedule
+    history: list[float] = field(default_factory=list)  # objective of every round's schedule
 
 
-def improve_start_plan(problem: Problem, plan: Plan, timeline: Timeline, deadline: float) -> StartPlanResult:
+def improve_start_plan(
+    problem: Problem, plan: Plan, timeline: Timeline, deadline: float, objective: Objective = LATENCY
+) -> StartPlanResult:
     """Lookahead rounds from ``plan`` (simulated as ``timeline``), cycling through :data:`TAIL_WEIGHTS`, each
     from the best plan so far, with :func:`placement_tail` until a whole cycle improves nothing, then with
     :func:`schedule_tail`, and so on, until neither improves the plan or the next round would end after
-    ``deadline`` (a ``time.perf_counter`` value). Returns the best plan that fits memory (``plan`` if none is
-    shorter), as the simulator judges them.
+    ``deadline`` (a ``time.perf_counter`` value). Returns the best acceptable plan (``plan`` if none is
+    better), as ``objective`` judges the simulated plans.
     """
     result = StartPlanResult(plan, timeline)
     if problem.num_devices < 2 or problem.num_tasks == 0:
@@ -109,8 +114,8 @@ def improve_start_plan(problem: Problem, plan: Plan, timeline: Timeline, deadlin
             candidate = None
         if candidate is not None:
             candidate_timeline = simulate(problem, candidate)
-            result.history.append(candidate_timeline.makespan)
-            if candidate_timeline.fits_memory and candidate_timeline.makespan < result.timeline.makespan:
+            result.history.append(objective.value_s(candidate_timeline))
+            if objective.improves(candidate_timeline, result.timeline):
                 result.plan, result.timeline = candidate, candidate_timeline
                 result.improved += 1
                 since_improvement, stalled_kinds = 0, 0
