@@ -40,7 +40,7 @@ from rich.table import Table
 from torch import nn
 
 from bench.models import build, model_sizes
-from moirai.calibrate import DEFAULT_SIZES_BYTES, fit_link, time_links
+from moirai.calibrate import DEFAULT_SIZES_BYTES, TransferTimings, measure_transfers
 from moirai.cost import analytic_compute_s, node_dtypes, profile_nodes
 from moirai.devices import Cluster
 from moirai.graph import OpGraph, build_op_graph
@@ -144,10 +144,12 @@ def link_table(rounds: int) -> Table:
     fitted: dict[tuple[int, int], list[tuple[float, float]]] = {}
     reference: dict[tuple[int, int], list[float]] = {}
     for _ in range(rounds):
-        timings = time_links(2, "gloo", (*DEFAULT_SIZES_BYTES, LARGE_TRANSFER_BYTES), repeats=7)
-        for link, times in timings.items():
-            fitted.setdefault(link, []).append(fit_link(DEFAULT_SIZES_BYTES, times[:-1]))
-            reference.setdefault(link, []).append(LARGE_TRANSFER_BYTES / times[-1])
+        timings = measure_transfers(["cpu", "cpu"], (*DEFAULT_SIZES_BYTES, LARGE_TRANSFER_BYTES), repeats=7)
+        for link, measured in timings.items():
+            sweep = TransferTimings(*(values[:-1] for values in dataclasses.astuple(measured)))
+            cost = sweep.fit()
+            fitted.setdefault(link, []).append((cost.latency_s, cost.bandwidth_bytes_per_s))
+            reference.setdefault(link, []).append(LARGE_TRANSFER_BYTES / measured.delay_s[-1])
     table = Table(title=f"gloo link between two local processes: calibrated (1 KiB - 16 MiB sweep) vs 128 MiB "
                   f"messages, median of {rounds} rounds")
     for column in ("link", "fitted latency us", "fitted GB/s", "128 MiB GB/s", "err"):
