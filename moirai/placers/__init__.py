@@ -6,6 +6,7 @@ listing the module in ``_PLACER_MODULES``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import time
 from collections.abc import Callable
@@ -55,8 +56,17 @@ def get_placer(name: str) -> Placer:
         raise MoiraiError(f"unknown placer {name!r}; choose one of {sorted(_REGISTRY)}") from None
 
 
+# Baselines that place by a rule, not by minimising latency: their plans are returned as they are.
+_RULE_BASED_PLACERS = frozenset({"round_robin", "hash", "expert", "m_topo", "single"})
+
+
 def place(problem: Problem, placer: str = "heft", **options: Any) -> Plan:
-    """Place ``problem`` with the named placer; the plan's makespan is the simulator's."""
+    """Place ``problem`` with the named placer; the plan's makespan is the simulator's.
+
+    A placer that minimises latency never returns a plan predicted slower than the best
+    single-device plan that fits: that plan replaces it (``plan.info["replaced_by_single_device_s"]``
+    keeps the placer's own makespan).
+    """
     from moirai.bounds import lower_bound
     from moirai.simulate import simulate
 
@@ -66,9 +76,35 @@ def place(problem: Problem, placer: str = "heft", **options: Any) -> Plan:
     plan.placer = plan.placer or placer
     plan.check(problem)
     plan.makespan_s = simulate(problem, plan).makespan
+    if placer not in _RULE_BASED_PLACERS:
+        plan = _no_slower_than_one_device(problem, plan)
     # A placer may prove a stronger bound (the MILP's); keep the better of the two.
     plan.lower_bound_s = max(plan.lower_bound_s or 0.0, lower_bound(problem))
     return plan
+
+
+def _no_slower_than_one_device(problem: Problem, plan: Plan) -> Plan:
+    """``plan``, or the best single-device plan that fits when that one is predicted faster."""
+    from moirai.errors import InfeasibleError
+    from moirai.placers.single import place_single
+    from moirai.simulate import simulate
+
+    try:
+        single = place_single(problem)
+    except InfeasibleError:
+        return plan
+    single_s = simulate(problem, single).makespan
+    if single_s >= plan.makespan_s:
+        return plan
+    info = {**plan.info, "replaced_by_single_device_s": plan.makespan_s}
+    return dataclasses.replace(
+        single,
+        placer=plan.placer,
+        makespan_s=single_s,
+        info=info,
+        lower_bound_s=plan.lower_bound_s,
+        placement_time_s=plan.placement_time_s,
+    )
 
 
 def _load_all() -> None:
