@@ -94,7 +94,7 @@ class FormulationRun(NamedTuple):
 def run_formulation(problem: Problem, formulation: str, time_limit_s: float) -> FormulationRun:
     """Solve the whole model in ``formulation`` from HEFT's plan (one thread); simulate the plan it returns."""
     start = simulate(problem, get_placer("heft")(problem))
-    built = build_model(problem, whole_problem(problem, start.makespan), formulation)
+    built = build_model(problem, whole_problem(problem, start.makespan_s), formulation)
     settings = SolverSettings(time_limit_s=time_limit_s, mip_gap=1e-6, threads=1)
     solution = solve_model(built, settings, start)
     n = problem.num_tasks
@@ -108,7 +108,7 @@ def run_formulation(problem: Problem, formulation: str, time_limit_s: float) -> 
         solution.optimal,
         solution.objective_s,
         max(solution.bound_s or 0.0, 0.0),
-        simulate(problem, plan).makespan,
+        simulate(problem, plan).makespan_s,
     )
 
 

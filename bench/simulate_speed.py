@@ -67,7 +67,7 @@ def main() -> None:
             timeline = simulate(problem, plan, contention=contention)
             elapsed = time.perf_counter() - start
             table.add_row(
-                label, str(contention), f"{len(timeline.transfers):,}", f"{timeline.makespan:.4f}", f"{elapsed:.2f}"
+                label, str(contention), f"{len(timeline.transfers):,}", f"{timeline.makespan_s:.4f}", f"{elapsed:.2f}"
             )
     Console().print(table)
 

@@ -21,6 +21,7 @@ import highspy
 import numpy as np
 
 from moirai.errors import InfeasibleError
+from moirai.highs import new_highs
 from moirai.problem import Problem
 
 
@@ -151,10 +152,8 @@ def _solve_load_lp(problem: Problem, respect_memory: bool) -> tuple[np.ndarray, 
     lp.a_matrix_.start_ = starts
     lp.a_matrix_.index_ = rows
     lp.a_matrix_.value_ = values
-    solver = highspy.Highs()
+    solver = new_highs()
     solver.setOptionValue("output_flag", False)
-    # HiGHS's thread pool is global: a later solver asking for another thread count finds no solution.
-    solver.setOptionValue("threads", 1)
     # Interior point without crossover: several times faster than simplex on 10^5 columns, and the
     # duals need not be exact (see the module docstring).
     solver.setOptionValue("solver", "ipm")

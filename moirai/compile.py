@@ -98,7 +98,7 @@ class CompiledModel:
             )
         lower = self.plan.lower_bound_s
         table.caption = (
-            f"predicted latency {_format_seconds(timeline.makespan)}"
+            f"predicted latency {_format_seconds(timeline.makespan_s)}"
             + (f", lower bound {_format_seconds(lower)}, gap {self.plan.gap:.1%}" if lower is not None else "")
             + f", {len(timeline.transfers)} transfers, placed in {self.plan.placement_time_s:.2f} s"
         )

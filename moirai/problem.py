@@ -310,9 +310,7 @@ class Plan:
     def check(self, problem: Problem) -> None:
         """Raise :class:`PlanError` unless this plan covers every task of ``problem`` with known devices."""
         if tuple(self.device_names) != tuple(problem.device_names):
-            raise PlanError(
-                f"plan is for devices {list(self.device_names)}, problem has {list(problem.device_names)}"
-            )
+            raise PlanError(f"plan is for devices {list(self.device_names)}, problem has {list(problem.device_names)}")
         if self.placement.shape != (problem.num_tasks,):
             raise PlanError(f"plan places {self.placement.size} tasks, problem has {problem.num_tasks}")
         bad = np.flatnonzero((self.placement < 0) | (self.placement >= problem.num_devices))

@@ -5,7 +5,7 @@ Semantics (the contract between the simulator, the MILP and the runtime):
 * Task ``i`` on device ``p(i)`` runs for ``compute_s[i, p(i)]``, non-preemptively, one task at
   a time per device.
 * Tensor ``t`` made by a task on device ``a`` is sent once to every other device ``b`` hosting
-  at least one of its consumers and takes ``transfer_s[t, a, b]``; consumers on ``a`` use it as
+  at least one of its consumers and takes :func:`moirai.schedule.transfer_duration_s`; consumers on ``a`` use it as
   soon as its producer finishes. A multi-hop route is one directed pair with its effective time.
 * With ``contention=True`` transfers on one directed link ``(a, b)`` never overlap; transfers on
   different links overlap each other, and compute overlaps communication (separate streams, as
@@ -38,6 +38,7 @@ import numpy as np
 
 from moirai.errors import PlanError
 from moirai.problem import Plan, Problem
+from moirai.schedule import ImpliedTransfers, implied_transfers, send_priority, transfer_duration_s
 
 
 class Transfer(NamedTuple):
@@ -54,7 +55,7 @@ class Transfer(NamedTuple):
 class Timeline:
     """Start and finish of every task and transfer of one simulated plan."""
 
-    makespan: float
+    makespan_s: float
     task_start: np.ndarray
     task_finish: np.ndarray
     placement: np.ndarray
@@ -73,7 +74,7 @@ class Timeline:
     @property
     def utilisation(self) -> np.ndarray:
         """Fraction of the makespan each device spends computing."""
-        return self.busy_s / self.makespan if self.makespan > 0 else np.zeros_like(self.busy_s)
+        return self.busy_s / self.makespan_s if self.makespan_s > 0 else np.zeros_like(self.busy_s)
 
     def device_order(self) -> tuple[tuple[int, ...], ...]:
         """Tasks of every device in the order they ran (sorted by start time)."""
@@ -99,77 +100,20 @@ def upward_rank(problem: Problem, placement: np.ndarray) -> np.ndarray:
     device = placement.tolist()
     outputs = problem.output_tensors
     consumers = problem.tensor_consumers
-    transfer = problem.transfer_s
     for u in reversed(problem.topological_order):
         a = device[u]
         tail = 0.0
         for t in outputs[u]:
             for c in consumers[t]:
                 b = device[c]
-                value = rank[c] if a == b else rank[c] + transfer[t, a, b]
+                value = rank[c] if a == b else rank[c] + transfer_duration_s(problem, t, a, b)
                 if value > tail:
                     tail = value
         rank[u] = duration[u] + tail
     return np.array(rank)
 
 
-class _Transfers(NamedTuple):
-    """The transfers a placement implies, and who waits for what."""
-
-    tensor: list[int]
-    src: list[int]
-    dst: list[int]
-    duration: list[float]
-    consumers: list[list[int]]  # tasks that wait for each transfer
-    by_producer: list[list[int]]  # transfers each task triggers when it finishes
-    local_consumers: list[list[int]]  # tasks on the producer's device that wait for each task
-    inputs_needed: list[int]  # distinct input tensors of every task
-
-
-def _transfers(problem: Problem, placement: np.ndarray) -> _Transfers:
-    n = problem.num_tasks
-    pair_tensor = np.fromiter((t for t, cs in enumerate(problem.tensor_consumers) for _ in cs), int, count=-1)
-    pair_consumer = np.fromiter((c for cs in problem.tensor_consumers for c in cs), int, count=-1)
-    if pair_tensor.size:
-        unique_pairs = np.unique(np.stack([pair_tensor, pair_consumer], axis=1), axis=0)
-        pair_tensor, pair_consumer = unique_pairs[:, 0], unique_pairs[:, 1]
-    producer = problem.tensor_producer[pair_tensor]
-    src = placement[producer]
-    dst = placement[pair_consumer]
-    inputs_needed = np.bincount(pair_consumer, minlength=n).tolist()
-
-    local_consumers: list[list[int]] = [[] for _ in range(n)]
-    local = src == dst
-    for u, c in zip(producer[local].tolist(), pair_consumer[local].tolist(), strict=True):
-        local_consumers[u].append(c)
-
-    remote = ~local
-    # One transfer per (tensor, destination device); consumers on that device share it.
-    keys = pair_tensor[remote] * problem.num_devices + dst[remote]
-    unique_keys, transfer_of_pair = np.unique(keys, return_inverse=True)
-    tensor = (unique_keys // problem.num_devices).astype(int)
-    transfer_dst = (unique_keys % problem.num_devices).astype(int)
-    transfer_src = placement[problem.tensor_producer[tensor]]
-    duration = problem.transfer_s[tensor, transfer_src, transfer_dst]
-    waiting: list[list[int]] = [[] for _ in range(unique_keys.size)]
-    for q, c in zip(transfer_of_pair.tolist(), pair_consumer[remote].tolist(), strict=True):
-        waiting[q].append(c)
-    by_producer: list[list[int]] = [[] for _ in range(n)]
-    for q, u in enumerate(problem.tensor_producer[tensor].tolist()):
-        by_producer[u].append(q)
-    return _Transfers(
-        tensor.tolist(),
-        transfer_src.tolist(),
-        transfer_dst.tolist(),
-        duration.tolist(),
-        waiting,
-        by_producer,
-        local_consumers,
-        inputs_needed,
-    )
-
-
-def _check_runnable(problem: Problem, placement: np.ndarray, duration: np.ndarray, transfers: _Transfers) -> None:
+def _check_runnable(problem: Problem, placement: np.ndarray, duration: np.ndarray, transfers: ImpliedTransfers) -> None:
     impossible = np.flatnonzero(~np.isfinite(duration))
     if impossible.size:
         i = int(impossible[0])
@@ -186,7 +130,7 @@ def _check_runnable(problem: Problem, placement: np.ndarray, duration: np.ndarra
             )
 
 
-def _link_sequences(problem: Problem, plan: Plan, transfers: _Transfers) -> dict[int, list[int]]:
+def _link_sequences(problem: Problem, plan: Plan, transfers: ImpliedTransfers) -> dict[int, list[int]]:
     """The transfer order the plan prescribes on each link, as transfer indices (link = a * K + b)."""
     k = problem.num_devices
     on_link: dict[tuple[int, int], dict[int, int]] = {}
@@ -212,7 +156,7 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
     n, k = problem.num_tasks, problem.num_devices
     placement = plan.placement
     duration_array = problem.compute_s[np.arange(n), placement]
-    transfers = _transfers(problem, placement)
+    transfers = implied_transfers(problem, placement)
     _check_runnable(problem, placement, duration_array, transfers)
     duration = duration_array.tolist()
     device_of = placement.tolist()
@@ -316,7 +260,8 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
                     if contention:
                         link = link_of[q]
                         if link not in link_sequences:
-                            heapq.heappush(link_fifo.setdefault(link, []), (now, transfers.tensor[q], q))
+                            waiting = (*send_priority(now, transfers.tensor[q]), q)
+                            heapq.heappush(link_fifo.setdefault(link, []), waiting)
                         dirty_links.add(link)
                     else:
                         transfer_start[q] = now
@@ -342,7 +287,7 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
     ]
     finish = np.array(task_finish)
     return Timeline(
-        makespan=float(finish.max()) if n else 0.0,
+        makespan_s=float(finish.max()) if n else 0.0,
         task_start=np.array(task_start),
         task_finish=finish,
         placement=placement.copy(),

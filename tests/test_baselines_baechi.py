@@ -106,7 +106,7 @@ def test_m_etf_takes_the_earliest_start_even_on_a_slower_device():
     timeline = simulate(problem, plan)
     assert [device_of(problem, plan, name) for name in "abc"] == [0, 0, 1]
     assert timeline.task_start[problem.task_index("c")] == pytest.approx(1.5)
-    assert timeline.makespan == pytest.approx(4.5)
+    assert timeline.makespan_s == pytest.approx(4.5)
 
 
 # --- m-SCT --------------------------------------------------------------------------
@@ -131,8 +131,8 @@ def test_m_sct_co_locates_the_favourite_child_where_m_etf_does_not():
     assert device_of(problem, sct, "f") == device_of(problem, sct, "a")
     # m-ETF runs g first (topological tie-break) and sends f away.
     assert device_of(problem, etf, "f") != device_of(problem, etf, "a")
-    assert simulate(problem, sct).makespan == pytest.approx(3.0)
-    assert simulate(problem, etf).makespan == pytest.approx(3.8)
+    assert simulate(problem, sct).makespan_s == pytest.approx(3.0)
+    assert simulate(problem, etf).makespan_s == pytest.approx(3.8)
 
 
 # --- GETF ---------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def brute_force_makespan(problem: Problem) -> float:
         for order in orders:
             per_device = tuple(tuple(t for t in order if placement[t] == d) for d in range(problem.num_devices))
             plan = Plan(np.array(placement), problem.device_names, order=per_device)
-            best = min(best, simulate(problem, plan).makespan)
+            best = min(best, simulate(problem, plan).makespan_s)
     return best
 
 
@@ -186,7 +186,7 @@ def test_pesto_finds_the_optimum_of_a_tiny_two_device_instance():
     )
     plan = get_placer("pesto")(problem, time_limit_s=20.0)
     assert plan.info["solution"].startswith("ILP optimal")
-    assert simulate(problem, plan).makespan == pytest.approx(brute_force_makespan(problem), abs=1e-6)
+    assert simulate(problem, plan).makespan_s == pytest.approx(brute_force_makespan(problem), abs=1e-6)
 
 
 def test_pesto_coarsening_merges_the_heaviest_edge_and_keeps_a_dag():
@@ -227,12 +227,12 @@ def test_plans_check_and_simulate_through_the_registry(placer):
     assert plan.placer == placer
     assert plan.order is not None
     timeline = simulate(problem, plan)
-    assert timeline.makespan == pytest.approx(plan.makespan_s)
+    assert timeline.makespan_s == pytest.approx(plan.makespan_s)
     if "scheduled_makespan_s" in plan.info:
         # The simulator replays the list schedule (m-SCT's deliberate waits can only shrink).
-        assert timeline.makespan <= plan.info["scheduled_makespan_s"] + 1e-9
+        assert timeline.makespan_s <= plan.info["scheduled_makespan_s"] + 1e-9
         if placer != "m_sct":
-            assert timeline.makespan == pytest.approx(plan.info["scheduled_makespan_s"])
+            assert timeline.makespan_s == pytest.approx(plan.info["scheduled_makespan_s"])
 
 
 @pytest.mark.parametrize("placer", BASELINES)

@@ -82,7 +82,7 @@ def brute_force_optimum(problem: Problem, contention: bool) -> float:
         per_device = [np.flatnonzero(placement == d).tolist() for d in range(k)]
         for order in itertools.product(*(itertools.permutations(tasks) for tasks in per_device)):
             try:
-                makespan = simulate(problem, Plan(placement, problem.device_names, order=order), contention).makespan
+                makespan = simulate(problem, Plan(placement, problem.device_names, order=order), contention).makespan_s
             except PlanError:  # orders that contradict the graph deadlock
                 continue
             best = min(best, makespan)
@@ -142,7 +142,7 @@ def test_heft_reproduces_topcuoglu_makespan_80():
     assert rank[[0, 1, 2, 3, 9]] == pytest.approx([108.0, 77.0, 80.0, 80.0, 44.0 / 3.0])
     plan = get_placer("heft")(problem, contention=False)
     assert plan.info["predicted_makespan_s"] == 80.0
-    assert simulate(problem, plan, contention=False).makespan == 80.0
+    assert simulate(problem, plan, contention=False).makespan_s == 80.0
     names = [[problem.task_names[i] for i in order] for order in plan.order]
     assert names == [["n2", "n8"], ["n4", "n6", "n9", "n10"], ["n1", "n3", "n5", "n7"]]  # the paper's Fig. 4(a)
 
@@ -175,7 +175,7 @@ def test_heft_schedule_is_what_the_simulator_replays(contention):
     for trial in range(20):
         problem = random_problem(rng, n=15, k=3) if trial % 2 else shared_tensor_problem(rng, n=25, k=3)
         plan = get_placer("heft")(problem, contention=contention)
-        assert simulate(problem, plan, contention).makespan == pytest.approx(plan.info["predicted_makespan_s"])
+        assert simulate(problem, plan, contention).makespan_s == pytest.approx(plan.info["predicted_makespan_s"])
 
 
 def test_heft_never_places_a_task_where_it_no_longer_fits():

@@ -43,7 +43,7 @@ def test_compiled_model_runs_distributed(compiled: moirai.CompiledModel) -> None
 
 def test_plan_carries_simulated_makespan_and_lower_bound(compiled: moirai.CompiledModel) -> None:
     plan = compiled.plan
-    assert plan.makespan_s == pytest.approx(moirai.simulate(compiled.problem, plan).makespan)
+    assert plan.makespan_s == pytest.approx(moirai.simulate(compiled.problem, plan).makespan_s)
     assert 0 < plan.lower_bound_s <= plan.makespan_s
 
 

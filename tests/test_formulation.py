@@ -70,12 +70,12 @@ def test_every_feasible_schedule_satisfies_every_row(formulation, seed, instance
     for plan in random_plans(problem, 6, seed):
         timeline = simulate(problem, plan)
         for slack in (1.0, 1.3):  # the horizon equal to the schedule's makespan, and above it
-            built = build_model(problem, whole_problem(problem, timeline.makespan * slack), formulation)
+            built = build_model(problem, whole_problem(problem, timeline.makespan_s * slack), formulation)
             assert violated_rows(built, timeline) == [], (seed, plan.placement)
 
 
 def lp_bound_s(problem: Problem, formulation: str) -> float:
-    horizon = simulate(problem, place(problem, "heft")).makespan
+    horizon = simulate(problem, place(problem, "heft")).makespan_s
     built = build_model(problem, whole_problem(problem, horizon), formulation)
     pyo.TransformationFactory("core.relax_integer_vars").apply_to(built.model)
     outcome = run_highs(built.model, None, time_limit_s=30, threads=1)
@@ -96,7 +96,7 @@ def test_strong_lp_bound_is_at_least_the_papers_and_the_combinatorial_bound():
 
 def optimum_s(problem: Problem, formulation: str) -> float:
     timeline = simulate(problem, place(problem, "heft"))
-    built = build_model(problem, whole_problem(problem, timeline.makespan), formulation)
+    built = build_model(problem, whole_problem(problem, timeline.makespan_s), formulation)
     solution = solve_model(built, SolverSettings(time_limit_s=60, mip_gap=0.0, threads=1), timeline)
     assert solution.optimal, solution.status
     return solution.objective_s
@@ -116,7 +116,7 @@ def test_chain_load_cuts_and_device_fixing_keep_the_optimum(monkeypatch, seed):
 
 def test_a_device_too_slow_to_finish_inside_the_horizon_is_never_offered():
     problem = random_layered_problem(8, 3, seed=2)
-    horizon = simulate(problem, place(problem, "heft")).makespan
+    horizon = simulate(problem, place(problem, "heft")).makespan_s
     compute = problem.compute_s.copy()
     compute[3, 1] = 2 * horizon
     slow = Problem(
@@ -142,13 +142,13 @@ def test_the_papers_optimal_schedule_satisfies_every_strong_row():
     for seed in range(20, 40):
         problem = random_small_problem(seed)
         start = simulate(problem, place(problem, "heft"))
-        built = build_model(problem, whole_problem(problem, start.makespan), "paper")
+        built = build_model(problem, whole_problem(problem, start.makespan_s), "paper")
         solution = solve_model(built, SolverSettings(time_limit_s=30, mip_gap=0.0, threads=1), start)
         assert solution.optimal, (seed, solution.status)
         n = problem.num_tasks
         placement = np.array([solution.placement[i] for i in range(n)])
         starts = np.array([solution.start_s[i] for i in range(n)])
         optimum = simulate(problem, plan_from_times(problem, placement, starts, solution.transfer_start_s, "paper"))
-        for horizon in (optimum.makespan, start.makespan):  # a horizon above the optimum keeps more devices
+        for horizon in (optimum.makespan_s, start.makespan_s):  # a horizon above the optimum keeps more devices
             strong = build_model(problem, whole_problem(problem, horizon), "strong")
             assert violated_rows(strong, optimum) == [], seed

@@ -78,7 +78,7 @@ def brute_force_makespan(problem: Problem) -> float:
             for link_orders in itertools.product(*(itertools.permutations(ts) for ts in links.values())):
                 plan = Plan(placement, problem.device_names, order, dict(zip(links, link_orders, strict=True)))
                 try:
-                    best = min(best, simulate(problem, plan).makespan)
+                    best = min(best, simulate(problem, plan).makespan_s)
                 except PlanError:
                     continue  # link orders that contradict the device orders deadlock
     return best
@@ -111,7 +111,7 @@ def _link_tensors(problem: Problem, placement: np.ndarray) -> dict[tuple[int, in
 def solve_whole(problem: Problem, solver: str = "highs", formulation: str = "strong"):
     start = place(problem, "heft")
     timeline = simulate(problem, start)
-    built = build_model(problem, whole_problem(problem, timeline.makespan), formulation)
+    built = build_model(problem, whole_problem(problem, timeline.makespan_s), formulation)
     solution = solve_model(built, SolverSettings(solver=solver, time_limit_s=30, mip_gap=0.0), timeline)
     placement = np.array([solution.placement[i] for i in range(problem.num_tasks)])
     starts = np.array([solution.start_s[i] for i in range(problem.num_tasks)])
@@ -133,7 +133,7 @@ def test_milp_optimum_equals_brute_force_and_the_simulator(brute_force_optima, f
         problem = random_small_problem(seed)
         solution, plan = solve_whole(problem, formulation=formulation)
         assert solution.optimal, (seed, solution.status)
-        simulated = simulate(problem, plan).makespan
+        simulated = simulate(problem, plan).makespan_s
         assert solution.objective_s == pytest.approx(brute_force_optima[seed], rel=1e-6), seed
         assert simulated == pytest.approx(solution.objective_s, rel=1e-6), seed
 
@@ -152,7 +152,7 @@ def test_symmetry_breaking_between_identical_devices_keeps_the_optimum():
         solution, plan = solve_whole(identical)
         assert solution.optimal
         assert solution.objective_s == pytest.approx(optimum, rel=1e-6), seed
-        assert simulate(identical, plan).makespan == pytest.approx(solution.objective_s, rel=1e-6), seed
+        assert simulate(identical, plan).makespan_s == pytest.approx(solution.objective_s, rel=1e-6), seed
         # Through the placer the start plan is relabelled to obey the symmetry-breaking rows.
         assert place(identical, "milp", time_limit_s=10).makespan_s == pytest.approx(optimum, rel=1e-6), seed
 
@@ -170,7 +170,7 @@ def test_gurobi_agrees_where_its_licence_allows(brute_force_optima):
             continue
         solved += 1
         assert solution.objective_s == pytest.approx(brute_force_optima[seed], rel=1e-6), seed
-        assert simulate(problem, plan).makespan == pytest.approx(solution.objective_s, rel=1e-6)
+        assert simulate(problem, plan).makespan_s == pytest.approx(solution.objective_s, rel=1e-6)
     if not solved:
         pytest.skip("Gurobi is not licensed for these models here")
 
@@ -228,7 +228,7 @@ def test_budget_is_honoured_on_a_large_problem_and_the_plan_is_no_worse_than_hef
     assert elapsed < 5.5
     assert plan.info["strategy"] == "windows"
     assert plan.makespan_s <= min(plan.info["heuristics"].values()) * (1 + 1e-12)
-    assert plan.makespan_s == simulate(problem, plan).makespan
+    assert plan.makespan_s == simulate(problem, plan).makespan_s
 
 
 class _RecordedStatus:
@@ -293,7 +293,7 @@ def test_window_search_stops_at_once_when_the_start_plan_meets_the_lower_bound()
 def test_whole_model_progress_is_in_milliseconds_of_the_problem():
     problem = random_small_problem(3)
     timeline = simulate(problem, place(problem, "heft"))
-    built = build_model(problem, whole_problem(problem, timeline.makespan))
+    built = build_model(problem, whole_problem(problem, timeline.makespan_s))
     lines: list[str] = []
     solution = solve_model(built, SolverSettings(time_limit_s=30, report=lines.append), timeline)
     assert lines and all(line.startswith("MILP: incumbent ") for line in lines)

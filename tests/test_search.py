@@ -23,7 +23,7 @@ def test_the_lookahead_steers_the_device_choice():
     avoid_first_device[:, 0] = 1e3 * problem.compute_s.max()
     plan = heft_schedule(problem, upward_rank_mean_costs(problem), avoid_first_device)
     assert not (plan.placement == 0).any()
-    assert simulate(problem, plan).makespan == pytest.approx(plan.info["predicted_makespan_s"], rel=1e-9)
+    assert simulate(problem, plan).makespan_s == pytest.approx(plan.info["predicted_makespan_s"], rel=1e-9)
 
 
 def test_placement_tail_on_the_current_device_is_the_simulators_rank_less_the_task():
@@ -43,8 +43,8 @@ def test_lookahead_rounds_beat_heft_on_a_communication_heavy_graph():
     timeline = simulate(problem, heft)
     result = improve_start_plan(problem, heft, timeline, time.perf_counter() + 30)
     assert result.improved >= 1
-    assert result.timeline.makespan < 0.99 * timeline.makespan  # measured: 2-3% on these graphs
-    assert simulate(problem, result.plan).makespan == result.timeline.makespan
+    assert result.timeline.makespan_s < 0.99 * timeline.makespan_s  # measured: 2-3% on these graphs
+    assert simulate(problem, result.plan).makespan_s == result.timeline.makespan_s
     assert result.rounds == len(result.history)
 
 
@@ -57,8 +57,8 @@ def test_lookahead_rounds_respect_memory_and_never_return_a_worse_plan():
     timeline = simulate(problem, start)
     result = improve_start_plan(problem, start, timeline, time.perf_counter() + 30)
     assert result.timeline.fits_memory
-    assert result.timeline.makespan <= timeline.makespan
-    assert all(result.timeline.makespan <= m for m in result.history)
+    assert result.timeline.makespan_s <= timeline.makespan_s
+    assert all(result.timeline.makespan_s <= m for m in result.history)
 
 
 def test_lookahead_rounds_stop_at_the_deadline():
@@ -76,7 +76,7 @@ def test_milp_placer_at_scale_is_better_than_every_heuristic_within_its_budget()
     assert time.perf_counter() - started < 8 * 1.1
     assert plan.info["lookahead"]["improved"] >= 1
     assert plan.makespan_s < 0.99 * min(plan.info["heuristics"].values())
-    assert plan.makespan_s == simulate(problem, plan).makespan
+    assert plan.makespan_s == simulate(problem, plan).makespan_s
 
 
 def test_window_search_at_a_local_optimum_also_starts_from_the_best_heuristic(monkeypatch):
@@ -85,7 +85,7 @@ def test_window_search_at_a_local_optimum_also_starts_from_the_best_heuristic(mo
     starts: list[float] = []
 
     def recording_search(problem, plan, timeline, *args, **kwargs):
-        starts.append(timeline.makespan)
+        starts.append(timeline.makespan_s)
         return real_search(problem, plan, timeline, *args, **kwargs)
 
     monkeypatch.setattr(milp_placer, "improve_by_windows", recording_search)
@@ -106,7 +106,7 @@ def test_schedule_tail_on_the_current_device_is_how_long_the_schedule_runs_on_af
     # A consumer starts no earlier than its producer's finish plus the transfer, and its latest start keeps
     # the makespan: a task's finish plus its tail on its own device never passes the makespan.
     through = timeline.task_finish + tail[tasks, timeline.placement]
-    assert np.all(through <= timeline.makespan * (1 + 1e-12))
+    assert np.all(through <= timeline.makespan_s * (1 + 1e-12))
     sinks = np.array([not problem.output_tensors[i] for i in tasks])
     assert sinks.any() and np.all(tail[sinks] == 0.0)
     assert np.all(tail[~sinks] > 0.0)

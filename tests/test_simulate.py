@@ -39,7 +39,7 @@ def test_chain_on_two_devices_waits_for_the_transfer():
     problem = two_devices({"a": [1.0, 9.0], "b": [9.0, 2.0]}, [{"src": "a", "dst": "b", "transfer_s": link(0.5)}])
     timeline = simulate(problem, place(problem, {"a": 0, "b": 1}))
     assert timeline.task_start.tolist() == [0.0, 1.5]
-    assert timeline.makespan == 3.5
+    assert timeline.makespan_s == 3.5
     assert [(t.src, t.dst, t.start, t.finish) for t in timeline.transfers] == [(0, 1, 1.0, 1.5)]
     assert timeline.busy_s.tolist() == [1.0, 2.0]
 
@@ -48,7 +48,7 @@ def test_same_device_chain_sends_nothing():
     problem = two_devices({"a": [1.0, 9.0], "b": [2.0, 2.0]}, [{"src": "a", "dst": "b", "transfer_s": link(0.5)}])
     timeline = simulate(problem, place(problem, {"a": 0, "b": 0}))
     assert timeline.transfers == []
-    assert timeline.makespan == 3.0
+    assert timeline.makespan_s == 3.0
 
 
 def contending_problem() -> Problem:
@@ -66,7 +66,7 @@ def test_two_transfers_on_one_link_queue_with_contention():
     by_tensor = {problem.tensor_names[t.tensor]: (t.start, t.finish) for t in timeline.transfers}
     # a's tensor occupies the link 1..4; b finishes at 3 but its tensor waits for the link: 4..5.
     assert by_tensor == {"a->c": (1.0, 4.0), "b->c": (4.0, 5.0)}
-    assert timeline.makespan == 6.0
+    assert timeline.makespan_s == 6.0
 
 
 def test_without_contention_transfers_overlap():
@@ -75,7 +75,7 @@ def test_without_contention_transfers_overlap():
     timeline = simulate(problem, plan, contention=False)
     by_tensor = {problem.tensor_names[t.tensor]: (t.start, t.finish) for t in timeline.transfers}
     assert by_tensor == {"a->c": (1.0, 4.0), "b->c": (3.0, 4.0)}
-    assert timeline.makespan == 5.0
+    assert timeline.makespan_s == 5.0
 
 
 def test_transfer_order_is_followed():
@@ -85,7 +85,7 @@ def test_transfer_order_is_followed():
     timeline = simulate(problem, plan)
     by_tensor = {problem.tensor_names[t.tensor]: (t.start, t.finish) for t in timeline.transfers}
     assert by_tensor == {"b->c": (3.0, 4.0), "a->c": (4.0, 7.0)}
-    assert timeline.makespan == 8.0
+    assert timeline.makespan_s == 8.0
     assert timeline.transfer_order() == {(0, 1): b_first}
 
 
@@ -109,7 +109,7 @@ def test_fan_out_to_two_consumers_on_one_remote_device_sends_once():
     timeline = simulate(problem, plan)
     assert [(t.tensor, t.start, t.finish) for t in timeline.transfers] == [(0, 1.0, 1.5)]
     assert timeline.task_start.tolist() == [0.0, 1.5, 3.5]
-    assert timeline.makespan == 6.5
+    assert timeline.makespan_s == 6.5
 
 
 def test_two_tensors_to_one_device_are_two_transfers():
@@ -138,7 +138,7 @@ def test_multi_hop_route_is_one_pair_with_its_effective_time():
     assert by_destination[1] == pytest.approx((1.0, 1.0 + 0.1 + 0.1))
     # The 0 -> 2 route is its own directed pair: it overlaps the 0 -> 1 transfer.
     assert by_destination[2] == pytest.approx((1.0, 1.0 + 0.3 + 0.5))
-    assert timeline.makespan == pytest.approx(2.8)
+    assert timeline.makespan_s == pytest.approx(2.8)
 
 
 def test_list_scheduling_runs_the_longest_remaining_path_first():
@@ -148,9 +148,9 @@ def test_list_scheduling_runs_the_longest_remaining_path_first():
     )
     timeline = simulate(problem, place(problem, {"r": 0, "p": 0, "q": 1}))
     assert timeline.device_order() == ((1, 0), (2,))
-    assert timeline.makespan == 11.5
+    assert timeline.makespan_s == 11.5
     fifo_by_index = place(problem, {"r": 0, "p": 0, "q": 1}, order={0: ["r", "p"], 1: ["q"]})
-    assert simulate(problem, fifo_by_index).makespan == 14.5
+    assert simulate(problem, fifo_by_index).makespan_s == 14.5
 
 
 def test_device_order_replays_the_same_schedule():
@@ -187,7 +187,7 @@ def test_transfer_order_that_contradicts_the_graph_deadlock_is_reported():
     plan = place(problem, devices, order={0: ["a", "b"], 1: ["x", "y"]}, transfer_order={(0, 1): b_before_a})
     with pytest.raises(PlanError, match="deadlock.*'gpu1' waits to run 'x'"):
         simulate(problem, plan)
-    assert simulate(problem, plan, contention=False).makespan == pytest.approx(4.3)  # 4 tasks of 1 s, 3 hops of 0.1 s
+    assert simulate(problem, plan, contention=False).makespan_s == pytest.approx(4.3)  # 4 tasks of 1 s, 3 hops of 0.1 s
 
 
 def test_memory_overflow_is_simulated_and_reported():
@@ -199,7 +199,7 @@ def test_memory_overflow_is_simulated_and_reported():
         }
     )
     crowded = simulate(problem, Plan([0, 0], problem.device_names))
-    assert crowded.makespan == 2.0
+    assert crowded.makespan_s == 2.0
     assert crowded.memory_bytes.tolist() == [12.0, 0.0]
     assert not crowded.fits_memory
     assert simulate(problem, Plan([0, 1], problem.device_names)).fits_memory
@@ -284,6 +284,6 @@ def test_schedule_respects_precedence_and_exclusivity(case):
         for a in range(problem.num_devices):
             for b in range(problem.num_devices):
                 assert_no_overlap([(t.start, t.finish) for t in timeline.transfers if (t.src, t.dst) == (a, b)])
-    assert timeline.makespan == pytest.approx(max(timeline.task_finish))
+    assert timeline.makespan_s == pytest.approx(max(timeline.task_finish))
     replay = simulate(problem, Plan(placement, problem.device_names, order=timeline.device_order()), contention)
     assert replay.task_start.tolist() == timeline.task_start.tolist()

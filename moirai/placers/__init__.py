@@ -75,7 +75,7 @@ def place(problem: Problem, placer: str = "heft", **options: Any) -> Plan:
     plan.placement_time_s = time.perf_counter() - start
     plan.placer = plan.placer or placer
     plan.check(problem)
-    plan.makespan_s = simulate(problem, plan).makespan
+    plan.makespan_s = simulate(problem, plan).makespan_s
     if placer not in _RULE_BASED_PLACERS:
         plan = _no_slower_than_one_device(problem, plan)
     # A placer may prove a stronger bound (the MILP's); keep the better of the two.
@@ -93,7 +93,7 @@ def _no_slower_than_one_device(problem: Problem, plan: Plan) -> Plan:
         single = place_single(problem)
     except InfeasibleError:
         return plan
-    single_s = simulate(problem, single).makespan
+    single_s = simulate(problem, single).makespan_s
     if single_s >= plan.makespan_s:
         return plan
     info = {**plan.info, "replaced_by_single_device_s": plan.makespan_s}

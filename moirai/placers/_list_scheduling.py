@@ -1,11 +1,10 @@
 """What the list-scheduling baselines (m-ETF, m-SCT, GETF) share: a schedule grown one task at a time.
 
-:class:`PartialSchedule` places tasks one after the other, never inserting a task before
-one already on its device (Baechi's and Hwang et al.'s ETF are non-insertion), with the
-simulator's communication model: a tensor crosses to a device once, transfers on one
-directed link run one after the other (``contention=True``), and a device holds the sum
-of the memory of its tasks. Its transfer order per link is handed to the plan, so the
-simulator replays exactly the schedule the placer built.
+The schedule is a :class:`moirai.schedule.ScheduleBuilder` without insertion: a task never goes
+before one already on its device (Baechi's and Hwang et al.'s ETF are non-insertion), with the
+project's communication rule (a tensor crosses to a device once, one transfer at a time per
+directed link with ``contention=True``) and static memory. Its transfer order per link is handed to
+the plan, so the simulator replays exactly the schedule the placer built.
 
 :class:`ReadyTasks` keeps the earliest start time of every ready task on every device.
 Committing a task to device ``d`` changes only ``d``'s free time, memory and incoming
@@ -15,125 +14,31 @@ links, so only column ``d`` is recomputed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from moirai.bounds import format_bytes
 from moirai.errors import InfeasibleError
 from moirai.problem import Plan, Problem
+from moirai.schedule import ScheduleBuilder
 
 
-@dataclass
-class PartialSchedule:
-    problem: Problem
-    contention: bool = True
-    placement: np.ndarray = field(init=False)
-    start_s: np.ndarray = field(init=False)
-    finish_s: np.ndarray = field(init=False)
-    device_free_s: np.ndarray = field(init=False)
-    link_free_s: np.ndarray = field(init=False)
-    memory_used_bytes: np.ndarray = field(init=False)
-    arrival_s: dict[tuple[int, int], float] = field(init=False, default_factory=dict)
-    order: list[list[int]] = field(init=False)
-    transfer_order: dict[tuple[int, int], list[int]] = field(init=False, default_factory=dict)
-
-    def __post_init__(self) -> None:
-        n, k = self.problem.num_tasks, self.problem.num_devices
-        self.placement = np.full(n, -1, int)
-        self.start_s = np.full(n, np.nan)
-        self.finish_s = np.full(n, np.nan)
-        self.device_free_s = np.zeros(k)
-        self.link_free_s = np.zeros((k, k))
-        self.memory_used_bytes = np.zeros(k)
-        self.order = [[] for _ in range(k)]
-
-    def fits(self, task: int, device: int) -> bool:
-        """Whether ``task`` can run on ``device`` and its memory still fits there."""
-        return bool(
-            np.isfinite(self.problem.compute_s[task, device])
-            and self.memory_used_bytes[device] + self.problem.memory_bytes[task]
-            <= self.problem.memory_capacity_bytes[device]
-        )
-
-    def _transfers_needed(self, task: int, device: int) -> tuple[float, list[tuple[int, int]]]:
-        """Time the inputs already on ``device`` are there, and the (tensor, source) pairs still to send."""
-        ready = 0.0
-        to_send = []
-        for t in self.problem.input_tensors[task]:
-            producer = int(self.problem.tensor_producer[t])
-            source = int(self.placement[producer])
-            if source == device:
-                ready = max(ready, self.finish_s[producer])
-            elif (t, device) in self.arrival_s:
-                ready = max(ready, self.arrival_s[t, device])
-            else:
-                to_send.append((t, source))
-        # First ready, first sent (ties by tensor index), as the simulator sends.
-        to_send.sort(key=lambda ts: (self.finish_s[self.problem.tensor_producer[ts[0]]], ts[0]))
-        return ready, to_send
-
-    def _send(self, tensors: list[tuple[int, int]], device: int, commit: bool) -> float:
-        ready = 0.0
-        link_free = {}
-        for t, source in tensors:
-            produced = self.finish_s[self.problem.tensor_producer[t]]
-            start = produced
-            if self.contention:
-                start = max(link_free.get(source, self.link_free_s[source, device]), produced)
-            arrival = start + self.problem.transfer_s[t, source, device]
-            link_free[source] = arrival
-            ready = max(ready, arrival)
-            if commit:
-                self.arrival_s[t, device] = arrival
-                self.transfer_order.setdefault((source, device), []).append(t)
-        if commit and self.contention:
-            for source, free in link_free.items():
-                self.link_free_s[source, device] = free
-        return ready
-
-    def data_ready_s(self, task: int, device: int) -> float:
-        """When every input of ``task`` (all of whose producers are placed) would be on ``device``."""
-        ready, to_send = self._transfers_needed(task, device)
-        return max(ready, self._send(to_send, device, commit=False))
-
-    def earliest_start_s(self, task: int, device: int) -> float:
-        """Earliest start of ``task`` appended to ``device``; ``inf`` when it cannot run or fit there."""
-        if not self.fits(task, device):
-            return np.inf
-        return max(self.device_free_s[device], self.data_ready_s(task, device))
-
-    def commit(self, task: int, device: int, not_before_s: float = 0.0) -> None:
-        """Append ``task`` to ``device``, sending its missing inputs; it starts no earlier than ``not_before_s``."""
-        ready, to_send = self._transfers_needed(task, device)
-        ready = max(ready, self._send(to_send, device, commit=True))
-        start = max(self.device_free_s[device], ready, not_before_s)
-        self.placement[task] = device
-        self.start_s[task] = start
-        self.finish_s[task] = start + self.problem.compute_s[task, device]
-        self.device_free_s[device] = self.finish_s[task]
-        self.memory_used_bytes[device] += self.problem.memory_bytes[task]
-        self.order[device].append(task)
-
-    @property
-    def makespan_s(self) -> float:
-        return float(np.nanmax(self.finish_s)) if self.problem.num_tasks else 0.0
-
-    def to_plan(self, placer: str, **info: object) -> Plan:
-        return Plan(
-            self.placement.copy(),
-            self.problem.device_names,
-            order=tuple(tuple(tasks) for tasks in self.order),
-            transfer_order={link: tuple(tensors) for link, tensors in self.transfer_order.items()},
-            placer=placer,
-            info={"scheduled_makespan_s": self.makespan_s, **info},
-        )
+def to_plan(schedule: ScheduleBuilder, placer: str, **info: object) -> Plan:
+    """The plan of a finished list schedule: its device orders and its link orders, which the simulator replays."""
+    return Plan(
+        np.array(schedule.placement, int),
+        schedule.problem.device_names,
+        order=tuple(tuple(tasks) for tasks in schedule.order),
+        transfer_order=schedule.transfer_order(),
+        placer=placer,
+        info={"scheduled_makespan_s": schedule.makespan_s, **info},
+    )
 
 
 class ReadyTasks:
     """Tasks whose predecessors are all placed, with their earliest start on every device (inf: cannot run or fit)."""
 
-    def __init__(self, schedule: PartialSchedule) -> None:
+    def __init__(self, schedule: ScheduleBuilder) -> None:
         problem = schedule.problem
         self.schedule = schedule
         self._missing_inputs = np.array([len(p) for p in problem.predecessors], int)
@@ -151,7 +56,7 @@ class ReadyTasks:
 
     def commit(self, task: int, device: int, not_before_s: float = 0.0) -> None:
         """Place ``task`` on ``device`` and bring the start times of the remaining ready tasks up to date."""
-        self.schedule.commit(task, device, not_before_s)
+        self.schedule.book(task, device, not_before_s)
         del self.start_s[task]
         for other, starts in self.start_s.items():
             starts[device] = self.schedule.earliest_start_s(other, device)
@@ -169,17 +74,17 @@ def list_schedule(
     choose: Callable[[ReadyTasks], Choice],
     placer: str,
     contention: bool = True,
-) -> PartialSchedule:
+) -> ScheduleBuilder:
     """Schedule every task, asking ``choose`` for the next (start, task, device) among the ready tasks.
 
     ``choose`` sees only tasks that still fit somewhere; a ready task that fits on no device
     raises :class:`InfeasibleError` (memory only grows, so it never will).
     """
-    ready = ReadyTasks(PartialSchedule(problem, contention))
+    ready = ReadyTasks(ScheduleBuilder(problem, insertion=False, contention=contention))
     while ready:
         stuck = [task for task, starts in ready.start_s.items() if not np.isfinite(starts).any()]
         if stuck:
-            raise memory_error(problem, placer, stuck[0], ready.schedule.memory_used_bytes)
+            raise memory_error(problem, placer, stuck[0], np.array(ready.schedule.memory_used_bytes))
         start, task, device = choose(ready)
         ready.commit(task, device, not_before_s=start)
     return ready.schedule

@@ -34,9 +34,9 @@ from functools import partial
 import numpy as np
 
 from moirai.bounds import check_memory_feasible
+from moirai.highs import SparseLinearProgram
 from moirai.placers import register
-from moirai.placers._linear_program import SparseLinearProgram
-from moirai.placers._list_scheduling import earliest_time_first, list_schedule
+from moirai.placers._list_scheduling import earliest_time_first, list_schedule, to_plan
 from moirai.problem import Plan, Problem
 
 
@@ -56,7 +56,8 @@ def place_getf(
         allowed[task, groups[group]] = True
     choose = partial(earliest_time_first, priority=-static_level(problem), allowed=allowed)
     schedule = list_schedule(problem, choose, "getf", contention)
-    return schedule.to_plan(
+    return to_plan(
+        schedule,
         "getf",
         groups=[[problem.device_names[d] for d in group] for group in groups],
         tasks_per_group=np.bincount(task_group, minlength=len(groups)).tolist(),

@@ -28,8 +28,6 @@ under the same ``contention`` setting.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_right
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -37,32 +35,7 @@ from moirai.bounds import check_memory_feasible
 from moirai.placers import register
 from moirai.placers._list_scheduling import memory_error
 from moirai.problem import Plan, Problem
-
-
-@dataclass
-class BusyIntervals:
-    """Busy intervals of one device or link, sorted and disjoint, with what occupies each."""
-
-    starts: list[float] = field(default_factory=list)
-    finishes: list[float] = field(default_factory=list)
-    items: list[int] = field(default_factory=list)
-
-    def earliest_slot(self, ready_s: float, duration_s: float) -> tuple[float, int]:
-        """Earliest start at or after ``ready_s`` of an idle gap of ``duration_s``, and the index to insert at."""
-        index = bisect_right(self.finishes, ready_s)
-        start = max(ready_s, self.finishes[index - 1]) if index else ready_s
-        while index < len(self.starts) and start + duration_s > self.starts[index]:
-            start = max(ready_s, self.finishes[index])
-            index += 1
-        return start, index
-
-    def insert(self, index: int, start_s: float, duration_s: float, item: int) -> None:
-        self.starts.insert(index, start_s)
-        self.finishes.insert(index, start_s + duration_s)
-        self.items.insert(index, item)
-
-    def remove(self, index: int) -> None:
-        del self.starts[index], self.finishes[index], self.items[index]
+from moirai.schedule import ScheduleBuilder
 
 
 def upward_rank_mean_costs(problem: Problem) -> np.ndarray:
@@ -104,45 +77,9 @@ def heft_schedule(
     n, k = problem.num_tasks, problem.num_devices
     position = np.empty(n, int)
     position[list(problem.topological_order)] = np.arange(n)
-    devices = [BusyIntervals() for _ in range(k)]
-    links: dict[tuple[int, int], BusyIntervals] = {}
-    placement = [-1] * n
-    finish = [0.0] * n
-    arrival: dict[tuple[int, int], float] = {}  # (tensor, device) -> when it is there
-    used = [0.0] * k
-    producer = problem.tensor_producer.tolist()
+    schedule = ScheduleBuilder(problem, insertion=True, contention=contention)
     compute = problem.compute_s.tolist()
-    capacity = problem.memory_capacity_bytes.tolist()
-    memory = problem.memory_bytes.tolist()
     lookahead = np.zeros((n, k)).tolist() if lookahead_s is None else lookahead_s.tolist()
-
-    def book_inputs(task: int, device: int) -> tuple[float, list[tuple[int, int, int, float]]]:
-        """When every input of ``task`` is on ``device``; new transfers are booked: (source, index, tensor, arrival)."""
-        ready_s, booked, remote = 0.0, [], []
-        for t in problem.input_tensors[task]:
-            source = placement[producer[t]]
-            if source == device:
-                ready_s = max(ready_s, finish[producer[t]])
-            elif (t, device) in arrival:
-                ready_s = max(ready_s, arrival[t, device])
-            elif not contention:
-                ready_s = max(ready_s, finish[producer[t]] + float(problem.transfer_s[t, source, device]))
-            else:
-                remote.append(t)
-        for t in sorted(remote, key=lambda t: (finish[producer[t]], t)):
-            source = placement[producer[t]]
-            link = links.setdefault((source, device), BusyIntervals())
-            seconds = float(problem.transfer_s[t, source, device])
-            start, index = link.earliest_slot(finish[producer[t]], seconds)
-            link.insert(index, start, seconds, t)
-            booked.append((source, index, t, start + seconds))
-            ready_s = max(ready_s, start + seconds)
-        return ready_s, booked
-
-    def unbook(device: int, booked: list[tuple[int, int, int, float]]) -> None:
-        for source, index, _, _ in reversed(booked):  # the last booked is still at its index
-            links[source, device].remove(index)
-
     missing_inputs = [len(p) for p in problem.predecessors]
     ready = [(-priority[u], position[u], u) for u in range(n) if not missing_inputs[u]]
     heapq.heapify(ready)
@@ -150,41 +87,25 @@ def heft_schedule(
         u = heapq.heappop(ready)[2]
         best: tuple[float, int] | None = None
         for d in range(k):
-            seconds = compute[u][d]
-            if seconds == np.inf or used[d] + memory[u] > capacity[d]:
+            if not schedule.fits(u, d):
                 continue
-            ready_s, booked = book_inputs(u, d)
-            start, _ = devices[d].earliest_slot(ready_s, seconds)
-            unbook(d, booked)
+            seconds = compute[u][d]
+            start = schedule.device_slot(d, schedule.data_ready_s(u, d), seconds)[0]
             score = start + seconds + lookahead[u][d]
             if best is None or score < best[0]:
                 best = (score, d)
         if best is None:
-            raise memory_error(problem, placer, u, np.array(used))
-        d = best[1]
-        ready_s, booked = book_inputs(u, d)
-        for _, _, t, arrival_s in booked:
-            arrival[t, d] = arrival_s
-        seconds = compute[u][d]
-        start, index = devices[d].earliest_slot(ready_s, seconds)
-        devices[d].insert(index, start, seconds, u)
-        placement[u] = d
-        finish[u] = start + seconds
-        used[d] += memory[u]
-        if not contention:
-            for t in problem.input_tensors[u]:
-                source = placement[producer[t]]
-                if source != d and (t, d) not in arrival:
-                    arrival[t, d] = finish[producer[t]] + float(problem.transfer_s[t, source, d])
+            raise memory_error(problem, placer, u, np.array(schedule.memory_used_bytes))
+        schedule.book(u, best[1])
         for successor in problem.successors[u]:
             missing_inputs[successor] -= 1
             if not missing_inputs[successor]:
                 heapq.heappush(ready, (-priority[successor], position[successor], successor))
     return Plan(
-        np.array(placement, int),
+        np.array(schedule.placement, int),
         problem.device_names,
-        order=tuple(tuple(device.items) for device in devices),
-        transfer_order={link: tuple(busy.items) for link, busy in links.items()} if contention else None,
+        order=tuple(tuple(tasks) for tasks in schedule.order),
+        transfer_order=schedule.transfer_order() if contention else None,
         placer=placer,
-        info={"predicted_makespan_s": max(finish, default=0.0), "contention": contention},
+        info={"predicted_makespan_s": schedule.makespan_s, "contention": contention},
     )

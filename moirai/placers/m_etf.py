@@ -13,21 +13,17 @@ from functools import partial
 
 from moirai.bounds import check_memory_feasible
 from moirai.placers import register
-from moirai.placers._list_scheduling import (
-    PartialSchedule,
-    earliest_time_first,
-    list_schedule,
-    topological_rank,
-)
+from moirai.placers._list_scheduling import earliest_time_first, list_schedule, to_plan, topological_rank
 from moirai.problem import Plan, Problem
+from moirai.schedule import ScheduleBuilder
 
 
 @register("m_etf")
 def place_m_etf(problem: Problem, contention: bool = True) -> Plan:
-    return m_etf_schedule(problem, contention).to_plan("m_etf")
+    return to_plan(m_etf_schedule(problem, contention), "m_etf")
 
 
-def m_etf_schedule(problem: Problem, contention: bool = True) -> PartialSchedule:
+def m_etf_schedule(problem: Problem, contention: bool = True) -> ScheduleBuilder:
     """The m-ETF schedule of ``problem`` (start time of every task included)."""
     check_memory_feasible(problem)
     choose = partial(earliest_time_first, priority=topological_rank(problem))

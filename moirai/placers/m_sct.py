@@ -29,9 +29,9 @@ from __future__ import annotations
 import numpy as np
 
 from moirai.bounds import check_memory_feasible
+from moirai.highs import SparseLinearProgram
 from moirai.placers import register
-from moirai.placers._linear_program import SparseLinearProgram
-from moirai.placers._list_scheduling import Choice, ReadyTasks, list_schedule, topological_rank
+from moirai.placers._list_scheduling import Choice, ReadyTasks, list_schedule, to_plan, topological_rank
 from moirai.problem import Plan, Problem
 
 
@@ -41,7 +41,7 @@ def place_m_sct(problem: Problem, threshold: float = 0.5, contention: bool = Tru
     favourite = favourite_children(problem, threshold)
     priority = topological_rank(problem)
     schedule = list_schedule(problem, lambda ready: _sct_choice(ready, favourite, priority), "m_sct", contention)
-    return schedule.to_plan("m_sct", favourite_children=int((favourite >= 0).sum()))
+    return to_plan(schedule, "m_sct", favourite_children=int((favourite >= 0).sum()))
 
 
 def favourite_children(problem: Problem, threshold: float = 0.5) -> np.ndarray:

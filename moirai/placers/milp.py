@@ -129,7 +129,7 @@ def place_milp(
         finish_by = deadline - _finishing_time(problem)
         bound_s = lower_bound(problem)
         whole = strategy == "full" or (strategy == "auto" and problem.num_tasks <= FULL_MODEL_MAX_TASKS)
-        if whole and timeline is not None and gap_closed(timeline.makespan, bound_s, mip_gap):
+        if whole and timeline is not None and gap_closed(timeline.makespan_s, bound_s, mip_gap):
             plan, info = start_plan, {"strategy": "full", "stop_reason": STOP_GAP_CLOSED}
         elif whole:
             plan, timeline, info = _solve_whole(problem, start_plan, timeline, settings, formulation, finish_by)
@@ -186,8 +186,8 @@ def _best_heuristic(
             continue
         if not timeline.fits_memory:
             continue
-        makespans[name] = timeline.makespan
-        if best is None or timeline.makespan < best[1].makespan:
+        makespans[name] = timeline.makespan_s
+        if best is None or timeline.makespan_s < best[1].makespan_s:
             best = (plan, timeline)
     if best is None:
         return None, None, makespans
@@ -223,14 +223,14 @@ def _search_large(
         "lookahead": {
             "rounds": lookahead.rounds,
             "improved": lookahead.improved,
-            "makespan_s": lookahead.timeline.makespan,
+            "makespan_s": lookahead.timeline.makespan_s,
         },
         "window_tasks": window_tasks,
         "window_starts": len(pending),
         "windows_tried": 0,
         "windows_improved": 0,
         "windows_unproven": 0,
-        "history": [(0.0, lookahead.timeline.makespan)],  # (seconds, makespan) of the search that won
+        "history": [(0.0, lookahead.timeline.makespan_s)],  # (seconds, makespan) of the search that won
     }
     best: tuple[Plan, Timeline] | None = None  # the first search's result (never worse than its start), or shorter
     gap_is_closed = False
@@ -241,7 +241,7 @@ def _search_large(
         search = improve_by_windows(problem, plan, start_timeline, until, settings, window_tasks, report, bound_s)
         for count in ("windows_tried", "windows_improved", "windows_unproven"):
             info[count] += getattr(search, count)
-        if best is None or search.timeline.makespan < best[1].makespan:
+        if best is None or search.timeline.makespan_s < best[1].makespan_s:
             best = (search.plan, search.timeline)
             info["history"] = search.history
         gap_is_closed = search.stop_reason == STOP_GAP_CLOSED
@@ -251,7 +251,7 @@ def _search_large(
         best = (lookahead.plan, lookahead.timeline)
     info["stop_reason"] = STOP_GAP_CLOSED if gap_is_closed else STOP_TIME_LIMIT if pending else STOP_NO_IMPROVING_WINDOW
     report(
-        f"{progress_text('window search', best[1].makespan, bound_s)}; "
+        f"{progress_text('window search', best[1].makespan_s, bound_s)}; "
         f"{info['windows_tried']} windows from {info['window_starts']} start plan(s)"
     )
     return best[0], best[1], info
@@ -268,7 +268,7 @@ def _solve_whole(
     """The full MILP, warm-started from ``start_plan``; falls back to it if the solver finds nothing better."""
     if start_plan is not None and formulation == "strong":
         start_plan, timeline = _relabeled(problem, start_plan)
-    horizon = timeline.makespan if timeline is not None else _serial_upper_bound(problem)
+    horizon = timeline.makespan_s if timeline is not None else _serial_upper_bound(problem)
     built = build_model(problem, whole_problem(problem, horizon), formulation)
     remaining = deadline - time.perf_counter() - _SAFETY_S
     info: dict[str, Any] = {
@@ -299,7 +299,7 @@ def _solve_whole(
     start = np.array([solution.start_s[i] for i in range(problem.num_tasks)])
     plan = plan_from_times(problem, placement, start, solution.transfer_start_s, "milp")
     solved = simulate(problem, plan)
-    if timeline is not None and solved.makespan > timeline.makespan:
+    if timeline is not None and solved.makespan_s > timeline.makespan_s:
         return start_plan, timeline, info
     return plan, solved, info
 
@@ -346,9 +346,9 @@ def _with_transfer_order(problem: Problem, plan: Plan, timeline: Timeline) -> Pl
     """The plan (simulated as ``timeline``) with every device's and link's order written out as it ran."""
     order = plan.order if plan.order is not None else timeline.device_order()
     explicit = Plan(plan.placement, plan.device_names, order, timeline.transfer_order(), plan.placer)
-    explicit.makespan_s = simulate(problem, explicit).makespan
-    if explicit.makespan_s != timeline.makespan:  # a tie on a link replayed differently: keep the plan as it was
-        return replace(plan, makespan_s=timeline.makespan)
+    explicit.makespan_s = simulate(problem, explicit).makespan_s
+    if explicit.makespan_s != timeline.makespan_s:  # a tie on a link replayed differently: keep the plan as it was
+        return replace(plan, makespan_s=timeline.makespan_s)
     return explicit
 
 

@@ -52,11 +52,11 @@ import pyomo.environ as pyo
 from pyomo.common.collections import ComponentMap
 
 from moirai.bounds import check_memory_feasible
+from moirai.highs import run_highs
 from moirai.placers import register
-from moirai.placers._list_scheduling import PartialSchedule
 from moirai.placers.m_etf import m_etf_schedule
 from moirai.problem import Plan, Problem
-from moirai.solve.milp import run_highs
+from moirai.schedule import ScheduleBuilder, transfer_duration_s
 
 
 @register("pesto")
@@ -229,7 +229,7 @@ class PestoIlp:
 
 
 def solve_pesto_ilp(
-    problem: Problem, warm_start: PartialSchedule, deadline: float
+    problem: Problem, warm_start: ScheduleBuilder, deadline: float
 ) -> tuple[np.ndarray, np.ndarray, str] | None:
     """Device and start time of every task from the Pesto ILP's best incumbent, or None if there is none.
 
@@ -332,7 +332,7 @@ def _ordered_by_a_path(before: tuple[int, int], after: tuple[int, int], reach: n
     return before[1] == after[0] or bool(reach[before[1], after[0]])
 
 
-def _warm_start_values(problem: Problem, ilp: PestoIlp, schedule: PartialSchedule) -> ComponentMap:
+def _warm_start_values(problem: Problem, ilp: PestoIlp, schedule: ScheduleBuilder) -> ComponentMap:
     """Values of every variable of ``ilp`` for the list schedule ``schedule``."""
     m, unit = ilp.model, ilp.horizon_s
     placement = schedule.placement
@@ -348,7 +348,7 @@ def _warm_start_values(problem: Problem, ilp: PestoIlp, schedule: PartialSchedul
         send[e] = schedule.finish_s[u] / unit
         if a != b:
             (t,) = problem.graph.edges[u, v]["tensors"]
-            send[e] = (schedule.arrival_s[t, b] - problem.transfer_s[t, a, b]) / unit
+            send[e] = (schedule.arrival_s[t, b] - transfer_duration_s(problem, t, a, b)) / unit
         values[m.send[e]] = send[e]
         link.append((a, b) if a != b else None)
         for a_b in ilp.links:

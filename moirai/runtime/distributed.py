@@ -285,9 +285,7 @@ class DistributedRunner:
         self._workers, self._commands, self._results, self._loaded = [], [], None, None
 
 
-def _worker_main(
-    rank: int, torch_devices: list[str], port: int, timeout_s: float, commands: Any, results: Any
-) -> None:
+def _worker_main(rank: int, torch_devices: list[str], port: int, timeout_s: float, commands: Any, results: Any) -> None:
     """A spawned rank: join the group on loopback, then load programs and run calls until told to close."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     world_size = len(torch_devices)
@@ -435,7 +433,9 @@ def _gather_outputs(
         return None
     pending = {
         position: link.post_recv(
-            program.parts[location.device].output_specs[location.index], location.device, first_tag + position,
+            program.parts[location.device].output_specs[location.index],
+            location.device,
+            first_tag + position,
             f"flat output {position}",
         )
         for position, location in enumerate(program.outputs)

@@ -37,22 +37,19 @@ from __future__ import annotations
 
 import io
 import math
-import os
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-import highspy
 import networkx as nx
 import numpy as np
 import pyomo.environ as pyo
 from pyomo.common.collections import ComponentMap
 from pyomo.contrib.solver.common.results import SolutionStatus, TerminationCondition
-from pyomo.repn.plugins.lp_writer import LPWriter
 
+from moirai.highs import SolverOutcome, run_highs
 from moirai.problem import Plan, Problem
 from moirai.simulate import Timeline
 
@@ -851,80 +848,6 @@ def _solve_with(
         if value(m.y[q]) > 0.5:
             solution.transfer_start_s[q] = value(m.R[q]) * unit
     return solution
-
-
-class SolverOutcome(NamedTuple):
-    status: str
-    optimal: bool  # proven optimal within the gap asked for
-    bound: float | None  # objective bound, in the model's units
-    value: Callable[[Any], float] | None  # value of a model variable in the incumbent; None: no incumbent
-
-
-def run_highs(
-    model: pyo.ConcreteModel,
-    start: ComponentMap | None,
-    time_limit_s: float,
-    mip_gap: float = 1e-4,
-    threads: int | None = None,
-    log: io.TextIOBase | None = None,
-    progress: Callable[[float, float], None] | None = None,
-) -> SolverOutcome:
-    """Solve a Pyomo model with HiGHS from an optional start (values of its variables), within ``time_limit_s``.
-
-    HiGHS stops as soon as it proves the relative gap at most ``mip_gap``. ``progress`` receives
-    the incumbent's objective and the bound (model units) at every line of HiGHS's MIP log.
-
-    The model goes to HiGHS the way Pyomo writes it (LP format), which loads an order of
-    magnitude faster than Pyomo's persistent HiGHS interface and lets the start be set. The
-    time to write and load the model counts against ``time_limit_s``.
-    """
-    started = time.perf_counter()
-    highs = highspy.Highs()
-    highs.setOptionValue("log_to_console", False)
-    if log is not None:
-        highs.cbLogging.subscribe(lambda event: log.write(event.message))
-    if progress is not None:
-        highs.cbMipLogging.subscribe(
-            lambda event: progress(event.data_out.mip_primal_bound, event.data_out.mip_dual_bound)
-        )
-    with tempfile.TemporaryDirectory(prefix="moirai-milp-") as folder:
-        path = os.path.join(folder, "model.lp")
-        with open(path, "w") as stream:
-            symbols = LPWriter().write(model, stream).symbol_map
-        if highs.readModel(path) == highspy.HighsStatus.kError:  # a warning (e.g. tiny coefficients dropped) is fine
-            raise RuntimeError("HiGHS could not read the model Pyomo wrote")
-    column = {name: c for c, name in enumerate(highs.getLp().col_names_)}
-
-    def column_of(var: Any) -> int | None:
-        return column.get(symbols.byObject.get(id(var)))
-
-    for option, setting in (
-        ("time_limit", max(time_limit_s - (time.perf_counter() - started), 0.01)),
-        ("mip_rel_gap", mip_gap),
-        ("mip_feasibility_tolerance", 1e-9),
-        ("primal_feasibility_tolerance", 1e-9),
-    ):
-        highs.setOptionValue(option, setting)
-    if threads is not None:
-        highs.setOptionValue("threads", threads)
-    if start is not None:
-        known = [(column_of(var), value) for var, value in start.items()]
-        known = [(c, value) for c, value in known if c is not None]
-        highs.setSolution(len(known), np.array([c for c, _ in known], np.int32), np.array([v for _, v in known]))
-    highs.run()
-    info = highs.getInfo()
-    status = highs.modelStatusToString(highs.getModelStatus())
-    optimal = highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
-    bound = float(info.mip_dual_bound) if info.mip_dual_bound is not None else None
-    if info.primal_solution_status != 2:  # 2: a feasible incumbent exists
-        return SolverOutcome(status, optimal, bound, None)
-    solution = np.asarray(highs.getSolution().col_value)
-
-    def value(var: Any) -> float:
-        c = column_of(var)
-        return float(solution[c]) if c is not None else float(var.lb or 0.0)
-
-    return SolverOutcome(status, optimal, bound, value)
 
 
 def _run_highs(

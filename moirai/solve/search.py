@@ -95,14 +95,14 @@ def improve_by_windows(
     (up to windows whose solve ran out of time, counted in ``windows_unproven``).
     """
     started = time.perf_counter()
-    result = SearchResult(plan, timeline, history=[(0.0, timeline.makespan)])
+    result = SearchResult(plan, timeline, history=[(0.0, timeline.makespan_s)])
     window_tasks = max(2, min(window_tasks, problem.num_tasks))
     cursor = 0.0  # fraction of the makespan from which the next batch takes its windows
     judge_s, window_s, build_s = 0.0, 0.1, 0.0
     schedule = _ScheduleIndex(problem, timeline, window_tasks)
     tried: set[int] = set()  # windows (by first position) solved against the current schedule
     while True:
-        if gap_closed(result.timeline.makespan, lower_bound_s, settings.mip_gap):
+        if gap_closed(result.timeline.makespan_s, lower_bound_s, settings.mip_gap):
             result.stop_reason = STOP_GAP_CLOSED
             break
         untried = [first for first in schedule.critical_windows if first not in tried]
@@ -135,12 +135,12 @@ def improve_by_windows(
             kept, simulations = _keep_confirmed(problem, result, improved, plan.placer, deadline - 0.1 - judge_s)
             judge_s = (time.perf_counter() - judge_started) / simulations
             if kept:
-                result.history.append((time.perf_counter() - started, result.timeline.makespan))
+                result.history.append((time.perf_counter() - started, result.timeline.makespan_s))
                 schedule = _ScheduleIndex(problem, result.timeline, window_tasks)
                 tried.clear()
         if report is not None:
             report(
-                f"{progress_text('window search', result.timeline.makespan, lower_bound_s)}; "
+                f"{progress_text('window search', result.timeline.makespan_s, lower_bound_s)}; "
                 f"{result.windows_tried} windows, {max(0.0, deadline - time.perf_counter()):.0f} s left"
             )
     return result
@@ -167,7 +167,7 @@ def _keep_confirmed(
             candidate = replace(candidate, transfer_order=None)
             candidate_timeline = simulate(problem, candidate)
         # Each window respects memory against the current plan; windows merged together may not.
-        if candidate_timeline.fits_memory and candidate_timeline.makespan < result.timeline.makespan * (
+        if candidate_timeline.fits_memory and candidate_timeline.makespan_s < result.timeline.makespan_s * (
             1 - _IMPROVEMENT
         ):
             result.plan, result.timeline = candidate, candidate_timeline
@@ -221,9 +221,9 @@ class _ScheduleIndex:
         self.position = np.empty(problem.num_tasks, int)
         self.position[self.by_start] = np.arange(problem.num_tasks)
         self.latest_start = latest_starts(problem, timeline)
-        self.remaining = timeline.makespan - self.latest_start  # how long the plan runs on from each task
+        self.remaining = timeline.makespan_s - self.latest_start  # how long the plan runs on from each task
         slack = self.latest_start - timeline.task_start
-        self.critical = np.flatnonzero(slack <= _IMPROVEMENT * timeline.makespan)
+        self.critical = np.flatnonzero(slack <= _IMPROVEMENT * timeline.makespan_s)
         self.critical = self.critical[np.argsort(self.position[self.critical])]
         self.device_positions = [np.sort(self.position[list(seq)]) for seq in timeline.device_order()]
         links: dict[tuple[int, int], list] = {}
@@ -245,7 +245,7 @@ class _ScheduleIndex:
         """Up to ``count`` of the ``candidates`` windows, at least two windows apart, those starting from
         ``cursor`` (a fraction of the makespan) on first; and the next cursor.
         """
-        makespan = self.timeline.makespan
+        makespan = self.timeline.makespan_s
         begins = {
             first: self.timeline.task_start[self.by_start[first]] / makespan if makespan > 0 else 0.0
             for first in candidates
@@ -303,7 +303,7 @@ class _ScheduleIndex:
                     via = problem.transfer_s[t, :, placement[c]].copy()
                     via[placement[c]] = 0.0
                     tail[f] = np.maximum(tail[f], via + self.remaining[c])
-        tail = np.minimum(tail, 10.0 * timeline.makespan)  # a missing link: effectively forbidden, not infinite
+        tail = np.minimum(tail, 10.0 * timeline.makespan_s)  # a missing link: effectively forbidden, not infinite
         current_tail = tail[np.arange(len(free)), placement[list(free)]]
         horizon = float(np.max(timeline.task_finish[list(free)] + current_tail))
         return Window(
@@ -315,7 +315,7 @@ class _ScheduleIndex:
             link_ready_s=link_ready,
             tail_s=tail,
             horizon_s=horizon,
-            deadline_s=timeline.makespan,
+            deadline_s=timeline.makespan_s,
         )
 
 
@@ -347,7 +347,7 @@ def latest_starts(problem: Problem, timeline: Timeline) -> np.ndarray:
     node_duration = (timeline.task_finish - timeline.task_start).tolist() + [tr.finish - tr.start for tr in transfers]
     latest = [0.0] * len(successors)
     for node in reversed(_topological(successors)):
-        finish = timeline.makespan
+        finish = timeline.makespan_s
         for s in successors[node]:
             finish = min(finish, latest[s])
         latest[node] = finish - node_duration[node]

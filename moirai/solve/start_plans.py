@@ -61,7 +61,7 @@ def schedule_tail(problem: Problem, timeline: Timeline) -> np.ndarray:
     """``tail[i, d]`` as :func:`placement_tail`, but each consumer runs on for as long as the simulated
     schedule ``timeline`` makes it (its device's later tasks and its links' queues included).
     """
-    return _through_consumers(problem, timeline.placement, timeline.makespan - latest_starts(problem, timeline))
+    return _through_consumers(problem, timeline.placement, timeline.makespan_s - latest_starts(problem, timeline))
 
 
 def _through_consumers(problem: Problem, placement: np.ndarray, runs_on_s: np.ndarray) -> np.ndarray:
@@ -109,8 +109,8 @@ def improve_start_plan(problem: Problem, plan: Plan, timeline: Timeline, deadlin
             candidate = None
         if candidate is not None:
             candidate_timeline = simulate(problem, candidate)
-            result.history.append(candidate_timeline.makespan)
-            if candidate_timeline.fits_memory and candidate_timeline.makespan < result.timeline.makespan:
+            result.history.append(candidate_timeline.makespan_s)
+            if candidate_timeline.fits_memory and candidate_timeline.makespan_s < result.timeline.makespan_s:
                 result.plan, result.timeline = candidate, candidate_timeline
                 result.improved += 1
                 since_improvement, stalled_kinds = 0, 0

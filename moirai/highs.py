@@ -1,0 +1,184 @@
+"""The one home of HiGHS (highspy): every linear and integer program moirai solves goes through here.
+
+* :func:`new_highs` makes every solver instance: HiGHS runs all instances of a process on one thread
+  pool, sized by the first run's ``threads`` option, and a run asking another size fails with model
+  status "Not Set" unless the pool is reset first (so an LP placer after the bounds LP failed).
+* :class:`SparseLinearProgram`: an LP or MIP built row by row as sparse triplets (the bounds LP and the
+  LP-based placers: m-SCT's favourite-child LP, GETF's group assignment).
+* :func:`run_highs`: a Pyomo model (the MILP and Pesto's ILP), written as an LP file and read back.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import highspy
+import numpy as np
+
+from moirai.errors import InfeasibleError
+
+if TYPE_CHECKING:
+    from pyomo.common.collections import ComponentMap
+    from pyomo.environ import ConcreteModel
+
+_pool_threads: int | None = None  # the thread count HiGHS's process-wide pool was started with
+
+
+def new_highs(threads: int | None = None) -> highspy.Highs:
+    """A HiGHS instance that will run on ``threads`` threads (None: HiGHS's default), logging nowhere."""
+    global _pool_threads
+    wanted = 0 if threads is None else int(threads)  # 0 is HiGHS's "choose for me"
+    if _pool_threads is not None and _pool_threads != wanted:
+        highspy.Highs.resetGlobalScheduler(True)
+    _pool_threads = wanted
+    highs = highspy.Highs()
+    highs.setOptionValue("log_to_console", False)
+    highs.setOptionValue("threads", wanted)
+    return highs
+
+
+class SparseLinearProgram:
+    """``minimise cost @ x`` subject to ``lower <= A x <= upper`` and variable bounds."""
+
+    def __init__(self, num_vars: int, lower: np.ndarray, upper: np.ndarray, cost: np.ndarray) -> None:
+        self.num_vars = num_vars
+        self.var_lower = np.broadcast_to(np.asarray(lower, float), (num_vars,)).copy()
+        self.var_upper = np.broadcast_to(np.asarray(upper, float), (num_vars,)).copy()
+        self.cost = np.broadcast_to(np.asarray(cost, float), (num_vars,)).copy()
+        self._rows: list[int] = []
+        self._cols: list[int] = []
+        self._values: list[float] = []
+        self._row_lower: list[float] = []
+        self._row_upper: list[float] = []
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._row_lower)
+
+    def add_row(self, columns: Sequence[int], values: Sequence[float], lower: float, upper: float) -> None:
+        row = self.num_rows
+        self._rows.extend([row] * len(columns))
+        self._cols.extend(int(c) for c in columns)
+        self._values.extend(float(v) for v in values)
+        self._row_lower.append(lower)
+        self._row_upper.append(upper)
+
+    def solve(
+        self, integer_vars: Sequence[int] = (), time_limit_s: float | None = None, method: str = "choose"
+    ) -> np.ndarray:
+        """Optimal (or, for a MIP stopped by the time limit, best found) values of the variables.
+
+        ``method`` is HiGHS's ``solver`` option: "choose", "simplex" or "ipm" (interior point).
+        """
+        highs = new_highs(threads=1)
+        highs.setOptionValue("output_flag", False)
+        if time_limit_s is not None:
+            highs.setOptionValue("time_limit", float(time_limit_s))
+        highs.setOptionValue("solver", method)
+        inf = highs.getInfinity()
+        highs.addVars(self.num_vars, np.clip(self.var_lower, -inf, inf), np.clip(self.var_upper, -inf, inf))
+        highs.changeColsCost(self.num_vars, np.arange(self.num_vars, dtype=np.int32), self.cost)
+        if self.num_rows:
+            order = np.argsort(np.asarray(self._rows), kind="stable")
+            rows = np.asarray(self._rows)[order]
+            starts = np.searchsorted(rows, np.arange(self.num_rows)).astype(np.int32)
+            highs.addRows(
+                self.num_rows,
+                np.clip(self._row_lower, -inf, inf),
+                np.clip(self._row_upper, -inf, inf),
+                len(order),
+                starts,
+                np.asarray(self._cols, np.int32)[order],
+                np.asarray(self._values, float)[order],
+            )
+        if len(integer_vars):
+            columns = np.asarray(integer_vars, np.int32)
+            highs.changeColsIntegrality(
+                len(columns), columns, np.full(len(columns), highspy.HighsVarType.kInteger, np.uint8)
+            )
+        highs.run()
+        status = highs.getModelStatus()
+        solution = highs.getSolution()
+        if not solution.value_valid:
+            reason = highs.modelStatusToString(status)
+            raise InfeasibleError(f"HiGHS found no solution of the linear program ({reason})")
+        return np.asarray(solution.col_value, float)
+
+
+class SolverOutcome(NamedTuple):
+    status: str
+    optimal: bool  # proven optimal within the gap asked for
+    bound: float | None  # objective bound, in the model's units
+    value: Callable[[Any], float] | None  # value of a model variable in the incumbent; None: no incumbent
+
+
+def run_highs(
+    model: ConcreteModel,
+    start: ComponentMap | None,
+    time_limit_s: float,
+    mip_gap: float = 1e-4,
+    threads: int | None = None,
+    log: io.TextIOBase | None = None,
+    progress: Callable[[float, float], None] | None = None,
+) -> SolverOutcome:
+    """Solve a Pyomo model with HiGHS from an optional start (values of its variables), within ``time_limit_s``.
+
+    HiGHS stops as soon as it proves the relative gap at most ``mip_gap``. ``progress`` receives
+    the incumbent's objective and the bound (model units) at every line of HiGHS's MIP log.
+
+    The model goes to HiGHS the way Pyomo writes it (LP format), which loads an order of
+    magnitude faster than Pyomo's persistent HiGHS interface and lets the start be set. The
+    time to write and load the model counts against ``time_limit_s``.
+    """
+    from pyomo.repn.plugins.lp_writer import LPWriter  # Pyomo loads only for the models that need it
+
+    started = time.perf_counter()
+    highs = new_highs(threads)
+    highs.setOptionValue("log_to_console", False)
+    if log is not None:
+        highs.cbLogging.subscribe(lambda event: log.write(event.message))
+    if progress is not None:
+        highs.cbMipLogging.subscribe(
+            lambda event: progress(event.data_out.mip_primal_bound, event.data_out.mip_dual_bound)
+        )
+    with tempfile.TemporaryDirectory(prefix="moirai-milp-") as folder:
+        path = os.path.join(folder, "model.lp")
+        with open(path, "w") as stream:
+            symbols = LPWriter().write(model, stream).symbol_map
+        if highs.readModel(path) == highspy.HighsStatus.kError:  # a warning (e.g. tiny coefficients dropped) is fine
+            raise RuntimeError("HiGHS could not read the model Pyomo wrote")
+    column = {name: c for c, name in enumerate(highs.getLp().col_names_)}
+
+    def column_of(var: Any) -> int | None:
+        return column.get(symbols.byObject.get(id(var)))
+
+    for option, setting in (
+        ("time_limit", max(time_limit_s - (time.perf_counter() - started), 0.01)),
+        ("mip_rel_gap", mip_gap),
+        ("mip_feasibility_tolerance", 1e-9),
+        ("primal_feasibility_tolerance", 1e-9),
+    ):
+        highs.setOptionValue(option, setting)
+    if start is not None:
+        known = [(column_of(var), value) for var, value in start.items()]
+        known = [(c, value) for c, value in known if c is not None]
+        highs.setSolution(len(known), np.array([c for c, _ in known], np.int32), np.array([v for _, v in known]))
+    highs.run()
+    info = highs.getInfo()
+    status = highs.modelStatusToString(highs.getModelStatus())
+    optimal = highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
+    bound = float(info.mip_dual_bound) if info.mip_dual_bound is not None else None
+    if info.primal_solution_status != 2:  # 2: a feasible incumbent exists
+        return SolverOutcome(status, optimal, bound, None)
+    solution = np.asarray(highs.getSolution().col_value)
+
+    def value(var: Any) -> float:
+        c = column_of(var)
+        return float(solution[c]) if c is not None else float(var.lb or 0.0)
+
+    return SolverOutcome(status, optimal, bound, value)

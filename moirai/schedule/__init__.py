@@ -1,0 +1,26 @@
+"""The one schedule-building core that the simulator, the list schedulers, HEFT and the MILP's start plans share.
+
+The project's communication rule lives here and nowhere else:
+
+* :func:`transfer_duration_s` is the one place that says what a transfer costs;
+* a tensor crosses to a device once: every consumer on that device reuses it
+  (:func:`implied_transfers` for a whole placement, :class:`ScheduleBuilder` task by task);
+* one transfer at a time per directed link, first ready first sent (:func:`send_priority`).
+
+:class:`ScheduleBuilder` books a task on a device (appended, or inserted in the earliest idle slot),
+books the transfers its inputs need, and undoes a booking, so that a placer can try a device and
+take it back. Nothing here knows which task to schedule next: that is the placers' business.
+"""
+
+from moirai.schedule.builder import Booking, BusyIntervals, ScheduleBuilder
+from moirai.schedule.transfers import ImpliedTransfers, implied_transfers, send_priority, transfer_duration_s
+
+__all__ = [
+    "Booking",
+    "BusyIntervals",
+    "ImpliedTransfers",
+    "ScheduleBuilder",
+    "implied_transfers",
+    "send_priority",
+    "transfer_duration_s",
+]
