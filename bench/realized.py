@@ -358,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.serve_rank:
         serve_rank(args.serve_rank, args.report, args.models[0], args.warmup, args.repeats)
         return
-    console = Console()
+    console = Console(width=max(Console().width, 150))  # the table's nine columns, also when piped
     started = time.perf_counter()
     rows: list[Row] = []
     for name in args.models:
