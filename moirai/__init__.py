@@ -3,7 +3,7 @@
 from moirai import demo
 from moirai.bounds import lower_bound
 from moirai.coarsen import coarsen
-from moirai.compile import CompiledModel, compile, load
+from moirai.compile import CompiledModel, compile, load, serve_rank
 from moirai.devices import Cluster, Device
 from moirai.errors import (
     ClusterError,
@@ -44,6 +44,7 @@ __all__ = [
     "lower_bound",
     "place",
     "placers",
+    "serve_rank",
     "simulate",
     "trace",
 ]

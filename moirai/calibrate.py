@@ -323,75 +323,70 @@ def _rank_main(
     timeout_s: float,
     results_dir: str,
 ) -> None:
-    """One rank: take part in every pair in the same order; the sender of a pair records the medians."""
+    """One rank, set up as a runtime worker: its share of the cores, the runtime's process groups and messages.
+
+    Every rank takes part in every pair in the same order; the sender of a pair records the medians.
+    """
     import datetime
 
     import torch.distributed as dist
 
-    from moirai.runtime.distributed import _Link, init_rank
-    from moirai.trace import TensorSpec
+    from moirai.runtime.distributed import _local_group, _Messages
+    from moirai.runtime.resources import apply_resources, rank_resources
 
-    world_size = len(torch_devices)
-    _pin_like_the_runtime(rank, world_size)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
-    init_rank(rank, world_size, torch_devices, timeout_s, init_method=f"tcp://127.0.0.1:{port}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    apply_resources(rank_resources(torch_devices)[rank], torch_devices[rank])
+    store = dist.TCPStore("127.0.0.1", port, len(torch_devices), is_master=rank == 0, timeout=timeout)
+    group = _local_group(rank, torch_devices, store, timeout_s)
     device = torch.device(torch_devices[rank])
-    link = _Link(rank, [torch.device(d) for d in torch_devices], datetime.timedelta(seconds=timeout_s))
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    # The receiver's reply: when it held the message and the CPU time its wait took.
-    reply_spec = TensorSpec((2,), torch.float64)
     results = []
-    try:
-        for src in range(world_size):
-            for dst in range(world_size):
-                if src == dst or rank not in (src, dst):
-                    continue
-                medians: dict[str, list[float]] = {"delay_s": [], "sender_cpu_s": [], "receiver_cpu_s": []}
-                for size in sizes:
-                    spec = TensorSpec((max(1, size // 4),), torch.float32)
-                    message = torch.ones(spec.shape, dtype=spec.dtype, device=device)
-                    delays, sender_cpu, receiver_cpu = [], [], []
-                    for run in range(warmup + repeats):
-                        if rank == dst:
-                            pending = link.post_recv(spec, src, tag=0, what="calibration message")
-                            cpu_before = time.process_time()
-                            link.wait_recv(pending)
-                            synchronize()
-                            held_at = time.perf_counter()
-                            reply = torch.tensor([held_at, time.process_time() - cpu_before], dtype=torch.float64)
-                            link.send(reply, src, tag=1, what="calibration reply")
-                            link.wait_sends()
-                            continue
-                        pending_reply = link.post_recv(reply_spec, dst, tag=1, what="calibration reply")
-                        time.sleep(_SENDER_PAUSE_S)
+    exchange = 0  # one request of the runtime per message and its reply, so every tag is fresh
+    for src in range(group.world_size):
+        for dst in range(group.world_size):
+            if src == dst or rank not in (src, dst):
+                continue
+            medians: dict[str, list[float]] = {"delay_s": [], "sender_cpu_s": [], "receiver_cpu_s": []}
+            for size in sizes:
+                shape = (max(1, size // 4),)
+                message = torch.ones(shape, device=device)
+                delays, sender_cpu, receiver_cpu = [], [], []
+                for run in range(warmup + repeats):
+                    messages = _Messages(group, exchange, timeout)
+                    exchange += 1
+                    if rank == dst:
+                        pending = messages.post_recv(shape, torch.float32, src, 0, "calibration message")
+                        cpu_before = time.process_time()
+                        messages.wait_recv(pending)
                         synchronize()
-                        cpu_before, sent_at = time.process_time(), time.perf_counter()
-                        link.send(message, dst, tag=0, what="calibration message")
-                        link.wait_sends()
-                        synchronize()
-                        cpu_spent = time.process_time() - cpu_before
-                        held_at, waited_cpu = link.wait_recv(pending_reply).tolist()
-                        if run >= warmup:
-                            delays.append(held_at - sent_at)
-                            sender_cpu.append(cpu_spent)
-                            receiver_cpu.append(waited_cpu)
-                    if rank == src:
-                        for key, values in zip(medians, (delays, sender_cpu, receiver_cpu), strict=True):
-                            medians[key].append(statistics.median(values))
+                        held_at = time.perf_counter()
+                        # The reply: when this rank held the message, and the CPU time its wait took.
+                        reply = torch.tensor([held_at, time.process_time() - cpu_before], dtype=torch.float64)
+                        messages.send(reply, src, 1, "calibration reply")
+                        messages.wait_sends()
+                        continue
+                    pending_reply = messages.post_recv((2,), torch.float64, dst, 1, "calibration reply")
+                    time.sleep(_SENDER_PAUSE_S)
+                    synchronize()
+                    cpu_before, sent_at = time.process_time(), time.perf_counter()
+                    messages.send(message, dst, 0, "calibration message")
+                    messages.wait_sends()
+                    synchronize()
+                    cpu_spent = time.process_time() - cpu_before
+                    held_at, waited_cpu = messages.wait_recv(pending_reply).tolist()
+                    if run >= warmup:
+                        delays.append(held_at - sent_at)
+                        sender_cpu.append(cpu_spent)
+                        receiver_cpu.append(waited_cpu)
                 if rank == src:
-                    results.append({"src": src, "dst": dst, **medians})
-        Path(results_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
-
-
-def _pin_like_the_runtime(rank: int, world_size: int) -> None:
-    """One compute thread and a disjoint share of the cores per rank, as the runtime's workers have."""
-    torch.set_num_threads(1)
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cores) >= world_size:
-        share = len(cores) // world_size
-        os.sched_setaffinity(0, cores[rank * share : (rank + 1) * share])
+                    for key, values in zip(medians, (delays, sender_cpu, receiver_cpu), strict=True):
+                        medians[key].append(statistics.median(values))
+            if rank == src:
+                results.append({"src": src, "dst": dst, **medians})
+    Path(results_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    # Nobody leaves before the last reply is through: a rank that exits closes its connections.
+    store.set(f"moirai/calibrated/{rank}", "1")
+    store.wait([f"moirai/calibrated/{r}" for r in range(group.world_size)])
 
 
 # --- command line ------------------------------------------------------------------------------
