@@ -1,9 +1,9 @@
 """Calibrate links: what a transfer costs inside the runtime, per kind of local link.
 
-Two rank processes are set up as the runtime sets up its workers (each pinned to its own cores
-with one compute thread, the process group :func:`moirai.runtime.distributed.backend_for` picks)
-and move messages with the runtime's own point-to-point code (staging, receive buffers from
-the traced shape, waits). For each message the receiver has posted its receive and is blocked
+Two rank processes are set up as the runtime sets up its workers (each pinned to its share of
+the cores with as many compute threads, :mod:`moirai.runtime.resources`; the runtime's gloo and
+NCCL process groups) and move messages with the runtime's own point-to-point code (staging,
+receive buffers, tags, waits). For each message the receiver has posted its receive and is blocked
 in the wait (as a part waiting for an input is); the sender pauses so that it surely is, reads
 the clock, sends and waits for its send to finish. Per message, on the one clock of this host:
 
@@ -257,8 +257,21 @@ def measure_link_kinds(
     a, b = pair
     if a == b and torch.device(a).type == "cuda":
         raise ClusterError(f"two ranks on {a} share one GPU; calibrate GPU<->GPU links between two GPUs")
-    costs = measure_transfer_costs([a, b], sizes_bytes)
-    return {link_kind(a, b): costs[0, 1], link_kind(b, a): costs[1, 0]}
+    return costs_by_kind([a, b], measure_transfer_costs([a, b], sizes_bytes))
+
+
+def costs_by_kind(
+    torch_devices: Sequence[str], costs: Mapping[tuple[int, int], TransferCost]
+) -> dict[str, TransferCost]:
+    """The costs of the measured pairs of ranks per link kind; pairs of one kind (both directions of
+    ``cpu->cpu``) are averaged field by field."""
+    pairs_of_kind: dict[str, list[TransferCost]] = {}
+    for (a, b), cost in costs.items():
+        pairs_of_kind.setdefault(link_kind(torch_devices[a], torch_devices[b]), []).append(cost)
+    return {
+        kind: TransferCost(*np.mean([dataclasses.astuple(c) for c in same], axis=0).tolist())
+        for kind, same in pairs_of_kind.items()
+    }
 
 
 def calibration_cache_path(cache_dir: str | Path | None = None) -> Path:
@@ -418,12 +431,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     cluster = _measured_cluster(
         devices, costs, base.name if base is not None else f"calibrated-{args.backend}", args.output
     )
-    by_kind = {link_kind(devices[a].torch_device, devices[b].torch_device): cost for (a, b), cost in costs.items()}
+    by_kind = costs_by_kind([d.torch_device for d in devices], costs)
     saved = Path(args.save) if args.save else calibration_cache_path()
     previous = read_calibration(saved) if saved.exists() else {}
     write_calibration(saved, {**previous, **by_kind})
     table = Table(
-        title=f"transfers measured in the runtime ({args.backend}, ranks pinned, one thread each)",
+        title=f"transfers measured in the runtime ({args.backend}, ranks pinned to their share of the cores)",
         caption=f"cluster file: {args.output}; calibration: {saved}",
     )
     for column in ("link", "latency us", "bandwidth GB/s", "sender CPU us + ns/KiB", "receiver CPU us + ns/KiB"):

@@ -15,6 +15,7 @@ from moirai.calibrate import (
     TransferCost,
     TransferTimings,
     calibrate,
+    costs_by_kind,
     local_calibration,
     measure_transfer_costs,
     read_calibration,
@@ -52,6 +53,14 @@ def test_fit_rejects_delays_that_do_not_grow() -> None:
         TransferTimings((1000, 10**6), (2e-3, 1e-3), (1e-5, 1e-5), (1e-5, 1e-5)).fit()
     with pytest.raises(ClusterError, match="two different message sizes"):
         TransferTimings((1000, 1000), (1e-3, 1e-3), (1e-5, 1e-5), (1e-5, 1e-5)).fit()
+
+
+def test_costs_are_kept_per_link_kind_and_one_kind_is_averaged() -> None:
+    other = TransferCost(100e-6, 1.5e9, 0.0, 3e-10, 20e-6, 0.0)
+    costs = {(0, 1): FAKE_COST, (1, 0): other}
+    (averaged,) = costs_by_kind(["cpu", "cpu"], costs).values()
+    assert averaged.latency_s == pytest.approx(200e-6) and averaged.sender_cpu_s_per_byte == pytest.approx(2e-10)
+    assert costs_by_kind(["cuda:0", "cpu"], costs) == {"cuda->cpu": FAKE_COST, "cpu->cuda": other}
 
 
 class TwoLinears(nn.Module):
