@@ -33,7 +33,10 @@ from rich.table import Table
 from moirai.placers import get_placer, place
 from moirai.problem import Problem
 from moirai.simulate import simulate
-from moirai.solve.milp import SolverSettings, build_model, plan_from_times, solve_model, whole_problem
+from moirai.solve.model import build_model
+from moirai.solve.solver import SolverSettings, solve_model
+from moirai.solve.warm_start import plan_from_times
+from moirai.solve.window import whole_problem
 
 
 def random_layered_problem(
@@ -185,7 +188,7 @@ def strategy_table(sizes: list[int], devices: int, time_limit_s: float) -> Table
             strategy: place(problem, "milp", time_limit_s=time_limit_s, strategy=strategy, progress=False)
             for strategy in ("full", "windows")
         }
-        best = min(plans["full"].info["heuristics"].values())
+        best = min(plans["full"].report.heuristics.values())
         table.add_row(
             str(n),
             f"{best * 1e3:.4f}",
@@ -214,7 +217,7 @@ def scale_table(sizes: list[int], devices: int, budget_s: float) -> Table:
         started = time.perf_counter()
         plan = place(problem, "milp", time_limit_s=budget_s, progress=False)
         wall = time.perf_counter() - started
-        heuristics = plan.info["heuristics"]
+        heuristics = plan.report.heuristics
         best_name = min(heuristics, key=heuristics.get)
         best = heuristics[best_name]
         table.add_row(
@@ -223,7 +226,7 @@ def scale_table(sizes: list[int], devices: int, budget_s: float) -> Table:
             f"{best * 1e3:.3f}",
             f"{plan.makespan_s * 1e3:.3f}",
             f"{(1 - plan.makespan_s / best):.2%}",
-            f"{plan.info.get('windows_tried', '-')} / {plan.info.get('windows_improved', '-')}",
+            f"{plan.report.windows_tried} / {plan.report.windows_improved}",
             f"{wall:.1f}",
             f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f}",
         )

@@ -50,7 +50,7 @@ from moirai.cost import build_problem  # noqa: E402
 from moirai.devices import Cluster  # noqa: E402
 from moirai.errors import InfeasibleError, MoiraiError  # noqa: E402
 from moirai.graph import OpGraph, build_op_graph  # noqa: E402
-from moirai.placers import get_placer, place, placers  # noqa: E402
+from moirai.placers import get_placer, list_placers, place  # noqa: E402
 from moirai.problem import Plan, Problem  # noqa: E402
 from moirai.trace import trace  # noqa: E402
 
@@ -344,7 +344,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--placers",
         nargs="+",
-        help=f"default: every registered placer ({', '.join(placers())}); "
+        help=f"default: every registered placer ({', '.join(list_placers())}); "
         f"{', '.join(SLOW_PLACERS)} only on small models unless named",
     )
     parser.add_argument("--reference", default="m_sct", help="placer the speedup is measured against")
@@ -377,7 +377,7 @@ def placers_for(model: ModelGraph, chosen: list[str] | None) -> list[str]:
     if chosen:
         return chosen
     paper_size = size_spec(model.name, model.size).paper_size
-    return [p for p in placers() if not (paper_size and p in SLOW_PLACERS)]
+    return [p for p in list_placers() if not (paper_size and p in SLOW_PLACERS)]
 
 
 def main(argv: list[str] | None = None) -> None:

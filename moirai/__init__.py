@@ -1,50 +1,72 @@
-"""moirai: split one PyTorch model across heterogeneous devices, placing every op where the model finishes soonest."""
+"""moirai: split one PyTorch model across heterogeneous devices, placing every op where the model finishes soonest.
 
-from moirai import demo
-from moirai.bounds import lower_bound
-from moirai.coarsen import coarsen
-from moirai.compile import CompiledModel, compile, load, serve_rank
-from moirai.devices import Cluster, Device
-from moirai.errors import (
-    ClusterError,
-    DistributedError,
-    FusionRuleError,
-    InfeasibleError,
-    InputError,
-    MoiraiError,
-    PlanError,
-    ProblemError,
-    TraceError,
-)
-from moirai.placers import place, placers
-from moirai.problem import Plan, Problem
-from moirai.simulate import Timeline, simulate
-from moirai.trace import trace
+Imports are lazy: ``import moirai.problem`` (or the simulator, the bounds, any placer) loads no torch;
+``moirai.compile`` and the other names below load their module on first use.
+"""
 
-__all__ = [
-    "Cluster",
-    "ClusterError",
-    "CompiledModel",
-    "Device",
-    "DistributedError",
-    "FusionRuleError",
-    "InfeasibleError",
-    "InputError",
-    "MoiraiError",
-    "Plan",
-    "PlanError",
-    "Problem",
-    "ProblemError",
-    "Timeline",
-    "TraceError",
-    "coarsen",
-    "compile",
-    "demo",
-    "load",
-    "lower_bound",
-    "place",
-    "placers",
-    "serve_rank",
-    "simulate",
-    "trace",
-]
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "Cluster": "moirai.devices",
+    "ClusterError": "moirai.errors",
+    "CompiledModel": "moirai.compile",
+    "Device": "moirai.devices",
+    "DistributedError": "moirai.errors",
+    "FusionRuleError": "moirai.errors",
+    "InfeasibleError": "moirai.errors",
+    "InputError": "moirai.errors",
+    "MoiraiError": "moirai.errors",
+    "Objective": "moirai.objective",
+    "Plan": "moirai.problem",
+    "PlanError": "moirai.errors",
+    "Problem": "moirai.problem",
+    "ProblemError": "moirai.errors",
+    "Timeline": "moirai.simulate",
+    "TraceError": "moirai.errors",
+    "coarsen": "moirai.coarsen",
+    "compile": "moirai.compile",
+    "list_placers": "moirai.placers",
+    "load": "moirai.compile",
+    "lower_bound": "moirai.bounds",
+    "place": "moirai.placers",
+    "serve_rank": "moirai.compile",
+    "simulate": "moirai.simulate",
+    "trace": "moirai.trace",
+}
+_SUBMODULES = ("demo",)
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"moirai.{name}")
+    else:
+        raise AttributeError(f"module 'moirai' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """Keeps ``moirai.compile``, ``moirai.simulate``, ``moirai.trace`` and ``moirai.coarsen`` the functions:
+    importing a submodule binds it on its package, and these four share their module's name."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -71,7 +71,7 @@ def check_memory_feasible(problem: Problem) -> None:
 
 def _fastest_holding_device_time(problem: Problem) -> np.ndarray:
     """Each task's time on its fastest device that could hold it alone; raise if there is none."""
-    holds = (problem.memory_bytes[:, None] <= problem.memory_capacity_bytes[None, :]) & np.isfinite(problem.compute_s)
+    holds = problem.fits
     homeless = np.flatnonzero(~holds.any(axis=1))
     if homeless.size:
         i = int(homeless[0])
@@ -100,7 +100,7 @@ def _load_bound(problem: Problem) -> float:
         or _solve_load_lp(problem, respect_memory=False)
         or (np.full(problem.num_devices, 1.0 / problem.num_devices), np.zeros(problem.num_devices))
     )
-    finite = np.isfinite(problem.compute_s)
+    finite = problem.runs_on
     price = device_weight[None, :] * np.where(finite, problem.compute_s, 0.0)
     per_task = np.where(finite, price + memory_price[None, :] * problem.memory_bytes[:, None], np.inf)
     finite_capacity = np.where(np.isfinite(problem.memory_capacity_bytes), problem.memory_capacity_bytes, 0.0)
@@ -115,7 +115,7 @@ def _solve_load_lp(problem: Problem, respect_memory: bool) -> tuple[np.ndarray, 
     and memory to the capacity so the solver sees numbers near 1.
     """
     n, k = problem.num_tasks, problem.num_devices
-    finite = np.isfinite(problem.compute_s)
+    finite = problem.runs_on
     time_scale = float(problem.compute_s[finite].max()) if finite.any() else 1.0
     time_scale = time_scale if time_scale > 0 else 1.0
     capacity = problem.memory_capacity_bytes
@@ -173,3 +173,21 @@ def _solve_load_lp(problem: Problem, respect_memory: bool) -> tuple[np.ndarray, 
         # Undo the row scaling: a price per scaled row is a price per capacity-fraction.
         memory_price[d] = max(0.0, -row_dual[n + k + r]) * time_scale / problem.memory_capacity_bytes[d]
     return device_weight, memory_price
+
+
+def memory_error(problem: Problem, placer: str, task: int, used_bytes: np.ndarray) -> InfeasibleError:
+    """The error a greedy placer raises when ``task`` fits on no device any more, though the model fits the cluster.
+
+    Models that cannot fit at all are refused before placing, by :func:`check_memory_feasible`.
+    """
+    free = ", ".join(
+        f"{name}: {format_bytes(max(cap - used, 0.0))} free"
+        for name, cap, used in zip(problem.device_names, problem.memory_capacity_bytes, used_bytes, strict=True)
+    )
+    return InfeasibleError(
+        f"{placer} cannot fit the model: it needs {format_bytes(float(problem.memory_bytes.sum()))} and the cluster "
+        f"has {format_bytes(float(problem.memory_capacity_bytes.sum()))} in total, but {placer}'s greedy placement "
+        f"left no device with room for task {problem.task_names[task]!r} "
+        f"({format_bytes(float(problem.memory_bytes[task]))}; {free}); try the 'milp' placer or another baseline, "
+        "or add memory"
+    )

@@ -49,6 +49,7 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
+from moirai.device_kinds import kind_for_backend, kind_of
 from moirai.devices import Cluster, Device, Link
 from moirai.errors import ClusterError, DistributedError
 
@@ -131,9 +132,9 @@ def measure_transfers(
     devices = [str(torch.device(d)) for d in torch_devices]
     if len(devices) < 2:
         raise ClusterError("calibration needs at least two ranks (two devices)")
-    cuda = [d for d in devices if d.startswith("cuda")]
-    if cuda and max(torch.device(d).index or 0 for d in cuda) >= torch.cuda.device_count():
-        raise ClusterError(f"calibrating {cuda} needs those CUDA devices; this machine has {torch.cuda.device_count()}")
+    missing = [d for d in devices if not kind_of(d).available(torch.device(d))]
+    if missing:
+        raise ClusterError(f"calibrating {devices} needs {missing}, which this machine does not have")
     if warmup < 0 or repeats < 1:
         raise ClusterError(f"calibration needs warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     sizes = tuple(int(s) for s in sizes_bytes)
@@ -189,7 +190,8 @@ def _rank_devices(world_size: int, backend: str, base: Cluster | None) -> tuple[
         if len(base) != world_size:
             raise ClusterError(f"base cluster has {len(base)} devices, calibration runs {world_size} ranks")
         return base.devices
-    local = ["cpu"] * world_size if backend == "gloo" else [f"cuda:{r}" for r in range(world_size)]
+    kind = kind_for_backend(backend)
+    local = [f"{kind.name}:{r}" if kind.accelerator else kind.name for r in range(world_size)]
     host = socket.gethostname()
     return tuple(
         dataclasses.replace(d, name=f"rank{r}", host=host, rank=r)
@@ -255,8 +257,8 @@ def measure_link_kinds(
 ) -> dict[str, TransferCost]:
     """Both directions of the link between two local devices, by link kind (the runtime's pair of devices)."""
     a, b = pair
-    if a == b and torch.device(a).type == "cuda":
-        raise ClusterError(f"two ranks on {a} share one GPU; calibrate GPU<->GPU links between two GPUs")
+    if a == b and kind_of(a).accelerator:
+        raise ClusterError(f"two ranks on {a} would share one device; calibrate {a}<->{a} links between two of them")
     return costs_by_kind([a, b], measure_transfer_costs([a, b], sizes_bytes))
 
 
@@ -352,7 +354,11 @@ def _rank_main(
     store = dist.TCPStore("127.0.0.1", port, len(torch_devices), is_master=rank == 0, timeout=timeout)
     group = _local_group(rank, torch_devices, store, timeout_s)
     device = torch.device(torch_devices[rank])
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    kind = kind_of(device)
+
+    def synchronize() -> None:
+        kind.synchronize(device)
+
     results = []
     exchange = 0  # one request of the runtime per message and its reply, so every tag is fresh
     for src in range(group.world_size):

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args, console)
         if args.command == "calibrate":
             return calibrate_command.run(args, console)
-        console.print("\n".join(moirai.placers()))
+        console.print("\n".join(moirai.list_placers()))
         return 0
     except MoiraiError as error:
         console.print(f"[red]error[/]: {error}")

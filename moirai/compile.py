@@ -161,7 +161,7 @@ def compile(
 
     ``devices`` is a :class:`moirai.Cluster` or a list of torch device strings (a repeated
     ``"cpu"`` gives separate logical devices). ``placer`` names a registered placer
-    (``moirai.placers()``); ``placer_options`` go to it (e.g. ``time_limit_s`` for ``milp``).
+    (``moirai.list_placers()``); ``placer_options`` go to it (e.g. ``time_limit_s`` for ``milp``).
     ``cost`` is ``"analytic"`` (roofline from the device table) or ``"measured"`` (profile every
     op group on the local devices, cached on disk).
     ``calibration`` says what the links between local devices (a list of device strings) cost:

@@ -61,6 +61,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from rich.progress import Progress
 
+from moirai.device_kinds import kind_of
 from moirai.devices import Cluster, Device
 from moirai.errors import ClusterError
 from moirai.graph import OpGraph
@@ -284,9 +285,7 @@ class _ProfileCache:
 def _check_local(device: Device) -> None:
     on_this_host = device.host in _LOCAL_HOSTS
     torch_device = torch.device(device.torch_device)
-    available = torch_device.type == "cpu" or (
-        torch_device.type == "cuda" and (torch_device.index or 0) < torch.cuda.device_count()
-    )
+    available = kind_of(torch_device).available(torch_device)
     if not (on_this_host and available):
         raise ClusterError(
             f"device {device.name!r} ({device.torch_device} on host {device.host!r}) is not on this machine, "
@@ -297,10 +296,7 @@ def _check_local(device: Device) -> None:
 def _device_key(device: torch.device, clock: Callable[[], float]) -> str:
     """What a measurement depends on besides the ops: the hardware, the thread count, torch, the clock
     and how nodes are timed (in situ: profiles of nodes run alone, taken by earlier versions, differ)."""
-    if device.type == "cuda":
-        hardware = torch.cuda.get_device_name(device.index or 0)
-    else:
-        hardware = f"{_cpu_model()} threads={torch.get_num_threads()}"
+    hardware = kind_of(device).hardware_name(device) or f"{_cpu_model()} threads={torch.get_num_threads()}"
     return f"{device.type}|{hardware}|torch {torch.__version__}|{clock.__name__}|in situ"
 
 
@@ -389,11 +385,10 @@ def _timed_module(
     fetches it. fx code generation frees every value after its last use, as in the model's own
     run, so the ops allocate and reuse memory as they will when the model runs.
     """
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else None
+    kind = kind_of(device)
 
     def timestamp() -> float:
-        if synchronize is not None:
-            synchronize()
+        kind.synchronize(device)
         return clock()
 
     position = {n.name: p for p, n in enumerate(module.graph.nodes)}

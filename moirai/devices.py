@@ -70,6 +70,7 @@ import networkx as nx
 import numpy as np
 import torch
 
+from moirai.device_kinds import accelerator_kinds, kind_of
 from moirai.errors import ClusterError
 
 try:
@@ -331,15 +332,17 @@ class Cluster:
 
     @classmethod
     def detect(cls) -> Cluster:
-        """The local CPU and every visible CUDA device; GPUs talk over PCIe, or through the host."""
+        """The local CPU and every visible accelerator; accelerators talk over PCIe, or through the host."""
         devices = [_detect("cpu", "cpu", share=1)]
-        devices += [_detect(f"cuda:{i}", f"cuda{i}", share=1) for i in range(torch.cuda.device_count())]
+        for kind in accelerator_kinds():
+            devices += [_detect(f"{kind.name}:{i}", f"{kind.name}{i}", share=1) for i in range(kind.count())]
         links = []
         for a in devices:
             for b in devices:
-                # GPUs without peer access exchange tensors through host memory: no direct link.
-                both_gpus = a.kind == "gpu" and b.kind == "gpu"
-                if a is b or (both_gpus and not torch.cuda.can_device_access_peer(_index(a), _index(b))):
+                # Accelerators without peer access exchange tensors through host memory: no direct link.
+                kind = kind_of(a.torch_device)
+                peers = kind.accelerator and kind_of(b.torch_device) is kind
+                if a is b or (peers and not kind.can_access_peer(_index(a), _index(b))):
                     continue
                 links.append(Link(a.name, b.name, _PCIE_BANDWIDTH_BYTES_PER_S, _PCIE_LATENCY_S))
         return cls.from_links(devices, links, name="detected")
@@ -363,7 +366,7 @@ class Cluster:
         latency = np.full((k, k), _LOCAL_PROCESS_LATENCY_S)
         for a in range(k):
             for b in range(k):
-                if "cuda" in devices[a].torch_device or "cuda" in devices[b].torch_device:
+                if kind_of(devices[a].torch_device).accelerator or kind_of(devices[b].torch_device).accelerator:
                     bandwidth[a, b], latency[a, b] = _PCIE_BANDWIDTH_BYTES_PER_S, _PCIE_LATENCY_S
         np.fill_diagonal(latency, 0.0)
         return cls(tuple(devices), bandwidth, latency)
@@ -433,7 +436,7 @@ def _device_from_dict(entry: Mapping[str, Any]) -> Device:
         peak_flops=float(peaks["fp32"]) * TFLOPS,
         memory_bandwidth_bytes_per_s=float(numbers["memory_bandwidth_gb_per_s"]) * GB,
         launch_overhead_s=float(numbers.get("launch_overhead_us", 5.0)) * MICROSECOND,
-        kind=str(numbers.get("kind", "gpu" if torch_device.startswith("cuda") else "cpu")),
+        kind=str(numbers.get("kind", "gpu" if kind_of(torch_device).accelerator else "cpu")),
         device_type=type_name,
         peak_flops_fp16=float(peaks["fp16"]) * TFLOPS if "fp16" in peaks else None,
         peak_flops_bf16=float(peaks["bf16"]) * TFLOPS if "bf16" in peaks else None,
@@ -631,13 +634,14 @@ def _index(device: Device) -> int:
 
 def _detect(torch_device: str, name: str, share: int) -> Device:
     """Properties of a local device; ``share`` logical devices split one physical device."""
-    if torch_device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ClusterError(f"{torch_device} requested but CUDA is not available on this machine")
+    kind = kind_of(torch_device)
+    if kind.accelerator:
+        if kind.count() == 0:
+            raise ClusterError(f"{torch_device} requested but {kind.name.upper()} is not available on this machine")
         index = torch.device(torch_device).index or 0
-        if index >= torch.cuda.device_count():
-            raise ClusterError(f"{torch_device} requested but only {torch.cuda.device_count()} CUDA devices exist")
-        props = torch.cuda.get_device_properties(index)
+        if index >= kind.count():
+            raise ClusterError(f"{torch_device} requested but this machine has {kind.count()} {kind.name} devices")
+        props = kind.properties(index)
         known = next((key for key, row in device_types().items() if _matches(row["match"], props.name)), None)
         if known is not None:
             row = device_types()[known]

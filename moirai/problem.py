@@ -27,6 +27,7 @@ import networkx as nx
 import numpy as np
 
 from moirai.errors import PlanError, ProblemError
+from moirai.report import PlacerReport
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,6 +140,85 @@ class Problem:
         for t, producer in enumerate(self.tensor_producer):
             outputs[int(producer)].append(t)
         return tuple(tuple(x) for x in outputs)
+
+    # --- facts every placer, bound and model uses, each computed once here ------------
+
+    @cached_property
+    def topological_position(self) -> np.ndarray:
+        """``position[i]``: the index of task ``i`` in :attr:`topological_order` (the placers' usual tie-break)."""
+        position = np.empty(self.num_tasks, int)
+        position[list(self.topological_order)] = np.arange(self.num_tasks)
+        return position
+
+    @cached_property
+    def runs_on(self) -> np.ndarray:
+        """``runs_on[i, k]``: task ``i`` can run on device ``k`` (its compute time there is finite)."""
+        return np.isfinite(self.compute_s)
+
+    @cached_property
+    def fits(self) -> np.ndarray:
+        """``fits[i, k]``: task ``i`` can run on device ``k`` and its memory alone fits there."""
+        return self.runs_on & (self.memory_bytes[:, None] <= self.memory_capacity_bytes[None, :])
+
+    @cached_property
+    def device_speed(self) -> np.ndarray:
+        """Relative speed of every device, summing to 1: the inverse of its total compute time on the tasks
+        every device can run (equal speeds when no task runs everywhere or a device takes no time on them).
+        The one definition of device speed the placers use (single, cp_pct, hash, round_robin, getf)."""
+        runs_everywhere = self.runs_on.all(axis=1)
+        total = self.compute_s[runs_everywhere].sum(axis=0)
+        if not runs_everywhere.any() or np.any(total <= 0):
+            return np.full(self.num_devices, 1.0 / self.num_devices)
+        speed = 1.0 / total
+        return speed / speed.sum()
+
+    @cached_property
+    def mean_compute_s(self) -> np.ndarray:
+        """Every task's mean compute time over the devices that can run it (0 where none can)."""
+        return np.where(self.runs_on, self.compute_s, 0.0).sum(axis=1) / np.maximum(self.runs_on.sum(axis=1), 1)
+
+    @cached_property
+    def mean_transfer_s(self) -> np.ndarray:
+        """Every tensor's mean transfer time over the ordered pairs of distinct devices (0 with one device)."""
+        if self.num_devices < 2:
+            return np.zeros(self.num_tensors)
+        return self.transfer_s[:, ~np.eye(self.num_devices, dtype=bool)].mean(axis=1)
+
+    @cached_property
+    def consumer_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(tensor, consumer)`` of every consumption, as two index arrays (a tensor to one task counted once)."""
+        tensor = [t for t, consumers in enumerate(self.tensor_consumers) for _ in consumers]
+        consumer = [c for consumers in self.tensor_consumers for c in consumers]
+        return np.array(tensor, int), np.array(consumer, int)
+
+    def longest_path_to_sink_s(self, task_s: np.ndarray, pair_s: np.ndarray | float = 0.0) -> np.ndarray:
+        """``rank[u] = task_s[u] + max over consumptions (t, c) of u's tensors of (pair_s + rank[c])``: the
+        longest path from every task to a sink, with ``pair_s`` per entry of :attr:`consumer_pairs` (or one
+        number for all). HEFT's upward rank, the simulator's PCT priority and ETF's static level are this."""
+        tensor, consumer = self.consumer_pairs
+        edge = np.broadcast_to(np.asarray(pair_s, float), tensor.shape).tolist()
+        out: list[list[tuple[int, float]]] = [[] for _ in range(self.num_tasks)]
+        for c, t, seconds in zip(consumer.tolist(), tensor.tolist(), edge, strict=True):
+            out[int(self.tensor_producer[t])].append((c, seconds))
+        duration = np.asarray(task_s, float).tolist()
+        rank = [0.0] * self.num_tasks
+        for u in reversed(self.topological_order):
+            tail = 0.0
+            for c, seconds in out[u]:
+                value = seconds + rank[c]
+                if value > tail:
+                    tail = value
+            rank[u] = duration[u] + tail
+        return np.array(rank)
+
+    def reachable(self) -> np.ndarray:
+        """``reach[i, j]``: a path leads from task ``i`` to task ``j`` (an n x n matrix: for small graphs)."""
+        reach = np.zeros((self.num_tasks, self.num_tasks), bool)
+        for task in reversed(self.topological_order):
+            for successor in self.successors[task]:
+                reach[task, successor] = True
+                reach[task] |= reach[successor]
+        return reach
 
     def task_index(self, name: str) -> int:
         try:
@@ -292,20 +372,22 @@ class Plan:
     order: tuple[tuple[int, ...], ...] | None = None
     transfer_order: dict[tuple[int, int], tuple[int, ...]] | None = None
     placer: str = ""
-    makespan_s: float | None = None
-    lower_bound_s: float | None = None
+    makespan_s: float | None = None  # the simulated latency of one request
+    objective: str = "latency"  # what the plan was made to minimise (moirai.objective)
+    objective_s: float | None = None  # the simulated value of that objective
+    lower_bound_s: float | None = None  # a proven bound on the objective
     placement_time_s: float | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+    report: PlacerReport = field(default_factory=PlacerReport)
 
     def __post_init__(self) -> None:
         self.placement = np.asarray(self.placement, int)
 
     @property
     def gap(self) -> float | None:
-        """Relative gap between the plan's makespan and the proven lower bound."""
-        if self.makespan_s is None or self.lower_bound_s is None or self.makespan_s == 0:
+        """Relative gap between the plan's objective value and the proven lower bound on it."""
+        if self.objective_s is None or self.lower_bound_s is None or self.objective_s == 0:
             return None
-        return (self.makespan_s - self.lower_bound_s) / self.makespan_s
+        return (self.objective_s - self.lower_bound_s) / self.objective_s
 
     def check(self, problem: Problem) -> None:
         """Raise :class:`PlanError` unless this plan covers every task of ``problem`` with known devices."""
@@ -334,9 +416,11 @@ class Plan:
             else [[a, b, list(tensors)] for (a, b), tensors in self.transfer_order.items()],
             "placer": self.placer,
             "makespan_s": self.makespan_s,
+            "objective": self.objective,
+            "objective_s": self.objective_s,
             "lower_bound_s": self.lower_bound_s,
             "placement_time_s": self.placement_time_s,
-            "info": self.info,
+            "report": self.report.to_dict(),
         }
 
     @classmethod
@@ -352,7 +436,9 @@ class Plan:
             else {(int(a), int(b)): tuple(tensors) for a, b, tensors in transfer_order},
             placer=d.get("placer", ""),
             makespan_s=d.get("makespan_s"),
+            objective=d.get("objective", "latency"),
+            objective_s=d.get("objective_s"),
             lower_bound_s=d.get("lower_bound_s"),
             placement_time_s=d.get("placement_time_s"),
-            info=d.get("info", {}),
+            report=PlacerReport.from_dict(d.get("report", {})),
         )

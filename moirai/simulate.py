@@ -95,22 +95,11 @@ def upward_rank(problem: Problem, placement: np.ndarray) -> np.ndarray:
     consumers, of the transfer (0 on the same device) and the consumer's rank.
     """
     placement = np.asarray(placement, int)
-    duration = problem.compute_s[np.arange(problem.num_tasks), placement].tolist()
-    rank = [0.0] * problem.num_tasks
-    device = placement.tolist()
-    outputs = problem.output_tensors
-    consumers = problem.tensor_consumers
-    for u in reversed(problem.topological_order):
-        a = device[u]
-        tail = 0.0
-        for t in outputs[u]:
-            for c in consumers[t]:
-                b = device[c]
-                value = rank[c] if a == b else rank[c] + transfer_duration_s(problem, t, a, b)
-                if value > tail:
-                    tail = value
-        rank[u] = duration[u] + tail
-    return np.array(rank)
+    tensor, consumer = problem.consumer_pairs
+    src, dst = placement[problem.tensor_producer[tensor]], placement[consumer]
+    with np.errstate(invalid="ignore"):  # an unlinked pair on one device costs nothing
+        pair_s = np.where(src == dst, 0.0, transfer_duration_s(problem, tensor, src, dst))
+    return problem.longest_path_to_sink_s(problem.compute_s[np.arange(problem.num_tasks), placement], pair_s)
 
 
 def _check_runnable(problem: Problem, placement: np.ndarray, duration: np.ndarray, transfers: ImpliedTransfers) -> None:

@@ -290,3 +290,17 @@ def test_from_devices_still_splits_one_cpu() -> None:
     assert cluster.names == ("cpu_0", "cpu_1")
     assert cluster.devices[0].memory_bytes == pytest.approx(Cluster.from_devices(["cpu"]).devices[0].memory_bytes / 2)
     assert cluster.transfer_time_s(0, 0, 1) > 0
+
+
+def test_device_kinds_answer_what_the_runtime_and_cost_code_ask() -> None:
+    import torch
+
+    from moirai.device_kinds import CPU, CUDA, backend_for, kind_for_backend, kind_of
+
+    assert kind_of("cuda:1") is CUDA and kind_of(torch.device("cpu")) is CPU
+    assert (CPU.backend, CUDA.backend) == ("gloo", "nccl")
+    assert kind_for_backend("nccl") is CUDA and kind_for_backend("gloo") is CPU
+    assert backend_for(["cpu", "cuda:0", "cuda:1"]) == "cpu:gloo,cuda:nccl"
+    assert CUDA.messages_in_device_memory and not CPU.messages_in_device_memory
+    with pytest.raises(ClusterError, match="unsupported device 'meta'"):
+        kind_of("meta")

@@ -17,13 +17,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moirai.bounds import format_bytes
-from moirai.errors import InfeasibleError
+from moirai.bounds import memory_error
 from moirai.problem import Plan, Problem
+from moirai.report import PlacerReport
 from moirai.schedule import ScheduleBuilder
 
 
-def to_plan(schedule: ScheduleBuilder, placer: str, **info: object) -> Plan:
+def to_plan(schedule: ScheduleBuilder, placer: str, **notes: object) -> Plan:
     """The plan of a finished list schedule: its device orders and its link orders, which the simulator replays."""
     return Plan(
         np.array(schedule.placement, int),
@@ -31,7 +31,7 @@ def to_plan(schedule: ScheduleBuilder, placer: str, **info: object) -> Plan:
         order=tuple(tuple(tasks) for tasks in schedule.order),
         transfer_order=schedule.transfer_order(),
         placer=placer,
-        info={"scheduled_makespan_s": schedule.makespan_s, **info},
+        report=PlacerReport(predicted_makespan_s=schedule.makespan_s, contention=schedule.contention, notes=notes),
     )
 
 
@@ -103,28 +103,3 @@ def earliest_time_first(ready: ReadyTasks, priority: np.ndarray, allowed: np.nda
         candidates.append((float(starts[device]), float(priority[task]), task, device))
     start, _, task, device = min(candidates)
     return start, task, device
-
-
-def topological_rank(problem: Problem) -> np.ndarray:
-    """Position of every task in the problem's topological order (Baechi's tie-break)."""
-    rank = np.empty(problem.num_tasks, int)
-    rank[list(problem.topological_order)] = np.arange(problem.num_tasks)
-    return rank
-
-
-def memory_error(problem: Problem, placer: str, task: int, used_bytes: np.ndarray) -> InfeasibleError:
-    """The error a greedy placer raises when ``task`` fits on no device any more, though the model fits the cluster.
-
-    Models that cannot fit at all are refused before placing, by :func:`moirai.bounds.check_memory_feasible`.
-    """
-    free = ", ".join(
-        f"{name}: {format_bytes(max(cap - used, 0.0))} free"
-        for name, cap, used in zip(problem.device_names, problem.memory_capacity_bytes, used_bytes, strict=True)
-    )
-    return InfeasibleError(
-        f"{placer} cannot fit the model: it needs {format_bytes(float(problem.memory_bytes.sum()))} and the cluster "
-        f"has {format_bytes(float(problem.memory_capacity_bytes.sum()))} in total, but {placer}'s greedy placement "
-        f"left no device with room for task {problem.task_names[task]!r} "
-        f"({format_bytes(float(problem.memory_bytes[task]))}; {free}); try the 'milp' placer or another baseline, "
-        "or add memory"
-    )

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from moirai.bounds import check_memory_feasible
+from moirai.bounds import check_memory_feasible, memory_error
 from moirai.placers import register
-from moirai.placers._list_scheduling import memory_error
-from moirai.placers.single import device_speed
 from moirai.problem import Plan, Problem
+from moirai.report import PlacerReport
 from moirai.simulate import simulate
 
 
@@ -43,11 +42,11 @@ def place_cp_pct(problem: Problem, contention: bool = True) -> Plan:
     placement = np.full(problem.num_tasks, -1)
     if problem.num_tasks == 0:
         return Plan(placement, problem.device_names, order=tuple(() for _ in problem.device_names), placer="cp_pct")
-    fastest_first = np.argsort(-device_speed(problem), kind="stable")
+    fastest_first = np.argsort(-problem.device_speed, kind="stable")
     reference = np.where(
-        np.isfinite(problem.compute_s[:, fastest_first[0]]),
+        problem.runs_on[:, fastest_first[0]],
         problem.compute_s[:, fastest_first[0]],
-        np.where(np.isfinite(problem.compute_s), problem.compute_s, np.inf).min(axis=1),
+        problem.compute_s.min(axis=1),
     )
     path = critical_path(problem, reference)
     used = np.zeros(problem.num_devices)
@@ -55,7 +54,7 @@ def place_cp_pct(problem: Problem, contention: bool = True) -> Plan:
 
     def can_take(device: int, tasks: list[int]) -> bool:
         fits = used[device] + problem.memory_bytes[tasks].sum() <= capacity[device]
-        return bool(fits and np.isfinite(problem.compute_s[tasks, device]).all())
+        return bool(fits and problem.runs_on[tasks, device].all())
 
     whole = next((int(d) for d in fastest_first if can_take(int(d), path)), None)
     for v in path:
@@ -88,4 +87,10 @@ def place_cp_pct(problem: Problem, contention: bool = True) -> Plan:
 
     partition = Plan(placement, problem.device_names)
     order = simulate(problem, partition, contention=contention).device_order()
-    return Plan(placement, problem.device_names, order=order, placer="cp_pct", info={"critical_path": path})
+    return Plan(
+        placement,
+        problem.device_names,
+        order=order,
+        placer="cp_pct",
+        report=PlacerReport(notes={"critical_path": path}),
+    )

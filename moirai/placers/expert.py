@@ -16,6 +16,7 @@ from moirai.bounds import check_memory_feasible, format_bytes
 from moirai.errors import InfeasibleError
 from moirai.placers import register
 from moirai.problem import Plan, Problem
+from moirai.report import PlacerReport
 
 _BISECTION_STEPS = 100
 
@@ -70,4 +71,4 @@ def place_expert(problem: Problem) -> Plan:
     for device, chunk in enumerate(chunks):
         placement[list(chunk)] = device
     info = {"slowest_stage_s": float(slowest_stage_s)}
-    return Plan(placement, problem.device_names, order=chunks, placer="expert", info=info)
+    return Plan(placement, problem.device_names, order=chunks, placer="expert", report=PlacerReport(notes=info))

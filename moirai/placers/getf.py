@@ -64,20 +64,9 @@ def place_getf(
     )
 
 
-def device_speeds(problem: Problem) -> np.ndarray:
-    """Relative speed of every device (fastest 1): inverse of its total time on the tasks all devices can run."""
-    everywhere = np.isfinite(problem.compute_s).all(axis=1)
-    if not everywhere.any():
-        return np.ones(problem.num_devices)
-    total_s = problem.compute_s[everywhere].sum(axis=0)
-    if not (total_s > 0).all():
-        return np.ones(problem.num_devices)
-    return total_s.min() / total_s
-
-
 def speed_groups(problem: Problem, speed_ratio: float = 2.0) -> list[np.ndarray]:
     """Devices grouped fastest first; in a group every speed is above the group's fastest / ``speed_ratio``."""
-    speed = device_speeds(problem)
+    speed = problem.device_speed / problem.device_speed.max()  # fastest 1
     groups = []
     remaining = list(np.argsort(-speed, kind="stable"))
     while remaining:
@@ -131,9 +120,4 @@ def group_assignment(
 
 def static_level(problem: Problem) -> np.ndarray:
     """Longest path of mean compute times from every task to a sink (ETF's tie-break)."""
-    compute = np.where(np.isfinite(problem.compute_s), problem.compute_s, np.nan)
-    mean_s = np.nan_to_num(np.nanmean(compute, axis=1))
-    level = np.zeros(problem.num_tasks)
-    for task in reversed(problem.topological_order):
-        level[task] = mean_s[task] + max((level[s] for s in problem.successors[task]), default=0.0)
-    return level
+    return problem.longest_path_to_sink_s(problem.mean_compute_s)

@@ -15,10 +15,8 @@ import itertools
 
 import numpy as np
 
-from moirai.bounds import check_memory_feasible
+from moirai.bounds import check_memory_feasible, memory_error
 from moirai.placers import register
-from moirai.placers._list_scheduling import memory_error
-from moirai.placers.single import device_speed
 from moirai.problem import Plan, Problem
 from moirai.simulate import simulate
 
@@ -32,9 +30,9 @@ def _uniform_hash(name: str, seed: int) -> float:
 @register("hash")
 def place_hash(problem: Problem, seed: int = 0, contention: bool = True) -> Plan:
     check_memory_feasible(problem)
-    speed = device_speed(problem).tolist()
+    speed = problem.device_speed.tolist()
     capacity = problem.memory_capacity_bytes.tolist()
-    runnable = np.isfinite(problem.compute_s).tolist()
+    runnable = problem.runs_on.tolist()
     memory = problem.memory_bytes.tolist()
     used = [0.0] * problem.num_devices
     placement = np.zeros(problem.num_tasks, int)

@@ -13,7 +13,7 @@ from functools import partial
 
 from moirai.bounds import check_memory_feasible
 from moirai.placers import register
-from moirai.placers._list_scheduling import earliest_time_first, list_schedule, to_plan, topological_rank
+from moirai.placers._list_scheduling import earliest_time_first, list_schedule, to_plan
 from moirai.problem import Plan, Problem
 from moirai.schedule import ScheduleBuilder
 
@@ -26,5 +26,5 @@ def place_m_etf(problem: Problem, contention: bool = True) -> Plan:
 def m_etf_schedule(problem: Problem, contention: bool = True) -> ScheduleBuilder:
     """The m-ETF schedule of ``problem`` (start time of every task included)."""
     check_memory_feasible(problem)
-    choose = partial(earliest_time_first, priority=topological_rank(problem))
+    choose = partial(earliest_time_first, priority=problem.topological_position)
     return list_schedule(problem, choose, "m_etf", contention)

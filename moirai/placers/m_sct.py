@@ -31,7 +31,7 @@ import numpy as np
 from moirai.bounds import check_memory_feasible
 from moirai.highs import SparseLinearProgram
 from moirai.placers import register
-from moirai.placers._list_scheduling import Choice, ReadyTasks, list_schedule, to_plan, topological_rank
+from moirai.placers._list_scheduling import Choice, ReadyTasks, list_schedule, to_plan
 from moirai.problem import Plan, Problem
 
 
@@ -39,7 +39,7 @@ from moirai.problem import Plan, Problem
 def place_m_sct(problem: Problem, threshold: float = 0.5, contention: bool = True) -> Plan:
     check_memory_feasible(problem)
     favourite = favourite_children(problem, threshold)
-    priority = topological_rank(problem)
+    priority = problem.topological_position
     schedule = list_schedule(problem, lambda ready: _sct_choice(ready, favourite, priority), "m_sct", contention)
     return to_plan(schedule, "m_sct", favourite_children=int((favourite >= 0).sum()))
 
@@ -51,10 +51,7 @@ def favourite_children(problem: Problem, threshold: float = 0.5) -> np.ndarray:
     favourite = np.full(n, -1, int)
     if e == 0:
         return favourite
-    compute = np.where(np.isfinite(problem.compute_s), problem.compute_s, np.nan)
-    task_s = np.nanmean(compute, axis=1)
-    off_diagonal = ~np.eye(problem.num_devices, dtype=bool)
-    tensor_s = problem.transfer_s[:, off_diagonal].mean(axis=1) if off_diagonal.any() else np.zeros(problem.num_tensors)
+    task_s, tensor_s = problem.mean_compute_s, problem.mean_transfer_s
     # Columns: x per edge, then s per task, then the makespan w.
     start, makespan = e, e + n
     lp = SparseLinearProgram(

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from moirai.bounds import check_memory_feasible
+from moirai.bounds import check_memory_feasible, memory_error
 from moirai.placers import register
-from moirai.placers._list_scheduling import memory_error
 from moirai.problem import Plan, Problem
+from moirai.report import PlacerReport
 
 
 @register("m_topo")
@@ -50,12 +50,15 @@ def _fill_in_topological_order(problem: Problem, limit_bytes: np.ndarray) -> tup
 
 
 def _fits(problem: Problem, task: int, device: int, used: np.ndarray, limit_bytes: np.ndarray) -> bool:
-    return bool(
-        np.isfinite(problem.compute_s[task, device])
-        and used[device] + problem.memory_bytes[task] <= limit_bytes[device]
-    )
+    return bool(problem.runs_on[task, device] and used[device] + problem.memory_bytes[task] <= limit_bytes[device])
 
 
 def _plan(problem: Problem, placement: np.ndarray, limit: str) -> Plan:
     order = tuple(tuple(t for t in problem.topological_order if placement[t] == d) for d in range(problem.num_devices))
-    return Plan(placement, problem.device_names, order=order, placer="m_topo", info={"memory_limit": limit})
+    return Plan(
+        placement,
+        problem.device_names,
+        order=order,
+        placer="m_topo",
+        report=PlacerReport(notes={"memory_limit": limit}),
+    )

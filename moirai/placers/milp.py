@@ -3,7 +3,7 @@
 1. Every fast heuristic places the problem; the simulator judges them; the best is the start
    plan and its makespan the horizon (a valid big-M and upper bound for the model).
 2. A problem small enough for one model (``FULL_MODEL_MAX_TASKS``, measured with
-   ``bench/milp_ablation.py``) is solved whole by :mod:`moirai.solve.milp`, warm-started from
+   ``bench/milp_ablation.py``) is solved whole by :mod:`moirai.solve.model`, warm-started from
    the best plan, with whatever time the budget has left after the heuristics and the build.
 3. A larger one first gets a better start: HEFT re-run with a lookahead (how long the best plan
    so far runs on after each task, on each device) while the simulator confirms a shorter makespan
@@ -14,11 +14,12 @@
 
 The budget is an upper limit, not a target: the search returns as soon as the makespan is within
 ``mip_gap`` of the proven lower bound, or (window search) when no critical window improves the
-plan any more. ``info["stop_reason"]`` says which: "gap closed", "no improving window", "time limit".
+plan any more. ``report.stop_reason`` (:class:`moirai.report.StopReason`) says which.
 
 The returned plan carries the placement, every device's order and every link's transfer
 order, so the simulator replays the schedule found; ``lower_bound_s`` is the best proven bound
-(the solver's, or :func:`moirai.bounds.lower_bound`), ``info`` says what ran and how it ended.
+(the solver's, or the objective's own bound), ``report`` (a :class:`moirai.report.SolverReport`) says what
+ran and how it ended. Every comparison of plans is the ``objective``'s (:mod:`moirai.objective`).
 A solver that fails or cannot take the model (Gurobi's size-limited licence) leaves a warning
 and the best plan found so far, never a traceback.
 """
@@ -35,32 +36,19 @@ from typing import Any
 
 import numpy as np
 
-from moirai.bounds import check_memory_feasible, format_bytes, lower_bound
+from moirai.bounds import check_memory_feasible, format_bytes
 from moirai.errors import InfeasibleError, MoiraiError
-from moirai.placers import get_placer, placers, register
+from moirai.objective import LATENCY, Objective
+from moirai.placers import get_placer, list_placers, register
 from moirai.problem import Plan, Problem
+from moirai.report import BoundSource, SolverReport, StopReason
 from moirai.simulate import Timeline, simulate
-from moirai.solve.milp import (
-    FORMULATIONS,
-    SOLVERS,
-    MilpSolution,
-    SolverSettings,
-    build_model,
-    plan_from_times,
-    progress_text,
-    relabel_identical_devices,
-    solve_model,
-    whole_problem,
-)
-from moirai.solve.search import (
-    DEFAULT_WINDOW_TASKS,
-    STOP_GAP_CLOSED,
-    STOP_NO_IMPROVING_WINDOW,
-    STOP_TIME_LIMIT,
-    gap_closed,
-    improve_by_windows,
-)
+from moirai.solve.model import FORMULATIONS, build_model
+from moirai.solve.search import DEFAULT_WINDOW_TASKS, gap_closed, improve_by_windows
+from moirai.solve.solver import SOLVERS, MilpSolution, SolverSettings, progress_text, solve_model
 from moirai.solve.start_plans import improve_start_plan
+from moirai.solve.warm_start import plan_from_times, relabel_identical_devices
+from moirai.solve.window import whole_problem
 
 # Heuristics tried for the start plan, most promising first; absent ones are skipped. The numbers
 # are seconds per (1,000 tasks)^1.4 measured on this machine (2 cores, 2026-11): a heuristic whose
@@ -102,6 +90,7 @@ def place_milp(
     strategy: str = "auto",
     window_tasks: int = DEFAULT_WINDOW_TASKS,
     progress: bool | None = None,
+    objective: Objective = LATENCY,
 ) -> Plan:
     """Place and schedule ``problem`` with the MILP within ``time_limit_s`` seconds of wall time.
 
@@ -110,7 +99,8 @@ def place_milp(
     solver threads (solver default if None). ``formulation``: ``"strong"`` or the paper's literal
     ``"paper"``. ``strategy``: ``"auto"`` (whole model up to ``FULL_MODEL_MAX_TASKS`` tasks, window
     search beyond), ``"full"`` or ``"windows"``. ``window_tasks``: tasks freed per window.
-    ``progress``: a rich status line on stderr (default: when stderr is a terminal).
+    ``progress``: a rich status line on stderr (default: when stderr is a terminal). ``objective``: what
+    the plan minimises (:func:`moirai.place` passes it).
     """
     deadline = time.perf_counter() + time_limit_s
     if solver not in SOLVERS:
@@ -125,14 +115,15 @@ def place_milp(
     with status if status is not None else nullcontext():
         report = status.update if status is not None else (lambda _: None)
         settings = SolverSettings(solver, time_limit_s, mip_gap, threads, report if show else None)
-        start_plan, timeline, heuristic_makespans = _best_heuristic(problem, deadline, report)
+        start_plan, timeline, heuristics = _best_heuristic(problem, deadline, report, objective)
         finish_by = deadline - _finishing_time(problem)
-        bound_s = lower_bound(problem)
+        bound_s = objective.lower_bound_s(problem)
         whole = strategy == "full" or (strategy == "auto" and problem.num_tasks <= FULL_MODEL_MAX_TASKS)
-        if whole and timeline is not None and gap_closed(timeline.makespan_s, bound_s, mip_gap):
-            plan, info = start_plan, {"strategy": "full", "stop_reason": STOP_GAP_CLOSED}
+        info = SolverReport(solver=solver, formulation=formulation, heuristics=heuristics)
+        if whole and timeline is not None and gap_closed(objective.value_s(timeline), bound_s, mip_gap):
+            plan, info.strategy, info.stop_reason = start_plan, "full", StopReason.GAP_CLOSED
         elif whole:
-            plan, timeline, info = _solve_whole(problem, start_plan, timeline, settings, formulation, finish_by)
+            plan, timeline = _solve_whole(problem, start_plan, timeline, settings, finish_by, info, objective)
         elif start_plan is None:
             raise InfeasibleError(
                 "no heuristic found a placement that fits memory and the graph is too large for one MILP "
@@ -140,17 +131,20 @@ def place_milp(
                 f"{format_bytes(float(problem.memory_capacity_bytes.sum()))}); add memory or devices"
             )
         else:
-            plan, timeline, info = _search_large(
-                problem, start_plan, timeline, finish_by, settings, window_tasks, report, bound_s
+            plan, timeline = _search_large(
+                problem, start_plan, timeline, finish_by, settings, window_tasks, report, bound_s, info, objective
             )
     if not timeline.fits_memory:
         # The model and the search enforce memory; this guards the promise, never a silent overflow.
         warnings.warn("the MILP search produced a plan over memory; using the best heuristic plan", stacklevel=2)
-        plan, timeline, info = _fallback(problem, start_plan, start_plan and simulate(problem, start_plan), info)
+        plan, timeline = _fallback(problem, start_plan, start_plan and simulate(problem, start_plan))
     final = _with_transfer_order(problem, plan, timeline)
     final.placer = "milp"
-    final.lower_bound_s = max(bound_s, info.get("solver_bound_s") or 0.0)
-    final.info = {**info, "heuristics": heuristic_makespans, "solver": solver, "formulation": formulation}
+    final.lower_bound_s = bound_s
+    if info.solver_bound_s is not None and info.solver_bound_s > bound_s:
+        final.lower_bound_s, info.bound_source = info.solver_bound_s, BoundSource.SOLVER
+    info.time_limit_s, info.elapsed_s = time_limit_s, time.perf_counter() - (deadline - time_limit_s)
+    final.report = info
     return final
 
 
@@ -163,14 +157,14 @@ def _status() -> Any:
 
 
 def _best_heuristic(
-    problem: Problem, deadline: float, report: Any
+    problem: Problem, deadline: float, report: Any, objective: Objective
 ) -> tuple[Plan | None, Timeline | None, dict[str, float]]:
-    """The memory-feasible heuristic plan with the shortest simulated makespan, and every makespan."""
-    available = set(placers())
+    """The acceptable heuristic plan (memory first) best by ``objective``, and every heuristic's objective value."""
+    available = set(list_placers())
     started = time.perf_counter()
     budget = (deadline - started) * _HEURISTIC_SHARE
     best: tuple[Plan, Timeline] | None = None
-    makespans: dict[str, float] = {}
+    values: dict[str, float] = {}
     for name, cost in WARM_START_PLACERS.items():
         predicted = cost * (problem.num_tasks / 1000) ** 1.4 + _SIMULATE_S_PER_TASK * problem.num_tasks
         if name not in available or (best is not None and time.perf_counter() - started + predicted > budget):
@@ -184,14 +178,14 @@ def _best_heuristic(
         except Exception as error:  # noqa: BLE001 - one broken heuristic must not stop the MILP
             warnings.warn(f"heuristic {name!r} failed ({type(error).__name__}: {error}); skipping it", stacklevel=3)
             continue
-        if not timeline.fits_memory:
+        if not objective.acceptable(timeline):
             continue
-        makespans[name] = timeline.makespan_s
-        if best is None or timeline.makespan_s < best[1].makespan_s:
+        values[name] = objective.value_s(timeline)
+        if best is None or objective.improves(timeline, best[1]):
             best = (plan, timeline)
     if best is None:
-        return None, None, makespans
-    return best[0], best[1], makespans
+        return None, None, values
+    return best[0], best[1], values
 
 
 def _search_large(
@@ -203,7 +197,9 @@ def _search_large(
     window_tasks: int,
     report: Any,
     bound_s: float,
-) -> tuple[Plan, Timeline, dict[str, Any]]:
+    info: SolverReport,
+    objective: Objective,
+) -> tuple[Plan, Timeline]:
     """Lookahead rounds from the best heuristic plan, then the window search from their result and from the
     heuristic plan, sharing the time: each search not yet at a local optimum gets an equal share of what is
     left, and a search that stops early leaves its time to the others. The shortest plan found wins.
@@ -214,47 +210,43 @@ def _search_large(
     """
     report("start plan: HEFT with lookahead")
     lookahead_by = time.perf_counter() + _LOOKAHEAD_SHARE * (deadline - time.perf_counter())
-    lookahead = improve_start_plan(problem, start_plan, timeline, lookahead_by)
+    lookahead = improve_start_plan(problem, start_plan, timeline, lookahead_by, objective)
     pending = [(lookahead.plan, lookahead.timeline)]  # searches not at a local optimum yet
     if lookahead.plan is not start_plan:
         pending.append((start_plan, timeline))
-    info: dict[str, Any] = {
-        "strategy": "windows",
-        "lookahead": {
-            "rounds": lookahead.rounds,
-            "improved": lookahead.improved,
-            "makespan_s": lookahead.timeline.makespan_s,
-        },
-        "window_tasks": window_tasks,
-        "window_starts": len(pending),
-        "windows_tried": 0,
-        "windows_improved": 0,
-        "windows_unproven": 0,
-        "history": [(0.0, lookahead.timeline.makespan_s)],  # (seconds, makespan) of the search that won
-    }
+    info.strategy = "windows"
+    info.lookahead_rounds, info.lookahead_improved = lookahead.rounds, lookahead.improved
+    info.lookahead_objective_s = objective.value_s(lookahead.timeline)
+    info.window_tasks, info.window_starts = window_tasks, len(pending)
+    info.history = [(0.0, info.lookahead_objective_s)]
     best: tuple[Plan, Timeline] | None = None  # the first search's result (never worse than its start), or shorter
     gap_is_closed = False
     while pending and not gap_is_closed and deadline - time.perf_counter() > _MIN_SEARCH_S:
         plan, start_timeline = pending.pop(0)
         until = time.perf_counter() + (deadline - time.perf_counter()) / (len(pending) + 1)
         report("window search")
-        search = improve_by_windows(problem, plan, start_timeline, until, settings, window_tasks, report, bound_s)
-        for count in ("windows_tried", "windows_improved", "windows_unproven"):
-            info[count] += getattr(search, count)
-        if best is None or search.timeline.makespan_s < best[1].makespan_s:
+        search = improve_by_windows(
+            problem, plan, start_timeline, until, settings, window_tasks, report, bound_s, objective
+        )
+        info.windows_tried += search.windows_tried
+        info.windows_improved += search.windows_improved
+        info.windows_unproven += search.windows_unproven
+        if best is None or objective.improves(search.timeline, best[1]):
             best = (search.plan, search.timeline)
-            info["history"] = search.history
-        gap_is_closed = search.stop_reason == STOP_GAP_CLOSED
-        if search.stop_reason == STOP_TIME_LIMIT:
+            info.history = search.history
+        gap_is_closed = search.stop_reason == StopReason.GAP_CLOSED
+        if search.stop_reason == StopReason.TIME_LIMIT:
             pending.append((search.plan, search.timeline))
     if best is None:
         best = (lookahead.plan, lookahead.timeline)
-    info["stop_reason"] = STOP_GAP_CLOSED if gap_is_closed else STOP_TIME_LIMIT if pending else STOP_NO_IMPROVING_WINDOW
-    report(
-        f"{progress_text('window search', best[1].makespan_s, bound_s)}; "
-        f"{info['windows_tried']} windows from {info['window_starts']} start plan(s)"
+    info.stop_reason = (
+        StopReason.GAP_CLOSED if gap_is_closed else StopReason.TIME_LIMIT if pending else StopReason.NO_IMPROVING_WINDOW
     )
-    return best[0], best[1], info
+    report(
+        f"{progress_text('window search', objective.value_s(best[1]), bound_s)}; "
+        f"{info.windows_tried} windows from {info.window_starts} start plan(s)"
+    )
+    return best[0], best[1]
 
 
 def _solve_whole(
@@ -262,60 +254,52 @@ def _solve_whole(
     start_plan: Plan | None,
     timeline: Timeline | None,
     settings: SolverSettings,
-    formulation: str,
     deadline: float,
-) -> tuple[Plan, Timeline, dict[str, Any]]:
+    info: SolverReport,
+    objective: Objective,
+) -> tuple[Plan, Timeline]:
     """The full MILP, warm-started from ``start_plan``; falls back to it if the solver finds nothing better."""
-    if start_plan is not None and formulation == "strong":
+    if start_plan is not None and info.formulation == "strong":
         start_plan, timeline = _relabeled(problem, start_plan)
-    horizon = timeline.makespan_s if timeline is not None else _serial_upper_bound(problem)
-    built = build_model(problem, whole_problem(problem, horizon), formulation)
+    horizon = objective.value_s(timeline) if timeline is not None else _serial_upper_bound(problem)
+    built = build_model(problem, whole_problem(problem, horizon), info.formulation, objective)
     remaining = deadline - time.perf_counter() - _SAFETY_S
-    info: dict[str, Any] = {
-        "strategy": "full",
-        "binaries": built.size.binaries,
-        "constraints": built.size.constraints,
-        "build_s": built.size.build_s,
-    }
+    info.strategy = "full"
+    info.binaries, info.constraints, info.build_s = built.size.binaries, built.size.constraints, built.size.build_s
     if remaining <= 0.05:
         warnings.warn("the time budget ran out building the MILP; returning the best heuristic plan", stacklevel=3)
-        return _fallback(problem, start_plan, timeline, {**info, "stop_reason": STOP_TIME_LIMIT})
+        info.stop_reason = StopReason.TIME_LIMIT
+        return _fallback(problem, start_plan, timeline)
     settings = replace(settings, time_limit_s=remaining)
     solution = solve_model(built, settings, timeline)
-    info.update(
-        stop_reason=_stop_reason(solution),
-        solver_status=solution.status,
-        solver_used=solution.solver,
-        solver_objective_s=solution.objective_s,
-        solver_bound_s=solution.bound_s,
-        solve_s=solution.solve_s,
-        solver_log_tail=solution.log_tail[-8:],
-    )
+    info.stop_reason = _stop_reason(solution)
+    info.solver_status = solution.status
+    info.solver = solution.solver
+    info.solver_objective_s, info.solver_bound_s = solution.objective_s, solution.bound_s
+    info.solve_s, info.solver_log_tail = solution.solve_s, solution.log_tail[-8:]
     if not solution.has_solution:
         if solution.status.startswith(("error", "unavailable")):
             warnings.warn(f"the MILP solver failed ({solution.status}); using the best heuristic plan", stacklevel=3)
-        return _fallback(problem, start_plan, timeline, info)
+        return _fallback(problem, start_plan, timeline)
     placement = np.array([solution.placement[i] for i in range(problem.num_tasks)])
     start = np.array([solution.start_s[i] for i in range(problem.num_tasks)])
     plan = plan_from_times(problem, placement, start, solution.transfer_start_s, "milp")
     solved = simulate(problem, plan)
-    if timeline is not None and solved.makespan_s > timeline.makespan_s:
-        return start_plan, timeline, info
-    return plan, solved, info
+    if timeline is not None and objective.value_s(solved) > objective.value_s(timeline):
+        return start_plan, timeline
+    return plan, solved
 
 
-def _stop_reason(solution: MilpSolution) -> str:
-    """Why the whole-model solve ended, in the words the window search uses where they apply."""
+def _stop_reason(solution: MilpSolution) -> StopReason:
+    """Why the whole-model solve ended, in the terms the window search uses where they apply."""
     if solution.optimal:
-        return STOP_GAP_CLOSED  # the solver proved the gap at most ``mip_gap``
+        return StopReason.GAP_CLOSED  # the solver proved the gap at most ``mip_gap``
     if "timelimit" in solution.status.lower().replace(" ", ""):  # HiGHS: "Time limit reached"; Gurobi: maxTimeLimit
-        return STOP_TIME_LIMIT
-    return f"solver: {solution.status}"
+        return StopReason.TIME_LIMIT
+    return StopReason.SOLVER_STATUS
 
 
-def _fallback(
-    problem: Problem, start_plan: Plan | None, timeline: Timeline | None, info: dict[str, Any]
-) -> tuple[Plan, Timeline, dict[str, Any]]:
+def _fallback(problem: Problem, start_plan: Plan | None, timeline: Timeline | None) -> tuple[Plan, Timeline]:
     if start_plan is None:
         raise InfeasibleError(
             "neither the heuristics nor the MILP found a placement that fits memory "
@@ -323,7 +307,7 @@ def _fallback(
             f"{format_bytes(float(problem.memory_capacity_bytes.sum()))} over {problem.num_devices} devices); "
             "add memory or devices, or give the MILP more time"
         )
-    return start_plan, timeline, info
+    return start_plan, timeline
 
 
 def _relabeled(problem: Problem, plan: Plan) -> tuple[Plan, Timeline]:

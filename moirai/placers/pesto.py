@@ -56,6 +56,7 @@ from moirai.highs import run_highs
 from moirai.placers import register
 from moirai.placers.m_etf import m_etf_schedule
 from moirai.problem import Plan, Problem
+from moirai.report import SolverReport
 from moirai.schedule import ScheduleBuilder, transfer_duration_s
 
 
@@ -69,25 +70,25 @@ def place_pesto(problem: Problem, target_tasks: int = 200, time_limit_s: float =
     # m-ETF's schedule of the coarse graph is feasible for the ILP: its makespan bounds the optimum (big-M).
     heuristic = m_etf_schedule(coarse)
     solution = solve_pesto_ilp(coarse, heuristic, deadline)
-    info: dict[str, object] = {"coarse_tasks": coarse.num_tasks, "time_limit_s": time_limit_s}
+    report = SolverReport(solver="highs", notes={"coarse_tasks": coarse.num_tasks, "time_limit_s": time_limit_s})
     if solution is None:
         group_device, group_start = heuristic.placement, heuristic.start_s
-        info["solution"] = "m_etf warm start (the solver returned no incumbent)"
+        report.solver_status = "m_etf warm start (the solver returned no incumbent)"
     else:
-        group_device, group_start, info["solution"] = solution
+        group_device, group_start, report.solver_status = solution
     placement = np.empty(problem.num_tasks, int)
     group_of = np.empty(problem.num_tasks, int)
     for g, members in enumerate(groups):
         placement[members] = group_device[g]
         group_of[members] = g
-    rank = {task: position for position, task in enumerate(problem.topological_order)}
+    rank = problem.topological_position
     order = nx.lexicographical_topological_sort(
         problem.graph, key=lambda task: (group_start[group_of[task]], group_of[task], rank[task])
     )
     per_device: list[list[int]] = [[] for _ in range(problem.num_devices)]
     for task in order:
         per_device[placement[task]].append(task)
-    return Plan(placement, problem.device_names, order=tuple(map(tuple, per_device)), placer="pesto", info=info)
+    return Plan(placement, problem.device_names, order=tuple(map(tuple, per_device)), placer="pesto", report=report)
 
 
 # --- coarsening (§3.3) -------------------------------------------------------------
@@ -107,7 +108,7 @@ def coarsen(problem: Problem, target_tasks: int) -> list[list[int]]:
         for u, v in merged:
             relabel[v] = u
         group_of = relabel[group_of]
-    rank = {task: position for position, task in enumerate(problem.topological_order)}
+    rank = problem.topological_position
     members: dict[int, list[int]] = {}
     for task in sorted(range(problem.num_tasks), key=rank.__getitem__):
         members.setdefault(int(group_of[task]), []).append(task)
@@ -265,9 +266,9 @@ def build_pesto_ilp(problem: Problem, horizon_s: float) -> PestoIlp:
         for e, (u, v) in enumerate(edges)
         for a, b in links
     }
-    runnable = np.isfinite(problem.compute_s) & (problem.memory_bytes[:, None] <= problem.memory_capacity_bytes)
+    runnable = problem.fits
     compute = np.where(runnable, problem.compute_s, 0.0) / horizon
-    reach = _reachability(problem)
+    reach = problem.reachable()
     task_pairs = [(i, j) for i, j in itertools.combinations(range(n), 2) if not (reach[i, j] or reach[j, i])]
     transfer_pairs = [
         (q, r)
@@ -361,13 +362,3 @@ def _warm_start_values(problem: Problem, ilp: PestoIlp, schedule: ScheduleBuilde
         values[m.same_link[q, r]] = float(link[q] is not None and link[q] == link[r])
         values[m.transfer_first[q, r]] = float(send[q] <= send[r])
     return values
-
-
-def _reachability(problem: Problem) -> np.ndarray:
-    """``reach[i, j]``: a path leads from task ``i`` to task ``j``."""
-    reach = np.zeros((problem.num_tasks, problem.num_tasks), bool)
-    for task in reversed(problem.topological_order):
-        for successor in problem.successors[task]:
-            reach[task, successor] = True
-            reach[task] |= reach[successor]
-    return reach

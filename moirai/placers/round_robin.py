@@ -1,8 +1,9 @@
 """``round_robin``: contiguous chunks of the topological order, one per device.
 
-Chunks are sized by device speed (a faster device gets proportionally more work), the
-hand split people write for pipeline stages. Every device gets at least one task when
-there are enough tasks, so tests use it to force real splits.
+Chunks are sized by device speed (:attr:`moirai.problem.Problem.device_speed`: a faster device gets
+proportionally more work), the hand split people write for pipeline stages. Every device gets at least
+one task when there are enough tasks, so tests use it to force real splits. Memory is ignored: a plan
+may exceed a device's capacity (the simulator's ``fits_memory`` says so).
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from moirai.problem import Plan, Problem
 def place_round_robin(problem: Problem) -> Plan:
     order = list(problem.topological_order)
     k = problem.num_devices
-    finite = np.where(np.isfinite(problem.compute_s), problem.compute_s, np.nan)
-    speed = 1.0 / np.maximum(np.nansum(finite, axis=0), 1e-30)
-    work_share = speed / speed.sum()
+    work_share = problem.device_speed
     cuts = np.round(np.cumsum(work_share)[:-1] * len(order)).astype(int)
     if len(order) >= k:
         # Every chunk non-empty: cut d lies in [d + 1, n - (k - 1 - d)] and cuts strictly increase.

@@ -10,16 +10,6 @@ from moirai.placers import register
 from moirai.problem import Plan, Problem
 
 
-def device_speed(problem: Problem) -> np.ndarray:
-    """Relative speed of every device (sums to 1): inverse of its time on the tasks every device can run."""
-    runs_everywhere = np.isfinite(problem.compute_s).all(axis=1)
-    total = problem.compute_s[runs_everywhere].sum(axis=0)
-    if not runs_everywhere.any() or np.any(total <= 0):
-        return np.full(problem.num_devices, 1.0 / problem.num_devices)
-    speed = 1.0 / total
-    return speed / speed.sum()
-
-
 @register("single")
 def place_single(problem: Problem) -> Plan:
     """Every task on the device with the least total compute time among those that hold the whole model."""

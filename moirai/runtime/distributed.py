@@ -59,6 +59,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from moirai import device_kinds
+from moirai.device_kinds import kind_of
 from moirai.devices import Device
 from moirai.errors import DistributedError, InputError, PlanError
 from moirai.runtime.local import check_inputs, place_part
@@ -95,10 +97,7 @@ def run_distributed(
 
 def backend_for(torch_devices: Sequence[str]) -> str:
     """The process-group backend for a world with these devices (see the module docstring)."""
-    kinds = {torch.device(d).type for d in torch_devices}
-    if kinds == {"cuda"}:
-        return "nccl"
-    return "cpu:gloo,cuda:nccl" if "cuda" in kinds else "gloo"
+    return device_kinds.backend_for(torch_devices)
 
 
 def check_timeout(timeout_s: float) -> float:
@@ -116,8 +115,7 @@ def init_rank(
     Headers are host tensors, so a world of GPUs only still gets gloo for host memory.
     """
     device = torch.device(torch_devices[rank])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    kind_of(device).set_current(device)
     backend = backend_for(torch_devices)
     dist.init_process_group(
         "cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
@@ -403,10 +401,11 @@ class _Group:
     def wire_device(self, peer: int) -> torch.device:
         """Where a message to or from ``peer`` lives: device memory between CUDA ranks (NCCL), else host (gloo)."""
         mine = self.devices[self.rank]
-        return mine if mine.type == "cuda" and self.devices[peer].type == "cuda" else torch.device("cpu")
+        in_device_memory = kind_of(mine).messages_in_device_memory and self.devices[peer].type == mine.type
+        return mine if in_device_memory else torch.device("cpu")
 
     def process_group(self, wire: torch.device) -> Any:
-        return self.nccl if wire.type == "cuda" else self.gloo
+        return self.nccl if kind_of(wire).messages_in_device_memory else self.gloo
 
 
 def _local_group(rank: int, torch_devices: Sequence[str], store: Any, timeout_s: float) -> _Group:
@@ -420,8 +419,7 @@ def _local_group(rank: int, torch_devices: Sequence[str], store: Any, timeout_s:
     nccl = None
     if "nccl" in backend_for(torch_devices):
         device = torch.device(torch_devices[rank])
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        kind_of(device).set_current(device)
         nccl = dist.ProcessGroupNCCL(dist.PrefixStore("moirai/nccl/", store), rank, world_size)
     return _Group(rank, [torch.device(d) for d in torch_devices], gloo, nccl, store)
 
@@ -514,7 +512,7 @@ class _Messages:
     def _wait(self, work: Any, what: str, wire: torch.device, peer: int) -> None:
         try:
             # NCCL waits are asynchronous (the compute stream waits); the process group's timeout bounds them.
-            if wire.type == "cuda":
+            if kind_of(wire).messages_in_device_memory:
                 work.wait()
             else:
                 work.wait(self.timeout)

@@ -37,44 +37,35 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from moirai.errors import PlanError
+from moirai.objective import LATENCY, Objective
 from moirai.problem import Plan, Problem
+from moirai.report import StopReason
 from moirai.simulate import Timeline, simulate
-from moirai.solve.milp import (
-    MilpModel,
-    MilpSolution,
-    SolverSettings,
-    Window,
-    build_model,
-    plan_from_times,
-    progress_text,
-    solve_model,
-)
+from moirai.solve.model import MilpModel, build_model
+from moirai.solve.solver import MilpSolution, SolverSettings, progress_text, solve_model
+from moirai.solve.warm_start import plan_from_times
+from moirai.solve.window import Window
 
 DEFAULT_WINDOW_TASKS = 8
 _WINDOW_TIME_LIMIT_S = 1.0
 _IMPROVEMENT = 1e-9  # relative makespan gain that counts as progress
 _MAX_BATCH = 16
 
-# Why a search stopped (SearchResult.stop_reason).
-STOP_GAP_CLOSED = "gap closed"
-STOP_NO_IMPROVING_WINDOW = "no improving window"
-STOP_TIME_LIMIT = "time limit"
-
 
 @dataclass
 class SearchResult:
     plan: Plan
     timeline: Timeline
-    stop_reason: str = STOP_TIME_LIMIT
+    stop_reason: StopReason = StopReason.TIME_LIMIT
     windows_tried: int = 0
     windows_improved: int = 0
     windows_unproven: int = 0  # solves stopped by their time limit before finding or ruling out a gain
-    history: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, makespan)
+    history: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, objective)
 
 
-def gap_closed(makespan_s: float, lower_bound_s: float, mip_gap: float) -> bool:
-    """The makespan is within the relative gap ``mip_gap`` of a proven lower bound: nothing worth finding is left."""
-    return makespan_s - lower_bound_s <= mip_gap * makespan_s
+def gap_closed(value_s: float, lower_bound_s: float, mip_gap: float) -> bool:
+    """The objective is within the relative gap ``mip_gap`` of a proven lower bound: nothing worth finding is left."""
+    return value_s - lower_bound_s <= mip_gap * value_s
 
 
 def improve_by_windows(
@@ -86,28 +77,30 @@ def improve_by_windows(
     window_tasks: int = DEFAULT_WINDOW_TASKS,
     report: Callable[[str], None] | None = None,
     lower_bound_s: float = 0.0,
+    objective: Objective = LATENCY,
 ) -> SearchResult:
     """Improve ``plan`` (whose simulation is ``timeline``) until ``deadline`` (a ``time.perf_counter`` value).
 
-    Stops earlier when the makespan is within ``settings.mip_gap`` of ``lower_bound_s`` (a proven
-    bound), or when every critical window of the schedule has been tried since the last
-    improvement without one being kept: the plan is then a local optimum of this neighbourhood
+    Windows are chosen on the critical path and re-solved for their finish-plus-tail; a merged plan is kept
+    when ``objective`` says it improves. Stops earlier when the objective is within ``settings.mip_gap`` of
+    ``lower_bound_s`` (a proven bound on it), or when every critical window of the schedule has been tried
+    since the last improvement without one being kept: the plan is then a local optimum of this neighbourhood
     (up to windows whose solve ran out of time, counted in ``windows_unproven``).
     """
     started = time.perf_counter()
-    result = SearchResult(plan, timeline, history=[(0.0, timeline.makespan_s)])
+    result = SearchResult(plan, timeline, history=[(0.0, objective.value_s(timeline))])
     window_tasks = max(2, min(window_tasks, problem.num_tasks))
     cursor = 0.0  # fraction of the makespan from which the next batch takes its windows
     judge_s, window_s, build_s = 0.0, 0.1, 0.0
     schedule = _ScheduleIndex(problem, timeline, window_tasks)
     tried: set[int] = set()  # windows (by first position) solved against the current schedule
     while True:
-        if gap_closed(result.timeline.makespan_s, lower_bound_s, settings.mip_gap):
-            result.stop_reason = STOP_GAP_CLOSED
+        if gap_closed(objective.value_s(result.timeline), lower_bound_s, settings.mip_gap):
+            result.stop_reason = StopReason.GAP_CLOSED
             break
         untried = [first for first in schedule.critical_windows if first not in tried]
         if not untried:
-            result.stop_reason = STOP_NO_IMPROVING_WINDOW
+            result.stop_reason = StopReason.NO_IMPROVING_WINDOW
             break
         batch_size = int(np.clip(np.ceil(judge_s / window_s), 1, _MAX_BATCH))
         batch, cursor = schedule.spread_windows(untried, cursor, batch_size)
@@ -132,10 +125,12 @@ def improve_by_windows(
             break  # out of time
         if improved:
             judge_started = time.perf_counter()
-            kept, simulations = _keep_confirmed(problem, result, improved, plan.placer, deadline - 0.1 - judge_s)
+            kept, simulations = _keep_confirmed(
+                problem, result, improved, plan.placer, deadline - 0.1 - judge_s, objective
+            )
             judge_s = (time.perf_counter() - judge_started) / simulations
             if kept:
-                result.history.append((time.perf_counter() - started, result.timeline.makespan_s))
+                result.history.append((time.perf_counter() - started, objective.value_s(result.timeline)))
                 schedule = _ScheduleIndex(problem, result.timeline, window_tasks)
                 tried.clear()
         if report is not None:
@@ -152,9 +147,10 @@ def _keep_confirmed(
     improved: list[tuple[float, MilpModel, MilpSolution]],
     placer: str,
     deadline: float,
+    objective: Objective,
 ) -> tuple[bool, int]:
     """Put into ``result`` the first of (all improving windows merged, then each alone, largest gain first)
-    whose simulation fits memory and shortens the makespan. Returns whether one was kept and how many were simulated.
+    that ``objective`` says improves the plan. Returns whether one was kept and how many were simulated.
     """
     alone = [[window] for window in sorted(improved, key=lambda w: w[0], reverse=True)]
     attempts = alone if len(improved) == 1 else [improved, *alone]
@@ -167,9 +163,7 @@ def _keep_confirmed(
             candidate = replace(candidate, transfer_order=None)
             candidate_timeline = simulate(problem, candidate)
         # Each window respects memory against the current plan; windows merged together may not.
-        if candidate_timeline.fits_memory and candidate_timeline.makespan_s < result.timeline.makespan_s * (
-            1 - _IMPROVEMENT
-        ):
+        if objective.improves(candidate_timeline, result.timeline, _IMPROVEMENT):
             result.plan, result.timeline = candidate, candidate_timeline
             result.windows_improved += len(attempt)
             return True, count
@@ -214,10 +208,8 @@ class _ScheduleIndex:
         self.problem = problem
         self.timeline = timeline
         self.window_tasks = window_tasks
-        topo_position = np.empty(problem.num_tasks, int)
-        topo_position[list(problem.topological_order)] = np.arange(problem.num_tasks)
         # Start order (ties: finish, then topological position), so it is a topological order.
-        self.by_start = np.lexsort((topo_position, timeline.task_finish, timeline.task_start))
+        self.by_start = np.lexsort((problem.topological_position, timeline.task_finish, timeline.task_start))
         self.position = np.empty(problem.num_tasks, int)
         self.position[self.by_start] = np.arange(problem.num_tasks)
         self.latest_start = latest_starts(problem, timeline)

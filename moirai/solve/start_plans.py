@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moirai.errors import InfeasibleError
-from moirai.placers.heft import heft_schedule, upward_rank_mean_costs
+from moirai.objective import LATENCY, Objective
 from moirai.problem import Plan, Problem
+from moirai.schedule.heft import heft_schedule, upward_rank_mean_costs
 from moirai.simulate import Timeline, simulate, upward_rank
 from moirai.solve.search import latest_starts
 
@@ -82,15 +83,17 @@ class StartPlanResult:
     timeline: Timeline
     rounds: int = 0
     improved: int = 0
-    history: list[float] = field(default_factory=list)  # makespan of every round's schedule
+    history: list[float] = field(default_factory=list)  # objective of every round's schedule
 
 
-def improve_start_plan(problem: Problem, plan: Plan, timeline: Timeline, deadline: float) -> StartPlanResult:
+def improve_start_plan(
+    problem: Problem, plan: Plan, timeline: Timeline, deadline: float, objective: Objective = LATENCY
+) -> StartPlanResult:
     """Lookahead rounds from ``plan`` (simulated as ``timeline``), cycling through :data:`TAIL_WEIGHTS`, each
     from the best plan so far, with :func:`placement_tail` until a whole cycle improves nothing, then with
     :func:`schedule_tail`, and so on, until neither improves the plan or the next round would end after
-    ``deadline`` (a ``time.perf_counter`` value). Returns the best plan that fits memory (``plan`` if none is
-    shorter), as the simulator judges them.
+    ``deadline`` (a ``time.perf_counter`` value). Returns the best acceptable plan (``plan`` if none is
+    better), as ``objective`` judges the simulated plans.
     """
     result = StartPlanResult(plan, timeline)
     if problem.num_devices < 2 or problem.num_tasks == 0:
@@ -109,8 +112,8 @@ def improve_start_plan(problem: Problem, plan: Plan, timeline: Timeline, deadlin
             candidate = None
         if candidate is not None:
             candidate_timeline = simulate(problem, candidate)
-            result.history.append(candidate_timeline.makespan_s)
-            if candidate_timeline.fits_memory and candidate_timeline.makespan_s < result.timeline.makespan_s:
+            result.history.append(objective.value_s(candidate_timeline))
+            if objective.improves(candidate_timeline, result.timeline):
                 result.plan, result.timeline = candidate, candidate_timeline
                 result.improved += 1
                 since_improvement, stalled_kinds = 0, 0

@@ -31,84 +31,40 @@ tails (how long the plan runs on after each free task finishes, per device). The
 neighbourhood search in :mod:`moirai.solve.search` solves windows.
 
 Times inside the model are in units of ``horizon / 1000`` so the solver sees numbers near 1.
+
+The model is built by equation group (assignment and memory, precedence, objective rows, transfers,
+device order, link order, cuts); :mod:`moirai.solve.window` supplies the bounds that tighten it.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import time
-import warnings
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-import networkx as nx
 import numpy as np
 import pyomo.environ as pyo
-from pyomo.common.collections import ComponentMap
-from pyomo.contrib.solver.common.results import SolutionStatus, TerminationCondition
 
-from moirai.highs import SolverOutcome, run_highs
-from moirai.problem import Plan, Problem
-from moirai.simulate import Timeline
+from moirai.errors import MoiraiError
+from moirai.objective import LATENCY, Objective
+from moirai.problem import Problem
+from moirai.solve.window import (
+    Window,
+    allowed_devices,
+    descendant_sets,
+    device_heads_and_tails,
+    devices_in_time,
+    identical_device_groups,
+    time_windows,
+)
 
 FORMULATIONS = ("strong", "paper")
-SOLVERS = ("highs", "gurobi")
-_MODEL_TIME_SCALE = 1000.0  # the horizon, in model time units
-_PAPER_BIG_M = 100.0 * _MODEL_TIME_SCALE
-_ORDER_TOLERANCE = 1e-5  # model time units; below solver noise times are "equal" when ordering
-_LOG_LINES_KEPT = 40
+# Objectives the model has rows for (moirai.objective): "latency" is the makespan T >= every finish plus tail.
+# Another objective adds its variable and rows where build_model writes "objective rows", and its cuts.
+MILP_OBJECTIVES = ("latency",)
+MODEL_TIME_SCALE = 1000.0  # the horizon, in model time units
+_PAPER_BIG_M = 100.0 * MODEL_TIME_SCALE
 _NARROWING_ROUNDS = 4
-
-
-@dataclass(frozen=True)
-class Window:
-    """What a model decides (``free_tasks``) and what it takes as given; see :func:`whole_problem`.
-
-    ``placement``: device of every task (for free tasks, their current device, used as a start).
-    ``fixed_finish_s``: finish of each task scheduled before the window, ``nan`` for the others.
-    ``arrived_s``: ``(tensor, device) -> time`` for transfers already made before the window.
-    ``device_ready_s`` / ``link_ready_s[a, b]``: when each device / directed link is free of them.
-    ``tail_s[f, k]``: time the plan runs on after free task ``free_tasks[f]`` finishes on ``k``.
-    ``horizon_s``: an upper bound on the best objective (the current solution's).
-    ``deadline_s``: a time by which every transfer of the current solution has finished.
-    """
-
-    free_tasks: tuple[int, ...]
-    placement: np.ndarray
-    fixed_finish_s: np.ndarray
-    arrived_s: dict[tuple[int, int], float]
-    device_ready_s: np.ndarray
-    link_ready_s: np.ndarray
-    tail_s: np.ndarray
-    horizon_s: float
-    deadline_s: float
-
-
-def whole_problem(problem: Problem, horizon_s: float) -> Window:
-    """The window that frees every task: the full MILP."""
-    n, k = problem.num_tasks, problem.num_devices
-    return Window(
-        free_tasks=tuple(range(n)),
-        placement=np.zeros(n, int),
-        fixed_finish_s=np.full(n, np.nan),
-        arrived_s={},
-        device_ready_s=np.zeros(k),
-        link_ready_s=np.zeros((k, k)),
-        tail_s=np.zeros((n, k)),
-        horizon_s=horizon_s,
-        deadline_s=horizon_s,
-    )
-
-
-@dataclass(frozen=True)
-class SolverSettings:
-    solver: str = "highs"
-    time_limit_s: float = 60.0
-    mip_gap: float = 1e-4
-    threads: int | None = None
-    report: Callable[[str], None] | None = None  # receives status lines: incumbent, bound and gap in ms
 
 
 @dataclass(frozen=True)
@@ -135,170 +91,26 @@ class MilpModel:
     size: ModelSize | None = None
 
 
-@dataclass
-class MilpSolution:
-    """What a solve returned, in seconds; ``placement``/``start_s`` cover the window's free tasks."""
-
-    status: str
-    solver: str
-    objective_s: float | None
-    bound_s: float | None
-    optimal: bool = False
-    placement: dict[int, int] = field(default_factory=dict)
-    start_s: dict[int, float] = field(default_factory=dict)
-    transfer_start_s: dict[tuple[int, int], float] = field(default_factory=dict)
-    solve_s: float = 0.0
-    log_tail: list[str] = field(default_factory=list)
-
-    @property
-    def has_solution(self) -> bool:
-        return self.objective_s is not None
-
-
-# --- windows, bounds, pairs -----------------------------------------------------------
-
-
-def _allowed_devices(problem: Problem, tasks: Iterable[int]) -> dict[int, tuple[int, ...]]:
-    fits = problem.memory_bytes[:, None] <= problem.memory_capacity_bytes[None, :]
-    ok = np.isfinite(problem.compute_s) & fits
-    return {i: tuple(int(k) for k in np.flatnonzero(ok[i])) for i in tasks}
-
-
-def _time_windows(
-    problem: Problem, window: Window, allowed: dict[int, tuple[int, ...]], free_graph: nx.DiGraph
-) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
-    """Earliest start, latest finish and the shortest possible duration of every free task (seconds)."""
-    fastest = {i: float(min(problem.compute_s[i, k] for k in allowed[i])) for i in window.free_tasks}
-    position = {i: f for f, i in enumerate(window.free_tasks)}
-    earliest: dict[int, float] = {}
-    for i in nx.topological_sort(free_graph):
-        ready = min(float(window.device_ready_s[k]) for k in allowed[i])
-        for u in problem.predecessors[i]:
-            if u in position:
-                ready = max(ready, earliest[u] + fastest[u])
-            elif not math.isnan(window.fixed_finish_s[u]):
-                ready = max(ready, float(window.fixed_finish_s[u]))
-        earliest[i] = ready
-    tail: dict[int, float] = {}
-    for i in reversed(list(nx.topological_sort(free_graph))):
-        after = min(float(window.tail_s[position[i], k]) for k in allowed[i])
-        for j in free_graph.successors(i):
-            after = max(after, fastest[j] + tail[j])
-        tail[i] = after
-    latest_finish = {i: window.horizon_s - tail[i] for i in window.free_tasks}
-    return earliest, latest_finish, fastest
-
-
-def _device_heads_and_tails(
-    problem: Problem, window: Window, allowed: dict[int, tuple[int, ...]], free_graph: nx.DiGraph
-) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
-    """For every free task ``i`` and device ``k`` it may run on (seconds, keyed ``(i, k)``):
-
-    ``head``: the earliest ``i`` can start on ``k``: each input comes from its producer's best device,
-    plus the transfer when that is not ``k`` (links never wait: a lower bound).
-    ``tail``: the least time the plan runs on after ``i`` finishes on ``k``, the same way forwards.
-    """
-    position = {i: f for f, i in enumerate(window.free_tasks)}
-    order = list(nx.topological_sort(free_graph))
-    head: dict[tuple[int, int], float] = {}
-    for i in order:
-        for k in allowed[i]:
-            ready = float(window.device_ready_s[k])
-            for t in problem.input_tensors[i]:
-                u = int(problem.tensor_producer[t])
-                if u in position:
-                    arrival = min(
-                        head[u, a] + problem.compute_s[u, a] + (0.0 if a == k else problem.transfer_s[t, a, k])
-                        for a in allowed[u]
-                    )
-                elif (t, k) in window.arrived_s:
-                    arrival = window.arrived_s[t, k]
-                elif math.isnan(window.fixed_finish_s[u]):
-                    continue
-                else:
-                    a = int(window.placement[u])
-                    arrival = window.fixed_finish_s[u] + (0.0 if a == k else problem.transfer_s[t, a, k])
-                ready = max(ready, float(arrival))
-            head[i, k] = ready
-    tail: dict[tuple[int, int], float] = {}
-    for i in reversed(order):
-        for k in allowed[i]:
-            after = float(window.tail_s[position[i], k])
-            for t in problem.output_tensors[i]:
-                for j in problem.tensor_consumers[t]:
-                    if j in position:
-                        after = max(
-                            after,
-                            min(
-                                (0.0 if b == k else problem.transfer_s[t, k, b]) + problem.compute_s[j, b] + tail[j, b]
-                                for b in allowed[j]
-                            ),
-                        )
-            tail[i, k] = after
-    return head, tail
-
-
-def _devices_in_time(
-    problem: Problem,
-    allowed: dict[int, tuple[int, ...]],
-    head_s: dict[tuple[int, int], float],
-    tail_s: dict[tuple[int, int], float],
-    horizon_s: float,
-) -> dict[int, tuple[int, ...]]:
-    """``allowed`` without the devices on which a task cannot run between its head and tail inside the horizon."""
-    return {
-        i: tuple(k for k in devices if head_s[i, k] + problem.compute_s[i, k] + tail_s[i, k] <= horizon_s * (1 + 1e-9))
-        for i, devices in allowed.items()
-    }
-
-
-def _descendant_sets(graph: nx.DiGraph) -> dict[int, set[int]]:
-    return {i: nx.descendants(graph, i) for i in graph.nodes}
-
-
-def identical_device_groups(problem: Problem) -> tuple[tuple[int, ...], ...]:
-    """Groups (of two or more) of devices no plan can tell apart: same times, memory and links."""
-    k = problem.num_devices
-    groups: list[list[int]] = []
-    for d in range(k):
-        for group in groups:
-            if _devices_identical(problem, group[0], d):
-                group.append(d)
-                break
-        else:
-            groups.append([d])
-    return tuple(tuple(g) for g in groups if len(g) > 1)
-
-
-def _devices_identical(problem: Problem, a: int, b: int) -> bool:
-    if not np.array_equal(problem.compute_s[:, a], problem.compute_s[:, b]):
-        return False
-    if problem.memory_capacity_bytes[a] != problem.memory_capacity_bytes[b]:
-        return False
-    swap = np.arange(problem.num_devices)
-    swap[a], swap[b] = b, a
-    return np.array_equal(problem.transfer_s, problem.transfer_s[:, swap][:, :, swap])
-
-
-# --- the model -----------------------------------------------------------------------
-
-
-def build_model(problem: Problem, window: Window, formulation: str = "strong") -> MilpModel:
-    """The Pyomo model of ``window`` (use :func:`whole_problem` for the full MILP)."""
+def build_model(
+    problem: Problem, window: Window, formulation: str = "strong", objective: Objective = LATENCY
+) -> MilpModel:
+    """The Pyomo model of ``window`` (use :func:`whole_problem` for the full MILP) minimising ``objective``."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    if objective.name not in MILP_OBJECTIVES:
+        raise MoiraiError(f"the MILP has no rows for objective {objective.name!r}; it models {MILP_OBJECTIVES}")
     started = time.perf_counter()
     strong = formulation == "strong"
-    unit = window.horizon_s / _MODEL_TIME_SCALE if window.horizon_s > 0 else 1.0
+    unit = window.horizon_s / MODEL_TIME_SCALE if window.horizon_s > 0 else 1.0
     free = window.free_tasks
     free_set = set(free)
-    allowed = _allowed_devices(problem, free)
+    allowed = allowed_devices(problem, free)
     free_graph = problem.graph.subgraph(free)
-    earliest_s, latest_finish_s, fastest_s = _time_windows(problem, window, allowed, free_graph)
+    earliest_s, latest_finish_s, fastest_s = time_windows(problem, window, allowed, free_graph)
     if strong:
         for _ in range(_NARROWING_ROUNDS):  # fewer devices give later heads and longer tails, which drop more
-            head_s, tail_s = _device_heads_and_tails(problem, window, allowed, free_graph)
-            narrowed = _devices_in_time(problem, allowed, head_s, tail_s, window.horizon_s)
+            head_s, tail_s = device_heads_and_tails(problem, window, allowed, free_graph)
+            narrowed = devices_in_time(problem, allowed, head_s, tail_s, window.horizon_s)
             if narrowed == allowed:
                 break
             allowed = narrowed
@@ -307,7 +119,7 @@ def build_model(problem: Problem, window: Window, formulation: str = "strong") -
             earliest_s[i] = max(earliest_s[i], min(head_s[i, k] for k in allowed[i]))
             latest_finish_s[i] = min(latest_finish_s[i], window.horizon_s - min(tail_s[i, k] for k in allowed[i]))
             fastest_s[i] = float(min(problem.compute_s[i, k] for k in allowed[i]))
-    descendants = _descendant_sets(free_graph)
+    descendants = descendant_sets(free_graph)
     whole = len(free) == problem.num_tasks
 
     def scaled(seconds: float) -> float:
@@ -319,7 +131,7 @@ def build_model(problem: Problem, window: Window, formulation: str = "strong") -
     if strong:
         bounds = {i: (scaled(earliest_s[i]), scaled(latest_finish_s[i] - fastest_s[i])) for i in free}
         m.S = pyo.Var(free, domain=pyo.NonNegativeReals, bounds=lambda _, i: bounds[i])
-        m.T = pyo.Var(bounds=(0.0, _MODEL_TIME_SCALE))
+        m.T = pyo.Var(bounds=(0.0, MODEL_TIME_SCALE))
     else:
         m.S = pyo.Var(free, domain=pyo.NonNegativeReals)
         m.T = pyo.Var(domain=pyo.NonNegativeReals)
@@ -491,8 +303,7 @@ def build_model(problem: Problem, window: Window, formulation: str = "strong") -
         earliest = {i: scaled(earliest_s[i]) for i in free}
         _add_chain_load_cuts(m, problem, allowed, descendants, earliest, shortest_tail, unit)
         # Identical devices: the k-th of a group is used only after the (k-1)-th (by first task).
-        topo_position = {i: p for p, i in enumerate(problem.topological_order)}
-        order = sorted(free, key=topo_position.__getitem__)
+        order = sorted(free, key=problem.topological_position.__getitem__)
         for group in symmetric_groups:
             for previous, device in zip(group, group[1:], strict=False):
                 for p, i in enumerate(order):
@@ -679,259 +490,4 @@ def _transfer_precedes(
     consumers = problem.tensor_consumers[q[0]]
     return producer in free_set and all(
         c in free_set and (c == producer or producer in descendants[c]) for c in consumers
-    )
-
-
-# --- warm start and solution ----------------------------------------------------------
-
-
-def relabel_identical_devices(problem: Problem, placement: np.ndarray) -> np.ndarray:
-    """A device permutation (old -> new) that makes ``placement`` obey the symmetry-breaking rows."""
-    mapping = np.arange(problem.num_devices)
-    first_use = {}
-    for i in problem.topological_order:
-        first_use.setdefault(int(placement[i]), len(first_use))
-    for group in identical_device_groups(problem):
-        by_first_use = sorted(group, key=lambda d: first_use.get(d, math.inf))
-        for new, old in zip(group, by_first_use, strict=True):
-            mapping[old] = new
-    return mapping
-
-
-def warm_start_values(built: MilpModel, timeline: Timeline) -> ComponentMap:
-    """Values of every model variable for the schedule in ``timeline`` (restricted to the window)."""
-    problem, window, m = built.problem, built.window, built.model
-    unit = built.unit_s
-    placement = timeline.placement
-    start = timeline.task_start / unit
-    finish = timeline.task_finish / unit
-    sent = {(tr.tensor, tr.dst): tr for tr in timeline.transfers}
-    values = ComponentMap()
-    free = window.free_tasks
-    for i, k in m.x:
-        values[m.x[i, k]] = float(placement[i] == k)
-    for i in free:
-        values[m.S[i]] = float(start[i])
-    for (t, b), sources in built.transfer_sources.items():
-        u = int(problem.tensor_producer[t])
-        transfer = sent.get((t, b))
-        values[m.y[t, b]] = float(transfer is not None)
-        values[m.R[t, b]] = transfer.start / unit if transfer is not None else float(timeline.task_finish[u] / unit)
-        for a in sources:
-            values[m.w[t, a, b]] = float(transfer is not None and transfer.src == a)
-
-    def precedes(i: int, j: int) -> bool:
-        return (start[i], finish[i], i) < (start[j], finish[j], j)
-
-    for i, j in built.device_pairs:
-        if built.formulation == "strong":
-            values[m.same[i, j]] = float(placement[i] == placement[j])
-        if (i, j) in m.delta:
-            values[m.delta[i, j]] = float(precedes(i, j))
-    for q, r in built.transfer_pairs:
-        tq, tr_ = sent.get(q), sent.get(r)
-        both = tq is not None and tr_ is not None and tq.src == tr_.src
-        if built.formulation == "strong":
-            values[m.same_link[q, r]] = float(both)
-        if (*q, *r) in m.link_delta:  # Pyomo flattens the index on lookup, not on membership tests
-            q_start = values[m.R[q]]
-            r_start = values[m.R[r]]
-            values[m.link_delta[q, r]] = float((q_start, q[0]) < (r_start, r[0]))
-    tails = [finish[i] + window.tail_s[f, placement[i]] / unit for f, i in enumerate(free)]
-    values[m.T] = float(max(tails, default=0.0))
-    return values
-
-
-def progress_text(stage: str, incumbent_s: float | None, bound_s: float | None) -> str:
-    """``stage: incumbent 1.2345 ms, bound 1.1000 ms, gap 10.9%``: a status line in the problem's own time."""
-    has_incumbent = incumbent_s is not None and math.isfinite(incumbent_s)
-    has_bound = bound_s is not None and math.isfinite(bound_s)
-    incumbent = f"{incumbent_s * 1e3:.4f} ms" if has_incumbent else "none yet"
-    bound = f"{bound_s * 1e3:.4f} ms" if has_bound else "none yet"
-    gap = "?"
-    if has_incumbent and has_bound and incumbent_s > 0:
-        gap = f"{max(0.0, incumbent_s - bound_s) / incumbent_s:.2%}"
-    return f"{stage}: incumbent {incumbent}, bound {bound}, gap {gap}"
-
-
-class _LogStream(io.TextIOBase):
-    """Keeps the last lines of the solver's log; passes Gurobi's progress lines on to ``progress``.
-
-    A Gurobi progress line ends its columns with ``... Incumbent BestBd Gap% ...``.
-    """
-
-    def __init__(self, progress: Callable[[float, float], None] | None) -> None:
-        self.lines: list[str] = []
-        self._partial = ""
-        self._progress = progress
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        self._partial += text
-        *complete, self._partial = self._partial.split("\n")
-        for line in complete:
-            if line.strip():
-                self.lines.append(line.rstrip())
-                del self.lines[:-_LOG_LINES_KEPT]
-                if self._progress is not None:
-                    self._pass_on_progress(line.split())
-        return len(text)
-
-    def _pass_on_progress(self, words: list[str]) -> None:
-        gap_at = next((n for n, word in enumerate(words) if word.endswith("%")), None)
-        if gap_at is None or gap_at < 2:
-            return
-        try:
-            incumbent, bound = float(words[gap_at - 2]), float(words[gap_at - 1])
-        except ValueError:
-            return  # a "-" where no incumbent exists yet, or a line that is not a progress line
-        self._progress(incumbent, bound)
-
-
-def _progress_in_seconds(report: Callable[[str], None] | None, unit_s: float) -> Callable[[float, float], None] | None:
-    """Turns the solver's (incumbent, bound) in model units into a status line for ``report``."""
-    if report is None:
-        return None
-    return lambda incumbent, bound: report(progress_text("MILP", incumbent * unit_s, bound * unit_s))
-
-
-def solve_model(built: MilpModel, settings: SolverSettings, warm_start: Timeline | None = None) -> MilpSolution:
-    """Solve a built model within ``settings.time_limit_s``; never raises for solver trouble."""
-    if settings.solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {SOLVERS}, got {settings.solver!r}")
-    values = warm_start_values(built, warm_start) if warm_start is not None else None
-    if settings.solver == "gurobi":
-        solution = _solve_with(built, settings, values, "gurobi")
-        if solution.status.startswith("unavailable"):
-            warnings.warn(f"Gurobi cannot solve this model ({solution.status}); using HiGHS", stacklevel=2)
-        else:
-            return solution
-    return _solve_with(built, settings, values, "highs")
-
-
-def _solve_with(
-    built: MilpModel, settings: SolverSettings, values: ComponentMap | None, solver_name: str
-) -> MilpSolution:
-    progress = _progress_in_seconds(settings.report, built.unit_s)
-    # HiGHS reports its bounds through a callback; Gurobi's only come in its log.
-    log = _LogStream(progress if solver_name == "gurobi" else None)
-    started = time.perf_counter()
-    run = _run_highs if solver_name == "highs" else _run_gurobi
-    try:
-        outcome = run(built, settings, values, log, progress)
-    except Exception as error:  # noqa: BLE001 - a failing solver must fall back, never crash the placer
-        kind = "unavailable" if _is_licence_or_missing(error) else "error"
-        message = f"{kind}: {type(error).__name__}: {error}".splitlines()[0]
-        return MilpSolution(message, solver_name, None, None, log_tail=log.lines)
-    unit = built.unit_s
-    bound_s = outcome.bound * unit if outcome.bound is not None and math.isfinite(outcome.bound) else None
-    solution = MilpSolution(
-        outcome.status,
-        solver_name,
-        None,
-        bound_s,
-        optimal=outcome.optimal,
-        solve_s=time.perf_counter() - started,
-        log_tail=log.lines,
-    )
-    if outcome.value is None:
-        return solution
-    value = outcome.value
-    m = built.model
-    solution.objective_s = value(m.T) * unit
-    for i in built.window.free_tasks:
-        solution.placement[i] = max((k for (j, k) in m.x if j == i), key=lambda k: value(m.x[i, k]))
-        solution.start_s[i] = value(m.S[i]) * unit
-    for q in built.transfer_sources:
-        if value(m.y[q]) > 0.5:
-            solution.transfer_start_s[q] = value(m.R[q]) * unit
-    return solution
-
-
-def _run_highs(
-    built: MilpModel,
-    settings: SolverSettings,
-    values: ComponentMap | None,
-    log: _LogStream,
-    progress: Callable[[float, float], None] | None,
-) -> SolverOutcome:
-    return run_highs(built.model, values, settings.time_limit_s, settings.mip_gap, settings.threads, log, progress)
-
-
-def _run_gurobi(
-    built: MilpModel,
-    settings: SolverSettings,
-    values: ComponentMap | None,
-    log: _LogStream,
-    progress: Callable[[float, float], None] | None,  # fed from the log instead
-) -> SolverOutcome:
-    from pyomo.contrib.solver.solvers.gurobi.gurobi_direct import GurobiDirect
-
-    solver = GurobiDirect()
-    if not solver.available():
-        raise RuntimeError(f"gurobipy is not usable here ({solver.available()})")
-    options: dict[str, Any] = {
-        "tee": [log],
-        "time_limit": max(settings.time_limit_s, 0.01),
-        "rel_gap": settings.mip_gap,
-        "load_solutions": False,
-        "raise_exception_on_nonoptimal_result": False,
-    }
-    if settings.threads is not None:
-        options["threads"] = settings.threads
-    if values is not None:
-        for var, value in values.items():
-            var.set_value(value, skip_validation=True)
-        options["warmstart_discrete_vars"] = True
-    results = solver.solve(built.model, **options)
-    status = results.termination_condition.name
-    optimal = results.termination_condition == TerminationCondition.convergenceCriteriaSatisfied
-    bound = results.objective_bound
-    if results.solution_status not in (SolutionStatus.feasible, SolutionStatus.optimal):
-        return SolverOutcome(status, optimal, bound, None)
-    results.solution_loader.load_vars()
-    return SolverOutcome(status, optimal, bound, lambda var: float(var.value))
-
-
-def _is_licence_or_missing(error: Exception) -> bool:
-    text = str(error).lower()
-    return any(word in text for word in ("licen", "size-limited", "too large", "not usable", "no module"))
-
-
-def plan_from_times(
-    problem: Problem,
-    placement: np.ndarray,
-    start_s: np.ndarray,
-    transfer_start_s: dict[tuple[int, int], float] | None,
-    placer: str,
-) -> Plan:
-    """A plan whose orders follow the given times, repaired to one topological order (solver noise)."""
-    unit = _ORDER_TOLERANCE * max(float(np.max(start_s, initial=0.0)), 1e-30) / _MODEL_TIME_SCALE
-    key = np.round(start_s / unit) if unit > 0 else start_s
-    duration = problem.compute_s[np.arange(problem.num_tasks), placement]
-    topo_position = np.empty(problem.num_tasks, int)
-    topo_position[list(problem.topological_order)] = np.arange(problem.num_tasks)
-    # Zero-length tasks go before longer ones starting at the same moment.
-    sorted_tasks = nx.lexicographical_topological_sort(
-        problem.graph, key=lambda i: (key[i], duration[i] > 0, topo_position[i])
-    )
-    order: list[list[int]] = [[] for _ in range(problem.num_devices)]
-    for i in sorted_tasks:
-        order[int(placement[i])].append(int(i))
-    transfer_order = None
-    if transfer_start_s is not None:
-        links: dict[tuple[int, int], list[tuple[float, float, int]]] = {}
-        for (t, b), begin in transfer_start_s.items():
-            a = int(placement[problem.tensor_producer[t]])
-            length = problem.transfer_s[t, a, b]
-            links.setdefault((a, b), []).append((round(begin / unit), length > 0, t))
-        transfer_order = {link: tuple(t for *_, t in sorted(entries)) for link, entries in links.items()}
-    return Plan(
-        placement=placement,
-        device_names=problem.device_names,
-        order=tuple(tuple(o) for o in order),
-        transfer_order=transfer_order,
-        placer=placer,
     )

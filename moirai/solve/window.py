@@ -1,0 +1,179 @@
+"""Windows of the MILP and the bounds that tighten a model: what is free, what is fixed, what cannot happen.
+
+A :class:`Window` frees some tasks of a schedule and summarises the rest (finish times before it,
+tails after it); :func:`whole_problem` frees every task. From a window and a horizon (an upper bound
+on the objective) the functions here derive each free task's allowed devices, its time window, its
+head and tail on every device, and the groups of identical devices, which :mod:`moirai.solve.model`
+turns into variable bounds, big-Ms and fixed orders.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+from moirai.problem import Problem
+
+
+@dataclass(frozen=True)
+class Window:
+    """What a model decides (``free_tasks``) and what it takes as given; see :func:`whole_problem`.
+
+    ``placement``: device of every task (for free tasks, their current device, used as a start).
+    ``fixed_finish_s``: finish of each task scheduled before the window, ``nan`` for the others.
+    ``arrived_s``: ``(tensor, device) -> time`` for transfers already made before the window.
+    ``device_ready_s`` / ``link_ready_s[a, b]``: when each device / directed link is free of them.
+    ``tail_s[f, k]``: time the plan runs on after free task ``free_tasks[f]`` finishes on ``k``.
+    ``horizon_s``: an upper bound on the best objective (the current solution's).
+    ``deadline_s``: a time by which every transfer of the current solution has finished.
+    """
+
+    free_tasks: tuple[int, ...]
+    placement: np.ndarray
+    fixed_finish_s: np.ndarray
+    arrived_s: dict[tuple[int, int], float]
+    device_ready_s: np.ndarray
+    link_ready_s: np.ndarray
+    tail_s: np.ndarray
+    horizon_s: float
+    deadline_s: float
+
+
+def whole_problem(problem: Problem, horizon_s: float) -> Window:
+    """The window that frees every task: the full MILP."""
+    n, k = problem.num_tasks, problem.num_devices
+    return Window(
+        free_tasks=tuple(range(n)),
+        placement=np.zeros(n, int),
+        fixed_finish_s=np.full(n, np.nan),
+        arrived_s={},
+        device_ready_s=np.zeros(k),
+        link_ready_s=np.zeros((k, k)),
+        tail_s=np.zeros((n, k)),
+        horizon_s=horizon_s,
+        deadline_s=horizon_s,
+    )
+
+
+def allowed_devices(problem: Problem, tasks: Iterable[int]) -> dict[int, tuple[int, ...]]:
+    return {i: tuple(int(k) for k in np.flatnonzero(problem.fits[i])) for i in tasks}
+
+
+def time_windows(
+    problem: Problem, window: Window, allowed: dict[int, tuple[int, ...]], free_graph: nx.DiGraph
+) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Earliest start, latest finish and the shortest possible duration of every free task (seconds)."""
+    fastest = {i: float(min(problem.compute_s[i, k] for k in allowed[i])) for i in window.free_tasks}
+    position = {i: f for f, i in enumerate(window.free_tasks)}
+    earliest: dict[int, float] = {}
+    for i in nx.topological_sort(free_graph):
+        ready = min(float(window.device_ready_s[k]) for k in allowed[i])
+        for u in problem.predecessors[i]:
+            if u in position:
+                ready = max(ready, earliest[u] + fastest[u])
+            elif not math.isnan(window.fixed_finish_s[u]):
+                ready = max(ready, float(window.fixed_finish_s[u]))
+        earliest[i] = ready
+    tail: dict[int, float] = {}
+    for i in reversed(list(nx.topological_sort(free_graph))):
+        after = min(float(window.tail_s[position[i], k]) for k in allowed[i])
+        for j in free_graph.successors(i):
+            after = max(after, fastest[j] + tail[j])
+        tail[i] = after
+    latest_finish = {i: window.horizon_s - tail[i] for i in window.free_tasks}
+    return earliest, latest_finish, fastest
+
+
+def device_heads_and_tails(
+    problem: Problem, window: Window, allowed: dict[int, tuple[int, ...]], free_graph: nx.DiGraph
+) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+    """For every free task ``i`` and device ``k`` it may run on (seconds, keyed ``(i, k)``):
+
+    ``head``: the earliest ``i`` can start on ``k``: each input comes from its producer's best device,
+    plus the transfer when that is not ``k`` (links never wait: a lower bound).
+    ``tail``: the least time the plan runs on after ``i`` finishes on ``k``, the same way forwards.
+    """
+    position = {i: f for f, i in enumerate(window.free_tasks)}
+    order = list(nx.topological_sort(free_graph))
+    head: dict[tuple[int, int], float] = {}
+    for i in order:
+        for k in allowed[i]:
+            ready = float(window.device_ready_s[k])
+            for t in problem.input_tensors[i]:
+                u = int(problem.tensor_producer[t])
+                if u in position:
+                    arrival = min(
+                        head[u, a] + problem.compute_s[u, a] + (0.0 if a == k else problem.transfer_s[t, a, k])
+                        for a in allowed[u]
+                    )
+                elif (t, k) in window.arrived_s:
+                    arrival = window.arrived_s[t, k]
+                elif math.isnan(window.fixed_finish_s[u]):
+                    continue
+                else:
+                    a = int(window.placement[u])
+                    arrival = window.fixed_finish_s[u] + (0.0 if a == k else problem.transfer_s[t, a, k])
+                ready = max(ready, float(arrival))
+            head[i, k] = ready
+    tail: dict[tuple[int, int], float] = {}
+    for i in reversed(order):
+        for k in allowed[i]:
+            after = float(window.tail_s[position[i], k])
+            for t in problem.output_tensors[i]:
+                for j in problem.tensor_consumers[t]:
+                    if j in position:
+                        after = max(
+                            after,
+                            min(
+                                (0.0 if b == k else problem.transfer_s[t, k, b]) + problem.compute_s[j, b] + tail[j, b]
+                                for b in allowed[j]
+                            ),
+                        )
+            tail[i, k] = after
+    return head, tail
+
+
+def devices_in_time(
+    problem: Problem,
+    allowed: dict[int, tuple[int, ...]],
+    head_s: dict[tuple[int, int], float],
+    tail_s: dict[tuple[int, int], float],
+    horizon_s: float,
+) -> dict[int, tuple[int, ...]]:
+    """``allowed`` without the devices on which a task cannot run between its head and tail inside the horizon."""
+    return {
+        i: tuple(k for k in devices if head_s[i, k] + problem.compute_s[i, k] + tail_s[i, k] <= horizon_s * (1 + 1e-9))
+        for i, devices in allowed.items()
+    }
+
+
+def descendant_sets(graph: nx.DiGraph) -> dict[int, set[int]]:
+    return {i: nx.descendants(graph, i) for i in graph.nodes}
+
+
+def identical_device_groups(problem: Problem) -> tuple[tuple[int, ...], ...]:
+    """Groups (of two or more) of devices no plan can tell apart: same times, memory and links."""
+    k = problem.num_devices
+    groups: list[list[int]] = []
+    for d in range(k):
+        for group in groups:
+            if _devices_identical(problem, group[0], d):
+                group.append(d)
+                break
+        else:
+            groups.append([d])
+    return tuple(tuple(g) for g in groups if len(g) > 1)
+
+
+def _devices_identical(problem: Problem, a: int, b: int) -> bool:
+    if not np.array_equal(problem.compute_s[:, a], problem.compute_s[:, b]):
+        return False
+    if problem.memory_capacity_bytes[a] != problem.memory_capacity_bytes[b]:
+        return False
+    swap = np.arange(problem.num_devices)
+    swap[a], swap[b] = b, a
+    return np.array_equal(problem.transfer_s, problem.transfer_s[:, swap][:, :, swap])
