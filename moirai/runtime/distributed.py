@@ -46,6 +46,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -218,6 +219,7 @@ class DistributedRunner:
         self._driver: _Driver | None = None
         self._store: Any = None
         self._restore: RankResources | None = None
+        self._starting = threading.Lock()  # submit may be called from several threads
 
     def __enter__(self) -> DistributedRunner:
         return self
@@ -250,16 +252,19 @@ class DistributedRunner:
                 f"the program has {program.num_devices} parts but this runner has {len(self.torch_devices)} devices"
             )
         check_inputs(program, flat_inputs)
-        if self._driver is not None and self._driver.failure is not None:
-            self._stop()
-        if self._driver is None:
-            self._start()
-        return self._driver.submit(program, flat_inputs, finish, self.timeout_s if timeout_s is None else timeout_s)
+        with self._starting:
+            if self._driver is not None and self._driver.failure is not None:
+                self._stop()
+            if self._driver is None:
+                self._start()
+            driver = self._driver
+        return driver.submit(program, flat_inputs, finish, self.timeout_s if timeout_s is None else timeout_s)
 
     def resources_in_use(self) -> list[dict[str, Any]]:
         """Per rank, what it runs with, read back inside its process: ``cores`` (affinity) and ``threads``."""
-        if self._driver is None:
-            self._start()
+        with self._starting:
+            if self._driver is None:
+                self._start()
         return [
             _resources_in_use(),
             *(json.loads(self._store.get(f"moirai/resources/{k}")) for k in range(1, len(self._workers) + 1)),
@@ -278,13 +283,22 @@ class DistributedRunner:
             raise SystemExit(_NO_MAIN_GUARD_EXIT_CODE)
         world_size = len(self.torch_devices)
         resources = rank_resources(self.devices)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
+        # Joining (store and groups) may take as long as start-up; each message waits with its request's timeout.
+        timeout = datetime.timedelta(seconds=self.start_timeout_s)
         self._store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         context = torch.multiprocessing.get_context("spawn")
         self._workers = [
             context.Process(
                 target=_worker_main,
-                args=(rank, self.torch_devices, self._names(), self._store.port, self.timeout_s, resources[rank]),
+                args=(
+                    rank,
+                    self.torch_devices,
+                    self._names(),
+                    self._store.port,
+                    self.timeout_s,
+                    self.start_timeout_s,
+                    resources[rank],
+                ),
                 daemon=True,
                 name=f"moirai-rank{rank}",
             )
@@ -294,7 +308,7 @@ class DistributedRunner:
             worker.start()
         self._await_ready()
         self._restore = apply_resources(resources[0], self._names()[0])
-        group = _local_group(0, self.torch_devices, self._store, self.timeout_s)
+        group = _local_group(0, self.torch_devices, self._store, self.start_timeout_s)
         self._driver = _Driver(group, self.timeout_s, self.max_in_flight, describe_rank=self._describe_process)
 
     def _await_ready(self) -> None:
@@ -361,23 +375,30 @@ def _resources_in_use() -> dict[str, Any]:
 
 
 def _worker_main(
-    rank: int, torch_devices: list[str], names: list[str], port: int, timeout_s: float, resources: RankResources
+    rank: int,
+    torch_devices: list[str],
+    names: list[str],
+    port: int,
+    timeout_s: float,
+    start_timeout_s: float,
+    resources: RankResources,
 ) -> None:
     """A spawned rank: take its share of the cores, join the groups on loopback, serve until rank 0 closes."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=start_timeout_s)
     store = dist.TCPStore("127.0.0.1", port, len(torch_devices), is_master=False, timeout=timeout)
     group = None
     try:
         apply_resources(resources, names[rank])
         store.set(f"moirai/resources/{rank}", json.dumps(_resources_in_use()))
         store.set(f"moirai/ready/{rank}", "1")
-        group = _local_group(rank, torch_devices, store, timeout_s)
+        group = _local_group(rank, torch_devices, store, start_timeout_s)
         _serve(group, {}, timeout_s)
     except Exception as error:
         if group is None:
             _report(store, rank, None, _describe(error))
         else:
-            _blamed(group, error, "serving")
+            # Rank 0 names the guilty rank in its own error; this rank's verdict goes to its stderr, as under torchrun.
+            print(f"moirai {type(error).__name__}: {_blamed(group, error, 'serving')}", file=sys.stderr, flush=True)
         os._exit(1)
 
 
@@ -409,9 +430,9 @@ class _Group:
         return self.nccl if wire.type == "cuda" else self.gloo
 
 
-def _local_group(rank: int, torch_devices: Sequence[str], store: Any, timeout_s: float) -> _Group:
+def _local_group(rank: int, torch_devices: Sequence[str], store: Any, join_timeout_s: float) -> _Group:
     """Process groups of our own on loopback (not the default group, which stays the user's)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=join_timeout_s)
     world_size = len(torch_devices)
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -766,8 +787,10 @@ class _Driver:
         header = torch.tensor([kind, program_id, len(payload), request, timeout_ms], dtype=torch.int64)
         body = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
         sent = []
+        # A request's header waits as long as the request may; the others as long as the driver's timeout.
+        timeout = datetime.timedelta(milliseconds=timeout_ms) if timeout_ms else self.timeout
         for rank in ranks:
-            control = _Messages(self.group, self._headers_sent[rank], self.timeout)
+            control = _Messages(self.group, self._headers_sent[rank], timeout)
             control.send(header, rank, 0, "a request header")
             if body is not None:
                 control.send(body, rank, 1, "a request's payload")
