@@ -39,6 +39,7 @@ Launching:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import json
@@ -51,7 +52,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -354,8 +355,10 @@ class DistributedRunner:
         return [d.name if isinstance(d, Device) else d for d in self.devices]
 
     def _stop(self) -> None:
+        # After a failure the other ranks still name the guilty rank on their stderr (within the report grace).
+        deadline = time.monotonic() + 5.0
         for worker in self._workers:
-            worker.join(timeout=5.0 if self._driver is not None and self._driver.failure is None else 0.0)
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
         for worker in self._workers:
             if worker.is_alive():
                 worker.kill()
@@ -398,7 +401,8 @@ def _worker_main(
             _report(store, rank, None, _describe(error))
         else:
             # Rank 0 names the guilty rank in its own error; this rank's verdict goes to its stderr, as under torchrun.
-            print(f"moirai {type(error).__name__}: {_blamed(group, error, 'serving')}", file=sys.stderr, flush=True)
+            verdict = _blamed(group, error, "serving")
+            print(f"moirai rank {rank}: DistributedError: {verdict}", file=sys.stderr, flush=True)
         os._exit(1)
 
 
@@ -511,14 +515,18 @@ class _Messages:
     def send(self, tensor: torch.Tensor, dst: int, index: int, what: str) -> None:
         wire = self.group.wire_device(dst)
         staged = tensor.detach().to(wire).contiguous()
-        work = self.group.process_group(wire).send([staged], dst, self._tag_base | index)
-        self._sends.append((work, staged, f"sending {what} to rank {dst}", dst))
+        what = f"sending {what} to rank {dst}"
+        with self._naming_peer(what, dst):
+            work = self.group.process_group(wire).send([staged], dst, self._tag_base | index)
+        self._sends.append((work, staged, what, dst))
 
     def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, index: int, what: str) -> _PendingReceive:
         wire = self.group.wire_device(src)
         buffer = torch.empty(shape, dtype=dtype, device=wire)
-        work = self.group.process_group(wire).recv([buffer], src, self._tag_base | index)
-        return _PendingReceive(work, buffer, f"receiving {what} from rank {src}", src)
+        what = f"receiving {what} from rank {src}"
+        with self._naming_peer(what, src):
+            work = self.group.process_group(wire).recv([buffer], src, self._tag_base | index)
+        return _PendingReceive(work, buffer, what, src)
 
     def post_recv_spec(self, spec: TensorSpec, src: int, index: int, what: str) -> _PendingReceive:
         return self.post_recv(concrete_shape(spec, self.values), spec.dtype, src, index, what)
@@ -533,12 +541,18 @@ class _Messages:
         self._sends.clear()
 
     def _wait(self, work: Any, what: str, wire: torch.device, peer: int) -> None:
-        try:
+        with self._naming_peer(what, peer):
             # NCCL waits are asynchronous (the compute stream waits); the process group's timeout bounds them.
             if wire.type == "cuda":
                 work.wait()
             else:
                 work.wait(self.timeout)
+
+    @contextlib.contextmanager
+    def _naming_peer(self, what: str, peer: int) -> Iterator[None]:
+        """A failed post or wait (a closed connection, a timeout) as a failure that names the peer."""
+        try:
+            yield
         except Exception as error:
             raise _PeerFailure(
                 f"rank {self.group.rank}: {what} failed ({type(error).__name__}: {str(error).strip()[:200]})", peer
