@@ -39,6 +39,7 @@ Launching:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import json
@@ -46,11 +47,12 @@ import multiprocessing
 import os
 import pickle
 import queue
+import sys
 import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -216,6 +218,7 @@ class DistributedRunner:
         self._driver: _Driver | None = None
         self._store: Any = None
         self._restore: RankResources | None = None
+        self._starting = threading.Lock()  # submit may be called from several threads
 
     def __enter__(self) -> DistributedRunner:
         return self
@@ -248,16 +251,19 @@ class DistributedRunner:
                 f"the program has {program.num_devices} parts but this runner has {len(self.torch_devices)} devices"
             )
         check_inputs(program, flat_inputs)
-        if self._driver is not None and self._driver.failure is not None:
-            self._stop()
-        if self._driver is None:
-            self._start()
-        return self._driver.submit(program, flat_inputs, finish, self.timeout_s if timeout_s is None else timeout_s)
+        with self._starting:
+            if self._driver is not None and self._driver.failure is not None:
+                self._stop()
+            if self._driver is None:
+                self._start()
+            driver = self._driver
+        return driver.submit(program, flat_inputs, finish, self.timeout_s if timeout_s is None else timeout_s)
 
     def resources_in_use(self) -> list[dict[str, Any]]:
         """Per rank, what it runs with, read back inside its process: ``cores`` (affinity) and ``threads``."""
-        if self._driver is None:
-            self._start()
+        with self._starting:
+            if self._driver is None:
+                self._start()
         return [
             _resources_in_use(),
             *(json.loads(self._store.get(f"moirai/resources/{k}")) for k in range(1, len(self._workers) + 1)),
@@ -276,13 +282,22 @@ class DistributedRunner:
             raise SystemExit(_NO_MAIN_GUARD_EXIT_CODE)
         world_size = len(self.torch_devices)
         resources = rank_resources(self.devices)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
+        # Joining (store and groups) may take as long as start-up; each message waits with its request's timeout.
+        timeout = datetime.timedelta(seconds=self.start_timeout_s)
         self._store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         context = torch.multiprocessing.get_context("spawn")
         self._workers = [
             context.Process(
                 target=_worker_main,
-                args=(rank, self.torch_devices, self._names(), self._store.port, self.timeout_s, resources[rank]),
+                args=(
+                    rank,
+                    self.torch_devices,
+                    self._names(),
+                    self._store.port,
+                    self.timeout_s,
+                    self.start_timeout_s,
+                    resources[rank],
+                ),
                 daemon=True,
                 name=f"moirai-rank{rank}",
             )
@@ -292,7 +307,7 @@ class DistributedRunner:
             worker.start()
         self._await_ready()
         self._restore = apply_resources(resources[0], self._names()[0])
-        group = _local_group(0, self.torch_devices, self._store, self.timeout_s)
+        group = _local_group(0, self.torch_devices, self._store, self.start_timeout_s)
         self._driver = _Driver(group, self.timeout_s, self.max_in_flight, describe_rank=self._describe_process)
 
     def _await_ready(self) -> None:
@@ -338,8 +353,10 @@ class DistributedRunner:
         return [d.name if isinstance(d, Device) else d for d in self.devices]
 
     def _stop(self) -> None:
+        # After a failure the other ranks still name the guilty rank on their stderr (within the report grace).
+        deadline = time.monotonic() + 5.0
         for worker in self._workers:
-            worker.join(timeout=5.0 if self._driver is not None and self._driver.failure is None else 0.0)
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
         for worker in self._workers:
             if worker.is_alive():
                 worker.kill()
@@ -359,23 +376,31 @@ def _resources_in_use() -> dict[str, Any]:
 
 
 def _worker_main(
-    rank: int, torch_devices: list[str], names: list[str], port: int, timeout_s: float, resources: RankResources
+    rank: int,
+    torch_devices: list[str],
+    names: list[str],
+    port: int,
+    timeout_s: float,
+    start_timeout_s: float,
+    resources: RankResources,
 ) -> None:
     """A spawned rank: take its share of the cores, join the groups on loopback, serve until rank 0 closes."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=start_timeout_s)
     store = dist.TCPStore("127.0.0.1", port, len(torch_devices), is_master=False, timeout=timeout)
     group = None
     try:
         apply_resources(resources, names[rank])
         store.set(f"moirai/resources/{rank}", json.dumps(_resources_in_use()))
         store.set(f"moirai/ready/{rank}", "1")
-        group = _local_group(rank, torch_devices, store, timeout_s)
+        group = _local_group(rank, torch_devices, store, start_timeout_s)
         _serve(group, {}, timeout_s)
     except Exception as error:
         if group is None:
             _report(store, rank, None, _describe(error))
         else:
-            _blamed(group, error, "serving")
+            # Rank 0 names the guilty rank in its own error; this rank's verdict goes to its stderr, as under torchrun.
+            verdict = _blamed(group, error, "serving")
+            print(f"moirai rank {rank}: DistributedError: {verdict}", file=sys.stderr, flush=True)
         os._exit(1)
 
 
@@ -408,9 +433,9 @@ class _Group:
         return self.nccl if kind_of(wire).messages_in_device_memory else self.gloo
 
 
-def _local_group(rank: int, torch_devices: Sequence[str], store: Any, timeout_s: float) -> _Group:
+def _local_group(rank: int, torch_devices: Sequence[str], store: Any, join_timeout_s: float) -> _Group:
     """Process groups of our own on loopback (not the default group, which stays the user's)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=join_timeout_s)
     world_size = len(torch_devices)
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -488,14 +513,18 @@ class _Messages:
     def send(self, tensor: torch.Tensor, dst: int, index: int, what: str) -> None:
         wire = self.group.wire_device(dst)
         staged = tensor.detach().to(wire).contiguous()
-        work = self.group.process_group(wire).send([staged], dst, self._tag_base | index)
-        self._sends.append((work, staged, f"sending {what} to rank {dst}", dst))
+        what = f"sending {what} to rank {dst}"
+        with self._naming_peer(what, dst):
+            work = self.group.process_group(wire).send([staged], dst, self._tag_base | index)
+        self._sends.append((work, staged, what, dst))
 
     def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, index: int, what: str) -> _PendingReceive:
         wire = self.group.wire_device(src)
         buffer = torch.empty(shape, dtype=dtype, device=wire)
-        work = self.group.process_group(wire).recv([buffer], src, self._tag_base | index)
-        return _PendingReceive(work, buffer, f"receiving {what} from rank {src}", src)
+        what = f"receiving {what} from rank {src}"
+        with self._naming_peer(what, src):
+            work = self.group.process_group(wire).recv([buffer], src, self._tag_base | index)
+        return _PendingReceive(work, buffer, what, src)
 
     def post_recv_spec(self, spec: TensorSpec, src: int, index: int, what: str) -> _PendingReceive:
         return self.post_recv(concrete_shape(spec, self.values), spec.dtype, src, index, what)
@@ -510,12 +539,18 @@ class _Messages:
         self._sends.clear()
 
     def _wait(self, work: Any, what: str, wire: torch.device, peer: int) -> None:
-        try:
+        with self._naming_peer(what, peer):
             # NCCL waits are asynchronous (the compute stream waits); the process group's timeout bounds them.
             if kind_of(wire).messages_in_device_memory:
                 work.wait()
             else:
                 work.wait(self.timeout)
+
+    @contextlib.contextmanager
+    def _naming_peer(self, what: str, peer: int) -> Iterator[None]:
+        """A failed post or wait (a closed connection, a timeout) as a failure that names the peer."""
+        try:
+            yield
         except Exception as error:
             raise _PeerFailure(
                 f"rank {self.group.rank}: {what} failed ({type(error).__name__}: {str(error).strip()[:200]})", peer
@@ -764,8 +799,10 @@ class _Driver:
         header = torch.tensor([kind, program_id, len(payload), request, timeout_ms], dtype=torch.int64)
         body = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
         sent = []
+        # A request's header waits as long as the request may; the others as long as the driver's timeout.
+        timeout = datetime.timedelta(milliseconds=timeout_ms) if timeout_ms else self.timeout
         for rank in ranks:
-            control = _Messages(self.group, self._headers_sent[rank], self.timeout)
+            control = _Messages(self.group, self._headers_sent[rank], timeout)
             control.send(header, rank, 0, "a request header")
             if body is not None:
                 control.send(body, rank, 1, "a request's payload")
