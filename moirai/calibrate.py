@@ -233,6 +233,11 @@ def local_calibration(
     devices = [str(torch.device(d)) for d in torch_devices]
     needed = {link_kind(a, b): (a, b) for a in devices for b in devices if a != b or devices.count(a) > 1}
     if calibration not in ("auto", "remeasure"):
+        if not Path(calibration).is_file():
+            raise ClusterError(
+                f"calibration={str(calibration)!r} is neither 'auto', 'remeasure' nor an existing calibration file "
+                "(write one with moirai calibrate --save PATH)"
+            )
         stored = read_calibration(calibration)
         missing = sorted(set(needed) - set(stored))
         if missing:
