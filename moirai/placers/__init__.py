@@ -37,6 +37,7 @@ _PLACER_MODULES = (
     "m_sct",
     "getf",
     "pesto",
+    "pipeline",
     "milp",
 )
 
