@@ -750,6 +750,7 @@ class _Driver:
             group.describe_rank = describe_rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.failure: DistributedError | None = None
+        self.dispatched = 0  # requests whose part 0 has run
         self._heartbeat_s = timeout_s * _HEARTBEAT_FRACTION
         self._programs: dict[int, int] = {}  # id(program) -> program id on the ranks
         self._keep: list[SplitProgram] = []
@@ -824,6 +825,7 @@ class _Driver:
         control = self._send_headers(header, range(1, program.num_devices))
         messages = _Messages(self.group, request, datetime.timedelta(seconds=timeout_s), header.symbol_values)
         finish_outputs = _run_part(program, self.group, _placed(program, self.group), messages, flat_inputs)
+        self.dispatched += 1
         return request, control, finish_outputs, future, finish
 
     def _program_id(self, program: SplitProgram) -> int:
