@@ -165,7 +165,7 @@ def load(
     node_device = {name: int(k) for name, k in record["node_device"].items()}
     program = _split(traced, node_device, record["device_order"], len(cluster), source=str(path))
     graph = build_op_graph(traced)
-    coarse = graph.merge([[graph.node_of_fx_name[name] for name in group] for group in record["groups"]])
+    coarse = graph.merge([graph.nodes_of_fx_names(group) for group in record["groups"]])
     problem = build_problem(coarse, cluster, traced=traced)
     plan = Plan.from_dict(record["plan"])
     plan.device_names = cluster.names

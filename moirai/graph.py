@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import networkx as nx
@@ -68,6 +68,14 @@ class OpGraph:
     @cached_property
     def node_of_fx_name(self) -> dict[str, int]:
         return {fx_name: i for i, node in enumerate(self.nodes) for fx_name in node.fx_names}
+
+    def nodes_of_fx_names(self, fx_names: Sequence[str]) -> list[int]:
+        """The distinct nodes standing for ``fx_names``, in order of first mention.
+
+        A node stands for several fx names (a multi-output op and the ``getitem`` nodes that
+        unpack it), so a group of fx names names such a node once per fx name.
+        """
+        return list(dict.fromkeys(self.node_of_fx_name[name] for name in fx_names))
 
     def to_networkx(self) -> nx.DiGraph:
         """DiGraph over node indices; edge attribute ``bytes`` sums the tensors on that edge."""
@@ -147,11 +155,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
         if fx_node.target is operator.getitem and inputs and inputs[0].name in node_of:
             owner = node_of[inputs[0].name]
             node_of[fx_node.name] = owner
-            grown = nodes[owner]
-            nodes[owner] = OpNode(
-                grown.name, grown.targets, grown.fx_names + (fx_node.name,), grown.flops, grown.bytes_moved,
-                grown.output_bytes, grown.param_names, grown.param_bytes,
-            )
+            nodes[owner] = replace(nodes[owner], fx_names=nodes[owner].fx_names + (fx_node.name,))
             continue
         index = len(nodes)
         params = frozenset(n.name for n in inputs if n.op == "get_attr")
