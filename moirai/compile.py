@@ -11,6 +11,8 @@ Example::
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import os
 from collections.abc import Sequence
@@ -27,7 +29,7 @@ from moirai.bounds import format_bytes
 from moirai.coarsen import coarsen
 from moirai.cost import activation_peak_bytes, build_problem
 from moirai.devices import Cluster
-from moirai.errors import PlanError
+from moirai.errors import MoiraiError, PlanError
 from moirai.graph import OpGraph, build_op_graph
 from moirai.placers import place
 from moirai.problem import Plan, Problem
@@ -35,7 +37,7 @@ from moirai.runtime.distributed import run_distributed, run_rank
 from moirai.runtime.local import run_local
 from moirai.simulate import simulate
 from moirai.split import SplitProgram, split_module
-from moirai.trace import TracedModel, trace
+from moirai.trace import TracedModel, dynamic_dims_to_json, dynamic_shapes_from_json, trace
 
 PLAN_FORMAT_VERSION = 1
 
@@ -102,6 +104,10 @@ class CompiledModel:
             + (f", lower bound {_format_seconds(lower)}, gap {self.plan.gap:.1%}" if lower is not None else "")
             + f", {len(timeline.transfers)} transfers, placed in {self.plan.placement_time_s:.2f} s"
         )
+        if self.traced.dynamic_dims:
+            dims = ", ".join(f"{dim.name} {dim.range}" for dim in self.traced.dynamic_dims)
+            shapes = ", ".join(str(spec.shape) for spec in self.traced.input_specs)
+            table.caption += f"\ndynamic {dims}: costs and times are those of the example inputs {shapes}"
         (console or Console()).print(table)
         return table
 
@@ -115,6 +121,7 @@ class CompiledModel:
             "groups": [list(node.fx_names) for node in self.graph.nodes],
             "device_order": self.device_order,
             "plan": self.plan.to_dict(),
+            "dynamic_dims": dynamic_dims_to_json(self.traced),
         }
         Path(path).write_text(json.dumps(record, indent=1))
 
@@ -128,6 +135,7 @@ def compile(
     fusion_rules: str | Path = "default",
     target_nodes: int | None = None,
     cost: str = "analytic",
+    dynamic_shapes: Any = None,
     **placer_options: Any,
 ) -> CompiledModel:
     """Split ``model`` across ``devices`` so that one inference finishes soonest.
@@ -136,10 +144,13 @@ def compile(
     ``"cpu"`` gives separate logical devices). ``placer`` names a registered placer
     (``moirai.placers()``); ``placer_options`` go to it (e.g. ``time_limit_s`` for ``milp``).
     ``cost`` is ``"analytic"`` (roofline from the device table) or ``"measured"`` (profile every
-    op group on the local devices, cached on disk).
+    op group on the local devices, cached on disk). ``dynamic_shapes`` (torch.export's convention,
+    ``torch.export.Dim``) declares input dimensions that vary: one plan and one split program then
+    serve every size in the declared ranges, with costs taken at the example inputs' shapes.
     """
+    _check_not_misspelt(placer_options)
     cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(list(devices))
-    traced = trace(model, example_inputs, example_kwargs)
+    traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
     problem = build_problem(coarse, cluster, cost, traced)
     plan = place(problem, placer=placer, **placer_options)
@@ -152,8 +163,13 @@ def load(
     example_inputs: tuple = (),
     example_kwargs: dict[str, Any] | None = None,
     devices: Cluster | Sequence[str] | None = None,
+    dynamic_shapes: Any = None,
 ) -> CompiledModel:
-    """Rebuild a compiled model from a saved plan and the model (with real weights)."""
+    """Rebuild a compiled model from a saved plan and the model (with real weights).
+
+    A plan compiled with dynamic shapes is traced again with the same dynamic dimensions (names and
+    ranges from the plan file, applied to ``example_inputs``) unless ``dynamic_shapes`` is given.
+    """
     record = json.loads(Path(path).read_text())
     if record.get("format") != PLAN_FORMAT_VERSION:
         raise PlanError(f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION}; compile the model again")
@@ -161,7 +177,9 @@ def load(
     cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(list(devices or saved_devices))
     if len(cluster) != len(saved_devices):
         raise PlanError(f"{path} places the model on {len(saved_devices)} devices, {len(cluster)} were given")
-    traced = trace(model, example_inputs, example_kwargs)
+    if dynamic_shapes is None and record.get("dynamic_dims"):
+        dynamic_shapes = dynamic_shapes_from_json(record["dynamic_dims"], model, example_inputs, example_kwargs)
+    traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     node_device = {name: int(k) for name, k in record["node_device"].items()}
     program = _split(traced, node_device, record["device_order"], len(cluster), source=str(path))
     graph = build_op_graph(traced)
@@ -170,6 +188,18 @@ def load(
     plan = Plan.from_dict(record["plan"])
     plan.device_names = cluster.names
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
+
+
+def _check_not_misspelt(placer_options: dict[str, Any]) -> None:
+    """A misspelt parameter of compile (``dynamic_shape=``) would reach the placer as an option; name it here."""
+    own = [name for name in inspect.signature(compile).parameters if name != "placer_options"]
+    for option in placer_options:
+        close = difflib.get_close_matches(option, own, n=1, cutoff=0.8)
+        if close:
+            raise MoiraiError(
+                f"moirai.compile has no parameter {option!r}; did you mean {close[0]!r}? Keywords other than "
+                f"compile's own ({', '.join(own)}) go to the placer as its options"
+            )
 
 
 def _assemble(traced: TracedModel, cluster: Cluster, coarse: OpGraph, problem: Problem, plan: Plan) -> CompiledModel:

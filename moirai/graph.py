@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -28,7 +29,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from moirai.trace import TracedModel
+from moirai.trace import TracedModel, example_int
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,9 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _nbytes(value: object) -> int:
-    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+    """Bytes of the tensors in ``value`` at the example shapes."""
+    tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return sum(math.prod(example_int(size) for size in t.shape) * t.element_size() for t in tensors)
 
 
 def _flops(node: fx.Node) -> float:
@@ -217,8 +220,9 @@ def _flops(node: fx.Node) -> float:
         if isinstance(value, fx.Node):
             value = value.meta.get("val")
         if isinstance(value, torch.Tensor):
-            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-        return value
+            shape, stride = ([example_int(size) for size in sizes] for sizes in (value.shape, value.stride()))
+            return torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")
+        return example_int(value) if isinstance(value, torch.SymInt) else value
 
     args, kwargs = pytree.tree_map(as_meta, (node.args, node.kwargs))
     counter = FlopCounterMode(display=False)

@@ -56,7 +56,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from moirai.errors import DistributedError, InputError
 from moirai.runtime.local import check_inputs, place_part
-from moirai.split import SplitProgram, TensorTransfer
+from moirai.split import SplitProgram, TensorTransfer, concrete_shape
 from moirai.trace import TensorSpec
 
 _REPORT_GRACE_S = 10.0
@@ -128,10 +128,9 @@ def run_rank(
         init_rank(rank, world_size, torch_devices, timeout_s)
     if rank >= program.num_devices:
         return None
-    if flat_inputs is not None:
-        check_inputs(program, flat_inputs)
     device = torch.device(torch_devices[rank])
     link = _Link(rank, [torch.device(d) for d in torch_devices], datetime.timedelta(seconds=timeout_s))
+    link.symbol_values = _exchange_symbol_values(program, rank, flat_inputs, link)
     part = program.parts[rank]
     local_inputs = _exchange_inputs(program, rank, flat_inputs, link)
     module = place_part(part, device)
@@ -348,6 +347,7 @@ class _Link:
         self.rank = rank
         self.devices = devices
         self.timeout = timeout
+        self.symbol_values: Mapping[str, int] = {}  # this call's dynamic dimensions: receive buffers' sizes
         self._sends: list[tuple[Any, torch.Tensor, str]] = []
 
     def wire_device(self, peer: int) -> torch.device:
@@ -360,7 +360,7 @@ class _Link:
         self._sends.append((dist.isend(staged, dst, tag=tag), staged, f"sending {what} to rank {dst}"))
 
     def post_recv(self, spec: TensorSpec, src: int, tag: int, what: str) -> _PendingReceive:
-        buffer = torch.empty(spec.shape, dtype=spec.dtype, device=self.wire_device(src))
+        buffer = torch.empty(concrete_shape(spec, self.symbol_values), dtype=spec.dtype, device=self.wire_device(src))
         return _PendingReceive(dist.irecv(buffer, src, tag=tag), buffer, f"receiving {what} from rank {src}", src)
 
     def wait_recv(self, pending: _PendingReceive) -> torch.Tensor:
@@ -403,6 +403,32 @@ class _Transport:
 
     def wait_recv(self, pending: _PendingReceive) -> torch.Tensor:
         return self._link.wait_recv(pending)
+
+    @property
+    def symbol_values(self) -> Mapping[str, int]:
+        return self._link.symbol_values
+
+
+def _exchange_symbol_values(
+    program: SplitProgram, rank: int, flat_inputs: Sequence[torch.Tensor] | None, link: _Link
+) -> dict[str, int]:
+    """Rank 0 checks the inputs and sends every rank the sizes of the dynamic dimensions, before anything else."""
+    if flat_inputs is not None:
+        values = check_inputs(program, flat_inputs)
+        if program.dynamic_dims:
+            sizes = torch.tensor([values[dim.symbol] for dim in program.dynamic_dims], dtype=torch.int64)
+            for other in program.parts[1:]:
+                link.send(sizes, other.device, _symbols_tag(program), "the dynamic dimensions' sizes")
+        return values
+    if not program.dynamic_dims:
+        return {}
+    spec = TensorSpec((len(program.dynamic_dims),), torch.int64)
+    sizes = link.wait_recv(link.post_recv(spec, 0, _symbols_tag(program), "the dynamic dimensions' sizes"))
+    return {dim.symbol: int(size) for dim, size in zip(program.dynamic_dims, sizes.tolist(), strict=True)}
+
+
+def _symbols_tag(program: SplitProgram) -> int:
+    return len(program.transfers) + len(program.input_specs) + len(program.outputs)
 
 
 def _exchange_inputs(
