@@ -11,16 +11,19 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import re
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.printers import PythonPrinter
 
 from moirai.errors import InputError, PlanError, TraceError
@@ -57,7 +60,7 @@ class DynamicDim:
 
     @property
     def range(self) -> str:
-        return f"{self.lower}..{'' if self.upper is None else self.upper}"
+        return f"{self.lower}..{self.upper}" if self.upper is not None else f"{self.lower} or more"
 
 
 def tensor_spec(value: torch.Tensor) -> TensorSpec:
@@ -107,8 +110,8 @@ def check_flat_inputs(
                 continue
             if size < dim.lower or (dim.upper is not None and size > dim.upper):
                 raise InputError(
-                    f"{model_name}: input {position} dimension {axis} ({dim.name}) is {size}, outside the range "
-                    f"{dim.range} the plan serves; compile again with dynamic_shapes whose {dim.name} covers {size}"
+                    f"{model_name}: input {position} dimension {axis} ({dim.name}) is {size}; the plan serves "
+                    f"{dim.name} = {dim.range}: compile again with dynamic_shapes whose {dim.name} covers {size}"
                 )
             if values.setdefault(dim.symbol, size) != size:
                 raise InputError(
@@ -118,7 +121,7 @@ def check_flat_inputs(
     for position, (value, spec) in enumerate(zip(tensors, specs, strict=True)):
         expected_shape = concrete_shape(spec, values)
         if value.dtype != spec.dtype or tuple(value.shape) != expected_shape:
-            shown = spec.shape if spec.symbolic_shape is None else f"({', '.join(spec.symbolic_shape)})"
+            shown = spec.shape if spec.symbolic_shape is None else _shape_with_dim_names(spec, dynamic_dims)
             raise InputError(
                 f"{model_name}: input {position} has shape {tuple(value.shape)} and dtype {value.dtype}, "
                 f"the plan was made for shape {shown} and dtype {spec.dtype}; "
@@ -217,44 +220,49 @@ def trace(
     return TracedModel(graph_module, in_spec, out_spec, input_specs, name, constant_inputs, dynamic_dims)
 
 
-def dynamic_dims_to_json(traced: TracedModel) -> list[dict[str, Any]]:
-    """What a plan file keeps of the dynamic dimensions: name, range and the flat input axes of each."""
-    axes = {
-        dim.symbol: [
-            [position, axis]
+def dynamic_dims_to_json(traced: TracedModel) -> dict[str, Any]:
+    """What a plan file keeps of the dynamic dimensions: each dim's range, and every symbolic input axis."""
+    return {
+        "dims": [
+            {"symbol": dim.symbol, "name": dim.name, "min": dim.lower, "max": dim.upper} for dim in traced.dynamic_dims
+        ],
+        "axes": [
+            [position, axis, expression]
             for position, spec in enumerate(traced.input_specs)
             for axis, expression in enumerate(spec.symbolic_shape or ())
-            if expression == dim.symbol
-        ]
-        for dim in traced.dynamic_dims
+            if not expression.isdigit()
+        ],
     }
-    return [
-        {"name": dim.name, "min": dim.lower, "max": dim.upper, "inputs": axes[dim.symbol]}
-        for dim in traced.dynamic_dims
-    ]
 
 
 def dynamic_shapes_from_json(
-    saved: list[dict[str, Any]], model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict[str, Any] | None
+    saved: dict[str, Any], model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict[str, Any] | None
 ) -> Any:
     """torch.export ``dynamic_shapes`` for the example inputs, rebuilt from a plan's dynamic dimensions."""
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    dims = {d["symbol"]: torch.export.Dim(d["name"], min=d["min"], max=d["max"]) for d in saved["dims"]}
+    axes_of: dict[int, dict[int, Any]] = {}
+    for position, axis, expression in saved["axes"]:
+        if position >= len(tensors):
+            raise PlanError(
+                f"the plan makes dimension {axis} of flat input {position} dynamic ({expression}), but the example "
+                f"inputs have {len(tensors)} tensors; give example inputs structured as those the plan was made with"
+            )
+        # A derived dim (2*batch) is the same arithmetic on torch.export.Dim objects.
+        axes_of.setdefault(position, {})[axis] = eval(_compiled_expression(expression), {"__builtins__": {}}, dims)
     shapes = torch.export.ShapesCollection()
-    axes_of: dict[int, dict[int, torch.export.Dim]] = {}
-    for record in saved:
-        dim = torch.export.Dim(record["name"], min=record["min"], max=record["max"])
-        for position, axis in record["inputs"]:
-            if position >= len(tensors):
-                raise PlanError(
-                    f"the plan makes dimension {axis} of flat input {position} dynamic ({record['name']}), but the "
-                    f"example inputs have {len(tensors)} tensors; give the example inputs the plan was compiled with"
-                )
-            axes_of.setdefault(position, {})[axis] = dim
     for position, axes in axes_of.items():
         shapes[tensors[position]] = axes
     return shapes.dynamic_shapes(model, args, kwargs)
+
+
+def _shape_with_dim_names(spec: TensorSpec, dynamic_dims: Sequence[DynamicDim]) -> str:
+    """``(batch, 2*seq, 16)``: a symbolic shape with the symbols named as the user named the dims."""
+    names = {dim.symbol: dim.name for dim in dynamic_dims}
+    words = [re.sub(r"\b[a-z]+\d+\b", lambda m: names.get(m.group(), m.group()), e) for e in spec.symbolic_shape or ()]
+    return f"({', '.join(words)})"
 
 
 def _dynamic_dims(
@@ -270,15 +278,24 @@ def _dynamic_dims(
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     user_names = _user_dim_names(model, args, kwargs, dynamic_shapes, tensors)
     dims: dict[str, DynamicDim] = {}
-    for position, node in enumerate(graph_module.graph.find_nodes(op="placeholder")):
+    placeholders = graph_module.graph.find_nodes(op="placeholder")
+    for position, node in enumerate(placeholders):
         for axis, size in enumerate(node.meta["val"].shape):
             symbol = symbolic_expression(size)
-            if not isinstance(size, torch.SymInt) or symbol not in ranges or symbol in dims:
+            if not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol or symbol in dims:
                 continue
             bounds = ranges[symbol]
-            upper = None if not bounds.upper.is_finite else int(bounds.upper)
+            upper = None if bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
             name = user_names.get((position, axis), symbol)
             dims[symbol] = DynamicDim(symbol, name, int(bounds.lower), upper, f"input {position} dimension {axis}")
+    for position, node in enumerate(placeholders):
+        for axis, size in enumerate(node.meta["val"].shape):
+            if isinstance(size, torch.SymInt) and {str(symbol) for symbol in size.node.expr.free_symbols} - set(dims):
+                raise TraceError(
+                    f"{type(model).__name__}: input {position} dimension {axis} is {symbolic_expression(size)}, "
+                    "derived from a dimension that is no input's own dimension; moirai computes every size from "
+                    "the input dimensions: declare the root Dim on an input dimension too"
+                )
     return tuple(dims.values())
 
 

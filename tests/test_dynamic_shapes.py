@@ -74,11 +74,11 @@ def test_one_plan_serves_every_shape_distributed(compiled: moirai.CompiledModel,
 
 
 def test_call_outside_the_declared_range_names_the_dimension_and_range(compiled: moirai.CompiledModel) -> None:
-    with pytest.raises(InputError, match=r"dimension 0 \(batch\) is 9, outside the range 1\.\.8"):
+    with pytest.raises(InputError, match=r"dimension 0 \(batch\) is 9; the plan serves batch = 1\.\.8"):
         compiled(torch.randn(9, 4, 16))
-    with pytest.raises(InputError, match=r"dimension 1 \(seq\) is 33, outside the range 1\.\.32"):
+    with pytest.raises(InputError, match=r"dimension 1 \(seq\) is 33; the plan serves seq = 1\.\.32"):
         compiled(torch.randn(2, 33, 16))
-    with pytest.raises(InputError, match=r"shape \(2, 4, 15\).*\(s\d+, s\d+, 16\)"):
+    with pytest.raises(InputError, match=r"shape \(2, 4, 15\).*\(batch, seq, 16\)"):
         compiled(torch.randn(2, 4, 15))
 
 
@@ -106,6 +106,39 @@ def test_save_and_load_keep_the_dynamic_dimensions(compiled: moirai.CompiledMode
         loaded(torch.randn(2, 40, 16))
 
 
+class PairedInputs(torch.nn.Module):
+    """Two inputs sharing the batch dimension, one of them twice as long (a derived Dim)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        halves = pairs.reshape(x.shape[0], 2, 16).sum(1)
+        return self.proj(x) * mask.unsqueeze(-1) + halves
+
+
+def test_shared_and_derived_dims_are_checked_and_survive_save_and_load(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = PairedInputs().eval()
+    batch = Dim("batch", min=2, max=16)
+    dynamic = ({0: batch}, {0: batch}, {0: 2 * batch})
+    example = (torch.randn(4, 16), torch.rand(4), torch.randn(8, 16))
+    compiled = moirai.compile(model, ["cpu", "cpu"], example, dynamic_shapes=dynamic, placer="round_robin")
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    loaded = moirai.load(path, model, example)
+    for split in (compiled, loaded):
+        for rows in (2, 7, 16):
+            inputs = (torch.randn(rows, 16), torch.rand(rows), torch.randn(2 * rows, 16))
+            with torch.no_grad():
+                torch.testing.assert_close(split(*inputs), model(*inputs))
+        with pytest.raises(InputError, match=r"input 1 dimension 0 is 5 but batch \(input 0 dimension 0\) is 6"):
+            split(torch.randn(6, 16), torch.rand(5), torch.randn(12, 16))
+        with pytest.raises(InputError, match=r"input 2 has shape \(11, 16\).*\(2\*batch, 16\)"):
+            split(torch.randn(6, 16), torch.rand(6), torch.randn(11, 16))
+
+
 def test_summary_says_costs_are_those_of_the_example_shape(compiled: moirai.CompiledModel) -> None:
     from rich.console import Console
 
@@ -125,8 +158,13 @@ def test_hf_decoder_with_dynamic_batch_and_sequence() -> None:
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, use_cache=False,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -138,5 +176,11 @@ def test_hf_decoder_with_dynamic_batch_and_sequence() -> None:
         x = torch.randint(0, 64, (batch, seq))
         with torch.no_grad():
             torch.testing.assert_close(compiled(x).logits, model(x).logits)
-    with pytest.raises(InputError, match=r"\(seq\) is 65, outside the range 2\.\.64"):
+    with pytest.raises(InputError, match=r"\(seq\) is 65; the plan serves seq = 2\.\.64"):
         compiled(torch.randint(0, 64, (2, 65)))
+    with DistributedRunner(compiled.torch_devices, timeout_s=60) as runner:
+        for batch, seq in [(2, 5), (6, 33)]:
+            x = torch.randint(0, 64, (batch, seq))
+            flat_outputs = runner.run(compiled.program, compiled.traced.flatten_inputs((x,), {}))
+            with torch.no_grad():
+                torch.testing.assert_close(compiled.traced.unflatten_outputs(flat_outputs).logits, model(x).logits)
