@@ -194,6 +194,12 @@ def trace(
     try:
         exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as export_error:
+        if dynamic_shapes is not None and "tree_name" in str(export_error):
+            raise TraceError(
+                f"could not trace {name} with dynamic_shapes: torch.export fails when an input goes to the model "
+                f"through **kwargs (here one of {sorted(kwargs)}); pass such options by a named parameter of forward "
+                "or leave them out (a Hugging Face model's ModelOutput needs no return_dict=False)"
+            ) from export_error
         if kwargs or dynamic_shapes is not None:
             raise _trace_error(name, export_error) from export_error
         graph_module = _symbolic_trace_fallback(model, args, name, export_error)
@@ -220,8 +226,10 @@ def trace(
     return TracedModel(graph_module, in_spec, out_spec, input_specs, name, constant_inputs, dynamic_dims)
 
 
-def dynamic_dims_to_json(traced: TracedModel) -> dict[str, Any]:
+def dynamic_dims_to_json(traced: TracedModel) -> dict[str, Any] | None:
     """What a plan file keeps of the dynamic dimensions: each dim's range, and every symbolic input axis."""
+    if not traced.dynamic_dims:
+        return None
     return {
         "dims": [
             {"symbol": dim.symbol, "name": dim.name, "min": dim.lower, "max": dim.upper} for dim in traced.dynamic_dims

@@ -153,6 +153,22 @@ def test_misspelt_compile_parameter_is_named_not_passed_to_the_placer(model) -> 
         moirai.compile(model, ["cpu"], (torch.randn(4, 6, 16),), dynamic_shape=_dynamic(), placer="heft")
 
 
+class ThroughKwargs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, **kwargs: bool) -> torch.Tensor:
+        return self.proj(x) * (2 if kwargs.get("double") else 1)
+
+
+def test_dynamic_shapes_with_an_input_through_var_kwargs_is_a_trace_error_saying_what_to_do() -> None:
+    # torch.export cannot map dynamic_shapes onto **kwargs inputs (an AssertionError deep inside it).
+    dynamic = {"x": {0: Dim("batch")}, "kwargs": {"double": None}}
+    with pytest.raises(moirai.TraceError, match=r"\*\*kwargs \(here one of \['double'\]\)"):
+        moirai.compile(ThroughKwargs(), ["cpu"], (torch.randn(3, 4),), {"double": True}, dynamic_shapes=dynamic)
+
+
 @pytest.mark.slow
 def test_hf_decoder_with_dynamic_batch_and_sequence() -> None:
     import transformers
