@@ -65,6 +65,7 @@ import torch.fx as fx
 from torch.utils._sympy.functions import FloorDiv, PythonMod
 
 from moirai.errors import PlanError
+from moirai.progress import stage
 from moirai.trace import (
     DynamicDim,
     TensorSpec,
@@ -149,6 +150,7 @@ def symbol_values(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) ->
     return check_flat_inputs(program.input_specs, program.dynamic_dims, flat_inputs, "the program")
 
 
+@stage("split")
 def split_module(
     traced: TracedModel,
     node_device: Mapping[str, int],

@@ -27,6 +27,7 @@ from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.printers import PythonPrinter
 
 from moirai.errors import InputError, PlanError, TraceError
+from moirai.progress import stage
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ class TracedModel:
         return pytree.tree_unflatten(list(flat_outputs), self.out_spec)
 
 
+@stage("trace")
 def trace(
     model: torch.nn.Module,
     example_inputs: tuple = (),

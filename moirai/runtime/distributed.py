@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from moirai.errors import DistributedError, InputError
+from moirai.progress import stage
 from moirai.runtime.local import check_inputs, place_part
 from moirai.split import SplitProgram, TensorTransfer, concrete_shape
 from moirai.trace import TensorSpec
@@ -197,6 +198,7 @@ class DistributedRunner:
             commands.put(("close",))
         self._stop(grace_s=5.0)
 
+    @stage("start workers")
     def _start(self) -> None:
         context = torch.multiprocessing.get_context("spawn")
         port = _free_loopback_port()
