@@ -3,7 +3,9 @@
 Placeholders (model inputs) and ``get_attr`` nodes (parameters, buffers, constants) are
 not OpGraph nodes: inputs are available to every device, and a parameter is charged to
 the nodes that read it (``param_names``). ``operator.getitem`` on a multi-output op joins
-its producer's node. Every other ``call_function`` is a node.
+its producer's node. Every other ``call_function`` is a node. A scalar of the input shapes
+(``sym_size`` and arithmetic on it, in a model traced with dynamic shapes) is a node without
+out-edges: every device that reads one computes it itself (see :mod:`moirai.split`).
 
 A coarse graph (after :mod:`moirai.coarsen`) has the same type: its nodes are groups of
 ops, built with :meth:`OpGraph.merge`.
@@ -30,7 +32,7 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from moirai.progress import stage
-from moirai.trace import TracedModel, example_int
+from moirai.trace import TracedModel, example_int, shape_scalars
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class OpGraph:
 def build_op_graph(traced: TracedModel) -> OpGraph:
     """One OpNode per compute op of ``traced``, with FLOPs, bytes and parameter bytes."""
     graph_module = traced.graph_module
+    scalars = shape_scalars(traced)
     parameter_bytes: dict[str, float] = {}
     for node in graph_module.graph.find_nodes(op="get_attr"):
         parameter_bytes[node.name] = _nbytes(node.meta.get("val", getattr(graph_module, str(node.target), None)))
@@ -179,7 +182,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
         )
         node_of[fx_node.name] = index
         for producer in inputs:
-            if producer.name in node_of and node_of[producer.name] != index:
+            if producer.name in node_of and node_of[producer.name] != index and producer not in scalars:
                 key = (node_of[producer.name], index, producer.name)
                 edges.setdefault(key, OpEdge(*key, float(_nbytes(producer.meta.get("val")))))
     return OpGraph(tuple(nodes), tuple(edges.values()), parameter_bytes)

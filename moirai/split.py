@@ -55,22 +55,23 @@ from __future__ import annotations
 import copy
 import numbers
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import sympy
 import torch
 import torch.fx as fx
-from torch.utils._sympy.functions import FloorDiv, PythonMod
 
 from moirai.errors import PlanError
 from moirai.progress import stage
 from moirai.trace import (
+    SHAPE_OPERATORS,
     DynamicDim,
     TensorSpec,
     TracedModel,
     check_flat_inputs,
+    shape_scalars,
     tensor_spec,
 )
 from moirai.trace import concrete_shape as concrete_shape  # part of this module's interface for the runtimes
@@ -169,8 +170,8 @@ def split_module(
     ops = [node for node in graph.nodes if node.op in _COMPUTE_OPS]
     _check_assignment(ops, node_device, num_devices, traced.model_name)
     sequences = _device_sequences(ops, node_device, num_devices, device_order)
-    global_order = _merge_orders(sequences, node_device, {node: i for i, node in enumerate(graph.nodes)})
-    scalars = _shape_scalars(ops, traced.dynamic_dims)
+    scalars = shape_scalars(traced)
+    global_order = _merge_orders(sequences, node_device, {node: i for i, node in enumerate(graph.nodes)}, scalars)
     transfers = _transfers([node for node in global_order if node not in scalars], node_device)
     (output_node,) = graph.find_nodes(op="output")
     output_values = output_node.args[0]
@@ -198,47 +199,6 @@ def split_module(
     ]
     parts = tuple(builder.part(transfers) for builder in builders)
     return SplitProgram(parts, tuple(transfers), tuple(locations), traced.input_specs, traced.dynamic_dims)
-
-
-def _shape_scalars(ops: list[fx.Node], dynamic_dims: Sequence[DynamicDim]) -> dict[fx.Node, sympy.Expr]:
-    """Ops whose value is arithmetic on the input dimensions only (``sym_size``, products of sizes).
-
-    Only tensors cross devices: every part that reads such a scalar computes it itself, from the
-    call's ``transport.symbol_values``, with plain operators (so a pickled part, traced again when
-    unpickled, records them as it does any Python arithmetic).
-    """
-    symbols = {dim.symbol for dim in dynamic_dims}
-    scalars = {}
-    for node in ops:
-        value = node.meta.get("val")
-        if isinstance(value, (torch.SymInt, torch.SymBool)) and _is_shape_arithmetic(value.node.expr, symbols):
-            scalars[node] = value.node.expr
-    return scalars
-
-
-_SYMPY_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
-    sympy.Add: operator.add,
-    sympy.Mul: operator.mul,
-    FloorDiv: operator.floordiv,
-    PythonMod: operator.mod,
-    sympy.Mod: operator.mod,
-    sympy.Eq: operator.eq,
-    sympy.Ne: operator.ne,
-    sympy.StrictLessThan: operator.lt,
-    sympy.LessThan: operator.le,
-    sympy.StrictGreaterThan: operator.gt,
-    sympy.GreaterThan: operator.ge,
-}
-
-
-def _is_shape_arithmetic(expr: sympy.Basic, symbols: set[str]) -> bool:
-    if expr.is_Symbol:
-        return str(expr) in symbols
-    if expr.is_Integer or expr in (sympy.true, sympy.false):
-        return True
-    if isinstance(expr, sympy.Pow):
-        return bool(expr.exp.is_Integer and expr.exp > 0) and _is_shape_arithmetic(expr.base, symbols)
-    return type(expr) in _SYMPY_OPERATORS and all(_is_shape_arithmetic(arg, symbols) for arg in expr.args)
 
 
 def _is_op(value: object) -> bool:
@@ -297,7 +257,10 @@ def _device_sequences(
 
 
 def _merge_orders(
-    sequences: list[list[fx.Node]], node_device: Mapping[str, int], position: Mapping[fx.Node, int]
+    sequences: list[list[fx.Node]],
+    node_device: Mapping[str, int],
+    position: Mapping[fx.Node, int],
+    scalars: Mapping[fx.Node, Any],
 ) -> list[fx.Node]:
     """One global order of all ops that every device's sequence is a restriction of.
 
@@ -310,7 +273,7 @@ def _merge_orders(
     merged: list[fx.Node] = []
 
     def ready(node: fx.Node) -> bool:
-        return all(p in done for p in node.all_input_nodes if _is_op(p))
+        return all(p in done for p in node.all_input_nodes if _is_op(p) and p not in scalars)
 
     total = sum(len(s) for s in sequences)
     while len(merged) < total:
@@ -422,7 +385,7 @@ class _PartBuilder:
             return self.graph.create_node(
                 "call_function", operator.pow, (self._emit_shape_arithmetic(expr.base), int(expr.exp))
             )
-        function = _SYMPY_OPERATORS[type(expr)]
+        function = SHAPE_OPERATORS[type(expr)]
         result, *rest = (self._emit_shape_arithmetic(arg) for arg in expr.args)
         for operand in rest:  # Add and Mul take any number of terms
             result = self.graph.create_node("call_function", function, (result, operand))

@@ -13,7 +13,7 @@ import math
 import operator
 import re
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import CodeType
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils._sympy.functions import FloorDiv, PythonMod
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.printers import PythonPrinter
 
@@ -266,6 +267,52 @@ def dynamic_shapes_from_json(
     for position, axes in axes_of.items():
         shapes[tensors[position]] = axes
     return shapes.dynamic_shapes(model, args, kwargs)
+
+
+def shape_scalars(traced: TracedModel) -> dict[fx.Node, sympy.Expr]:
+    """Ops whose value is arithmetic on the input dimensions only (``sym_size``, products of sizes).
+
+    Only tensors cross devices: every part that reads such a scalar computes it itself from the
+    call's symbol values (:mod:`moirai.split`), so no edge of the op graph carries one.
+    """
+    symbols = {dim.symbol for dim in traced.dynamic_dims}
+    scalars = {}
+    for node in traced.graph_module.graph.nodes:
+        value = node.meta.get("val")
+        if (
+            symbols
+            and node.op == "call_function"
+            and isinstance(value, (torch.SymInt, torch.SymBool))
+            and _is_shape_arithmetic(value.node.expr, symbols)
+        ):
+            scalars[node] = value.node.expr
+    return scalars
+
+
+# The sympy expressions of shape scalars, as Python operators (what a part computes them with).
+SHAPE_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
+    sympy.Add: operator.add,
+    sympy.Mul: operator.mul,
+    FloorDiv: operator.floordiv,
+    PythonMod: operator.mod,
+    sympy.Mod: operator.mod,
+    sympy.Eq: operator.eq,
+    sympy.Ne: operator.ne,
+    sympy.StrictLessThan: operator.lt,
+    sympy.LessThan: operator.le,
+    sympy.StrictGreaterThan: operator.gt,
+    sympy.GreaterThan: operator.ge,
+}
+
+
+def _is_shape_arithmetic(expr: sympy.Basic, symbols: set[str]) -> bool:
+    if expr.is_Symbol:
+        return str(expr) in symbols
+    if expr.is_Integer or expr in (sympy.true, sympy.false):
+        return True
+    if isinstance(expr, sympy.Pow):
+        return bool(expr.exp.is_Integer and expr.exp > 0) and _is_shape_arithmetic(expr.base, symbols)
+    return type(expr) in SHAPE_OPERATORS and all(_is_shape_arithmetic(arg, symbols) for arg in expr.args)
 
 
 def _shape_with_dim_names(spec: TensorSpec, dynamic_dims: Sequence[DynamicDim]) -> str:

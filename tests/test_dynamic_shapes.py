@@ -8,9 +8,10 @@ from torch.export import Dim
 
 import moirai
 from moirai.errors import InputError, MoiraiError
+from moirai.graph import build_op_graph
 from moirai.runtime.distributed import DistributedRunner
 from moirai.split import concrete_shape, symbol_values
-from moirai.trace import TensorSpec
+from moirai.trace import TensorSpec, shape_scalars
 
 SHAPES = [(1, 1), (3, 5), (8, 32), (4, 6), (2, 17)]
 
@@ -54,6 +55,10 @@ def test_parts_compute_shape_sizes_from_the_symbol_values(compiled: moirai.Compi
     assert any(".symbol_values" in code for code in codes)
     assert all("aten.sym_size" not in code for code in codes)
     assert any(t.spec.symbolic_shape is not None for t in compiled.program.transfers)
+    # No op-graph edge carries a shape scalar, so the plan predicts exactly the transfers the program makes.
+    scalars = {node.name for node in shape_scalars(compiled.traced)}
+    assert scalars and not any(edge.tensor in scalars for edge in build_op_graph(compiled.traced).edges)
+    assert len(moirai.simulate(compiled.problem, compiled.plan).transfers) == len(compiled.program.transfers)
 
 
 def test_one_plan_serves_every_shape_in_range_locally(compiled: moirai.CompiledModel, model) -> None:
