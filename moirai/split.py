@@ -45,7 +45,8 @@ Placement rules:
   attributes are served by part 0. The runtimes return all outputs on device 0.
 - Only tensors cross devices. A node whose value is a tuple or list (``split``) must sit on the
   same device as the ``getitem`` nodes that unpack it, as :func:`moirai.graph.build_op_graph`
-  groups them.
+  groups them. A scalar of the input shapes (``sym_size``, ``batch * seq``, in a model traced
+  with dynamic shapes) is computed by every part that reads it from ``transport.symbol_values``.
 
 Weights may be on ``meta``: the split program can then be inspected but not run.
 """
