@@ -283,7 +283,7 @@ def _merge_orders(
             blocked = [
                 f"device {k} runs {s[h].name} next, which needs "
                 + ", ".join(f"{p.name} (device {node_device[p.name]})" for p in s[h].all_input_nodes
-                            if _is_op(p) and p not in done)
+                            if _is_op(p) and p not in done and p not in scalars)
                 for k, (s, h) in enumerate(zip(sequences, heads, strict=True)) if h < len(s)
             ]
             raise PlanError(

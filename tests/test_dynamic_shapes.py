@@ -205,3 +205,26 @@ def test_hf_decoder_with_dynamic_batch_and_sequence() -> None:
             flat_outputs = runner.run(compiled.program, compiled.traced.flatten_inputs((x,), {}))
             with torch.no_grad():
                 torch.testing.assert_close(compiled.traced.unflatten_outputs(flat_outputs).logits, model(x).logits)
+
+
+@pytest.mark.slow
+def test_hf_gpt2_with_attention_mask_sharing_batch_and_sequence() -> None:
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=2, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    batch, seq = Dim("batch", min=1, max=8), Dim("seq", min=2, max=64)
+    dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+    example = (torch.randint(0, 100, (4, 16)),)
+    mask = {"attention_mask": torch.ones(4, 16, dtype=torch.long)}
+    compiled = moirai.compile(model, ["cpu"] * 3, example, mask, dynamic_shapes=dynamic, placer="heft", progress=False)
+    for rows, length in [(1, 2), (5, 40), (8, 64)]:
+        tokens = torch.randint(0, 100, (rows, length))
+        attention_mask = torch.ones(rows, length, dtype=torch.long)
+        attention_mask[0, : length // 2] = 0
+        with torch.no_grad():
+            expected = model(tokens, attention_mask=attention_mask).logits
+            torch.testing.assert_close(compiled(tokens, attention_mask=attention_mask).logits, expected)
+    with pytest.raises(InputError, match=r"input 1 dimension 1 is 9 but seq \(input 0 dimension 1\) is 8"):
+        compiled(torch.randint(0, 100, (2, 8)), attention_mask=torch.ones(2, 9, dtype=torch.long))
