@@ -11,6 +11,8 @@ Example::
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import os
 from collections.abc import Sequence
@@ -38,7 +40,7 @@ from moirai.runtime.local import check_inputs, run_local
 from moirai.runtime.server import Server
 from moirai.simulate import simulate
 from moirai.split import SplitProgram, split_module
-from moirai.trace import TracedModel, trace
+from moirai.trace import TracedModel, dynamic_dims_to_json, dynamic_shapes_from_json, trace
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -119,6 +121,10 @@ class CompiledModel:
             reserve_bytes=activation_peak_bytes(self.graph),
             title=f"moirai plan for {self.traced.model_name} ({self.plan.placer})",
         )
+        if self.traced.dynamic_dims:
+            dims = ", ".join(f"{dim.name} {dim.range}" for dim in self.traced.dynamic_dims)
+            shapes = ", ".join(str(spec.shape) for spec in self.traced.input_specs)
+            table.caption += f"\ndynamic {dims}: costs and times are those of the example inputs {shapes}"
         (console or Console()).print(table)
         return table
 
@@ -155,6 +161,7 @@ class CompiledModel:
             "groups": [list(node.fx_names) for node in self.graph.nodes],
             "device_order": self.device_order,
             "plan": self.plan.to_dict(),
+            "dynamic_dims": dynamic_dims_to_json(self.traced),
         }
         Path(path).write_text(json.dumps(record, indent=1))
 
@@ -170,6 +177,7 @@ def compile(
     target_nodes: int | None = None,
     cost: str = "analytic",
     objective: str | Objective = "latency",
+    dynamic_shapes: Any = None,
     progress: bool = True,
     calibration: str | Path | None = None,
     **placer_options: Any,
@@ -182,16 +190,20 @@ def compile(
     ``time_limit_s`` for ``milp``). ``objective`` is ``"latency"`` (one request finishes soonest) or
     ``"throughput"`` (the period of pipelined requests, :class:`moirai.objective.Throughput` for a latency limit).
     ``cost`` is ``"analytic"`` (roofline from the device table) or ``"measured"`` (profile every
-    op group on the local devices, cached on disk). ``progress=False`` silences the line per stage.
+    op group on the local devices, cached on disk). ``dynamic_shapes`` (torch.export's convention,
+    ``torch.export.Dim``) declares input dimensions that vary: one plan and one split program then
+    serve every size in the declared ranges, with costs taken at the example inputs' shapes.
+    ``progress=False`` silences the line per stage.
     ``calibration`` says what the links between local devices (a list of device strings) cost:
     ``"auto"`` (the default with ``cost="measured"``) this machine's calibration, measured the first
     time and cached (:func:`moirai.calibrate.local_calibration`); ``"remeasure"`` measures it
     again; a path reads a calibration file; ``"none"`` (the default with ``cost="analytic"``) keeps
     the detected defaults. A :class:`moirai.Cluster` keeps the links it describes.
     """
+    _check_not_misspelt(placer_options)
     calibration = _DEFAULT_CALIBRATION.get(cost, "none") if calibration is None else calibration
     cluster = _local_cluster(devices, calibration)
-    traced = trace(model, example_inputs, example_kwargs)
+    traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
     problem = build_problem(coarse, cluster, cost, traced)
     plan = place(problem, placer=placer, objective=objective, **placer_options)
@@ -221,9 +233,14 @@ def load(
     example_inputs: tuple = (),
     example_kwargs: dict[str, Any] | None = None,
     devices: Cluster | Sequence[str] | None = None,
+    dynamic_shapes: Any = None,
     progress: bool = True,
 ) -> CompiledModel:
-    """Rebuild a compiled model from a saved plan and the model (with real weights); ``progress`` as in compile."""
+    """Rebuild a compiled model from a saved plan and the model (with real weights); ``progress`` as in compile.
+
+    A plan compiled with dynamic shapes is traced again with the same dynamic dimensions (names and
+    ranges from the plan file, applied to ``example_inputs``) unless ``dynamic_shapes`` is given.
+    """
     record = json.loads(Path(path).read_text())
     if record.get("format") != PLAN_FORMAT_VERSION:
         raise PlanError(f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION}; compile the model again")
@@ -231,11 +248,13 @@ def load(
     cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(list(devices or saved_devices))
     if len(cluster) != len(saved_devices):
         raise PlanError(f"{path} places the model on {len(saved_devices)} devices, {len(cluster)} were given")
-    traced = trace(model, example_inputs, example_kwargs)
+    if dynamic_shapes is None and record.get("dynamic_dims"):
+        dynamic_shapes = dynamic_shapes_from_json(record["dynamic_dims"], model, example_inputs, example_kwargs)
+    traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     node_device = {name: int(k) for name, k in record["node_device"].items()}
     program = _split(traced, node_device, record["device_order"], len(cluster), source=str(path))
     graph = build_op_graph(traced)
-    coarse = graph.merge([[graph.node_of_fx_name[name] for name in group] for group in record["groups"]])
+    coarse = graph.merge([graph.nodes_of_fx_names(group) for group in record["groups"]])
     problem = build_problem(coarse, cluster, traced=traced)
     plan = Plan.from_dict(record["plan"])
     plan.device_names = cluster.names
@@ -245,6 +264,18 @@ def load(
 def serve_rank(compiled: CompiledModel, timeout_s: float = 120.0) -> None:
     """Under torchrun, on every rank but 0: serve rank 0's ``compiled.server()`` until it closes."""
     distributed.serve_rank(compiled.program, compiled.cluster.devices, timeout_s=timeout_s)
+
+
+def _check_not_misspelt(placer_options: dict[str, Any]) -> None:
+    """A misspelt parameter of compile (``dynamic_shape=``) would reach the placer as an option; name it here."""
+    own = [name for name in inspect.signature(compile).parameters if name != "placer_options"]
+    for option in placer_options:
+        close = difflib.get_close_matches(option, own, n=1, cutoff=0.8)
+        if close:
+            raise MoiraiError(
+                f"moirai.compile has no parameter {option!r}; did you mean {close[0]!r}? Keywords other than "
+                f"compile's own ({', '.join(own)}) go to the placer as its options"
+            )
 
 
 def _assemble(traced: TracedModel, cluster: Cluster, coarse: OpGraph, problem: Problem, plan: Plan) -> CompiledModel:

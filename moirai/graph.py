@@ -3,7 +3,9 @@
 Placeholders (model inputs) and ``get_attr`` nodes (parameters, buffers, constants) are
 not OpGraph nodes: inputs are available to every device, and a parameter is charged to
 the nodes that read it (``param_names``). ``operator.getitem`` on a multi-output op joins
-its producer's node. Every other ``call_function`` is a node.
+its producer's node. Every other ``call_function`` is a node. A scalar of the input shapes
+(``sym_size`` and arithmetic on it, in a model traced with dynamic shapes) is a node without
+out-edges: every device that reads one computes it itself (see :mod:`moirai.split`).
 
 A coarse graph (after :mod:`moirai.coarsen`) has the same type: its nodes are groups of
 ops, built with :meth:`OpGraph.merge`.
@@ -16,9 +18,10 @@ Example::
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import networkx as nx
@@ -29,7 +32,7 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from moirai.progress import stage
-from moirai.trace import TracedModel
+from moirai.trace import TracedModel, example_int, shape_scalars
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,14 @@ class OpGraph:
     @cached_property
     def node_of_fx_name(self) -> dict[str, int]:
         return {fx_name: i for i, node in enumerate(self.nodes) for fx_name in node.fx_names}
+
+    def nodes_of_fx_names(self, fx_names: Sequence[str]) -> list[int]:
+        """The distinct nodes standing for ``fx_names``, in order of first mention.
+
+        A node stands for several fx names (a multi-output op and the ``getitem`` nodes that
+        unpack it), so a group of fx names names such a node once per fx name.
+        """
+        return list(dict.fromkeys(self.node_of_fx_name[name] for name in fx_names))
 
     def to_networkx(self) -> nx.DiGraph:
         """DiGraph over node indices; edge attribute ``bytes`` sums the tensors on that edge."""
@@ -135,6 +146,7 @@ class OpGraph:
 def build_op_graph(traced: TracedModel) -> OpGraph:
     """One OpNode per compute op of ``traced``, with FLOPs, bytes and parameter bytes."""
     graph_module = traced.graph_module
+    scalars = shape_scalars(traced)
     parameter_bytes: dict[str, float] = {}
     for node in graph_module.graph.find_nodes(op="get_attr"):
         parameter_bytes[node.name] = _nbytes(node.meta.get("val", getattr(graph_module, str(node.target), None)))
@@ -149,11 +161,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
         if fx_node.target is operator.getitem and inputs and inputs[0].name in node_of:
             owner = node_of[inputs[0].name]
             node_of[fx_node.name] = owner
-            grown = nodes[owner]
-            nodes[owner] = OpNode(
-                grown.name, grown.targets, grown.fx_names + (fx_node.name,), grown.flops, grown.bytes_moved,
-                grown.output_bytes, grown.param_names, grown.param_bytes,
-            )
+            nodes[owner] = replace(nodes[owner], fx_names=nodes[owner].fx_names + (fx_node.name,))
             continue
         index = len(nodes)
         params = frozenset(n.name for n in inputs if n.op == "get_attr")
@@ -174,7 +182,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
         )
         node_of[fx_node.name] = index
         for producer in inputs:
-            if producer.name in node_of and node_of[producer.name] != index:
+            if producer.name in node_of and node_of[producer.name] != index and producer not in scalars:
                 key = (node_of[producer.name], index, producer.name)
                 edges.setdefault(key, OpEdge(*key, float(_nbytes(producer.meta.get("val")))))
     return OpGraph(tuple(nodes), tuple(edges.values()), parameter_bytes)
@@ -197,7 +205,9 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _nbytes(value: object) -> int:
-    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+    """Bytes of the tensors in ``value`` at the example shapes."""
+    tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return sum(math.prod(example_int(size) for size in t.shape) * t.element_size() for t in tensors)
 
 
 def _flops(node: fx.Node) -> float:
@@ -215,8 +225,9 @@ def _flops(node: fx.Node) -> float:
         if isinstance(value, fx.Node):
             value = value.meta.get("val")
         if isinstance(value, torch.Tensor):
-            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-        return value
+            shape, stride = ([example_int(size) for size in sizes] for sizes in (value.shape, value.stride()))
+            return torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")
+        return example_int(value) if isinstance(value, torch.SymInt) else value
 
     args, kwargs = pytree.tree_map(as_meta, (node.args, node.kwargs))
     counter = FlopCounterMode(display=False)

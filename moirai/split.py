@@ -45,7 +45,8 @@ Placement rules:
   attributes are served by part 0. The runtimes return all outputs on device 0.
 - Only tensors cross devices. A node whose value is a tuple or list (``split``) must sit on the
   same device as the ``getitem`` nodes that unpack it, as :func:`moirai.graph.build_op_graph`
-  groups them.
+  groups them. A scalar of the input shapes (``sym_size``, ``batch * seq``, in a model traced
+  with dynamic shapes) is computed by every part that reads it from ``transport.symbol_values``.
 
 Weights may be on ``meta``: the split program can then be inspected but not run.
 """
@@ -54,22 +55,39 @@ from __future__ import annotations
 
 import copy
 import numbers
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import sympy
 import torch
 import torch.fx as fx
 
 from moirai.errors import PlanError
 from moirai.progress import stage
-from moirai.trace import TensorSpec, TracedModel
+from moirai.trace import (
+    SHAPE_OPERATORS,
+    DynamicDim,
+    TensorSpec,
+    TracedModel,
+    check_flat_inputs,
+    shape_scalars,
+    tensor_spec,
+)
+from moirai.trace import concrete_shape as concrete_shape  # part of this module's interface for the runtimes
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
 
 class Transport(Protocol):
-    """What a part's communication nodes call; the runtime supplies the implementation."""
+    """What a part's communication nodes call; the runtime supplies the implementation.
+
+    ``symbol_values`` are this call's dynamic dimensions (:func:`symbol_values`; empty for a
+    static program): receive buffers and a part's shape arithmetic are sized from them.
+    """
+
+    symbol_values: Mapping[str, int]
 
     def send(self, tensor: torch.Tensor, transfer_index: int) -> None: ...
 
@@ -122,10 +140,16 @@ class SplitProgram:
     transfers: tuple[TensorTransfer, ...]
     outputs: tuple[OutputLocation, ...]
     input_specs: tuple[TensorSpec, ...]
+    dynamic_dims: tuple[DynamicDim, ...] = ()
 
     @property
     def num_devices(self) -> int:
         return len(self.parts)
+
+
+def symbol_values(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> dict[str, int]:
+    """The value of every dynamic dimension at these flat inputs (driver side); InputError unless they fit."""
+    return check_flat_inputs(program.input_specs, program.dynamic_dims, flat_inputs, "the program")
 
 
 @stage("split")
@@ -147,24 +171,26 @@ def split_module(
     ops = [node for node in graph.nodes if node.op in _COMPUTE_OPS]
     _check_assignment(ops, node_device, num_devices, traced.model_name)
     sequences = _device_sequences(ops, node_device, num_devices, device_order)
-    global_order = _merge_orders(sequences, node_device, {node: i for i, node in enumerate(graph.nodes)})
-    transfers = _transfers(global_order, node_device)
+    scalars = shape_scalars(traced)
+    global_order = _merge_orders(sequences, node_device, {node: i for i, node in enumerate(graph.nodes)}, scalars)
+    transfers = _transfers([node for node in global_order if node not in scalars], node_device)
     (output_node,) = graph.find_nodes(op="output")
     output_values = output_node.args[0]
     output_device = [node_device[v.name] if _is_op(v) else 0 for v in output_values]
-    builders = [_PartBuilder(k, traced.graph_module) for k in range(num_devices)]
+    builders = [_PartBuilder(k, traced.graph_module, scalars) for k in range(num_devices)]
     placeholders = graph.find_nodes(op="placeholder")
     for builder in builders:
         builder.add_inputs_and_attributes(
             placeholders,
-            sequences[builder.device],
+            [node for node in sequences[builder.device] if node not in scalars],
             [v for v, d in zip(output_values, output_device, strict=True) if d == builder.device],
         )
     transfers_after: dict[str, list[TensorTransfer]] = {}
     for transfer in transfers:
         transfers_after.setdefault(transfer.tensor, []).append(transfer)
     for node in global_order:
-        builders[node_device[node.name]].add_op(node)
+        if node not in scalars:
+            builders[node_device[node.name]].add_op(node)
         for transfer in transfers_after.get(node.name, ()):
             builders[transfer.src].add_send(transfer)
             builders[transfer.dst].add_recv(transfer)
@@ -173,7 +199,7 @@ def split_module(
         for position, (value, device) in enumerate(zip(output_values, output_device, strict=True))
     ]
     parts = tuple(builder.part(transfers) for builder in builders)
-    return SplitProgram(parts, tuple(transfers), tuple(locations), traced.input_specs)
+    return SplitProgram(parts, tuple(transfers), tuple(locations), traced.input_specs, traced.dynamic_dims)
 
 
 def _is_op(value: object) -> bool:
@@ -232,7 +258,10 @@ def _device_sequences(
 
 
 def _merge_orders(
-    sequences: list[list[fx.Node]], node_device: Mapping[str, int], position: Mapping[fx.Node, int]
+    sequences: list[list[fx.Node]],
+    node_device: Mapping[str, int],
+    position: Mapping[fx.Node, int],
+    scalars: Mapping[fx.Node, Any],
 ) -> list[fx.Node]:
     """One global order of all ops that every device's sequence is a restriction of.
 
@@ -245,7 +274,7 @@ def _merge_orders(
     merged: list[fx.Node] = []
 
     def ready(node: fx.Node) -> bool:
-        return all(p in done for p in node.all_input_nodes if _is_op(p))
+        return all(p in done for p in node.all_input_nodes if _is_op(p) and p not in scalars)
 
     total = sum(len(s) for s in sequences)
     while len(merged) < total:
@@ -254,7 +283,7 @@ def _merge_orders(
             blocked = [
                 f"device {k} runs {s[h].name} next, which needs "
                 + ", ".join(f"{p.name} (device {node_device[p.name]})" for p in s[h].all_input_nodes
-                            if _is_op(p) and p not in done)
+                            if _is_op(p) and p not in done and p not in scalars)
                 for k, (s, h) in enumerate(zip(sequences, heads, strict=True)) if h < len(s)
             ]
             raise PlanError(
@@ -284,7 +313,7 @@ def _transfers(global_order: list[fx.Node], node_device: Mapping[str, int]) -> l
                 f"{', '.join(consumers)} on device(s) {remote}; only tensors can cross devices: put the ops that "
                 f"unpack it (getitem) on device {src}"
             )
-        spec = TensorSpec(tuple(int(s) for s in value.shape), value.dtype)
+        spec = tensor_spec(value)
         transfers += [TensorTransfer(len(transfers) + i, node.name, src, dst, spec) for i, dst in enumerate(remote)]
     return transfers
 
@@ -292,9 +321,11 @@ def _transfers(global_order: list[fx.Node], node_device: Mapping[str, int]) -> l
 class _PartBuilder:
     """Builds one device's graph node by node, in the global order."""
 
-    def __init__(self, device: int, source: fx.GraphModule) -> None:
+    def __init__(self, device: int, source: fx.GraphModule, scalars: Mapping[fx.Node, sympy.Expr]) -> None:
         self.device = device
         self.source = source
+        self.scalars = scalars
+        self.symbol_nodes: dict[str, fx.Node] = {}
         self.graph = fx.Graph()
         self.transport = self.graph.placeholder("transport")
         self.env: dict[str, fx.Node] = {}
@@ -329,7 +360,37 @@ class _PartBuilder:
                 wait = self.graph.create_node("call_method", "wait_recv", (self.transport, pending), name=producer.name)
                 wait.meta["val"] = producer.meta.get("val")
                 self.env[producer.name] = wait
-        self.env[node.name] = self.graph.node_copy(node, lambda n: self.env[n.name])
+        self.env[node.name] = self.graph.node_copy(node, self.local_value)
+
+    def local_value(self, node: fx.Node) -> Any:
+        """This part's value for ``node``; a shape scalar is computed here on first use."""
+        if node.name not in self.env and node in self.scalars:
+            self.env[node.name] = self._emit_shape_arithmetic(self.scalars[node])
+        return self.env[node.name]
+
+    def _emit_shape_arithmetic(self, expr: sympy.Basic) -> Any:
+        if expr.is_Integer:
+            return int(expr)
+        if expr in (sympy.true, sympy.false):
+            return bool(expr)
+        if expr.is_Symbol:
+            name = str(expr)
+            if name not in self.symbol_nodes:
+                if not self.symbol_nodes:
+                    values = self.graph.create_node("call_function", getattr, (self.transport, "symbol_values"))
+                    self.symbol_nodes[""] = values
+                getter = (self.symbol_nodes[""], name)
+                self.symbol_nodes[name] = self.graph.create_node("call_function", operator.getitem, getter, name=name)
+            return self.symbol_nodes[name]
+        if isinstance(expr, sympy.Pow):
+            return self.graph.create_node(
+                "call_function", operator.pow, (self._emit_shape_arithmetic(expr.base), int(expr.exp))
+            )
+        function = SHAPE_OPERATORS[type(expr)]
+        result, *rest = (self._emit_shape_arithmetic(arg) for arg in expr.args)
+        for operand in rest:  # Add and Mul take any number of terms
+            result = self.graph.create_node("call_function", function, (result, operand))
+        return result
 
     def add_send(self, transfer: TensorTransfer) -> None:
         args = (self.transport, self.env[transfer.tensor], transfer.index)
@@ -347,7 +408,7 @@ class _PartBuilder:
                 f"flat output {position} ({value}) is not a tensor but is produced on device {self.device}; "
                 "only tensors cross devices: put its producer on device 0"
             )
-        self.output_values.append(self.env[value.name] if isinstance(value, fx.Node) else value)
+        self.output_values.append(self.local_value(value) if isinstance(value, fx.Node) else value)
         return len(self.output_values) - 1
 
     def part(self, transfers: Sequence[TensorTransfer]) -> DevicePart:
@@ -367,9 +428,7 @@ class _PartBuilder:
 
 def _spec_of(value: object) -> TensorSpec | None:
     meta = value.meta.get("val") if isinstance(value, fx.Node) else value
-    if isinstance(meta, torch.Tensor):
-        return TensorSpec(tuple(int(s) for s in meta.shape), meta.dtype)
-    return None
+    return tensor_spec(meta) if isinstance(meta, torch.Tensor) else None
 
 
 def _fetch_attribute(module: torch.nn.Module, target: str) -> torch.Tensor | torch.nn.Module:
@@ -390,15 +449,3 @@ def _detached_copy(value: torch.Tensor | torch.nn.Module) -> torch.Tensor | torc
         return value.detach()
     return copy.deepcopy(value)
 
-
-def symbol_values(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> dict[str, int]:
-    """The value of every symbolic dimension in a call's inputs (the driver sends them to every rank).
-
-    Programs traced with static shapes have no symbols.
-    """
-    return {}
-
-
-def concrete_shape(spec: TensorSpec, symbol_values: Mapping[str, int]) -> tuple[int, ...]:
-    """The shape of a tensor of ``spec`` in a call whose symbolic dimensions have ``symbol_values``."""
-    return spec.shape

@@ -8,26 +8,129 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import math
 import operator
+import re
 import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils._sympy.functions import FloorDiv, PythonMod
+from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.printers import PythonPrinter
 
-from moirai.errors import InputError, TraceError
+from moirai.errors import InputError, PlanError, TraceError
 from moirai.progress import stage
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Shape and dtype of one flat input, enough to check a call and to allocate a buffer."""
+    """Shape and dtype of one tensor, enough to check a call and to allocate a buffer.
+
+    ``shape`` is the shape at the example inputs. In a model traced with dynamic shapes,
+    ``symbolic_shape`` holds every dimension as a Python expression over the symbols of the
+    dynamic input dimensions (``"s0"``, ``"s0*s1"``, ``"16"``); :func:`concrete_shape` evaluates it.
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    symbolic_shape: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class DynamicDim:
+    """An input dimension the plan serves at every size in ``lower..upper`` (``upper`` None: unbounded).
+
+    ``symbol`` is the name torch.export gave it (the name in :attr:`TensorSpec.symbolic_shape`),
+    ``name`` the ``torch.export.Dim``'s name where known, and ``where`` the flat input and axis
+    that first carries it (``"input 0 dimension 1"``).
+    """
+
+    symbol: str
+    name: str
+    lower: int
+    upper: int | None
+    where: str
+
+    @property
+    def range(self) -> str:
+        return f"{self.lower}..{self.upper}" if self.upper is not None else f"{self.lower} or more"
+
+
+def tensor_spec(value: torch.Tensor) -> TensorSpec:
+    """The spec of a traced tensor: example shape, and symbolic shape when a dimension is symbolic."""
+    shape = tuple(example_int(size) for size in value.shape)
+    if all(isinstance(size, int) for size in value.shape):
+        return TensorSpec(shape, value.dtype)
+    return TensorSpec(shape, value.dtype, tuple(symbolic_expression(size) for size in value.shape))
+
+
+def symbolic_expression(value: int | torch.SymInt | torch.SymBool | torch.SymFloat) -> str:
+    """A Python expression for a traced scalar over the input dimensions' symbols (``"s0*s1"``)."""
+    if isinstance(value, (torch.SymInt, torch.SymBool, torch.SymFloat)):
+        return PythonPrinter().doprint(value.node.expr)
+    return repr(value)
+
+
+def evaluate_symbolic(expression: str, symbol_values: Mapping[str, int]) -> Any:
+    """The value of a :func:`symbolic_expression` at the given symbol values."""
+    return eval(_compiled_expression(expression), {"__builtins__": {}, **_EXPRESSION_FUNCTIONS}, dict(symbol_values))
+
+
+def concrete_shape(spec: TensorSpec, symbol_values: Mapping[str, int]) -> tuple[int, ...]:
+    """``spec``'s shape at the given symbol values (a receive buffer's shape)."""
+    if spec.symbolic_shape is None:
+        return spec.shape
+    return tuple(int(evaluate_symbolic(expression, symbol_values)) for expression in spec.symbolic_shape)
+
+
+def check_flat_inputs(
+    specs: Sequence[TensorSpec], dynamic_dims: Sequence[DynamicDim], tensors: Sequence[Any], model_name: str
+) -> dict[str, int]:
+    """The value of every dynamic dimension in ``tensors``; :class:`moirai.InputError` unless they fit ``specs``."""
+    if len(tensors) != len(specs):
+        raise InputError(
+            f"{model_name} takes {len(specs)} flat input tensors, got {len(tensors)}; "
+            "flatten (args, kwargs) with TracedModel.flatten_inputs"
+        )
+    dims = {dim.symbol: dim for dim in dynamic_dims}
+    values: dict[str, int] = {}
+    for position, (value, spec) in enumerate(zip(tensors, specs, strict=True)):
+        if not isinstance(value, torch.Tensor):
+            raise InputError(f"{model_name}: input {position} must be a tensor, got {type(value).__name__}")
+        for axis, size in enumerate(value.shape[: len(spec.shape)]):
+            dim = dims.get(spec.symbolic_shape[axis]) if spec.symbolic_shape else None
+            if dim is None:
+                continue
+            if size < dim.lower or (dim.upper is not None and size > dim.upper):
+                raise InputError(
+                    f"{model_name}: input {position} dimension {axis} ({dim.name}) is {size}; the plan serves "
+                    f"{dim.name} = {dim.range}: compile again with dynamic_shapes whose {dim.name} covers {size}"
+                )
+            if values.setdefault(dim.symbol, size) != size:
+                raise InputError(
+                    f"{model_name}: input {position} dimension {axis} is {size} but {dim.name} ({dim.where}) is "
+                    f"{values[dim.symbol]}; the model was traced with both equal"
+                )
+    for position, (value, spec) in enumerate(zip(tensors, specs, strict=True)):
+        expected_shape = concrete_shape(spec, values)
+        if value.dtype != spec.dtype or tuple(value.shape) != expected_shape:
+            shown = spec.shape if spec.symbolic_shape is None else _shape_with_dim_names(spec, dynamic_dims)
+            raise InputError(
+                f"{model_name}: input {position} has shape {tuple(value.shape)} and dtype {value.dtype}, "
+                f"the plan was made for shape {shown} and dtype {spec.dtype}; "
+                "compile again with example inputs of the shape you will serve"
+                + (" (or declare the dimension dynamic: dynamic_shapes=...)" if not dynamic_dims else "")
+            )
+    return values
 
 
 @dataclass
@@ -46,6 +149,7 @@ class TracedModel:
     input_specs: tuple[TensorSpec, ...]
     model_name: str
     constant_inputs: dict[int, Any]
+    dynamic_dims: tuple[DynamicDim, ...] = ()
 
     def flatten_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The flat input tensors of a call, checked against the traced example inputs."""
@@ -65,15 +169,7 @@ class TracedModel:
                     f"{position}, called with {flat[position]!r}; compile again to plan for that value"
                 )
         tensors = [value for position, value in enumerate(flat) if position not in self.constant_inputs]
-        for position, (value, expected) in enumerate(zip(tensors, self.input_specs, strict=True)):
-            if not isinstance(value, torch.Tensor):
-                raise InputError(f"{self.model_name}: input {position} must be a tensor, got {type(value).__name__}")
-            if tuple(value.shape) != expected.shape or value.dtype != expected.dtype:
-                raise InputError(
-                    f"{self.model_name}: input {position} has shape {tuple(value.shape)} and dtype {value.dtype}, "
-                    f"the plan was made for shape {expected.shape} and dtype {expected.dtype}; "
-                    "compile again with example inputs of the shape you will serve"
-                )
+        check_flat_inputs(self.input_specs, self.dynamic_dims, tensors, self.model_name)
         return tensors
 
     def unflatten_outputs(self, flat_outputs: list[Any]) -> Any:
@@ -82,20 +178,32 @@ class TracedModel:
 
 @stage("trace")
 def trace(
-    model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict[str, Any] | None = None
+    model: torch.nn.Module,
+    example_inputs: tuple = (),
+    example_kwargs: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
 ) -> TracedModel:
     """Trace ``model`` with ``torch.export`` (non-strict), falling back to ``symbolic_trace``.
 
+    ``dynamic_shapes`` declares dimensions that may vary from call to call, in torch.export's
+    convention (``torch.export.Dim``): the graph then serves every size in the declared ranges.
     Weights may live on the ``meta`` device; example inputs should then be ``meta`` tensors too.
     Raises :class:`moirai.TraceError` naming the model, the failing line and what to try.
     """
     kwargs = dict(example_kwargs or {})
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     name = type(model).__name__
+    dynamic_dims: tuple[DynamicDim, ...] = ()
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False)
+        exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as export_error:
-        if kwargs:
+        if dynamic_shapes is not None and "tree_name" in str(export_error):
+            raise TraceError(
+                f"could not trace {name} with dynamic_shapes: torch.export fails when an input goes to the model "
+                f"through **kwargs (here one of {sorted(kwargs)}); pass such options by a named parameter of forward "
+                "or leave them out (a Hugging Face model's ModelOutput needs no return_dict=False)"
+            ) from export_error
+        if kwargs or dynamic_shapes is not None:
             raise _trace_error(name, export_error) from export_error
         graph_module = _symbolic_trace_fallback(model, args, name, export_error)
         out_spec = pytree.tree_structure(_flat_output_marker(graph_module))
@@ -103,6 +211,8 @@ def trace(
         graph_module = exported.module()
         out_spec = exported.call_spec.out_spec
         _drop_guard_calls(graph_module)
+        if dynamic_shapes is not None:
+            dynamic_dims = _dynamic_dims(exported, graph_module, model, args, kwargs, dynamic_shapes)
     in_spec = pytree.tree_structure((args, kwargs))
     flat_inputs = pytree.tree_leaves((args, kwargs))
     constant_inputs = {i: value for i, value in enumerate(flat_inputs) if not isinstance(value, torch.Tensor)}
@@ -111,8 +221,171 @@ def trace(
     _bake_constant_inputs(graph_module, constant_inputs)
     _flatten_output(graph_module)
     graph_module.recompile()
-    input_specs = tuple(TensorSpec(tuple(t.shape), t.dtype) for t in flat_inputs if isinstance(t, torch.Tensor))
-    return TracedModel(graph_module, in_spec, out_spec, input_specs, name, constant_inputs)
+    if dynamic_dims:
+        placeholders = graph_module.graph.find_nodes(op="placeholder")
+        input_specs = tuple(tensor_spec(node.meta["val"]) for node in placeholders)
+    else:
+        input_specs = tuple(TensorSpec(tuple(t.shape), t.dtype) for t in flat_inputs if isinstance(t, torch.Tensor))
+    return TracedModel(graph_module, in_spec, out_spec, input_specs, name, constant_inputs, dynamic_dims)
+
+
+def dynamic_dims_to_json(traced: TracedModel) -> dict[str, Any] | None:
+    """What a plan file keeps of the dynamic dimensions: each dim's range, and every symbolic input axis."""
+    if not traced.dynamic_dims:
+        return None
+    return {
+        "dims": [
+            {"symbol": dim.symbol, "name": dim.name, "min": dim.lower, "max": dim.upper} for dim in traced.dynamic_dims
+        ],
+        "axes": [
+            [position, axis, expression]
+            for position, spec in enumerate(traced.input_specs)
+            for axis, expression in enumerate(spec.symbolic_shape or ())
+            if not expression.isdigit()
+        ],
+    }
+
+
+def dynamic_shapes_from_json(
+    saved: dict[str, Any], model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict[str, Any] | None
+) -> Any:
+    """torch.export ``dynamic_shapes`` for the example inputs, rebuilt from a plan's dynamic dimensions."""
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    dims = {d["symbol"]: torch.export.Dim(d["name"], min=d["min"], max=d["max"]) for d in saved["dims"]}
+    axes_of: dict[int, dict[int, Any]] = {}
+    for position, axis, expression in saved["axes"]:
+        if position >= len(tensors):
+            raise PlanError(
+                f"the plan makes dimension {axis} of flat input {position} dynamic ({expression}), but the example "
+                f"inputs have {len(tensors)} tensors; give example inputs structured as those the plan was made with"
+            )
+        # A derived dim (2*batch) is the same arithmetic on torch.export.Dim objects.
+        axes_of.setdefault(position, {})[axis] = eval(_compiled_expression(expression), {"__builtins__": {}}, dims)
+    shapes = torch.export.ShapesCollection()
+    for position, axes in axes_of.items():
+        shapes[tensors[position]] = axes
+    return shapes.dynamic_shapes(model, args, kwargs)
+
+
+def shape_scalars(traced: TracedModel) -> dict[fx.Node, sympy.Expr]:
+    """Ops whose value is arithmetic on the input dimensions only (``sym_size``, products of sizes).
+
+    Only tensors cross devices: every part that reads such a scalar computes it itself from the
+    call's symbol values (:mod:`moirai.split`), so no edge of the op graph carries one.
+    """
+    symbols = {dim.symbol for dim in traced.dynamic_dims}
+    scalars = {}
+    for node in traced.graph_module.graph.nodes:
+        value = node.meta.get("val")
+        if (
+            symbols
+            and node.op == "call_function"
+            and isinstance(value, (torch.SymInt, torch.SymBool))
+            and _is_shape_arithmetic(value.node.expr, symbols)
+        ):
+            scalars[node] = value.node.expr
+    return scalars
+
+
+# The sympy expressions of shape scalars, as Python operators (what a part computes them with).
+SHAPE_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
+    sympy.Add: operator.add,
+    sympy.Mul: operator.mul,
+    FloorDiv: operator.floordiv,
+    PythonMod: operator.mod,
+    sympy.Mod: operator.mod,
+    sympy.Eq: operator.eq,
+    sympy.Ne: operator.ne,
+    sympy.StrictLessThan: operator.lt,
+    sympy.LessThan: operator.le,
+    sympy.StrictGreaterThan: operator.gt,
+    sympy.GreaterThan: operator.ge,
+}
+
+
+def _is_shape_arithmetic(expr: sympy.Basic, symbols: set[str]) -> bool:
+    if expr.is_Symbol:
+        return str(expr) in symbols
+    if expr.is_Integer or expr in (sympy.true, sympy.false):
+        return True
+    if isinstance(expr, sympy.Pow):
+        return bool(expr.exp.is_Integer and expr.exp > 0) and _is_shape_arithmetic(expr.base, symbols)
+    return type(expr) in SHAPE_OPERATORS and all(_is_shape_arithmetic(arg, symbols) for arg in expr.args)
+
+
+def _shape_with_dim_names(spec: TensorSpec, dynamic_dims: Sequence[DynamicDim]) -> str:
+    """``(batch, 2*seq, 16)``: a symbolic shape with the symbols named as the user named the dims."""
+    names = {dim.symbol: dim.name for dim in dynamic_dims}
+    words = [re.sub(r"\b[a-z]+\d+\b", lambda m: names.get(m.group(), m.group()), e) for e in spec.symbolic_shape or ()]
+    return f"({', '.join(words)})"
+
+
+def _dynamic_dims(
+    exported: torch.export.ExportedProgram,
+    graph_module: fx.GraphModule,
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict[str, Any],
+    dynamic_shapes: Any,
+) -> tuple[DynamicDim, ...]:
+    """The dynamic input dimensions of an exported model, with their ranges and the user's Dim names."""
+    ranges = {str(symbol): bounds for symbol, bounds in exported.range_constraints.items()}
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    user_names = _user_dim_names(model, args, kwargs, dynamic_shapes, tensors)
+    dims: dict[str, DynamicDim] = {}
+    placeholders = graph_module.graph.find_nodes(op="placeholder")
+    for position, node in enumerate(placeholders):
+        for axis, size in enumerate(node.meta["val"].shape):
+            symbol = symbolic_expression(size)
+            if not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol or symbol in dims:
+                continue
+            bounds = ranges[symbol]
+            upper = None if bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
+            name = user_names.get((position, axis), symbol)
+            dims[symbol] = DynamicDim(symbol, name, int(bounds.lower), upper, f"input {position} dimension {axis}")
+    for position, node in enumerate(placeholders):
+        for axis, size in enumerate(node.meta["val"].shape):
+            if isinstance(size, torch.SymInt) and {str(symbol) for symbol in size.node.expr.free_symbols} - set(dims):
+                raise TraceError(
+                    f"{type(model).__name__}: input {position} dimension {axis} is {symbolic_expression(size)}, "
+                    "derived from a dimension that is no input's own dimension; moirai computes every size from "
+                    "the input dimensions: declare the root Dim on an input dimension too"
+                )
+    return tuple(dims.values())
+
+
+def _user_dim_names(
+    model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic_shapes: Any, tensors: list[torch.Tensor]
+) -> dict[tuple[int, int], str]:
+    """(flat tensor input, axis) -> the ``torch.export.Dim``'s name, as torch.export matched them."""
+    from torch.export import dynamic_shapes as torch_dynamic_shapes
+
+    try:  # private torch API, used only for nicer names: without it dimensions are named by their symbols
+        combined = torch_dynamic_shapes._combine_args(model, args, kwargs)
+        constraints = torch_dynamic_shapes._process_dynamic_shapes(combined, dynamic_shapes)
+    except Exception:
+        return {}
+    position_of = {id(t): position for position, t in enumerate(tensors)}
+    return {
+        (position_of[c.t_id], c.dim): c.name
+        for c in constraints
+        if c.t_id in position_of and isinstance(getattr(c, "name", None), str)
+    }
+
+
+_EXPRESSION_FUNCTIONS = {"max": max, "min": min, "abs": abs, "math": math, "int": int, "float": float}
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled_expression(expression: str) -> CodeType:
+    return compile(expression, "<symbolic shape>", "eval")
+
+
+def example_int(size: int | torch.SymInt) -> int:
+    """A size at the example inputs (a symbolic size's hint): costs are taken at the example shapes."""
+    return size if isinstance(size, int) else int(size.node.hint)
 
 
 def _symbolic_trace_fallback(model: torch.nn.Module, args: tuple, name: str, export_error: Exception) -> fx.GraphModule:

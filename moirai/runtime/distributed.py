@@ -588,6 +588,11 @@ class _Transport:
     def wait_recv(self, pending: _PendingReceive) -> torch.Tensor:
         return self._messages.wait_recv(pending)
 
+    @property
+    def symbol_values(self) -> dict[str, int]:
+        """This request's symbolic dimension sizes: parts compute shape scalars from them."""
+        return self._messages.values
+
 
 def _check_tags(program: SplitProgram) -> None:
     messages = _FIRST_DATA_TAG + len(program.input_specs) + len(program.transfers) + len(program.outputs)

@@ -13,14 +13,14 @@ calls do not copy weights again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from moirai.errors import InputError, PlanError
-from moirai.split import DevicePart, SplitProgram, TensorTransfer
+from moirai.split import DevicePart, SplitProgram, TensorTransfer, symbol_values
 
 
 def run_local(
@@ -32,9 +32,9 @@ def run_local(
             f"the program has {program.num_devices} parts but {len(torch_devices)} torch devices were given; "
             "give one torch device per part"
         )
-    check_inputs(program, flat_inputs)
+    values = check_inputs(program, flat_inputs)
     devices = [torch.device(d) for d in torch_devices]
-    transport = _LocalTransport(program.transfers, devices)
+    transport = _LocalTransport(program.transfers, devices, values)
     runs = [
         _PartRun(place_part(part, device), [transport, *(flat_inputs[i].to(device) for i in part.input_indices)])
         for part, device in zip(program.parts, devices, strict=True)
@@ -47,20 +47,9 @@ def run_local(
     return [_to(runs[location.device].outputs[location.index], devices[0]) for location in program.outputs]
 
 
-def check_inputs(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> None:
-    """Raise :class:`moirai.InputError` unless the inputs match the traced shapes and dtypes."""
-    if len(flat_inputs) != len(program.input_specs):
-        raise InputError(
-            f"the program takes {len(program.input_specs)} flat input tensors, got {len(flat_inputs)}; "
-            "flatten (args, kwargs) with TracedModel.flatten_inputs"
-        )
-    for position, (value, spec) in enumerate(zip(flat_inputs, program.input_specs, strict=True)):
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
-            got = f"shape {tuple(value.shape)}, {value.dtype}" if isinstance(value, torch.Tensor) else type(value)
-            raise InputError(
-                f"flat input {position} must have shape {spec.shape} and dtype {spec.dtype} (as traced), got {got}; "
-                "split a model traced with inputs of the shape you serve"
-            )
+def check_inputs(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> dict[str, int]:
+    """The value of every dynamic dimension; :class:`moirai.InputError` unless the inputs fit the traced specs."""
+    return symbol_values(program, flat_inputs)
 
 
 def place_part(part: DevicePart, device: torch.device) -> fx.GraphModule:
@@ -125,9 +114,12 @@ class _PartRun:
 class _LocalTransport:
     """Sends are moved to the receiving device at once and kept until waited for."""
 
-    def __init__(self, transfers: Sequence[TensorTransfer], devices: Sequence[torch.device]) -> None:
+    def __init__(
+        self, transfers: Sequence[TensorTransfer], devices: Sequence[torch.device], symbol_values: Mapping[str, int]
+    ) -> None:
         self._transfers = transfers
         self._devices = devices
+        self.symbol_values = symbol_values
         self._delivered: dict[int, torch.Tensor] = {}
 
     def send(self, tensor: torch.Tensor, transfer_index: int) -> None:

@@ -1,0 +1,230 @@
+"""Dynamic shapes: one plan and one split program for every input shape in the declared ranges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import Dim
+
+import moirai
+from moirai.errors import InputError, MoiraiError
+from moirai.graph import build_op_graph
+from moirai.runtime.distributed import DistributedRunner
+from moirai.split import concrete_shape, symbol_values
+from moirai.trace import TensorSpec, shape_scalars
+
+SHAPES = [(1, 1), (3, 5), (8, 32), (4, 6), (2, 17)]
+
+
+class Reshaper(torch.nn.Module):
+    """Reshapes by sizes computed from the input shape, so parts need the sizes, not only the tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.mix = torch.nn.Linear(32, 16)
+        self.head = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x).relu()
+        h = h.reshape(h.shape[0], h.shape[1] * 2, 16)
+        h = self.mix(h.reshape(h.shape[0], -1, 32)) + x
+        return self.head(h).flatten(1)
+
+
+def _dynamic() -> tuple:
+    return ({0: Dim("batch", min=1, max=8), 1: Dim("seq", min=1, max=32)},)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Reshaper().eval()
+
+
+@pytest.fixture(scope="module")
+def compiled(model: torch.nn.Module) -> moirai.CompiledModel:
+    return moirai.compile(
+        model, ["cpu", "cpu"], (torch.randn(4, 6, 16),), dynamic_shapes=_dynamic(), placer="round_robin"
+    )
+
+
+def test_parts_compute_shape_sizes_from_the_symbol_values(compiled: moirai.CompiledModel) -> None:
+    # A part that receives the reshaped tensor but not the input must still know batch and 2*seq.
+    codes = [part.graph_module.code for part in compiled.program.parts]
+    assert any(".symbol_values" in code for code in codes)
+    assert all("aten.sym_size" not in code for code in codes)
+    assert any(t.spec.symbolic_shape is not None for t in compiled.program.transfers)
+    # No op-graph edge carries a shape scalar, so the plan predicts exactly the transfers the program makes.
+    scalars = {node.name for node in shape_scalars(compiled.traced)}
+    assert scalars and not any(edge.tensor in scalars for edge in build_op_graph(compiled.traced).edges)
+    assert len(moirai.simulate(compiled.problem, compiled.plan).transfers) == len(compiled.program.transfers)
+
+
+def test_one_plan_serves_every_shape_in_range_locally(compiled: moirai.CompiledModel, model) -> None:
+    for batch, seq in SHAPES:
+        x = torch.randn(batch, seq, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x))
+
+
+@pytest.mark.slow
+def test_one_plan_serves_every_shape_distributed(compiled: moirai.CompiledModel, model) -> None:
+    with DistributedRunner(compiled.torch_devices, timeout_s=60) as runner:
+        for batch, seq in SHAPES:
+            x = torch.randn(batch, seq, 16)
+            (y,) = runner.run(compiled.program, compiled.traced.flatten_inputs((x,), {}))
+            with torch.no_grad():
+                torch.testing.assert_close(y, model(x))
+
+
+def test_call_outside_the_declared_range_names_the_dimension_and_range(compiled: moirai.CompiledModel) -> None:
+    with pytest.raises(InputError, match=r"dimension 0 \(batch\) is 9; the plan serves batch = 1\.\.8"):
+        compiled(torch.randn(9, 4, 16))
+    with pytest.raises(InputError, match=r"dimension 1 \(seq\) is 33; the plan serves seq = 1\.\.32"):
+        compiled(torch.randn(2, 33, 16))
+    with pytest.raises(InputError, match=r"shape \(2, 4, 15\).*\(batch, seq, 16\)"):
+        compiled(torch.randn(2, 4, 15))
+
+
+def test_symbol_values_and_concrete_shapes(compiled: moirai.CompiledModel) -> None:
+    batch, seq = (dim.symbol for dim in compiled.traced.dynamic_dims)
+    values = symbol_values(compiled.program, [torch.randn(3, 5, 16)])
+    assert values == {batch: 3, seq: 5}
+    spec = TensorSpec((4, 12, 16), torch.float32, (batch, f"2*{seq}", "16"))
+    assert concrete_shape(spec, values) == (3, 10, 16)
+    assert concrete_shape(TensorSpec((2, 3), torch.float32), values) == (2, 3)
+
+
+def test_save_and_load_keep_the_dynamic_dimensions(compiled: moirai.CompiledModel, tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    torch.manual_seed(1)
+    fresh = Reshaper().eval()
+    loaded = moirai.load(path, fresh, (torch.randn(2, 3, 16),))  # other example shape, in range
+    assert [(d.name, d.lower, d.upper) for d in loaded.traced.dynamic_dims] == [("batch", 1, 8), ("seq", 1, 32)]
+    for batch, seq in SHAPES:
+        x = torch.randn(batch, seq, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), fresh(x))
+    with pytest.raises(InputError, match="seq"):
+        loaded(torch.randn(2, 40, 16))
+
+
+class PairedInputs(torch.nn.Module):
+    """Two inputs sharing the batch dimension, one of them twice as long (a derived Dim)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        halves = pairs.reshape(x.shape[0], 2, 16).sum(1)
+        return self.proj(x) * mask.unsqueeze(-1) + halves
+
+
+def test_shared_and_derived_dims_are_checked_and_survive_save_and_load(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = PairedInputs().eval()
+    batch = Dim("batch", min=2, max=16)
+    dynamic = ({0: batch}, {0: batch}, {0: 2 * batch})
+    example = (torch.randn(4, 16), torch.rand(4), torch.randn(8, 16))
+    compiled = moirai.compile(model, ["cpu", "cpu"], example, dynamic_shapes=dynamic, placer="round_robin")
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    loaded = moirai.load(path, model, example)
+    for split in (compiled, loaded):
+        for rows in (2, 7, 16):
+            inputs = (torch.randn(rows, 16), torch.rand(rows), torch.randn(2 * rows, 16))
+            with torch.no_grad():
+                torch.testing.assert_close(split(*inputs), model(*inputs))
+        with pytest.raises(InputError, match=r"input 1 dimension 0 is 5 but batch \(input 0 dimension 0\) is 6"):
+            split(torch.randn(6, 16), torch.rand(5), torch.randn(12, 16))
+        with pytest.raises(InputError, match=r"input 2 has shape \(11, 16\).*\(2\*batch, 16\)"):
+            split(torch.randn(6, 16), torch.rand(6), torch.randn(11, 16))
+
+
+def test_summary_says_costs_are_those_of_the_example_shape(compiled: moirai.CompiledModel) -> None:
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    compiled.summary(console)
+    text = " ".join(console.export_text().split())
+    assert "dynamic batch 1..8, seq 1..32: costs and times are those of the example inputs (4, 6, 16)" in text
+
+
+def test_misspelt_compile_parameter_is_named_not_passed_to_the_placer(model) -> None:
+    with pytest.raises(MoiraiError, match="no parameter 'dynamic_shape'; did you mean 'dynamic_shapes'"):
+        moirai.compile(model, ["cpu"], (torch.randn(4, 6, 16),), dynamic_shape=_dynamic(), placer="heft")
+
+
+class ThroughKwargs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, **kwargs: bool) -> torch.Tensor:
+        return self.proj(x) * (2 if kwargs.get("double") else 1)
+
+
+def test_dynamic_shapes_with_an_input_through_var_kwargs_is_a_trace_error_saying_what_to_do() -> None:
+    # torch.export cannot map dynamic_shapes onto **kwargs inputs (an AssertionError deep inside it).
+    dynamic = {"x": {0: Dim("batch")}, "kwargs": {"double": None}}
+    with pytest.raises(moirai.TraceError, match=r"\*\*kwargs \(here one of \['double'\]\)"):
+        moirai.compile(ThroughKwargs(), ["cpu"], (torch.randn(3, 4),), {"double": True}, dynamic_shapes=dynamic)
+
+
+@pytest.mark.slow
+def test_hf_decoder_with_dynamic_batch_and_sequence() -> None:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    tokens = torch.randint(0, 64, (4, 16))
+    dynamic = ({0: Dim("batch", min=1, max=8), 1: Dim("seq", min=2, max=64)},)
+    compiled = moirai.compile(model, ["cpu", "cpu"], (tokens,), dynamic_shapes=dynamic, placer="round_robin")
+    assert {node.device for node in compiled.program.parts} == {0, 1}
+    for batch, seq in [(1, 2), (3, 7), (8, 64), (4, 16)]:
+        x = torch.randint(0, 64, (batch, seq))
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x).logits, model(x).logits)
+    with pytest.raises(InputError, match=r"\(seq\) is 65; the plan serves seq = 2\.\.64"):
+        compiled(torch.randint(0, 64, (2, 65)))
+    with DistributedRunner(compiled.torch_devices, timeout_s=60) as runner:
+        for batch, seq in [(2, 5), (6, 33)]:
+            x = torch.randint(0, 64, (batch, seq))
+            flat_outputs = runner.run(compiled.program, compiled.traced.flatten_inputs((x,), {}))
+            with torch.no_grad():
+                torch.testing.assert_close(compiled.traced.unflatten_outputs(flat_outputs).logits, model(x).logits)
+
+
+@pytest.mark.slow
+def test_hf_gpt2_with_attention_mask_sharing_batch_and_sequence() -> None:
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=2, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    batch, seq = Dim("batch", min=1, max=8), Dim("seq", min=2, max=64)
+    dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+    example = (torch.randint(0, 100, (4, 16)),)
+    mask = {"attention_mask": torch.ones(4, 16, dtype=torch.long)}
+    compiled = moirai.compile(model, ["cpu"] * 3, example, mask, dynamic_shapes=dynamic, placer="heft", progress=False)
+    for rows, length in [(1, 2), (5, 40), (8, 64)]:
+        tokens = torch.randint(0, 100, (rows, length))
+        attention_mask = torch.ones(rows, length, dtype=torch.long)
+        attention_mask[0, : length // 2] = 0
+        with torch.no_grad():
+            expected = model(tokens, attention_mask=attention_mask).logits
+            torch.testing.assert_close(compiled(tokens, attention_mask=attention_mask).logits, expected)
+    with pytest.raises(InputError, match=r"input 1 dimension 1 is 9 but seq \(input 0 dimension 1\) is 8"):
+        compiled(torch.randint(0, 100, (2, 8)), attention_mask=torch.ones(2, 9, dtype=torch.long))
