@@ -128,13 +128,18 @@ class CompiledModel:
         (console or Console()).print(table)
         return table
 
-    def gantt(self, path: str | Path | None = None, color_by: str = "kind", plan: Plan | None = None) -> Figure:
+    def gantt(
+        self, path: str | Path | None = None, color_by: str = "kind", plan: Plan | None = None, requests: int = 1
+    ) -> Figure:
         """The simulated schedule as a matplotlib figure (saved to ``path`` when given; Jupyter shows it).
 
         ``color_by``: ``"kind"`` (each group's main op) or ``"layer"`` (the model's top-level module).
         ``plan``: another plan of this model's problem to draw (e.g. from ``moirai.place``), default its own.
+        ``requests > 1``: that many requests pipelined through the plan, as :meth:`server` runs them,
+        coloured by request (the steady state of a throughput plan).
         """
-        return viz.gantt(self.problem, plan or self.plan, path, groups=self._task_groups(color_by))
+        groups = self._task_groups(color_by) if requests == 1 else None
+        return viz.gantt(self.problem, plan or self.plan, path, groups=groups, requests=requests)
 
     def text_gantt(self, width: int = 60, color_by: str = "kind", console: Console | None = None) -> Table:
         """Print (and return) the simulated schedule as coloured text, one row per device and link."""

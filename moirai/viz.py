@@ -29,6 +29,7 @@ from moirai.objective import as_objective
 from moirai.problem import Plan, Problem
 from moirai.progress import format_seconds
 from moirai.simulate import Timeline, simulate
+from moirai.stream import simulate_stream
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -270,14 +271,25 @@ def gantt(
     groups: Sequence[str] | None = None,
     timeline: Timeline | None = None,
     title: str | None = None,
+    requests: int = 1,
 ) -> Figure:
     """Draw the simulated schedule of ``plan``; save it to ``path`` (PNG, SVG, PDF by suffix) when given.
 
-    ``groups`` names the colour of every task (default: its kind, from its name). Returns the
-    matplotlib Figure, which Jupyter shows inline.
+    ``groups`` names the colour of every task (default: its kind, from its name). ``requests > 1``
+    draws that many requests pipelined through the plan (:mod:`moirai.stream`), coloured by request,
+    with the steady-state period in the title. Returns the matplotlib Figure, which Jupyter shows inline.
     """
     if path is not None:
         check_picture_path(path)
+    if requests > 1:
+        stream = simulate_stream(problem, plan, requests)
+        one_request = simulate(problem, plan)
+        title = title or (
+            f"{plan.placer or 'plan'}: {requests} pipelined requests · period {format_seconds(stream.period_s)} "
+            f"({1 / stream.period_s:.3g} req/s) · busiest device or link {format_seconds(one_request.period_s)}"
+        )
+        groups = [f"request {r}" for r in stream.request_of_task()]
+        problem, plan, timeline = stream.problem, stream.plan, stream.timeline
     plt = _pyplot()
     from matplotlib.patches import Patch
 

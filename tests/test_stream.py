@@ -1,0 +1,66 @@
+"""A stream of requests pipelined through a plan: the simulator on an unrolled problem."""
+
+import numpy as np
+import pytest
+
+import moirai
+from moirai.stream import simulate_stream, unroll
+from tests.conftest import random_problem
+
+
+def chain_problem() -> moirai.Problem:
+    """Four equal stages in a chain, two devices, a cheap link: a two-stage pipeline halves the period."""
+    tasks = [{"name": f"layer{i}", "compute_s": [0.01, 0.01], "memory_bytes": 0} for i in range(4)]
+    edges = [{"src": f"layer{i}", "dst": f"layer{i + 1}", "bytes": 1e3} for i in range(3)]
+    return moirai.Problem.from_dict(
+        {
+            "devices": [{"name": "a", "memory_bytes": 1e9}, {"name": "b", "memory_bytes": 1e9}],
+            "tasks": tasks,
+            "edges": edges,
+            "links": {"bandwidth_bytes_per_s": [[0, 1e9], [1e9, 0]], "latency_s": [[0, 1e-4], [1e-4, 0]]},
+        }
+    )
+
+
+def test_one_request_stream_is_the_plan_itself() -> None:
+    problem = random_problem(3, num_tasks=12, num_devices=3)
+    plan = moirai.place(problem, placer="heft")
+    stream = simulate_stream(problem, plan, 1)
+    assert stream.timeline.makespan_s == pytest.approx(moirai.simulate(problem, plan).makespan_s)
+
+
+def test_two_stage_pipeline_reaches_the_busiest_device_period() -> None:
+    problem = chain_problem()
+    plan = moirai.Plan(np.array([0, 0, 1, 1]), problem.device_names)
+    one = moirai.simulate(problem, plan)
+    stream = simulate_stream(problem, plan, 10)
+    assert one.period_s == pytest.approx(0.02)
+    assert stream.period_s == pytest.approx(one.period_s, rel=1e-6)
+    assert stream.request_finish_s[0] == pytest.approx(one.makespan_s)
+    # Request r finishes one period after request r-1: device b works on r while device a works on r+1.
+    np.testing.assert_allclose(np.diff(stream.request_finish_s), 0.02)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stream_period_is_never_below_the_busiest_device_or_link(seed) -> None:
+    problem = random_problem(seed, num_tasks=15, num_devices=3)
+    plan = moirai.place(problem, placer="heft")
+    stream = simulate_stream(problem, plan, 12)
+    assert stream.period_s >= moirai.simulate(problem, plan).period_s * (1 - 1e-9)
+    # Each device runs request after request in the plan's order.
+    unrolled, unrolled_plan = unroll(problem, plan, 12)
+    for sequence in stream.timeline.device_order():
+        requests = [i // problem.num_tasks for i in sequence]
+        assert requests == sorted(requests)
+
+
+def test_gantt_of_pipelined_requests_colours_by_request(tmp_path) -> None:
+    problem = chain_problem()
+    plan = moirai.Plan(np.array([0, 0, 1, 1]), problem.device_names, placer="by hand")
+    figure = moirai.gantt(problem, plan, tmp_path / "stream.png", requests=3)
+    (axes,) = figure.axes
+    assert [label.get_text() for label in axes.get_yticklabels()] == ["a", "b", "a → b"]
+    labels = {c.get_label() for c in axes.containers}
+    assert {"request 0", "request 1", "request 2"} <= labels
+    assert "3 pipelined requests" in axes.get_title(loc="left") and "req/s" in axes.get_title(loc="left")
+    assert (tmp_path / "stream.png").stat().st_size > 5_000
