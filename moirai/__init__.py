@@ -35,6 +35,7 @@ _EXPORTS = {
     "load": "moirai.compile",
     "lower_bound": "moirai.bounds",
     "place": "moirai.placers",
+    "serve_rank": "moirai.compile",
     "simulate": "moirai.simulate",
     "trace": "moirai.trace",
 }

@@ -31,8 +31,10 @@ from moirai.errors import PlanError
 from moirai.graph import OpGraph, build_op_graph
 from moirai.placers import place
 from moirai.problem import Plan, Problem
-from moirai.runtime.distributed import run_distributed, run_rank
-from moirai.runtime.local import run_local
+from moirai.runtime import distributed
+from moirai.runtime.distributed import DistributedRunner, check_timeout, run_distributed, run_rank, torchrun_driver
+from moirai.runtime.local import check_inputs, run_local
+from moirai.runtime.server import Server
 from moirai.simulate import simulate
 from moirai.split import SplitProgram, split_module
 from moirai.trace import TracedModel, trace
@@ -60,8 +62,32 @@ class CompiledModel:
     def run_distributed(self, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> Any:
         """Run with one process per device (torch.distributed send/recv); returns the outputs here."""
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
-        outputs = run_distributed(self.program, flat_inputs, self.torch_devices, timeout_s=timeout_s)
+        outputs = run_distributed(self.program, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
         return self.traced.unflatten_outputs(outputs)
+
+    def server(self, timeout_s: float = 120.0, max_in_flight: int = 8) -> Server:
+        """A server for many requests: ``submit(*args, **kwargs)`` -> Future, ``map(inputs)`` -> outputs in order.
+
+        Requests are pipelined through the devices, at most ``max_in_flight`` unfinished. Outside
+        torchrun it spawns one process per device but the first (this process runs device 0);
+        under torchrun only rank 0 calls it, the other ranks call ``moirai.serve_rank(compiled)``.
+        ``timeout_s`` bounds every wait of a request, never idle time.
+        """
+        timeout_s = check_timeout(timeout_s)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            driver = torchrun_driver(self.program, self.cluster.devices, timeout_s, max_in_flight)
+            submit = lambda flat, finish: driver.submit(self.program, flat, finish, timeout_s)  # noqa: E731
+            close = driver.close
+        else:
+            runner = DistributedRunner(self.cluster.devices, timeout_s=timeout_s, max_in_flight=max_in_flight)
+            submit = lambda flat, finish: runner.submit_with(self.program, flat, finish)  # noqa: E731
+            close = runner.close
+        return Server(submit, self._checked_flat_inputs, self.traced.unflatten_outputs, close, max_in_flight)
+
+    def _checked_flat_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        flat_inputs = self.traced.flatten_inputs(args, kwargs)
+        check_inputs(self.program, flat_inputs)
+        return flat_inputs
 
     def run_rank(self, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> Any:
         """Run this process's part under ``torchrun`` (rank and world size from its environment).
@@ -71,7 +97,7 @@ class CompiledModel:
         """
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         flat_inputs = self.traced.flatten_inputs(args, kwargs) if rank == 0 else None
-        outputs = run_rank(self.program, rank, world_size, flat_inputs, self.torch_devices, timeout_s=timeout_s)
+        outputs = run_rank(self.program, rank, world_size, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
         return None if outputs is None else self.traced.unflatten_outputs(outputs)
 
     @property
@@ -170,6 +196,11 @@ def load(
     plan = Plan.from_dict(record["plan"])
     plan.device_names = cluster.names
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
+
+
+def serve_rank(compiled: CompiledModel, timeout_s: float = 120.0) -> None:
+    """Under torchrun, on every rank but 0: serve rank 0's ``compiled.server()`` until it closes."""
+    distributed.serve_rank(compiled.program, compiled.cluster.devices, timeout_s=timeout_s)
 
 
 def _assemble(traced: TracedModel, cluster: Cluster, coarse: OpGraph, problem: Problem, plan: Plan) -> CompiledModel:

@@ -17,6 +17,8 @@ Cluster file (TOML; GB = 1e9 bytes, Gbps = 1e9 bits/s)::
     torch_device = "cuda:0"
     host = "server-a"             # optional, default "localhost"
     rank = 0                      # optional: the torch.distributed rank serving this device
+    cores = [0, 1]                # optional: the host's CPU cores its rank runs on (default: an even split)
+    threads = 2                   # optional: its rank's torch threads (default: its cores; 2 for a GPU)
     type = "t4"                   # a row of moirai/data/device_types.toml ...
     memory_gb = 16                # ... whose numbers the fields below override
 
@@ -109,6 +111,8 @@ _DEVICE_KEYS = {
     "memory_bandwidth_gb_per_s",
     "launch_overhead_us",
     "efficiency",
+    "cores",
+    "threads",
 }
 _LINK_KEYS = {"src", "dst", "bandwidth_gbps", "latency_us", "both_directions"}
 _FILE_KEYS = {"name", "description", "devices", "links", "matrix"}
@@ -137,6 +141,8 @@ class Device:
     efficiency: float = 0.5
     host: str = "localhost"
     rank: int | None = None
+    cores: tuple[int, ...] | None = None
+    threads: int | None = None
 
     def peak_flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for a torch dtype name (``"float16"``); other dtypes use the fp32 peak."""
@@ -437,7 +443,27 @@ def _device_from_dict(entry: Mapping[str, Any]) -> Device:
         efficiency=float(numbers.get("efficiency", 0.5)),
         host=str(entry.get("host", "localhost")),
         rank=None if entry.get("rank") is None else int(entry["rank"]),
+        **_cores_and_threads(entry, str(name)),
     )
+
+
+def _cores_and_threads(entry: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The optional ``cores`` and ``threads`` keys of a device entry, checked."""
+    cores, threads = entry.get("cores"), entry.get("threads")
+    if cores is not None:
+        if not isinstance(cores, list) or not cores or any(type(c) is not int or c < 0 for c in cores):
+            raise ClusterError(f"device {name!r}: cores must be a non-empty list of core numbers, got {cores!r}")
+        if len(set(cores)) != len(cores):
+            raise ClusterError(f"device {name!r}: cores {cores} lists a core twice")
+        cores = tuple(cores)
+    if threads is not None and (type(threads) is not int or threads < 1):
+        raise ClusterError(f"device {name!r}: threads must be a positive integer, got {threads!r}")
+    if cores is not None and threads is not None and threads > len(cores):
+        raise ClusterError(
+            f"device {name!r}: {threads} threads on {len(cores)} cores would oversubscribe them; "
+            "give at most one thread per core"
+        )
+    return {"cores": cores, "threads": threads}
 
 
 def _device_to_dict(d: Device) -> dict[str, Any]:
@@ -446,6 +472,10 @@ def _device_to_dict(d: Device) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": d.name, "torch_device": d.torch_device, "host": d.host}
     if d.rank is not None:
         entry["rank"] = d.rank
+    if d.cores is not None:
+        entry["cores"] = list(d.cores)
+    if d.threads is not None:
+        entry["threads"] = d.threads
     entry["kind"] = d.kind
     if d.device_type is not None:
         entry["type"] = d.device_type
@@ -636,7 +666,7 @@ def _detect(torch_device: str, name: str, share: int) -> Device:
     if torch_device != "cpu":
         raise ClusterError(f"unsupported device {torch_device!r}; use 'cpu' or 'cuda:N'")
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cores = max(1, (os.cpu_count() or 1) // share)
+    cores = len(split_cores(available_cores(), share)[0])
     flags, clock_hz = _cpu_flags_and_clock()
     per_cycle = next(
         (flops for flag, flops in _FP32_FLOPS_PER_CYCLE_BY_FLAG if flag in flags), _FP32_FLOPS_PER_CYCLE_BASELINE
@@ -654,6 +684,24 @@ def _detect(torch_device: str, name: str, share: int) -> Device:
         "cpu",
         peak_flops_bf16=peak_bf16,
     )
+
+
+def available_cores() -> tuple[int, ...]:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(range(os.cpu_count() or 1))
+
+
+def split_cores(cores: Sequence[int], share: int) -> list[tuple[int, ...]]:
+    """``share`` disjoint blocks of ``cores`` of equal size, one per logical device (cores left over stay idle).
+
+    The cost model gives each of ``share`` logical CPU devices one block's worth of peak FLOP/s
+    and the runtime pins each rank to its block: one rule for both. With more devices than
+    cores, each gets one core and the blocks wrap around.
+    """
+    size = max(1, len(cores) // share)
+    return [tuple(cores[(k * size + i) % len(cores)] for i in range(size)) for k in range(share)]
 
 
 def _cpu_flags_and_clock() -> tuple[set[str], float]:

@@ -392,3 +392,16 @@ def _detached_copy(value: torch.Tensor | torch.nn.Module) -> torch.Tensor | torc
     if isinstance(value, torch.Tensor):
         return value.detach()
     return copy.deepcopy(value)
+
+
+def symbol_values(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> dict[str, int]:
+    """The value of every symbolic dimension in a call's inputs (the driver sends them to every rank).
+
+    Programs traced with static shapes have no symbols.
+    """
+    return {}
+
+
+def concrete_shape(spec: TensorSpec, symbol_values: Mapping[str, int]) -> tuple[int, ...]:
+    """The shape of a tensor of ``spec`` in a call whose symbolic dimensions have ``symbol_values``."""
+    return spec.shape

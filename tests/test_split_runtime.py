@@ -322,7 +322,7 @@ def test_failing_rank_fails_the_call_with_its_rank_and_error():
         module.graph.call_method("injected_failure_for_the_test", (first_op.args[0],))
     module.recompile()
     started = time.monotonic()
-    expected = r"rank 1 \(cpu\) failed during call(.|\n)*no attribute 'injected_failure_for_the_test'"
+    expected = r"rank 1 \(cpu\) failed during request 0(.|\n)*no attribute 'injected_failure_for_the_test'"
     with pytest.raises(DistributedError, match=expected):
         run_distributed(program, case.flat_inputs, ["cpu", "cpu"], timeout_s=30.0)
     assert time.monotonic() - started < 60.0
@@ -338,7 +338,7 @@ def test_missing_message_times_out_instead_of_hanging(runner):
     module.graph.erase_node(send)
     module.recompile()
     started = time.monotonic()
-    with pytest.raises(DistributedError, match="failed during call") as failure:
+    with pytest.raises(DistributedError, match="failed during request") as failure:
         runner.run(program, case.flat_inputs, timeout_s=3.0)
     assert time.monotonic() - started < 3.0 + 10.0
     assert re.search(f"rank 1: receiving tensor {never_sent} from rank 0 failed .*Timed out", str(failure.value))

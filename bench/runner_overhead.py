@@ -1,0 +1,83 @@
+"""What a call through the persistent runner costs on top of running the same part in this process.
+
+Run: ``python -m bench.runner_overhead [--models transformer googlenet] [--calls 30] [--world-size 2]``.
+
+For each model a single-device plan (every op on device 0) is run two ways, alternating call by
+call so that load on the machine hits both alike: its one part's GraphModule called in this
+process (no transport: a one-part program has no messages), and
+:class:`moirai.runtime.DistributedRunner` with ``--world-size`` ranks (this process is rank 0; the
+others idle). Both run inside the open runner, so both use rank 0's share of the cores. The
+table gives medians after warm-up and the runner's overhead; the target is at most 10% or
+0.5 ms over in-process, whichever is larger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from bench.models import build
+from moirai.runtime import DistributedRunner
+from moirai.split import split_module
+from moirai.trace import trace
+
+
+def _median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["transformer", "googlenet", "mlp"])
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--world-size", type=int, default=2)
+    options = parser.parse_args()
+    table = Table(title=f"single-device plan: in-process vs runner ({options.world_size} ranks), medians")
+    for column in ("model", "in-process", "runner", "runner / in-process", "overhead", "target met"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    with DistributedRunner(["cpu"] * options.world_size, timeout_s=60.0) as runner:
+        for name in options.models:
+            if name == "mlp":
+                model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).eval()
+                args: tuple = (torch.randn(8, 256),)
+                kwargs: dict = {}
+            else:
+                model, args, kwargs = build(name, "small")
+            traced = trace(model, args, kwargs)
+            ops = [n.name for n in traced.graph_module.graph.nodes if n.op in ("call_function", "call_method")]
+            program = split_module(traced, dict.fromkeys(ops, 0), 1)
+            flat_inputs = traced.flatten_inputs(args, kwargs)
+            part = program.parts[0].graph_module
+            local_s, runner_s = [], []
+            for call in range(options.warmup + options.calls):
+                started = time.perf_counter()
+                with torch.no_grad():
+                    expected = list(part(None, *flat_inputs))
+                middle = time.perf_counter()
+                outputs = runner.run(program, flat_inputs)
+                finished = time.perf_counter()
+                if call >= options.warmup:
+                    local_s.append(middle - started)
+                    runner_s.append(finished - middle)
+            torch.testing.assert_close(outputs, expected)
+            local_ms, runner_ms = _median_ms(local_s), _median_ms(runner_s)
+            met = runner_ms <= local_ms + max(0.1 * local_ms, 0.5)
+            table.add_row(
+                name,
+                f"{local_ms:.3f} ms",
+                f"{runner_ms:.3f} ms",
+                f"{runner_ms / local_ms:.3f}",
+                f"{runner_ms - local_ms:+.3f} ms",
+                "yes" if met else "no",
+            )
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

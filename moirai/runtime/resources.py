@@ -1,0 +1,116 @@
+"""What share of its host each rank gets: the CPU cores it may run on and its torch thread counts.
+
+Logical CPU devices on one host split the host's cores into disjoint blocks with
+:func:`moirai.devices.split_cores`, the rule the cost model uses for their peak FLOP/s, so a
+rank computes with the cores the plan assumed instead of every rank using every core. A
+device's ``cores`` / ``threads`` from the cluster file override the split; cores claimed
+explicitly are left out of the split of the others. A GPU rank only feeds its GPU: it gets a
+few host threads and no pinning unless the cluster file gives cores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moirai.devices import Device, available_cores, split_cores
+from moirai.errors import ClusterError
+
+# Host threads of a GPU rank: enough to launch kernels and copy, few enough to leave the CPU ranks alone.
+GPU_RANK_THREADS = 2
+
+
+@dataclass(frozen=True)
+class RankResources:
+    """``cores``: the CPU affinity (None: leave it); ``threads``: torch intra-op threads."""
+
+    cores: tuple[int, ...] | None
+    threads: int
+
+
+def rank_resources(devices: Sequence[str | Device], cores: Sequence[int] | None = None) -> list[RankResources]:
+    """One entry per rank (rank ``k`` serves ``devices[k]``).
+
+    ``cores``: the host's usable cores (default: this process's). A plain torch device string
+    is a device on this host with no ``cores``/``threads`` settings.
+    """
+    host_cores = tuple(available_cores() if cores is None else cores)
+    entries = [_as_device(d) for d in devices]
+    resources: list[RankResources | None] = [None] * len(entries)
+    for host in dict.fromkeys(host for host, _, _, _ in entries):
+        ranks = [k for k, entry in enumerate(entries) if entry[0] == host]
+        claimed: dict[int, int] = {}
+        for k in ranks:
+            for core in entries[k][2] or ():
+                if core in claimed:
+                    raise ClusterError(
+                        f"devices {_name(devices[claimed[core]])!r} and {_name(devices[k])!r} on host {host!r} both "
+                        f"claim core {core}; give each device its own cores"
+                    )
+                claimed[core] = k
+        free = tuple(c for c in host_cores if c not in claimed) or host_cores
+        automatic = [k for k in ranks if entries[k][1] == "cpu" and entries[k][2] is None]
+        for k, block in zip(automatic, split_cores(free, len(automatic)) if automatic else [], strict=True):
+            resources[k] = RankResources(block, entries[k][3] or len(block))
+        for k in ranks:
+            _, kind, explicit, threads = entries[k]
+            if explicit is not None:
+                resources[k] = RankResources(explicit, threads or len(explicit))
+            elif kind != "cpu":
+                resources[k] = RankResources(None, threads or min(GPU_RANK_THREADS, len(host_cores)))
+    return [r for r in resources if r is not None]
+
+
+def apply_resources(resources: RankResources, device_name: str) -> RankResources:
+    """Pin every thread of this process to ``resources.cores`` and set torch's thread counts; what was set before.
+
+    Interop threads are set to 1 where torch still allows it (only before any inter-op work).
+    """
+    before = RankResources(available_cores(), torch.get_num_threads())
+    if resources.cores is not None and hasattr(os, "sched_setaffinity"):
+        unknown = sorted(set(resources.cores) - set(range(os.cpu_count() or 1)))
+        if unknown:
+            raise ClusterError(
+                f"device {device_name!r} asks for cores {unknown}, which this host does not have "
+                f"(cores 0..{(os.cpu_count() or 1) - 1}); fix its cores in the cluster file"
+            )
+        _set_affinity(resources.cores)
+    torch.set_num_threads(resources.threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass  # already set, or inter-op work has started in this process: torch keeps its count
+    return before
+
+
+def restore_resources(before: RankResources) -> None:
+    """Undo :func:`apply_resources` (the interop thread count stays)."""
+    if before.cores is not None and hasattr(os, "sched_setaffinity"):
+        _set_affinity(before.cores)
+    torch.set_num_threads(before.threads)
+
+
+def _set_affinity(cores: Sequence[int]) -> None:
+    """Every thread of this process, not only the calling one (threads started later inherit it)."""
+    tasks = Path("/proc/self/task")
+    thread_ids = [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]
+    for thread_id in thread_ids:
+        try:
+            os.sched_setaffinity(thread_id, cores)
+        except ProcessLookupError:
+            pass  # the thread ended meanwhile
+
+
+def _as_device(device: str | Device) -> tuple[str, str, tuple[int, ...] | None, int | None]:
+    """(host, kind, cores, threads)."""
+    if isinstance(device, Device):
+        return device.host, device.kind, device.cores, device.threads
+    return "localhost", "gpu" if torch.device(device).type == "cuda" else "cpu", None, None
+
+
+def _name(device: str | Device) -> str:
+    return device.name if isinstance(device, Device) else device

@@ -1,0 +1,72 @@
+"""Serve requests through a split program: futures, in-order maps, several requests in flight.
+
+Example::
+
+    with compiled.server() as server:
+        future = server.submit(x)                 # a concurrent.futures.Future of the model's outputs
+        outputs = list(server.map([(x1,), (x2,)]))  # in input order, pipelined through the devices
+
+Outside torchrun the server starts one process per device but the first (this process is
+rank 0, see :class:`moirai.runtime.distributed.DistributedRunner`). Under torchrun, rank 0
+opens the server and every other rank calls ``moirai.serve_rank(compiled)``, which returns when
+rank 0 closes the server.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+from moirai.errors import InputError
+
+
+class Server:
+    """``submit`` and ``map`` requests; thread-safe; ``close`` (or leaving the ``with``) finishes those in flight."""
+
+    def __init__(
+        self,
+        submit_flat: Callable[[list, Callable[[list], Any]], Future],
+        flatten: Callable[[tuple, dict], list],
+        unflatten: Callable[[list], Any],
+        close: Callable[[], None],
+        max_in_flight: int,
+    ) -> None:
+        self._submit_flat = submit_flat
+        self._flatten = flatten
+        self._unflatten = unflatten
+        self._close = close
+        self._max_in_flight = max_in_flight
+        self._closed = False
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def submit(self, *args: Any, **kwargs: Any) -> Future:
+        """A future of the model's outputs for these inputs (raises InputError at once if they do not fit)."""
+        if self._closed:
+            raise InputError("this server is closed; open a new one with compiled.server()")
+        return self._submit_flat(self._flatten(args, kwargs), self._unflatten)
+
+    def map(self, inputs: Iterable[Any]) -> Iterator[Any]:
+        """The outputs for each item of ``inputs``, in order; an item is a tuple of positional arguments or one tensor.
+
+        Keeps up to twice the server's in-flight requests submitted ahead of the one it yields.
+        """
+        ahead: collections.deque[Future] = collections.deque()
+        for item in inputs:
+            ahead.append(self.submit(*(item if isinstance(item, tuple) else (item,))))
+            if len(ahead) >= 2 * self._max_in_flight:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+    def close(self) -> None:
+        """Wait for the requests in flight, then stop the other ranks."""
+        if not self._closed:
+            self._closed = True
+            self._close()

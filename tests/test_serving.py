@@ -1,0 +1,182 @@
+"""Ranks run on their share of the cores; the server pipelines requests, survives idle time and fails cleanly."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import moirai
+from moirai.devices import available_cores, split_cores
+from moirai.errors import ClusterError, DistributedError
+from moirai.runtime import DistributedRunner
+from moirai.runtime.resources import rank_resources
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _chain_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()) for _ in range(6)]
+    return torch.nn.Sequential(*layers).eval()
+
+
+@pytest.fixture(scope="module")
+def chain():
+    model = _chain_model()
+    compiled = moirai.compile(model, ["cpu"] * 3, example_inputs=(torch.randn(4, 64),), placer="round_robin")
+    assert {t.dst for t in compiled.program.transfers} == {1, 2}, "a chain through the three devices"
+    return model, compiled
+
+
+def _eager(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x)
+
+
+def test_each_rank_runs_on_its_own_cores_with_its_share_of_threads() -> None:
+    threads_before, cores_before = torch.get_num_threads(), available_cores()
+    with DistributedRunner(["cpu", "cpu"], timeout_s=30.0) as runner:
+        used = runner.resources_in_use()
+    blocks = split_cores(available_cores(), 2)
+    assert [tuple(rank["cores"]) for rank in used] == blocks
+    assert [rank["threads"] for rank in used] == [len(block) for block in blocks]
+    assert used[1]["interop_threads"] == 1
+    if len(available_cores()) >= 2:
+        assert not set(used[0]["cores"]) & set(used[1]["cores"]), "disjoint cores"
+    assert (torch.get_num_threads(), available_cores()) == (threads_before, cores_before), "rank 0's share given back"
+
+
+@pytest.mark.skipif(len(available_cores()) < 2, reason="needs two cores")
+def test_cluster_file_cores_and_threads_reach_the_ranks(tmp_path) -> None:
+    last = available_cores()[-1]
+    path = tmp_path / "cluster.toml"
+    path.write_text(
+        f"""
+[[devices]]
+name = "pinned"
+type = "cpu"
+cores = [{last}]
+[[devices]]
+name = "rest"
+type = "cpu"
+threads = 1
+[[links]]
+src = "pinned"
+dst = "rest"
+bandwidth_gbps = 10
+both_directions = true
+"""
+    )
+    cluster = moirai.Cluster.from_file(path)
+    assert cluster.devices[0].cores == (last,) and cluster.devices[1].threads == 1
+    assert moirai.Cluster.from_dict(cluster.to_dict()).devices == cluster.devices
+    with DistributedRunner(cluster.devices, timeout_s=30.0) as runner:
+        used = runner.resources_in_use()
+    free = [c for c in available_cores() if c != last]
+    assert used[0]["cores"] == [last] and used[0]["threads"] == 1
+    assert used[1]["cores"] == free and used[1]["threads"] == 1
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"cores": "0-3"}, "cores must be a non-empty list"),
+        ({"cores": []}, "cores must be a non-empty list"),
+        ({"cores": [0, -1]}, "cores must be a non-empty list"),
+        ({"cores": [1, 1]}, "lists a core twice"),
+        ({"threads": 0}, "threads must be a positive integer"),
+        ({"threads": "many"}, "threads must be a positive integer"),
+        ({"cores": [0], "threads": 4}, "oversubscribe"),
+    ],
+)
+def test_bad_cores_and_threads_are_cluster_errors(entry, message) -> None:
+    description = {"devices": [{"name": "c", "type": "cpu", **entry}]}
+    with pytest.raises(ClusterError, match=f"device 'c'.*{message}"):
+        moirai.Cluster.from_dict(description)
+
+
+def test_two_devices_claiming_one_core_is_a_cluster_error() -> None:
+    cluster = moirai.Cluster.from_dict(
+        {
+            "devices": [{"name": "a", "type": "cpu", "cores": [0]}, {"name": "b", "type": "cpu", "cores": [0]}],
+            "links": [{"src": "a", "dst": "b", "bandwidth_gbps": 10, "both_directions": True}],
+        }
+    )
+    with pytest.raises(ClusterError, match="'a' and 'b' on host 'localhost' both claim core 0"):
+        rank_resources(cluster.devices)
+
+
+def test_gpu_ranks_get_a_few_host_threads_and_cpu_ranks_split_the_cores() -> None:
+    resources = rank_resources(["cuda:0", "cpu", "cpu"], cores=[0, 1, 2, 3])
+    assert resources[0].cores is None and resources[0].threads == 2
+    assert [r.cores for r in resources[1:]] == [(0, 1), (2, 3)] and [r.threads for r in resources[1:]] == [2, 2]
+
+
+def test_fifty_pipelined_requests_from_several_threads_equal_eager(chain) -> None:
+    model, compiled = chain
+    requests = [torch.randn(4, 64) for _ in range(50)]
+    with compiled.server(timeout_s=60.0, max_in_flight=4) as server:
+        with ThreadPoolExecutor(4) as pool:
+            futures = list(pool.map(server.submit, requests[:30]))
+        mapped = list(server.map(requests[30:]))
+    outputs = [f.result() for f in futures] + mapped
+    for request, output in zip(requests, outputs, strict=True):
+        torch.testing.assert_close(output, _eager(model, request))
+
+
+def test_server_idle_past_its_timeout_still_answers(chain) -> None:
+    model, compiled = chain
+    x = torch.randn(4, 64)
+    with compiled.server(timeout_s=1.0) as server:
+        torch.testing.assert_close(server.submit(x).result(), _eager(model, x))
+        time.sleep(3.0)
+        torch.testing.assert_close(server.submit(x).result(), _eager(model, x))
+
+
+def test_killed_rank_fails_every_pending_request_naming_it(chain) -> None:
+    model, compiled = chain
+    timeout_s = 5.0
+    with DistributedRunner(["cpu"] * 3, timeout_s=timeout_s) as runner:
+        x = torch.randn(4, 64)
+        torch.testing.assert_close(runner.run(compiled.program, [x])[0], _eager(model, x))
+        os.kill(runner._workers[1].pid, signal.SIGKILL)  # rank 2
+        started = time.monotonic()
+        futures = [runner.submit(compiled.program, [x]) for _ in range(10)]
+        errors = []
+        for future in futures:
+            with pytest.raises(DistributedError) as failure:
+                future.result(timeout=timeout_s + 30.0)
+            errors.append(str(failure.value))
+        assert time.monotonic() - started < timeout_s + 10.0
+    assert all(re.match(r"rank 2 \(cpu\) hung or died", error) for error in errors), errors[0]
+    assert "exited with code -9" in errors[0]
+
+
+README = (ROOT / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_readme_serve_script_runs_under_torchrun(tmp_path) -> None:
+    (script,) = re.findall(r"```python\n(# serve\.py.+?)\n```", README, re.DOTALL)
+    assert "torchrun --nproc-per-node 2 serve.py" in script
+    (tmp_path / "serve.py").write_text(script)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", "serve.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "served 50 requests, all equal to the model's" in result.stdout
