@@ -713,6 +713,7 @@ class _Driver:
         self._pending: set[Future] = set()
         self._incoming: queue.SimpleQueue = queue.SimpleQueue()
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = torch.get_num_threads()  # rank 0's share, set by apply_resources in this thread
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="moirai-dispatch", daemon=True)
         self._completer = threading.Thread(target=self._complete_loop, name="moirai-complete", daemon=True)
         self._dispatcher.start()
@@ -741,6 +742,10 @@ class _Driver:
         self._completer.join()
 
     def _dispatch_loop(self) -> None:
+        # Part 0 runs in this thread. A new thread computes with the OpenMP/MKL default team (every core) however
+        # torch.get_num_threads() reads, until it sets the count itself: on rank 0's one core, that team spun
+        # against itself and ran a part 25-100x slower.
+        torch.set_num_threads(self._threads)
         try:
             while self.failure is None:
                 try:
