@@ -6,8 +6,8 @@ A refactor that must leave the plans unchanged is checked by running this before
     python bench/plans_snapshot.py compare /tmp/before.json      # exits 1 if any latency moved by more than 1e-9
 
 The problems are traced once and stored next to the snapshot (``<file>.problems/``), so a later run
-replays the same numbers even if tracing changed; the milp placer runs on small random problems it
-solves to optimality, compared by objective value.
+replays the same numbers even if tracing changed; the milp placer runs on small random layered problems
+(7 tasks, 2 devices) that it solves to optimality, compared by objective value.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.milp_ablation import random_layered_problem  # noqa: E402
 from bench.run import PAPER_CLUSTERS, SLOW_PLACERS, prepare_model  # noqa: E402
 from moirai.placers import list_placers, place  # noqa: E402
 from moirai.problem import Problem  # noqa: E402
@@ -51,19 +50,6 @@ def _problems(directory: Path) -> dict[str, Problem]:
     return problems
 
 
-def _random_problem(seed: int, num_tasks: int = 7, num_devices: int = 2) -> Problem:
-    rng = np.random.default_rng(seed)
-    tasks = [{"name": f"t{i}", "compute_s": rng.uniform(0.5, 2.0, num_devices).tolist()} for i in range(num_tasks)]
-    edges = []
-    for j in range(1, num_tasks):
-        for i in rng.choice(j, size=min(j, int(rng.integers(1, 3))), replace=False):
-            transfer = np.full((num_devices, num_devices), float(rng.uniform(0.2, 1.0)))
-            np.fill_diagonal(transfer, 0.0)
-            edges.append({"src": f"t{i}", "dst": f"t{j}", "transfer_s": transfer.tolist()})
-    devices = [{"name": f"d{k}"} for k in range(num_devices)]
-    return Problem.from_dict({"devices": devices, "tasks": tasks, "edges": edges})
-
-
 def snapshot(path: Path) -> dict[str, float | str]:
     problems = _problems(path.with_suffix(".problems"))
     result: dict[str, float | str] = {}
@@ -76,7 +62,7 @@ def snapshot(path: Path) -> dict[str, float | str]:
             except Exception as error:  # an infeasible or failing placer is recorded as such
                 result[f"{key}/{placer}"] = f"{type(error).__name__}"
     for seed in range(6):
-        result[f"random{seed}/milp"] = _place(_random_problem(seed), "milp", time_limit_s=60.0)
+        result[f"layered{seed}/milp"] = _place(random_layered_problem(7, 2, seed), "milp", time_limit_s=60.0)
     return result
 
 

@@ -102,9 +102,8 @@ def time_links(
         raise ClusterError("calibration needs at least two ranks (world_size >= 2)")
     kind = kind_for_backend(backend)
     if kind.accelerator and kind.count() < world_size:
-        raise ClusterError(
-            f"backend {backend!r} needs {world_size} {kind.name} devices, this machine has {kind.count()}"
-        )
+        available = kind.count()
+        raise ClusterError(f"backend {backend!r} needs {world_size} {kind.name} devices, this machine has {available}")
     sizes = tuple(int(s) for s in sizes_bytes)
     with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir:
         settings = (world_size, backend, _free_port(), sizes, repeats, warmup, timeout_s, results_dir)
@@ -142,7 +141,9 @@ def calibrate(
     else:
         devices = base.devices
     fits = measure_links(world_size, backend, sizes_bytes, repeats)
-    links = [Link(devices[f.src].name, devices[f.dst].name, f.bandwidth_bytes_per_s, f.latency_s) for f in fits]
+    links = [
+        Link(devices[f.src].name, devices[f.dst].name, f.bandwidth_bytes_per_s, f.latency_s) for f in fits
+    ]
     cluster = Cluster.from_links(devices, links, name=base.name if base is not None else f"calibrated-{backend}")
     if output is not None:
         cluster.to_file(output)
@@ -171,13 +172,9 @@ def _rank_main(
     device = torch.device(f"{kind.name}:{rank}" if kind.accelerator else kind.name)
     kind.set_current(device)
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-
     def synchronize() -> None:
         kind.synchronize(device)
 
@@ -231,9 +228,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     for column in ("link", "bandwidth Gbps", "latency us"):
         table.add_column(column, justify="right")
     for link in cluster.links:
-        table.add_row(
-            f"{link.src} -> {link.dst}", f"{link.bandwidth_bytes_per_s * 8 / 1e9:.2f}", f"{link.latency_s * 1e6:.1f}"
-        )
+        table.add_row(f"{link.src} -> {link.dst}", f"{link.bandwidth_bytes_per_s * 8 / 1e9:.2f}",
+                      f"{link.latency_s * 1e6:.1f}")
     console.print(table)
     return 0
 

@@ -129,8 +129,10 @@ class CompiledModel:
                 _format_seconds(timeline.busy_s[k]),
             )
         lower = self.plan.lower_bound_s
+        requests_per_s = 1 / timeline.period_s if timeline.period_s > 0 else float("inf")
         table.caption = (
-            f"predicted latency {_format_seconds(timeline.makespan_s)}"
+            f"predicted latency {_format_seconds(timeline.makespan_s)}, throughput {requests_per_s:.4g} "
+            f"requests/s pipelined (period {_format_seconds(timeline.period_s)}); objective {self.plan.objective}"
             + (f", lower bound {_format_seconds(lower)}, gap {self.plan.gap:.1%}" if lower is not None else "")
             + f", {len(timeline.transfers)} transfers, placed in {self.plan.placement_time_s:.2f} s"
         )
@@ -166,7 +168,8 @@ def compile(
 
     ``devices`` is a :class:`moirai.Cluster` or a list of torch device strings (a repeated
     ``"cpu"`` gives separate logical devices). ``placer`` names a registered placer
-    (``moirai.list_placers()``); ``placer_options`` go to it (e.g. ``time_limit_s`` for ``milp``).
+    (``moirai.list_placers()``); ``placer_options`` go to :func:`moirai.place` and the placer (e.g.
+    ``time_limit_s`` for ``milp``; ``objective="throughput"`` minimises the period of pipelined requests).
     ``cost`` is ``"analytic"`` (roofline from the device table) or ``"measured"`` (profile every
     op group on the local devices, cached on disk).
     """

@@ -207,13 +207,7 @@ def measured_compute_s(
         _check_local(device)
     profiles = {
         torch_device: profile_nodes(
-            graph,
-            traced,
-            torch_device,
-            cache_dir=cache_dir,
-            warmup=warmup,
-            repeats=repeats,
-            progress=progress,
+            graph, traced, torch_device, cache_dir=cache_dir, warmup=warmup, repeats=repeats, progress=progress,
             clock=clock,
         )
         for torch_device in dict.fromkeys(d.torch_device for d in cluster.devices)

@@ -100,19 +100,8 @@ _CPU_LAUNCH_OVERHEAD_S = 10e-6
 # torch dtype name -> the precision column of the device table.
 _PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _DEVICE_KEYS = {
-    "name",
-    "torch_device",
-    "host",
-    "rank",
-    "kind",
-    "type",
-    "memory_gb",
-    "peak_tflops",
-    "memory_bandwidth_gb_per_s",
-    "launch_overhead_us",
-    "efficiency",
-    "cores",
-    "threads",
+    "name", "torch_device", "host", "rank", "kind", "type", "memory_gb", "peak_tflops",
+    "memory_bandwidth_gb_per_s", "launch_overhead_us", "efficiency", "cores", "threads",
 }
 _LINK_KEYS = {"src", "dst", "bandwidth_gbps", "latency_us", "both_directions"}
 _FILE_KEYS = {"name", "description", "devices", "links", "matrix"}
@@ -316,11 +305,8 @@ class Cluster:
     @classmethod
     def presets(cls) -> tuple[str, ...]:
         """Names of the built-in clusters (the paper's two testbeds and a few of ours)."""
-        return tuple(
-            sorted(
-                entry.name.removesuffix(".toml") for entry in _preset_files().iterdir() if entry.name.endswith(".toml")
-            )
-        )
+        return tuple(sorted(entry.name.removesuffix(".toml") for entry in _preset_files().iterdir()
+                            if entry.name.endswith(".toml")))
 
     @classmethod
     def preset(cls, name: str) -> Cluster:
@@ -515,8 +501,8 @@ def _links_from_matrix(matrix: Mapping[str, Any], names: Sequence[str]) -> list[
     k = len(names)
     bandwidth = _square(matrix["bandwidth_gbps"], k, "bandwidth_gbps")
     latency_entry = matrix.get("latency_us", 0.0)
-    latency = (
-        np.full((k, k), float(latency_entry)) if np.isscalar(latency_entry) else _square(latency_entry, k, "latency_us")
+    latency = np.full((k, k), float(latency_entry)) if np.isscalar(latency_entry) else _square(
+        latency_entry, k, "latency_us"
     )
     links = []
     for a in range(k):
@@ -530,7 +516,9 @@ def _links_from_matrix(matrix: Mapping[str, Any], names: Sequence[str]) -> list[
                 )
             if not latency[a, b] >= 0:
                 raise ClusterError(f"[matrix] latency {names[a]!r} -> {names[b]!r} is negative")
-            links.append(Link(names[a], names[b], bandwidth[a, b] * GBPS_IN_BYTES_PER_S, latency[a, b] * MICROSECOND))
+            links.append(
+                Link(names[a], names[b], bandwidth[a, b] * GBPS_IN_BYTES_PER_S, latency[a, b] * MICROSECOND)
+            )
     return links
 
 
@@ -647,17 +635,9 @@ def _detect(torch_device: str, name: str, share: int) -> Device:
             row = device_types()[known]
             peaks = {key: value * TFLOPS for key, value in row["peak_tflops"].items()}
             return Device(
-                name,
-                torch_device,
-                props.total_memory / share,
-                peaks["fp32"],
-                row["memory_bandwidth_gb_per_s"] * GB,
-                row["launch_overhead_us"] * MICROSECOND,
-                "gpu",
-                known,
-                peaks.get("fp16"),
-                peaks.get("bf16"),
-                row["efficiency"],
+                name, torch_device, props.total_memory / share, peaks["fp32"],
+                row["memory_bandwidth_gb_per_s"] * GB, row["launch_overhead_us"] * MICROSECOND, "gpu", known,
+                peaks.get("fp16"), peaks.get("bf16"), row["efficiency"],
             )
         # 2 FLOPs per FMA, 128 FP32 lanes per SM on recent NVIDIA parts: a datasheet-level estimate.
         peak = 2 * 128 * props.multi_processor_count * 1.5e9
@@ -668,20 +648,13 @@ def _detect(torch_device: str, name: str, share: int) -> Device:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = len(split_cores(available_cores(), share)[0])
     flags, clock_hz = _cpu_flags_and_clock()
-    per_cycle = next(
-        (flops for flag, flops in _FP32_FLOPS_PER_CYCLE_BY_FLAG if flag in flags), _FP32_FLOPS_PER_CYCLE_BASELINE
-    )
+    per_cycle = next((flops for flag, flops in _FP32_FLOPS_PER_CYCLE_BY_FLAG if flag in flags),
+                     _FP32_FLOPS_PER_CYCLE_BASELINE)
     peak = per_cycle * clock_hz * cores
     # AVX512-BF16 dot products run two bf16 pairs per fp32 lane.
     peak_bf16 = 2 * peak if "avx512_bf16" in flags else None
     return Device(
-        name,
-        "cpu",
-        memory / share,
-        peak,
-        _CPU_MEMORY_BANDWIDTH_BYTES_PER_S,
-        _CPU_LAUNCH_OVERHEAD_S,
-        "cpu",
+        name, "cpu", memory / share, peak, _CPU_MEMORY_BANDWIDTH_BYTES_PER_S, _CPU_LAUNCH_OVERHEAD_S, "cpu",
         peak_flops_bf16=peak_bf16,
     )
 

@@ -149,14 +149,8 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
             node_of[fx_node.name] = owner
             grown = nodes[owner]
             nodes[owner] = OpNode(
-                grown.name,
-                grown.targets,
-                grown.fx_names + (fx_node.name,),
-                grown.flops,
-                grown.bytes_moved,
-                grown.output_bytes,
-                grown.param_names,
-                grown.param_bytes,
+                grown.name, grown.targets, grown.fx_names + (fx_node.name,), grown.flops, grown.bytes_moved,
+                grown.output_bytes, grown.param_names, grown.param_bytes,
             )
             continue
         index = len(nodes)

@@ -5,10 +5,9 @@ value any plan could reach. :func:`moirai.place`, the milp placer's choice among
 the lookahead rounds and the window search all compare plans through it, and the MILP builds its
 objective rows from its :attr:`Objective.name` (:mod:`moirai.solve.model`).
 
-Only :class:`Latency` exists today. A throughput objective (the steady-state period of a stream of
-requests: the busiest device or link per request, optionally under ``max_latency_s``) is one more
-subclass here: ``value_s`` from the timeline's busy times, ``acceptable`` for the latency limit,
-``lower_bound_s`` from :mod:`moirai.bounds`' load bound, and its rows in the MILP.
+:class:`Latency` minimises the time of one request; :class:`Throughput` the steady-state period of a
+stream of pipelined requests (the busiest device or link per request), optionally under ``max_latency_s``.
+Another objective is one more subclass here plus its rows in the MILP.
 """
 
 from __future__ import annotations
@@ -65,8 +64,31 @@ class Latency(Objective):
         return lower_bound(problem)
 
 
+@dataclass(frozen=True)
+class Throughput(Objective):
+    """The period of a stream of requests pipelined through the plan (1 / requests per second): the busiest
+    device's or link's time per request (:attr:`moirai.simulate.Timeline.period_s`). A plan whose latency
+    exceeds ``max_latency_s`` is not acceptable."""
+
+    name: ClassVar[str] = "throughput"
+    max_latency_s: float | None = None
+
+    def value_s(self, timeline: Timeline) -> float:
+        return timeline.period_s
+
+    def acceptable(self, timeline: Timeline) -> bool:
+        latency_ok = self.max_latency_s is None or timeline.makespan_s <= self.max_latency_s * (1 + 1e-9)
+        return timeline.fits_memory and latency_ok
+
+    def lower_bound_s(self, problem: Problem) -> float:
+        # Every request's work must run somewhere: the busiest device does at least the load bound's share.
+        from moirai.bounds import lower_bounds
+
+        return lower_bounds(problem).load_s
+
+
 LATENCY = Latency()
-OBJECTIVES: dict[str, Objective] = {LATENCY.name: LATENCY}
+OBJECTIVES: dict[str, Objective] = {LATENCY.name: LATENCY, Throughput.name: Throughput()}
 
 
 def as_objective(objective: str | Objective) -> Objective:

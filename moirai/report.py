@@ -55,6 +55,8 @@ class SolverReport(PlacerReport):
     """What a solver-based placer (milp, pesto) did: solver, how the search went and why it stopped."""
 
     solver: str = ""
+    time_limit_s: float | None = None  # the budget the placer was given
+    elapsed_s: float | None = None  # what it used, by its own clock, from its start to its plan
     formulation: str = ""
     strategy: str = ""  # "full" (one model) or "windows" (the window search)
     stop_reason: StopReason | None = None

@@ -72,6 +72,22 @@ class Timeline:
         return bool(np.all(self.memory_bytes <= self.memory_capacity_bytes))
 
     @property
+    def link_busy_s(self) -> dict[tuple[int, int], float]:
+        """Seconds every used directed link spends sending, per request."""
+        busy: dict[tuple[int, int], float] = {}
+        for transfer in self.transfers:
+            busy[transfer.src, transfer.dst] = (
+                busy.get((transfer.src, transfer.dst), 0.0) + transfer.finish - transfer.start
+            )
+        return busy
+
+    @property
+    def period_s(self) -> float:
+        """The steady-state period of a stream of requests pipelined through this plan: the busiest device or
+        link's time per request (each device and link serves one request at a time, requests in order)."""
+        return max(float(self.busy_s.max(initial=0.0)), max(self.link_busy_s.values(), default=0.0))
+
+    @property
     def utilisation(self) -> np.ndarray:
         """Fraction of the makespan each device spends computing."""
         return self.busy_s / self.makespan_s if self.makespan_s > 0 else np.zeros_like(self.busy_s)

@@ -251,17 +251,12 @@ def _merge_orders(
         if not candidates:
             blocked = [
                 f"device {k} runs {s[h].name} next, which needs "
-                + ", ".join(
-                    f"{p.name} (device {node_device[p.name]})"
-                    for p in s[h].all_input_nodes
-                    if _is_op(p) and p not in done
-                )
-                for k, (s, h) in enumerate(zip(sequences, heads, strict=True))
-                if h < len(s)
+                + ", ".join(f"{p.name} (device {node_device[p.name]})" for p in s[h].all_input_nodes
+                            if _is_op(p) and p not in done)
+                for k, (s, h) in enumerate(zip(sequences, heads, strict=True)) if h < len(s)
             ]
             raise PlanError(
-                "device_order contradicts the data dependencies: "
-                + "; ".join(blocked)
+                "device_order contradicts the data dependencies: " + "; ".join(blocked)
                 + ". Each device's order must run an op after every op it reads, in a schedule all devices share."
             )
         node = min(candidates, key=position.__getitem__)

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
-import moirai.placers
 from moirai.bounds import lower_bound, lower_bounds
-from moirai.errors import InfeasibleError, PlanError
+from moirai.errors import InfeasibleError
 from moirai.placers import get_placer, place
 from moirai.placers.cp_pct import critical_path
 from moirai.placers.heft import upward_rank_mean_costs
-from moirai.problem import Plan, Problem
+from moirai.problem import Problem
 from moirai.simulate import simulate
-
-MY_PLACERS = ("single", "expert", "hash", "heft", "cp_pct")
+from tests.conftest import brute_force_optimum, random_problem
 
 
 def problem_of(tasks, edges, devices=None, transfer=None):
@@ -57,45 +53,15 @@ def topcuoglu_example() -> Problem:
     )
 
 
-def random_problem(rng: np.random.Generator, n: int, k: int, memory: bool = False, forbid: bool = False) -> Problem:
-    """Random DAG; ``memory``: tight device capacities; ``forbid``: some tasks cannot run on one device."""
-    edges = [
-        (f"t{u}", f"t{v}", float(rng.choice([0.0, 0.5, 2.0]))) for v in range(n) for u in range(v) if rng.random() < 0.4
-    ]
-    compute = rng.choice([0.5, 1.0, 2.0, 3.0], (n, k))
-    if forbid:
-        compute[np.arange(n), rng.integers(0, k, n)] = np.where(rng.random(n) < 0.4, np.inf, 1.0)
-    tasks = {f"t{i}": (compute[i].tolist(), float(rng.integers(1, 4))) for i in range(n)}
-    capacity = float(rng.integers(3, 3 * n)) if memory else float("inf")
-    return problem_of(tasks, edges, devices=[{"name": f"d{d}", "memory_bytes": capacity} for d in range(k)])
-
-
-def brute_force_optimum(problem: Problem, contention: bool) -> float:
-    """Best makespan over every memory-feasible placement and every order on every device."""
-    best = np.inf
-    n, k = problem.num_tasks, problem.num_devices
-    for placement in itertools.product(range(k), repeat=n):
-        placement = np.array(placement)
-        used = np.bincount(placement, weights=problem.memory_bytes, minlength=k)
-        if np.any(used > problem.memory_capacity_bytes):
-            continue
-        per_device = [np.flatnonzero(placement == d).tolist() for d in range(k)]
-        for order in itertools.product(*(itertools.permutations(tasks) for tasks in per_device)):
-            try:
-                makespan = simulate(problem, Plan(placement, problem.device_names, order=order), contention).makespan_s
-            except PlanError:  # orders that contradict the graph deadlock
-                continue
-            best = min(best, makespan)
-    return best
-
-
 # --- lower bounds -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", range(16))
 def test_lower_bound_never_exceeds_the_brute_force_optimum(seed):
     rng = np.random.default_rng(seed)
-    problem = random_problem(rng, n=int(rng.integers(2, 5)), k=2, memory=seed % 2 == 1, forbid=seed >= 10)
+    n = int(rng.integers(2, 5))
+    memory = {"task_memory_bytes": 1.0, "capacity_bytes": float(rng.integers(1, n + 1))} if seed % 2 else {}
+    problem = random_problem(rng, n, 2, forbid_fraction=0.4 if seed >= 10 else 0.0, **memory)
     optimum = brute_force_optimum(problem, contention=False)
     if not np.isfinite(optimum):
         with pytest.raises(InfeasibleError):
@@ -124,15 +90,6 @@ def test_memory_makes_the_load_bound_tighter():
     assert lower_bound(problem) == pytest.approx(brute_force_optimum(problem, contention=False)) == pytest.approx(10.0)
 
 
-def test_every_plan_is_at_least_the_lower_bound():
-    rng = np.random.default_rng(7)
-    for _ in range(5):
-        problem = random_problem(rng, n=12, k=3)
-        for name in MY_PLACERS:
-            plan = place(problem, name)
-            assert plan.makespan_s >= plan.lower_bound_s - 1e-9 >= 0
-
-
 # --- heft -------------------------------------------------------------------------------
 
 
@@ -147,33 +104,11 @@ def test_heft_reproduces_topcuoglu_makespan_80():
     assert names == [["n2", "n8"], ["n4", "n6", "n9", "n10"], ["n1", "n3", "n5", "n7"]]  # the paper's Fig. 4(a)
 
 
-def shared_tensor_problem(rng: np.random.Generator, n: int, k: int) -> Problem:
-    """Random DAG where a task's one output tensor feeds up to three later tasks (sent once per device)."""
-    producers, consumers = [], []
-    for u in range(n - 1):
-        readers = sorted({int(v) for v in rng.integers(u + 1, n, size=rng.integers(1, 4))})
-        producers.append(u)
-        consumers.append(tuple(readers))
-    transfer = rng.uniform(0.1, 3.0, (len(producers), k, k))
-    transfer[:, np.arange(k), np.arange(k)] = 0.0
-    return Problem(
-        device_names=tuple(f"d{d}" for d in range(k)),
-        memory_capacity_bytes=np.full(k, np.inf),
-        task_names=tuple(f"t{i}" for i in range(n)),
-        compute_s=rng.uniform(0.5, 3.0, (n, k)),
-        memory_bytes=np.zeros(n),
-        tensor_names=tuple(f"x{t}" for t in range(len(producers))),
-        tensor_producer=np.array(producers),
-        tensor_consumers=tuple(consumers),
-        transfer_s=transfer,
-    )
-
-
 @pytest.mark.parametrize("contention", [True, False])
 def test_heft_schedule_is_what_the_simulator_replays(contention):
     rng = np.random.default_rng(3)
     for trial in range(20):
-        problem = random_problem(rng, n=15, k=3) if trial % 2 else shared_tensor_problem(rng, n=25, k=3)
+        problem = random_problem(rng, 15 if trial % 2 else 25, 3)
         plan = get_placer("heft")(problem, contention=contention)
         assert simulate(problem, plan, contention).makespan_s == pytest.approx(plan.report.predicted_makespan_s)
 
@@ -307,21 +242,3 @@ def test_cp_pct_orders_by_pct():
     plan = get_placer("cp_pct")(problem)
     on_gpu0 = [i for i in plan.order[0] if i in (0, 1)]
     assert on_gpu0 == [1, 0]
-
-
-@pytest.mark.parametrize("name", MY_PLACERS)
-def test_memory_is_respected_on_random_graphs(name):
-    rng = np.random.default_rng(11)
-    for _ in range(6):
-        problem = random_problem(rng, n=10, k=3, memory=True)
-        try:
-            plan = place(problem, name)
-        except InfeasibleError as error:
-            assert "needs" in str(error) or "memory" in str(error) or "fits" in str(error)
-            continue
-        assert simulate(problem, plan).fits_memory
-        assert plan.order is not None
-
-
-def test_my_placers_are_registered():
-    assert set(MY_PLACERS) <= set(moirai.list_placers())

@@ -16,7 +16,7 @@ from moirai.solve.model import MilpModel, build_model
 from moirai.solve.solver import SolverSettings, solve_model
 from moirai.solve.warm_start import plan_from_times, warm_start_values
 from moirai.solve.window import whole_problem
-from tests.test_milp import random_small_problem
+from tests.conftest import random_problem
 
 TOLERANCE = 1e-6  # model time units (the horizon is 1000)
 
@@ -61,7 +61,7 @@ def violated_rows(built: MilpModel, timeline: Timeline) -> list[str]:
 @pytest.mark.parametrize("instances", ["small", "layered"])
 def test_every_feasible_schedule_satisfies_every_row(formulation, seed, instances):
     """A cut, window or fixed variable that removes a schedule within the horizon would be invalid."""
-    problem = random_small_problem(seed + 20) if instances == "small" else random_layered_problem(12, 3, seed=seed)
+    problem = random_problem(seed + 20) if instances == "small" else random_layered_problem(12, 3, seed=seed)
     for plan in random_plans(problem, 6, seed):
         timeline = simulate(problem, plan)
         for slack in (1.0, 1.3):  # the horizon equal to the schedule's makespan, and above it
@@ -137,7 +137,7 @@ def test_a_device_too_slow_to_finish_inside_the_horizon_is_never_offered():
 def test_the_papers_optimal_schedule_satisfies_every_strong_row():
     """Optimal schedules are where an invalid cut bites: the paper's optimum must be feasible for the strong model."""
     for seed in range(20, 40):
-        problem = random_small_problem(seed)
+        problem = random_problem(seed)
         start = simulate(problem, place(problem, "heft"))
         built = build_model(problem, whole_problem(problem, start.makespan_s), "paper")
         solution = solve_model(built, SolverSettings(time_limit_s=30, mip_gap=0.0, threads=1), start)

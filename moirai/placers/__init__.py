@@ -33,6 +33,7 @@ _PLACER_MODULES = (
     "m_sct",
     "getf",
     "pesto",
+    "pipeline",
     "milp",
 )
 

@@ -65,6 +65,8 @@ WARM_START_PLACERS = {
     "m_sct": 1.1,
     "hash": 0.04,
 }
+# Start plans only an objective other than latency tries (seconds per (1,000 tasks)^1.4, 4 devices).
+OBJECTIVE_START_PLACERS = {"throughput": {"pipeline": 8.0}}
 _SIMULATE_S_PER_TASK = 4e-5
 FULL_MODEL_MAX_TASKS = 24
 STRATEGIES = ("auto", "full", "windows")
@@ -124,6 +126,11 @@ def place_milp(
             plan, info.strategy, info.stop_reason = start_plan, "full", StopReason.GAP_CLOSED
         elif whole:
             plan, timeline = _solve_whole(problem, start_plan, timeline, settings, finish_by, info, objective)
+        elif objective.name != LATENCY.name:
+            # Lookahead rounds and windows shorten a schedule's critical path: they serve latency only.
+            if start_plan is None:
+                raise InfeasibleError("no heuristic found a placement that fits memory; add memory or devices")
+            plan, info.strategy, info.stop_reason = start_plan, "heuristics", StopReason.TIME_LIMIT
         elif start_plan is None:
             raise InfeasibleError(
                 "no heuristic found a placement that fits memory and the graph is too large for one MILP "
@@ -143,6 +150,7 @@ def place_milp(
     final.lower_bound_s = bound_s
     if info.solver_bound_s is not None and info.solver_bound_s > bound_s:
         final.lower_bound_s, info.bound_source = info.solver_bound_s, BoundSource.SOLVER
+    info.time_limit_s, info.elapsed_s = time_limit_s, time.perf_counter() - (deadline - time_limit_s)
     final.report = info
     return final
 
@@ -164,7 +172,7 @@ def _best_heuristic(
     budget = (deadline - started) * _HEURISTIC_SHARE
     best: tuple[Plan, Timeline] | None = None
     values: dict[str, float] = {}
-    for name, cost in WARM_START_PLACERS.items():
+    for name, cost in {**WARM_START_PLACERS, **OBJECTIVE_START_PLACERS.get(objective.name, {})}.items():
         predicted = cost * (problem.num_tasks / 1000) ** 1.4 + _SIMULATE_S_PER_TASK * problem.num_tasks
         if name not in available or (best is not None and time.perf_counter() - started + predicted > budget):
             continue
@@ -260,15 +268,19 @@ def _solve_whole(
     """The full MILP, warm-started from ``start_plan``; falls back to it if the solver finds nothing better."""
     if start_plan is not None and info.formulation == "strong":
         start_plan, timeline = _relabeled(problem, start_plan)
-    horizon = objective.value_s(timeline) if timeline is not None else _serial_upper_bound(problem)
-    built = build_model(problem, whole_problem(problem, horizon), info.formulation, objective)
+    horizon = _horizon_s(problem, timeline, objective)
+    try:
+        built = build_model(problem, whole_problem(problem, horizon), info.formulation, objective)
+    except InfeasibleError as error:  # the horizon (a latency limit) admits no plan
+        info.stop_reason, info.solver_status = StopReason.SOLVER_STATUS, str(error)
+        return _fallback(problem, start_plan, timeline, objective)
     remaining = deadline - time.perf_counter() - _SAFETY_S
     info.strategy = "full"
     info.binaries, info.constraints, info.build_s = built.size.binaries, built.size.constraints, built.size.build_s
     if remaining <= 0.05:
         warnings.warn("the time budget ran out building the MILP; returning the best heuristic plan", stacklevel=3)
         info.stop_reason = StopReason.TIME_LIMIT
-        return _fallback(problem, start_plan, timeline)
+        return _fallback(problem, start_plan, timeline, objective)
     settings = replace(settings, time_limit_s=remaining)
     solution = solve_model(built, settings, timeline)
     info.stop_reason = _stop_reason(solution)
@@ -279,7 +291,7 @@ def _solve_whole(
     if not solution.has_solution:
         if solution.status.startswith(("error", "unavailable")):
             warnings.warn(f"the MILP solver failed ({solution.status}); using the best heuristic plan", stacklevel=3)
-        return _fallback(problem, start_plan, timeline)
+        return _fallback(problem, start_plan, timeline, objective)
     placement = np.array([solution.placement[i] for i in range(problem.num_tasks)])
     start = np.array([solution.start_s[i] for i in range(problem.num_tasks)])
     plan = plan_from_times(problem, placement, start, solution.transfer_start_s, "milp")
@@ -298,7 +310,15 @@ def _stop_reason(solution: MilpSolution) -> StopReason:
     return StopReason.SOLVER_STATUS
 
 
-def _fallback(problem: Problem, start_plan: Plan | None, timeline: Timeline | None) -> tuple[Plan, Timeline]:
+def _fallback(
+    problem: Problem, start_plan: Plan | None, timeline: Timeline | None, objective: Objective = LATENCY
+) -> tuple[Plan, Timeline]:
+    limit = getattr(objective, "max_latency_s", None)
+    if start_plan is None and limit is not None:
+        raise InfeasibleError(
+            f"neither the heuristics nor the MILP found a plan within max_latency_s={limit:g} s that fits memory; "
+            "raise the latency limit (the 'latency' objective finds the shortest), or add devices"
+        )
     if start_plan is None:
         raise InfeasibleError(
             "neither the heuristics nor the MILP found a placement that fits memory "
@@ -333,6 +353,15 @@ def _with_transfer_order(problem: Problem, plan: Plan, timeline: Timeline) -> Pl
     if explicit.makespan_s != timeline.makespan_s:  # a tie on a link replayed differently: keep the plan as it was
         return replace(plan, makespan_s=timeline.makespan_s)
     return explicit
+
+
+def _horizon_s(problem: Problem, timeline: Timeline | None, objective: Objective) -> float:
+    """An upper bound on the makespan of the plans worth modelling: the start plan's for latency; for another
+    objective, its latency limit when it has one, else a makespan every placement can reach."""
+    if objective.name == LATENCY.name and timeline is not None:
+        return objective.value_s(timeline)
+    limit = getattr(objective, "max_latency_s", None)
+    return float(limit) if limit is not None else _serial_upper_bound(problem)
 
 
 def _serial_upper_bound(problem: Problem) -> float:

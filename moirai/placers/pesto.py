@@ -97,7 +97,7 @@ def place_pesto(problem: Problem, target_tasks: int = 200, time_limit_s: float =
 def coarsen(problem: Problem, target_tasks: int) -> list[list[int]]:
     """Groups of tasks (each a list in topological order) whose quotient graph is a DAG of about ``target_tasks``."""
     group_of = np.arange(problem.num_tasks)
-    edge_s = _mean_transfer_s(problem)
+    edge_s = problem.mean_transfer_s
     while len(np.unique(group_of)) > target_tasks:
         quotient, weight = _quotient(problem, group_of, edge_s)
         pairs = _mergeable_matching(problem, quotient, weight, group_of, quotient.number_of_nodes() - target_tasks)
@@ -113,13 +113,6 @@ def coarsen(problem: Problem, target_tasks: int) -> list[list[int]]:
     for task in sorted(range(problem.num_tasks), key=rank.__getitem__):
         members.setdefault(int(group_of[task]), []).append(task)
     return sorted(members.values(), key=lambda tasks: rank[tasks[0]])
-
-
-def _mean_transfer_s(problem: Problem) -> np.ndarray:
-    off_diagonal = ~np.eye(problem.num_devices, dtype=bool)
-    if not off_diagonal.any():
-        return np.zeros(problem.num_tensors)
-    return problem.transfer_s[:, off_diagonal].mean(axis=1)
 
 
 def _quotient(problem: Problem, group_of: np.ndarray, edge_s: np.ndarray) -> tuple[nx.DiGraph, dict]:

@@ -1,8 +1,9 @@
 """``round_robin``: contiguous chunks of the topological order, one per device.
 
-Chunks are sized by device speed (a faster device gets proportionally more work), the
-hand split people write for pipeline stages. Every device gets at least one task when
-there are enough tasks, so tests use it to force real splits.
+Chunks are sized by device speed (:attr:`moirai.problem.Problem.device_speed`: a faster device gets
+proportionally more work), the hand split people write for pipeline stages. Every device gets at least
+one task when there are enough tasks, so tests use it to force real splits. Memory is ignored: a plan
+may exceed a device's capacity (the simulator's ``fits_memory`` says so).
 """
 
 from __future__ import annotations

@@ -40,28 +40,30 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyomo.environ as pyo
 
-from moirai.errors import MoiraiError
+from moirai.errors import InfeasibleError, MoiraiError
 from moirai.objective import LATENCY, Objective
 from moirai.problem import Problem
+from moirai.schedule.transfers import transfer_duration_s
 from moirai.solve.window import (
     Window,
     allowed_devices,
     descendant_sets,
     device_heads_and_tails,
+    device_pair_kinds,
     devices_in_time,
     identical_device_groups,
     time_windows,
+    transfer_pair_kinds,
 )
 
 FORMULATIONS = ("strong", "paper")
-# Objectives the model has rows for (moirai.objective): "latency" is the makespan T >= every finish plus tail.
-# Another objective adds its variable and rows where build_model writes "objective rows", and its cuts.
-MILP_OBJECTIVES = ("latency",)
 MODEL_TIME_SCALE = 1000.0  # the horizon, in model time units
 _PAPER_BIG_M = 100.0 * MODEL_TIME_SCALE
 _NARROWING_ROUNDS = 4
@@ -88,25 +90,108 @@ class MilpModel:
     device_pairs: dict[tuple[int, int], str]  # (i, j) -> "delta" | "i_first" | "j_first" | "apart"
     transfer_pairs: dict[tuple[tuple[int, int], tuple[int, int]], str]
     symmetric_groups: tuple[tuple[int, ...], ...]
+    objective_var: Any = None  # the variable minimised: T (latency) or P (period), in model units
     size: ModelSize | None = None
+
+
+@dataclass
+class _Model:
+    """What the row groups of one model share: the window, its bounds (seconds) and the Pyomo model."""
+
+    problem: Problem
+    window: Window
+    strong: bool
+    unit_s: float
+    allowed: dict[int, tuple[int, ...]]
+    earliest_s: dict[int, float]
+    latest_finish_s: dict[int, float]
+    fastest_s: dict[int, float]
+    head_s: dict[tuple[int, int], float]
+    tail_s: dict[tuple[int, int], float]
+    descendants: dict[int, set[int]]
+    m: pyo.ConcreteModel
+    finish: dict[int, Any]  # finish time of every free task (model units), an expression
+
+    @property
+    def free(self) -> tuple[int, ...]:
+        return self.window.free_tasks
+
+    def scaled(self, seconds: float) -> float:
+        return seconds / self.unit_s
+
+    def add(self, row: Any) -> None:
+        self.m.constraints.add(row)
 
 
 def build_model(
     problem: Problem, window: Window, formulation: str = "strong", objective: Objective = LATENCY
 ) -> MilpModel:
-    """The Pyomo model of ``window`` (use :func:`whole_problem` for the full MILP) minimising ``objective``."""
+    """The Pyomo model of ``window`` (use :func:`whole_problem` for the full MILP) minimising ``objective``.
+
+    Rows by equation group, in this order: assignment and memory (4c, 5), precedence (4a), the objective's
+    rows, transfers (7), device order (6), link order (8), then (strong) the objective's cuts and symmetry.
+    """
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
     if objective.name not in MILP_OBJECTIVES:
-        raise MoiraiError(f"the MILP has no rows for objective {objective.name!r}; it models {MILP_OBJECTIVES}")
+        raise MoiraiError(f"the MILP has no rows for objective {objective.name!r}; it models {sorted(MILP_OBJECTIVES)}")
     started = time.perf_counter()
+    c = _bounded_model(problem, window, formulation)
+    rows = MILP_OBJECTIVES[objective.name]
+    _assignment_and_memory_rows(c)
+    _precedence_rows(c)
+    rows.before_transfers(c, objective)
+    transfers = _transfer_rows(c)
+    rows.after_transfers(c, objective, transfers)
+    device_pairs = _device_order_rows(c)
+    transfer_pairs = _link_order_rows(c, transfers)
+    symmetric_groups: tuple[tuple[int, ...], ...] = ()
+    if c.strong:
+        rows.cuts(c)
+        if len(c.free) == problem.num_tasks:
+            symmetric_groups = identical_device_groups(problem)
+            _symmetry_rows(c, symmetric_groups)
+    m = c.m
+    objective_var = m.P if hasattr(m, "P") else m.T
+    m.objective = pyo.Objective(expr=objective_var, sense=pyo.minimize)
+    built = MilpModel(
+        problem=problem,
+        window=window,
+        formulation=formulation,
+        model=m,
+        unit_s=c.unit_s,
+        transfer_sources=transfers.sources,
+        device_pairs=device_pairs,
+        transfer_pairs=transfer_pairs,
+        symmetric_groups=symmetric_groups,
+        objective_var=objective_var,
+    )
+    delta_pairs = sum(kind == "delta" for kind in device_pairs.values())
+    link_delta_pairs = sum(kind == "delta" for kind in transfer_pairs.values())
+    built.size = ModelSize(
+        binaries=len(m.x) + len(transfers.sources) + delta_pairs + link_delta_pairs,
+        continuous=len(c.free)
+        + 1
+        + len(transfers.sources)
+        + len(m.w)
+        + (len(device_pairs) + len(transfer_pairs)) * c.strong,
+        constraints=len(m.constraints),
+        build_s=time.perf_counter() - started,
+    )
+    return built
+
+
+def _bounded_model(problem: Problem, window: Window, formulation: str) -> _Model:
+    """Allowed devices and time windows of the free tasks (narrowed by heads and tails when strong), and the
+    model's assignment, start and objective variables bounded by them."""
     strong = formulation == "strong"
     unit = window.horizon_s / MODEL_TIME_SCALE if window.horizon_s > 0 else 1.0
     free = window.free_tasks
-    free_set = set(free)
     allowed = allowed_devices(problem, free)
     free_graph = problem.graph.subgraph(free)
     earliest_s, latest_finish_s, fastest_s = time_windows(problem, window, allowed, free_graph)
+    head_s: dict[tuple[int, int], float] = {}
+    tail_s: dict[tuple[int, int], float] = {}
     if strong:
         for _ in range(_NARROWING_ROUNDS):  # fewer devices give later heads and longer tails, which drop more
             head_s, tail_s = device_heads_and_tails(problem, window, allowed, free_graph)
@@ -114,72 +199,163 @@ def build_model(
             if narrowed == allowed:
                 break
             allowed = narrowed
+        stuck = [i for i in free if not allowed[i]]
+        if stuck:
+            raise InfeasibleError(
+                f"task {problem.task_names[stuck[0]]!r} cannot finish on any device within the horizon "
+                f"({window.horizon_s:g} s): no plan meets it"
+            )
         # The windows narrowed by the devices left: heads and tails count transfers.
         for i in free:
             earliest_s[i] = max(earliest_s[i], min(head_s[i, k] for k in allowed[i]))
             latest_finish_s[i] = min(latest_finish_s[i], window.horizon_s - min(tail_s[i, k] for k in allowed[i]))
             fastest_s[i] = float(min(problem.compute_s[i, k] for k in allowed[i]))
-    descendants = descendant_sets(free_graph)
-    whole = len(free) == problem.num_tasks
-
-    def scaled(seconds: float) -> float:
-        return seconds / unit
 
     m = pyo.ConcreteModel(name=f"moirai_{formulation}")
-    x_index = [(i, k) for i in free for k in allowed[i]]
-    m.x = pyo.Var(x_index, domain=pyo.Binary)
+    m.x = pyo.Var([(i, k) for i in free for k in allowed[i]], domain=pyo.Binary)
     if strong:
-        bounds = {i: (scaled(earliest_s[i]), scaled(latest_finish_s[i] - fastest_s[i])) for i in free}
+        bounds = {i: (earliest_s[i] / unit, (latest_finish_s[i] - fastest_s[i]) / unit) for i in free}
         m.S = pyo.Var(free, domain=pyo.NonNegativeReals, bounds=lambda _, i: bounds[i])
         m.T = pyo.Var(bounds=(0.0, MODEL_TIME_SCALE))
     else:
         m.S = pyo.Var(free, domain=pyo.NonNegativeReals)
         m.T = pyo.Var(domain=pyo.NonNegativeReals)
     m.constraints = pyo.ConstraintList()
-    add = m.constraints.add
-
-    duration = {i: sum(scaled(problem.compute_s[i, k]) * m.x[i, k] for k in allowed[i]) for i in free}
+    duration = {i: sum(problem.compute_s[i, k] / unit * m.x[i, k] for k in allowed[i]) for i in free}
     finish = {i: m.S[i] + duration[i] for i in free}
+    return _Model(
+        problem,
+        window,
+        strong,
+        unit,
+        allowed,
+        earliest_s,
+        latest_finish_s,
+        fastest_s,
+        head_s,
+        tail_s,
+        descendant_sets(free_graph),
+        m,
+        finish,
+    )
 
-    # (4c) one device each; (5) memory, net of what fixed tasks already hold.
-    for i in free:
-        add(sum(m.x[i, k] for k in allowed[i]) == 1)
+
+def _assignment_and_memory_rows(c: _Model) -> None:
+    """(4c) one device each; (5) memory, net of what fixed tasks already hold."""
+    problem, window, m, allowed = c.problem, c.window, c.m, c.allowed
+    for i in c.free:
+        c.add(sum(m.x[i, k] for k in allowed[i]) == 1)
     fixed_mask = np.ones(problem.num_tasks, bool)
-    fixed_mask[list(free)] = False
+    fixed_mask[list(c.free)] = False
     for k in range(problem.num_devices):
         capacity = problem.memory_capacity_bytes[k]
         if not np.isfinite(capacity):
             continue
         held = float(problem.memory_bytes[fixed_mask & (window.placement == k)].sum())
-        users = [i for i in free if k in allowed[i] and problem.memory_bytes[i] > 0]
+        users = [i for i in c.free if k in allowed[i] and problem.memory_bytes[i] > 0]
         if users and sum(problem.memory_bytes[i] for i in users) > capacity - held:
             share = {i: float(problem.memory_bytes[i] / capacity) for i in users}
-            add(sum(share[i] * m.x[i, k] for i in users) <= (capacity - held) / capacity)
+            c.add(sum(share[i] * m.x[i, k] for i in users) <= (capacity - held) / capacity)
 
-    # (4a) precedence of tasks, and device readiness after fixed tasks.
-    for i in free:
+
+def _precedence_rows(c: _Model) -> None:
+    """(4a) precedence of tasks, and device readiness after fixed tasks."""
+    problem, window, m, free_set = c.problem, c.window, c.m, set(c.free)
+    for i in c.free:
         for u in problem.predecessors[i]:
             if u in free_set:
-                add(m.S[i] >= finish[u])
+                c.add(m.S[i] >= c.finish[u])
             elif not math.isnan(window.fixed_finish_s[u]):
-                add(m.S[i] >= scaled(window.fixed_finish_s[u]))
-        ready = {k: scaled(window.device_ready_s[k]) for k in allowed[i] if window.device_ready_s[k] > 0}
+                c.add(m.S[i] >= c.scaled(window.fixed_finish_s[u]))
+        ready = {k: c.scaled(window.device_ready_s[k]) for k in c.allowed[i] if window.device_ready_s[k] > 0}
         if ready:
-            add(m.S[i] >= sum(r * m.x[i, k] for k, r in ready.items()))
+            c.add(m.S[i] >= sum(r * m.x[i, k] for k, r in ready.items()))
 
-    # Objective rows: T covers every free task plus what runs after it on its device.
-    for f, i in enumerate(free):
-        add(m.T >= finish[i] + sum(scaled(window.tail_s[f, k]) * m.x[i, k] for k in allowed[i]))
 
-    # (7) transfers: one per tensor and destination device, duration from the link chosen.
+def _latency_rows(c: _Model, objective: Objective | None = None) -> None:
+    """The latency objective: T covers every free task plus what runs after it on its device."""
+    for f, i in enumerate(c.free):
+        c.add(c.m.T >= c.finish[i] + sum(c.scaled(c.window.tail_s[f, k]) * c.m.x[i, k] for k in c.allowed[i]))
+
+
+def _latency_cuts(c: _Model) -> None:
+    """Strong cuts: every task starts after its head and T covers its tail, both for the device it is on; the
+    work each device must still do after each head; chains of descendants."""
+    m, allowed = c.m, c.allowed
+    head = {ik: c.scaled(seconds) for ik, seconds in c.head_s.items()}
+    tail = {ik: c.scaled(seconds) for ik, seconds in c.tail_s.items()}
+    for f, i in enumerate(c.free):
+        if any(head[i, k] > m.S[i].lb for k in allowed[i]):
+            c.add(m.S[i] >= sum(head[i, k] * m.x[i, k] for k in allowed[i]))
+        if any(tail[i, k] > c.scaled(c.window.tail_s[f, k]) for k in allowed[i]):  # else the objective row says it
+            c.add(m.T >= c.finish[i] + sum(tail[i, k] * m.x[i, k] for k in allowed[i]))
+    _add_device_load_cuts(m, c.problem, allowed, head, tail, c.unit_s)
+    shortest_tail = {i: min(tail[i, k] for k in allowed[i]) for i in c.free}
+    earliest = {i: c.scaled(c.earliest_s[i]) for i in c.free}
+    _add_chain_load_cuts(m, c.problem, allowed, c.descendants, earliest, shortest_tail, c.unit_s)
+
+
+def _period_rows(c: _Model, objective: Objective) -> None:
+    """Throughput: the period P covers every device's compute per request; with a latency limit (then the
+    window's horizon), T covers every finish and stays within it."""
+    if len(c.free) != c.problem.num_tasks:
+        raise MoiraiError("the throughput objective is modelled for the whole problem only, not windows")
+    m = c.m
+    m.P = pyo.Var(bounds=(0.0, MODEL_TIME_SCALE))  # a period never exceeds the latency, nor that the horizon
+    for k in range(c.problem.num_devices):
+        users = [i for i in c.free if k in c.allowed[i]]
+        if users:
+            c.add(m.P >= sum(c.scaled(c.problem.compute_s[i, k]) * m.x[i, k] for i in users))
+    if getattr(objective, "max_latency_s", None) is not None:
+        _latency_rows(c)
+        c.add(m.T <= MODEL_TIME_SCALE)
+
+
+def _link_period_rows(c: _Model, objective: Objective, transfers: _Transfers) -> None:
+    """Throughput: the period covers every directed link's transfers per request (a tensor sent once per device)."""
+    on_link: dict[tuple[int, int], list[Any]] = {}
+    for (t, b), sources in transfers.sources.items():
+        for a in sources:
+            on_link.setdefault((a, b), []).append(c.scaled(transfer_duration_s(c.problem, t, a, b)) * c.m.w[t, a, b])
+    for terms in on_link.values():
+        c.add(c.m.P >= sum(terms))
+
+
+def _no_rows(*args: Any) -> None:
+    return None
+
+
+class _ObjectiveRows(NamedTuple):
+    before_transfers: Callable[..., None]
+    after_transfers: Callable[..., None]
+    cuts: Callable[[_Model], None]  # strong formulation only
+
+
+# Objective name (moirai.objective) -> its rows: the variable it minimises (T: latency, P: period) and its cuts.
+MILP_OBJECTIVES = {
+    "latency": _ObjectiveRows(_latency_rows, _no_rows, _latency_cuts),
+    "throughput": _ObjectiveRows(_period_rows, _link_period_rows, _no_rows),
+}
+
+
+@dataclass
+class _Transfers:
+    sources: dict[tuple[int, int], tuple[int, ...]]  # (tensor, destination) -> possible source devices
+    duration: dict[tuple[int, int], Any]  # model units, an expression of the link chosen
+    earliest_s: dict[tuple[int, int], float]
+    latest_s: dict[tuple[int, int], float]
+
+
+def _transfer_rows(c: _Model) -> _Transfers:
+    """(7) transfers: one per tensor and destination device, duration from the link chosen."""
+    problem, window, m, allowed, strong = c.problem, c.window, c.m, c.allowed, c.strong
+    free_set = set(c.free)
+    add, scaled, finish = c.add, c.scaled, c.finish
     transfers = _transfer_candidates(problem, window, allowed, free_set)
     m.y = pyo.Var(list(transfers), domain=pyo.Binary)
     m.R = pyo.Var(list(transfers), domain=pyo.NonNegativeReals)
-    w_index = [(t, a, b) for (t, b), sources in transfers.items() for a in sources]
-    m.w = pyo.Var(w_index, bounds=(0.0, 1.0))
-    transfer_duration = {}
-    transfer_earliest_s: dict[tuple[int, int], float] = {}
-    transfer_latest_s: dict[tuple[int, int], float] = {}
+    m.w = pyo.Var([(t, a, b) for (t, b), sources in transfers.items() for a in sources], bounds=(0.0, 1.0))
+    result = _Transfers(transfers, {}, {}, {})
     for (t, b), sources in transfers.items():
         u = int(problem.tensor_producer[t])
         consumers = problem.tensor_consumers[t]
@@ -199,7 +375,7 @@ def build_model(
                 add(m.w[t, a, b] <= y)
                 add(m.w[t, a, b] >= m.x[u, a] + y - 1)
             produced = finish[u]
-            earliest = earliest_s[u] + fastest_s[u]
+            earliest = c.earliest_s[u] + c.fastest_s[u]
         else:
             for j in free_consumers:
                 add(y >= m.x[j, b])
@@ -209,27 +385,33 @@ def build_model(
             earliest = float(window.fixed_finish_s[u])
         if not fixed_here:
             add(y <= sum(m.x[j, b] for j in free_consumers))
-        transfer_duration[t, b] = sum(scaled(problem.transfer_s[t, a, b]) * m.w[t, a, b] for a in sources)
+        result.duration[t, b] = sum(scaled(transfer_duration_s(problem, t, a, b)) * m.w[t, a, b] for a in sources)
         add(m.R[t, b] >= produced)
         link_ready = {a: scaled(window.link_ready_s[a, b]) for a in sources if window.link_ready_s[a, b] > 0}
         if link_ready:
             add(m.R[t, b] >= sum(r * m.w[t, a, b] for a, r in link_ready.items()))
-        transfer_earliest_s[t, b] = earliest
-        latest = window.deadline_s if fixed_here else max(latest_finish_s[j] - fastest_s[j] for j in free_consumers)
-        transfer_latest_s[t, b] = latest
+        result.earliest_s[t, b] = earliest
+        latest = window.deadline_s if fixed_here else max(c.latest_finish_s[j] - c.fastest_s[j] for j in free_consumers)
+        result.latest_s[t, b] = latest
         if strong:
             m.R[t, b].setlb(scaled(earliest))
-            add(m.R[t, b] + transfer_duration[t, b] <= scaled(latest))
+            add(m.R[t, b] + result.duration[t, b] <= scaled(latest))
         for j in free_consumers:
-            big_m = scaled(latest - earliest_s[j]) if strong else _PAPER_BIG_M
-            add(m.S[j] >= m.R[t, b] + transfer_duration[t, b] - big_m * (1 - m.x[j, b]))
+            big_m = scaled(latest - c.earliest_s[j]) if strong else _PAPER_BIG_M
+            add(m.S[j] >= m.R[t, b] + result.duration[t, b] - big_m * (1 - m.x[j, b]))
     for (t, b), arrival in window.arrived_s.items():
         for j in problem.tensor_consumers[t]:
             if j in free_set and b in allowed[j]:
                 add(m.S[j] >= scaled(arrival) * m.x[j, b])
+    return result
 
-    # (6) no two tasks overlap on one device.
-    device_pairs = _device_pair_kinds(free, allowed, descendants, earliest_s, latest_finish_s, fastest_s, strong)
+
+def _device_order_rows(c: _Model) -> dict[tuple[int, int], str]:
+    """(6) no two tasks overlap on one device; returns the kind of every pair of free tasks."""
+    m, allowed, strong, add, scaled, finish = c.m, c.allowed, c.strong, c.add, c.scaled, c.finish
+    device_pairs = device_pair_kinds(
+        c.free, allowed, c.descendants, c.earliest_s, c.latest_finish_s, c.fastest_s, strong
+    )
     delta_pairs = [pair for pair, kind in device_pairs.items() if kind == "delta"]
     m.delta = pyo.Var(delta_pairs, domain=pyo.Binary)
     if strong:
@@ -244,8 +426,8 @@ def build_model(
             same = m.same[i, j]
             for k in shared:
                 add(same >= m.x[i, k] + m.x[j, k] - 1)
-            i_first_m = scaled(latest_finish_s[i] - earliest_s[j])
-            j_first_m = scaled(latest_finish_s[j] - earliest_s[i])
+            i_first_m = scaled(c.latest_finish_s[i] - c.earliest_s[j])
+            j_first_m = scaled(c.latest_finish_s[j] - c.earliest_s[i])
             if kind == "i_first":
                 add(m.S[j] >= finish[i] - i_first_m * (1 - same))
             elif kind == "j_first":
@@ -258,25 +440,29 @@ def build_model(
                 off = _PAPER_BIG_M * (2 - m.x[i, k] - m.x[j, k])
                 add(m.S[j] >= finish[i] - _PAPER_BIG_M * (1 - m.delta[i, j]) - off)
                 add(m.S[i] >= finish[j] - _PAPER_BIG_M * m.delta[i, j] - off)
+    return device_pairs
 
-    # (8) no two transfers overlap on one directed link.
-    transfer_pairs = _transfer_pair_kinds(
-        problem, transfers, descendants, free_set, transfer_earliest_s, transfer_latest_s, strong
+
+def _link_order_rows(c: _Model, transfers: _Transfers) -> dict[tuple[tuple[int, int], tuple[int, int]], str]:
+    """(8) no two transfers overlap on one directed link; returns the kind of every pair of transfers."""
+    m, strong, add, scaled = c.m, c.strong, c.add, c.scaled
+    transfer_pairs = transfer_pair_kinds(
+        c.problem, transfers.sources, c.descendants, set(c.free), transfers.earliest_s, transfers.latest_s, strong
     )
     link_delta_pairs = [pair for pair, kind in transfer_pairs.items() if kind == "delta"]
     m.link_delta = pyo.Var(link_delta_pairs, domain=pyo.Binary)
     if strong:
         m.same_link = pyo.Var(list(transfer_pairs), bounds=(0.0, 1.0))
     for (q, r), kind in transfer_pairs.items():
-        shared = [a for a in transfers[q] if a in transfers[r]]
-        q_end = m.R[q] + transfer_duration[q]
-        r_end = m.R[r] + transfer_duration[r]
+        shared = [a for a in transfers.sources[q] if a in transfers.sources[r]]
+        q_end = m.R[q] + transfers.duration[q]
+        r_end = m.R[r] + transfers.duration[r]
         if strong:
             same = m.same_link[q, r]
             for a in shared:
                 add(same >= m.w[q[0], a, q[1]] + m.w[r[0], a, r[1]] - 1)
-            q_first_m = scaled(transfer_latest_s[q] - transfer_earliest_s[r])
-            r_first_m = scaled(transfer_latest_s[r] - transfer_earliest_s[q])
+            q_first_m = scaled(transfers.latest_s[q] - transfers.earliest_s[r])
+            r_first_m = scaled(transfers.latest_s[r] - transfers.earliest_s[q])
             if kind == "q_first":
                 add(m.R[r] >= q_end - q_first_m * (1 - same))
             else:
@@ -287,49 +473,19 @@ def build_model(
                 off = _PAPER_BIG_M * (2 - m.w[q[0], a, q[1]] - m.w[r[0], a, r[1]])
                 add(m.R[r] >= q_end - _PAPER_BIG_M * (1 - m.link_delta[q, r]) - off)
                 add(m.R[q] >= r_end - _PAPER_BIG_M * m.link_delta[q, r] - off)
+    return transfer_pairs
 
-    symmetric_groups = identical_device_groups(problem) if strong and whole else ()
-    if strong:
-        head = {ik: scaled(seconds) for ik, seconds in head_s.items()}
-        tail = {ik: scaled(seconds) for ik, seconds in tail_s.items()}
-        # Every task starts after its head and runs on for its tail, both for the device it is on.
-        for f, i in enumerate(free):
-            if any(head[i, k] > m.S[i].lb for k in allowed[i]):
-                add(m.S[i] >= sum(head[i, k] * m.x[i, k] for k in allowed[i]))
-            if any(tail[i, k] > scaled(window.tail_s[f, k]) for k in allowed[i]):  # else the objective row says it
-                add(m.T >= finish[i] + sum(tail[i, k] * m.x[i, k] for k in allowed[i]))
-        _add_device_load_cuts(m, problem, allowed, head, tail, unit)
-        shortest_tail = {i: min(tail[i, k] for k in allowed[i]) for i in free}
-        earliest = {i: scaled(earliest_s[i]) for i in free}
-        _add_chain_load_cuts(m, problem, allowed, descendants, earliest, shortest_tail, unit)
-        # Identical devices: the k-th of a group is used only after the (k-1)-th (by first task).
-        order = sorted(free, key=problem.topological_position.__getitem__)
-        for group in symmetric_groups:
-            for previous, device in zip(group, group[1:], strict=False):
-                for p, i in enumerate(order):
-                    if device in allowed[i]:
-                        earlier = [m.x[h, previous] for h in order[:p] if previous in allowed[h]]
-                        add(m.x[i, device] <= sum(earlier))
 
-    m.objective = pyo.Objective(expr=m.T, sense=pyo.minimize)
-    built = MilpModel(
-        problem=problem,
-        window=window,
-        formulation=formulation,
-        model=m,
-        unit_s=unit,
-        transfer_sources=transfers,
-        device_pairs=device_pairs,
-        transfer_pairs=transfer_pairs,
-        symmetric_groups=symmetric_groups,
-    )
-    built.size = ModelSize(
-        binaries=len(x_index) + len(transfers) + len(delta_pairs) + len(link_delta_pairs),
-        continuous=len(free) + 1 + len(transfers) + len(w_index) + (len(device_pairs) + len(transfer_pairs)) * strong,
-        constraints=len(m.constraints),
-        build_s=time.perf_counter() - started,
-    )
-    return built
+def _symmetry_rows(c: _Model, groups: tuple[tuple[int, ...], ...]) -> None:
+    """Identical devices: the k-th of a group is used only after the (k-1)-th (by first task)."""
+    m, allowed = c.m, c.allowed
+    order = sorted(c.free, key=c.problem.topological_position.__getitem__)
+    for group in groups:
+        for previous, device in zip(group, group[1:], strict=False):
+            for p, i in enumerate(order):
+                if device in allowed[i]:
+                    earlier = [m.x[h, previous] for h in order[:p] if previous in allowed[h]]
+                    c.add(m.x[i, device] <= sum(earlier))
 
 
 def _add_device_load_cuts(
@@ -412,82 +568,10 @@ def _transfer_candidates(
             wanted = any(b in allowed[j] for j in free_consumers)
             if u in free_set:
                 wanted = wanted or any(j not in free_set and window.placement[j] == b for j in consumers)
-                sources = tuple(a for a in allowed[u] if a != b and np.isfinite(problem.transfer_s[t, a, b]))
+                sources = tuple(a for a in allowed[u] if a != b and np.isfinite(transfer_duration_s(problem, t, a, b)))
             else:
                 a = int(window.placement[u])
                 sources = (a,) if a != b else ()
             if wanted and sources:
                 candidates[t, b] = sources
     return candidates
-
-
-def _device_pair_kinds(
-    free: tuple[int, ...],
-    allowed: dict[int, tuple[int, ...]],
-    descendants: dict[int, set[int]],
-    earliest_s: dict[int, float],
-    latest_finish_s: dict[int, float],
-    fastest_s: dict[int, float],
-    strong: bool,
-) -> dict[tuple[int, int], str]:
-    """Which incomparable pairs need a non-overlap constraint, and which kind."""
-    kinds: dict[tuple[int, int], str] = {}
-    for a, i in enumerate(free):
-        for j in free[a + 1 :]:
-            if j in descendants[i] or i in descendants[j] or not set(allowed[i]) & set(allowed[j]):
-                continue
-            if not strong:
-                kinds[i, j] = "delta"
-                continue
-            if latest_finish_s[i] <= earliest_s[j] or latest_finish_s[j] <= earliest_s[i]:
-                continue  # the windows alone keep them apart
-            i_first = earliest_s[i] + fastest_s[i] <= latest_finish_s[j] - fastest_s[j] + 1e-12
-            j_first = earliest_s[j] + fastest_s[j] <= latest_finish_s[i] - fastest_s[i] + 1e-12
-            kinds[i, j] = {(True, True): "delta", (True, False): "i_first", (False, True): "j_first"}.get(
-                (i_first, j_first), "apart"
-            )
-    return kinds
-
-
-def _transfer_pair_kinds(
-    problem: Problem,
-    transfers: dict[tuple[int, int], tuple[int, ...]],
-    descendants: dict[int, set[int]],
-    free_set: set[int],
-    earliest_s: dict[tuple[int, int], float],
-    latest_s: dict[tuple[int, int], float],
-    strong: bool,
-) -> dict[tuple[tuple[int, int], tuple[int, int]], str]:
-    """Pairs of transfers that may share a directed link: "delta", or "q_first" when a path orders them."""
-    by_destination: dict[int, list[tuple[int, int]]] = {}
-    for q in transfers:
-        by_destination.setdefault(q[1], []).append(q)
-    kinds: dict[tuple[tuple[int, int], tuple[int, int]], str] = {}
-    for queue in by_destination.values():
-        for a, q in enumerate(queue):
-            for r in queue[a + 1 :]:
-                if not set(transfers[q]) & set(transfers[r]):
-                    continue
-                if not strong:
-                    kinds[q, r] = "delta"
-                    continue
-                if latest_s[q] <= earliest_s[r] or latest_s[r] <= earliest_s[q]:
-                    continue
-                if _transfer_precedes(problem, q, r, descendants, free_set):
-                    kinds[q, r] = "q_first"
-                elif _transfer_precedes(problem, r, q, descendants, free_set):
-                    kinds[r, q] = "q_first"
-                else:
-                    kinds[q, r] = "delta"
-    return kinds
-
-
-def _transfer_precedes(
-    problem: Problem, q: tuple[int, int], r: tuple[int, int], descendants: dict[int, set[int]], free_set: set[int]
-) -> bool:
-    """Transfer q must end before r starts: every consumer of q's tensor leads to (or is) r's producer."""
-    producer = int(problem.tensor_producer[r[0]])
-    consumers = problem.tensor_consumers[q[0]]
-    return producer in free_set and all(
-        c in free_set and (c == producer or producer in descendants[c]) for c in consumers
-    )

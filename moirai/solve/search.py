@@ -40,6 +40,7 @@ from moirai.errors import PlanError
 from moirai.objective import LATENCY, Objective
 from moirai.problem import Plan, Problem
 from moirai.report import StopReason
+from moirai.schedule.transfers import transfer_duration_s
 from moirai.simulate import Timeline, simulate
 from moirai.solve.model import MilpModel, build_model
 from moirai.solve.solver import MilpSolution, SolverSettings, progress_text, solve_model
@@ -292,7 +293,7 @@ class _ScheduleIndex:
                 for c in problem.tensor_consumers[t]:
                     if c in free_set:
                         continue
-                    via = problem.transfer_s[t, :, placement[c]].copy()
+                    via = transfer_duration_s(problem, t, np.arange(problem.num_devices), placement[c])
                     via[placement[c]] = 0.0
                     tail[f] = np.maximum(tail[f], via + self.remaining[c])
         tail = np.minimum(tail, 10.0 * timeline.makespan_s)  # a missing link: effectively forbidden, not infinite

@@ -149,7 +149,7 @@ def _solve_with(
         return solution
     value = outcome.value
     m = built.model
-    solution.objective_s = value(m.T) * unit
+    solution.objective_s = value(built.objective_var) * unit
     for i in built.window.free_tasks:
         solution.placement[i] = max((k for (j, k) in m.x if j == i), key=lambda k: value(m.x[i, k]))
         solution.start_s[i] = value(m.S[i]) * unit

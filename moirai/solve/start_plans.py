@@ -41,6 +41,7 @@ from moirai.errors import InfeasibleError
 from moirai.objective import LATENCY, Objective
 from moirai.problem import Plan, Problem
 from moirai.schedule.heft import heft_schedule, upward_rank_mean_costs
+from moirai.schedule.transfers import transfer_duration_s
 from moirai.simulate import Timeline, simulate, upward_rank
 from moirai.solve.search import latest_starts
 
@@ -70,10 +71,11 @@ def _through_consumers(problem: Problem, placement: np.ndarray, runs_on_s: np.nd
     ``c``'s device (0 on the same device) plus ``runs_on_s[c]`` (how long the schedule runs from ``c``'s start).
     """
     tail = np.zeros((problem.num_tasks, problem.num_devices))
+    devices = np.arange(problem.num_devices)
     for t, consumers in enumerate(problem.tensor_consumers):
         u = int(problem.tensor_producer[t])
         for c in consumers:
-            np.maximum(tail[u], problem.transfer_s[t, :, placement[c]] + runs_on_s[c], out=tail[u])
+            np.maximum(tail[u], transfer_duration_s(problem, t, devices, placement[c]) + runs_on_s[c], out=tail[u])
     return tail
 
 

@@ -9,6 +9,7 @@ import numpy as np
 from pyomo.common.collections import ComponentMap
 
 from moirai.problem import Plan, Problem
+from moirai.schedule.transfers import transfer_duration_s
 from moirai.simulate import Timeline
 from moirai.solve.model import MODEL_TIME_SCALE, MilpModel
 from moirai.solve.window import identical_device_groups
@@ -70,6 +71,8 @@ def warm_start_values(built: MilpModel, timeline: Timeline) -> ComponentMap:
             values[m.link_delta[q, r]] = float((q_start, q[0]) < (r_start, r[0]))
     tails = [finish[i] + window.tail_s[f, placement[i]] / unit for f, i in enumerate(free)]
     values[m.T] = float(max(tails, default=0.0))
+    if hasattr(m, "P"):  # the throughput objective's period: the busiest device or link of the start plan
+        values[m.P] = timeline.period_s / unit
     return values
 
 
@@ -96,7 +99,7 @@ def plan_from_times(
         links: dict[tuple[int, int], list[tuple[float, float, int]]] = {}
         for (t, b), begin in transfer_start_s.items():
             a = int(placement[problem.tensor_producer[t]])
-            length = problem.transfer_s[t, a, b]
+            length = transfer_duration_s(problem, t, a, b)
             links.setdefault((a, b), []).append((round(begin / unit), length > 0, t))
         transfer_order = {link: tuple(t for *_, t in sorted(entries)) for link, entries in links.items()}
     return Plan(

@@ -17,6 +17,7 @@ import networkx as nx
 import numpy as np
 
 from moirai.problem import Problem
+from moirai.schedule.transfers import transfer_duration_s
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,9 @@ def device_heads_and_tails(
                 u = int(problem.tensor_producer[t])
                 if u in position:
                     arrival = min(
-                        head[u, a] + problem.compute_s[u, a] + (0.0 if a == k else problem.transfer_s[t, a, k])
+                        head[u, a]
+                        + problem.compute_s[u, a]
+                        + (0.0 if a == k else transfer_duration_s(problem, t, a, k))
                         for a in allowed[u]
                     )
                 elif (t, k) in window.arrived_s:
@@ -116,7 +119,7 @@ def device_heads_and_tails(
                     continue
                 else:
                     a = int(window.placement[u])
-                    arrival = window.fixed_finish_s[u] + (0.0 if a == k else problem.transfer_s[t, a, k])
+                    arrival = window.fixed_finish_s[u] + (0.0 if a == k else transfer_duration_s(problem, t, a, k))
                 ready = max(ready, float(arrival))
             head[i, k] = ready
     tail: dict[tuple[int, int], float] = {}
@@ -129,7 +132,9 @@ def device_heads_and_tails(
                         after = max(
                             after,
                             min(
-                                (0.0 if b == k else problem.transfer_s[t, k, b]) + problem.compute_s[j, b] + tail[j, b]
+                                (0.0 if b == k else transfer_duration_s(problem, t, k, b))
+                                + problem.compute_s[j, b]
+                                + tail[j, b]
                                 for b in allowed[j]
                             ),
                         )
@@ -177,3 +182,75 @@ def _devices_identical(problem: Problem, a: int, b: int) -> bool:
     swap = np.arange(problem.num_devices)
     swap[a], swap[b] = b, a
     return np.array_equal(problem.transfer_s, problem.transfer_s[:, swap][:, :, swap])
+
+
+def device_pair_kinds(
+    free: tuple[int, ...],
+    allowed: dict[int, tuple[int, ...]],
+    descendants: dict[int, set[int]],
+    earliest_s: dict[int, float],
+    latest_finish_s: dict[int, float],
+    fastest_s: dict[int, float],
+    strong: bool,
+) -> dict[tuple[int, int], str]:
+    """Which incomparable pairs need a non-overlap constraint, and which kind."""
+    kinds: dict[tuple[int, int], str] = {}
+    for a, i in enumerate(free):
+        for j in free[a + 1 :]:
+            if j in descendants[i] or i in descendants[j] or not set(allowed[i]) & set(allowed[j]):
+                continue
+            if not strong:
+                kinds[i, j] = "delta"
+                continue
+            if latest_finish_s[i] <= earliest_s[j] or latest_finish_s[j] <= earliest_s[i]:
+                continue  # the windows alone keep them apart
+            i_first = earliest_s[i] + fastest_s[i] <= latest_finish_s[j] - fastest_s[j] + 1e-12
+            j_first = earliest_s[j] + fastest_s[j] <= latest_finish_s[i] - fastest_s[i] + 1e-12
+            kinds[i, j] = {(True, True): "delta", (True, False): "i_first", (False, True): "j_first"}.get(
+                (i_first, j_first), "apart"
+            )
+    return kinds
+
+
+def transfer_pair_kinds(
+    problem: Problem,
+    transfers: dict[tuple[int, int], tuple[int, ...]],
+    descendants: dict[int, set[int]],
+    free_set: set[int],
+    earliest_s: dict[tuple[int, int], float],
+    latest_s: dict[tuple[int, int], float],
+    strong: bool,
+) -> dict[tuple[tuple[int, int], tuple[int, int]], str]:
+    """Pairs of transfers that may share a directed link: "delta", or "q_first" when a path orders them."""
+    by_destination: dict[int, list[tuple[int, int]]] = {}
+    for q in transfers:
+        by_destination.setdefault(q[1], []).append(q)
+    kinds: dict[tuple[tuple[int, int], tuple[int, int]], str] = {}
+    for queue in by_destination.values():
+        for a, q in enumerate(queue):
+            for r in queue[a + 1 :]:
+                if not set(transfers[q]) & set(transfers[r]):
+                    continue
+                if not strong:
+                    kinds[q, r] = "delta"
+                    continue
+                if latest_s[q] <= earliest_s[r] or latest_s[r] <= earliest_s[q]:
+                    continue
+                if transfer_precedes(problem, q, r, descendants, free_set):
+                    kinds[q, r] = "q_first"
+                elif transfer_precedes(problem, r, q, descendants, free_set):
+                    kinds[r, q] = "q_first"
+                else:
+                    kinds[q, r] = "delta"
+    return kinds
+
+
+def transfer_precedes(
+    problem: Problem, q: tuple[int, int], r: tuple[int, int], descendants: dict[int, set[int]], free_set: set[int]
+) -> bool:
+    """Transfer q must end before r starts: every consumer of q's tensor leads to (or is) r's producer."""
+    producer = int(problem.tensor_producer[r[0]])
+    consumers = problem.tensor_consumers[q[0]]
+    return producer in free_set and all(
+        c in free_set and (c == producer or producer in descendants[c]) for c in consumers
+    )

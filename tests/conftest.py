@@ -1,0 +1,119 @@
+"""What many test files share: the one random-problem generator and the one true brute-force optimum."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import networkx as nx
+import numpy as np
+
+from moirai.errors import PlanError
+from moirai.problem import Plan, Problem
+from moirai.simulate import simulate
+
+
+def random_problem(
+    seed: int | np.random.Generator,
+    num_tasks: int | None = None,
+    num_devices: int | None = None,
+    *,
+    slowdown: float = 1.0,
+    task_memory_bytes: float = 0.0,
+    capacity_bytes: float | Sequence[float] = math.inf,
+    forbid_fraction: float = 0.0,
+) -> Problem:
+    """A random DAG: every task reads up to two earlier tasks, a producer's tensor is shared by two consumers
+    half the time (it crosses to a device once), compute and per-link transfer times are random.
+
+    ``num_tasks``/``num_devices`` default to 4-7 tasks and 2-3 devices drawn from the seed (small enough for
+    :func:`brute_force_optimum`). ``slowdown``: device ``d`` is ``1 + (slowdown - 1) d / (K - 1)`` times
+    slower than device 0. Every task holds ``task_memory_bytes``; devices hold ``capacity_bytes`` (one number
+    or one per device). ``forbid_fraction`` of the tasks cannot run on one random device (infinite time).
+    """
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    n = int(rng.integers(4, 8)) if num_tasks is None else num_tasks
+    k = int(rng.integers(2, 4)) if num_devices is None else num_devices
+    producers: list[int] = []
+    consumers: list[tuple[int, ...]] = []
+    for v in range(1, n):
+        parents = rng.choice(v, size=int(rng.integers(0, min(v, 2) + 1)), replace=False)
+        for u in parents.tolist():
+            shared = [t for t, p in enumerate(producers) if p == u]
+            if shared and rng.random() < 0.5:
+                consumers[shared[0]] = consumers[shared[0]] + (v,)
+            else:
+                producers.append(u)
+                consumers.append((v,))
+    transfer = rng.uniform(0.1, 2.0, (len(producers), k, k)).round(2)
+    transfer[:, np.arange(k), np.arange(k)] = 0.0
+    compute = rng.uniform(0.5, 3.0, (n, k)).round(2) * np.linspace(1.0, slowdown, k)
+    if forbid_fraction > 0 and k > 1:
+        forbidden = np.flatnonzero(rng.random(n) < forbid_fraction)
+        compute[forbidden, rng.integers(0, k, forbidden.size)] = np.inf
+    return Problem(
+        device_names=tuple(f"dev{d}" for d in range(k)),
+        memory_capacity_bytes=np.broadcast_to(np.asarray(capacity_bytes, float), (k,)).copy(),
+        task_names=tuple(f"task{i}" for i in range(n)),
+        compute_s=compute,
+        memory_bytes=np.full(n, float(task_memory_bytes)),
+        tensor_names=tuple(f"tensor{t}" for t in range(len(producers))),
+        tensor_producer=np.array(producers, int),
+        tensor_consumers=tuple(consumers),
+        transfer_s=transfer,
+    )
+
+
+def brute_force_optimum(problem: Problem, contention: bool = True) -> float:
+    """The true optimum: the best simulated makespan over every placement that fits memory, every device order
+    and (with contention) every order on every link; ``inf`` when no placement fits. Placements are visited by
+    a lower bound (longest path with their transfers, busiest device) and the search stops when that bound
+    reaches the best found."""
+    k = problem.num_devices
+    topological_orders = list(nx.all_topological_sorts(problem.graph))
+    placements = [np.array(p) for p in itertools.product(range(k), repeat=problem.num_tasks)]
+    placements = [
+        p
+        for p in placements
+        if np.all(np.bincount(p, weights=problem.memory_bytes, minlength=k) <= problem.memory_capacity_bytes)
+        and np.all(problem.runs_on[np.arange(problem.num_tasks), p])
+    ]
+    best = math.inf
+    for bound, placement in sorted(((_placement_bound(problem, p), p) for p in placements), key=lambda bp: bp[0]):
+        if bound >= best - 1e-9:
+            break
+        orders = {tuple(tuple(i for i in order if placement[i] == d) for d in range(k)) for order in topological_orders}
+        links = _link_tensors(problem, placement) if contention else {}
+        for order in orders:
+            for link_orders in itertools.product(*(itertools.permutations(ts) for ts in links.values())):
+                plan = Plan(placement, problem.device_names, order, dict(zip(links, link_orders, strict=True)))
+                try:
+                    best = min(best, simulate(problem, plan, contention).makespan_s)
+                except PlanError:
+                    continue  # link orders that contradict the device orders deadlock
+    return best
+
+
+def _placement_bound(problem: Problem, placement: np.ndarray) -> float:
+    """Longest path with this placement's compute and transfer times, and the busiest device's work."""
+    duration = problem.compute_s[np.arange(problem.num_tasks), placement]
+    finish = np.zeros(problem.num_tasks)
+    for v in problem.topological_order:
+        ready = 0.0
+        for t in problem.input_tensors[v]:
+            u = int(problem.tensor_producer[t])
+            ready = max(ready, finish[u] + problem.transfer_s[t, placement[u], placement[v]])
+        finish[v] = ready + duration[v]
+    load = np.bincount(placement, weights=duration, minlength=problem.num_devices)
+    return float(max(finish.max(initial=0.0), load.max()))
+
+
+def _link_tensors(problem: Problem, placement: np.ndarray) -> dict[tuple[int, int], tuple[int, ...]]:
+    links: dict[tuple[int, int], set[int]] = {}
+    for t, consumers in enumerate(problem.tensor_consumers):
+        a = int(placement[problem.tensor_producer[t]])
+        for c in consumers:
+            if placement[c] != a:
+                links.setdefault((a, int(placement[c])), set()).add(t)
+    return {link: tuple(sorted(ts)) for link, ts in links.items()}

@@ -1,0 +1,59 @@
+"""Properties every registered placer has, parametrised over the registry (a new placer is tested by registering)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moirai.errors import InfeasibleError
+from moirai.placers import list_placers, place
+from moirai.simulate import simulate
+from tests.conftest import random_problem
+
+# Solver-based placers get a small budget here; their own tests give them more.
+OPTIONS = {"pesto": {"time_limit_s": 2.0, "target_tasks": 10}, "milp": {"time_limit_s": 2.0}}
+# round_robin splits by work and ignores memory, as documented: it may beat a bound that respects memory.
+MEMORY_BLIND = {"round_robin"}
+GB = 1e9
+
+
+def test_the_registry_lists_every_placer_module():
+    assert {"heft", "m_etf", "m_sct", "getf", "pesto", "milp", "single", "round_robin"} <= set(list_placers())
+
+
+@pytest.mark.parametrize("placer", list_placers())
+def test_plans_are_complete_simulate_as_reported_and_respect_the_bound(placer):
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        problem = random_problem(rng, 12, 3)
+        plan = place(problem, placer, **OPTIONS.get(placer, {}))
+        plan.check(problem)
+        timeline = simulate(problem, plan)
+        assert plan.makespan_s == timeline.makespan_s == plan.objective_s
+        assert plan.placer == placer
+        assert plan.makespan_s >= plan.lower_bound_s - 1e-9 >= 0
+        if plan.report.predicted_makespan_s is not None:
+            # The simulator replays a placer's own schedule (m-SCT's deliberate waits can only shrink).
+            assert timeline.makespan_s <= plan.report.predicted_makespan_s + 1e-9
+            if placer != "m_sct":
+                assert timeline.makespan_s == pytest.approx(plan.report.predicted_makespan_s)
+
+
+@pytest.mark.parametrize("placer", sorted(set(list_placers()) - MEMORY_BLIND))
+def test_memory_is_respected_or_the_placer_says_it_cannot(placer):
+    rng = np.random.default_rng(11)
+    for _ in range(4):
+        problem = random_problem(rng, 10, 3, task_memory_bytes=1.0, capacity_bytes=float(rng.integers(3, 8)))
+        try:
+            plan = place(problem, placer, **OPTIONS.get(placer, {}))
+        except InfeasibleError as error:
+            assert "needs" in str(error) or "memory" in str(error) or "fits" in str(error)
+            continue
+        assert simulate(problem, plan).fits_memory
+
+
+@pytest.mark.parametrize("placer", sorted(set(list_placers()) - MEMORY_BLIND))
+def test_a_model_larger_than_the_cluster_is_refused_with_the_numbers(placer):
+    problem = random_problem(0, 6, 2, task_memory_bytes=GB, capacity_bytes=2 * GB)  # 6 GB of tasks, 4 GB of devices
+    with pytest.raises(InfeasibleError, match=r"needs 6\.0 GB"):
+        place(problem, placer, **OPTIONS.get(placer, {}))

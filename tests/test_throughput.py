@@ -1,0 +1,112 @@
+"""The throughput objective: the period of pipelined requests, its bound, the MILP's rows and the stage DP."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+
+import moirai
+from moirai.bounds import lower_bounds
+from moirai.errors import InfeasibleError
+from moirai.objective import Throughput, as_objective
+from moirai.placers import get_placer, list_placers, place
+from moirai.problem import Plan, Problem
+from moirai.simulate import simulate
+from tests.conftest import random_problem
+from tests.test_placers import MEMORY_BLIND, OPTIONS
+
+
+def chain(compute_s: list[list[float]], transfer_s: float = 0.0) -> Problem:
+    k = len(compute_s[0])
+    return Problem.from_dict(
+        {
+            "devices": [{"name": f"d{d}"} for d in range(k)],
+            "tasks": [{"name": f"t{i}", "compute_s": c} for i, c in enumerate(compute_s)],
+            "edges": [
+                {"src": f"t{i}", "dst": f"t{i + 1}", "transfer_s": (transfer_s * (1 - np.eye(k))).tolist()}
+                for i in range(len(compute_s) - 1)
+            ],
+        }
+    )
+
+
+def best_period_s(problem: Problem) -> float:
+    """The true best period: it depends on the placement only, so every placement is tried."""
+    placements = itertools.product(range(problem.num_devices), repeat=problem.num_tasks)
+    return min(simulate(problem, Plan(np.array(p), problem.device_names)).period_s for p in placements)
+
+
+def test_period_is_the_busiest_device_or_link_per_request():
+    problem = chain([[1.0, 1.0], [2.0, 2.0], [1.0, 1.0]], transfer_s=2.5)
+    timeline = simulate(problem, Plan(np.array([0, 1, 1]), problem.device_names))
+    assert timeline.busy_s.tolist() == [1.0, 3.0]
+    assert timeline.link_busy_s == {(0, 1): 2.5}
+    assert timeline.period_s == 3.0
+    split_late = simulate(problem, Plan(np.array([0, 0, 1]), problem.device_names))
+    assert split_late.period_s == 3.0 and split_late.makespan_s == 6.5
+
+
+def test_place_scores_every_plan_by_its_period_against_the_load_bound():
+    problem = random_problem(3, 12, 3)
+    bound = lower_bounds(problem).load_s
+    for placer in sorted(set(list_placers()) - MEMORY_BLIND):
+        plan = place(problem, placer, objective="throughput", **OPTIONS.get(placer, {}))
+        assert plan.objective == "throughput"
+        assert plan.objective_s == simulate(problem, plan).period_s
+        assert plan.lower_bound_s >= bound - 1e-9  # the milp placer may prove more
+        assert plan.objective_s >= bound - 1e-9
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_milp_throughput_optimum_equals_the_best_period(seed):
+    problem = random_problem(seed)
+    plan = place(problem, "milp", objective="throughput", time_limit_s=30)
+    assert plan.objective_s == pytest.approx(best_period_s(problem), rel=1e-6)
+    assert plan.report.solver_objective_s == pytest.approx(plan.objective_s, rel=1e-6)
+
+
+def test_a_latency_limit_is_met_and_an_impossible_one_is_refused_by_name():
+    problem = random_problem(2)
+    fastest = place(problem, "milp", time_limit_s=30)
+    free = place(problem, "milp", objective="throughput", time_limit_s=30)
+    limit = (fastest.makespan_s + free.makespan_s) / 2
+    limited = place(problem, "milp", objective=Throughput(max_latency_s=limit), time_limit_s=30)
+    assert limited.makespan_s <= limit * (1 + 1e-9)
+    assert limited.objective_s >= free.objective_s - 1e-9
+    with pytest.raises(InfeasibleError, match="max_latency_s"):
+        place(problem, "milp", objective=Throughput(max_latency_s=0.5 * fastest.makespan_s), time_limit_s=30)
+
+
+def test_pipeline_stages_are_contiguous_and_balance_a_chain():
+    problem = chain([[1.0, 2.0]] * 6)  # device 1 half as fast: the best split gives it 2 tasks (4 s), d0 4
+    plan = get_placer("pipeline")(problem)
+    assert plan.placement.tolist() == [0, 0, 0, 0, 1, 1] or plan.placement.tolist() == [1, 1, 0, 0, 0, 0]
+    assert simulate(problem, plan).period_s == 4.0
+    order = list(problem.topological_order)
+    for d in range(problem.num_devices):
+        positions = [order.index(i) for i in plan.order[d]]
+        assert positions == list(range(positions[0], positions[0] + len(positions))) if positions else True
+
+
+def test_unknown_objective_names_the_choices():
+    with pytest.raises(Exception, match="latency.*throughput"):
+        as_objective("energy")
+
+
+@pytest.mark.slow
+def test_compile_for_throughput_splits_correctly_and_the_summary_shows_both_figures():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(6))).eval()
+    x = torch.randn(4, 32)
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="pipeline", objective="throughput")
+    assert compiled.plan.objective == "throughput"
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    console = Console(record=True, width=200)
+    compiled.summary(console)
+    text = console.export_text()
+    assert "predicted latency" in text and "requests/s pipelined" in text and "objective throughput" in text
