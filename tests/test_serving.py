@@ -180,3 +180,24 @@ def test_readme_serve_script_runs_under_torchrun(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "served 50 requests, all equal to the model's" in result.stdout
+
+
+def test_device_0_runs_the_next_requests_while_device_1_has_not_finished_this_one(chain) -> None:
+    """Rank 1 is stopped: rank 0 still runs its part of every request in flight; all finish once rank 1 resumes."""
+    model, compiled = chain
+    requests = [torch.randn(4, 64) for _ in range(3)]
+    with DistributedRunner(["cpu"] * 3, timeout_s=60.0, max_in_flight=4) as runner:
+        runner.run(compiled.program, [requests[0]])
+        driver, rank_1 = runner._driver, runner._workers[0].pid
+        os.kill(rank_1, signal.SIGSTOP)
+        try:
+            futures = [runner.submit(compiled.program, [x]) for x in requests]
+            deadline = time.monotonic() + 30.0
+            while driver.dispatched < 1 + len(requests) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert driver.dispatched == 1 + len(requests), "part 0 ran for every request in flight"
+            assert not any(f.done() for f in futures), "none could finish without rank 1"
+        finally:
+            os.kill(rank_1, signal.SIGCONT)
+        for request, future in zip(requests, futures, strict=True):
+            torch.testing.assert_close(future.result(timeout=60.0)[0], _eager(model, request))

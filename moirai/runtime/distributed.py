@@ -144,14 +144,22 @@ def run_rank(
     if (flat_inputs is None) != (rank != 0):
         raise InputError(f"rank 0, and only rank 0, takes the flat inputs; rank {rank} was given {flat_inputs!r:.40}")
     group = _torchrun_group(program, rank, world_size, torch_devices, timeout_s)
-    values: dict[str, int] = {}
     if flat_inputs is not None:
         check_inputs(program, flat_inputs)
-        values = symbol_values(program, flat_inputs)
     request = next(group.requests)
-    messages = _Messages(group, request, datetime.timedelta(seconds=timeout_s), values)
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        return _run_part(program, group, _placed(program, group), messages, flat_inputs)()
+        if flat_inputs is not None:
+            header = _Header.run(program, 0, request, flat_inputs, timeout_s)
+            control = [_send_header(group, request, k, header, timeout) for k in range(1, program.num_devices)]
+        else:
+            header = _receive_header(group, request, timeout)
+            control = []
+        messages = _Messages(group, request, timeout, header.symbol_values)
+        outputs = _run_part(program, group, _placed(program, group), messages, flat_inputs)()
+        for sent in control:
+            sent.wait_sends()
+        return outputs
     except DistributedError as error:
         raise _blamed(group, error, f"request {request}") from error
 
@@ -230,7 +238,10 @@ class DistributedRunner:
         self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor], timeout_s: float | None = None
     ) -> list[torch.Tensor]:
         """The flat outputs; every wait of this call is bounded by ``timeout_s`` (default: the runner's)."""
-        return self.submit(program, flat_inputs, timeout_s).result()
+        driver = self._driver_for(program, flat_inputs)
+        return driver.run(
+            program, flat_inputs, lambda outputs: outputs, self.timeout_s if timeout_s is None else timeout_s
+        )
 
     def submit(
         self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor], timeout_s: float | None = None
@@ -246,6 +257,11 @@ class DistributedRunner:
         timeout_s: float | None = None,
     ) -> Future:
         """Like :meth:`submit`, the future holding ``finish(flat_outputs)``."""
+        driver = self._driver_for(program, flat_inputs)
+        return driver.submit(program, flat_inputs, finish, self.timeout_s if timeout_s is None else timeout_s)
+
+    def _driver_for(self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> _Driver:
+        """The running driver (workers started, or restarted after a failure) once the call is checked."""
         if program.num_devices > len(self.torch_devices):
             raise InputError(
                 f"the program has {program.num_devices} parts but this runner has {len(self.torch_devices)} devices"
@@ -256,8 +272,7 @@ class DistributedRunner:
                 self._stop()
             if self._driver is None:
                 self._start()
-            driver = self._driver
-        return driver.submit(program, flat_inputs, finish, self.timeout_s if timeout_s is None else timeout_s)
+            return self._driver
 
     def resources_in_use(self) -> list[dict[str, Any]]:
         """Per rank, what it runs with, read back inside its process: ``cores`` (affinity) and ``threads``."""
@@ -653,27 +668,68 @@ def _serve(group: _Group, programs: dict[int, SplitProgram], timeout_s: float) -
     timeout = datetime.timedelta(seconds=timeout_s)
     previous: Callable[[], Any] | None = None
     for sequence in itertools.count():
-        control = _Messages(group, sequence, timeout)
-        header = control.wait_recv(control.post_recv((_HEADER_FIELDS,), torch.int64, 0, 0, "the next request's header"))
-        kind, program_id, payload_bytes, request, timeout_ms = header.tolist()
-        payload = b""
-        if payload_bytes:
-            received = control.wait_recv(control.post_recv((payload_bytes,), torch.uint8, 0, 1, "a request's payload"))
-            payload = received.numpy().tobytes()
-        if kind == _CLOSE:
+        header = _receive_header(group, sequence, timeout)
+        if header.kind == _CLOSE:
             break
-        if kind == _LOAD:
-            programs[program_id] = pickle.loads(payload)
-        elif kind == _RUN:
-            program = programs[program_id]
-            values = json.loads(payload) if payload else {}
-            messages = _Messages(group, request, datetime.timedelta(milliseconds=timeout_ms), values)
+        if header.kind == _LOAD:
+            programs[header.program_id] = pickle.loads(header.payload)
+        elif header.kind == _RUN:
+            program = programs[header.program_id]
+            request_timeout = datetime.timedelta(milliseconds=header.timeout_ms)
+            messages = _Messages(group, header.request, request_timeout, header.symbol_values)
             finish = _run_part(program, group, _placed(program, group), messages, None)
             if previous is not None:
                 previous()
             previous = finish
     if previous is not None:
         previous()
+
+
+@dataclass(frozen=True)
+class _Header:
+    """What rank 0 tells a rank before each message of the protocol: run a request, load a program, heartbeat, close.
+
+    A run's payload holds the request's symbolic dimension values (JSON), a load's the pickled program.
+    """
+
+    kind: int
+    program_id: int = 0
+    request: int = 0
+    timeout_ms: int = 0
+    payload: bytes = b""
+
+    @classmethod
+    def run(
+        cls, program: SplitProgram, program_id: int, request: int, flat_inputs: Sequence[torch.Tensor], timeout_s: float
+    ) -> _Header:
+        values = symbol_values(program, flat_inputs)
+        payload = json.dumps(values).encode() if values else b""
+        return cls(_RUN, program_id, request, round(timeout_s * 1000), payload)
+
+    @property
+    def symbol_values(self) -> dict[str, int]:
+        return json.loads(self.payload) if self.kind == _RUN and self.payload else {}
+
+
+def _send_header(group: _Group, sequence: int, dst: int, header: _Header, timeout: datetime.timedelta) -> _Messages:
+    """Send ``header`` as rank ``dst``'s message number ``sequence``; wait for the returned messages' sends."""
+    fields = [header.kind, header.program_id, len(header.payload), header.request, header.timeout_ms]
+    control = _Messages(group, sequence, timeout)
+    control.send(torch.tensor(fields, dtype=torch.int64), dst, 0, "a request header")
+    if header.payload:
+        control.send(torch.frombuffer(bytearray(header.payload), dtype=torch.uint8), dst, 1, "a request's payload")
+    return control
+
+
+def _receive_header(group: _Group, sequence: int, timeout: datetime.timedelta) -> _Header:
+    control = _Messages(group, sequence, timeout)
+    fields = control.wait_recv(control.post_recv((_HEADER_FIELDS,), torch.int64, 0, 0, "the next request's header"))
+    kind, program_id, payload_bytes, request, timeout_ms = fields.tolist()
+    payload = b""
+    if payload_bytes:
+        received = control.wait_recv(control.post_recv((payload_bytes,), torch.uint8, 0, 1, "a request's payload"))
+        payload = received.numpy().tobytes()
+    return _Header(kind, program_id, request, timeout_ms, payload)
 
 
 class _Driver:
@@ -699,6 +755,7 @@ class _Driver:
             group.describe_rank = describe_rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.failure: DistributedError | None = None
+        self.dispatched = 0  # requests whose part 0 has run (the next request's index)
         self._heartbeat_s = timeout_s * _HEARTBEAT_FRACTION
         self._programs: dict[int, int] = {}  # id(program) -> program id on the ranks
         self._keep: list[SplitProgram] = []
@@ -707,9 +764,9 @@ class _Driver:
             self._keep.append(preloaded)
         self._headers_sent = [0] * group.world_size
         self._last_header_s = [time.monotonic()] * group.world_size
-        self._requests = itertools.count()
         self._slots = threading.Semaphore(max_in_flight)
         self._lock = threading.Lock()
+        self._dispatching = threading.Lock()  # one thread at a time sends headers and runs part 0
         self._pending: set[Future] = set()
         self._incoming: queue.SimpleQueue = queue.SimpleQueue()
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
@@ -735,6 +792,41 @@ class _Driver:
         self._incoming.put((program, list(flat_inputs), future, finish, check_timeout(timeout_s)))
         return future
 
+    def run(
+        self,
+        program: SplitProgram,
+        flat_inputs: Sequence[torch.Tensor],
+        finish: Callable[[list[torch.Tensor]], Any],
+        timeout_s: float,
+    ) -> Any:
+        """``submit(...).result()``; when no other request is unfinished, run in the caller's thread (no hand-offs)."""
+        timeout_s = check_timeout(timeout_s)
+        future: Future = Future()
+        with self._lock:
+            inline = self.failure is None and not self._pending
+            if inline:
+                self._pending.add(future)  # requests submitted meanwhile queue behind this one
+        if not inline:
+            return self.submit(program, flat_inputs, finish, timeout_s).result()
+        request = None
+        try:
+            with self._dispatching:
+                request = self.dispatched
+                _, control, finish_outputs, _, _ = self._start_request(
+                    program, list(flat_inputs), future, finish, timeout_s
+                )
+            for messages in control:
+                messages.wait_sends()
+            return finish(finish_outputs())
+        except BaseException as error:
+            self._fail(error, f"request {request}" if request is not None else "a request")
+            if self.failure is error:
+                raise
+            raise self.failure from error
+        finally:
+            with self._lock:
+                self._pending.discard(future)
+
     def close(self) -> None:
         """Finish every submitted request, then tell the ranks to stop."""
         self._incoming.put(None)
@@ -753,18 +845,22 @@ class _Driver:
                 except queue.Empty:
                     item = ()
                 if item is None:
-                    self._outgoing.put(("control", self._send_headers(_CLOSE, range(1, self.group.world_size))))
+                    with self._dispatching:
+                        everyone = range(1, self.group.world_size)
+                        self._outgoing.put(("control", self._send_headers(_Header(_CLOSE), everyone)))
                     self._outgoing.put(None)
                     return
                 if item:
                     self._slots.acquire()
                     if self.failure is not None:
                         return
-                    self._outgoing.put(("run", *self._start_request(*item)))
-                due = time.monotonic() - self._heartbeat_s
-                idle = [k for k in range(1, self.group.world_size) if self._last_header_s[k] < due]
-                if idle:
-                    self._outgoing.put(("control", self._send_headers(_HEARTBEAT, idle)))
+                    with self._dispatching:
+                        self._outgoing.put(("run", *self._start_request(*item)))
+                with self._dispatching:
+                    due = time.monotonic() - self._heartbeat_s
+                    idle = [k for k in range(1, self.group.world_size) if self._last_header_s[k] < due]
+                    if idle:
+                        self._outgoing.put(("control", self._send_headers(_Header(_HEARTBEAT), idle)))
         except BaseException as error:
             self._fail(error, "sending a request")
             self._outgoing.put(None)
@@ -772,15 +868,12 @@ class _Driver:
     def _start_request(
         self, program: SplitProgram, flat_inputs: list[torch.Tensor], future: Future, finish: Callable, timeout_s: float
     ) -> tuple:
-        request = next(self._requests)
-        program_id = self._program_id(program)
-        values = symbol_values(program, flat_inputs)
-        payload = json.dumps(values).encode() if values else b""
-        ranks = range(1, program.num_devices)
-        timeout_ms = round(timeout_s * 1000)
-        control = self._send_headers(_RUN, ranks, program_id, payload, request, timeout_ms)
-        messages = _Messages(self.group, request, datetime.timedelta(seconds=timeout_s), values)
+        request = self.dispatched
+        header = _Header.run(program, self._program_id(program), request, flat_inputs, timeout_s)
+        control = self._send_headers(header, range(1, program.num_devices))
+        messages = _Messages(self.group, request, datetime.timedelta(seconds=timeout_s), header.symbol_values)
         finish_outputs = _run_part(program, self.group, _placed(program, self.group), messages, flat_inputs)
+        self.dispatched += 1
         return request, control, finish_outputs, future, finish
 
     def _program_id(self, program: SplitProgram) -> int:
@@ -789,31 +882,18 @@ class _Driver:
             program_id = self._programs[id(program)] = len(self._programs)
             self._keep.append(program)  # ids stay unique while the program lives
             ranks = range(1, self.group.world_size)
-            self._outgoing.put(("control", self._send_headers(_LOAD, ranks, program_id, pickle.dumps(program))))
+            load = _Header(_LOAD, program_id, payload=pickle.dumps(program))
+            self._outgoing.put(("control", self._send_headers(load, ranks)))
         return self._programs[id(program)]
 
-    def _send_headers(
-        self,
-        kind: int,
-        ranks: Sequence[int],
-        program_id: int = 0,
-        payload: bytes = b"",
-        request: int = 0,
-        timeout_ms: int = 0,
-    ) -> list[_Messages]:
-        header = torch.tensor([kind, program_id, len(payload), request, timeout_ms], dtype=torch.int64)
-        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
-        sent = []
+    def _send_headers(self, header: _Header, ranks: Sequence[int]) -> list[_Messages]:
         # A request's header waits as long as the request may; the others as long as the driver's timeout.
-        timeout = datetime.timedelta(milliseconds=timeout_ms) if timeout_ms else self.timeout
+        timeout = datetime.timedelta(milliseconds=header.timeout_ms) if header.timeout_ms else self.timeout
+        sent = []
         for rank in ranks:
-            control = _Messages(self.group, self._headers_sent[rank], timeout)
-            control.send(header, rank, 0, "a request header")
-            if body is not None:
-                control.send(body, rank, 1, "a request's payload")
+            sent.append(_send_header(self.group, self._headers_sent[rank], rank, header, timeout))
             self._headers_sent[rank] += 1
             self._last_header_s[rank] = time.monotonic()
-            sent.append(control)
         return sent
 
     def _complete_loop(self) -> None:
