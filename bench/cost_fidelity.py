@@ -40,7 +40,7 @@ from rich.table import Table
 from torch import nn
 
 from bench.models import build, model_sizes
-from moirai.calibrate import DEFAULT_SIZES_BYTES, fit_link, time_links
+from moirai.calibrate import DEFAULT_SIZES_BYTES, TransferTimings, measure_transfers
 from moirai.cost import analytic_compute_s, node_dtypes, profile_nodes
 from moirai.devices import Cluster
 from moirai.graph import OpGraph, build_op_graph
@@ -111,8 +111,17 @@ def latency_row(name: str, model: nn.Module, args: tuple, kwargs: dict, group_si
                 )
                 target.append(times.sum())
     median = statistics.median
-    return LatencyRow(name, len(graph.nodes), len(grouped.nodes), median(wall), median(cpu), median(fx_cpu),
-                      analytic, median(per_op), median(per_group))
+    return LatencyRow(
+        name,
+        len(graph.nodes),
+        len(grouped.nodes),
+        median(wall),
+        median(cpu),
+        median(fx_cpu),
+        analytic,
+        median(per_op),
+        median(per_group),
+    )
 
 
 def error(predicted: float, real: float) -> str:
@@ -124,15 +133,36 @@ def latency_table(rows: list[LatencyRow]) -> Table:
         title=f"Single-device latency on this CPU ({torch.get_num_threads()} thread(s)): predicted vs real; "
         "errors against the eager model's CPU time (last column: against the traced fx graph's, which moirai runs)"
     )
-    for column in ("model", "ops", "groups", "eager wall ms", "eager cpu ms", "fx cpu ms", "analytic ms", "err",
-                   "measured/op ms", "err", "measured/group ms", "err", "err vs fx"):
+    for column in (
+        "model",
+        "ops",
+        "groups",
+        "eager wall ms",
+        "eager cpu ms",
+        "fx cpu ms",
+        "analytic ms",
+        "err",
+        "measured/op ms",
+        "err",
+        "measured/group ms",
+        "err",
+        "err vs fx",
+    ):
         table.add_column(column, justify="left" if column == "model" else "right")
     for r in rows:
         table.add_row(
-            r.model, str(r.ops), str(r.groups), f"{r.real_wall_s * 1e3:.2f}", f"{r.real_cpu_s * 1e3:.2f}",
-            f"{r.fx_cpu_s * 1e3:.2f}", f"{r.analytic_s * 1e3:.2f}", error(r.analytic_s, r.real_cpu_s),
-            f"{r.measured_per_op_s * 1e3:.2f}", error(r.measured_per_op_s, r.real_cpu_s),
-            f"{r.measured_grouped_s * 1e3:.2f}", error(r.measured_grouped_s, r.real_cpu_s),
+            r.model,
+            str(r.ops),
+            str(r.groups),
+            f"{r.real_wall_s * 1e3:.2f}",
+            f"{r.real_cpu_s * 1e3:.2f}",
+            f"{r.fx_cpu_s * 1e3:.2f}",
+            f"{r.analytic_s * 1e3:.2f}",
+            error(r.analytic_s, r.real_cpu_s),
+            f"{r.measured_per_op_s * 1e3:.2f}",
+            error(r.measured_per_op_s, r.real_cpu_s),
+            f"{r.measured_grouped_s * 1e3:.2f}",
+            error(r.measured_grouped_s, r.real_cpu_s),
             error(r.measured_grouped_s, r.fx_cpu_s),
         )
     return table
@@ -144,12 +174,16 @@ def link_table(rounds: int) -> Table:
     fitted: dict[tuple[int, int], list[tuple[float, float]]] = {}
     reference: dict[tuple[int, int], list[float]] = {}
     for _ in range(rounds):
-        timings = time_links(2, "gloo", (*DEFAULT_SIZES_BYTES, LARGE_TRANSFER_BYTES), repeats=7)
-        for link, times in timings.items():
-            fitted.setdefault(link, []).append(fit_link(DEFAULT_SIZES_BYTES, times[:-1]))
-            reference.setdefault(link, []).append(LARGE_TRANSFER_BYTES / times[-1])
-    table = Table(title=f"gloo link between two local processes: calibrated (1 KiB - 16 MiB sweep) vs 128 MiB "
-                  f"messages, median of {rounds} rounds")
+        timings = measure_transfers(["cpu", "cpu"], (*DEFAULT_SIZES_BYTES, LARGE_TRANSFER_BYTES), repeats=7)
+        for link, measured in timings.items():
+            sweep = TransferTimings(*(values[:-1] for values in dataclasses.astuple(measured)))
+            cost = sweep.fit()
+            fitted.setdefault(link, []).append((cost.latency_s, cost.bandwidth_bytes_per_s))
+            reference.setdefault(link, []).append(LARGE_TRANSFER_BYTES / measured.delay_s[-1])
+    table = Table(
+        title=f"gloo link between two local processes: calibrated (1 KiB - 16 MiB sweep) vs 128 MiB "
+        f"messages, median of {rounds} rounds"
+    )
     for column in ("link", "fitted latency us", "fitted GB/s", "128 MiB GB/s", "err"):
         table.add_column(column, justify="right")
     for (src, dst), fits in sorted(fitted.items()):
@@ -157,7 +191,10 @@ def link_table(rounds: int) -> Table:
         bandwidth = statistics.median(fit[1] for fit in fits)
         large = statistics.median(reference[src, dst])
         table.add_row(
-            f"rank{src} -> rank{dst}", f"{latency * 1e6:.0f}", f"{bandwidth / 1e9:.2f}", f"{large / 1e9:.2f}",
+            f"rank{src} -> rank{dst}",
+            f"{latency * 1e6:.0f}",
+            f"{bandwidth / 1e9:.2f}",
+            f"{large / 1e9:.2f}",
             error(bandwidth, large),
         )
     return table

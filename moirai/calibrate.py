@@ -1,125 +1,175 @@
-"""Calibrate links: time send/recv between real ranks and fit ``latency + bytes / bandwidth`` per link.
+"""Calibrate links: what a transfer costs inside the runtime, per kind of local link.
 
-Every directed pair ``a -> b`` of ranks is timed on ``a``: send a message of ``size`` bytes, then
-wait for a 4-byte acknowledgement from ``b``; warm-up, then the fastest of the repeats (the link's
-capacity: other traffic and the scheduler only ever add time), for a sweep of sizes. A
-least-squares fit of ``time = intercept + size / bandwidth`` gives the link's bandwidth; the
-intercept holds the latency of the message and of the acknowledgement, so the link's latency is
-half of it.
+Two rank processes are set up as the runtime sets up its workers (each pinned to its share of
+the cores with as many compute threads, :mod:`moirai.runtime.resources`; the runtime's gloo and
+NCCL process groups) and move messages with the runtime's own point-to-point code (staging,
+receive buffers, tags, waits). For each message the receiver has posted its receive and is blocked
+in the wait (as a part waiting for an input is); the sender pauses so that it surely is, reads
+the clock, sends and waits for its send to finish. Per message, on the one clock of this host:
+
+* **delay**: from the sender's send call to the receiver holding the tensor (woken up);
+* **sender CPU time**: CPU time of the sender's process (all its threads, gloo's included)
+  from the send call to the end of its wait: time its compute cannot use;
+* **receiver CPU time**: CPU time of the receiver's process over its blocked wait: waking
+  up, copying the message out of the socket.
+
+The median of the repeats at each size (after warm-up; the runtime sees typical messages, not
+the fastest) is fitted as ``fixed + bytes * per_byte`` for each of the three: the delay gives the
+link's latency and bandwidth (:class:`TransferCost`). CPU<->CPU and CPU<->GPU links go over
+gloo, GPU<->GPU over NCCL; all use this one measurement (the device kind decides where the
+message lives and whether the clock reading synchronises the device first).
 
 Example::
 
-    cluster = calibrate(world_size=2)            # two gloo processes on 127.0.0.1
-    cluster.to_file("cluster.toml")
+    costs = measure_transfer_costs(["cpu", "cpu"])           # {(0, 1): TransferCost, (1, 0): ...}
+    cluster = calibrate(world_size=2, output="cluster.toml")  # a cluster file with measured links
 
-or ``python -m moirai.calibrate --world-size 2 --output cluster.toml``. With ``backend="nccl"``
-rank ``r`` uses ``cuda:r``.
+``compile`` on local devices reads a cached calibration of this machine (:func:`local_calibration`),
+measured the first time a link kind is needed and stored next to the measured profiles.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
+import os
 import socket
+import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from datetime import timedelta
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
-from moirai.device_kinds import kind_for_backend
-from moirai.devices import Cluster, Link
+from moirai.device_kinds import kind_for_backend, kind_of
+from moirai.devices import Cluster, Device, Link
 from moirai.errors import ClusterError, DistributedError
 
 # 1 KiB .. 16 MiB: small sizes pin the latency, large ones the bandwidth.
 DEFAULT_SIZES_BYTES = tuple(1024 * 4**k for k in range(8))
-_ACK_ELEMENTS = 1
+# Long enough for the receiver to be blocked in its wait before the message leaves.
+_SENDER_PAUSE_S = 2e-3
+CALIBRATION_FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class LinkFit:
-    """The fitted numbers of one directed link and the measurements behind them."""
+class TransferCost:
+    """What one message over a directed link costs inside the runtime, as fitted lines in its size.
 
-    src: int
-    dst: int
+    ``latency_s + bytes / bandwidth_bytes_per_s``: from the send call to the blocked receiver
+    holding the tensor. ``sender_cpu_s + bytes * sender_cpu_s_per_byte`` (and the receiver's):
+    CPU time the transfer takes from that end's process.
+    """
+
     latency_s: float
     bandwidth_bytes_per_s: float
+    sender_cpu_s: float
+    sender_cpu_s_per_byte: float
+    receiver_cpu_s: float
+    receiver_cpu_s_per_byte: float
+
+    def delay_s(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+    def sender_cpu_time_s(self, num_bytes: float) -> float:
+        return self.sender_cpu_s + num_bytes * self.sender_cpu_s_per_byte
+
+    def receiver_cpu_time_s(self, num_bytes: float) -> float:
+        return self.receiver_cpu_s + num_bytes * self.receiver_cpu_s_per_byte
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferTimings:
+    """Per message size, the medians over the repeats of one directed link's three measurements."""
+
     sizes_bytes: tuple[int, ...]
-    times_s: tuple[float, ...]
+    delay_s: tuple[float, ...]
+    sender_cpu_s: tuple[float, ...]
+    receiver_cpu_s: tuple[float, ...]
+
+    def fit(self) -> TransferCost:
+        latency, seconds_per_byte = fit_line(self.sizes_bytes, self.delay_s, "transfer delay")
+        if not seconds_per_byte > 0:
+            raise ClusterError(
+                f"transfer delay does not grow with size (slope {seconds_per_byte:.3g} s/byte); "
+                "the timings are noise: use larger sizes or more repeats"
+            )
+        # A line fitted to noisy CPU times may dip below zero at one end; no part of a cost is negative.
+        sender = [max(x, 0.0) for x in fit_line(self.sizes_bytes, self.sender_cpu_s, "sender CPU time")]
+        receiver = [max(x, 0.0) for x in fit_line(self.sizes_bytes, self.receiver_cpu_s, "receiver CPU time")]
+        return TransferCost(max(latency, 0.0), 1.0 / seconds_per_byte, *sender, *receiver)
 
 
-def fit_link(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float]:
-    """``(latency_s, bandwidth_bytes_per_s)`` of ``time = 2 * latency + size / bandwidth``."""
-    sizes, times = np.asarray(sizes_bytes, float), np.asarray(times_s, float)
+def fit_line(sizes_bytes: Sequence[float], values_s: Sequence[float], what: str) -> tuple[float, float]:
+    """``(fixed_s, s_per_byte)`` of the least-squares line through ``values_s`` at ``sizes_bytes``."""
+    sizes, values = np.asarray(sizes_bytes, float), np.asarray(values_s, float)
     if len(sizes) < 2 or np.ptp(sizes) == 0:
-        raise ClusterError("fitting a link needs timings of at least two different message sizes")
-    design = np.stack([np.ones_like(sizes), sizes], axis=1)
-    (intercept, seconds_per_byte), *_ = np.linalg.lstsq(design, times, rcond=None)
-    if not seconds_per_byte > 0:
-        raise ClusterError(
-            f"transfer time does not grow with size (slope {seconds_per_byte:.3g} s/byte); "
-            "the timings are noise: use larger sizes or more repeats"
-        )
-    return max(float(intercept) / 2, 0.0), 1.0 / float(seconds_per_byte)
+        raise ClusterError(f"fitting the {what} needs timings of at least two different message sizes")
+    # Relative residuals: small messages (microseconds) set the fixed part as much as large ones
+    # (milliseconds) set the slope; plain residuals would leave the fixed part to the large ones' noise.
+    weight = 1.0 / np.maximum(np.abs(values), 1e-9)
+    design = np.stack([np.ones_like(sizes), sizes], axis=1) * weight[:, None]
+    (fixed, per_byte), *_ = np.linalg.lstsq(design, values * weight, rcond=None)
+    return float(fixed), float(per_byte)
 
 
-def measure_links(
-    world_size: int = 2,
-    backend: str = "gloo",
+def measure_transfers(
+    torch_devices: Sequence[str] = ("cpu", "cpu"),
     sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
-    repeats: int = 5,
-    warmup: int = 2,
+    repeats: int = 15,
+    warmup: int = 3,
     timeout_s: float = 300.0,
-) -> list[LinkFit]:
-    """Start ``world_size`` local processes, time every directed pair and fit each link."""
-    sizes = tuple(int(s) for s in sizes_bytes)
-    fits = []
-    for (src, dst), times in time_links(world_size, backend, sizes, repeats, warmup, timeout_s).items():
-        latency, bandwidth = fit_link(sizes, times)
-        fits.append(LinkFit(src, dst, latency, bandwidth, sizes, times))
-    return fits
-
-
-def time_links(
-    world_size: int = 2,
-    backend: str = "gloo",
-    sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
-    repeats: int = 5,
-    warmup: int = 2,
-    timeout_s: float = 300.0,
-) -> dict[tuple[int, int], tuple[float, ...]]:
-    """Fastest time (message + acknowledgement) per size, for every directed pair of local ranks."""
-    if world_size < 2:
-        raise ClusterError("calibration needs at least two ranks (world_size >= 2)")
-    kind = kind_for_backend(backend)
-    if kind.accelerator and kind.count() < world_size:
-        available = kind.count()
-        raise ClusterError(f"backend {backend!r} needs {world_size} {kind.name} devices, this machine has {available}")
+) -> dict[tuple[int, int], TransferTimings]:
+    """Time every directed pair of ranks (rank r on ``torch_devices[r]``), one pair at a time."""
+    devices = [str(torch.device(d)) for d in torch_devices]
+    if len(devices) < 2:
+        raise ClusterError("calibration needs at least two ranks (two devices)")
+    missing = [d for d in devices if not kind_of(d).available(torch.device(d))]
+    if missing:
+        raise ClusterError(f"calibrating {devices} needs {missing}, which this machine does not have")
+    if warmup < 0 or repeats < 1:
+        raise ClusterError(f"calibration needs warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     sizes = tuple(int(s) for s in sizes_bytes)
     with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir:
-        settings = (world_size, backend, _free_port(), sizes, repeats, warmup, timeout_s, results_dir)
+        settings = (devices, _free_port(), sizes, repeats, warmup, timeout_s, results_dir)
         try:
-            mp.start_processes(_rank_main, args=settings, nprocs=world_size, start_method="spawn")
+            mp.start_processes(_rank_main, args=settings, nprocs=len(devices), start_method="spawn")
         except mp.ProcessRaisedException as error:
             raise DistributedError(f"a calibration rank failed: {str(error).strip().splitlines()[-1]}") from error
         reports = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("rank*.json"))]
-    return {(pair["src"], pair["dst"]): tuple(pair["times_s"]) for report in reports for pair in report}
+    return {
+        (pair["src"], pair["dst"]): TransferTimings(
+            sizes, tuple(pair["delay_s"]), tuple(pair["sender_cpu_s"]), tuple(pair["receiver_cpu_s"])
+        )
+        for report in reports
+        for pair in report
+    }
+
+
+def measure_transfer_costs(
+    torch_devices: Sequence[str] = ("cpu", "cpu"),
+    sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
+    repeats: int = 15,
+    warmup: int = 3,
+) -> dict[tuple[int, int], TransferCost]:
+    """The fitted :class:`TransferCost` of every directed pair of ranks (rank r on ``torch_devices[r]``)."""
+    timings = measure_transfers(torch_devices, sizes_bytes, repeats, warmup)
+    return {pair: pair_timings.fit() for pair, pair_timings in timings.items()}
 
 
 def calibrate(
     world_size: int = 2,
     backend: str = "gloo",
     sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
-    repeats: int = 5,
+    repeats: int = 15,
     base: Cluster | None = None,
     output: str | Path | None = None,
 ) -> Cluster:
@@ -128,26 +178,153 @@ def calibrate(
     ``base`` supplies the devices (one per rank, in rank order); by default they are detected
     (``cpu`` for gloo, ``cuda:r`` for nccl). ``output`` writes the result as a cluster file.
     """
-    if base is not None and len(base) != world_size:
-        raise ClusterError(f"base cluster has {len(base)} devices, calibration runs {world_size} ranks")
-    if base is None:
-        kind = kind_for_backend(backend)
-        local = [f"{kind.name}:{r}" if kind.accelerator else kind.name for r in range(world_size)]
-        host = socket.gethostname()
-        devices = tuple(
-            dataclasses.replace(d, name=f"rank{r}", host=host, rank=r)
-            for r, d in enumerate(Cluster.from_devices(local).devices)
-        )
-    else:
-        devices = base.devices
-    fits = measure_links(world_size, backend, sizes_bytes, repeats)
+    devices = _rank_devices(world_size, backend, base)
+    costs = measure_transfer_costs([d.torch_device for d in devices], sizes_bytes, repeats)
+    return _measured_cluster(devices, costs, base.name if base is not None else f"calibrated-{backend}", output)
+
+
+def _rank_devices(world_size: int, backend: str, base: Cluster | None) -> tuple[Device, ...]:
+    if world_size < 2:
+        raise ClusterError("calibration needs at least two ranks (world_size >= 2)")
+    if base is not None:
+        if len(base) != world_size:
+            raise ClusterError(f"base cluster has {len(base)} devices, calibration runs {world_size} ranks")
+        return base.devices
+    kind = kind_for_backend(backend)
+    local = [f"{kind.name}:{r}" if kind.accelerator else kind.name for r in range(world_size)]
+    host = socket.gethostname()
+    return tuple(
+        dataclasses.replace(d, name=f"rank{r}", host=host, rank=r)
+        for r, d in enumerate(Cluster.from_devices(local).devices)
+    )
+
+
+def _measured_cluster(
+    devices: Sequence[Device], costs: Mapping[tuple[int, int], TransferCost], name: str, output: str | Path | None
+) -> Cluster:
     links = [
-        Link(devices[f.src].name, devices[f.dst].name, f.bandwidth_bytes_per_s, f.latency_s) for f in fits
+        Link(devices[src].name, devices[dst].name, cost.bandwidth_bytes_per_s, cost.latency_s)
+        for (src, dst), cost in costs.items()
     ]
-    cluster = Cluster.from_links(devices, links, name=base.name if base is not None else f"calibrated-{backend}")
+    cluster = Cluster.from_links(devices, links, name=name)
     if output is not None:
         cluster.to_file(output)
     return cluster
+
+
+# --- the cached calibration of this machine ---------------------------------------------------
+
+
+def link_kind(src_torch_device: str, dst_torch_device: str) -> str:
+    """The kind of a local link, e.g. ``"cpu->cuda"``: links of one kind cost the same on one host."""
+    return f"{torch.device(src_torch_device).type}->{torch.device(dst_torch_device).type}"
+
+
+def local_calibration(
+    torch_devices: Sequence[str], calibration: str | Path = "auto", cache_dir: str | Path | None = None
+) -> dict[str, TransferCost]:
+    """Transfer costs of every link kind between ``torch_devices``, by :func:`link_kind`.
+
+    ``calibration``: ``"auto"`` reads this machine's cached calibration and measures (then
+    caches) only the link kinds it lacks; ``"remeasure"`` measures them again and replaces the
+    cached ones; a path reads a calibration file (written by ``moirai calibrate --save``) and
+    measures nothing.
+    """
+    devices = [str(torch.device(d)) for d in torch_devices]
+    needed = {link_kind(a, b): (a, b) for a in devices for b in devices if a != b or devices.count(a) > 1}
+    if calibration not in ("auto", "remeasure"):
+        if not Path(calibration).is_file():
+            raise ClusterError(
+                f"calibration={str(calibration)!r} is neither 'auto', 'remeasure' nor an existing calibration file "
+                "(write one with moirai calibrate --save PATH)"
+            )
+        stored = read_calibration(calibration)
+        missing = sorted(set(needed) - set(stored))
+        if missing:
+            raise ClusterError(
+                f"calibration file {str(calibration)!r} has no {missing} links; measure them with "
+                "moirai calibrate on this machine, or pass calibration='auto'"
+            )
+        return {kind: stored[kind] for kind in needed}
+    path = calibration_cache_path(cache_dir)
+    cached = read_calibration(path) if path.exists() and calibration == "auto" else {}
+    missing = {kind: pair for kind, pair in needed.items() if kind not in cached}
+    for kind, pair in missing.items():
+        if kind not in cached:  # measuring a -> b measures b -> a too
+            cached.update(measure_link_kinds(pair))
+    if missing:
+        write_calibration(path, {**(read_calibration(path) if path.exists() else {}), **cached})
+    return {kind: cached[kind] for kind in needed}
+
+
+def measure_link_kinds(
+    pair: tuple[str, str], sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES
+) -> dict[str, TransferCost]:
+    """Both directions of the link between two local devices, by link kind (the runtime's pair of devices)."""
+    a, b = pair
+    if a == b and kind_of(a).accelerator:
+        raise ClusterError(f"two ranks on {a} would share one device; calibrate {a}<->{a} links between two of them")
+    return costs_by_kind([a, b], measure_transfer_costs([a, b], sizes_bytes))
+
+
+def costs_by_kind(
+    torch_devices: Sequence[str], costs: Mapping[tuple[int, int], TransferCost]
+) -> dict[str, TransferCost]:
+    """The costs of the measured pairs of ranks per link kind; pairs of one kind (both directions of
+    ``cpu->cpu``) are averaged field by field."""
+    pairs_of_kind: dict[str, list[TransferCost]] = {}
+    for (a, b), cost in costs.items():
+        pairs_of_kind.setdefault(link_kind(torch_devices[a], torch_devices[b]), []).append(cost)
+    return {
+        kind: TransferCost(*np.mean([dataclasses.astuple(c) for c in same], axis=0).tolist())
+        for kind, same in pairs_of_kind.items()
+    }
+
+
+def calibration_cache_path(cache_dir: str | Path | None = None) -> Path:
+    """Where this machine's calibration lives: one file per host, CPU, core count and torch version."""
+    from moirai.cost import _cpu_model, default_cache_dir
+
+    machine = f"{socket.gethostname()}|{_cpu_model()}|cores={os.cpu_count()}|torch {torch.__version__}"
+    digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
+    return Path(cache_dir if cache_dir is not None else default_cache_dir()) / "calibration" / f"{digest}.json"
+
+
+def read_calibration(path: str | Path) -> dict[str, TransferCost]:
+    """The transfer costs stored in a calibration file, by link kind."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ClusterError(f"calibration file {str(path)!r} does not exist; run moirai calibrate --save") from None
+    except json.JSONDecodeError as error:
+        raise ClusterError(f"calibration file {str(path)!r} is not JSON ({error}); measure again") from None
+    if record.get("format") != CALIBRATION_FORMAT_VERSION:
+        raise ClusterError(f"{path} is not a moirai calibration of format {CALIBRATION_FORMAT_VERSION}; measure again")
+    return {kind: TransferCost(**fields) for kind, fields in record["links"].items()}
+
+
+def write_calibration(path: str | Path, costs: Mapping[str, TransferCost]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"format": CALIBRATION_FORMAT_VERSION, "links": {k: dataclasses.asdict(c) for k, c in costs.items()}}
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(record, indent=1))
+    os.replace(partial, path)  # atomic: a concurrent reader never sees half a file
+
+
+def calibrated_cluster(cluster: Cluster, costs: Mapping[str, TransferCost]) -> Cluster:
+    """``cluster`` with every link's latency and bandwidth those of its kind in ``costs``."""
+    k = len(cluster)
+    bandwidth, latency = cluster.bandwidth_bytes_per_s.copy(), cluster.latency_s.copy()
+    for a in range(k):
+        for b in range(k):
+            kind = link_kind(cluster.devices[a].torch_device, cluster.devices[b].torch_device)
+            if a != b and kind in costs:
+                bandwidth[a, b], latency[a, b] = costs[kind].bandwidth_bytes_per_s, costs[kind].latency_s
+    return Cluster(cluster.devices, bandwidth, latency, name=cluster.name)
+
+
+# --- the rank processes ------------------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -158,8 +335,7 @@ def _free_port() -> int:
 
 def _rank_main(
     rank: int,
-    world_size: int,
-    backend: str,
+    torch_devices: list[str],
     port: int,
     sizes: tuple[int, ...],
     repeats: int,
@@ -167,46 +343,77 @@ def _rank_main(
     timeout_s: float,
     results_dir: str,
 ) -> None:
-    """One rank: take part in every pair in the same order; the sender of a pair records times."""
-    kind = kind_for_backend(backend)
-    device = torch.device(f"{kind.name}:{rank}" if kind.accelerator else kind.name)
-    kind.set_current(device)
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    """One rank, set up as a runtime worker: its share of the cores, the runtime's process groups and messages.
+
+    Every rank takes part in every pair in the same order; the sender of a pair records the medians.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from moirai.runtime.distributed import _local_group, _Messages
+    from moirai.runtime.resources import apply_resources, rank_resources
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    apply_resources(rank_resources(torch_devices)[rank], torch_devices[rank])
+    store = dist.TCPStore("127.0.0.1", port, len(torch_devices), is_master=rank == 0, timeout=timeout)
+    group = _local_group(rank, torch_devices, store, timeout_s)
+    device = torch.device(torch_devices[rank])
+    kind = kind_of(device)
+
     def synchronize() -> None:
         kind.synchronize(device)
 
-    ack = torch.zeros(_ACK_ELEMENTS, device=device)
     results = []
-    try:
-        for src in range(world_size):
-            for dst in range(world_size):
-                if src == dst or rank not in (src, dst):
-                    continue
-                fastest = []
-                for size in sizes:
-                    message = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
-                    times = []
-                    for run in range(warmup + repeats):
+    exchange = 0  # one request of the runtime per message and its reply, so every tag is fresh
+    for src in range(group.world_size):
+        for dst in range(group.world_size):
+            if src == dst or rank not in (src, dst):
+                continue
+            medians: dict[str, list[float]] = {"delay_s": [], "sender_cpu_s": [], "receiver_cpu_s": []}
+            for size in sizes:
+                shape = (max(1, size // 4),)
+                message = torch.ones(shape, device=device)
+                delays, sender_cpu, receiver_cpu = [], [], []
+                for run in range(warmup + repeats):
+                    messages = _Messages(group, exchange, timeout)
+                    exchange += 1
+                    if rank == dst:
+                        pending = messages.post_recv(shape, torch.float32, src, 0, "calibration message")
+                        cpu_before = time.process_time()
+                        messages.wait_recv(pending)
                         synchronize()
-                        start = time.perf_counter()
-                        if rank == src:
-                            dist.send(message, dst)
-                            dist.recv(ack, dst)
-                        else:
-                            dist.recv(message, src)
-                            dist.send(ack, src)
-                        synchronize()
-                        if run >= warmup:
-                            times.append(time.perf_counter() - start)
-                    fastest.append(min(times))
+                        held_at = time.perf_counter()
+                        # The reply: when this rank held the message, and the CPU time its wait took.
+                        reply = torch.tensor([held_at, time.process_time() - cpu_before], dtype=torch.float64)
+                        messages.send(reply, src, 1, "calibration reply")
+                        messages.wait_sends()
+                        continue
+                    pending_reply = messages.post_recv((2,), torch.float64, dst, 1, "calibration reply")
+                    time.sleep(_SENDER_PAUSE_S)
+                    synchronize()
+                    cpu_before, sent_at = time.process_time(), time.perf_counter()
+                    messages.send(message, dst, 0, "calibration message")
+                    messages.wait_sends()
+                    synchronize()
+                    cpu_spent = time.process_time() - cpu_before
+                    held_at, waited_cpu = messages.wait_recv(pending_reply).tolist()
+                    if run >= warmup:
+                        delays.append(held_at - sent_at)
+                        sender_cpu.append(cpu_spent)
+                        receiver_cpu.append(waited_cpu)
                 if rank == src:
-                    results.append({"src": src, "dst": dst, "times_s": fastest})
-        Path(results_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+                    for key, values in zip(medians, (delays, sender_cpu, receiver_cpu), strict=True):
+                        medians[key].append(statistics.median(values))
+            if rank == src:
+                results.append({"src": src, "dst": dst, **medians})
+    Path(results_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    # Nobody leaves before the last reply is through: a rank that exits closes its connections.
+    store.set(f"moirai/calibrated/{rank}", "1")
+    store.wait([f"moirai/calibrated/{r}" for r in range(group.world_size)])
+
+
+# --- command line ------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -214,22 +421,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="number of local ranks (one device each)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument("--max-size-mb", type=float, default=16.0, help="largest message of the sweep (MiB)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--base", help="cluster file whose devices (one per rank, in rank order) to keep")
     parser.add_argument("--output", default="cluster.toml", help="cluster file to write")
+    parser.add_argument(
+        "--save",
+        default=None,
+        help="calibration file to write the transfer costs to (default: this machine's cached calibration, "
+        "which compile(..., cost='measured') reads)",
+    )
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    """``moirai calibrate``: measure the links between local ranks and write a cluster file."""
+    """``moirai calibrate``: measure what transfers cost between local ranks; write a cluster file and the
+    calibration compile reads."""
     sizes = tuple(s for s in (1024 * 4**k for k in range(16)) if s <= args.max_size_mb * 2**20)
     base = Cluster.from_file(args.base) if args.base else None
-    cluster = calibrate(args.world_size, args.backend, sizes, args.repeats, base, args.output)
-    table = Table(title=f"links measured with {args.backend}, written to {args.output}")
-    for column in ("link", "bandwidth Gbps", "latency us"):
+    devices = _rank_devices(args.world_size, args.backend, base)
+    costs = measure_transfer_costs([d.torch_device for d in devices], sizes, args.repeats)
+    cluster = _measured_cluster(
+        devices, costs, base.name if base is not None else f"calibrated-{args.backend}", args.output
+    )
+    by_kind = costs_by_kind([d.torch_device for d in devices], costs)
+    saved = Path(args.save) if args.save else calibration_cache_path()
+    previous = read_calibration(saved) if saved.exists() else {}
+    write_calibration(saved, {**previous, **by_kind})
+    table = Table(
+        title=f"transfers measured in the runtime ({args.backend}, ranks pinned to their share of the cores)",
+        caption=f"cluster file: {args.output}; calibration: {saved}",
+    )
+    for column in ("link", "latency us", "bandwidth GB/s", "sender CPU us + ns/KiB", "receiver CPU us + ns/KiB"):
         table.add_column(column, justify="right")
-    for link in cluster.links:
-        table.add_row(f"{link.src} -> {link.dst}", f"{link.bandwidth_bytes_per_s * 8 / 1e9:.2f}",
-                      f"{link.latency_s * 1e6:.1f}")
+    for (a, b), cost in costs.items():
+        table.add_row(
+            f"{cluster.names[a]} -> {cluster.names[b]}",
+            f"{cost.latency_s * 1e6:.1f}",
+            f"{cost.bandwidth_bytes_per_s / 1e9:.2f}",
+            f"{cost.sender_cpu_s * 1e6:.1f} + {cost.sender_cpu_s_per_byte * 1024e9:.0f}",
+            f"{cost.receiver_cpu_s * 1e6:.1f} + {cost.receiver_cpu_s_per_byte * 1024e9:.0f}",
+        )
     console.print(table)
     return 0
 

@@ -162,6 +162,7 @@ def compile(
     fusion_rules: str | Path = "default",
     target_nodes: int | None = None,
     cost: str = "analytic",
+    calibration: str | Path | None = None,
     **placer_options: Any,
 ) -> CompiledModel:
     """Split ``model`` across ``devices`` so that one inference finishes soonest.
@@ -172,13 +173,35 @@ def compile(
     ``time_limit_s`` for ``milp``; ``objective="throughput"`` minimises the period of pipelined requests).
     ``cost`` is ``"analytic"`` (roofline from the device table) or ``"measured"`` (profile every
     op group on the local devices, cached on disk).
+    ``calibration`` says what the links between local devices (a list of device strings) cost:
+    ``"auto"`` (the default with ``cost="measured"``) this machine's calibration, measured the first
+    time and cached (:func:`moirai.calibrate.local_calibration`); ``"remeasure"`` measures it
+    again; a path reads a calibration file; ``"none"`` (the default with ``cost="analytic"``) keeps
+    the detected defaults. A :class:`moirai.Cluster` keeps the links it describes.
     """
-    cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(list(devices))
+    calibration = _DEFAULT_CALIBRATION.get(cost, "none") if calibration is None else calibration
+    cluster = _local_cluster(devices, calibration)
     traced = trace(model, example_inputs, example_kwargs)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
     problem = build_problem(coarse, cluster, cost, traced)
     plan = place(problem, placer=placer, **placer_options)
     return _assemble(traced, cluster, coarse, problem, plan)
+
+
+# Measured costs measure the machine; analytic ones estimate it (and measure nothing).
+_DEFAULT_CALIBRATION = {"measured": "auto", "analytic": "none"}
+
+
+def _local_cluster(devices: Cluster | Sequence[str], calibration: str | Path) -> Cluster:
+    """``devices`` as a cluster; local devices get the links of this machine's calibration unless it is "none"."""
+    if isinstance(devices, Cluster):
+        return devices
+    cluster = Cluster.from_devices(list(devices))
+    if calibration == "none" or len(cluster) < 2:
+        return cluster
+    from moirai.calibrate import calibrated_cluster, local_calibration
+
+    return calibrated_cluster(cluster, local_calibration([d.torch_device for d in cluster.devices], calibration))
 
 
 def load(

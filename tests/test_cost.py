@@ -14,7 +14,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moirai.cost as cost
-from moirai.calibrate import calibrate, fit_link
 from moirai.cost import activation_peak_bytes, analytic_compute_s, build_problem, node_dtypes, profile_nodes
 from moirai.devices import Cluster, Device, Link
 from moirai.errors import ClusterError
@@ -263,40 +262,3 @@ def test_measured_with_meta_weights(tmp_path: Path) -> None:
     graph = build_op_graph(traced)
     times = profile_nodes(graph, traced, "cpu", cache_dir=tmp_path, repeats=2, progress=False)
     assert times.shape == (3,) and np.all(np.isfinite(times)) and np.all(times > 0)
-
-
-# --- link calibration ------------------------------------------------------------------------
-
-
-def test_fit_link_recovers_latency_and_bandwidth() -> None:
-    sizes = np.array([1e3, 1e5, 1e6, 1e7])
-    times = 2 * 30e-6 + sizes / 2e9  # message and acknowledgement each pay the latency
-    latency, bandwidth = fit_link(sizes, times)
-    assert latency == pytest.approx(30e-6, rel=1e-6)
-    assert bandwidth == pytest.approx(2e9, rel=1e-6)
-
-
-def test_fit_link_rejects_timings_that_do_not_grow() -> None:
-    with pytest.raises(ClusterError, match="does not grow with size"):
-        fit_link([1e3, 1e6], [2e-3, 1e-3])
-    with pytest.raises(ClusterError, match="two different message sizes"):
-        fit_link([1e3, 1e3], [1e-3, 1e-3])
-
-
-@pytest.mark.slow
-def test_calibrate_two_gloo_ranks_writes_a_cluster_file(tmp_path: Path) -> None:
-    path = tmp_path / "calibrated.toml"
-    cluster = calibrate(world_size=2, sizes_bytes=(1 << 20, 8 << 20, 32 << 20), repeats=3, output=path)
-    assert cluster.names == ("rank0", "rank1")
-    assert [d.rank for d in cluster.devices] == [0, 1]
-    assert {(link.src, link.dst) for link in cluster.links} == {("rank0", "rank1"), ("rank1", "rank0")}
-    # Loopback gloo moves between 10 MB/s and 100 GB/s on any machine this runs on.
-    measured = cluster.bandwidth_bytes_per_s[[0, 1], [1, 0]]
-    assert np.all((measured > 1e7) & (measured < 1e11))
-    again = Cluster.from_file(path)
-    np.testing.assert_allclose(again.bandwidth_bytes_per_s, cluster.bandwidth_bytes_per_s)
-
-
-def test_calibrate_needs_two_ranks() -> None:
-    with pytest.raises(ClusterError, match="at least two ranks"):
-        calibrate(world_size=1)

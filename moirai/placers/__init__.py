@@ -6,17 +6,21 @@ listing the module in ``_PLACER_MODULES``. :func:`list_placers` names them all.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import sys
 import time
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moirai.errors import MoiraiError
 from moirai.objective import Objective, as_objective
 from moirai.problem import Plan, Problem
+
+if TYPE_CHECKING:
+    from moirai.simulate import Timeline
 
 Placer = Callable[..., Plan]
 
@@ -60,11 +64,17 @@ def get_placer(name: str) -> Placer:
         raise MoiraiError(f"unknown placer {name!r}; choose one of {sorted(_REGISTRY)}") from None
 
 
+# Baselines that place by a rule, not by minimising anything: their plans are returned as they are.
+_RULE_BASED_PLACERS = frozenset({"round_robin", "hash", "expert", "m_topo", "single"})
+
+
 def place(problem: Problem, placer: str = "heft", objective: str | Objective = "latency", **options: Any) -> Plan:
     """Place ``problem`` with the named placer for ``objective`` (:mod:`moirai.objective`).
 
     The plan's makespan and objective value are the simulator's. A placer that compares plans (milp) takes
-    the objective as an option; the others build one schedule their own way.
+    the objective as an option; the others build one schedule their own way. A placer that minimises
+    never returns a plan worse than the best single-device plan that fits: that plan replaces it
+    (``plan.report.notes["replaced_by_single_device_s"]`` keeps the placer's own value).
     """
     from moirai.simulate import simulate
 
@@ -78,11 +88,39 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     plan.placer = plan.placer or placer
     plan.check(problem)
     timeline = simulate(problem, plan)
+    if placer not in _RULE_BASED_PLACERS:
+        plan, timeline = _no_worse_than_one_device(problem, plan, timeline, chosen)
     plan.makespan_s = timeline.makespan_s
     plan.objective, plan.objective_s = chosen.name, chosen.value_s(timeline)
     # A placer may prove a stronger bound (the MILP's); keep the better of the two.
     plan.lower_bound_s = max(plan.lower_bound_s or 0.0, chosen.lower_bound_s(problem))
     return plan
+
+
+def _no_worse_than_one_device(
+    problem: Problem, plan: Plan, timeline: Timeline, objective: Objective
+) -> tuple[Plan, Timeline]:
+    """``plan`` and its timeline, or the best single-device plan that fits and its timeline when that one is better."""
+    from moirai.errors import InfeasibleError
+    from moirai.placers.single import place_single
+    from moirai.simulate import simulate
+
+    try:
+        single = place_single(problem)
+    except InfeasibleError:
+        return plan, timeline
+    single_timeline = simulate(problem, single)
+    if not objective.improves(single_timeline, timeline):
+        return plan, timeline
+    plan.report.notes["replaced_by_single_device_s"] = objective.value_s(timeline)
+    replaced = dataclasses.replace(
+        single,
+        placer=plan.placer,
+        report=plan.report,
+        lower_bound_s=plan.lower_bound_s,
+        placement_time_s=plan.placement_time_s,
+    )
+    return replaced, single_timeline
 
 
 def _load_all() -> None:

@@ -1,0 +1,156 @@
+"""Link calibration: what a transfer costs inside the runtime, its cache, and how it reaches the Problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import moirai
+import moirai.calibrate as calibrate_module
+from moirai.calibrate import (
+    TransferCost,
+    TransferTimings,
+    calibrate,
+    costs_by_kind,
+    local_calibration,
+    measure_transfer_costs,
+    read_calibration,
+    write_calibration,
+)
+from moirai.devices import Cluster
+from moirai.errors import ClusterError
+
+SIZES = (1024, 65536, 1 << 20, 4 << 20)
+FAKE_COST = TransferCost(
+    latency_s=300e-6,
+    bandwidth_bytes_per_s=0.5e9,
+    sender_cpu_s=40e-6,
+    sender_cpu_s_per_byte=1e-10,
+    receiver_cpu_s=60e-6,
+    receiver_cpu_s_per_byte=2e-10,
+)
+
+
+def test_fit_recovers_the_three_lines() -> None:
+    sizes = np.array(SIZES, float)
+    timings = TransferTimings(
+        SIZES,
+        tuple(FAKE_COST.delay_s(s) for s in sizes),
+        tuple(FAKE_COST.sender_cpu_time_s(s) for s in sizes),
+        tuple(FAKE_COST.receiver_cpu_time_s(s) for s in sizes),
+    )
+    fitted = timings.fit()
+    for field in ("latency_s", "bandwidth_bytes_per_s", "sender_cpu_s", "receiver_cpu_s_per_byte"):
+        assert getattr(fitted, field) == pytest.approx(getattr(FAKE_COST, field), rel=1e-6)
+
+
+def test_fit_rejects_delays_that_do_not_grow() -> None:
+    with pytest.raises(ClusterError, match="does not grow with size"):
+        TransferTimings((1000, 10**6), (2e-3, 1e-3), (1e-5, 1e-5), (1e-5, 1e-5)).fit()
+    with pytest.raises(ClusterError, match="two different message sizes"):
+        TransferTimings((1000, 1000), (1e-3, 1e-3), (1e-5, 1e-5), (1e-5, 1e-5)).fit()
+
+
+def test_costs_are_kept_per_link_kind_and_one_kind_is_averaged() -> None:
+    other = TransferCost(100e-6, 1.5e9, 0.0, 3e-10, 20e-6, 0.0)
+    costs = {(0, 1): FAKE_COST, (1, 0): other}
+    (averaged,) = costs_by_kind(["cpu", "cpu"], costs).values()
+    assert averaged.latency_s == pytest.approx(200e-6) and averaged.sender_cpu_s_per_byte == pytest.approx(2e-10)
+    assert costs_by_kind(["cuda:0", "cpu"], costs) == {"cuda->cpu": FAKE_COST, "cpu->cuda": other}
+
+
+class TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) + self.a(x)
+
+
+@pytest.fixture
+def fake_measurement(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[str, ...]]:
+    """Measurements are faked (no timing): each call records the devices it would have measured."""
+    monkeypatch.setenv("MOIRAI_CACHE_DIR", str(tmp_path))
+    measured: list[tuple[str, ...]] = []
+
+    def measure(torch_devices, sizes_bytes=(), repeats=0, warmup=0):  # noqa: ANN001, ANN202
+        measured.append(tuple(torch_devices))
+        return {(0, 1): FAKE_COST, (1, 0): FAKE_COST}
+
+    monkeypatch.setattr(calibrate_module, "measure_transfer_costs", measure)
+    return measured
+
+
+def test_calibrated_transfer_terms_reach_the_problem(fake_measurement: list) -> None:
+    compiled = moirai.compile(
+        TwoLinears().eval(), ["cpu", "cpu"], example_inputs=(torch.randn(8, 64),), placer="heft", calibration="auto"
+    )
+    problem = compiled.problem
+    expected = FAKE_COST.latency_s + problem.tensor_bytes / FAKE_COST.bandwidth_bytes_per_s
+    assert problem.num_tensors > 0 and np.all(problem.tensor_bytes > 0)
+    np.testing.assert_allclose(problem.transfer_s[:, 0, 1], expected, rtol=1e-12)
+    np.testing.assert_allclose(problem.transfer_s[:, 1, 0], expected, rtol=1e-12)
+    assert np.all(problem.transfer_s[:, 0, 0] == 0)
+    assert fake_measurement == [("cpu", "cpu")]
+
+
+def test_calibration_is_measured_once_then_read_from_the_cache(fake_measurement: list, tmp_path: Path) -> None:
+    assert local_calibration(["cpu", "cpu"]) == {"cpu->cpu": FAKE_COST}
+    assert local_calibration(["cpu", "cpu", "cpu"]) == {"cpu->cpu": FAKE_COST}
+    assert len(fake_measurement) == 1
+    local_calibration(["cpu", "cpu"], "remeasure")
+    assert len(fake_measurement) == 2
+    (cached,) = (tmp_path / "calibration").glob("*.json")
+    assert read_calibration(cached) == {"cpu->cpu": FAKE_COST}
+
+
+def test_calibration_file_is_used_as_given(fake_measurement: list, tmp_path: Path) -> None:
+    path = tmp_path / "mine.json"
+    slow = TransferCost(1e-3, 1e8, 0.0, 0.0, 0.0, 0.0)
+    write_calibration(path, {"cpu->cpu": slow})
+    assert local_calibration(["cpu", "cpu"], path) == {"cpu->cpu": slow}
+    assert fake_measurement == []
+    with pytest.raises(ClusterError, match="has no"):
+        local_calibration(["cpu", "cuda:0"], path)
+    with pytest.raises(ClusterError, match="neither 'auto', 'remeasure' nor an existing calibration file"):
+        local_calibration(["cpu", "cpu"], tmp_path / "missing.json")
+
+
+def test_analytic_compile_keeps_the_detected_links_unless_asked(fake_measurement: list) -> None:
+    compiled = moirai.compile(TwoLinears().eval(), ["cpu", "cpu"], example_inputs=(torch.randn(8, 64),), placer="heft")
+    detected = Cluster.from_devices(["cpu", "cpu"])
+    np.testing.assert_array_equal(compiled.cluster.latency_s, detected.latency_s)
+    assert fake_measurement == []
+
+
+@pytest.mark.slow
+def test_transfers_between_two_pinned_gloo_ranks_are_measured() -> None:
+    costs = measure_transfer_costs(["cpu", "cpu"], sizes_bytes=SIZES, repeats=5, warmup=2)
+    assert set(costs) == {(0, 1), (1, 0)}
+    for cost in costs.values():
+        # Loopback gloo between two local processes: between 10 MB/s and 100 GB/s, a wake-up under 50 ms.
+        assert 1e7 < cost.bandwidth_bytes_per_s < 1e11
+        assert 0 <= cost.latency_s < 0.05
+        # Moving a 4 MiB message takes CPU time on both ends.
+        assert cost.sender_cpu_time_s(4 << 20) > 0 and cost.receiver_cpu_time_s(4 << 20) > 0
+
+
+@pytest.mark.slow
+def test_calibrate_two_gloo_ranks_writes_a_cluster_file(tmp_path: Path) -> None:
+    path = tmp_path / "calibrated.toml"
+    cluster = calibrate(world_size=2, sizes_bytes=SIZES, repeats=3, output=path)
+    assert cluster.names == ("rank0", "rank1")
+    assert [d.rank for d in cluster.devices] == [0, 1]
+    assert {(link.src, link.dst) for link in cluster.links} == {("rank0", "rank1"), ("rank1", "rank0")}
+    again = Cluster.from_file(path)
+    np.testing.assert_allclose(again.bandwidth_bytes_per_s, cluster.bandwidth_bytes_per_s)
+
+
+def test_calibrate_needs_two_ranks() -> None:
+    with pytest.raises(ClusterError, match="at least two ranks"):
+        calibrate(world_size=1)

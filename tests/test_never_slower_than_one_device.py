@@ -1,0 +1,71 @@
+"""No placer that minimises latency returns a plan predicted slower than the best single device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import moirai
+from moirai.calibrate import TransferCost, write_calibration
+from moirai.placers import _RULE_BASED_PLACERS, list_placers, place
+from moirai.problem import Problem
+
+LATENCY_PLACERS = [name for name in list_placers() if name not in _RULE_BASED_PLACERS]
+
+
+def fan_out_problem(transfer_s: float) -> Problem:
+    """A source, four 10 ms branches and a join, on two equal devices; each crossing costs ``transfer_s``."""
+    tasks = [{"name": "source", "compute_s": [1e-3, 1e-3]}]
+    tasks += [{"name": f"branch{i}", "compute_s": [10e-3, 10e-3]} for i in range(4)]
+    tasks += [{"name": "join", "compute_s": [1e-3, 1e-3]}]
+    crossing = [[0.0, transfer_s], [transfer_s, 0.0]]
+    edges = [{"src": "source", "dst": f"branch{i}", "transfer_s": crossing} for i in range(4)]
+    edges += [{"src": f"branch{i}", "dst": "join", "transfer_s": crossing} for i in range(4)]
+    devices = [{"name": "a", "memory_bytes": 1e9}, {"name": "b", "memory_bytes": 1e9}]
+    return Problem.from_dict({"devices": devices, "tasks": tasks, "edges": edges})
+
+
+@pytest.mark.parametrize("placer", LATENCY_PLACERS)
+def test_a_plan_whose_transfers_dominate_is_single_device(placer: str) -> None:
+    problem = fan_out_problem(transfer_s=30e-3)
+    options = {"time_limit_s": 5.0} if placer in ("milp", "pesto") else {}
+    plan = place(problem, placer, **options)
+    assert len(set(plan.placement.tolist())) == 1
+    assert plan.makespan_s == pytest.approx(42e-3)
+    assert plan.placer == placer
+    # The placer's own plan, where it was worse, is remembered.
+    assert plan.report.notes.get("replaced_by_single_device_s", 42e-3) > 42e-3 - 1e-12
+
+
+def test_cheap_transfers_still_split() -> None:
+    plan = place(fan_out_problem(transfer_s=0.1e-3), "heft")
+    assert len(set(plan.placement.tolist())) == 2 and plan.makespan_s < 42e-3
+    assert "replaced_by_single_device_s" not in plan.report.notes
+
+
+class TwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+        self.right = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.left(x) + self.right(x)
+
+
+def test_expensive_calibrated_links_give_a_single_device_plan(tmp_path: Path) -> None:
+    path = tmp_path / "slow-links.json"
+    write_calibration(path, {"cpu->cpu": TransferCost(50e-3, 1e6, 0.0, 0.0, 0.0, 0.0)})
+    model = TwoBranches().eval()
+    x = torch.randn(16, 64)
+    compiled = moirai.compile(
+        model, ["cpu", "cpu"], example_inputs=(x,), placer="milp", calibration=path, time_limit_s=5.0
+    )
+    assert len(set(compiled.plan.placement.tolist())) == 1
+    assert np.all(compiled.problem.transfer_s[:, 0, 1] >= 50e-3)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
