@@ -107,6 +107,12 @@ class CompiledModel:
         outputs = run_rank(self.program, rank, world_size, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
         return None if outputs is None else self.traced.unflatten_outputs(outputs)
 
+    def with_plan(self, plan: Plan) -> CompiledModel:
+        """The same model, trace and problem split by another plan of this problem (one placed for another
+        objective, or one made by hand), without tracing or profiling again."""
+        plan.check(self.problem)
+        return _assemble(self.traced, self.cluster, self.graph, self.problem, plan)
+
     @property
     def torch_devices(self) -> list[str]:
         return [d.torch_device for d in self.cluster.devices]

@@ -100,19 +100,8 @@ _CPU_LAUNCH_OVERHEAD_S = 10e-6
 # torch dtype name -> the precision column of the device table.
 _PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _DEVICE_KEYS = {
-    "name",
-    "torch_device",
-    "host",
-    "rank",
-    "kind",
-    "type",
-    "memory_gb",
-    "peak_tflops",
-    "memory_bandwidth_gb_per_s",
-    "launch_overhead_us",
-    "efficiency",
-    "cores",
-    "threads",
+    "name", "torch_device", "host", "rank", "kind", "type", "memory_gb", "peak_tflops",
+    "memory_bandwidth_gb_per_s", "launch_overhead_us", "efficiency", "cores", "threads",
 }
 _LINK_KEYS = {"src", "dst", "bandwidth_gbps", "latency_us", "both_directions"}
 _FILE_KEYS = {"name", "description", "devices", "links", "matrix"}

@@ -72,6 +72,20 @@ def test_load_rejects_a_plan_for_another_model(compiled: moirai.CompiledModel, t
         moirai.load(path, other, example_inputs=(torch.randn(4, 32),))
 
 
+def test_with_plan_splits_the_same_problem_by_another_plan(compiled: moirai.CompiledModel) -> None:
+    problem = compiled.problem
+    stages = moirai.Plan(np.arange(problem.num_tasks) * 3 // problem.num_tasks, problem.device_names)
+    stages.placement[list(problem.topological_order)] = stages.placement.copy()
+    split = compiled.with_plan(stages)
+    assert split.problem is problem and split.plan is stages
+    assert set(split.node_device.values()) == {0, 1, 2}
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(split(x), compiled(x))
+    with pytest.raises(PlanError, match="places .* tasks"):
+        compiled.with_plan(moirai.Plan(np.zeros(1, int), problem.device_names))
+
+
 def test_plan_with_unknown_device_or_missing_task_is_rejected(compiled: moirai.CompiledModel) -> None:
     problem = compiled.problem
     bad_device = moirai.Plan(np.full(problem.num_tasks, 7), problem.device_names)

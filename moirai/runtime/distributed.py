@@ -239,7 +239,10 @@ class DistributedRunner:
         self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor], timeout_s: float | None = None
     ) -> list[torch.Tensor]:
         """The flat outputs; every wait of this call is bounded by ``timeout_s`` (default: the runner's)."""
-        return self.submit(program, flat_inputs, timeout_s).result()
+        driver = self._driver_for(program, flat_inputs)
+        return driver.run(
+            program, flat_inputs, lambda outputs: outputs, self.timeout_s if timeout_s is None else timeout_s
+        )
 
     def submit(
         self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor], timeout_s: float | None = None
@@ -255,6 +258,11 @@ class DistributedRunner:
         timeout_s: float | None = None,
     ) -> Future:
         """Like :meth:`submit`, the future holding ``finish(flat_outputs)``."""
+        driver = self._driver_for(program, flat_inputs)
+        return driver.submit(program, flat_inputs, finish, self.timeout_s if timeout_s is None else timeout_s)
+
+    def _driver_for(self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> _Driver:
+        """The running driver (workers started, or restarted after a failure) once the call is checked."""
         if program.num_devices > len(self.torch_devices):
             raise InputError(
                 f"the program has {program.num_devices} parts but this runner has {len(self.torch_devices)} devices"
@@ -265,8 +273,7 @@ class DistributedRunner:
                 self._stop()
             if self._driver is None:
                 self._start()
-            driver = self._driver
-        return driver.submit(program, flat_inputs, finish, self.timeout_s if timeout_s is None else timeout_s)
+            return self._driver
 
     def resources_in_use(self) -> list[dict[str, Any]]:
         """Per rank, what it runs with, read back inside its process: ``cores`` (affinity) and ``threads``."""
@@ -755,7 +762,7 @@ class _Driver:
             group.describe_rank = describe_rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.failure: DistributedError | None = None
-        self.dispatched = 0  # requests whose part 0 has run
+        self.dispatched = 0  # requests whose part 0 has run (the next request's index)
         self._heartbeat_s = timeout_s * _HEARTBEAT_FRACTION
         self._programs: dict[int, int] = {}  # id(program) -> program id on the ranks
         self._keep: list[SplitProgram] = []
@@ -764,12 +771,13 @@ class _Driver:
             self._keep.append(preloaded)
         self._headers_sent = [0] * group.world_size
         self._last_header_s = [time.monotonic()] * group.world_size
-        self._requests = itertools.count()
         self._slots = threading.Semaphore(max_in_flight)
         self._lock = threading.Lock()
+        self._dispatching = threading.Lock()  # one thread at a time sends headers and runs part 0
         self._pending: set[Future] = set()
         self._incoming: queue.SimpleQueue = queue.SimpleQueue()
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = torch.get_num_threads()  # rank 0's share, set by apply_resources in this thread
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="moirai-dispatch", daemon=True)
         self._completer = threading.Thread(target=self._complete_loop, name="moirai-complete", daemon=True)
         self._dispatcher.start()
@@ -791,6 +799,41 @@ class _Driver:
         self._incoming.put((program, list(flat_inputs), future, finish, check_timeout(timeout_s)))
         return future
 
+    def run(
+        self,
+        program: SplitProgram,
+        flat_inputs: Sequence[torch.Tensor],
+        finish: Callable[[list[torch.Tensor]], Any],
+        timeout_s: float,
+    ) -> Any:
+        """``submit(...).result()``; when no other request is unfinished, run in the caller's thread (no hand-offs)."""
+        timeout_s = check_timeout(timeout_s)
+        future: Future = Future()
+        with self._lock:
+            inline = self.failure is None and not self._pending
+            if inline:
+                self._pending.add(future)  # requests submitted meanwhile queue behind this one
+        if not inline:
+            return self.submit(program, flat_inputs, finish, timeout_s).result()
+        request = None
+        try:
+            with self._dispatching:
+                request = self.dispatched
+                _, control, finish_outputs, _, _ = self._start_request(
+                    program, list(flat_inputs), future, finish, timeout_s
+                )
+            for messages in control:
+                messages.wait_sends()
+            return finish(finish_outputs())
+        except BaseException as error:
+            self._fail(error, f"request {request}" if request is not None else "a request")
+            if self.failure is error:
+                raise
+            raise self.failure from error
+        finally:
+            with self._lock:
+                self._pending.discard(future)
+
     def close(self) -> None:
         """Finish every submitted request, then tell the ranks to stop."""
         self._incoming.put(None)
@@ -798,6 +841,10 @@ class _Driver:
         self._completer.join()
 
     def _dispatch_loop(self) -> None:
+        # Part 0 runs in this thread. A new thread computes with the OpenMP/MKL default team (every core) however
+        # torch.get_num_threads() reads, until it sets the count itself: on rank 0's one core, that team spun
+        # against itself and ran a part 25-100x slower.
+        torch.set_num_threads(self._threads)
         try:
             while self.failure is None:
                 try:
@@ -805,19 +852,22 @@ class _Driver:
                 except queue.Empty:
                     item = ()
                 if item is None:
-                    everyone = range(1, self.group.world_size)
-                    self._outgoing.put(("control", self._send_headers(_Header(_CLOSE), everyone)))
+                    with self._dispatching:
+                        everyone = range(1, self.group.world_size)
+                        self._outgoing.put(("control", self._send_headers(_Header(_CLOSE), everyone)))
                     self._outgoing.put(None)
                     return
                 if item:
                     self._slots.acquire()
                     if self.failure is not None:
                         return
-                    self._outgoing.put(("run", *self._start_request(*item)))
-                due = time.monotonic() - self._heartbeat_s
-                idle = [k for k in range(1, self.group.world_size) if self._last_header_s[k] < due]
-                if idle:
-                    self._outgoing.put(("control", self._send_headers(_Header(_HEARTBEAT), idle)))
+                    with self._dispatching:
+                        self._outgoing.put(("run", *self._start_request(*item)))
+                with self._dispatching:
+                    due = time.monotonic() - self._heartbeat_s
+                    idle = [k for k in range(1, self.group.world_size) if self._last_header_s[k] < due]
+                    if idle:
+                        self._outgoing.put(("control", self._send_headers(_Header(_HEARTBEAT), idle)))
         except BaseException as error:
             self._fail(error, "sending a request")
             self._outgoing.put(None)
@@ -825,7 +875,7 @@ class _Driver:
     def _start_request(
         self, program: SplitProgram, flat_inputs: list[torch.Tensor], future: Future, finish: Callable, timeout_s: float
     ) -> tuple:
-        request = next(self._requests)
+        request = self.dispatched
         header = _Header.run(program, self._program_id(program), request, flat_inputs, timeout_s)
         control = self._send_headers(header, range(1, program.num_devices))
         messages = _Messages(self.group, request, datetime.timedelta(seconds=timeout_s), header.symbol_values)
