@@ -458,7 +458,8 @@ def _local_group(rank: int, torch_devices: Sequence[str], store: Any, join_timeo
     options._timeout = timeout
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("moirai/gloo/", store), rank, world_size, options)
     nccl = None
-    if "nccl" in backend_for(torch_devices):
+    # NCCL carries only messages between two GPUs (see _Group.wire_device), so only a world with two needs it.
+    if "nccl" in backend_for(torch_devices) and sum(torch.device(d).type == "cuda" for d in torch_devices) >= 2:
         device = torch.device(torch_devices[rank])
         if device.type == "cuda":
             torch.cuda.set_device(device)
