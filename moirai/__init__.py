@@ -20,6 +20,7 @@ from moirai.placers import place, placers
 from moirai.problem import Plan, Problem
 from moirai.simulate import Timeline, simulate
 from moirai.trace import trace
+from moirai.viz import gantt
 
 __all__ = [
     "Cluster",
@@ -40,6 +41,7 @@ __all__ = [
     "coarsen",
     "compile",
     "demo",
+    "gantt",
     "load",
     "lower_bound",
     "place",

@@ -41,6 +41,7 @@ from rich.table import Table
 
 from moirai.errors import FusionRuleError, MoiraiError
 from moirai.graph import OpGraph
+from moirai.progress import stage
 
 try:
     import tomllib
@@ -114,6 +115,7 @@ class CoarseningResult:
     coarse: GraphSize
 
 
+@stage("coarsen")
 def coarsen(
     graph: OpGraph,
     rules: str | Path | RuleSet | Sequence[str | Path | RuleSet] = "default",

@@ -16,18 +16,18 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from moirai.bounds import format_bytes
+from moirai import progress as _progress
+from moirai import viz
 from moirai.coarsen import coarsen
 from moirai.cost import activation_peak_bytes, build_problem
 from moirai.devices import Cluster
-from moirai.errors import PlanError
+from moirai.errors import MoiraiError, PlanError
 from moirai.graph import OpGraph, build_op_graph
 from moirai.placers import place
 from moirai.problem import Plan, Problem
@@ -38,6 +38,9 @@ from moirai.runtime.server import Server
 from moirai.simulate import simulate
 from moirai.split import SplitProgram, split_module
 from moirai.trace import TracedModel, trace
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 PLAN_FORMAT_VERSION = 1
 
@@ -59,7 +62,8 @@ class CompiledModel:
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
         return self.traced.unflatten_outputs(run_local(self.program, flat_inputs, self.torch_devices))
 
-    def run_distributed(self, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> Any:
+    @_progress.reports_progress
+    def run_distributed(self, *args: Any, timeout_s: float = 120.0, progress: bool = True, **kwargs: Any) -> Any:
         """Run with one process per device (torch.distributed send/recv); returns the outputs here."""
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
         outputs = run_distributed(self.program, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
@@ -105,31 +109,40 @@ class CompiledModel:
         return [d.torch_device for d in self.cluster.devices]
 
     def summary(self, console: Console | None = None) -> Table:
-        """Print (and return) the plan as a table: one row per device."""
-        timeline = simulate(self.problem, self.plan)
-        reserve = activation_peak_bytes(self.graph)
-        table = Table(title=f"moirai plan for {self.traced.model_name} ({self.plan.placer})")
-        for column in ("device", "torch device", "groups", "ops", "weights", "in use / memory", "busy"):
-            table.add_column(column, justify="left" if column in ("device", "torch device") else "right")
-        for k, device in enumerate(self.cluster.devices):
-            tasks = np.flatnonzero(self.plan.placement == k)
-            table.add_row(
-                device.name,
-                device.torch_device,
-                str(len(tasks)),
-                str(sum(len(self.graph.nodes[i].targets) for i in tasks)),
-                format_bytes(timeline.memory_bytes[k]),
-                f"{format_bytes(timeline.memory_bytes[k] + reserve)} / {format_bytes(device.memory_bytes)}",
-                _format_seconds(timeline.busy_s[k]),
-            )
-        lower = self.plan.lower_bound_s
-        table.caption = (
-            f"predicted latency {_format_seconds(timeline.makespan)}"
-            + (f", lower bound {_format_seconds(lower)}, gap {self.plan.gap:.1%}" if lower is not None else "")
-            + f", {len(timeline.transfers)} transfers, placed in {self.plan.placement_time_s:.2f} s"
+        """Print (and return) the plan as a table that fits 80 columns: one row per device."""
+        table = viz.summary_table(
+            self.problem,
+            self.plan,
+            torch_devices=self.torch_devices,
+            ops_per_task=[len(node.targets) for node in self.graph.nodes],
+            reserve_bytes=activation_peak_bytes(self.graph),
+            title=f"moirai plan for {self.traced.model_name} ({self.plan.placer})",
         )
         (console or Console()).print(table)
         return table
+
+    def gantt(self, path: str | Path | None = None, color_by: str = "kind", plan: Plan | None = None) -> Figure:
+        """The simulated schedule as a matplotlib figure (saved to ``path`` when given; Jupyter shows it).
+
+        ``color_by``: ``"kind"`` (each group's main op) or ``"layer"`` (the model's top-level module).
+        ``plan``: another plan of this model's problem to draw (e.g. from ``moirai.place``), default its own.
+        """
+        return viz.gantt(self.problem, plan or self.plan, path, groups=self._task_groups(color_by))
+
+    def text_gantt(self, width: int = 60, color_by: str = "kind", console: Console | None = None) -> Table:
+        """Print (and return) the simulated schedule as coloured text, one row per device and link."""
+        table = viz.text_gantt(self.problem, self.plan, width, groups=self._task_groups(color_by))
+        (console or Console()).print(table)
+        return table
+
+    def _task_groups(self, color_by: str) -> list[str]:
+        if color_by == "kind":
+            return [viz.kind_of_targets(node.targets) for node in self.graph.nodes]
+        if color_by == "layer":
+            fx_nodes = {node.name: node for node in self.traced.graph_module.graph.nodes}
+            paths = [fx_nodes[node.fx_names[0]].meta.get("nn_module_stack") or {} for node in self.graph.nodes]
+            return [viz.layer_of_module_path(next(reversed(p.values()))[0] if p else "") for p in paths]
+        raise MoiraiError(f"color_by must be 'kind' or 'layer', not {color_by!r}")
 
     def save(self, path: str | Path) -> None:
         """Write what each rank needs to rebuild its part: the op -> device map and the orders."""
@@ -145,6 +158,7 @@ class CompiledModel:
         Path(path).write_text(json.dumps(record, indent=1))
 
 
+@_progress.reports_progress
 def compile(
     model: torch.nn.Module,
     devices: Cluster | Sequence[str],
@@ -154,6 +168,7 @@ def compile(
     fusion_rules: str | Path = "default",
     target_nodes: int | None = None,
     cost: str = "analytic",
+    progress: bool = True,
     **placer_options: Any,
 ) -> CompiledModel:
     """Split ``model`` across ``devices`` so that one inference finishes soonest.
@@ -162,7 +177,7 @@ def compile(
     ``"cpu"`` gives separate logical devices). ``placer`` names a registered placer
     (``moirai.placers()``); ``placer_options`` go to it (e.g. ``time_limit_s`` for ``milp``).
     ``cost`` is ``"analytic"`` (roofline from the device table) or ``"measured"`` (profile every
-    op group on the local devices, cached on disk).
+    op group on the local devices, cached on disk). ``progress=False`` silences the line per stage.
     """
     cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(list(devices))
     traced = trace(model, example_inputs, example_kwargs)
@@ -172,14 +187,16 @@ def compile(
     return _assemble(traced, cluster, coarse, problem, plan)
 
 
+@_progress.reports_progress
 def load(
     path: str | Path,
     model: torch.nn.Module,
     example_inputs: tuple = (),
     example_kwargs: dict[str, Any] | None = None,
     devices: Cluster | Sequence[str] | None = None,
+    progress: bool = True,
 ) -> CompiledModel:
-    """Rebuild a compiled model from a saved plan and the model (with real weights)."""
+    """Rebuild a compiled model from a saved plan and the model (with real weights); ``progress`` as in compile."""
     record = json.loads(Path(path).read_text())
     if record.get("format") != PLAN_FORMAT_VERSION:
         raise PlanError(f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION}; compile the model again")
@@ -221,7 +238,3 @@ def _split(
             "the model or its example inputs differ from the ones planned: compile again"
         )
     return split_module(traced, node_device, num_devices, device_order)
-
-
-def _format_seconds(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.2f} s"

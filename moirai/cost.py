@@ -65,12 +65,14 @@ from moirai.devices import Cluster, Device
 from moirai.errors import ClusterError
 from moirai.graph import OpGraph
 from moirai.problem import Problem
+from moirai.progress import stage
 from moirai.trace import TracedModel
 
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
 _EMPTY_SPANS = 4  # spans with no op in profiling runs, to time the clock itself
 
 
+@stage("cost")
 def build_problem(
     graph: OpGraph,
     cluster: Cluster,

@@ -28,6 +28,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from moirai.progress import stage
 from moirai.trace import TracedModel
 
 
@@ -130,6 +131,7 @@ class OpGraph:
         return [f for node in self.nodes for f in node.fx_names]
 
 
+@stage("op graph")
 def build_op_graph(traced: TracedModel) -> OpGraph:
     """One OpNode per compute op of ``traced``, with FLOPs, bytes and parameter bytes."""
     graph_module = traced.graph_module

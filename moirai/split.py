@@ -62,6 +62,7 @@ import torch
 import torch.fx as fx
 
 from moirai.errors import PlanError
+from moirai.progress import stage
 from moirai.trace import TensorSpec, TracedModel
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -127,6 +128,7 @@ class SplitProgram:
         return len(self.parts)
 
 
+@stage("split")
 def split_module(
     traced: TracedModel,
     node_device: Mapping[str, int],

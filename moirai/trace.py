@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch.fx.passes.shape_prop import ShapeProp
 
 from moirai.errors import InputError, TraceError
+from moirai.progress import stage
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class TracedModel:
         return pytree.tree_unflatten(list(flat_outputs), self.out_spec)
 
 
+@stage("trace")
 def trace(
     model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict[str, Any] | None = None
 ) -> TracedModel:

@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import moirai
 from moirai.cli import main
@@ -33,3 +34,30 @@ def test_readme_problem_example_plans_as_documented(tmp_path) -> None:
     output = tmp_path / "plan.json"
     assert main(["plan", str(path), "--placer", "heft", "--output", str(output)]) == 0
     assert json.loads(output.read_text())["placement"] == [0, 0, 0, 1]
+
+
+# A fenced block, with the HTML comment before it if any: "file: NAME" writes the block to NAME before the
+# blocks after it run; "not run by tests/test_readme.py: needs torchrun" skips a block that only runs as one of
+# several torchrun ranks (the only reason a block may be skipped). Every other python block runs as pasted.
+FENCED_BLOCK = re.compile(r"(?:<!-- (?P<marker>[^\n]*?) -->\n)?```(?P<language>\w*)\n(?P<code>.*?)\n```", re.DOTALL)
+
+
+@pytest.mark.slow
+def test_every_readme_python_block_runs_as_pasted(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "readme"}
+    ran = skipped = 0
+    for number, block in enumerate(FENCED_BLOCK.finditer(README)):
+        marker = block["marker"] or ""
+        if marker.startswith("file: "):
+            (tmp_path / marker.removeprefix("file: ")).write_text(block["code"] + "\n")
+        if block["language"] != "python":
+            continue
+        if marker.startswith("not run"):
+            assert marker == "not run by tests/test_readme.py: needs torchrun" and "torchrun" in block["code"]
+            skipped += 1
+            continue
+        exec(compile(block["code"], f"README.md python block {number}", "exec"), namespace)
+        ran += 1
+    assert ran == 3 and skipped == 1
+    assert (tmp_path / "plan.png").stat().st_size > 0 and (tmp_path / "plan.json").exists()

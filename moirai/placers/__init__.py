@@ -13,6 +13,7 @@ from typing import Any
 
 from moirai.errors import MoiraiError
 from moirai.problem import Plan, Problem
+from moirai.progress import stage
 
 Placer = Callable[..., Plan]
 
@@ -55,6 +56,7 @@ def get_placer(name: str) -> Placer:
         raise MoiraiError(f"unknown placer {name!r}; choose one of {sorted(_REGISTRY)}") from None
 
 
+@stage("place")
 def place(problem: Problem, placer: str = "heft", **options: Any) -> Plan:
     """Place ``problem`` with the named placer; the plan's makespan is the simulator's."""
     from moirai.bounds import lower_bound

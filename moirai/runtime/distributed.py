@@ -63,6 +63,7 @@ import torch.fx as fx
 
 from moirai.devices import Device
 from moirai.errors import DistributedError, InputError, PlanError
+from moirai.progress import stage
 from moirai.runtime.local import check_inputs, place_part
 from moirai.runtime.resources import RankResources, apply_resources, rank_resources, restore_resources
 from moirai.split import SplitProgram, concrete_shape, symbol_values
@@ -292,6 +293,7 @@ class DistributedRunner:
             self._driver.close()
         self._stop()
 
+    @stage("start workers")
     def _start(self) -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
             # This is a spawned rank importing the user's script, which starts a runner at import: stop quietly

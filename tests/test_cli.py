@@ -1,0 +1,111 @@
+"""The command line: compile a model from a factory, plan a Problem, errors as one red line."""
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from moirai.cli import main
+
+FACTORY = """
+import torch
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    return model, (torch.randn(4, 32),)
+
+class WithInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.example_inputs = torch.randn(2, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+def broken():
+    raise ValueError("no weights here")
+"""
+
+
+@pytest.fixture
+def factory_file(tmp_path: Path) -> Path:
+    path = tmp_path / "my_models.py"
+    path.write_text(textwrap.dedent(FACTORY))
+    return path
+
+
+def moirai_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moirai", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.mark.slow
+def test_compile_a_factory_checks_outputs_and_writes_plan_and_picture(factory_file: Path, tmp_path: Path) -> None:
+    plan, picture = tmp_path / "plan.json", tmp_path / "plan.png"
+    result = moirai_cli(
+        "compile", "my_models:make", "--devices", "cpu,cpu", "--placer", "round_robin", "--check",
+        "--output", str(plan), "--gantt", str(picture), cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "match" in result.stdout and "differ" not in result.stdout
+    assert "cpu_0" in result.stdout and "predicted" in result.stdout
+    assert json.loads(plan.read_text())["format"] == 1
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+    assert re.search(r"^moirai: place ", result.stderr, re.MULTILINE)  # progress lines go to stderr
+
+
+def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factory_file: Path, capsys) -> None:
+    code = main(["compile", f"{factory_file}:WithInputs", "--cluster", "moirai-intra-server", "--placer", "heft"])
+    assert code == 0
+    assert "predicted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "no/such/problem.json"], "no such file: no/such/problem.json"),
+        (["compile", "{factory}:broken", "--devices", "cpu"], "raised ValueError: no weights here"),
+        (["compile", "{factory}:missing", "--devices", "cpu"], "has no function 'missing'"),
+        (["compile", "no_such_module_xyz:make", "--devices", "cpu"], "cannot import no_such_module_xyz"),
+        (["compile", "{factory}:make", "--cluster", "nowhere"], "neither a cluster file nor a preset"),
+        (["compile", "{factory}:make", "--devices", "cpu", "--objective", "cheapest"], "--objective 'cheapest'"),
+        (["compile", "{factory}:make", "--devices", "cpu", "--placer", "best"], "unknown placer 'best'"),
+        (["compile", "{factory}:make", "--devices", "cpu", "--placer", "heft", "--gantt", "plan.xyz"], "plan.xyz"),
+    ],
+)
+def test_errors_are_one_red_line_without_traceback(args, message, factory_file: Path, capsys) -> None:
+    code = main([a.replace("{factory}", str(factory_file)) for a in args])
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], captured.err
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_missing_file_from_the_shell_is_one_line_and_debug_shows_the_traceback(tmp_path: Path) -> None:
+    result = moirai_cli("plan", "missing.json", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip() == "error: no such file: missing.json"
+    result = moirai_cli("--debug", "plan", "missing.json", cwd=tmp_path)
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_version() -> None:
+    result = moirai_cli("--version")
+    assert result.returncode == 0 and re.fullmatch(r"moirai \d+\.\d+\.\d+.*\n", result.stdout)
+
+
+def test_plan_prints_the_summary_and_draws_the_schedule(tmp_path: Path, capsys) -> None:
+    root = Path(__file__).resolve().parent.parent
+    (example,) = re.findall(r"```json\n(.+?)\n```", (root / "README.md").read_text(), re.DOTALL)
+    problem = tmp_path / "problem.json"
+    problem.write_text(example)
+    picture = tmp_path / "plan.svg"
+    assert main(["plan", str(problem), "--placer", "milp", "--gantt", str(picture), "--timeline"]) == 0
+    out = capsys.readouterr().out
+    assert "gpu0" in out and "gpu1" in out and "gap 0.0%" in out and "stopped: gap closed" in out
+    assert picture.read_text().lstrip().startswith("<?xml")
