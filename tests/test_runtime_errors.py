@@ -47,6 +47,7 @@ def test_timeout_must_be_positive(chain, timeout_s) -> None:
             call()
 
 
+@pytest.mark.slow
 def test_script_without_main_guard_gets_one_error_saying_to_add_it(tmp_path) -> None:
     script = tmp_path / "unguarded.py"
     script.write_text(
