@@ -47,6 +47,16 @@ def test_timeout_must_be_positive(chain, timeout_s) -> None:
             call()
 
 
+@pytest.mark.parametrize("max_in_flight", [0, -2, 1.5, True])
+def test_max_in_flight_must_be_a_positive_integer(chain, max_in_flight) -> None:
+    _, compiled = chain
+    with pytest.raises(InputError, match="max_in_flight must be a positive integer"):
+        DistributedRunner(["cpu"], max_in_flight=max_in_flight)
+    with pytest.raises(InputError, match="max_in_flight must be a positive integer"):
+        compiled.server(max_in_flight=max_in_flight)
+
+
+@pytest.mark.slow
 def test_script_without_main_guard_gets_one_error_saying_to_add_it(tmp_path) -> None:
     script = tmp_path / "unguarded.py"
     script.write_text(

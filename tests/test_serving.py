@@ -121,6 +121,7 @@ def test_gpu_ranks_get_a_few_host_threads_and_cpu_ranks_split_the_cores() -> Non
     assert [r.cores for r in resources[1:]] == [(0, 1), (2, 3)] and [r.threads for r in resources[1:]] == [2, 2]
 
 
+@pytest.mark.slow
 def test_fifty_pipelined_requests_from_several_threads_equal_eager(chain) -> None:
     model, compiled = chain
     requests = [torch.randn(4, 64) for _ in range(50)]
@@ -133,6 +134,7 @@ def test_fifty_pipelined_requests_from_several_threads_equal_eager(chain) -> Non
         torch.testing.assert_close(output, _eager(model, request))
 
 
+@pytest.mark.slow
 def test_server_idle_past_its_timeout_still_answers(chain) -> None:
     model, compiled = chain
     x = torch.randn(4, 64)
@@ -142,6 +144,7 @@ def test_server_idle_past_its_timeout_still_answers(chain) -> None:
         torch.testing.assert_close(server.submit(x).result(), _eager(model, x))
 
 
+@pytest.mark.slow
 def test_killed_rank_fails_every_pending_request_naming_it(chain) -> None:
     model, compiled = chain
     timeout_s = 5.0
@@ -182,6 +185,7 @@ def test_readme_serve_script_runs_under_torchrun(tmp_path) -> None:
     assert "served 50 requests, all equal to the model's" in result.stdout
 
 
+@pytest.mark.slow
 def test_device_0_runs_the_next_requests_while_device_1_has_not_finished_this_one(chain) -> None:
     """Rank 1 is stopped: rank 0 still runs its part of every request in flight; all finish once rank 1 resumes."""
     model, compiled = chain

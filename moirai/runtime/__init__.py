@@ -1,6 +1,7 @@
 """Run a split program: all parts in one process, or one process per device with torch.distributed."""
 
-from moirai.runtime.distributed import DistributedRunner, run_distributed, run_rank
+from moirai.runtime.distributed import DistributedRunner, run_distributed, run_rank, serve_rank
 from moirai.runtime.local import run_local
+from moirai.runtime.server import Server
 
-__all__ = ["DistributedRunner", "run_distributed", "run_local", "run_rank"]
+__all__ = ["DistributedRunner", "Server", "run_distributed", "run_local", "run_rank", "serve_rank"]

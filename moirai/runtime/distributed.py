@@ -110,6 +110,12 @@ def check_timeout(timeout_s: float) -> float:
     return float(timeout_s)
 
 
+def _check_max_in_flight(max_in_flight: int) -> int:
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise InputError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+    return max_in_flight
+
+
 def init_rank(
     rank: int, world_size: int, torch_devices: Sequence[str], timeout_s: float, init_method: str = "env://"
 ) -> None:
@@ -222,7 +228,7 @@ class DistributedRunner:
         self.torch_devices = [_torch_device(d) for d in self.devices]
         self.timeout_s = check_timeout(timeout_s)
         self.start_timeout_s = check_timeout(start_timeout_s)
-        self.max_in_flight = max_in_flight
+        self.max_in_flight = _check_max_in_flight(max_in_flight)
         self._workers: list[multiprocessing.Process] = []
         self._driver: _Driver | None = None
         self._store: Any = None
@@ -323,7 +329,7 @@ class DistributedRunner:
         for worker in self._workers:
             worker.start()
         self._await_ready()
-        self._restore = apply_resources(resources[0], self._names()[0])
+        self._restore = apply_resources(resources[0], self._names()[0], own_process=False)
         group = _local_group(0, self.torch_devices, self._store, self.start_timeout_s)
         self._driver = _Driver(group, self.timeout_s, self.max_in_flight, describe_rank=self._describe_process)
 
@@ -459,7 +465,9 @@ def _local_group(rank: int, torch_devices: Sequence[str], store: Any, join_timeo
     options._timeout = timeout
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("moirai/gloo/", store), rank, world_size, options)
     nccl = None
-    if "nccl" in backend_for(torch_devices):
+    # NCCL carries only messages between two GPUs (see _Group.wire_device), so only a world with two needs it.
+    nccl_ranks = sum(kind_of(torch.device(d)).backend == "nccl" for d in torch_devices)
+    if "nccl" in backend_for(torch_devices) and nccl_ranks >= 2:
         device = torch.device(torch_devices[rank])
         kind_of(device).set_current(device)
         nccl = dist.ProcessGroupNCCL(dist.PrefixStore("moirai/nccl/", store), rank, world_size)
@@ -755,8 +763,7 @@ class _Driver:
         preloaded: SplitProgram | None = None,
         describe_rank: Callable[[int], str] | None = None,
     ) -> None:
-        if not isinstance(max_in_flight, int) or max_in_flight < 1:
-            raise InputError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+        _check_max_in_flight(max_in_flight)
         self.group = group
         if describe_rank is not None:
             group.describe_rank = describe_rank

@@ -65,10 +65,11 @@ def rank_resources(devices: Sequence[str | Device], cores: Sequence[int] | None 
     return [r for r in resources if r is not None]
 
 
-def apply_resources(resources: RankResources, device_name: str) -> RankResources:
+def apply_resources(resources: RankResources, device_name: str, own_process: bool = True) -> RankResources:
     """Pin every thread of this process to ``resources.cores`` and set torch's thread counts; what was set before.
 
-    Interop threads are set to 1 where torch still allows it (only before any inter-op work).
+    In a process of its own (``own_process``) a rank also gets 1 interop thread where torch still
+    allows it (only before any inter-op work; it cannot be undone, so a caller's process keeps its own).
     """
     before = RankResources(available_cores(), torch.get_num_threads())
     if resources.cores is not None and hasattr(os, "sched_setaffinity"):
@@ -80,10 +81,11 @@ def apply_resources(resources: RankResources, device_name: str) -> RankResources
             )
         _set_affinity(resources.cores)
     torch.set_num_threads(resources.threads)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass  # already set, or inter-op work has started in this process: torch keeps its count
+    if own_process:
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:
+            pass  # already set, or inter-op work has started in this process: torch keeps its count
     return before
 
 
