@@ -11,8 +11,8 @@ with two heavy parallel branches (two 6-layer 1024-wide MLPs on a batch of 256),
 * measured: the median of the repeats (after warm-up) of calls through one persistent
   :class:`moirai.runtime.distributed.DistributedRunner` per model (two worker processes);
 * measured / predicted, speedup over eager (eager / measured), the plan's number of transfers and
-  the CPU time they take from their senders and receivers by the calibration (which the schedule
-  does not model yet: it shows where a prediction misses that);
+  the CPU time they take from their senders and receivers by the calibration (the schedule books the
+  sender's on the sending device and counts the receiver's inside the transfer's delay);
 * whether the split outputs equal the model's.
 
 One more row runs the milp plan of the two-branch model (``--torchrun-model`` picks another) the
@@ -218,7 +218,7 @@ def bench_model(name: str, placers: Sequence[str], args: argparse.Namespace, con
 
 def plan_transfers(compiled: moirai.CompiledModel) -> tuple[int, float]:
     """The plan's number of transfers, and the CPU time they take from senders and receivers together
-    by this machine's calibration: a cost the schedule does not model yet (the column shows how much)."""
+    by this machine's calibration (the sender's part is in the plan's prediction, booked on its device)."""
     costs = local_calibration(list(DEVICES))
     torch_devices = [d.torch_device for d in compiled.cluster.devices]
     transfers = simulate(compiled.problem, compiled.plan).transfers

@@ -313,15 +313,21 @@ def write_calibration(path: str | Path, costs: Mapping[str, TransferCost]) -> No
 
 
 def calibrated_cluster(cluster: Cluster, costs: Mapping[str, TransferCost]) -> Cluster:
-    """``cluster`` with every link's latency and bandwidth those of its kind in ``costs``."""
+    """``cluster`` with every link's latency, bandwidth and sender's CPU time those of its kind in ``costs`` (the
+    receiver's CPU time is inside the measured delay: a blocked receiver is woken on the transfer's path)."""
     k = len(cluster)
     bandwidth, latency = cluster.bandwidth_bytes_per_s.copy(), cluster.latency_s.copy()
+    send_fixed, send_per_byte = cluster.send_cpu_s.copy(), cluster.send_cpu_s_per_byte.copy()
     for a in range(k):
         for b in range(k):
             kind = link_kind(cluster.devices[a].torch_device, cluster.devices[b].torch_device)
             if a != b and kind in costs:
-                bandwidth[a, b], latency[a, b] = costs[kind].bandwidth_bytes_per_s, costs[kind].latency_s
-    return Cluster(cluster.devices, bandwidth, latency, name=cluster.name)
+                cost = costs[kind]
+                bandwidth[a, b], latency[a, b] = cost.bandwidth_bytes_per_s, cost.latency_s
+                send_fixed[a, b], send_per_byte[a, b] = cost.sender_cpu_s, cost.sender_cpu_s_per_byte
+    return Cluster(
+        cluster.devices, bandwidth, latency, name=cluster.name, send_cpu_s=send_fixed, send_cpu_s_per_byte=send_per_byte
+    )
 
 
 # --- the rank processes ------------------------------------------------------------------------

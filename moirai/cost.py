@@ -28,7 +28,8 @@ Compute time of every node (op or op group) on every device, two modes:
   measurements, taken with the current ``torch.get_num_threads()``.
 
 Communication: tensor ``t`` from device ``a`` to ``b`` takes ``latency[a, b] + bytes / bandwidth[a, b]``
-on the cluster's (routed) link matrices, 0 on one device.
+on the cluster's (routed) link matrices, 0 on one device, and keeps device ``a`` busy for
+``send_cpu_s[a, b] + bytes * send_cpu_s_per_byte[a, b]`` (:func:`send_cpu_s`; 0 unless calibrated).
 
 Memory: a node holds its parameters and buffers on its device for the whole run
 (``Problem.memory_bytes``). Activations are transient: every device keeps free the activation
@@ -127,6 +128,7 @@ def build_problem(
         tensor_consumers=tuple(tuple(c) for c in consumers),
         transfer_s=transfer_s(sizes_array, cluster),
         tensor_bytes=sizes_array,
+        send_cpu_s=send_cpu_s(sizes_array, cluster),
     )
 
 
@@ -158,6 +160,14 @@ def transfer_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
         per_byte = np.where(off_diagonal, 1.0 / cluster.bandwidth_bytes_per_s, 0.0)
     latency = cluster.latency_s * off_diagonal
     return latency[None, :, :] + np.asarray(tensor_bytes, float)[:, None, None] * per_byte[None, :, :]
+
+
+def send_cpu_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """``[t, a, b]``: time sending tensor ``t`` from device ``a`` to ``b`` keeps ``a`` busy (0 on the diagonal)."""
+    off_diagonal = ~np.eye(len(cluster), dtype=bool)
+    fixed = cluster.send_cpu_s * off_diagonal
+    per_byte = cluster.send_cpu_s_per_byte * off_diagonal
+    return fixed[None, :, :] + np.asarray(tensor_bytes, float)[:, None, None] * per_byte[None, :, :]
 
 
 def analytic_compute_s(graph: OpGraph, cluster: Cluster, dtypes: Sequence[str] | None = None) -> np.ndarray:

@@ -156,7 +156,8 @@ class Cluster:
 
     The matrices are full-mesh: pairs without a direct link hold the numbers of their route.
     ``links`` are the direct links the cluster was described with (empty when it was given as
-    matrices).
+    matrices). ``send_cpu_s[a, b] + bytes * send_cpu_s_per_byte[a, b]``: the time a send over ``a -> b``
+    keeps device ``a`` busy (default 0; a calibration measures it, :func:`moirai.calibrate.calibrated_cluster`).
     """
 
     devices: tuple[Device, ...]
@@ -164,6 +165,8 @@ class Cluster:
     latency_s: np.ndarray
     links: tuple[Link, ...] = ()
     name: str = ""
+    send_cpu_s: np.ndarray = None  # type: ignore[assignment]
+    send_cpu_s_per_byte: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         k = len(self.devices)
@@ -172,9 +175,21 @@ class Cluster:
         _check_device_names([d.name for d in self.devices])
         object.__setattr__(self, "bandwidth_bytes_per_s", np.asarray(self.bandwidth_bytes_per_s, float))
         object.__setattr__(self, "latency_s", np.asarray(self.latency_s, float))
-        for label, matrix in (("bandwidth", self.bandwidth_bytes_per_s), ("latency", self.latency_s)):
+        for label in ("send_cpu_s", "send_cpu_s_per_byte"):
+            value = getattr(self, label)
+            object.__setattr__(self, label, np.zeros((k, k)) if value is None else np.asarray(value, float))
+        matrices = {
+            "bandwidth": self.bandwidth_bytes_per_s,
+            "latency": self.latency_s,
+            "send_cpu_s": self.send_cpu_s,
+            "send_cpu_s_per_byte": self.send_cpu_s_per_byte,
+        }
+        for label, matrix in matrices.items():
             if matrix.shape != (k, k):
                 raise ClusterError(f"{label} matrix is {matrix.shape}, must be {k}x{k} (one row per device)")
+        for label in ("send_cpu_s", "send_cpu_s_per_byte"):
+            if not np.all(np.isfinite(matrices[label])) or np.any(matrices[label] < 0):
+                raise ClusterError(f"{label} (a sender's time per transfer) must be non-negative finite numbers")
         off_diagonal = ~np.eye(k, dtype=bool)
         if np.any(~(self.bandwidth_bytes_per_s[off_diagonal] > 0)):
             raise ClusterError("every link between two distinct devices needs a positive bandwidth")

@@ -38,6 +38,8 @@ class Problem:
     ``transfer_s[t, a, b]``: time to send tensor ``t`` from device ``a`` to ``b`` (0 on the diagonal).
     ``memory_bytes[i]``: memory task ``i`` holds on its device for the whole run
     (its parameters and buffers plus the activations it produces).
+    ``send_cpu_s[t, a, b]``: time sending tensor ``t`` to ``b`` keeps device ``a`` itself busy (default 0;
+    see :mod:`moirai.schedule.transfers` for how a schedule books it).
     """
 
     device_names: tuple[str, ...]
@@ -50,6 +52,7 @@ class Problem:
     tensor_consumers: tuple[tuple[int, ...], ...]
     transfer_s: np.ndarray
     tensor_bytes: np.ndarray = field(default=None)  # type: ignore[assignment]
+    send_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         n, k, t = len(self.task_names), len(self.device_names), len(self.tensor_names)
@@ -60,6 +63,8 @@ class Problem:
         object.__setattr__(self, "transfer_s", np.asarray(self.transfer_s, float).reshape(t, k, k))
         tensor_bytes = np.zeros(t) if self.tensor_bytes is None else np.asarray(self.tensor_bytes, float)
         object.__setattr__(self, "tensor_bytes", tensor_bytes.reshape(t))
+        send_cpu = np.zeros((t, k, k)) if self.send_cpu_s is None else np.asarray(self.send_cpu_s, float)
+        object.__setattr__(self, "send_cpu_s", send_cpu.reshape(t, k, k))
         self._validate()
 
     def _validate(self) -> None:
@@ -75,6 +80,8 @@ class Problem:
             raise ProblemError("compute times must be non-negative numbers (inf: cannot run on that device)")
         if np.any(self.transfer_s < 0) or np.any(np.isnan(self.transfer_s)):
             raise ProblemError("transfer times must be non-negative numbers")
+        if not np.all(np.isfinite(self.send_cpu_s)) or np.any(self.send_cpu_s < 0):
+            raise ProblemError("send_cpu_s (a sender's time per transfer) must be non-negative finite numbers")
         for t, consumers in enumerate(self.tensor_consumers):
             producer = int(self.tensor_producer[t])
             if not 0 <= producer < self.num_tasks or any(not 0 <= c < self.num_tasks for c in consumers):
@@ -260,6 +267,7 @@ class Problem:
         producers: list[int] = []
         consumers: list[list[int]] = []
         transfers: list[np.ndarray] = []
+        send_cpu: list[np.ndarray] = []
         sizes: list[float] = []
         for edge in d.get("edges", []):
             src, dst = str(edge["src"]), str(edge["dst"])
@@ -280,11 +288,16 @@ class Problem:
                 raise ProblemError(
                     f"edge {src!r} -> {dst!r} needs 'transfer_s', or 'bytes' with a top-level 'links' description"
                 )
+            sender = np.array(edge.get("send_cpu_s", np.zeros((k, k))), float)
+            if sender.shape != (k, k):
+                raise ProblemError(f"edge {src!r} -> {dst!r}: send_cpu_s must be {k}x{k}, got {sender.shape}")
             key = (src, tensor)
             if key in tensor_key_index:
                 t = tensor_key_index[key]
                 if not np.allclose(transfers[t], transfer):
                     raise ProblemError(f"tensor {tensor!r} of {src!r} is given two different transfer times")
+                if not np.allclose(send_cpu[t], sender):
+                    raise ProblemError(f"tensor {tensor!r} of {src!r} is given two different send_cpu_s")
                 if index[dst] not in consumers[t]:
                     consumers[t].append(index[dst])
                 continue
@@ -293,6 +306,7 @@ class Problem:
             producers.append(index[src])
             consumers.append([index[dst]])
             transfers.append(transfer)
+            send_cpu.append(sender)
             sizes.append(size)
         return cls(
             device_names=device_names,
@@ -305,6 +319,7 @@ class Problem:
             tensor_consumers=tuple(tuple(c) for c in consumers),
             transfer_s=np.array(transfers).reshape(len(names), k, k),
             tensor_bytes=np.array(sizes),
+            send_cpu_s=np.array(send_cpu).reshape(len(names), k, k),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -324,6 +339,7 @@ class Problem:
                     "tensor": self.tensor_names[t],
                     "bytes": float(self.tensor_bytes[t]),
                     "transfer_s": self.transfer_s[t].tolist(),
+                    "send_cpu_s": self.send_cpu_s[t].tolist(),
                 }
                 for t in range(self.num_tensors)
                 for c in self.tensor_consumers[t]

@@ -2,11 +2,13 @@
 
 Semantics (the contract between the simulator, the MILP and the runtime):
 
-* Task ``i`` on device ``p(i)`` runs for ``compute_s[i, p(i)]``, non-preemptively, one task at
-  a time per device.
+* Task ``i`` on device ``p(i)`` runs for :func:`moirai.schedule.task_duration_s`: ``compute_s[i, p(i)]`` plus
+  the sender's time (:func:`moirai.schedule.send_cpu_s`) of every transfer of its outputs, non-preemptively,
+  one task at a time per device.
 * Tensor ``t`` made by a task on device ``a`` is sent once to every other device ``b`` hosting
-  at least one of its consumers and takes :func:`moirai.schedule.transfer_duration_s`; consumers on ``a`` use it as
-  soon as its producer finishes. A multi-hop route is one directed pair with its effective time.
+  at least one of its consumers and takes :func:`moirai.schedule.transfer_duration_s`, starting no earlier
+  than its producer's finish (sends included); consumers on ``a`` use it as soon as its producer finishes.
+  A multi-hop route is one directed pair with its effective time.
 * With ``contention=True`` transfers on one directed link ``(a, b)`` never overlap; transfers on
   different links overlap each other, and compute overlaps communication (separate streams, as
   on GPUs). A transfer starts when its producer has finished and its link is free. With
@@ -38,7 +40,7 @@ import numpy as np
 
 from moirai.errors import PlanError
 from moirai.problem import Plan, Problem
-from moirai.schedule import ImpliedTransfers, implied_transfers, send_priority, transfer_duration_s
+from moirai.schedule import ImpliedTransfers, implied_transfers, send_priority, task_duration_s, transfer_duration_s
 
 
 class Transfer(NamedTuple):
@@ -160,8 +162,8 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
     plan.check(problem)
     n, k = problem.num_tasks, problem.num_devices
     placement = plan.placement
-    duration_array = problem.compute_s[np.arange(n), placement]
     transfers = implied_transfers(problem, placement)
+    duration_array = task_duration_s(problem, placement, transfers)
     _check_runnable(problem, placement, duration_array, transfers)
     duration = duration_array.tolist()
     device_of = placement.tolist()

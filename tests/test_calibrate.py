@@ -23,6 +23,7 @@ from moirai.calibrate import (
 )
 from moirai.devices import Cluster
 from moirai.errors import ClusterError
+from moirai.problem import Problem
 
 SIZES = (1024, 65536, 1 << 20, 4 << 20)
 FAKE_COST = TransferCost(
@@ -96,6 +97,12 @@ def test_calibrated_transfer_terms_reach_the_problem(fake_measurement: list) -> 
     np.testing.assert_allclose(problem.transfer_s[:, 0, 1], expected, rtol=1e-12)
     np.testing.assert_allclose(problem.transfer_s[:, 1, 0], expected, rtol=1e-12)
     assert np.all(problem.transfer_s[:, 0, 0] == 0)
+    # The sender's CPU time (fixed + per byte) is booked on the sending device; the receiver's is in the delay.
+    sender = FAKE_COST.sender_cpu_s + problem.tensor_bytes * FAKE_COST.sender_cpu_s_per_byte
+    np.testing.assert_allclose(problem.send_cpu_s[:, 0, 1], sender, rtol=1e-12)
+    np.testing.assert_allclose(problem.send_cpu_s[:, 1, 0], sender, rtol=1e-12)
+    assert np.all(problem.send_cpu_s[:, 0, 0] == 0)
+    assert Problem.from_dict(problem.to_dict()).send_cpu_s.tolist() == problem.send_cpu_s.tolist()
     assert fake_measurement == [("cpu", "cpu")]
 
 

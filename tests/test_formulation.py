@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pyomo.environ as pyo
 import pytest
@@ -58,10 +60,17 @@ def violated_rows(built: MilpModel, timeline: Timeline) -> list[str]:
 
 @pytest.mark.parametrize("formulation", ["strong", "paper"])
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("instances", ["small", "layered"])
+@pytest.mark.parametrize("instances", ["small", "layered", "small_with_send_cpu", "layered_with_send_cpu"])
 def test_every_feasible_schedule_satisfies_every_row(formulation, seed, instances):
-    """A cut, window or fixed variable that removes a schedule within the horizon would be invalid."""
-    problem = random_problem(seed + 20) if instances == "small" else random_layered_problem(12, 3, seed=seed)
+    """A cut, window or fixed variable that removes a schedule within the horizon would be invalid (also when
+    transfers keep their sender busy, which lengthens producers and which the bounds leave out)."""
+    if instances.startswith("small"):
+        problem = random_problem(seed + 20, send_cpu_s=1.0 if instances.endswith("send_cpu") else 0.0)
+    else:
+        problem = random_layered_problem(12, 3, seed=seed)
+        if instances.endswith("send_cpu"):
+            sender = np.random.default_rng(seed).uniform(0.0, 0.3, problem.transfer_s.shape) * (problem.transfer_s > 0)
+            problem = replace(problem, send_cpu_s=sender)
     for plan in random_plans(problem, 6, seed):
         timeline = simulate(problem, plan)
         for slack in (1.0, 1.3):  # the horizon equal to the schedule's makespan, and above it

@@ -53,6 +53,19 @@ def test_milp_optimum_equals_brute_force_and_the_simulator(brute_force_optima, f
         assert simulated == pytest.approx(solution.objective_s, rel=1e-6), seed
 
 
+@pytest.mark.parametrize("formulation", ["strong", "paper"])
+def test_with_the_senders_cpu_time_the_milp_optimum_equals_brute_force_and_the_simulator(formulation):
+    """A transfer that keeps its sender busy (send_cpu_s) lengthens its producer in the simulator, the brute
+    force (which judges by simulating) and the MILP alike."""
+    for seed in range(20) if formulation == "strong" else range(6):
+        problem = random_problem(seed, send_cpu_s=1.0)
+        assert problem.send_cpu_s.any()
+        solution, plan = solve_whole(problem, formulation=formulation)
+        assert solution.optimal, (seed, solution.status)
+        assert solution.objective_s == pytest.approx(brute_force_optimum(problem), rel=1e-6), seed
+        assert simulate(problem, plan).makespan_s == pytest.approx(solution.objective_s, rel=1e-6), seed
+
+
 def test_symmetry_breaking_between_identical_devices_keeps_the_optimum():
     for seed in range(10):
         problem = random_problem(seed)

@@ -13,18 +13,21 @@ import moirai
 from moirai.calibrate import TransferCost, write_calibration
 from moirai.placers import _RULE_BASED_PLACERS, list_placers, place
 from moirai.problem import Problem
+from moirai.simulate import simulate
 
 LATENCY_PLACERS = [name for name in list_placers() if name not in _RULE_BASED_PLACERS]
 
 
-def fan_out_problem(transfer_s: float) -> Problem:
-    """A source, four 10 ms branches and a join, on two equal devices; each crossing costs ``transfer_s``."""
+def fan_out_problem(transfer_s: float, send_cpu_s: float = 0.0) -> Problem:
+    """A source, four 10 ms branches and a join, on two equal devices; each crossing costs ``transfer_s`` on the
+    link and ``send_cpu_s`` of its sender's time."""
     tasks = [{"name": "source", "compute_s": [1e-3, 1e-3]}]
     tasks += [{"name": f"branch{i}", "compute_s": [10e-3, 10e-3]} for i in range(4)]
     tasks += [{"name": "join", "compute_s": [1e-3, 1e-3]}]
     crossing = [[0.0, transfer_s], [transfer_s, 0.0]]
-    edges = [{"src": "source", "dst": f"branch{i}", "transfer_s": crossing} for i in range(4)]
-    edges += [{"src": f"branch{i}", "dst": "join", "transfer_s": crossing} for i in range(4)]
+    sender = {"send_cpu_s": [[0.0, send_cpu_s], [send_cpu_s, 0.0]]}
+    edges = [{"src": "source", "dst": f"branch{i}", "transfer_s": crossing, **sender} for i in range(4)]
+    edges += [{"src": f"branch{i}", "dst": "join", "transfer_s": crossing, **sender} for i in range(4)]
     devices = [{"name": "a", "memory_bytes": 1e9}, {"name": "b", "memory_bytes": 1e9}]
     return Problem.from_dict({"devices": devices, "tasks": tasks, "edges": edges})
 
@@ -39,6 +42,19 @@ def test_a_plan_whose_transfers_dominate_is_single_device(placer: str) -> None:
     assert plan.placer == placer
     # The placer's own plan, where it was worse, is remembered.
     assert plan.report.notes.get("replaced_by_single_device_s", 42e-3) > 42e-3 - 1e-12
+
+
+def test_transfers_that_cost_their_sender_cpu_time_make_fewer_transfers() -> None:
+    """With free sends the MILP splits the four branches 2/2 (four transfers); when every send keeps its sender
+    busy for 4 ms, 3/1 (two transfers) is faster, and with 20 ms sends one device is."""
+    free = place(fan_out_problem(0.1e-3), "milp", time_limit_s=10.0)
+    costly = place(fan_out_problem(0.1e-3, send_cpu_s=4e-3), "milp", time_limit_s=10.0)
+    prohibitive = place(fan_out_problem(0.1e-3, send_cpu_s=20e-3), "milp", time_limit_s=10.0)
+    transfers = [len(simulate(fan_out_problem(0.1e-3), plan).transfers) for plan in (free, costly, prohibitive)]
+    assert transfers == [4, 2, 0]
+    # 3/1: the source sends once (1 + 4 ms), the lone branch runs on b (10 ms) and sends back (4 ms) while a runs
+    # its three branches after its send (5 + 30 ms); the join follows at 35 ms.
+    assert costly.makespan_s == pytest.approx(36e-3) and costly.makespan_s < 42e-3
 
 
 def test_cheap_transfers_still_split() -> None:

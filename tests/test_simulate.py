@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moirai.errors import PlanError
+from moirai.placers._list_scheduling import to_plan
 from moirai.problem import Plan, Problem
+from moirai.schedule import ScheduleBuilder
 from moirai.simulate import simulate
 
 
@@ -42,6 +44,43 @@ def test_chain_on_two_devices_waits_for_the_transfer():
     assert timeline.makespan_s == 3.5
     assert [(t.src, t.dst, t.start, t.finish) for t in timeline.transfers] == [(0, 1, 1.0, 1.5)]
     assert timeline.busy_s.tolist() == [1.0, 2.0]
+
+
+def test_a_send_keeps_its_sender_busy_after_the_producer_and_the_transfer_starts_after_it():
+    sender = {"send_cpu_s": link(0.25)}
+    problem = two_devices(
+        {"a": [1.0, 9.0], "b": [9.0, 2.0], "c": [1.0, 1.0]},
+        [
+            {"src": "a", "dst": "b", "transfer_s": link(0.5), **sender},
+            {"src": "a", "dst": "c", **sender, "transfer_s": link(0.5)},
+        ],
+    )
+    timeline = simulate(problem, place(problem, {"a": 0, "b": 1, "c": 0}))
+    # a computes 1 s and posts its send to gpu1 for 0.25 s; c (on a's device) waits for that, b for the transfer.
+    assert timeline.task_finish.tolist() == [1.25, 3.75, 2.25]
+    assert [(t.start, t.finish) for t in timeline.transfers] == [(1.25, 1.75)]
+    assert timeline.busy_s.tolist() == [2.25, 2.0]
+    # On one device nothing is sent and nothing is added.
+    assert simulate(problem, place(problem, {"a": 0, "b": 0, "c": 0})).makespan_s == 11.0
+
+
+def test_the_schedule_builder_books_a_send_on_its_sender_when_a_remote_consumer_asks_for_it():
+    problem = two_devices(
+        {"a": [1.0, 9.0], "b": [9.0, 2.0], "c": [1.0, 1.0]},
+        [
+            {"src": "a", "dst": "b", "transfer_s": link(0.5), "send_cpu_s": link(0.25)},
+            {"src": "a", "dst": "c", "transfer_s": link(0.5)},
+        ],
+    )
+    schedule = ScheduleBuilder(problem)
+    schedule.book(0, 0)
+    schedule.book(2, 0)  # c runs 1-2 on gpu0
+    assert schedule.data_ready_s(1, 1) == 2.75  # the send is appended after c (2-2.25), then the link (0.5)
+    assert schedule.devices[0].items == [0, 2]  # trying a device books nothing
+    assert schedule.book(1, 1) == 2.75
+    assert schedule.order == [[0, 2], [1]]
+    # The simulator adds the send to a itself, so c waits for it: the replayed plan is what is judged.
+    assert simulate(problem, to_plan(schedule, "test")).task_finish.tolist() == [1.25, 3.75, 2.25]
 
 
 def test_same_device_chain_sends_nothing():

@@ -204,6 +204,7 @@ def merge_tasks(problem: Problem, groups: Sequence[Sequence[int]]) -> Problem:
         tensor_consumers=tuple((v,) for _, v in crossing),
         transfer_s=np.array([problem.transfer_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
         tensor_bytes=np.array([problem.tensor_bytes[ts].sum() for ts in crossing.values()]),
+        send_cpu_s=np.array([problem.send_cpu_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
     )
 
 

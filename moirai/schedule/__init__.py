@@ -2,7 +2,8 @@
 
 The project's communication rule lives here and nowhere else:
 
-* :func:`transfer_duration_s` is the one place that says what a transfer costs;
+* :func:`transfer_duration_s` is the one place that says what a transfer costs the link, :func:`send_cpu_s`
+  what it costs the sending device (added to its producer's time, :func:`task_duration_s`);
 * a tensor crosses to a device once: every consumer on that device reuses it
   (:func:`implied_transfers` for a whole placement, :class:`ScheduleBuilder` task by task);
 * one transfer at a time per directed link, first ready first sent (:func:`send_priority`).
@@ -13,7 +14,14 @@ take it back. Nothing here knows which task to schedule next: that is the placer
 """
 
 from moirai.schedule.builder import Booking, BusyIntervals, ScheduleBuilder
-from moirai.schedule.transfers import ImpliedTransfers, implied_transfers, send_priority, transfer_duration_s
+from moirai.schedule.transfers import (
+    ImpliedTransfers,
+    implied_transfers,
+    send_cpu_s,
+    send_priority,
+    task_duration_s,
+    transfer_duration_s,
+)
 
 __all__ = [
     "Booking",
@@ -21,6 +29,8 @@ __all__ = [
     "ImpliedTransfers",
     "ScheduleBuilder",
     "implied_transfers",
+    "send_cpu_s",
     "send_priority",
+    "task_duration_s",
     "transfer_duration_s",
 ]

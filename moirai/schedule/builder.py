@@ -6,6 +6,13 @@ slot long enough for it. Either way the transfers follow :mod:`moirai.schedule.t
 crosses to a device once, and with ``contention`` a directed link sends one tensor at a time, the
 inputs of one task in :func:`send_priority` order. The per-device and per-link orders a builder
 produces are the plan's, so the simulator replays exactly the schedule the placer built.
+
+A producer is booked before the builder knows which devices its outputs go to, so the sender's time of
+a transfer (:func:`send_cpu_s`) is booked when a consumer on another device asks for it: an interval on the
+sending device after the producer (appended, or the earliest idle slot), the transfer starting after it.
+The simulator adds the same time to the producer itself (:func:`task_duration_s`); where a task was
+booked between the two, the simulated plan runs later than the builder's estimate, and the simulator is
+the judge of every plan.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moirai.problem import Problem
-from moirai.schedule.transfers import send_priority, transfer_duration_s
+from moirai.schedule.transfers import send_cpu_s, send_priority, transfer_duration_s
+
+_SEND = -1  # a device interval that posts a transfer, not a task
 
 
 @dataclass
@@ -51,12 +60,14 @@ class BusyIntervals:
 
 @dataclass
 class Booking:
-    """The input transfers booked for ``task`` on ``device``: (source, index on its link or -1, tensor, arrival)."""
+    """The input transfers booked for ``task`` on ``device``: (source, index on its link or -1, tensor, arrival),
+    and the sender's intervals booked for them: (source device, index on it)."""
 
     task: int
     device: int
     ready_s: float  # when every input of the task is on the device
     transfers: list[tuple[int, int, int, float]]
+    sends: list[tuple[int, int]] = field(default_factory=list)
 
 
 class ScheduleBuilder:
@@ -94,7 +105,7 @@ class ScheduleBuilder:
 
     def book_inputs(self, task: int, device: int) -> Booking:
         """Book the transfers that bring the inputs of ``task`` (all of whose producers are booked) to ``device``."""
-        ready_s, booked, remote = 0.0, [], []
+        ready_s, booked, remote, sends = 0.0, [], [], []
         placement, finish, producer = self.placement, self.finish_s, self._producer
         for t in self.problem.input_tensors[task]:
             source = placement[producer[t]]
@@ -105,13 +116,27 @@ class ScheduleBuilder:
             else:
                 remote.append(t)
         for t in sorted(remote, key=lambda t: send_priority(finish[producer[t]], t)):
-            arrival = self._book_transfer(t, placement[producer[t]], device, booked)
+            arrival = self._book_transfer(t, placement[producer[t]], device, booked, sends)
             ready_s = max(ready_s, arrival)
-        return Booking(task, device, ready_s, booked)
+        return Booking(task, device, ready_s, booked, sends)
 
-    def _book_transfer(self, tensor: int, source: int, device: int, booked: list[tuple[int, int, int, float]]) -> float:
-        """Book ``tensor`` on the link ``source -> device`` once its producer is done; returns its arrival."""
+    def _book_transfer(
+        self,
+        tensor: int,
+        source: int,
+        device: int,
+        booked: list[tuple[int, int, int, float]],
+        sends: list[tuple[int, int]],
+    ) -> float:
+        """Book ``tensor`` on the link ``source -> device`` once its producer is done and the source device has
+        posted it; returns its arrival."""
         produced_s = self.finish_s[self._producer[tensor]]
+        sender_s = float(send_cpu_s(self.problem, tensor, source, device))
+        if sender_s > 0:
+            slot = self.device_slot(source, produced_s, sender_s)
+            self.devices[source].insert(slot[1], slot[0], sender_s, _SEND)
+            sends.append((source, slot[1]))
+            produced_s = slot[0] + sender_s
         seconds = float(transfer_duration_s(self.problem, tensor, source, device))
         if not self.contention:
             booked.append((source, -1, tensor, produced_s + seconds))
@@ -127,6 +152,8 @@ class ScheduleBuilder:
         for source, index, _, _ in reversed(booking.transfers):  # the last booked is still at its index
             if index >= 0:
                 self.links[source, booking.device].remove(index)
+        for source, index in reversed(booking.sends):
+            self.devices[source].remove(index)
 
     def device_slot(self, device: int, ready_s: float, duration_s: float) -> tuple[float, int]:
         """Start of a task of ``duration_s`` on ``device`` whose inputs are there at ``ready_s``, and its index."""
@@ -164,7 +191,7 @@ class ScheduleBuilder:
     @property
     def order(self) -> list[list[int]]:
         """Tasks of every device in execution order."""
-        return [intervals.items for intervals in self.devices]
+        return [[item for item in intervals.items if item != _SEND] for intervals in self.devices]
 
     def transfer_order(self) -> dict[tuple[int, int], tuple[int, ...]]:
         """Tensors of every used link in the order they are sent (booking order without contention)."""

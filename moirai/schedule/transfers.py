@@ -1,4 +1,22 @@
-"""What a transfer costs, in which order a link sends, and which transfers a placement implies."""
+"""What a transfer costs, in which order a link sends, and which transfers a placement implies.
+
+The cost rule, one place for it. A tensor ``t`` sent from device ``a`` to device ``b``:
+
+* occupies the directed link ``a -> b`` for :func:`transfer_duration_s` (the runtime's delay from the send call
+  to a blocked receiver holding the tensor: latency plus bytes over bandwidth, the receiver's CPU time included,
+  since a woken receiver is on the transfer's path);
+* occupies the *sending device* ``a`` for :func:`send_cpu_s` (the CPU time the send takes from it: staging and
+  copying on the core its compute uses). This time extends the producer's busy time on ``a``: a task's duration
+  is its compute time plus the send time of every transfer its outputs need (one per tensor and remote
+  device), :func:`task_duration_s`. Its transfers start when that extended task finishes.
+
+Why at the extended finish: the runtime posts a producer's sends right after it, one after another, before the
+device's next op (:mod:`moirai.split`), so the device is busy with them before it computes again, and a
+tensor for the second destination leaves only after the first send has been posted. Starting every transfer
+after all of its producer's sends keeps one finish time per task in the simulator, the schedule builder and
+the MILP. It overstates a transfer's delay by the sends posted before it plus its own (whose CPU time the
+measured delay already holds): tens of microseconds per transfer, erring towards fewer transfers.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +33,26 @@ def transfer_duration_s(problem: Problem, tensor: int | np.ndarray, src: int | n
     MILP's transfer rows (:mod:`moirai.solve.model`) mirror it.
 
     Takes scalars or equally shaped index arrays (the simulator prices a whole placement at once).
-    A fixed per-transfer cost is a term added here; CPU time a transfer takes from the sending and
-    receiving devices belongs next to it, booked by :meth:`ScheduleBuilder._book_transfer` and the
-    simulator's transfer events.
+    A fixed per-transfer cost is a term added here; the sender's CPU time is :func:`send_cpu_s`.
     """
     return problem.transfer_s[tensor, src, dst]
+
+
+def send_cpu_s(problem: Problem, tensor: int | np.ndarray, src: int | np.ndarray, dst: int | np.ndarray):
+    """Seconds sending ``tensor`` over ``src -> dst`` keeps device ``src`` busy (booked after its producer, see
+    the module's rule); the MILP's finish times (:mod:`moirai.solve.model`) mirror it."""
+    return problem.send_cpu_s[tensor, src, dst]
+
+
+def task_duration_s(problem: Problem, placement: np.ndarray, transfers: ImpliedTransfers) -> np.ndarray:
+    """Every task's busy time on its device under ``placement``: its compute time plus the send time of every
+    transfer of its outputs (``transfers``: :func:`implied_transfers` of the same placement)."""
+    n = problem.num_tasks
+    compute = problem.compute_s[np.arange(n), placement]
+    if not transfers.tensor:
+        return compute
+    producer = problem.tensor_producer[transfers.tensor]
+    return compute + np.bincount(producer, weights=transfers.send_cpu, minlength=n)
 
 
 def send_priority(ready_s: float, tensor: int) -> tuple[float, int]:
@@ -34,6 +67,7 @@ class ImpliedTransfers(NamedTuple):
     src: list[int]
     dst: list[int]
     duration: list[float]
+    send_cpu: list[float]  # the sender's busy time, added to its producer's (task_duration_s)
     consumers: list[list[int]]  # tasks that wait for each transfer
     by_producer: list[list[int]]  # transfers each task triggers when it finishes
     local_consumers: list[list[int]]  # tasks on the producer's device that wait for each task
@@ -66,6 +100,7 @@ def implied_transfers(problem: Problem, placement: np.ndarray) -> ImpliedTransfe
     transfer_dst = (unique_keys % problem.num_devices).astype(int)
     transfer_src = placement[problem.tensor_producer[tensor]]
     duration = transfer_duration_s(problem, tensor, transfer_src, transfer_dst)
+    sender_s = send_cpu_s(problem, tensor, transfer_src, transfer_dst)
     waiting: list[list[int]] = [[] for _ in range(unique_keys.size)]
     for q, c in zip(transfer_of_pair.tolist(), pair_consumer[remote].tolist(), strict=True):
         waiting[q].append(c)
@@ -77,6 +112,7 @@ def implied_transfers(problem: Problem, placement: np.ndarray) -> ImpliedTransfe
         transfer_src.tolist(),
         transfer_dst.tolist(),
         duration.tolist(),
+        sender_s.tolist(),
         waiting,
         by_producer,
         local_consumers,

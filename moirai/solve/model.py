@@ -1,10 +1,11 @@
 """The Moirai MILP (paper §III-D, eqs. 4-8) in Pyomo: joint placement and scheduling, DESIGN.md's errata fixed.
 
 The model states what :mod:`moirai.simulate` does. ``x[i,k]`` puts task ``i`` on device ``k``;
-``S_i`` is its start and ``C_i = S_i + sum_k p_ik x_ik`` its finish (4b, 4c). A tensor ``t`` is
-sent *once* to every device ``b`` that hosts one of its consumers and not its producer
-(``y[t,b]``); ``w[t,a,b] = x[u,a] y[t,b]`` picks the link and so the duration (7). Transfers start
-after their producer (4a) and consumers on ``b`` start after the transfer arrives. Two tasks
+``S_i`` is its start. A tensor ``t`` is sent *once* to every device ``b`` that hosts one of its consumers
+and not its producer (``y[t,b]``); ``w[t,a,b] = x[u,a] y[t,b]`` picks the link and so the duration (7).
+The finish ``C_i = S_i + sum_k p_ik x_ik + sum_(t,a,b) send_cpu_s[t,a,b] w[t,a,b]`` (4b, 4c) counts the
+sender's time of every transfer of ``i``'s outputs, as :func:`moirai.schedule.task_duration_s` does. Transfers
+start after their producer's finish (4a) and consumers on ``b`` start after the transfer arrives. Two tasks
 that share a device never overlap (6, one ``delta`` per incomparable pair), nor do two transfers
 on one directed link (8). Memory is the static sum the simulator uses (5). The objective is
 the makespan ``T >= C_i`` (4).
@@ -41,7 +42,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,7 +51,7 @@ import pyomo.environ as pyo
 from moirai.errors import InfeasibleError, MoiraiError
 from moirai.objective import LATENCY, Objective
 from moirai.problem import Problem
-from moirai.schedule.transfers import transfer_duration_s
+from moirai.schedule.transfers import send_cpu_s, transfer_duration_s
 from moirai.solve.window import (
     Window,
     allowed_devices,
@@ -111,6 +112,7 @@ class _Model:
     descendants: dict[int, set[int]]
     m: pyo.ConcreteModel
     finish: dict[int, Any]  # finish time of every free task (model units), an expression
+    transfer_sources: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def free(self) -> tuple[int, ...]:
@@ -138,6 +140,7 @@ def build_model(
     started = time.perf_counter()
     c = _bounded_model(problem, window, formulation)
     rows = MILP_OBJECTIVES[objective.name]
+    _transfer_variables(c)
     _assignment_and_memory_rows(c)
     _precedence_rows(c)
     rows.before_transfers(c, objective)
@@ -240,6 +243,39 @@ def _bounded_model(problem: Problem, window: Window, formulation: str) -> _Model
     )
 
 
+def _transfer_variables(c: _Model) -> None:
+    """The transfer variables ``y``, ``R``, ``w`` of every candidate transfer, and each free producer's finish
+    extended by the sender's time of the transfers it makes.
+
+    A producer fixed before a window keeps its finish: a window that sends its tensor to a new device
+    underestimates that device's time by the send; the search judges every window by simulating it.
+    """
+    problem, m = c.problem, c.m
+    free_set = set(c.free)
+    c.transfer_sources = _transfer_candidates(problem, c.window, c.allowed, free_set)
+    m.y = pyo.Var(list(c.transfer_sources), domain=pyo.Binary)
+    m.R = pyo.Var(list(c.transfer_sources), domain=pyo.NonNegativeReals)
+    m.w = pyo.Var([(t, a, b) for (t, b), sources in c.transfer_sources.items() for a in sources], bounds=(0.0, 1.0))
+    for (t, b), sources in c.transfer_sources.items():
+        u = int(problem.tensor_producer[t])
+        if u not in free_set:
+            continue
+        for a in sources:
+            seconds = float(send_cpu_s(problem, t, a, b))
+            if seconds > 0:
+                c.finish[u] = c.finish[u] + c.scaled(seconds) * m.w[t, a, b]
+
+
+def _sender_time(c: _Model, device: int) -> Any:
+    """The sender's time device ``device`` spends on the transfers of free producers (model units)."""
+    free_set = set(c.free)
+    return sum(
+        c.scaled(float(send_cpu_s(c.problem, t, device, b))) * c.m.w[t, device, b]
+        for (t, b), sources in c.transfer_sources.items()
+        if device in sources and int(c.problem.tensor_producer[t]) in free_set
+    )
+
+
 def _assignment_and_memory_rows(c: _Model) -> None:
     """(4c) one device each; (5) memory, net of what fixed tasks already hold."""
     problem, window, m, allowed = c.problem, c.window, c.m, c.allowed
@@ -305,7 +341,7 @@ def _period_rows(c: _Model, objective: Objective) -> None:
     for k in range(c.problem.num_devices):
         users = [i for i in c.free if k in c.allowed[i]]
         if users:
-            c.add(m.P >= sum(c.scaled(c.problem.compute_s[i, k]) * m.x[i, k] for i in users))
+            c.add(m.P >= sum(c.scaled(c.problem.compute_s[i, k]) * m.x[i, k] for i in users) + _sender_time(c, k))
     if getattr(objective, "max_latency_s", None) is not None:
         _latency_rows(c)
         c.add(m.T <= MODEL_TIME_SCALE)
@@ -351,10 +387,7 @@ def _transfer_rows(c: _Model) -> _Transfers:
     problem, window, m, allowed, strong = c.problem, c.window, c.m, c.allowed, c.strong
     free_set = set(c.free)
     add, scaled, finish = c.add, c.scaled, c.finish
-    transfers = _transfer_candidates(problem, window, allowed, free_set)
-    m.y = pyo.Var(list(transfers), domain=pyo.Binary)
-    m.R = pyo.Var(list(transfers), domain=pyo.NonNegativeReals)
-    m.w = pyo.Var([(t, a, b) for (t, b), sources in transfers.items() for a in sources], bounds=(0.0, 1.0))
+    transfers = c.transfer_sources
     result = _Transfers(transfers, {}, {}, {})
     for (t, b), sources in transfers.items():
         u = int(problem.tensor_producer[t])
