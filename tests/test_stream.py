@@ -22,8 +22,9 @@ def chain_problem() -> moirai.Problem:
     )
 
 
-def test_one_request_stream_is_the_plan_itself() -> None:
-    problem = random_problem(3, num_tasks=12, num_devices=3)
+@pytest.mark.parametrize("send_cpu_s", [0.0, 1.0])
+def test_one_request_stream_is_the_plan_itself(send_cpu_s) -> None:
+    problem = random_problem(3, num_tasks=12, num_devices=3, send_cpu_s=send_cpu_s)
     plan = moirai.place(problem, placer="heft")
     stream = simulate_stream(problem, plan, 1)
     assert stream.timeline.makespan_s == pytest.approx(moirai.simulate(problem, plan).makespan_s)
