@@ -87,7 +87,7 @@ def headline(problem: Problem, plan: Plan, timeline: Timeline) -> str:
     latency = predicted_latency_s(timeline)
     words = [f"predicted {format_seconds(latency)}"]
     if timeline.period_s > 0:
-        words.append(f"{1 / timeline.period_s:.3g} req/s")
+        words.append(f"{format_rate(1 / timeline.period_s)} req/s")
     bound = best_lower_bound_s(problem, plan) if timeline.fits_memory else None
     if bound is not None:
         objective = as_objective(plan.objective)
@@ -97,6 +97,11 @@ def headline(problem: Problem, plan: Plan, timeline: Timeline) -> str:
         if value > 0:
             words.append(f"gap {max(value - bound, 0.0) / value:.1%}")
     return " · ".join(words)
+
+
+def format_rate(per_s: float) -> str:
+    """Three significant digits without an exponent: ``4,390``, ``57.8``, ``0.512``."""
+    return f"{per_s:,.0f}" if per_s >= 100 else f"{per_s:.3g}"
 
 
 def format_bytes_compact(num_bytes: float) -> str:
@@ -286,7 +291,8 @@ def gantt(
         one_request = simulate(problem, plan)
         title = title or (
             f"{plan.placer or 'plan'}: {requests} pipelined requests · period {format_seconds(stream.period_s)} "
-            f"({1 / stream.period_s:.3g} req/s) · busiest device or link {format_seconds(one_request.period_s)}"
+            f"({format_rate(1 / stream.period_s)} req/s) · "
+            f"busiest device or link {format_seconds(one_request.period_s)}"
         )
         groups = [f"request {r}" for r in stream.request_of_task()]
         problem, plan, timeline = stream.problem, stream.plan, stream.timeline

@@ -59,5 +59,6 @@ def test_every_readme_python_block_runs_as_pasted(tmp_path, monkeypatch) -> None
             continue
         exec(compile(block["code"], f"README.md python block {number}", "exec"), namespace)
         ran += 1
-    assert ran == 3 and skipped == 1
+    assert ran == 4 and skipped == 1
     assert (tmp_path / "plan.png").stat().st_size > 0 and (tmp_path / "plan.json").exists()
+    assert (tmp_path / "stream.png").stat().st_size > 0
