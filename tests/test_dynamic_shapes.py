@@ -228,3 +228,30 @@ def test_hf_gpt2_with_attention_mask_sharing_batch_and_sequence() -> None:
             torch.testing.assert_close(compiled(tokens, attention_mask=attention_mask).logits, expected)
     with pytest.raises(InputError, match=r"input 1 dimension 1 is 9 but seq \(input 0 dimension 1\) is 8"):
         compiled(torch.randint(0, 100, (2, 8)), attention_mask=torch.ones(2, 9, dtype=torch.long))
+
+
+def _mixed_requests(count: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    sizes = torch.randint(1, 9, (count,), generator=generator).tolist()
+    lengths = torch.randint(1, 33, (count,), generator=generator).tolist()
+    return [torch.randn(b, s, 16, generator=generator) for b, s in zip(sizes, lengths, strict=True)]
+
+
+def test_fifty_requests_of_mixed_shapes_equal_eager_locally(compiled: moirai.CompiledModel, model) -> None:
+    with torch.no_grad():
+        for x in _mixed_requests(50):
+            torch.testing.assert_close(compiled(x), model(x))
+
+
+@pytest.mark.slow
+def test_fifty_pipelined_requests_of_mixed_shapes_equal_eager_through_the_server(
+    compiled: moirai.CompiledModel, model
+) -> None:
+    requests = _mixed_requests(50)
+    with compiled.server(timeout_s=60, max_in_flight=8) as server:
+        futures = [server.submit(x) for x in requests[:25]]
+        outputs = [f.result() for f in futures] + list(server.map(requests[25:]))
+    assert len({tuple(x.shape) for x in requests}) > 20
+    with torch.no_grad():
+        for x, y in zip(requests, outputs, strict=True):
+            torch.testing.assert_close(y, model(x))
