@@ -357,13 +357,14 @@ def _rank_main(
 
     import torch.distributed as dist
 
-    from moirai.runtime.distributed import _local_group, _Messages
+    from moirai.runtime.groups import local_group
+    from moirai.runtime.protocol import Messages
     from moirai.runtime.resources import apply_resources, rank_resources
 
     timeout = datetime.timedelta(seconds=timeout_s)
     apply_resources(rank_resources(torch_devices)[rank], torch_devices[rank])
     store = dist.TCPStore("127.0.0.1", port, len(torch_devices), is_master=rank == 0, timeout=timeout)
-    group = _local_group(rank, torch_devices, store, timeout_s)
+    group = local_group(rank, torch_devices, store, timeout_s)
     device = torch.device(torch_devices[rank])
     kind = kind_of(device)
 
@@ -382,7 +383,7 @@ def _rank_main(
                 message = torch.ones(shape, device=device)
                 delays, sender_cpu, receiver_cpu = [], [], []
                 for run in range(warmup + repeats):
-                    messages = _Messages(group, exchange, timeout)
+                    messages = Messages(group, exchange, timeout)
                     exchange += 1
                     if rank == dst:
                         pending = messages.post_recv(shape, torch.float32, src, 0, "calibration message")

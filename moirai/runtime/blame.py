@@ -1,0 +1,88 @@
+"""Naming the guilty rank when a distributed run fails.
+
+A rank whose wait fails writes what it was waiting for into the store (:func:`report_failure`),
+reads the others' reports and follows who waited for whom to the rank that failed on its own or
+that nobody heard from within a grace period, a hung or dead rank (:func:`blamed`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+import traceback
+from typing import Any
+
+from moirai.errors import DistributedError
+from moirai.runtime.groups import Group
+
+# How long a failed rank waits for the other ranks' reports before naming a rank nobody heard from.
+_REPORT_GRACE_S = 3.0
+_REPORT_POLL_S = 0.05
+
+
+class PeerFailure(DistributedError):
+    """A wait on ``peer`` failed: usually a consequence of that rank's (or a rank it waits for) failure."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+def report_failure(store: Any, rank: int, peer: int | None, message: str) -> None:
+    """Tell the other ranks why this rank failed: on its own (``peer`` None) or waiting for ``peer``."""
+    try:
+        store.set_timeout(datetime.timedelta(seconds=_REPORT_GRACE_S))
+        store.set(f"moirai/failure/{rank}", json.dumps({"peer": peer, "message": message}))
+    except Exception:
+        pass  # the store's host is gone too: the others name this rank as one nobody heard from
+
+
+def _read_report(store: Any, rank: int, deadline: float) -> dict[str, Any] | None:
+    key = f"moirai/failure/{rank}"
+    while True:
+        try:
+            if store.check([key]):
+                return json.loads(store.get(key))
+        except Exception:
+            return None
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(_REPORT_POLL_S)
+
+
+def blamed(group: Group, error: BaseException, what: str) -> DistributedError:
+    """Report this rank's failure, then the error naming the guilty rank: who failed on its own, or went silent.
+
+    Starting from the rank this one waited for, follow each report's "waiting for" to a rank that
+    failed on its own or that sent no report within the grace period (hung or dead).
+    """
+    rank = group.rank
+    peer = error.peer if isinstance(error, PeerFailure) else None
+    own = str(error) if peer is not None else describe_error(error)
+    report_failure(group.store, rank, peer, own)
+    if peer is None:
+        return DistributedError(f"rank {rank} ({group.devices[rank]}) failed during {what}: {own}")
+    deadline = time.monotonic() + _REPORT_GRACE_S
+    chain = [f"rank {rank}: {own.removeprefix(f'rank {rank}: ')}"]
+    seen, guilty = {rank}, peer
+    while True:
+        report = _read_report(group.store, guilty, deadline)
+        if report is None:
+            headline = (
+                f"rank {guilty} ({group.devices[guilty]}) hung or died during {what}: no rank heard from it within the "
+                f"time limit{group.describe_rank(guilty)}"
+            )
+            break
+        if report["peer"] is None or report["peer"] in seen:
+            headline = f"rank {guilty} ({group.devices[guilty]}) failed during {what}: {report['message']}"
+            break
+        chain.append(f"rank {guilty}: {report['message'].removeprefix(f'rank {guilty}: ')}")
+        seen.add(guilty)
+        guilty = report["peer"]
+    return DistributedError(headline + "\nwhile " + "\nwhile ".join(chain))
+
+
+def describe_error(error: BaseException) -> str:
+    frames = traceback.format_exception(type(error), error, error.__traceback__)
+    return f"{type(error).__name__}: {error}\n{''.join(frames[-6:])}"

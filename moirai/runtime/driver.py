@@ -1,0 +1,249 @@
+"""Rank 0's side of a distributed run: requests sent in order and pipelined through the ranks, futures settled.
+
+The driver sends each request's header and inputs without waiting for earlier requests to
+finish, runs part 0 itself and receives the outputs of the other parts. An idle driver sends
+heartbeat headers, so a rank waits for its next header at most a fraction of the timeout while
+the driver is alive. On a failure every pending request fails with one error naming the guilty
+rank (:mod:`moirai.runtime.blame`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from moirai.errors import DistributedError, InputError, PlanError
+from moirai.runtime.blame import blamed, describe_error, report_failure
+from moirai.runtime.groups import Group, placed_part
+from moirai.runtime.protocol import CLOSE, HEARTBEAT, LOAD, Header, Messages, check_tags, run_part, send_header
+from moirai.split import SplitProgram
+
+# A heartbeat goes to a rank that has had no header for this fraction of the timeout.
+_HEARTBEAT_FRACTION = 0.25
+
+
+def check_timeout(timeout_s: float) -> float:
+    """``timeout_s`` if it is a positive number of seconds, else :class:`moirai.InputError` naming the option."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
+        raise InputError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def check_max_in_flight(max_in_flight: int) -> int:
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise InputError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+    return max_in_flight
+
+
+class Driver:
+    """Rank 0: sends requests in submission order, runs part 0, completes each request's future when its outputs arrive.
+
+    Two threads: the dispatcher sends headers and inputs and runs part 0 (request after request,
+    without waiting for earlier outputs; at most ``max_in_flight`` unfinished); the completer
+    waits for each request's outputs in order and settles its future.
+    """
+
+    def __init__(
+        self,
+        group: Group,
+        timeout_s: float,
+        max_in_flight: int,
+        preloaded: SplitProgram | None = None,
+        describe_rank: Callable[[int], str] | None = None,
+    ) -> None:
+        check_max_in_flight(max_in_flight)
+        self.group = group
+        if describe_rank is not None:
+            group.describe_rank = describe_rank
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.failure: DistributedError | None = None
+        self.dispatched = 0  # requests whose part 0 has run (the next request's index)
+        self._heartbeat_s = timeout_s * _HEARTBEAT_FRACTION
+        self._programs: dict[int, int] = {}  # id(program) -> program id on the ranks
+        self._keep: list[SplitProgram] = []
+        if preloaded is not None:
+            self._programs[id(preloaded)] = 0
+            self._keep.append(preloaded)
+        self._headers_sent = [0] * group.world_size
+        self._last_header_s = [time.monotonic()] * group.world_size
+        self._slots = threading.Semaphore(max_in_flight)
+        self._lock = threading.Lock()
+        self._dispatching = threading.Lock()  # one thread at a time sends headers and runs part 0
+        self._pending: set[Future] = set()
+        self._incoming: queue.SimpleQueue = queue.SimpleQueue()
+        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = torch.get_num_threads()  # rank 0's share, set by apply_resources in this thread
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="moirai-dispatch", daemon=True)
+        self._completer = threading.Thread(target=self._complete_loop, name="moirai-complete", daemon=True)
+        self._dispatcher.start()
+        self._completer.start()
+
+    def submit(
+        self,
+        program: SplitProgram,
+        flat_inputs: Sequence[torch.Tensor],
+        finish: Callable[[list[torch.Tensor]], Any],
+        timeout_s: float,
+    ) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self.failure is not None:
+                future.set_exception(self.failure)
+                return future
+            self._pending.add(future)
+        self._incoming.put((program, list(flat_inputs), future, finish, check_timeout(timeout_s)))
+        return future
+
+    def run(
+        self,
+        program: SplitProgram,
+        flat_inputs: Sequence[torch.Tensor],
+        finish: Callable[[list[torch.Tensor]], Any],
+        timeout_s: float,
+    ) -> Any:
+        """``submit(...).result()``; when no other request is unfinished, run in the caller's thread (no hand-offs)."""
+        timeout_s = check_timeout(timeout_s)
+        future: Future = Future()
+        with self._lock:
+            inline = self.failure is None and not self._pending
+            if inline:
+                self._pending.add(future)  # requests submitted meanwhile queue behind this one
+        if not inline:
+            return self.submit(program, flat_inputs, finish, timeout_s).result()
+        request = None
+        try:
+            with self._dispatching:
+                request = self.dispatched
+                _, control, finish_outputs, _, _ = self._start_request(
+                    program, list(flat_inputs), future, finish, timeout_s
+                )
+            for messages in control:
+                messages.wait_sends()
+            return finish(finish_outputs())
+        except BaseException as error:
+            self._fail(error, f"request {request}" if request is not None else "a request")
+            if self.failure is error:
+                raise
+            raise self.failure from error
+        finally:
+            with self._lock:
+                self._pending.discard(future)
+
+    def close(self) -> None:
+        """Finish every submitted request, then tell the ranks to stop."""
+        self._incoming.put(None)
+        self._dispatcher.join()
+        self._completer.join()
+
+    def _dispatch_loop(self) -> None:
+        # Part 0 runs in this thread. A new thread computes with the OpenMP/MKL default team (every core) however
+        # torch.get_num_threads() reads, until it sets the count itself: on rank 0's one core, that team spun
+        # against itself and ran a part 25-100x slower.
+        torch.set_num_threads(self._threads)
+        try:
+            while self.failure is None:
+                try:
+                    item = self._incoming.get(timeout=self._heartbeat_s)
+                except queue.Empty:
+                    item = ()
+                if item is None:
+                    with self._dispatching:
+                        everyone = range(1, self.group.world_size)
+                        self._outgoing.put(("control", self._send_headers(Header(CLOSE), everyone)))
+                    self._outgoing.put(None)
+                    return
+                if item:
+                    self._slots.acquire()
+                    if self.failure is not None:
+                        return
+                    with self._dispatching:
+                        self._outgoing.put(("run", *self._start_request(*item)))
+                with self._dispatching:
+                    due = time.monotonic() - self._heartbeat_s
+                    idle = [k for k in range(1, self.group.world_size) if self._last_header_s[k] < due]
+                    if idle:
+                        self._outgoing.put(("control", self._send_headers(Header(HEARTBEAT), idle)))
+        except BaseException as error:
+            self._fail(error, "sending a request")
+            self._outgoing.put(None)
+
+    def _start_request(
+        self, program: SplitProgram, flat_inputs: list[torch.Tensor], future: Future, finish: Callable, timeout_s: float
+    ) -> tuple:
+        request = self.dispatched
+        header = Header.run(program, self._program_id(program), request, flat_inputs, timeout_s)
+        control = self._send_headers(header, range(1, program.num_devices))
+        messages = Messages(self.group, request, datetime.timedelta(seconds=timeout_s), header.symbol_values)
+        finish_outputs = run_part(program, self.group, placed_part(program, self.group), messages, flat_inputs)
+        self.dispatched += 1
+        return request, control, finish_outputs, future, finish
+
+    def _program_id(self, program: SplitProgram) -> int:
+        if id(program) not in self._programs:
+            check_tags(program)
+            program_id = self._programs[id(program)] = len(self._programs)
+            self._keep.append(program)  # ids stay unique while the program lives
+            ranks = range(1, self.group.world_size)
+            load = Header(LOAD, program_id, payload=pickle.dumps(program))
+            self._outgoing.put(("control", self._send_headers(load, ranks)))
+        return self._programs[id(program)]
+
+    def _send_headers(self, header: Header, ranks: Sequence[int]) -> list[Messages]:
+        # A request's header waits as long as the request may; the others as long as the driver's timeout.
+        timeout = datetime.timedelta(milliseconds=header.timeout_ms) if header.timeout_ms else self.timeout
+        sent = []
+        for rank in ranks:
+            sent.append(send_header(self.group, self._headers_sent[rank], rank, header, timeout))
+            self._headers_sent[rank] += 1
+            self._last_header_s[rank] = time.monotonic()
+        return sent
+
+    def _complete_loop(self) -> None:
+        request = None
+        try:
+            while (item := self._outgoing.get()) is not None:
+                if item[0] == "control":
+                    for control in item[1]:
+                        control.wait_sends()
+                    continue
+                _, request, control, finish_outputs, future, finish = item
+                for messages in control:
+                    messages.wait_sends()
+                result = finish(finish_outputs())
+                with self._lock:
+                    self._pending.discard(future)
+                    if not future.done():
+                        future.set_result(result)
+                self._slots.release()
+        except BaseException as error:
+            self._fail(error, f"request {request}" if request is not None else "sending control messages")
+
+    def _fail(self, error: BaseException, what: str) -> None:
+        """Fail every pending request with one DistributedError naming the guilty rank."""
+        with self._lock:
+            if self.failure is not None:
+                return
+        if isinstance(error, DistributedError):
+            failure = blamed(self.group, error, what)
+        else:
+            report_failure(self.group.store, 0, None, describe_error(error))
+            failure = (
+                error
+                if isinstance(error, InputError | PlanError)
+                else DistributedError(f"rank 0 ({self.group.devices[0]}) failed during {what}: {describe_error(error)}")
+            )
+        with self._lock:
+            self.failure = failure
+            pending, self._pending = self._pending, set()
+        for future in pending:
+            if not future.done():
+                future.set_exception(failure)
+        self._slots.release()

@@ -1,0 +1,78 @@
+"""This rank's connections to the others: gloo for host memory, NCCL between two GPUs, the store for failure reports.
+
+A spawned world (:class:`moirai.runtime.distributed.DistributedRunner`) joins process groups of
+its own on loopback (:func:`local_group`), leaving the default process group to the user; under
+torchrun the default group serves (:mod:`moirai.runtime.distributed`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from moirai.device_kinds import backend_for, kind_of
+from moirai.runtime.local import place_part
+from moirai.split import SplitProgram
+
+
+@dataclass
+class Group:
+    """This rank's connections: gloo for host memory, NCCL between GPUs, the store for failure reports."""
+
+    rank: int
+    devices: list[torch.device]
+    gloo: Any
+    nccl: Any
+    store: Any
+    describe_rank: Callable[[int], str] = lambda rank: ""
+
+    def __post_init__(self) -> None:
+        self.requests = itertools.count()
+        self.placed: weakref.WeakKeyDictionary[SplitProgram, fx.GraphModule] = weakref.WeakKeyDictionary()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def wire_device(self, peer: int) -> torch.device:
+        """Where a message to or from ``peer`` lives: device memory between CUDA ranks (NCCL), else host (gloo)."""
+        mine = self.devices[self.rank]
+        in_device_memory = kind_of(mine).messages_in_device_memory and self.devices[peer].type == mine.type
+        return mine if in_device_memory else torch.device("cpu")
+
+    def process_group(self, wire: torch.device) -> Any:
+        return self.nccl if kind_of(wire).messages_in_device_memory else self.gloo
+
+
+def local_group(rank: int, torch_devices: Sequence[str], store: Any, join_timeout_s: float) -> Group:
+    """Process groups of our own on loopback (not the default group, which stays the user's)."""
+    timeout = datetime.timedelta(seconds=join_timeout_s)
+    world_size = len(torch_devices)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._timeout = timeout
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("moirai/gloo/", store), rank, world_size, options)
+    nccl = None
+    # NCCL carries only messages between two GPUs (see Group.wire_device), so only a world with two needs it.
+    nccl_ranks = sum(kind_of(torch.device(d)).backend == "nccl" for d in torch_devices)
+    if "nccl" in backend_for(torch_devices) and nccl_ranks >= 2:
+        device = torch.device(torch_devices[rank])
+        kind_of(device).set_current(device)
+        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("moirai/nccl/", store), rank, world_size)
+    return Group(rank, [torch.device(d) for d in torch_devices], gloo, nccl, store)
+
+
+def placed_part(program: SplitProgram, group: Group) -> fx.GraphModule:
+    """This rank's part on its device, placed once per program."""
+    module = group.placed.get(program)
+    if module is None:
+        module = group.placed[program] = place_part(program.parts[group.rank], group.devices[group.rank])
+    return module

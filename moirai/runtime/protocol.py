@@ -1,0 +1,274 @@
+"""The messages between ranks: request headers, tags, the transfers of one request, and a serving rank's loop.
+
+Rank 0 sends every other rank a small header per request (a gloo message: which program, the
+request's symbolic dimension values, its time limit), or a header that loads a program, is an
+idle driver's heartbeat or closes the rank (:class:`Header`). Every message of request ``r``
+carries a tag made of ``r`` and its position in the request (header, inputs, the program's
+transfers in their global order, outputs), so gloo matches messages per request; NCCL ignores
+tags and matches by order, which every rank keeps (requests in order, each part's messages in
+the program's global order, see :mod:`moirai.split`). Receive buffers take their shapes from the
+traced specs with the header's symbolic dimension values (:func:`moirai.split.concrete_shape`).
+
+A failed send, receive or wait raises :class:`moirai.runtime.blame.PeerFailure` naming the peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import json
+import pickle
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from moirai.device_kinds import kind_of
+from moirai.errors import PlanError
+from moirai.runtime.blame import PeerFailure
+from moirai.runtime.groups import Group, placed_part
+from moirai.split import SplitProgram, concrete_shape, symbol_values
+from moirai.trace import TensorSpec
+
+# Header kinds; a header's fields are its kind, program id, payload bytes, request index, time limit in ms.
+RUN, LOAD, HEARTBEAT, CLOSE = 1, 2, 3, 4
+_HEADER_FIELDS = 5
+# Tag = request index modulo a window, then the message's position in the request (0 header, 1 payload).
+_TAG_BITS = 20
+_TAG_WINDOW = 2048
+_FIRST_DATA_TAG = 2
+
+
+@dataclass
+class PendingReceive:
+    work: Any
+    buffer: torch.Tensor
+    what: str
+    src: int
+
+
+class Messages:
+    """One rank's messages of one request: tags from the request index, its time limit, readable failures."""
+
+    def __init__(
+        self, group: Group, sequence: int, timeout: datetime.timedelta, values: dict[str, int] | None = None
+    ) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.values = values or {}
+        self._tag_base = (sequence % _TAG_WINDOW) << _TAG_BITS
+        self._sends: list[tuple[Any, torch.Tensor, str, int]] = []
+
+    def send(self, tensor: torch.Tensor, dst: int, index: int, what: str) -> None:
+        wire = self.group.wire_device(dst)
+        staged = tensor.detach().to(wire).contiguous()
+        what = f"sending {what} to rank {dst}"
+        with self._naming_peer(what, dst):
+            work = self.group.process_group(wire).send([staged], dst, self._tag_base | index)
+        self._sends.append((work, staged, what, dst))
+
+    def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, index: int, what: str) -> PendingReceive:
+        wire = self.group.wire_device(src)
+        buffer = torch.empty(shape, dtype=dtype, device=wire)
+        what = f"receiving {what} from rank {src}"
+        with self._naming_peer(what, src):
+            work = self.group.process_group(wire).recv([buffer], src, self._tag_base | index)
+        return PendingReceive(work, buffer, what, src)
+
+    def post_recv_spec(self, spec: TensorSpec, src: int, index: int, what: str) -> PendingReceive:
+        return self.post_recv(concrete_shape(spec, self.values), spec.dtype, src, index, what)
+
+    def wait_recv(self, pending: PendingReceive) -> torch.Tensor:
+        self._wait(pending.work, pending.what, pending.buffer.device, pending.src)
+        return pending.buffer.to(self.group.devices[self.group.rank])
+
+    def wait_sends(self) -> None:
+        for work, staged, what, dst in self._sends:
+            self._wait(work, what, staged.device, dst)
+        self._sends.clear()
+
+    def _wait(self, work: Any, what: str, wire: torch.device, peer: int) -> None:
+        with self._naming_peer(what, peer):
+            # NCCL waits are asynchronous (the compute stream waits); the process group's timeout bounds them.
+            if kind_of(wire).messages_in_device_memory:
+                work.wait()
+            else:
+                work.wait(self.timeout)
+
+    @contextlib.contextmanager
+    def _naming_peer(self, what: str, peer: int) -> Iterator[None]:
+        """A failed post or wait (a closed connection, a timeout) as a failure that names the peer."""
+        try:
+            yield
+        except Exception as error:
+            raise PeerFailure(
+                f"rank {self.group.rank}: {what} failed ({type(error).__name__}: {str(error).strip()[:200]})", peer
+            ) from error
+
+
+class _Transport:
+    """What a part's send/post_recv/wait_recv nodes call (see :class:`moirai.split.Transport`)."""
+
+    def __init__(self, program: SplitProgram, messages: Messages) -> None:
+        self._transfers = program.transfers
+        self._first_tag = _FIRST_DATA_TAG + len(program.input_specs)
+        self._messages = messages
+
+    def send(self, tensor: torch.Tensor, transfer_index: int) -> None:
+        transfer = self._transfers[transfer_index]
+        self._messages.send(tensor, transfer.dst, self._first_tag + transfer.index, f"tensor {transfer.tensor}")
+
+    def post_recv(self, transfer_index: int) -> PendingReceive:
+        transfer = self._transfers[transfer_index]
+        return self._messages.post_recv_spec(
+            transfer.spec, transfer.src, self._first_tag + transfer.index, f"tensor {transfer.tensor}"
+        )
+
+    def wait_recv(self, pending: PendingReceive) -> torch.Tensor:
+        return self._messages.wait_recv(pending)
+
+    @property
+    def symbol_values(self) -> dict[str, int]:
+        """This request's symbolic dimension sizes: parts compute shape scalars from them."""
+        return self._messages.values
+
+
+def check_tags(program: SplitProgram) -> None:
+    messages = _FIRST_DATA_TAG + len(program.input_specs) + len(program.transfers) + len(program.outputs)
+    if messages >= 1 << _TAG_BITS:
+        raise PlanError(f"the program sends {messages} messages per request; at most {(1 << _TAG_BITS) - 1} fit a tag")
+
+
+def run_part(
+    program: SplitProgram,
+    group: Group,
+    module: fx.GraphModule,
+    messages: Messages,
+    flat_inputs: Sequence[torch.Tensor] | None,
+) -> Callable[[], list[torch.Tensor] | None]:
+    """Run this rank's part of one request; returns what finishes it (rank 0: the flat outputs, others: None).
+
+    Rank 0 sends each part the inputs it reads, runs part 0 and posts the receives of the other
+    parts' outputs; the others receive their inputs, run their part and send their outputs.
+    """
+    rank, device = group.rank, group.devices[group.rank]
+    part = program.parts[rank]
+    if flat_inputs is not None:
+        for other in program.parts[1:]:
+            for index in other.input_indices:
+                messages.send(flat_inputs[index], other.device, _FIRST_DATA_TAG + index, f"flat input {index}")
+        local_inputs = [flat_inputs[index] for index in part.input_indices]
+    else:
+        pending_inputs = [
+            messages.post_recv_spec(program.input_specs[index], 0, _FIRST_DATA_TAG + index, f"flat input {index}")
+            for index in part.input_indices
+        ]
+        local_inputs = [messages.wait_recv(p) for p in pending_inputs]
+    with torch.no_grad():
+        part_outputs = module(_Transport(program, messages), *(t.to(device) for t in local_inputs))
+    first_tag = _FIRST_DATA_TAG + len(program.input_specs) + len(program.transfers)
+    if rank != 0:
+        for position, location in enumerate(program.outputs):
+            if location.device == rank:
+                messages.send(part_outputs[location.index], 0, first_tag + position, f"flat output {position}")
+
+        def finish_sends() -> None:
+            messages.wait_sends()
+
+        return finish_sends
+    pending = {
+        position: messages.post_recv_spec(
+            program.parts[location.device].output_specs[location.index],
+            location.device,
+            first_tag + position,
+            f"flat output {position}",
+        )
+        for position, location in enumerate(program.outputs)
+        if location.device != 0
+    }
+
+    def finish_outputs() -> list[torch.Tensor]:
+        outputs = [
+            messages.wait_recv(pending[position]) if position in pending else part_outputs[location.index]
+            for position, location in enumerate(program.outputs)
+        ]
+        messages.wait_sends()
+        return outputs
+
+    return finish_outputs
+
+
+def serve(group: Group, programs: dict[int, SplitProgram], timeout_s: float) -> None:
+    """A non-driver rank: run each request rank 0 announces, in order, until rank 0 closes.
+
+    The sends of request ``r`` are waited for after running request ``r + 1``, so this rank can
+    run ahead of its receivers by one request.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    previous: Callable[[], Any] | None = None
+    for sequence in itertools.count():
+        header = receive_header(group, sequence, timeout)
+        if header.kind == CLOSE:
+            break
+        if header.kind == LOAD:
+            programs[header.program_id] = pickle.loads(header.payload)
+        elif header.kind == RUN:
+            program = programs[header.program_id]
+            request_timeout = datetime.timedelta(milliseconds=header.timeout_ms)
+            messages = Messages(group, header.request, request_timeout, header.symbol_values)
+            finish = run_part(program, group, placed_part(program, group), messages, None)
+            if previous is not None:
+                previous()
+            previous = finish
+    if previous is not None:
+        previous()
+
+
+@dataclass(frozen=True)
+class Header:
+    """What rank 0 tells a rank before each message of the protocol: run a request, load a program, heartbeat, close.
+
+    A run's payload holds the request's symbolic dimension values (JSON), a load's the pickled program.
+    """
+
+    kind: int
+    program_id: int = 0
+    request: int = 0
+    timeout_ms: int = 0
+    payload: bytes = b""
+
+    @classmethod
+    def run(
+        cls, program: SplitProgram, program_id: int, request: int, flat_inputs: Sequence[torch.Tensor], timeout_s: float
+    ) -> Header:
+        values = symbol_values(program, flat_inputs)
+        payload = json.dumps(values).encode() if values else b""
+        return cls(RUN, program_id, request, round(timeout_s * 1000), payload)
+
+    @property
+    def symbol_values(self) -> dict[str, int]:
+        return json.loads(self.payload) if self.kind == RUN and self.payload else {}
+
+
+def send_header(group: Group, sequence: int, dst: int, header: Header, timeout: datetime.timedelta) -> Messages:
+    """Send ``header`` as rank ``dst``'s message number ``sequence``; wait for the returned messages' sends."""
+    fields = [header.kind, header.program_id, len(header.payload), header.request, header.timeout_ms]
+    control = Messages(group, sequence, timeout)
+    control.send(torch.tensor(fields, dtype=torch.int64), dst, 0, "a request header")
+    if header.payload:
+        control.send(torch.frombuffer(bytearray(header.payload), dtype=torch.uint8), dst, 1, "a request's payload")
+    return control
+
+
+def receive_header(group: Group, sequence: int, timeout: datetime.timedelta) -> Header:
+    control = Messages(group, sequence, timeout)
+    fields = control.wait_recv(control.post_recv((_HEADER_FIELDS,), torch.int64, 0, 0, "the next request's header"))
+    kind, program_id, payload_bytes, request, timeout_ms = fields.tolist()
+    payload = b""
+    if payload_bytes:
+        received = control.wait_recv(control.post_recv((payload_bytes,), torch.uint8, 0, 1, "a request's payload"))
+        payload = received.numpy().tobytes()
+    return Header(kind, program_id, request, timeout_ms, payload)
