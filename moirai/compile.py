@@ -27,9 +27,9 @@ from moirai.bounds import format_bytes
 from moirai.coarsen import coarsen
 from moirai.cost import activation_peak_bytes, build_problem
 from moirai.devices import Cluster
-from moirai.errors import PlanError
+from moirai.errors import ClusterError, PlanError
 from moirai.graph import OpGraph, build_op_graph
-from moirai.placers import place
+from moirai.placers import devices_over_memory, place
 from moirai.problem import Plan, Problem
 from moirai.runtime.distributed import run_distributed, run_rank
 from moirai.runtime.local import run_local
@@ -38,6 +38,7 @@ from moirai.split import SplitProgram, split_module
 from moirai.trace import TracedModel, trace
 
 PLAN_FORMAT_VERSION = 1
+_PLAN_KEYS = ("format", "devices", "node_device", "groups", "device_order", "plan")
 
 
 @dataclass
@@ -55,11 +56,13 @@ class CompiledModel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
+        _check_devices_here(self.cluster, range(len(self.cluster)))
         return self.traced.unflatten_outputs(run_local(self.program, flat_inputs, self.torch_devices))
 
     def run_distributed(self, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> Any:
         """Run with one process per device (torch.distributed send/recv); returns the outputs here."""
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
+        _check_devices_here(self.cluster, range(len(self.cluster)))
         outputs = run_distributed(self.program, flat_inputs, self.torch_devices, timeout_s=timeout_s)
         return self.traced.unflatten_outputs(outputs)
 
@@ -71,6 +74,7 @@ class CompiledModel:
         """
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         flat_inputs = self.traced.flatten_inputs(args, kwargs) if rank == 0 else None
+        _check_devices_here(self.cluster, [rank] if rank < len(self.cluster) else [])
         outputs = run_rank(self.program, rank, world_size, flat_inputs, self.torch_devices, timeout_s=timeout_s)
         return None if outputs is None else self.traced.unflatten_outputs(outputs)
 
@@ -82,6 +86,7 @@ class CompiledModel:
         """Print (and return) the plan as a table: one row per device."""
         timeline = simulate(self.problem, self.plan)
         reserve = activation_peak_bytes(self.graph)
+        over_memory = devices_over_memory(self.problem, self.plan)
         table = Table(title=f"moirai plan for {self.traced.model_name} ({self.plan.placer})")
         for column in ("device", "torch device", "groups", "ops", "weights", "in use / memory", "busy"):
             table.add_column(column, justify="left" if column in ("device", "torch device") else "right")
@@ -95,12 +100,14 @@ class CompiledModel:
                 format_bytes(timeline.memory_bytes[k]),
                 f"{format_bytes(timeline.memory_bytes[k] + reserve)} / {format_bytes(device.memory_bytes)}",
                 _format_seconds(timeline.busy_s[k]),
+                style="bold red" if k in over_memory else None,
             )
         lower = self.plan.lower_bound_s
         table.caption = (
             f"predicted latency {_format_seconds(timeline.makespan)}"
             + (f", lower bound {_format_seconds(lower)}, gap {self.plan.gap:.1%}" if lower is not None else "")
             + f", {len(timeline.transfers)} transfers, placed in {self.plan.placement_time_s:.2f} s"
+            + (", [bold red]OVER MEMORY on the red rows[/]" if over_memory else "")
         )
         (console or Console()).print(table)
         return table
@@ -138,7 +145,7 @@ def compile(
     ``cost`` is ``"analytic"`` (roofline from the device table) or ``"measured"`` (profile every
     op group on the local devices, cached on disk).
     """
-    cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(list(devices))
+    cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(devices)
     traced = trace(model, example_inputs, example_kwargs)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
     problem = build_problem(coarse, cluster, cost, traced)
@@ -154,11 +161,9 @@ def load(
     devices: Cluster | Sequence[str] | None = None,
 ) -> CompiledModel:
     """Rebuild a compiled model from a saved plan and the model (with real weights)."""
-    record = json.loads(Path(path).read_text())
-    if record.get("format") != PLAN_FORMAT_VERSION:
-        raise PlanError(f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION}; compile the model again")
+    record = _read_plan_file(path)
     saved_devices = [d["torch_device"] for d in record["devices"]]
-    cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(list(devices or saved_devices))
+    cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(devices or saved_devices)
     if len(cluster) != len(saved_devices):
         raise PlanError(f"{path} places the model on {len(saved_devices)} devices, {len(cluster)} were given")
     traced = trace(model, example_inputs, example_kwargs)
@@ -170,6 +175,51 @@ def load(
     plan = Plan.from_dict(record["plan"])
     plan.device_names = cluster.names
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
+
+
+def _read_plan_file(path: str | Path) -> dict[str, Any]:
+    """The record ``CompiledModel.save`` wrote, or a :class:`PlanError` saying what is wrong with the file."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise PlanError(f"plan file {str(path)!r} does not exist; write one with CompiledModel.save(path)") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise PlanError(f"cannot read plan file {str(path)!r}: {error}") from None
+    if not text.strip():
+        raise PlanError(f"plan file {str(path)!r} is empty; save the plan again with CompiledModel.save(path)")
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise PlanError(
+            f"plan file {str(path)!r} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); "
+            "was it cut short? Save the plan again with CompiledModel.save(path)"
+        ) from None
+    if not isinstance(record, dict):
+        raise PlanError(
+            f"plan file {str(path)!r} holds a JSON {type(record).__name__}, not a moirai plan (an object with keys "
+            f"{list(_PLAN_KEYS)}); give the file CompiledModel.save wrote"
+        )
+    if record.get("format") != PLAN_FORMAT_VERSION:
+        raise PlanError(f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION}; compile the model again")
+    missing = [key for key in _PLAN_KEYS if key not in record]
+    missing += [f"plan.{key}" for key in ("placement", "device_names") if key not in (record.get("plan") or {})]
+    if missing:
+        raise PlanError(f"plan file {str(path)!r} lacks {missing}; it is not a whole moirai plan: save it again")
+    return record
+
+
+def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:
+    """Fail before running a part on a CUDA device this machine does not have (torch would assert)."""
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for k in indices:
+        device = cluster.devices[k]
+        wanted = torch.device(device.torch_device)
+        if wanted.type == "cuda" and (wanted.index or 0) >= cuda_count:
+            raise ClusterError(
+                f"device {device.name!r} of the plan runs on {device.torch_device}, but this machine has "
+                f"{cuda_count} CUDA device(s); run the plan where its devices are (CompiledModel.save, then "
+                "moirai.load there), or compile for this machine's devices (moirai.Cluster.detect(), ['cpu', 'cpu'])"
+            )
 
 
 def _assemble(traced: TracedModel, cluster: Cluster, coarse: OpGraph, problem: Problem, plan: Plan) -> CompiledModel:
