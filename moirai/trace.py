@@ -57,9 +57,16 @@ class TracedModel:
             kwargs = {key: kwargs[key] for key in expected_keys}
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.in_spec:
+            traced_args, traced_keys = self.in_spec.child(0).num_children, sorted(expected_keys)
+            if (len(args), sorted(kwargs)) != (traced_args, traced_keys):
+                difference = (
+                    f"{traced_args} positional input(s) and keyword(s) {traced_keys}, "
+                    f"called with {len(args)} and {sorted(kwargs)}"
+                )
+            else:
+                difference = f"inputs structured as {self.in_spec}, called with {spec}"
             raise InputError(
-                f"{self.model_name} was traced with inputs structured as {self.in_spec}, "
-                f"called with {spec}; call it with the same arguments as the example inputs"
+                f"{self.model_name} was traced with {difference}; call it with the same arguments as the example inputs"
             )
         for position, constant in self.constant_inputs.items():
             if flat[position] != constant:
