@@ -6,7 +6,8 @@ reads earlier values (inputs or step outputs, drawn at random, so a value often 
 that a random split puts on different devices) and appends its outputs. Ops: linear (a Linear reused
 elsewhere, or its weight read transposed, ties parameters), conv1d, matmul, scaled-dot-product and
 multi-head attention, layer and batch norm, softmax, elementwise unary and binary ops, a buffer,
-constants made in ``forward``, cat/split/chunk/view/transpose/permute, in-place ops. The outputs are
+constants made in ``forward``, cat/split/chunk/view/transpose/permute, in-place ops, and steps whose
+inner value is a 0-d, float64, int64 or bool tensor (a split may send it). The outputs are
 one tensor, a tuple, a dict or a tuple holding a dict, sometimes with a model input among them.
 
 Values stay 2-D ``(batch, features)`` or 3-D ``(batch, rows, features)`` and of moderate size, so
@@ -246,6 +247,28 @@ def _any(model: FuzzModel, shape: Shape) -> bool:
     return True
 
 
+def _argmax_embedding(model, rng, first, shapes):
+    """An int64 index tensor (the argmax) between two ops, which a split may send across devices."""
+    width = rng.choice(FEATURES)
+    layer = _add_layer(model, nn.Embedding(shapes[first][-1], width))
+    return (first,), {"layer": layer}, [shapes[first][:-1] + (width,)]
+
+
+def _where(model, rng, first, shapes):
+    """A bool mask between two ops."""
+    return (first, _same_shape(rng, shapes, first)), {}, [shapes[first]]
+
+
+def _scalar_scale(model, rng, first, shapes):
+    """A 0-d tensor (the mean) between two ops."""
+    return (first,), {}, [shapes[first]]
+
+
+def _float64_round_trip(model, rng, first, shapes):
+    """A float64 tensor between two ops."""
+    return (first,), {}, [shapes[first]]
+
+
 def _is_3d(model: FuzzModel, shape: Shape) -> bool:
     return len(shape) == 3
 
@@ -280,6 +303,10 @@ _STEPS: dict[str, tuple[Callable[[FuzzModel, Shape], bool], Callable]] = {
     "transpose": (_is_3d, _transpose),
     "permute": (_is_3d, _permute),
     "in_place": (_any, _in_place),
+    "argmax_embedding": (_any, _argmax_embedding),
+    "where": (_any, _where),
+    "scalar_scale": (_any, _scalar_scale),
+    "float64_round_trip": (_any, _float64_round_trip),
 }
 
 
@@ -328,6 +355,10 @@ _APPLY: dict[str, Callable[[FuzzModel, list[torch.Tensor], dict[str, Any]], Any]
     "transpose": lambda m, v, a: v[0].transpose(1, 2),
     "permute": lambda m, v, a: v[0].permute(*a["order"]),
     "in_place": lambda m, v, a: _apply_in_place(v[0], v[1], a["op"]),
+    "argmax_embedding": lambda m, v, a: m.layers[a["layer"]](v[0].argmax(dim=-1)),
+    "where": lambda m, v, a: torch.where(v[0] > 0, v[0], v[1]),
+    "scalar_scale": lambda m, v, a: v[0] * v[0].mean(),
+    "float64_round_trip": lambda m, v, a: (v[0].double() * 1.5).float(),
 }
 
 

@@ -279,6 +279,12 @@ def test_summary_shows_devices_over_memory_in_red(compiled):
     assert not devices_over_memory(cm.problem, moirai.place(cm.problem, "heft")), "memory-aware placers fit it"
 
 
+def test_measured_cost_on_devices_of_another_machine():
+    cluster = moirai.Cluster.preset("two-hosts-100gbe")
+    with raises(ClusterError, "is not on this machine", "mode='analytic'"):
+        moirai.compile(tiny(), cluster, (X,), placer="heft", cost="measured")
+
+
 def test_unknown_cost_mode():
     with raises(ClusterError, "unknown cost mode 'fast'", "'analytic' or 'measured'"):
         moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", cost="fast")
@@ -445,6 +451,13 @@ def test_load_of_a_plan_for_another_model(compiled, tmp_path):
     other = nn.Sequential(nn.Linear(4, 2)).eval()
     with raises(PlanError, "does not have", "compile again"):
         moirai.load(path, other, (X,))
+
+
+def test_load_with_devices_as_one_string(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    with raises(ClusterError, "devices='cpu' is not a list"):
+        moirai.load(path, tiny(), (X,), devices="cpu")
 
 
 def test_load_on_a_different_number_of_devices(compiled, tmp_path):
