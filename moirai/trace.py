@@ -111,6 +111,10 @@ def trace(
         graph_module = _symbolic_trace_fallback(model, args, name, export_error)
         out_spec = pytree.tree_structure(_flat_output_marker(graph_module))
     else:
+        if _has_observable_mutation(exported.graph_module.graph):
+            # The splitter follows data edges; an in-place op that other ops see is not one. torch's
+            # functionalization rewrites it as data flow (graphs without one are left as traced).
+            exported = exported.run_decompositions({})
         graph_module = exported.module()
         out_spec = exported.call_spec.out_spec
         _drop_guard_calls(graph_module)
@@ -338,6 +342,50 @@ def _describe_node(graph_module: fx.GraphModule, node: fx.Node | None) -> str:
 def _target_label(node: fx.Node) -> str:
     target = node.target
     return str(target.overloadpacket.__name__) if isinstance(target, torch._ops.OpOverload) else str(target)
+
+
+def _is_view_node(node: fx.Node) -> bool:
+    """An op whose output aliases its first input (a view, or one piece of a split)."""
+    target = node.target
+    if target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and _is_view_node(node.args[0])
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return False
+    alias = target._schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _has_observable_mutation(graph: fx.Graph) -> bool:
+    """Whether an in-place op writes a tensor (or a view of it) that another op also reads.
+
+    ``relu_`` on a value nothing else reads (ResNet's ``ReLU(inplace=True)``) is harmless to a split;
+    ``t.add_(u)`` where another op reads ``t`` (before or after) makes an order the data edges do not show.
+    """
+    for node in graph.nodes:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            continue
+        written = [
+            node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            for i, argument in enumerate(target._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ]
+        for value in written:
+            if not isinstance(value, fx.Node):
+                continue
+            base = value
+            while _is_view_node(base) and isinstance(base.args[0], fx.Node):
+                base = base.args[0]
+            aliases, frontier = {base}, [base]
+            while frontier:
+                for user in frontier.pop().users:
+                    if user is node or user in aliases:
+                        continue
+                    if not _is_view_node(user):
+                        return True  # a reader of the written tensor other than the in-place op
+                    aliases.add(user)
+                    frontier.append(user)
+    return False
 
 
 def _check_static_shapes(graph_module: fx.GraphModule, name: str) -> None:

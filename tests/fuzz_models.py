@@ -6,7 +6,8 @@ reads earlier values (inputs or step outputs, drawn at random, so a value often 
 that a random split puts on different devices) and appends its outputs. Ops: linear (a Linear reused
 elsewhere, or its weight read transposed, ties parameters), conv1d, matmul, scaled-dot-product and
 multi-head attention, layer and batch norm, softmax, elementwise unary and binary ops, a buffer,
-constants made in ``forward``, cat/split/chunk/view/transpose/permute, in-place ops, and steps whose
+constants made in ``forward``, cat/split/chunk/view/transpose/permute, in-place ops on fresh values and
+on values (and views of values) other ops read, and steps whose
 inner value is a 0-d, float64, int64 or bool tensor (a split may send it). The outputs are
 one tensor, a tuple, a dict or a tuple holding a dict, sometimes with a model input among them.
 
@@ -47,17 +48,27 @@ class FuzzModel(nn.Module):
             self.input_shapes.append(rng.choice([(BATCH, rows, features), (BATCH, features)]))
         shapes = list(self.input_shapes)
         uses = [0] * len(shapes)
+        # Values that are views of one another share a family. A family may be written in place unless it
+        # holds a model input (a model must not change its inputs) or has been split: torch.export refuses
+        # in-place writes to a tensor whose split pieces are read (eager PyTorch under no_grad allows them).
+        family = list(range(len(shapes)))
+        frozen = set(family)
+
+        def usable(kind: str, i: int) -> bool:
+            return _STEPS[kind][0](self, shapes[i]) and (kind != "mutate" or family[i] not in frozen)
+
         for _ in range(rng.randint(2, 10)):
-            kinds = [kind for kind, (applies, _) in _STEPS.items() if any(applies(self, s) for s in shapes)]
-            kind = rng.choice(kinds)
-            applies, build = _STEPS[kind]
-            first = _pick(rng, [i for i, s in enumerate(shapes) if applies(self, s)], len(shapes))
-            inputs, attributes, out_shapes = build(self, rng, first, shapes)
+            kind = rng.choice([kind for kind in _STEPS if any(usable(kind, i) for i in range(len(shapes)))])
+            first = _pick(rng, [i for i in range(len(shapes)) if usable(kind, i)], len(shapes))
+            inputs, attributes, out_shapes = _STEPS[kind][1](self, rng, first, shapes)
             for i in inputs:
                 uses[i] += 1
             self.steps.append((kind, inputs, attributes))
             shapes += out_shapes
             uses += [0] * len(out_shapes)
+            if kind in ("split", "chunk"):
+                frozen.add(family[first])
+            family += [family[first] if kind in _VIEWS else len(family) + j for j in range(len(out_shapes))]
         self.output = _choose_outputs(rng, shapes, uses, len(self.input_shapes))
         self.eval()
 
@@ -269,6 +280,15 @@ def _float64_round_trip(model, rng, first, shapes):
     return (first,), {}, [shapes[first]]
 
 
+def _mutate(model, rng, first, shapes):
+    """An in-place op on a value other ops read too (before and after): the mutation must be seen in order."""
+    return (first, _same_shape(rng, shapes, first)), {"op": rng.choice(("add_", "mul_", "clamp_"))}, [shapes[first]]
+
+
+# Steps whose outputs are views of their first input.
+_VIEWS = {"view", "transpose", "permute", "split", "chunk", "mutate"}
+
+
 def _is_3d(model: FuzzModel, shape: Shape) -> bool:
     return len(shape) == 3
 
@@ -307,6 +327,7 @@ _STEPS: dict[str, tuple[Callable[[FuzzModel, Shape], bool], Callable]] = {
     "where": (_any, _where),
     "scalar_scale": (_any, _scalar_scale),
     "float64_round_trip": (_any, _float64_round_trip),
+    "mutate": (_any, _mutate),
 }
 
 
@@ -334,6 +355,14 @@ def _apply_in_place(t: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tens
     return result
 
 
+def _apply_mutation(t: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+    if op == "add_":
+        return t.add_(other)
+    if op == "mul_":
+        return t.mul_(other)
+    return t.clamp_(-1.0, 1.0)
+
+
 _APPLY: dict[str, Callable[[FuzzModel, list[torch.Tensor], dict[str, Any]], Any]] = {
     "linear": lambda m, v, a: m.layers[a["layer"]](v[0]),
     "linear_transposed": lambda m, v, a: v[0] @ m.layers[a["layer"]].weight,
@@ -359,6 +388,7 @@ _APPLY: dict[str, Callable[[FuzzModel, list[torch.Tensor], dict[str, Any]], Any]
     "where": lambda m, v, a: torch.where(v[0] > 0, v[0], v[1]),
     "scalar_scale": lambda m, v, a: v[0] * v[0].mean(),
     "float64_round_trip": lambda m, v, a: (v[0].double() * 1.5).float(),
+    "mutate": lambda m, v, a: _apply_mutation(v[0], v[1], a["op"]),
 }
 
 
@@ -370,6 +400,8 @@ def _choose_outputs(rng: random.Random, shapes: list[Shape], uses: list[int], nu
     unused = [i for i in range(num_inputs, len(shapes)) if uses[i] == 0]
     extra = rng.sample(range(len(shapes)), k=min(len(shapes), rng.randint(0, 2)))
     chosen = list(dict.fromkeys(unused + extra)) or [len(shapes) - 1]
+    if rng.random() < 0.1:
+        chosen.append(chosen[0])  # one tensor returned twice
     form = rng.choice(("tensor", "tuple", "dict", "nested")) if len(chosen) > 1 else rng.choice(("tensor", "tuple"))
     if form == "tensor":
         return ("tensor", chosen[0]) if len(chosen) == 1 else ("tuple", tuple(chosen))

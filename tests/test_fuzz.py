@@ -28,7 +28,13 @@ from moirai.trace import TracedModel, trace
 FUZZ_MODELS = int(os.environ.get("MOIRAI_FUZZ_MODELS", "500"))
 BLOCK = 50
 # Seeds that found a bug, with what it was; they run in every block-independent test below.
-REGRESSION_SEEDS: dict[int, str] = {}
+_READ_AROUND_WRITE = "an in-place write to a tensor other ops read was split from them (fixed in trace)"
+REGRESSION_SEEDS: dict[int, str] = {
+    63: _READ_AROUND_WRITE,
+    109: _READ_AROUND_WRITE,
+    233: _READ_AROUND_WRITE,
+    269: _READ_AROUND_WRITE,
+}
 DISTRIBUTED_SEEDS = range(0, 24 * 7, 7)
 COMPILE_SEEDS = range(3, 25 * 11, 11)
 WORLD_SIZE = 4
@@ -83,9 +89,44 @@ def test_random_models_split_exactly_locally(block):
     assert not failures, reproduce_hint(failures)
 
 
-@pytest.mark.parametrize("seed", sorted(REGRESSION_SEEDS) or [pytest.param(None, marks=pytest.mark.skip("none yet"))])
+@pytest.mark.parametrize("seed", sorted(REGRESSION_SEEDS))
 def test_seeds_that_found_bugs(seed):
     check_local(seed)
+
+
+class ReadAroundWrite(torch.nn.Module):
+    """``t`` is read before and after an in-place write to it, as fuzz seed 63 first showed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = self.linear(x)
+        before = t * 2
+        t.add_(x)
+        return before, t.relu(), t.transpose(0, 1) * 3
+
+
+def test_in_place_write_read_on_other_devices_splits_exactly():
+    model, x = ReadAroundWrite().eval(), torch.randn(3, 4)
+    traced = trace(model, (x,))
+    targets = [str(n.target) for n in traced.graph_module.graph.nodes if n.op == "call_function"]
+    assert "aten.add_.Tensor" not in targets, "the write became data flow"
+    expected = expected_outputs(model, (x,), {})
+    ops = [n.name for n in traced.graph_module.graph.nodes if n.op == "call_function"]
+    for seed in range(6):
+        node_device = {name: (i + seed) % 3 for i, name in enumerate(ops)}  # every op on another device
+        program = split_module(traced, node_device, 3)
+        outputs = run_local(program, traced.flatten_inputs((x,), {}), ["cpu"] * 3)
+        torch.testing.assert_close(traced.unflatten_outputs(outputs), expected)
+
+
+def test_in_place_ops_nothing_else_reads_are_left_as_traced():
+    """ResNet's ReLU(inplace=True): no functionalization, so fusion rules see the graph as traced."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 2)).eval()
+    traced = trace(model, (torch.randn(3, 4),))
+    assert "aten.relu_.default" in [str(n.target) for n in traced.graph_module.graph.nodes]
 
 
 def test_generator_covers_every_op_kind_and_splits_cross_devices():
