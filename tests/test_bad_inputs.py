@@ -221,8 +221,8 @@ def test_option_to_a_placer_without_options(problem):
 @pytest.mark.parametrize(
     ("option", "value", "words"),
     [
-        ("time_limit_s", -1, "positive number of seconds"),
-        ("time_limit_s", 0, "positive number of seconds"),
+        ("time_limit_s", -1, "non-negative number of seconds"),
+        ("time_limit_s", "30", "non-negative number of seconds"),
         ("mip_gap", -5, "relative gap in [0, 1)"),
         ("threads", 0, "integer of at least 1"),
         ("threads", 2.5, "integer of at least 1"),

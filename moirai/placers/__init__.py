@@ -82,7 +82,8 @@ def place(problem: Problem, placer: str = "heft", **options: Any) -> Plan:
 
 # What a value of an option, whichever placer takes it, must be.
 _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "time_limit_s": (lambda v: _is_number(v) and v > 0, "a positive number of seconds"),
+    # 0 is a real choice: no search, the placer's start plan.
+    "time_limit_s": (lambda v: _is_number(v) and v >= 0, "a non-negative number of seconds"),
     "mip_gap": (lambda v: _is_number(v) and 0 <= v < 1, "a relative gap in [0, 1), e.g. 1e-4"),
     "threads": (lambda v: v is None or (_is_integer(v) and v >= 1), "None or an integer of at least 1"),
     "window_tasks": (lambda v: _is_integer(v) and v >= 1, "an integer of at least 1"),
