@@ -62,7 +62,7 @@ import torch
 import torch.fx as fx
 
 from moirai.errors import PlanError
-from moirai.trace import TensorSpec, TracedModel
+from moirai.trace import TensorSpec, TracedModel, is_view_node
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
@@ -326,8 +326,18 @@ class _PartBuilder:
             if pending is not None:
                 wait = self.graph.create_node("call_method", "wait_recv", (self.transport, pending), name=producer.name)
                 wait.meta["val"] = producer.meta.get("val")
+                if _needs_traced_strides(producer):
+                    wait = self._with_traced_strides(wait, producer.meta["val"])
                 self.env[producer.name] = wait
         self.env[node.name] = self.graph.node_copy(node, lambda n: self.env[n.name])
+
+    def _with_traced_strides(self, received: fx.Node, traced: torch.Tensor) -> fx.Node:
+        """A copy of ``received`` laid out with the traced strides (plain aten ops: the part stays picklable)."""
+        shape, stride = [int(s) for s in traced.shape], [int(s) for s in traced.stride()]
+        buffer = self.graph.call_function(torch.ops.aten.new_empty_strided.default, (received, shape, stride))
+        restrided = self.graph.call_function(torch.ops.aten.copy_.default, (buffer, received))
+        buffer.meta["val"] = restrided.meta["val"] = traced
+        return restrided
 
     def add_send(self, transfer: TensorTransfer) -> None:
         args = (self.transport, self.env[transfer.tensor], transfer.index)
@@ -361,6 +371,20 @@ class _PartBuilder:
             output_specs=tuple(_spec_of(v) for v in self.output_values),
             attribute_names=tuple(self.attributes),
         )
+
+
+def _needs_traced_strides(producer: fx.Node) -> bool:
+    """Whether a received tensor must get its traced layout back: it was not contiguous and a view reads it.
+
+    A transfer delivers a contiguous tensor; a view traced on the strided original (``view`` after a
+    ``transpose``) can fail on it or, for ``as_strided``, read other elements (fuzz seed 63 found it).
+    """
+    value = producer.meta.get("val")
+    return (
+        isinstance(value, torch.Tensor)
+        and not value.is_contiguous()
+        and any(is_view_node(user) for user in producer.users)
+    )
 
 
 def _spec_of(value: object) -> TensorSpec | None:

@@ -115,6 +115,7 @@ def trace(
             # The splitter follows data edges; an in-place op that other ops see is not one. torch's
             # functionalization rewrites it as data flow (graphs without one are left as traced).
             exported = exported.run_decompositions({})
+            _views_as_reshapes(exported.graph_module.graph)
         graph_module = exported.module()
         out_spec = exported.call_spec.out_spec
         _drop_guard_calls(graph_module)
@@ -344,11 +345,11 @@ def _target_label(node: fx.Node) -> str:
     return str(target.overloadpacket.__name__) if isinstance(target, torch._ops.OpOverload) else str(target)
 
 
-def _is_view_node(node: fx.Node) -> bool:
-    """An op whose output aliases its first input (a view, or one piece of a split)."""
+def is_view_node(node: fx.Node) -> bool:
+    """An op whose output aliases its first input, as its schema declares (a view, or a piece of a split)."""
     target = node.target
     if target is operator.getitem:
-        return isinstance(node.args[0], fx.Node) and _is_view_node(node.args[0])
+        return isinstance(node.args[0], fx.Node) and is_view_node(node.args[0])
     if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
         return False
     alias = target._schema.returns[0].alias_info
@@ -374,18 +375,27 @@ def _has_observable_mutation(graph: fx.Graph) -> bool:
             if not isinstance(value, fx.Node):
                 continue
             base = value
-            while _is_view_node(base) and isinstance(base.args[0], fx.Node):
+            while is_view_node(base) and isinstance(base.args[0], fx.Node):
                 base = base.args[0]
             aliases, frontier = {base}, [base]
             while frontier:
                 for user in frontier.pop().users:
                     if user is node or user in aliases:
                         continue
-                    if not _is_view_node(user):
+                    if not is_view_node(user):
                         return True  # a reader of the written tensor other than the in-place op
                     aliases.add(user)
                     frontier.append(user)
     return False
+
+
+def _views_as_reshapes(graph: fx.Graph) -> None:
+    """Functionalization writes ``reshape`` as ``view``, which needs the strides seen at trace time; the
+    kernels of a run (an attention's output layout) or a transfer may give others. In a functional graph
+    a reshape computes the same values."""
+    for node in graph.nodes:
+        if node.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
+            node.target = torch.ops.aten.reshape.default
 
 
 def _check_static_shapes(graph_module: fx.GraphModule, name: str) -> None:

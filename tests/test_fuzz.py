@@ -105,7 +105,7 @@ class ReadAroundWrite(torch.nn.Module):
         t = self.linear(x)
         before = t * 2
         t.add_(x)
-        return before, t.relu(), t.transpose(0, 1) * 3
+        return before, t.relu(), t.transpose(0, 1) * 3, t.reshape(-1)
 
 
 def test_in_place_write_read_on_other_devices_splits_exactly():
@@ -113,6 +113,7 @@ def test_in_place_write_read_on_other_devices_splits_exactly():
     traced = trace(model, (x,))
     targets = [str(n.target) for n in traced.graph_module.graph.nodes if n.op == "call_function"]
     assert "aten.add_.Tensor" not in targets, "the write became data flow"
+    assert "aten.view.default" not in targets, "reshapes stay reshapes: views need the traced strides"
     expected = expected_outputs(model, (x,), {})
     ops = [n.name for n in traced.graph_module.graph.nodes if n.op == "call_function"]
     for seed in range(6):
@@ -120,6 +121,33 @@ def test_in_place_write_read_on_other_devices_splits_exactly():
         program = split_module(traced, node_device, 3)
         outputs = run_local(program, traced.flatten_inputs((x,), {}), ["cpu"] * 3)
         torch.testing.assert_close(traced.unflatten_outputs(outputs), expected)
+
+
+class TransposedAcross(torch.nn.Module):
+    """A transposed (non-contiguous) tensor crosses devices; the receiver views it back (fuzz seed 63)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x).transpose(1, 2)
+        return y.transpose(1, 2).view(x.shape[0], -1)
+
+
+def transposed_across_devices() -> tuple[TracedModel, SplitProgram, list[torch.Tensor], object]:
+    model, x = TransposedAcross().eval(), torch.randn(2, 3, 4)
+    traced = trace(model, (x,))
+    ops = [n.name for n in traced.graph_module.graph.nodes if n.op == "call_function"]
+    program = split_module(traced, {name: 0 if i < 2 else 1 for i, name in enumerate(ops)}, 2)
+    return traced, program, [x], expected_outputs(model, (x,), {})
+
+
+def test_received_tensor_gets_its_traced_strides_back_before_a_view():
+    traced, program, flat_inputs, expected = transposed_across_devices()
+    targets = [n.target for n in program.parts[1].graph_module.graph.nodes if n.op == "call_function"]
+    assert targets[:2] == [torch.ops.aten.new_empty_strided.default, torch.ops.aten.copy_.default]
+    torch.testing.assert_close(run_local(program, flat_inputs, ["cpu", "cpu"])[0], expected)
 
 
 def test_in_place_ops_nothing_else_reads_are_left_as_traced():
@@ -178,5 +206,8 @@ def test_random_models_split_exactly_through_one_distributed_runner():
             torch.testing.assert_close(outputs, pytree.tree_leaves(expected))
 
         failures = failures_of(DISTRIBUTED_SEEDS, check)
+        # A transfer delivers a contiguous tensor: without the traced strides back, the view fails.
+        _, program, flat_inputs, expected = transposed_across_devices()
+        torch.testing.assert_close(runner.run(program, flat_inputs)[0], expected)
     assert len(DISTRIBUTED_SEEDS) >= 20
     assert not failures, reproduce_hint(failures)
