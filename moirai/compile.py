@@ -28,8 +28,9 @@ from moirai import progress as _progress
 from moirai import viz
 from moirai.coarsen import coarsen
 from moirai.cost import activation_peak_bytes, build_problem
+from moirai.device_kinds import kind_of
 from moirai.devices import Cluster
-from moirai.errors import MoiraiError, PlanError
+from moirai.errors import ClusterError, MoiraiError, PlanError
 from moirai.graph import OpGraph, build_op_graph
 from moirai.objective import Objective
 from moirai.placers import place
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 PLAN_FORMAT_VERSION = 1
+_PLAN_KEYS = ("format", "devices", "node_device", "groups", "device_order", "plan")
 
 
 @dataclass
@@ -63,12 +65,14 @@ class CompiledModel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
+        _check_devices_here(self.cluster, range(len(self.cluster)))
         return self.traced.unflatten_outputs(run_local(self.program, flat_inputs, self.torch_devices))
 
     @_progress.reports_progress
     def run_distributed(self, *args: Any, timeout_s: float = 120.0, progress: bool = True, **kwargs: Any) -> Any:
         """Run with one process per device (torch.distributed send/recv); returns the outputs here."""
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
+        _check_devices_here(self.cluster, range(len(self.cluster)))
         outputs = run_distributed(self.program, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
         return self.traced.unflatten_outputs(outputs)
 
@@ -104,6 +108,7 @@ class CompiledModel:
         """
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         flat_inputs = self.traced.flatten_inputs(args, kwargs) if rank == 0 else None
+        _check_devices_here(self.cluster, [rank] if rank < len(self.cluster) else [])
         outputs = run_rank(self.program, rank, world_size, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
         return None if outputs is None else self.traced.unflatten_outputs(outputs)
 
@@ -229,7 +234,7 @@ def _local_cluster(devices: Cluster | Sequence[str], calibration: str | Path) ->
     """``devices`` as a cluster; local devices get the links of this machine's calibration unless it is "none"."""
     if isinstance(devices, Cluster):
         return devices
-    cluster = Cluster.from_devices(list(devices))
+    cluster = Cluster.from_devices(devices)
     if calibration == "none" or len(cluster) < 2:
         return cluster
     from moirai.calibrate import calibrated_cluster, local_calibration
@@ -252,11 +257,9 @@ def load(
     A plan compiled with dynamic shapes is traced again with the same dynamic dimensions (names and
     ranges from the plan file, applied to ``example_inputs``) unless ``dynamic_shapes`` is given.
     """
-    record = json.loads(Path(path).read_text())
-    if record.get("format") != PLAN_FORMAT_VERSION:
-        raise PlanError(f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION}; compile the model again")
+    record = _read_plan_file(path)
     saved_devices = [d["torch_device"] for d in record["devices"]]
-    cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(list(devices or saved_devices))
+    cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(devices or saved_devices)
     if len(cluster) != len(saved_devices):
         raise PlanError(f"{path} places the model on {len(saved_devices)} devices, {len(cluster)} were given")
     if dynamic_shapes is None and record.get("dynamic_dims"):
@@ -286,6 +289,52 @@ def _check_not_misspelt(placer_options: dict[str, Any]) -> None:
             raise MoiraiError(
                 f"moirai.compile has no parameter {option!r}; did you mean {close[0]!r}? Keywords other than "
                 f"compile's own ({', '.join(own)}) go to the placer as its options"
+            )
+
+
+def _read_plan_file(path: str | Path) -> dict[str, Any]:
+    """The record ``CompiledModel.save`` wrote, or a :class:`PlanError` saying what is wrong with the file."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise PlanError(f"plan file {str(path)!r} does not exist; write one with CompiledModel.save(path)") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise PlanError(f"cannot read plan file {str(path)!r}: {error}") from None
+    if not text.strip():
+        raise PlanError(f"plan file {str(path)!r} is empty; save the plan again with CompiledModel.save(path)")
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise PlanError(
+            f"plan file {str(path)!r} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); "
+            "was it cut short? Save the plan again with CompiledModel.save(path)"
+        ) from None
+    if not isinstance(record, dict):
+        raise PlanError(
+            f"plan file {str(path)!r} holds a JSON {type(record).__name__}, not a moirai plan (an object with keys "
+            f"{list(_PLAN_KEYS)}); give the file CompiledModel.save wrote"
+        )
+    if record.get("format") != PLAN_FORMAT_VERSION:
+        raise PlanError(f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION}; compile the model again")
+    missing = [key for key in _PLAN_KEYS if key not in record]
+    missing += [f"plan.{key}" for key in ("placement", "device_names") if key not in (record.get("plan") or {})]
+    if missing:
+        raise PlanError(f"plan file {str(path)!r} lacks {missing}; it is not a whole moirai plan: save it again")
+    return record
+
+
+def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:
+    """Fail before running a part on a device this machine does not have (torch would assert)."""
+    for k in indices:
+        device = cluster.devices[k]
+        wanted = torch.device(device.torch_device)
+        kind = kind_of(wanted)
+        if not kind.available(wanted):
+            raise ClusterError(
+                f"device {device.name!r} of the plan runs on {device.torch_device}, but this machine has "
+                f"{kind.count()} {kind.name.upper()} device(s); run the plan where its devices are "
+                "(CompiledModel.save, then moirai.load there), or compile for this machine's devices "
+                "(moirai.Cluster.detect(), ['cpu', 'cpu'])"
             )
 
 

@@ -105,6 +105,13 @@ _DEVICE_KEYS = {
 }
 _LINK_KEYS = {"src", "dst", "bandwidth_gbps", "latency_us", "both_directions"}
 _FILE_KEYS = {"name", "description", "devices", "links", "matrix"}
+# The type every typed key of a [[devices]] or [[links]] entry must have (checked before any is read).
+_NUMBER_KEYS = set(
+    "memory_gb memory_bandwidth_gb_per_s launch_overhead_us efficiency bandwidth_gbps latency_us".split()
+)
+_INTEGER_KEYS = {"rank"}
+_BOOLEAN_KEYS = {"both_directions"}
+_SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -262,6 +269,7 @@ class Cluster:
     def from_dict(cls, description: Mapping[str, Any]) -> Cluster:
         """A cluster from the parsed contents of a cluster file (see the module docstring)."""
         _check_keys(description, _FILE_KEYS, "the cluster file")
+        _check_arrays_of_tables(description)
         entries = description.get("devices")
         if not entries:
             raise ClusterError("a cluster file needs at least one [[devices]] entry")
@@ -351,6 +359,12 @@ class Cluster:
     @classmethod
     def from_devices(cls, torch_devices: Sequence[str]) -> Cluster:
         """Describe local devices by detection; a device string repeated gives separate logical devices."""
+        if isinstance(torch_devices, (str, torch.device)) or not isinstance(torch_devices, Iterable):
+            raise ClusterError(
+                f"devices={torch_devices!r} is not a list; give one torch device per part, e.g. ['cpu', 'cpu'] or "
+                "['cuda:0', 'cuda:1'], or a moirai.Cluster"
+            )
+        torch_devices = [torch_device_name(spec, f"devices[{i}]") for i, spec in enumerate(torch_devices)]
         if not torch_devices:
             raise ClusterError("give at least one device, e.g. ['cpu', 'cpu'] or ['cuda:0', 'cuda:1']")
         counts = {d: list(torch_devices).count(d) for d in torch_devices}
@@ -400,6 +414,52 @@ def _check_device(d: Device) -> None:
         raise ClusterError(f"device {d.name!r} has kind {d.kind!r}; use 'cpu' or 'gpu'")
 
 
+def torch_device_name(spec: object, where: str) -> str:
+    """The torch device string of ``spec`` (``"cpu"``, ``"cuda:1"``); :class:`ClusterError` naming ``where`` if none."""
+    if isinstance(spec, torch.device):
+        spec = str(spec)
+    if not isinstance(spec, str):
+        raise ClusterError(
+            f"{where} is {spec!r} of type {type(spec).__name__}; give a torch device string such as 'cpu' or 'cuda:0'"
+        )
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ClusterError(f"{where} is {spec!r}, which is not a torch device; use 'cpu' or 'cuda:N'") from None
+    if device.type not in _SUPPORTED_DEVICE_TYPES:
+        raise ClusterError(f"{where} is {spec!r}: moirai runs parts on 'cpu' and 'cuda:N' devices, not {device.type}")
+    return str(device)
+
+
+def _check_arrays_of_tables(description: Mapping[str, Any]) -> None:
+    """``[[devices]]`` and ``[[links]]`` must be arrays of tables; ``[devices]`` (one table) is a common slip."""
+    for key in ("devices", "links"):
+        entries = description.get(key)
+        if entries is None or (isinstance(entries, list) and all(isinstance(e, Mapping) for e in entries)):
+            continue
+        got = f"a single table [{key}]" if isinstance(entries, Mapping) else f"{entries!r}"
+        raise ClusterError(f"{key} must be an array of tables, one [[{key}]] entry each, got {got}; write [[{key}]]")
+    if "matrix" in description and not isinstance(description["matrix"], Mapping):
+        raise ClusterError(f"matrix must be a table ([matrix]), got {description['matrix']!r}")
+
+
+def _check_types(entry: Mapping[str, Any], where: str) -> None:
+    """Every number a number, before any is read: ``memory_gb = "lots"`` names the device and key."""
+    for key, value in entry.items():
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key in _NUMBER_KEYS and not is_number:
+            raise ClusterError(f"{where}: {key} must be a number, got {value!r}")
+        if key in _INTEGER_KEYS and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ClusterError(f"{where}: {key} must be an integer, got {value!r}")
+        if key in _BOOLEAN_KEYS and not isinstance(value, bool):
+            raise ClusterError(f"{where}: {key} must be true or false, got {value!r}")
+        if key == "peak_tflops" and (
+            not isinstance(value, Mapping)
+            or any(not isinstance(v, (int, float)) or isinstance(v, bool) for v in value.values())
+        ):
+            raise ClusterError(f"{where}: peak_tflops must be a table of numbers like {{ fp32 = 10.0 }}, got {value!r}")
+
+
 def _check_keys(entry: Mapping[str, Any], allowed: set[str], where: str) -> None:
     unknown = sorted(set(entry) - allowed)
     if unknown:
@@ -411,6 +471,7 @@ def _device_from_dict(entry: Mapping[str, Any]) -> Device:
     if not name:
         raise ClusterError(f"a [[devices]] entry has no name: {dict(entry)}")
     _check_keys(entry, _DEVICE_KEYS, f"device {name!r}")
+    _check_types(entry, f"device {name!r}")
     type_name = entry.get("type")
     type_row: dict[str, Any] = {}
     if type_name is not None:
@@ -429,7 +490,7 @@ def _device_from_dict(entry: Mapping[str, Any]) -> Device:
     unknown_precisions = sorted(set(peaks) - set(_PRECISION_OF_DTYPE.values()))
     if unknown_precisions:
         raise ClusterError(f"device {name!r}: unknown peak_tflops keys {unknown_precisions}; use fp32, fp16, bf16")
-    torch_device = str(entry.get("torch_device", "cpu"))
+    torch_device = torch_device_name(entry.get("torch_device", "cpu"), f"device {name!r}: torch_device")
     return Device(
         name=str(name),
         torch_device=torch_device,
@@ -495,6 +556,7 @@ def _links_from_dict(entry: Mapping[str, Any]) -> list[Link]:
     if src is None or dst is None:
         raise ClusterError(f"a [[links]] entry needs src and dst: {dict(entry)}")
     _check_keys(entry, _LINK_KEYS, f"link {src!r} -> {dst!r}")
+    _check_types(entry, f"link {src!r} -> {dst!r}")
     if "bandwidth_gbps" not in entry:
         raise ClusterError(f"link {src!r} -> {dst!r} has no bandwidth_gbps; give its bandwidth in Gbit/s")
     bandwidth = float(entry["bandwidth_gbps"])
@@ -516,6 +578,8 @@ def _links_from_matrix(matrix: Mapping[str, Any], names: Sequence[str]) -> list[
     k = len(names)
     bandwidth = _square(matrix["bandwidth_gbps"], k, "bandwidth_gbps")
     latency_entry = matrix.get("latency_us", 0.0)
+    if isinstance(latency_entry, (str, bool)):
+        raise ClusterError(f"[matrix] latency_us must be a number or a {k}x{k} matrix, got {latency_entry!r}")
     latency = np.full((k, k), float(latency_entry)) if np.isscalar(latency_entry) else _square(
         latency_entry, k, "latency_us"
     )
@@ -541,7 +605,10 @@ def _square(rows: Any, k: int, label: str) -> np.ndarray:
     if not isinstance(rows, list) or any(not isinstance(row, list) or len(row) != k for row in rows) or len(rows) != k:
         shape = [len(row) if isinstance(row, list) else 1 for row in rows] if isinstance(rows, list) else rows
         raise ClusterError(f"[matrix] {label} must be {k}x{k} (one row and column per device), got rows {shape}")
-    return np.array(rows, float)
+    try:
+        return np.array(rows, float)
+    except (TypeError, ValueError):
+        raise ClusterError(f"[matrix] {label} must hold numbers, got {rows!r}") from None
 
 
 # --- routes ---------------------------------------------------------------------------------

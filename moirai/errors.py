@@ -35,3 +35,19 @@ class InputError(MoiraiError):
 
 class DistributedError(MoiraiError):
     """A rank of a distributed run failed or timed out."""
+
+
+class PlacerOptionError(MoiraiError):
+    """An option given to a placer is unknown to it or out of its range."""
+
+
+class MoiraiWarning(UserWarning):
+    """Base class of every warning moirai gives on purpose."""
+
+
+class TrainingModeWarning(MoiraiWarning):
+    """The model is in training mode: dropout and batch norm make the split outputs differ from call to call."""
+
+
+class OverMemoryWarning(MoiraiWarning):
+    """A placer that ignores memory returned a plan that puts more on a device than it holds."""

@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from moirai.progress import stage
-from moirai.trace import TracedModel, example_int, shape_scalars
+from moirai.trace import TracedModel, example_int, is_view_node, shape_scalars
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
         params = frozenset(n.name for n in inputs if n.op == "get_attr")
         input_bytes = sum(_nbytes(n.meta.get("val")) for n in inputs)
         output_bytes = _nbytes(fx_node.meta.get("val"))
-        allocated_bytes = 0 if _is_view(fx_node) else output_bytes
+        allocated_bytes = 0 if is_view_node(fx_node) else output_bytes
         nodes.append(
             OpNode(
                 name=fx_node.name,
@@ -193,15 +193,6 @@ def _target_name(node: fx.Node) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
     return getattr(target, "__name__", str(target))
-
-
-def _is_view(node: fx.Node) -> bool:
-    """An aten op whose first output aliases an input, as its schema declares."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
-        return False
-    alias = target._schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
 
 
 def _nbytes(value: object) -> int:

@@ -248,11 +248,9 @@ class Problem:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Problem:
         """Build a problem from the documented JSON-like format (see README, "Plan your own graph")."""
-        try:
-            devices = d["devices"]
-            tasks = d["tasks"]
-        except KeyError as missing:
-            raise ProblemError(f"problem description lacks {missing}; it needs 'devices' and 'tasks'") from None
+        _check_description(d)
+        devices = d["devices"]
+        tasks = d["tasks"]
         device_names = tuple(str(dev["name"]) for dev in devices)
         k = len(device_names)
         capacity = [float(dev.get("memory_bytes", np.inf)) for dev in devices]
@@ -348,11 +346,50 @@ class Problem:
 
     @classmethod
     def from_json(cls, path: str | Path) -> Problem:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        try:
+            with open(path) as f:
+                description = json.load(f)
+        except FileNotFoundError:
+            raise ProblemError(f"problem file {str(path)!r} does not exist") from None
+        except json.JSONDecodeError as error:
+            raise ProblemError(f"problem file {str(path)!r} is not valid JSON: {error}") from None
+        try:
+            return cls.from_dict(description)
+        except ProblemError as error:
+            raise ProblemError(f"{path}: {error}") from None
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), allow_nan=True))
+
+
+def _check_description(d: Any) -> None:
+    """Every list, key and length ``from_dict`` reads, named by its place (``tasks[3].compute_s``)."""
+    if not isinstance(d, dict):
+        raise ProblemError(f"a problem description is an object with 'devices' and 'tasks', got {type(d).__name__}")
+    for key in ("devices", "tasks"):
+        if key not in d:
+            raise ProblemError(f"problem description lacks {key!r}; it needs 'devices' and 'tasks'")
+    for key, required in (("devices", ("name",)), ("tasks", ("name", "compute_s")), ("edges", ("src", "dst"))):
+        entries = d.get(key, [])
+        if not isinstance(entries, list):
+            raise ProblemError(f"{key!r} must be a list of objects, got {type(entries).__name__}")
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                raise ProblemError(f"{key}[{i}] must be an object, got {entry!r}")
+            missing = [k for k in required if k not in entry]
+            if missing:
+                raise ProblemError(f"{key}[{i}] lacks {missing}; every entry of {key!r} needs {list(required)}")
+    k = len(d["devices"])
+    for i, task in enumerate(d["tasks"]):
+        try:
+            compute = np.asarray(task["compute_s"], float)
+        except (TypeError, ValueError):
+            got = task["compute_s"]
+            raise ProblemError(f"tasks[{i}] ({task['name']!r}): compute_s must hold numbers, got {got!r}") from None
+        if compute.shape != (k,):
+            raise ProblemError(
+                f"tasks[{i}] ({task['name']!r}): compute_s must list one time per device ({k}), got {compute.size}"
+            )
 
 
 def _link_matrices(links: dict[str, Any] | None, k: int) -> tuple[np.ndarray, np.ndarray] | None:

@@ -72,6 +72,7 @@ from moirai.trace import (
     TensorSpec,
     TracedModel,
     check_flat_inputs,
+    is_view_node,
     shape_scalars,
     tensor_spec,
 )
@@ -359,6 +360,8 @@ class _PartBuilder:
             if pending is not None:
                 wait = self.graph.create_node("call_method", "wait_recv", (self.transport, pending), name=producer.name)
                 wait.meta["val"] = producer.meta.get("val")
+                if _needs_traced_strides(producer):
+                    wait = self._with_traced_strides(wait, producer.meta["val"])
                 self.env[producer.name] = wait
         self.env[node.name] = self.graph.node_copy(node, self.local_value)
 
@@ -392,6 +395,14 @@ class _PartBuilder:
             result = self.graph.create_node("call_function", function, (result, operand))
         return result
 
+    def _with_traced_strides(self, received: fx.Node, traced: torch.Tensor) -> fx.Node:
+        """A copy of ``received`` laid out with the traced strides (plain aten ops: the part stays picklable)."""
+        shape, stride = [int(s) for s in traced.shape], [int(s) for s in traced.stride()]
+        buffer = self.graph.call_function(torch.ops.aten.new_empty_strided.default, (received, shape, stride))
+        restrided = self.graph.call_function(torch.ops.aten.copy_.default, (buffer, received))
+        buffer.meta["val"] = restrided.meta["val"] = traced
+        return restrided
+
     def add_send(self, transfer: TensorTransfer) -> None:
         args = (self.transport, self.env[transfer.tensor], transfer.index)
         self.graph.create_node("call_method", "send", args, name=f"send_{transfer.tensor}_to_{transfer.dst}")
@@ -424,6 +435,21 @@ class _PartBuilder:
             output_specs=tuple(_spec_of(v) for v in self.output_values),
             attribute_names=tuple(self.attributes),
         )
+
+
+def _needs_traced_strides(producer: fx.Node) -> bool:
+    """Whether a received tensor must get its traced layout back: it was not contiguous and a view reads it.
+
+    A transfer delivers a contiguous tensor; a view traced on the strided original (``view`` after a
+    ``transpose``) can fail on it or, for ``as_strided``, read other elements (fuzz seed 63 found it).
+    """
+    value = producer.meta.get("val")
+    return (
+        isinstance(value, torch.Tensor)
+        and all(isinstance(size, int) for size in (*value.shape, *value.stride()))  # static layouts only
+        and not value.is_contiguous()
+        and any(is_view_node(user) for user in producer.users)
+    )
 
 
 def _spec_of(value: object) -> TensorSpec | None:

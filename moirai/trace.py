@@ -9,25 +9,29 @@ Example::
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
 import re
 import traceback
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import CodeType
 from typing import Any
 
+import numpy as np
 import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._sympy.functions import FloorDiv, PythonMod
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.printers import PythonPrinter
 
-from moirai.errors import InputError, PlanError, TraceError
+from moirai.errors import InputError, PlanError, TraceError, TrainingModeWarning
 from moirai.progress import stage
 
 
@@ -158,9 +162,16 @@ class TracedModel:
             kwargs = {key: kwargs[key] for key in expected_keys}
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.in_spec:
+            traced_args, traced_keys = self.in_spec.child(0).num_children, sorted(expected_keys)
+            if (len(args), sorted(kwargs)) != (traced_args, traced_keys):
+                difference = (
+                    f"{traced_args} positional input(s) and keyword(s) {traced_keys}, "
+                    f"called with {len(args)} and {sorted(kwargs)}"
+                )
+            else:
+                difference = f"inputs structured as {self.in_spec}, called with {spec}"
             raise InputError(
-                f"{self.model_name} was traced with inputs structured as {self.in_spec}, "
-                f"called with {spec}; call it with the same arguments as the example inputs"
+                f"{self.model_name} was traced with {difference}; call it with the same arguments as the example inputs"
             )
         for position, constant in self.constant_inputs.items():
             if flat[position] != constant:
@@ -194,6 +205,8 @@ def trace(
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     name = type(model).__name__
     dynamic_dims: tuple[DynamicDim, ...] = ()
+    _check_example_inputs(model, args, kwargs, name)
+    _warn_if_training(model, name)
     try:
         exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as export_error:
@@ -204,15 +217,21 @@ def trace(
                 "or leave them out (a Hugging Face model's ModelOutput needs no return_dict=False)"
             ) from export_error
         if kwargs or dynamic_shapes is not None:
-            raise _trace_error(name, export_error) from export_error
+            raise _trace_error(name, export_error, args, kwargs) from export_error
         graph_module = _symbolic_trace_fallback(model, args, name, export_error)
         out_spec = pytree.tree_structure(_flat_output_marker(graph_module))
     else:
+        if _has_observable_mutation(exported.graph_module.graph):
+            # The splitter follows data edges; an in-place op that other ops see is not one. torch's
+            # functionalization rewrites it as data flow (graphs without one are left as traced).
+            exported = exported.run_decompositions({})
+            _views_as_reshapes(exported.graph_module.graph)
         graph_module = exported.module()
         out_spec = exported.call_spec.out_spec
         _drop_guard_calls(graph_module)
         if dynamic_shapes is not None:
             dynamic_dims = _dynamic_dims(exported, graph_module, model, args, kwargs, dynamic_shapes)
+        _check_static_shapes(graph_module, name)
     in_spec = pytree.tree_structure((args, kwargs))
     flat_inputs = pytree.tree_leaves((args, kwargs))
     constant_inputs = {i: value for i, value in enumerate(flat_inputs) if not isinstance(value, torch.Tensor)}
@@ -221,6 +240,7 @@ def trace(
     _bake_constant_inputs(graph_module, constant_inputs)
     _flatten_output(graph_module)
     graph_module.recompile()
+    _check_operand_dtypes(graph_module, name, _tensor_input_names(args, kwargs))
     if dynamic_dims:
         placeholders = graph_module.graph.find_nodes(op="placeholder")
         input_specs = tuple(tensor_spec(node.meta["val"]) for node in placeholders)
@@ -392,15 +412,27 @@ def _symbolic_trace_fallback(model: torch.nn.Module, args: tuple, name: str, exp
     try:
         graph_module = fx.symbolic_trace(model)
     except Exception:
-        raise _trace_error(name, export_error) from export_error
-    _ShapePropWithParams(graph_module).propagate(*args)
+        raise _trace_error(name, export_error, args, {}) from export_error
+    recorder = _RecordValues(graph_module)
+    try:
+        recorder.run(*args)
+    except Exception as error:
+        # The model ran eagerly on the example inputs and failed there: they do not fit it.
+        raise TraceError(
+            f"could not trace {name}: the example inputs ({_describe_tensors(args, {})}) do not fit it; "
+            f"{_describe_node(graph_module, recorder.current_node)} fails with {_first_line(error)}. "
+            "Give example inputs of the shapes, dtypes and number the model's forward takes."
+        ) from error
     return graph_module
 
 
-class _ShapePropWithParams(ShapeProp):
-    """ShapeProp that also records ``meta["val"]`` (as exported graphs have) on every node."""
+class _RecordValues(fx.Interpreter):
+    """Runs the graph once and records ``meta["val"]`` (as exported graphs have) on every node."""
+
+    current_node: fx.Node | None = None
 
     def run_node(self, n: fx.Node) -> Any:
+        self.current_node = n
         result = super().run_node(n)
         n.meta["val"] = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), result)
         return result
@@ -456,13 +488,225 @@ def _drop_guard_calls(graph_module: fx.GraphModule) -> None:
         delattr(graph_module, "_guards_fn")
 
 
-def _trace_error(model_name: str, error: Exception) -> TraceError:
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if "site-packages/torch" not in f.filename]
+def _trace_error(model_name: str, error: Exception, args: tuple, kwargs: dict[str, Any]) -> TraceError:
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not _is_library_file(f.filename)]
     where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return TraceError(
-        f"could not trace {model_name}{where}: {type(error).__name__}: {first_line}. "
+        f"could not trace {model_name}{where} with example inputs {_describe_tensors(args, kwargs)}: "
+        f"{_first_line(error)}. "
         "Try: data-dependent control flow on tensor values must become torch.cond or be removed; "
         "Hugging Face decoders need use_cache=False (and return_dict=False if outputs are not tensors); "
         "example inputs must be tensors of the shape you will serve."
     )
+
+
+# --- checks of the example inputs and of the traced graph -------------------------------------------
+
+_MOIRAI_DIRECTORY = str(Path(__file__).parent)
+# Ops whose first three tensor operands (input, weight, bias; q, k, v) must share one dtype. Fake
+# tensors do not check it, so an int64 input into a Linear traces and then fails on every call.
+_SAME_DTYPE_OPS = {
+    getattr(torch.ops.aten, name)
+    for name in (
+        "linear mm addmm bmm baddbmm matmul mv addmv dot conv1d conv2d conv3d convolution _convolution "
+        "conv_transpose1d conv_transpose2d conv_transpose3d scaled_dot_product_attention "
+        "layer_norm group_norm batch_norm instance_norm"
+    ).split()
+}
+_NORMS = {torch.ops.aten.layer_norm, torch.ops.aten.group_norm, torch.ops.aten.batch_norm, torch.ops.aten.instance_norm}
+
+
+def _is_library_file(filename: str) -> bool:
+    return "site-packages/torch" in filename or filename.startswith(_MOIRAI_DIRECTORY)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _input_path(path: tuple) -> str:
+    """``example_inputs[0]`` or ``example_kwargs['mask']`` for a key path into ``(args, kwargs)``."""
+    root = "example_inputs" if path[0].idx == 0 else "example_kwargs"
+    return root + pytree.keystr(path[1:])
+
+
+def _tensor_input_names(args: tuple, kwargs: dict[str, Any]) -> list[str]:
+    """Where every flat tensor input came from, in flat order (the placeholders of the traced graph)."""
+    leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+    return [_input_path(path) for path, value in leaves if isinstance(value, torch.Tensor)]
+
+
+def _describe_tensors(args: tuple, kwargs: dict[str, Any]) -> str:
+    leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+    shown = [
+        f"{_input_path(path)}: {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
+        if isinstance(value, torch.Tensor)
+        else f"{_input_path(path)}: {type(value).__name__}"
+        for path, value in leaves
+    ]
+    return ", ".join(shown[:6]) + (", ..." if len(shown) > 6 else "") if shown else "none"
+
+
+def _check_example_inputs(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], name: str) -> None:
+    """Catch the inputs torch would reject only deep inside tracing: arrays, and a wrong number of them."""
+    for path, value in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(value, (np.ndarray, np.generic)):
+            raise TraceError(
+                f"{name}: example input {_input_path(path)} is a numpy {type(value).__name__}; "
+                "moirai traces torch tensors: pass torch.from_numpy(array) (or torch.as_tensor)"
+            )
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward without a Python signature: let tracing judge
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise TraceError(
+            f"the example inputs do not fit {name}.forward{signature}: {error} "
+            f"(given {len(args)} positional and keyword(s) {sorted(kwargs)}); pass example_inputs=(...) with one "
+            "value per positional argument and example_kwargs={...} for the keyword ones"
+        ) from None
+
+
+def _warn_if_training(model: torch.nn.Module, name: str) -> None:
+    random_or_batch = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+    training = [
+        f"{path or name} ({type(m).__name__})"
+        for path, m in model.named_modules()
+        if m.training and isinstance(m, random_or_batch)
+    ]
+    if training:
+        warnings.warn(
+            TrainingModeWarning(
+                f"{name} is in training mode: {', '.join(training[:3])}{', ...' if len(training) > 3 else ''} "
+                "will drop random activations or use batch statistics, so the split model's outputs differ from "
+                "call to call and from the model in eval mode; call model.eval() before moirai.compile"
+            ),
+            stacklevel=3,
+        )
+
+
+def _source_line(node: fx.Node) -> str:
+    """``file.py:12 (code)`` of the user's line that made ``node``, from the trace's stack, or ``""``."""
+    lines = [line.strip() for line in str(node.meta.get("stack_trace") or "").strip().splitlines()]
+    places = [i for i, line in enumerate(lines) if line.startswith("File ")]
+    if not places:
+        return ""
+    place = lines[places[-1]].split(",")
+    file, line_number = place[0].removeprefix("File ").strip('"'), place[1].strip().removeprefix("line ")
+    code = lines[places[-1] + 1] if places[-1] + 1 < len(lines) else ""
+    return f"{Path(file).name}:{line_number} ({code})"
+
+
+def _describe_node(graph_module: fx.GraphModule, node: fx.Node | None) -> str:
+    if node is None:
+        return "the model"
+    if node.op == "call_module":
+        return f"module {node.target!r} ({type(graph_module.get_submodule(str(node.target))).__name__})"
+    stack = node.meta.get("nn_module_stack")
+    module = ""
+    if stack and list(stack.values())[-1][0]:
+        path, kind = list(stack.values())[-1]
+        module = f" in module {path!r} ({getattr(kind, '__name__', str(kind).rsplit('.', 1)[-1])})"
+    source = _source_line(node)
+    label = node.name if node.name == _target_label(node) else f"{node.name} ({_target_label(node)})"
+    return label + module + (f" at {source}" if source else "")
+
+
+def _target_label(node: fx.Node) -> str:
+    target = node.target
+    return str(target.overloadpacket.__name__) if isinstance(target, torch._ops.OpOverload) else str(target)
+
+
+def is_view_node(node: fx.Node) -> bool:
+    """An op whose output aliases its first input, as its schema declares (a view, or a piece of a split)."""
+    target = node.target
+    if target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and is_view_node(node.args[0])
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return False
+    alias = target._schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _has_observable_mutation(graph: fx.Graph) -> bool:
+    """Whether an in-place op writes a tensor (or a view of it) that another op also reads.
+
+    ``relu_`` on a value nothing else reads (ResNet's ``ReLU(inplace=True)``) is harmless to a split;
+    ``t.add_(u)`` where another op reads ``t`` (before or after) makes an order the data edges do not show.
+    """
+    for node in graph.nodes:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            continue
+        written = [
+            node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            for i, argument in enumerate(target._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ]
+        for value in written:
+            if not isinstance(value, fx.Node):
+                continue
+            base = value
+            while is_view_node(base) and isinstance(base.args[0], fx.Node):
+                base = base.args[0]
+            aliases, frontier = {base}, [base]
+            while frontier:
+                for user in frontier.pop().users:
+                    if user is node or user in aliases:
+                        continue
+                    if not is_view_node(user):
+                        return True  # a reader of the written tensor other than the in-place op
+                    aliases.add(user)
+                    frontier.append(user)
+    return False
+
+
+def _views_as_reshapes(graph: fx.Graph) -> None:
+    """Functionalization writes ``reshape`` as ``view``, which needs the strides seen at trace time; the
+    kernels of a run (an attention's output layout) or a transfer may give others. In a functional graph
+    a reshape computes the same values."""
+    for node in graph.nodes:
+        if node.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
+            node.target = torch.ops.aten.reshape.default
+
+
+def _check_static_shapes(graph_module: fx.GraphModule, name: str) -> None:
+    """Refuse ops whose output shape depends on tensor values (``t[t > 0]``, ``nonzero``): plans fix every shape."""
+    for node in graph_module.graph.nodes:
+        tensors = [t for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
+        if node.op == "call_function" and any(free_unbacked_symbols(t) for t in tensors):
+            shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+            raise TraceError(
+                f"{name}: {_describe_node(graph_module, node)} makes a tensor whose shape {shapes} depends on the "
+                "values of a tensor, not only on the input shapes; moirai plans programs whose every shape is known "
+                "at compile time: replace boolean-mask indexing (t[t > 0]), nonzero or unique by shape-preserving "
+                "ops such as torch.where(t > 0, t, 0)"
+            )
+
+
+def _check_operand_dtypes(graph_module: fx.GraphModule, name: str, input_names: list[str]) -> None:
+    """Refuse matmuls, convolutions and norms whose operands' dtypes differ (as eager PyTorch would)."""
+    placeholders = graph_module.graph.find_nodes(op="placeholder")
+    for node in graph_module.graph.nodes:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket not in _SAME_DTYPE_OPS:
+            continue
+        operands = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        operands = operands[:1] if target.overloadpacket in _NORMS else operands[:3]
+        dtypes = [a.meta["val"].dtype for a in operands]
+        if len(set(dtypes)) <= 1 and all(d.is_floating_point or d.is_complex for d in dtypes):
+            continue
+        inputs = [
+            f"example input {input_names[placeholders.index(a)]} is {a.meta['val'].dtype}"
+            for a in operands
+            if a in placeholders and placeholders.index(a) < len(input_names)
+        ]
+        raise TraceError(
+            f"{name}: {_describe_node(graph_module, node)} gets operands of dtypes "
+            f"{', '.join(str(d) for d in dtypes)}{' (' + '; '.join(inputs) + ')' if inputs else ''}; it needs one "
+            "floating-point dtype: give example inputs of the dtype the model computes in (e.g. x.float()), or "
+            "cast them inside the model"
+        )

@@ -7,15 +7,20 @@ listing the module in ``_PLACER_MODULES``. :func:`list_placers` names them all.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import inspect
+import numbers
 import sys
 import time
 import types
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from moirai.errors import MoiraiError
+import numpy as np
+
+from moirai.errors import MoiraiError, OverMemoryWarning, PlacerOptionError
 from moirai.objective import Objective, as_objective
 from moirai.problem import Plan, Problem
 from moirai.progress import stage
@@ -80,8 +85,9 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     """
     from moirai.simulate import simulate
 
-    chosen = as_objective(objective)
     function = get_placer(placer)
+    check_options(placer, function, options)
+    chosen = as_objective(objective)
     if "objective" in inspect.signature(function).parameters:
         options = {**options, "objective": chosen}
     start = time.perf_counter()
@@ -96,6 +102,7 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     plan.objective, plan.objective_s = chosen.name, chosen.value_s(timeline)
     # A placer may prove a stronger bound (the MILP's); keep the better of the two.
     plan.lower_bound_s = max(plan.lower_bound_s or 0.0, chosen.lower_bound_s(problem))
+    _warn_if_over_memory(problem, plan)
     return plan
 
 
@@ -123,6 +130,78 @@ def _no_worse_than_one_device(
         placement_time_s=plan.placement_time_s,
     )
     return replaced, single_timeline
+
+
+# What a value of an option, whichever placer takes it, must be.
+_OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # 0 is a real choice: no search, the placer's start plan.
+    "time_limit_s": (lambda v: _is_number(v) and v >= 0, "a non-negative number of seconds"),
+    "mip_gap": (lambda v: _is_number(v) and 0 <= v < 1, "a relative gap in [0, 1), e.g. 1e-4"),
+    "threads": (lambda v: v is None or (_is_integer(v) and v >= 1), "None or an integer of at least 1"),
+    "window_tasks": (lambda v: _is_integer(v) and v >= 1, "an integer of at least 1"),
+    "target_tasks": (lambda v: _is_integer(v) and v >= 1, "an integer of at least 1"),
+    "seed": (lambda v: _is_integer(v), "an integer"),
+    "contention": (lambda v: isinstance(v, bool), "True or False"),
+    "integral": (lambda v: isinstance(v, bool), "True or False"),
+    "uniform": (lambda v: isinstance(v, bool), "True or False"),
+    "progress": (lambda v: v is None or isinstance(v, bool), "None, True or False"),
+}
+
+
+def check_options(name: str, function: Placer, options: dict[str, Any]) -> None:
+    """Raise :class:`PlacerOptionError` for an option ``function`` does not take or a value out of its range."""
+    parameters = list(inspect.signature(function).parameters.values())[1:]  # the first is the problem
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    valid = [p.name for p in parameters]
+    for option, value in options.items():
+        if option not in valid:
+            close = difflib.get_close_matches(option, valid, n=1)
+            raise PlacerOptionError(
+                f"placer {name!r} has no option {option!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + (f"; its options are {', '.join(valid)}" if valid else "; it takes no options")
+            )
+        rule = _OPTION_RULES.get(option)
+        if rule is not None and not rule[0](value):
+            raise PlacerOptionError(f"placer {name!r}: option {option}={value!r} must be {rule[1]}")
+
+
+def devices_over_memory(problem: Problem, plan: Plan) -> list[int]:
+    """The devices on which ``plan`` places more memory than the problem gives them."""
+    held = np.bincount(plan.placement, weights=problem.memory_bytes, minlength=problem.num_devices)
+    return [int(k) for k in np.flatnonzero(held > problem.memory_capacity_bytes)]
+
+
+def _warn_if_over_memory(problem: Problem, plan: Plan) -> None:
+    """Placers that ignore memory (round_robin...) may exceed it: mark the plan and warn, with the numbers."""
+    from moirai.bounds import format_bytes
+
+    over = devices_over_memory(problem, plan)
+    if not over:
+        return
+    held = np.bincount(plan.placement, weights=problem.memory_bytes, minlength=problem.num_devices)
+    plan.report.notes["over_memory_devices"] = [problem.device_names[k] for k in over]
+    amounts = ", ".join(
+        f"{problem.device_names[k]} holds {format_bytes(float(held[k]))} of "
+        f"{format_bytes(float(problem.memory_capacity_bytes[k]))}"
+        for k in over
+    )
+    warnings.warn(
+        OverMemoryWarning(
+            f"the {plan.placer!r} plan puts more on a device than it can hold ({amounts}); {plan.placer!r} ignores "
+            "memory: use a placer that respects it ('milp', 'heft', 'm_etf', 'm_sct', 'hash', 'expert') or add memory"
+        ),
+        stacklevel=3,
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _load_all() -> None:

@@ -1,0 +1,530 @@
+"""A catalogue of mistakes a user can make, each answered by a moirai error that names it and says what to do.
+
+Every case asserts the exception type and the key words of its message: what was wrong, where (file,
+key, device, input, option) and what to try. Models are tiny so the whole catalogue runs in seconds.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+import moirai
+from moirai.cost import activation_peak_bytes
+from moirai.errors import (
+    ClusterError,
+    FusionRuleError,
+    InputError,
+    MoiraiError,
+    OverMemoryWarning,
+    PlacerOptionError,
+    PlanError,
+    ProblemError,
+    TraceError,
+    TrainingModeWarning,
+)
+from moirai.placers import devices_over_memory
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+def tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+
+
+X = torch.randn(3, 4)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> moirai.CompiledModel:
+    return moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="round_robin")
+
+
+@pytest.fixture(scope="module")
+def problem() -> moirai.Problem:
+    return moirai.Problem.from_dict(
+        {
+            "devices": [{"name": "a", "memory_bytes": 10.0}, {"name": "b", "memory_bytes": 10.0}],
+            "tasks": [{"name": n, "compute_s": [1.0, 1.0], "memory_bytes": 8.0} for n in "xyz"],
+            "edges": [{"src": "x", "dst": "y", "transfer_s": [[0, 1], [1, 0]]}],
+        }
+    )
+
+
+def raises(kind: type[Exception], *words: str):
+    """``pytest.raises`` whose message must contain every word (regex-escaped, in any order)."""
+    return pytest.raises(kind, match="".join(f"(?=[\\s\\S]*{re.escape(word)})" for word in words))
+
+
+# --- compile: example inputs and the model -------------------------------------------------------------
+
+
+def test_example_input_of_the_wrong_shape_names_the_module_and_chains_the_torch_error():
+    with raises(TraceError, "do not fit", "module '0' (Linear)", "(3, 5)", "mat1 and mat2 shapes") as failure:
+        moirai.compile(tiny(), ["cpu", "cpu"], (torch.randn(3, 5),), placer="heft")
+    assert isinstance(failure.value.__cause__, RuntimeError), "the torch error is chained, not the headline"
+    assert "ShapeProp" not in str(failure.value)
+
+
+def test_missing_example_input_names_the_argument():
+    with raises(TraceError, "missing a required argument: 'input'", "example_inputs=(...)"):
+        moirai.compile(tiny(), ["cpu", "cpu"], (), placer="heft")
+
+
+def test_too_many_example_inputs_are_named():
+    with raises(TraceError, "too many positional arguments", "Sequential.forward"):
+        moirai.trace(tiny(), (X, X))
+
+
+def test_numpy_example_input_says_to_convert_it():
+    with raises(TraceError, "example_inputs[0]", "numpy", "torch.from_numpy"):
+        moirai.compile(tiny(), ["cpu", "cpu"], (np.zeros((3, 4), np.float32),), placer="heft")
+
+
+def test_numpy_example_kwarg_is_named_by_its_key():
+    class Scaled(nn.Module):
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return x * scale
+
+    with raises(TraceError, "example_kwargs['scale']", "numpy"):
+        moirai.trace(Scaled(), (X,), {"scale": np.ones(4)})
+
+
+def test_integer_example_input_into_a_linear_is_refused_at_compile_time():
+    with raises(TraceError, "torch.int64", "example_inputs[0]", "module '0' (Linear)", "x.float()"):
+        moirai.compile(tiny(), ["cpu", "cpu"], (torch.ones(3, 4, dtype=torch.long),), placer="heft")
+
+
+def test_value_dependent_output_shape_names_the_line_and_the_fix():
+    class Positive(nn.Module):
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return t[t > 0] * 2
+
+    with raises(TraceError, "Positive", "index", "test_bad_inputs.py", "depends on the values", "torch.where"):
+        moirai.compile(Positive(), ["cpu", "cpu"], (X,), placer="heft")
+
+
+def test_value_dependent_control_flow_names_the_line_and_torch_cond():
+    class Branchy(nn.Module):
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            if t.sum() > 0:
+                return t * 2
+            return t
+
+    with raises(TraceError, "could not trace Branchy", "test_bad_inputs.py", "if t.sum() > 0", "torch.cond"):
+        moirai.trace(Branchy(), (X,))
+
+
+def test_model_in_training_mode_warns_with_the_modules_and_eval():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    with pytest.warns(TrainingModeWarning, match=r"training mode: 1 \(Dropout\).*model\.eval\(\)"):
+        moirai.trace(model, (X,))
+
+
+def test_model_in_eval_mode_does_not_warn(recwarn):
+    moirai.trace(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval(), (X,))
+    assert not [w for w in recwarn if issubclass(w.category, TrainingModeWarning)]
+
+
+# --- compile: devices ----------------------------------------------------------------------------------
+
+
+def test_devices_given_as_one_string():
+    with raises(ClusterError, "devices='cpu' is not a list", "['cpu', 'cpu']"):
+        moirai.compile(tiny(), "cpu", (X,), placer="heft")
+
+
+def test_devices_given_as_integers():
+    with raises(ClusterError, "devices[0] is 0", "int", "'cuda:0'"):
+        moirai.compile(tiny(), [0, 1], (X,), placer="heft")
+
+
+def test_device_of_an_unknown_kind():
+    with raises(ClusterError, "devices[0] is 'tpu'", "not a torch device", "'cpu' or 'cuda:N'"):
+        moirai.compile(tiny(), ["tpu"], (X,), placer="heft")
+
+
+def test_a_torch_device_kind_moirai_does_not_run_on():
+    with raises(ClusterError, "devices[1] is 'meta'", "'cpu' and 'cuda:N'"):
+        moirai.Cluster.from_devices(["cpu", "meta"])
+
+
+def test_no_devices():
+    with raises(ClusterError, "at least one device"):
+        moirai.compile(tiny(), [], (X,), placer="heft")
+
+
+@NO_CUDA
+def test_cuda_device_on_a_machine_without_cuda():
+    with raises(ClusterError, "cuda:0", "CUDA is not available"):
+        moirai.compile(tiny(), ["cuda:0", "cpu"], (X,), placer="heft")
+
+
+@NO_CUDA
+def test_cuda_preset_plans_here_but_refuses_to_run_here():
+    cm = moirai.compile(tiny(), moirai.Cluster.preset("moirai-inter-server"), (X,), placer="heft")
+    with raises(ClusterError, "runs on cuda:", "0 CUDA device", "moirai.load there"):
+        cm(X)
+    with raises(ClusterError, "runs on cuda:", "0 CUDA device"):
+        cm.run_distributed(X)
+
+
+# --- calling the compiled model ------------------------------------------------------------------------
+
+
+def test_call_with_the_wrong_shape(compiled):
+    with raises(InputError, "input 0", "(5, 4)", "(3, 4)", "compile again"):
+        compiled(torch.randn(5, 4))
+
+
+def test_call_with_the_wrong_number_of_inputs(compiled):
+    with raises(InputError, "traced with 1 positional input(s)", "called with 2", "same arguments"):
+        compiled(X, X)
+
+
+def test_call_with_a_non_tensor(compiled):
+    with raises(InputError, "input 0 must be a tensor", "ndarray"):
+        compiled(X.numpy())
+
+
+# --- placers and their options -------------------------------------------------------------------------
+
+
+def test_unknown_placer():
+    with raises(MoiraiError, "unknown placer 'hef'", "heft"):
+        moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="hef")
+
+
+def test_misspelled_placer_option_suggests_the_right_one():
+    with raises(PlacerOptionError, "'milp' has no option 'time_limt_s'", "did you mean 'time_limit_s'", "mip_gap"):
+        moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="milp", time_limt_s=5)
+
+
+def test_option_the_placer_does_not_take_lists_its_options(problem):
+    with raises(PlacerOptionError, "'heft' has no option 'time_limit_s'", "its options are contention"):
+        moirai.place(problem, "heft", time_limit_s=5)
+
+
+def test_option_to_a_placer_without_options(problem):
+    with raises(PlacerOptionError, "'round_robin' has no option 'seed'", "takes no options"):
+        moirai.place(problem, "round_robin", seed=1)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "words"),
+    [
+        ("time_limit_s", -1, "non-negative number of seconds"),
+        ("time_limit_s", "30", "non-negative number of seconds"),
+        ("mip_gap", -5, "relative gap in [0, 1)"),
+        ("threads", 0, "integer of at least 1"),
+        ("threads", 2.5, "integer of at least 1"),
+        ("window_tasks", 0, "integer of at least 1"),
+    ],
+)
+def test_milp_option_out_of_range(problem, option, value, words):
+    with raises(PlacerOptionError, f"option {option}={value!r}", words):
+        moirai.place(problem, "milp", **{option: value})
+
+
+def test_option_of_the_wrong_type(problem):
+    with raises(PlacerOptionError, "option seed='a'", "an integer"):
+        moirai.place(problem, "hash", seed="a")
+    with raises(PlacerOptionError, "option contention='yes'", "True or False"):
+        moirai.place(problem, "heft", contention="yes")
+
+
+def test_memory_ignoring_placer_over_memory_warns_with_the_numbers_and_marks_the_plan(problem):
+    with pytest.warns(OverMemoryWarning, match=r"'round_robin' plan.*a holds 16 B of 10 B.*'heft'"):
+        plan = moirai.place(problem, "round_robin")
+    assert plan.info["over_memory_devices"] == ["a"]
+    assert devices_over_memory(problem, plan) == [0]
+
+
+def test_memory_aware_placer_refuses_what_cannot_fit(problem):
+    with raises(moirai.InfeasibleError, "needs 24 B", "20 B in total", "add devices or memory"):
+        moirai.place(problem, "heft")
+
+
+def test_summary_shows_devices_over_memory_in_red(compiled):
+    # Device A holds the activation reserve and 100 B of weights, less than the first Linear's 160 B; B holds all.
+    reserve_gb = activation_peak_bytes(compiled.graph) / 1e9
+    cluster = moirai.Cluster.from_dict(
+        {
+            "devices": [
+                {
+                    "name": n,
+                    "memory_gb": reserve_gb + extra_bytes / 1e9,
+                    "peak_tflops": {"fp32": 1.0},
+                    "memory_bandwidth_gb_per_s": 10,
+                }
+                for n, extra_bytes in (("A", 100), ("B", 10_000))
+            ],
+            "links": [{"src": "A", "dst": "B", "bandwidth_gbps": 10, "both_directions": True}],
+        }
+    )
+    with pytest.warns(OverMemoryWarning, match="A holds 160 B of 100 B.*ignores memory"):
+        cm = moirai.compile(tiny(), cluster, (X,), placer="round_robin")
+    output = io.StringIO()
+    table = cm.summary(Console(file=output, width=200))
+    assert [row.style for row in table.rows] == ["bold red", None]
+    assert "OVER MEMORY" in output.getvalue()
+    assert not devices_over_memory(cm.problem, moirai.place(cm.problem, "heft")), "memory-aware placers fit it"
+
+
+def test_measured_cost_on_devices_of_another_machine():
+    cluster = moirai.Cluster.preset("two-hosts-100gbe")
+    with raises(ClusterError, "is not on this machine", "mode='analytic'"):
+        moirai.compile(tiny(), cluster, (X,), placer="heft", cost="measured")
+
+
+def test_unknown_cost_mode():
+    with raises(ClusterError, "unknown cost mode 'fast'", "'analytic' or 'measured'"):
+        moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", cost="fast")
+
+
+def test_target_nodes_below_one():
+    with raises(MoiraiError, "target_nodes must be at least 1"):
+        moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", target_nodes=0)
+
+
+# --- cluster files -------------------------------------------------------------------------------------
+
+CLUSTER = """name = "two"
+
+[[devices]]
+name = "A"
+torch_device = "cpu"
+memory_gb = 1
+peak_tflops = { fp32 = 1.0 }
+memory_bandwidth_gb_per_s = 10
+
+[[devices]]
+name = "B"
+torch_device = "cpu"
+memory_gb = 1
+peak_tflops = { fp32 = 1.0 }
+memory_bandwidth_gb_per_s = 10
+
+[[links]]
+src = "A"
+dst = "B"
+bandwidth_gbps = 10
+both_directions = true
+"""
+
+
+def cluster_file(tmp_path, text: str):
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    return path
+
+
+def test_valid_cluster_file_loads(tmp_path):
+    assert moirai.Cluster.from_file(cluster_file(tmp_path, CLUSTER)).names == ("A", "B")
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (("bandwidth_gbps = 10", 'bandwidth_gbps = "fast"'), ("link 'A' -> 'B'", "bandwidth_gbps", "'fast'")),
+        (("memory_gb = 1", 'memory_gb = "lots"'), ("device 'A'", "memory_gb must be a number", "'lots'")),
+        (('torch_device = "cpu"', 'torch_device = "tpu:0"'), ("device 'A': torch_device", "'tpu:0'")),
+        (("memory_gb = 1", 'memory_gb = 1\nrank = "zero"'), ("device 'A'", "rank must be an integer")),
+        (("both_directions = true", 'both_directions = "yes"'), ("both_directions must be true or false",)),
+        (("peak_tflops = { fp32 = 1.0 }", "peak_tflops = 5"), ("device 'A'", "peak_tflops must be a table")),
+        (("memory_gb = 1", "memory_gb = 1\nmemory = 2"), ("device 'A'", "unknown keys ['memory']")),
+        (("memory_gb = 1", 'memory_gb = 1\ntype = "t5000"'), ("unknown type 't5000'", "known types")),
+        (('name = "B"', 'name = "A"'), ("duplicate device names ['A']",)),
+        (('dst = "B"', 'dst = "C"'), ("unknown device 'C'",)),
+        (("memory_gb = 1", "memory_gb = -1"), ("device 'A'", "positive memory_gb")),
+        (("bandwidth_gbps = 10", "bandwidth_gbps = 0"), ("bandwidth 0.0 Gbps", "positive")),
+    ],
+    ids=lambda value: value[1][:24] if isinstance(value, tuple) and len(value) == 2 else None,
+)
+def test_bad_cluster_file_names_file_device_and_key(tmp_path, edit, words):
+    path = cluster_file(tmp_path, CLUSTER.replace(*edit, 1))
+    with raises(ClusterError, str(path), *words):
+        moirai.Cluster.from_file(path)
+
+
+def test_devices_written_as_one_table(tmp_path):
+    one_device = CLUSTER.split("[[devices]]")[1].replace('name = "A"', "")
+    with raises(ClusterError, "cluster.toml", "devices must be an array of tables", "a single table [devices]"):
+        moirai.Cluster.from_file(cluster_file(tmp_path, f'[devices]\nname = "A"{one_device}'))
+
+
+def test_cluster_matrix_with_text_and_of_the_wrong_size(tmp_path):
+    devices = CLUSTER.split("[[links]]")[0]
+    with raises(ClusterError, "[matrix] bandwidth_gbps must hold numbers"):
+        moirai.Cluster.from_file(cluster_file(tmp_path, devices + '[matrix]\nbandwidth_gbps = [[0, "x"], [1, 0]]\n'))
+    with raises(ClusterError, "[matrix] bandwidth_gbps must be 2x2"):
+        moirai.Cluster.from_file(cluster_file(tmp_path, devices + "[matrix]\nbandwidth_gbps = [[0, 1]]\n"))
+    with raises(ClusterError, "latency_us must be a number or a 2x2 matrix"):
+        moirai.Cluster.from_file(
+            cluster_file(tmp_path, devices + '[matrix]\nbandwidth_gbps = [[0, 1], [1, 0]]\nlatency_us = "low"\n')
+        )
+
+
+def test_missing_and_malformed_cluster_files(tmp_path):
+    with raises(ClusterError, "does not exist"):
+        moirai.Cluster.from_file(tmp_path / "nowhere.toml")
+    with raises(ClusterError, "is not valid TOML"):
+        moirai.Cluster.from_file(cluster_file(tmp_path, "name = \n"))
+
+
+def test_unknown_preset():
+    with raises(ClusterError, "no preset cluster 'moirai'", "moirai-inter-server"):
+        moirai.Cluster.preset("moirai")
+
+
+# --- fusion rules --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('[[rule]]\nops = ["conv", "bnorm"]\n', ("rules.toml:2", "unknown op class 'bnorm'", "[classes]")),
+        ("[[rule]]\nops = []\n", ("rules.toml", "non-empty list of op classes")),
+        ('[[rule]]\nops = ["conv"]\nfuse = true\n', ("rules.toml", "unknown key(s) ['fuse']")),
+        ('[[rule]]\nops = ["conv!"]\n', ("'conv!' is not an op class word",)),
+        ("[[rule]\n", ("rules.toml", "not valid TOML")),
+        ("[classes]\n", ("defines no rules", "[[rule]]")),
+    ],
+)
+def test_bad_fusion_rule_file(tmp_path, text, words):
+    path = tmp_path / "rules.toml"
+    path.write_text(text)
+    with raises(FusionRuleError, *words):
+        moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", fusion_rules=path)
+
+
+def test_fusion_rules_neither_bundled_nor_a_file():
+    with raises(FusionRuleError, "cudnn_v9 is neither a bundled rule set nor a file", "default"):
+        moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", fusion_rules="cudnn_v9")
+
+
+# --- plan files (moirai.load) --------------------------------------------------------------------------
+
+
+def test_load_of_a_missing_plan_file(tmp_path):
+    with raises(PlanError, "nowhere.json", "does not exist", "CompiledModel.save"):
+        moirai.load(tmp_path / "nowhere.json", tiny(), (X,))
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ("", ("is empty", "save the plan again")),
+        ('{"format": 1, "devices": [', ("not valid JSON", "line 1", "cut short")),
+        ("[1, 2]", ("holds a JSON list", "not a moirai plan")),
+        ('{"format": 7}', ("not a moirai plan of format 1",)),
+    ],
+)
+def test_load_of_a_broken_plan_file(tmp_path, content, words):
+    path = tmp_path / "plan.json"
+    path.write_text(content)
+    with raises(PlanError, str(path), *words):
+        moirai.load(path, tiny(), (X,))
+
+
+def test_load_of_a_plan_with_a_key_missing(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    record = json.loads(path.read_text())
+    del record["node_device"], record["plan"]["placement"]
+    path.write_text(json.dumps(record))
+    with raises(PlanError, "lacks ['node_device', 'plan.placement']", "save it again"):
+        moirai.load(path, tiny(), (X,))
+
+
+def test_load_of_a_plan_for_another_model(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    other = nn.Sequential(nn.Linear(4, 2)).eval()
+    with raises(PlanError, "does not have", "compile again"):
+        moirai.load(path, other, (X,))
+
+
+def test_load_with_devices_as_one_string(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    with raises(ClusterError, "devices='cpu' is not a list"):
+        moirai.load(path, tiny(), (X,), devices="cpu")
+
+
+def test_load_on_a_different_number_of_devices(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    with raises(PlanError, "on 2 devices, 3 were given"):
+        moirai.load(path, tiny(), (X,), devices=["cpu", "cpu", "cpu"])
+
+
+# --- problems (plan your own graph) --------------------------------------------------------------------
+
+DEVICES = [{"name": "a"}, {"name": "b"}]
+
+
+@pytest.mark.parametrize(
+    ("description", "words"),
+    [
+        ({"devices": DEVICES}, ("lacks 'tasks'",)),
+        ([DEVICES], ("an object with 'devices' and 'tasks'", "list")),
+        ({"devices": DEVICES, "tasks": [{"name": "t"}]}, ("tasks[0] lacks ['compute_s']",)),
+        ({"devices": [{"memory_bytes": 1}], "tasks": []}, ("devices[0] lacks ['name']",)),
+        (
+            {"devices": DEVICES, "tasks": [{"name": "t", "compute_s": [1.0]}]},
+            ("tasks[0] ('t')", "one time per device (2)"),
+        ),
+        ({"devices": DEVICES, "tasks": [{"name": "t", "compute_s": ["1", "x"]}]}, ("compute_s must hold numbers",)),
+        ({"devices": DEVICES, "tasks": {"t": [1, 1]}}, ("'tasks' must be a list of objects", "dict")),
+        (
+            {"devices": DEVICES, "tasks": [{"name": "t", "compute_s": [1, 1]}], "edges": [{"src": "t"}]},
+            ("edges[0] lacks ['dst']",),
+        ),
+        (
+            {"devices": DEVICES, "tasks": [{"name": "t", "compute_s": [1, 1]}], "edges": [{"src": "t", "dst": "u"}]},
+            ("unknown task 'u'",),
+        ),
+        (
+            {
+                "devices": DEVICES,
+                "tasks": [{"name": n, "compute_s": [1, 1]} for n in "tu"],
+                "edges": [{"src": s, "dst": d, "transfer_s": [[0, 1], [1, 0]]} for s, d in ("tu", "ut")],
+            },
+            ("cycle", "needs a DAG"),
+        ),
+    ],
+)
+def test_bad_problem_description(description, words):
+    with raises(ProblemError, *words):
+        moirai.Problem.from_dict(description)
+
+
+def test_problem_json_files(tmp_path):
+    with raises(ProblemError, "does not exist"):
+        moirai.Problem.from_json(tmp_path / "nowhere.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"devices": [')
+    with raises(ProblemError, "broken.json", "not valid JSON"):
+        moirai.Problem.from_json(broken)
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({"devices": DEVICES, "tasks": [{"name": "t", "compute_s": [1, 2, 3]}]}))
+    with raises(ProblemError, "short.json", "compute_s must list one time per device (2), got 3"):
+        moirai.Problem.from_json(short)
+
+
+def test_plan_for_other_devices_or_other_tasks(problem):
+    with raises(PlanError, "plan is for devices ['a', 'c']"):
+        moirai.Plan(np.zeros(3, int), ("a", "c")).check(problem)
+    with raises(PlanError, "plan places 2 tasks, problem has 3"):
+        moirai.Plan(np.zeros(2, int), ("a", "b")).check(problem)
+    with raises(PlanError, "unknown device 5"):
+        moirai.Plan(np.array([0, 5, 1]), ("a", "b")).check(problem)
