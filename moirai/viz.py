@@ -473,7 +473,7 @@ def summary_table(
         busy = float(timeline.busy_s[k])
         row += [Text(memory, style="bold red" if over else ""), format_seconds(busy) if busy else "-"]
         row.append(f"{busy / latency:.0%}" if latency > 0 else "-")
-        table.add_row(*row)
+        table.add_row(*row, style="bold red" if over else None)
     details = []
     reason = stop_reason(plan)
     if reason:
@@ -482,7 +482,7 @@ def summary_table(
     if plan.placement_time_s is not None:
         details.append(f"placed in {format_seconds(plan.placement_time_s)}")
     if not timeline.fits_memory:
-        details.append("[bold red]over memory[/]")
+        details.append("[bold red]OVER MEMORY on the red rows[/]")
     table.caption = headline(problem, plan, timeline) + "\n" + " · ".join(details)
     table.caption_justify = "left"
     return table

@@ -244,7 +244,7 @@ def test_option_of_the_wrong_type(problem):
 def test_memory_ignoring_placer_over_memory_warns_with_the_numbers_and_marks_the_plan(problem):
     with pytest.warns(OverMemoryWarning, match=r"'round_robin' plan.*a holds 16 B of 10 B.*'heft'"):
         plan = moirai.place(problem, "round_robin")
-    assert plan.info["over_memory_devices"] == ["a"]
+    assert plan.report.notes["over_memory_devices"] == ["a"]
     assert devices_over_memory(problem, plan) == [0]
 
 

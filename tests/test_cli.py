@@ -68,7 +68,7 @@ def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factor
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["plan", "no/such/problem.json"], "no such file: no/such/problem.json"),
+        (["plan", "no/such/problem.json"], "problem file 'no/such/problem.json' does not exist"),
         (["compile", "{factory}:broken", "--devices", "cpu"], "raised ValueError: no weights here"),
         (["compile", "{factory}:missing", "--devices", "cpu"], "has no function 'missing'"),
         (["compile", "no_such_module_xyz:make", "--devices", "cpu"], "cannot import no_such_module_xyz"),
@@ -89,7 +89,7 @@ def test_errors_are_one_red_line_without_traceback(args, message, factory_file: 
 
 def test_missing_file_from_the_shell_is_one_line_and_debug_shows_the_traceback(tmp_path: Path) -> None:
     result = moirai_cli("plan", "missing.json", cwd=tmp_path)
-    assert result.returncode == 2 and result.stderr.strip() == "error: no such file: missing.json"
+    assert result.returncode == 2 and result.stderr.strip() == "error: problem file 'missing.json' does not exist"
     result = moirai_cli("--debug", "plan", "missing.json", cwd=tmp_path)
     assert result.returncode != 0 and "Traceback" in result.stderr
 

@@ -117,7 +117,7 @@ def test_summary_fits_80_columns_and_marks_memory_over_capacity_red(problem) -> 
     memory = table.columns[[c.header for c in table.columns].index("memory / capacity")]
     cells = list(memory.cells)
     assert cells[1].style == "bold red" and cells[0].style == ""
-    assert "over memory" in str(table.caption) and "bound" not in str(table.caption)  # bounds assume it fits
+    assert "OVER MEMORY" in str(table.caption) and "bound" not in str(table.caption)  # bounds assume it fits
 
 
 def test_summary_of_a_compiled_model_fits_80_columns_with_long_device_names() -> None:
