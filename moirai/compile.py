@@ -41,7 +41,8 @@ from moirai.runtime.local import check_inputs, run_local
 from moirai.runtime.server import Server
 from moirai.simulate import simulate
 from moirai.split import SplitProgram, split_module
-from moirai.trace import TracedModel, dynamic_dims_to_json, dynamic_shapes_from_json, trace
+from moirai.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
+from moirai.trace import TracedModel, trace
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -32,7 +32,8 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from moirai.progress import stage
-from moirai.trace import TracedModel, example_int, is_view_node, shape_scalars
+from moirai.symbolic_shapes import example_int, shape_scalars
+from moirai.trace import TracedModel, is_view_node
 
 
 @dataclass(frozen=True)

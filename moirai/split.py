@@ -66,17 +66,9 @@ import torch.fx as fx
 
 from moirai.errors import PlanError
 from moirai.progress import stage
-from moirai.trace import (
-    SHAPE_OPERATORS,
-    DynamicDim,
-    TensorSpec,
-    TracedModel,
-    check_flat_inputs,
-    is_view_node,
-    shape_scalars,
-    tensor_spec,
-)
-from moirai.trace import concrete_shape as concrete_shape  # part of this module's interface for the runtimes
+from moirai.symbolic_shapes import SHAPE_OPERATORS, DynamicDim, shape_scalars
+from moirai.symbolic_shapes import concrete_shape as concrete_shape  # part of this module's interface for the runtimes
+from moirai.trace import TensorSpec, TracedModel, check_flat_inputs, is_view_node, tensor_spec
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 

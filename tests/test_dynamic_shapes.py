@@ -11,7 +11,8 @@ from moirai.errors import InputError, MoiraiError
 from moirai.graph import build_op_graph
 from moirai.runtime.distributed import DistributedRunner
 from moirai.split import concrete_shape, symbol_values
-from moirai.trace import TensorSpec, shape_scalars
+from moirai.symbolic_shapes import shape_scalars
+from moirai.trace import TensorSpec
 
 SHAPES = [(1, 1), (3, 5), (8, 32), (4, 6), (2, 17)]
 
