@@ -10,6 +10,7 @@ import torch
 from rich.console import Console
 
 import moirai
+from moirai import viz
 from moirai.bounds import lower_bounds
 from moirai.errors import InfeasibleError
 from moirai.objective import Throughput, as_objective
@@ -112,4 +113,6 @@ def test_compile_for_throughput_splits_correctly_and_the_summary_shows_both_figu
     console = Console(record=True, width=200)
     compiled.summary(console)
     text = console.export_text()
-    assert "predicted latency" in text and "requests/s pipelined" in text and "objective throughput" in text
+    timeline = moirai.simulate(compiled.problem, compiled.plan)
+    assert f"predicted {viz.format_seconds(timeline.makespan_s)}" in text
+    assert f"{viz.format_rate(1 / timeline.period_s)} req/s" in text and "throughput bound" in text
