@@ -205,3 +205,30 @@ def test_device_0_runs_the_next_requests_while_device_1_has_not_finished_this_on
             os.kill(rank_1, signal.SIGCONT)
         for request, future in zip(requests, futures, strict=True):
             torch.testing.assert_close(future.result(timeout=60.0)[0], _eager(model, request))
+
+
+@pytest.mark.slow
+def test_requests_reach_rank_1_while_part_0_waits_for_rank_1() -> None:
+    """First stage on rank 1, last on rank 0: part 0 of a request waits for rank 1, so the driver must send
+    rank 1 the next requests before it runs part 0, or the two devices never work at once."""
+    model = _chain_model()
+    compiled = moirai.compile(model, ["cpu"] * 2, example_inputs=(torch.randn(4, 64),), placer="round_robin")
+    reversed_plan = moirai.Plan(1 - compiled.plan.placement, compiled.plan.device_names, placer="by hand")
+    compiled = compiled.with_plan(reversed_plan)
+    assert [(t.src, t.dst) for t in compiled.program.transfers] == [(1, 0)]
+    requests = [torch.randn(4, 64) for _ in range(4)]
+    with DistributedRunner(["cpu"] * 2, timeout_s=60.0, max_in_flight=4) as runner:
+        runner.run(compiled.program, [requests[0]])
+        driver, rank_1 = runner._driver, runner._workers[0].pid
+        os.kill(rank_1, signal.SIGSTOP)
+        try:
+            futures = [runner.submit(compiled.program, [x]) for x in requests]
+            deadline = time.monotonic() + 30.0
+            while driver.dispatched < 1 + len(requests) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert driver.dispatched == 1 + len(requests), "every request in flight was sent to rank 1"
+            assert not any(f.done() for f in futures)
+        finally:
+            os.kill(rank_1, signal.SIGCONT)
+        for request, future in zip(requests, futures, strict=True):
+            torch.testing.assert_close(future.result(timeout=60.0)[0], _eager(model, request))

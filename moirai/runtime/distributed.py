@@ -57,7 +57,7 @@ from moirai.runtime.blame import blamed, describe_error, report_failure
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import Group, local_group, placed_part
 from moirai.runtime.local import check_inputs
-from moirai.runtime.protocol import Header, Messages, receive_header, run_part, send_header, serve
+from moirai.runtime.protocol import Header, Messages, receive_header, run_part, send_header, send_inputs, serve
 from moirai.runtime.resources import RankResources, apply_resources, rank_resources, restore_resources
 from moirai.split import SplitProgram
 
@@ -140,6 +140,8 @@ def run_rank(
             header = receive_header(group, request, timeout)
             control = []
         messages = Messages(group, request, timeout, header.symbol_values)
+        if flat_inputs is not None:
+            send_inputs(program, messages, flat_inputs)
         outputs = run_part(program, group, placed_part(program, group), messages, flat_inputs)()
         for sent in control:
             sent.wait_sends()

@@ -9,6 +9,7 @@ rank (:mod:`moirai.runtime.blame`).
 
 from __future__ import annotations
 
+import collections
 import datetime
 import pickle
 import queue
@@ -23,7 +24,17 @@ import torch
 from moirai.errors import DistributedError, InputError, PlanError
 from moirai.runtime.blame import blamed, describe_error, report_failure
 from moirai.runtime.groups import Group, placed_part
-from moirai.runtime.protocol import CLOSE, HEARTBEAT, LOAD, Header, Messages, check_tags, run_part, send_header
+from moirai.runtime.protocol import (
+    CLOSE,
+    HEARTBEAT,
+    LOAD,
+    Header,
+    Messages,
+    check_tags,
+    run_part,
+    send_header,
+    send_inputs,
+)
 from moirai.split import SplitProgram
 
 # A heartbeat goes to a rank that has had no header for this fraction of the timeout.
@@ -122,9 +133,8 @@ class Driver:
         try:
             with self._dispatching:
                 request = self.dispatched
-                _, control, finish_outputs, _, _ = self._start_request(
-                    program, list(flat_inputs), future, finish, timeout_s
-                )
+                sent = self._send_request(program, list(flat_inputs), future, finish, timeout_s)
+                _, control, finish_outputs, _, _ = self._run_part_0(*sent)
             for messages in control:
                 messages.wait_sends()
             return finish(finish_outputs())
@@ -148,24 +158,41 @@ class Driver:
         # torch.get_num_threads() reads, until it sets the count itself: on rank 0's one core, that team spun
         # against itself and ran a part 25-100x slower.
         torch.set_num_threads(self._threads)
+        # Requests sent to the other ranks whose part 0 has not run. Every queued request is sent before part 0
+        # of the oldest runs: part 0 may wait for another rank's work on its request (a plan whose first stage is
+        # on rank 1), and that rank must have the next requests by then, or nothing is pipelined.
+        started: collections.deque[tuple] = collections.deque()
+        closing = False
         try:
             while self.failure is None:
-                try:
-                    item = self._incoming.get(timeout=self._heartbeat_s)
-                except queue.Empty:
-                    item = ()
-                if item is None:
+                if not closing and (not started or self._slots.acquire(blocking=False)):
+                    have_slot = bool(started)
+                    try:
+                        item = self._incoming.get_nowait() if started else self._incoming.get(timeout=self._heartbeat_s)
+                    except queue.Empty:
+                        item = ()
+                    if not item and have_slot:
+                        self._slots.release()
+                    if item is None:
+                        closing = True
+                    elif item:
+                        if not have_slot:
+                            self._slots.acquire()
+                        if self.failure is not None:
+                            return
+                        with self._dispatching:
+                            started.append(self._send_request(*item))
+                        continue
+                if started:
+                    with self._dispatching:
+                        self._outgoing.put(("run", *self._run_part_0(*started.popleft())))
+                    continue
+                if closing:
                     with self._dispatching:
                         everyone = range(1, self.group.world_size)
                         self._outgoing.put(("control", self._send_headers(Header(CLOSE), everyone)))
                     self._outgoing.put(None)
                     return
-                if item:
-                    self._slots.acquire()
-                    if self.failure is not None:
-                        return
-                    with self._dispatching:
-                        self._outgoing.put(("run", *self._start_request(*item)))
                 with self._dispatching:
                     due = time.monotonic() - self._heartbeat_s
                     idle = [k for k in range(1, self.group.world_size) if self._last_header_s[k] < due]
@@ -175,15 +202,29 @@ class Driver:
             self._fail(error, "sending a request")
             self._outgoing.put(None)
 
-    def _start_request(
+    def _send_request(
         self, program: SplitProgram, flat_inputs: list[torch.Tensor], future: Future, finish: Callable, timeout_s: float
     ) -> tuple:
+        """Send a request's header and inputs to the other ranks; :meth:`_run_part_0` runs this rank's part."""
         request = self.dispatched
         header = Header.run(program, self._program_id(program), request, flat_inputs, timeout_s)
         control = self._send_headers(header, range(1, program.num_devices))
         messages = Messages(self.group, request, datetime.timedelta(seconds=timeout_s), header.symbol_values)
-        finish_outputs = run_part(program, self.group, placed_part(program, self.group), messages, flat_inputs)
+        send_inputs(program, messages, flat_inputs)
         self.dispatched += 1
+        return request, control, messages, program, flat_inputs, future, finish
+
+    def _run_part_0(
+        self,
+        request: int,
+        control: list[Messages],
+        messages: Messages,
+        program: SplitProgram,
+        flat_inputs: list[torch.Tensor],
+        future: Future,
+        finish: Callable,
+    ) -> tuple:
+        finish_outputs = run_part(program, self.group, placed_part(program, self.group), messages, flat_inputs)
         return request, control, finish_outputs, future, finish
 
     def _program_id(self, program: SplitProgram) -> int:

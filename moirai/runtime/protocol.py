@@ -142,6 +142,14 @@ def check_tags(program: SplitProgram) -> None:
         raise PlanError(f"the program sends {messages} messages per request; at most {(1 << _TAG_BITS) - 1} fit a tag")
 
 
+def send_inputs(program: SplitProgram, messages: Messages, flat_inputs: Sequence[torch.Tensor]) -> None:
+    """Rank 0: send every other part the flat inputs it reads (before part 0 runs, so that a driver can
+    start the next requests on the other ranks while part 0 still waits for this one)."""
+    for other in program.parts[1:]:
+        for index in other.input_indices:
+            messages.send(flat_inputs[index], other.device, _FIRST_DATA_TAG + index, f"flat input {index}")
+
+
 def run_part(
     program: SplitProgram,
     group: Group,
@@ -151,15 +159,12 @@ def run_part(
 ) -> Callable[[], list[torch.Tensor] | None]:
     """Run this rank's part of one request; returns what finishes it (rank 0: the flat outputs, others: None).
 
-    Rank 0 sends each part the inputs it reads, runs part 0 and posts the receives of the other
-    parts' outputs; the others receive their inputs, run their part and send their outputs.
+    Rank 0 runs part 0 (after :func:`send_inputs`) and posts the receives of the other parts'
+    outputs; the others receive their inputs, run their part and send their outputs.
     """
     rank, device = group.rank, group.devices[group.rank]
     part = program.parts[rank]
     if flat_inputs is not None:
-        for other in program.parts[1:]:
-            for index in other.input_indices:
-                messages.send(flat_inputs[index], other.device, _FIRST_DATA_TAG + index, f"flat input {index}")
         local_inputs = [flat_inputs[index] for index in part.input_indices]
     else:
         pending_inputs = [
