@@ -75,11 +75,31 @@ def detect_device(torch_device: str, name: str, share: int) -> Device:
     )
 
 
-def available_cores() -> tuple[int, ...]:
-    """The CPU cores this process may run on."""
+# The cores this process had before moirai pinned it to rank 0's share (None while it is not pinned).
+_cores_before_pinning: tuple[int, ...] | None = None
+
+
+def current_cores() -> tuple[int, ...]:
+    """The CPU cores this process may run on right now."""
     if hasattr(os, "sched_getaffinity"):
         return tuple(sorted(os.sched_getaffinity(0)))
     return tuple(range(os.cpu_count() or 1))
+
+
+def available_cores() -> tuple[int, ...]:
+    """The CPU cores this process may give its ranks: its own, or, while moirai has pinned it to rank 0's share
+    (a runner or server open in it), those it had before, so that a second runner splits the same cores as the
+    first instead of putting all its ranks on rank 0's."""
+    return _cores_before_pinning if _cores_before_pinning is not None else current_cores()
+
+
+def note_pinning(cores_before: tuple[int, ...], pinned: bool) -> None:
+    """Record that moirai pinned this process (``pinned``) or gave it ``cores_before`` back."""
+    global _cores_before_pinning
+    if pinned and _cores_before_pinning is None:
+        _cores_before_pinning = cores_before
+    elif not pinned and cores_before == _cores_before_pinning:
+        _cores_before_pinning = None
 
 
 def split_cores(cores: Sequence[int], share: int) -> list[tuple[int, ...]]:

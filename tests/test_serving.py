@@ -55,6 +55,20 @@ def test_each_rank_runs_on_its_own_cores_with_its_share_of_threads() -> None:
     assert (torch.get_num_threads(), available_cores()) == (threads_before, cores_before), "rank 0's share given back"
 
 
+
+def test_a_second_runner_splits_the_same_cores_while_the_first_pins_this_process() -> None:
+    """The first runner pins this process to rank 0's share; the second must still split the host's cores,
+    or all its ranks land on rank 0's core (measured: a second server ran at half the first one's rate)."""
+    cores_before = available_cores()
+    blocks = split_cores(cores_before, 2)
+    with DistributedRunner(["cpu", "cpu"], timeout_s=30.0) as first, DistributedRunner(
+        ["cpu", "cpu"], timeout_s=30.0
+    ) as second:
+        used_first, used_second = first.resources_in_use(), second.resources_in_use()
+    assert [tuple(rank["cores"]) for rank in used_first] == blocks
+    assert [tuple(rank["cores"]) for rank in used_second] == blocks
+    assert available_cores() == cores_before, "both runners gave the process its cores back"
+
 @pytest.mark.skipif(len(available_cores()) < 2, reason="needs two cores")
 def test_cluster_file_cores_and_threads_reach_the_ranks(tmp_path) -> None:
     last = available_cores()[-1]

@@ -19,7 +19,7 @@ import torch
 
 from moirai.devices import Device
 from moirai.errors import ClusterError
-from moirai.host import available_cores, split_cores
+from moirai.host import available_cores, current_cores, note_pinning, split_cores
 
 # Host threads of a GPU rank: enough to launch kernels and copy, few enough to leave the CPU ranks alone.
 GPU_RANK_THREADS = 2
@@ -72,7 +72,7 @@ def apply_resources(resources: RankResources, device_name: str, own_process: boo
     In a process of its own (``own_process``) a rank also gets 1 interop thread where torch still
     allows it (only before any inter-op work; it cannot be undone, so a caller's process keeps its own).
     """
-    before = RankResources(available_cores(), torch.get_num_threads())
+    before = RankResources(current_cores(), torch.get_num_threads())
     if resources.cores is not None and hasattr(os, "sched_setaffinity"):
         unknown = sorted(set(resources.cores) - set(range(os.cpu_count() or 1)))
         if unknown:
@@ -81,6 +81,7 @@ def apply_resources(resources: RankResources, device_name: str, own_process: boo
                 f"(cores 0..{(os.cpu_count() or 1) - 1}); fix its cores in the cluster file"
             )
         _set_affinity(resources.cores)
+        note_pinning(before.cores, pinned=True)
     torch.set_num_threads(resources.threads)
     if own_process:
         try:
@@ -94,6 +95,7 @@ def restore_resources(before: RankResources) -> None:
     """Undo :func:`apply_resources` (the interop thread count stays)."""
     if before.cores is not None and hasattr(os, "sched_setaffinity"):
         _set_affinity(before.cores)
+        note_pinning(tuple(before.cores), pinned=False)
     torch.set_num_threads(before.threads)
 
 
