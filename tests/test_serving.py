@@ -199,12 +199,12 @@ def test_readme_serve_script_runs_under_torchrun(tmp_path) -> None:
     assert "served 50 requests, all equal to the model's" in result.stdout
 
 
-@pytest.mark.slow
-def test_device_0_runs_the_next_requests_while_device_1_has_not_finished_this_one(chain) -> None:
-    """Rank 1 is stopped: rank 0 still runs its part of every request in flight; all finish once rank 1 resumes."""
-    model, compiled = chain
-    requests = [torch.randn(4, 64) for _ in range(3)]
-    with DistributedRunner(["cpu"] * 3, timeout_s=60.0, max_in_flight=4) as runner:
+def _serve_with_rank_1_stopped(
+    model: torch.nn.Module, compiled: moirai.CompiledModel, world_size: int, requests: list, dispatched_means: str
+) -> None:
+    """Stop rank 1, submit ``requests``: the driver dispatches every one and none finishes; once rank 1
+    resumes, all equal eager."""
+    with DistributedRunner(["cpu"] * world_size, timeout_s=60.0, max_in_flight=4) as runner:
         runner.run(compiled.program, [requests[0]])
         driver, rank_1 = runner._driver, runner._workers[0].pid
         os.kill(rank_1, signal.SIGSTOP)
@@ -213,12 +213,20 @@ def test_device_0_runs_the_next_requests_while_device_1_has_not_finished_this_on
             deadline = time.monotonic() + 30.0
             while driver.dispatched < 1 + len(requests) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert driver.dispatched == 1 + len(requests), "part 0 ran for every request in flight"
+            assert driver.dispatched == 1 + len(requests), dispatched_means
             assert not any(f.done() for f in futures), "none could finish without rank 1"
         finally:
             os.kill(rank_1, signal.SIGCONT)
         for request, future in zip(requests, futures, strict=True):
             torch.testing.assert_close(future.result(timeout=60.0)[0], _eager(model, request))
+
+
+@pytest.mark.slow
+def test_device_0_runs_the_next_requests_while_device_1_has_not_finished_this_one(chain) -> None:
+    """Rank 1 is stopped: rank 0 still runs its part of every request in flight; all finish once rank 1 resumes."""
+    model, compiled = chain
+    requests = [torch.randn(4, 64) for _ in range(3)]
+    _serve_with_rank_1_stopped(model, compiled, 3, requests, "part 0 ran for every request in flight")
 
 
 @pytest.mark.slow
@@ -231,18 +239,4 @@ def test_requests_reach_rank_1_while_part_0_waits_for_rank_1() -> None:
     compiled = compiled.with_plan(reversed_plan)
     assert [(t.src, t.dst) for t in compiled.program.transfers] == [(1, 0)]
     requests = [torch.randn(4, 64) for _ in range(4)]
-    with DistributedRunner(["cpu"] * 2, timeout_s=60.0, max_in_flight=4) as runner:
-        runner.run(compiled.program, [requests[0]])
-        driver, rank_1 = runner._driver, runner._workers[0].pid
-        os.kill(rank_1, signal.SIGSTOP)
-        try:
-            futures = [runner.submit(compiled.program, [x]) for x in requests]
-            deadline = time.monotonic() + 30.0
-            while driver.dispatched < 1 + len(requests) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert driver.dispatched == 1 + len(requests), "every request in flight was sent to rank 1"
-            assert not any(f.done() for f in futures)
-        finally:
-            os.kill(rank_1, signal.SIGCONT)
-        for request, future in zip(requests, futures, strict=True):
-            torch.testing.assert_close(future.result(timeout=60.0)[0], _eager(model, request))
+    _serve_with_rank_1_stopped(model, compiled, 2, requests, "every request in flight was sent to rank 1")

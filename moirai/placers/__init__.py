@@ -102,7 +102,7 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     plan.objective, plan.objective_s = chosen.name, chosen.value_s(timeline)
     # A placer may prove a stronger bound (the MILP's); keep the better of the two.
     plan.lower_bound_s = max(plan.lower_bound_s or 0.0, chosen.lower_bound_s(problem))
-    _warn_if_over_memory(problem, plan)
+    _warn_if_over_memory(problem, plan, timeline)
     return plan
 
 
@@ -173,14 +173,14 @@ def devices_over_memory(problem: Problem, plan: Plan) -> list[int]:
     return [int(k) for k in np.flatnonzero(held > problem.memory_capacity_bytes)]
 
 
-def _warn_if_over_memory(problem: Problem, plan: Plan) -> None:
+def _warn_if_over_memory(problem: Problem, plan: Plan, timeline: Timeline) -> None:
     """Placers that ignore memory (round_robin...) may exceed it: mark the plan and warn, with the numbers."""
     from moirai.bounds import format_bytes
 
-    over = devices_over_memory(problem, plan)
+    held = timeline.memory_bytes
+    over = [int(k) for k in np.flatnonzero(held > timeline.memory_capacity_bytes)]
     if not over:
         return
-    held = np.bincount(plan.placement, weights=problem.memory_bytes, minlength=problem.num_devices)
     plan.report.notes["over_memory_devices"] = [problem.device_names[k] for k in over]
     amounts = ", ".join(
         f"{problem.device_names[k]} holds {format_bytes(float(held[k]))} of "
