@@ -124,6 +124,12 @@ class DevicePart:
     output_specs: tuple[TensorSpec | None, ...]
     attribute_names: tuple[str, ...]
 
+    @property
+    def idle(self) -> bool:
+        """Nothing to do for a request: no inputs, ops, messages or outputs (a device the plan leaves unused)."""
+        busy = self.input_indices or self.receives or self.sends or self.output_specs
+        return not busy and not any(node.op in _COMPUTE_OPS for node in self.graph_module.graph.nodes)
+
 
 @dataclass(frozen=True, eq=False)
 class SplitProgram:
@@ -138,6 +144,11 @@ class SplitProgram:
     @property
     def num_devices(self) -> int:
         return len(self.parts)
+
+    @property
+    def working_ranks(self) -> tuple[int, ...]:
+        """Ranks other than 0 whose part has work: a driver sends requests to these only."""
+        return tuple(part.device for part in self.parts[1:] if not part.idle)
 
 
 def symbol_values(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> dict[str, int]:

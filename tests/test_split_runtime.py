@@ -259,6 +259,19 @@ def test_random_placement_with_many_round_trips_runs_distributed(runner):
     _assert_matches(case, runner.run(program, case.flat_inputs))
 
 
+def test_driver_tells_only_the_ranks_with_work(runner):
+    """A device the plan leaves unused gets no request: its part is idle, and the runner still answers."""
+    case = prepared("mlp")
+    everything_on_0 = dict.fromkeys(case.node_device, 0)
+    program = split_module(case.traced, everything_on_0, WORLD_SIZE)
+    assert [part.idle for part in program.parts] == [False] + [True] * (WORLD_SIZE - 1)
+    assert program.working_ranks == ()
+    assert case.program.working_ranks == tuple(range(1, case.program.num_devices))
+    for _ in range(3):
+        _assert_matches(case, runner.run(program, case.flat_inputs))
+    _assert_matches(case, runner.run(case.program, case.flat_inputs))  # the idle ranks still serve the next plan
+
+
 def test_program_survives_pickling():
     case = prepared("residual")
     restored = pickle.loads(pickle.dumps(case.program))

@@ -208,7 +208,8 @@ class Driver:
         """Send a request's header and inputs to the other ranks; :meth:`_run_part_0` runs this rank's part."""
         request = self.dispatched
         header = Header.run(program, self._program_id(program), request, flat_inputs, timeout_s)
-        control = self._send_headers(header, range(1, program.num_devices))
+        # A rank the plan leaves idle is not told: each header costs both ends CPU time on their cores.
+        control = self._send_headers(header, program.working_ranks)
         messages = Messages(self.group, request, datetime.timedelta(seconds=timeout_s), header.symbol_values)
         send_inputs(program, messages, flat_inputs)
         self.dispatched += 1
