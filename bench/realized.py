@@ -58,7 +58,7 @@ if __package__ in (None, ""):
 
 import moirai  # noqa: E402
 from bench.models import build, model_sizes  # noqa: E402
-from bench.run import RESULTS_PATH, machine_description, markdown_table  # noqa: E402
+from bench.run import RESULTS_PATH, append_section, machine_description, markdown_table  # noqa: E402
 from moirai.calibrate import link_kind, local_calibration  # noqa: E402
 from moirai.runtime.distributed import DistributedRunner  # noqa: E402
 from moirai.simulate import simulate  # noqa: E402
@@ -357,7 +357,6 @@ def write_results(path: Path, command: str, rows: list[Row], check_lines: list[s
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = "\n\n".join(
         [
-            f"## Predicted against realized latency (`bench/realized.py`), {now}",
             f"Command: `{command}`  \nMachine: {machine_description()}  \nDevices {list(DEVICES)}, "
             f"cost='measured' (profiles and the link calibration of this machine); eager and measured: median "
             f"of the repeats after warm-up; whole run {elapsed_s:.0f} s.",
@@ -365,7 +364,7 @@ def write_results(path: Path, command: str, rows: list[Row], check_lines: list[s
             "\n".join(f"- {line}" for line in check_lines),
         ]
     )
-    path.write_text(path.read_text().rstrip("\n") + "\n\n" + section + "\n")
+    append_section(path, f"Predicted against realized latency (`bench/realized.py`), {now}", section)
 
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -26,6 +26,7 @@ import datetime
 import inspect
 import os
 import platform
+import re
 import shlex
 import sys
 import threading
@@ -312,7 +313,6 @@ def write_results(
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = "\n\n".join(
         [
-            f"## {now}",
             f"Command: `{command}`  \nMachine: {machine_description()}  \n"
             f"Reference placer for speedup: `{reference}`; solver time limit {time_limit_s:g} s; "
             "costs: analytic (moirai.cost); latency: moirai.simulate with link contention; "
@@ -321,9 +321,16 @@ def write_results(
             markdown_table(RESULT_COLUMNS, [result_cells(r) for r in rows]),
         ]
     )
-    header = "# Bench results\n\nWritten by `bench/run.py`; every number in a section was measured in that run.\n"
+    append_section(path, f"Every placer on the zoo models (`bench/run.py`), {now}", section)
+
+
+def append_section(path: Path, title: str, body: str) -> None:
+    """Append ``## N. title`` and ``body`` to the results file, N one more than its highest section number."""
+    header = "# Bench results\n\nWritten by the scripts in `bench/`; each section was measured in one run.\n"
     existing = path.read_text() if path.exists() else header
-    path.write_text(existing.rstrip("\n") + "\n\n" + section + "\n")
+    numbers = [int(match) for match in re.findall(r"^## (\d+)\.", existing, flags=re.MULTILINE)]
+    heading = f"## {max(numbers, default=0) + 1}. {title}"
+    path.write_text(existing.rstrip("\n") + "\n\n" + heading + "\n\n" + body + "\n")
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:

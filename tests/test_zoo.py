@@ -179,4 +179,5 @@ def test_runner_rows_show_results_misfits_and_errors_and_go_to_markdown(monkeypa
     run.write_results(results, "python bench/run.py --again", "single", 1.0, [model], rows, 2.0)
     text = results.read_text()
     assert text.count("# Bench results") == 1 and text.count("Command: `python bench/run.py") == 2
+    assert "\n## 1. Every placer" in text and "\n## 2. Every placer" in text, "sections are numbered in order"
     assert "| gpt3:small | inter | never_fits_for_test | - | - | - | - | - | - | does not fit |" in text
