@@ -359,12 +359,14 @@ def _rank_main(
 
     from moirai.runtime.groups import local_group
     from moirai.runtime.protocol import Messages
-    from moirai.runtime.resources import apply_resources, rank_resources
+    from moirai.runtime.resources import apply_resources, pin_io_threads, rank_resources
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    apply_resources(rank_resources(torch_devices)[rank], torch_devices[rank])
+    resources = rank_resources(torch_devices)[rank]
+    apply_resources(resources, torch_devices[rank])
     store = dist.TCPStore("127.0.0.1", port, len(torch_devices), is_master=rank == 0, timeout=timeout)
     group = local_group(rank, torch_devices, store, timeout_s)
+    pin_io_threads(resources)
     device = torch.device(torch_devices[rank])
     kind = kind_of(device)
 

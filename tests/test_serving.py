@@ -52,8 +52,20 @@ def test_each_rank_runs_on_its_own_cores_with_its_share_of_threads() -> None:
     assert used[1]["interop_threads"] == 1
     if len(available_cores()) >= 2:
         assert not set(used[0]["cores"]) & set(used[1]["cores"]), "disjoint cores"
+        for rank in used:
+            # gloo's I/O threads run off their rank's cores: on its own core one spins against the rank's thread.
+            assert rank["io_thread_cores"], "the rank's process groups have I/O threads"
+            for io_cores in rank["io_thread_cores"]:
+                assert set(io_cores) and not set(io_cores) & set(rank["cores"]), (rank, io_cores)
     assert (torch.get_num_threads(), available_cores()) == (threads_before, cores_before), "rank 0's share given back"
 
+
+def test_io_threads_go_to_spare_cores_else_to_the_other_ranks() -> None:
+    two_ranks_two_cores = rank_resources(["cpu", "cpu"], cores=[0, 1])
+    assert [(r.cores, r.io_cores) for r in two_ranks_two_cores] == [((0,), (1,)), ((1,), (0,))]
+    two_ranks_five_cores = rank_resources(["cpu", "cpu"], cores=[0, 1, 2, 3, 4])
+    assert [(r.cores, r.io_cores) for r in two_ranks_five_cores] == [((0, 1), (4,)), ((2, 3), (4,))]
+    assert rank_resources(["cpu"], cores=[0])[0].io_cores is None, "one rank on one core: nowhere else to go"
 
 
 def test_a_second_runner_splits_the_same_cores_while_the_first_pins_this_process() -> None:
@@ -61,13 +73,15 @@ def test_a_second_runner_splits_the_same_cores_while_the_first_pins_this_process
     or all its ranks land on rank 0's core (measured: a second server ran at half the first one's rate)."""
     cores_before = available_cores()
     blocks = split_cores(cores_before, 2)
-    with DistributedRunner(["cpu", "cpu"], timeout_s=30.0) as first, DistributedRunner(
-        ["cpu", "cpu"], timeout_s=30.0
-    ) as second:
+    with (
+        DistributedRunner(["cpu", "cpu"], timeout_s=30.0) as first,
+        DistributedRunner(["cpu", "cpu"], timeout_s=30.0) as second,
+    ):
         used_first, used_second = first.resources_in_use(), second.resources_in_use()
     assert [tuple(rank["cores"]) for rank in used_first] == blocks
     assert [tuple(rank["cores"]) for rank in used_second] == blocks
     assert available_cores() == cores_before, "both runners gave the process its cores back"
+
 
 @pytest.mark.skipif(len(available_cores()) < 2, reason="needs two cores")
 def test_cluster_file_cores_and_threads_reach_the_ranks(tmp_path) -> None:

@@ -58,7 +58,14 @@ from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import Group, local_group, placed_part
 from moirai.runtime.local import check_inputs
 from moirai.runtime.protocol import Header, Messages, receive_header, run_part, send_header, send_inputs, serve
-from moirai.runtime.resources import RankResources, apply_resources, rank_resources, restore_resources
+from moirai.runtime.resources import (
+    RankResources,
+    apply_resources,
+    io_thread_cores,
+    pin_io_threads,
+    rank_resources,
+    restore_resources,
+)
 from moirai.split import SplitProgram
 
 __all__ = [
@@ -261,7 +268,8 @@ class DistributedRunner:
             return self._driver
 
     def resources_in_use(self) -> list[dict[str, Any]]:
-        """Per rank, what it runs with, read back inside its process: ``cores`` (affinity) and ``threads``."""
+        """Per rank, what it runs with, read back inside its process: ``cores`` (affinity), ``threads`` and
+        ``io_thread_cores`` (the affinity of each of gloo's I/O threads)."""
         with self._starting:
             if self._driver is None:
                 self._start()
@@ -310,6 +318,7 @@ class DistributedRunner:
         self._await_ready()
         self._restore = apply_resources(resources[0], self._names()[0], own_process=False)
         group = local_group(0, self.torch_devices, self._store, self.start_timeout_s)
+        pin_io_threads(resources[0])
         self._driver = Driver(group, self.timeout_s, self.max_in_flight, describe_rank=self._describe_process)
 
     def _await_ready(self) -> None:
@@ -374,7 +383,12 @@ def _torch_device(device: str | Device) -> str:
 
 def _resources_in_use() -> dict[str, Any]:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    return {"cores": cores, "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads()}
+    return {
+        "cores": cores,
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "io_thread_cores": io_thread_cores(),
+    }
 
 
 def _worker_main(
@@ -392,9 +406,10 @@ def _worker_main(
     group = None
     try:
         apply_resources(resources, names[rank])
-        store.set(f"moirai/resources/{rank}", json.dumps(_resources_in_use()))
         store.set(f"moirai/ready/{rank}", "1")
         group = local_group(rank, torch_devices, store, start_timeout_s)
+        pin_io_threads(resources)
+        store.set(f"moirai/resources/{rank}", json.dumps(_resources_in_use()))
         serve(group, {}, timeout_s)
     except Exception as error:
         if group is None:
@@ -424,7 +439,9 @@ def _torchrun_group(
     if _TORCHRUN_GROUP is None or _TORCHRUN_GROUP.rank != rank or _TORCHRUN_GROUP.world_size != world_size:
         if not dist.is_initialized():
             init_rank(rank, world_size, torch_devices, timeout_s)
-        apply_resources(rank_resources(devices)[rank], str(devices[rank]))
+        resources = rank_resources(devices)[rank]
+        apply_resources(resources, str(devices[rank]))
+        pin_io_threads(resources)
         default = dist.distributed_c10d._get_default_group()
         store = dist.distributed_c10d._get_default_store()
         _TORCHRUN_GROUP = Group(rank, [torch.device(d) for d in torch_devices], default, default, store)

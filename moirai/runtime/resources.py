@@ -6,10 +6,18 @@ rank computes with the cores the plan assumed instead of every rank using every 
 device's ``cores`` / ``threads`` from the cluster file override the split; cores claimed
 explicitly are left out of the split of the others. A GPU rank only feeds its GPU: it gets a
 few host threads and no pinning unless the cluster file gives cores.
+
+gloo's I/O threads (one per process group) do not run on their rank's cores but on the host's
+spare cores, else on the other ranks' (:func:`pin_io_threads`). gloo's I/O thread handles a
+connection's events only if it takes the connection's lock at once, and otherwise goes back to
+epoll, which reports the same events again: on the rank's own core it spins, for a whole time
+slice, against the rank's thread that holds the lock and waits to be scheduled (bench/RESULTS.md,
+section 11: calls with transfers stalled in steps of about 3 ms).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,12 +33,18 @@ from moirai.host import available_cores, current_cores, note_pinning, split_core
 GPU_RANK_THREADS = 2
 
 
+# The name (``/proc/<pid>/task/<tid>/comm``) of gloo's I/O threads starts with this.
+_IO_THREAD_NAME = "gloo_tcp"
+
+
 @dataclass(frozen=True)
 class RankResources:
-    """``cores``: the CPU affinity (None: leave it); ``threads``: torch intra-op threads."""
+    """``cores``: the CPU affinity (None: leave it); ``threads``: torch intra-op threads; ``io_cores``: where
+    gloo's I/O threads run (None: with the rest of the process)."""
 
     cores: tuple[int, ...] | None
     threads: int
+    io_cores: tuple[int, ...] | None = None
 
 
 def rank_resources(devices: Sequence[str | Device], cores: Sequence[int] | None = None) -> list[RankResources]:
@@ -63,7 +77,52 @@ def rank_resources(devices: Sequence[str | Device], cores: Sequence[int] | None 
                 resources[k] = RankResources(explicit, threads or len(explicit))
             elif kind != "cpu":
                 resources[k] = RankResources(None, threads or min(GPU_RANK_THREADS, len(host_cores)))
+        _place_io_threads(resources, ranks, host_cores)
     return [r for r in resources if r is not None]
+
+
+def _place_io_threads(resources: list[RankResources | None], ranks: Sequence[int], host_cores: Sequence[int]) -> None:
+    """Give each pinned rank of one host cores for its I/O threads: the host's spare cores, else the other ranks'."""
+    pinned = {k: resources[k].cores for k in ranks if resources[k] is not None and resources[k].cores is not None}
+    assigned = {core for cores in pinned.values() for core in cores}
+    spare = tuple(core for core in host_cores if core not in assigned)
+    for k, own in pinned.items():
+        others = tuple(sorted(assigned - set(own)))
+        io_cores = spare or others
+        if io_cores:
+            resources[k] = dataclasses.replace(resources[k], io_cores=io_cores)
+
+
+def pin_io_threads(resources: RankResources) -> None:
+    """Move this process's gloo I/O threads (started with its process groups) to ``resources.io_cores``."""
+    if resources.io_cores is None or not hasattr(os, "sched_setaffinity"):
+        return
+    for thread_id in _io_thread_ids():
+        try:
+            os.sched_setaffinity(thread_id, resources.io_cores)
+        except ProcessLookupError:
+            pass  # the thread ended meanwhile
+
+
+def io_thread_cores() -> list[list[int]]:
+    """The cores each of this process's gloo I/O threads may run on (what :func:`pin_io_threads` set)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return []
+    return [sorted(os.sched_getaffinity(thread_id)) for thread_id in _io_thread_ids()]
+
+
+def _io_thread_ids() -> list[int]:
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return []
+    found = []
+    for task in tasks.iterdir():
+        try:
+            if (task / "comm").read_text().startswith(_IO_THREAD_NAME):
+                found.append(int(task.name))
+        except OSError:
+            pass  # the thread ended meanwhile
+    return found
 
 
 def apply_resources(resources: RankResources, device_name: str, own_process: bool = True) -> RankResources:
