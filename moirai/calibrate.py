@@ -2,16 +2,20 @@
 
 Two rank processes are set up as the runtime sets up its workers (each pinned to its share of
 the cores with as many compute threads, :mod:`moirai.runtime.resources`; the runtime's gloo and
-NCCL process groups) and move messages with the runtime's own point-to-point code (staging,
-receive buffers, tags, waits). For each message the receiver has posted its receive and is blocked
-in the wait (as a part waiting for an input is); the sender pauses so that it surely is, reads
-the clock, sends and waits for its send to finish. Per message, on the one clock of this host:
+NCCL process groups, their I/O threads off the rank's cores) and move messages with the runtime's own
+point-to-point code (staging, receive buffers, tags, waits). For each message the receiver has posted
+its receive and is blocked in the wait (as a part waiting for an input is); the sender computes long
+enough for it surely to be, reads the clock, sends, computes on for a while, and waits for its send to
+finish. The sender computes as a part does around its sends: the I/O threads that move the message
+then compete with compute for a core, which a sweep between idle ranks never shows (it measured a
+third of the delay a transfer took inside a schedule). Per message, on the one clock of this host:
 
 * **delay**: from the sender's send call to the receiver holding the tensor (woken up);
 * **sender CPU time**: CPU time of the sender's process (all its threads, gloo's included)
-  from the send call to the end of its wait: time its compute cannot use;
-* **receiver CPU time**: CPU time of the receiver's process over its blocked wait: waking
-  up, copying the message out of the socket.
+  in its send call and its wait for the send (not the compute between): time its compute cannot use;
+* **receiver CPU time**: CPU time of the receiver's process from posting its receive to the end
+  of its blocked wait: the post (which tells the sender it is ready), waking up, copying the
+  message out of the socket.
 
 The median of the repeats at each size (after warm-up; the runtime sees typical messages, not
 the fastest) is fitted as ``fixed + bytes * per_byte`` for each of the three: the delay gives the
@@ -55,9 +59,11 @@ from moirai.errors import ClusterError, DistributedError
 
 # 1 KiB .. 16 MiB: small sizes pin the latency, large ones the bandwidth.
 DEFAULT_SIZES_BYTES = tuple(1024 * 4**k for k in range(8))
-# Long enough for the receiver to be blocked in its wait before the message leaves.
+# Long enough for the receiver to be blocked in its wait before the message leaves; the sender computes
+# meanwhile, and goes on computing after its send call, as a part does.
 _SENDER_PAUSE_S = 2e-3
-CALIBRATION_FORMAT_VERSION = 1
+_SENDER_COMPUTES_ON_S = 2e-3
+CALIBRATION_FORMAT_VERSION = 2  # 2: the sender computes around its send
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,14 +253,24 @@ def local_calibration(
             )
         return {kind: stored[kind] for kind in needed}
     path = calibration_cache_path(cache_dir)
-    cached = read_calibration(path) if path.exists() and calibration == "auto" else {}
+    cached = _read_cached(path) if calibration == "auto" else {}
     missing = {kind: pair for kind, pair in needed.items() if kind not in cached}
     for kind, pair in missing.items():
         if kind not in cached:  # measuring a -> b measures b -> a too
             cached.update(measure_link_kinds(pair))
     if missing:
-        write_calibration(path, {**(read_calibration(path) if path.exists() else {}), **cached})
+        write_calibration(path, {**_read_cached(path), **cached})
     return {kind: cached[kind] for kind in needed}
+
+
+def _read_cached(path: Path) -> dict[str, TransferCost]:
+    """The cached calibration, or nothing when there is none or it was measured by an older moirai."""
+    if not path.exists():
+        return {}
+    try:
+        return read_calibration(path)
+    except ClusterError:
+        return {}
 
 
 def measure_link_kinds(
@@ -313,21 +329,32 @@ def write_calibration(path: str | Path, costs: Mapping[str, TransferCost]) -> No
 
 
 def calibrated_cluster(cluster: Cluster, costs: Mapping[str, TransferCost]) -> Cluster:
-    """``cluster`` with every link's latency, bandwidth and sender's CPU time those of its kind in ``costs`` (the
-    receiver's CPU time is inside the measured delay: a blocked receiver is woken on the transfer's path)."""
+    """``cluster`` with every link's latency, bandwidth and its ends' CPU times those of its kind in ``costs``.
+
+    The measured delay already holds the receiver's CPU time of a receiver blocked in its wait; a schedule
+    also books that time on the receiving device, where a receiver busy with other work loses it.
+    """
     k = len(cluster)
     bandwidth, latency = cluster.bandwidth_bytes_per_s.copy(), cluster.latency_s.copy()
-    send_fixed, send_per_byte = cluster.send_cpu_s.copy(), cluster.send_cpu_s_per_byte.copy()
+    cpu = {label: getattr(cluster, label).copy() for label in _CPU_FIELDS}
     for a in range(k):
         for b in range(k):
             kind = link_kind(cluster.devices[a].torch_device, cluster.devices[b].torch_device)
             if a != b and kind in costs:
                 cost = costs[kind]
                 bandwidth[a, b], latency[a, b] = cost.bandwidth_bytes_per_s, cost.latency_s
-                send_fixed[a, b], send_per_byte[a, b] = cost.sender_cpu_s, cost.sender_cpu_s_per_byte
-    return Cluster(
-        cluster.devices, bandwidth, latency, name=cluster.name, send_cpu_s=send_fixed, send_cpu_s_per_byte=send_per_byte
-    )
+                for label, field_name in _CPU_FIELDS.items():
+                    cpu[label][a, b] = getattr(cost, field_name)
+    return Cluster(cluster.devices, bandwidth, latency, name=cluster.name, **cpu)
+
+
+# Cluster matrix -> TransferCost field.
+_CPU_FIELDS = {
+    "send_cpu_s": "sender_cpu_s",
+    "send_cpu_s_per_byte": "sender_cpu_s_per_byte",
+    "recv_cpu_s": "receiver_cpu_s",
+    "recv_cpu_s_per_byte": "receiver_cpu_s_per_byte",
+}
 
 
 # --- the rank processes ------------------------------------------------------------------------
@@ -373,6 +400,14 @@ def _rank_main(
     def synchronize() -> None:
         kind.synchronize(device)
 
+    block = torch.ones(64, 64)
+
+    def compute_for(seconds: float) -> None:
+        """Keep this rank's core busy, as a part computing around its sends keeps it."""
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            block @ block
+
     results = []
     exchange = 0  # one request of the runtime per message and its reply, so every tag is fresh
     for src in range(group.world_size):
@@ -388,8 +423,8 @@ def _rank_main(
                     messages = Messages(group, exchange, timeout)
                     exchange += 1
                     if rank == dst:
-                        pending = messages.post_recv(shape, torch.float32, src, 0, "calibration message")
                         cpu_before = time.process_time()
+                        pending = messages.post_recv(shape, torch.float32, src, 0, "calibration message")
                         messages.wait_recv(pending)
                         synchronize()
                         held_at = time.perf_counter()
@@ -399,13 +434,16 @@ def _rank_main(
                         messages.wait_sends()
                         continue
                     pending_reply = messages.post_recv((2,), torch.float64, dst, 1, "calibration reply")
-                    time.sleep(_SENDER_PAUSE_S)
+                    compute_for(_SENDER_PAUSE_S)
                     synchronize()
                     cpu_before, sent_at = time.process_time(), time.perf_counter()
                     messages.send(message, dst, 0, "calibration message")
+                    cpu_spent = time.process_time() - cpu_before
+                    compute_for(_SENDER_COMPUTES_ON_S)
+                    cpu_before = time.process_time()
                     messages.wait_sends()
                     synchronize()
-                    cpu_spent = time.process_time() - cpu_before
+                    cpu_spent += time.process_time() - cpu_before
                     held_at, waited_cpu = messages.wait_recv(pending_reply).tolist()
                     if run >= warmup:
                         delays.append(held_at - sent_at)

@@ -29,7 +29,8 @@ Compute time of every node (op or op group) on every device, two modes:
 
 Communication: tensor ``t`` from device ``a`` to ``b`` takes ``latency[a, b] + bytes / bandwidth[a, b]``
 on the cluster's (routed) link matrices, 0 on one device, and keeps device ``a`` busy for
-``send_cpu_s[a, b] + bytes * send_cpu_s_per_byte[a, b]`` (:func:`send_cpu_s`; 0 unless calibrated).
+``send_cpu_s[a, b] + bytes * send_cpu_s_per_byte[a, b]`` (:func:`send_cpu_s`), and device ``b`` busy for the
+receiver's time (:func:`recv_cpu_s`); both 0 unless calibrated.
 
 Memory: a node holds its parameters and buffers on its device for the whole run
 (``Problem.memory_bytes``). Activations are transient: every device keeps free the activation
@@ -129,6 +130,7 @@ def build_problem(
         transfer_s=transfer_s(sizes_array, cluster),
         tensor_bytes=sizes_array,
         send_cpu_s=send_cpu_s(sizes_array, cluster),
+        recv_cpu_s=recv_cpu_s(sizes_array, cluster),
     )
 
 
@@ -164,9 +166,17 @@ def transfer_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
 
 def send_cpu_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
     """``[t, a, b]``: time sending tensor ``t`` from device ``a`` to ``b`` keeps ``a`` busy (0 on the diagonal)."""
-    off_diagonal = ~np.eye(len(cluster), dtype=bool)
-    fixed = cluster.send_cpu_s * off_diagonal
-    per_byte = cluster.send_cpu_s_per_byte * off_diagonal
+    return _cpu_time_s(tensor_bytes, cluster.send_cpu_s, cluster.send_cpu_s_per_byte)
+
+
+def recv_cpu_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """``[t, a, b]``: time receiving tensor ``t`` from device ``a`` keeps ``b`` busy (0 on the diagonal)."""
+    return _cpu_time_s(tensor_bytes, cluster.recv_cpu_s, cluster.recv_cpu_s_per_byte)
+
+
+def _cpu_time_s(tensor_bytes: np.ndarray, fixed_s: np.ndarray, s_per_byte: np.ndarray) -> np.ndarray:
+    off_diagonal = ~np.eye(len(fixed_s), dtype=bool)
+    fixed, per_byte = fixed_s * off_diagonal, s_per_byte * off_diagonal
     return fixed[None, :, :] + np.asarray(tensor_bytes, float)[:, None, None] * per_byte[None, :, :]
 
 

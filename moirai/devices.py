@@ -87,6 +87,10 @@ _PCIE_BANDWIDTH_BYTES_PER_S = 12e9
 _PCIE_LATENCY_S = 10e-6
 
 
+# The CPU time a transfer takes from its two ends: fixed seconds and seconds per byte.
+_CPU_TIME_MATRICES = ("send_cpu_s", "send_cpu_s_per_byte", "recv_cpu_s", "recv_cpu_s_per_byte")
+
+
 @dataclass(frozen=True, eq=False)
 class Cluster:
     """Devices and the effective directed link matrices (``bandwidth[a, b]`` is a -> b).
@@ -94,7 +98,8 @@ class Cluster:
     The matrices are full-mesh: pairs without a direct link hold the numbers of their route.
     ``links`` are the direct links the cluster was described with (empty when it was given as
     matrices). ``send_cpu_s[a, b] + bytes * send_cpu_s_per_byte[a, b]``: the time a send over ``a -> b``
-    keeps device ``a`` busy (default 0; a calibration measures it, :func:`moirai.calibrate.calibrated_cluster`).
+    keeps device ``a`` busy, and ``recv_cpu_s`` / ``recv_cpu_s_per_byte`` the time receiving it keeps ``b`` busy
+    (default 0; a calibration measures them, :func:`moirai.calibrate.calibrated_cluster`).
     """
 
     devices: tuple[Device, ...]
@@ -104,6 +109,8 @@ class Cluster:
     name: str = ""
     send_cpu_s: np.ndarray = None  # type: ignore[assignment]
     send_cpu_s_per_byte: np.ndarray = None  # type: ignore[assignment]
+    recv_cpu_s: np.ndarray = None  # type: ignore[assignment]
+    recv_cpu_s_per_byte: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         k = len(self.devices)
@@ -112,21 +119,22 @@ class Cluster:
         check_device_names([d.name for d in self.devices])
         object.__setattr__(self, "bandwidth_bytes_per_s", np.asarray(self.bandwidth_bytes_per_s, float))
         object.__setattr__(self, "latency_s", np.asarray(self.latency_s, float))
-        for label in ("send_cpu_s", "send_cpu_s_per_byte"):
+        for label in _CPU_TIME_MATRICES:
             value = getattr(self, label)
             object.__setattr__(self, label, np.zeros((k, k)) if value is None else np.asarray(value, float))
         matrices = {
             "bandwidth": self.bandwidth_bytes_per_s,
             "latency": self.latency_s,
-            "send_cpu_s": self.send_cpu_s,
-            "send_cpu_s_per_byte": self.send_cpu_s_per_byte,
+            **{label: getattr(self, label) for label in _CPU_TIME_MATRICES},
         }
         for label, matrix in matrices.items():
             if matrix.shape != (k, k):
                 raise ClusterError(f"{label} matrix is {matrix.shape}, must be {k}x{k} (one row per device)")
-        for label in ("send_cpu_s", "send_cpu_s_per_byte"):
+        for label in _CPU_TIME_MATRICES:
             if not np.all(np.isfinite(matrices[label])) or np.any(matrices[label] < 0):
-                raise ClusterError(f"{label} (a sender's time per transfer) must be non-negative finite numbers")
+                raise ClusterError(
+                    f"{label} (a sender's or receiver's time per transfer) must be non-negative finite numbers"
+                )
         off_diagonal = ~np.eye(k, dtype=bool)
         if np.any(~(self.bandwidth_bytes_per_s[off_diagonal] > 0)):
             raise ClusterError("every link between two distinct devices needs a positive bandwidth")

@@ -38,8 +38,9 @@ class Problem:
     ``transfer_s[t, a, b]``: time to send tensor ``t`` from device ``a`` to ``b`` (0 on the diagonal).
     ``memory_bytes[i]``: memory task ``i`` holds on its device for the whole run
     (its parameters and buffers plus the activations it produces).
-    ``send_cpu_s[t, a, b]``: time sending tensor ``t`` to ``b`` keeps device ``a`` itself busy (default 0;
-    see :mod:`moirai.schedule.transfers` for how a schedule books it).
+    ``send_cpu_s[t, a, b]``: time sending tensor ``t`` to ``b`` keeps device ``a`` itself busy, and
+    ``recv_cpu_s[t, a, b]`` the time receiving it keeps device ``b`` busy (default 0; see
+    :mod:`moirai.schedule.transfers` for how a schedule books them).
     """
 
     device_names: tuple[str, ...]
@@ -53,6 +54,7 @@ class Problem:
     transfer_s: np.ndarray
     tensor_bytes: np.ndarray = field(default=None)  # type: ignore[assignment]
     send_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
+    recv_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         n, k, t = len(self.task_names), len(self.device_names), len(self.tensor_names)
@@ -63,8 +65,11 @@ class Problem:
         object.__setattr__(self, "transfer_s", np.asarray(self.transfer_s, float).reshape(t, k, k))
         tensor_bytes = np.zeros(t) if self.tensor_bytes is None else np.asarray(self.tensor_bytes, float)
         object.__setattr__(self, "tensor_bytes", tensor_bytes.reshape(t))
-        send_cpu = np.zeros((t, k, k)) if self.send_cpu_s is None else np.asarray(self.send_cpu_s, float)
-        object.__setattr__(self, "send_cpu_s", send_cpu.reshape(t, k, k))
+        for label in ("send_cpu_s", "recv_cpu_s"):
+            value = getattr(self, label)
+            object.__setattr__(
+                self, label, (np.zeros((t, k, k)) if value is None else np.asarray(value, float)).reshape(t, k, k)
+            )
         self._validate()
 
     def _validate(self) -> None:
@@ -80,8 +85,10 @@ class Problem:
             raise ProblemError("compute times must be non-negative numbers (inf: cannot run on that device)")
         if np.any(self.transfer_s < 0) or np.any(np.isnan(self.transfer_s)):
             raise ProblemError("transfer times must be non-negative numbers")
-        if not np.all(np.isfinite(self.send_cpu_s)) or np.any(self.send_cpu_s < 0):
-            raise ProblemError("send_cpu_s (a sender's time per transfer) must be non-negative finite numbers")
+        for label, whose in (("send_cpu_s", "a sender's"), ("recv_cpu_s", "a receiver's")):
+            value = getattr(self, label)
+            if not np.all(np.isfinite(value)) or np.any(value < 0):
+                raise ProblemError(f"{label} ({whose} time per transfer) must be non-negative finite numbers")
         for t, consumers in enumerate(self.tensor_consumers):
             producer = int(self.tensor_producer[t])
             if not 0 <= producer < self.num_tasks or any(not 0 <= c < self.num_tasks for c in consumers):
@@ -266,6 +273,7 @@ class Problem:
         consumers: list[list[int]] = []
         transfers: list[np.ndarray] = []
         send_cpu: list[np.ndarray] = []
+        recv_cpu: list[np.ndarray] = []
         sizes: list[float] = []
         for edge in d.get("edges", []):
             src, dst = str(edge["src"]), str(edge["dst"])
@@ -287,15 +295,17 @@ class Problem:
                     f"edge {src!r} -> {dst!r} needs 'transfer_s', or 'bytes' with a top-level 'links' description"
                 )
             sender = np.array(edge.get("send_cpu_s", np.zeros((k, k))), float)
-            if sender.shape != (k, k):
-                raise ProblemError(f"edge {src!r} -> {dst!r}: send_cpu_s must be {k}x{k}, got {sender.shape}")
+            receiver = np.array(edge.get("recv_cpu_s", np.zeros((k, k))), float)
+            for label, matrix in (("send_cpu_s", sender), ("recv_cpu_s", receiver)):
+                if matrix.shape != (k, k):
+                    raise ProblemError(f"edge {src!r} -> {dst!r}: {label} must be {k}x{k}, got {matrix.shape}")
             key = (src, tensor)
             if key in tensor_key_index:
                 t = tensor_key_index[key]
                 if not np.allclose(transfers[t], transfer):
                     raise ProblemError(f"tensor {tensor!r} of {src!r} is given two different transfer times")
-                if not np.allclose(send_cpu[t], sender):
-                    raise ProblemError(f"tensor {tensor!r} of {src!r} is given two different send_cpu_s")
+                if not np.allclose(send_cpu[t], sender) or not np.allclose(recv_cpu[t], receiver):
+                    raise ProblemError(f"tensor {tensor!r} of {src!r} is given two different send_cpu_s or recv_cpu_s")
                 if index[dst] not in consumers[t]:
                     consumers[t].append(index[dst])
                 continue
@@ -305,6 +315,7 @@ class Problem:
             consumers.append([index[dst]])
             transfers.append(transfer)
             send_cpu.append(sender)
+            recv_cpu.append(receiver)
             sizes.append(size)
         return cls(
             device_names=device_names,
@@ -318,6 +329,7 @@ class Problem:
             transfer_s=np.array(transfers).reshape(len(names), k, k),
             tensor_bytes=np.array(sizes),
             send_cpu_s=np.array(send_cpu).reshape(len(names), k, k),
+            recv_cpu_s=np.array(recv_cpu).reshape(len(names), k, k),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -338,6 +350,7 @@ class Problem:
                     "bytes": float(self.tensor_bytes[t]),
                     "transfer_s": self.transfer_s[t].tolist(),
                     "send_cpu_s": self.send_cpu_s[t].tolist(),
+                    "recv_cpu_s": self.recv_cpu_s[t].tolist(),
                 }
                 for t in range(self.num_tensors)
                 for c in self.tensor_consumers[t]

@@ -3,8 +3,9 @@
 Semantics (the contract between the simulator, the MILP and the runtime):
 
 * Task ``i`` on device ``p(i)`` runs for :func:`moirai.schedule.task_duration_s`: ``compute_s[i, p(i)]`` plus
-  the sender's time (:func:`moirai.schedule.send_cpu_s`) of every transfer of its outputs, non-preemptively,
-  one task at a time per device.
+  the sender's time (:func:`moirai.schedule.send_cpu_s`) of every transfer of its outputs and the receiver's
+  time (:func:`moirai.schedule.recv_cpu_s`) of every transfer it receives (the first of a tensor's consumers
+  on a device in topological order receives it), non-preemptively, one task at a time per device.
 * Tensor ``t`` made by a task on device ``a`` is sent once to every other device ``b`` hosting
   at least one of its consumers and takes :func:`moirai.schedule.transfer_duration_s`, starting no earlier
   than its producer's finish (sends included); consumers on ``a`` use it as soon as its producer finishes.

@@ -70,6 +70,7 @@ def unroll(problem: Problem, plan: Plan, num_requests: int) -> tuple[Problem, Pl
         transfer_s=np.tile(problem.transfer_s, (num_requests, 1, 1)),
         tensor_bytes=np.tile(problem.tensor_bytes, num_requests),
         send_cpu_s=np.tile(problem.send_cpu_s, (num_requests, 1, 1)),
+        recv_cpu_s=np.tile(problem.recv_cpu_s, (num_requests, 1, 1)),
     )
     unrolled_plan = Plan(
         placement=np.tile(plan.placement, num_requests),

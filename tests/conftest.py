@@ -24,6 +24,7 @@ def random_problem(
     capacity_bytes: float | Sequence[float] = math.inf,
     forbid_fraction: float = 0.0,
     send_cpu_s: float = 0.0,
+    recv_cpu_s: float = 0.0,
 ) -> Problem:
     """A random DAG: every task reads up to two earlier tasks, a producer's tensor is shared by two consumers
     half the time (it crosses to a device once), compute and per-link transfer times are random.
@@ -32,8 +33,8 @@ def random_problem(
     :func:`brute_force_optimum`). ``slowdown``: device ``d`` is ``1 + (slowdown - 1) d / (K - 1)`` times
     slower than device 0. Every task holds ``task_memory_bytes``; devices hold ``capacity_bytes`` (one number
     or one per device). ``forbid_fraction`` of the tasks cannot run on one random device (infinite time).
-    ``send_cpu_s``: every transfer keeps its sending device busy for a random time up to this (drawn last, so
-    the rest of the problem is that of the same seed without it).
+    ``send_cpu_s``: every transfer keeps its sending device busy for a random time up to this, ``recv_cpu_s`` its
+    receiving device (drawn last, so the rest of the problem is that of the same seed without them).
     """
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     n = int(rng.integers(4, 8)) if num_tasks is None else num_tasks
@@ -59,6 +60,10 @@ def random_problem(
     if send_cpu_s > 0:
         sender = rng.uniform(0.0, send_cpu_s, transfer.shape).round(2)
         sender[:, np.arange(k), np.arange(k)] = 0.0
+    receiver = np.zeros_like(transfer)
+    if recv_cpu_s > 0:
+        receiver = rng.uniform(0.0, recv_cpu_s, transfer.shape).round(2)
+        receiver[:, np.arange(k), np.arange(k)] = 0.0
     return Problem(
         device_names=tuple(f"dev{d}" for d in range(k)),
         memory_capacity_bytes=np.broadcast_to(np.asarray(capacity_bytes, float), (k,)).copy(),
@@ -70,6 +75,7 @@ def random_problem(
         tensor_consumers=tuple(consumers),
         transfer_s=transfer,
         send_cpu_s=sender,
+        recv_cpu_s=receiver,
     )
 
 

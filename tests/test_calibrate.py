@@ -97,12 +97,15 @@ def test_calibrated_transfer_terms_reach_the_problem(fake_measurement: list) -> 
     np.testing.assert_allclose(problem.transfer_s[:, 0, 1], expected, rtol=1e-12)
     np.testing.assert_allclose(problem.transfer_s[:, 1, 0], expected, rtol=1e-12)
     assert np.all(problem.transfer_s[:, 0, 0] == 0)
-    # The sender's CPU time (fixed + per byte) is booked on the sending device; the receiver's is in the delay.
+    # The sender's CPU time (fixed + per byte) is booked on the sending device, the receiver's on the receiving one.
     sender = FAKE_COST.sender_cpu_s + problem.tensor_bytes * FAKE_COST.sender_cpu_s_per_byte
-    np.testing.assert_allclose(problem.send_cpu_s[:, 0, 1], sender, rtol=1e-12)
-    np.testing.assert_allclose(problem.send_cpu_s[:, 1, 0], sender, rtol=1e-12)
-    assert np.all(problem.send_cpu_s[:, 0, 0] == 0)
-    assert Problem.from_dict(problem.to_dict()).send_cpu_s.tolist() == problem.send_cpu_s.tolist()
+    receiver = FAKE_COST.receiver_cpu_s + problem.tensor_bytes * FAKE_COST.receiver_cpu_s_per_byte
+    for label, expected_cpu in (("send_cpu_s", sender), ("recv_cpu_s", receiver)):
+        matrix = getattr(problem, label)
+        np.testing.assert_allclose(matrix[:, 0, 1], expected_cpu, rtol=1e-12)
+        np.testing.assert_allclose(matrix[:, 1, 0], expected_cpu, rtol=1e-12)
+        assert np.all(matrix[:, 0, 0] == 0)
+        assert getattr(Problem.from_dict(problem.to_dict()), label).tolist() == matrix.tolist()
     assert fake_measurement == [("cpu", "cpu")]
 
 

@@ -66,6 +66,19 @@ def test_with_the_senders_cpu_time_the_milp_optimum_equals_brute_force_and_the_s
         assert simulate(problem, plan).makespan_s == pytest.approx(solution.objective_s, rel=1e-6), seed
 
 
+@pytest.mark.parametrize("formulation", ["strong", "paper"])
+def test_with_the_receivers_cpu_time_the_milp_optimum_equals_brute_force_and_the_simulator(formulation):
+    """A transfer that keeps its receiver busy (recv_cpu_s) lengthens the first consumer on the receiving device
+    in the simulator, the brute force and the MILP alike; with the sender's time as well."""
+    for seed in range(20) if formulation == "strong" else range(6):
+        problem = random_problem(seed, send_cpu_s=0.5 if seed % 2 else 0.0, recv_cpu_s=1.0)
+        assert problem.recv_cpu_s.any()
+        solution, plan = solve_whole(problem, formulation=formulation)
+        assert solution.optimal, (seed, solution.status)
+        assert solution.objective_s == pytest.approx(brute_force_optimum(problem), rel=1e-6), seed
+        assert simulate(problem, plan).makespan_s == pytest.approx(solution.objective_s, rel=1e-6), seed
+
+
 def test_symmetry_breaking_between_identical_devices_keeps_the_optimum():
     for seed in range(10):
         problem = random_problem(seed)

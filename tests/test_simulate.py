@@ -64,6 +64,28 @@ def test_a_send_keeps_its_sender_busy_after_the_producer_and_the_transfer_starts
     assert simulate(problem, place(problem, {"a": 0, "b": 0, "c": 0})).makespan_s == 11.0
 
 
+def test_a_receive_keeps_its_receiver_busy_once_per_tensor_and_device():
+    receiver = {"recv_cpu_s": link(0.25)}
+    problem = two_devices(
+        {"a": [1.0, 9.0], "b": [9.0, 2.0], "c": [9.0, 1.0]},
+        [
+            {"src": "a", "dst": "b", "tensor": "x", "transfer_s": link(0.5), **receiver},
+            {"src": "a", "dst": "c", "tensor": "x", "transfer_s": link(0.5), **receiver},
+        ],
+    )
+    timeline = simulate(problem, place(problem, {"a": 0, "b": 1, "c": 1}))
+    # The tensor crosses once; b, its first consumer on gpu1 in topological order, also receives it (0.25 s).
+    assert [(t.start, t.finish) for t in timeline.transfers] == [(1.0, 1.5)]
+    assert timeline.task_finish.tolist() == [1.0, 3.75, 4.75]
+    assert timeline.busy_s.tolist() == [1.0, 3.25]
+    # The schedule builder charges the consumer that books the transfer.
+    schedule = ScheduleBuilder(problem)
+    schedule.book(0, 0)
+    assert schedule.ready_and_busy_s(1, 1) == (1.5, 2.25)
+    schedule.book(1, 1)
+    assert schedule.ready_and_busy_s(2, 1) == (1.5, 1.0)
+
+
 def test_the_schedule_builder_books_a_send_on_its_sender_when_a_remote_consumer_asks_for_it():
     problem = two_devices(
         {"a": [1.0, 9.0], "b": [9.0, 2.0], "c": [1.0, 1.0]},
@@ -75,7 +97,7 @@ def test_the_schedule_builder_books_a_send_on_its_sender_when_a_remote_consumer_
     schedule = ScheduleBuilder(problem)
     schedule.book(0, 0)
     schedule.book(2, 0)  # c runs 1-2 on gpu0
-    assert schedule.data_ready_s(1, 1) == 2.75  # the send is appended after c (2-2.25), then the link (0.5)
+    assert schedule.ready_and_busy_s(1, 1)[0] == 2.75  # the send is appended after c (2-2.25), then the link (0.5)
     assert schedule.devices[0].items == [0, 2]  # trying a device books nothing
     assert schedule.book(1, 1) == 2.75
     assert schedule.order == [[0, 2], [1]]

@@ -63,11 +63,12 @@ def test_place_scores_every_plan_by_its_period_against_the_load_bound():
 
 
 @pytest.mark.parametrize(
-    ("seed", "send_cpu_s"), [(seed, 0.0) for seed in range(8)] + [(seed, 1.0) for seed in range(4)]
+    ("seed", "send_cpu_s", "recv_cpu_s"),
+    [(seed, 0.0, 0.0) for seed in range(8)] + [(seed, 1.0, 0.0) for seed in range(4)] + [(4, 0.5, 1.0), (5, 0.0, 1.0)],
 )
-def test_milp_throughput_optimum_equals_the_best_period(seed, send_cpu_s):
-    """Also when sends keep their sender busy: that time counts in the sender's load per request."""
-    problem = random_problem(seed, send_cpu_s=send_cpu_s)
+def test_milp_throughput_optimum_equals_the_best_period(seed, send_cpu_s, recv_cpu_s):
+    """Also when sends and receives keep their devices busy: that time counts in their load per request."""
+    problem = random_problem(seed, send_cpu_s=send_cpu_s, recv_cpu_s=recv_cpu_s)
     plan = place(problem, "milp", objective="throughput", time_limit_s=30)
     assert plan.objective_s == pytest.approx(best_period_s(problem), rel=1e-6)
     assert plan.report.solver_objective_s == pytest.approx(plan.objective_s, rel=1e-6)

@@ -205,6 +205,7 @@ def merge_tasks(problem: Problem, groups: Sequence[Sequence[int]]) -> Problem:
         transfer_s=np.array([problem.transfer_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
         tensor_bytes=np.array([problem.tensor_bytes[ts].sum() for ts in crossing.values()]),
         send_cpu_s=np.array([problem.send_cpu_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
+        recv_cpu_s=np.array([problem.recv_cpu_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
     )
 
 

@@ -3,7 +3,8 @@
 The project's communication rule lives here and nowhere else:
 
 * :func:`transfer_duration_s` is the one place that says what a transfer costs the link, :func:`send_cpu_s`
-  what it costs the sending device (added to its producer's time, :func:`task_duration_s`);
+  what it costs the sending device (added to its producer's time) and :func:`recv_cpu_s` what it costs the
+  receiving device (added to its receiver's time; both in :func:`task_duration_s`);
 * a tensor crosses to a device once: every consumer on that device reuses it
   (:func:`implied_transfers` for a whole placement, :class:`ScheduleBuilder` task by task);
 * one transfer at a time per directed link, first ready first sent (:func:`send_priority`).
@@ -17,6 +18,7 @@ from moirai.schedule.builder import Booking, BusyIntervals, ScheduleBuilder
 from moirai.schedule.transfers import (
     ImpliedTransfers,
     implied_transfers,
+    recv_cpu_s,
     send_cpu_s,
     send_priority,
     task_duration_s,
@@ -29,6 +31,7 @@ __all__ = [
     "ImpliedTransfers",
     "ScheduleBuilder",
     "implied_transfers",
+    "recv_cpu_s",
     "send_cpu_s",
     "send_priority",
     "task_duration_s",

@@ -12,7 +12,8 @@ a transfer (:func:`send_cpu_s`) is booked when a consumer on another device asks
 sending device after the producer (appended, or the earliest idle slot), the transfer starting after it.
 The simulator adds the same time to the producer itself (:func:`task_duration_s`); where a task was
 booked between the two, the simulated plan runs later than the builder's estimate, and the simulator is
-the judge of every plan.
+the judge of every plan. The receiver's time of a transfer (:func:`recv_cpu_s`) extends the task that books
+it (the first consumer booked on the device; the simulator charges the first in topological order).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moirai.problem import Problem
-from moirai.schedule.transfers import send_cpu_s, send_priority, transfer_duration_s
+from moirai.schedule.transfers import recv_cpu_s, send_cpu_s, send_priority, transfer_duration_s
 
 _SEND = -1  # a device interval that posts a transfer, not a task
 
@@ -160,26 +161,29 @@ class ScheduleBuilder:
         intervals = self.devices[device]
         return intervals.earliest_slot(ready_s, duration_s) if self.insertion else intervals.append_slot(ready_s)
 
-    def data_ready_s(self, task: int, device: int) -> float:
-        """When every input of ``task`` would be on ``device`` (nothing stays booked)."""
+    def ready_and_busy_s(self, task: int, device: int) -> tuple[float, float]:
+        """When every input of ``task`` would be on ``device``, and how long it would keep the device busy: its
+        compute and the receives of the transfers it would book (nothing stays booked)."""
         booking = self.book_inputs(task, device)
         self.unbook(booking)
-        return booking.ready_s
+        received = sum(float(recv_cpu_s(self.problem, t, source, device)) for source, _, t, _ in booking.transfers)
+        return booking.ready_s, self._compute[task][device] + received
 
     def earliest_start_s(self, task: int, device: int) -> float:
         """Earliest start of ``task`` on ``device``; ``inf`` when it cannot run or fit there."""
         if not self.fits(task, device):
             return np.inf
-        return self.device_slot(device, self.data_ready_s(task, device), self._compute[task][device])[0]
+        return self.device_slot(device, *self.ready_and_busy_s(task, device))[0]
 
     def book(self, task: int, device: int, not_before_s: float = 0.0) -> float:
         """Book ``task`` on ``device`` with the transfers of its inputs, starting no earlier than ``not_before_s``;
         returns its start."""
         booking = self.book_inputs(task, device)
+        seconds = self._compute[task][device]
         for source, _, t, arrival in booking.transfers:
             self.arrival_s[t, device] = arrival
             self._sent.setdefault((source, device), []).append(t)
-        seconds = self._compute[task][device]
+            seconds += float(recv_cpu_s(self.problem, t, source, device))
         start, index = self.device_slot(device, max(booking.ready_s, not_before_s), seconds)
         self.devices[device].insert(index, start, seconds, task)
         self.placement[task] = device

@@ -35,7 +35,6 @@ def heft_schedule(
     n, k = problem.num_tasks, problem.num_devices
     position = problem.topological_position
     schedule = ScheduleBuilder(problem, insertion=True, contention=contention)
-    compute = problem.compute_s.tolist()
     lookahead = np.zeros((n, k)).tolist() if lookahead_s is None else lookahead_s.tolist()
     missing_inputs = [len(p) for p in problem.predecessors]
     ready = [(-priority[u], position[u], u) for u in range(n) if not missing_inputs[u]]
@@ -46,8 +45,8 @@ def heft_schedule(
         for d in range(k):
             if not schedule.fits(u, d):
                 continue
-            seconds = compute[u][d]
-            start = schedule.device_slot(d, schedule.data_ready_s(u, d), seconds)[0]
+            ready_s, seconds = schedule.ready_and_busy_s(u, d)
+            start = schedule.device_slot(d, ready_s, seconds)[0]
             score = start + seconds + lookahead[u][d]
             if best is None or score < best[0]:
                 best = (score, d)

@@ -9,6 +9,10 @@ The cost rule, one place for it. A tensor ``t`` sent from device ``a`` to device
   copying on the core its compute uses). This time extends the producer's busy time on ``a``: a task's duration
   is its compute time plus the send time of every transfer its outputs need (one per tensor and remote
   device), :func:`task_duration_s`. Its transfers start when that extended task finishes.
+* occupies the *receiving device* ``b`` for :func:`recv_cpu_s` (posting the receive, waking up, taking the
+  message in: time a receiver busy with other work loses). This time extends the task that receives the
+  tensor on ``b``: of the tensor's consumers on ``b``, the first in topological order (its
+  :attr:`ImpliedTransfers.receiver`), where the runtime waits for it before the first use.
 
 Why at the extended finish: the runtime posts a producer's sends right after it, one after another, before the
 device's next op (:mod:`moirai.split`), so the device is busy with them before it computes again, and a
@@ -44,15 +48,23 @@ def send_cpu_s(problem: Problem, tensor: int | np.ndarray, src: int | np.ndarray
     return problem.send_cpu_s[tensor, src, dst]
 
 
+def recv_cpu_s(problem: Problem, tensor: int | np.ndarray, src: int | np.ndarray, dst: int | np.ndarray):
+    """Seconds receiving ``tensor`` over ``src -> dst`` keeps device ``dst`` busy (booked on the tensor's receiver,
+    see the module's rule); the MILP's finish times (:mod:`moirai.solve.model`) mirror it."""
+    return problem.recv_cpu_s[tensor, src, dst]
+
+
 def task_duration_s(problem: Problem, placement: np.ndarray, transfers: ImpliedTransfers) -> np.ndarray:
     """Every task's busy time on its device under ``placement``: its compute time plus the send time of every
-    transfer of its outputs (``transfers``: :func:`implied_transfers` of the same placement)."""
+    transfer of its outputs and the receive time of every transfer it receives (``transfers``:
+    :func:`implied_transfers` of the same placement)."""
     n = problem.num_tasks
     compute = problem.compute_s[np.arange(n), placement]
     if not transfers.tensor:
         return compute
     producer = problem.tensor_producer[transfers.tensor]
-    return compute + np.bincount(producer, weights=transfers.send_cpu, minlength=n)
+    sends = np.bincount(producer, weights=transfers.send_cpu, minlength=n)
+    return compute + sends + np.bincount(transfers.receiver, weights=transfers.recv_cpu, minlength=n)
 
 
 def send_priority(ready_s: float, tensor: int) -> tuple[float, int]:
@@ -68,6 +80,8 @@ class ImpliedTransfers(NamedTuple):
     dst: list[int]
     duration: list[float]
     send_cpu: list[float]  # the sender's busy time, added to its producer's (task_duration_s)
+    recv_cpu: list[float]  # the receiver's busy time, added to its receiver's
+    receiver: list[int]  # of the transfer's consumers, the first in topological order
     consumers: list[list[int]]  # tasks that wait for each transfer
     by_producer: list[list[int]]  # transfers each task triggers when it finishes
     local_consumers: list[list[int]]  # tasks on the producer's device that wait for each task
@@ -101,9 +115,12 @@ def implied_transfers(problem: Problem, placement: np.ndarray) -> ImpliedTransfe
     transfer_src = placement[problem.tensor_producer[tensor]]
     duration = transfer_duration_s(problem, tensor, transfer_src, transfer_dst)
     sender_s = send_cpu_s(problem, tensor, transfer_src, transfer_dst)
+    receiver_s = recv_cpu_s(problem, tensor, transfer_src, transfer_dst)
     waiting: list[list[int]] = [[] for _ in range(unique_keys.size)]
     for q, c in zip(transfer_of_pair.tolist(), pair_consumer[remote].tolist(), strict=True):
         waiting[q].append(c)
+    position = problem.topological_position
+    receiver = [min(consumers, key=lambda c: position[c]) for consumers in waiting]
     by_producer: list[list[int]] = [[] for _ in range(n)]
     for q, u in enumerate(problem.tensor_producer[tensor].tolist()):
         by_producer[u].append(q)
@@ -113,6 +130,8 @@ def implied_transfers(problem: Problem, placement: np.ndarray) -> ImpliedTransfe
         transfer_dst.tolist(),
         duration.tolist(),
         sender_s.tolist(),
+        receiver_s.tolist(),
+        receiver,
         waiting,
         by_producer,
         local_consumers,

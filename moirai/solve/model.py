@@ -3,8 +3,9 @@
 The model states what :mod:`moirai.simulate` does. ``x[i,k]`` puts task ``i`` on device ``k``;
 ``S_i`` is its start. A tensor ``t`` is sent *once* to every device ``b`` that hosts one of its consumers
 and not its producer (``y[t,b]``); ``w[t,a,b] = x[u,a] y[t,b]`` picks the link and so the duration (7).
-The finish ``C_i = S_i + sum_k p_ik x_ik + sum_(t,a,b) send_cpu_s[t,a,b] w[t,a,b]`` (4b, 4c) counts the
-sender's time of every transfer of ``i``'s outputs, as :func:`moirai.schedule.task_duration_s` does. Transfers
+The finish ``C_i = S_i + sum_k p_ik x_ik + sum_(t,a,b) send_cpu_s[t,a,b] w[t,a,b] + sum r[t,i,b]`` (4b, 4c)
+counts the sender's time of every transfer of ``i``'s outputs and the receiver's time of every transfer ``i``
+receives, as :func:`moirai.schedule.task_duration_s` does. Transfers
 start after their producer's finish (4a) and consumers on ``b`` start after the transfer arrives. Two tasks
 that share a device never overlap (6, one ``delta`` per incomparable pair), nor do two transfers
 on one directed link (8). Memory is the static sum the simulator uses (5). The objective is
@@ -51,7 +52,7 @@ import pyomo.environ as pyo
 from moirai.errors import InfeasibleError, MoiraiError
 from moirai.objective import LATENCY, Objective
 from moirai.problem import Problem
-from moirai.schedule.transfers import send_cpu_s, transfer_duration_s
+from moirai.schedule.transfers import recv_cpu_s, send_cpu_s, transfer_duration_s
 from moirai.solve.window import (
     Window,
     allowed_devices,
@@ -113,6 +114,7 @@ class _Model:
     m: pyo.ConcreteModel
     finish: dict[int, Any]  # finish time of every free task (model units), an expression
     transfer_sources: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    receive_terms: list[tuple[int, int, int]] = field(default_factory=list)  # (tensor, receiver, device) of m.r
 
     @property
     def free(self) -> tuple[int, ...]:
@@ -177,6 +179,7 @@ def build_model(
         + 1
         + len(transfers.sources)
         + len(m.w)
+        + len(m.r)
         + (len(device_pairs) + len(transfer_pairs)) * c.strong,
         constraints=len(m.constraints),
         build_s=time.perf_counter() - started,
@@ -264,6 +267,47 @@ def _transfer_variables(c: _Model) -> None:
             seconds = float(send_cpu_s(problem, t, a, b))
             if seconds > 0:
                 c.finish[u] = c.finish[u] + c.scaled(seconds) * m.w[t, a, b]
+    _receiver_time_variables(c)
+
+
+def _receiver_time_variables(c: _Model) -> None:
+    """The receiver's time of every transfer, added to the finish of the tensor's receiver: of its consumers on
+    the destination, the first in topological order (:func:`moirai.schedule.task_duration_s`).
+
+    ``r[t,i,b] >= sum_a recv_cpu_s[t,a,b] w[t,a,b] - M (1 - x[i,b] + sum_(j before i) x[j,b])``: consumer ``i``
+    pays when the tensor comes to ``b``, ``i`` is on ``b`` and no consumer before it is.
+    """
+    problem, m, free_set = c.problem, c.m, set(c.free)
+    position = problem.topological_position
+    terms: list[tuple[int, int, int]] = []
+    rows: list[tuple[tuple[int, int, int], Any, float, list[int]]] = []
+    for (t, b), sources in c.transfer_sources.items():
+        paid = {a: c.scaled(float(recv_cpu_s(problem, t, a, b))) for a in sources}
+        big_m = max(paid.values(), default=0.0)
+        if big_m <= 0:
+            continue
+        earlier: list[int] = []
+        for i in sorted(problem.tensor_consumers[t], key=lambda j: position[j]):
+            if i not in free_set:
+                if c.window.placement[i] == b:
+                    break  # a fixed consumer on b receives it; no later one pays
+                continue
+            if b in c.allowed[i]:
+                received = sum(seconds * m.w[t, a, b] for a, seconds in paid.items())
+                rows.append(((t, i, b), received, big_m, list(earlier)))
+                terms.append((t, i, b))
+                earlier.append(i)
+    m.r = pyo.Var(terms, domain=pyo.NonNegativeReals)
+    for key, received, big_m, before in rows:
+        _, i, b = key
+        c.add(m.r[key] >= received - big_m * (1 - m.x[i, b] + sum(m.x[j, b] for j in before)))
+        c.finish[i] = c.finish[i] + m.r[key]
+    c.receive_terms = terms
+
+
+def _receiver_time(c: _Model, device: int) -> Any:
+    """The receiver's time device ``device`` spends on the transfers its free tasks receive (model units)."""
+    return sum(c.m.r[t, i, b] for t, i, b in c.receive_terms if b == device)
 
 
 def _sender_time(c: _Model, device: int) -> Any:
@@ -341,7 +385,12 @@ def _period_rows(c: _Model, objective: Objective) -> None:
     for k in range(c.problem.num_devices):
         users = [i for i in c.free if k in c.allowed[i]]
         if users:
-            c.add(m.P >= sum(c.scaled(c.problem.compute_s[i, k]) * m.x[i, k] for i in users) + _sender_time(c, k))
+            c.add(
+                m.P
+                >= sum(c.scaled(c.problem.compute_s[i, k]) * m.x[i, k] for i in users)
+                + _sender_time(c, k)
+                + _receiver_time(c, k)
+            )
     if getattr(objective, "max_latency_s", None) is not None:
         _latency_rows(c)
         c.add(m.T <= MODEL_TIME_SCALE)

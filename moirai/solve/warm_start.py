@@ -9,7 +9,7 @@ import numpy as np
 from pyomo.common.collections import ComponentMap
 
 from moirai.problem import Plan, Problem
-from moirai.schedule.transfers import transfer_duration_s
+from moirai.schedule.transfers import implied_transfers, recv_cpu_s, transfer_duration_s
 from moirai.simulate import Timeline
 from moirai.solve.model import MODEL_TIME_SCALE, MilpModel
 from moirai.solve.window import identical_device_groups
@@ -51,6 +51,14 @@ def warm_start_values(built: MilpModel, timeline: Timeline) -> ComponentMap:
         values[m.R[t, b]] = transfer.start / unit if transfer is not None else float(timeline.task_finish[u] / unit)
         for a in sources:
             values[m.w[t, a, b]] = float(transfer is not None and transfer.src == a)
+    receivers = implied_transfers(problem, placement)
+    received_by = {
+        (t, b): (i, float(recv_cpu_s(problem, t, a, b)))
+        for t, a, b, i in zip(receivers.tensor, receivers.src, receivers.dst, receivers.receiver, strict=True)
+    }
+    for t, i, b in m.r:
+        receiver, seconds = received_by.get((t, b), (None, 0.0))
+        values[m.r[t, i, b]] = seconds / unit if receiver == i else 0.0
 
     def precedes(i: int, j: int) -> bool:
         return (start[i], finish[i], i) < (start[j], finish[j], j)
