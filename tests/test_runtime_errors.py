@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -175,7 +177,15 @@ def test_stopped_torchrun_rank_is_named_by_every_other_rank(tmp_path) -> None:
         if not line and process.poll() is not None:
             break
         lines.append(line)
+    # torchrun starts its ranks in sessions of their own: kill them by name, or the stopped rank 1 stays forever.
+    try:
+        ranks = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
     os.killpg(process.pid, signal.SIGKILL)
+    for rank in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rank.kill()
     process.wait()
     reports = sorted(line.strip() for line in lines if line.startswith("RANK "))
     assert [r.split(" ERROR")[0] for r in reports] == ["RANK 0", "RANK 2"], "".join(lines[-40:])
