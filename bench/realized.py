@@ -8,11 +8,12 @@ with two heavy parallel branches (two 6-layer 1024-wide MLPs on a batch of 256),
 
 * eager: the original model in this process with one thread (median of the repeats after warm-up);
 * predicted: the plan's simulated latency;
-* measured: the median of the repeats (after warm-up) of calls through one persistent
-  :class:`moirai.runtime.distributed.DistributedRunner` per model (two worker processes);
+* measured: the median of the calls through one persistent
+  :class:`moirai.runtime.distributed.DistributedRunner` per model (two worker processes), after
+  warm-up, in ``--rounds`` rounds of ``--repeats`` calls of every plan of the model in turn;
 * measured / predicted, speedup over eager (eager / measured), the plan's number of transfers and
-  the CPU time they take from their senders and receivers by the calibration (the schedule books the
-  sender's on the sending device and counts the receiver's inside the transfer's delay);
+  the CPU time they take from their senders and receivers by the calibration (the schedule books
+  each on its device);
 * whether the split outputs equal the model's.
 
 One more row runs the milp plan of the two-branch model (``--torchrun-model`` picks another) the
@@ -170,8 +171,8 @@ class Row:
         ]
 
 
-def median_time_s(call: Callable[[], Any], warmup: int, repeats: int, warmup_s: float = 0.0) -> float:
-    """Median of ``repeats`` calls after ``warmup`` calls and at least ``warmup_s`` seconds of calls."""
+def timed_s(call: Callable[[], Any], warmup: int, repeats: int, warmup_s: float = 0.0) -> list[float]:
+    """Seconds of each of ``repeats`` calls after ``warmup`` calls and at least ``warmup_s`` seconds of calls."""
     started = time.perf_counter()
     calls = 0
     while calls < warmup or time.perf_counter() - started < warmup_s:
@@ -182,7 +183,12 @@ def median_time_s(call: Callable[[], Any], warmup: int, repeats: int, warmup_s: 
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time_s(call: Callable[[], Any], warmup: int, repeats: int, warmup_s: float = 0.0) -> float:
+    """Median of ``repeats`` calls after ``warmup`` calls and at least ``warmup_s`` seconds of calls."""
+    return statistics.median(timed_s(call, warmup, repeats, warmup_s))
 
 
 def bench_model(name: str, placers: Sequence[str], args: argparse.Namespace, console: Console) -> list[Row]:
@@ -191,7 +197,9 @@ def bench_model(name: str, placers: Sequence[str], args: argparse.Namespace, con
     Every plan is compiled before the runner starts, as a server compiles and then serves: tracing and
     the MILP's solver threads in this process (rank 0) would otherwise share its core with the calls
     that follow. Each plan is warmed up for ``--warmup-s`` seconds in the runner before it is timed:
-    the first calls of a fresh runner (its allocations, gloo's connections) ran up to 1.5x slower.
+    the first calls of a fresh runner (its allocations, gloo's connections) ran up to 1.5x slower. The
+    plans are then timed round by round in turn: identical plans timed one after the other measured up
+    to 13% apart.
     """
     model, inputs, kwargs = make_model(name)
     with torch.no_grad():
@@ -218,21 +226,27 @@ def bench_model(name: str, placers: Sequence[str], args: argparse.Namespace, con
         except Exception as error:  # a row that fails says why; the other rows still run
             row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
     with DistributedRunner(list(DEVICES), timeout_s=args.call_timeout_s) as runner:
+        calls: dict[str, Callable[[], Any]] = {}
         for row in rows:
             compiled = compiled_plans.get(row.placer)
-            if compiled is not None:
-                try:
-                    flat_inputs = compiled.traced.flatten_inputs(inputs, kwargs)
-                    outputs = runner.run(compiled.program, flat_inputs)
-                    row.outputs_match = outputs_equal(compiled.traced.unflatten_outputs(outputs), expected)
-                    row.measured_s = median_time_s(
-                        lambda c=compiled, f=flat_inputs: runner.run(c.program, f),
-                        args.warmup,
-                        args.repeats,
-                        args.warmup_s,
-                    )
-                except Exception as error:
-                    row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
+            if compiled is None:
+                continue
+            try:
+                flat_inputs = compiled.traced.flatten_inputs(inputs, kwargs)
+                outputs = runner.run(compiled.program, flat_inputs)
+                row.outputs_match = outputs_equal(compiled.traced.unflatten_outputs(outputs), expected)
+                calls[row.placer] = lambda c=compiled, f=flat_inputs: runner.run(c.program, f)
+                timed_s(calls[row.placer], args.warmup, 0, args.warmup_s)
+            except Exception as error:
+                row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
+        # Round by round, every plan in turn: a drift of the machine's speed hits all plans of the model alike.
+        times: dict[str, list[float]] = {placer: [] for placer in calls}
+        for _ in range(args.rounds):
+            for placer, call in calls.items():
+                times[placer] += timed_s(call, 1, args.repeats)
+        for row in rows:
+            if times.get(row.placer):
+                row.measured_s = statistics.median(times[row.placer])
             console.print(f"  {name} / {row.placer}: {' | '.join(row.cells()[2:])}")
     return rows
 
@@ -358,8 +372,9 @@ def write_results(path: Path, command: str, rows: list[Row], check_lines: list[s
     section = "\n\n".join(
         [
             f"Command: `{command}`  \nMachine: {machine_description()}  \nDevices {list(DEVICES)}, "
-            f"cost='measured' (profiles and the link calibration of this machine); eager and measured: median "
-            f"of the repeats after warm-up; whole run {elapsed_s:.0f} s.",
+            f"cost='measured' (profiles and the link calibration of this machine); eager: median of the repeats "
+            f"after warm-up; measured: median of all calls of a plan, the model's plans timed round by round in turn "
+            f"after warm-up; whole run {elapsed_s:.0f} s.",
             markdown_table(COLUMNS, [r.cells() for r in rows]),
             "\n".join(f"- {line}" for line in check_lines),
         ]
@@ -375,6 +390,7 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup-s", type=float, default=1.0, help="least seconds of warm-up calls per plan")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --repeats calls of every plan in turn")
     parser.add_argument("--time-limit", type=float, default=30.0, help="seconds the milp placer may take")
     parser.add_argument("--torchrun-model", default="two_branch_mlp", help="model of the torchrun row")
     parser.add_argument("--no-torchrun", action="store_true")
@@ -387,7 +403,7 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.models = args.models or list(QUICK_MODELS)
-        args.warmup, args.repeats, args.time_limit, args.warmup_s = 2, 5, min(args.time_limit, 5.0), 0.0
+        args.warmup, args.repeats, args.time_limit, args.warmup_s, args.rounds = 2, 5, min(args.time_limit, 5.0), 0.0, 1
     args.models = args.models or list(MODELS)
     return args
 
