@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,25 @@ def test_a_plan_whose_transfers_dominate_is_single_device(placer: str) -> None:
     assert plan.placer == placer
     # The placer's own plan, where it was worse, is remembered.
     assert plan.report.notes.get("replaced_by_single_device_s", 42e-3) > 42e-3 - 1e-12
+    # On one device the tasks run in the graph's own order, the one eager runs.
+    device = int(plan.placement[0])
+    assert plan.order[device] == problem.topological_order and not plan.order[1 - device]
+
+
+def test_transfers_that_cost_their_receiver_cpu_time_make_fewer_transfers() -> None:
+    """The receiver's time counts as the sender's does: 4 ms receives make the 2/2 split (four transfers) lose
+    to fewer transfers, 20 ms ones to one device."""
+
+    def problem(recv_cpu_s: float) -> Problem:
+        base = fan_out_problem(0.1e-3)
+        receiver = np.zeros_like(base.transfer_s)
+        receiver[:, 0, 1] = receiver[:, 1, 0] = recv_cpu_s
+        return dataclasses.replace(base, recv_cpu_s=receiver)
+
+    plans = [place(problem(seconds), "milp", time_limit_s=10.0) for seconds in (0.0, 4e-3, 20e-3)]
+    transfers = [len(simulate(problem(0.0), plan).transfers) for plan in plans]
+    assert transfers[0] == 4 and transfers[1] < 4 and transfers[2] == 0
+    assert plans[1].makespan_s < 42e-3
 
 
 def test_transfers_that_cost_their_sender_cpu_time_make_fewer_transfers() -> None:

@@ -25,6 +25,10 @@ def place_single(problem: Problem) -> Plan:
         raise InfeasibleError(
             f"no single device can run the whole model: {reason}; use a placer that splits the model, e.g. 'heft'"
         )
-    device = int(candidates[np.argmin(total_s[candidates])])
+    return one_device_plan(problem, int(candidates[np.argmin(total_s[candidates])]))
+
+
+def one_device_plan(problem: Problem, device: int) -> Plan:
+    """Every task on ``device``, in the graph's own (topological) order."""
     order = tuple(problem.topological_order if d == device else () for d in range(problem.num_devices))
     return Plan(np.full(problem.num_tasks, device), problem.device_names, order=order, placer="single")
