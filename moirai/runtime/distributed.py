@@ -183,7 +183,8 @@ def torchrun_driver(
             f"this is rank {rank}: only rank 0 serves requests; call moirai.serve_rank(compiled) on the other ranks"
         )
     group = _torchrun_group(program, rank, world_size, torch_devices, timeout_s)
-    return Driver(group, timeout_s, max_in_flight, preloaded=program)
+    helper_cores = rank_resources(torch_devices)[rank].io_cores
+    return Driver(group, timeout_s, max_in_flight, preloaded=program, helper_cores=helper_cores)
 
 
 def _torchrun_rank() -> tuple[int, int]:
@@ -319,7 +320,13 @@ class DistributedRunner:
         self._restore = apply_resources(resources[0], self._names()[0], own_process=False)
         group = local_group(0, self.torch_devices, self._store, self.start_timeout_s)
         pin_io_threads(resources[0])
-        self._driver = Driver(group, self.timeout_s, self.max_in_flight, describe_rank=self._describe_process)
+        self._driver = Driver(
+            group,
+            self.timeout_s,
+            self.max_in_flight,
+            describe_rank=self._describe_process,
+            helper_cores=resources[0].io_cores,
+        )
 
     def _await_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s

