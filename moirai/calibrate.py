@@ -35,27 +35,33 @@ measured the first time a link kind is needed and stored next to the measured pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
 from moirai.device_kinds import kind_for_backend, kind_of
 from moirai.devices import Cluster, Device, Link
 from moirai.errors import ClusterError, DistributedError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None  # type: ignore[assignment]
 
 # 1 KiB .. 16 MiB: small sizes pin the latency, large ones the bandwidth.
 DEFAULT_SIZES_BYTES = tuple(1024 * 4**k for k in range(8))
@@ -145,11 +151,8 @@ def measure_transfers(
         raise ClusterError(f"calibration needs warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     sizes = tuple(int(s) for s in sizes_bytes)
     with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir:
-        settings = (devices, _free_port(), sizes, repeats, warmup, timeout_s, results_dir)
-        try:
-            mp.start_processes(_rank_main, args=settings, nprocs=len(devices), start_method="spawn")
-        except mp.ProcessRaisedException as error:
-            raise DistributedError(f"a calibration rank failed: {str(error).strip().splitlines()[-1]}") from error
+        settings = [devices, _free_port(), list(sizes), repeats, warmup, timeout_s, results_dir]
+        _run_ranks(settings, len(devices), timeout_s)
         reports = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("rank*.json"))]
     return {
         (pair["src"], pair["dst"]): TransferTimings(
@@ -253,14 +256,27 @@ def local_calibration(
             )
         return {kind: stored[kind] for kind in needed}
     path = calibration_cache_path(cache_dir)
-    cached = _read_cached(path) if calibration == "auto" else {}
-    missing = {kind: pair for kind, pair in needed.items() if kind not in cached}
-    for kind, pair in missing.items():
-        if kind not in cached:  # measuring a -> b measures b -> a too
-            cached.update(measure_link_kinds(pair))
-    if missing:
-        write_calibration(path, {**_read_cached(path), **cached})
+    # One process measures at a time: the torchrun ranks of a host that compile at once then all read the
+    # calibration the first one measured, and so make the same plan.
+    with _exclusive(path.with_suffix(".lock")):
+        cached = _read_cached(path) if calibration == "auto" else {}
+        missing = {kind: pair for kind, pair in needed.items() if kind not in cached}
+        for kind, pair in missing.items():
+            if kind not in cached:  # measuring a -> b measures b -> a too
+                cached.update(measure_link_kinds(pair))
+        if missing:
+            write_calibration(path, {**_read_cached(path), **cached})
     return {kind: cached[kind] for kind in needed}
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_path`` (POSIX; elsewhere nothing is locked)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _read_cached(path: Path) -> dict[str, TransferCost]:
@@ -364,6 +380,36 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_RANK_ENTRY = "from moirai.calibrate import _rank_main"
+
+
+def _run_ranks(settings: list, world_size: int, timeout_s: float) -> None:
+    """Start the ranks as fresh interpreters that import only moirai (a spawned process would re-import the
+    caller's ``__main__``, and a script that compiles at top level would compile again in every rank)."""
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", f"{_RANK_ENTRY}; _rank_main({rank}, *{json.dumps(settings)})"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    failures = []
+    for rank, process in enumerate(ranks):
+        try:
+            _, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for other in ranks:
+                other.kill()
+            raise DistributedError(f"calibration rank {rank} did not finish within {timeout_s:g} s") from None
+        if process.returncode != 0:
+            last_line = (stderr.strip().splitlines() or [f"exit code {process.returncode}"])[-1]
+            failures.append(f"rank {rank}: {last_line}")
+    if failures:
+        raise DistributedError(f"a calibration rank failed: {'; '.join(failures)}")
 
 
 def _rank_main(

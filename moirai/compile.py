@@ -196,7 +196,7 @@ def compile(
     objective: str | Objective = "latency",
     dynamic_shapes: Any = None,
     progress: bool = True,
-    calibration: str | Path | None = None,
+    calibration: str | Path = "auto",
     **placer_options: Any,
 ) -> CompiledModel:
     """Split ``model`` across ``devices`` so that one inference finishes soonest.
@@ -212,23 +212,19 @@ def compile(
     serve every size in the declared ranges, with costs taken at the example inputs' shapes.
     ``progress=False`` silences the line per stage.
     ``calibration`` says what the links between local devices (a list of device strings) cost:
-    ``"auto"`` (the default with ``cost="measured"``) this machine's calibration, measured the first
-    time and cached (:func:`moirai.calibrate.local_calibration`); ``"remeasure"`` measures it
-    again; a path reads a calibration file; ``"none"`` (the default with ``cost="analytic"``) keeps
-    the detected defaults. A :class:`moirai.Cluster` keeps the links it describes.
+    ``"auto"`` (the default, with either cost mode) this machine's calibration, measured the first
+    time a kind of link is needed (a few seconds, in processes that do not import the caller's
+    script) and cached (:func:`moirai.calibrate.local_calibration`); ``"remeasure"`` measures it
+    again; a path reads a calibration file; ``"none"`` keeps the detected defaults (50 us, no CPU
+    time). A :class:`moirai.Cluster` keeps the links it describes.
     """
     _check_not_misspelt(placer_options)
-    calibration = _DEFAULT_CALIBRATION.get(cost, "none") if calibration is None else calibration
     cluster = _local_cluster(devices, calibration)
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
     problem = build_problem(coarse, cluster, cost, traced)
     plan = place(problem, placer=placer, objective=objective, **placer_options)
     return _assemble(traced, cluster, coarse, problem, plan)
-
-
-# Measured costs measure the machine; analytic ones estimate it (and measure nothing).
-_DEFAULT_CALIBRATION = {"measured": "auto", "analytic": "none"}
 
 
 def _local_cluster(devices: Cluster | Sequence[str], calibration: str | Path) -> Cluster:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -131,11 +134,42 @@ def test_calibration_file_is_used_as_given(fake_measurement: list, tmp_path: Pat
         local_calibration(["cpu", "cpu"], tmp_path / "missing.json")
 
 
-def test_analytic_compile_keeps_the_detected_links_unless_asked(fake_measurement: list) -> None:
-    compiled = moirai.compile(TwoLinears().eval(), ["cpu", "cpu"], example_inputs=(torch.randn(8, 64),), placer="heft")
-    detected = Cluster.from_devices(["cpu", "cpu"])
-    np.testing.assert_array_equal(compiled.cluster.latency_s, detected.latency_s)
-    assert fake_measurement == []
+def test_compile_on_local_devices_uses_this_machines_calibration_by_default(fake_measurement: list) -> None:
+    """A user who never heard of calibration gets this machine's links, with either cost mode; "none" opts out."""
+    example = (torch.randn(8, 64),)
+    for cost in ("analytic", "measured"):
+        compiled = moirai.compile(TwoLinears().eval(), ["cpu", "cpu"], example_inputs=example, placer="heft", cost=cost)
+        assert compiled.cluster.latency_s[0, 1] == FAKE_COST.latency_s
+        assert compiled.cluster.recv_cpu_s[0, 1] == FAKE_COST.receiver_cpu_s
+    assert fake_measurement == [("cpu", "cpu")], "measured once, then read from the cache"
+    opted_out = moirai.compile(
+        TwoLinears().eval(), ["cpu", "cpu"], example_inputs=example, placer="heft", calibration="none"
+    )
+    np.testing.assert_array_equal(opted_out.cluster.latency_s, Cluster.from_devices(["cpu", "cpu"]).latency_s)
+
+
+@pytest.mark.slow
+def test_a_script_that_compiles_at_top_level_calibrates_without_a_main_guard(tmp_path: Path) -> None:
+    """The calibration's ranks are fresh interpreters: they do not import the script that compiles (a spawned
+    process would, and would compile, and calibrate, again)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import torch, moirai\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))\n"
+        "compiled = moirai.compile(model.eval(), ['cpu', 'cpu'], example_inputs=(torch.randn(4, 16),), placer='heft')\n"
+        "print('latency', compiled.cluster.latency_s[0, 1], 'receiver', compiled.cluster.recv_cpu_s[0, 1])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MOIRAI_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("latency ")]
+    latency, receiver = (float(word) for word in line.split()[1::2])
+    assert latency != Cluster.from_devices(["cpu", "cpu"]).latency_s[0, 1] and receiver > 0, "measured, not defaults"
 
 
 @pytest.mark.slow
