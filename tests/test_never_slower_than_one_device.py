@@ -48,6 +48,16 @@ def test_a_plan_whose_transfers_dominate_is_single_device(placer: str) -> None:
     assert plan.order[device] == problem.topological_order and not plan.order[1 - device]
 
 
+@pytest.mark.parametrize("placer", LATENCY_PLACERS)
+def test_on_devices_no_plan_tells_apart_the_last_task_runs_on_the_first(placer: str) -> None:
+    """Rank 0 gathers the outputs: of the mirror-image plans the model cannot tell apart, the one ending there."""
+    problem = fan_out_problem(0.1e-3)  # cheap transfers: the plans split the branches over both devices
+    options = {"time_limit_s": 5.0} if placer in ("milp", "pesto") else {}
+    plan = place(problem, placer, **options)
+    assert plan.placement[problem.topological_order[-1]] == 0
+    assert plan.makespan_s == pytest.approx(simulate(problem, plan).makespan_s)
+
+
 def test_transfers_that_cost_their_receiver_cpu_time_make_fewer_transfers() -> None:
     """The receiver's time counts as the sender's does: 4 ms receives make the 2/2 split (four transfers) lose
     to fewer transfers, 20 ms ones to one device."""

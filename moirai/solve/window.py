@@ -181,7 +181,10 @@ def _devices_identical(problem: Problem, a: int, b: int) -> bool:
         return False
     swap = np.arange(problem.num_devices)
     swap[a], swap[b] = b, a
-    return np.array_equal(problem.transfer_s, problem.transfer_s[:, swap][:, :, swap])
+    return all(
+        np.array_equal(matrix, matrix[:, swap][:, :, swap])
+        for matrix in (problem.transfer_s, problem.send_cpu_s, problem.recv_cpu_s)
+    )
 
 
 def device_pair_kinds(
