@@ -96,7 +96,7 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     plan.placer = plan.placer or placer
     plan.check(problem)
     if placer not in _RULE_BASED_PLACERS:
-        plan = _outputs_on_the_first_device(problem, plan)
+        plan = _as_the_runtime_prefers(problem, plan)
     timeline = simulate(problem, plan)
     if placer not in _RULE_BASED_PLACERS:
         plan, timeline = _no_worse_than_one_device(problem, plan, timeline, chosen)
@@ -108,50 +108,48 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     return plan
 
 
-def _outputs_on_the_first_device(problem: Problem, plan: Plan) -> Plan:
-    """``plan`` with devices that no plan can tell apart relabelled so that the last task runs on the first of them.
+def _as_the_runtime_prefers(problem: Problem, plan: Plan) -> Plan:
+    """Of the plans the model cannot tell apart from ``plan``, the one the runtime runs best.
 
-    The model cannot tell the relabellings apart, but the runtime can: rank 0 (the first device) drives every
-    request and gathers the outputs, so a plan that ends elsewhere sends its outputs back on every call
-    (two_branch_mlp's milp plan, the mirror image of heft's, sent its 1 MB sum back and ran 10-15% slower).
+    * Devices no plan can tell apart are relabelled so that the last task runs on the first of them: rank 0
+      (the first device) drives every request and gathers the outputs, so a plan that ends elsewhere sends its
+      outputs back on every call (two_branch_mlp's milp plan, the mirror image of heft's, sent its 1 MB sum
+      back and ran 10-15% slower).
+    * A plan that puts every task on one device runs them in the graph's own order: on one device the order
+      changes no prediction, and the traced order is the one eager runs (inception_v4 on one CPU rank ran 7%
+      slower in the order a milp plan gave it).
     """
+    from moirai.placers.single import one_device_plan
     from moirai.solve.window import identical_device_groups
 
     if not problem.num_tasks:
         return plan
     last_device = int(plan.placement[problem.topological_order[-1]])
     group = next((g for g in identical_device_groups(problem) if 0 in g), ())
-    if last_device == 0 or last_device not in group:
-        return plan
-    swap = np.arange(problem.num_devices)
-    swap[0], swap[last_device] = last_device, 0
-    order = None if plan.order is None else tuple(plan.order[swap[d]] for d in range(problem.num_devices))
-    transfer_order = (
-        None
-        if plan.transfer_order is None
-        else {(int(swap[a]), int(swap[b])): tensors for (a, b), tensors in plan.transfer_order.items()}
-    )
-    return dataclasses.replace(plan, placement=swap[plan.placement], order=order, transfer_order=transfer_order)
+    if last_device != 0 and last_device in group:
+        swap = np.arange(problem.num_devices)
+        swap[0], swap[last_device] = last_device, 0
+        order = None if plan.order is None else tuple(plan.order[swap[d]] for d in range(problem.num_devices))
+        transfer_order = (
+            None
+            if plan.transfer_order is None
+            else {(int(swap[a]), int(swap[b])): tensors for (a, b), tensors in plan.transfer_order.items()}
+        )
+        plan = dataclasses.replace(plan, placement=swap[plan.placement], order=order, transfer_order=transfer_order)
+    used = np.unique(plan.placement)
+    if used.size == 1:
+        plan = dataclasses.replace(plan, order=one_device_plan(problem, int(used[0])).order, transfer_order=None)
+    return plan
 
 
 def _no_worse_than_one_device(
     problem: Problem, plan: Plan, timeline: Timeline, objective: Objective
 ) -> tuple[Plan, Timeline]:
-    """``plan`` and its timeline, or the best single-device plan that fits and its timeline when that one is better.
-
-    A plan that puts every task on one device runs them in the graph's own order: on one device the order
-    changes no prediction, and the traced order is the one eager runs (inception_v4 on one CPU rank ran 7%
-    slower in the order a milp plan gave it).
-    """
+    """``plan`` and its timeline, or the best single-device plan that fits and its timeline when that one is better."""
     from moirai.errors import InfeasibleError
-    from moirai.placers.single import one_device_plan, place_single
+    from moirai.placers.single import place_single
     from moirai.simulate import simulate
 
-    used = np.unique(plan.placement)
-    if used.size == 1:
-        in_graph_order = one_device_plan(problem, int(used[0]))
-        plan = dataclasses.replace(plan, order=in_graph_order.order, transfer_order=None)
-        timeline = simulate(problem, plan)
     try:
         single = place_single(problem)
     except InfeasibleError:

@@ -166,8 +166,13 @@ class ScheduleBuilder:
         compute and the receives of the transfers it would book (nothing stays booked)."""
         booking = self.book_inputs(task, device)
         self.unbook(booking)
+        return booking.ready_s, self._busy_s(booking)
+
+    def _busy_s(self, booking: Booking) -> float:
+        """How long the booked task keeps its device busy: its compute and the receives of the transfers it books."""
+        device = booking.device
         received = sum(float(recv_cpu_s(self.problem, t, source, device)) for source, _, t, _ in booking.transfers)
-        return booking.ready_s, self._compute[task][device] + received
+        return self._compute[booking.task][device] + received
 
     def earliest_start_s(self, task: int, device: int) -> float:
         """Earliest start of ``task`` on ``device``; ``inf`` when it cannot run or fit there."""
@@ -179,11 +184,10 @@ class ScheduleBuilder:
         """Book ``task`` on ``device`` with the transfers of its inputs, starting no earlier than ``not_before_s``;
         returns its start."""
         booking = self.book_inputs(task, device)
-        seconds = self._compute[task][device]
+        seconds = self._busy_s(booking)
         for source, _, t, arrival in booking.transfers:
             self.arrival_s[t, device] = arrival
             self._sent.setdefault((source, device), []).append(t)
-            seconds += float(recv_cpu_s(self.problem, t, source, device))
         start, index = self.device_slot(device, max(booking.ready_s, not_before_s), seconds)
         self.devices[device].insert(index, start, seconds, task)
         self.placement[task] = device
