@@ -1,8 +1,9 @@
 """Calibrate links: what a transfer costs inside the runtime, per kind of local link.
 
 Two rank processes are set up as the runtime sets up its workers (each pinned to its share of
-the cores with as many compute threads, :mod:`moirai.runtime.resources`; the runtime's gloo and
-NCCL process groups, their I/O threads off the rank's cores) and move messages with the runtime's own
+the cores with as many compute threads, :mod:`moirai.runtime.resources`; the runtime's links: shared
+memory between ranks of one host, gloo and NCCL process groups with their I/O threads off the rank's
+cores) and move messages with the runtime's own
 point-to-point code (staging, receive buffers, tags, waits). For each message the receiver has posted
 its receive and is blocked in the wait (as a part waiting for an input is); the sender computes long
 enough for it surely to be, reads the clock, sends, computes on for a while, and waits for its send to
@@ -14,14 +15,14 @@ third of the delay a transfer took inside a schedule). Per message, on the one c
 * **sender CPU time**: CPU time of the sender's process (all its threads, gloo's included)
   in its send call and its wait for the send (not the compute between): time its compute cannot use;
 * **receiver CPU time**: CPU time of the receiver's process from posting its receive to the end
-  of its blocked wait: the post (which tells the sender it is ready), waking up, copying the
-  message out of the socket.
+  of its blocked wait: the post, waking up, copying the message out (of the ring, or gloo's socket).
 
 The median of the repeats at each size (after warm-up; the runtime sees typical messages, not
 the fastest) is fitted as ``fixed + bytes * per_byte`` for each of the three: the delay gives the
-link's latency and bandwidth (:class:`TransferCost`). CPU<->CPU and CPU<->GPU links go over
-gloo, GPU<->GPU over NCCL; all use this one measurement (the device kind decides where the
-message lives and whether the clock reading synchronises the device first).
+link's latency and bandwidth (:class:`TransferCost`). CPU<->CPU and CPU<->GPU links of one host go
+through shared memory (:mod:`moirai.runtime.shm`; gloo where it is off), GPU<->GPU over NCCL; all
+use this one measurement (the device kind decides where the message lives and whether the clock
+reading synchronises the device first).
 
 Example::
 
@@ -69,7 +70,8 @@ DEFAULT_SIZES_BYTES = tuple(1024 * 4**k for k in range(8))
 # meanwhile, and goes on computing after its send call, as a part does.
 _SENDER_PAUSE_S = 2e-3
 _SENDER_COMPUTES_ON_S = 2e-3
-CALIBRATION_FORMAT_VERSION = 2  # 2: the sender computes around its send
+# 2: the sender computes around its send; 3: one host's ranks message through shared memory
+CALIBRATION_FORMAT_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +279,12 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def _transport(backend: str) -> str:
+    from moirai.runtime import shm
+
+    return "shared memory" if backend == "gloo" and shm.enabled() else backend
 
 
 def _read_cached(path: Path) -> dict[str, TransferCost]:
@@ -537,10 +545,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     )
     by_kind = costs_by_kind([d.torch_device for d in devices], costs)
     saved = Path(args.save) if args.save else calibration_cache_path()
-    previous = read_calibration(saved) if saved.exists() else {}
+    previous = _read_cached(saved)  # kinds measured before and not now, unless an older moirai measured them
     write_calibration(saved, {**previous, **by_kind})
     table = Table(
-        title=f"transfers measured in the runtime ({args.backend}, ranks pinned to their share of the cores)",
+        title=(
+            f"transfers measured in the runtime ({_transport(args.backend)}, ranks pinned to their share of the cores)"
+        ),
         caption=f"cluster file: {args.output}; calibration: {saved}",
     )
     for column in ("link", "latency us", "bandwidth GB/s", "sender CPU us + ns/KiB", "receiver CPU us + ns/KiB"):

@@ -53,6 +53,7 @@ from moirai.device_kinds import kind_of
 from moirai.devices import Device
 from moirai.errors import DistributedError, InputError
 from moirai.progress import stage
+from moirai.runtime import shm
 from moirai.runtime.blame import blamed, describe_error, report_failure
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import Group, local_group, placed_part
@@ -379,6 +380,8 @@ class DistributedRunner:
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5.0)
+        if self._driver is not None:
+            self._driver.group.close()
         if self._restore is not None:
             restore_resources(self._restore)
         self._workers, self._driver, self._store, self._restore = [], None, None, None
@@ -451,5 +454,8 @@ def _torchrun_group(
         pin_io_threads(resources)
         default = dist.distributed_c10d._get_default_group()
         store = dist.distributed_c10d._get_default_store()
-        _TORCHRUN_GROUP = Group(rank, [torch.device(d) for d in torch_devices], default, default, store)
+        links = shm.connect(rank, world_size, store, timeout_s, f"moirai/shm/{world_size}")
+        _TORCHRUN_GROUP = Group(
+            rank, [torch.device(d) for d in torch_devices], default, default, store, shared_memory=links
+        )
     return _TORCHRUN_GROUP

@@ -1,4 +1,5 @@
-"""This rank's connections to the others: gloo for host memory, NCCL between two GPUs, the store for failure reports.
+"""This rank's connections to the others: shared memory on one host, gloo between hosts, NCCL between two GPUs,
+the store for failure reports.
 
 A spawned world (:class:`moirai.runtime.distributed.DistributedRunner`) joins process groups of
 its own on loopback (:func:`local_group`), leaving the default process group to the user; under
@@ -19,13 +20,15 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from moirai.device_kinds import backend_for, kind_of
+from moirai.runtime import shm
 from moirai.runtime.local import place_part
 from moirai.split import SplitProgram
 
 
 @dataclass
 class Group:
-    """This rank's connections: gloo for host memory, NCCL between GPUs, the store for failure reports."""
+    """This rank's connections: host memory through shared memory (ranks of one host) or gloo, device memory
+    through NCCL between GPUs, the store for failure reports."""
 
     rank: int
     devices: list[torch.device]
@@ -33,6 +36,7 @@ class Group:
     nccl: Any
     store: Any
     describe_rank: Callable[[int], str] = lambda rank: ""
+    shared_memory: shm.SharedMemoryLinks | None = None
 
     def __post_init__(self) -> None:
         self.requests = itertools.count()
@@ -48,8 +52,17 @@ class Group:
         in_device_memory = kind_of(mine).messages_in_device_memory and self.devices[peer].type == mine.type
         return mine if in_device_memory else torch.device("cpu")
 
-    def process_group(self, wire: torch.device) -> Any:
-        return self.nccl if kind_of(wire).messages_in_device_memory else self.gloo
+    def link(self, wire: torch.device, peer: int) -> Any:
+        """What carries a message on ``wire`` to or from ``peer``: an object with a process group's send and recv."""
+        if kind_of(wire).messages_in_device_memory:
+            return self.nccl
+        if self.shared_memory is not None and peer in self.shared_memory.peers:
+            return self.shared_memory
+        return self.gloo
+
+    def close(self) -> None:
+        if self.shared_memory is not None:
+            self.shared_memory.close()
 
 
 def local_group(rank: int, torch_devices: Sequence[str], store: Any, join_timeout_s: float) -> Group:
@@ -67,7 +80,8 @@ def local_group(rank: int, torch_devices: Sequence[str], store: Any, join_timeou
         device = torch.device(torch_devices[rank])
         kind_of(device).set_current(device)
         nccl = dist.ProcessGroupNCCL(dist.PrefixStore("moirai/nccl/", store), rank, world_size)
-    return Group(rank, [torch.device(d) for d in torch_devices], gloo, nccl, store)
+    links = shm.connect(rank, world_size, store, join_timeout_s, "moirai/shm")
+    return Group(rank, [torch.device(d) for d in torch_devices], gloo, nccl, store, shared_memory=links)
 
 
 def placed_part(program: SplitProgram, group: Group) -> fx.GraphModule:

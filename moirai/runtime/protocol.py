@@ -67,7 +67,7 @@ class Messages:
         staged = tensor.detach().to(wire).contiguous()
         what = f"sending {what} to rank {dst}"
         with self._naming_peer(what, dst):
-            work = self.group.process_group(wire).send([staged], dst, self._tag_base | index)
+            work = self.group.link(wire, dst).send([staged], dst, self._tag_base | index)
         self._sends.append((work, staged, what, dst))
 
     def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, index: int, what: str) -> PendingReceive:
@@ -75,7 +75,7 @@ class Messages:
         buffer = torch.empty(shape, dtype=dtype, device=wire)
         what = f"receiving {what} from rank {src}"
         with self._naming_peer(what, src):
-            work = self.group.process_group(wire).recv([buffer], src, self._tag_base | index)
+            work = self.group.link(wire, src).recv([buffer], src, self._tag_base | index)
         return PendingReceive(work, buffer, what, src)
 
     def post_recv_spec(self, spec: TensorSpec, src: int, index: int, what: str) -> PendingReceive:

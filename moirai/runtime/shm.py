@@ -1,0 +1,370 @@
+"""Messages between ranks of one host through shared memory: a ring and a FIFO per ordered pair of ranks.
+
+gloo carries every message over a loopback TCP socket in three steps (the sender's notice, the
+receiver's notice, the payload), each waking the peer's I/O thread; a rank paid 0.2-0.6 ms of CPU
+per message on a shared core (bench/RESULTS.md). Here a message is one copy into the receiver's
+ring (a file in ``/dev/shm`` both ranks map) and one byte written to the receiver's FIFO, which
+only costs a wake-up when the receiver is blocked on it. The receiver copies the payload out when
+it waits for the message, so no thread works in the background.
+
+Messages are matched by tag, as gloo's are: a waiter reads the messages ahead of its own and keeps
+them for their waiters, one reader at a time per ring (:class:`_Inbound`). A message too large for
+half a ring, or that finds the ring full, goes in a file of its own whose path travels in the ring.
+A peer that exits closes its end of the FIFO, so a rank waiting on it fails at once; a wait also
+ends at its time limit. Send and receive return objects with gloo's ``wait(timeout)``.
+
+Set ``MOIRAI_SHARED_MEMORY=0`` to send through gloo instead (to compare, or where ``/dev/shm`` is
+too small).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import mmap
+import os
+import select
+import socket
+import struct
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RING_BYTES = 8 << 20  # per ordered pair of ranks; larger messages go in files of their own
+ENV_SWITCH = "MOIRAI_SHARED_MEMORY"
+_CONTROL_BYTES = 64  # the ring file's head: the receiver's consumed count (int64)
+_ALIGN = 64
+_RECORD = struct.Struct("<qqqq")  # tag, payload bytes, kind, length of a spill file's path
+_INLINE, _WRAP, _SPILL = 0, 1, 2
+_FULL_RING_POLL_S = 0.0005
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+class _Done:
+    """A send: complete once its bytes are in the ring."""
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+
+class _Receive:
+    def __init__(self, inbound: _Inbound, tag: int, buffer: torch.Tensor) -> None:
+        self._inbound, self._tag, self._buffer = inbound, tag, buffer
+        inbound.post(tag, buffer)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._inbound.wait(self._tag, None if timeout is None else timeout.total_seconds())
+        return True
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class _Ring:
+    """A ring file mapped by its sender and its receiver; offsets grow forever, positions wrap."""
+
+    def __init__(self, path: str, create: bool) -> None:
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, _CONTROL_BYTES + RING_BYTES)
+            self._map = mmap.mmap(fd, _CONTROL_BYTES + RING_BYTES)
+        finally:
+            os.close(fd)
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_CONTROL_BYTES)
+
+    @property
+    def consumed(self) -> int:
+        return struct.unpack_from("<q", self._map, 0)[0]
+
+    @consumed.setter
+    def consumed(self, value: int) -> None:
+        struct.pack_into("<q", self._map, 0, value)
+
+    def write_record(self, position: int, tag: int, nbytes: int, kind: int, extra: int = 0) -> None:
+        _RECORD.pack_into(self._map, _CONTROL_BYTES + position, tag, nbytes, kind, extra)
+
+    def read_record(self, position: int) -> tuple[int, int, int, int]:
+        return _RECORD.unpack_from(self._map, _CONTROL_BYTES + position)
+
+
+class _Outbound:
+    """This rank's messages to one peer: records in the peer's ring, a byte per message in its FIFO."""
+
+    def __init__(self, ring: _Ring, fifo_fd: int, spill_dir: str) -> None:
+        self._ring, self._fifo, self._spill_dir = ring, fifo_fd, spill_dir
+        self._produced = 0
+        self._lock = threading.Lock()
+
+    def send(self, tensor: torch.Tensor, tag: int, timeout_s: float) -> None:
+        payload = _bytes_of(tensor)
+        nbytes = payload.numel()
+        with self._lock:
+            if _aligned(_RECORD.size + nbytes) <= RING_BYTES // 2 and self._reserve(_RECORD.size + nbytes, None):
+                position = self._produced % RING_BYTES
+                self._ring.write_record(position, tag, nbytes, _INLINE)
+                start = position + _RECORD.size
+                self._ring.data[start : start + nbytes].copy_(payload)
+                self._produced += _aligned(_RECORD.size + nbytes)
+            else:
+                path = self._spill(payload).encode()
+                self._reserve(_RECORD.size + len(path), time.monotonic() + timeout_s)
+                position = self._produced % RING_BYTES
+                self._ring.write_record(position, tag, nbytes, _SPILL, len(path))
+                start = position + _RECORD.size
+                self._ring.data[start : start + len(path)].copy_(torch.frombuffer(bytearray(path), dtype=torch.uint8))
+                self._produced += _aligned(_RECORD.size + len(path))
+        os.write(self._fifo, b"\0")
+
+    def _reserve(self, size: int, deadline: float | None) -> bool:
+        """Room for a record of ``size`` bytes at the write position, wrapping to the start if needed; with no
+        ``deadline``, False when there is none now, else wait for the receiver to make room until then."""
+        size = _aligned(size)
+        while True:
+            to_end = RING_BYTES - self._produced % RING_BYTES
+            needed = size + (to_end if to_end < size else 0)
+            if RING_BYTES - (self._produced - self._ring.consumed) >= needed:
+                if to_end < size:
+                    self._ring.write_record(self._produced % RING_BYTES, 0, 0, _WRAP)
+                    self._produced += to_end
+                return True
+            if deadline is None:
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the receiver's ring stayed full ({RING_BYTES} bytes unread)")
+            time.sleep(_FULL_RING_POLL_S)
+
+    def close(self) -> None:
+        with self._lock, contextlib.suppress(OSError):
+            os.close(self._fifo)
+
+    def _spill(self, payload: torch.Tensor) -> str:
+        path = os.path.join(self._spill_dir, f"moirai-spill-{uuid.uuid4().hex}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(payload.numel(), 1))
+            with mmap.mmap(fd, max(payload.numel(), 1)) as mapped:
+                view = torch.frombuffer(mapped, dtype=torch.uint8)
+                view[: payload.numel()].copy_(payload)
+                del view
+        finally:
+            os.close(fd)
+        return path
+
+
+class _Inbound:
+    """One peer's messages to this rank. Waiters take turns reading the ring; a message read for another
+    waiter goes into that waiter's posted buffer, or is kept until its receive is posted."""
+
+    def __init__(self, ring: _Ring, fifo_fd: int) -> None:
+        self._ring, self._fifo = ring, fifo_fd
+        self._consumed = 0
+        self._unread = 0  # messages announced on the FIFO and not yet read
+        self._cond = threading.Condition()
+        self._reading = False
+        self._posted: dict[int, torch.Tensor] = {}
+        self._kept: dict[int, torch.Tensor] = {}
+        self._filled: set[int] = set()
+        self._closed: str | None = None
+
+    def close(self) -> None:
+        with self._cond, contextlib.suppress(OSError):
+            self._closed = "this rank's links were closed"
+            os.close(self._fifo)
+
+    def post(self, tag: int, buffer: torch.Tensor) -> None:
+        with self._cond:
+            kept = self._kept.pop(tag, None)
+            if kept is None:
+                self._posted[tag] = buffer
+            else:
+                self._fill(tag, buffer, kept)
+
+    def wait(self, tag: int, timeout_s: float | None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while tag not in self._filled:
+                if self._closed is not None:
+                    raise ConnectionError(self._closed)
+                remaining_s = None if deadline is None else deadline - time.monotonic()
+                if remaining_s is not None and remaining_s <= 0:
+                    raise TimeoutError(f"Timed out after {timeout_s:.3g} s waiting for the message with tag {tag}")
+                if self._reading:
+                    self._cond.wait(remaining_s)
+                    continue
+                self._reading = True
+                try:
+                    self._read_one(deadline)
+                finally:
+                    self._reading = False
+                    self._cond.notify_all()
+            self._filled.discard(tag)
+
+    def _read_one(self, deadline: float | None) -> None:
+        """Read the next message (called holding the condition, which the wait for the FIFO releases)."""
+        if self._unread == 0:
+            self._cond.release()
+            try:
+                announced = self._wait_fifo(deadline)
+            finally:
+                self._cond.acquire()
+            if announced is None:
+                return
+            self._unread += announced
+        self._unread -= 1
+        while True:
+            position = self._consumed % RING_BYTES
+            tag, nbytes, kind, extra = self._ring.read_record(position)
+            if kind != _WRAP:
+                break
+            self._consumed += RING_BYTES - position
+        start = position + _RECORD.size
+        if kind == _INLINE:
+            self._deliver(tag, self._ring.data[start : start + nbytes])
+            self._consumed += _aligned(_RECORD.size + nbytes)
+        else:
+            path = bytes(self._ring.data[start : start + extra].numpy()).decode()
+            self._consumed += _aligned(_RECORD.size + extra)
+            self._deliver_spilled(tag, path, nbytes)
+        self._ring.consumed = self._consumed
+
+    def _wait_fifo(self, deadline: float | None) -> int | None:
+        """Messages announced since the last read (None: none before the deadline); a closed FIFO closes this."""
+        remaining_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        readable, _, _ = select.select([self._fifo], [], [], remaining_s)
+        if not readable:
+            return None
+        try:
+            announced = os.read(self._fifo, 1 << 16)
+        except BlockingIOError:
+            return 0
+        if not announced:
+            self._closed = "the peer closed its connection (its process ended)"
+            raise ConnectionError(self._closed)
+        return len(announced)
+
+    def _deliver(self, tag: int, payload: torch.Tensor) -> None:
+        buffer = self._posted.pop(tag, None)
+        if buffer is None:
+            self._kept[tag] = payload.clone()
+        else:
+            self._fill(tag, buffer, payload)
+
+    def _deliver_spilled(self, tag: int, path: str, nbytes: int) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.unlink(path)
+            with mmap.mmap(fd, max(nbytes, 1)) as mapped:
+                payload = torch.frombuffer(mapped, dtype=torch.uint8)[:nbytes]
+                self._deliver(tag, payload)
+                del payload  # the map closes only when no tensor views it
+        finally:
+            os.close(fd)
+
+    def _fill(self, tag: int, buffer: torch.Tensor, payload: torch.Tensor) -> None:
+        target = _bytes_of(buffer)
+        if target.numel() != payload.numel():
+            raise ValueError(
+                f"message with tag {tag} has {payload.numel()} bytes; its receive expects {target.numel()}"
+            )
+        target.copy_(payload)
+        self._filled.add(tag)
+
+
+class SharedMemoryLinks:
+    """This rank's shared-memory links to the ranks of its host, with a process group's send/recv."""
+
+    def __init__(self, outbound: dict[int, _Outbound], inbound: dict[int, _Inbound]) -> None:
+        self._outbound, self._inbound = outbound, inbound
+        self.peers = frozenset(outbound) & frozenset(inbound)
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int, timeout_s: float = 300.0) -> _Done:
+        (tensor,) = tensors
+        self._outbound[dst].send(tensor, tag, timeout_s)
+        return _Done()
+
+    def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int) -> _Receive:
+        (buffer,) = tensors
+        return _Receive(self._inbound[src], tag, buffer)
+
+    def close(self) -> None:
+        """Close the FIFOs: a peer still waiting on this rank then fails at once."""
+        for link in [*self._outbound.values(), *self._inbound.values()]:
+            link.close()
+
+
+def connect(rank: int, world_size: int, store: Any, timeout_s: float, prefix: str) -> SharedMemoryLinks | None:
+    """Links to every rank of this host that makes them too (a collective: every rank calls it), or None when off.
+
+    Each rank makes a ring and a FIFO for each peer to write to, publishes where they are under
+    ``prefix`` in ``store``, opens its peers' and removes its own files once every peer has opened
+    them (so nothing is left behind, whatever happens to the run). A pair whose ends do not both
+    open (other hosts, other ``/dev/shm``s) keeps gloo.
+    """
+    if not enabled():
+        return None
+    host = socket.gethostname()
+    directory = tempfile.mkdtemp(prefix=f"moirai-r{rank}-", dir=_shm_dir())
+    peers = [k for k in range(world_size) if k != rank]
+    rings: dict[int, _Ring] = {}
+    fifos: dict[int, int] = {}
+    try:
+        for peer in peers:
+            os.mkfifo(os.path.join(directory, f"fifo-{peer}"), 0o600)
+            fifos[peer] = os.open(os.path.join(directory, f"fifo-{peer}"), os.O_RDONLY | os.O_NONBLOCK)
+            rings[peer] = _Ring(os.path.join(directory, f"ring-{peer}"), create=True)
+        store.set(f"{prefix}/{rank}/where", json.dumps({"host": host, "directory": directory}))
+        outbound = {}
+        for peer in peers:
+            where = json.loads(_get(store, f"{prefix}/{peer}/where", timeout_s))
+            if where["host"] != host:
+                continue
+            with contextlib.suppress(OSError):
+                ring = _Ring(os.path.join(where["directory"], f"ring-{rank}"), create=False)
+                fd = os.open(os.path.join(where["directory"], f"fifo-{rank}"), os.O_WRONLY | os.O_NONBLOCK)
+                os.set_blocking(fd, True)
+                outbound[peer] = _Outbound(ring, fd, _shm_dir())
+        store.set(f"{prefix}/{rank}/opened", json.dumps(sorted(outbound)))
+        inbound = {}
+        for peer in peers:
+            if rank in json.loads(_get(store, f"{prefix}/{peer}/opened", timeout_s)):
+                inbound[peer] = _Inbound(rings[peer], fifos[peer])
+        for peer in peers:
+            if peer not in inbound:
+                os.close(fifos[peer])
+        for peer in set(outbound) - set(inbound):
+            outbound.pop(peer).close()
+        return SharedMemoryLinks(outbound, inbound)
+    finally:
+        for name in os.listdir(directory):
+            os.unlink(os.path.join(directory, name))
+        os.rmdir(directory)
+
+
+def _get(store: Any, key: str, timeout_s: float) -> str:
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    return store.get(key).decode()
+
+
+def spill_files() -> list[Path]:
+    """Spill files not yet read (what a test checks is empty after a run)."""
+    return sorted(Path(_shm_dir()).glob("moirai-spill-*"))
