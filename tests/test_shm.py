@@ -96,6 +96,32 @@ def test_waiters_in_several_threads_each_get_their_own_message():
         torch.testing.assert_close(results[tag], torch.full((64,), float(tag)))
 
 
+def test_spill_files_of_closed_links_and_ended_processes_are_removed(monkeypatch, tmp_path):
+    monkeypatch.setattr(shm, "_shm_dir", lambda: str(tmp_path))
+    a, _ = connected_pair()
+    a.send([torch.ones(shm.RING_BYTES)], 1, 1)  # spilled, never read
+    ended = tmp_path / f"{shm._SPILL_PREFIX}999999999-abc"  # no process has this pid
+    ended.write_bytes(b"x")
+    connected_pair()
+    assert not ended.exists() and len(shm.spill_files()) == 1  # a live writer's file stays
+    a.close()
+    assert not shm.spill_files()
+
+
+def test_a_full_ring_fails_a_send_at_the_time_limit(monkeypatch, tmp_path):
+    monkeypatch.setattr(shm, "_shm_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(shm, "RING_BYTES", 1 << 16)
+    store = dist.HashStore()
+    with ThreadPoolExecutor(2) as pool:
+        a, _ = pool.map(lambda rank: shm.connect(rank, 2, store, 0.3, "full"), range(2))
+    with pytest.raises(TimeoutError, match="ring stayed full"):
+        for tag in range(2000):  # unread: spilled once the ring is full, until spill records fill it too
+            a.send([torch.ones(256)], 1, tag)
+    assert tag > 32 and shm.spill_files()  # the ring held many before it spilled, then spill records filled it
+    a.close()
+    assert not shm.spill_files()
+
+
 def test_a_wait_ends_at_its_time_limit():
     _, b = connected_pair()
     started = time.monotonic()

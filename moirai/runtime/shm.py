@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ _ALIGN = 64
 _RECORD = struct.Struct("<qqqq")  # tag, payload bytes, kind, length of a spill file's path
 _INLINE, _WRAP, _SPILL = 0, 1, 2
 _FULL_RING_POLL_S = 0.0005
+_SPILL_PREFIX = "moirai-spill-"  # then the writer's pid: files of a process that ended are removed
 
 
 def enabled() -> bool:
@@ -158,7 +159,7 @@ class _Outbound:
             os.close(self._fifo)
 
     def _spill(self, payload: torch.Tensor) -> str:
-        path = os.path.join(self._spill_dir, f"moirai-spill-{uuid.uuid4().hex}")
+        path = os.path.join(self._spill_dir, f"{_SPILL_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, max(payload.numel(), 1))
@@ -291,15 +292,18 @@ class _Inbound:
 
 
 class SharedMemoryLinks:
-    """This rank's shared-memory links to the ranks of its host, with a process group's send/recv."""
+    """This rank's shared-memory links to the ranks of its host, with a process group's send/recv.
 
-    def __init__(self, outbound: dict[int, _Outbound], inbound: dict[int, _Inbound]) -> None:
-        self._outbound, self._inbound = outbound, inbound
+    A send waits for room in a full ring at most ``timeout_s``.
+    """
+
+    def __init__(self, outbound: dict[int, _Outbound], inbound: dict[int, _Inbound], timeout_s: float) -> None:
+        self._outbound, self._inbound, self._timeout_s = outbound, inbound, timeout_s
         self.peers = frozenset(outbound) & frozenset(inbound)
 
-    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int, timeout_s: float = 300.0) -> _Done:
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> _Done:
         (tensor,) = tensors
-        self._outbound[dst].send(tensor, tag, timeout_s)
+        self._outbound[dst].send(tensor, tag, self._timeout_s)
         return _Done()
 
     def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int) -> _Receive:
@@ -310,6 +314,7 @@ class SharedMemoryLinks:
         """Close the FIFOs: a peer still waiting on this rank then fails at once."""
         for link in [*self._outbound.values(), *self._inbound.values()]:
             link.close()
+        remove_spill_files(lambda pid: pid == os.getpid())
 
 
 def connect(rank: int, world_size: int, store: Any, timeout_s: float, prefix: str) -> SharedMemoryLinks | None:
@@ -322,6 +327,7 @@ def connect(rank: int, world_size: int, store: Any, timeout_s: float, prefix: st
     """
     if not enabled():
         return None
+    remove_spill_files(lambda pid: not _alive(pid))
     host = socket.gethostname()
     directory = tempfile.mkdtemp(prefix=f"moirai-r{rank}-", dir=_shm_dir())
     peers = [k for k in range(world_size) if k != rank]
@@ -353,7 +359,7 @@ def connect(rank: int, world_size: int, store: Any, timeout_s: float, prefix: st
                 os.close(fifos[peer])
         for peer in set(outbound) - set(inbound):
             outbound.pop(peer).close()
-        return SharedMemoryLinks(outbound, inbound)
+        return SharedMemoryLinks(outbound, inbound, timeout_s)
     finally:
         for name in os.listdir(directory):
             os.unlink(os.path.join(directory, name))
@@ -366,5 +372,23 @@ def _get(store: Any, key: str, timeout_s: float) -> str:
 
 
 def spill_files() -> list[Path]:
-    """Spill files not yet read (what a test checks is empty after a run)."""
-    return sorted(Path(_shm_dir()).glob("moirai-spill-*"))
+    """Spill files not yet read."""
+    return sorted(Path(_shm_dir()).glob(f"{_SPILL_PREFIX}*"))
+
+
+def remove_spill_files(of_writer: Callable[[int], bool]) -> None:
+    """Remove the spill files whose writer's pid passes ``of_writer``: nobody reads them any more."""
+    for path in spill_files():
+        with contextlib.suppress(ValueError, OSError):
+            if of_writer(int(path.name[len(_SPILL_PREFIX) :].split("-")[0])):
+                path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
