@@ -14,7 +14,8 @@ with two heavy parallel branches (two 6-layer 1024-wide MLPs on a batch of 256),
 * measured / predicted, speedup over eager (eager / measured), the plan's number of transfers and
   the CPU time they take from their senders and receivers by the calibration (the schedule books
   each on its device);
-* whether the split outputs equal the model's.
+* whether the split outputs equal the model's; a plan identical to an earlier placer's (say milp's
+  and single's, both one device in graph order) is that placer's program, timed once for both.
 
 One more row runs the milp plan of the two-branch model (``--torchrun-model`` picks another) the
 way a deployment does: the plan is saved, and ``torchrun --nproc-per-node 2`` starts two ranks that
@@ -148,6 +149,7 @@ class Row:
     measured_s: float | None = None
     outputs_match: bool | None = None
     error: str = ""
+    same_program_as: str = ""  # an earlier placer whose plan this one is, timed once for both
 
     def cells(self) -> list[str]:
         def ms(seconds: float | None) -> str:
@@ -156,6 +158,8 @@ class Row:
         ratio = f"{self.measured_s / self.predicted_s:.2f}" if self.measured_s and self.predicted_s else "-"
         speedup = f"{self.eager_s / self.measured_s:.2f}x" if self.measured_s and self.eager_s else "-"
         outputs = self.error or {None: "-", True: "equal", False: "DIFFER"}[self.outputs_match]
+        if self.same_program_as and self.same_program_as != self.placer:
+            outputs += f" ({self.same_program_as}'s program)"
         transfers = "-" if self.transfers is None else str(self.transfers)
         return [
             self.model,
@@ -199,7 +203,8 @@ def bench_model(name: str, placers: Sequence[str], args: argparse.Namespace, con
     that follow. Each plan is warmed up for ``--warmup-s`` seconds in the runner before it is timed:
     the first calls of a fresh runner (its allocations, gloo's connections) ran up to 1.5x slower. The
     plans are then timed round by round in turn: identical plans timed one after the other measured up
-    to 13% apart.
+    to 13% apart. A plan identical to an earlier placer's (placement and orders) is the same program: it
+    is timed once, and its row says whose program it is.
     """
     model, inputs, kwargs = make_model(name)
     with torch.no_grad():
@@ -227,9 +232,15 @@ def bench_model(name: str, placers: Sequence[str], args: argparse.Namespace, con
             row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
     with DistributedRunner(list(DEVICES), timeout_s=args.call_timeout_s) as runner:
         calls: dict[str, Callable[[], Any]] = {}
+        program_of: dict[tuple, str] = {}  # a plan's placement and orders -> the first placer that made it
         for row in rows:
             compiled = compiled_plans.get(row.placer)
             if compiled is None:
+                continue
+            plan = compiled.plan
+            key = (tuple(plan.placement.tolist()), plan.order, tuple(sorted((plan.transfer_order or {}).items())))
+            row.same_program_as = program_of.setdefault(key, row.placer)
+            if row.same_program_as != row.placer:
                 continue
             try:
                 flat_inputs = compiled.traced.flatten_inputs(inputs, kwargs)
@@ -245,8 +256,12 @@ def bench_model(name: str, placers: Sequence[str], args: argparse.Namespace, con
             for placer, call in calls.items():
                 times[placer] += timed_s(call, 1, args.repeats)
         for row in rows:
-            if times.get(row.placer):
-                row.measured_s = statistics.median(times[row.placer])
+            timed = times.get(row.same_program_as or row.placer)
+            if timed:
+                row.measured_s = statistics.median(timed)
+                if row.same_program_as != row.placer:
+                    twin = next(r for r in rows if r.placer == row.same_program_as)
+                    row.outputs_match = twin.outputs_match
             console.print(f"  {name} / {row.placer}: {' | '.join(row.cells()[2:])}")
     return rows
 
