@@ -66,13 +66,14 @@ from rich.progress import Progress
 from moirai.device_kinds import kind_of
 from moirai.devices import Cluster, Device
 from moirai.errors import ClusterError
-from moirai.graph import OpGraph
+from moirai.graph import OpGraph, model_output_bytes
 from moirai.problem import Problem
 from moirai.progress import stage
 from moirai.trace import TracedModel
 
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
 _EMPTY_SPANS = 4  # spans with no op in profiling runs, to time the clock itself
+HEADER_BYTES = 40  # the runtime's request header: five int64 (moirai.runtime.protocol)
 
 
 @stage("cost")
@@ -131,6 +132,8 @@ def build_problem(
         tensor_bytes=sizes_array,
         send_cpu_s=send_cpu_s(sizes_array, cluster),
         recv_cpu_s=recv_cpu_s(sizes_array, cluster),
+        header_s=header_s(cluster),
+        output_s=output_s(graph, traced, cluster),
     )
 
 
@@ -162,6 +165,23 @@ def transfer_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
         per_byte = np.where(off_diagonal, 1.0 / cluster.bandwidth_bytes_per_s, 0.0)
     latency = cluster.latency_s * off_diagonal
     return latency[None, :, :] + np.asarray(tensor_bytes, float)[:, None, None] * per_byte[None, :, :]
+
+
+def header_s(cluster: Cluster) -> np.ndarray:
+    """``[k]``: the delay of the runtime's request header from device 0 (the driver) to device ``k``: a message of
+    :data:`HEADER_BYTES` (0 where no finite link leads: such a device cannot take part anyway)."""
+    delay = transfer_s(np.array([HEADER_BYTES]), cluster)[0, 0]
+    return np.where(np.isfinite(delay), delay, 0.0)
+
+
+def output_s(graph: OpGraph, traced: TracedModel | None, cluster: Cluster) -> np.ndarray:
+    """``[node, k]``: the transfer of the model outputs ``node`` makes from device ``k`` to device 0, where the
+    driver gathers them (zero without ``traced``, which knows the outputs)."""
+    delay = np.zeros((len(graph.nodes), len(cluster)))
+    if traced is not None:
+        for node, made_bytes in model_output_bytes(graph, traced).items():
+            delay[node] = transfer_s(np.array([made_bytes]), cluster)[0, :, 0]
+    return np.where(np.isfinite(delay), delay, 0.0)
 
 
 def send_cpu_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:

@@ -196,6 +196,18 @@ def _target_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def model_output_bytes(graph: OpGraph, traced: TracedModel) -> dict[int, float]:
+    """Node of ``graph`` -> bytes of the model outputs it makes (an output that is an input or a constant is
+    made by no node)."""
+    made: dict[int, float] = {}
+    output = next(n for n in traced.graph_module.graph.nodes if n.op == "output")
+    for value in pytree.tree_leaves(output.args[0]):
+        if isinstance(value, fx.Node) and value.name in graph.node_of_fx_name:
+            node = graph.node_of_fx_name[value.name]
+            made[node] = made.get(node, 0.0) + float(_nbytes(value.meta.get("val")))
+    return made
+
+
 def _nbytes(value: object) -> int:
     """Bytes of the tensors in ``value`` at the example shapes."""
     tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]

@@ -41,6 +41,10 @@ class Problem:
     ``send_cpu_s[t, a, b]``: time sending tensor ``t`` to ``b`` keeps device ``a`` itself busy, and
     ``recv_cpu_s[t, a, b]`` the time receiving it keeps device ``b`` busy (default 0; see
     :mod:`moirai.schedule.transfers` for how a schedule books them).
+    ``header_s[k]``: how long after a request starts device ``k`` can start its first task: the delay of
+    the header the runtime's driver, on device 0, sends every other device with work (default 0).
+    ``output_s[i, k]``: how long after task ``i`` finishes on device ``k`` the model's outputs it makes are
+    with the driver on device 0 (the transfer back; 0 on device 0 and for tasks that make no output).
     """
 
     device_names: tuple[str, ...]
@@ -55,6 +59,8 @@ class Problem:
     tensor_bytes: np.ndarray = field(default=None)  # type: ignore[assignment]
     send_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
     recv_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
+    header_s: np.ndarray = field(default=None)  # type: ignore[assignment]
+    output_s: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         n, k, t = len(self.task_names), len(self.device_names), len(self.tensor_names)
@@ -70,6 +76,10 @@ class Problem:
             object.__setattr__(
                 self, label, (np.zeros((t, k, k)) if value is None else np.asarray(value, float)).reshape(t, k, k)
             )
+        header = np.zeros(k) if self.header_s is None else np.asarray(self.header_s, float)
+        object.__setattr__(self, "header_s", header.reshape(k))
+        output = np.zeros((n, k)) if self.output_s is None else np.asarray(self.output_s, float)
+        object.__setattr__(self, "output_s", output.reshape(n, k))
         self._validate()
 
     def _validate(self) -> None:
@@ -89,6 +99,10 @@ class Problem:
             value = getattr(self, label)
             if not np.all(np.isfinite(value)) or np.any(value < 0):
                 raise ProblemError(f"{label} ({whose} time per transfer) must be non-negative finite numbers")
+        if not np.all(np.isfinite(self.header_s)) or np.any(self.header_s < 0):
+            raise ProblemError("header_s (when each device can start a request) must be non-negative finite numbers")
+        if not np.all(np.isfinite(self.output_s)) or np.any(self.output_s < 0):
+            raise ProblemError("output_s (sending a task's outputs to device 0) must be non-negative finite numbers")
         for t, consumers in enumerate(self.tensor_consumers):
             producer = int(self.tensor_producer[t])
             if not 0 <= producer < self.num_tasks or any(not 0 <= c < self.num_tasks for c in consumers):
@@ -330,16 +344,23 @@ class Problem:
             tensor_bytes=np.array(sizes),
             send_cpu_s=np.array(send_cpu).reshape(len(names), k, k),
             recv_cpu_s=np.array(recv_cpu).reshape(len(names), k, k),
+            header_s=np.array([float(dev.get("header_s", 0.0)) for dev in devices]),
+            output_s=np.array([task.get("output_s", [0.0] * k) for task in tasks], float).reshape(len(tasks), k),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "devices": [
-                {"name": name, "memory_bytes": float(cap)}
-                for name, cap in zip(self.device_names, self.memory_capacity_bytes, strict=True)
+                {"name": name, "memory_bytes": float(cap), "header_s": float(header)}
+                for name, cap, header in zip(self.device_names, self.memory_capacity_bytes, self.header_s, strict=True)
             ],
             "tasks": [
-                {"name": name, "compute_s": self.compute_s[i].tolist(), "memory_bytes": float(self.memory_bytes[i])}
+                {
+                    "name": name,
+                    "compute_s": self.compute_s[i].tolist(),
+                    "memory_bytes": float(self.memory_bytes[i]),
+                    "output_s": self.output_s[i].tolist(),
+                }
                 for i, name in enumerate(self.task_names)
             ],
             "edges": [

@@ -41,7 +41,14 @@ import numpy as np
 
 from moirai.errors import PlanError
 from moirai.problem import Plan, Problem
-from moirai.schedule import ImpliedTransfers, implied_transfers, send_priority, task_duration_s, transfer_duration_s
+from moirai.schedule import (
+    ImpliedTransfers,
+    implied_transfers,
+    output_arrival_s,
+    send_priority,
+    task_duration_s,
+    transfer_duration_s,
+)
 
 
 class Transfer(NamedTuple):
@@ -168,6 +175,7 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
     _check_runnable(problem, placement, duration_array, transfers)
     duration = duration_array.tolist()
     device_of = placement.tolist()
+    release = problem.header_s.tolist()
     inputs_needed = transfers.inputs_needed
     local_consumers, by_producer = transfers.local_consumers, transfers.by_producer
     transfer_duration, transfer_consumers = transfers.duration, transfers.consumers
@@ -229,9 +237,9 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
                     continue
                 u = task_at[heapq.heappop(ready_heap[d])[1]]
             device_busy[d] = True
-            task_start[u] = now
+            task_start[u] = max(now, release[d])
             sequences[d].append(u)
-            heapq.heappush(events, (now + duration[u], u))
+            heapq.heappush(events, (task_start[u] + duration[u], u))
         dirty_devices.clear()
         for link in dirty_links:
             if link in link_busy:
@@ -295,7 +303,7 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
     ]
     finish = np.array(task_finish)
     return Timeline(
-        makespan_s=float(finish.max()) if n else 0.0,
+        makespan_s=float(output_arrival_s(problem, placement, finish).max()) if n else 0.0,
         task_start=np.array(task_start),
         task_finish=finish,
         placement=placement.copy(),

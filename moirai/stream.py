@@ -18,6 +18,7 @@ import numpy as np
 
 from moirai.errors import MoiraiError
 from moirai.problem import Plan, Problem
+from moirai.schedule import output_arrival_s
 from moirai.simulate import Timeline, simulate
 
 
@@ -71,6 +72,8 @@ def unroll(problem: Problem, plan: Plan, num_requests: int) -> tuple[Problem, Pl
         tensor_bytes=np.tile(problem.tensor_bytes, num_requests),
         send_cpu_s=np.tile(problem.send_cpu_s, (num_requests, 1, 1)),
         recv_cpu_s=np.tile(problem.recv_cpu_s, (num_requests, 1, 1)),
+        header_s=problem.header_s,  # the driver sends later requests' headers ahead: only the first one waits
+        output_s=np.tile(problem.output_s, (num_requests, 1)),
     )
     unrolled_plan = Plan(
         placement=np.tile(plan.placement, num_requests),
@@ -92,5 +95,6 @@ def simulate_stream(problem: Problem, plan: Plan, num_requests: int = 8) -> Stre
     """Simulate ``num_requests`` requests pipelined through ``plan`` (see the module docstring)."""
     unrolled, unrolled_plan = unroll(problem, plan, num_requests)
     timeline = simulate(unrolled, unrolled_plan)
-    finish = timeline.task_finish.reshape(num_requests, problem.num_tasks).max(axis=1, initial=0.0)
+    done = output_arrival_s(unrolled, unrolled_plan.placement, timeline.task_finish)
+    finish = done.reshape(num_requests, problem.num_tasks).max(axis=1, initial=0.0)
     return Stream(unrolled, unrolled_plan, timeline, num_requests, finish)

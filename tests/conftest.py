@@ -25,6 +25,8 @@ def random_problem(
     forbid_fraction: float = 0.0,
     send_cpu_s: float = 0.0,
     recv_cpu_s: float = 0.0,
+    header_s: float = 0.0,
+    output_s: float = 0.0,
 ) -> Problem:
     """A random DAG: every task reads up to two earlier tasks, a producer's tensor is shared by two consumers
     half the time (it crosses to a device once), compute and per-link transfer times are random.
@@ -35,6 +37,9 @@ def random_problem(
     or one per device). ``forbid_fraction`` of the tasks cannot run on one random device (infinite time).
     ``send_cpu_s``: every transfer keeps its sending device busy for a random time up to this, ``recv_cpu_s`` its
     receiving device (drawn last, so the rest of the problem is that of the same seed without them).
+    ``header_s``: every device but the first waits a random time up to this for its header (drawn after them).
+    ``output_s``: the last two tasks make model outputs that take a random time up to this to reach the first
+    device from the others (drawn last).
     """
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     n = int(rng.integers(4, 8)) if num_tasks is None else num_tasks
@@ -64,6 +69,12 @@ def random_problem(
     if recv_cpu_s > 0:
         receiver = rng.uniform(0.0, recv_cpu_s, transfer.shape).round(2)
         receiver[:, np.arange(k), np.arange(k)] = 0.0
+    header = np.zeros(k)
+    if header_s > 0:
+        header[1:] = rng.uniform(0.0, header_s, k - 1).round(2)
+    output = np.zeros((n, k))
+    if output_s > 0:
+        output[-2:, 1:] = rng.uniform(0.0, output_s, (2, k - 1)).round(2)
     return Problem(
         device_names=tuple(f"dev{d}" for d in range(k)),
         memory_capacity_bytes=np.broadcast_to(np.asarray(capacity_bytes, float), (k,)).copy(),
@@ -76,6 +87,8 @@ def random_problem(
         transfer_s=transfer,
         send_cpu_s=sender,
         recv_cpu_s=receiver,
+        header_s=header,
+        output_s=output,
     )
 
 

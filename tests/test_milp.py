@@ -79,6 +79,30 @@ def test_with_the_receivers_cpu_time_the_milp_optimum_equals_brute_force_and_the
         assert simulate(problem, plan).makespan_s == pytest.approx(solution.objective_s, rel=1e-6), seed
 
 
+@pytest.mark.parametrize("formulation", ["strong", "paper"])
+def test_with_headers_and_outputs_the_milp_optimum_equals_brute_force_and_the_simulator(formulation):
+    """A device waits for the driver's header before its first task (header_s) and a task's model outputs travel
+    back to device 0 (output_s), in the simulator, the brute force and the MILP alike; identical devices with
+    different headers are not interchangeable."""
+    for seed in range(20) if formulation == "strong" else range(6):
+        problem = random_problem(seed, send_cpu_s=0.5 if seed % 2 else 0.0, header_s=2.0, output_s=2.0)
+        assert problem.header_s[1:].any() and problem.header_s[0] == 0 and problem.output_s[-1, 1:].any()
+        solution, plan = solve_whole(problem, formulation=formulation)
+        assert solution.optimal, (seed, solution.status)
+        assert solution.objective_s == pytest.approx(brute_force_optimum(problem), rel=1e-6), seed
+        assert simulate(problem, plan).makespan_s == pytest.approx(solution.objective_s, rel=1e-6), seed
+    identical = random_problem(0, num_devices=2)
+    identical = replace(
+        identical,
+        compute_s=np.repeat(identical.compute_s[:, :1], 2, axis=1),
+        transfer_s=np.where(np.eye(2, dtype=bool), 0.0, identical.transfer_s[:, :1, 1:2]),
+    )
+    assert identical_device_groups(identical) == ((0, 1),)
+    with_header = replace(identical, header_s=np.array([0.0, 0.5]))
+    assert identical_device_groups(with_header) == ()
+    assert identical_device_groups(with_header, ignoring_header=True) == ((0, 1),)
+
+
 def test_symmetry_breaking_between_identical_devices_keeps_the_optimum():
     for seed in range(10):
         problem = random_problem(seed)

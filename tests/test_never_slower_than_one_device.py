@@ -87,6 +87,35 @@ def test_transfers_that_cost_their_sender_cpu_time_make_fewer_transfers() -> Non
     assert costly.makespan_s == pytest.approx(36e-3) and costly.makespan_s < 42e-3
 
 
+@pytest.mark.parametrize("placer", ["heft", "milp"])
+def test_a_split_that_gains_less_than_the_header_it_needs_is_not_made(placer: str) -> None:
+    """The second device starts a request only once the driver's header has come (header_s): a split whose
+    gain is smaller than that wait loses to one device, a larger gain still splits."""
+    options = {"time_limit_s": 5.0} if placer == "milp" else {}
+    base = fan_out_problem(0.1e-3)  # split 2/2: 1 + 20 + 1 ms plus transfers, against 42 ms on one device
+    # The best split, 3/1, has b start its branch after the header: 35 + 10 + 1 ms, more than 42.
+    late = dataclasses.replace(base, header_s=np.array([0.0, 35e-3]))
+    assert len(set(place(late, placer, **options).placement.tolist())) == 1
+    early = dataclasses.replace(base, header_s=np.array([0.0, 5e-3]))
+    plan = place(early, placer, **options)
+    assert len(set(plan.placement.tolist())) == 2 and plan.makespan_s < 42e-3
+    assert plan.makespan_s == pytest.approx(simulate(early, plan).makespan_s)
+
+
+@pytest.mark.parametrize("placer", ["heft", "milp"])
+def test_a_plan_ends_where_its_outputs_are_gathered(placer: str) -> None:
+    """The join makes the model's output, which travels back to device 0 from elsewhere: of the mirror-image
+    plans, the one ending on device 0 is faster, even when device 1 waits for its header."""
+    options = {"time_limit_s": 5.0} if placer == "milp" else {}
+    base = fan_out_problem(0.1e-3)
+    output = np.zeros((base.num_tasks, 2))
+    output[base.task_index("join"), 1] = 5e-3
+    problem = dataclasses.replace(base, output_s=output, header_s=np.array([0.0, 0.05e-3]))
+    plan = place(problem, placer, **options)
+    assert plan.placement[problem.task_index("join")] == 0
+    assert len(set(plan.placement.tolist())) == 2 and plan.makespan_s < 25e-3
+
+
 def test_cheap_transfers_still_split() -> None:
     plan = place(fan_out_problem(transfer_s=0.1e-3), "heft")
     assert len(set(plan.placement.tolist())) == 2 and plan.makespan_s < 42e-3
@@ -113,5 +142,11 @@ def test_expensive_calibrated_links_give_a_single_device_plan(tmp_path: Path) ->
     )
     assert len(set(compiled.plan.placement.tolist())) == 1
     assert np.all(compiled.problem.transfer_s[:, 0, 1] >= 50e-3)
+    # The driver's header to the second device is one message of the link: its latency plus 40 bytes; the model's
+    # output (16 x 64 floats), made by the last task, travels back from the second device.
+    assert compiled.problem.header_s.tolist() == pytest.approx([0.0, 50e-3 + 40 / 1e6])
+    last = compiled.problem.topological_order[-1]
+    assert compiled.problem.output_s[last].tolist() == pytest.approx([0.0, 50e-3 + 16 * 64 * 4 / 1e6])
+    assert not compiled.problem.output_s[compiled.problem.topological_order[0]].any()
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))

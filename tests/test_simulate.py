@@ -105,6 +105,41 @@ def test_the_schedule_builder_books_a_send_on_its_sender_when_a_remote_consumer_
     assert simulate(problem, to_plan(schedule, "test")).task_finish.tolist() == [1.25, 3.75, 2.25]
 
 
+def test_a_device_starts_a_request_when_its_header_has_come():
+    problem = Problem.from_dict(
+        {
+            "devices": [{"name": "driver"}, {"name": "worker", "header_s": 0.75}],
+            "tasks": [{"name": "a", "compute_s": [1.0, 1.0]}, {"name": "b", "compute_s": [2.0, 2.0]}],
+            "edges": [],
+        }
+    )
+    timeline = simulate(problem, place(problem, {"a": 0, "b": 1}))
+    assert timeline.task_start.tolist() == [0.0, 0.75]
+    assert timeline.makespan_s == 2.75
+    assert timeline.busy_s.tolist() == [1.0, 2.0]  # waiting for a header is not work
+    assert simulate(problem, place(problem, {"a": 1, "b": 0})).task_start.tolist() == [0.75, 0.0]
+    builder = ScheduleBuilder(problem)
+    assert builder.book_inputs(problem.task_index("b"), 1).ready_s == 0.75  # the list schedulers wait for it too
+    assert Problem.from_dict(problem.to_dict()).header_s.tolist() == [0.0, 0.75]
+
+
+def test_a_request_is_done_when_its_outputs_are_with_the_driver():
+    problem = Problem.from_dict(
+        {
+            "devices": [{"name": "driver"}, {"name": "worker"}],
+            "tasks": [
+                {"name": "a", "compute_s": [1.0, 1.0], "output_s": [0.0, 0.5]},
+                {"name": "b", "compute_s": [2.0, 2.0]},
+            ],
+            "edges": [],
+        }
+    )
+    assert simulate(problem, place(problem, {"a": 1, "b": 0})).makespan_s == 2.0
+    late = simulate(problem, place(problem, {"a": 1, "b": 1}, order={1: ["b", "a"]}))
+    assert late.task_finish.tolist() == [3.0, 2.0] and late.makespan_s == 3.5
+    assert Problem.from_dict(problem.to_dict()).output_s.tolist() == [[0.0, 0.5], [0.0, 0.0]]
+
+
 def test_same_device_chain_sends_nothing():
     problem = two_devices({"a": [1.0, 9.0], "b": [2.0, 2.0]}, [{"src": "a", "dst": "b", "transfer_s": link(0.5)}])
     timeline = simulate(problem, place(problem, {"a": 0, "b": 0}))

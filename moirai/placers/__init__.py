@@ -96,7 +96,7 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     plan.placer = plan.placer or placer
     plan.check(problem)
     if placer not in _RULE_BASED_PLACERS:
-        plan = _as_the_runtime_prefers(problem, plan)
+        plan = _as_the_runtime_prefers(problem, plan, chosen)
     timeline = simulate(problem, plan)
     if placer not in _RULE_BASED_PLACERS:
         plan, timeline = _no_worse_than_one_device(problem, plan, timeline, chosen)
@@ -108,24 +108,28 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     return plan
 
 
-def _as_the_runtime_prefers(problem: Problem, plan: Plan) -> Plan:
-    """Of the plans the model cannot tell apart from ``plan``, the one the runtime runs best.
+def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) -> Plan:
+    """Of ``plan`` and the plans that only relabel devices it cannot otherwise tell apart, the one the runtime
+    runs best.
 
-    * Devices no plan can tell apart are relabelled so that the last task runs on the first of them: rank 0
-      (the first device) drives every request and gathers the outputs, so a plan that ends elsewhere sends its
-      outputs back on every call (two_branch_mlp's milp plan, the mirror image of heft's, sent its 1 MB sum
-      back and ran 10-15% slower).
+    * Devices that differ only in the header the driver sends them: the plan that relabels the device of the
+      last task as the first device (rank 0, which drives every request and gathers the outputs) replaces
+      ``plan`` unless the model predicts it worse. The model charges outputs sent back to rank 0
+      (:attr:`Problem.output_s`) and headers; where they tie (no outputs, no headers), ending on rank 0 saves
+      the driver a receive (two_branch_mlp's milp plan, the mirror image of heft's, sent its 1 MB sum back and
+      ran 10-15% slower before outputs were charged).
     * A plan that puts every task on one device runs them in the graph's own order: on one device the order
       changes no prediction, and the traced order is the one eager runs (inception_v4 on one CPU rank ran 7%
       slower in the order a milp plan gave it).
     """
     from moirai.placers.single import one_device_plan
+    from moirai.simulate import simulate
     from moirai.solve.window import identical_device_groups
 
     if not problem.num_tasks:
         return plan
     last_device = int(plan.placement[problem.topological_order[-1]])
-    group = next((g for g in identical_device_groups(problem) if 0 in g), ())
+    group = next((g for g in identical_device_groups(problem, ignoring_header=True) if 0 in g), ())
     if last_device != 0 and last_device in group:
         swap = np.arange(problem.num_devices)
         swap[0], swap[last_device] = last_device, 0
@@ -135,7 +139,11 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan) -> Plan:
             if plan.transfer_order is None
             else {(int(swap[a]), int(swap[b])): tensors for (a, b), tensors in plan.transfer_order.items()}
         )
-        plan = dataclasses.replace(plan, placement=swap[plan.placement], order=order, transfer_order=transfer_order)
+        relabelled = dataclasses.replace(
+            plan, placement=swap[plan.placement], order=order, transfer_order=transfer_order
+        )
+        if not objective.improves(simulate(problem, plan), simulate(problem, relabelled), relative=1e-9):
+            plan = relabelled
     used = np.unique(plan.placement)
     if used.size == 1:
         plan = dataclasses.replace(plan, order=one_device_plan(problem, int(used[0])).order, transfer_order=None)

@@ -206,6 +206,8 @@ def merge_tasks(problem: Problem, groups: Sequence[Sequence[int]]) -> Problem:
         tensor_bytes=np.array([problem.tensor_bytes[ts].sum() for ts in crossing.values()]),
         send_cpu_s=np.array([problem.send_cpu_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
         recv_cpu_s=np.array([problem.recv_cpu_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
+        header_s=problem.header_s,
+        output_s=np.array([problem.output_s[list(m)].sum(axis=0) for m in groups]).reshape(-1, k),
     )
 
 

@@ -18,6 +18,7 @@ from moirai.schedule.builder import Booking, BusyIntervals, ScheduleBuilder
 from moirai.schedule.transfers import (
     ImpliedTransfers,
     implied_transfers,
+    output_arrival_s,
     recv_cpu_s,
     send_cpu_s,
     send_priority,
@@ -31,6 +32,7 @@ __all__ = [
     "ImpliedTransfers",
     "ScheduleBuilder",
     "implied_transfers",
+    "output_arrival_s",
     "recv_cpu_s",
     "send_cpu_s",
     "send_priority",

@@ -14,6 +14,10 @@ The cost rule, one place for it. A tensor ``t`` sent from device ``a`` to device
   tensor on ``b``: of the tensor's consumers on ``b``, the first in topological order (its
   :attr:`ImpliedTransfers.receiver`), where the runtime waits for it before the first use.
 
+The runtime's driver on device 0 adds two: a device other than 0 starts a request's first task only once the
+driver's header has come (:attr:`Problem.header_s`, a release time of the device), and a task off device 0 that
+makes a model output is done once that output is with the driver (:func:`output_arrival_s`).
+
 Why at the extended finish: the runtime posts a producer's sends right after it, one after another, before the
 device's next op (:mod:`moirai.split`), so the device is busy with them before it computes again, and a
 tensor for the second destination leaves only after the first send has been posted. Starting every transfer
@@ -65,6 +69,12 @@ def task_duration_s(problem: Problem, placement: np.ndarray, transfers: ImpliedT
     producer = problem.tensor_producer[transfers.tensor]
     sends = np.bincount(producer, weights=transfers.send_cpu, minlength=n)
     return compute + sends + np.bincount(transfers.receiver, weights=transfers.recv_cpu, minlength=n)
+
+
+def output_arrival_s(problem: Problem, placement: np.ndarray, task_finish_s: np.ndarray) -> np.ndarray:
+    """When each task's work for the request is done: its finish plus, off device 0, the transfer of the model's
+    outputs it makes to the driver there (:attr:`Problem.output_s`); a request is done when every task's is."""
+    return np.asarray(task_finish_s, float) + problem.output_s[np.arange(problem.num_tasks), placement]
 
 
 def send_priority(ready_s: float, tensor: int) -> tuple[float, int]:

@@ -353,9 +353,13 @@ def _precedence_rows(c: _Model) -> None:
 
 
 def _latency_rows(c: _Model, objective: Objective | None = None) -> None:
-    """The latency objective: T covers every free task plus what runs after it on its device."""
+    """The latency objective: T covers every free task plus what runs after it on its device, and the transfer of
+    the model outputs it makes to device 0 (:func:`moirai.schedule.output_arrival_s`)."""
     for f, i in enumerate(c.free):
         c.add(c.m.T >= c.finish[i] + sum(c.scaled(c.window.tail_s[f, k]) * c.m.x[i, k] for k in c.allowed[i]))
+        output = {k: c.scaled(c.problem.output_s[i, k]) for k in c.allowed[i] if c.problem.output_s[i, k] > 0}
+        if output:
+            c.add(c.m.T >= c.finish[i] + sum(seconds * c.m.x[i, k] for k, seconds in output.items()))
 
 
 def _latency_cuts(c: _Model) -> None:

@@ -27,7 +27,8 @@ class Window:
     ``placement``: device of every task (for free tasks, their current device, used as a start).
     ``fixed_finish_s``: finish of each task scheduled before the window, ``nan`` for the others.
     ``arrived_s``: ``(tensor, device) -> time`` for transfers already made before the window.
-    ``device_ready_s`` / ``link_ready_s[a, b]``: when each device / directed link is free of them.
+    ``device_ready_s`` / ``link_ready_s[a, b]``: when each device / directed link is free of them (a device
+    is not ready before its header, :attr:`moirai.problem.Problem.header_s`).
     ``tail_s[f, k]``: time the plan runs on after free task ``free_tasks[f]`` finishes on ``k``.
     ``horizon_s``: an upper bound on the best objective (the current solution's).
     ``deadline_s``: a time by which every transfer of the current solution has finished.
@@ -52,7 +53,7 @@ def whole_problem(problem: Problem, horizon_s: float) -> Window:
         placement=np.zeros(n, int),
         fixed_finish_s=np.full(n, np.nan),
         arrived_s={},
-        device_ready_s=np.zeros(k),
+        device_ready_s=problem.header_s.copy(),
         link_ready_s=np.zeros((k, k)),
         tail_s=np.zeros((n, k)),
         horizon_s=horizon_s,
@@ -160,13 +161,14 @@ def descendant_sets(graph: nx.DiGraph) -> dict[int, set[int]]:
     return {i: nx.descendants(graph, i) for i in graph.nodes}
 
 
-def identical_device_groups(problem: Problem) -> tuple[tuple[int, ...], ...]:
-    """Groups (of two or more) of devices no plan can tell apart: same times, memory and links."""
+def identical_device_groups(problem: Problem, ignoring_header: bool = False) -> tuple[tuple[int, ...], ...]:
+    """Groups (of two or more) of devices no plan can tell apart: same times, memory, links and header delay
+    (``ignoring_header``: whatever their header delays, :attr:`moirai.problem.Problem.header_s`)."""
     k = problem.num_devices
     groups: list[list[int]] = []
     for d in range(k):
         for group in groups:
-            if _devices_identical(problem, group[0], d):
+            if _devices_identical(problem, group[0], d, ignoring_header):
                 group.append(d)
                 break
         else:
@@ -174,8 +176,10 @@ def identical_device_groups(problem: Problem) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in groups if len(g) > 1)
 
 
-def _devices_identical(problem: Problem, a: int, b: int) -> bool:
+def _devices_identical(problem: Problem, a: int, b: int, ignoring_header: bool) -> bool:
     if not np.array_equal(problem.compute_s[:, a], problem.compute_s[:, b]):
+        return False
+    if not ignoring_header and problem.header_s[a] != problem.header_s[b]:
         return False
     if problem.memory_capacity_bytes[a] != problem.memory_capacity_bytes[b]:
         return False
