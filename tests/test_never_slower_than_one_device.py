@@ -102,6 +102,22 @@ def test_a_split_that_gains_less_than_the_header_it_needs_is_not_made(placer: st
     assert plan.makespan_s == pytest.approx(simulate(early, plan).makespan_s)
 
 
+@pytest.mark.parametrize("placer", LATENCY_PLACERS)
+def test_a_split_predicted_only_as_fast_as_one_device_is_not_made(placer: str) -> None:
+    """Two independent 1 ms tasks: one device takes 2 ms, and so does a split whose second device waits 1 ms for
+    its header. On the tie the plan without transfers wins: what the model leaves out only adds to a split."""
+    problem = Problem.from_dict(
+        {
+            "devices": [{"name": "a"}, {"name": "b", "header_s": 1e-3}],
+            "tasks": [{"name": "x", "compute_s": [1e-3, 1e-3]}, {"name": "y", "compute_s": [1e-3, 1e-3]}],
+            "edges": [],
+        }
+    )
+    options = {"time_limit_s": 5.0} if placer in ("milp", "pesto") else {}
+    plan = place(problem, placer, **options)
+    assert plan.placement.tolist() == [0, 0] and plan.makespan_s == pytest.approx(2e-3)
+
+
 @pytest.mark.parametrize("placer", ["heft", "milp"])
 def test_a_plan_ends_where_its_outputs_are_gathered(placer: str) -> None:
     """The join makes the model's output, which travels back to device 0 from elsewhere: of the mirror-image
