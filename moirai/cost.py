@@ -168,19 +168,23 @@ def transfer_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
 
 
 def header_s(cluster: Cluster) -> np.ndarray:
-    """``[k]``: the delay of the runtime's request header from device 0 (the driver) to device ``k``: a message of
-    :data:`HEADER_BYTES` (0 where no finite link leads: such a device cannot take part anyway)."""
-    delay = transfer_s(np.array([HEADER_BYTES]), cluster)[0, 0]
+    """``[k]``: when device ``k`` can start a request: the runtime's header, a message of :data:`HEADER_BYTES` from
+    device 0 (the driver), has come and been taken in (its delay and its receiver's CPU time; 0 where no finite
+    link leads: such a device cannot take part anyway)."""
+    header = np.array([HEADER_BYTES])
+    delay = transfer_s(header, cluster)[0, 0] + recv_cpu_s(header, cluster)[0, 0]
     return np.where(np.isfinite(delay), delay, 0.0)
 
 
 def output_s(graph: OpGraph, traced: TracedModel | None, cluster: Cluster) -> np.ndarray:
-    """``[node, k]``: the transfer of the model outputs ``node`` makes from device ``k`` to device 0, where the
-    driver gathers them (zero without ``traced``, which knows the outputs)."""
+    """``[node, k]``: from ``node`` finishing on device ``k`` until the driver on device 0 holds the model outputs
+    it makes: their send, transfer and receive, one message (zero without ``traced``, which knows the outputs)."""
     delay = np.zeros((len(graph.nodes), len(cluster)))
     if traced is not None:
         for node, made_bytes in model_output_bytes(graph, traced).items():
-            delay[node] = transfer_s(np.array([made_bytes]), cluster)[0, :, 0]
+            message = np.array([made_bytes])
+            cost = send_cpu_s(message, cluster) + transfer_s(message, cluster) + recv_cpu_s(message, cluster)
+            delay[node] = cost[0, :, 0]
     return np.where(np.isfinite(delay), delay, 0.0)
 
 

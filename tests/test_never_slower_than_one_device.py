@@ -12,8 +12,10 @@ from torch import nn
 
 import moirai
 from moirai.calibrate import TransferCost, write_calibration
+from moirai.cost import HEADER_BYTES
 from moirai.placers import _RULE_BASED_PLACERS, list_placers, place
 from moirai.problem import Problem
+from moirai.runtime.protocol import _HEADER_FIELDS
 from moirai.simulate import simulate
 
 LATENCY_PLACERS = [name for name in list_placers() if name not in _RULE_BASED_PLACERS]
@@ -158,11 +160,23 @@ def test_expensive_calibrated_links_give_a_single_device_plan(tmp_path: Path) ->
     )
     assert len(set(compiled.plan.placement.tolist())) == 1
     assert np.all(compiled.problem.transfer_s[:, 0, 1] >= 50e-3)
-    # The driver's header to the second device is one message of the link: its latency plus 40 bytes; the model's
-    # output (16 x 64 floats), made by the last task, travels back from the second device.
+    # The driver's header to the second device is one message of the link: its latency plus 40 bytes (the
+    # calibration gives no CPU times); the model's output (16 x 64 floats), made by the last task, travels back.
     assert compiled.problem.header_s.tolist() == pytest.approx([0.0, 50e-3 + 40 / 1e6])
     last = compiled.problem.topological_order[-1]
     assert compiled.problem.output_s[last].tolist() == pytest.approx([0.0, 50e-3 + 16 * 64 * 4 / 1e6])
     assert not compiled.problem.output_s[compiled.problem.topological_order[0]].any()
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_the_driver_messages_cost_what_the_calibration_says_a_message_costs(tmp_path: Path) -> None:
+    """The header's wait is its delay and its receiver's time; an output's way back adds the sender's time."""
+    path = tmp_path / "links.json"
+    write_calibration(path, {"cpu->cpu": TransferCost(1e-3, 1e9, 2e-4, 0.0, 3e-4, 0.0)})
+    x = torch.randn(16, 64)
+    problem = moirai.compile(TwoBranches().eval(), ["cpu", "cpu"], (x,), placer="heft", calibration=path).problem
+    assert problem.header_s.tolist() == pytest.approx([0.0, 1e-3 + 40 / 1e9 + 3e-4])
+    last = problem.topological_order[-1]
+    assert problem.output_s[last].tolist() == pytest.approx([0.0, 2e-4 + 1e-3 + 16 * 64 * 4 / 1e9 + 3e-4])
+    assert HEADER_BYTES == 8 * _HEADER_FIELDS  # the runtime's header: that many int64
