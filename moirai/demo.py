@@ -2,9 +2,9 @@
 whose devices differ in speed and memory, print the plan, run the split model in one process
 per device and check its outputs against the original model's.
 
-The three devices are logical CPU devices (separate processes on gloo) described as a fast
-device with little memory, a medium one and a slow one with plenty: no single device holds
-the model, so the plan must split it.
+The three devices are logical CPU devices (separate processes messaging through shared memory,
+or gloo where that is switched off) described as a fast device with little memory, a medium one
+and a slow one with plenty: no single device holds the model, so the plan must split it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from rich.table import Table
 
 import moirai
 from moirai.devices import Cluster, Device
+from moirai.runtime import shm
 
 
 class DecoderBlock(torch.nn.Module):
@@ -117,8 +118,9 @@ def run_demo(placer: str = "milp", console: Console | None = None, time_limit_s:
         console.print(f"[red]outputs differ[/]: {mismatch}")
         return False
     difference = (actual - expected).abs().max().item()
+    transport = "shared memory" if shm.enabled() else "gloo"
     console.print(
-        f"[green]outputs match[/]: split model on {used} processes (gloo) vs original, "
+        f"[green]outputs match[/]: split model on {used} processes ({transport}) vs original, "
         f"max abs difference {difference:.2e}"
     )
     return True
