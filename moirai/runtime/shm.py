@@ -228,7 +228,7 @@ class _Inbound:
                 announced = self._wait_fifo(deadline)
             finally:
                 self._cond.acquire()
-            if announced is None:
+            if not announced:  # the deadline passed, or a spurious wake-up
                 return
             self._unread += announced
         self._unread -= 1
@@ -249,7 +249,8 @@ class _Inbound:
         self._ring.consumed = self._consumed
 
     def _wait_fifo(self, deadline: float | None) -> int | None:
-        """Messages announced since the last read (None: none before the deadline); a closed FIFO closes this."""
+        """Messages announced since the last read (0 or None: none now, or none before the deadline); a closed
+        FIFO closes this."""
         remaining_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         readable, _, _ = select.select([self._fifo], [], [], remaining_s)
         if not readable:
