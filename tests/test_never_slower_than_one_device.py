@@ -13,7 +13,7 @@ from torch import nn
 import moirai
 from moirai.calibrate import TransferCost, write_calibration
 from moirai.cost import HEADER_BYTES
-from moirai.placers import _RULE_BASED_PLACERS, list_placers, place
+from moirai.placers import _RULE_BASED_PLACERS, MIN_SPLIT_GAIN, list_placers, place
 from moirai.problem import Problem
 from moirai.runtime.protocol import _HEADER_FIELDS
 from moirai.simulate import simulate
@@ -118,6 +118,27 @@ def test_a_split_predicted_only_as_fast_as_one_device_is_not_made(placer: str) -
     options = {"time_limit_s": 5.0} if placer in ("milp", "pesto") else {}
     plan = place(problem, placer, **options)
     assert plan.placement.tolist() == [0, 0] and plan.makespan_s == pytest.approx(2e-3)
+
+
+@pytest.mark.parametrize("placer", ["heft", "milp"])
+def test_a_split_must_gain_more_than_the_minimum_over_one_device(placer: str) -> None:
+    """The second device waits for its header: a split just 0.5% faster than one device gives way to it, one
+    2% faster does not."""
+    options = {"time_limit_s": 5.0} if placer == "milp" else {}
+
+    def problem(header_s: float) -> Problem:
+        return Problem.from_dict(
+            {
+                "devices": [{"name": "a"}, {"name": "b", "header_s": header_s}],
+                "tasks": [{"name": "x", "compute_s": [1e-3, 1e-3]}, {"name": "y", "compute_s": [1e-3, 1e-3]}],
+                "edges": [],
+            }
+        )
+
+    assert MIN_SPLIT_GAIN == 0.01
+    assert len(set(place(problem(0.99e-3), placer, **options).placement.tolist())) == 1  # 1.99 ms against 2
+    split = place(problem(0.96e-3), placer, **options)  # 1.96 ms against 2
+    assert len(set(split.placement.tolist())) == 2 and split.makespan_s == pytest.approx(1.96e-3)
 
 
 @pytest.mark.parametrize("placer", ["heft", "milp"])
