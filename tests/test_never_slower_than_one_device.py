@@ -13,8 +13,9 @@ from torch import nn
 import moirai
 from moirai.calibrate import TransferCost, write_calibration
 from moirai.cost import HEADER_BYTES
-from moirai.placers import _RULE_BASED_PLACERS, MIN_SPLIT_GAIN, list_placers, place
-from moirai.problem import Problem
+from moirai.objective import LATENCY
+from moirai.placers import _RULE_BASED_PLACERS, MIN_SPLIT_GAIN, _no_worse_than_one_device, list_placers, place
+from moirai.problem import Plan, Problem
 from moirai.runtime.protocol import _HEADER_FIELDS
 from moirai.simulate import simulate
 
@@ -118,6 +119,21 @@ def test_a_split_predicted_only_as_fast_as_one_device_is_not_made(placer: str) -
     options = {"time_limit_s": 5.0} if placer in ("milp", "pesto") else {}
     plan = place(problem, placer, **options)
     assert plan.placement.tolist() == [0, 0] and plan.makespan_s == pytest.approx(2e-3)
+
+
+def test_a_plan_on_a_slower_single_device_gives_way_to_the_faster_one() -> None:
+    """A minimising placer's plan on one device is no better than one device's best: it is replaced."""
+    problem = Problem.from_dict(
+        {
+            "devices": [{"name": "fast"}, {"name": "slow"}],
+            "tasks": [{"name": "x", "compute_s": [1e-3, 3e-3]}, {"name": "y", "compute_s": [1e-3, 3e-3]}],
+            "edges": [],
+        }
+    )
+    slow = Plan([1, 1], problem.device_names, placer="heft")
+    plan, timeline = _no_worse_than_one_device(problem, slow, simulate(problem, slow), LATENCY)
+    assert plan.placement.tolist() == [0, 0] and timeline.makespan_s == pytest.approx(2e-3)
+    assert plan.report.notes["replaced_by_single_device_s"] == pytest.approx(6e-3)
 
 
 @pytest.mark.parametrize("placer", ["heft", "milp"])

@@ -170,11 +170,13 @@ def _no_worse_than_one_device(
     except InfeasibleError:
         return plan, timeline
     single_timeline = simulate(problem, single)
-    if (
-        len(np.unique(plan.placement)) == 1
-        or not objective.acceptable(single_timeline)
-        or objective.improves(timeline, single_timeline, relative=MIN_SPLIT_GAIN)
-    ):
+    if len(np.unique(plan.placement)) == 1:
+        keep = not objective.improves(single_timeline, timeline)  # another device may be the better one
+    else:
+        keep = not objective.acceptable(single_timeline) or objective.improves(
+            timeline, single_timeline, relative=MIN_SPLIT_GAIN
+        )
+    if keep:
         return plan, timeline
     plan.report.notes["replaced_by_single_device_s"] = objective.value_s(timeline)
     replaced = dataclasses.replace(
