@@ -28,8 +28,9 @@ from rich.console import Console
 from rich.table import Table
 
 import moirai
+from bench.serving import pinned
 from moirai.problem import Plan
-from moirai.runtime.resources import apply_resources, rank_resources, restore_resources
+from moirai.runtime.resources import rank_resources
 from moirai.simulate import simulate
 
 DEVICES = ["cpu", "cpu"]
@@ -44,9 +45,7 @@ def main() -> None:
     layers = [m for _ in range(12) for m in (torch.nn.Linear(options.width, options.width), torch.nn.ReLU())]
     model = torch.nn.Sequential(*layers).eval()
     x = torch.randn(1, options.width)
-    rank0 = rank_resources(DEVICES)[0]
-    before = apply_resources(rank0, DEVICES[0])
-    try:
+    with pinned(rank_resources(DEVICES)[0], DEVICES[0]):  # where rank 0 runs in the server
         compiled = moirai.compile(model, DEVICES, (x,), cost="measured", placer="single", progress=False)
         problem = compiled.problem
         order = np.array(problem.topological_order)
@@ -104,8 +103,6 @@ def main() -> None:
                 f"{own[0] * 1e6:.0f} / {own[1] * 1e6:.0f}",
             )
         Console(width=140).print(table)
-    finally:
-        restore_resources(before)
 
 
 if __name__ == "__main__":

@@ -284,7 +284,7 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 def _transport(backend: str) -> str:
     from moirai.runtime import shm
 
-    return "shared memory" if backend == "gloo" and shm.enabled() else backend
+    return shm.host_transport() if backend == "gloo" else backend
 
 
 def _read_cached(path: Path) -> dict[str, TransferCost]:

@@ -118,9 +118,8 @@ def run_demo(placer: str = "milp", console: Console | None = None, time_limit_s:
         console.print(f"[red]outputs differ[/]: {mismatch}")
         return False
     difference = (actual - expected).abs().max().item()
-    transport = "shared memory" if shm.enabled() else "gloo"
     console.print(
-        f"[green]outputs match[/]: split model on {used} processes ({transport}) vs original, "
+        f"[green]outputs match[/]: split model on {used} processes ({shm.host_transport()}) vs original, "
         f"max abs difference {difference:.2e}"
     )
     return True

@@ -41,10 +41,12 @@ class Problem:
     ``send_cpu_s[t, a, b]``: time sending tensor ``t`` to ``b`` keeps device ``a`` itself busy, and
     ``recv_cpu_s[t, a, b]`` the time receiving it keeps device ``b`` busy (default 0; see
     :mod:`moirai.schedule.transfers` for how a schedule books them).
-    ``header_s[k]``: how long after a request starts device ``k`` can start its first task: the delay of
-    the header the runtime's driver, on device 0, sends every other device with work (default 0).
+    ``header_s[k]``: how long after a request starts device ``k`` can start its first task: until the header
+    the runtime's driver, on device 0, sends every other device with work has come and been taken in
+    (default 0).
     ``output_s[i, k]``: how long after task ``i`` finishes on device ``k`` the model's outputs it makes are
-    with the driver on device 0 (the transfer back; 0 on device 0 and for tasks that make no output).
+    with the driver on device 0 (their send, transfer and receive; 0 on device 0 and for tasks that make no
+    output).
     """
 
     device_names: tuple[str, ...]

@@ -53,6 +53,14 @@ def test_milp_optimum_equals_brute_force_and_the_simulator(brute_force_optima, f
         assert simulated == pytest.approx(solution.objective_s, rel=1e-6), seed
 
 
+def assert_milp_is_exact(problem, formulation: str, seed: int) -> None:
+    """The whole-problem MILP is optimal, equal to brute force, and the simulator replays its plan at its value."""
+    solution, plan = solve_whole(problem, formulation=formulation)
+    assert solution.optimal, (seed, solution.status)
+    assert solution.objective_s == pytest.approx(brute_force_optimum(problem), rel=1e-6), seed
+    assert simulate(problem, plan).makespan_s == pytest.approx(solution.objective_s, rel=1e-6), seed
+
+
 @pytest.mark.parametrize("formulation", ["strong", "paper"])
 def test_with_the_senders_cpu_time_the_milp_optimum_equals_brute_force_and_the_simulator(formulation):
     """A transfer that keeps its sender busy (send_cpu_s) lengthens its producer in the simulator, the brute
@@ -60,10 +68,7 @@ def test_with_the_senders_cpu_time_the_milp_optimum_equals_brute_force_and_the_s
     for seed in range(20) if formulation == "strong" else range(6):
         problem = random_problem(seed, send_cpu_s=1.0)
         assert problem.send_cpu_s.any()
-        solution, plan = solve_whole(problem, formulation=formulation)
-        assert solution.optimal, (seed, solution.status)
-        assert solution.objective_s == pytest.approx(brute_force_optimum(problem), rel=1e-6), seed
-        assert simulate(problem, plan).makespan_s == pytest.approx(solution.objective_s, rel=1e-6), seed
+        assert_milp_is_exact(problem, formulation, seed)
 
 
 @pytest.mark.parametrize("formulation", ["strong", "paper"])
@@ -73,10 +78,7 @@ def test_with_the_receivers_cpu_time_the_milp_optimum_equals_brute_force_and_the
     for seed in range(20) if formulation == "strong" else range(6):
         problem = random_problem(seed, send_cpu_s=0.5 if seed % 2 else 0.0, recv_cpu_s=1.0)
         assert problem.recv_cpu_s.any()
-        solution, plan = solve_whole(problem, formulation=formulation)
-        assert solution.optimal, (seed, solution.status)
-        assert solution.objective_s == pytest.approx(brute_force_optimum(problem), rel=1e-6), seed
-        assert simulate(problem, plan).makespan_s == pytest.approx(solution.objective_s, rel=1e-6), seed
+        assert_milp_is_exact(problem, formulation, seed)
 
 
 @pytest.mark.parametrize("formulation", ["strong", "paper"])
@@ -87,10 +89,7 @@ def test_with_headers_and_outputs_the_milp_optimum_equals_brute_force_and_the_si
     for seed in range(20) if formulation == "strong" else range(6):
         problem = random_problem(seed, send_cpu_s=0.5 if seed % 2 else 0.0, header_s=2.0, output_s=2.0)
         assert problem.header_s[1:].any() and problem.header_s[0] == 0 and problem.output_s[-1, 1:].any()
-        solution, plan = solve_whole(problem, formulation=formulation)
-        assert solution.optimal, (seed, solution.status)
-        assert solution.objective_s == pytest.approx(brute_force_optimum(problem), rel=1e-6), seed
-        assert simulate(problem, plan).makespan_s == pytest.approx(solution.objective_s, rel=1e-6), seed
+        assert_milp_is_exact(problem, formulation, seed)
     identical = random_problem(0, num_devices=2)
     identical = replace(
         identical,

@@ -51,6 +51,11 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
+def host_transport() -> str:
+    """What carries host-memory messages between ranks of one host, for people to read."""
+    return "shared memory" if enabled() else "gloo"
+
+
 class _Done:
     """A send: complete once its bytes are in the ring."""
 
@@ -60,7 +65,7 @@ class _Done:
 
 class _Receive:
     def __init__(self, inbound: _Inbound, tag: int, buffer: torch.Tensor) -> None:
-        self._inbound, self._tag, self._buffer = inbound, tag, buffer
+        self._inbound, self._tag = inbound, tag
         inbound.post(tag, buffer)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
