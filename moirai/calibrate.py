@@ -49,6 +49,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,8 +71,11 @@ DEFAULT_SIZES_BYTES = tuple(1024 * 4**k for k in range(8))
 # meanwhile, and goes on computing after its send call, as a part does.
 _SENDER_PAUSE_S = 2e-3
 _SENDER_COMPUTES_ON_S = 2e-3
-# 2: the sender computes around its send; 3: one host's ranks message through shared memory
-CALIBRATION_FORMAT_VERSION = 3
+# 2: the sender computes around its send; 3: one host's ranks message through shared memory; 4: the runtime's
+# own work per request (RequestCost)
+CALIBRATION_FORMAT_VERSION = 4
+# Requests of the two-rank program that measures RequestCost, after as many of warm-up.
+_REQUESTS = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +102,20 @@ class TransferCost:
 
     def receiver_cpu_time_s(self, num_bytes: float) -> float:
         return self.receiver_cpu_s + num_bytes * self.receiver_cpu_s_per_byte
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestCost:
+    """The runtime's own CPU time per request on a rank, beyond its ops and the messages the model books.
+
+    ``driver_cpu_s`` on rank 0: the caller's submit and wait, the driver's threads, the headers it sends and
+    the model's inputs and outputs it moves; ``worker_cpu_s`` on any other rank: its header, setting up its part.
+    Measured with the runtime's own server on two CPU ranks (:func:`measure_request_cost`): host work, which
+    the model charges to every device taking part in a request (:attr:`moirai.Problem.request_cpu_s`).
+    """
+
+    driver_cpu_s: float
+    worker_cpu_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +192,30 @@ def measure_transfer_costs(
     """The fitted :class:`TransferCost` of every directed pair of ranks (rank r on ``torch_devices[r]``)."""
     timings = measure_transfers(torch_devices, sizes_bytes, repeats, warmup)
     return {pair: pair_timings.fit() for pair, pair_timings in timings.items()}
+
+
+def measure_request_cost(link: TransferCost, requests: int = _REQUESTS, timeout_s: float = 300.0) -> RequestCost:
+    """The runtime's own work per request (:class:`RequestCost`), measured through its driver and server.
+
+    Two CPU ranks, set up as the runtime sets up its workers, serve a chain of two ``Linear(4, 4)`` (a few
+    microseconds of compute) split across them both ways: the first layer on rank 0 and the second on rank 1,
+    then the reverse. For each way, each rank's process CPU time per pipelined request (every thread), less its
+    layer's eager time and the send or receive time ``link`` gives the activation between the parts, is the
+    runtime's own; the two ways are averaged (one has the driver receive the outputs, the other send the inputs).
+    """
+    with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir:
+        settings = [["cpu", "cpu"], _free_port(), requests, timeout_s, results_dir]
+        _run_ranks(settings, 2, timeout_s, entry="_request_rank_main")
+        report = json.loads(Path(results_dir, "requests.json").read_text())
+    layer_s = report["eager_s"] / 2
+    own = []
+    for way in report["ways"]:
+        booked = [layer_s, layer_s]
+        booked[way["first"]] += link.sender_cpu_time_s(report["activation_bytes"])
+        booked[1 - way["first"]] += link.receiver_cpu_time_s(report["activation_bytes"])
+        own.append([max(cpu - b, 0.0) for cpu, b in zip(way["cpu_s"], booked, strict=True)])
+    driver, worker = np.mean(own, axis=0).tolist()
+    return RequestCost(driver, worker)
 
 
 def calibrate(
@@ -267,8 +309,29 @@ def local_calibration(
             if kind not in cached:  # measuring a -> b measures b -> a too
                 cached.update(measure_link_kinds(pair))
         if missing:
-            write_calibration(path, {**_read_cached(path), **cached})
+            write_calibration(path, {**_read_cached(path), **cached}, _read_cached_requests(path))
     return {kind: cached[kind] for kind in needed}
+
+
+def local_request_cost(calibration: str | Path = "auto", cache_dir: str | Path | None = None) -> RequestCost:
+    """The runtime's own work per request on this machine (:class:`RequestCost`), read and measured as
+    :func:`local_calibration` reads and measures links (measured once, a few seconds, then cached beside them)."""
+    if calibration not in ("auto", "remeasure"):
+        stored = read_request_cost(calibration)
+        if stored is None:
+            raise ClusterError(
+                f"calibration file {str(calibration)!r} has no request costs; measure them with moirai calibrate "
+                "--save PATH on this machine, or pass calibration='auto'"
+            )
+        return stored
+    link = local_calibration(["cpu", "cpu"], "auto", cache_dir)["cpu->cpu"]
+    path = calibration_cache_path(cache_dir)
+    with _exclusive(path.with_suffix(".lock")):
+        requests = _read_cached_requests(path) if calibration == "auto" else None
+        if requests is None:
+            requests = measure_request_cost(link)
+            write_calibration(path, _read_cached(path), requests)
+    return requests
 
 
 @contextlib.contextmanager
@@ -295,6 +358,16 @@ def _read_cached(path: Path) -> dict[str, TransferCost]:
         return read_calibration(path)
     except ClusterError:
         return {}
+
+
+def _read_cached_requests(path: Path) -> RequestCost | None:
+    """The cached request cost, or None when there is none or it was measured by an older moirai."""
+    if not path.exists():
+        return None
+    try:
+        return read_request_cost(path)
+    except ClusterError:
+        return None
 
 
 def measure_link_kinds(
@@ -332,6 +405,16 @@ def calibration_cache_path(cache_dir: str | Path | None = None) -> Path:
 
 def read_calibration(path: str | Path) -> dict[str, TransferCost]:
     """The transfer costs stored in a calibration file, by link kind."""
+    return {kind: TransferCost(**fields) for kind, fields in _calibration_record(path)["links"].items()}
+
+
+def read_request_cost(path: str | Path) -> RequestCost | None:
+    """The runtime's work per request stored in a calibration file (None when it holds links only)."""
+    fields = _calibration_record(path).get("requests")
+    return None if fields is None else RequestCost(**fields)
+
+
+def _calibration_record(path: str | Path) -> dict[str, Any]:
     try:
         record = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -340,20 +423,28 @@ def read_calibration(path: str | Path) -> dict[str, TransferCost]:
         raise ClusterError(f"calibration file {str(path)!r} is not JSON ({error}); measure again") from None
     if record.get("format") != CALIBRATION_FORMAT_VERSION:
         raise ClusterError(f"{path} is not a moirai calibration of format {CALIBRATION_FORMAT_VERSION}; measure again")
-    return {kind: TransferCost(**fields) for kind, fields in record["links"].items()}
+    return record
 
 
-def write_calibration(path: str | Path, costs: Mapping[str, TransferCost]) -> None:
+def write_calibration(path: str | Path, costs: Mapping[str, TransferCost], requests: RequestCost | None = None) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"format": CALIBRATION_FORMAT_VERSION, "links": {k: dataclasses.asdict(c) for k, c in costs.items()}}
+    record: dict[str, Any] = {
+        "format": CALIBRATION_FORMAT_VERSION,
+        "links": {k: dataclasses.asdict(c) for k, c in costs.items()},
+    }
+    if requests is not None:
+        record["requests"] = dataclasses.asdict(requests)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(record, indent=1))
     os.replace(partial, path)  # atomic: a concurrent reader never sees half a file
 
 
-def calibrated_cluster(cluster: Cluster, costs: Mapping[str, TransferCost]) -> Cluster:
-    """``cluster`` with every link's latency, bandwidth and its ends' CPU times those of its kind in ``costs``.
+def calibrated_cluster(
+    cluster: Cluster, costs: Mapping[str, TransferCost], requests: RequestCost | None = None
+) -> Cluster:
+    """``cluster`` with every link's latency, bandwidth and its ends' CPU times those of its kind in ``costs``,
+    and, with ``requests``, the runtime's work per request on each device (the driver's on device 0).
 
     The measured delay already holds the receiver's CPU time of a receiver blocked in its wait; a schedule
     also books that time on the receiving device, where a receiver busy with other work loses it.
@@ -369,7 +460,10 @@ def calibrated_cluster(cluster: Cluster, costs: Mapping[str, TransferCost]) -> C
                 bandwidth[a, b], latency[a, b] = cost.bandwidth_bytes_per_s, cost.latency_s
                 for label, field_name in _CPU_FIELDS.items():
                     cpu[label][a, b] = getattr(cost, field_name)
-    return Cluster(cluster.devices, bandwidth, latency, name=cluster.name, **cpu)
+    request_cpu = cluster.request_cpu_s
+    if requests is not None:
+        request_cpu = np.r_[requests.driver_cpu_s, np.full(k - 1, requests.worker_cpu_s)]
+    return Cluster(cluster.devices, bandwidth, latency, name=cluster.name, **cpu, request_cpu_s=request_cpu)
 
 
 # Cluster matrix -> TransferCost field.
@@ -390,15 +484,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_RANK_ENTRY = "from moirai.calibrate import _rank_main"
-
-
-def _run_ranks(settings: list, world_size: int, timeout_s: float) -> None:
+def _run_ranks(settings: list, world_size: int, timeout_s: float, entry: str = "_rank_main") -> None:
     """Start the ranks as fresh interpreters that import only moirai (a spawned process would re-import the
-    caller's ``__main__``, and a script that compiles at top level would compile again in every rank)."""
+    caller's ``__main__``, and a script that compiles at top level would compile again in every rank); each
+    calls ``entry(rank, *settings)`` of this module."""
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-c", f"{_RANK_ENTRY}; _rank_main({rank}, *{json.dumps(settings)})"],
+            [
+                sys.executable,
+                "-c",
+                f"from moirai.calibrate import {entry}; {entry}({rank}, *{json.dumps(settings)})",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -436,18 +532,10 @@ def _rank_main(
     """
     import datetime
 
-    import torch.distributed as dist
-
-    from moirai.runtime.groups import local_group
     from moirai.runtime.protocol import Messages
-    from moirai.runtime.resources import apply_resources, pin_io_threads, rank_resources
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    resources = rank_resources(torch_devices)[rank]
-    apply_resources(resources, torch_devices[rank])
-    store = dist.TCPStore("127.0.0.1", port, len(torch_devices), is_master=rank == 0, timeout=timeout)
-    group = local_group(rank, torch_devices, store, timeout_s)
-    pin_io_threads(resources)
+    group, store, _ = _join_as_runtime_rank(rank, torch_devices, port, timeout_s)
     device = torch.device(torch_devices[rank])
     kind = kind_of(device)
 
@@ -509,9 +597,99 @@ def _rank_main(
             if rank == src:
                 results.append({"src": src, "dst": dst, **medians})
     Path(results_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    # Nobody leaves before the last reply is through: a rank that exits closes its connections.
+    _leave_together(store, rank, group.world_size)
+
+
+def _request_rank_main(
+    rank: int, torch_devices: list[str], port: int, requests: int, timeout_s: float, results_dir: str
+) -> None:
+    """One rank of :func:`measure_request_cost`: rank 0 drives and times the requests, the others serve them."""
+    from moirai.runtime.protocol import serve
+
+    group, store, resources = _join_as_runtime_rank(rank, torch_devices, port, timeout_s)
+    if rank == 0:
+        report = _time_requests(group, store, resources.io_cores, requests, timeout_s)
+        Path(results_dir, "requests.json").write_text(json.dumps(report))
+    else:
+        store.set(f"moirai/pid/{rank}", str(os.getpid()))
+        serve(group, {}, timeout_s)
+    _leave_together(store, rank, group.world_size)
+
+
+def _time_requests(group: Any, store: Any, helper_cores: Sequence[int], requests: int, timeout_s: float) -> dict:
+    """Rank 0 of :func:`measure_request_cost`: the two ways of the two-layer chain, each rank's CPU per request."""
+    import psutil
+
+    from moirai.compile import compile as compile_model
+    from moirai.problem import Plan
+    from moirai.runtime.driver import Driver
+    from moirai.runtime.server import Server
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).eval()
+    x = torch.randn(1, 4)
+    compiled = compile_model(
+        model, ["cpu", "cpu"], (x,), cost="analytic", placer="single", calibration="none", progress=False
+    )
+    problem = compiled.problem
+    first = problem.topological_order[0]
+    with torch.no_grad():
+        for _ in range(requests):
+            model(x)
+        cpu_before = time.process_time()
+        for _ in range(requests):
+            model(x)
+        eager_s = (time.process_time() - cpu_before) / requests
+    worker = psutil.Process(int(store.get("moirai/pid/1")))
+    driver = Driver(group, timeout_s, max_in_flight=8, helper_cores=helper_cores)
+    ways = []
+    for first_rank in (0, 1):
+        placement = np.full(problem.num_tasks, 1 - first_rank)
+        placement[first] = first_rank
+        way = compiled.with_plan(Plan(placement, problem.device_names))
+        # The path a user's request takes through compiled.server(): inputs checked and flattened, outputs rebuilt.
+        server = Server(
+            lambda flat, finish, program=way.program: driver.submit(program, flat, finish, timeout_s),
+            way._checked_flat_inputs,
+            way.traced.unflatten_outputs,
+            lambda: None,
+            max_in_flight=8,
+        )
+        for _ in server.map([x] * requests):  # warm-up
+            pass
+        cpu_before = [time.process_time(), sum(worker.cpu_times()[:2])]
+        for _ in server.map([x] * requests):
+            pass
+        cpu_after = [time.process_time(), sum(worker.cpu_times()[:2])]
+        cpu_s = [(after - before) / requests for before, after in zip(cpu_before, cpu_after, strict=True)]
+        ways.append({"first": first_rank, "cpu_s": cpu_s})
+    driver.close()
+    return {"eager_s": eager_s, "activation_bytes": float(problem.tensor_bytes.sum()), "ways": ways}
+
+
+def _join_as_runtime_rank(rank: int, torch_devices: list[str], port: int, timeout_s: float) -> tuple[Any, Any, Any]:
+    """This process as rank ``rank``, set up as the runtime sets up a worker: its share of the cores, the store
+    (rank 0 hosts it), the runtime's links: ``(group, store, resources)``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from moirai.runtime.groups import local_group
+    from moirai.runtime.resources import apply_resources, pin_io_threads, rank_resources
+
+    resources = rank_resources(torch_devices)[rank]
+    apply_resources(resources, torch_devices[rank])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, len(torch_devices), is_master=rank == 0, timeout=timeout)
+    group = local_group(rank, torch_devices, store, timeout_s)
+    pin_io_threads(resources)
+    return group, store, resources
+
+
+def _leave_together(store: Any, rank: int, world_size: int) -> None:
+    """Nobody leaves before the last message is through: a rank that exits closes its connections."""
     store.set(f"moirai/calibrated/{rank}", "1")
-    store.wait([f"moirai/calibrated/{r}" for r in range(group.world_size)])
+    store.wait([f"moirai/calibrated/{r}" for r in range(world_size)])
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -546,7 +724,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     by_kind = costs_by_kind([d.torch_device for d in devices], costs)
     saved = Path(args.save) if args.save else calibration_cache_path()
     previous = _read_cached(saved)  # kinds measured before and not now, unless an older moirai measured them
-    write_calibration(saved, {**previous, **by_kind})
+    links = {**previous, **by_kind}
+    if "cpu->cpu" not in links:  # the request cost's program runs on two CPU ranks
+        links.update(measure_link_kinds(("cpu", "cpu")))
+    requests = measure_request_cost(links["cpu->cpu"])
+    write_calibration(saved, links, requests)
     table = Table(
         title=(
             f"transfers measured in the runtime ({_transport(args.backend)}, ranks pinned to their share of the cores)"
@@ -564,6 +746,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
             f"{cost.receiver_cpu_s * 1e6:.1f} + {cost.receiver_cpu_s_per_byte * 1024e9:.0f}",
         )
     console.print(table)
+    console.print(
+        f"the runtime's own work per request (through its server): driver (rank 0) "
+        f"{requests.driver_cpu_s * 1e6:.0f} us, another rank {requests.worker_cpu_s * 1e6:.0f} us"
+    )
     return 0
 
 

@@ -234,9 +234,10 @@ def _local_cluster(devices: Cluster | Sequence[str], calibration: str | Path) ->
     cluster = Cluster.from_devices(devices)
     if calibration == "none" or len(cluster) < 2:
         return cluster
-    from moirai.calibrate import calibrated_cluster, local_calibration
+    from moirai.calibrate import calibrated_cluster, local_calibration, local_request_cost
 
-    return calibrated_cluster(cluster, local_calibration([d.torch_device for d in cluster.devices], calibration))
+    links = local_calibration([d.torch_device for d in cluster.devices], calibration)
+    return calibrated_cluster(cluster, links, local_request_cost(calibration))
 
 
 @_progress.reports_progress

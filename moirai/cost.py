@@ -134,6 +134,7 @@ def build_problem(
         recv_cpu_s=recv_cpu_s(sizes_array, cluster),
         header_s=header_s(cluster),
         output_s=output_s(graph, traced, cluster),
+        request_cpu_s=cluster.request_cpu_s,
     )
 
 

@@ -99,7 +99,9 @@ class Cluster:
     ``links`` are the direct links the cluster was described with (empty when it was given as
     matrices). ``send_cpu_s[a, b] + bytes * send_cpu_s_per_byte[a, b]``: the time a send over ``a -> b``
     keeps device ``a`` busy, and ``recv_cpu_s`` / ``recv_cpu_s_per_byte`` the time receiving it keeps ``b`` busy
-    (default 0; a calibration measures them, :func:`moirai.calibrate.calibrated_cluster`).
+    (default 0; a calibration measures them, :func:`moirai.calibrate.calibrated_cluster`). ``request_cpu_s[k]``:
+    the runtime's own CPU time per request on device ``k``'s rank beyond its ops and messages (device 0's rank is
+    the driver; default 0, measured by the calibration too).
     """
 
     devices: tuple[Device, ...]
@@ -111,6 +113,7 @@ class Cluster:
     send_cpu_s_per_byte: np.ndarray = None  # type: ignore[assignment]
     recv_cpu_s: np.ndarray = None  # type: ignore[assignment]
     recv_cpu_s_per_byte: np.ndarray = None  # type: ignore[assignment]
+    request_cpu_s: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         k = len(self.devices)
@@ -135,6 +138,13 @@ class Cluster:
                 raise ClusterError(
                     f"{label} (a sender's or receiver's time per transfer) must be non-negative finite numbers"
                 )
+        request_cpu = np.zeros(k) if self.request_cpu_s is None else np.asarray(self.request_cpu_s, float)
+        if request_cpu.shape != (k,) or not np.all(np.isfinite(request_cpu)) or np.any(request_cpu < 0):
+            raise ClusterError(
+                f"request_cpu_s (the runtime's own time per request on each device) must be {k} non-negative "
+                f"finite numbers, got {request_cpu.tolist()}"
+            )
+        object.__setattr__(self, "request_cpu_s", request_cpu)
         off_diagonal = ~np.eye(k, dtype=bool)
         if np.any(~(self.bandwidth_bytes_per_s[off_diagonal] > 0)):
             raise ClusterError("every link between two distinct devices needs a positive bandwidth")

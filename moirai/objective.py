@@ -81,10 +81,11 @@ class Throughput(Objective):
         return timeline.fits_memory and latency_ok
 
     def lower_bound_s(self, problem: Problem) -> float:
-        # Every request's work must run somewhere: the busiest device does at least the load bound's share.
+        # Every request's work must run somewhere: the busiest device does at least the load bound's share; the
+        # driver on device 0 works on every request.
         from moirai.bounds import lower_bounds
 
-        return lower_bounds(problem).load_s
+        return max(lower_bounds(problem).load_s, float(problem.request_cpu_s[0]))
 
 
 LATENCY = Latency()

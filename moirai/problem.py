@@ -47,6 +47,10 @@ class Problem:
     ``output_s[i, k]``: how long after task ``i`` finishes on device ``k`` the model's outputs it makes are
     with the driver on device 0 (their send, transfer and receive; 0 on device 0 and for tasks that make no
     output).
+    ``request_cpu_s[k]``: the runtime's own work per request on device ``k`` beyond its tasks and messages (on
+    device 0 the driver's: taking the request, its headers, settling its future), charged to every device with
+    work and always to device 0 (:func:`moirai.schedule.request_cpu_charged_s`); it limits the period of
+    pipelined requests (default 0).
     """
 
     device_names: tuple[str, ...]
@@ -63,6 +67,7 @@ class Problem:
     recv_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
     header_s: np.ndarray = field(default=None)  # type: ignore[assignment]
     output_s: np.ndarray = field(default=None)  # type: ignore[assignment]
+    request_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         n, k, t = len(self.task_names), len(self.device_names), len(self.tensor_names)
@@ -82,6 +87,8 @@ class Problem:
         object.__setattr__(self, "header_s", header.reshape(k))
         output = np.zeros((n, k)) if self.output_s is None else np.asarray(self.output_s, float)
         object.__setattr__(self, "output_s", output.reshape(n, k))
+        request_cpu = np.zeros(k) if self.request_cpu_s is None else np.asarray(self.request_cpu_s, float)
+        object.__setattr__(self, "request_cpu_s", request_cpu.reshape(k))
         self._validate()
 
     def _validate(self) -> None:
@@ -105,6 +112,10 @@ class Problem:
             raise ProblemError("header_s (when each device can start a request) must be non-negative finite numbers")
         if not np.all(np.isfinite(self.output_s)) or np.any(self.output_s < 0):
             raise ProblemError("output_s (sending a task's outputs to device 0) must be non-negative finite numbers")
+        if not np.all(np.isfinite(self.request_cpu_s)) or np.any(self.request_cpu_s < 0):
+            raise ProblemError(
+                "request_cpu_s (the runtime's own work per request on each device) must be non-negative finite numbers"
+            )
         for t, consumers in enumerate(self.tensor_consumers):
             producer = int(self.tensor_producer[t])
             if not 0 <= producer < self.num_tasks or any(not 0 <= c < self.num_tasks for c in consumers):
@@ -347,14 +358,17 @@ class Problem:
             send_cpu_s=np.array(send_cpu).reshape(len(names), k, k),
             recv_cpu_s=np.array(recv_cpu).reshape(len(names), k, k),
             header_s=np.array([float(dev.get("header_s", 0.0)) for dev in devices]),
+            request_cpu_s=np.array([float(dev.get("request_cpu_s", 0.0)) for dev in devices]),
             output_s=np.array([task.get("output_s", [0.0] * k) for task in tasks], float).reshape(len(tasks), k),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "devices": [
-                {"name": name, "memory_bytes": float(cap), "header_s": float(header)}
-                for name, cap, header in zip(self.device_names, self.memory_capacity_bytes, self.header_s, strict=True)
+                {"name": name, "memory_bytes": float(cap), "header_s": float(header), "request_cpu_s": float(request)}
+                for name, cap, header, request in zip(
+                    self.device_names, self.memory_capacity_bytes, self.header_s, self.request_cpu_s, strict=True
+                )
             ],
             "tasks": [
                 {

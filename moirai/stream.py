@@ -18,7 +18,7 @@ import numpy as np
 
 from moirai.errors import MoiraiError
 from moirai.problem import Plan, Problem
-from moirai.schedule import output_arrival_s
+from moirai.schedule import output_arrival_s, request_cpu_charged_s
 from moirai.simulate import Timeline, simulate
 
 
@@ -50,18 +50,26 @@ def unroll(problem: Problem, plan: Plan, num_requests: int) -> tuple[Problem, Pl
 
     Task ``i`` of request ``r`` is task ``r * n + i`` (``n`` tasks per request), tensors likewise.
     The plan's device orders are those the simulator gives one request. Memory is counted once,
-    for the first request: weights are shared, and the stream is judged by time only.
+    for the first request: weights are shared, and the stream is judged by time only. The runtime's
+    own work per request on a device (:func:`moirai.schedule.request_cpu_charged_s`) is added to each
+    request's first task there (a device 0 without tasks has none to add it to: its driver then works
+    beside the others).
     """
     if num_requests < 1:
         raise MoiraiError(f"a stream needs at least one request, not {num_requests}")
     n, t = problem.num_tasks, problem.num_tensors
     order = simulate(problem, plan).device_order()
     copies = range(num_requests)
+    compute = problem.compute_s.copy()
+    runtime_s = request_cpu_charged_s(problem, plan.placement)
+    for device, sequence in enumerate(order):
+        if sequence:
+            compute[sequence[0], device] += runtime_s[device]
     unrolled = Problem(
         device_names=problem.device_names,
         memory_capacity_bytes=problem.memory_capacity_bytes,
         task_names=tuple(f"{name}#{r}" for r in copies for name in problem.task_names),
-        compute_s=np.tile(problem.compute_s, (num_requests, 1)),
+        compute_s=np.tile(compute, (num_requests, 1)),
         memory_bytes=np.concatenate([problem.memory_bytes, np.zeros(n * (num_requests - 1))]),
         tensor_names=tuple(f"{name}#{r}" for r in copies for name in problem.tensor_names),
         tensor_producer=np.concatenate([problem.tensor_producer + r * n for r in copies]),

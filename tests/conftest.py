@@ -27,6 +27,7 @@ def random_problem(
     recv_cpu_s: float = 0.0,
     header_s: float = 0.0,
     output_s: float = 0.0,
+    request_cpu_s: float = 0.0,
 ) -> Problem:
     """A random DAG: every task reads up to two earlier tasks, a producer's tensor is shared by two consumers
     half the time (it crosses to a device once), compute and per-link transfer times are random.
@@ -75,6 +76,7 @@ def random_problem(
     output = np.zeros((n, k))
     if output_s > 0:
         output[-2:, 1:] = rng.uniform(0.0, output_s, (2, k - 1)).round(2)
+    request_cpu = rng.uniform(0.0, request_cpu_s, k).round(2) if request_cpu_s > 0 else np.zeros(k)
     return Problem(
         device_names=tuple(f"dev{d}" for d in range(k)),
         memory_capacity_bytes=np.broadcast_to(np.asarray(capacity_bytes, float), (k,)).copy(),
@@ -89,6 +91,7 @@ def random_problem(
         recv_cpu_s=receiver,
         header_s=header,
         output_s=output,
+        request_cpu_s=request_cpu,
     )
 
 

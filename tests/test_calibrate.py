@@ -15,13 +15,17 @@ from torch import nn
 import moirai
 import moirai.calibrate as calibrate_module
 from moirai.calibrate import (
+    RequestCost,
     TransferCost,
     TransferTimings,
     calibrate,
     costs_by_kind,
     local_calibration,
+    local_request_cost,
+    measure_request_cost,
     measure_transfer_costs,
     read_calibration,
+    read_request_cost,
     write_calibration,
 )
 from moirai.devices import Cluster
@@ -37,6 +41,7 @@ FAKE_COST = TransferCost(
     receiver_cpu_s=60e-6,
     receiver_cpu_s_per_byte=2e-10,
 )
+FAKE_REQUESTS = RequestCost(driver_cpu_s=120e-6, worker_cpu_s=25e-6)
 
 
 def test_fit_recovers_the_three_lines() -> None:
@@ -86,7 +91,13 @@ def fake_measurement(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tu
         measured.append(tuple(torch_devices))
         return {(0, 1): FAKE_COST, (1, 0): FAKE_COST}
 
+    def measure_requests(link):  # noqa: ANN001, ANN202
+        assert link == FAKE_COST, "the request cost is measured after the links, with the CPU link's costs"
+        measured.append(("requests",))
+        return FAKE_REQUESTS
+
     monkeypatch.setattr(calibrate_module, "measure_transfer_costs", measure)
+    monkeypatch.setattr(calibrate_module, "measure_request_cost", measure_requests)
     return measured
 
 
@@ -109,7 +120,10 @@ def test_calibrated_transfer_terms_reach_the_problem(fake_measurement: list) -> 
         np.testing.assert_allclose(matrix[:, 1, 0], expected_cpu, rtol=1e-12)
         assert np.all(matrix[:, 0, 0] == 0)
         assert getattr(Problem.from_dict(problem.to_dict()), label).tolist() == matrix.tolist()
-    assert fake_measurement == [("cpu", "cpu")]
+    # The runtime's own work per request: the driver's on device 0, a worker's on the others.
+    assert problem.request_cpu_s.tolist() == [FAKE_REQUESTS.driver_cpu_s, FAKE_REQUESTS.worker_cpu_s]
+    assert Problem.from_dict(problem.to_dict()).request_cpu_s.tolist() == problem.request_cpu_s.tolist()
+    assert fake_measurement == [("cpu", "cpu"), ("requests",)]
 
 
 def test_calibration_is_measured_once_then_read_from_the_cache(fake_measurement: list, tmp_path: Path) -> None:
@@ -120,6 +134,21 @@ def test_calibration_is_measured_once_then_read_from_the_cache(fake_measurement:
     assert len(fake_measurement) == 2
     (cached,) = (tmp_path / "calibration").glob("*.json")
     assert read_calibration(cached) == {"cpu->cpu": FAKE_COST}
+
+
+def test_the_request_cost_is_measured_once_and_kept_when_links_are_added(fake_measurement: list, tmp_path: Path):
+    assert local_request_cost() == FAKE_REQUESTS
+    assert local_request_cost() == FAKE_REQUESTS
+    assert fake_measurement == [("cpu", "cpu"), ("requests",)]
+    local_calibration(["cpu", "cpu"], "remeasure")  # rewrites the links
+    (cached,) = (tmp_path / "calibration").glob("*.json")
+    assert read_request_cost(cached) == FAKE_REQUESTS
+    assert fake_measurement == [("cpu", "cpu"), ("requests",), ("cpu", "cpu")]
+    given = tmp_path / "links-only.json"
+    write_calibration(given, {"cpu->cpu": FAKE_COST})
+    assert read_request_cost(given) is None
+    with pytest.raises(ClusterError, match="has no request costs"):
+        local_request_cost(given)
 
 
 def test_calibration_file_is_used_as_given(fake_measurement: list, tmp_path: Path) -> None:
@@ -141,7 +170,7 @@ def test_compile_on_local_devices_uses_this_machines_calibration_by_default(fake
         compiled = moirai.compile(TwoLinears().eval(), ["cpu", "cpu"], example_inputs=example, placer="heft", cost=cost)
         assert compiled.cluster.latency_s[0, 1] == FAKE_COST.latency_s
         assert compiled.cluster.recv_cpu_s[0, 1] == FAKE_COST.receiver_cpu_s
-    assert fake_measurement == [("cpu", "cpu")], "measured once, then read from the cache"
+    assert fake_measurement == [("cpu", "cpu"), ("requests",)], "measured once, then read from the cache"
     opted_out = moirai.compile(
         TwoLinears().eval(), ["cpu", "cpu"], example_inputs=example, placer="heft", calibration="none"
     )
@@ -182,6 +211,14 @@ def test_transfers_between_two_pinned_gloo_ranks_are_measured() -> None:
         assert 0 <= cost.latency_s < 0.05
         # Moving a 4 MiB message takes CPU time on both ends.
         assert cost.sender_cpu_time_s(4 << 20) > 0 and cost.receiver_cpu_time_s(4 << 20) > 0
+
+
+@pytest.mark.slow
+def test_the_runtimes_work_per_request_is_measured_through_its_server() -> None:
+    requests = measure_request_cost(FAKE_COST, requests=200)
+    # Python work of the driver's threads and a worker's loop: more than nothing, well under 10 ms per request.
+    assert 0 < requests.driver_cpu_s < 10e-3
+    assert 0 <= requests.worker_cpu_s < 10e-3
 
 
 @pytest.mark.slow

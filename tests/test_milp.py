@@ -99,7 +99,7 @@ def test_with_headers_and_outputs_the_milp_optimum_equals_brute_force_and_the_si
     assert identical_device_groups(identical) == ((0, 1),)
     with_header = replace(identical, header_s=np.array([0.0, 0.5]))
     assert identical_device_groups(with_header) == ()
-    assert identical_device_groups(with_header, ignoring_header=True) == ((0, 1),)
+    assert identical_device_groups(with_header, ignoring_driver=True) == ((0, 1),)
 
 
 def test_symmetry_breaking_between_identical_devices_keeps_the_optimum():

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import moirai
-from moirai.calibrate import TransferCost, write_calibration
+from moirai.calibrate import RequestCost, TransferCost, write_calibration
 from moirai.cost import HEADER_BYTES
 from moirai.objective import LATENCY
 from moirai.placers import _RULE_BASED_PLACERS, MIN_SPLIT_GAIN, _no_worse_than_one_device, list_placers, place
@@ -189,7 +189,7 @@ class TwoBranches(nn.Module):
 
 def test_expensive_calibrated_links_give_a_single_device_plan(tmp_path: Path) -> None:
     path = tmp_path / "slow-links.json"
-    write_calibration(path, {"cpu->cpu": TransferCost(50e-3, 1e6, 0.0, 0.0, 0.0, 0.0)})
+    write_calibration(path, {"cpu->cpu": TransferCost(50e-3, 1e6, 0.0, 0.0, 0.0, 0.0)}, RequestCost(0.0, 0.0))
     model = TwoBranches().eval()
     x = torch.randn(16, 64)
     compiled = moirai.compile(
@@ -210,10 +210,11 @@ def test_expensive_calibrated_links_give_a_single_device_plan(tmp_path: Path) ->
 def test_the_driver_messages_cost_what_the_calibration_says_a_message_costs(tmp_path: Path) -> None:
     """The header's wait is its delay and its receiver's time; an output's way back adds the sender's time."""
     path = tmp_path / "links.json"
-    write_calibration(path, {"cpu->cpu": TransferCost(1e-3, 1e9, 2e-4, 0.0, 3e-4, 0.0)})
+    write_calibration(path, {"cpu->cpu": TransferCost(1e-3, 1e9, 2e-4, 0.0, 3e-4, 0.0)}, RequestCost(1e-4, 2e-5))
     x = torch.randn(16, 64)
     problem = moirai.compile(TwoBranches().eval(), ["cpu", "cpu"], (x,), placer="heft", calibration=path).problem
     assert problem.header_s.tolist() == pytest.approx([0.0, 1e-3 + 40 / 1e9 + 3e-4])
+    assert problem.request_cpu_s.tolist() == [1e-4, 2e-5]
     last = problem.topological_order[-1]
     assert problem.output_s[last].tolist() == pytest.approx([0.0, 2e-4 + 1e-3 + 16 * 64 * 4 / 1e9 + 3e-4])
     assert HEADER_BYTES == 8 * _HEADER_FIELDS  # the runtime's header: that many int64

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -51,6 +52,19 @@ def test_period_is_the_busiest_device_or_link_per_request():
     assert split_late.period_s == 3.0 and split_late.makespan_s == 6.5
 
 
+def test_the_runtimes_work_per_request_counts_on_every_device_taking_part_and_always_on_the_driver():
+    problem = dataclasses.replace(chain([[1.0, 1.0], [2.0, 2.0], [1.0, 1.0]]), request_cpu_s=np.array([0.25, 0.5]))
+    split = simulate(problem, Plan(np.array([0, 1, 1]), problem.device_names))
+    assert split.request_cpu_s.tolist() == [0.25, 0.5]
+    assert split.period_s == 3.5  # device 1: 3.0 of tasks and 0.5 of the runtime's work
+    assert split.makespan_s == 4.0  # a request's latency is not charged
+    on_one = simulate(problem, Plan(np.array([1, 1, 1]), problem.device_names))
+    assert on_one.request_cpu_s.tolist() == [0.25, 0.5]  # device 0 drives, though it runs nothing
+    on_zero = simulate(problem, Plan(np.array([0, 0, 0]), problem.device_names))
+    assert on_zero.request_cpu_s.tolist() == [0.25, 0.0] and on_zero.period_s == 4.25
+    assert Throughput().lower_bound_s(dataclasses.replace(problem, request_cpu_s=np.array([9.0, 0.0]))) == 9.0
+
+
 def test_place_scores_every_plan_by_its_period_against_the_load_bound():
     problem = random_problem(3, 12, 3)
     bound = lower_bounds(problem).load_s
@@ -63,12 +77,17 @@ def test_place_scores_every_plan_by_its_period_against_the_load_bound():
 
 
 @pytest.mark.parametrize(
-    ("seed", "send_cpu_s", "recv_cpu_s"),
-    [(seed, 0.0, 0.0) for seed in range(8)] + [(seed, 1.0, 0.0) for seed in range(4)] + [(4, 0.5, 1.0), (5, 0.0, 1.0)],
+    ("seed", "send_cpu_s", "recv_cpu_s", "request_cpu_s"),
+    [(seed, 0.0, 0.0, 0.0) for seed in range(8)]
+    + [(seed, 1.0, 0.0, 0.0) for seed in range(4)]
+    + [(4, 0.5, 1.0, 0.0), (5, 0.0, 1.0, 0.0)]
+    + [(seed, 0.0, 0.0, 4.0) for seed in range(6)]
+    + [(6, 0.5, 0.5, 3.0)],
 )
-def test_milp_throughput_optimum_equals_the_best_period(seed, send_cpu_s, recv_cpu_s):
-    """Also when sends and receives keep their devices busy: that time counts in their load per request."""
-    problem = random_problem(seed, send_cpu_s=send_cpu_s, recv_cpu_s=recv_cpu_s)
+def test_milp_throughput_optimum_equals_the_best_period(seed, send_cpu_s, recv_cpu_s, request_cpu_s):
+    """Also when sends and receives keep their devices busy, and with the runtime's own work per request on
+    each device taking part: that time counts in their load per request."""
+    problem = random_problem(seed, send_cpu_s=send_cpu_s, recv_cpu_s=recv_cpu_s, request_cpu_s=request_cpu_s)
     plan = place(problem, "milp", objective="throughput", time_limit_s=30)
     assert plan.objective_s == pytest.approx(best_period_s(problem), rel=1e-6)
     assert plan.report.solver_objective_s == pytest.approx(plan.objective_s, rel=1e-6)
@@ -95,6 +114,13 @@ def test_pipeline_stages_are_contiguous_and_balance_a_chain():
     for d in range(problem.num_devices):
         positions = [order.index(i) for i in plan.order[d]]
         assert positions == list(range(positions[0], positions[0] + len(positions))) if positions else True
+
+
+def test_pipeline_stages_carry_the_runtimes_work_per_request():
+    problem = dataclasses.replace(chain([[1.0, 1.0]] * 6), request_cpu_s=np.array([2.0, 0.5]))
+    plan = get_placer("pipeline")(problem)
+    assert sorted(np.bincount(plan.placement, minlength=2).tolist()) == [2, 4]  # 2 + 2 on the driver, 4 + 0.5
+    assert simulate(problem, plan).period_s == plan.report.notes["dp_period_s"] == best_period_s(problem) == 4.5
 
 
 def test_unknown_objective_names_the_choices():

@@ -132,7 +132,7 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
     if not problem.num_tasks:
         return plan
     last_device = int(plan.placement[problem.topological_order[-1]])
-    group = next((g for g in identical_device_groups(problem, ignoring_header=True) if 0 in g), ())
+    group = next((g for g in identical_device_groups(problem, ignoring_driver=True) if 0 in g), ())
     if last_device != 0 and last_device in group:
         swap = np.arange(problem.num_devices)
         swap[0], swap[last_device] = last_device, 0

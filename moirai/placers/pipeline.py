@@ -3,7 +3,8 @@
 The tasks, in topological order, are cut into contiguous stages, one per device used, each device used
 at most once and in any order. A stage's cost is the larger of its compute time on its device and the
 transfer into it: every tensor produced before the cut and read after it, sent from the previous stage's
-device (tensors that skip a stage are charged to the cut they cross, as PipeEdge does). The DP minimises
+device (tensors that skip a stage are charged to the cut they cross, as PipeEdge does), and the runtime's own
+work per request on the stage's device (:attr:`moirai.problem.Problem.request_cpu_s`). The DP minimises
 the largest stage cost, the period of a pipelined stream of requests, over (tasks placed, devices used,
 last device); stages must fit their device's memory and run only tasks the device can run.
 
@@ -37,8 +38,12 @@ def place_pipeline(problem: Problem) -> Plan:
     cut = _cut_transfer_s(problem, order)
     devices = list(range(k)) if k <= SUBSET_DP_MAX_DEVICES else list(np.argsort(-problem.device_speed, kind="stable"))
     subsets = k <= SUBSET_DP_MAX_DEVICES
-    # best[(start, used, last)] = (period so far, previous state, stage device); ``used`` a bit mask.
-    best: dict[tuple[int, int, int], tuple[float, tuple[int, int, int] | None, int]] = {(0, 0, -1): (0.0, None, -1)}
+    # best[(start, used, last)] = (period so far, previous state, stage device); ``used`` a bit mask. Device 0's
+    # driver works on every request, so no period is shorter than that work (request_cpu_charged_s).
+    driver_s = float(problem.request_cpu_s[0])
+    best: dict[tuple[int, int, int], tuple[float, tuple[int, int, int] | None, int]] = {
+        (0, 0, -1): (driver_s, None, -1)
+    }
     by_start: list[list[tuple[int, int, int]]] = [[] for _ in range(n + 1)]
     by_start[0].append((0, 0, -1))
     for start in range(n):
@@ -51,7 +56,7 @@ def place_pipeline(problem: Problem) -> Plan:
                 if used >> d & 1:
                     continue
                 ends = np.arange(start + 1, n + 1)
-                stage_s = compute[ends, d] - compute[start, d]
+                stage_s = compute[ends, d] - compute[start, d] + problem.request_cpu_s[d]
                 incoming = cut[start, last, d] if last >= 0 else 0.0
                 cost = np.maximum(np.maximum(stage_s, incoming), period)
                 ok = (memory[ends] - memory[start] <= problem.memory_capacity_bytes[d]) & np.isfinite(cost)

@@ -16,7 +16,10 @@ The cost rule, one place for it. A tensor ``t`` sent from device ``a`` to device
 
 The runtime's driver on device 0 adds two: a device other than 0 starts a request's first task only once the
 driver's header has come (:attr:`Problem.header_s`, a release time of the device), and a task off device 0 that
-makes a model output is done once that output is with the driver (:func:`output_arrival_s`).
+makes a model output is done once that output is with the driver (:func:`output_arrival_s`). And the runtime
+itself works on each request on every device taking part (:func:`request_cpu_charged_s`): before a device's
+first task and after its last, so it lengthens the period of pipelined requests, not one request's latency
+(where the header's delay already stands for the part before).
 
 Why at the extended finish: the runtime posts a producer's sends right after it, one after another, before the
 device's next op (:mod:`moirai.split`), so the device is busy with them before it computes again, and a
@@ -75,6 +78,14 @@ def output_arrival_s(problem: Problem, placement: np.ndarray, task_finish_s: np.
     """When each task's work for the request is done: its finish plus, off device 0, the transfer of the model's
     outputs it makes to the driver there (:attr:`Problem.output_s`); a request is done when every task's is."""
     return np.asarray(task_finish_s, float) + problem.output_s[np.arange(problem.num_tasks), placement]
+
+
+def request_cpu_charged_s(problem: Problem, placement: np.ndarray) -> np.ndarray:
+    """``[k]``: the runtime's own work per request each device does under ``placement``
+    (:attr:`Problem.request_cpu_s`): on every device with a task, and on device 0, whose driver takes every request."""
+    taking_part = np.bincount(np.asarray(placement, int), minlength=problem.num_devices) > 0
+    taking_part[0] = True
+    return np.where(taking_part, problem.request_cpu_s, 0.0)
 
 
 def send_priority(ready_s: float, tensor: int) -> tuple[float, int]:

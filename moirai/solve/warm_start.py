@@ -81,6 +81,9 @@ def warm_start_values(built: MilpModel, timeline: Timeline) -> ComponentMap:
     values[m.T] = float(max(tails, default=0.0))
     if hasattr(m, "P"):  # the throughput objective's period: the busiest device or link of the start plan
         values[m.P] = timeline.period_s / unit
+        used = {int(placement[i]) for i in free}
+        for k in m.u:
+            values[m.u[k]] = float(k in used)
     return values
 
 

@@ -161,14 +161,16 @@ def descendant_sets(graph: nx.DiGraph) -> dict[int, set[int]]:
     return {i: nx.descendants(graph, i) for i in graph.nodes}
 
 
-def identical_device_groups(problem: Problem, ignoring_header: bool = False) -> tuple[tuple[int, ...], ...]:
-    """Groups (of two or more) of devices no plan can tell apart: same times, memory, links and header delay
-    (``ignoring_header``: whatever their header delays, :attr:`moirai.problem.Problem.header_s`)."""
+def identical_device_groups(problem: Problem, ignoring_driver: bool = False) -> tuple[tuple[int, ...], ...]:
+    """Groups (of two or more) of devices no plan can tell apart: same times, memory, links, header delay and
+    runtime work per request, device 0 (always charged its driver's work) only where that is 0
+    (``ignoring_driver``: whatever their header delays and runtime work, :attr:`moirai.problem.Problem.header_s`,
+    :attr:`moirai.problem.Problem.request_cpu_s`)."""
     k = problem.num_devices
     groups: list[list[int]] = []
     for d in range(k):
         for group in groups:
-            if _devices_identical(problem, group[0], d, ignoring_header):
+            if _devices_identical(problem, group[0], d, ignoring_driver):
                 group.append(d)
                 break
         else:
@@ -176,11 +178,15 @@ def identical_device_groups(problem: Problem, ignoring_header: bool = False) -> 
     return tuple(tuple(g) for g in groups if len(g) > 1)
 
 
-def _devices_identical(problem: Problem, a: int, b: int, ignoring_header: bool) -> bool:
+def _devices_identical(problem: Problem, a: int, b: int, ignoring_driver: bool) -> bool:
     if not np.array_equal(problem.compute_s[:, a], problem.compute_s[:, b]):
         return False
-    if not ignoring_header and problem.header_s[a] != problem.header_s[b]:
-        return False
+    if not ignoring_driver:
+        runtime_s = problem.request_cpu_s
+        if problem.header_s[a] != problem.header_s[b] or runtime_s[a] != runtime_s[b]:
+            return False
+        if 0 in (a, b) and runtime_s[0] > 0:
+            return False
     if problem.memory_capacity_bytes[a] != problem.memory_capacity_bytes[b]:
         return False
     swap = np.arange(problem.num_devices)
