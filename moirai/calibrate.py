@@ -608,7 +608,7 @@ def _request_rank_main(
 
     group, store, resources = _join_as_runtime_rank(rank, torch_devices, port, timeout_s)
     if rank == 0:
-        report = _time_requests(group, store, resources.io_cores, requests, timeout_s)
+        report = _time_requests(group, store, resources.helper_cores, requests, timeout_s)
         Path(results_dir, "requests.json").write_text(json.dumps(report))
     else:
         store.set(f"moirai/pid/{rank}", str(os.getpid()))
@@ -616,7 +616,9 @@ def _request_rank_main(
     _leave_together(store, rank, group.world_size)
 
 
-def _time_requests(group: Any, store: Any, helper_cores: Sequence[int], requests: int, timeout_s: float) -> dict:
+def _time_requests(
+    group: Any, store: Any, helper_cores: Sequence[int] | None, requests: int, timeout_s: float
+) -> dict:
     """Rank 0 of :func:`measure_request_cost`: the two ways of the two-layer chain, each rank's CPU per request."""
     import psutil
 

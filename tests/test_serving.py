@@ -65,6 +65,9 @@ def test_io_threads_go_to_spare_cores_else_to_the_other_ranks() -> None:
     assert [(r.cores, r.io_cores) for r in two_ranks_two_cores] == [((0,), (1,)), ((1,), (0,))]
     two_ranks_five_cores = rank_resources(["cpu", "cpu"], cores=[0, 1, 2, 3, 4])
     assert [(r.cores, r.io_cores) for r in two_ranks_five_cores] == [((0, 1), (4,)), ((2, 3), (4,))]
+    # The driver's helper thread goes only where no rank computes: its work is charged to rank 0's device.
+    assert [r.helper_cores for r in two_ranks_two_cores] == [None, None]
+    assert [r.helper_cores for r in two_ranks_five_cores] == [(4,), (4,)]
     assert rank_resources(["cpu"], cores=[0])[0].io_cores is None, "one rank on one core: nowhere else to go"
 
 

@@ -184,7 +184,7 @@ def torchrun_driver(
             f"this is rank {rank}: only rank 0 serves requests; call moirai.serve_rank(compiled) on the other ranks"
         )
     group = _torchrun_group(program, rank, world_size, torch_devices, timeout_s)
-    helper_cores = rank_resources(torch_devices)[rank].io_cores
+    helper_cores = rank_resources(torch_devices)[rank].helper_cores
     return Driver(group, timeout_s, max_in_flight, preloaded=program, helper_cores=helper_cores)
 
 
@@ -326,7 +326,7 @@ class DistributedRunner:
             self.timeout_s,
             self.max_in_flight,
             describe_rank=self._describe_process,
-            helper_cores=resources[0].io_cores,
+            helper_cores=resources[0].helper_cores,
         )
 
     def _await_ready(self) -> None:

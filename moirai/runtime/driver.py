@@ -61,7 +61,7 @@ class Driver:
     Two threads: the dispatcher sends headers and inputs and runs part 0 (request after request,
     without waiting for earlier outputs; at most ``max_in_flight`` unfinished); the completer
     waits for each request's outputs in order and settles its future, on ``helper_cores`` when given
-    (those of the rank's I/O threads, :func:`moirai.runtime.resources.pin_io_threads`).
+    (spare cores of the host, :attr:`moirai.runtime.resources.RankResources.helper_cores`).
     """
 
     def __init__(
@@ -253,8 +253,9 @@ class Driver:
         return sent
 
     def _complete_loop(self) -> None:
-        # The completer waits and settles futures: on the cores of gloo's I/O threads it leaves rank 0's own
-        # core to part 0 (the MLP chain's throughput plan served 1.50x -> 1.56x eager's requests/s).
+        # The completer waits and settles futures: on spare cores it leaves rank 0's own core to part 0. On
+        # another rank's core it would take time from that rank's part, while the model charges the driver's
+        # work to device 0 (the MLP chain's throughput plan served 9-17% below its prediction that way).
         if self._helper_cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, self._helper_cores)
         request = None

@@ -40,11 +40,14 @@ _IO_THREAD_NAME = "gloo_tcp"
 @dataclass(frozen=True)
 class RankResources:
     """``cores``: the CPU affinity (None: leave it); ``threads``: torch intra-op threads; ``io_cores``: where
-    gloo's I/O threads run (None: with the rest of the process)."""
+    gloo's I/O threads run (None: with the rest of the process); ``helper_cores``: where the driver's helper
+    thread runs, only cores no rank computes on (None: with the rest of the process, so the driver's work stays
+    on its own device's cores, where the model charges it, :attr:`moirai.Problem.request_cpu_s`)."""
 
     cores: tuple[int, ...] | None
     threads: int
     io_cores: tuple[int, ...] | None = None
+    helper_cores: tuple[int, ...] | None = None
 
 
 def rank_resources(devices: Sequence[str | Device], cores: Sequence[int] | None = None) -> list[RankResources]:
@@ -90,7 +93,7 @@ def _place_io_threads(resources: list[RankResources | None], ranks: Sequence[int
         others = tuple(sorted(assigned - set(own)))
         io_cores = spare or others
         if io_cores:
-            resources[k] = dataclasses.replace(resources[k], io_cores=io_cores)
+            resources[k] = dataclasses.replace(resources[k], io_cores=io_cores, helper_cores=spare or None)
 
 
 def pin_io_threads(resources: RankResources) -> None:
