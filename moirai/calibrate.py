@@ -109,7 +109,8 @@ class RequestCost:
     """The runtime's own CPU time per request on a rank, beyond its ops and the messages the model books.
 
     ``driver_cpu_s`` on rank 0: the caller's submit and wait, the driver's threads, the headers it sends and
-    the model's inputs and outputs it moves; ``worker_cpu_s`` on any other rank: its header, setting up its part.
+    the model's inputs; ``worker_cpu_s`` on any other rank: its header, setting up its part (the model outputs'
+    messages are booked on their own, :attr:`moirai.Problem.output_send_cpu_s`).
     Measured with the runtime's own server on two CPU ranks (:func:`measure_request_cost`): host work, which
     the model charges to every device taking part in a request (:attr:`moirai.Problem.request_cpu_s`).
     """
@@ -201,7 +202,8 @@ def measure_request_cost(link: TransferCost, requests: int = _REQUESTS, timeout_
     microseconds of compute) split across them both ways: the first layer on rank 0 and the second on rank 1,
     then the reverse. For each way, each rank's process CPU time per pipelined request (every thread), less its
     layer's eager time and the send or receive time ``link`` gives the activation between the parts, is the
-    runtime's own; the two ways are averaged (one has the driver receive the outputs, the other send the inputs).
+    runtime's own, less also the output's message to the driver where rank 1 makes it; the two ways are averaged
+    (one has the driver send a header, the other a header and the input).
     """
     with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir:
         settings = [["cpu", "cpu"], _free_port(), requests, timeout_s, results_dir]
@@ -210,9 +212,13 @@ def measure_request_cost(link: TransferCost, requests: int = _REQUESTS, timeout_
     layer_s = report["eager_s"] / 2
     own = []
     for way in report["ways"]:
+        first, second = way["first"], 1 - way["first"]
         booked = [layer_s, layer_s]
-        booked[way["first"]] += link.sender_cpu_time_s(report["activation_bytes"])
-        booked[1 - way["first"]] += link.receiver_cpu_time_s(report["activation_bytes"])
+        booked[first] += link.sender_cpu_time_s(report["activation_bytes"])
+        booked[second] += link.receiver_cpu_time_s(report["activation_bytes"])
+        if second != 0:  # the output, made on rank 1, is a message to the driver, booked as such (runtime_cpu_s)
+            booked[second] += link.sender_cpu_time_s(report["output_bytes"])
+            booked[0] += link.receiver_cpu_time_s(report["output_bytes"])
         own.append([max(cpu - b, 0.0) for cpu, b in zip(way["cpu_s"], booked, strict=True)])
     driver, worker = np.mean(own, axis=0).tolist()
     return RequestCost(driver, worker)
@@ -616,9 +622,7 @@ def _request_rank_main(
     _leave_together(store, rank, group.world_size)
 
 
-def _time_requests(
-    group: Any, store: Any, helper_cores: Sequence[int] | None, requests: int, timeout_s: float
-) -> dict:
+def _time_requests(group: Any, store: Any, helper_cores: Sequence[int] | None, requests: int, timeout_s: float) -> dict:
     """Rank 0 of :func:`measure_request_cost`: the two ways of the two-layer chain, each rank's CPU per request."""
     import psutil
 
@@ -666,7 +670,14 @@ def _time_requests(
         cpu_s = [(after - before) / requests for before, after in zip(cpu_before, cpu_after, strict=True)]
         ways.append({"first": first_rank, "cpu_s": cpu_s})
     driver.close()
-    return {"eager_s": eager_s, "activation_bytes": float(problem.tensor_bytes.sum()), "ways": ways}
+    with torch.no_grad():
+        output_bytes = float(model(x).numel() * x.element_size())
+    return {
+        "eager_s": eager_s,
+        "activation_bytes": float(problem.tensor_bytes.sum()),
+        "output_bytes": output_bytes,
+        "ways": ways,
+    }
 
 
 def _join_as_runtime_rank(rank: int, torch_devices: list[str], port: int, timeout_s: float) -> tuple[Any, Any, Any]:

@@ -54,7 +54,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import networkx as nx
 import numpy as np
@@ -119,6 +119,7 @@ def build_problem(
         consumers[tensor_index[key]].append(e.dst)
     sizes_array = np.array(sizes, float)
     reserve = activation_peak_bytes(graph)
+    outputs = output_messages(graph, traced, cluster)
     return Problem(
         device_names=cluster.names,
         memory_capacity_bytes=np.array([max(d.memory_bytes - reserve, 0.0) for d in cluster.devices]),
@@ -133,7 +134,9 @@ def build_problem(
         send_cpu_s=send_cpu_s(sizes_array, cluster),
         recv_cpu_s=recv_cpu_s(sizes_array, cluster),
         header_s=header_s(cluster),
-        output_s=output_s(graph, traced, cluster),
+        output_s=outputs.delay_s,
+        output_send_cpu_s=outputs.send_cpu_s,
+        output_recv_cpu_s=outputs.recv_cpu_s,
         request_cpu_s=cluster.request_cpu_s,
     )
 
@@ -177,16 +180,26 @@ def header_s(cluster: Cluster) -> np.ndarray:
     return np.where(np.isfinite(delay), delay, 0.0)
 
 
-def output_s(graph: OpGraph, traced: TracedModel | None, cluster: Cluster) -> np.ndarray:
-    """``[node, k]``: from ``node`` finishing on device ``k`` until the driver on device 0 holds the model outputs
-    it makes: their send, transfer and receive, one message (zero without ``traced``, which knows the outputs)."""
-    delay = np.zeros((len(graph.nodes), len(cluster)))
+class OutputMessages(NamedTuple):
+    """``[node, k]``, for the one message that carries the model outputs ``node`` makes on device ``k`` to the
+    driver on device 0 (zero on device 0, and without ``traced``, which knows the outputs)."""
+
+    delay_s: np.ndarray  # from the node's finish until device 0 holds them: send, transfer and receive
+    send_cpu_s: np.ndarray  # CPU time the send takes from device k
+    recv_cpu_s: np.ndarray  # CPU time the receive takes from device 0
+
+
+def output_messages(graph: OpGraph, traced: TracedModel | None, cluster: Cluster) -> OutputMessages:
+    """What sending each node's model outputs to device 0 costs (:class:`OutputMessages`)."""
+    costs = [np.zeros((len(graph.nodes), len(cluster))) for _ in OutputMessages._fields]
     if traced is not None:
         for node, made_bytes in model_output_bytes(graph, traced).items():
             message = np.array([made_bytes])
-            cost = send_cpu_s(message, cluster) + transfer_s(message, cluster) + recv_cpu_s(message, cluster)
-            delay[node] = cost[0, :, 0]
-    return np.where(np.isfinite(delay), delay, 0.0)
+            sender, receiver = send_cpu_s(message, cluster)[0, :, 0], recv_cpu_s(message, cluster)[0, :, 0]
+            delay = sender + transfer_s(message, cluster)[0, :, 0] + receiver
+            for cost, value in zip(costs, (delay, sender, receiver), strict=True):
+                cost[node] = value
+    return OutputMessages(*(np.where(np.isfinite(cost), cost, 0.0) for cost in costs))
 
 
 def send_cpu_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:

@@ -47,10 +47,12 @@ class Problem:
     ``output_s[i, k]``: how long after task ``i`` finishes on device ``k`` the model's outputs it makes are
     with the driver on device 0 (their send, transfer and receive; 0 on device 0 and for tasks that make no
     output).
+    ``output_send_cpu_s[i, k]`` and ``output_recv_cpu_s[i, k]``: the CPU time that message (the model outputs
+    task ``i`` makes on device ``k``, sent to device 0) takes from device ``k`` and from device 0.
     ``request_cpu_s[k]``: the runtime's own work per request on device ``k`` beyond its tasks and messages (on
     device 0 the driver's: taking the request, its headers, settling its future), charged to every device with
-    work and always to device 0 (:func:`moirai.schedule.request_cpu_charged_s`); it limits the period of
-    pipelined requests (default 0).
+    work and always to device 0. Both limit the period of pipelined requests, not one request's latency
+    (:func:`moirai.schedule.runtime_cpu_s`; default 0).
     """
 
     device_names: tuple[str, ...]
@@ -67,6 +69,8 @@ class Problem:
     recv_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
     header_s: np.ndarray = field(default=None)  # type: ignore[assignment]
     output_s: np.ndarray = field(default=None)  # type: ignore[assignment]
+    output_send_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
+    output_recv_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
     request_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -85,8 +89,11 @@ class Problem:
             )
         header = np.zeros(k) if self.header_s is None else np.asarray(self.header_s, float)
         object.__setattr__(self, "header_s", header.reshape(k))
-        output = np.zeros((n, k)) if self.output_s is None else np.asarray(self.output_s, float)
-        object.__setattr__(self, "output_s", output.reshape(n, k))
+        for label in ("output_s", "output_send_cpu_s", "output_recv_cpu_s"):
+            value = getattr(self, label)
+            object.__setattr__(
+                self, label, (np.zeros((n, k)) if value is None else np.asarray(value, float)).reshape(n, k)
+            )
         request_cpu = np.zeros(k) if self.request_cpu_s is None else np.asarray(self.request_cpu_s, float)
         object.__setattr__(self, "request_cpu_s", request_cpu.reshape(k))
         self._validate()
@@ -110,8 +117,12 @@ class Problem:
                 raise ProblemError(f"{label} ({whose} time per transfer) must be non-negative finite numbers")
         if not np.all(np.isfinite(self.header_s)) or np.any(self.header_s < 0):
             raise ProblemError("header_s (when each device can start a request) must be non-negative finite numbers")
-        if not np.all(np.isfinite(self.output_s)) or np.any(self.output_s < 0):
-            raise ProblemError("output_s (sending a task's outputs to device 0) must be non-negative finite numbers")
+        for label in ("output_s", "output_send_cpu_s", "output_recv_cpu_s"):
+            value = getattr(self, label)
+            if not np.all(np.isfinite(value)) or np.any(value < 0):
+                raise ProblemError(
+                    f"{label} (sending a task's outputs to device 0) must be non-negative finite numbers"
+                )
         if not np.all(np.isfinite(self.request_cpu_s)) or np.any(self.request_cpu_s < 0):
             raise ProblemError(
                 "request_cpu_s (the runtime's own work per request on each device) must be non-negative finite numbers"
@@ -359,7 +370,10 @@ class Problem:
             recv_cpu_s=np.array(recv_cpu).reshape(len(names), k, k),
             header_s=np.array([float(dev.get("header_s", 0.0)) for dev in devices]),
             request_cpu_s=np.array([float(dev.get("request_cpu_s", 0.0)) for dev in devices]),
-            output_s=np.array([task.get("output_s", [0.0] * k) for task in tasks], float).reshape(len(tasks), k),
+            **{
+                label: np.array([task.get(label, [0.0] * k) for task in tasks], float).reshape(len(tasks), k)
+                for label in ("output_s", "output_send_cpu_s", "output_recv_cpu_s")
+            },
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -376,6 +390,8 @@ class Problem:
                     "compute_s": self.compute_s[i].tolist(),
                     "memory_bytes": float(self.memory_bytes[i]),
                     "output_s": self.output_s[i].tolist(),
+                    "output_send_cpu_s": self.output_send_cpu_s[i].tolist(),
+                    "output_recv_cpu_s": self.output_recv_cpu_s[i].tolist(),
                 }
                 for i, name in enumerate(self.task_names)
             ],

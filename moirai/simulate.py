@@ -45,7 +45,7 @@ from moirai.schedule import (
     ImpliedTransfers,
     implied_transfers,
     output_arrival_s,
-    request_cpu_charged_s,
+    runtime_cpu_s,
     send_priority,
     task_duration_s,
     transfer_duration_s,
@@ -76,7 +76,7 @@ class Timeline:
     memory_capacity_bytes: np.ndarray
     contention: bool
     execution_sequences: tuple[tuple[int, ...], ...]
-    request_cpu_s: np.ndarray  # the runtime's own work per request on each device (request_cpu_charged_s)
+    runtime_cpu_s: np.ndarray  # each device's CPU time per request outside tasks and transfers (runtime_cpu_s)
 
     @property
     def fits_memory(self) -> bool:
@@ -97,8 +97,8 @@ class Timeline:
     def period_s(self) -> float:
         """The steady-state period of a stream of requests pipelined through this plan: the busiest device or
         link's time per request (each device and link serves one request at a time, requests in order); a
-        device's time is its tasks' (``busy_s``) and the runtime's own work per request (``request_cpu_s``)."""
-        device_s = self.busy_s + self.request_cpu_s
+        device's time is its tasks' (``busy_s``) and the runtime's own work and output messages (``runtime_cpu_s``)."""
+        device_s = self.busy_s + self.runtime_cpu_s
         return max(float(device_s.max(initial=0.0)), max(self.link_busy_s.values(), default=0.0))
 
     @property
@@ -317,7 +317,7 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
         memory_capacity_bytes=problem.memory_capacity_bytes.copy(),
         contention=contention,
         execution_sequences=tuple(tuple(s) for s in sequences),
-        request_cpu_s=request_cpu_charged_s(problem, placement),
+        runtime_cpu_s=runtime_cpu_s(problem, placement),
     )
 
 

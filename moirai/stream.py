@@ -18,7 +18,7 @@ import numpy as np
 
 from moirai.errors import MoiraiError
 from moirai.problem import Plan, Problem
-from moirai.schedule import output_arrival_s, request_cpu_charged_s
+from moirai.schedule import output_arrival_s, runtime_cpu_s
 from moirai.simulate import Timeline, simulate
 
 
@@ -50,10 +50,10 @@ def unroll(problem: Problem, plan: Plan, num_requests: int) -> tuple[Problem, Pl
 
     Task ``i`` of request ``r`` is task ``r * n + i`` (``n`` tasks per request), tensors likewise.
     The plan's device orders are those the simulator gives one request. Memory is counted once,
-    for the first request: weights are shared, and the stream is judged by time only. The runtime's
-    own work per request on a device (:func:`moirai.schedule.request_cpu_charged_s`) is added to each
-    request's first task there (a device 0 without tasks has none to add it to: its driver then works
-    beside the others).
+    for the first request: weights are shared, and the stream is judged by time only. A device's CPU
+    time per request outside its tasks and transfers (the runtime's own work and the outputs' messages,
+    :func:`moirai.schedule.runtime_cpu_s`) is added to each request's first task there (a device 0
+    without tasks has none to add it to: its driver then works beside the others).
     """
     if num_requests < 1:
         raise MoiraiError(f"a stream needs at least one request, not {num_requests}")
@@ -61,7 +61,7 @@ def unroll(problem: Problem, plan: Plan, num_requests: int) -> tuple[Problem, Pl
     order = simulate(problem, plan).device_order()
     copies = range(num_requests)
     compute = problem.compute_s.copy()
-    runtime_s = request_cpu_charged_s(problem, plan.placement)
+    runtime_s = runtime_cpu_s(problem, plan.placement)
     for device, sequence in enumerate(order):
         if sequence:
             compute[sequence[0], device] += runtime_s[device]

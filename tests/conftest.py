@@ -28,6 +28,7 @@ def random_problem(
     header_s: float = 0.0,
     output_s: float = 0.0,
     request_cpu_s: float = 0.0,
+    output_cpu_s: float = 0.0,
 ) -> Problem:
     """A random DAG: every task reads up to two earlier tasks, a producer's tensor is shared by two consumers
     half the time (it crosses to a device once), compute and per-link transfer times are random.
@@ -77,6 +78,10 @@ def random_problem(
     if output_s > 0:
         output[-2:, 1:] = rng.uniform(0.0, output_s, (2, k - 1)).round(2)
     request_cpu = rng.uniform(0.0, request_cpu_s, k).round(2) if request_cpu_s > 0 else np.zeros(k)
+    output_send, output_recv = np.zeros((n, k)), np.zeros((n, k))
+    if output_cpu_s > 0:  # the last two tasks make model outputs; sending them to device 0 costs both ends
+        output_send[-2:, 1:] = rng.uniform(0.0, output_cpu_s, (2, k - 1)).round(2)
+        output_recv[-2:, 1:] = rng.uniform(0.0, output_cpu_s, (2, k - 1)).round(2)
     return Problem(
         device_names=tuple(f"dev{d}" for d in range(k)),
         memory_capacity_bytes=np.broadcast_to(np.asarray(capacity_bytes, float), (k,)).copy(),
@@ -92,6 +97,8 @@ def random_problem(
         header_s=header,
         output_s=output,
         request_cpu_s=request_cpu,
+        output_send_cpu_s=output_send,
+        output_recv_cpu_s=output_recv,
     )
 
 

@@ -217,4 +217,7 @@ def test_the_driver_messages_cost_what_the_calibration_says_a_message_costs(tmp_
     assert problem.request_cpu_s.tolist() == [1e-4, 2e-5]
     last = problem.topological_order[-1]
     assert problem.output_s[last].tolist() == pytest.approx([0.0, 2e-4 + 1e-3 + 16 * 64 * 4 / 1e9 + 3e-4])
+    # For the period, the same message's CPU times: the sender's on the maker's device, the receiver's on device 0.
+    assert problem.output_send_cpu_s[last].tolist() == pytest.approx([0.0, 2e-4])
+    assert problem.output_recv_cpu_s[last].tolist() == pytest.approx([0.0, 3e-4])
     assert HEADER_BYTES == 8 * _HEADER_FIELDS  # the runtime's header: that many int64

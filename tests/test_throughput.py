@@ -55,14 +55,25 @@ def test_period_is_the_busiest_device_or_link_per_request():
 def test_the_runtimes_work_per_request_counts_on_every_device_taking_part_and_always_on_the_driver():
     problem = dataclasses.replace(chain([[1.0, 1.0], [2.0, 2.0], [1.0, 1.0]]), request_cpu_s=np.array([0.25, 0.5]))
     split = simulate(problem, Plan(np.array([0, 1, 1]), problem.device_names))
-    assert split.request_cpu_s.tolist() == [0.25, 0.5]
+    assert split.runtime_cpu_s.tolist() == [0.25, 0.5]
     assert split.period_s == 3.5  # device 1: 3.0 of tasks and 0.5 of the runtime's work
     assert split.makespan_s == 4.0  # a request's latency is not charged
     on_one = simulate(problem, Plan(np.array([1, 1, 1]), problem.device_names))
-    assert on_one.request_cpu_s.tolist() == [0.25, 0.5]  # device 0 drives, though it runs nothing
+    assert on_one.runtime_cpu_s.tolist() == [0.25, 0.5]  # device 0 drives, though it runs nothing
     on_zero = simulate(problem, Plan(np.array([0, 0, 0]), problem.device_names))
-    assert on_zero.request_cpu_s.tolist() == [0.25, 0.0] and on_zero.period_s == 4.25
+    assert on_zero.runtime_cpu_s.tolist() == [0.25, 0.0] and on_zero.period_s == 4.25
     assert Throughput().lower_bound_s(dataclasses.replace(problem, request_cpu_s=np.array([9.0, 0.0]))) == 9.0
+    # The last task's output sent from device 1 to the driver: its send on device 1, its receive on device 0.
+    with_output = dataclasses.replace(
+        problem,
+        output_send_cpu_s=np.array([[0.0, 0.0], [0.0, 0.0], [0.0, 0.125]]),
+        output_recv_cpu_s=np.array([[0.0, 0.0], [0.0, 0.0], [0.0, 0.375]]),
+    )
+    assert simulate(with_output, Plan(np.array([0, 1, 1]), problem.device_names)).runtime_cpu_s.tolist() == [
+        0.625,
+        0.625,
+    ]
+    assert simulate(with_output, Plan(np.array([0, 0, 0]), problem.device_names)).runtime_cpu_s.tolist() == [0.25, 0.0]
 
 
 def test_place_scores_every_plan_by_its_period_against_the_load_bound():
@@ -86,8 +97,14 @@ def test_place_scores_every_plan_by_its_period_against_the_load_bound():
 )
 def test_milp_throughput_optimum_equals_the_best_period(seed, send_cpu_s, recv_cpu_s, request_cpu_s):
     """Also when sends and receives keep their devices busy, and with the runtime's own work per request on
-    each device taking part: that time counts in their load per request."""
-    problem = random_problem(seed, send_cpu_s=send_cpu_s, recv_cpu_s=recv_cpu_s, request_cpu_s=request_cpu_s)
+    each device taking part and the outputs' messages to device 0: that time counts in their load per request."""
+    problem = random_problem(
+        seed,
+        send_cpu_s=send_cpu_s,
+        recv_cpu_s=recv_cpu_s,
+        request_cpu_s=request_cpu_s,
+        output_cpu_s=request_cpu_s,
+    )
     plan = place(problem, "milp", objective="throughput", time_limit_s=30)
     assert plan.objective_s == pytest.approx(best_period_s(problem), rel=1e-6)
     assert plan.report.solver_objective_s == pytest.approx(plan.objective_s, rel=1e-6)

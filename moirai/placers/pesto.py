@@ -207,7 +207,11 @@ def merge_tasks(problem: Problem, groups: Sequence[Sequence[int]]) -> Problem:
         send_cpu_s=np.array([problem.send_cpu_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
         recv_cpu_s=np.array([problem.recv_cpu_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
         header_s=problem.header_s,
-        output_s=np.array([problem.output_s[list(m)].sum(axis=0) for m in groups]).reshape(-1, k),
+        **{
+            label: np.array([getattr(problem, label)[list(m)].sum(axis=0) for m in groups]).reshape(-1, k)
+            for label in ("output_s", "output_send_cpu_s", "output_recv_cpu_s")
+        },
+        request_cpu_s=problem.request_cpu_s,
     )
 
 

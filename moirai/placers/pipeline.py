@@ -33,13 +33,16 @@ def place_pipeline(problem: Problem) -> Plan:
     n, k = problem.num_tasks, problem.num_devices
     order = np.array(problem.topological_order, int)
     with np.errstate(invalid="ignore"):
-        compute = np.vstack([np.zeros(k), np.cumsum(problem.compute_s[order], axis=0)])  # prefix sums, inf stays
+        # Prefix sums (inf stays) of each task's compute and the send of the model outputs it makes (runtime_cpu_s;
+        # their receive on device 0 is left to the simulator, which judges the plan).
+        work = problem.compute_s + problem.output_send_cpu_s
+        compute = np.vstack([np.zeros(k), np.cumsum(work[order], axis=0)])
     memory = np.r_[0.0, np.cumsum(problem.memory_bytes[order])]
     cut = _cut_transfer_s(problem, order)
     devices = list(range(k)) if k <= SUBSET_DP_MAX_DEVICES else list(np.argsort(-problem.device_speed, kind="stable"))
     subsets = k <= SUBSET_DP_MAX_DEVICES
     # best[(start, used, last)] = (period so far, previous state, stage device); ``used`` a bit mask. Device 0's
-    # driver works on every request, so no period is shorter than that work (request_cpu_charged_s).
+    # driver works on every request, so no period is shorter than that work (runtime_cpu_s).
     driver_s = float(problem.request_cpu_s[0])
     best: dict[tuple[int, int, int], tuple[float, tuple[int, int, int] | None, int]] = {
         (0, 0, -1): (driver_s, None, -1)

@@ -6,7 +6,8 @@ The project's communication rule lives here and nowhere else:
   what it costs the sending device (added to its producer's time) and :func:`recv_cpu_s` what it costs the
   receiving device (added to its receiver's time; both in :func:`task_duration_s`);
 * the runtime's own work per request, beyond tasks and messages, falls on every device with a task and on
-  device 0, the driver (:func:`request_cpu_charged_s`): it counts towards the period, not the latency;
+  device 0, the driver, and a model output's message takes CPU time from its maker's device and from device 0
+  (:func:`runtime_cpu_s`): they count towards the period, not the latency;
 * a tensor crosses to a device once: every consumer on that device reuses it
   (:func:`implied_transfers` for a whole placement, :class:`ScheduleBuilder` task by task);
 * one transfer at a time per directed link, first ready first sent (:func:`send_priority`).
@@ -22,7 +23,7 @@ from moirai.schedule.transfers import (
     implied_transfers,
     output_arrival_s,
     recv_cpu_s,
-    request_cpu_charged_s,
+    runtime_cpu_s,
     send_cpu_s,
     send_priority,
     task_duration_s,
@@ -37,7 +38,7 @@ __all__ = [
     "implied_transfers",
     "output_arrival_s",
     "recv_cpu_s",
-    "request_cpu_charged_s",
+    "runtime_cpu_s",
     "send_cpu_s",
     "send_priority",
     "task_duration_s",

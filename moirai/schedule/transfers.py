@@ -17,9 +17,9 @@ The cost rule, one place for it. A tensor ``t`` sent from device ``a`` to device
 The runtime's driver on device 0 adds two: a device other than 0 starts a request's first task only once the
 driver's header has come (:attr:`Problem.header_s`, a release time of the device), and a task off device 0 that
 makes a model output is done once that output is with the driver (:func:`output_arrival_s`). And the runtime
-itself works on each request on every device taking part (:func:`request_cpu_charged_s`): before a device's
-first task and after its last, so it lengthens the period of pipelined requests, not one request's latency
-(where the header's delay already stands for the part before).
+itself works on each request on every device taking part, and both ends of an output's message spend CPU
+time (:func:`runtime_cpu_s`): before a device's first task and after its last, so it lengthens the period of
+pipelined requests, not one request's latency (where the header's and the output's delays stand for it).
 
 Why at the extended finish: the runtime posts a producer's sends right after it, one after another, before the
 device's next op (:mod:`moirai.split`), so the device is busy with them before it computes again, and a
@@ -80,12 +80,20 @@ def output_arrival_s(problem: Problem, placement: np.ndarray, task_finish_s: np.
     return np.asarray(task_finish_s, float) + problem.output_s[np.arange(problem.num_tasks), placement]
 
 
-def request_cpu_charged_s(problem: Problem, placement: np.ndarray) -> np.ndarray:
-    """``[k]``: the runtime's own work per request each device does under ``placement``
-    (:attr:`Problem.request_cpu_s`): on every device with a task, and on device 0, whose driver takes every request."""
-    taking_part = np.bincount(np.asarray(placement, int), minlength=problem.num_devices) > 0
+def runtime_cpu_s(problem: Problem, placement: np.ndarray) -> np.ndarray:
+    """``[k]``: the CPU time per request each device spends under ``placement`` outside its tasks and their
+    transfers: the runtime's own work (:attr:`Problem.request_cpu_s`) on every device with a task and on device 0,
+    whose driver takes every request, and both ends of the model outputs' messages to device 0
+    (:attr:`Problem.output_send_cpu_s` on their maker's device, :attr:`Problem.output_recv_cpu_s` on device 0)."""
+    placement = np.asarray(placement, int)
+    k = problem.num_devices
+    taking_part = np.bincount(placement, minlength=k) > 0
     taking_part[0] = True
-    return np.where(taking_part, problem.request_cpu_s, 0.0)
+    tasks = np.arange(problem.num_tasks)
+    seconds = np.where(taking_part, problem.request_cpu_s, 0.0)
+    seconds += np.bincount(placement, weights=problem.output_send_cpu_s[tasks, placement], minlength=k)
+    seconds[0] += problem.output_recv_cpu_s[tasks, placement].sum()
+    return seconds
 
 
 def send_priority(ready_s: float, tensor: int) -> tuple[float, int]:

@@ -386,28 +386,36 @@ def _period_rows(c: _Model, objective: Objective) -> None:
         raise MoiraiError("the throughput objective is modelled for the whole problem only, not windows")
     m = c.m
     m.P = pyo.Var(bounds=(0.0, MODEL_TIME_SCALE))  # a period never exceeds the latency, nor that the horizon
-    runtime_s = c.problem.request_cpu_s
-    # u[k] = 1 when device k has a task: the runtime's own work per request falls on it (request_cpu_charged_s;
-    # device 0's driver works on every request).
-    charged = [k for k in range(1, c.problem.num_devices) if runtime_s[k] > 0]
+    problem = c.problem
+    runtime_s = problem.request_cpu_s
+    # The rule of runtime_cpu_s: u[k] = 1 when device k has a task, and the runtime's own work per request
+    # falls on it (device 0's driver works on every request); an output's message costs its maker's device
+    # and device 0.
+    charged = [k for k in range(1, problem.num_devices) if runtime_s[k] > 0]
     m.u = pyo.Var(charged, domain=pyo.Binary)
     for k in charged:
         for i in c.free:
             if k in c.allowed[i]:
                 c.add(m.u[k] >= m.x[i, k])
-    for k in range(c.problem.num_devices):
+    for k in range(problem.num_devices):
         users = [i for i in c.free if k in c.allowed[i]]
         runtime = c.scaled(runtime_s[k]) * (1 if k == 0 else m.u[k] if k in charged else 0)
+        outputs = sum(c.scaled(problem.output_send_cpu_s[i, k]) * m.x[i, k] for i in users)
+        if k == 0:
+            outputs += sum(
+                c.scaled(problem.output_recv_cpu_s[i, d]) * m.x[i, d] for i in c.free for d in c.allowed[i] if d != 0
+            )
         if users:
             c.add(
                 m.P
-                >= sum(c.scaled(c.problem.compute_s[i, k]) * m.x[i, k] for i in users)
+                >= sum(c.scaled(problem.compute_s[i, k]) * m.x[i, k] for i in users)
                 + _sender_time(c, k)
                 + _receiver_time(c, k)
                 + runtime
+                + outputs
             )
         elif k == 0:
-            c.add(m.P >= runtime)
+            c.add(m.P >= runtime + outputs)
     if getattr(objective, "max_latency_s", None) is not None:
         _latency_rows(c)
         c.add(m.T <= MODEL_TIME_SCALE)
