@@ -349,9 +349,9 @@ def _check_local(device: Device) -> None:
 
 def _device_key(device: torch.device, clock: Callable[[], float]) -> str:
     """What a measurement depends on besides the ops: the hardware, the thread count, torch, the clock
-    and how nodes are timed (in situ, scaled to the median run: profiles taken by earlier versions differ)."""
+    and how nodes are timed (in situ: profiles of nodes run alone, taken by earlier versions, differ)."""
     hardware = kind_of(device).hardware_name(device) or f"{_cpu_model()} threads={torch.get_num_threads()}"
-    return f"{device.type}|{hardware}|torch {torch.__version__}|{clock.__name__}|in situ, scaled to the median run"
+    return f"{device.type}|{hardware}|torch {torch.__version__}|{clock.__name__}|in situ"
 
 
 def _cpu_model() -> str:
@@ -472,9 +472,7 @@ def _in_situ_times_s(
     timed: fx.GraphModule, inputs: Sequence[torch.Tensor], warmup: int, repeats: int, progress: bool, what: str
 ) -> np.ndarray:
     """Per group of ``timed`` (see :func:`_timed_module`), the median over ``repeats`` runs of the time
-    between its clock readings, after ``warmup`` runs, minus the clock's own cost (the median empty span),
-    scaled so that the groups add up to the median run: an op's times are skewed to the slow side, so the
-    sum of the groups' medians falls short of what a run takes (2% on a 12-layer MLP)."""
+    between its clock readings, after ``warmup`` runs, minus the clock's own cost (the median empty span)."""
     runs = []
     with torch.no_grad(), Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"profiling {what}", total=warmup + repeats)
@@ -485,7 +483,4 @@ def _in_situ_times_s(
             bar.advance(task)
     spans = np.array(runs)[:, 1:]
     clock_cost = np.median(spans[:, :_EMPTY_SPANS])
-    groups = np.maximum(spans[:, _EMPTY_SPANS:] - clock_cost, 0.0)
-    medians = np.median(groups, axis=0)
-    run_s = float(np.median(groups.sum(axis=1)))
-    return medians * (run_s / medians.sum()) if medians.sum() > 0 else medians
+    return np.maximum(np.median(spans[:, _EMPTY_SPANS:], axis=0) - clock_cost, 0.0)

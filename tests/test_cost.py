@@ -209,18 +209,6 @@ def test_measured_times_add_up_to_the_whole_run(traced_branches, tmp_path: Path)
     np.testing.assert_array_equal(profile_with_fake_clock(graph, traced, tmp_path, "ops"), [1, 1, 1, 1, 1])
 
 
-def test_group_times_add_up_to_the_median_run_when_each_op_is_sometimes_slow() -> None:
-    """Each run has one slow op, a different one each time: per-op medians (1 and 1) would make a run of 2
-    when runs take 6; the groups are scaled to the median run, keeping their proportions."""
-    spans_per_run = iter([(1.0, 1.0), (1.0, 1.0), (1.0, 5.0), (5.0, 1.0)])  # the first run is warm-up
-
-    def timed(*inputs):  # noqa: ANN002, ANN202
-        spans = [0.0] * (cost._EMPTY_SPANS + 1) + list(next(spans_per_run))
-        return np.cumsum([0.0, *spans]), None
-
-    np.testing.assert_allclose(cost._in_situ_times_s(timed, [], 1, 3, False, "two groups"), [1.0 * 3, 1.0 * 3])
-
-
 def test_measured_runs_each_group_in_one_piece(traced_branches, tmp_path: Path) -> None:  # noqa: ANN001
     traced, graph = traced_branches
     # The group of relu and sigmoid runs first (sigmoid moves up from last), then neg -> exp -> tanh.
