@@ -47,8 +47,6 @@ def _chunk_gate(seed: int) -> torch.nn.Module:
 def _round_trip(build: Callable[[int], torch.nn.Module], example_inputs: tuple, example_kwargs: dict, tmp_path) -> None:
     """Plan on one instance, load the plan onto a fresh one (other weights), and compare with it."""
     compiled = moirai.compile(build(0), ["cpu", "cpu"], example_inputs, example_kwargs, placer="heft")
-    op_nodes = build_op_graph(compiled.traced).nodes
-    assert any(len(node.fx_names) > 1 for node in op_nodes), "the model must have an op unpacked by getitem"
     path = tmp_path / "plan.json"
     compiled.save(path)
     model = build(1)
@@ -60,7 +58,15 @@ def _round_trip(build: Callable[[int], torch.nn.Module], example_inputs: tuple, 
 
 
 def test_load_groups_a_multi_output_op_with_its_getitems_once(tmp_path) -> None:
+    traced = moirai.trace(_chunk_gate(0), (torch.randn(2, 8),))
+    op_nodes = build_op_graph(traced).nodes
+    assert any(len(node.fx_names) > 1 for node in op_nodes), "the model must have an op unpacked by getitem"
     _round_trip(_chunk_gate, (torch.randn(2, 8),), {}, tmp_path)
+
+
+# Which of these families unpack a multi-output op (the rotary halves by chunk) depends on the transformers
+# release: in 5.24 GPT-NeoX and Phi-3 still do, Llama, Mistral and Qwen2 slice instead. The cause is covered by
+# the test above; these check that load round-trips each family whichever way it is written.
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt_neox", "phi3"])
