@@ -10,6 +10,7 @@ and a slow one with plenty: no single device holds the model, so the plan must s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -57,12 +58,23 @@ class TinyDecoder(torch.nn.Module):
         return self.norm(x) @ self.embedding.weight.T
 
 
+# Every rank computes with one torch thread on any host, so the original run with one thread is what the split
+# model must equal: a CPU's matrix products may sum in another order with another thread count.
+RANK_THREADS = 1
+
+
 def demo_cluster() -> Cluster:
     megabyte = 1e6
-    devices = (
-        Device("fast", "cpu", memory_bytes=16 * megabyte, peak_flops=120e9, memory_bandwidth_bytes_per_s=40e9),
-        Device("medium", "cpu", memory_bytes=12 * megabyte, peak_flops=60e9, memory_bandwidth_bytes_per_s=20e9),
-        Device("slow", "cpu", memory_bytes=64 * megabyte, peak_flops=20e9, memory_bandwidth_bytes_per_s=10e9),
+    devices = tuple(
+        Device(
+            name,
+            "cpu",
+            memory_bytes=memory_mb * megabyte,
+            peak_flops=gflops * 1e9,
+            memory_bandwidth_bytes_per_s=gb_per_s * 1e9,
+            threads=RANK_THREADS,
+        )
+        for name, memory_mb, gflops, gb_per_s in (("fast", 16, 120, 40), ("medium", 12, 60, 20), ("slow", 64, 20, 10))
     )
     bandwidth = np.full((3, 3), 2e9)
     latency = np.full((3, 3), 50e-6)
@@ -109,17 +121,28 @@ def run_demo(placer: str = "milp", console: Console | None = None, time_limit_s:
     compiled.summary(console)
     compare_placers(compiled.problem, compiled.plan, console)
     with torch.no_grad():
-        expected = model(tokens)
         actual = compiled.run_distributed(tokens)
+        expected = _with_threads(RANK_THREADS, lambda: model(tokens))
+        here = model(tokens)
     used = len(set(compiled.node_device.values()))
     try:
         torch.testing.assert_close(actual, expected)
     except AssertionError as mismatch:
-        console.print(f"[red]outputs differ[/]: {mismatch}")
+        console.print(f"[red]outputs differ[/] from the original run with {RANK_THREADS} thread(s): {mismatch}")
         return False
-    difference = (actual - expected).abs().max().item()
     console.print(
-        f"[green]outputs match[/]: split model on {used} processes ({shm.host_transport()}) vs original, "
-        f"max abs difference {difference:.2e}"
+        f"[green]outputs match[/]: split model on {used} processes ({shm.host_transport()}) vs original, both with "
+        f"{RANK_THREADS} thread(s) per process, max abs difference {(actual - expected).abs().max().item():.2e} "
+        f"(vs the original with this process's {torch.get_num_threads()} threads: "
+        f"{(actual - here).abs().max().item():.2e})"
     )
     return True
+
+
+def _with_threads(threads: int, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return call()
+    finally:
+        torch.set_num_threads(before)

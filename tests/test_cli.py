@@ -59,6 +59,15 @@ def test_compile_a_factory_checks_outputs_and_writes_plan_and_picture(factory_fi
     assert re.search(r"^moirai: place ", result.stderr, re.MULTILINE)  # progress lines go to stderr
 
 
+@pytest.mark.slow
+def test_demo_runs_the_split_decoder_on_three_processes_and_its_outputs_match() -> None:
+    # The README's first command; the ranks compute with one thread each whatever the host's cores, and the demo
+    # compares them with the original run so (with this process's threads, a CPU's sums may go in another order).
+    result = moirai_cli("demo", "--placer", "heft")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "outputs match" in result.stdout and "on 3 processes" in result.stdout
+
+
 def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factory_file: Path, capsys) -> None:
     code = main(["compile", f"{factory_file}:WithInputs", "--cluster", "moirai-intra-server", "--placer", "heft"])
     assert code == 0
