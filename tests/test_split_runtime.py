@@ -314,6 +314,28 @@ def test_meta_weights_split_for_inspection_but_do_not_run():
         run_local(program, [torch.randn(4, 16)], ["cpu", "cpu"])
 
 
+def test_local_runner_follows_a_part_edited_and_recompiled_between_calls():
+    # The local runner keeps each part's node list between calls; an edit takes effect with the recompile the
+    # distributed runtime's generated code needs too.
+    torch.manual_seed(0)
+    model = MLP().eval()
+    x = torch.randn(4, 16)
+    traced = trace(model, (x,))
+    program = split_module(traced, contiguous_assignment(traced, 2), 2)
+    with torch.no_grad():
+        torch.testing.assert_close(run_local(program, [x], ["cpu", "cpu"]), [model(x)])
+        for part in program.parts:  # relu(h) becomes -relu(h): a node more in the graph
+            graph = part.graph_module.graph
+            for relu in graph.find_nodes(op="call_function", target=torch.ops.aten.relu.default):
+                with graph.inserting_after(relu):
+                    negated = graph.call_function(torch.ops.aten.neg.default, (relu,))
+                relu.replace_all_uses_with(negated, delete_user_cb=lambda user, negated=negated: user is not negated)
+            part.graph_module.recompile()
+        first, _, second, _, last = model.layers
+        expected = last(-torch.relu(second(-torch.relu(first(x)))))
+        torch.testing.assert_close(run_local(program, [x], ["cpu", "cpu"]), [expected])
+
+
 def test_wrong_input_shape_is_an_input_error():
     case = prepared("mlp")
     with pytest.raises(InputError, match="shape"):

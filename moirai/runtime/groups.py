@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +39,6 @@ class Group:
 
     def __post_init__(self) -> None:
         self.requests = itertools.count()
-        self.placed: weakref.WeakKeyDictionary[SplitProgram, fx.GraphModule] = weakref.WeakKeyDictionary()
 
     @property
     def world_size(self) -> int:
@@ -85,8 +83,5 @@ def local_group(rank: int, torch_devices: Sequence[str], store: Any, join_timeou
 
 
 def placed_part(program: SplitProgram, group: Group) -> fx.GraphModule:
-    """This rank's part on its device, placed once per program."""
-    module = group.placed.get(program)
-    if module is None:
-        module = group.placed[program] = place_part(program.parts[group.rank], group.devices[group.rank])
-    return module
+    """This rank's part on its device (placed by the first call, :func:`moirai.runtime.local.place_part`)."""
+    return place_part(program.parts[group.rank], group.devices[group.rank])

@@ -13,7 +13,10 @@ calls do not copy weights again.
 
 from __future__ import annotations
 
+import operator
+import weakref
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -56,9 +59,12 @@ def place_part(part: DevicePart, device: torch.device) -> fx.GraphModule:
     """The part's module with its attributes on ``device`` and its ops' device arguments set to it.
 
     Traced graphs record the device of tracing in ops that create tensors (``arange(device=cpu)``,
-    ``_to_copy``); each part must create them on its own device instead.
+    ``_to_copy``); each part must create them on its own device instead. Placed once per device: later
+    calls of the local runner find the part where it is.
     """
     module = part.graph_module
+    if _PLACED.get(module) == device:
+        return module
     on_meta = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if on_meta and device.type != "meta":
         raise InputError(
@@ -71,17 +77,25 @@ def place_part(part: DevicePart, device: torch.device) -> fx.GraphModule:
         node.args, node.kwargs = pytree.tree_map_only(torch.device, lambda _: device, (node.args, node.kwargs))
     if stale:
         module.recompile()
+    _PLACED[module] = device
     return module
 
 
+_PLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class _PartRun:
-    """One part run node by node; it pauses at a wait for a tensor that has not been sent yet."""
+    """One part run node by node; it pauses at a wait for a tensor that has not been sent yet.
+
+    A plain loop over the nodes rather than :class:`torch.fx.Interpreter`, whose per-node bookkeeping cost more
+    than the ops of a small part; values are freed after their last use, as the part's generated code frees them.
+    """
 
     def __init__(self, module: fx.GraphModule, args: list) -> None:
-        self._interpreter = fx.Interpreter(module)
-        self._interpreter.env = {}
-        self._interpreter.args_iter = iter(args)
-        self._nodes = list(module.graph.nodes)
+        self._module = module
+        self._env: dict[fx.Node, Any] = {}
+        self._args = iter(args)
+        self._nodes, self._frees = _steps(module)
         self._position = 0
         self.outputs: tuple = ()
 
@@ -95,20 +109,50 @@ class _PartRun:
 
     def advance(self, transport: _LocalTransport) -> bool:
         """Run until blocked or finished; whether any node ran."""
-        start, env = self._position, self._interpreter.env
+        start, env = self._position, self._env
         while not self.finished:
             node = self._nodes[self._position]
             if node.target == "wait_recv" and not transport.delivered(env[node.args[1]]):
                 break
-            value = self._interpreter.run_node(node)
-            if node.op == "output":
-                self.outputs = value
+            if node.op == "placeholder":
+                value = next(self._args)
+            elif node.op == "get_attr":
+                value = operator.attrgetter(node.target)(self._module)
             else:
-                env[node] = value
-                for finished in self._interpreter.user_to_last_uses.get(node, ()):
-                    del env[finished]
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                if node.op == "call_function":
+                    value = node.target(*args, **kwargs)
+                elif node.op == "call_method":
+                    value = getattr(args[0], node.target)(*args[1:], **kwargs)
+                elif node.op == "call_module":
+                    value = self._module.get_submodule(node.target)(*args, **kwargs)
+                else:  # output
+                    value = self.outputs = args[0]
+            env[node] = value
+            for finished in self._frees[self._position]:
+                del env[finished]
             self._position += 1
         return self._position > start
+
+
+def _steps(module: fx.GraphModule) -> tuple[list[fx.Node], list[tuple[fx.Node, ...]]]:
+    """The module's nodes and, per node, the values whose last use it is (computed again after a recompile, which
+    an edit of the graph needs for the distributed runtime's generated code too)."""
+    cached = _STEPS.get(module)
+    if cached is None or cached[0] is not module.code:
+        nodes = list(module.graph.nodes)
+        last_use: dict[fx.Node, int] = {}
+        for position, node in enumerate(nodes):
+            for used in node.all_input_nodes:
+                last_use[used] = position
+        frees: list[list[fx.Node]] = [[] for _ in nodes]
+        for used, position in last_use.items():
+            frees[position].append(used)
+        cached = _STEPS[module] = (module.code, nodes, [tuple(f) for f in frees])
+    return cached[1], cached[2]
+
+
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _LocalTransport:
