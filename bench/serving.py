@@ -189,11 +189,19 @@ def measure(variants: list[Variant], workload: Workload, problem: Problem, optio
             v.name,
             statistics.median(rates_per_s[v.name]),
             statistics.median(latencies_s[v.name]),
-            None if v.plan is None else block_period_s(problem, v.plan, block) if v.pipelined else v.plan.makespan_s,
+            predicted_period_s(problem, v, block),
             None if v.plan is None else v.plan.makespan_s,
         )
         for v in variants
     ]
+
+
+def predicted_period_s(problem: Problem, variant: Variant, block: int) -> float | None:
+    """The predicted time per request of ``variant``'s blocks: pipelined (:func:`block_period_s`), or one
+    request after another (the plan's latency); None without a plan."""
+    if variant.plan is None:
+        return None
+    return block_period_s(problem, variant.plan, block) if variant.pipelined else variant.plan.makespan_s
 
 
 def block_period_s(problem: Problem, plan: Plan, block: int) -> float:

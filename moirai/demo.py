@@ -10,7 +10,6 @@ and a slow one with plenty: no single device holds the model, so the plan must s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -20,6 +19,7 @@ from rich.table import Table
 import moirai
 from moirai.devices import Cluster, Device
 from moirai.runtime import shm
+from moirai.runtime.resources import apply_resources, rank_resources, restore_resources
 
 
 class DecoderBlock(torch.nn.Module):
@@ -122,8 +122,12 @@ def run_demo(placer: str = "milp", console: Console | None = None, time_limit_s:
     compare_placers(compiled.problem, compiled.plan, console)
     with torch.no_grad():
         actual = compiled.run_distributed(tokens)
-        expected = _with_threads(RANK_THREADS, lambda: model(tokens))
         here = model(tokens)
+        before = apply_resources(rank_resources(cluster.devices)[0], cluster.devices[0].name, own_process=False)
+        try:
+            expected = model(tokens)  # as rank 0 runs, with the ranks' one thread
+        finally:
+            restore_resources(before)
     used = len(set(compiled.node_device.values()))
     try:
         torch.testing.assert_close(actual, expected)
@@ -137,12 +141,3 @@ def run_demo(placer: str = "milp", console: Console | None = None, time_limit_s:
         f"{(actual - here).abs().max().item():.2e})"
     )
     return True
-
-
-def _with_threads(threads: int, call: Callable[[], torch.Tensor]) -> torch.Tensor:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return call()
-    finally:
-        torch.set_num_threads(before)
