@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.models import ZOO, build
-from moirai.coarsen import coarsen, print_coarsening_table
-from moirai.graph import OpEdge, OpGraph, OpNode, build_op_graph
-from moirai.trace import trace
+from moirai.frontend.coarsen import coarsen, print_coarsening_table
+from moirai.frontend.graph import OpEdge, OpGraph, OpNode, build_op_graph
+from moirai.frontend.trace import trace
 
 SPEED_TARGET_S = 5.0
 TARGET_NODES = 2_000

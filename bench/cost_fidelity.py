@@ -5,7 +5,7 @@ Run: ``python -m bench.cost_fidelity [--models gpt3 googlenet ...] [--threads 1]
 Latency: for every small model of the bench zoo (plus a plain MLP), the predicted single-device
 latency is the sum of the compute times of its op groups on the local CPU, ``analytic``
 (roofline from the detected CPU) and ``measured`` (every group timed inside runs of the whole
-traced graph, median of repeats; see :mod:`moirai.cost`); the references are the traced fx graph
+traced graph, median of repeats; see :mod:`moirai.cluster.cost`); the references are the traced fx graph
 run whole, which is what moirai runs (on one device, and each part of a split model is such a
 graph), and the eager model. The traced graph has no per-module Python calls, so on models made of
 many small modules (the CNNs) it runs 15-30% faster than eager, and a prediction of what moirai
@@ -20,7 +20,7 @@ CPU time (with one thread: its run time minus the time other processes held the 
 next to its median wall time: on a busy 2-core machine a run of a few ms is often preempted for a
 whole time slice (~10 ms).
 
-Links: ``moirai.calibrate`` fits latency and bandwidth between two gloo processes from its default
+Links: ``moirai.cluster.calibrate`` fits latency and bandwidth between two gloo processes from its default
 1 KiB - 16 MiB sweep; a separate timing of 128 MiB messages gives the reference bandwidth.
 """
 
@@ -40,11 +40,11 @@ from rich.table import Table
 from torch import nn
 
 from bench.models import build, model_sizes
-from moirai.calibrate import DEFAULT_SIZES_BYTES, TransferTimings, measure_transfers
-from moirai.cost import analytic_compute_s, node_dtypes, profile_nodes
-from moirai.devices import Cluster
-from moirai.graph import OpGraph, build_op_graph
-from moirai.trace import trace
+from moirai.cluster.calibrate import DEFAULT_SIZES_BYTES, TransferTimings, measure_transfers
+from moirai.cluster.cost import analytic_compute_s, node_dtypes, profile_nodes
+from moirai.cluster.devices import Cluster
+from moirai.frontend.graph import OpGraph, build_op_graph
+from moirai.frontend.trace import trace
 
 LARGE_TRANSFER_BYTES = 128 * 2**20
 

@@ -9,7 +9,7 @@ Run: ``python bench/milp_ablation.py [--formulation-sizes 12,16,20,24,32] [--for
    or the gap left at the time limit, and a summary per size (solved count, mean gap, geometric
    mean of paper's time over strong's); the strong plan's simulated makespan next to its objective.
 2. Whole model vs window search at equal budget on growing graphs: where one model stops
-   paying (``FULL_MODEL_MAX_TASKS`` in :mod:`moirai.placers.milp`).
+   paying (``FULL_MODEL_MAX_TASKS`` in :mod:`moirai.planning.placers.milp`).
 3. Scale: the ``milp`` placer on large random layered graphs: wall time, peak memory, and its
    makespan against the best heuristic's.
 
@@ -30,13 +30,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from moirai.placers import get_placer, place
-from moirai.problem import Problem
-from moirai.simulate import simulate
-from moirai.solve.model import build_model
-from moirai.solve.solver import SolverSettings, solve_model
-from moirai.solve.warm_start import plan_from_times
-from moirai.solve.window import whole_problem
+from moirai.planning.placers import get_placer, place
+from moirai.planning.problem import Problem
+from moirai.planning.simulate import simulate
+from moirai.planning.solve.model import build_model
+from moirai.planning.solve.solver import SolverSettings, solve_model
+from moirai.planning.solve.warm_start import plan_from_times
+from moirai.planning.solve.window import whole_problem
 
 
 def random_layered_problem(

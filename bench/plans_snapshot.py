@@ -21,8 +21,8 @@ if __package__ in (None, ""):
 
 from bench.milp_ablation import random_layered_problem  # noqa: E402
 from bench.run import PAPER_CLUSTERS, SLOW_PLACERS, prepare_model  # noqa: E402
-from moirai.placers import list_placers, place  # noqa: E402
-from moirai.problem import Problem  # noqa: E402
+from moirai.planning.placers import list_placers, place  # noqa: E402
+from moirai.planning.problem import Problem  # noqa: E402
 
 ABSOLUTE_TOLERANCE_S = 1e-9
 
@@ -34,8 +34,8 @@ def _place(problem: Problem, placer: str, **options: object) -> float:
 
 def _problems(directory: Path) -> dict[str, Problem]:
     from bench.models import model_sizes
-    from moirai.cost import build_problem
-    from moirai.devices import Cluster
+    from moirai.cluster.cost import build_problem
+    from moirai.cluster.devices import Cluster
 
     if directory.exists():
         return {path.stem: Problem.from_json(path) for path in sorted(directory.glob("*.json"))}

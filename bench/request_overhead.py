@@ -29,9 +29,9 @@ from rich.table import Table
 
 import moirai
 from bench.serving import pinned
-from moirai.problem import Plan
+from moirai.planning.problem import Plan
+from moirai.planning.simulate import simulate
 from moirai.runtime.resources import rank_resources
-from moirai.simulate import simulate
 
 DEVICES = ["cpu", "cpu"]
 

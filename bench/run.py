@@ -2,8 +2,8 @@
 
 Per model: trace on the meta device (paper sizes) or CPU (small sizes) -> OpGraph -> coarsen with the
 fusion rules (``--target-nodes`` also merges to a size; ``--no-coarsen`` keeps the original graph).
-Per cluster: ``moirai.cost.build_problem`` (analytic costs) and ``moirai.bounds.lower_bound``.
-Per placer: ``moirai.placers.place``; its makespan is the simulator's. A placer that raises
+Per cluster: ``moirai.cluster.cost.build_problem`` (analytic costs) and ``moirai.planning.bounds.lower_bound``.
+Per placer: ``moirai.planning.placers.place``; its makespan is the simulator's. A placer that raises
 ``InfeasibleError`` is shown as "does not fit"; any other exception is shown as an error in its row.
 
 Columns: latency (simulated makespan), speedup (the reference placer's latency / this one's), gap to the
@@ -45,15 +45,15 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.models import ZOO, build, model_sizes, size_spec  # noqa: E402
-from moirai.bounds import lower_bound  # noqa: E402
-from moirai.coarsen import coarsen  # noqa: E402
-from moirai.cost import build_problem  # noqa: E402
-from moirai.devices import Cluster  # noqa: E402
+from moirai.cluster.cost import build_problem  # noqa: E402
+from moirai.cluster.devices import Cluster  # noqa: E402
 from moirai.errors import InfeasibleError, MoiraiError  # noqa: E402
-from moirai.graph import OpGraph, build_op_graph  # noqa: E402
-from moirai.placers import get_placer, list_placers, place  # noqa: E402
-from moirai.problem import Plan, Problem  # noqa: E402
-from moirai.trace import trace  # noqa: E402
+from moirai.frontend.coarsen import coarsen  # noqa: E402
+from moirai.frontend.graph import OpGraph, build_op_graph  # noqa: E402
+from moirai.frontend.trace import trace  # noqa: E402
+from moirai.planning.bounds import lower_bound  # noqa: E402
+from moirai.planning.placers import get_placer, list_placers, place  # noqa: E402
+from moirai.planning.problem import Plan, Problem  # noqa: E402
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
 PAPER_CLUSTERS = ("moirai-inter-server", "moirai-intra-server")
@@ -315,7 +315,7 @@ def write_results(
         [
             f"Command: `{command}`  \nMachine: {machine_description()}  \n"
             f"Reference placer for speedup: `{reference}`; solver time limit {time_limit_s:g} s; "
-            "costs: analytic (moirai.cost); latency: moirai.simulate with link contention; "
+            "costs: analytic (moirai.cluster.cost); latency: moirai.planning.simulate with link contention; "
             f"whole run {elapsed_s:.0f} s.",
             markdown_table(MODEL_COLUMNS, [model_cells(m) for m in models]),
             markdown_table(RESULT_COLUMNS, [result_cells(r) for r in rows]),

@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.models import build
+from moirai.frontend.trace import trace
 from moirai.runtime import DistributedRunner, run_local
-from moirai.split import split_module
-from moirai.trace import trace
+from moirai.runtime.split import split_module
 
 
 def _median_ms(samples: list[float]) -> float:

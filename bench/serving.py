@@ -15,7 +15,7 @@ model called in this process on one core with one thread. Rows, each through the
 
 Columns: requests/s with the server's requests in flight (after warm-up), the predicted requests/s
 (a block of requests as the bench times it, from the first submit to the last output, simulated as a
-stream of requests through the plan, :mod:`moirai.stream`: its steady-state period, never shorter than
+stream of requests through the plan, :mod:`moirai.planning.stream`: its steady-state period, never shorter than
 the busiest device or link per request, ``Timeline.period_s``, plus the pipeline's filling and draining),
 their ratio, the speedup over eager, and the median latency of one request alone in the server
 against the plan's simulated latency. One more row calls the latency plan without the server, one request
@@ -42,12 +42,12 @@ from rich.console import Console
 from rich.table import Table
 
 import moirai
-from moirai.problem import Plan, Problem
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.simulate import simulate
+from moirai.planning.stream import simulate_stream
 from moirai.runtime import DistributedRunner
 from moirai.runtime.resources import RankResources, apply_resources, rank_resources, restore_resources
 from moirai.runtime.server import Server
-from moirai.simulate import simulate
-from moirai.stream import simulate_stream
 
 DEVICES = ["cpu", "cpu"]
 DISTINCT_INPUTS = 8  # requests cycle through these; every output is checked against eager's for its input

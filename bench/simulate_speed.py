@@ -15,8 +15,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from moirai.problem import Plan, Problem
-from moirai.simulate import simulate
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.simulate import simulate
 
 
 def random_problem(num_tasks: int, num_devices: int, seed: int = 0) -> Problem:

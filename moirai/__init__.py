@@ -1,6 +1,6 @@
 """moirai: split one PyTorch model across heterogeneous devices, placing every op where the model finishes soonest.
 
-Imports are lazy: ``import moirai.problem`` (or the simulator, the bounds, any placer) loads no torch;
+Imports are lazy: ``import moirai.planning.problem`` (or the simulator, the bounds, any placer) loads no torch;
 ``moirai.compile`` and the other names below load their module on first use.
 """
 
@@ -13,10 +13,10 @@ from typing import Any
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-    "Cluster": "moirai.devices",
+    "Cluster": "moirai.cluster.devices",
     "ClusterError": "moirai.errors",
     "CompiledModel": "moirai.compile",
-    "Device": "moirai.devices",
+    "Device": "moirai.cluster.devices",
     "DistributedError": "moirai.errors",
     "FusionRuleError": "moirai.errors",
     "InfeasibleError": "moirai.errors",
@@ -26,23 +26,23 @@ _EXPORTS = {
     "OverMemoryWarning": "moirai.errors",
     "PlacerOptionError": "moirai.errors",
     "TrainingModeWarning": "moirai.errors",
-    "Objective": "moirai.objective",
-    "Plan": "moirai.problem",
+    "Objective": "moirai.planning.objective",
+    "Plan": "moirai.planning.problem",
     "PlanError": "moirai.errors",
-    "Problem": "moirai.problem",
+    "Problem": "moirai.planning.problem",
     "ProblemError": "moirai.errors",
-    "Timeline": "moirai.simulate",
+    "Timeline": "moirai.planning.simulate",
     "TraceError": "moirai.errors",
-    "coarsen": "moirai.coarsen",
+    "coarsen": "moirai.frontend.coarsen",
     "gantt": "moirai.viz",
     "compile": "moirai.compile",
-    "list_placers": "moirai.placers",
+    "list_placers": "moirai.planning.placers",
     "load": "moirai.compile",
-    "lower_bound": "moirai.bounds",
-    "place": "moirai.placers",
+    "lower_bound": "moirai.planning.bounds",
+    "place": "moirai.planning.placers",
     "serve_rank": "moirai.compile",
-    "simulate": "moirai.simulate",
-    "trace": "moirai.trace",
+    "simulate": "moirai.planning.simulate",
+    "trace": "moirai.frontend.trace",
 }
 _SUBMODULES = ("demo",)
 
@@ -65,8 +65,8 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """Keeps ``moirai.compile``, ``moirai.simulate``, ``moirai.trace`` and ``moirai.coarsen`` the functions:
-    importing a submodule binds it on its package, and these four share their module's name."""
+    """Keeps ``moirai.compile`` the function: importing the submodule ``moirai.compile`` binds it on its package,
+    and the function shares its module's name."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:

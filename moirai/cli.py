@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.markup import escape
 
 import moirai
-from moirai import calibrate as calibrate_command
 from moirai import progress, viz
+from moirai.cluster import calibrate as calibrate_command
 from moirai.errors import MoiraiError
 
 
@@ -142,7 +142,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 
 def _placer_options(args: argparse.Namespace) -> dict[str, Any]:
     """``time_limit_s`` when given, and the objective (checked before any model is traced)."""
-    from moirai.objective import OBJECTIVES
+    from moirai.planning.objective import OBJECTIVES
 
     if args.objective not in OBJECTIVES:
         raise MoiraiError(f"--objective {args.objective!r} is not an objective; choose one of {', '.join(OBJECTIVES)}")

@@ -26,23 +26,23 @@ from rich.table import Table
 
 from moirai import progress as _progress
 from moirai import viz
-from moirai.coarsen import coarsen
-from moirai.cost import activation_peak_bytes, build_problem
-from moirai.device_kinds import kind_of
-from moirai.devices import Cluster
+from moirai.cluster.cost import activation_peak_bytes, build_problem
+from moirai.cluster.devices import Cluster
+from moirai.cluster.kinds import kind_of
 from moirai.errors import ClusterError, MoiraiError, PlanError
-from moirai.graph import OpGraph, build_op_graph
-from moirai.objective import Objective
-from moirai.placers import place
-from moirai.problem import Plan, Problem
+from moirai.frontend.coarsen import coarsen
+from moirai.frontend.graph import OpGraph, build_op_graph
+from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
+from moirai.frontend.trace import TracedModel, trace
+from moirai.planning.objective import Objective
+from moirai.planning.placers import place
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.simulate import simulate
 from moirai.runtime import distributed
 from moirai.runtime.distributed import DistributedRunner, check_timeout, run_distributed, run_rank, torchrun_driver
 from moirai.runtime.local import check_inputs, run_local
 from moirai.runtime.server import Server
-from moirai.simulate import simulate
-from moirai.split import SplitProgram, split_module
-from moirai.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
-from moirai.trace import TracedModel, trace
+from moirai.runtime.split import SplitProgram, split_module
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -205,7 +205,8 @@ def compile(
     ``"cpu"`` gives separate logical devices). ``placer`` names a registered placer
     (``moirai.list_placers()``); ``placer_options`` go to the placer (e.g.
     ``time_limit_s`` for ``milp``). ``objective`` is ``"latency"`` (one request finishes soonest) or
-    ``"throughput"`` (the period of pipelined requests, :class:`moirai.objective.Throughput` for a latency limit).
+    ``"throughput"`` (the period of pipelined requests, :class:`moirai.planning.objective.Throughput` for a
+    latency limit).
     ``cost`` is ``"analytic"`` (roofline from the device table) or ``"measured"`` (profile every
     op group on the local devices, cached on disk). ``dynamic_shapes`` (torch.export's convention,
     ``torch.export.Dim``) declares input dimensions that vary: one plan and one split program then
@@ -214,7 +215,7 @@ def compile(
     ``calibration`` says what the links between local devices (a list of device strings) cost:
     ``"auto"`` (the default, with either cost mode) this machine's calibration, measured the first
     time a kind of link is needed (a few seconds, in processes that do not import the caller's
-    script) and cached (:func:`moirai.calibrate.local_calibration`); ``"remeasure"`` measures it
+    script) and cached (:func:`moirai.cluster.calibrate.local_calibration`); ``"remeasure"`` measures it
     again; a path reads a calibration file; ``"none"`` keeps the detected defaults (50 us, no CPU
     time). A :class:`moirai.Cluster` keeps the links it describes.
     """
@@ -234,7 +235,7 @@ def _local_cluster(devices: Cluster | Sequence[str], calibration: str | Path) ->
     cluster = Cluster.from_devices(devices)
     if calibration == "none" or len(cluster) < 2:
         return cluster
-    from moirai.calibrate import calibrated_cluster, local_calibration, local_request_cost
+    from moirai.cluster.calibrate import calibrated_cluster, local_calibration, local_request_cost
 
     links = local_calibration([d.torch_device for d in cluster.devices], calibration)
     return calibrated_cluster(cluster, links, local_request_cost(calibration))

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 import moirai
-from moirai.devices import Cluster, Device
+from moirai.cluster.devices import Cluster, Device
 from moirai.runtime import shm
 from moirai.runtime.resources import apply_resources, rank_resources, restore_resources
 

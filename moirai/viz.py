@@ -1,6 +1,6 @@
 """Seeing a plan: the simulated schedule as a picture (matplotlib) or as text (rich), and the per-device summary.
 
-Everything here reads the simulator's :class:`~moirai.simulate.Timeline`, the one judge of a
+Everything here reads the simulator's :class:`~moirai.planning.simulate.Timeline`, the one judge of a
 plan's latency, so the picture, the text timeline and the summary table agree with every
 number the placers report.
 
@@ -25,11 +25,11 @@ from rich.table import Table
 from rich.text import Text
 
 from moirai.errors import InfeasibleError, MoiraiError
-from moirai.objective import as_objective
-from moirai.problem import Plan, Problem
+from moirai.planning.objective import as_objective
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.simulate import Timeline, simulate
+from moirai.planning.stream import simulate_stream
 from moirai.progress import format_seconds
-from moirai.simulate import Timeline, simulate
-from moirai.stream import simulate_stream
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -281,7 +281,7 @@ def gantt(
     """Draw the simulated schedule of ``plan``; save it to ``path`` (PNG, SVG, PDF by suffix) when given.
 
     ``groups`` names the colour of every task (default: its kind, from its name). ``requests > 1``
-    draws that many requests pipelined through the plan (:mod:`moirai.stream`), coloured by request,
+    draws that many requests pipelined through the plan (:mod:`moirai.planning.stream`), coloured by request,
     with the steady-state period in the title. Returns the matplotlib Figure, which Jupyter shows inline.
     """
     if path is not None:

@@ -10,8 +10,8 @@ import networkx as nx
 import numpy as np
 
 from moirai.errors import PlanError
-from moirai.problem import Plan, Problem
-from moirai.simulate import simulate
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.simulate import simulate
 
 
 def random_problem(

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moirai.graph import build_op_graph
-from moirai.trace import TracedModel
+from moirai.frontend.graph import build_op_graph
+from moirai.frontend.trace import TracedModel
 
 
 def contiguous_assignment(traced: TracedModel, num_devices: int, cuts: list[float] | None = None) -> dict[str, int]:
@@ -24,9 +24,7 @@ def contiguous_assignment(traced: TracedModel, num_devices: int, cuts: list[floa
     return {name: int(device_of_node[i]) for i, node in enumerate(graph.nodes) for name in node.fx_names}
 
 
-def random_assignment(
-    traced: TracedModel, num_devices: int, seed: int
-) -> tuple[dict[str, int], list[list[str]]]:
+def random_assignment(traced: TracedModel, num_devices: int, seed: int) -> tuple[dict[str, int], list[list[str]]]:
     """A random device for every OpGraph node, and per-device orders from one random topological order."""
     graph = build_op_graph(traced)
     rng = np.random.default_rng(seed)
@@ -59,8 +57,13 @@ class SmallCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         self.head = nn.Linear(8 * 4 * 4, 10)
 

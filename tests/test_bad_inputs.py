@@ -17,7 +17,7 @@ from rich.console import Console
 from torch import nn
 
 import moirai
-from moirai.cost import activation_peak_bytes
+from moirai.cluster.cost import activation_peak_bytes
 from moirai.errors import (
     ClusterError,
     FusionRuleError,
@@ -30,7 +30,7 @@ from moirai.errors import (
     TraceError,
     TrainingModeWarning,
 )
-from moirai.placers import devices_over_memory
+from moirai.planning.placers import devices_over_memory
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from moirai.errors import InfeasibleError
-from moirai.placers import get_placer, pesto
-from moirai.placers.getf import group_assignment, speed_groups
-from moirai.placers.m_etf import m_etf_schedule
-from moirai.placers.m_sct import favourite_children
-from moirai.placers.pesto import coarsen, merge_tasks
-from moirai.problem import Plan, Problem
-from moirai.simulate import simulate
+from moirai.planning.placers import get_placer, pesto
+from moirai.planning.placers.getf import group_assignment, speed_groups
+from moirai.planning.placers.m_etf import m_etf_schedule
+from moirai.planning.placers.m_sct import favourite_children
+from moirai.planning.placers.pesto import coarsen, merge_tasks
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.simulate import simulate
 from tests.conftest import brute_force_optimum, random_problem
 
 BASELINES = ["m_topo", "m_etf", "m_sct", "getf", "pesto"]

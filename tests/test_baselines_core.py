@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moirai.bounds import lower_bound, lower_bounds
 from moirai.errors import InfeasibleError
-from moirai.placers import get_placer, place
-from moirai.placers.cp_pct import critical_path
-from moirai.placers.heft import upward_rank_mean_costs
-from moirai.problem import Problem
-from moirai.simulate import simulate
+from moirai.planning.bounds import lower_bound, lower_bounds
+from moirai.planning.placers import get_placer, place
+from moirai.planning.placers.cp_pct import critical_path
+from moirai.planning.placers.heft import upward_rank_mean_costs
+from moirai.planning.problem import Problem
+from moirai.planning.simulate import simulate
 from tests.conftest import brute_force_optimum, random_problem
 
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import moirai
-import moirai.calibrate as calibrate_module
-from moirai.calibrate import (
+import moirai.cluster.calibrate as calibrate_module
+from moirai.cluster.calibrate import (
     RequestCost,
     TransferCost,
     TransferTimings,
@@ -28,9 +28,9 @@ from moirai.calibrate import (
     read_request_cost,
     write_calibration,
 )
-from moirai.devices import Cluster
+from moirai.cluster.devices import Cluster
 from moirai.errors import ClusterError
-from moirai.problem import Problem
+from moirai.planning.problem import Problem
 
 SIZES = (1024, 65536, 1 << 20, 4 << 20)
 FAKE_COST = TransferCost(

@@ -13,7 +13,8 @@ from rich.console import Console
 from torch import nn
 
 from bench.models import ZOO, build
-from moirai.coarsen import (
+from moirai.errors import FusionRuleError
+from moirai.frontend.coarsen import (
     BALANCE_FACTOR,
     BUNDLED_RULE_SETS,
     coarsen,
@@ -21,9 +22,8 @@ from moirai.coarsen import (
     parse_rules,
     print_coarsening_table,
 )
-from moirai.errors import FusionRuleError
-from moirai.graph import OpEdge, OpGraph, OpNode, build_op_graph
-from moirai.trace import trace
+from moirai.frontend.graph import OpEdge, OpGraph, OpNode, build_op_graph
+from moirai.frontend.trace import trace
 
 TARGETS = {
     "add": "aten.add.Tensor",
@@ -304,7 +304,7 @@ def test_transformers_coarsen_to_dags_with_fused_attention():
 
 
 def test_split_along_a_coarse_placement_gives_the_original_outputs():
-    split = pytest.importorskip("moirai.split")
+    split = pytest.importorskip("moirai.runtime.split")
     from moirai.runtime.local import run_local
 
     models = {"resnet": (SmallResNet().eval(), (torch.randn(1, 3, 8, 8),)), "bert": small_transformers()["bert"]}

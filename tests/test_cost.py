@@ -1,4 +1,4 @@
-"""Cost model: analytic roofline, measured profiles and their cache (moirai/cost.py)."""
+"""Cost model: analytic roofline, measured profiles and their cache (moirai/cluster/cost.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import moirai.cost as cost
-from moirai.cost import activation_peak_bytes, analytic_compute_s, build_problem, node_dtypes, profile_nodes
-from moirai.devices import Cluster, Device, Link
+import moirai.cluster.cost as cost
+from moirai.cluster.cost import activation_peak_bytes, analytic_compute_s, build_problem, node_dtypes, profile_nodes
+from moirai.cluster.devices import Cluster, Device, Link
 from moirai.errors import ClusterError
-from moirai.graph import OpEdge, OpGraph, OpNode, build_op_graph
-from moirai.trace import trace
+from moirai.frontend.graph import OpEdge, OpGraph, OpNode, build_op_graph
+from moirai.frontend.trace import trace
 
 
 def device(name: str, **overrides: float) -> Device:
@@ -183,7 +183,10 @@ def traced_branches():  # noqa: ANN201
     traced = trace(Branches(), (torch.randn(4, 8),))
     graph = build_op_graph(traced)
     assert [n.targets for n in graph.nodes] == [
-        ("aten.relu.default",), ("aten.neg.default",), ("aten.exp.default",), ("aten.tanh.default",),
+        ("aten.relu.default",),
+        ("aten.neg.default",),
+        ("aten.exp.default",),
+        ("aten.tanh.default",),
         ("aten.sigmoid.default",),
     ]
     return traced, graph
@@ -198,8 +201,9 @@ def profile_with_fake_clock(graph: OpGraph, traced, tmp_path: Path, reading: str
         return float(getattr(counter, reading) + next(readings))
 
     with counter:
-        return profile_nodes(graph, traced, "cpu", cache_dir=tmp_path, warmup=1, repeats=3, progress=False,
-                             clock=fake_clock)
+        return profile_nodes(
+            graph, traced, "cpu", cache_dir=tmp_path, warmup=1, repeats=3, progress=False, clock=fake_clock
+        )
 
 
 def test_measured_times_add_up_to_the_whole_run(traced_branches, tmp_path: Path) -> None:  # noqa: ANN001
@@ -242,8 +246,9 @@ def test_measured_needs_an_acyclic_grouping_of_all_ops(traced_branches, tmp_path
 def test_timed_module_returns_the_model_outputs(traced_two_layers) -> None:  # noqa: ANN001
     traced, graph = traced_two_layers
     x = torch.randn(8, 64)
-    timed = cost._timed_module(traced.graph_module, [n.fx_names for n in graph.nodes], time.perf_counter,
-                               torch.device("cpu"))
+    timed = cost._timed_module(
+        traced.graph_module, [n.fx_names for n in graph.nodes], time.perf_counter, torch.device("cpu")
+    )
     stamps, outputs = timed(x)
     assert len(stamps) == cost._EMPTY_SPANS + 2 + len(graph.nodes) and list(stamps) == sorted(stamps)
     torch.testing.assert_close(outputs, traced.graph_module(x))

@@ -1,4 +1,4 @@
-"""Cluster files, routes, presets and validation (moirai/devices.py)."""
+"""Cluster files, routes, presets and validation (moirai/cluster/devices.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moirai.devices import GBPS_IN_BYTES_PER_S, Cluster, Device, Link
+from moirai.cluster.devices import GBPS_IN_BYTES_PER_S, Cluster, Device, Link
 from moirai.errors import ClusterError
 
 GBPS = GBPS_IN_BYTES_PER_S
@@ -295,7 +295,7 @@ def test_from_devices_still_splits_one_cpu() -> None:
 def test_device_kinds_answer_what_the_runtime_and_cost_code_ask() -> None:
     import torch
 
-    from moirai.device_kinds import CPU, CUDA, backend_for, kind_for_backend, kind_of
+    from moirai.cluster.kinds import CPU, CUDA, backend_for, kind_for_backend, kind_of
 
     assert kind_of("cuda:1") is CUDA and kind_of(torch.device("cpu")) is CPU
     assert (CPU.backend, CUDA.backend) == ("gloo", "nccl")

@@ -8,11 +8,11 @@ from torch.export import Dim
 
 import moirai
 from moirai.errors import InputError, MoiraiError
-from moirai.graph import build_op_graph
+from moirai.frontend.graph import build_op_graph
+from moirai.frontend.symbolic_shapes import shape_scalars
+from moirai.frontend.trace import TensorSpec
 from moirai.runtime.distributed import DistributedRunner
-from moirai.split import concrete_shape, symbol_values
-from moirai.symbolic_shapes import shape_scalars
-from moirai.trace import TensorSpec
+from moirai.runtime.split import concrete_shape, symbol_values
 
 SHAPES = [(1, 1), (3, 5), (8, 32), (4, 6), (2, 17)]
 

@@ -9,15 +9,15 @@ import pyomo.environ as pyo
 import pytest
 
 from bench.milp_ablation import random_layered_problem
-from moirai.bounds import lower_bound
-from moirai.highs import run_highs
-from moirai.placers import place
-from moirai.problem import Plan, Problem
-from moirai.simulate import Timeline, simulate
-from moirai.solve.model import MilpModel, build_model
-from moirai.solve.solver import SolverSettings, solve_model
-from moirai.solve.warm_start import plan_from_times, warm_start_values
-from moirai.solve.window import whole_problem
+from moirai.planning.bounds import lower_bound
+from moirai.planning.highs import run_highs
+from moirai.planning.placers import place
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.simulate import Timeline, simulate
+from moirai.planning.solve.model import MilpModel, build_model
+from moirai.planning.solve.solver import SolverSettings, solve_model
+from moirai.planning.solve.warm_start import plan_from_times, warm_start_values
+from moirai.planning.solve.window import whole_problem
 from tests.conftest import random_problem
 
 TOLERANCE = 1e-6  # model time units (the horizon is 1000)
@@ -112,7 +112,7 @@ def test_chain_load_cuts_and_device_fixing_keep_the_optimum(monkeypatch, seed):
     problem = random_layered_problem(10, 3, seed=seed)
     strong = optimum_s(problem, "strong")
     assert strong == pytest.approx(optimum_s(problem, "paper"), rel=1e-6)
-    import moirai.solve.model as model
+    import moirai.planning.solve.model as model
 
     monkeypatch.setattr(model, "_add_chain_load_cuts", lambda *args: None)
     monkeypatch.setattr(model, "devices_in_time", lambda problem, allowed, *windows: allowed)

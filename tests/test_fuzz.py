@@ -21,9 +21,9 @@ from fuzz_models import FuzzModel, fuzz_case
 from models_for_tests import random_assignment
 
 import moirai
+from moirai.frontend.trace import TracedModel, trace
 from moirai.runtime import DistributedRunner, run_local
-from moirai.split import SplitProgram, split_module
-from moirai.trace import TracedModel, trace
+from moirai.runtime.split import SplitProgram, split_module
 
 FUZZ_MODELS = int(os.environ.get("MOIRAI_FUZZ_MODELS", "500"))
 BLOCK = 50

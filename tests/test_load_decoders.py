@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moirai
-from moirai.graph import build_op_graph
+from moirai.frontend.graph import build_op_graph
 
 
 class ChunkGate(torch.nn.Module):

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 from bench.milp_ablation import random_layered_problem
-from moirai.bounds import lower_bound
 from moirai.errors import InfeasibleError
-from moirai.placers import place
-from moirai.problem import Plan, Problem
-from moirai.report import StopReason
-from moirai.simulate import simulate
-from moirai.solve.model import build_model
-from moirai.solve.solver import SolverSettings, solve_model
-from moirai.solve.warm_start import plan_from_times
-from moirai.solve.window import identical_device_groups, whole_problem
+from moirai.planning.bounds import lower_bound
+from moirai.planning.placers import place
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.report import StopReason
+from moirai.planning.simulate import simulate
+from moirai.planning.solve.model import build_model
+from moirai.planning.solve.solver import SolverSettings, solve_model
+from moirai.planning.solve.warm_start import plan_from_times
+from moirai.planning.solve.window import identical_device_groups, whole_problem
 from tests.conftest import brute_force_optimum, random_problem
 
 
@@ -214,7 +214,7 @@ class _RecordedStatus:
 @pytest.mark.slow
 def test_window_search_returns_at_a_local_optimum_well_before_its_budget(monkeypatch):
     status = _RecordedStatus()
-    import moirai.placers.milp as milp_placer
+    import moirai.planning.placers.milp as milp_placer
 
     monkeypatch.setattr(milp_placer, "_status", lambda: status)
     problem = random_layered_problem(40, 4, seed=1)
@@ -273,7 +273,7 @@ def test_window_search_improves_on_the_best_heuristic():
 
 
 def test_solver_failure_falls_back_to_the_best_heuristic_with_a_warning(monkeypatch):
-    import moirai.solve.solver as solver
+    import moirai.planning.solve.solver as solver
 
     def broken(*args):
         raise RuntimeError("solver crashed")
@@ -290,7 +290,7 @@ def test_a_plan_over_memory_from_the_search_is_never_returned(monkeypatch):
     memory = np.random.default_rng(5).uniform(0.5, 1.5, base.num_tasks)
     capacity = np.full(base.num_devices, memory.sum() / base.num_devices * 1.1)
     problem = replace(base, memory_bytes=memory, memory_capacity_bytes=capacity)
-    milp_placer = importlib.import_module("moirai.placers.milp")
+    milp_placer = importlib.import_module("moirai.planning.placers.milp")
     real_search = milp_placer.improve_by_windows
 
     def overflowing_search(problem, start_plan, *args, **kwargs):

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 import moirai
-from moirai.calibrate import RequestCost, TransferCost, write_calibration
-from moirai.cost import HEADER_BYTES
-from moirai.objective import LATENCY
-from moirai.placers import _RULE_BASED_PLACERS, MIN_SPLIT_GAIN, _no_worse_than_one_device, list_placers, place
-from moirai.problem import Plan, Problem
+from moirai.cluster.calibrate import RequestCost, TransferCost, write_calibration
+from moirai.cluster.cost import HEADER_BYTES
+from moirai.planning.objective import LATENCY
+from moirai.planning.placers import _RULE_BASED_PLACERS, MIN_SPLIT_GAIN, _no_worse_than_one_device, list_placers, place
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.simulate import simulate
 from moirai.runtime.protocol import _HEADER_FIELDS
-from moirai.simulate import simulate
 
 LATENCY_PLACERS = [name for name in list_placers() if name not in _RULE_BASED_PLACERS]
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from moirai.errors import InfeasibleError
-from moirai.placers import list_placers, place
-from moirai.simulate import simulate
+from moirai.planning.placers import list_placers, place
+from moirai.planning.simulate import simulate
 from tests.conftest import random_problem
 
 # Solver-based placers get a small budget here; their own tests give them more.

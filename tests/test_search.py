@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from bench.milp_ablation import random_layered_problem
-from moirai.placers import get_placer, place
-from moirai.report import StopReason
-from moirai.schedule.heft import heft_schedule, upward_rank_mean_costs
-from moirai.simulate import simulate, upward_rank
-from moirai.solve.start_plans import improve_start_plan, placement_tail, schedule_tail
+from moirai.planning.placers import get_placer, place
+from moirai.planning.report import StopReason
+from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
+from moirai.planning.simulate import simulate, upward_rank
+from moirai.planning.solve.start_plans import improve_start_plan, placement_tail, schedule_tail
 
 
 def test_the_lookahead_steers_the_device_choice():
@@ -82,7 +82,7 @@ def test_milp_placer_at_scale_is_better_than_every_heuristic_within_its_budget()
 
 @pytest.mark.slow
 def test_window_search_at_a_local_optimum_also_starts_from_the_best_heuristic(monkeypatch):
-    milp_placer = importlib.import_module("moirai.placers.milp")
+    milp_placer = importlib.import_module("moirai.planning.placers.milp")
     real_search = milp_placer.improve_by_windows
     starts: list[float] = []
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import moirai
+from moirai.cluster.host import available_cores, split_cores
 from moirai.errors import ClusterError, DistributedError
-from moirai.host import available_cores, split_cores
 from moirai.runtime import DistributedRunner
 from moirai.runtime.resources import rank_resources
 

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moirai.errors import PlanError
-from moirai.placers._list_scheduling import to_plan
-from moirai.problem import Plan, Problem
-from moirai.schedule import ScheduleBuilder
-from moirai.simulate import simulate
+from moirai.planning.placers._list_scheduling import to_plan
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.schedule import ScheduleBuilder
+from moirai.planning.simulate import simulate
 
 
 def two_devices(tasks: dict[str, list[float]], edges: list[dict], **device_options: float) -> Problem:

@@ -29,9 +29,9 @@ from models_for_tests import (
 )
 
 from moirai.errors import DistributedError, InputError, PlanError
+from moirai.frontend.trace import TracedModel, trace
 from moirai.runtime import DistributedRunner, run_distributed, run_local
-from moirai.split import SplitProgram, split_module
-from moirai.trace import TracedModel, trace
+from moirai.runtime.split import SplitProgram, split_module
 
 WORLD_SIZE = 4
 
@@ -70,7 +70,11 @@ def _bert():
     from transformers import BertConfig, BertModel
 
     config = BertConfig(
-        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
         max_position_embeddings=64,
     )
     mask = torch.ones(2, 8, dtype=torch.long)
@@ -205,7 +209,8 @@ def test_tensor_read_twice_on_a_remote_device_is_sent_once():
     trunk = next(n.name for n in case.traced.graph_module.graph.nodes if n.target == torch.ops.aten.sigmoid.default)
     assert case.node_device[trunk] == 0
     readers_on_1 = [
-        user for user in case.traced.graph_module.graph.nodes
+        user
+        for user in case.traced.graph_module.graph.nodes
         if case.node_device.get(user.name) == 1 and any(a.name == trunk for a in user.all_input_nodes)
     ]
     assert len(readers_on_1) == 2

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import moirai
-from moirai.stream import simulate_stream, unroll
+from moirai.planning.stream import simulate_stream, unroll
 from tests.conftest import random_problem
 
 

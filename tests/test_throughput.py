@@ -12,12 +12,12 @@ from rich.console import Console
 
 import moirai
 from moirai import viz
-from moirai.bounds import lower_bounds
 from moirai.errors import InfeasibleError
-from moirai.objective import Throughput, as_objective
-from moirai.placers import get_placer, list_placers, place
-from moirai.problem import Plan, Problem
-from moirai.simulate import simulate
+from moirai.planning.bounds import lower_bounds
+from moirai.planning.objective import Throughput, as_objective
+from moirai.planning.placers import get_placer, list_placers, place
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.simulate import simulate
 from tests.conftest import random_problem
 from tests.test_placers import MEMORY_BLIND, OPTIONS
 

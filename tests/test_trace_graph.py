@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moirai.errors import InputError, TraceError
-from moirai.graph import build_op_graph
-from moirai.trace import trace
+from moirai.frontend.graph import build_op_graph
+from moirai.frontend.trace import trace
 
 
 class TwoLayer(torch.nn.Module):
@@ -107,8 +107,8 @@ def test_meta_model_of_over_a_billion_parameters_traces_without_weight_memory() 
     script = textwrap.dedent(
         """
         import resource, torch
-        from moirai.trace import trace
-        from moirai.graph import build_op_graph
+        from moirai.frontend.trace import trace
+        from moirai.frontend.graph import build_op_graph
         with torch.device("meta"):
             model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(16)])
         graph = build_op_graph(trace(model, (torch.randn(8, 8192, device="meta"),)))

@@ -31,13 +31,13 @@ import torch
 
 from bench import run
 from bench.models import ZOO, build, model_sizes, size_spec
-from moirai.bounds import lower_bound
-from moirai.cost import build_problem
-from moirai.devices import Cluster
+from moirai.cluster.cost import build_problem
+from moirai.cluster.devices import Cluster
 from moirai.errors import InfeasibleError
-from moirai.graph import OpGraph, build_op_graph
-from moirai.placers import _REGISTRY as PLACER_REGISTRY
-from moirai.trace import trace
+from moirai.frontend.graph import OpGraph, build_op_graph
+from moirai.frontend.trace import trace
+from moirai.planning.bounds import lower_bound
+from moirai.planning.placers import _REGISTRY as PLACER_REGISTRY
 
 PARAM_TOLERANCE = 0.05
 # Tracing a paper-size model takes 3 s (GPT-3 330M) to 3 min (Evoformer 3.2B) on a 2-core machine; a decoder

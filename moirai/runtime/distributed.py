@@ -1,4 +1,4 @@
-"""Run a :class:`~moirai.split.SplitProgram` with one process per device: the entry points and the launchers.
+"""Run a :class:`~moirai.runtime.split.SplitProgram` with one process per device: the entry points and the launchers.
 
 Part ``k`` runs on rank ``k``, and the caller's process is rank 0, the driver
 (:mod:`moirai.runtime.driver`): it takes the requests, sends each rank the inputs its part reads,
@@ -48,9 +48,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moirai import device_kinds
-from moirai.device_kinds import kind_of
-from moirai.devices import Device
+from moirai.cluster import kinds as device_kinds
+from moirai.cluster.devices import Device
+from moirai.cluster.kinds import kind_of
 from moirai.errors import DistributedError, InputError
 from moirai.progress import stage
 from moirai.runtime import shm
@@ -67,7 +67,7 @@ from moirai.runtime.resources import (
     rank_resources,
     restore_resources,
 )
-from moirai.split import SplitProgram
+from moirai.runtime.split import SplitProgram
 
 __all__ = [
     "DistributedRunner",

@@ -36,7 +36,7 @@ from moirai.runtime.protocol import (
     send_header,
     send_inputs,
 )
-from moirai.split import SplitProgram
+from moirai.runtime.split import SplitProgram
 
 # A heartbeat goes to a rank that has had no header for this fraction of the timeout.
 _HEARTBEAT_FRACTION = 0.25

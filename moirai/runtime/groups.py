@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from moirai.device_kinds import backend_for, kind_of
+from moirai.cluster.kinds import backend_for, kind_of
 from moirai.runtime import shm
 from moirai.runtime.local import place_part
-from moirai.split import SplitProgram
+from moirai.runtime.split import SplitProgram
 
 
 @dataclass

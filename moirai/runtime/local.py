@@ -1,4 +1,4 @@
-"""Run every part of a :class:`~moirai.split.SplitProgram` in this process.
+"""Run every part of a :class:`~moirai.runtime.split.SplitProgram` in this process.
 
 Example::
 
@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from moirai.errors import InputError, PlanError
-from moirai.split import DevicePart, SplitProgram, TensorTransfer, symbol_values
+from moirai.runtime.split import DevicePart, SplitProgram, TensorTransfer, symbol_values
 
 
 def run_local(

@@ -6,8 +6,8 @@ idle driver's heartbeat or closes the rank (:class:`Header`). Every message of r
 carries a tag made of ``r`` and its position in the request (header, inputs, the program's
 transfers in their global order, outputs), so gloo matches messages per request; NCCL ignores
 tags and matches by order, which every rank keeps (requests in order, each part's messages in
-the program's global order, see :mod:`moirai.split`). Receive buffers take their shapes from the
-traced specs with the header's symbolic dimension values (:func:`moirai.split.concrete_shape`).
+the program's global order, see :mod:`moirai.runtime.split`). Receive buffers take their shapes from the
+traced specs with the header's symbolic dimension values (:func:`moirai.runtime.split.concrete_shape`).
 
 A failed send, receive or wait raises :class:`moirai.runtime.blame.PeerFailure` naming the peer.
 """
@@ -26,12 +26,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from moirai.device_kinds import kind_of
+from moirai.cluster.kinds import kind_of
 from moirai.errors import PlanError
+from moirai.frontend.trace import TensorSpec
 from moirai.runtime.blame import PeerFailure
 from moirai.runtime.groups import Group, placed_part
-from moirai.split import SplitProgram, concrete_shape, symbol_values
-from moirai.trace import TensorSpec
+from moirai.runtime.split import SplitProgram, concrete_shape, symbol_values
 
 # Header kinds; a header's fields are its kind, program id, payload bytes, request index, time limit in ms.
 RUN, LOAD, HEARTBEAT, CLOSE = 1, 2, 3, 4
@@ -110,7 +110,7 @@ class Messages:
 
 
 class _Transport:
-    """What a part's send/post_recv/wait_recv nodes call (see :class:`moirai.split.Transport`)."""
+    """What a part's send/post_recv/wait_recv nodes call (see :class:`moirai.runtime.split.Transport`)."""
 
     def __init__(self, program: SplitProgram, messages: Messages) -> None:
         self._transfers = program.transfers

@@ -1,7 +1,7 @@
 """What share of its host each rank gets: the CPU cores it may run on and its torch thread counts.
 
 Logical CPU devices on one host split the host's cores into disjoint blocks with
-:func:`moirai.host.split_cores`, the rule the cost model uses for their peak FLOP/s, so a
+:func:`moirai.cluster.host.split_cores`, the rule the cost model uses for their peak FLOP/s, so a
 rank computes with the cores the plan assumed instead of every rank using every core. A
 device's ``cores`` / ``threads`` from the cluster file override the split; cores claimed
 explicitly are left out of the split of the others. A GPU rank only feeds its GPU: it gets a
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from moirai.devices import Device
+from moirai.cluster.devices import Device
+from moirai.cluster.host import available_cores, current_cores, note_pinning, split_cores
 from moirai.errors import ClusterError
-from moirai.host import available_cores, current_cores, note_pinning, split_cores
 
 # Host threads of a GPU rank: enough to launch kernels and copy, few enough to leave the CPU ranks alone.
 GPU_RANK_THREADS = 2

@@ -1,0 +1,492 @@
+"""Cost model: Cluster x OpGraph -> Problem (plain numbers).
+
+Compute time of every node (op or op group) on every device, two modes:
+
+* ``analytic``: roofline per node and device,
+  ``max(flops / peak_flops[dtype], bytes_moved / memory_bandwidth) / efficiency`` plus one launch
+  overhead per op (peaks, bandwidth, efficiency and overhead from the device, see
+  :mod:`moirai.cluster.devices`). Ops the FLOP counter does not cover have 0 FLOPs and cost their bytes
+  moved. The dtype of a node is that of its largest floating-point output (read from the traced
+  model when one is given; float32 otherwise).
+* ``measured``: every node is timed inside runs of the whole model on the real device, with
+  random inputs of the traced shapes (integer inputs are zeros; weights on the meta device become
+  random). The traced graph is regenerated with each node's ops contiguous (nodes in a
+  topological order of ``graph``, ties in the model's op order; ops of a node in the model's
+  order) and a clock reading between nodes; a parameter is fetched by the first node that reads
+  it, and fx frees every value after its last use, as in the model's own run. So a node's time
+  is that of its ops with the memory and caches the model leaves them (fresh allocations,
+  outputs that stay live, the previous node's data in cache) and without a per-call overhead the
+  model does not have: the times add up to the run of the traced graph, which is what moirai
+  runs (each part is such a graph). Each node's time is the median over the repeats,
+  after warm-up runs, minus the clock's own cost (the median of spans with no op between two
+  readings). Readings use wall time unless another ``clock`` is given (``time.thread_time``
+  suits single-threaded CPU profiling on a shared machine). Times are cached on disk
+  (``$MOIRAI_CACHE_DIR``, else ``~/.cache/moirai``) keyed by the node's op signature (targets,
+  argument shapes, dtypes, strides, constants) and the device: nodes of one signature share the
+  median of their times, and a second compile reads the cache instead of profiling. Every device
+  of the cluster must be on this machine; devices sharing a torch device share its
+  measurements, taken with the current ``torch.get_num_threads()``.
+
+Communication: tensor ``t`` from device ``a`` to ``b`` takes ``latency[a, b] + bytes / bandwidth[a, b]``
+on the cluster's (routed) link matrices, 0 on one device, and keeps device ``a`` busy for
+``send_cpu_s[a, b] + bytes * send_cpu_s_per_byte[a, b]`` (:func:`send_cpu_s`), and device ``b`` busy for the
+receiver's time (:func:`recv_cpu_s`); both 0 unless calibrated.
+
+Memory: a node holds its parameters and buffers on its device for the whole run
+(``Problem.memory_bytes``). Activations are transient: every device keeps free the activation
+peak of the whole model run in graph order (:func:`activation_peak_bytes`: a tensor lives from
+its producer to its last consumer, views allocate nothing), so a device's capacity in the
+problem is its memory minus that reserve. A part of the model never holds more live activations
+than the whole model run on one device, so the reserve is a safe bound; it is loose when the
+model is split, since the paper's alternative (charging every activation for the whole run)
+made a 13B decoder need 48 GB for 26 GB of weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import networkx as nx
+import numpy as np
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from rich.progress import Progress
+
+from moirai.cluster.devices import Cluster, Device
+from moirai.cluster.kinds import kind_of
+from moirai.errors import ClusterError
+from moirai.frontend.graph import OpGraph, model_output_bytes
+from moirai.frontend.trace import TracedModel
+from moirai.planning.problem import Problem
+from moirai.progress import stage
+
+_LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
+_EMPTY_SPANS = 4  # spans with no op in profiling runs, to time the clock itself
+HEADER_BYTES = 40  # the runtime's request header: five int64 (moirai.runtime.protocol)
+
+
+@stage("cost")
+def build_problem(
+    graph: OpGraph,
+    cluster: Cluster,
+    mode: Literal["analytic", "measured"] = "analytic",
+    traced: TracedModel | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    warmup: int = 3,
+    repeats: int = 11,
+    progress: bool = True,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Problem:
+    """The placement problem of ``graph`` on ``cluster``.
+
+    ``mode="measured"`` needs ``traced``, the model ``graph`` was built from; ``analytic`` uses it,
+    when given, only to read each node's dtype.
+    """
+    if mode == "analytic":
+        dtypes = None if traced is None else node_dtypes(graph, traced)
+        compute = analytic_compute_s(graph, cluster, dtypes)
+    elif mode == "measured":
+        if traced is None:
+            raise ClusterError("mode='measured' runs the model's ops: pass traced=, the TracedModel of the graph")
+        compute = measured_compute_s(
+            graph, cluster, traced, cache_dir=cache_dir, warmup=warmup, repeats=repeats, progress=progress, clock=clock
+        )
+    else:
+        raise ClusterError(f"unknown cost mode {mode!r}; use 'analytic' or 'measured'")
+
+    tensor_index: dict[tuple[int, str], int] = {}
+    names, producers, consumers, sizes = [], [], [], []
+    for e in graph.edges:
+        key = (e.src, e.tensor)
+        if key not in tensor_index:
+            tensor_index[key] = len(names)
+            names.append(e.tensor)
+            producers.append(e.src)
+            consumers.append([])
+            sizes.append(e.bytes)
+        consumers[tensor_index[key]].append(e.dst)
+    sizes_array = np.array(sizes, float)
+    reserve = activation_peak_bytes(graph)
+    outputs = output_messages(graph, traced, cluster)
+    return Problem(
+        device_names=cluster.names,
+        memory_capacity_bytes=np.array([max(d.memory_bytes - reserve, 0.0) for d in cluster.devices]),
+        task_names=tuple(n.name for n in graph.nodes),
+        compute_s=compute,
+        memory_bytes=np.array([n.param_bytes for n in graph.nodes]),
+        tensor_names=tuple(names),
+        tensor_producer=np.array(producers, int),
+        tensor_consumers=tuple(tuple(c) for c in consumers),
+        transfer_s=transfer_s(sizes_array, cluster),
+        tensor_bytes=sizes_array,
+        send_cpu_s=send_cpu_s(sizes_array, cluster),
+        recv_cpu_s=recv_cpu_s(sizes_array, cluster),
+        header_s=header_s(cluster),
+        output_s=outputs.delay_s,
+        output_send_cpu_s=outputs.send_cpu_s,
+        output_recv_cpu_s=outputs.recv_cpu_s,
+        request_cpu_s=cluster.request_cpu_s,
+    )
+
+
+def activation_peak_bytes(graph: OpGraph) -> float:
+    """Peak bytes of live activations when ``graph``'s nodes run one after another in index order.
+
+    A node's outputs (``output_bytes``) are live from the node until its last consumer, or to
+    the end when nothing in the graph consumes them (model outputs).
+    """
+    n = len(graph.nodes)
+    last_use = np.arange(n)
+    for e in graph.edges:
+        last_use[e.src] = max(last_use[e.src], e.dst)
+    consumed = np.zeros(n, bool)
+    consumed[[e.src for e in graph.edges]] = True
+    last_use[~consumed] = n - 1
+    # Difference array: +bytes when a node runs, -bytes after its last consumer has run.
+    change = np.zeros(n + 1)
+    allocated = np.array([node.output_bytes for node in graph.nodes])
+    np.add.at(change, np.arange(n), allocated)
+    np.add.at(change, last_use + 1, -allocated)
+    return float(np.cumsum(change)[:n].max()) if n else 0.0
+
+
+def transfer_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """``[t, a, b]``: time to send tensor ``t`` from device ``a`` to ``b`` (0 on the diagonal)."""
+    off_diagonal = ~np.eye(len(cluster), dtype=bool)
+    with np.errstate(divide="ignore"):
+        per_byte = np.where(off_diagonal, 1.0 / cluster.bandwidth_bytes_per_s, 0.0)
+    latency = cluster.latency_s * off_diagonal
+    return latency[None, :, :] + np.asarray(tensor_bytes, float)[:, None, None] * per_byte[None, :, :]
+
+
+def header_s(cluster: Cluster) -> np.ndarray:
+    """``[k]``: when device ``k`` can start a request: the runtime's header, a message of :data:`HEADER_BYTES` from
+    device 0 (the driver), has come and been taken in (its delay and its receiver's CPU time; 0 where no finite
+    link leads: such a device cannot take part anyway)."""
+    header = np.array([HEADER_BYTES])
+    delay = transfer_s(header, cluster)[0, 0] + recv_cpu_s(header, cluster)[0, 0]
+    return np.where(np.isfinite(delay), delay, 0.0)
+
+
+class OutputMessages(NamedTuple):
+    """``[node, k]``, for the one message that carries the model outputs ``node`` makes on device ``k`` to the
+    driver on device 0 (zero on device 0, and without ``traced``, which knows the outputs)."""
+
+    delay_s: np.ndarray  # from the node's finish until device 0 holds them: send, transfer and receive
+    send_cpu_s: np.ndarray  # CPU time the send takes from device k
+    recv_cpu_s: np.ndarray  # CPU time the receive takes from device 0
+
+
+def output_messages(graph: OpGraph, traced: TracedModel | None, cluster: Cluster) -> OutputMessages:
+    """What sending each node's model outputs to device 0 costs (:class:`OutputMessages`)."""
+    costs = [np.zeros((len(graph.nodes), len(cluster))) for _ in OutputMessages._fields]
+    if traced is not None:
+        for node, made_bytes in model_output_bytes(graph, traced).items():
+            message = np.array([made_bytes])
+            sender, receiver = send_cpu_s(message, cluster)[0, :, 0], recv_cpu_s(message, cluster)[0, :, 0]
+            delay = sender + transfer_s(message, cluster)[0, :, 0] + receiver
+            for cost, value in zip(costs, (delay, sender, receiver), strict=True):
+                cost[node] = value
+    return OutputMessages(*(np.where(np.isfinite(cost), cost, 0.0) for cost in costs))
+
+
+def send_cpu_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """``[t, a, b]``: time sending tensor ``t`` from device ``a`` to ``b`` keeps ``a`` busy (0 on the diagonal)."""
+    return _cpu_time_s(tensor_bytes, cluster.send_cpu_s, cluster.send_cpu_s_per_byte)
+
+
+def recv_cpu_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """``[t, a, b]``: time receiving tensor ``t`` from device ``a`` keeps ``b`` busy (0 on the diagonal)."""
+    return _cpu_time_s(tensor_bytes, cluster.recv_cpu_s, cluster.recv_cpu_s_per_byte)
+
+
+def _cpu_time_s(tensor_bytes: np.ndarray, fixed_s: np.ndarray, s_per_byte: np.ndarray) -> np.ndarray:
+    off_diagonal = ~np.eye(len(fixed_s), dtype=bool)
+    fixed, per_byte = fixed_s * off_diagonal, s_per_byte * off_diagonal
+    return fixed[None, :, :] + np.asarray(tensor_bytes, float)[:, None, None] * per_byte[None, :, :]
+
+
+def analytic_compute_s(graph: OpGraph, cluster: Cluster, dtypes: Sequence[str] | None = None) -> np.ndarray:
+    """``[node, device]`` roofline times; ``dtypes`` (torch dtype names per node) default to float32."""
+    dtypes = ["float32"] * len(graph.nodes) if dtypes is None else list(dtypes)
+    flops = np.array([n.flops for n in graph.nodes], float)
+    moved = np.array([n.bytes_moved for n in graph.nodes], float)
+    op_count = np.array([len(n.targets) for n in graph.nodes], float)
+    peak = np.array([[d.peak_flops_for(dtype) for d in cluster.devices] for dtype in dtypes]).reshape(len(flops), -1)
+    memory_bandwidth = np.array([d.memory_bandwidth_bytes_per_s for d in cluster.devices])
+    efficiency = np.array([d.efficiency for d in cluster.devices])
+    launch = np.array([d.launch_overhead_s for d in cluster.devices])
+    roofline = np.maximum(flops[:, None] / peak, moved[:, None] / memory_bandwidth)
+    return roofline / efficiency + op_count[:, None] * launch
+
+
+def node_dtypes(graph: OpGraph, traced: TracedModel) -> list[str]:
+    """Per node, the dtype (name) of its largest floating-point output; float32 when it has none."""
+    fx_nodes = {n.name: n for n in traced.graph_module.graph.nodes}
+    dtypes = []
+    for node in graph.nodes:
+        outputs = [
+            t
+            for name in node.fx_names
+            for t in pytree.tree_leaves(fx_nodes[name].meta.get("val"))
+            if isinstance(t, torch.Tensor) and t.dtype.is_floating_point
+        ]
+        largest = max(outputs, key=lambda t: t.numel() * t.element_size(), default=None)
+        dtypes.append("float32" if largest is None else str(largest.dtype).removeprefix("torch."))
+    return dtypes
+
+
+# --- measured mode ---------------------------------------------------------------------------
+
+
+def measured_compute_s(
+    graph: OpGraph,
+    cluster: Cluster,
+    traced: TracedModel,
+    *,
+    cache_dir: str | Path | None = None,
+    warmup: int = 3,
+    repeats: int = 11,
+    progress: bool = True,
+    clock: Callable[[], float] = time.perf_counter,
+) -> np.ndarray:
+    """``[node, device]`` measured times; devices sharing a torch device share one profile."""
+    for device in cluster.devices:
+        _check_local(device)
+    profiles = {
+        torch_device: profile_nodes(
+            graph,
+            traced,
+            torch_device,
+            cache_dir=cache_dir,
+            warmup=warmup,
+            repeats=repeats,
+            progress=progress,
+            clock=clock,
+        )
+        for torch_device in dict.fromkeys(d.torch_device for d in cluster.devices)
+    }
+    return np.stack([profiles[d.torch_device] for d in cluster.devices], axis=1)
+
+
+def profile_nodes(
+    graph: OpGraph,
+    traced: TracedModel,
+    torch_device: str,
+    *,
+    cache_dir: str | Path | None = None,
+    warmup: int = 3,
+    repeats: int = 11,
+    progress: bool = True,
+    clock: Callable[[], float] = time.perf_counter,
+) -> np.ndarray:
+    """Median time (s) of every node of ``graph`` on ``torch_device``, timed inside a run of the whole model.
+
+    ``clock`` times the runs: wall time by default; ``time.thread_time`` counts only this thread's
+    CPU time, which suits single-threaded CPU profiling on a machine shared with other work.
+    Nodes with equal op signatures share the median of their times; times are disk-cached.
+    """
+    if warmup < 0 or repeats < 1:
+        raise ClusterError(f"profiling needs warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    device = torch.device(torch_device)
+    fx_nodes = {n.name: n for n in traced.graph_module.graph.nodes}
+    signatures = [_signature(traced.graph_module, [fx_nodes[f] for f in node.fx_names]) for node in graph.nodes]
+    cache = _ProfileCache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), _device_key(device, clock))
+    missing = list(dict.fromkeys(s for s in signatures if s not in cache.times_s))
+    if missing:
+        module = _module_on(traced.graph_module, device)
+        order = _group_order(graph, traced.graph_module)
+        timed = _timed_module(module, [graph.nodes[i].fx_names for i in order], clock, device)
+        inputs = [_random_like(torch.empty(s.shape, dtype=s.dtype, device=device)) for s in traced.input_specs]
+        times = _in_situ_times_s(timed, inputs, warmup, repeats, progress, f"{len(order)} op groups on {device}")
+        occurrences: dict[str, list[float]] = {}
+        for index, time_s in zip(order, times, strict=True):
+            occurrences.setdefault(signatures[index], []).append(float(time_s))
+        cache.times_s.update({s: statistics.median(occurrences[s]) for s in missing})
+        cache.save()
+    return np.array([cache.times_s[s] for s in signatures])
+
+
+def default_cache_dir() -> Path:
+    """Where measured profiles live: ``$MOIRAI_CACHE_DIR``, else ``~/.cache/moirai``."""
+    return Path(os.environ.get("MOIRAI_CACHE_DIR") or Path.home() / ".cache" / "moirai")
+
+
+class _ProfileCache:
+    """One JSON file per device: op-group signature -> median seconds."""
+
+    def __init__(self, cache_dir: Path, device_key: str) -> None:
+        digest = hashlib.sha256(device_key.encode()).hexdigest()[:16]
+        self.path = cache_dir / "profiles" / f"{digest}.json"
+        self.device_key = device_key
+        self.times_s: dict[str, float] = {}
+        if self.path.exists():
+            self.times_s = json.loads(self.path.read_text()).get("times_s", {})
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"device": self.device_key, "times_s": self.times_s}, indent=0))
+        os.replace(partial, self.path)  # atomic: a concurrent reader never sees half a file
+
+
+def _check_local(device: Device) -> None:
+    on_this_host = device.host in _LOCAL_HOSTS
+    torch_device = torch.device(device.torch_device)
+    available = kind_of(torch_device).available(torch_device)
+    if not (on_this_host and available):
+        raise ClusterError(
+            f"device {device.name!r} ({device.torch_device} on host {device.host!r}) is not on this machine, "
+            "so it cannot be measured; use mode='analytic', or profile on that host"
+        )
+
+
+def _device_key(device: torch.device, clock: Callable[[], float]) -> str:
+    """What a measurement depends on besides the ops: the hardware, the thread count, torch, the clock
+    and how nodes are timed (in situ: profiles of nodes run alone, taken by earlier versions, differ)."""
+    hardware = kind_of(device).hardware_name(device) or f"{_cpu_model()} threads={torch.get_num_threads()}"
+    return f"{device.type}|{hardware}|torch {torch.__version__}|{clock.__name__}|in situ"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _signature(module: fx.GraphModule, nodes: Sequence[fx.Node]) -> str:
+    """A hash of the ops of a group, independent of node names: equal groups share a profile."""
+    position = {n: i for i, n in enumerate(nodes)}
+
+    def describe(arg: Any) -> Any:
+        if isinstance(arg, fx.Node):
+            if arg in position:
+                return f"%{position[arg]}"
+            return pytree.tree_map_only(torch.Tensor, _tensor_signature, arg.meta.get("val"))
+        return arg
+
+    parts = []
+    for node in nodes:
+        target = repr(module.get_submodule(node.target)) if node.op == "call_module" else str(node.target)
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), describe)
+        parts.append(f"{node.op} {target} {args!r} {kwargs!r}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _tensor_signature(t: torch.Tensor) -> str:
+    return f"T{tuple(t.shape)}{t.dtype}{tuple(t.stride())}"
+
+
+def _module_on(module: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """``module`` with real weights on ``device``; weights on the meta device become random."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    if all(t.device == device for t in tensors):
+        return module
+    if not any(t.is_meta for t in tensors):
+        return copy.deepcopy(module).to(device)
+    materialized = copy.deepcopy(module).to_empty(device=device)
+    with torch.no_grad():
+        for t in list(materialized.parameters()) + list(materialized.buffers()):
+            t.copy_(_random_like(t))
+    return materialized
+
+
+def _random_like(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return torch.randn(t.shape, dtype=t.dtype, device=t.device)
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _group_order(graph: OpGraph, module: fx.GraphModule) -> list[int]:
+    """Node indices in a topological order of ``graph``, ties broken by the model's own op order."""
+    position = {n.name: p for p, n in enumerate(module.graph.nodes)}
+    covered = {f for node in graph.nodes for f in node.fx_names}
+    compute = {n.name for n in module.graph.nodes if n.op in ("call_function", "call_method", "call_module")}
+    if covered != compute:
+        raise ClusterError(
+            f"the graph's nodes cover {len(covered)} fx nodes but the traced model has {len(compute)} ops; "
+            "profile a graph built from this traced model (build_op_graph, then merges of it)"
+        )
+    first_op = [min(position[f] for f in node.fx_names) for node in graph.nodes]
+    try:
+        return list(nx.lexicographical_topological_sort(graph.to_networkx(), key=first_op.__getitem__))
+    except nx.NetworkXUnfeasible as cycle:
+        raise ClusterError(
+            "the op groups depend on each other in a cycle, so no run of the model executes each group in one "
+            "piece; merge only groups that keep the coarse graph acyclic"
+        ) from cycle
+
+
+def _timed_module(
+    module: fx.GraphModule, groups: Sequence[Sequence[str]], clock: Callable[[], float], device: torch.device
+) -> fx.GraphModule:
+    """``module``'s graph with every group's ops contiguous, groups in the given order, and a clock read
+    before the first and after every group; it returns ``(clock readings, model outputs)``, the readings
+    starting with ``_EMPTY_SPANS + 1`` empty spans.
+
+    Inputs come first, outside the timed spans; a parameter or buffer is fetched just before the
+    first op that reads it, in that op's span, as the model's run (or a part holding that op)
+    fetches it. fx code generation frees every value after its last use, as in the model's own
+    run, so the ops allocate and reuse memory as they will when the model runs.
+    """
+    kind = kind_of(device)
+
+    def timestamp() -> float:
+        kind.synchronize(device)
+        return clock()
+
+    position = {n.name: p for p, n in enumerate(module.graph.nodes)}
+    own = {n.name: n for n in module.graph.nodes}
+    graph = fx.Graph()
+    copies = {node: graph.node_copy(node) for node in module.graph.find_nodes(op="placeholder")}
+    # Empty spans time the clock's own cost, which every span includes; the first reading after the
+    # inputs is slower than the rest (its code is cold), so the first span is only a warm-up.
+    stamps = [graph.call_function(timestamp) for _ in range(_EMPTY_SPANS + 2)]
+    for group in groups:
+        for name in sorted(group, key=position.__getitem__):
+            node = own[name]
+            # A parameter is looked up (through the module tree) by the first group that reads it.
+            for attribute in node.all_input_nodes:
+                if attribute.op == "get_attr" and attribute not in copies:
+                    copies[attribute] = graph.node_copy(attribute)
+            copies[node] = graph.node_copy(node, copies.__getitem__)
+        stamps.append(graph.call_function(timestamp))
+    (output,) = module.graph.find_nodes(op="output")
+    for attribute in module.graph.find_nodes(op="get_attr"):
+        copies.setdefault(attribute, graph.node_copy(attribute))
+    graph.output((tuple(stamps), fx.node.map_arg(output.args[0], copies.__getitem__)))
+    return fx.GraphModule(module, graph)
+
+
+def _in_situ_times_s(
+    timed: fx.GraphModule, inputs: Sequence[torch.Tensor], warmup: int, repeats: int, progress: bool, what: str
+) -> np.ndarray:
+    """Per group of ``timed`` (see :func:`_timed_module`), the median over ``repeats`` runs of the time
+    between its clock readings, after ``warmup`` runs, minus the clock's own cost (the median empty span)."""
+    runs = []
+    with torch.no_grad(), Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task(f"profiling {what}", total=warmup + repeats)
+        for run in range(warmup + repeats):
+            stamps, _ = timed(*inputs)
+            if run >= warmup:
+                runs.append(np.diff(stamps))
+            bar.advance(task)
+    spans = np.array(runs)[:, 1:]
+    clock_cost = np.median(spans[:, :_EMPTY_SPANS])
+    return np.maximum(np.median(spans[:, _EMPTY_SPANS:], axis=0) - clock_cost, 0.0)

@@ -1,0 +1,355 @@
+"""Cluster description: devices of different speed and memory, and the directed links between them.
+
+A cluster comes from a file, a preset, the local machine, or a list of torch device strings::
+
+    cluster = Cluster.from_file("cluster.toml")
+    cluster = Cluster.preset("moirai-inter-server")     # names: Cluster.presets()
+    cluster = Cluster.detect()                           # local CPU and every visible CUDA device
+    cluster = Cluster.from_devices(["cpu", "cpu"])       # two logical CPU devices
+    cluster.transfer_time_s(1e6, 0, 1)                   # latency + bytes / bandwidth
+
+Cluster file (TOML; GB = 1e9 bytes, Gbps = 1e9 bits/s)::
+
+    name = "two-gpus"
+
+    [[devices]]
+    name = "A"
+    torch_device = "cuda:0"
+    host = "server-a"             # optional, default "localhost"
+    rank = 0                      # optional: the torch.distributed rank serving this device
+    cores = [0, 1]                # optional: the host's CPU cores its rank runs on (default: an even split)
+    threads = 2                   # optional: its rank's torch threads (default: its cores; 2 for a GPU)
+    type = "t4"                   # a row of moirai/data/device_types.toml ...
+    memory_gb = 16                # ... whose numbers the fields below override
+
+    [[devices]]
+    name = "B"
+    torch_device = "cpu"
+    kind = "cpu"
+    memory_gb = 64
+    peak_tflops = { fp32 = 1.0, bf16 = 1.0 }   # explicit numbers instead of a type
+    memory_bandwidth_gb_per_s = 80
+    launch_overhead_us = 5        # optional
+    efficiency = 0.3              # optional
+
+    [[links]]                     # directed; both_directions = true adds the reverse link
+    src = "A"
+    dst = "B"
+    bandwidth_gbps = 96
+    latency_us = 10
+    both_directions = true
+
+Instead of ``[[links]]`` a file may give full matrices (row = sender, column = receiver,
+diagonal ignored), as the paper's Table III does::
+
+    [matrix]
+    bandwidth_gbps = [[0, 44.26], [42.39, 0]]
+    latency_us = 10               # a number for every link, or a matrix
+
+Routes (paper §III-C, Fig. 3): a pair of devices without a direct link communicates over the
+path with the widest bottleneck; its bandwidth is the smallest on the path and its latency the
+sum along it (among equally wide paths, the one with the lowest latency). Links stay directed,
+so an asymmetric cluster keeps different numbers per direction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import numpy as np
+import torch
+
+from moirai.cluster.files import (
+    check_device,
+    check_device_names,
+    cluster_description,
+    device_to_dict,
+    preset_description,
+    preset_names,
+    read_cluster_file,
+    to_toml,
+    torch_device_name,
+)
+from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, MICROSECOND, Device, Link
+from moirai.cluster.host import detect_device, device_index
+from moirai.cluster.kinds import accelerator_kinds, kind_of
+from moirai.errors import ClusterError
+
+# A loopback gloo link between two processes on one host, as measured on a 2-core machine.
+_LOCAL_PROCESS_BANDWIDTH_BYTES_PER_S = 2e9
+_LOCAL_PROCESS_LATENCY_S = 50e-6
+# A PCIe 3 x16 link, the slowest path between two local GPUs or a GPU and the host.
+_PCIE_BANDWIDTH_BYTES_PER_S = 12e9
+_PCIE_LATENCY_S = 10e-6
+
+
+# The CPU time a transfer takes from its two ends: fixed seconds and seconds per byte.
+_CPU_TIME_MATRICES = ("send_cpu_s", "send_cpu_s_per_byte", "recv_cpu_s", "recv_cpu_s_per_byte")
+
+
+@dataclass(frozen=True, eq=False)
+class Cluster:
+    """Devices and the effective directed link matrices (``bandwidth[a, b]`` is a -> b).
+
+    The matrices are full-mesh: pairs without a direct link hold the numbers of their route.
+    ``links`` are the direct links the cluster was described with (empty when it was given as
+    matrices). ``send_cpu_s[a, b] + bytes * send_cpu_s_per_byte[a, b]``: the time a send over ``a -> b``
+    keeps device ``a`` busy, and ``recv_cpu_s`` / ``recv_cpu_s_per_byte`` the time receiving it keeps ``b`` busy
+    (default 0; a calibration measures them, :func:`moirai.cluster.calibrate.calibrated_cluster`). ``request_cpu_s[k]``:
+    the runtime's own CPU time per request on device ``k``'s rank beyond its ops and messages (device 0's rank is
+    the driver; default 0, measured by the calibration too).
+    """
+
+    devices: tuple[Device, ...]
+    bandwidth_bytes_per_s: np.ndarray
+    latency_s: np.ndarray
+    links: tuple[Link, ...] = ()
+    name: str = ""
+    send_cpu_s: np.ndarray = None  # type: ignore[assignment]
+    send_cpu_s_per_byte: np.ndarray = None  # type: ignore[assignment]
+    recv_cpu_s: np.ndarray = None  # type: ignore[assignment]
+    recv_cpu_s_per_byte: np.ndarray = None  # type: ignore[assignment]
+    request_cpu_s: np.ndarray = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        k = len(self.devices)
+        if k == 0:
+            raise ClusterError("a cluster needs at least one device")
+        check_device_names([d.name for d in self.devices])
+        object.__setattr__(self, "bandwidth_bytes_per_s", np.asarray(self.bandwidth_bytes_per_s, float))
+        object.__setattr__(self, "latency_s", np.asarray(self.latency_s, float))
+        for label in _CPU_TIME_MATRICES:
+            value = getattr(self, label)
+            object.__setattr__(self, label, np.zeros((k, k)) if value is None else np.asarray(value, float))
+        matrices = {
+            "bandwidth": self.bandwidth_bytes_per_s,
+            "latency": self.latency_s,
+            **{label: getattr(self, label) for label in _CPU_TIME_MATRICES},
+        }
+        for label, matrix in matrices.items():
+            if matrix.shape != (k, k):
+                raise ClusterError(f"{label} matrix is {matrix.shape}, must be {k}x{k} (one row per device)")
+        for label in _CPU_TIME_MATRICES:
+            if not np.all(np.isfinite(matrices[label])) or np.any(matrices[label] < 0):
+                raise ClusterError(
+                    f"{label} (a sender's or receiver's time per transfer) must be non-negative finite numbers"
+                )
+        request_cpu = np.zeros(k) if self.request_cpu_s is None else np.asarray(self.request_cpu_s, float)
+        if request_cpu.shape != (k,) or not np.all(np.isfinite(request_cpu)) or np.any(request_cpu < 0):
+            raise ClusterError(
+                f"request_cpu_s (the runtime's own time per request on each device) must be {k} non-negative "
+                f"finite numbers, got {request_cpu.tolist()}"
+            )
+        object.__setattr__(self, "request_cpu_s", request_cpu)
+        off_diagonal = ~np.eye(k, dtype=bool)
+        if np.any(~(self.bandwidth_bytes_per_s[off_diagonal] > 0)):
+            raise ClusterError("every link between two distinct devices needs a positive bandwidth")
+        if np.any(~(self.latency_s >= 0)):
+            raise ClusterError("link latencies must be non-negative")
+        for d in self.devices:
+            check_device(d)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.devices)
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def index(self, name: str) -> int:
+        """Position of the device called ``name``."""
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise ClusterError(f"no device named {name!r}; devices are {list(self.names)}") from None
+
+    def transfer_time_s(self, num_bytes: float, src: int, dst: int) -> float:
+        """Time to move ``num_bytes`` from device ``src`` to ``dst`` (0 on one device)."""
+        if src == dst:
+            return 0.0
+        return float(self.latency_s[src, dst] + num_bytes / self.bandwidth_bytes_per_s[src, dst])
+
+    def route(self, src: str, dst: str) -> tuple[str, ...]:
+        """Device names along the path ``src -> dst`` takes (two names for a direct link)."""
+        for name in (src, dst):
+            self.index(name)  # raises for an unknown name
+        if src == dst:
+            return (src,)
+        links = self.links or _links_of_matrices(self.names, self.bandwidth_bytes_per_s, self.latency_s)
+        graph = _link_graph(self.names, links)
+        if graph.has_edge(src, dst):
+            return (src, dst)
+        return tuple(_widest_path(graph, src, dst))
+
+    # --- constructors -----------------------------------------------------------------
+
+    @classmethod
+    def from_links(cls, devices: Sequence[Device], links: Iterable[Link], name: str = "") -> Cluster:
+        """A cluster from direct links; pairs without one are routed (widest bottleneck)."""
+        devices, links = tuple(devices), tuple(links)
+        names = [d.name for d in devices]
+        check_device_names(names)
+        known = set(names)
+        pairs = [(link.src, link.dst) for link in links]
+        repeated = sorted({pair for pair in pairs if pairs.count(pair) > 1})
+        if repeated:
+            raise ClusterError(f"links {repeated} are given more than once; give each directed link once")
+        for link in links:
+            for end in (link.src, link.dst):
+                if end not in known:
+                    raise ClusterError(
+                        f"link {link.src!r} -> {link.dst!r} names unknown device {end!r}; devices are {names}"
+                    )
+            if link.src == link.dst:
+                raise ClusterError(f"link {link.src!r} -> {link.dst!r} connects a device to itself; remove it")
+            if not link.bandwidth_bytes_per_s > 0:
+                raise ClusterError(f"link {link.src!r} -> {link.dst!r} needs a positive bandwidth")
+            if not link.latency_s >= 0:
+                raise ClusterError(f"link {link.src!r} -> {link.dst!r} needs a non-negative latency")
+        bandwidth, latency = _route_matrices(names, links)
+        return cls(devices, bandwidth, latency, links, name)
+
+    @classmethod
+    def from_dict(cls, description: Mapping[str, Any]) -> Cluster:
+        """A cluster from the parsed contents of a cluster file (see the module docstring)."""
+        devices, links, name = cluster_description(description)
+        return cls.from_links(devices, links, name)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Cluster:
+        """Read a cluster file (TOML)."""
+        description = read_cluster_file(path)
+        try:
+            return cls.from_dict(description)
+        except ClusterError as error:
+            raise ClusterError(f"{path}: {error}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The cluster-file contents of this cluster; ``from_dict(to_dict())`` rebuilds it."""
+        links = self.links or _links_of_matrices(self.names, self.bandwidth_bytes_per_s, self.latency_s)
+        return {
+            "name": self.name,
+            "devices": [device_to_dict(d) for d in self.devices],
+            "links": [
+                {
+                    "src": link.src,
+                    "dst": link.dst,
+                    "bandwidth_gbps": link.bandwidth_bytes_per_s / GBPS_IN_BYTES_PER_S,
+                    "latency_us": link.latency_s / MICROSECOND,
+                }
+                for link in links
+            ],
+        }
+
+    def to_file(self, path: str | Path) -> None:
+        """Write this cluster as a cluster file (TOML)."""
+        Path(path).write_text(to_toml(self.to_dict()))
+
+    @classmethod
+    def presets(cls) -> tuple[str, ...]:
+        """Names of the built-in clusters (the paper's two testbeds and a few of ours)."""
+        return preset_names()
+
+    @classmethod
+    def preset(cls, name: str) -> Cluster:
+        """A built-in cluster by name, e.g. ``"moirai-inter-server"`` (paper Table III)."""
+        if name not in cls.presets():
+            raise ClusterError(f"no preset cluster {name!r}; presets are {list(cls.presets())}")
+        return cls.from_dict(preset_description(name))
+
+    @classmethod
+    def detect(cls) -> Cluster:
+        """The local CPU and every visible accelerator; accelerators talk over PCIe, or through the host."""
+        devices = [detect_device("cpu", "cpu", share=1)]
+        for kind in accelerator_kinds():
+            devices += [detect_device(f"{kind.name}:{i}", f"{kind.name}{i}", share=1) for i in range(kind.count())]
+        links = []
+        for a in devices:
+            for b in devices:
+                # Accelerators without peer access exchange tensors through host memory: no direct link.
+                kind = kind_of(a.torch_device)
+                peers = kind.accelerator and kind_of(b.torch_device) is kind
+                if a is b or (peers and not kind.can_access_peer(device_index(a), device_index(b))):
+                    continue
+                links.append(Link(a.name, b.name, _PCIE_BANDWIDTH_BYTES_PER_S, _PCIE_LATENCY_S))
+        return cls.from_links(devices, links, name="detected")
+
+    @classmethod
+    def from_devices(cls, torch_devices: Sequence[str]) -> Cluster:
+        """Describe local devices by detection; a device string repeated gives separate logical devices."""
+        if isinstance(torch_devices, (str, torch.device)) or not isinstance(torch_devices, Iterable):
+            raise ClusterError(
+                f"devices={torch_devices!r} is not a list; give one torch device per part, e.g. ['cpu', 'cpu'] or "
+                "['cuda:0', 'cuda:1'], or a moirai.Cluster"
+            )
+        torch_devices = [torch_device_name(spec, f"devices[{i}]") for i, spec in enumerate(torch_devices)]
+        if not torch_devices:
+            raise ClusterError("give at least one device, e.g. ['cpu', 'cpu'] or ['cuda:0', 'cuda:1']")
+        counts = {d: list(torch_devices).count(d) for d in torch_devices}
+        seen: dict[str, int] = {}
+        devices = []
+        for spec in torch_devices:
+            torch_device = str(torch.device(spec))
+            index = seen.get(spec, 0)
+            seen[spec] = index + 1
+            name = torch_device.replace(":", "") + (f"_{index}" if counts[spec] > 1 else "")
+            devices.append(detect_device(torch_device, name, share=counts[spec]))
+        k = len(devices)
+        bandwidth = np.full((k, k), _LOCAL_PROCESS_BANDWIDTH_BYTES_PER_S)
+        latency = np.full((k, k), _LOCAL_PROCESS_LATENCY_S)
+        for a in range(k):
+            for b in range(k):
+                if kind_of(devices[a].torch_device).accelerator or kind_of(devices[b].torch_device).accelerator:
+                    bandwidth[a, b], latency[a, b] = _PCIE_BANDWIDTH_BYTES_PER_S, _PCIE_LATENCY_S
+        np.fill_diagonal(latency, 0.0)
+        return cls(tuple(devices), bandwidth, latency)
+
+
+# --- routes ---------------------------------------------------------------------------------
+
+
+def _link_graph(names: Sequence[str], links: Iterable[Link]) -> nx.DiGraph:
+    graph = nx.DiGraph()
+    graph.add_nodes_from(names)
+    for link in links:
+        graph.add_edge(link.src, link.dst, bandwidth=link.bandwidth_bytes_per_s, latency=link.latency_s)
+    return graph
+
+
+def _widest_path(graph: nx.DiGraph, src: str, dst: str) -> list[str]:
+    """The path ``src -> dst`` with the widest bottleneck, lowest latency among the widest."""
+    for width in sorted({w for _, _, w in graph.edges(data="bandwidth")}, reverse=True):
+        wide_enough = nx.subgraph_view(graph, filter_edge=lambda u, v, w=width: graph.edges[u, v]["bandwidth"] >= w)
+        if nx.has_path(wide_enough, src, dst):
+            return nx.dijkstra_path(wide_enough, src, dst, weight="latency")
+    raise ClusterError(
+        f"device {dst!r} cannot be reached from {src!r}; add a link (or a path of links) from {src!r} to {dst!r}"
+    )
+
+
+def _route_matrices(names: Sequence[str], links: Sequence[Link]) -> tuple[np.ndarray, np.ndarray]:
+    k = len(names)
+    graph = _link_graph(names, links)
+    bandwidth, latency = np.full((k, k), np.inf), np.zeros((k, k))
+    for a, src in enumerate(names):
+        for b, dst in enumerate(names):
+            if a == b:
+                continue
+            path = [src, dst] if graph.has_edge(src, dst) else _widest_path(graph, src, dst)
+            hops = [graph.edges[u, v] for u, v in nx.utils.pairwise(path)]
+            bandwidth[a, b] = min(hop["bandwidth"] for hop in hops)
+            latency[a, b] = sum(hop["latency"] for hop in hops)
+    return bandwidth, latency
+
+
+def _links_of_matrices(names: Sequence[str], bandwidth: np.ndarray, latency: np.ndarray) -> tuple[Link, ...]:
+    return tuple(
+        Link(names[a], names[b], float(bandwidth[a, b]), float(latency[a, b]))
+        for a in range(len(names))
+        for b in range(len(names))
+        if a != b
+    )

@@ -1,0 +1,576 @@
+"""Coarsen an OpGraph: group the ops a backend fuses anyway, then optionally merge to a size.
+
+Stage 1 is the Moirai paper's GCOF (§III-B, Algorithm 1). Fusion rules are ordered lists of op
+classes (``moirai/data/fusion_rules/*.toml``). Visiting ops in topological order (the paper's depth-first
+traversal, made deterministic for graphs with many roots), every edge ``pred -> succ``
+whose groups together spell a whole rule is fused; one that spells only part of a rule is
+*bound* (tentatively merged) and either completes into a fusion later or is *unbound* at the
+end. A group fuses with a consumer only over a direct or multi-input connection (the group's
+outputs all go to that consumer); a multi-output connection (paper Fig. 6b) is cut only for a
+rule marked ``multi_output = true``, and only when the consumer has no other producer. Either
+condition leaves the edge as the only path between the two groups, so the result is a DAG
+(Pesto, Corollary 3.3). Each merge costs amortised O(log V) dictionary moves: near-linear time.
+
+Stage 2 (``target_nodes``) merges groups until at most ``target_nodes`` remain, heaviest transfer
+first, under the same cycle-safety condition and a compute cap that keeps groups balanced; the
+cap is relaxed when no merge fits, and when the graph's shape admits no safe edge merge,
+neighbours in a topological order are merged (always acyclic).
+
+Example::
+
+    result = coarsen(build_op_graph(trace(model, (x,))), rules="default", target_nodes=200)
+    result.graph            # the coarse OpGraph; result.groups[g] = fine node indices of node g
+    print_coarsening_table({"model": result})
+"""
+
+from __future__ import annotations
+
+import heapq
+import importlib.resources
+import itertools
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import networkx as nx
+from networkx.utils import UnionFind
+from rich.console import Console
+from rich.table import Table
+
+from moirai.errors import FusionRuleError, MoiraiError
+from moirai.frontend.graph import OpGraph
+from moirai.progress import stage
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+BUNDLED_RULE_SETS = ("eigen", "cudnn", "transformer", "pointwise")
+# "default": every bundled set. Each only fires on the ops it names, so the union suits CNNs
+# (eigen, cudnn) and transformers (transformer) alike; pointwise adds Inductor-style epilogues.
+DEFAULT_RULE_SETS = BUNDLED_RULE_SETS
+ANY_OP = "any"
+QUANTIFIERS = {"": (False, False), "?": (True, False), "+": (False, True), "*": (True, True)}
+
+# Stage 2 weighs a group's compute device-independently as a roofline in FLOPs: a byte moved
+# costs as much as this many FLOPs (a typical CPU/GPU ridge point is 10-100 FLOP/byte).
+FLOPS_PER_BYTE = 20.0
+# A merge may not make a group heavier than this multiple of the average group at the target size.
+BALANCE_FACTOR = 2.0
+
+
+class RuleElement(NamedTuple):
+    op_class: str
+    targets: frozenset[str] | None  # None: every op ("any")
+    optional: bool
+    repeated: bool
+
+
+class FusionRule(NamedTuple):
+    name: str
+    elements: tuple[RuleElement, ...]
+    multi_output: bool
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """Fusion rules in priority order (the first whole match names a fusion) and where they came from."""
+
+    rules: tuple[FusionRule, ...]
+    sources: tuple[str, ...]
+
+    def __add__(self, other: RuleSet) -> RuleSet:
+        return RuleSet(self.rules + other.rules, self.sources + other.sources)
+
+
+class GraphSize(NamedTuple):
+    nodes: int
+    edges: int  # distinct producer -> consumer node pairs
+
+    @classmethod
+    def of(cls, graph: OpGraph) -> GraphSize:
+        return cls(len(graph.nodes), len({(e.src, e.dst) for e in graph.edges}))
+
+
+class Fusion(NamedTuple):
+    """Fine ops (topological order) that one fusion rule grouped."""
+
+    ops: tuple[int, ...]
+    rule: str
+
+
+@dataclass(frozen=True)
+class CoarseningResult:
+    """The coarse graph; node ``g`` of ``graph`` stands for fine nodes ``groups[g]``."""
+
+    graph: OpGraph
+    groups: tuple[tuple[int, ...], ...]
+    fusions: tuple[Fusion, ...]
+    rule_sources: tuple[str, ...]
+    original: GraphSize
+    fused: GraphSize
+    coarse: GraphSize
+
+
+@stage("coarsen")
+def coarsen(
+    graph: OpGraph,
+    rules: str | Path | RuleSet | Sequence[str | Path | RuleSet] = "default",
+    target_nodes: int | None = None,
+) -> CoarseningResult:
+    """Group ``graph``'s ops by fusion rules, then merge down to ``target_nodes`` if given.
+
+    ``rules``: "default" (every bundled set), a bundled set's name (``BUNDLED_RULE_SETS``),
+    the path of a rule file, a :class:`RuleSet`, or a sequence of these (their rules are pooled).
+    ``graph``'s nodes must be in topological order, as :func:`moirai.frontend.graph.build_op_graph` makes them.
+    """
+    if target_nodes is not None and target_nodes < 1:
+        raise MoiraiError(f"target_nodes must be at least 1 (or None for no size target), got {target_nodes}")
+    if any(e.src >= e.dst for e in graph.edges):
+        raise MoiraiError("coarsen needs an OpGraph whose nodes are in topological order, as build_op_graph makes them")
+    rule_set = load_rules(rules)
+    fusion_groups, matched_rules = _fuse(graph, _Matcher(rule_set))
+    order = _topological_group_order(graph, fusion_groups)
+    fusion_groups = [fusion_groups[g] for g in order]
+    fusions = tuple(Fusion(tuple(fusion_groups[i]), matched_rules[g]) for i, g in enumerate(order) if matched_rules[g])
+    fused = graph.merge(fusion_groups)
+    groups, coarse = fusion_groups, fused
+    if target_nodes is not None and len(fused.nodes) > target_nodes:
+        merged = _merge_to_target(fused, target_nodes)
+        merged = [merged[g] for g in _topological_group_order(fused, merged)]
+        groups = [sorted(op for member in group for op in fusion_groups[member]) for group in merged]
+        coarse = graph.merge(groups)
+    return CoarseningResult(
+        graph=coarse,
+        groups=tuple(tuple(group) for group in groups),
+        fusions=fusions,
+        rule_sources=rule_set.sources,
+        original=GraphSize.of(graph),
+        fused=GraphSize.of(fused),
+        coarse=GraphSize.of(coarse),
+    )
+
+
+def print_coarsening_table(results: Mapping[str, CoarseningResult], console: Console | None = None) -> None:
+    """Nodes and edges before and after coarsening, one row per model (the paper's Table IV columns)."""
+    rule_sources = dict.fromkeys(source for result in results.values() for source in result.rule_sources)
+    table = Table(
+        title="Graph coarsening: nodes and edges before and after",
+        caption=f"fused: fusion rules ({', '.join(rule_sources)}); coarse: after the size target, if any",
+    )
+    for column in ("model", "ops", "edges", "fused ops", "fused edges", "coarse ops", "coarse edges"):
+        table.add_column(column, justify="left" if column == "model" else "right", no_wrap=column == "model")
+    for name, result in results.items():
+        table.add_row(name, *(str(count) for size in (result.original, result.fused, result.coarse) for count in size))
+    (console or Console()).print(table)
+
+
+def _bundled_rule_file(name: str) -> importlib.resources.abc.Traversable:
+    """A rule file shipped with moirai, beside the device table (``moirai/data/fusion_rules``)."""
+    return importlib.resources.files("moirai").joinpath("data", "fusion_rules", name)
+
+
+def load_rules(spec: str | Path | RuleSet | Sequence[str | Path | RuleSet]) -> RuleSet:
+    """The rules named by ``spec`` (see :func:`coarsen`), pooled in the order given."""
+    if isinstance(spec, RuleSet):
+        return spec
+    if isinstance(spec, str) and spec == "default":
+        return load_rules(DEFAULT_RULE_SETS)
+    if isinstance(spec, str) and spec in BUNDLED_RULE_SETS:
+        text = _bundled_rule_file(f"{spec}.toml").read_text()
+        return parse_rules(text, f"{spec}.toml")
+    if isinstance(spec, (str, Path)):
+        path = Path(spec)
+        if not path.is_file():
+            raise FusionRuleError(
+                f"{spec!s} is neither a bundled rule set nor a file; use 'default', one of "
+                f"{', '.join(BUNDLED_RULE_SETS)}, or the path of a .toml rule file"
+            )
+        return parse_rules(path.read_text(), str(path))
+    rule_sets = [load_rules(item) for item in spec]
+    if not rule_sets:
+        raise FusionRuleError("no rule sets given; pass 'default' for the bundled ones")
+    return sum(rule_sets[1:], rule_sets[0])
+
+
+def parse_rules(text: str, source: str = "<rules>") -> RuleSet:
+    """Rules from TOML text: ``[[rule]]`` tables with ``ops`` (op classes, each optionally suffixed
+    ``?`` optional, ``+`` repeated, ``*`` both), optional ``name`` and ``multi_output``; an optional
+    ``[classes]`` table adds or redefines op classes of the bundled ``op_classes.toml``."""
+    data = _parse_toml(text, source)
+    classes = {**_bundled_op_classes(), **_op_classes(data, text, source)}
+    entries = data.get("rule", [])
+    if not isinstance(entries, list) or not entries or not all(isinstance(entry, dict) for entry in entries):
+        raise FusionRuleError(f"{source}: defines no rules; write each as a [[rule]] table with ops = [...]")
+    stem = Path(source).stem
+    rules = []
+    for index, entry in enumerate(entries):
+        where = f"{source}:{_line_of(text, index, None)}"
+        unknown_keys = set(entry) - {"name", "ops", "multi_output"}
+        if unknown_keys:
+            raise FusionRuleError(f"{where}: unknown key(s) {sorted(unknown_keys)}; a rule has name, ops, multi_output")
+        words = entry.get("ops")
+        if not isinstance(words, list) or not words or not all(isinstance(word, str) for word in words):
+            raise FusionRuleError(f"{where}: a rule needs ops = a non-empty list of op classes, like ['conv', 'bn']")
+        multi_output = entry.get("multi_output", False)
+        if not isinstance(multi_output, bool):
+            raise FusionRuleError(f"{where}: multi_output must be true or false")
+        name = str(entry.get("name", "+".join(words)))
+        elements = tuple(
+            _rule_element(word, classes, f"{source}:{_line_of(text, index, word)}", name) for word in words
+        )
+        rules.append(FusionRule(f"{stem}:{name}", elements, multi_output))
+    return RuleSet(tuple(rules), (stem,))
+
+
+def _rule_element(word: str, classes: Mapping[str, frozenset[str]], where: str, rule_name: str) -> RuleElement:
+    match = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)([?+*]?)", word)
+    if match is None:
+        raise FusionRuleError(
+            f"{where}: rule {rule_name!r}: {word!r} is not an op class word with an optional ?, + or * suffix"
+        )
+    op_class, quantifier = match.groups()
+    if op_class != ANY_OP and op_class not in classes:
+        raise FusionRuleError(
+            f"{where}: rule {rule_name!r} names unknown op class {op_class!r}; known classes: "
+            f"{', '.join(sorted(classes))}, {ANY_OP}. Fix the spelling or define it under [classes] in this file"
+        )
+    optional, repeated = QUANTIFIERS[quantifier]
+    return RuleElement(op_class, None if op_class == ANY_OP else classes[op_class], optional, repeated)
+
+
+def _parse_toml(text: str, source: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise FusionRuleError(f"{source}: not valid TOML: {error}") from error
+
+
+def _op_classes(data: dict, text: str, source: str) -> dict[str, frozenset[str]]:
+    table = data.get("classes", {})
+    if not isinstance(table, dict):
+        raise FusionRuleError(f"{source}: [classes] must be a table of word = [aten targets]")
+    classes = {}
+    for word, targets in table.items():
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            line = next((i + 1 for i, line in enumerate(text.splitlines()) if line.strip().startswith(word)), "?")
+            raise FusionRuleError(f"{source}:{line}: op class {word!r} must be a list of aten target strings")
+        classes[word] = frozenset(targets)
+    return classes
+
+
+_BUNDLED_OP_CLASSES: dict[str, frozenset[str]] = {}
+
+
+def _bundled_op_classes() -> dict[str, frozenset[str]]:
+    if not _BUNDLED_OP_CLASSES:
+        text = _bundled_rule_file("op_classes.toml").read_text()
+        _BUNDLED_OP_CLASSES.update(_op_classes(_parse_toml(text, "op_classes.toml"), text, "op_classes.toml"))
+    return _BUNDLED_OP_CLASSES
+
+
+def _line_of(text: str, rule_index: int, word: str | None) -> int:
+    """1-based line of rule ``rule_index``'s [[rule]] header, or of ``word`` quoted inside that rule."""
+    lines = text.splitlines()
+    headers = [i for i, line in enumerate(lines) if re.match(r"\s*\[\[\s*rule\s*\]\]", line)]
+    start = headers[rule_index] if rule_index < len(headers) else 0
+    if word is not None:
+        quoted = re.compile(r"[\"']" + re.escape(word) + r"[\"']")
+        return next((i + 1 for i in range(start, len(lines)) if quoted.search(lines[i])), start + 1)
+    return start + 1
+
+
+class _Matcher:
+    """Rules as automata over op targets, for is_rule / is_sub_rule in O(1) amortised.
+
+    Rule ``r`` with ``k`` elements is an NFA on states ``0..k``; element ``e`` consumes one op
+    from state ``e`` to ``e + 1`` (and, if repeated, more at ``e + 1``); an optional element adds
+    a free move ``e -> e + 1``. A group's *type* is the set of spans ``(r, start, end)`` its op
+    sequence can take. Joining two groups composes their spans, so a group spells part of a
+    rule iff its type is non-empty (is_sub_rule) and a whole rule iff it holds ``(r, 0, k)``.
+    Types are interned as small integers; compositions are cached.
+    """
+
+    NO_MATCH = 0
+
+    def __init__(self, rule_set: RuleSet):
+        self.rules = rule_set.rules
+        self._types: list[frozenset[tuple[int, int, int]]] = [frozenset()]
+        self._type_ids: dict[frozenset[tuple[int, int, int]], int] = {frozenset(): self.NO_MATCH}
+        self._target_types: dict[str, int] = {}
+        self._joined: dict[tuple[int, int, bool], int] = {}
+        self._whole_rules: dict[int, str | None] = {}
+
+    def node_type(self, targets: Iterable[str]) -> int:
+        node_type = None
+        for target in targets:
+            step = self._target_type(target)
+            node_type = step if node_type is None else self.join(node_type, step, multi_output_only=False)
+        return self.NO_MATCH if node_type is None else node_type
+
+    def join(self, pred_type: int, succ_type: int, multi_output_only: bool) -> int:
+        """The type of ``pred`` then ``succ``; only multi_output rules if the join cuts a multi-output edge."""
+        key = (pred_type, succ_type, multi_output_only)
+        if key not in self._joined:
+            ends_from: dict[tuple[int, int], list[int]] = {}
+            for rule, start, end in self._types[succ_type]:
+                ends_from.setdefault((rule, start), []).append(end)
+            self._joined[key] = self._intern(
+                (rule, start, end)
+                for rule, start, middle in self._types[pred_type]
+                if not multi_output_only or self.rules[rule].multi_output
+                for end in ends_from.get((rule, middle), ())
+            )
+        return self._joined[key]
+
+    def whole_rule(self, group_type: int) -> str | None:
+        """The first rule the group spells completely, or None."""
+        if group_type not in self._whole_rules:
+            spans = self._types[group_type]
+            self._whole_rules[group_type] = next(
+                (rule.name for r, rule in enumerate(self.rules) if (r, 0, len(rule.elements)) in spans), None
+            )
+        return self._whole_rules[group_type]
+
+    def _target_type(self, target: str) -> int:
+        if target not in self._target_types:
+            op = target.rsplit(".", 1)[0]  # "aten.add.Tensor" -> "aten.add"
+            spans = set()
+            for r, rule in enumerate(self.rules):
+                for e, element in enumerate(rule.elements):
+                    if element.targets is None or target in element.targets or op in element.targets:
+                        consumes = [(e, e + 1)] + ([(e + 1, e + 1)] if element.repeated else [])
+                        for before, after in consumes:
+                            spans.update(
+                                (r, start, end)
+                                for start in _free_moves_into(rule, before)
+                                for end in _free_moves_from(rule, after)
+                            )
+            self._target_types[target] = self._intern(spans)
+        return self._target_types[target]
+
+    def _intern(self, spans: Iterable[tuple[int, int, int]]) -> int:
+        key = frozenset(spans)
+        if key not in self._type_ids:
+            self._type_ids[key] = len(self._types)
+            self._types.append(key)
+        return self._type_ids[key]
+
+
+def _free_moves_from(rule: FusionRule, state: int) -> list[int]:
+    """States reachable from ``state`` by skipping optional elements."""
+    reachable = [state]
+    while reachable[-1] < len(rule.elements) and rule.elements[reachable[-1]].optional:
+        reachable.append(reachable[-1] + 1)
+    return reachable
+
+
+def _free_moves_into(rule: FusionRule, state: int) -> list[int]:
+    """States from which ``state`` is reachable by skipping optional elements."""
+    reaching = [state]
+    while reaching[-1] > 0 and rule.elements[reaching[-1] - 1].optional:
+        reaching.append(reaching[-1] - 1)
+    return reaching
+
+
+class _Quotient:
+    """A DAG under contraction: union-find over its nodes and the summed edge weights between groups.
+
+    A contraction moves the adjacency of the group with fewer members, so every adjacency
+    entry moves O(log V) times in all.
+    """
+
+    def __init__(self, node_count: int, edge_weights: Mapping[tuple[int, int], float]):
+        self.groups = UnionFind(range(node_count))
+        self.successors: list[dict[int, float]] = [{} for _ in range(node_count)]
+        self.predecessors: list[dict[int, float]] = [{} for _ in range(node_count)]
+        for (src, dst), weight in edge_weights.items():
+            self.successors[src][dst] = weight
+            self.predecessors[dst][src] = weight
+
+    def group(self, node: int) -> int:
+        return self.groups[node]
+
+    def is_only_path(self, pred: int, succ: int) -> bool:
+        """Whether the edge pred -> succ is provably the only path between them (Pesto, Corollary 3.3)."""
+        return len(self.successors[pred]) == 1 or len(self.predecessors[succ]) == 1
+
+    def contract(self, a: int, b: int) -> int:
+        """Merge groups ``a`` and ``b``; returns the merged group. The caller keeps the graph acyclic."""
+        self.groups.union(a, b)
+        kept = self.groups[a]
+        gone = b if kept == a else a
+        for x, y in ((a, b), (b, a)):
+            self.successors[x].pop(y, None)
+            self.predecessors[y].pop(x, None)
+        for own, other in ((self.successors, self.predecessors), (self.predecessors, self.successors)):
+            for neighbour, weight in own[gone].items():
+                back = other[neighbour]
+                del back[gone]
+                back[kept] = back.get(kept, 0.0) + weight
+                own[kept][neighbour] = own[kept].get(neighbour, 0.0) + weight
+            own[gone] = {}
+        return kept
+
+    def members(self) -> list[list[int]]:
+        return [sorted(group) for group in self.groups.to_sets()]
+
+
+def _dependency_bytes(graph: OpGraph) -> dict[tuple[int, int], float]:
+    weights: dict[tuple[int, int], float] = {}
+    for e in graph.edges:
+        weights[e.src, e.dst] = weights.get((e.src, e.dst), 0.0) + e.bytes
+    return weights
+
+
+def _fuse(graph: OpGraph, matcher: _Matcher) -> tuple[list[list[int]], list[str | None]]:
+    """Algorithm 1 (GCOF): the fusion groups and, for each, the rule that fused it (None: a lone op)."""
+    node_count = len(graph.nodes)
+    dependencies = _dependency_bytes(graph)
+    consumers: list[list[int]] = [[] for _ in range(node_count)]
+    for src, dst in dependencies:
+        consumers[src].append(dst)
+    quotient = _Quotient(node_count, dependencies)  # every merge so far, bound ones included
+    fused = UnionFind(range(node_count))  # committed fusions only: unbinding is forgetting the rest
+    type_of: dict[int, int] = {}  # group -> matcher type
+    parts_of: dict[int, list[int]] = {}  # group -> fused groups it binds (absent: the group itself)
+    rule_of: dict[int, str] = {}  # fused group -> rule
+
+    def group_type(group: int) -> int:
+        if group not in type_of:
+            type_of[group] = matcher.node_type(graph.nodes[group].targets)
+        return type_of[group]
+
+    for producer in range(node_count):  # nodes are in topological order
+        for consumer in consumers[producer]:
+            pred, succ = quotient.group(producer), quotient.group(consumer)
+            if pred == succ:
+                continue
+            if len(quotient.successors[pred]) == 1:
+                cuts_multi_output = False  # direct or multi-input connection
+            elif len(quotient.predecessors[succ]) == 1:
+                cuts_multi_output = True  # still the only path, but pred's outputs also leave the group
+            else:
+                continue
+            joined = matcher.join(group_type(pred), group_type(succ), cuts_multi_output)
+            if joined == matcher.NO_MATCH:
+                continue
+            parts = parts_of.pop(pred, [pred]) + parts_of.pop(succ, [succ])
+            group = quotient.contract(pred, succ)
+            type_of[group] = joined
+            rule = matcher.whole_rule(joined)
+            if rule is None:
+                parts_of[group] = parts  # bind: a partial match that may still complete
+            else:
+                fused.union(*parts)
+                parts_of[group] = [fused[parts[0]]]
+                rule_of[fused[parts[0]]] = rule
+    groups = [sorted(group) for group in fused.to_sets()]
+    return groups, [rule_of.get(fused[group[0]]) for group in groups]
+
+
+def _topological_group_order(graph: OpGraph, groups: Sequence[Sequence[int]]) -> list[int]:
+    """Group indices in a topological order of the grouped graph, ties by first op."""
+    group_of = [0] * len(graph.nodes)
+    for g, members in enumerate(groups):
+        for member in members:
+            group_of[member] = g
+    quotient = nx.DiGraph()
+    quotient.add_nodes_from(range(len(groups)))
+    quotient.add_edges_from(
+        {(group_of[e.src], group_of[e.dst]) for e in graph.edges if group_of[e.src] != group_of[e.dst]}
+    )
+    first_op = [min(members) for members in groups]
+    return list(nx.lexicographical_topological_sort(quotient, key=first_op.__getitem__))
+
+
+def _merge_to_target(graph: OpGraph, target_nodes: int) -> list[list[int]]:
+    """Groups of ``graph``'s nodes, at most ``target_nodes`` of them, whose quotient is a DAG."""
+    work = [max(node.flops, FLOPS_PER_BYTE * node.bytes_moved) for node in graph.nodes]
+    total_work = sum(work)
+    quotient = _Quotient(len(graph.nodes), _dependency_bytes(graph))
+    group_count = len(graph.nodes)
+    cap = BALANCE_FACTOR * total_work / target_nodes
+    while group_count > target_nodes:
+        group_count = _merge_heaviest_edges(quotient, work, cap, group_count, target_nodes)
+        if cap > total_work:
+            break
+        cap *= 2
+    if group_count > target_nodes:
+        _merge_topological_neighbours(quotient, work, group_count, target_nodes)
+    return quotient.members()
+
+
+def _merge_heaviest_edges(quotient: _Quotient, work: list[float], cap: float, group_count: int, target: int) -> int:
+    """Contract edges, most bytes first, that stay the only path and keep groups under ``cap``.
+
+    Heap entries go stale when a group changes; a changed edge is pushed again, and so is the
+    single edge of a group whose in- or out-degree drops to one (it may have become safe).
+    """
+    heap = [
+        (-weight, pred, succ)
+        for pred in range(len(quotient.successors))
+        for succ, weight in quotient.successors[pred].items()
+    ]
+    heapq.heapify(heap)
+
+    def push_edges_of(group: int) -> None:
+        for succ, weight in quotient.successors[group].items():
+            heapq.heappush(heap, (-weight, group, succ))
+        for pred, weight in quotient.predecessors[group].items():
+            heapq.heappush(heap, (-weight, pred, group))
+
+    while heap and group_count > target:
+        negative_weight, pred, succ = heapq.heappop(heap)
+        if quotient.successors[pred].get(succ) != -negative_weight:
+            continue  # stale: a group merged since
+        if not quotient.is_only_path(pred, succ) or work[pred] + work[succ] > cap:
+            continue
+        neighbours = {
+            *quotient.successors[pred],
+            *quotient.predecessors[pred],
+            *quotient.successors[succ],
+            *quotient.predecessors[succ],
+        } - {pred, succ}
+        group = quotient.contract(pred, succ)
+        work[group] = work[pred] + work[succ]
+        group_count -= 1
+        push_edges_of(group)
+        for neighbour in neighbours:
+            if len(quotient.successors[neighbour]) == 1 or len(quotient.predecessors[neighbour]) == 1:
+                push_edges_of(neighbour)
+    return group_count
+
+
+def _merge_topological_neighbours(quotient: _Quotient, work: list[float], group_count: int, target: int) -> None:
+    """Merge groups adjacent in a topological order, lightest pair first, down to ``target``.
+
+    Two neighbours in a topological order have no path between them through a third group, and
+    the order with the pair merged stays topological, so the result stays a DAG.
+    """
+    dag = nx.DiGraph()
+    roots = {quotient.group(node) for node in range(len(quotient.successors))}
+    dag.add_nodes_from(roots)
+    dag.add_edges_from((pred, succ) for pred in roots for succ in quotient.successors[pred])
+    order = list(nx.topological_sort(dag))
+    following = dict(itertools.pairwise(order))
+    preceding = {b: a for a, b in following.items()}
+    heap = [(work[a] + work[b], a, b) for a, b in following.items()]
+    heapq.heapify(heap)
+    while group_count > target:
+        combined, a, b = heapq.heappop(heap)
+        if following.get(a) != b or combined != work[a] + work[b]:
+            continue  # stale: a or b merged since
+        before, after = preceding.pop(a, None), following.pop(b, None)
+        following.pop(a)
+        preceding.pop(b)
+        group = quotient.contract(a, b)
+        work[group] = combined
+        group_count -= 1
+        for left, right in ((before, group), (group, after)):
+            if left is not None and right is not None:
+                following[left], preceding[right] = right, left
+                heapq.heappush(heap, (work[left] + work[right], left, right))

@@ -1,0 +1,244 @@
+"""OpGraph: one node per compute op of a traced model, with the costs placement needs.
+
+Placeholders (model inputs) and ``get_attr`` nodes (parameters, buffers, constants) are
+not OpGraph nodes: inputs are available to every device, and a parameter is charged to
+the nodes that read it (``param_names``). ``operator.getitem`` on a multi-output op joins
+its producer's node. Every other ``call_function`` is a node. A scalar of the input shapes
+(``sym_size`` and arithmetic on it, in a model traced with dynamic shapes) is a node without
+out-edges: every device that reads one computes it itself (see :mod:`moirai.runtime.split`).
+
+A coarse graph (after :mod:`moirai.frontend.coarsen`) has the same type: its nodes are groups of
+ops, built with :meth:`OpGraph.merge`.
+
+Example::
+
+    graph = build_op_graph(trace(model, (x,)))
+    graph.to_networkx()  # DiGraph over node indices, edge attribute "bytes"
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import networkx as nx
+import numpy as np
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from moirai.frontend.symbolic_shapes import example_int, shape_scalars
+from moirai.frontend.trace import TracedModel, is_view_node
+from moirai.progress import stage
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One op (or, in a coarse graph, one group of ops in topological order).
+
+    ``output_bytes`` is the memory its outputs allocate: a view (``transpose``, ``view``,
+    ``expand``...) allocates none. ``bytes_moved`` is what it reads and writes.
+    """
+
+    name: str
+    targets: tuple[str, ...]
+    fx_names: tuple[str, ...]
+    flops: float
+    bytes_moved: float
+    output_bytes: float
+    param_names: frozenset[str]
+    param_bytes: float
+
+
+@dataclass(frozen=True)
+class OpEdge:
+    """Tensor ``tensor`` (an fx node name) flows from node ``src`` to node ``dst``."""
+
+    src: int
+    dst: int
+    tensor: str
+    bytes: float
+
+
+@dataclass(frozen=True, eq=False)
+class OpGraph:
+    nodes: tuple[OpNode, ...]
+    edges: tuple[OpEdge, ...]
+    parameter_bytes: dict[str, float] = field(default_factory=dict)
+
+    @cached_property
+    def node_of_fx_name(self) -> dict[str, int]:
+        return {fx_name: i for i, node in enumerate(self.nodes) for fx_name in node.fx_names}
+
+    def nodes_of_fx_names(self, fx_names: Sequence[str]) -> list[int]:
+        """The distinct nodes standing for ``fx_names``, in order of first mention.
+
+        A node stands for several fx names (a multi-output op and the ``getitem`` nodes that
+        unpack it), so a group of fx names names such a node once per fx name.
+        """
+        return list(dict.fromkeys(self.node_of_fx_name[name] for name in fx_names))
+
+    def to_networkx(self) -> nx.DiGraph:
+        """DiGraph over node indices; edge attribute ``bytes`` sums the tensors on that edge."""
+        g = nx.DiGraph()
+        g.add_nodes_from(range(len(self.nodes)))
+        for e in self.edges:
+            if g.has_edge(e.src, e.dst):
+                g.edges[e.src, e.dst]["bytes"] += e.bytes
+            else:
+                g.add_edge(e.src, e.dst, bytes=e.bytes)
+        return g
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(n.flops for n in self.nodes))
+
+    @property
+    def total_param_bytes(self) -> float:
+        return float(sum(self.parameter_bytes.values()))
+
+    def merge(self, groups: Sequence[Sequence[int]]) -> OpGraph:
+        """A coarser graph with one node per group; every node must be in exactly one group.
+
+        Costs add up, parameters shared inside a group count once, and an edge between
+        groups carries each tensor once per consumer group. The caller keeps the result
+        acyclic (merging two nodes joined by a path through a third makes a cycle).
+        """
+        group_of = np.full(len(self.nodes), -1)
+        for g, members in enumerate(groups):
+            group_of[list(members)] = g
+        if np.any(group_of < 0) or sum(len(m) for m in groups) != len(self.nodes):
+            raise ValueError("merge needs every node in exactly one group")
+        position = {fx_name: p for p, fx_name in enumerate(self._fx_order)}
+        merged = []
+        for g, members in enumerate(groups):
+            ops = sorted(members, key=lambda i: position[self.nodes[i].fx_names[0]])
+            params = frozenset().union(*(self.nodes[i].param_names for i in ops))
+            merged.append(
+                OpNode(
+                    name=self.nodes[ops[0]].name if len(ops) == 1 else f"group{g}_{self.nodes[ops[0]].name}",
+                    targets=tuple(t for i in ops for t in self.nodes[i].targets),
+                    fx_names=tuple(f for i in ops for f in self.nodes[i].fx_names),
+                    flops=sum(self.nodes[i].flops for i in ops),
+                    bytes_moved=sum(self.nodes[i].bytes_moved for i in ops),
+                    output_bytes=sum(self.nodes[i].output_bytes for i in ops),
+                    param_names=params,
+                    param_bytes=sum(self.parameter_bytes.get(p, 0.0) for p in params),
+                )
+            )
+        edges: dict[tuple[int, int, str], OpEdge] = {}
+        for e in self.edges:
+            src, dst = int(group_of[e.src]), int(group_of[e.dst])
+            if src != dst:
+                edges.setdefault((src, dst, e.tensor), OpEdge(src, dst, e.tensor, e.bytes))
+        return OpGraph(tuple(merged), tuple(edges.values()), self.parameter_bytes)
+
+    @cached_property
+    def _fx_order(self) -> list[str]:
+        """fx names in graph order (nodes are built in graph order, so this is topological)."""
+        return [f for node in self.nodes for f in node.fx_names]
+
+
+@stage("op graph")
+def build_op_graph(traced: TracedModel) -> OpGraph:
+    """One OpNode per compute op of ``traced``, with FLOPs, bytes and parameter bytes."""
+    graph_module = traced.graph_module
+    scalars = shape_scalars(traced)
+    parameter_bytes: dict[str, float] = {}
+    for node in graph_module.graph.find_nodes(op="get_attr"):
+        parameter_bytes[node.name] = _nbytes(node.meta.get("val", getattr(graph_module, str(node.target), None)))
+
+    nodes: list[OpNode] = []
+    node_of: dict[str, int] = {}
+    edges: dict[tuple[int, int, str], OpEdge] = {}
+    for fx_node in graph_module.graph.nodes:
+        if fx_node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        inputs = fx_node.all_input_nodes
+        if fx_node.target is operator.getitem and inputs and inputs[0].name in node_of:
+            owner = node_of[inputs[0].name]
+            node_of[fx_node.name] = owner
+            nodes[owner] = replace(nodes[owner], fx_names=nodes[owner].fx_names + (fx_node.name,))
+            continue
+        index = len(nodes)
+        params = frozenset(n.name for n in inputs if n.op == "get_attr")
+        input_bytes = sum(_nbytes(n.meta.get("val")) for n in inputs)
+        output_bytes = _nbytes(fx_node.meta.get("val"))
+        allocated_bytes = 0 if is_view_node(fx_node) else output_bytes
+        nodes.append(
+            OpNode(
+                name=fx_node.name,
+                targets=(_target_name(fx_node),),
+                fx_names=(fx_node.name,),
+                flops=_flops(fx_node),
+                bytes_moved=float(input_bytes + output_bytes),
+                output_bytes=float(allocated_bytes),
+                param_names=params,
+                param_bytes=float(sum(parameter_bytes[p] for p in params)),
+            )
+        )
+        node_of[fx_node.name] = index
+        for producer in inputs:
+            if producer.name in node_of and node_of[producer.name] != index and producer not in scalars:
+                key = (node_of[producer.name], index, producer.name)
+                edges.setdefault(key, OpEdge(*key, float(_nbytes(producer.meta.get("val")))))
+    return OpGraph(tuple(nodes), tuple(edges.values()), parameter_bytes)
+
+
+def _target_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def model_output_bytes(graph: OpGraph, traced: TracedModel) -> dict[int, float]:
+    """Node of ``graph`` -> bytes of the model outputs it makes (an output that is an input or a constant is
+    made by no node)."""
+    made: dict[int, float] = {}
+    output = next(n for n in traced.graph_module.graph.nodes if n.op == "output")
+    for value in pytree.tree_leaves(output.args[0]):
+        if isinstance(value, fx.Node) and value.name in graph.node_of_fx_name:
+            node = graph.node_of_fx_name[value.name]
+            made[node] = made.get(node, 0.0) + float(_nbytes(value.meta.get("val")))
+    return made
+
+
+def _nbytes(value: object) -> int:
+    """Bytes of the tensors in ``value`` at the example shapes."""
+    tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return sum(math.prod(example_int(size) for size in t.shape) * t.element_size() for t in tensors)
+
+
+def _flops(node: fx.Node) -> float:
+    """FLOPs of an aten op by torch's flop counter, run on meta tensors of the traced shapes."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return 0.0
+    counted = target.overloadpacket in flop_registry or torch._C._dispatch_has_kernel_for_dispatch_key(
+        target.name(), "CompositeImplicitAutograd"
+    )
+    if not counted:
+        return 0.0
+
+    def as_meta(value: object) -> object:
+        if isinstance(value, fx.Node):
+            value = value.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            shape, stride = ([example_int(size) for size in sizes] for sizes in (value.shape, value.stride()))
+            return torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")
+        return example_int(value) if isinstance(value, torch.SymInt) else value
+
+    args, kwargs = pytree.tree_map(as_meta, (node.args, node.kwargs))
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            target(*args, **kwargs)
+    except Exception:
+        # Ops with no meta kernel cannot be counted; their cost falls back to bytes moved.
+        return 0.0
+    return float(counter.get_total_flops())

@@ -1,0 +1,229 @@
+"""Dynamic shapes: the input dimensions a plan serves at every size, and the sizes computed from them.
+
+A model traced with ``dynamic_shapes`` (:func:`moirai.frontend.trace.trace`) has symbolic sizes: every
+:class:`~moirai.frontend.trace.TensorSpec` keeps its shape as Python expressions over the symbols of the
+:class:`DynamicDim` s (``"s0*s1"``), which :func:`concrete_shape` evaluates per call; shape scalars
+(:func:`shape_scalars`) are recomputed on every part from the call's symbol values.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import CodeType
+from typing import TYPE_CHECKING, Any
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils._sympy.functions import FloorDiv, PythonMod
+from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.printers import PythonPrinter
+
+from moirai.errors import PlanError, TraceError
+
+if TYPE_CHECKING:  # trace imports this module; these are only annotations here
+    from moirai.frontend.trace import TensorSpec, TracedModel
+
+
+@dataclass(frozen=True)
+class DynamicDim:
+    """An input dimension the plan serves at every size in ``lower..upper`` (``upper`` None: unbounded).
+
+    ``symbol`` is the name torch.export gave it (the name in :attr:`TensorSpec.symbolic_shape`),
+    ``name`` the ``torch.export.Dim``'s name where known, and ``where`` the flat input and axis
+    that first carries it (``"input 0 dimension 1"``).
+    """
+
+    symbol: str
+    name: str
+    lower: int
+    upper: int | None
+    where: str
+
+    @property
+    def range(self) -> str:
+        return f"{self.lower}..{self.upper}" if self.upper is not None else f"{self.lower} or more"
+
+
+def symbolic_expression(value: int | torch.SymInt | torch.SymBool | torch.SymFloat) -> str:
+    """A Python expression for a traced scalar over the input dimensions' symbols (``"s0*s1"``)."""
+    if isinstance(value, (torch.SymInt, torch.SymBool, torch.SymFloat)):
+        return PythonPrinter().doprint(value.node.expr)
+    return repr(value)
+
+
+def evaluate_symbolic(expression: str, symbol_values: Mapping[str, int]) -> Any:
+    """The value of a :func:`symbolic_expression` at the given symbol values."""
+    return eval(_compiled_expression(expression), {"__builtins__": {}, **_EXPRESSION_FUNCTIONS}, dict(symbol_values))
+
+
+def concrete_shape(spec: TensorSpec, symbol_values: Mapping[str, int]) -> tuple[int, ...]:
+    """``spec``'s shape at the given symbol values (a receive buffer's shape)."""
+    if spec.symbolic_shape is None:
+        return spec.shape
+    return tuple(int(evaluate_symbolic(expression, symbol_values)) for expression in spec.symbolic_shape)
+
+
+def dynamic_dims_to_json(traced: TracedModel) -> dict[str, Any] | None:
+    """What a plan file keeps of the dynamic dimensions: each dim's range, and every symbolic input axis."""
+    if not traced.dynamic_dims:
+        return None
+    return {
+        "dims": [
+            {"symbol": dim.symbol, "name": dim.name, "min": dim.lower, "max": dim.upper} for dim in traced.dynamic_dims
+        ],
+        "axes": [
+            [position, axis, expression]
+            for position, spec in enumerate(traced.input_specs)
+            for axis, expression in enumerate(spec.symbolic_shape or ())
+            if not expression.isdigit()
+        ],
+    }
+
+
+def dynamic_shapes_from_json(
+    saved: dict[str, Any], model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict[str, Any] | None
+) -> Any:
+    """torch.export ``dynamic_shapes`` for the example inputs, rebuilt from a plan's dynamic dimensions."""
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    dims = {d["symbol"]: torch.export.Dim(d["name"], min=d["min"], max=d["max"]) for d in saved["dims"]}
+    axes_of: dict[int, dict[int, Any]] = {}
+    for position, axis, expression in saved["axes"]:
+        if position >= len(tensors):
+            raise PlanError(
+                f"the plan makes dimension {axis} of flat input {position} dynamic ({expression}), but the example "
+                f"inputs have {len(tensors)} tensors; give example inputs structured as those the plan was made with"
+            )
+        # A derived dim (2*batch) is the same arithmetic on torch.export.Dim objects.
+        axes_of.setdefault(position, {})[axis] = eval(_compiled_expression(expression), {"__builtins__": {}}, dims)
+    shapes = torch.export.ShapesCollection()
+    for position, axes in axes_of.items():
+        shapes[tensors[position]] = axes
+    return shapes.dynamic_shapes(model, args, kwargs)
+
+
+def shape_scalars(traced: TracedModel) -> dict[fx.Node, sympy.Expr]:
+    """Ops whose value is arithmetic on the input dimensions only (``sym_size``, products of sizes).
+
+    Only tensors cross devices: every part that reads such a scalar computes it itself from the
+    call's symbol values (:mod:`moirai.runtime.split`), so no edge of the op graph carries one.
+    """
+    symbols = {dim.symbol for dim in traced.dynamic_dims}
+    scalars = {}
+    for node in traced.graph_module.graph.nodes:
+        value = node.meta.get("val")
+        if (
+            symbols
+            and node.op == "call_function"
+            and isinstance(value, (torch.SymInt, torch.SymBool))
+            and _is_shape_arithmetic(value.node.expr, symbols)
+        ):
+            scalars[node] = value.node.expr
+    return scalars
+
+
+# The sympy expressions of shape scalars, as Python operators (what a part computes them with).
+SHAPE_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
+    sympy.Add: operator.add,
+    sympy.Mul: operator.mul,
+    FloorDiv: operator.floordiv,
+    PythonMod: operator.mod,
+    sympy.Mod: operator.mod,
+    sympy.Eq: operator.eq,
+    sympy.Ne: operator.ne,
+    sympy.StrictLessThan: operator.lt,
+    sympy.LessThan: operator.le,
+    sympy.StrictGreaterThan: operator.gt,
+    sympy.GreaterThan: operator.ge,
+}
+
+
+def _is_shape_arithmetic(expr: sympy.Basic, symbols: set[str]) -> bool:
+    if expr.is_Symbol:
+        return str(expr) in symbols
+    if expr.is_Integer or expr in (sympy.true, sympy.false):
+        return True
+    if isinstance(expr, sympy.Pow):
+        return bool(expr.exp.is_Integer and expr.exp > 0) and _is_shape_arithmetic(expr.base, symbols)
+    return type(expr) in SHAPE_OPERATORS and all(_is_shape_arithmetic(arg, symbols) for arg in expr.args)
+
+
+def shape_with_dim_names(spec: TensorSpec, dynamic_dims: Sequence[DynamicDim]) -> str:
+    """``(batch, 2*seq, 16)``: a symbolic shape with the symbols named as the user named the dims."""
+    names = {dim.symbol: dim.name for dim in dynamic_dims}
+    words = [re.sub(r"\b[a-z]+\d+\b", lambda m: names.get(m.group(), m.group()), e) for e in spec.symbolic_shape or ()]
+    return f"({', '.join(words)})"
+
+
+def exported_dynamic_dims(
+    exported: torch.export.ExportedProgram,
+    graph_module: fx.GraphModule,
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict[str, Any],
+    dynamic_shapes: Any,
+) -> tuple[DynamicDim, ...]:
+    """The dynamic input dimensions of an exported model, with their ranges and the user's Dim names."""
+    ranges = {str(symbol): bounds for symbol, bounds in exported.range_constraints.items()}
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    user_names = _user_dim_names(model, args, kwargs, dynamic_shapes, tensors)
+    dims: dict[str, DynamicDim] = {}
+    placeholders = graph_module.graph.find_nodes(op="placeholder")
+    for position, node in enumerate(placeholders):
+        for axis, size in enumerate(node.meta["val"].shape):
+            symbol = symbolic_expression(size)
+            if not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol or symbol in dims:
+                continue
+            bounds = ranges[symbol]
+            upper = None if bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
+            name = user_names.get((position, axis), symbol)
+            dims[symbol] = DynamicDim(symbol, name, int(bounds.lower), upper, f"input {position} dimension {axis}")
+    for position, node in enumerate(placeholders):
+        for axis, size in enumerate(node.meta["val"].shape):
+            if isinstance(size, torch.SymInt) and {str(symbol) for symbol in size.node.expr.free_symbols} - set(dims):
+                raise TraceError(
+                    f"{type(model).__name__}: input {position} dimension {axis} is {symbolic_expression(size)}, "
+                    "derived from a dimension that is no input's own dimension; moirai computes every size from "
+                    "the input dimensions: declare the root Dim on an input dimension too"
+                )
+    return tuple(dims.values())
+
+
+def _user_dim_names(
+    model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic_shapes: Any, tensors: list[torch.Tensor]
+) -> dict[tuple[int, int], str]:
+    """(flat tensor input, axis) -> the ``torch.export.Dim``'s name, as torch.export matched them."""
+    from torch.export import dynamic_shapes as torch_dynamic_shapes
+
+    try:  # private torch API, used only for nicer names: without it dimensions are named by their symbols
+        combined = torch_dynamic_shapes._combine_args(model, args, kwargs)
+        constraints = torch_dynamic_shapes._process_dynamic_shapes(combined, dynamic_shapes)
+    except Exception:
+        return {}
+    position_of = {id(t): position for position, t in enumerate(tensors)}
+    return {
+        (position_of[c.t_id], c.dim): c.name
+        for c in constraints
+        if c.t_id in position_of and isinstance(getattr(c, "name", None), str)
+    }
+
+
+_EXPRESSION_FUNCTIONS = {"max": max, "min": min, "abs": abs, "math": math, "int": int, "float": float}
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled_expression(expression: str) -> CodeType:
+    return compile(expression, "<symbolic shape>", "eval")
+
+
+def example_int(size: int | torch.SymInt) -> int:
+    """A size at the example inputs (a symbolic size's hint): costs are taken at the example shapes."""
+    return size if isinstance(size, int) else int(size.node.hint)

@@ -1,0 +1,345 @@
+"""Trace a model into a flat fx graph whose every node carries ``meta["val"]``.
+
+Example::
+
+    traced = trace(model, (torch.randn(8, 16),))
+    flat_outputs = traced.graph_module(*traced.flatten_inputs((x,), {}))
+
+Dynamic dimensions and symbolic sizes are :mod:`moirai.frontend.symbolic_shapes`; the checks of the example
+inputs and of the traced graph, and the errors tracing raises, are :mod:`moirai.frontend.trace_checks`.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from moirai.errors import InputError, TraceError
+from moirai.frontend.symbolic_shapes import (
+    DynamicDim,
+    concrete_shape,
+    example_int,
+    exported_dynamic_dims,
+    shape_with_dim_names,
+    symbolic_expression,
+)
+from moirai.frontend.trace_checks import (
+    check_example_inputs,
+    check_operand_dtypes,
+    check_static_shapes,
+    inputs_do_not_fit_error,
+    tensor_input_names,
+    trace_error,
+    warn_if_training,
+)
+from moirai.progress import stage
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor, enough to check a call and to allocate a buffer.
+
+    ``shape`` is the shape at the example inputs. In a model traced with dynamic shapes,
+    ``symbolic_shape`` holds every dimension as a Python expression over the symbols of the
+    dynamic input dimensions (``"s0"``, ``"s0*s1"``, ``"16"``); :func:`concrete_shape` evaluates it.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    symbolic_shape: tuple[str, ...] | None = None
+
+
+def tensor_spec(value: torch.Tensor) -> TensorSpec:
+    """The spec of a traced tensor: example shape, and symbolic shape when a dimension is symbolic."""
+    shape = tuple(example_int(size) for size in value.shape)
+    if all(isinstance(size, int) for size in value.shape):
+        return TensorSpec(shape, value.dtype)
+    return TensorSpec(shape, value.dtype, tuple(symbolic_expression(size) for size in value.shape))
+
+
+def check_flat_inputs(
+    specs: Sequence[TensorSpec], dynamic_dims: Sequence[DynamicDim], tensors: Sequence[Any], model_name: str
+) -> dict[str, int]:
+    """The value of every dynamic dimension in ``tensors``; :class:`moirai.InputError` unless they fit ``specs``."""
+    if len(tensors) != len(specs):
+        raise InputError(
+            f"{model_name} takes {len(specs)} flat input tensors, got {len(tensors)}; "
+            "flatten (args, kwargs) with TracedModel.flatten_inputs"
+        )
+    dims = {dim.symbol: dim for dim in dynamic_dims}
+    values: dict[str, int] = {}
+    for position, (value, spec) in enumerate(zip(tensors, specs, strict=True)):
+        if not isinstance(value, torch.Tensor):
+            raise InputError(f"{model_name}: input {position} must be a tensor, got {type(value).__name__}")
+        for axis, size in enumerate(value.shape[: len(spec.shape)]):
+            dim = dims.get(spec.symbolic_shape[axis]) if spec.symbolic_shape else None
+            if dim is None:
+                continue
+            if size < dim.lower or (dim.upper is not None and size > dim.upper):
+                raise InputError(
+                    f"{model_name}: input {position} dimension {axis} ({dim.name}) is {size}; the plan serves "
+                    f"{dim.name} = {dim.range}: compile again with dynamic_shapes whose {dim.name} covers {size}"
+                )
+            if values.setdefault(dim.symbol, size) != size:
+                raise InputError(
+                    f"{model_name}: input {position} dimension {axis} is {size} but {dim.name} ({dim.where}) is "
+                    f"{values[dim.symbol]}; the model was traced with both equal"
+                )
+    for position, (value, spec) in enumerate(zip(tensors, specs, strict=True)):
+        expected_shape = concrete_shape(spec, values)
+        if value.dtype != spec.dtype or tuple(value.shape) != expected_shape:
+            shown = spec.shape if spec.symbolic_shape is None else shape_with_dim_names(spec, dynamic_dims)
+            raise InputError(
+                f"{model_name}: input {position} has shape {tuple(value.shape)} and dtype {value.dtype}, "
+                f"the plan was made for shape {shown} and dtype {spec.dtype}; "
+                "compile again with example inputs of the shape you will serve"
+                + (" (or declare the dimension dynamic: dynamic_shapes=...)" if not dynamic_dims else "")
+            )
+    return values
+
+
+@dataclass
+class TracedModel:
+    """A flat GraphModule: placeholders are the flat tensor inputs, the output is a flat tuple.
+
+    ``in_spec`` and ``out_spec`` turn a user's ``(args, kwargs)`` into the flat inputs and the
+    flat outputs back into the model's (possibly nested) output structure. Non-tensor inputs
+    (``use_cache=False``, a float scale) are baked into the graph: ``constant_inputs`` maps their
+    flat positions to the traced values, and a call must pass the same values.
+    """
+
+    graph_module: fx.GraphModule
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    input_specs: tuple[TensorSpec, ...]
+    model_name: str
+    constant_inputs: dict[int, Any]
+    dynamic_dims: tuple[DynamicDim, ...] = ()
+
+    def flatten_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The flat input tensors of a call, checked against the traced example inputs."""
+        expected_keys = self.in_spec.child(1).context
+        if set(kwargs) == set(expected_keys):
+            kwargs = {key: kwargs[key] for key in expected_keys}
+        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self.in_spec:
+            traced_args, traced_keys = self.in_spec.child(0).num_children, sorted(expected_keys)
+            if (len(args), sorted(kwargs)) != (traced_args, traced_keys):
+                difference = (
+                    f"{traced_args} positional input(s) and keyword(s) {traced_keys}, "
+                    f"called with {len(args)} and {sorted(kwargs)}"
+                )
+            else:
+                difference = f"inputs structured as {self.in_spec}, called with {spec}"
+            raise InputError(
+                f"{self.model_name} was traced with {difference}; call it with the same arguments as the example inputs"
+            )
+        for position, constant in self.constant_inputs.items():
+            if flat[position] != constant:
+                raise InputError(
+                    f"{self.model_name} was traced with the non-tensor input {constant!r} at flat position "
+                    f"{position}, called with {flat[position]!r}; compile again to plan for that value"
+                )
+        tensors = [value for position, value in enumerate(flat) if position not in self.constant_inputs]
+        check_flat_inputs(self.input_specs, self.dynamic_dims, tensors, self.model_name)
+        return tensors
+
+    def unflatten_outputs(self, flat_outputs: list[Any]) -> Any:
+        return pytree.tree_unflatten(list(flat_outputs), self.out_spec)
+
+
+@stage("trace")
+def trace(
+    model: torch.nn.Module,
+    example_inputs: tuple = (),
+    example_kwargs: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+) -> TracedModel:
+    """Trace ``model`` with ``torch.export`` (non-strict), falling back to ``symbolic_trace``.
+
+    ``dynamic_shapes`` declares dimensions that may vary from call to call, in torch.export's
+    convention (``torch.export.Dim``): the graph then serves every size in the declared ranges.
+    Weights may live on the ``meta`` device; example inputs should then be ``meta`` tensors too.
+    Raises :class:`moirai.TraceError` naming the model, the failing line and what to try.
+    """
+    kwargs = dict(example_kwargs or {})
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    name = type(model).__name__
+    dynamic_dims: tuple[DynamicDim, ...] = ()
+    check_example_inputs(model, args, kwargs, name)
+    warn_if_training(model, name)
+    try:
+        exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as export_error:
+        if dynamic_shapes is not None and "tree_name" in str(export_error):
+            raise TraceError(
+                f"could not trace {name} with dynamic_shapes: torch.export fails when an input goes to the model "
+                f"through **kwargs (here one of {sorted(kwargs)}); pass such options by a named parameter of forward "
+                "or leave them out (a Hugging Face model's ModelOutput needs no return_dict=False)"
+            ) from export_error
+        if kwargs or dynamic_shapes is not None:
+            raise trace_error(name, export_error, args, kwargs) from export_error
+        graph_module = _symbolic_trace_fallback(model, args, name, export_error)
+        out_spec = pytree.tree_structure(_flat_output_marker(graph_module))
+    else:
+        if _has_observable_mutation(exported.graph_module.graph):
+            # The splitter follows data edges; an in-place op that other ops see is not one. torch's
+            # functionalization rewrites it as data flow (graphs without one are left as traced).
+            exported = exported.run_decompositions({})
+            _views_as_reshapes(exported.graph_module.graph)
+        graph_module = exported.module()
+        out_spec = exported.call_spec.out_spec
+        _drop_guard_calls(graph_module)
+        if dynamic_shapes is not None:
+            dynamic_dims = exported_dynamic_dims(exported, graph_module, model, args, kwargs, dynamic_shapes)
+        check_static_shapes(graph_module, name)
+    in_spec = pytree.tree_structure((args, kwargs))
+    flat_inputs = pytree.tree_leaves((args, kwargs))
+    constant_inputs = {i: value for i, value in enumerate(flat_inputs) if not isinstance(value, torch.Tensor)}
+    graph_module = _flatten_attributes(graph_module)
+    graph_module.graph.set_codegen(fx.graph.CodeGen())
+    _bake_constant_inputs(graph_module, constant_inputs)
+    _flatten_output(graph_module)
+    graph_module.recompile()
+    check_operand_dtypes(graph_module, name, tensor_input_names(args, kwargs))
+    if dynamic_dims:
+        placeholders = graph_module.graph.find_nodes(op="placeholder")
+        input_specs = tuple(tensor_spec(node.meta["val"]) for node in placeholders)
+    else:
+        input_specs = tuple(TensorSpec(tuple(t.shape), t.dtype) for t in flat_inputs if isinstance(t, torch.Tensor))
+    return TracedModel(graph_module, in_spec, out_spec, input_specs, name, constant_inputs, dynamic_dims)
+
+
+def _symbolic_trace_fallback(model: torch.nn.Module, args: tuple, name: str, export_error: Exception) -> fx.GraphModule:
+    try:
+        graph_module = fx.symbolic_trace(model)
+    except Exception:
+        raise trace_error(name, export_error, args, {}) from export_error
+    recorder = _RecordValues(graph_module)
+    try:
+        recorder.run(*args)
+    except Exception as error:
+        # The model ran eagerly on the example inputs and failed there: they do not fit it.
+        raise inputs_do_not_fit_error(name, args, graph_module, recorder.current_node, error) from error
+    return graph_module
+
+
+class _RecordValues(fx.Interpreter):
+    """Runs the graph once and records ``meta["val"]`` (as exported graphs have) on every node."""
+
+    current_node: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current_node = n
+        result = super().run_node(n)
+        n.meta["val"] = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), result)
+        return result
+
+
+def _flat_output_marker(graph_module: fx.GraphModule) -> Any:
+    """A placeholder structure mirroring the graph's output argument, used to get its TreeSpec."""
+    (output_node,) = graph_module.graph.find_nodes(op="output")
+    return pytree.tree_map(lambda _: 0, output_node.args[0])
+
+
+def _bake_constant_inputs(graph_module: fx.GraphModule, constant_inputs: dict[int, Any]) -> None:
+    """Replace the placeholders of non-tensor inputs by their traced values."""
+    placeholders = graph_module.graph.find_nodes(op="placeholder")
+    substitute = {placeholders[position]: value for position, value in constant_inputs.items()}
+    for node in substitute:
+        for user in list(node.users):
+            user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs), lambda n: substitute.get(n, n))
+        graph_module.graph.erase_node(node)
+
+
+def _flatten_output(graph_module: fx.GraphModule) -> None:
+    (output_node,) = graph_module.graph.find_nodes(op="output")
+    output_node.args = (tuple(pytree.tree_leaves(output_node.args[0])),)
+
+
+def _flatten_attributes(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """The module with every attribute its graph reads at top level, named after its get_attr node.
+
+    Generated code fetches a nested target through every module on its path, one slow
+    ``nn.Module.__getattr__`` each: inception_v4 made 6,180 such calls per run, a third of its time.
+    """
+    root = torch.nn.Module()
+    for node in graph_module.graph.find_nodes(op="get_attr"):
+        value = operator.attrgetter(str(node.target))(graph_module)
+        if isinstance(value, torch.nn.Parameter):
+            root.register_parameter(node.name, value)
+        elif isinstance(value, torch.Tensor):
+            root.register_buffer(node.name, value)
+        else:
+            setattr(root, node.name, value)
+        node.target = node.name
+    return fx.GraphModule(root, graph_module.graph, class_name=type(graph_module).__name__)
+
+
+def _drop_guard_calls(graph_module: fx.GraphModule) -> None:
+    """Exported modules check inputs in a pre-hook and a guard call; moirai checks flat inputs itself."""
+    graph_module._forward_pre_hooks.clear()
+    for node in list(graph_module.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph_module.graph.erase_node(node)
+    if hasattr(graph_module, "_guards_fn"):
+        delattr(graph_module, "_guards_fn")
+
+
+def is_view_node(node: fx.Node) -> bool:
+    """An op whose output aliases its first input, as its schema declares (a view, or a piece of a split)."""
+    target = node.target
+    if target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and is_view_node(node.args[0])
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return False
+    alias = target._schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _has_observable_mutation(graph: fx.Graph) -> bool:
+    """Whether an in-place op writes a tensor (or a view of it) that another op also reads.
+
+    ``relu_`` on a value nothing else reads (ResNet's ``ReLU(inplace=True)``) is harmless to a split;
+    ``t.add_(u)`` where another op reads ``t`` (before or after) makes an order the data edges do not show.
+    """
+    for node in graph.nodes:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            continue
+        written = [
+            node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            for i, argument in enumerate(target._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ]
+        for value in written:
+            if not isinstance(value, fx.Node):
+                continue
+            base = value
+            while is_view_node(base) and isinstance(base.args[0], fx.Node):
+                base = base.args[0]
+            aliases, frontier = {base}, [base]
+            while frontier:
+                for user in frontier.pop().users:
+                    if user is node or user in aliases:
+                        continue
+                    if not is_view_node(user):
+                        return True  # a reader of the written tensor other than the in-place op
+                    aliases.add(user)
+                    frontier.append(user)
+    return False
+
+
+def _views_as_reshapes(graph: fx.Graph) -> None:
+    """Functionalization writes ``reshape`` as ``view``, which needs the strides seen at trace time; the
+    kernels of a run (an attention's output layout) or a transfer may give others. In a functional graph
+    a reshape computes the same values."""
+    for node in graph.nodes:
+        if node.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
+            node.target = torch.ops.aten.reshape.default

@@ -1,0 +1,201 @@
+"""Checks of a model's example inputs and traced graph, and the errors tracing raises.
+
+Each check refuses, as a :class:`moirai.TraceError` naming the input, op or source line, what torch would
+accept at trace time and fail on later (or accept silently with wrong results): a numpy example input,
+inputs that do not bind to ``forward``, value-dependent shapes, mixed operand dtypes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from moirai.errors import TraceError, TrainingModeWarning
+
+_MOIRAI_DIRECTORY = str(Path(__file__).parent)
+# Ops whose first three tensor operands (input, weight, bias; q, k, v) must share one dtype. Fake
+# tensors do not check it, so an int64 input into a Linear traces and then fails on every call.
+_SAME_DTYPE_OPS = {
+    getattr(torch.ops.aten, name)
+    for name in (
+        "linear mm addmm bmm baddbmm matmul mv addmv dot conv1d conv2d conv3d convolution _convolution "
+        "conv_transpose1d conv_transpose2d conv_transpose3d scaled_dot_product_attention "
+        "layer_norm group_norm batch_norm instance_norm"
+    ).split()
+}
+_NORMS = {torch.ops.aten.layer_norm, torch.ops.aten.group_norm, torch.ops.aten.batch_norm, torch.ops.aten.instance_norm}
+
+
+def _is_library_file(filename: str) -> bool:
+    return "site-packages/torch" in filename or filename.startswith(_MOIRAI_DIRECTORY)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _input_path(path: tuple) -> str:
+    """``example_inputs[0]`` or ``example_kwargs['mask']`` for a key path into ``(args, kwargs)``."""
+    root = "example_inputs" if path[0].idx == 0 else "example_kwargs"
+    return root + pytree.keystr(path[1:])
+
+
+def tensor_input_names(args: tuple, kwargs: dict[str, Any]) -> list[str]:
+    """Where every flat tensor input came from, in flat order (the placeholders of the traced graph)."""
+    leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+    return [_input_path(path) for path, value in leaves if isinstance(value, torch.Tensor)]
+
+
+def _describe_tensors(args: tuple, kwargs: dict[str, Any]) -> str:
+    leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+    shown = [
+        f"{_input_path(path)}: {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
+        if isinstance(value, torch.Tensor)
+        else f"{_input_path(path)}: {type(value).__name__}"
+        for path, value in leaves
+    ]
+    return ", ".join(shown[:6]) + (", ..." if len(shown) > 6 else "") if shown else "none"
+
+
+def check_example_inputs(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], name: str) -> None:
+    """Catch the inputs torch would reject only deep inside tracing: arrays, and a wrong number of them."""
+    for path, value in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(value, (np.ndarray, np.generic)):
+            raise TraceError(
+                f"{name}: example input {_input_path(path)} is a numpy {type(value).__name__}; "
+                "moirai traces torch tensors: pass torch.from_numpy(array) (or torch.as_tensor)"
+            )
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward without a Python signature: let tracing judge
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise TraceError(
+            f"the example inputs do not fit {name}.forward{signature}: {error} "
+            f"(given {len(args)} positional and keyword(s) {sorted(kwargs)}); pass example_inputs=(...) with one "
+            "value per positional argument and example_kwargs={...} for the keyword ones"
+        ) from None
+
+
+def warn_if_training(model: torch.nn.Module, name: str) -> None:
+    random_or_batch = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+    training = [
+        f"{path or name} ({type(m).__name__})"
+        for path, m in model.named_modules()
+        if m.training and isinstance(m, random_or_batch)
+    ]
+    if training:
+        warnings.warn(
+            TrainingModeWarning(
+                f"{name} is in training mode: {', '.join(training[:3])}{', ...' if len(training) > 3 else ''} "
+                "will drop random activations or use batch statistics, so the split model's outputs differ from "
+                "call to call and from the model in eval mode; call model.eval() before moirai.compile"
+            ),
+            stacklevel=3,
+        )
+
+
+def _source_line(node: fx.Node) -> str:
+    """``file.py:12 (code)`` of the user's line that made ``node``, from the trace's stack, or ``""``."""
+    lines = [line.strip() for line in str(node.meta.get("stack_trace") or "").strip().splitlines()]
+    places = [i for i, line in enumerate(lines) if line.startswith("File ")]
+    if not places:
+        return ""
+    place = lines[places[-1]].split(",")
+    file, line_number = place[0].removeprefix("File ").strip('"'), place[1].strip().removeprefix("line ")
+    code = lines[places[-1] + 1] if places[-1] + 1 < len(lines) else ""
+    return f"{Path(file).name}:{line_number} ({code})"
+
+
+def _describe_node(graph_module: fx.GraphModule, node: fx.Node | None) -> str:
+    if node is None:
+        return "the model"
+    if node.op == "call_module":
+        return f"module {node.target!r} ({type(graph_module.get_submodule(str(node.target))).__name__})"
+    stack = node.meta.get("nn_module_stack")
+    module = ""
+    if stack and list(stack.values())[-1][0]:
+        path, kind = list(stack.values())[-1]
+        module = f" in module {path!r} ({getattr(kind, '__name__', str(kind).rsplit('.', 1)[-1])})"
+    source = _source_line(node)
+    label = node.name if node.name == _target_label(node) else f"{node.name} ({_target_label(node)})"
+    return label + module + (f" at {source}" if source else "")
+
+
+def _target_label(node: fx.Node) -> str:
+    target = node.target
+    return str(target.overloadpacket.__name__) if isinstance(target, torch._ops.OpOverload) else str(target)
+
+
+def inputs_do_not_fit_error(
+    name: str, args: tuple, graph_module: fx.GraphModule, node: fx.Node | None, error: Exception
+) -> TraceError:
+    """The model ran eagerly on the example inputs and ``node`` failed there: they do not fit it."""
+    return TraceError(
+        f"could not trace {name}: the example inputs ({_describe_tensors(args, {})}) do not fit it; "
+        f"{_describe_node(graph_module, node)} fails with {_first_line(error)}. "
+        "Give example inputs of the shapes, dtypes and number the model's forward takes."
+    )
+
+
+def trace_error(model_name: str, error: Exception, args: tuple, kwargs: dict[str, Any]) -> TraceError:
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not _is_library_file(f.filename)]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    return TraceError(
+        f"could not trace {model_name}{where} with example inputs {_describe_tensors(args, kwargs)}: "
+        f"{_first_line(error)}. "
+        "Try: data-dependent control flow on tensor values must become torch.cond or be removed; "
+        "Hugging Face decoders need use_cache=False (and return_dict=False if outputs are not tensors); "
+        "example inputs must be tensors of the shape you will serve."
+    )
+
+
+def check_static_shapes(graph_module: fx.GraphModule, name: str) -> None:
+    """Refuse ops whose output shape depends on tensor values (``t[t > 0]``, ``nonzero``): plans fix every shape."""
+    for node in graph_module.graph.nodes:
+        tensors = [t for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
+        if node.op == "call_function" and any(free_unbacked_symbols(t) for t in tensors):
+            shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+            raise TraceError(
+                f"{name}: {_describe_node(graph_module, node)} makes a tensor whose shape {shapes} depends on the "
+                "values of a tensor, not only on the input shapes; moirai plans programs whose every shape is known "
+                "at compile time: replace boolean-mask indexing (t[t > 0]), nonzero or unique by shape-preserving "
+                "ops such as torch.where(t > 0, t, 0)"
+            )
+
+
+def check_operand_dtypes(graph_module: fx.GraphModule, name: str, input_names: list[str]) -> None:
+    """Refuse matmuls, convolutions and norms whose operands' dtypes differ (as eager PyTorch would)."""
+    placeholders = graph_module.graph.find_nodes(op="placeholder")
+    for node in graph_module.graph.nodes:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket not in _SAME_DTYPE_OPS:
+            continue
+        operands = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        operands = operands[:1] if target.overloadpacket in _NORMS else operands[:3]
+        dtypes = [a.meta["val"].dtype for a in operands]
+        if len(set(dtypes)) <= 1 and all(d.is_floating_point or d.is_complex for d in dtypes):
+            continue
+        inputs = [
+            f"example input {input_names[placeholders.index(a)]} is {a.meta['val'].dtype}"
+            for a in operands
+            if a in placeholders and placeholders.index(a) < len(input_names)
+        ]
+        raise TraceError(
+            f"{name}: {_describe_node(graph_module, node)} gets operands of dtypes "
+            f"{', '.join(str(d) for d in dtypes)}{' (' + '; '.join(inputs) + ')' if inputs else ''}; it needs one "
+            "floating-point dtype: give example inputs of the dtype the model computes in (e.g. x.float()), or "
+            "cast them inside the model"
+        )

@@ -1,0 +1,193 @@
+"""Lower bounds on the best makespan of a problem, so every plan can print its gap; memory feasibility.
+
+Two bounds, each valid for every plan that respects memory, with or without link contention
+(both ignore communication, which only ever delays a task):
+
+* critical path: the longest path when every task runs on its fastest device that can hold it;
+* load: the optimum of the LP "minimise T such that a fractional assignment of tasks to
+  devices puts at most T seconds of work on every device and at most its capacity of memory".
+  The number returned is not the solver's objective but the Lagrangian bound
+  ``sum_i min_k (y_k p_ik + z_k m_i) - sum_k z_k capacity_k`` evaluated at the LP's duals
+  (``y`` on the simplex, ``z >= 0``), which is valid for any ``y, z``: solver tolerances can
+  only make it weaker, never invalid.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import highspy
+import numpy as np
+
+from moirai.errors import InfeasibleError
+from moirai.planning.highs import new_highs
+from moirai.planning.problem import Problem
+
+
+class LowerBounds(NamedTuple):
+    critical_path_s: float
+    load_s: float
+
+    @property
+    def best_s(self) -> float:
+        return max(self.critical_path_s, self.load_s)
+
+
+_CACHE: weakref.WeakKeyDictionary[Problem, LowerBounds] = weakref.WeakKeyDictionary()
+
+
+def lower_bound(problem: Problem) -> float:
+    """A makespan no plan that respects memory can beat (seconds)."""
+    return lower_bounds(problem).best_s
+
+
+def lower_bounds(problem: Problem) -> LowerBounds:
+    """Both bounds, computed once per problem."""
+    if problem not in _CACHE:
+        _CACHE[problem] = LowerBounds(_critical_path_bound(problem), _load_bound(problem))
+    return _CACHE[problem]
+
+
+def format_bytes(num_bytes: float) -> str:
+    """``31.2 GB``, ``512.0 MB``: memory sizes for messages."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes:g} B"
+
+
+def check_memory_feasible(problem: Problem) -> None:
+    """Raise :class:`InfeasibleError` when no placement can fit the model's memory, saying by how much."""
+    needed = float(problem.memory_bytes.sum())
+    capacity = problem.memory_capacity_bytes
+    if needed > capacity.sum():
+        raise InfeasibleError(
+            f"model needs {format_bytes(needed)}, cluster has {format_bytes(float(capacity.sum()))} in total; "
+            "add devices or memory, or use a smaller data type"
+        )
+    _fastest_holding_device_time(problem)
+
+
+def _fastest_holding_device_time(problem: Problem) -> np.ndarray:
+    """Each task's time on its fastest device that could hold it alone; raise if there is none."""
+    holds = problem.fits
+    homeless = np.flatnonzero(~holds.any(axis=1))
+    if homeless.size:
+        i = int(homeless[0])
+        raise InfeasibleError(
+            f"task {problem.task_names[i]!r} needs {format_bytes(float(problem.memory_bytes[i]))}, but no device "
+            f"that can run it has that much (largest: {format_bytes(float(problem.memory_capacity_bytes.max()))})"
+        )
+    return np.where(holds, problem.compute_s, np.inf).min(axis=1)
+
+
+def _critical_path_bound(problem: Problem) -> float:
+    weight = _fastest_holding_device_time(problem).tolist()
+    finish = [0.0] * problem.num_tasks
+    for v in problem.topological_order:
+        finish[v] = weight[v] + max((finish[u] for u in problem.predecessors[v]), default=0.0)
+    return max(finish, default=0.0)
+
+
+def _load_bound(problem: Problem) -> float:
+    if problem.num_tasks == 0:
+        return 0.0
+    # A memory-infeasible LP means no plan fits; the memory-free bound is then the useful one. Should the
+    # solver fail, equal device weights still give a valid (weaker) bound.
+    device_weight, memory_price = (
+        _solve_load_lp(problem, respect_memory=True)
+        or _solve_load_lp(problem, respect_memory=False)
+        or (np.full(problem.num_devices, 1.0 / problem.num_devices), np.zeros(problem.num_devices))
+    )
+    finite = problem.runs_on
+    price = device_weight[None, :] * np.where(finite, problem.compute_s, 0.0)
+    per_task = np.where(finite, price + memory_price[None, :] * problem.memory_bytes[:, None], np.inf)
+    finite_capacity = np.where(np.isfinite(problem.memory_capacity_bytes), problem.memory_capacity_bytes, 0.0)
+    return max(0.0, float(per_task.min(axis=1).sum() - memory_price @ finite_capacity))
+
+
+def _solve_load_lp(problem: Problem, respect_memory: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """Duals (device weights on the simplex, memory prices >= 0) of the load LP, or None if it is infeasible.
+
+    Rows: one "assigned once" row per task, one load row per device (``sum_i p_ik x_ik - T <= 0``),
+    one memory row per device with finite capacity. Compute is scaled to its largest finite value
+    and memory to the capacity so the solver sees numbers near 1.
+    """
+    n, k = problem.num_tasks, problem.num_devices
+    finite = problem.runs_on
+    time_scale = float(problem.compute_s[finite].max()) if finite.any() else 1.0
+    time_scale = time_scale if time_scale > 0 else 1.0
+    capacity = problem.memory_capacity_bytes
+    # Leaving out a memory row only weakens the bound; a zero capacity would divide by zero.
+    memory_rows = np.flatnonzero(np.isfinite(capacity) & (capacity > 0)) if respect_memory else np.array([], int)
+
+    tasks, devices = np.nonzero(finite)
+    num_x = tasks.size
+    memory_row = np.full(k, -1)
+    memory_row[memory_rows] = n + k + np.arange(memory_rows.size)
+    has_memory_row = memory_row[devices] >= 0
+    entries = 2 + has_memory_row
+    first = np.cumsum(entries) - entries
+    rows = np.empty(int(entries.sum()) + k, np.int32)
+    values = np.empty(rows.size)
+    rows[first], values[first] = tasks, 1.0
+    rows[first + 1], values[first + 1] = n + devices, problem.compute_s[tasks, devices] / time_scale
+    with_memory = first[has_memory_row] + 2
+    rows[with_memory] = memory_row[devices[has_memory_row]]
+    capacity_of_x = problem.memory_capacity_bytes[devices[has_memory_row]]
+    values[with_memory] = problem.memory_bytes[tasks[has_memory_row]] / capacity_of_x
+    rows[-k:], values[-k:] = n + np.arange(k), -1.0  # the makespan column T
+    starts = np.r_[first, rows.size - k, rows.size].astype(np.int32)
+
+    lp = highspy.HighsLp()
+    lp.num_col_ = num_x + 1
+    lp.num_row_ = n + k + memory_rows.size
+    lp.col_cost_ = np.r_[np.zeros(num_x), 1.0]
+    lp.col_lower_ = np.zeros(num_x + 1)
+    lp.col_upper_ = np.full(num_x + 1, highspy.kHighsInf)
+    lp.row_lower_ = np.r_[np.ones(n), np.full(k + memory_rows.size, -highspy.kHighsInf)]
+    lp.row_upper_ = np.r_[np.ones(n), np.zeros(k), np.ones(memory_rows.size)]
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = starts
+    lp.a_matrix_.index_ = rows
+    lp.a_matrix_.value_ = values
+    solver = new_highs()
+    solver.setOptionValue("output_flag", False)
+    # Interior point without crossover: several times faster than simplex on 10^5 columns, and the
+    # duals need not be exact (see the module docstring).
+    solver.setOptionValue("solver", "ipm")
+    solver.setOptionValue("run_crossover", "off")
+    solver.passModel(lp)
+    solver.run()
+    if solver.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    row_dual = np.asarray(solver.getSolution().row_dual)
+    # For "<=" rows of a minimisation HiGHS reports non-positive duals; their magnitudes are y and z.
+    device_weight = np.clip(-row_dual[n : n + k], 0.0, None)
+    if device_weight.sum() <= 0:
+        device_weight = np.full(k, 1.0 / k)
+    device_weight = device_weight / device_weight.sum()
+    memory_price = np.zeros(k)
+    for r, d in enumerate(memory_rows):
+        # Undo the row scaling: a price per scaled row is a price per capacity-fraction.
+        memory_price[d] = max(0.0, -row_dual[n + k + r]) * time_scale / problem.memory_capacity_bytes[d]
+    return device_weight, memory_price
+
+
+def memory_error(problem: Problem, placer: str, task: int, used_bytes: np.ndarray) -> InfeasibleError:
+    """The error a greedy placer raises when ``task`` fits on no device any more, though the model fits the cluster.
+
+    Models that cannot fit at all are refused before placing, by :func:`check_memory_feasible`.
+    """
+    free = ", ".join(
+        f"{name}: {format_bytes(max(cap - used, 0.0))} free"
+        for name, cap, used in zip(problem.device_names, problem.memory_capacity_bytes, used_bytes, strict=True)
+    )
+    return InfeasibleError(
+        f"{placer} cannot fit the model: it needs {format_bytes(float(problem.memory_bytes.sum()))} and the cluster "
+        f"has {format_bytes(float(problem.memory_capacity_bytes.sum()))} in total, but {placer}'s greedy placement "
+        f"left no device with room for task {problem.task_names[task]!r} "
+        f"({format_bytes(float(problem.memory_bytes[task]))}; {free}); try the 'milp' placer or another baseline, "
+        "or add memory"
+    )

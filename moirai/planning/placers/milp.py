@@ -1,0 +1,376 @@
+"""``milp``: the Moirai MILP (paper §III-D), anytime: never worse than the best heuristic, within its budget.
+
+1. Every fast heuristic places the problem; the simulator judges them; the best is the start
+   plan and its makespan the horizon (a valid big-M and upper bound for the model).
+2. A problem small enough for one model (``FULL_MODEL_MAX_TASKS``, measured with
+   ``bench/milp_ablation.py``) is solved whole by :mod:`moirai.planning.solve.model`, warm-started from
+   the best plan, with whatever time the budget has left after the heuristics and the build.
+3. A larger one first gets a better start: HEFT re-run with a lookahead (how long the best plan
+   so far runs on after each task, on each device) while the simulator confirms a shorter makespan
+   (:mod:`moirai.planning.solve.start_plans`; on random layered graphs of 3,000, 20,000 and 50,000 tasks it
+   gained 3.3%, 2.6% and 4.7% over HEFT, far more per second than windows at that size); then the window search of
+   :mod:`moirai.planning.solve.search`: windows of the schedule re-solved as small MILPs, each kept only if
+   the simulator confirms a shorter makespan.
+
+The budget is an upper limit, not a target: the search returns as soon as the makespan is within
+``mip_gap`` of the proven lower bound, or (window search) when no critical window improves the
+plan any more. ``report.stop_reason`` (:class:`moirai.planning.report.StopReason`) says which.
+
+The returned plan carries the placement, every device's order and every link's transfer
+order, so the simulator replays the schedule found; ``lower_bound_s`` is the best proven bound
+(the solver's, or the objective's own bound), ``report`` (a :class:`moirai.planning.report.SolverReport`) says what
+ran and how it ended. Every comparison of plans is the ``objective``'s (:mod:`moirai.planning.objective`).
+A solver that fails or cannot take the model (Gurobi's size-limited licence) leaves a warning
+and the best plan found so far, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from moirai.errors import InfeasibleError, MoiraiError
+from moirai.planning.bounds import check_memory_feasible, format_bytes
+from moirai.planning.objective import LATENCY, Objective
+from moirai.planning.placers import get_placer, list_placers, register
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.report import BoundSource, SolverReport, StopReason
+from moirai.planning.simulate import Timeline, simulate
+from moirai.planning.solve.model import FORMULATIONS, build_model
+from moirai.planning.solve.search import DEFAULT_WINDOW_TASKS, gap_closed, improve_by_windows
+from moirai.planning.solve.solver import SOLVERS, MilpSolution, SolverSettings, progress_text, solve_model
+from moirai.planning.solve.start_plans import improve_start_plan
+from moirai.planning.solve.warm_start import plan_from_times, relabel_identical_devices
+from moirai.planning.solve.window import whole_problem
+
+# Heuristics tried for the start plan, most promising first; absent ones are skipped. The numbers
+# are seconds per (1,000 tasks)^1.4 measured on this machine (2 cores, 2026-11): a heuristic whose
+# predicted time does not fit what is left of the start-plan budget is not started.
+WARM_START_PLACERS = {
+    "heft": 0.025,  # re-measured once HEFT shared its scheduler with the lookahead: 0.022 at 3,000 tasks
+    "single": 0.001,
+    "expert": 0.001,
+    "round_robin": 0.001,
+    "m_topo": 0.01,
+    "cp_pct": 0.03,
+    "m_etf": 0.12,
+    "getf": 0.25,
+    "m_sct": 1.1,
+    "hash": 0.04,
+}
+# Start plans only an objective other than latency tries (seconds per (1,000 tasks)^1.4, 4 devices).
+OBJECTIVE_START_PLACERS = {"throughput": {"pipeline": 8.0}}
+_SIMULATE_S_PER_TASK = 4e-5
+FULL_MODEL_MAX_TASKS = 24
+STRATEGIES = ("auto", "full", "windows")
+_HEURISTIC_SHARE = 0.3  # of the budget, at most, for start plans on a large problem
+# Of what is left after the heuristics, at most, for lookahead rounds (they stop earlier when they stall,
+# as they did within 3 s on 3,000 tasks): with 0.7 of a 120 s budget on 50,000 tasks the rounds were
+# still improving when stopped (4.81% below HEFT after 16) and the window search kept none of its 199
+# windows; with 0.9 they stalled on their own after 26 (4.85%). On 20,000 tasks (60 s) they stall with
+# time left either way and the window search adds 0.01% to their 2.6%.
+_LOOKAHEAD_SHARE = 0.9
+_SAFETY_S = 0.05
+_MIN_SEARCH_S = 0.3  # the window search needs more than this to solve a window
+
+
+@register("milp")
+def place_milp(
+    problem: Problem,
+    solver: str = "highs",
+    time_limit_s: float = 60.0,
+    mip_gap: float = 1e-4,
+    threads: int | None = None,
+    formulation: str = "strong",
+    strategy: str = "auto",
+    window_tasks: int = DEFAULT_WINDOW_TASKS,
+    progress: bool | None = None,
+    objective: Objective = LATENCY,
+) -> Plan:
+    """Place and schedule ``problem`` with the MILP within ``time_limit_s`` seconds of wall time.
+
+    ``solver``: ``"highs"`` or ``"gurobi"`` (falls back to HiGHS with a warning when Gurobi cannot
+    take the model). ``mip_gap``: relative gap to the proven lower bound at which the search stops. ``threads``:
+    solver threads (solver default if None). ``formulation``: ``"strong"`` or the paper's literal
+    ``"paper"``. ``strategy``: ``"auto"`` (whole model up to ``FULL_MODEL_MAX_TASKS`` tasks, window
+    search beyond), ``"full"`` or ``"windows"``. ``window_tasks``: tasks freed per window.
+    ``progress``: a rich status line on stderr (default: when stderr is a terminal). ``objective``: what
+    the plan minimises (:func:`moirai.place` passes it).
+    """
+    deadline = time.perf_counter() + time_limit_s
+    if solver not in SOLVERS:
+        raise MoiraiError(f"unknown solver {solver!r}; choose one of {SOLVERS}")
+    if formulation not in FORMULATIONS:
+        raise MoiraiError(f"unknown formulation {formulation!r}; choose one of {FORMULATIONS}")
+    if strategy not in STRATEGIES:
+        raise MoiraiError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    check_memory_feasible(problem)
+    show = sys.stderr.isatty() if progress is None else progress
+    status = _status() if show else None
+    with status if status is not None else nullcontext():
+        report = status.update if status is not None else (lambda _: None)
+        settings = SolverSettings(solver, time_limit_s, mip_gap, threads, report if show else None)
+        start_plan, timeline, heuristics = _best_heuristic(problem, deadline, report, objective)
+        finish_by = deadline - _finishing_time(problem)
+        bound_s = objective.lower_bound_s(problem)
+        whole = strategy == "full" or (strategy == "auto" and problem.num_tasks <= FULL_MODEL_MAX_TASKS)
+        info = SolverReport(solver=solver, formulation=formulation, heuristics=heuristics)
+        if whole and timeline is not None and gap_closed(objective.value_s(timeline), bound_s, mip_gap):
+            plan, info.strategy, info.stop_reason = start_plan, "full", StopReason.GAP_CLOSED
+        elif whole:
+            plan, timeline = _solve_whole(problem, start_plan, timeline, settings, finish_by, info, objective)
+        elif objective.name != LATENCY.name:
+            # Lookahead rounds and windows shorten a schedule's critical path: they serve latency only.
+            if start_plan is None:
+                raise InfeasibleError("no heuristic found a placement that fits memory; add memory or devices")
+            plan, info.strategy, info.stop_reason = start_plan, "heuristics", StopReason.TIME_LIMIT
+        elif start_plan is None:
+            raise InfeasibleError(
+                "no heuristic found a placement that fits memory and the graph is too large for one MILP "
+                f"(model needs {format_bytes(float(problem.memory_bytes.sum()))}, cluster has "
+                f"{format_bytes(float(problem.memory_capacity_bytes.sum()))}); add memory or devices"
+            )
+        else:
+            plan, timeline = _search_large(
+                problem, start_plan, timeline, finish_by, settings, window_tasks, report, bound_s, info, objective
+            )
+    if not timeline.fits_memory:
+        # The model and the search enforce memory; this guards the promise, never a silent overflow.
+        warnings.warn("the MILP search produced a plan over memory; using the best heuristic plan", stacklevel=2)
+        plan, timeline = _fallback(problem, start_plan, start_plan and simulate(problem, start_plan))
+    final = _with_transfer_order(problem, plan, timeline)
+    final.placer = "milp"
+    final.lower_bound_s = bound_s
+    if info.solver_bound_s is not None and info.solver_bound_s > bound_s:
+        final.lower_bound_s, info.bound_source = info.solver_bound_s, BoundSource.SOLVER
+    info.time_limit_s, info.elapsed_s = time_limit_s, time.perf_counter() - (deadline - time_limit_s)
+    final.report = info
+    return final
+
+
+def _status() -> Any:
+    from rich.console import Console
+
+    # Solvers may capture the process's stderr while they run; draw on a copy of it.
+    console = Console(file=os.fdopen(os.dup(2), "w"), stderr=True)
+    return console.status("[bold]milp[/] start plans")
+
+
+def _best_heuristic(
+    problem: Problem, deadline: float, report: Any, objective: Objective
+) -> tuple[Plan | None, Timeline | None, dict[str, float]]:
+    """The acceptable heuristic plan (memory first) best by ``objective``, and every heuristic's objective value."""
+    available = set(list_placers())
+    started = time.perf_counter()
+    budget = (deadline - started) * _HEURISTIC_SHARE
+    best: tuple[Plan, Timeline] | None = None
+    values: dict[str, float] = {}
+    for name, cost in {**WARM_START_PLACERS, **OBJECTIVE_START_PLACERS.get(objective.name, {})}.items():
+        predicted = cost * (problem.num_tasks / 1000) ** 1.4 + _SIMULATE_S_PER_TASK * problem.num_tasks
+        if name not in available or (best is not None and time.perf_counter() - started + predicted > budget):
+            continue
+        report(f"start plan: {name}")
+        try:
+            plan = get_placer(name)(problem)
+            timeline = simulate(problem, plan)
+        except MoiraiError:
+            continue  # e.g. a heuristic that cannot respect memory here
+        except Exception as error:  # noqa: BLE001 - one broken heuristic must not stop the MILP
+            warnings.warn(f"heuristic {name!r} failed ({type(error).__name__}: {error}); skipping it", stacklevel=3)
+            continue
+        if not objective.acceptable(timeline):
+            continue
+        values[name] = objective.value_s(timeline)
+        if best is None or objective.improves(timeline, best[1]):
+            best = (plan, timeline)
+    if best is None:
+        return None, None, values
+    return best[0], best[1], values
+
+
+def _search_large(
+    problem: Problem,
+    start_plan: Plan,
+    timeline: Timeline,
+    deadline: float,
+    settings: SolverSettings,
+    window_tasks: int,
+    report: Any,
+    bound_s: float,
+    info: SolverReport,
+    objective: Objective,
+) -> tuple[Plan, Timeline]:
+    """Lookahead rounds from the best heuristic plan, then the window search from their result and from the
+    heuristic plan, sharing the time: each search not yet at a local optimum gets an equal share of what is
+    left, and a search that stops early leaves its time to the others. The shortest plan found wins.
+
+    Why both: on GPT-3 13B (inter-server) the windows from HEFT's plan reached a local optimum 2.0% below
+    it, those from the (0.6% shorter) lookahead plan one 0.65% below HEFT; on random graphs of 3,000 tasks
+    and more the lookahead plan is 2.6-4.8% shorter than HEFT's and windows from HEFT never catch up.
+    """
+    report("start plan: HEFT with lookahead")
+    lookahead_by = time.perf_counter() + _LOOKAHEAD_SHARE * (deadline - time.perf_counter())
+    lookahead = improve_start_plan(problem, start_plan, timeline, lookahead_by, objective)
+    pending = [(lookahead.plan, lookahead.timeline)]  # searches not at a local optimum yet
+    if lookahead.plan is not start_plan:
+        pending.append((start_plan, timeline))
+    info.strategy = "windows"
+    info.lookahead_rounds, info.lookahead_improved = lookahead.rounds, lookahead.improved
+    info.lookahead_objective_s = objective.value_s(lookahead.timeline)
+    info.window_tasks, info.window_starts = window_tasks, len(pending)
+    info.history = [(0.0, info.lookahead_objective_s)]
+    best: tuple[Plan, Timeline] | None = None  # the first search's result (never worse than its start), or shorter
+    gap_is_closed = False
+    while pending and not gap_is_closed and deadline - time.perf_counter() > _MIN_SEARCH_S:
+        plan, start_timeline = pending.pop(0)
+        until = time.perf_counter() + (deadline - time.perf_counter()) / (len(pending) + 1)
+        report("window search")
+        search = improve_by_windows(
+            problem, plan, start_timeline, until, settings, window_tasks, report, bound_s, objective
+        )
+        info.windows_tried += search.windows_tried
+        info.windows_improved += search.windows_improved
+        info.windows_unproven += search.windows_unproven
+        if best is None or objective.improves(search.timeline, best[1]):
+            best = (search.plan, search.timeline)
+            info.history = search.history
+        gap_is_closed = search.stop_reason == StopReason.GAP_CLOSED
+        if search.stop_reason == StopReason.TIME_LIMIT:
+            pending.append((search.plan, search.timeline))
+    if best is None:
+        best = (lookahead.plan, lookahead.timeline)
+    info.stop_reason = (
+        StopReason.GAP_CLOSED if gap_is_closed else StopReason.TIME_LIMIT if pending else StopReason.NO_IMPROVING_WINDOW
+    )
+    report(
+        f"{progress_text('window search', objective.value_s(best[1]), bound_s)}; "
+        f"{info.windows_tried} windows from {info.window_starts} start plan(s)"
+    )
+    return best[0], best[1]
+
+
+def _solve_whole(
+    problem: Problem,
+    start_plan: Plan | None,
+    timeline: Timeline | None,
+    settings: SolverSettings,
+    deadline: float,
+    info: SolverReport,
+    objective: Objective,
+) -> tuple[Plan, Timeline]:
+    """The full MILP, warm-started from ``start_plan``; falls back to it if the solver finds nothing better."""
+    if start_plan is not None and info.formulation == "strong":
+        start_plan, timeline = _relabeled(problem, start_plan)
+    horizon = _horizon_s(problem, timeline, objective)
+    try:
+        built = build_model(problem, whole_problem(problem, horizon), info.formulation, objective)
+    except InfeasibleError as error:  # the horizon (a latency limit) admits no plan
+        info.stop_reason, info.solver_status = StopReason.SOLVER_STATUS, str(error)
+        return _fallback(problem, start_plan, timeline, objective)
+    remaining = deadline - time.perf_counter() - _SAFETY_S
+    info.strategy = "full"
+    info.binaries, info.constraints, info.build_s = built.size.binaries, built.size.constraints, built.size.build_s
+    if remaining <= 0.05:
+        warnings.warn("the time budget ran out building the MILP; returning the best heuristic plan", stacklevel=3)
+        info.stop_reason = StopReason.TIME_LIMIT
+        return _fallback(problem, start_plan, timeline, objective)
+    settings = replace(settings, time_limit_s=remaining)
+    solution = solve_model(built, settings, timeline)
+    info.stop_reason = _stop_reason(solution)
+    info.solver_status = solution.status
+    info.solver = solution.solver
+    info.solver_objective_s, info.solver_bound_s = solution.objective_s, solution.bound_s
+    info.solve_s, info.solver_log_tail = solution.solve_s, solution.log_tail[-8:]
+    if not solution.has_solution:
+        if solution.status.startswith(("error", "unavailable")):
+            warnings.warn(f"the MILP solver failed ({solution.status}); using the best heuristic plan", stacklevel=3)
+        return _fallback(problem, start_plan, timeline, objective)
+    placement = np.array([solution.placement[i] for i in range(problem.num_tasks)])
+    start = np.array([solution.start_s[i] for i in range(problem.num_tasks)])
+    plan = plan_from_times(problem, placement, start, solution.transfer_start_s, "milp")
+    solved = simulate(problem, plan)
+    if timeline is not None and objective.value_s(solved) > objective.value_s(timeline):
+        return start_plan, timeline
+    return plan, solved
+
+
+def _stop_reason(solution: MilpSolution) -> StopReason:
+    """Why the whole-model solve ended, in the terms the window search uses where they apply."""
+    if solution.optimal:
+        return StopReason.GAP_CLOSED  # the solver proved the gap at most ``mip_gap``
+    if "timelimit" in solution.status.lower().replace(" ", ""):  # HiGHS: "Time limit reached"; Gurobi: maxTimeLimit
+        return StopReason.TIME_LIMIT
+    return StopReason.SOLVER_STATUS
+
+
+def _fallback(
+    problem: Problem, start_plan: Plan | None, timeline: Timeline | None, objective: Objective = LATENCY
+) -> tuple[Plan, Timeline]:
+    limit = getattr(objective, "max_latency_s", None)
+    if start_plan is None and limit is not None:
+        raise InfeasibleError(
+            f"neither the heuristics nor the MILP found a plan within max_latency_s={limit:g} s that fits memory; "
+            "raise the latency limit (the 'latency' objective finds the shortest), or add devices"
+        )
+    if start_plan is None:
+        raise InfeasibleError(
+            "neither the heuristics nor the MILP found a placement that fits memory "
+            f"(model needs {format_bytes(float(problem.memory_bytes.sum()))}, cluster has "
+            f"{format_bytes(float(problem.memory_capacity_bytes.sum()))} over {problem.num_devices} devices); "
+            "add memory or devices, or give the MILP more time"
+        )
+    return start_plan, timeline
+
+
+def _relabeled(problem: Problem, plan: Plan) -> tuple[Plan, Timeline]:
+    """The same plan with identical devices renamed to obey the model's symmetry-breaking rows."""
+    mapping = relabel_identical_devices(problem, plan.placement)
+    order = None
+    if plan.order is not None:
+        by_device = [()] * problem.num_devices
+        for old, tasks in enumerate(plan.order):
+            by_device[mapping[old]] = tasks
+        order = tuple(by_device)
+    transfer_order = None
+    if plan.transfer_order is not None:
+        transfer_order = {(int(mapping[a]), int(mapping[b])): q for (a, b), q in plan.transfer_order.items()}
+    relabeled = Plan(mapping[plan.placement], plan.device_names, order, transfer_order, plan.placer)
+    return relabeled, simulate(problem, relabeled)
+
+
+def _with_transfer_order(problem: Problem, plan: Plan, timeline: Timeline) -> Plan:
+    """The plan (simulated as ``timeline``) with every device's and link's order written out as it ran."""
+    order = plan.order if plan.order is not None else timeline.device_order()
+    explicit = Plan(plan.placement, plan.device_names, order, timeline.transfer_order(), plan.placer)
+    explicit.makespan_s = simulate(problem, explicit).makespan_s
+    if explicit.makespan_s != timeline.makespan_s:  # a tie on a link replayed differently: keep the plan as it was
+        return replace(plan, makespan_s=timeline.makespan_s)
+    return explicit
+
+
+def _horizon_s(problem: Problem, timeline: Timeline | None, objective: Objective) -> float:
+    """An upper bound on the makespan of the plans worth modelling: the start plan's for latency; for another
+    objective, its latency limit when it has one, else a makespan every placement can reach."""
+    if objective.name == LATENCY.name and timeline is not None:
+        return objective.value_s(timeline)
+    limit = getattr(objective, "max_latency_s", None)
+    return float(limit) if limit is not None else _serial_upper_bound(problem)
+
+
+def _serial_upper_bound(problem: Problem) -> float:
+    """A makespan every placement beats: all work and every possible transfer one after another."""
+    compute = np.where(np.isfinite(problem.compute_s), problem.compute_s, 0.0).max(axis=1).sum()
+    transfers = np.where(np.isfinite(problem.transfer_s), problem.transfer_s, 0.0).max(axis=(1, 2))
+    return float(compute + transfers.sum() * problem.num_devices)
+
+
+def _finishing_time(problem: Problem) -> float:
+    """Time kept back for writing out the plan's orders and simulating it twice (here and in ``place``)."""
+    return 0.05 + 2 * _SIMULATE_S_PER_TASK * problem.num_tasks

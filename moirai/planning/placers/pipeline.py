@@ -1,0 +1,110 @@
+"""``pipeline``: stages of a topological order for throughput, by dynamic programming (PipeEdge, Hu et al. 2022).
+
+The tasks, in topological order, are cut into contiguous stages, one per device used, each device used
+at most once and in any order. A stage's cost is the larger of its compute time on its device and the
+transfer into it: every tensor produced before the cut and read after it, sent from the previous stage's
+device (tensors that skip a stage are charged to the cut they cross, as PipeEdge does), and the runtime's own
+work per request on the stage's device (:attr:`moirai.planning.problem.Problem.request_cpu_s`). The DP minimises
+the largest stage cost, the period of a pipelined stream of requests, over (tasks placed, devices used,
+last device); stages must fit their device's memory and run only tasks the device can run.
+
+With more than :data:`SUBSET_DP_MAX_DEVICES` devices the device order is fixed (fastest first by
+:attr:`moirai.planning.problem.Problem.device_speed`) and the DP chooses only where to cut, which devices to skip
+included. Each device runs its stage in topological order; the simulator judges the plan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moirai.errors import InfeasibleError
+from moirai.planning.bounds import check_memory_feasible
+from moirai.planning.placers import register
+from moirai.planning.problem import Plan, Problem
+from moirai.planning.report import PlacerReport
+from moirai.planning.schedule import transfer_duration_s
+
+SUBSET_DP_MAX_DEVICES = 6
+
+
+@register("pipeline")
+def place_pipeline(problem: Problem) -> Plan:
+    check_memory_feasible(problem)
+    n, k = problem.num_tasks, problem.num_devices
+    order = np.array(problem.topological_order, int)
+    with np.errstate(invalid="ignore"):
+        # Prefix sums (inf stays) of each task's compute and the send of the model outputs it makes (runtime_cpu_s;
+        # their receive on device 0 is left to the simulator, which judges the plan).
+        work = problem.compute_s + problem.output_send_cpu_s
+        compute = np.vstack([np.zeros(k), np.cumsum(work[order], axis=0)])
+    memory = np.r_[0.0, np.cumsum(problem.memory_bytes[order])]
+    cut = _cut_transfer_s(problem, order)
+    devices = list(range(k)) if k <= SUBSET_DP_MAX_DEVICES else list(np.argsort(-problem.device_speed, kind="stable"))
+    subsets = k <= SUBSET_DP_MAX_DEVICES
+    # best[(start, used, last)] = (period so far, previous state, stage device); ``used`` a bit mask. Device 0's
+    # driver works on every request, so no period is shorter than that work (runtime_cpu_s).
+    driver_s = float(problem.request_cpu_s[0])
+    best: dict[tuple[int, int, int], tuple[float, tuple[int, int, int] | None, int]] = {
+        (0, 0, -1): (driver_s, None, -1)
+    }
+    by_start: list[list[tuple[int, int, int]]] = [[] for _ in range(n + 1)]
+    by_start[0].append((0, 0, -1))
+    for start in range(n):
+        for state in sorted(by_start[start]):
+            period, _, _ = best[state]
+            _, used, last = state
+            position = devices.index(last) if last >= 0 else -1
+            candidates = devices if subsets else devices[position + 1 :]
+            for d in candidates:
+                if used >> d & 1:
+                    continue
+                ends = np.arange(start + 1, n + 1)
+                stage_s = compute[ends, d] - compute[start, d] + problem.request_cpu_s[d]
+                incoming = cut[start, last, d] if last >= 0 else 0.0
+                cost = np.maximum(np.maximum(stage_s, incoming), period)
+                ok = (memory[ends] - memory[start] <= problem.memory_capacity_bytes[d]) & np.isfinite(cost)
+                for end, value in zip(ends[ok].tolist(), cost[ok].tolist(), strict=True):
+                    key = (end, used | 1 << d if subsets else 0, d)  # a fixed order needs no used set
+                    if key not in best:
+                        by_start[end].append(key)
+                    if key not in best or value < best[key][0]:
+                        best[key] = (value, state, d)
+    finals = by_start[n]
+    if not finals:
+        raise InfeasibleError(
+            "pipeline finds no split of the topological order into stages that fit the devices' memory and run "
+            "every task where it can run; try 'heft' or 'milp'"
+        )
+    state: tuple[int, int, int] | None = min(finals, key=lambda s: (best[s][0], s))
+    placement = np.empty(n, int)
+    period_s = best[state][0]
+    while state is not None and state[0] > 0:
+        _, previous, d = best[state]
+        placement[order[previous[0] : state[0]]] = d
+        state = previous
+    per_device = tuple(tuple(int(i) for i in order if placement[i] == d) for d in range(k))
+    return Plan(
+        placement,
+        problem.device_names,
+        order=per_device,
+        placer="pipeline",
+        report=PlacerReport(notes={"dp_period_s": period_s}),
+    )
+
+
+def _cut_transfer_s(problem: Problem, order: np.ndarray) -> np.ndarray:
+    """``cut[b, a, d]``: time to send from device ``a`` to ``d`` every tensor made before position ``b`` of
+    ``order`` and read at or after it."""
+    n, k = problem.num_tasks, problem.num_devices
+    position = np.empty(n, int)
+    position[order] = np.arange(n)
+    change = np.zeros((n + 2, k, k))
+    devices = np.arange(k)
+    for t, consumers in enumerate(problem.tensor_consumers):
+        made = position[problem.tensor_producer[t]] + 1
+        last_read = max(position[c] for c in consumers)
+        if last_read >= made:
+            seconds = transfer_duration_s(problem, t, devices[:, None], devices[None, :])
+            change[made] += seconds
+            change[last_read + 1] -= seconds
+    return np.cumsum(change, axis=0)

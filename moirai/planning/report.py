@@ -1,0 +1,81 @@
+"""What a placer says about how it found its plan (``Plan.report``), typed instead of a free-form dict."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+class StopReason(enum.Enum):
+    """Why a solver-based search ended."""
+
+    GAP_CLOSED = "gap closed"  # within the relative gap of a proven lower bound
+    NO_IMPROVING_WINDOW = "no improving window"  # every critical window re-solved without gain
+    TIME_LIMIT = "time limit"
+    SOLVER_STATUS = "solver status"  # the solver ended otherwise; ``solver_status`` says how
+
+
+class BoundSource(enum.Enum):
+    """Where a plan's ``lower_bound_s`` comes from."""
+
+    BOUNDS = "bounds"  # moirai.planning.bounds: critical path and load LP
+    SOLVER = "solver"  # the MILP's proven bound, when it is stronger
+
+
+@dataclass
+class PlacerReport:
+    """What every placer may say: the makespan of the schedule it built itself (list schedulers, HEFT: the
+    simulator replays it exactly), the link model it assumed, and placer-specific facts for people."""
+
+    predicted_makespan_s: float | None = None
+    contention: bool | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for name, value in d.items():
+            if isinstance(value, enum.Enum):
+                d[name] = value.value
+        return {"kind": type(self).__name__, **d}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> PlacerReport:
+        kind = {cls.__name__: cls for cls in (PlacerReport, SolverReport)}[d.get("kind", "PlacerReport")]
+        values = {f.name: d[f.name] for f in fields(kind) if f.name in d}
+        if values.get("stop_reason") is not None:
+            values["stop_reason"] = StopReason(values["stop_reason"])
+        if "bound_source" in values:
+            values["bound_source"] = BoundSource(values["bound_source"])
+        return kind(**values)
+
+
+@dataclass
+class SolverReport(PlacerReport):
+    """What a solver-based placer (milp, pesto) did: solver, how the search went and why it stopped."""
+
+    solver: str = ""
+    time_limit_s: float | None = None  # the budget the placer was given
+    elapsed_s: float | None = None  # what it used, by its own clock, from its start to its plan
+    formulation: str = ""
+    strategy: str = ""  # "full" (one model) or "windows" (the window search)
+    stop_reason: StopReason | None = None
+    solver_status: str = ""
+    bound_source: BoundSource = BoundSource.BOUNDS
+    heuristics: dict[str, float] = field(default_factory=dict)  # objective of every start-plan heuristic
+    solver_objective_s: float | None = None
+    solver_bound_s: float | None = None
+    solve_s: float | None = None
+    binaries: int | None = None
+    constraints: int | None = None
+    build_s: float | None = None
+    solver_log_tail: list[str] = field(default_factory=list)
+    lookahead_rounds: int = 0
+    lookahead_improved: int = 0
+    lookahead_objective_s: float | None = None
+    window_tasks: int | None = None
+    window_starts: int = 0
+    windows_tried: int = 0
+    windows_improved: int = 0
+    windows_unproven: int = 0
+    history: list[tuple[float, float]] = field(default_factory=list)  # (seconds, objective) of the winning search

@@ -1,0 +1,486 @@
+"""Split a traced model into one fx GraphModule per device, wired with explicit send/recv nodes.
+
+Example::
+
+    traced = trace(model, (x,))
+    program = split_module(traced, node_device, num_devices=3)
+    print(program.parts[1].graph_module.code)  # device 1's ops, its receives and its sends
+    outputs = run_local(program, traced.flatten_inputs((x,), {}), ["cpu", "cpu", "cpu"])
+
+Each device part is a single GraphModule ``forward(transport, *inputs) -> tuple``. Its first
+argument is a transport object (see :class:`Transport`) that the runtime provides: a local
+mailbox (:mod:`moirai.runtime.local`) or torch.distributed point-to-point
+(:mod:`moirai.runtime.distributed`). Communication is three kinds of ``call_method`` nodes on
+it, placed where they belong in the device's execution order::
+
+    recv_linear = transport.post_recv(0)       # where the producer finishes in the global order
+    ...                                        # local work that does not need the tensor
+    linear = transport.wait_recv(recv_linear)  # right before the first local consumer
+    send_relu_to_2 = transport.send(relu, 1)   # right after the producer
+
+Why communication nodes inside one graph per device rather than compute segments between
+communication points: a part stays one readable, printable, picklable GraphModule whose code
+shows exactly when each tensor arrives and leaves; it runs as generated Python code with no
+interpreter loop between segments; and posting a receive early while waiting only before the
+first consumer lets a device compute whatever it can while a tensor is in flight.
+
+The order of the nodes follows one global order of all events (ops and transfers) that every
+device's order is a restriction of: the merge of the per-device orders (``device_order``, from
+a simulated schedule, or fx graph order). Each transfer sits right after its producer in that
+order, so every link sees its sends and receives posted in the same order on both ends. That
+is what NCCL needs to match point-to-point operations without deadlock (it ignores tags), and
+it makes blocking waits safe: every wait depends only on events earlier in the global order.
+
+Placement rules:
+
+- A tensor goes once to each device that consumes it, however many consumers it has there.
+- Graph inputs (placeholders) are available to every part that reads them (``input_indices``);
+  the distributed runtime ships them from rank 0.
+- Parameters, buffers and constants (``get_attr`` nodes) are copied into exactly the parts whose
+  ops read them. A parameter read on two devices (a tied embedding and LM head) is copied to
+  both: each part gets its own ``Parameter`` object sharing the original storage, so moving one
+  part to its device never moves the other's copy. The copies are not kept in sync, which is
+  right for inference (the use case) and wrong for training.
+- Every flat output is produced by one part (``outputs``); outputs that are graph inputs or
+  attributes are served by part 0. The runtimes return all outputs on device 0.
+- Only tensors cross devices. A node whose value is a tuple or list (``split``) must sit on the
+  same device as the ``getitem`` nodes that unpack it, as :func:`moirai.frontend.graph.build_op_graph`
+  groups them. A scalar of the input shapes (``sym_size``, ``batch * seq``, in a model traced
+  with dynamic shapes) is computed by every part that reads it from ``transport.symbol_values``.
+
+Weights may be on ``meta``: the split program can then be inspected but not run.
+"""
+
+from __future__ import annotations
+
+import copy
+import numbers
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import sympy
+import torch
+import torch.fx as fx
+
+from moirai.errors import PlanError
+from moirai.frontend.symbolic_shapes import SHAPE_OPERATORS, DynamicDim, shape_scalars
+from moirai.frontend.symbolic_shapes import (
+    concrete_shape as concrete_shape,  # part of this module's interface for the runtimes
+)
+from moirai.frontend.trace import TensorSpec, TracedModel, check_flat_inputs, is_view_node, tensor_spec
+from moirai.progress import stage
+
+_COMPUTE_OPS = ("call_function", "call_method", "call_module")
+
+
+class Transport(Protocol):
+    """What a part's communication nodes call; the runtime supplies the implementation.
+
+    ``symbol_values`` are this call's dynamic dimensions (:func:`symbol_values`; empty for a
+    static program): receive buffers and a part's shape arithmetic are sized from them.
+    """
+
+    symbol_values: Mapping[str, int]
+
+    def send(self, tensor: torch.Tensor, transfer_index: int) -> None: ...
+
+    def post_recv(self, transfer_index: int) -> Any: ...
+
+    def wait_recv(self, pending: Any) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class TensorTransfer:
+    """Tensor ``tensor`` (an fx node name) goes from device ``src`` to device ``dst``.
+
+    ``index`` is the transfer's position in :attr:`SplitProgram.transfers`, the global posting
+    order; the distributed runtime also uses it as the message tag.
+    """
+
+    index: int
+    tensor: str
+    src: int
+    dst: int
+    spec: TensorSpec
+
+
+@dataclass(frozen=True)
+class OutputLocation:
+    """Flat output lives at position ``index`` of the tuple returned by part ``device``."""
+
+    device: int
+    index: int
+
+
+@dataclass(frozen=True, eq=False)
+class DevicePart:
+    """One device's share: ``graph_module(transport, *[flat_inputs[i] for i in input_indices])``."""
+
+    device: int
+    graph_module: fx.GraphModule
+    input_indices: tuple[int, ...]
+    receives: tuple[TensorTransfer, ...]
+    sends: tuple[TensorTransfer, ...]
+    output_specs: tuple[TensorSpec | None, ...]
+    attribute_names: tuple[str, ...]
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to do for a request: no inputs, ops, messages or outputs (a device the plan leaves unused)."""
+        busy = self.input_indices or self.receives or self.sends or self.output_specs
+        return not busy and not any(node.op in _COMPUTE_OPS for node in self.graph_module.graph.nodes)
+
+
+@dataclass(frozen=True, eq=False)
+class SplitProgram:
+    """Every device's part plus what connects them."""
+
+    parts: tuple[DevicePart, ...]
+    transfers: tuple[TensorTransfer, ...]
+    outputs: tuple[OutputLocation, ...]
+    input_specs: tuple[TensorSpec, ...]
+    dynamic_dims: tuple[DynamicDim, ...] = ()
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.parts)
+
+    @property
+    def working_ranks(self) -> tuple[int, ...]:
+        """Ranks other than 0 whose part has work: a driver sends requests to these only."""
+        return tuple(part.device for part in self.parts[1:] if not part.idle)
+
+
+def symbol_values(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> dict[str, int]:
+    """The value of every dynamic dimension at these flat inputs (driver side); InputError unless they fit."""
+    return check_flat_inputs(program.input_specs, program.dynamic_dims, flat_inputs, "the program")
+
+
+@stage("split")
+def split_module(
+    traced: TracedModel,
+    node_device: Mapping[str, int],
+    num_devices: int,
+    device_order: Sequence[Sequence[str]] | None = None,
+) -> SplitProgram:
+    """One :class:`DevicePart` per device from a device index for every op of ``traced``.
+
+    ``node_device`` maps every ``call_function``/``call_method``/``call_module`` node name
+    (``getitem`` included) to a device in ``range(num_devices)``. ``device_order[k]`` optionally
+    lists device ``k``'s node names in execution order; the orders must be jointly consistent
+    with the data dependencies (as a simulated schedule's are). Default: fx graph order.
+    Raises :class:`moirai.PlanError` when the assignment or the orders do not fit the graph.
+    """
+    graph = traced.graph_module.graph
+    ops = [node for node in graph.nodes if node.op in _COMPUTE_OPS]
+    _check_assignment(ops, node_device, num_devices, traced.model_name)
+    sequences = _device_sequences(ops, node_device, num_devices, device_order)
+    scalars = shape_scalars(traced)
+    global_order = _merge_orders(sequences, node_device, {node: i for i, node in enumerate(graph.nodes)}, scalars)
+    transfers = _transfers([node for node in global_order if node not in scalars], node_device)
+    (output_node,) = graph.find_nodes(op="output")
+    output_values = output_node.args[0]
+    output_device = [node_device[v.name] if _is_op(v) else 0 for v in output_values]
+    builders = [_PartBuilder(k, traced.graph_module, scalars) for k in range(num_devices)]
+    placeholders = graph.find_nodes(op="placeholder")
+    for builder in builders:
+        builder.add_inputs_and_attributes(
+            placeholders,
+            [node for node in sequences[builder.device] if node not in scalars],
+            [v for v, d in zip(output_values, output_device, strict=True) if d == builder.device],
+        )
+    transfers_after: dict[str, list[TensorTransfer]] = {}
+    for transfer in transfers:
+        transfers_after.setdefault(transfer.tensor, []).append(transfer)
+    for node in global_order:
+        if node not in scalars:
+            builders[node_device[node.name]].add_op(node)
+        for transfer in transfers_after.get(node.name, ()):
+            builders[transfer.src].add_send(transfer)
+            builders[transfer.dst].add_recv(transfer)
+    locations = [
+        OutputLocation(device, builders[device].add_output_value(value, position))
+        for position, (value, device) in enumerate(zip(output_values, output_device, strict=True))
+    ]
+    parts = tuple(builder.part(transfers) for builder in builders)
+    return SplitProgram(parts, tuple(transfers), tuple(locations), traced.input_specs, traced.dynamic_dims)
+
+
+def _is_op(value: object) -> bool:
+    return isinstance(value, fx.Node) and value.op in _COMPUTE_OPS
+
+
+def _check_assignment(ops: list[fx.Node], node_device: Mapping[str, int], num_devices: int, model_name: str) -> None:
+    if num_devices < 1:
+        raise PlanError(f"num_devices must be at least 1, got {num_devices}")
+    missing = [node.name for node in ops if node.name not in node_device]
+    if missing:
+        raise PlanError(
+            f"{model_name}: {len(missing)} op(s) have no device, e.g. {', '.join(missing[:5])}; "
+            "node_device must map every call_function/call_method/call_module node (getitem included) to a device"
+        )
+    known = {node.name for node in ops}
+    unknown = sorted(set(node_device) - known)
+    if unknown:
+        raise PlanError(
+            f"{model_name}: node_device names {', '.join(unknown[:5])}, which are not ops of the traced graph; "
+            "was the plan made for another trace of the model?"
+        )
+    for name, device in node_device.items():
+        if isinstance(device, bool) or not isinstance(device, numbers.Integral) or not 0 <= device < num_devices:
+            raise PlanError(
+                f"{model_name}: op {name} is assigned to device {device!r}, but devices are 0..{num_devices - 1}"
+            )
+
+
+def _device_sequences(
+    ops: list[fx.Node],
+    node_device: Mapping[str, int],
+    num_devices: int,
+    device_order: Sequence[Sequence[str]] | None,
+) -> list[list[fx.Node]]:
+    by_device: list[list[fx.Node]] = [[] for _ in range(num_devices)]
+    for node in ops:
+        by_device[node_device[node.name]].append(node)
+    if device_order is None:
+        return by_device
+    if len(device_order) != num_devices:
+        raise PlanError(f"device_order has {len(device_order)} entries, expected one per device ({num_devices})")
+    sequences = []
+    for device, (names, nodes) in enumerate(zip(device_order, by_device, strict=True)):
+        node_of = {node.name: node for node in nodes}
+        if len(names) != len(node_of) or set(names) != set(node_of):
+            extra = sorted(set(names) - set(node_of))[:5]
+            absent = sorted(set(node_of) - set(names))[:5]
+            raise PlanError(
+                f"device_order[{device}] must list each op assigned to device {device} exactly once "
+                f"(not on that device: {extra or 'none'}; missing: {absent or 'none'}; "
+                f"{len(names)} names for {len(node_of)} ops)"
+            )
+        sequences.append([node_of[name] for name in names])
+    return sequences
+
+
+def _merge_orders(
+    sequences: list[list[fx.Node]],
+    node_device: Mapping[str, int],
+    position: Mapping[fx.Node, int],
+    scalars: Mapping[fx.Node, Any],
+) -> list[fx.Node]:
+    """One global order of all ops that every device's sequence is a restriction of.
+
+    Among the devices whose next op has all its inputs computed, the op earliest in the fx
+    graph goes first; when no device can proceed the per-device orders contradict the data
+    dependencies.
+    """
+    heads = [0] * len(sequences)
+    done: set[fx.Node] = set()
+    merged: list[fx.Node] = []
+
+    def ready(node: fx.Node) -> bool:
+        return all(p in done for p in node.all_input_nodes if _is_op(p) and p not in scalars)
+
+    total = sum(len(s) for s in sequences)
+    while len(merged) < total:
+        candidates = [s[h] for s, h in zip(sequences, heads, strict=True) if h < len(s) and ready(s[h])]
+        if not candidates:
+            blocked = [
+                f"device {k} runs {s[h].name} next, which needs "
+                + ", ".join(
+                    f"{p.name} (device {node_device[p.name]})"
+                    for p in s[h].all_input_nodes
+                    if _is_op(p) and p not in done and p not in scalars
+                )
+                for k, (s, h) in enumerate(zip(sequences, heads, strict=True))
+                if h < len(s)
+            ]
+            raise PlanError(
+                "device_order contradicts the data dependencies: "
+                + "; ".join(blocked)
+                + ". Each device's order must run an op after every op it reads, in a schedule all devices share."
+            )
+        node = min(candidates, key=position.__getitem__)
+        heads[node_device[node.name]] += 1
+        done.add(node)
+        merged.append(node)
+    return merged
+
+
+def _transfers(global_order: list[fx.Node], node_device: Mapping[str, int]) -> list[TensorTransfer]:
+    """One transfer per (tensor, remote consuming device), in the global order of their producers."""
+    transfers: list[TensorTransfer] = []
+    for node in global_order:
+        src = node_device[node.name]
+        remote = sorted({node_device[user.name] for user in node.users if _is_op(user)} - {src})
+        if not remote:
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            consumers = sorted(user.name for user in node.users if _is_op(user) and node_device[user.name] != src)
+            raise PlanError(
+                f"{node.name} (device {src}) produces a {type(value).__name__}, not a tensor, and is read by "
+                f"{', '.join(consumers)} on device(s) {remote}; only tensors can cross devices: put the ops that "
+                f"unpack it (getitem) on device {src}"
+            )
+        spec = tensor_spec(value)
+        transfers += [TensorTransfer(len(transfers) + i, node.name, src, dst, spec) for i, dst in enumerate(remote)]
+    return transfers
+
+
+class _PartBuilder:
+    """Builds one device's graph node by node, in the global order."""
+
+    def __init__(self, device: int, source: fx.GraphModule, scalars: Mapping[fx.Node, sympy.Expr]) -> None:
+        self.device = device
+        self.source = source
+        self.scalars = scalars
+        self.symbol_nodes: dict[str, fx.Node] = {}
+        self.graph = fx.Graph()
+        self.transport = self.graph.placeholder("transport")
+        self.env: dict[str, fx.Node] = {}
+        self.pending_receives: dict[str, fx.Node] = {}
+        self.input_indices: list[int] = []
+        self.attributes: dict[str, torch.Tensor | torch.nn.Module] = {}
+        self.output_values: list[fx.Node] = []
+
+    def add_inputs_and_attributes(
+        self, placeholders: list[fx.Node], ops: Sequence[fx.Node], outputs: Iterable[object]
+    ) -> None:
+        """Placeholders for the flat inputs, get_attr nodes and submodules this part reads."""
+        read = {n for op in ops for n in op.all_input_nodes}
+        read |= {v for v in outputs if isinstance(v, fx.Node)}
+        for index, placeholder in enumerate(placeholders):
+            if placeholder in read:
+                self.input_indices.append(index)
+                self.env[placeholder.name] = self.graph.node_copy(placeholder)
+        for node in sorted((n for n in read if n.op == "get_attr"), key=lambda n: n.name):
+            self.attributes[node.target] = _detached_copy(_fetch_attribute(self.source, node.target))
+            self.env[node.name] = self.graph.node_copy(node)
+        for op in ops:
+            if op.op == "call_module":
+                # symbolic_trace graphs call leaf modules; a copy keeps parts independent like tensors above.
+                self.attributes[op.target] = copy.deepcopy(self.source.get_submodule(op.target))
+
+    def add_op(self, node: fx.Node) -> None:
+        """Copy ``node``, first waiting for any received input not yet waited for."""
+        for producer in node.all_input_nodes:
+            pending = self.pending_receives.pop(producer.name, None)
+            if pending is not None:
+                wait = self.graph.create_node("call_method", "wait_recv", (self.transport, pending), name=producer.name)
+                wait.meta["val"] = producer.meta.get("val")
+                if _needs_traced_strides(producer):
+                    wait = self._with_traced_strides(wait, producer.meta["val"])
+                self.env[producer.name] = wait
+        self.env[node.name] = self.graph.node_copy(node, self.local_value)
+
+    def local_value(self, node: fx.Node) -> Any:
+        """This part's value for ``node``; a shape scalar is computed here on first use."""
+        if node.name not in self.env and node in self.scalars:
+            self.env[node.name] = self._emit_shape_arithmetic(self.scalars[node])
+        return self.env[node.name]
+
+    def _emit_shape_arithmetic(self, expr: sympy.Basic) -> Any:
+        if expr.is_Integer:
+            return int(expr)
+        if expr in (sympy.true, sympy.false):
+            return bool(expr)
+        if expr.is_Symbol:
+            name = str(expr)
+            if name not in self.symbol_nodes:
+                if not self.symbol_nodes:
+                    values = self.graph.create_node("call_function", getattr, (self.transport, "symbol_values"))
+                    self.symbol_nodes[""] = values
+                getter = (self.symbol_nodes[""], name)
+                self.symbol_nodes[name] = self.graph.create_node("call_function", operator.getitem, getter, name=name)
+            return self.symbol_nodes[name]
+        if isinstance(expr, sympy.Pow):
+            return self.graph.create_node(
+                "call_function", operator.pow, (self._emit_shape_arithmetic(expr.base), int(expr.exp))
+            )
+        function = SHAPE_OPERATORS[type(expr)]
+        result, *rest = (self._emit_shape_arithmetic(arg) for arg in expr.args)
+        for operand in rest:  # Add and Mul take any number of terms
+            result = self.graph.create_node("call_function", function, (result, operand))
+        return result
+
+    def _with_traced_strides(self, received: fx.Node, traced: torch.Tensor) -> fx.Node:
+        """A copy of ``received`` laid out with the traced strides (plain aten ops: the part stays picklable)."""
+        shape, stride = [int(s) for s in traced.shape], [int(s) for s in traced.stride()]
+        buffer = self.graph.call_function(torch.ops.aten.new_empty_strided.default, (received, shape, stride))
+        restrided = self.graph.call_function(torch.ops.aten.copy_.default, (buffer, received))
+        buffer.meta["val"] = restrided.meta["val"] = traced
+        return restrided
+
+    def add_send(self, transfer: TensorTransfer) -> None:
+        args = (self.transport, self.env[transfer.tensor], transfer.index)
+        self.graph.create_node("call_method", "send", args, name=f"send_{transfer.tensor}_to_{transfer.dst}")
+
+    def add_recv(self, transfer: TensorTransfer) -> None:
+        args = (self.transport, transfer.index)
+        post = self.graph.create_node("call_method", "post_recv", args, name=f"recv_{transfer.tensor}")
+        self.pending_receives[transfer.tensor] = post
+
+    def add_output_value(self, value: object, position: int) -> int:
+        """Return ``value`` from this part; the runtimes gather non-tensor outputs from part 0 only."""
+        if self.device != 0 and not isinstance(_spec_of(value), TensorSpec):
+            raise PlanError(
+                f"flat output {position} ({value}) is not a tensor but is produced on device {self.device}; "
+                "only tensors cross devices: put its producer on device 0"
+            )
+        self.output_values.append(self.local_value(value) if isinstance(value, fx.Node) else value)
+        return len(self.output_values) - 1
+
+    def part(self, transfers: Sequence[TensorTransfer]) -> DevicePart:
+        self.graph.output(tuple(self.output_values))
+        self.graph.lint()
+        graph_module = fx.GraphModule(self.attributes, self.graph, class_name=f"Device{self.device}Part")
+        return DevicePart(
+            device=self.device,
+            graph_module=graph_module,
+            input_indices=tuple(self.input_indices),
+            receives=tuple(t for t in transfers if t.dst == self.device),
+            sends=tuple(t for t in transfers if t.src == self.device),
+            output_specs=tuple(_spec_of(v) for v in self.output_values),
+            attribute_names=tuple(self.attributes),
+        )
+
+
+def _needs_traced_strides(producer: fx.Node) -> bool:
+    """Whether a received tensor must get its traced layout back: it was not contiguous and a view reads it.
+
+    A transfer delivers a contiguous tensor; a view traced on the strided original (``view`` after a
+    ``transpose``) can fail on it or, for ``as_strided``, read other elements (fuzz seed 63 found it).
+    """
+    value = producer.meta.get("val")
+    return (
+        isinstance(value, torch.Tensor)
+        and all(isinstance(size, int) for size in (*value.shape, *value.stride()))  # static layouts only
+        and not value.is_contiguous()
+        and any(is_view_node(user) for user in producer.users)
+    )
+
+
+def _spec_of(value: object) -> TensorSpec | None:
+    meta = value.meta.get("val") if isinstance(value, fx.Node) else value
+    return tensor_spec(meta) if isinstance(meta, torch.Tensor) else None
+
+
+def _fetch_attribute(module: torch.nn.Module, target: str) -> torch.Tensor | torch.nn.Module:
+    value: Any = module
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
+
+
+def _detached_copy(value: torch.Tensor | torch.nn.Module) -> torch.Tensor | torch.nn.Module:
+    """A new tensor object on the same storage, so each part can be moved on its own.
+
+    Submodules read by ``get_attr`` (the branches of ``torch.cond``) are deep copies.
+    """
+    if isinstance(value, torch.nn.Parameter):
+        return torch.nn.Parameter(value.detach(), requires_grad=value.requires_grad)
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    return copy.deepcopy(value)
