@@ -4,13 +4,15 @@ top-level names resolve lazily."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import networkx as nx
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1] / "moirai"
+# The moirai that is imported (a checkout, or an installed wheel when .ci/wheel runs this file on its own).
+PACKAGE_DIR = Path(importlib.util.find_spec("moirai").origin).parent
 
 
 def _module_name(path: Path) -> str:
