@@ -10,11 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import highspy
@@ -29,6 +31,30 @@ if TYPE_CHECKING:
 _pool_threads: int | None = None  # the thread count HiGHS's process-wide pool was started with
 
 
+_banner_shown = False  # HiGHS prints its banner when a process makes its first instance
+
+
+@contextlib.contextmanager
+def _banner_silenced() -> Iterator[None]:
+    """Keep HiGHS's banner off this process's stdout: its C++ side writes it to file descriptor 1 when the
+    first instance is made, before any option can turn logging off, so that one construction runs with
+    descriptor 1 on /dev/null."""
+    global _banner_shown
+    if _banner_shown:
+        yield
+        return
+    sys.stdout.flush()
+    saved_stdout = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved_stdout, 1)
+        os.close(saved_stdout)
+        _banner_shown = True
+
+
 def new_highs(threads: int | None = None) -> highspy.Highs:
     """A HiGHS instance that will run on ``threads`` threads (None: HiGHS's default), logging nowhere."""
     global _pool_threads
@@ -36,7 +62,8 @@ def new_highs(threads: int | None = None) -> highspy.Highs:
     if _pool_threads is not None and _pool_threads != wanted:
         highspy.Highs.resetGlobalScheduler(True)
     _pool_threads = wanted
-    highs = highspy.Highs()
+    with _banner_silenced():
+        highs = highspy.Highs()
     highs.setOptionValue("log_to_console", False)
     highs.setOptionValue("threads", wanted)
     return highs
