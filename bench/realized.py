@@ -28,7 +28,7 @@ than eager. They are printed as checks, not asserted: timings depend on the mach
 Run::
 
     python bench/realized.py --quick            # smoke run: two models, few repeats, short solver limit
-    python bench/realized.py --write-results    # every model; appends a section to bench/RESULTS.md
+    python bench/realized.py --output realized.md  # every model; also writes the table as markdown
     python bench/realized.py --models two_branch_mlp distilbert --placers single milp
 """
 
@@ -60,7 +60,7 @@ if __package__ in (None, ""):
 
 import moirai  # noqa: E402
 from bench.models import build, model_sizes  # noqa: E402
-from bench.run import RESULTS_PATH, append_section, machine_description, markdown_table  # noqa: E402
+from bench.run import machine_description, markdown_table, write_section  # noqa: E402
 from moirai.cluster.calibrate import link_kind, local_calibration  # noqa: E402
 from moirai.planning.simulate import simulate  # noqa: E402
 from moirai.runtime.distributed import DistributedRunner  # noqa: E402
@@ -394,7 +394,7 @@ def write_results(path: Path, command: str, rows: list[Row], check_lines: list[s
             "\n".join(f"- {line}" for line in check_lines),
         ]
     )
-    append_section(path, f"Predicted against realized latency (`bench/realized.py`), {now}", section)
+    write_section(path, f"Predicted against realized latency (`bench/realized.py`), {now}", section)
 
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -411,8 +411,7 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-torchrun", action="store_true")
     parser.add_argument("--call-timeout-s", type=float, default=120.0)
     parser.add_argument("--torchrun-timeout-s", type=float, default=600.0)
-    parser.add_argument("--write-results", action="store_true", help=f"append a section to {RESULTS_PATH.name}")
-    parser.add_argument("--results", type=Path, default=RESULTS_PATH)
+    parser.add_argument("--output", type=Path, help="also write the table as a markdown section to this file")
     parser.add_argument("--serve-rank", help=argparse.SUPPRESS)  # internal: a torchrun rank
     parser.add_argument("--report", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -447,9 +446,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     console.print(table)
     check_lines = checks(rows)
     console.print("\n".join(check_lines))
-    if args.write_results:
+    if args.output is not None:
         command = "python bench/realized.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        write_results(args.results, command.strip(), rows, check_lines, time.perf_counter() - started)
+        write_results(args.output, command.strip(), rows, check_lines, time.perf_counter() - started)
 
 
 if __name__ == "__main__":

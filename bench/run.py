@@ -13,7 +13,7 @@ allocator) and its growth during the placer (what the placer needed beyond that)
 
 Run::
 
-    python bench/run.py --quick                        # ~2 minutes; appends a section to bench/RESULTS.md
+    python bench/run.py --quick --output quick.md      # ~2 minutes; also writes the tables as markdown
     python bench/run.py                                # every small model x every placer, paper sizes x fast placers
     python bench/run.py --models gpt3:13B swin --clusters moirai-intra-server --placers heft m_sct milp \\
         --time-limit 120
@@ -26,7 +26,6 @@ import datetime
 import inspect
 import os
 import platform
-import re
 import shlex
 import sys
 import threading
@@ -55,7 +54,6 @@ from moirai.planning.bounds import lower_bound  # noqa: E402
 from moirai.planning.placers import get_placer, list_placers, place  # noqa: E402
 from moirai.planning.problem import Plan, Problem  # noqa: E402
 
-RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
 PAPER_CLUSTERS = ("moirai-inter-server", "moirai-intra-server")
 # Solver-based placers with a time limit: run on small models by default, on paper sizes only when named.
 SLOW_PLACERS = ("pesto", "milp")
@@ -321,16 +319,12 @@ def write_results(
             markdown_table(RESULT_COLUMNS, [result_cells(r) for r in rows]),
         ]
     )
-    append_section(path, f"Every placer on the zoo models (`bench/run.py`), {now}", section)
+    write_section(path, f"Every placer on the zoo models (`bench/run.py`), {now}", section)
 
 
-def append_section(path: Path, title: str, body: str) -> None:
-    """Append ``## N. title`` and ``body`` to the results file, N one more than its highest section number."""
-    header = "# Bench results\n\nWritten by the scripts in `bench/`; each section was measured in one run.\n"
-    existing = path.read_text() if path.exists() else header
-    numbers = [int(match) for match in re.findall(r"^## (\d+)\.", existing, flags=re.MULTILINE)]
-    heading = f"## {max(numbers, default=0) + 1}. {title}"
-    path.write_text(existing.rstrip("\n") + "\n\n" + heading + "\n\n" + body + "\n")
+def write_section(path: Path, title: str, body: str) -> None:
+    """Write ``## title`` and ``body`` to ``path``, replacing it: bench/RESULTS.md is edited by hand from these."""
+    path.write_text(f"## {title}\n\n{body}\n")
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -363,8 +357,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--target-nodes", type=int, help="after fusion, merge the graph down to this many nodes")
     parser.add_argument("--no-coarsen", action="store_true", help="place the original graph")
-    parser.add_argument("--results", type=Path, default=RESULTS_PATH, help="markdown file the section is appended to")
-    parser.add_argument("--no-write", action="store_true", help="print the tables only")
+    parser.add_argument("--output", type=Path, help="also write the tables as a markdown section to this file")
     options = parser.parse_args(argv)
     if options.quick:
         options.models = options.models or list(QUICK_MODELS)
@@ -420,12 +413,12 @@ def main(argv: list[str] | None = None) -> None:
             f"Placers (speedup vs {options.reference})", RESULT_COLUMNS, [result_cells(r) for r in rows], group_by=2
         )
     )
-    if not options.no_write:
+    if options.output is not None:
         command = " ".join(["python bench/run.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
         write_results(
-            options.results, command, options.reference, options.time_limit, models, rows, time.perf_counter() - started
+            options.output, command, options.reference, options.time_limit, models, rows, time.perf_counter() - started
         )
-        console.print(f"appended to {options.results}")
+        console.print(f"wrote {options.output}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import difflib
 import inspect
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,7 +170,8 @@ class CompiledModel:
         raise MoiraiError(f"color_by must be 'kind' or 'layer', not {color_by!r}")
 
     def save(self, path: str | Path) -> None:
-        """Write what each rank needs to rebuild its part: the op -> device map and the orders."""
+        """Write what each rank needs to rebuild its part (the op -> device map and the orders) and the planned
+        problem, so that :func:`load` describes the problem this plan was made for."""
         record = {
             "format": PLAN_FORMAT_VERSION,
             "model": self.traced.model_name,
@@ -178,6 +180,7 @@ class CompiledModel:
             "groups": [list(node.fx_names) for node in self.graph.nodes],
             "device_order": self.device_order,
             "plan": self.plan.to_dict(),
+            "problem": self.problem.to_dict(),
             "dynamic_dims": dynamic_dims_to_json(self.traced),
         }
         Path(path).write_text(json.dumps(record, indent=1))
@@ -268,10 +271,30 @@ def load(
     program = _split(traced, node_device, record["device_order"], len(cluster), source=str(path))
     graph = build_op_graph(traced)
     coarse = graph.merge([graph.nodes_of_fx_names(group) for group in record["groups"]])
-    problem = build_problem(coarse, cluster, traced=traced)
+    problem = _planned_problem(record, path, coarse, cluster, traced)
     plan = Plan.from_dict(record["plan"])
     plan.device_names = cluster.names
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
+
+
+def _planned_problem(
+    record: dict[str, Any], path: str | Path, coarse: OpGraph, cluster: Cluster, traced: TracedModel
+) -> Problem:
+    """The problem the plan was made for, as saved; a plan file older than that gets it rebuilt (analytic costs)."""
+    if "problem" not in record:
+        warnings.warn(
+            f"{path} does not hold the planned problem (saved by an older moirai); rebuilding it with analytic "
+            "costs, so summary() and gantt() may differ from the compiled model's: save the plan again to keep them",
+            stacklevel=4,  # the caller of load, past its progress wrapper
+        )
+        return build_problem(coarse, cluster, traced=traced)
+    problem = Problem.from_dict(record["problem"])
+    if problem.num_tasks != len(coarse.nodes) or problem.num_devices != len(cluster):
+        raise PlanError(
+            f"{path} holds a problem of {problem.num_tasks} tasks on {problem.num_devices} devices, but its plan has "
+            f"{len(coarse.nodes)} op groups on {len(cluster)} devices; the file was edited or mixed: save it again"
+        )
+    return problem
 
 
 def serve_rank(compiled: CompiledModel, timeout_s: float = 120.0) -> None:

@@ -18,7 +18,7 @@ from moirai.planning.placers.m_sct import favourite_children
 from moirai.planning.placers.pesto import coarsen, merge_tasks
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.simulate import simulate
-from tests.conftest import brute_force_optimum, random_problem
+from moirai.testing import brute_force_optimum, random_problem
 
 BASELINES = ["m_topo", "m_etf", "m_sct", "getf", "pesto"]
 FAST_PESTO = {"time_limit_s": 2.0, "target_tasks": 10}

@@ -12,7 +12,7 @@ from moirai.planning.placers.cp_pct import critical_path
 from moirai.planning.placers.heft import upward_rank_mean_costs
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
-from tests.conftest import brute_force_optimum, random_problem
+from moirai.testing import brute_force_optimum, random_problem
 
 
 def problem_of(tasks, edges, devices=None, transfer=None):

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from rich.console import Console
 from torch import nn
 
-from bench.models import ZOO, build
 from moirai.errors import FusionRuleError
 from moirai.frontend.coarsen import (
     BALANCE_FACTOR,
@@ -319,15 +318,3 @@ def test_split_along_a_coarse_placement_gives_the_original_outputs():
         assert len(outputs) == len(expected)
         for got, want in zip(outputs, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(ZOO))
-def test_every_zoo_model_coarsens_to_a_dag_of_at_most_the_target(name: str):
-    model, args, kwargs = build(name, "small")
-    graph = build_op_graph(trace(model, args, kwargs))
-    result = coarsen(graph, "default", target_nodes=32)
-    assert nx.is_directed_acyclic_graph(result.graph.to_networkx())
-    assert sorted(f for node in result.graph.nodes for f in node.fx_names) == sorted(graph.node_of_fx_name)
-    assert result.original.nodes > result.fused.nodes and result.coarse.nodes <= 32
-    assert math.isclose(result.graph.total_flops, graph.total_flops)

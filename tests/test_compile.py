@@ -1,8 +1,13 @@
 """moirai.compile end to end: plan, split, run locally and distributed, save and load."""
 
+import dataclasses
+import io
+import json
+
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 
 import moirai
 from moirai.errors import InputError, PlanError
@@ -57,6 +62,57 @@ def test_save_and_load_rebuild_the_same_split(compiled: moirai.CompiledModel, tm
     x = torch.randn(4, 32)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x))
+
+
+@pytest.fixture(scope="module")
+def calibrated_cluster() -> moirai.Cluster:
+    """Two CPUs whose links and per-request work are nothing like the defaults that load() could rebuild."""
+    base = moirai.Cluster.from_devices(["cpu", "cpu"])
+    off_diagonal = 1.0 - np.eye(2)
+    return dataclasses.replace(
+        base,
+        latency_s=base.latency_s * 7.0,
+        send_cpu_s=off_diagonal * 3e-5,
+        recv_cpu_s=off_diagonal * 4e-5,
+        request_cpu_s=np.array([2e-5, 1e-5]),
+    )
+
+
+def summary_text(compiled: moirai.CompiledModel) -> str:
+    console = Console(file=io.StringIO(), width=120)
+    compiled.summary(console)
+    return console.file.getvalue()
+
+
+def test_load_keeps_the_planned_problem_and_its_summary(calibrated_cluster, tmp_path) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 32)
+    compiled = moirai.compile(Residual().eval(), calibrated_cluster, example_inputs=(x,), placer="heft")
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    loaded = moirai.load(path, Residual().eval(), example_inputs=(x,))  # devices from the file: default links
+    assert loaded.problem.to_dict() == compiled.problem.to_dict()
+    assert moirai.simulate(loaded.problem, loaded.plan).makespan_s == compiled.plan.makespan_s
+    assert summary_text(loaded) == summary_text(compiled)
+
+    old = json.loads(path.read_text())
+    del old["problem"]  # a plan file written before the problem was saved
+    path.write_text(json.dumps(old))
+    with pytest.warns(UserWarning, match="does not hold the planned problem"):
+        rebuilt = moirai.load(path, Residual().eval(), example_inputs=(x,))
+    assert rebuilt.problem.to_dict() != compiled.problem.to_dict(), "the test's cluster must differ from the default"
+    np.testing.assert_array_equal(rebuilt.plan.placement, compiled.plan.placement)
+
+
+def test_load_rejects_a_problem_that_does_not_match_the_plan(compiled: moirai.CompiledModel, tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    record = json.loads(path.read_text())
+    dropped = record["problem"]["tasks"].pop()["name"]
+    record["problem"]["edges"] = [e for e in record["problem"]["edges"] if dropped not in (e["src"], e["dst"])]
+    path.write_text(json.dumps(record))
+    with pytest.raises(PlanError, match="edited or mixed"):
+        moirai.load(path, Residual().eval(), example_inputs=(torch.randn(4, 32),))
 
 
 def test_wrong_input_shape_is_a_clear_error(compiled: moirai.CompiledModel) -> None:

@@ -8,7 +8,6 @@ import numpy as np
 import pyomo.environ as pyo
 import pytest
 
-from bench.milp_ablation import random_layered_problem
 from moirai.planning.bounds import lower_bound
 from moirai.planning.highs import run_highs
 from moirai.planning.placers import place
@@ -18,7 +17,7 @@ from moirai.planning.solve.model import MilpModel, build_model
 from moirai.planning.solve.solver import SolverSettings, solve_model
 from moirai.planning.solve.warm_start import plan_from_times, warm_start_values
 from moirai.planning.solve.window import whole_problem
-from tests.conftest import random_problem
+from moirai.testing import random_layered_problem, random_problem
 
 TOLERANCE = 1e-6  # model time units (the horizon is 1000)
 

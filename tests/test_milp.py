@@ -9,7 +9,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench.milp_ablation import random_layered_problem
 from moirai.errors import InfeasibleError
 from moirai.planning.bounds import lower_bound
 from moirai.planning.placers import place
@@ -20,7 +19,7 @@ from moirai.planning.solve.model import build_model
 from moirai.planning.solve.solver import SolverSettings, solve_model
 from moirai.planning.solve.warm_start import plan_from_times
 from moirai.planning.solve.window import identical_device_groups, whole_problem
-from tests.conftest import brute_force_optimum, random_problem
+from moirai.testing import brute_force_optimum, random_layered_problem, random_problem
 
 
 def solve_whole(problem: Problem, solver: str = "highs", formulation: str = "strong"):

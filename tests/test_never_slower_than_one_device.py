@@ -14,12 +14,12 @@ import moirai
 from moirai.cluster.calibrate import RequestCost, TransferCost, write_calibration
 from moirai.cluster.cost import HEADER_BYTES
 from moirai.planning.objective import LATENCY
-from moirai.planning.placers import _RULE_BASED_PLACERS, MIN_SPLIT_GAIN, _no_worse_than_one_device, list_placers, place
+from moirai.planning.placers import MIN_SPLIT_GAIN, RULE_BASED_PLACERS, list_placers, no_worse_than_one_device, place
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.simulate import simulate
-from moirai.runtime.protocol import _HEADER_FIELDS
+from moirai.runtime.protocol import HEADER_FIELDS
 
-LATENCY_PLACERS = [name for name in list_placers() if name not in _RULE_BASED_PLACERS]
+LATENCY_PLACERS = [name for name in list_placers() if name not in RULE_BASED_PLACERS]
 
 
 def fan_out_problem(transfer_s: float, send_cpu_s: float = 0.0) -> Problem:
@@ -131,7 +131,7 @@ def test_a_plan_on_a_slower_single_device_gives_way_to_the_faster_one() -> None:
         }
     )
     slow = Plan([1, 1], problem.device_names, placer="heft")
-    plan, timeline = _no_worse_than_one_device(problem, slow, simulate(problem, slow), LATENCY)
+    plan, timeline = no_worse_than_one_device(problem, slow, simulate(problem, slow), LATENCY)
     assert plan.placement.tolist() == [0, 0] and timeline.makespan_s == pytest.approx(2e-3)
     assert plan.report.notes["replaced_by_single_device_s"] == pytest.approx(6e-3)
 
@@ -220,4 +220,4 @@ def test_the_driver_messages_cost_what_the_calibration_says_a_message_costs(tmp_
     # For the period, the same message's CPU times: the sender's on the maker's device, the receiver's on device 0.
     assert problem.output_send_cpu_s[last].tolist() == pytest.approx([0.0, 2e-4])
     assert problem.output_recv_cpu_s[last].tolist() == pytest.approx([0.0, 3e-4])
-    assert HEADER_BYTES == 8 * _HEADER_FIELDS  # the runtime's header: that many int64
+    assert HEADER_BYTES == 8 * HEADER_FIELDS  # the runtime's header: that many int64

@@ -8,7 +8,7 @@ import pytest
 from moirai.errors import InfeasibleError
 from moirai.planning.placers import list_placers, place
 from moirai.planning.simulate import simulate
-from tests.conftest import random_problem
+from moirai.testing import random_problem
 
 # Solver-based placers get a small budget here; their own tests give them more.
 OPTIONS = {"pesto": {"time_limit_s": 2.0, "target_tasks": 10}, "milp": {"time_limit_s": 2.0}}

@@ -9,12 +9,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench.milp_ablation import random_layered_problem
 from moirai.planning.placers import get_placer, place
 from moirai.planning.report import StopReason
 from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
 from moirai.planning.simulate import simulate, upward_rank
 from moirai.planning.solve.start_plans import improve_start_plan, placement_tail, schedule_tail
+from moirai.testing import random_layered_problem
 
 
 def test_the_lookahead_steers_the_device_choice():

@@ -7,7 +7,7 @@ import pytest
 
 import moirai
 from moirai.planning.stream import simulate_stream, unroll
-from tests.conftest import random_problem
+from moirai.testing import random_problem
 
 
 def chain_problem() -> moirai.Problem:

@@ -18,7 +18,7 @@ from moirai.planning.objective import Throughput, as_objective
 from moirai.planning.placers import get_placer, list_placers, place
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.simulate import simulate
-from tests.conftest import random_problem
+from moirai.testing import random_problem
 from tests.test_placers import MEMORY_BLIND, OPTIONS
 
 

@@ -35,7 +35,7 @@ from moirai.runtime.split import SplitProgram, concrete_shape, symbol_values
 
 # Header kinds; a header's fields are its kind, program id, payload bytes, request index, time limit in ms.
 RUN, LOAD, HEARTBEAT, CLOSE = 1, 2, 3, 4
-_HEADER_FIELDS = 5
+HEADER_FIELDS = 5
 # Tag = request index modulo a window, then the message's position in the request (0 header, 1 payload).
 _TAG_BITS = 20
 _TAG_WINDOW = 2048
@@ -270,7 +270,7 @@ def send_header(group: Group, sequence: int, dst: int, header: Header, timeout: 
 
 def receive_header(group: Group, sequence: int, timeout: datetime.timedelta) -> Header:
     control = Messages(group, sequence, timeout)
-    fields = control.wait_recv(control.post_recv((_HEADER_FIELDS,), torch.int64, 0, 0, "the next request's header"))
+    fields = control.wait_recv(control.post_recv((HEADER_FIELDS,), torch.int64, 0, 0, "the next request's header"))
     kind, program_id, payload_bytes, request, timeout_ms = fields.tolist()
     payload = b""
     if payload_bytes:

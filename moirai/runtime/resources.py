@@ -11,8 +11,8 @@ gloo's I/O threads (one per process group) do not run on their rank's cores but 
 spare cores, else on the other ranks' (:func:`pin_io_threads`). gloo's I/O thread handles a
 connection's events only if it takes the connection's lock at once, and otherwise goes back to
 epoll, which reports the same events again: on the rank's own core it spins, for a whole time
-slice, against the rank's thread that holds the lock and waits to be scheduled (bench/RESULTS.md,
-section 11: calls with transfers stalled in steps of about 3 ms).
+slice, against the rank's thread that holds the lock and waits to be scheduled (in bench/RESULTS.md's
+git history, 2026-11-23: calls with transfers stalled in steps of about 3 ms).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def get_placer(name: str) -> Placer:
 MIN_SPLIT_GAIN = 0.01
 
 # Baselines that place by a rule, not by minimising anything: their plans are returned as they are.
-_RULE_BASED_PLACERS = frozenset({"round_robin", "hash", "expert", "m_topo", "single"})
+RULE_BASED_PLACERS = frozenset({"round_robin", "hash", "expert", "m_topo", "single"})
 
 
 @stage("place")
@@ -96,11 +96,11 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     plan.placement_time_s = time.perf_counter() - start
     plan.placer = plan.placer or placer
     plan.check(problem)
-    if placer not in _RULE_BASED_PLACERS:
+    if placer not in RULE_BASED_PLACERS:
         plan = _as_the_runtime_prefers(problem, plan, chosen)
     timeline = simulate(problem, plan)
-    if placer not in _RULE_BASED_PLACERS:
-        plan, timeline = _no_worse_than_one_device(problem, plan, timeline, chosen)
+    if placer not in RULE_BASED_PLACERS:
+        plan, timeline = no_worse_than_one_device(problem, plan, timeline, chosen)
     plan.makespan_s = timeline.makespan_s
     plan.objective, plan.objective_s = chosen.name, chosen.value_s(timeline)
     # A placer may prove a stronger bound (the MILP's); keep the better of the two.
@@ -151,7 +151,7 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
     return plan
 
 
-def _no_worse_than_one_device(
+def no_worse_than_one_device(
     problem: Problem, plan: Plan, timeline: Timeline, objective: Objective
 ) -> tuple[Plan, Timeline]:
     """``plan`` and its timeline, or the best single-device plan that fits and its timeline unless ``plan`` is

@@ -1,4 +1,5 @@
-"""What many test files share: the one random-problem generator and the one true brute-force optimum."""
+"""Problem builders that tests and benches share: the one random-problem generator, random layered DAGs, and the
+one true brute-force optimum. Torch-free, like the planning core it feeds."""
 
 from __future__ import annotations
 
@@ -99,6 +100,45 @@ def random_problem(
         request_cpu_s=request_cpu,
         output_send_cpu_s=output_send,
         output_recv_cpu_s=output_recv,
+    )
+
+
+def random_layered_problem(
+    num_tasks: int, num_devices: int, seed: int = 0, width: int = 3, communication_ratio: float = 1.0
+) -> Problem:
+    """A random layered DAG on heterogeneous devices: layers of 1 to ``2 width`` tasks, each reading the output of
+    1-3 tasks of the layer before (one tensor per task, sent once to each device that reads it); devices differ
+    in speed and per-task affinity; transfer times are ``communication_ratio`` times the mean compute on average."""
+    rng = np.random.default_rng(seed)
+    layers: list[list[int]] = []
+    placed = 0
+    while placed < num_tasks:
+        size = int(min(rng.integers(1, 2 * width), num_tasks - placed))
+        layers.append(list(range(placed, placed + size)))
+        placed += size
+    consumers: list[list[int]] = [[] for _ in range(num_tasks)]
+    for previous, layer in zip(layers, layers[1:], strict=False):
+        for v in layer:
+            for u in rng.choice(previous, size=min(len(previous), int(rng.integers(1, 4))), replace=False):
+                consumers[int(u)].append(v)
+    producers = [u for u in range(num_tasks) if consumers[u]]
+    speed = rng.uniform(1.0, 3.0, num_devices)
+    base = rng.uniform(1e-4, 1e-3, num_tasks)
+    compute = base[:, None] / speed[None, :] * rng.uniform(0.7, 1.3, (num_tasks, num_devices))
+    bandwidth = rng.uniform(0.5, 2.0, (num_devices, num_devices))
+    size = rng.uniform(0.2, 1.8, len(producers)) * compute.mean() * communication_ratio
+    transfer = size[:, None, None] / bandwidth[None]
+    transfer[:, np.arange(num_devices), np.arange(num_devices)] = 0.0
+    return Problem(
+        device_names=tuple(f"dev{d}" for d in range(num_devices)),
+        memory_capacity_bytes=np.full(num_devices, np.inf),
+        task_names=tuple(f"task{i}" for i in range(num_tasks)),
+        compute_s=compute,
+        memory_bytes=np.zeros(num_tasks),
+        tensor_names=tuple(f"out{u}" for u in producers),
+        tensor_producer=np.array(producers, int),
+        tensor_consumers=tuple(tuple(consumers[u]) for u in producers),
+        transfer_s=transfer,
     )
 
 

@@ -23,8 +23,10 @@ from the paper's for reasons of graph level, not of model size:
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 
+import networkx as nx
 import numpy as np
 import pytest
 import torch
@@ -34,10 +36,11 @@ from bench.models import ZOO, build, model_sizes, size_spec
 from moirai.cluster.cost import build_problem
 from moirai.cluster.devices import Cluster
 from moirai.errors import InfeasibleError
+from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.trace import trace
 from moirai.planning.bounds import lower_bound
-from moirai.planning.placers import _REGISTRY as PLACER_REGISTRY
+from moirai.planning.placers import get_placer, place
 
 PARAM_TOLERANCE = 0.05
 # Tracing a paper-size model takes 3 s (GPT-3 330M) to 3 min (Evoformer 3.2B) on a 2-core machine; a decoder
@@ -57,7 +60,11 @@ def expected_output_shapes(name: str, config: object) -> list[tuple[int, ...]]:
     return [(1, config.classes)]
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+# Each small model takes seconds to trace and run; gpt3, the quickest, stays in the fast tier.
+SMALL_MODELS = [pytest.param(n, marks=[] if n == "gpt3" else [pytest.mark.slow]) for n in sorted(ZOO)]
+
+
+@pytest.mark.parametrize("name", SMALL_MODELS)
 def test_small_model_runs_and_its_trace_computes_the_same(name: str) -> None:
     torch.manual_seed(0)
     model, args, kwargs = build(name, "small")
@@ -149,9 +156,14 @@ def _never_fits(problem: object) -> None:
     raise InfeasibleError("the model needs 26 GB, the cluster has 16 GB")
 
 
-def test_runner_rows_show_results_misfits_and_errors_and_go_to_markdown(monkeypatch, tmp_path) -> None:
-    monkeypatch.setitem(PLACER_REGISTRY, "broken_for_test", _broken_placer)
-    monkeypatch.setitem(PLACER_REGISTRY, "never_fits_for_test", _never_fits)
+def test_runner_rows_show_results_misfits_and_errors_and_go_to_a_markdown_file(monkeypatch, tmp_path) -> None:
+    fakes = {"broken_for_test": _broken_placer, "never_fits_for_test": _never_fits}  # seen by bench.run only
+    monkeypatch.setattr(run, "get_placer", lambda name: fakes.get(name) or get_placer(name))
+    monkeypatch.setattr(
+        run,
+        "place",
+        lambda problem, name, **options: fakes[name](problem) if name in fakes else place(problem, name, **options),
+    )
     model = run.prepare_model("gpt3", "small", no_coarsen=False, target_nodes=None)
     assert len(model.graph.nodes) < model.original_ops
     problem = build_problem(model.graph, Cluster.preset("moirai-inter-server"))
@@ -174,10 +186,22 @@ def test_runner_rows_show_results_misfits_and_errors_and_go_to_markdown(monkeypa
     overflowing = run.run_placer(device0_full, "round_robin", "gpt3:small", "inter", 1.0, bound)
     assert overflowing.status.startswith("exceeds memory: ") and overflowing.latency_s > 0
 
-    results = tmp_path / "RESULTS.md"
-    run.write_results(results, "python bench/run.py --models gpt3:small", "single", 1.0, [model], rows, 2.0)
-    run.write_results(results, "python bench/run.py --again", "single", 1.0, [model], rows, 2.0)
-    text = results.read_text()
-    assert text.count("# Bench results") == 1 and text.count("Command: `python bench/run.py") == 2
-    assert "\n## 1. Every placer" in text and "\n## 2. Every placer" in text, "sections are numbered in order"
+    output = tmp_path / "placers.md"
+    run.write_results(output, "python bench/run.py --models gpt3:small", "single", 1.0, [model], rows, 2.0)
+    run.write_results(output, "python bench/run.py --again", "single", 1.0, [model], rows, 2.0)
+    text = output.read_text()
+    assert text.startswith("## Every placer on the zoo models (`bench/run.py`), ")
+    assert text.count("Command: `python bench/run.py") == 1 and "--again" in text, "the file is replaced, not appended"
     assert "| gpt3:small | inter | never_fits_for_test | - | - | - | - | - | - | does not fit |" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_every_zoo_model_coarsens_to_a_dag_of_at_most_the_target(name: str):
+    model, args, kwargs = build(name, "small")
+    graph = build_op_graph(trace(model, args, kwargs))
+    result = coarsen(graph, "default", target_nodes=32)
+    assert nx.is_directed_acyclic_graph(result.graph.to_networkx())
+    assert sorted(f for node in result.graph.nodes for f in node.fx_names) == sorted(graph.node_of_fx_name)
+    assert result.original.nodes > result.fused.nodes and result.coarse.nodes <= 32
+    assert math.isclose(result.graph.total_flops, graph.total_flops)
