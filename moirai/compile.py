@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import logging
 import os
 import warnings
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ from moirai.runtime.split import SplitProgram, split_module
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+logger = logging.getLogger(__name__)
 PLAN_FORMAT_VERSION = 1
 _PLAN_KEYS = ("format", "devices", "node_device", "groups", "device_order", "plan")
 
@@ -226,8 +228,18 @@ def compile(
     cluster = _local_cluster(devices, calibration)
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
+    logger.debug("coarsened %s to %d op groups (fusion rules %s)", traced.model_name, len(coarse.nodes), fusion_rules)
     problem = build_problem(coarse, cluster, cost, traced)
     plan = place(problem, placer=placer, objective=objective, **placer_options)
+    logger.info(
+        "%s placed by %s on %d of %d devices: %s %.6g s",
+        traced.model_name,
+        plan.placer,
+        len(set(plan.placement.tolist())),
+        len(cluster),
+        plan.objective,
+        plan.objective_s,
+    )
     return _assemble(traced, cluster, coarse, problem, plan)
 
 
@@ -237,6 +249,7 @@ def _local_cluster(devices: Cluster | Sequence[str], calibration: str | Path) ->
         return devices
     cluster = Cluster.from_devices(devices)
     if calibration == "none" or len(cluster) < 2:
+        logger.debug("links between %s: the detected defaults (calibration=%r)", devices, calibration)
         return cluster
     from moirai.cluster.calibrate import calibrated_cluster, local_calibration, local_request_cost
 

@@ -18,6 +18,7 @@ from rich.table import Table
 
 import moirai
 from moirai.cluster.devices import Cluster, Device
+from moirai.planning.placers import start_plans
 from moirai.runtime import shm
 from moirai.runtime.resources import apply_resources, rank_resources, restore_resources
 
@@ -82,7 +83,10 @@ def demo_cluster() -> Cluster:
     return Cluster(devices, bandwidth, latency)
 
 
-BASELINES = ("heft", "m_sct", "m_etf", "getf", "cp_pct", "expert", "single")
+def baselines() -> list[str]:
+    """The placers the demo compares against: those the milp placer starts from that respect memory and are
+    meant for latency, in the milp placer's order."""
+    return [s.name for s in start_plans("latency") if s.respects_memory]
 
 
 def compare_placers(problem: moirai.Problem, plan: moirai.Plan, console: Console) -> None:
@@ -91,7 +95,7 @@ def compare_placers(problem: moirai.Problem, plan: moirai.Plan, console: Console
     for column in ("placer", "latency", "moirai's speedup"):
         table.add_column(column, justify="left" if column == "placer" else "right")
     table.add_row(plan.placer, f"{plan.makespan_s * 1e3:.3f} ms", "")
-    for name in BASELINES:
+    for name in baselines():
         try:
             baseline = moirai.place(problem, placer=name)
         except moirai.InfeasibleError:

@@ -14,12 +14,12 @@ import moirai
 from moirai.cluster.calibrate import RequestCost, TransferCost, write_calibration
 from moirai.cluster.cost import HEADER_BYTES
 from moirai.planning.objective import LATENCY
-from moirai.planning.placers import MIN_SPLIT_GAIN, RULE_BASED_PLACERS, list_placers, no_worse_than_one_device, place
+from moirai.planning.placers import MIN_SPLIT_GAIN, no_worse_than_one_device, place, specs
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.simulate import simulate
 from moirai.runtime.protocol import HEADER_FIELDS
 
-LATENCY_PLACERS = [name for name in list_placers() if name not in RULE_BASED_PLACERS]
+LATENCY_PLACERS = [s.name for s in specs() if s.minimises]
 
 
 def fan_out_problem(transfer_s: float, send_cpu_s: float = 0.0) -> Problem:

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from moirai.errors import InfeasibleError
-from moirai.planning.placers import list_placers, place
+from moirai.planning.placers import list_placers, place, specs
 from moirai.planning.simulate import simulate
 from moirai.testing import random_problem
 
 # Solver-based placers get a small budget here; their own tests give them more.
 OPTIONS = {"pesto": {"time_limit_s": 2.0, "target_tasks": 10}, "milp": {"time_limit_s": 2.0}}
-# round_robin splits by work and ignores memory, as documented: it may beat a bound that respects memory.
-MEMORY_BLIND = {"round_robin"}
+# Placers that ignore memory (round_robin splits by work), as their specs say: they may beat a bound that respects it.
+MEMORY_BLIND = {s.name for s in specs() if not s.respects_memory}
 GB = 1e9
 
 

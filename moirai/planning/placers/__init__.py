@@ -1,19 +1,23 @@
-"""The placer registry: a placer is a function ``(problem, **options) -> Plan``.
+"""The placer registry: a placer is a function ``(problem, **options) -> Plan`` and its :class:`PlacerSpec`.
 
-Add one by writing a module here with a function decorated ``@register("name")`` and
-listing the module in ``_PLACER_MODULES``. :func:`list_placers` names them all.
+Add one by writing a module here with one function decorated ``@register("name", minimises=...,
+respects_memory=..., ...)``: the registry imports every module of this package (names not starting with
+``_``), and everything else asks :func:`spec` for the placer's traits. :func:`list_placers` names them all.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import inspect
+import logging
 import numbers
+import pkgutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,28 +31,63 @@ if TYPE_CHECKING:
     from moirai.planning.simulate import Timeline
 
 Placer = Callable[..., Plan]
-
-_REGISTRY: dict[str, Placer] = {}
-_PLACER_MODULES = (
-    "round_robin",
-    "single",
-    "expert",
-    "hash",
-    "heft",
-    "cp_pct",
-    "m_topo",
-    "m_etf",
-    "m_sct",
-    "getf",
-    "pesto",
-    "pipeline",
-    "milp",
-)
+logger = logging.getLogger(__name__)
 
 
-def register(name: str) -> Callable[[Placer], Placer]:
+@dataclasses.dataclass(frozen=True)
+class PlacerSpec:
+    """What the rest of moirai knows about a placer, declared once by :func:`register` beside its function.
+
+    ``minimises``: it searches for a good plan (False: a rule-based split, returned as it is, never replaced
+    by the single-device plan). ``respects_memory``: its plans fit every device's memory or it raises
+    :class:`moirai.errors.InfeasibleError`; the registry refuses a model no placement can fit before calling it.
+    ``objectives``: the objectives its plans are built for (None: every one); the milp placer starts from its
+    plan only for these. ``start_plan``: its rank among the milp placer's start plans (lower first), None if
+    never one; how long it takes is measured, in ``moirai/data/start_plan_costs.toml``.
+    """
+
+    name: str
+    function: Placer
+    minimises: bool
+    respects_memory: bool
+    objectives: frozenset[str] | None = None
+    start_plan: int | None = None
+
+    def serves(self, objective: str) -> bool:
+        """Whether its plans are built for ``objective`` (a name)."""
+        return self.objectives is None or objective in self.objectives
+
+    @functools.cached_property
+    def checked(self) -> Placer:
+        """The function behind the registry's preconditions: memory first, for a placer that respects it."""
+
+        @functools.wraps(self.function)
+        def placer(problem: Problem, **options: Any) -> Plan:
+            if self.respects_memory:
+                from moirai.planning.bounds import check_memory_feasible
+
+                check_memory_feasible(problem)
+            return self.function(problem, **options)
+
+        return placer
+
+
+_SPECS: dict[str, PlacerSpec] = {}
+
+
+def register(
+    name: str,
+    *,
+    minimises: bool,
+    respects_memory: bool,
+    objectives: Iterable[str] | None = None,
+    start_plan: int | None = None,
+) -> Callable[[Placer], Placer]:
+    """Register the decorated function as placer ``name`` with its traits (:class:`PlacerSpec`)."""
+
     def add(function: Placer) -> Placer:
-        _REGISTRY[name] = function
+        chosen = None if objectives is None else frozenset(objectives)
+        _SPECS[name] = PlacerSpec(name, function, minimises, respects_memory, chosen, start_plan)
         return function
 
     return add
@@ -57,22 +96,36 @@ def register(name: str) -> Callable[[Placer], Placer]:
 def list_placers() -> list[str]:
     """Names of every registered placer."""
     _load_all()
-    return sorted(_REGISTRY)
+    return sorted(_SPECS)
+
+
+def spec(name: str) -> PlacerSpec:
+    """The traits of placer ``name``."""
+    _load_all()
+    try:
+        return _SPECS[name]
+    except KeyError:
+        raise MoiraiError(f"unknown placer {name!r}; choose one of {sorted(_SPECS)}") from None
+
+
+def specs() -> list[PlacerSpec]:
+    """Every registered placer's spec, by name."""
+    return [spec(name) for name in list_placers()]
+
+
+def start_plans(objective: str) -> list[PlacerSpec]:
+    """The placers the milp placer starts from for ``objective`` (a name), in the order it tries them."""
+    chosen = [s for s in specs() if s.start_plan is not None and s.serves(objective)]
+    return sorted(chosen, key=lambda s: (s.start_plan, s.name))
 
 
 def get_placer(name: str) -> Placer:
-    _load_all()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise MoiraiError(f"unknown placer {name!r}; choose one of {sorted(_REGISTRY)}") from None
+    """Placer ``name`` with the registry's preconditions applied (memory, for one that respects it)."""
+    return spec(name).checked
 
 
 # A plan on several devices must be predicted this much better than the best single device, or that one replaces it.
 MIN_SPLIT_GAIN = 0.01
-
-# Baselines that place by a rule, not by minimising anything: their plans are returned as they are.
-RULE_BASED_PLACERS = frozenset({"round_robin", "hash", "expert", "m_topo", "single"})
 
 
 @stage("place")
@@ -86,20 +139,25 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     """
     from moirai.planning.simulate import simulate
 
-    function = get_placer(placer)
-    check_options(placer, function, options)
+    traits = spec(placer)
+    function = traits.checked
+    check_options(placer, traits.function, options)
     chosen = as_objective(objective)
-    if "objective" in inspect.signature(function).parameters:
+    if not traits.serves(chosen.name):
+        logger.debug(
+            "placer %r is not meant for the %r objective; its plan is judged by it all the same", placer, chosen.name
+        )
+    if "objective" in inspect.signature(traits.function).parameters:
         options = {**options, "objective": chosen}
     start = time.perf_counter()
     plan = function(problem, **options)
     plan.placement_time_s = time.perf_counter() - start
     plan.placer = plan.placer or placer
     plan.check(problem)
-    if placer not in RULE_BASED_PLACERS:
+    if traits.minimises:
         plan = _as_the_runtime_prefers(problem, plan, chosen)
     timeline = simulate(problem, plan)
-    if placer not in RULE_BASED_PLACERS:
+    if traits.minimises:
         plan, timeline = no_worse_than_one_device(problem, plan, timeline, chosen)
     plan.makespan_s = timeline.makespan_s
     plan.objective, plan.objective_s = chosen.name, chosen.value_s(timeline)
@@ -117,11 +175,9 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
       last task as the first device (rank 0, which drives every request and gathers the outputs) replaces
       ``plan`` unless the model predicts it worse. The model charges outputs sent back to rank 0
       (:attr:`Problem.output_s`) and headers; where they tie (no outputs, no headers), ending on rank 0 saves
-      the driver a receive (two_branch_mlp's milp plan, the mirror image of heft's, sent its 1 MB sum back and
-      ran 10-15% slower before outputs were charged).
+      the driver a receive ([Note: end on rank 0] in docs/design.md).
     * A plan that puts every task on one device runs them in the graph's own order: on one device the order
-      changes no prediction, and the traced order is the one eager runs (inception_v4 on one CPU rank ran 7%
-      slower in the order a milp plan gave it).
+      changes no prediction, and the traced order is the one eager runs ([Note: one device, traced order]).
     """
     from moirai.planning.placers.single import one_device_plan
     from moirai.planning.simulate import simulate
@@ -144,6 +200,7 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
             plan, placement=swap[plan.placement], order=order, transfer_order=transfer_order
         )
         if not objective.improves(simulate(problem, plan), simulate(problem, relabelled), relative=1e-9):
+            logger.debug("%s plan: devices 0 and %d swapped so the last task runs on rank 0", plan.placer, last_device)
             plan = relabelled
     used = np.unique(plan.placement)
     if used.size == 1:
@@ -156,9 +213,8 @@ def no_worse_than_one_device(
 ) -> tuple[Plan, Timeline]:
     """``plan`` and its timeline, or the best single-device plan that fits and its timeline unless ``plan`` is
     predicted better by more than :data:`MIN_SPLIT_GAIN`: what the model leaves out (the inputs the driver
-    sends other devices, a worker's own work per request) only adds to a split plan. swin's milp plan, 0.06%
-    faster than one device by the model with six ops on the second, ran 7% slower in one run and as fast in
-    another; gpt2's, 0.14% faster, ran 0.5% slower twice."""
+    sends other devices, a worker's own work per request) only adds to a split plan ([Note: minimum split gain]
+    in docs/design.md)."""
     from moirai.errors import InfeasibleError
     from moirai.planning.placers.single import place_single
     from moirai.planning.simulate import simulate
@@ -176,6 +232,16 @@ def no_worse_than_one_device(
         )
     if keep:
         return plan, timeline
+    logger.info(
+        "%s plan replaced by the single-device plan on %s: %s %.6g s against %.6g s on one device "
+        "(a split must gain more than %g)",
+        plan.placer,
+        problem.device_names[int(single.placement[0])] if problem.num_tasks else "-",
+        objective.name,
+        objective.value_s(timeline),
+        objective.value_s(single_timeline),
+        MIN_SPLIT_GAIN,
+    )
     plan.report.notes["replaced_by_single_device_s"] = objective.value_s(timeline)
     replaced = dataclasses.replace(
         single,
@@ -242,10 +308,11 @@ def _warn_if_over_memory(problem: Problem, plan: Plan, timeline: Timeline) -> No
         f"{format_bytes(float(problem.memory_capacity_bytes[k]))}"
         for k in over
     )
+    respecting = ", ".join(repr(s.name) for s in specs() if s.respects_memory and s.minimises)
     warnings.warn(
         OverMemoryWarning(
             f"the {plan.placer!r} plan puts more on a device than it can hold ({amounts}); {plan.placer!r} ignores "
-            "memory: use a placer that respects it ('milp', 'heft', 'm_etf', 'm_sct', 'hash', 'expert') or add memory"
+            f"memory: use a placer that respects it ({respecting}) or add memory"
         ),
         stacklevel=3,
     )
@@ -259,6 +326,8 @@ def _is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+@functools.cache
 def _load_all() -> None:
-    for module in _PLACER_MODULES:
-        importlib.import_module(f"moirai.planning.placers.{module}")
+    for module in pkgutil.iter_modules(__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")

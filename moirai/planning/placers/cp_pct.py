@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moirai.planning.bounds import check_memory_feasible, memory_error
+from moirai.planning.bounds import memory_error
 from moirai.planning.placers import register
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.report import PlacerReport
@@ -36,9 +36,8 @@ def critical_path(problem: Problem, weight: np.ndarray) -> list[int]:
     return path[::-1]
 
 
-@register("cp_pct")
+@register("cp_pct", minimises=True, respects_memory=True, start_plan=5)
 def place_cp_pct(problem: Problem, contention: bool = True) -> Plan:
-    check_memory_feasible(problem)
     placement = np.full(problem.num_tasks, -1)
     if problem.num_tasks == 0:
         return Plan(placement, problem.device_names, order=tuple(() for _ in problem.device_names), placer="cp_pct")

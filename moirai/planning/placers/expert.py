@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from moirai.errors import InfeasibleError
-from moirai.planning.bounds import check_memory_feasible, format_bytes
+from moirai.planning.bounds import format_bytes
 from moirai.planning.placers import register
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.report import PlacerReport
@@ -21,9 +21,8 @@ from moirai.planning.report import PlacerReport
 _BISECTION_STEPS = 100
 
 
-@register("expert")
+@register("expert", minimises=False, respects_memory=True, start_plan=2)
 def place_expert(problem: Problem) -> Plan:
-    check_memory_feasible(problem)
     order = np.array(problem.topological_order, int)
     compute = problem.compute_s[order]
     # A task a device cannot run costs more than any budget the bisection tries, so no stage takes it.

@@ -33,14 +33,13 @@ from functools import partial
 
 import numpy as np
 
-from moirai.planning.bounds import check_memory_feasible
 from moirai.planning.highs import SparseLinearProgram
 from moirai.planning.placers import register
 from moirai.planning.placers._list_scheduling import earliest_time_first, list_schedule, to_plan
 from moirai.planning.problem import Plan, Problem
 
 
-@register("getf")
+@register("getf", minimises=True, respects_memory=True, start_plan=7)
 def place_getf(
     problem: Problem,
     speed_ratio: float = 2.0,
@@ -48,7 +47,6 @@ def place_getf(
     time_limit_s: float = 30.0,
     contention: bool = True,
 ) -> Plan:
-    check_memory_feasible(problem)
     groups = speed_groups(problem, speed_ratio)
     task_group = group_assignment(problem, groups, integral, time_limit_s)
     allowed = np.zeros((problem.num_tasks, problem.num_devices), bool)

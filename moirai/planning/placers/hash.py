@@ -15,7 +15,7 @@ import itertools
 
 import numpy as np
 
-from moirai.planning.bounds import check_memory_feasible, memory_error
+from moirai.planning.bounds import memory_error
 from moirai.planning.placers import register
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.simulate import simulate
@@ -27,9 +27,8 @@ def _uniform_hash(name: str, seed: int) -> float:
     return (int.from_bytes(digest, "little") >> 11) / 2.0**53  # 53 bits: exact in a float, always below 1
 
 
-@register("hash")
+@register("hash", minimises=False, respects_memory=True, start_plan=9)
 def place_hash(problem: Problem, seed: int = 0, contention: bool = True) -> Plan:
-    check_memory_feasible(problem)
     speed = problem.device_speed.tolist()
     capacity = problem.memory_capacity_bytes.tolist()
     runnable = problem.runs_on.tolist()

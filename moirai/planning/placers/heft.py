@@ -27,13 +27,11 @@ under the same ``contention`` setting.
 
 from __future__ import annotations
 
-from moirai.planning.bounds import check_memory_feasible
 from moirai.planning.placers import register
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
 
 
-@register("heft")
+@register("heft", minimises=True, respects_memory=True, start_plan=0)
 def place_heft(problem: Problem, contention: bool = True) -> Plan:
-    check_memory_feasible(problem)
     return heft_schedule(problem, upward_rank_mean_costs(problem), contention=contention)

@@ -11,20 +11,18 @@ from __future__ import annotations
 
 from functools import partial
 
-from moirai.planning.bounds import check_memory_feasible
 from moirai.planning.placers import register
 from moirai.planning.placers._list_scheduling import earliest_time_first, list_schedule, to_plan
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.schedule import ScheduleBuilder
 
 
-@register("m_etf")
+@register("m_etf", minimises=True, respects_memory=True, start_plan=6)
 def place_m_etf(problem: Problem, contention: bool = True) -> Plan:
     return to_plan(m_etf_schedule(problem, contention), "m_etf")
 
 
 def m_etf_schedule(problem: Problem, contention: bool = True) -> ScheduleBuilder:
     """The m-ETF schedule of ``problem`` (start time of every task included)."""
-    check_memory_feasible(problem)
     choose = partial(earliest_time_first, priority=problem.topological_position)
     return list_schedule(problem, choose, "m_etf", contention)

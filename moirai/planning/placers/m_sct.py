@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from moirai.planning.bounds import check_memory_feasible
 from moirai.planning.highs import SparseLinearProgram
 from moirai.planning.placers import register
 from moirai.planning.placers._list_scheduling import Choice, ReadyTasks, list_schedule, to_plan
 from moirai.planning.problem import Plan, Problem
 
 
-@register("m_sct")
+@register("m_sct", minimises=True, respects_memory=True, start_plan=8)
 def place_m_sct(problem: Problem, threshold: float = 0.5, contention: bool = True) -> Plan:
-    check_memory_feasible(problem)
     favourite = favourite_children(problem, threshold)
     priority = problem.topological_position
     schedule = list_schedule(problem, lambda ready: _sct_choice(ready, favourite, priority), "m_sct", contention)

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from moirai.planning.bounds import check_memory_feasible, memory_error
+from moirai.planning.bounds import memory_error
 from moirai.planning.placers import register
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.report import PlacerReport
 
 
-@register("m_topo")
+@register("m_topo", minimises=False, respects_memory=True, start_plan=4)
 def place_m_topo(problem: Problem, uniform: bool = True) -> Plan:
-    check_memory_feasible(problem)
     capacity = problem.memory_capacity_bytes
     if uniform:
         even_share = problem.memory_bytes.sum() / problem.num_devices + problem.memory_bytes.max(initial=0.0)

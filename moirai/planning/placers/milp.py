@@ -7,8 +7,8 @@
    the best plan, with whatever time the budget has left after the heuristics and the build.
 3. A larger one first gets a better start: HEFT re-run with a lookahead (how long the best plan
    so far runs on after each task, on each device) while the simulator confirms a shorter makespan
-   (:mod:`moirai.planning.solve.start_plans`; on random layered graphs of 3,000, 20,000 and 50,000 tasks it
-   gained 3.3%, 2.6% and 4.7% over HEFT, far more per second than windows at that size); then the window search of
+   (:mod:`moirai.planning.solve.start_plans`; at that size it gains more per second than windows,
+   [Note: lookahead before windows] in docs/design.md); then the window search of
    :mod:`moirai.planning.solve.search`: windows of the schedule re-solved as small MILPs, each kept only if
    the simulator confirms a shorter makespan.
 
@@ -26,6 +26,7 @@ and the best plan found so far, never a traceback.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -37,12 +38,13 @@ from typing import Any
 import numpy as np
 
 from moirai.errors import InfeasibleError, MoiraiError
-from moirai.planning.bounds import check_memory_feasible, format_bytes
+from moirai.planning.bounds import format_bytes
 from moirai.planning.objective import LATENCY, Objective
-from moirai.planning.placers import get_placer, list_placers, register
+from moirai.planning.placers import register, start_plans
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.report import BoundSource, SolverReport, StopReason
 from moirai.planning.simulate import Timeline, simulate
+from moirai.planning.solve.costs import measured_costs
 from moirai.planning.solve.model import FORMULATIONS, build_model
 from moirai.planning.solve.search import DEFAULT_WINDOW_TASKS, gap_closed, improve_by_windows
 from moirai.planning.solve.solver import SOLVERS, MilpSolution, SolverSettings, progress_text, solve_model
@@ -50,38 +52,19 @@ from moirai.planning.solve.start_plans import improve_start_plan
 from moirai.planning.solve.warm_start import plan_from_times, relabel_identical_devices
 from moirai.planning.solve.window import whole_problem
 
-# Heuristics tried for the start plan, most promising first; absent ones are skipped. The numbers
-# are seconds per (1,000 tasks)^1.4 measured on this machine (2 cores, 2026-11): a heuristic whose
-# predicted time does not fit what is left of the start-plan budget is not started.
-WARM_START_PLACERS = {
-    "heft": 0.025,  # re-measured once HEFT shared its scheduler with the lookahead: 0.022 at 3,000 tasks
-    "single": 0.001,
-    "expert": 0.001,
-    "round_robin": 0.001,
-    "m_topo": 0.01,
-    "cp_pct": 0.03,
-    "m_etf": 0.12,
-    "getf": 0.25,
-    "m_sct": 1.1,
-    "hash": 0.04,
-}
-# Start plans only an objective other than latency tries (seconds per (1,000 tasks)^1.4, 4 devices).
-OBJECTIVE_START_PLACERS = {"throughput": {"pipeline": 8.0}}
-_SIMULATE_S_PER_TASK = 4e-5
+logger = logging.getLogger(__name__)
+_SIMULATE_S_PER_TASK = measured_costs().simulate_s_per_task
 FULL_MODEL_MAX_TASKS = 24
 STRATEGIES = ("auto", "full", "windows")
 _HEURISTIC_SHARE = 0.3  # of the budget, at most, for start plans on a large problem
-# Of what is left after the heuristics, at most, for lookahead rounds (they stop earlier when they stall,
-# as they did within 3 s on 3,000 tasks): with 0.7 of a 120 s budget on 50,000 tasks the rounds were
-# still improving when stopped (4.81% below HEFT after 16) and the window search kept none of its 199
-# windows; with 0.9 they stalled on their own after 26 (4.85%). On 20,000 tasks (60 s) they stall with
-# time left either way and the window search adds 0.01% to their 2.6%.
+# Of what is left after the heuristics, at most, for lookahead rounds, which stop earlier when they stall: on large
+# graphs they gain more than windows do ([Note: lookahead share] in docs/design.md).
 _LOOKAHEAD_SHARE = 0.9
 _SAFETY_S = 0.05
 _MIN_SEARCH_S = 0.3  # the window search needs more than this to solve a window
 
 
-@register("milp")
+@register("milp", minimises=True, respects_memory=True)
 def place_milp(
     problem: Problem,
     solver: str = "highs",
@@ -111,7 +94,6 @@ def place_milp(
         raise MoiraiError(f"unknown formulation {formulation!r}; choose one of {FORMULATIONS}")
     if strategy not in STRATEGIES:
         raise MoiraiError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
-    check_memory_feasible(problem)
     show = sys.stderr.isatty() if progress is None else progress
     status = _status() if show else None
     with status if status is not None else nullcontext():
@@ -152,6 +134,15 @@ def place_milp(
         final.lower_bound_s, info.bound_source = info.solver_bound_s, BoundSource.SOLVER
     info.time_limit_s, info.elapsed_s = time_limit_s, time.perf_counter() - (deadline - time_limit_s)
     final.report = info
+    logger.info(
+        "milp: %s search stopped (%s) after %.2f s of %.2f s, %s bound %.6g s",
+        info.strategy,
+        info.stop_reason,
+        info.elapsed_s,
+        time_limit_s,
+        objective.name,
+        final.lower_bound_s,
+    )
     return final
 
 
@@ -166,26 +157,33 @@ def _status() -> Any:
 def _best_heuristic(
     problem: Problem, deadline: float, report: Any, objective: Objective
 ) -> tuple[Plan | None, Timeline | None, dict[str, float]]:
-    """The acceptable heuristic plan (memory first) best by ``objective``, and every heuristic's objective value."""
-    available = set(list_placers())
+    """The acceptable heuristic plan (memory first) best by ``objective``, and every heuristic's objective value.
+
+    The heuristics are the placers whose spec names a start-plan rank and serves ``objective``, most promising
+    (lowest rank) first; one whose measured time (:mod:`moirai.planning.solve.costs`) does not fit what is left
+    of the start-plan budget is not started."""
     started = time.perf_counter()
     budget = (deadline - started) * _HEURISTIC_SHARE
     best: tuple[Plan, Timeline] | None = None
     values: dict[str, float] = {}
-    for name, cost in {**WARM_START_PLACERS, **OBJECTIVE_START_PLACERS.get(objective.name, {})}.items():
-        predicted = cost * (problem.num_tasks / 1000) ** 1.4 + _SIMULATE_S_PER_TASK * problem.num_tasks
-        if name not in available or (best is not None and time.perf_counter() - started + predicted > budget):
+    for heuristic in start_plans(objective.name):
+        name = heuristic.name
+        predicted = measured_costs().start_plan_time_s(name, problem.num_tasks)
+        if best is not None and time.perf_counter() - started + predicted > budget:
+            logger.debug("start plan %s skipped: predicted %.3g s, more than the budget has left", name, predicted)
             continue
         report(f"start plan: {name}")
         try:
-            plan = get_placer(name)(problem)
+            plan = heuristic.function(problem)  # the registry's memory check has passed for the milp placer
             timeline = simulate(problem, plan)
-        except MoiraiError:
-            continue  # e.g. a heuristic that cannot respect memory here
+        except MoiraiError as error:
+            logger.debug("start plan %s skipped: %s", name, error)  # e.g. a heuristic that cannot respect memory here
+            continue
         except Exception as error:  # noqa: BLE001 - one broken heuristic must not stop the MILP
             warnings.warn(f"heuristic {name!r} failed ({type(error).__name__}: {error}); skipping it", stacklevel=3)
             continue
         if not objective.acceptable(timeline):
+            logger.debug("start plan %s skipped: not acceptable to the %s objective", name, objective.name)
             continue
         values[name] = objective.value_s(timeline)
         if best is None or objective.improves(timeline, best[1]):
@@ -211,9 +209,8 @@ def _search_large(
     heuristic plan, sharing the time: each search not yet at a local optimum gets an equal share of what is
     left, and a search that stops early leaves its time to the others. The shortest plan found wins.
 
-    Why both: on GPT-3 13B (inter-server) the windows from HEFT's plan reached a local optimum 2.0% below
-    it, those from the (0.6% shorter) lookahead plan one 0.65% below HEFT; on random graphs of 3,000 tasks
-    and more the lookahead plan is 2.6-4.8% shorter than HEFT's and windows from HEFT never catch up.
+    Why both: neither start reaches the better local optimum on every graph ([Note: windows from both starts]
+    in docs/design.md).
     """
     report("start plan: HEFT with lookahead")
     lookahead_by = time.perf_counter() + _LOOKAHEAD_SHARE * (deadline - time.perf_counter())

@@ -51,7 +51,6 @@ import numpy as np
 import pyomo.environ as pyo
 from pyomo.common.collections import ComponentMap
 
-from moirai.planning.bounds import check_memory_feasible
 from moirai.planning.highs import run_highs
 from moirai.planning.placers import register
 from moirai.planning.placers.m_etf import m_etf_schedule
@@ -60,11 +59,10 @@ from moirai.planning.report import SolverReport
 from moirai.planning.schedule import ScheduleBuilder, transfer_duration_s
 
 
-@register("pesto")
+@register("pesto", minimises=True, respects_memory=True)
 def place_pesto(problem: Problem, target_tasks: int = 200, time_limit_s: float = 30.0) -> Plan:
     """Pesto's plan; ``time_limit_s`` is the wall-clock budget of the whole placer (the solver gets what is left)."""
     deadline = time.perf_counter() + time_limit_s
-    check_memory_feasible(problem)
     groups = coarsen(problem, target_tasks)
     coarse = merge_tasks(problem, groups)
     # m-ETF's schedule of the coarse graph is feasible for the ILP: its makespan bounds the optimum (big-M).

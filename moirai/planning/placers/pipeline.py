@@ -18,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 
 from moirai.errors import InfeasibleError
-from moirai.planning.bounds import check_memory_feasible
 from moirai.planning.placers import register
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.report import PlacerReport
@@ -27,9 +26,8 @@ from moirai.planning.schedule import transfer_duration_s
 SUBSET_DP_MAX_DEVICES = 6
 
 
-@register("pipeline")
+@register("pipeline", minimises=True, respects_memory=True, objectives=("throughput",), start_plan=10)
 def place_pipeline(problem: Problem) -> Plan:
-    check_memory_feasible(problem)
     n, k = problem.num_tasks, problem.num_devices
     order = np.array(problem.topological_order, int)
     with np.errstate(invalid="ignore"):

@@ -14,7 +14,7 @@ from moirai.planning.placers import register
 from moirai.planning.problem import Plan, Problem
 
 
-@register("round_robin")
+@register("round_robin", minimises=False, respects_memory=False, start_plan=3)
 def place_round_robin(problem: Problem) -> Plan:
     order = list(problem.topological_order)
     k = problem.num_devices

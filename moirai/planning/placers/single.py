@@ -10,7 +10,7 @@ from moirai.planning.placers import register
 from moirai.planning.problem import Plan, Problem
 
 
-@register("single")
+@register("single", minimises=False, respects_memory=True, start_plan=1)
 def place_single(problem: Problem) -> Plan:
     """Every task on the device with the least total compute time among those that hold the whole model."""
     needed = float(problem.memory_bytes.sum())

@@ -30,6 +30,7 @@ Windows of 8 tasks gave the largest gains in a fixed time on random layered grap
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -47,6 +48,7 @@ from moirai.planning.solve.solver import MilpSolution, SolverSettings, progress_
 from moirai.planning.solve.warm_start import plan_from_times
 from moirai.planning.solve.window import Window
 
+logger = logging.getLogger(__name__)
 DEFAULT_WINDOW_TASKS = 8
 _WINDOW_TIME_LIMIT_S = 1.0
 _IMPROVEMENT = 1e-9  # relative makespan gain that counts as progress
@@ -120,8 +122,15 @@ def improve_by_windows(
             window_s = 0.8 * window_s + 0.2 * (time.perf_counter() - window_started)
             if solution.has_solution and solution.objective_s < window.horizon_s * (1 - _IMPROVEMENT):
                 improved.append((window.horizon_s - solution.objective_s, built, solution))
-            elif not solution.optimal:
-                result.windows_unproven += 1
+            else:
+                if not solution.optimal:
+                    result.windows_unproven += 1
+                logger.debug(
+                    "window at %d rejected: the solver (%s) found nothing shorter than %.6g s",
+                    first,
+                    solution.status,
+                    window.horizon_s,
+                )
         if not tried.issuperset(batch) or (improved and time.perf_counter() > deadline - 0.1 - judge_s):
             break  # out of time
         if improved:
@@ -139,6 +148,12 @@ def improve_by_windows(
                 f"{progress_text('window search', result.timeline.makespan_s, lower_bound_s)}; "
                 f"{result.windows_tried} windows, {max(0.0, deadline - time.perf_counter()):.0f} s left"
             )
+    logger.debug(
+        "window search stopped (%s): %d windows tried, %d kept",
+        result.stop_reason,
+        result.windows_tried,
+        result.windows_improved,
+    )
     return result
 
 
@@ -168,6 +183,7 @@ def _keep_confirmed(
             result.plan, result.timeline = candidate, candidate_timeline
             result.windows_improved += len(attempt)
             return True, count
+        logger.debug("%d window(s) rejected: the simulator does not confirm the solver's gain", len(attempt))
         if time.perf_counter() > deadline:
             return False, count
     return False, len(attempts)

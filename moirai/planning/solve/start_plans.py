@@ -16,22 +16,15 @@ simulated schedule runs on from each consumer (device queues and link contention
 result becomes the next best plan if the simulator says it is shorter, and the tail is taken again
 from it. Each round costs about one HEFT run and one simulation, so it scales to 50,000 tasks.
 
-Measured on random layered DAGs (``bench/milp_ablation.py``, 4 devices) against HEFT, 5 rounds
-per weight: 3,000 tasks gain 2.2% (weight 0.4), 2.4% (0.5), 2.5% (0.7), 2.7% (0.8), 2.3% (1.0);
-20,000 tasks, 3 rounds, 2.1% for 0.6, 0.8 and 1.0. On GPT-3 1.3B and 13B (inter-server) only
-weight 1.0 helps (0.3% and 0.6%). So the rounds cycle through :data:`TAIL_WEIGHTS`, each from
-the best plan so far, until a whole cycle brings nothing: on two 3,000-task graphs, cycling through
-(0.8, 1.0, 0.5) reached 3.1% and 2.8%, adding 0.65 and 1.3 reached 3.3% and 3.0%; perturbing HEFT's
-priorities by 3% or 10% after a stall found nothing more. Then the rounds switch to the other tail,
-and so on until neither improves: schedule tails alone were better on one 3,000-task graph (3.6%
-against 3.3%) and worse on another (2.6% against 3.0%); switching after a stall took a third graph
-from 0.4% to 0.8% and lost nothing on the other two. PEFT's optimistic cost table as the
-lookahead (tail with every later task on its best device) was worse than HEFT on every instance
-tried (3,000 tasks +0.1% to +0.7%, GPT-3 1.3B +1.4%, Swin 6.6B +3.3%), so it is not used.
+The rounds cycle through :data:`TAIL_WEIGHTS` (no one weight is best on every graph), each from the best plan
+so far, until a whole cycle brings nothing; then they switch to the other tail (neither tail is better on every
+graph), and so on until neither improves. PEFT's optimistic cost table as the lookahead was worse than HEFT, so it
+is not used. The measurements behind these choices: [Note: lookahead weights and tails] in docs/design.md.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -43,13 +36,11 @@ from moirai.planning.problem import Plan, Problem
 from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
 from moirai.planning.schedule.transfers import transfer_duration_s
 from moirai.planning.simulate import Timeline, simulate, upward_rank
+from moirai.planning.solve.costs import measured_costs
 from moirai.planning.solve.search import latest_starts
 
 TAIL_WEIGHTS = (0.8, 1.0, 0.5, 0.65, 1.3)
-
-# Seconds per 1,000 tasks of one round (schedule and simulation) on this machine (2 cores, 2026-11:
-# 0.1 at 3,000 and 20,000 tasks), with margin: a round predicted to end after the deadline is not started.
-_ROUND_S_PER_1000_TASKS = 0.15
+logger = logging.getLogger(__name__)
 
 
 def placement_tail(problem: Problem, placement: np.ndarray) -> np.ndarray:
@@ -101,7 +92,8 @@ def improve_start_plan(
     if problem.num_devices < 2 or problem.num_tasks == 0:
         return result
     priority = upward_rank_mean_costs(problem)
-    round_s = _ROUND_S_PER_1000_TASKS * problem.num_tasks / 1000
+    # A round predicted to end after the deadline is not started.
+    round_s = measured_costs().lookahead_round_s_per_1000_tasks * problem.num_tasks / 1000
     tails = (lambda best: placement_tail(problem, best.placement), lambda best: schedule_tail(problem, best))
     kind, since_improvement, stalled_kinds = 0, 0, 0
     while stalled_kinds < len(tails) and time.perf_counter() + round_s < deadline:
@@ -111,6 +103,7 @@ def improve_start_plan(
         try:
             candidate = heft_schedule(problem, priority, weight * tails[kind](result.timeline), placer=plan.placer)
         except InfeasibleError:  # this round's greedy choices filled memory: keep the plan we have
+            logger.debug("lookahead round %d (weight %g) filled memory; plan kept", result.rounds, weight)
             candidate = None
         if candidate is not None:
             candidate_timeline = simulate(problem, candidate)
@@ -121,4 +114,10 @@ def improve_start_plan(
                 since_improvement, stalled_kinds = 0, 0
         if since_improvement == len(TAIL_WEIGHTS):
             kind, since_improvement, stalled_kinds = (kind + 1) % len(tails), 0, stalled_kinds + 1
+    logger.debug(
+        "lookahead: %d rounds, %d improved, stopped by %s",
+        result.rounds,
+        result.improved,
+        "stalling" if stalled_kinds >= len(tails) else "the deadline",
+    )
     return result
