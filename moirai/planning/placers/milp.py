@@ -65,8 +65,6 @@ WARM_START_PLACERS = {
     "m_sct": 1.1,
     "hash": 0.04,
 }
-# Start plans only an objective other than latency tries (seconds per (1,000 tasks)^1.4, 4 devices).
-OBJECTIVE_START_PLACERS = {"throughput": {"pipeline": 8.0}}
 _SIMULATE_S_PER_TASK = 4e-5
 FULL_MODEL_MAX_TASKS = 24
 STRATEGIES = ("auto", "full", "windows")
@@ -126,7 +124,7 @@ def place_milp(
             plan, info.strategy, info.stop_reason = start_plan, "full", StopReason.GAP_CLOSED
         elif whole:
             plan, timeline = _solve_whole(problem, start_plan, timeline, settings, finish_by, info, objective)
-        elif objective.name != LATENCY.name:
+        elif not objective.windows_apply:
             # Lookahead rounds and windows shorten a schedule's critical path: they serve latency only.
             if start_plan is None:
                 raise InfeasibleError("no heuristic found a placement that fits memory; add memory or devices")
@@ -172,7 +170,7 @@ def _best_heuristic(
     budget = (deadline - started) * _HEURISTIC_SHARE
     best: tuple[Plan, Timeline] | None = None
     values: dict[str, float] = {}
-    for name, cost in {**WARM_START_PLACERS, **OBJECTIVE_START_PLACERS.get(objective.name, {})}.items():
+    for name, cost in {**WARM_START_PLACERS, **objective.start_placers}.items():
         predicted = cost * (problem.num_tasks / 1000) ** 1.4 + _SIMULATE_S_PER_TASK * problem.num_tasks
         if name not in available or (best is not None and time.perf_counter() - started + predicted > budget):
             continue
@@ -313,7 +311,7 @@ def _stop_reason(solution: MilpSolution) -> StopReason:
 def _fallback(
     problem: Problem, start_plan: Plan | None, timeline: Timeline | None, objective: Objective = LATENCY
 ) -> tuple[Plan, Timeline]:
-    limit = getattr(objective, "max_latency_s", None)
+    limit = objective.latency_limit_s
     if start_plan is None and limit is not None:
         raise InfeasibleError(
             f"neither the heuristics nor the MILP found a plan within max_latency_s={limit:g} s that fits memory; "
@@ -358,10 +356,8 @@ def _with_transfer_order(problem: Problem, plan: Plan, timeline: Timeline) -> Pl
 def _horizon_s(problem: Problem, timeline: Timeline | None, objective: Objective) -> float:
     """An upper bound on the makespan of the plans worth modelling: the start plan's for latency; for another
     objective, its latency limit when it has one, else a makespan every placement can reach."""
-    if objective.name == LATENCY.name and timeline is not None:
-        return objective.value_s(timeline)
-    limit = getattr(objective, "max_latency_s", None)
-    return float(limit) if limit is not None else _serial_upper_bound(problem)
+    horizon = objective.makespan_horizon_s(timeline)
+    return float(horizon) if horizon is not None else _serial_upper_bound(problem)
 
 
 def _serial_upper_bound(problem: Problem) -> float:
