@@ -354,8 +354,8 @@ def _with_transfer_order(problem: Problem, plan: Plan, timeline: Timeline) -> Pl
 
 
 def _horizon_s(problem: Problem, timeline: Timeline | None, objective: Objective) -> float:
-    """An upper bound on the makespan of the plans worth modelling: the start plan's for latency; for another
-    objective, its latency limit when it has one, else a makespan every placement can reach."""
+    """An upper bound on the makespan of the plans worth modelling: the objective's
+    (:meth:`moirai.planning.objective.Objective.makespan_horizon_s`), else a makespan every placement can reach."""
     horizon = objective.makespan_horizon_s(timeline)
     return float(horizon) if horizon is not None else _serial_upper_bound(problem)
 

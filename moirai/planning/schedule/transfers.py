@@ -15,7 +15,7 @@ The cost rule, one place for it. A tensor ``t`` sent from device ``a`` to device
   :attr:`ImpliedTransfers.receiver`), where the runtime waits for it before the first use.
 
 The runtime's driver on device 0 adds two: a device other than 0 starts a request's first task only once the
-driver's header has come (:attr:`Problem.header_s`, a release time of the device), and a task off device 0 that
+driver's header has come (:attr:`RequestCosts.header_s`, a release time of the device), and a task off device 0 that
 makes a model output is done once that output is with the driver (:func:`output_arrival_s`). And the runtime
 itself works on each request on every device taking part, and both ends of an output's message spend CPU
 time (:func:`runtime_cpu_s`): before a device's first task and after its last, so it lengthens the period of

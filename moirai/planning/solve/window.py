@@ -28,7 +28,7 @@ class Window:
     ``fixed_finish_s``: finish of each task scheduled before the window, ``nan`` for the others.
     ``arrived_s``: ``(tensor, device) -> time`` for transfers already made before the window.
     ``device_ready_s`` / ``link_ready_s[a, b]``: when each device / directed link is free of them (a device
-    is not ready before its header, :attr:`moirai.planning.problem.Problem.header_s`).
+    is not ready before its header, :attr:`moirai.planning.costs.RequestCosts.header_s`).
     ``tail_s[f, k]``: time the plan runs on after free task ``free_tasks[f]`` finishes on ``k``.
     ``horizon_s``: an upper bound on the best objective (the current solution's).
     ``deadline_s``: a time by which every transfer of the current solution has finished.
