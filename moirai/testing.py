@@ -11,6 +11,7 @@ import networkx as nx
 import numpy as np
 
 from moirai.errors import PlanError
+from moirai.planning.costs import RequestCosts
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.simulate import simulate
 
@@ -95,11 +96,15 @@ def random_problem(
         transfer_s=transfer,
         send_cpu_s=sender,
         recv_cpu_s=receiver,
-        header_s=header,
-        output_s=output,
-        request_cpu_s=request_cpu,
-        output_send_cpu_s=output_send,
-        output_recv_cpu_s=output_recv,
+        costs=RequestCosts.build(
+            n,
+            k,
+            header_s=header,
+            output_s=output,
+            request_cpu_s=request_cpu,
+            output_send_cpu_s=output_send,
+            output_recv_cpu_s=output_recv,
+        ),
     )
 
 

@@ -92,8 +92,7 @@ def headline(problem: Problem, plan: Plan, timeline: Timeline) -> str:
     if bound is not None:
         objective = as_objective(plan.objective)
         value = objective.value_s(timeline)
-        label = "bound" if objective.name == "latency" else f"{objective.name} bound"
-        words.append(f"{label} {format_seconds(bound)}")
+        words.append(f"{objective.bound_label} {format_seconds(bound)}")
         if value > 0:
             words.append(f"gap {max(value - bound, 0.0) / value:.1%}")
     return " · ".join(words)

@@ -121,10 +121,10 @@ def test_calibrated_transfer_terms_reach_the_problem(fake_measurement: list) -> 
         assert np.all(matrix[:, 0, 0] == 0)
         assert getattr(Problem.from_dict(problem.to_dict()), label).tolist() == matrix.tolist()
     # The runtime's own work per request: the driver's on device 0, a worker's on the others.
-    assert problem.request_cpu_s.tolist() == [FAKE_REQUESTS.driver_cpu_s, FAKE_REQUESTS.worker_cpu_s]
+    assert problem.costs.request_cpu_s.tolist() == [FAKE_REQUESTS.driver_cpu_s, FAKE_REQUESTS.worker_cpu_s]
     again = Problem.from_dict(problem.to_dict())
     for label in ("request_cpu_s", "output_send_cpu_s", "output_recv_cpu_s"):
-        assert getattr(again, label).tolist() == getattr(problem, label).tolist()
+        assert getattr(again.costs, label).tolist() == getattr(problem.costs, label).tolist()
     assert fake_measurement == [("cpu", "cpu"), ("requests",)]
 
 

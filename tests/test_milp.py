@@ -87,7 +87,9 @@ def test_with_headers_and_outputs_the_milp_optimum_equals_brute_force_and_the_si
     different headers are not interchangeable."""
     for seed in range(20) if formulation == "strong" else range(6):
         problem = random_problem(seed, send_cpu_s=0.5 if seed % 2 else 0.0, header_s=2.0, output_s=2.0)
-        assert problem.header_s[1:].any() and problem.header_s[0] == 0 and problem.output_s[-1, 1:].any()
+        assert (
+            problem.costs.header_s[1:].any() and problem.costs.header_s[0] == 0 and problem.costs.output_s[-1, 1:].any()
+        )
         assert_milp_is_exact(problem, formulation, seed)
     identical = random_problem(0, num_devices=2)
     identical = replace(
@@ -96,7 +98,7 @@ def test_with_headers_and_outputs_the_milp_optimum_equals_brute_force_and_the_si
         transfer_s=np.where(np.eye(2, dtype=bool), 0.0, identical.transfer_s[:, :1, 1:2]),
     )
     assert identical_device_groups(identical) == ((0, 1),)
-    with_header = replace(identical, header_s=np.array([0.0, 0.5]))
+    with_header = identical.with_costs(header_s=np.array([0.0, 0.5]))
     assert identical_device_groups(with_header) == ()
     assert identical_device_groups(with_header, ignoring_driver=True) == ((0, 1),)
 

@@ -17,7 +17,7 @@ from moirai.planning.objective import LATENCY
 from moirai.planning.placers import MIN_SPLIT_GAIN, no_worse_than_one_device, place, specs
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.simulate import simulate
-from moirai.runtime.protocol import HEADER_FIELDS
+from moirai.runtime.header import HEADER_FIELDS
 
 LATENCY_PLACERS = [s.name for s in specs() if s.minimises]
 
@@ -97,9 +97,9 @@ def test_a_split_that_gains_less_than_the_header_it_needs_is_not_made(placer: st
     options = {"time_limit_s": 5.0} if placer == "milp" else {}
     base = fan_out_problem(0.1e-3)  # split 2/2: 1 + 20 + 1 ms plus transfers, against 42 ms on one device
     # The best split, 3/1, has b start its branch after the header: 35 + 10 + 1 ms, more than 42.
-    late = dataclasses.replace(base, header_s=np.array([0.0, 35e-3]))
+    late = base.with_costs(header_s=np.array([0.0, 35e-3]))
     assert len(set(place(late, placer, **options).placement.tolist())) == 1
-    early = dataclasses.replace(base, header_s=np.array([0.0, 5e-3]))
+    early = base.with_costs(header_s=np.array([0.0, 5e-3]))
     plan = place(early, placer, **options)
     assert len(set(plan.placement.tolist())) == 2 and plan.makespan_s < 42e-3
     assert plan.makespan_s == pytest.approx(simulate(early, plan).makespan_s)
@@ -165,7 +165,7 @@ def test_a_plan_ends_where_its_outputs_are_gathered(placer: str) -> None:
     base = fan_out_problem(0.1e-3)
     output = np.zeros((base.num_tasks, 2))
     output[base.task_index("join"), 1] = 5e-3
-    problem = dataclasses.replace(base, output_s=output, header_s=np.array([0.0, 0.05e-3]))
+    problem = base.with_costs(output_s=output, header_s=np.array([0.0, 0.05e-3]))
     plan = place(problem, placer, **options)
     assert plan.placement[problem.task_index("join")] == 0
     assert len(set(plan.placement.tolist())) == 2 and plan.makespan_s < 25e-3
@@ -199,10 +199,10 @@ def test_expensive_calibrated_links_give_a_single_device_plan(tmp_path: Path) ->
     assert np.all(compiled.problem.transfer_s[:, 0, 1] >= 50e-3)
     # The driver's header to the second device is one message of the link: its latency plus 40 bytes (the
     # calibration gives no CPU times); the model's output (16 x 64 floats), made by the last task, travels back.
-    assert compiled.problem.header_s.tolist() == pytest.approx([0.0, 50e-3 + 40 / 1e6])
+    assert compiled.problem.costs.header_s.tolist() == pytest.approx([0.0, 50e-3 + 40 / 1e6])
     last = compiled.problem.topological_order[-1]
-    assert compiled.problem.output_s[last].tolist() == pytest.approx([0.0, 50e-3 + 16 * 64 * 4 / 1e6])
-    assert not compiled.problem.output_s[compiled.problem.topological_order[0]].any()
+    assert compiled.problem.costs.output_s[last].tolist() == pytest.approx([0.0, 50e-3 + 16 * 64 * 4 / 1e6])
+    assert not compiled.problem.costs.output_s[compiled.problem.topological_order[0]].any()
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
 
@@ -213,11 +213,11 @@ def test_the_driver_messages_cost_what_the_calibration_says_a_message_costs(tmp_
     write_calibration(path, {"cpu->cpu": TransferCost(1e-3, 1e9, 2e-4, 0.0, 3e-4, 0.0)}, RequestCost(1e-4, 2e-5))
     x = torch.randn(16, 64)
     problem = moirai.compile(TwoBranches().eval(), ["cpu", "cpu"], (x,), placer="heft", calibration=path).problem
-    assert problem.header_s.tolist() == pytest.approx([0.0, 1e-3 + 40 / 1e9 + 3e-4])
-    assert problem.request_cpu_s.tolist() == [1e-4, 2e-5]
+    assert problem.costs.header_s.tolist() == pytest.approx([0.0, 1e-3 + 40 / 1e9 + 3e-4])
+    assert problem.costs.request_cpu_s.tolist() == [1e-4, 2e-5]
     last = problem.topological_order[-1]
-    assert problem.output_s[last].tolist() == pytest.approx([0.0, 2e-4 + 1e-3 + 16 * 64 * 4 / 1e9 + 3e-4])
+    assert problem.costs.output_s[last].tolist() == pytest.approx([0.0, 2e-4 + 1e-3 + 16 * 64 * 4 / 1e9 + 3e-4])
     # For the period, the same message's CPU times: the sender's on the maker's device, the receiver's on device 0.
-    assert problem.output_send_cpu_s[last].tolist() == pytest.approx([0.0, 2e-4])
-    assert problem.output_recv_cpu_s[last].tolist() == pytest.approx([0.0, 3e-4])
-    assert HEADER_BYTES == 8 * HEADER_FIELDS  # the runtime's header: that many int64
+    assert problem.costs.output_send_cpu_s[last].tolist() == pytest.approx([0.0, 2e-4])
+    assert problem.costs.output_recv_cpu_s[last].tolist() == pytest.approx([0.0, 3e-4])
+    assert HEADER_BYTES == 8 * len(HEADER_FIELDS)  # the runtime's header: that many int64

@@ -120,7 +120,7 @@ def test_a_device_starts_a_request_when_its_header_has_come():
     assert simulate(problem, place(problem, {"a": 1, "b": 0})).task_start.tolist() == [0.75, 0.0]
     builder = ScheduleBuilder(problem)
     assert builder.book_inputs(problem.task_index("b"), 1).ready_s == 0.75  # the list schedulers wait for it too
-    assert Problem.from_dict(problem.to_dict()).header_s.tolist() == [0.0, 0.75]
+    assert Problem.from_dict(problem.to_dict()).costs.header_s.tolist() == [0.0, 0.75]
 
 
 def test_a_request_is_done_when_its_outputs_are_with_the_driver():
@@ -137,7 +137,7 @@ def test_a_request_is_done_when_its_outputs_are_with_the_driver():
     assert simulate(problem, place(problem, {"a": 1, "b": 0})).makespan_s == 2.0
     late = simulate(problem, place(problem, {"a": 1, "b": 1}, order={1: ["b", "a"]}))
     assert late.task_finish.tolist() == [3.0, 2.0] and late.makespan_s == 3.5
-    assert Problem.from_dict(problem.to_dict()).output_s.tolist() == [[0.0, 0.5], [0.0, 0.0]]
+    assert Problem.from_dict(problem.to_dict()).costs.output_s.tolist() == [[0.0, 0.5], [0.0, 0.0]]
 
 
 def test_same_device_chain_sends_nothing():

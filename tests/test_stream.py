@@ -1,7 +1,5 @@
 """A stream of requests pipelined through a plan: the simulator on an unrolled problem."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -45,13 +43,13 @@ def test_two_stage_pipeline_reaches_the_busiest_device_period() -> None:
 
 
 def test_the_runtimes_work_per_request_sets_the_pace_of_the_device_it_falls_on() -> None:
-    problem = dataclasses.replace(chain_problem(), request_cpu_s=np.array([0.004, 0.002]))
+    problem = chain_problem().with_costs(request_cpu_s=np.array([0.004, 0.002]))
     plan = moirai.Plan(np.array([0, 0, 1, 1]), problem.device_names)
     one = moirai.simulate(problem, plan)
     assert one.period_s == pytest.approx(0.024)  # device a: 0.02 of layers, 0.004 of the driver's work
     stream = simulate_stream(problem, plan, 12)
     assert stream.period_s == pytest.approx(0.024, rel=1e-6)
-    assert stream.problem.request_cpu_s.tolist() == [0.0, 0.0]  # folded into each request's first task, once
+    assert stream.problem.costs.request_cpu_s.tolist() == [0.0, 0.0]  # folded into each request's first task, once
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import numpy as np
@@ -53,7 +52,7 @@ def test_period_is_the_busiest_device_or_link_per_request():
 
 
 def test_the_runtimes_work_per_request_counts_on_every_device_taking_part_and_always_on_the_driver():
-    problem = dataclasses.replace(chain([[1.0, 1.0], [2.0, 2.0], [1.0, 1.0]]), request_cpu_s=np.array([0.25, 0.5]))
+    problem = chain([[1.0, 1.0], [2.0, 2.0], [1.0, 1.0]]).with_costs(request_cpu_s=np.array([0.25, 0.5]))
     split = simulate(problem, Plan(np.array([0, 1, 1]), problem.device_names))
     assert split.runtime_cpu_s.tolist() == [0.25, 0.5]
     assert split.period_s == 3.5  # device 1: 3.0 of tasks and 0.5 of the runtime's work
@@ -62,10 +61,9 @@ def test_the_runtimes_work_per_request_counts_on_every_device_taking_part_and_al
     assert on_one.runtime_cpu_s.tolist() == [0.25, 0.5]  # device 0 drives, though it runs nothing
     on_zero = simulate(problem, Plan(np.array([0, 0, 0]), problem.device_names))
     assert on_zero.runtime_cpu_s.tolist() == [0.25, 0.0] and on_zero.period_s == 4.25
-    assert Throughput().lower_bound_s(dataclasses.replace(problem, request_cpu_s=np.array([9.0, 0.0]))) == 9.0
+    assert Throughput().lower_bound_s(problem.with_costs(request_cpu_s=np.array([9.0, 0.0]))) == 9.0
     # The last task's output sent from device 1 to the driver: its send on device 1, its receive on device 0.
-    with_output = dataclasses.replace(
-        problem,
+    with_output = problem.with_costs(
         output_send_cpu_s=np.array([[0.0, 0.0], [0.0, 0.0], [0.0, 0.125]]),
         output_recv_cpu_s=np.array([[0.0, 0.0], [0.0, 0.0], [0.0, 0.375]]),
     )
@@ -134,7 +132,7 @@ def test_pipeline_stages_are_contiguous_and_balance_a_chain():
 
 
 def test_pipeline_stages_carry_the_runtimes_work_per_request():
-    problem = dataclasses.replace(chain([[1.0, 1.0]] * 6), request_cpu_s=np.array([2.0, 0.5]))
+    problem = chain([[1.0, 1.0]] * 6).with_costs(request_cpu_s=np.array([2.0, 0.5]))
     plan = get_placer("pipeline")(problem)
     assert sorted(np.bincount(plan.placement, minlength=2).tolist()) == [2, 4]  # 2 + 2 on the driver, 4 + 0.5
     assert simulate(problem, plan).period_s == plan.report.notes["dp_period_s"] == best_period_s(problem) == 4.5

@@ -59,6 +59,7 @@ from rich.table import Table
 from moirai.cluster.devices import Cluster, Device, Link
 from moirai.cluster.kinds import kind_for_backend, kind_of
 from moirai.errors import ClusterError, DistributedError
+from moirai.planning.costs import RequestCosts
 
 try:
     import fcntl
@@ -216,9 +217,12 @@ def measure_request_cost(link: TransferCost, requests: int = _REQUESTS, timeout_
         booked = [layer_s, layer_s]
         booked[first] += link.sender_cpu_time_s(report["activation_bytes"])
         booked[second] += link.receiver_cpu_time_s(report["activation_bytes"])
-        if second != 0:  # the output, made on rank 1, is a message to the driver, booked as such (runtime_cpu_s)
-            booked[second] += link.sender_cpu_time_s(report["output_bytes"])
-            booked[0] += link.receiver_cpu_time_s(report["output_bytes"])
+        # The second layer makes the output: off rank 0, a message to the driver, charged as the model charges it.
+        send, receive = link.sender_cpu_time_s(report["output_bytes"]), link.receiver_cpu_time_s(report["output_bytes"])
+        output = RequestCosts.build(
+            2, 2, output_send_cpu_s=[[0, 0], [0, send]], output_recv_cpu_s=[[0, 0], [0, receive]]
+        )
+        booked = (np.array(booked) + output.charges.device_s(np.array([first, second]))).tolist()
         own.append([max(cpu - b, 0.0) for cpu, b in zip(way["cpu_s"], booked, strict=True)])
     driver, worker = np.mean(own, axis=0).tolist()
     return RequestCost(driver, worker)

@@ -68,12 +68,13 @@ from moirai.cluster.kinds import kind_of
 from moirai.errors import ClusterError
 from moirai.frontend.graph import OpGraph, model_output_bytes
 from moirai.frontend.trace import TracedModel
+from moirai.planning.costs import RequestCosts
 from moirai.planning.problem import Problem
 from moirai.progress import stage
+from moirai.runtime.header import HEADER_BYTES  # the runtime's header layout prices it
 
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
 _EMPTY_SPANS = 4  # spans with no op in profiling runs, to time the clock itself
-HEADER_BYTES = 40  # the runtime's request header: five int64 (moirai.runtime.protocol)
 
 
 @stage("cost")
@@ -133,11 +134,15 @@ def build_problem(
         tensor_bytes=sizes_array,
         send_cpu_s=send_cpu_s(sizes_array, cluster),
         recv_cpu_s=recv_cpu_s(sizes_array, cluster),
-        header_s=header_s(cluster),
-        output_s=outputs.delay_s,
-        output_send_cpu_s=outputs.send_cpu_s,
-        output_recv_cpu_s=outputs.recv_cpu_s,
-        request_cpu_s=cluster.request_cpu_s,
+        costs=RequestCosts.build(
+            len(graph.nodes),
+            len(cluster),
+            header_s=header_s(cluster),
+            output_s=outputs.delay_s,
+            output_send_cpu_s=outputs.send_cpu_s,
+            output_recv_cpu_s=outputs.recv_cpu_s,
+            request_cpu_s=cluster.request_cpu_s,
+        ),
     )
 
 

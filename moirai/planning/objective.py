@@ -2,12 +2,17 @@
 
 An :class:`Objective` judges a simulated :class:`~moirai.planning.simulate.Timeline` and bounds the best
 value any plan could reach. :func:`moirai.place`, the milp placer's choice among its start plans,
-the lookahead rounds and the window search all compare plans through it, and the MILP builds its
-objective rows from its :attr:`Objective.name` (:mod:`moirai.planning.solve.model`).
+the lookahead rounds and the window search all compare plans through it, and it carries everything else its
+callers need, so that none of them asks which objective it is (its start plans are the placers whose spec
+serves it): whether the critical-path searches serve it (:attr:`Objective.windows_apply`),
+its latency limit (:attr:`Objective.latency_limit_s`), the makespan its MILP may assume
+(:meth:`Objective.makespan_horizon_s`), its MILP rows, variable and warm-start value
+(:meth:`Objective.milp_rows`, a :class:`moirai.planning.solve.model.MilpRows`) and how a report names its bound
+(:attr:`Objective.bound_label`).
 
 :class:`Latency` minimises the time of one request; :class:`Throughput` the steady-state period of a
 stream of pipelined requests (the busiest device or link per request), optionally under ``max_latency_s``.
-Another objective is one more subclass here plus its rows in the MILP.
+Another objective is one more subclass here plus its rows in the MILP (:mod:`moirai.planning.solve.model`).
 """
 
 from __future__ import annotations
@@ -21,12 +26,29 @@ from moirai.errors import MoiraiError
 if TYPE_CHECKING:
     from moirai.planning.problem import Problem
     from moirai.planning.simulate import Timeline
+    from moirai.planning.solve.model import MilpRows
 
 
 class Objective(ABC):
     """A figure of merit of a plan, in seconds; smaller is better."""
 
     name: ClassVar[str]
+    bound_label: ClassVar[str]  # how a report names this objective's lower bound
+    # Whether lookahead rounds and the window search, which shorten a schedule's critical path, serve it.
+    windows_apply: ClassVar[bool] = False
+
+    @property
+    def latency_limit_s(self) -> float | None:
+        """The longest one request may take in an acceptable plan (None: no limit)."""
+        return None
+
+    def makespan_horizon_s(self, start: Timeline | None) -> float | None:
+        """A makespan the plans worth modelling stay within, given the best start plan (None: none known)."""
+        return self.latency_limit_s
+
+    def milp_rows(self) -> MilpRows:
+        """Its rows, minimised variable and warm-start value in the MILP."""
+        raise MoiraiError(f"the MILP has no rows for objective {self.name!r}; it models 'latency' and 'throughput'")
 
     @abstractmethod
     def value_s(self, timeline: Timeline) -> float:
@@ -54,9 +76,19 @@ class Latency(Objective):
     """The time one request takes through the plan: the simulated makespan."""
 
     name: ClassVar[str] = "latency"
+    bound_label: ClassVar[str] = "bound"
+    windows_apply: ClassVar[bool] = True
 
     def value_s(self, timeline: Timeline) -> float:
         return timeline.makespan_s
+
+    def makespan_horizon_s(self, start: Timeline | None) -> float | None:
+        return None if start is None else self.value_s(start)
+
+    def milp_rows(self) -> MilpRows:
+        from moirai.planning.solve.model import LATENCY_ROWS
+
+        return LATENCY_ROWS
 
     def lower_bound_s(self, problem: Problem) -> float:
         from moirai.planning.bounds import lower_bound
@@ -71,10 +103,20 @@ class Throughput(Objective):
     exceeds ``max_latency_s`` is not acceptable."""
 
     name: ClassVar[str] = "throughput"
+    bound_label: ClassVar[str] = "throughput bound"
     max_latency_s: float | None = None
+
+    @property
+    def latency_limit_s(self) -> float | None:
+        return self.max_latency_s
 
     def value_s(self, timeline: Timeline) -> float:
         return timeline.period_s
+
+    def milp_rows(self) -> MilpRows:
+        from moirai.planning.solve.model import THROUGHPUT_ROWS
+
+        return THROUGHPUT_ROWS
 
     def acceptable(self, timeline: Timeline) -> bool:
         latency_ok = self.max_latency_s is None or timeline.makespan_s <= self.max_latency_s * (1 + 1e-9)
@@ -85,7 +127,7 @@ class Throughput(Objective):
         # driver on device 0 works on every request.
         from moirai.planning.bounds import lower_bounds
 
-        return max(lower_bounds(problem).load_s, float(problem.request_cpu_s[0]))
+        return max(lower_bounds(problem).load_s, problem.costs.charges.driver_floor_s())
 
 
 LATENCY = Latency()

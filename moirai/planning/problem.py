@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ import networkx as nx
 import numpy as np
 
 from moirai.errors import PlanError, ProblemError
+from moirai.planning.costs import RequestCosts
 from moirai.planning.report import PlacerReport
 
 
@@ -41,18 +42,10 @@ class Problem:
     ``send_cpu_s[t, a, b]``: time sending tensor ``t`` to ``b`` keeps device ``a`` itself busy, and
     ``recv_cpu_s[t, a, b]`` the time receiving it keeps device ``b`` busy (default 0; see
     :mod:`moirai.planning.schedule.transfers` for how a schedule books them).
-    ``header_s[k]``: how long after a request starts device ``k`` can start its first task: until the header
-    the runtime's driver, on device 0, sends every other device with work has come and been taken in
-    (default 0).
-    ``output_s[i, k]``: how long after task ``i`` finishes on device ``k`` the model's outputs it makes are
-    with the driver on device 0 (their send, transfer and receive; 0 on device 0 and for tasks that make no
-    output).
-    ``output_send_cpu_s[i, k]`` and ``output_recv_cpu_s[i, k]``: the CPU time that message (the model outputs
-    task ``i`` makes on device ``k``, sent to device 0) takes from device ``k`` and from device 0.
-    ``request_cpu_s[k]``: the runtime's own work per request on device ``k`` beyond its tasks and messages (on
-    device 0 the driver's: taking the request, its headers, settling its future), charged to every device with
-    work and always to device 0. Both limit the period of pipelined requests, not one request's latency
-    (:func:`moirai.planning.schedule.runtime_cpu_s`; default 0).
+    ``costs``: what a request costs beyond its tasks and tensors, the runtime's headers, output messages and own
+    work (:class:`moirai.planning.costs.RequestCosts`; default 0). They delay when devices start and when a
+    request is done, and their CPU time limits the period of pipelined requests, not one request's latency
+    (:func:`moirai.planning.schedule.runtime_cpu_s`).
     """
 
     device_names: tuple[str, ...]
@@ -67,11 +60,7 @@ class Problem:
     tensor_bytes: np.ndarray = field(default=None)  # type: ignore[assignment]
     send_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
     recv_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
-    header_s: np.ndarray = field(default=None)  # type: ignore[assignment]
-    output_s: np.ndarray = field(default=None)  # type: ignore[assignment]
-    output_send_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
-    output_recv_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
-    request_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
+    costs: RequestCosts = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         n, k, t = len(self.task_names), len(self.device_names), len(self.tensor_names)
@@ -87,15 +76,8 @@ class Problem:
             object.__setattr__(
                 self, label, (np.zeros((t, k, k)) if value is None else np.asarray(value, float)).reshape(t, k, k)
             )
-        header = np.zeros(k) if self.header_s is None else np.asarray(self.header_s, float)
-        object.__setattr__(self, "header_s", header.reshape(k))
-        for label in ("output_s", "output_send_cpu_s", "output_recv_cpu_s"):
-            value = getattr(self, label)
-            object.__setattr__(
-                self, label, (np.zeros((n, k)) if value is None else np.asarray(value, float)).reshape(n, k)
-            )
-        request_cpu = np.zeros(k) if self.request_cpu_s is None else np.asarray(self.request_cpu_s, float)
-        object.__setattr__(self, "request_cpu_s", request_cpu.reshape(k))
+        if self.costs is None:
+            object.__setattr__(self, "costs", RequestCosts.zeros(n, k))
         self._validate()
 
     def _validate(self) -> None:
@@ -115,17 +97,12 @@ class Problem:
             value = getattr(self, label)
             if not np.all(np.isfinite(value)) or np.any(value < 0):
                 raise ProblemError(f"{label} ({whose} time per transfer) must be non-negative finite numbers")
-        if not np.all(np.isfinite(self.header_s)) or np.any(self.header_s < 0):
-            raise ProblemError("header_s (when each device can start a request) must be non-negative finite numbers")
-        for label in ("output_s", "output_send_cpu_s", "output_recv_cpu_s"):
-            value = getattr(self, label)
-            if not np.all(np.isfinite(value)) or np.any(value < 0):
-                raise ProblemError(
-                    f"{label} (sending a task's outputs to device 0) must be non-negative finite numbers"
-                )
-        if not np.all(np.isfinite(self.request_cpu_s)) or np.any(self.request_cpu_s < 0):
+        if not isinstance(self.costs, RequestCosts):
+            raise ProblemError(f"costs must be a RequestCosts, got {type(self.costs).__name__}")
+        if (self.costs.num_tasks, self.costs.num_devices) != (self.num_tasks, self.num_devices):
             raise ProblemError(
-                "request_cpu_s (the runtime's own work per request on each device) must be non-negative finite numbers"
+                f"costs are for {self.costs.num_tasks} tasks on {self.costs.num_devices} devices, the problem has "
+                f"{self.num_tasks} on {self.num_devices}; build them with RequestCosts.build(num_tasks, num_devices)"
             )
         for t, consumers in enumerate(self.tensor_consumers):
             producer = int(self.tensor_producer[t])
@@ -137,6 +114,10 @@ class Problem:
             cycle = nx.find_cycle(self.graph)
             names = " -> ".join(self.task_names[u] for u, _ in cycle)
             raise ProblemError(f"the task graph has a cycle ({names}); placement needs a DAG")
+
+    def with_costs(self, **seconds: Any) -> Problem:
+        """This problem with some per-request costs replaced (arrays by :class:`RequestCosts` field name)."""
+        return replace(self, costs=self.costs.replace(**seconds))
 
     @property
     def num_tasks(self) -> int:
@@ -368,33 +349,20 @@ class Problem:
             tensor_bytes=np.array(sizes),
             send_cpu_s=np.array(send_cpu).reshape(len(names), k, k),
             recv_cpu_s=np.array(recv_cpu).reshape(len(names), k, k),
-            header_s=np.array([float(dev.get("header_s", 0.0)) for dev in devices]),
-            request_cpu_s=np.array([float(dev.get("request_cpu_s", 0.0)) for dev in devices]),
-            **{
-                label: np.array([task.get(label, [0.0] * k) for task in tasks], float).reshape(len(tasks), k)
-                for label in ("output_s", "output_send_cpu_s", "output_recv_cpu_s")
-            },
+            costs=RequestCosts.from_dict(d.get("request_costs"), devices, tasks),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "devices": [
-                {"name": name, "memory_bytes": float(cap), "header_s": float(header), "request_cpu_s": float(request)}
-                for name, cap, header, request in zip(
-                    self.device_names, self.memory_capacity_bytes, self.header_s, self.request_cpu_s, strict=True
-                )
+                {"name": name, "memory_bytes": float(cap)}
+                for name, cap in zip(self.device_names, self.memory_capacity_bytes, strict=True)
             ],
             "tasks": [
-                {
-                    "name": name,
-                    "compute_s": self.compute_s[i].tolist(),
-                    "memory_bytes": float(self.memory_bytes[i]),
-                    "output_s": self.output_s[i].tolist(),
-                    "output_send_cpu_s": self.output_send_cpu_s[i].tolist(),
-                    "output_recv_cpu_s": self.output_recv_cpu_s[i].tolist(),
-                }
+                {"name": name, "compute_s": self.compute_s[i].tolist(), "memory_bytes": float(self.memory_bytes[i])}
                 for i, name in enumerate(self.task_names)
             ],
+            "request_costs": self.costs.to_dict(),
             "edges": [
                 {
                     "src": self.task_names[int(self.tensor_producer[t])],

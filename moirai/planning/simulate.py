@@ -179,7 +179,7 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
     _check_runnable(problem, placement, duration_array, transfers)
     duration = duration_array.tolist()
     device_of = placement.tolist()
-    release = problem.header_s.tolist()
+    release = problem.costs.header_s.tolist()
     inputs_needed = transfers.inputs_needed
     local_consumers, by_producer = transfers.local_consumers, transfers.by_producer
     transfer_duration, transfer_consumers = transfers.duration, transfers.consumers

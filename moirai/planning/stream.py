@@ -80,8 +80,7 @@ def unroll(problem: Problem, plan: Plan, num_requests: int) -> tuple[Problem, Pl
         tensor_bytes=np.tile(problem.tensor_bytes, num_requests),
         send_cpu_s=np.tile(problem.send_cpu_s, (num_requests, 1, 1)),
         recv_cpu_s=np.tile(problem.recv_cpu_s, (num_requests, 1, 1)),
-        header_s=problem.header_s,  # the driver sends later requests' headers ahead: only the first one waits
-        output_s=np.tile(problem.output_s, (num_requests, 1)),
+        costs=problem.costs.for_stream(num_requests),
     )
     unrolled_plan = Plan(
         placement=np.tile(plan.placement, num_requests),

@@ -31,11 +31,12 @@ from moirai.errors import PlanError
 from moirai.frontend.trace import TensorSpec
 from moirai.runtime.blame import PeerFailure
 from moirai.runtime.groups import Group, placed_part
+from moirai.runtime.header import HEADER_DTYPE, HEADER_FIELDS
 from moirai.runtime.split import SplitProgram, concrete_shape, symbol_values
 
-# Header kinds; a header's fields are its kind, program id, payload bytes, request index, time limit in ms.
+# Header kinds; a header's fields are listed in moirai.runtime.header.
 RUN, LOAD, HEARTBEAT, CLOSE = 1, 2, 3, 4
-HEADER_FIELDS = 5
+_HEADER_DTYPE = getattr(torch, HEADER_DTYPE)
 # Tag = request index modulo a window, then the message's position in the request (0 header, 1 payload).
 _TAG_BITS = 20
 _TAG_WINDOW = 2048
@@ -260,9 +261,16 @@ class Header:
 
 def send_header(group: Group, sequence: int, dst: int, header: Header, timeout: datetime.timedelta) -> Messages:
     """Send ``header`` as rank ``dst``'s message number ``sequence``; wait for the returned messages' sends."""
-    fields = [header.kind, header.program_id, len(header.payload), header.request, header.timeout_ms]
+    values = {
+        "kind": header.kind,
+        "program_id": header.program_id,
+        "payload_bytes": len(header.payload),
+        "request": header.request,
+        "timeout_ms": header.timeout_ms,
+    }
+    fields = [values[name] for name in HEADER_FIELDS]
     control = Messages(group, sequence, timeout)
-    control.send(torch.tensor(fields, dtype=torch.int64), dst, 0, "a request header")
+    control.send(torch.tensor(fields, dtype=_HEADER_DTYPE), dst, 0, "a request header")
     if header.payload:
         control.send(torch.frombuffer(bytearray(header.payload), dtype=torch.uint8), dst, 1, "a request's payload")
     return control
@@ -270,10 +278,11 @@ def send_header(group: Group, sequence: int, dst: int, header: Header, timeout: 
 
 def receive_header(group: Group, sequence: int, timeout: datetime.timedelta) -> Header:
     control = Messages(group, sequence, timeout)
-    fields = control.wait_recv(control.post_recv((HEADER_FIELDS,), torch.int64, 0, 0, "the next request's header"))
-    kind, program_id, payload_bytes, request, timeout_ms = fields.tolist()
+    received = control.wait_recv(control.post_recv((len(HEADER_FIELDS),), _HEADER_DTYPE, 0, 0, "a request's header"))
+    values = dict(zip(HEADER_FIELDS, received.tolist(), strict=True))
+    payload_bytes = values["payload_bytes"]
     payload = b""
     if payload_bytes:
         received = control.wait_recv(control.post_recv((payload_bytes,), torch.uint8, 0, 1, "a request's payload"))
         payload = received.numpy().tobytes()
-    return Header(kind, program_id, request, timeout_ms, payload)
+    return Header(values["kind"], values["program_id"], values["request"], values["timeout_ms"], payload)

@@ -174,7 +174,7 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
     * Devices that differ only in the header the driver sends them: the plan that relabels the device of the
       last task as the first device (rank 0, which drives every request and gathers the outputs) replaces
       ``plan`` unless the model predicts it worse. The model charges outputs sent back to rank 0
-      (:attr:`Problem.output_s`) and headers; where they tie (no outputs, no headers), ending on rank 0 saves
+      (:attr:`RequestCosts.output_s`) and headers; where they tie (no outputs, no headers), ending on rank 0 saves
       the driver a receive ([Note: end on rank 0] in docs/design.md).
     * A plan that puts every task on one device runs them in the graph's own order: on one device the order
       changes no prediction, and the traced order is the one eager runs ([Note: one device, traced order]).

@@ -108,7 +108,7 @@ def place_milp(
             plan, info.strategy, info.stop_reason = start_plan, "full", StopReason.GAP_CLOSED
         elif whole:
             plan, timeline = _solve_whole(problem, start_plan, timeline, settings, finish_by, info, objective)
-        elif objective.name != LATENCY.name:
+        elif not objective.windows_apply:
             # Lookahead rounds and windows shorten a schedule's critical path: they serve latency only.
             if start_plan is None:
                 raise InfeasibleError("no heuristic found a placement that fits memory; add memory or devices")
@@ -310,7 +310,7 @@ def _stop_reason(solution: MilpSolution) -> StopReason:
 def _fallback(
     problem: Problem, start_plan: Plan | None, timeline: Timeline | None, objective: Objective = LATENCY
 ) -> tuple[Plan, Timeline]:
-    limit = getattr(objective, "max_latency_s", None)
+    limit = objective.latency_limit_s
     if start_plan is None and limit is not None:
         raise InfeasibleError(
             f"neither the heuristics nor the MILP found a plan within max_latency_s={limit:g} s that fits memory; "
@@ -353,12 +353,10 @@ def _with_transfer_order(problem: Problem, plan: Plan, timeline: Timeline) -> Pl
 
 
 def _horizon_s(problem: Problem, timeline: Timeline | None, objective: Objective) -> float:
-    """An upper bound on the makespan of the plans worth modelling: the start plan's for latency; for another
-    objective, its latency limit when it has one, else a makespan every placement can reach."""
-    if objective.name == LATENCY.name and timeline is not None:
-        return objective.value_s(timeline)
-    limit = getattr(objective, "max_latency_s", None)
-    return float(limit) if limit is not None else _serial_upper_bound(problem)
+    """An upper bound on the makespan of the plans worth modelling: the objective's
+    (:meth:`moirai.planning.objective.Objective.makespan_horizon_s`), else a makespan every placement can reach."""
+    horizon = objective.makespan_horizon_s(timeline)
+    return float(horizon) if horizon is not None else _serial_upper_bound(problem)
 
 
 def _serial_upper_bound(problem: Problem) -> float:

@@ -204,12 +204,7 @@ def merge_tasks(problem: Problem, groups: Sequence[Sequence[int]]) -> Problem:
         tensor_bytes=np.array([problem.tensor_bytes[ts].sum() for ts in crossing.values()]),
         send_cpu_s=np.array([problem.send_cpu_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
         recv_cpu_s=np.array([problem.recv_cpu_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
-        header_s=problem.header_s,
-        **{
-            label: np.array([getattr(problem, label)[list(m)].sum(axis=0) for m in groups]).reshape(-1, k)
-            for label in ("output_s", "output_send_cpu_s", "output_recv_cpu_s")
-        },
-        request_cpu_s=problem.request_cpu_s,
+        costs=problem.costs.merge(groups),
     )
 
 

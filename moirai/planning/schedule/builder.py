@@ -96,7 +96,7 @@ class ScheduleBuilder:
         self._compute = problem.compute_s.tolist()
         self._memory = problem.memory_bytes.tolist()
         self._capacity = problem.memory_capacity_bytes.tolist()
-        self._header_s = problem.header_s.tolist()
+        self._header_s = problem.costs.header_s.tolist()
 
     def fits(self, task: int, device: int) -> bool:
         """Whether ``task`` can run on ``device`` and its memory still fits next to the tasks booked there."""

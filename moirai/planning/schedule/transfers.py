@@ -15,7 +15,7 @@ The cost rule, one place for it. A tensor ``t`` sent from device ``a`` to device
   :attr:`ImpliedTransfers.receiver`), where the runtime waits for it before the first use.
 
 The runtime's driver on device 0 adds two: a device other than 0 starts a request's first task only once the
-driver's header has come (:attr:`Problem.header_s`, a release time of the device), and a task off device 0 that
+driver's header has come (:attr:`RequestCosts.header_s`, a release time of the device), and a task off device 0 that
 makes a model output is done once that output is with the driver (:func:`output_arrival_s`). And the runtime
 itself works on each request on every device taking part, and both ends of an output's message spend CPU
 time (:func:`runtime_cpu_s`): before a device's first task and after its last, so it lengthens the period of
@@ -76,24 +76,16 @@ def task_duration_s(problem: Problem, placement: np.ndarray, transfers: ImpliedT
 
 def output_arrival_s(problem: Problem, placement: np.ndarray, task_finish_s: np.ndarray) -> np.ndarray:
     """When each task's work for the request is done: its finish plus, off device 0, the transfer of the model's
-    outputs it makes to the driver there (:attr:`Problem.output_s`); a request is done when every task's is."""
-    return np.asarray(task_finish_s, float) + problem.output_s[np.arange(problem.num_tasks), placement]
+    outputs it makes to the driver there (:attr:`RequestCosts.output_s`); a request is done when every task's is."""
+    return np.asarray(task_finish_s, float) + problem.costs.output_s[np.arange(problem.num_tasks), placement]
 
 
 def runtime_cpu_s(problem: Problem, placement: np.ndarray) -> np.ndarray:
     """``[k]``: the CPU time per request each device spends under ``placement`` outside its tasks and their
-    transfers: the runtime's own work (:attr:`Problem.request_cpu_s`) on every device with a task and on device 0,
-    whose driver takes every request, and both ends of the model outputs' messages to device 0
-    (:attr:`Problem.output_send_cpu_s` on their maker's device, :attr:`Problem.output_recv_cpu_s` on device 0)."""
-    placement = np.asarray(placement, int)
-    k = problem.num_devices
-    taking_part = np.bincount(placement, minlength=k) > 0
-    taking_part[0] = True
-    tasks = np.arange(problem.num_tasks)
-    seconds = np.where(taking_part, problem.request_cpu_s, 0.0)
-    seconds += np.bincount(placement, weights=problem.output_send_cpu_s[tasks, placement], minlength=k)
-    seconds[0] += problem.output_recv_cpu_s[tasks, placement].sum()
-    return seconds
+    transfers: the runtime's own work on every device with a task and on device 0, whose driver takes every
+    request, and both ends of the model outputs' messages to device 0, as the terms of
+    :data:`moirai.planning.costs.PERIOD_TERMS` charge them (:attr:`moirai.planning.costs.RequestCosts.charges`)."""
+    return problem.costs.charges.device_s(placement)
 
 
 def send_priority(ready_s: float, tensor: int) -> tuple[float, int]:

@@ -44,7 +44,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pyomo.environ as pyo
@@ -64,6 +64,11 @@ from moirai.planning.solve.window import (
     time_windows,
     transfer_pair_kinds,
 )
+
+if TYPE_CHECKING:
+    from pyomo.common.collections import ComponentMap
+
+    from moirai.planning.simulate import Timeline
 
 FORMULATIONS = ("strong", "paper")
 MODEL_TIME_SCALE = 1000.0  # the horizon, in model time units
@@ -93,6 +98,7 @@ class MilpModel:
     transfer_pairs: dict[tuple[tuple[int, int], tuple[int, int]], str]
     symmetric_groups: tuple[tuple[int, ...], ...]
     objective_var: Any = None  # the variable minimised: T (latency) or P (period), in model units
+    rows: MilpRows | None = None  # the objective's rows, which also warm-start its own variables
     size: ModelSize | None = None
 
 
@@ -137,11 +143,9 @@ def build_model(
     """
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
-    if objective.name not in MILP_OBJECTIVES:
-        raise MoiraiError(f"the MILP has no rows for objective {objective.name!r}; it models {sorted(MILP_OBJECTIVES)}")
+    rows = objective.milp_rows()
     started = time.perf_counter()
     c = _bounded_model(problem, window, formulation)
-    rows = MILP_OBJECTIVES[objective.name]
     _transfer_variables(c)
     _assignment_and_memory_rows(c)
     _precedence_rows(c)
@@ -157,7 +161,7 @@ def build_model(
             symmetric_groups = identical_device_groups(problem)
             _symmetry_rows(c, symmetric_groups)
     m = c.m
-    objective_var = m.P if hasattr(m, "P") else m.T
+    objective_var = rows.variable(m)
     m.objective = pyo.Objective(expr=objective_var, sense=pyo.minimize)
     built = MilpModel(
         problem=problem,
@@ -170,6 +174,7 @@ def build_model(
         transfer_pairs=transfer_pairs,
         symmetric_groups=symmetric_groups,
         objective_var=objective_var,
+        rows=rows,
     )
     delta_pairs = sum(kind == "delta" for kind in device_pairs.values())
     link_delta_pairs = sum(kind == "delta" for kind in transfer_pairs.values())
@@ -357,7 +362,8 @@ def _latency_rows(c: _Model, objective: Objective | None = None) -> None:
     the model outputs it makes to device 0 (:func:`moirai.planning.schedule.output_arrival_s`)."""
     for f, i in enumerate(c.free):
         c.add(c.m.T >= c.finish[i] + sum(c.scaled(c.window.tail_s[f, k]) * c.m.x[i, k] for k in c.allowed[i]))
-        output = {k: c.scaled(c.problem.output_s[i, k]) for k in c.allowed[i] if c.problem.output_s[i, k] > 0}
+        output_s = c.problem.costs.output_s
+        output = {k: c.scaled(output_s[i, k]) for k in c.allowed[i] if output_s[i, k] > 0}
         if output:
             c.add(c.m.T >= c.finish[i] + sum(seconds * c.m.x[i, k] for k, seconds in output.items()))
 
@@ -387,11 +393,10 @@ def _period_rows(c: _Model, objective: Objective) -> None:
     m = c.m
     m.P = pyo.Var(bounds=(0.0, MODEL_TIME_SCALE))  # a period never exceeds the latency, nor that the horizon
     problem = c.problem
-    runtime_s = problem.request_cpu_s
-    # The rule of runtime_cpu_s: u[k] = 1 when device k has a task, and the runtime's own work per request
-    # falls on it (device 0's driver works on every request); an output's message costs its maker's device
-    # and device 0.
-    charged = [k for k in range(1, problem.num_devices) if runtime_s[k] > 0]
+    # The simulator's charges (RequestCosts.charges, the sum of every term of PERIOD_TERMS), linear in x and in
+    # u[k] = 1 when device k has a task.
+    charges = problem.costs.charges
+    charged = [k for k in range(problem.num_devices) if charges.taking_part_s[k] > 0]
     m.u = pyo.Var(charged, domain=pyo.Binary)
     for k in charged:
         for i in c.free:
@@ -399,11 +404,14 @@ def _period_rows(c: _Model, objective: Objective) -> None:
                 c.add(m.u[k] >= m.x[i, k])
     for k in range(problem.num_devices):
         users = [i for i in c.free if k in c.allowed[i]]
-        runtime = c.scaled(runtime_s[k]) * (1 if k == 0 else m.u[k] if k in charged else 0)
-        outputs = sum(c.scaled(problem.output_send_cpu_s[i, k]) * m.x[i, k] for i in users)
+        runtime = c.scaled(charges.always_s[k]) + (c.scaled(charges.taking_part_s[k]) * m.u[k] if k in charged else 0)
+        outputs = sum(c.scaled(charges.own_s[i, k]) * m.x[i, k] for i in users if charges.own_s[i, k] > 0)
         if k == 0:
             outputs += sum(
-                c.scaled(problem.output_recv_cpu_s[i, d]) * m.x[i, d] for i in c.free for d in c.allowed[i] if d != 0
+                c.scaled(charges.driver_s[i, d]) * m.x[i, d]
+                for i in c.free
+                for d in c.allowed[i]
+                if charges.driver_s[i, d] > 0
             )
         if users:
             c.add(
@@ -416,7 +424,7 @@ def _period_rows(c: _Model, objective: Objective) -> None:
             )
         elif k == 0:
             c.add(m.P >= runtime + outputs)
-    if getattr(objective, "max_latency_s", None) is not None:
+    if objective.latency_limit_s is not None:
         _latency_rows(c)
         c.add(m.T <= MODEL_TIME_SCALE)
 
@@ -435,17 +443,27 @@ def _no_rows(*args: Any) -> None:
     return None
 
 
-class _ObjectiveRows(NamedTuple):
+def _period_warm_start(values: ComponentMap, built: MilpModel, timeline: Timeline) -> None:
+    """The period P of the start plan (the busiest device or link) and which devices its free tasks use (u)."""
+    m = built.model
+    values[m.P] = timeline.period_s / built.unit_s
+    used = {int(timeline.placement[i]) for i in built.window.free_tasks}
+    for k in m.u:
+        values[m.u[k]] = float(k in used)
+
+
+class MilpRows(NamedTuple):
+    """An objective's part of the MILP (:meth:`moirai.planning.objective.Objective.milp_rows`)."""
+
     before_transfers: Callable[..., None]
     after_transfers: Callable[..., None]
     cuts: Callable[[_Model], None]  # strong formulation only
+    variable: Callable[[pyo.ConcreteModel], Any]  # the variable it minimises
+    warm_start: Callable[[ComponentMap, MilpModel, Timeline], None]  # its own variables' start values
 
 
-# Objective name (planning.objective) -> its rows: the variable it minimises (T: latency, P: period) and its cuts.
-MILP_OBJECTIVES = {
-    "latency": _ObjectiveRows(_latency_rows, _no_rows, _latency_cuts),
-    "throughput": _ObjectiveRows(_period_rows, _link_period_rows, _no_rows),
-}
+LATENCY_ROWS = MilpRows(_latency_rows, _no_rows, _latency_cuts, lambda m: m.T, _no_rows)
+THROUGHPUT_ROWS = MilpRows(_period_rows, _link_period_rows, _no_rows, lambda m: m.P, _period_warm_start)
 
 
 @dataclass

@@ -279,7 +279,7 @@ class _ScheduleIndex:
         window_start = float(timeline.task_start[list(free)].min())
         fixed_finish = np.full(n, np.nan)
         fixed_finish[before] = timeline.task_finish[before]
-        device_ready = problem.header_s.copy()  # a device no fixed task uses still waits for its header
+        device_ready = problem.costs.header_s.copy()  # a device no fixed task uses still waits for its header
         for d, positions in enumerate(self.device_positions):
             count = int(np.searchsorted(positions, first))
             if count:
@@ -356,7 +356,7 @@ def latest_starts(problem: Problem, timeline: Timeline) -> np.ndarray:
     node_duration = (timeline.task_finish - timeline.task_start).tolist() + [tr.finish - tr.start for tr in transfers]
     latest = [0.0] * len(successors)
     # A task's outputs for the model must still reach device 0 by the makespan.
-    output_s = problem.output_s[np.arange(n), timeline.placement].tolist()
+    output_s = problem.costs.output_s[np.arange(n), timeline.placement].tolist()
     for node in reversed(_topological(successors)):
         finish = timeline.makespan_s - (output_s[node] if node < n else 0.0)
         for s in successors[node]:

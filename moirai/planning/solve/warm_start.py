@@ -79,11 +79,8 @@ def warm_start_values(built: MilpModel, timeline: Timeline) -> ComponentMap:
             values[m.link_delta[q, r]] = float((q_start, q[0]) < (r_start, r[0]))
     tails = [finish[i] + window.tail_s[f, placement[i]] / unit for f, i in enumerate(free)]
     values[m.T] = float(max(tails, default=0.0))
-    if hasattr(m, "P"):  # the throughput objective's period: the busiest device or link of the start plan
-        values[m.P] = timeline.period_s / unit
-        used = {int(placement[i]) for i in free}
-        for k in m.u:
-            values[m.u[k]] = float(k in used)
+    if built.rows is not None:
+        built.rows.warm_start(values, built, timeline)
     return values
 
 

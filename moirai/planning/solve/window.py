@@ -28,7 +28,7 @@ class Window:
     ``fixed_finish_s``: finish of each task scheduled before the window, ``nan`` for the others.
     ``arrived_s``: ``(tensor, device) -> time`` for transfers already made before the window.
     ``device_ready_s`` / ``link_ready_s[a, b]``: when each device / directed link is free of them (a device
-    is not ready before its header, :attr:`moirai.planning.problem.Problem.header_s`).
+    is not ready before its header, :attr:`moirai.planning.costs.RequestCosts.header_s`).
     ``tail_s[f, k]``: time the plan runs on after free task ``free_tasks[f]`` finishes on ``k``.
     ``horizon_s``: an upper bound on the best objective (the current solution's).
     ``deadline_s``: a time by which every transfer of the current solution has finished.
@@ -53,7 +53,7 @@ def whole_problem(problem: Problem, horizon_s: float) -> Window:
         placement=np.zeros(n, int),
         fixed_finish_s=np.full(n, np.nan),
         arrived_s={},
-        device_ready_s=problem.header_s.copy(),
+        device_ready_s=problem.costs.header_s.copy(),
         link_ready_s=np.zeros((k, k)),
         tail_s=np.zeros((n, k)),
         horizon_s=horizon_s,
@@ -163,9 +163,8 @@ def descendant_sets(graph: nx.DiGraph) -> dict[int, set[int]]:
 
 def identical_device_groups(problem: Problem, ignoring_driver: bool = False) -> tuple[tuple[int, ...], ...]:
     """Groups (of two or more) of devices no plan can tell apart: same times, memory, links, header delay and
-    runtime work per request, device 0 (always charged its driver's work) only where that is 0
-    (``ignoring_driver``: whatever their header delays and runtime work, :attr:`Problem.header_s`,
-    :attr:`Problem.request_cpu_s`)."""
+    runtime work per request (every per-request cost), device 0 only where nothing charges it alone
+    (``ignoring_driver``: whatever their per-request costs, :attr:`Problem.costs`)."""
     k = problem.num_devices
     groups: list[list[int]] = []
     for d in range(k):
@@ -182,10 +181,9 @@ def _devices_identical(problem: Problem, a: int, b: int, ignoring_driver: bool) 
     if not np.array_equal(problem.compute_s[:, a], problem.compute_s[:, b]):
         return False
     if not ignoring_driver:
-        runtime_s = problem.request_cpu_s
-        if problem.header_s[a] != problem.header_s[b] or runtime_s[a] != runtime_s[b]:
+        if not problem.costs.same_for(a, b):
             return False
-        if 0 in (a, b) and runtime_s[0] > 0:
+        if 0 in (a, b) and problem.costs.charges.singles_out_driver():
             return False
     if problem.memory_capacity_bytes[a] != problem.memory_capacity_bytes[b]:
         return False
