@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.conftest import random_problem
 
 from moirai.errors import MoiraiError, ProblemError
 from moirai.planning.costs import PERIOD_TERMS, RequestCosts
@@ -22,6 +21,7 @@ from moirai.planning.simulate import simulate
 from moirai.planning.solve.model import build_model
 from moirai.planning.solve.solver import SolverSettings, solve_model
 from moirai.planning.solve.window import whole_problem
+from moirai.testing import random_problem
 
 
 def _charged_before(problem: Problem, placement: np.ndarray) -> np.ndarray:
