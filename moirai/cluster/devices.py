@@ -91,9 +91,9 @@ class Cluster:
     ``links`` are the direct links the cluster was described with (empty when it was given as
     matrices). ``send_cpu_s[a, b] + bytes * send_cpu_s_per_byte[a, b]``: the time a send over ``a -> b``
     keeps device ``a`` busy, and ``recv_cpu_s`` / ``recv_cpu_s_per_byte`` the time receiving it keeps ``b`` busy
-    (default 0; a calibration measures them, :func:`moirai.cluster.calibrate.calibrated_cluster`). ``request_cpu_s[k]``:
-    the runtime's own CPU time per request on device ``k``'s rank beyond its ops and messages (device 0's rank is
-    the driver; default 0, measured by the calibration too).
+    (default 0; a calibration measures them, :func:`moirai.cluster.calibration.calibrated_cluster`).
+    ``request_cpu_s[k]``: the runtime's own CPU time per request on device ``k``'s rank beyond its ops and
+    messages (device 0's rank is the driver; default 0, measured by the calibration too).
     """
 
     devices: tuple[Device, ...]

@@ -7,6 +7,7 @@ The device kinds (:mod:`moirai.cluster.kinds`) describe the host CPU from :func:
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -74,3 +75,14 @@ def cpu_flags_and_clock() -> tuple[set[str], float]:
         elif key.strip() == "cpu MHz" and clock_hz == _CPU_CLOCK_HZ_IF_UNKNOWN:
             clock_hz = float(value) * 1e6
     return flags, clock_hz
+
+
+def cpu_model() -> str:
+    """The CPU's model name (its architecture where the system does not say)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
