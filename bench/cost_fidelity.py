@@ -20,7 +20,7 @@ CPU time (with one thread: its run time minus the time other processes held the 
 next to its median wall time: on a busy 2-core machine a run of a few ms is often preempted for a
 whole time slice (~10 ms).
 
-Links: ``moirai.cluster.calibrate`` fits latency and bandwidth between two gloo processes from its default
+Links: ``moirai.cluster.calibration`` fits latency and bandwidth between two gloo processes from its default
 1 KiB - 16 MiB sweep; a separate timing of 128 MiB messages gives the reference bandwidth.
 """
 
@@ -40,7 +40,7 @@ from rich.table import Table
 from torch import nn
 
 from bench.models import build, model_sizes
-from moirai.cluster.calibrate import DEFAULT_SIZES_BYTES, TransferTimings, measure_transfers
+from moirai.cluster.calibration import DEFAULT_SIZES_BYTES, TransferTimings, measure_transfers
 from moirai.cluster.cost import analytic_compute_s, node_dtypes, profile_nodes
 from moirai.cluster.devices import Cluster
 from moirai.frontend.graph import OpGraph, build_op_graph

@@ -61,7 +61,7 @@ if __package__ in (None, ""):
 import moirai  # noqa: E402
 from bench.models import build, model_sizes  # noqa: E402
 from bench.run import machine_description, markdown_table, write_section  # noqa: E402
-from moirai.cluster.calibrate import link_kind, local_calibration  # noqa: E402
+from moirai.cluster.calibration import link_kind, local_calibration  # noqa: E402
 from moirai.planning.simulate import simulate  # noqa: E402
 from moirai.runtime.distributed import DistributedRunner  # noqa: E402
 

@@ -24,7 +24,7 @@ from rich.markup import escape
 
 import moirai
 from moirai import progress, viz
-from moirai.cluster import calibrate as calibrate_command
+from moirai.cluster.calibration import cli as calibrate_command
 from moirai.errors import MoiraiError
 
 

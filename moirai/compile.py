@@ -220,7 +220,7 @@ def compile(
     ``calibration`` says what the links between local devices (a list of device strings) cost:
     ``"auto"`` (the default, with either cost mode) this machine's calibration, measured the first
     time a kind of link is needed (a few seconds, in processes that do not import the caller's
-    script) and cached (:func:`moirai.cluster.calibrate.local_calibration`); ``"remeasure"`` measures it
+    script) and cached (:func:`moirai.cluster.calibration.local_calibration`); ``"remeasure"`` measures it
     again; a path reads a calibration file; ``"none"`` keeps the detected defaults (50 us, no CPU
     time). A :class:`moirai.Cluster` keeps the links it describes.
     """
@@ -251,7 +251,7 @@ def _local_cluster(devices: Cluster | Sequence[str], calibration: str | Path) ->
     if calibration == "none" or len(cluster) < 2:
         logger.debug("links between %s: the detected defaults (calibration=%r)", devices, calibration)
         return cluster
-    from moirai.cluster.calibrate import calibrated_cluster, local_calibration, local_request_cost
+    from moirai.cluster.calibration import calibrated_cluster, local_calibration, local_request_cost
 
     links = local_calibration([d.torch_device for d in cluster.devices], calibration)
     return calibrated_cluster(cluster, links, local_request_cost(calibration))

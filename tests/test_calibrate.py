@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 import moirai
-import moirai.cluster.calibrate as calibrate_module
-from moirai.cluster.calibrate import (
+import moirai.cluster.calibration.cache as cache_module
+import moirai.cluster.calibration.measure as measure_module
+from moirai.cluster.calibration import (
     RequestCost,
     TransferCost,
     TransferTimings,
@@ -96,8 +97,8 @@ def fake_measurement(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tu
         measured.append(("requests",))
         return FAKE_REQUESTS
 
-    monkeypatch.setattr(calibrate_module, "measure_transfer_costs", measure)
-    monkeypatch.setattr(calibrate_module, "measure_request_cost", measure_requests)
+    monkeypatch.setattr(measure_module, "measure_transfer_costs", measure)
+    monkeypatch.setattr(cache_module, "measure_request_cost", measure_requests)
     return measured
 
 

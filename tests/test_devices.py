@@ -207,7 +207,7 @@ def test_custom_file_with_type_and_explicit_numbers(tmp_path: Path) -> None:
     )
     cluster = Cluster.from_file(path)
     gpu, host_cpu = cluster.devices
-    assert (gpu.kind, gpu.host, gpu.rank, gpu.memory_bytes) == ("gpu", "box", 1, 16e9)
+    assert (gpu.kind, gpu.host, gpu.rank, gpu.memory_bytes) == ("cuda", "box", 1, 16e9)
     assert gpu.peak_flops == pytest.approx(8.1e12) and gpu.peak_flops_for("float16") == pytest.approx(65e12)
     assert host_cpu.peak_flops_for("bfloat16") == pytest.approx(4e12)
     assert host_cpu.peak_flops_for("float16") == pytest.approx(2e12)  # no fp16 path: the fp32 peak

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import moirai
-from moirai.cluster.calibrate import RequestCost, TransferCost, write_calibration
+from moirai.cluster.calibration import RequestCost, TransferCost, write_calibration
 from moirai.cluster.cost import HEADER_BYTES
 from moirai.planning.objective import LATENCY
 from moirai.planning.placers import MIN_SPLIT_GAIN, no_worse_than_one_device, place, specs

@@ -48,7 +48,6 @@ import copy
 import hashlib
 import json
 import os
-import platform
 import socket
 import statistics
 import time
@@ -64,6 +63,7 @@ import torch.utils._pytree as pytree
 from rich.progress import Progress
 
 from moirai.cluster.devices import Cluster, Device
+from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import kind_of
 from moirai.errors import ClusterError
 from moirai.frontend.graph import OpGraph, model_output_bytes
@@ -361,18 +361,8 @@ def _check_local(device: Device) -> None:
 def _device_key(device: torch.device, clock: Callable[[], float]) -> str:
     """What a measurement depends on besides the ops: the hardware, the thread count, torch, the clock
     and how nodes are timed (in situ: profiles of nodes run alone, taken by earlier versions, differ)."""
-    hardware = kind_of(device).hardware_name(device) or f"{_cpu_model()} threads={torch.get_num_threads()}"
+    hardware = kind_of(device).hardware_name(device) or f"{cpu_model()} threads={torch.get_num_threads()}"
     return f"{device.type}|{hardware}|torch {torch.__version__}|{clock.__name__}|in situ"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _signature(module: fx.GraphModule, nodes: Sequence[fx.Node]) -> str:

@@ -75,17 +75,9 @@ from moirai.cluster.files import (
     torch_device_name,
 )
 from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, MICROSECOND, Device, Link
-from moirai.cluster.host import detect_device, device_index
-from moirai.cluster.kinds import accelerator_kinds, kind_of
+from moirai.cluster.host import device_index
+from moirai.cluster.kinds import CPU, accelerator_kinds, detect_device, kind_of, local_link
 from moirai.errors import ClusterError
-
-# A loopback gloo link between two processes on one host, as measured on a 2-core machine.
-_LOCAL_PROCESS_BANDWIDTH_BYTES_PER_S = 2e9
-_LOCAL_PROCESS_LATENCY_S = 50e-6
-# A PCIe 3 x16 link, the slowest path between two local GPUs or a GPU and the host.
-_PCIE_BANDWIDTH_BYTES_PER_S = 12e9
-_PCIE_LATENCY_S = 10e-6
-
 
 # The CPU time a transfer takes from its two ends: fixed seconds and seconds per byte.
 _CPU_TIME_MATRICES = ("send_cpu_s", "send_cpu_s_per_byte", "recv_cpu_s", "recv_cpu_s_per_byte")
@@ -99,9 +91,9 @@ class Cluster:
     ``links`` are the direct links the cluster was described with (empty when it was given as
     matrices). ``send_cpu_s[a, b] + bytes * send_cpu_s_per_byte[a, b]``: the time a send over ``a -> b``
     keeps device ``a`` busy, and ``recv_cpu_s`` / ``recv_cpu_s_per_byte`` the time receiving it keeps ``b`` busy
-    (default 0; a calibration measures them, :func:`moirai.cluster.calibrate.calibrated_cluster`). ``request_cpu_s[k]``:
-    the runtime's own CPU time per request on device ``k``'s rank beyond its ops and messages (device 0's rank is
-    the driver; default 0, measured by the calibration too).
+    (default 0; a calibration measures them, :func:`moirai.cluster.calibration.calibrated_cluster`).
+    ``request_cpu_s[k]``: the runtime's own CPU time per request on device ``k``'s rank beyond its ops and
+    messages (device 0's rank is the driver; default 0, measured by the calibration too).
     """
 
     devices: tuple[Device, ...]
@@ -264,7 +256,7 @@ class Cluster:
     @classmethod
     def detect(cls) -> Cluster:
         """The local CPU and every visible accelerator; accelerators talk over PCIe, or through the host."""
-        devices = [detect_device("cpu", "cpu", share=1)]
+        devices = [detect_device(CPU.name, CPU.name, share=1)]
         for kind in accelerator_kinds():
             devices += [detect_device(f"{kind.name}:{i}", f"{kind.name}{i}", share=1) for i in range(kind.count())]
         links = []
@@ -275,7 +267,7 @@ class Cluster:
                 peers = kind.accelerator and kind_of(b.torch_device) is kind
                 if a is b or (peers and not kind.can_access_peer(device_index(a), device_index(b))):
                     continue
-                links.append(Link(a.name, b.name, _PCIE_BANDWIDTH_BYTES_PER_S, _PCIE_LATENCY_S))
+                links.append(Link(a.name, b.name, *local_link(kind_of(a), kind_of(b))))
         return cls.from_links(devices, links, name="detected")
 
     @classmethod
@@ -299,12 +291,10 @@ class Cluster:
             name = torch_device.replace(":", "") + (f"_{index}" if counts[spec] > 1 else "")
             devices.append(detect_device(torch_device, name, share=counts[spec]))
         k = len(devices)
-        bandwidth = np.full((k, k), _LOCAL_PROCESS_BANDWIDTH_BYTES_PER_S)
-        latency = np.full((k, k), _LOCAL_PROCESS_LATENCY_S)
+        bandwidth, latency = np.zeros((k, k)), np.zeros((k, k))
         for a in range(k):
             for b in range(k):
-                if kind_of(devices[a].torch_device).accelerator or kind_of(devices[b].torch_device).accelerator:
-                    bandwidth[a, b], latency[a, b] = _PCIE_BANDWIDTH_BYTES_PER_S, _PCIE_LATENCY_S
+                bandwidth[a, b], latency[a, b] = local_link(kind_of(devices[a]), kind_of(devices[b]))
         np.fill_diagonal(latency, 0.0)
         return cls(tuple(devices), bandwidth, latency)
 

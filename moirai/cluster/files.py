@@ -10,7 +10,6 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
-from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from moirai.cluster.hardware import GB, GBPS_IN_BYTES_PER_S, MICROSECOND, PRECISION_OF_DTYPE, TFLOPS, Device, Link
-from moirai.cluster.kinds import kind_of
+from moirai.cluster.hardware import (
+    GB,
+    GBPS_IN_BYTES_PER_S,
+    MICROSECOND,
+    PRECISION_OF_DTYPE,
+    TFLOPS,
+    Device,
+    Link,
+    device_types,
+)
+from moirai.cluster.kinds import CPU, device_spellings, kind_named, kind_of, torch_device_types
 from moirai.errors import ClusterError
 
 try:
@@ -50,13 +58,6 @@ _NUMBER_KEYS = set(
 )
 _INTEGER_KEYS = {"rank"}
 _BOOLEAN_KEYS = {"both_directions"}
-_SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
-
-
-@cache
-def device_types() -> dict[str, dict[str, Any]]:
-    """The built-in device table (``moirai/data/device_types.toml``), by type name."""
-    return tomllib.loads(resources.files("moirai").joinpath("data/device_types.toml").read_text())
 
 
 def check_device_names(names: Sequence[str]) -> None:
@@ -73,8 +74,7 @@ def check_device(d: Device) -> None:
         raise ClusterError(f"device {d.name!r} needs positive peak FLOP/s and memory bandwidth")
     if not 0 < d.efficiency <= 1 or not d.launch_overhead_s >= 0:
         raise ClusterError(f"device {d.name!r}: efficiency must be in (0, 1] and launch overhead non-negative")
-    if d.kind not in ("cpu", "gpu"):
-        raise ClusterError(f"device {d.name!r} has kind {d.kind!r}; use 'cpu' or 'gpu'")
+    kind_of(d)  # a kind the registry knows, else a ClusterError naming the device
 
 
 def torch_device_name(spec: object, where: str) -> str:
@@ -89,8 +89,8 @@ def torch_device_name(spec: object, where: str) -> str:
         device = torch.device(spec)
     except (RuntimeError, ValueError):
         raise ClusterError(f"{where} is {spec!r}, which is not a torch device; use 'cpu' or 'cuda:N'") from None
-    if device.type not in _SUPPORTED_DEVICE_TYPES:
-        raise ClusterError(f"{where} is {spec!r}: moirai runs parts on 'cpu' and 'cuda:N' devices, not {device.type}")
+    if device.type not in torch_device_types():
+        raise ClusterError(f"{where} is {spec!r}: moirai runs parts on {device_spellings()} devices, not {device.type}")
     return str(device)
 
 
@@ -177,7 +177,7 @@ def _device_from_dict(entry: Mapping[str, Any]) -> Device:
     unknown_precisions = sorted(set(peaks) - set(PRECISION_OF_DTYPE.values()))
     if unknown_precisions:
         raise ClusterError(f"device {name!r}: unknown peak_tflops keys {unknown_precisions}; use fp32, fp16, bf16")
-    torch_device = torch_device_name(entry.get("torch_device", "cpu"), f"device {name!r}: torch_device")
+    torch_device = torch_device_name(entry.get("torch_device", CPU.name), f"device {name!r}: torch_device")
     return Device(
         name=str(name),
         torch_device=torch_device,
@@ -185,7 +185,7 @@ def _device_from_dict(entry: Mapping[str, Any]) -> Device:
         peak_flops=float(peaks["fp32"]) * TFLOPS,
         memory_bandwidth_bytes_per_s=float(numbers["memory_bandwidth_gb_per_s"]) * GB,
         launch_overhead_s=float(numbers.get("launch_overhead_us", 5.0)) * MICROSECOND,
-        kind=str(numbers.get("kind", "gpu" if kind_of(torch_device).accelerator else "cpu")),
+        kind=_kind_name(numbers, torch_device, str(name)),
         device_type=type_name,
         peak_flops_fp16=float(peaks["fp16"]) * TFLOPS if "fp16" in peaks else None,
         peak_flops_bf16=float(peaks["bf16"]) * TFLOPS if "bf16" in peaks else None,
@@ -194,6 +194,13 @@ def _device_from_dict(entry: Mapping[str, Any]) -> Device:
         rank=None if entry.get("rank") is None else int(entry["rank"]),
         **_cores_and_threads(entry, str(name)),
     )
+
+
+def _kind_name(numbers: Mapping[str, Any], torch_device: str, name: str) -> str:
+    """The kind a device entry (or its type's row) gives, by its registered name; else that of its torch device."""
+    if "kind" not in numbers:
+        return kind_of(torch_device).name
+    return kind_named(str(numbers["kind"]), f"device {name!r}").name
 
 
 def _cores_and_threads(entry: Mapping[str, Any], name: str) -> dict[str, Any]:
@@ -225,7 +232,7 @@ def device_to_dict(d: Device) -> dict[str, Any]:
         entry["cores"] = list(d.cores)
     if d.threads is not None:
         entry["threads"] = d.threads
-    entry["kind"] = d.kind
+    entry["kind"] = kind_of(d).name
     if d.device_type is not None:
         entry["type"] = d.device_type
     entry.update(

@@ -110,9 +110,8 @@ def init_rank(
     """
     device = torch.device(torch_devices[rank])
     kind_of(device).set_current(device)
-    backend = backend_for(torch_devices)
     dist.init_process_group(
-        "cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
+        device_kinds.default_group_backend(torch_devices),
         init_method=init_method,
         rank=rank,
         world_size=world_size,

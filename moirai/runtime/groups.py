@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from moirai.cluster.kinds import backend_for, kind_of
+from moirai.cluster.kinds import device_memory_kind, host_device, kind_of
 from moirai.runtime import shm
 from moirai.runtime.local import place_part
 from moirai.runtime.split import SplitProgram
@@ -48,7 +48,7 @@ class Group:
         """Where a message to or from ``peer`` lives: device memory between CUDA ranks (NCCL), else host (gloo)."""
         mine = self.devices[self.rank]
         in_device_memory = kind_of(mine).messages_in_device_memory and self.devices[peer].type == mine.type
-        return mine if in_device_memory else torch.device("cpu")
+        return mine if in_device_memory else host_device()
 
     def link(self, wire: torch.device, peer: int) -> Any:
         """What carries a message on ``wire`` to or from ``peer``: an object with a process group's send and recv."""
@@ -73,11 +73,11 @@ def local_group(rank: int, torch_devices: Sequence[str], store: Any, join_timeou
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("moirai/gloo/", store), rank, world_size, options)
     nccl = None
     # NCCL carries only messages between two GPUs (see Group.wire_device), so only a world with two needs it.
-    nccl_ranks = sum(kind_of(torch.device(d)).backend == "nccl" for d in torch_devices)
-    if "nccl" in backend_for(torch_devices) and nccl_ranks >= 2:
+    memory_kind = device_memory_kind(torch_devices)
+    if memory_kind is not None:
         device = torch.device(torch_devices[rank])
         kind_of(device).set_current(device)
-        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("moirai/nccl/", store), rank, world_size)
+        nccl = memory_kind.device_group(dist.PrefixStore(f"moirai/{memory_kind.backend}/", store), rank, world_size)
     links = shm.connect(rank, world_size, store, join_timeout_s, "moirai/shm")
     return Group(rank, [torch.device(d) for d in torch_devices], gloo, nccl, store, shared_memory=links)
 

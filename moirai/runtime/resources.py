@@ -4,8 +4,9 @@ Logical CPU devices on one host split the host's cores into disjoint blocks with
 :func:`moirai.cluster.host.split_cores`, the rule the cost model uses for their peak FLOP/s, so a
 rank computes with the cores the plan assumed instead of every rank using every core. A
 device's ``cores`` / ``threads`` from the cluster file override the split; cores claimed
-explicitly are left out of the split of the others. A GPU rank only feeds its GPU: it gets a
-few host threads and no pinning unless the cluster file gives cores.
+explicitly are left out of the split of the others. A rank of a kind that is not pinned
+(:attr:`moirai.cluster.kinds.DeviceKind.pinned`: a GPU rank only feeds its GPU) gets its kind's few host
+threads and no pinning unless the cluster file gives cores.
 
 gloo's I/O threads (one per process group) do not run on their rank's cores but on the host's
 spare cores, else on the other ranks' (:func:`pin_io_threads`). gloo's I/O thread handles a
@@ -27,11 +28,8 @@ import torch
 
 from moirai.cluster.devices import Device
 from moirai.cluster.host import available_cores, current_cores, note_pinning, split_cores
+from moirai.cluster.kinds import DeviceKind, kind_of
 from moirai.errors import ClusterError
-
-# Host threads of a GPU rank: enough to launch kernels and copy, few enough to leave the CPU ranks alone.
-GPU_RANK_THREADS = 2
-
 
 # The name (``/proc/<pid>/task/<tid>/comm``) of gloo's I/O threads starts with this.
 _IO_THREAD_NAME = "gloo_tcp"
@@ -71,15 +69,15 @@ def rank_resources(devices: Sequence[str | Device], cores: Sequence[int] | None 
                     )
                 claimed[core] = k
         free = tuple(c for c in host_cores if c not in claimed) or host_cores
-        automatic = [k for k in ranks if entries[k][1] == "cpu" and entries[k][2] is None]
+        automatic = [k for k in ranks if entries[k][1].pinned and entries[k][2] is None]
         for k, block in zip(automatic, split_cores(free, len(automatic)) if automatic else [], strict=True):
             resources[k] = RankResources(block, entries[k][3] or len(block))
         for k in ranks:
             _, kind, explicit, threads = entries[k]
             if explicit is not None:
                 resources[k] = RankResources(explicit, threads or len(explicit))
-            elif kind != "cpu":
-                resources[k] = RankResources(None, threads or min(GPU_RANK_THREADS, len(host_cores)))
+            elif not kind.pinned:
+                resources[k] = RankResources(None, threads or min(kind.rank_threads or 1, len(host_cores)))
         _place_io_threads(resources, ranks, host_cores)
     return [r for r in resources if r is not None]
 
@@ -172,11 +170,11 @@ def _set_affinity(cores: Sequence[int]) -> None:
             pass  # the thread ended meanwhile
 
 
-def _as_device(device: str | Device) -> tuple[str, str, tuple[int, ...] | None, int | None]:
+def _as_device(device: str | Device) -> tuple[str, DeviceKind, tuple[int, ...] | None, int | None]:
     """(host, kind, cores, threads)."""
     if isinstance(device, Device):
-        return device.host, device.kind, device.cores, device.threads
-    return "localhost", "gpu" if torch.device(device).type == "cuda" else "cpu", None, None
+        return device.host, kind_of(device), device.cores, device.threads
+    return "localhost", kind_of(device), None, None
 
 
 def _name(device: str | Device) -> str:

@@ -1,0 +1,171 @@
+"""This machine's calibration, cached on disk: measured the first time a link kind is needed, then read.
+
+One file per host, CPU, core count and torch version, beside the measured profiles
+(:func:`moirai.cluster.cost.default_cache_dir`); one process of a host measures at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moirai.cluster.calibration.fit import TransferCost, link_kind
+from moirai.cluster.calibration.measure import measure_link_kinds
+from moirai.cluster.calibration.request_cost import RequestCost, measure_request_cost
+from moirai.cluster.cost import default_cache_dir
+from moirai.cluster.host import cpu_model
+from moirai.cluster.kinds import CPU
+from moirai.errors import ClusterError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+# 2: the sender computes around its send; 3: one host's ranks message through shared memory; 4: the runtime's
+# own work per request (RequestCost)
+CALIBRATION_FORMAT_VERSION = 4
+
+
+def local_calibration(
+    torch_devices: Sequence[str], calibration: str | Path = "auto", cache_dir: str | Path | None = None
+) -> dict[str, TransferCost]:
+    """Transfer costs of every link kind between ``torch_devices``, by :func:`link_kind`.
+
+    ``calibration``: ``"auto"`` reads this machine's cached calibration and measures (then
+    caches) only the link kinds it lacks; ``"remeasure"`` measures them again and replaces the
+    cached ones; a path reads a calibration file (written by ``moirai calibrate --save``) and
+    measures nothing.
+    """
+    devices = [str(torch.device(d)) for d in torch_devices]
+    needed = {link_kind(a, b): (a, b) for a in devices for b in devices if a != b or devices.count(a) > 1}
+    if calibration not in ("auto", "remeasure"):
+        if not Path(calibration).is_file():
+            raise ClusterError(
+                f"calibration={str(calibration)!r} is neither 'auto', 'remeasure' nor an existing calibration file "
+                "(write one with moirai calibrate --save PATH)"
+            )
+        stored = read_calibration(calibration)
+        missing = sorted(set(needed) - set(stored))
+        if missing:
+            raise ClusterError(
+                f"calibration file {str(calibration)!r} has no {missing} links; measure them with "
+                "moirai calibrate on this machine, or pass calibration='auto'"
+            )
+        return {kind: stored[kind] for kind in needed}
+    path = calibration_cache_path(cache_dir)
+    # One process measures at a time: the torchrun ranks of a host that compile at once then all read the
+    # calibration the first one measured, and so make the same plan.
+    with _exclusive(path.with_suffix(".lock")):
+        cached = cached_links(path) if calibration == "auto" else {}
+        missing = {kind: pair for kind, pair in needed.items() if kind not in cached}
+        for kind, pair in missing.items():
+            if kind not in cached:  # measuring a -> b measures b -> a too
+                cached.update(measure_link_kinds(pair))
+        if missing:
+            write_calibration(path, {**cached_links(path), **cached}, _read_cached_requests(path))
+    return {kind: cached[kind] for kind in needed}
+
+
+def local_request_cost(calibration: str | Path = "auto", cache_dir: str | Path | None = None) -> RequestCost:
+    """The runtime's own work per request on this machine (:class:`RequestCost`), read and measured as
+    :func:`local_calibration` reads and measures links (measured once, a few seconds, then cached beside them)."""
+    if calibration not in ("auto", "remeasure"):
+        stored = read_request_cost(calibration)
+        if stored is None:
+            raise ClusterError(
+                f"calibration file {str(calibration)!r} has no request costs; measure them with moirai calibrate "
+                "--save PATH on this machine, or pass calibration='auto'"
+            )
+        return stored
+    link = local_calibration([CPU.name, CPU.name], "auto", cache_dir)[link_kind(CPU.name, CPU.name)]
+    path = calibration_cache_path(cache_dir)
+    with _exclusive(path.with_suffix(".lock")):
+        requests = _read_cached_requests(path) if calibration == "auto" else None
+        if requests is None:
+            requests = measure_request_cost(link)
+            write_calibration(path, cached_links(path), requests)
+    return requests
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_path`` (POSIX; elsewhere nothing is locked)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def cached_links(path: Path) -> dict[str, TransferCost]:
+    """The cached calibration, or nothing when there is none or it was measured by an older moirai."""
+    if not path.exists():
+        return {}
+    try:
+        return read_calibration(path)
+    except ClusterError:
+        return {}
+
+
+def _read_cached_requests(path: Path) -> RequestCost | None:
+    """The cached request cost, or None when there is none or it was measured by an older moirai."""
+    if not path.exists():
+        return None
+    try:
+        return read_request_cost(path)
+    except ClusterError:
+        return None
+
+
+def calibration_cache_path(cache_dir: str | Path | None = None) -> Path:
+    """Where this machine's calibration lives: one file per host, CPU, core count and torch version."""
+    machine = f"{socket.gethostname()}|{cpu_model()}|cores={os.cpu_count()}|torch {torch.__version__}"
+    digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
+    return Path(cache_dir if cache_dir is not None else default_cache_dir()) / "calibration" / f"{digest}.json"
+
+
+def read_calibration(path: str | Path) -> dict[str, TransferCost]:
+    """The transfer costs stored in a calibration file, by link kind."""
+    return {kind: TransferCost(**fields) for kind, fields in _calibration_record(path)["links"].items()}
+
+
+def read_request_cost(path: str | Path) -> RequestCost | None:
+    """The runtime's work per request stored in a calibration file (None when it holds links only)."""
+    fields = _calibration_record(path).get("requests")
+    return None if fields is None else RequestCost(**fields)
+
+
+def _calibration_record(path: str | Path) -> dict[str, Any]:
+    try:
+        record = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ClusterError(f"calibration file {str(path)!r} does not exist; run moirai calibrate --save") from None
+    except json.JSONDecodeError as error:
+        raise ClusterError(f"calibration file {str(path)!r} is not JSON ({error}); measure again") from None
+    if record.get("format") != CALIBRATION_FORMAT_VERSION:
+        raise ClusterError(f"{path} is not a moirai calibration of format {CALIBRATION_FORMAT_VERSION}; measure again")
+    return record
+
+
+def write_calibration(path: str | Path, costs: Mapping[str, TransferCost], requests: RequestCost | None = None) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {
+        "format": CALIBRATION_FORMAT_VERSION,
+        "links": {k: dataclasses.asdict(c) for k, c in costs.items()},
+    }
+    if requests is not None:
+        record["requests"] = dataclasses.asdict(requests)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(record, indent=1))
+    os.replace(partial, path)  # atomic: a concurrent reader never sees half a file

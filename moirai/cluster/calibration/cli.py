@@ -1,0 +1,97 @@
+"""``moirai calibrate``: measure what transfers and requests cost in the runtime; write a cluster file and the
+calibration compile reads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from moirai.cluster.calibration.cache import cached_links, calibration_cache_path, write_calibration
+from moirai.cluster.calibration.cluster import measured_cluster, rank_devices
+from moirai.cluster.calibration.fit import costs_by_kind, link_kind
+from moirai.cluster.calibration.measure import measure_link_kinds, measure_transfer_costs
+from moirai.cluster.calibration.request_cost import measure_request_cost
+from moirai.cluster.devices import Cluster
+from moirai.cluster.kinds import CPU, backends, kind_for_backend
+
+
+def _transport(backend: str) -> str:
+    """What carries the messages of ranks that talk over ``backend``: the host's transport where they are staged
+    through host memory."""
+    from moirai.runtime import shm
+
+    return backend if kind_for_backend(backend).messages_in_device_memory else shm.host_transport()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``moirai calibrate``."""
+    parser.add_argument("--world-size", type=int, default=2, help="number of local ranks (one device each)")
+    parser.add_argument("--backend", choices=backends(), default=CPU.backend)
+    parser.add_argument("--max-size-mb", type=float, default=16.0, help="largest message of the sweep (MiB)")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--base", help="cluster file whose devices (one per rank, in rank order) to keep")
+    parser.add_argument("--output", default="cluster.toml", help="cluster file to write")
+    parser.add_argument(
+        "--save",
+        default=None,
+        help="calibration file to write the transfer costs to (default: this machine's cached calibration, "
+        "which compile(..., cost='measured') reads)",
+    )
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    """``moirai calibrate``: measure what transfers cost between local ranks; write a cluster file and the
+    calibration compile reads."""
+    sizes = tuple(s for s in (1024 * 4**k for k in range(16)) if s <= args.max_size_mb * 2**20)
+    base = Cluster.from_file(args.base) if args.base else None
+    devices = rank_devices(args.world_size, args.backend, base)
+    costs = measure_transfer_costs([d.torch_device for d in devices], sizes, args.repeats)
+    cluster = measured_cluster(
+        devices, costs, base.name if base is not None else f"calibrated-{args.backend}", args.output
+    )
+    by_kind = costs_by_kind([d.torch_device for d in devices], costs)
+    saved = Path(args.save) if args.save else calibration_cache_path()
+    previous = cached_links(saved)  # kinds measured before and not now, unless an older moirai measured them
+    links = {**previous, **by_kind}
+    host_link = link_kind(CPU.name, CPU.name)
+    if host_link not in links:  # the request cost's program runs on two CPU ranks
+        links.update(measure_link_kinds((CPU.name, CPU.name)))
+    requests = measure_request_cost(links[host_link])
+    write_calibration(saved, links, requests)
+    table = Table(
+        title=(
+            f"transfers measured in the runtime ({_transport(args.backend)}, ranks pinned to their share of the cores)"
+        ),
+        caption=f"cluster file: {args.output}; calibration: {saved}",
+    )
+    for column in ("link", "latency us", "bandwidth GB/s", "sender CPU us + ns/KiB", "receiver CPU us + ns/KiB"):
+        table.add_column(column, justify="right")
+    for (a, b), cost in costs.items():
+        table.add_row(
+            f"{cluster.names[a]} -> {cluster.names[b]}",
+            f"{cost.latency_s * 1e6:.1f}",
+            f"{cost.bandwidth_bytes_per_s / 1e9:.2f}",
+            f"{cost.sender_cpu_s * 1e6:.1f} + {cost.sender_cpu_s_per_byte * 1024e9:.0f}",
+            f"{cost.receiver_cpu_s * 1e6:.1f} + {cost.receiver_cpu_s_per_byte * 1024e9:.0f}",
+        )
+    console.print(table)
+    console.print(
+        f"the runtime's own work per request (through its server): driver (rank 0) "
+        f"{requests.driver_cpu_s * 1e6:.0f} us, another rank {requests.worker_cpu_s * 1e6:.0f} us"
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moirai.cluster.calibration.cli", description=run.__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv), Console())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""The rank measurement protocol: what a message costs between two ranks set up as the runtime sets them up.
+
+Every directed pair of ranks is timed one at a time (:func:`measure_transfers`); the ranks are fresh
+interpreters that import only moirai (:func:`run_ranks`), joined as the runtime joins its workers
+(:func:`join_as_runtime_rank`). See :mod:`moirai.cluster.calibration` for what is measured and why.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moirai.cluster.calibration.fit import TransferCost, TransferTimings, costs_by_kind
+from moirai.cluster.kinds import CPU, kind_of
+from moirai.errors import ClusterError, DistributedError
+
+# 1 KiB .. 16 MiB: small sizes pin the latency, large ones the bandwidth.
+DEFAULT_SIZES_BYTES = tuple(1024 * 4**k for k in range(8))
+# Long enough for the receiver to be blocked in its wait before the message leaves; the sender computes
+# meanwhile, and goes on computing after its send call, as a part does.
+_SENDER_PAUSE_S = 2e-3
+_SENDER_COMPUTES_ON_S = 2e-3
+
+
+def measure_transfers(
+    torch_devices: Sequence[str] = (CPU.name, CPU.name),
+    sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
+    repeats: int = 15,
+    warmup: int = 3,
+    timeout_s: float = 300.0,
+) -> dict[tuple[int, int], TransferTimings]:
+    """Time every directed pair of ranks (rank r on ``torch_devices[r]``), one pair at a time."""
+    devices = [str(torch.device(d)) for d in torch_devices]
+    if len(devices) < 2:
+        raise ClusterError("calibration needs at least two ranks (two devices)")
+    missing = [d for d in devices if not kind_of(d).available(torch.device(d))]
+    if missing:
+        raise ClusterError(f"calibrating {devices} needs {missing}, which this machine does not have")
+    if warmup < 0 or repeats < 1:
+        raise ClusterError(f"calibration needs warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    sizes = tuple(int(s) for s in sizes_bytes)
+    with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir:
+        settings = [devices, free_port(), list(sizes), repeats, warmup, timeout_s, results_dir]
+        run_ranks(settings, len(devices), timeout_s, entry=_rank_main)
+        reports = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("rank*.json"))]
+    return {
+        (pair["src"], pair["dst"]): TransferTimings(
+            sizes, tuple(pair["delay_s"]), tuple(pair["sender_cpu_s"]), tuple(pair["receiver_cpu_s"])
+        )
+        for report in reports
+        for pair in report
+    }
+
+
+def measure_transfer_costs(
+    torch_devices: Sequence[str] = (CPU.name, CPU.name),
+    sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
+    repeats: int = 15,
+    warmup: int = 3,
+) -> dict[tuple[int, int], TransferCost]:
+    """The fitted :class:`TransferCost` of every directed pair of ranks (rank r on ``torch_devices[r]``)."""
+    timings = measure_transfers(torch_devices, sizes_bytes, repeats, warmup)
+    return {pair: pair_timings.fit() for pair, pair_timings in timings.items()}
+
+
+def measure_link_kinds(
+    pair: tuple[str, str], sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES
+) -> dict[str, TransferCost]:
+    """Both directions of the link between two local devices, by link kind (the runtime's pair of devices)."""
+    a, b = pair
+    if a == b and kind_of(a).accelerator:
+        raise ClusterError(f"two ranks on {a} would share one device; calibrate {a}<->{a} links between two of them")
+    return costs_by_kind([a, b], measure_transfer_costs([a, b], sizes_bytes))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(settings: list, world_size: int, timeout_s: float, entry: Callable[..., None]) -> None:
+    """Start the ranks as fresh interpreters that import only moirai (a spawned process would re-import the
+    caller's ``__main__``, and a script that compiles at top level would compile again in every rank); each
+    calls ``entry(rank, *settings)``, a function of a moirai module."""
+    ranks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"from {entry.__module__} import {entry.__name__}; {entry.__name__}({rank}, *{json.dumps(settings)})",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    failures = []
+    for rank, process in enumerate(ranks):
+        try:
+            _, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for other in ranks:
+                other.kill()
+            raise DistributedError(f"calibration rank {rank} did not finish within {timeout_s:g} s") from None
+        if process.returncode != 0:
+            last_line = (stderr.strip().splitlines() or [f"exit code {process.returncode}"])[-1]
+            failures.append(f"rank {rank}: {last_line}")
+    if failures:
+        raise DistributedError(f"a calibration rank failed: {'; '.join(failures)}")
+
+
+def _rank_main(
+    rank: int,
+    torch_devices: list[str],
+    port: int,
+    sizes: tuple[int, ...],
+    repeats: int,
+    warmup: int,
+    timeout_s: float,
+    results_dir: str,
+) -> None:
+    """One rank, set up as a runtime worker: its share of the cores, the runtime's process groups and messages.
+
+    Every rank takes part in every pair in the same order; the sender of a pair records the medians.
+    """
+    from moirai.runtime.protocol import Messages
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    group, store, _ = join_as_runtime_rank(rank, torch_devices, port, timeout_s)
+    device = torch.device(torch_devices[rank])
+    kind = kind_of(device)
+
+    def synchronize() -> None:
+        kind.synchronize(device)
+
+    block = torch.ones(64, 64)
+
+    def compute_for(seconds: float) -> None:
+        """Keep this rank's core busy, as a part computing around its sends keeps it."""
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            block @ block
+
+    results = []
+    exchange = 0  # one request of the runtime per message and its reply, so every tag is fresh
+    for src in range(group.world_size):
+        for dst in range(group.world_size):
+            if src == dst or rank not in (src, dst):
+                continue
+            medians: dict[str, list[float]] = {"delay_s": [], "sender_cpu_s": [], "receiver_cpu_s": []}
+            for size in sizes:
+                shape = (max(1, size // 4),)
+                message = torch.ones(shape, device=device)
+                delays, sender_cpu, receiver_cpu = [], [], []
+                for run in range(warmup + repeats):
+                    messages = Messages(group, exchange, timeout)
+                    exchange += 1
+                    if rank == dst:
+                        cpu_before = time.process_time()
+                        pending = messages.post_recv(shape, torch.float32, src, 0, "calibration message")
+                        messages.wait_recv(pending)
+                        synchronize()
+                        held_at = time.perf_counter()
+                        # The reply: when this rank held the message, and the CPU time its wait took.
+                        reply = torch.tensor([held_at, time.process_time() - cpu_before], dtype=torch.float64)
+                        messages.send(reply, src, 1, "calibration reply")
+                        messages.wait_sends()
+                        continue
+                    pending_reply = messages.post_recv((2,), torch.float64, dst, 1, "calibration reply")
+                    compute_for(_SENDER_PAUSE_S)
+                    synchronize()
+                    cpu_before, sent_at = time.process_time(), time.perf_counter()
+                    messages.send(message, dst, 0, "calibration message")
+                    cpu_spent = time.process_time() - cpu_before
+                    compute_for(_SENDER_COMPUTES_ON_S)
+                    cpu_before = time.process_time()
+                    messages.wait_sends()
+                    synchronize()
+                    cpu_spent += time.process_time() - cpu_before
+                    held_at, waited_cpu = messages.wait_recv(pending_reply).tolist()
+                    if run >= warmup:
+                        delays.append(held_at - sent_at)
+                        sender_cpu.append(cpu_spent)
+                        receiver_cpu.append(waited_cpu)
+                if rank == src:
+                    for key, values in zip(medians, (delays, sender_cpu, receiver_cpu), strict=True):
+                        medians[key].append(statistics.median(values))
+            if rank == src:
+                results.append({"src": src, "dst": dst, **medians})
+    Path(results_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    leave_together(store, rank, group.world_size)
+
+
+def join_as_runtime_rank(rank: int, torch_devices: list[str], port: int, timeout_s: float) -> tuple[Any, Any, Any]:
+    """This process as rank ``rank``, set up as the runtime sets up a worker: its share of the cores, the store
+    (rank 0 hosts it), the runtime's links: ``(group, store, resources)``."""
+    import torch.distributed as dist
+
+    from moirai.runtime.groups import local_group
+    from moirai.runtime.resources import apply_resources, pin_io_threads, rank_resources
+
+    resources = rank_resources(torch_devices)[rank]
+    apply_resources(resources, torch_devices[rank])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, len(torch_devices), is_master=rank == 0, timeout=timeout)
+    group = local_group(rank, torch_devices, store, timeout_s)
+    pin_io_threads(resources)
+    return group, store, resources
+
+
+def leave_together(store: Any, rank: int, world_size: int) -> None:
+    """Nobody leaves before the last message is through: a rank that exits closes its connections."""
+    store.set(f"moirai/calibrated/{rank}", "1")
+    store.wait([f"moirai/calibrated/{r}" for r in range(world_size)])
