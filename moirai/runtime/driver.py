@@ -32,6 +32,7 @@ from moirai.runtime.protocol import (
     Header,
     Messages,
     check_tags,
+    program_for_rank,
     run_part,
     send_header,
     send_inputs,
@@ -237,9 +238,12 @@ class Driver:
             check_tags(program)
             program_id = self._programs[id(program)] = len(self._programs)
             self._keep.append(program)  # ids stay unique while the program lives
-            ranks = range(1, self.group.world_size)
-            load = Header(LOAD, program_id, payload=pickle.dumps(program))
-            self._outgoing.put(("control", self._send_headers(load, ranks)))
+            # Each rank gets its own part only: no rank holds another's weights, and a load costs one part per rank.
+            sent = []
+            for rank in range(1, self.group.world_size):
+                load = Header(LOAD, program_id, payload=pickle.dumps(program_for_rank(program, rank)))
+                sent += self._send_headers(load, [rank])
+            self._outgoing.put(("control", sent))
         return self._programs[id(program)]
 
     def _send_headers(self, header: Header, ranks: Sequence[int]) -> list[Messages]:
