@@ -34,9 +34,10 @@ from moirai.errors import ClusterError
 GPU_RANK_THREADS = 2
 
 
-# Every apply_resources not yet restored, oldest first: (what it returned, what it set). Runners open at once take
-# turns on the process's cores in this order, whatever order they close in.
+# Every apply_resources not yet restored, oldest first: (what it returned, what it set), and what the process had
+# before the first of them. Runners open at once hold the process newest first, whatever order they close in.
 _APPLIED: list[tuple[RankResources, RankResources]] = []
+_ORIGINAL: list[RankResources] = []
 _APPLIED_LOCK = threading.Lock()
 
 # The name (``/proc/<pid>/task/<tid>/comm``) of gloo's I/O threads starts with this.
@@ -143,6 +144,8 @@ def apply_resources(resources: RankResources, device_name: str, own_process: boo
     before = RankResources(current_cores(), torch.get_num_threads())
     _set_resources(resources, device_name)
     with _APPLIED_LOCK:
+        if not _APPLIED:
+            _ORIGINAL[:] = [before]
         _APPLIED.append((before, resources))
     if own_process:
         try:
@@ -164,12 +167,10 @@ def restore_resources(before: RankResources) -> None:
             _set_resources(before, "the process before moirai pinned it", restoring=True)
             return
         _APPLIED.pop(index)
-        if index == 0 and _APPLIED:
-            _APPLIED[0] = (before, _APPLIED[0][1])  # the next oldest now holds what the process had
         if _APPLIED:
             _set_resources(_APPLIED[-1][1], "a runner still open")
         else:
-            _set_resources(before, "the process before moirai pinned it", restoring=True)
+            _set_resources(_ORIGINAL.pop(), "the process before moirai pinned it", restoring=True)
 
 
 def _set_resources(resources: RankResources, device_name: str, restoring: bool = False) -> None:

@@ -135,9 +135,9 @@ def _reserve_file(fd: int, size: int, path: str) -> None:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise
         raise DistributedError(
-            f"{os.path.dirname(path)} has {free_bytes(os.path.dirname(path)) / 2**20:.0f} MB free, the run needs "
-            f"{size / 2**20:.0f} MB more for {os.path.basename(path)}; set {ENV_SWITCH}=0 (send through gloo) or "
-            f"enlarge it (e.g. docker --shm-size), or point {DIR_ENV} at a larger tmpfs"
+            f"{_shm_dir()} has {free_bytes(os.path.dirname(path)) / 2**20:.0f} MB free, the run needs "
+            f"{size / 2**20:.0f} MB more for {path}; set {ENV_SWITCH}=0 (send through gloo) or enlarge it (e.g. docker "
+            f"--shm-size), or point {DIR_ENV} at a larger tmpfs"
         ) from None
 
 
