@@ -123,14 +123,16 @@ def _xor(data: bytes, stream: bytes) -> bytes:
     )
 
 
-def start_store(world_size: int, timeout_s: float, secret: bytes | None = None) -> RunStore:
-    """Rank 0: a new store listening on 127.0.0.1 only, sealed with ``secret`` (default: a new one).
+def start_store(world_size: int, timeout_s: float, secret: bytes | None = None, port: int = 0) -> RunStore:
+    """Rank 0: a new store listening on 127.0.0.1:``port`` (0: any free port) only, sealed with ``secret``
+    (default: a new one).
 
-    The other ranks join with :func:`join_store` and the same secret, handed to them in their process arguments.
+    The other ranks join with :func:`join_store` and the same secret, handed to them in their process arguments
+    or environment (not on a command line, which every local user can read).
     """
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.bind(("127.0.0.1", 0))
+        listener.bind(("127.0.0.1", port))
         listener.listen(_LISTEN_BACKLOG)
         port = listener.getsockname()[1]
         raw = dist.TCPStore(
