@@ -348,3 +348,46 @@ def test_two_servers_in_one_process_close_a_and_b_still_serves(rows) -> None:
         a.close()
         b.close()
     assert os.sched_getaffinity(0) == original
+
+
+# --- 7. raw errors -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), 1e300])
+def test_an_unbounded_timeout_is_an_input_error_not_an_overflow(rows, timeout_s) -> None:
+    _, _, compiled = rows
+    with pytest.raises(moirai.InputError, match="timeout_s must be a positive number of seconds below"):
+        compiled.server(timeout_s=timeout_s)
+
+
+def test_saving_into_a_missing_directory_is_a_plan_error(rows, tmp_path) -> None:
+    _, _, compiled = rows
+    with pytest.raises(PlanError, match="directory .*nowhere.* does not exist"):
+        compiled.save(tmp_path / "nowhere" / "plan.json")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("groups", "all"), ("groups", [[1, 2]]), ("node_device", "first"), ("node_device", 1.5), ("devices", "cpu")],
+)
+def test_plan_fields_of_the_wrong_type_are_plan_errors_naming_the_field(rows, tmp_path, field, value) -> None:
+    model, example, compiled = rows
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    plan = json.loads(path.read_text())
+    plan[field] = {name: value for name in plan["node_device"]} if field == "node_device" else value
+    path.write_text(json.dumps(plan))
+    with pytest.raises(PlanError, match=f"'{field}' is"):
+        moirai.load(path, model, example)
+
+
+def test_a_plan_from_another_torch_warns(rows, tmp_path) -> None:
+    model, example, compiled = rows
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    plan = json.loads(path.read_text())
+    assert plan["versions"]["torch"] == torch.__version__
+    plan["versions"]["torch"] = "1.0.0"
+    path.write_text(json.dumps(plan))
+    with pytest.warns(moirai.MoiraiWarning, match=r"saved with torch 1\.0\.0 \(here "):
+        moirai.load(path, model, example)

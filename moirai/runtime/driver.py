@@ -41,12 +41,18 @@ from moirai.runtime.split import SplitProgram
 
 # A heartbeat goes to a rank that has had no header for this fraction of the timeout.
 _HEARTBEAT_FRACTION = 0.25
+# The longest time limit: a timedelta holds ~2.7e14 s and torch's waits take milliseconds in a signed 64-bit count.
+_MAX_TIMEOUT_S = 1e9
 
 
 def check_timeout(timeout_s: float) -> float:
-    """``timeout_s`` if it is a positive number of seconds, else :class:`moirai.InputError` naming the option."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
-        raise InputError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    """``timeout_s`` if it is a positive, finite number of seconds, else :class:`moirai.InputError` naming the option
+    (torch's waits take a finite time limit: infinity would overflow them)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s < _MAX_TIMEOUT_S:
+        raise InputError(
+            f"timeout_s must be a positive number of seconds below {_MAX_TIMEOUT_S:.0e} (a year is 3.2e7), got "
+            f"{timeout_s!r}"
+        )
     return float(timeout_s)
 
 
