@@ -391,3 +391,18 @@ def test_a_plan_from_another_torch_warns(rows, tmp_path) -> None:
     path.write_text(json.dumps(plan))
     with pytest.warns(moirai.MoiraiWarning, match=r"saved with torch 1\.0\.0 \(here "):
         moirai.load(path, model, example)
+
+
+@pytest.mark.parametrize("content", ["{not json", '["a list"]', '{"times_s": {"op": "fast"}}', "\udcff"])
+def test_a_corrupt_profile_cache_is_named_moved_aside_and_rebuilt(tmp_path, content) -> None:
+    from moirai.cluster.cost import _ProfileCache
+
+    cache = _ProfileCache(tmp_path, "cpu|test")
+    cache.path.parent.mkdir(parents=True)
+    cache.path.write_bytes(content.encode(errors="surrogateescape"))
+    with pytest.warns(moirai.MoiraiWarning, match=r"profile cache .* was corrupt.*measured again"):
+        rebuilt = _ProfileCache(tmp_path, "cpu|test")
+    assert rebuilt.times_s == {} and cache.path.with_suffix(".corrupt").exists()
+    rebuilt.times_s["op"] = 1e-3
+    rebuilt.save()
+    assert _ProfileCache(tmp_path, "cpu|test").times_s == {"op": 1e-3}
