@@ -31,7 +31,7 @@ from moirai import viz
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
-from moirai.errors import ClusterError, MoiraiError, PlanError
+from moirai.errors import ClusterError, MoiraiError, PlanError, PlanVersionWarning
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
@@ -184,8 +184,15 @@ class CompiledModel:
             "plan": self.plan.to_dict(),
             "problem": self.problem.to_dict(),
             "dynamic_dims": dynamic_dims_to_json(self.traced),
+            "versions": _versions(),
         }
-        Path(path).write_text(json.dumps(record, indent=1))
+        directory = Path(path).parent
+        if not directory.is_dir():
+            raise PlanError(f"cannot save the plan to {str(path)!r}: directory {str(directory)!r} does not exist")
+        try:
+            Path(path).write_text(json.dumps(record, indent=1))
+        except OSError as error:
+            raise PlanError(f"cannot save the plan to {str(path)!r}: {error.strerror}") from None
 
 
 @_progress.reports_progress
@@ -355,7 +362,66 @@ def _read_plan_file(path: str | Path) -> dict[str, Any]:
     missing += [f"plan.{key}" for key in ("placement", "device_names") if key not in (record.get("plan") or {})]
     if missing:
         raise PlanError(f"plan file {str(path)!r} lacks {missing}; it is not a whole moirai plan: save it again")
+    _check_plan_fields(record, path)
+    _warn_on_other_versions(record.get("versions"), path)
     return record
+
+
+def _check_plan_fields(record: dict[str, Any], path: str | Path) -> None:
+    """A :class:`PlanError` naming the first field of a plan file whose type or range is not what save writes."""
+    devices = record["devices"]
+    problems = {
+        "devices": isinstance(devices, list)
+        and all(isinstance(d, dict) and isinstance(d.get("torch_device"), str) for d in devices),
+        "node_device": isinstance(record["node_device"], dict)
+        and all(
+            type(k) is int and 0 <= k < (len(devices) if isinstance(devices, list) else 0)
+            for k in record["node_device"].values()
+        ),
+        "groups": _is_list_of_name_lists(record["groups"]),
+        "device_order": record["device_order"] is None or _is_list_of_name_lists(record["device_order"]),
+    }
+    wrong = [field for field, ok in problems.items() if not ok]
+    if wrong:
+        expected = {
+            "devices": "a list of {'name', 'torch_device'} objects",
+            "node_device": "an object mapping op names to device indices 0..len(devices)-1",
+            "groups": "a list of lists of op names",
+            "device_order": "null or a list of lists of op names",
+        }
+        raise PlanError(
+            f"plan file {str(path)!r}: {wrong[0]!r} is {str(record[wrong[0]])[:80]!r}, not {expected[wrong[0]]}; "
+            "save the plan again with CompiledModel.save(path)"
+        )
+
+
+def _is_list_of_name_lists(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g) for g in value)
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        moirai_version = version("moirai")
+    except PackageNotFoundError:
+        moirai_version = "unknown"
+    return {"moirai": moirai_version, "torch": torch.__version__}
+
+
+def _warn_on_other_versions(saved: Any, path: str | Path) -> None:
+    """A plan made by another moirai or torch may trace to other op names: say so before they fail to match."""
+    if not isinstance(saved, dict):
+        return
+    here = _versions()
+    other = [f"{name} {saved[name]} (here {here[name]})" for name in here if saved.get(name) not in (None, here[name])]
+    if other:
+        warnings.warn(
+            f"plan file {str(path)!r} was saved with {', '.join(other)}; if loading fails or the split differs, "
+            "compile the model again",
+            PlanVersionWarning,
+            stacklevel=3,
+        )
 
 
 def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:

@@ -51,3 +51,7 @@ class TrainingModeWarning(MoiraiWarning):
 
 class OverMemoryWarning(MoiraiWarning):
     """A placer that ignores memory returned a plan that puts more on a device than it holds."""
+
+
+class PlanVersionWarning(MoiraiWarning):
+    """A plan file was saved by another version of moirai or torch."""

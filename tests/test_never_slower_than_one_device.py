@@ -17,7 +17,7 @@ from moirai.planning.objective import LATENCY
 from moirai.planning.placers import MIN_SPLIT_GAIN, no_worse_than_one_device, place, specs
 from moirai.planning.problem import Plan, Problem
 from moirai.planning.simulate import simulate
-from moirai.runtime.header import HEADER_FIELDS
+from moirai.runtime.header import HEADER_WORDS
 
 LATENCY_PLACERS = [s.name for s in specs() if s.minimises]
 
@@ -213,11 +213,11 @@ def test_the_driver_messages_cost_what_the_calibration_says_a_message_costs(tmp_
     write_calibration(path, {"cpu->cpu": TransferCost(1e-3, 1e9, 2e-4, 0.0, 3e-4, 0.0)}, RequestCost(1e-4, 2e-5))
     x = torch.randn(16, 64)
     problem = moirai.compile(TwoBranches().eval(), ["cpu", "cpu"], (x,), placer="heft", calibration=path).problem
-    assert problem.costs.header_s.tolist() == pytest.approx([0.0, 1e-3 + 40 / 1e9 + 3e-4])
+    assert problem.costs.header_s.tolist() == pytest.approx([0.0, 1e-3 + HEADER_BYTES / 1e9 + 3e-4])
     assert problem.costs.request_cpu_s.tolist() == [1e-4, 2e-5]
     last = problem.topological_order[-1]
     assert problem.costs.output_s[last].tolist() == pytest.approx([0.0, 2e-4 + 1e-3 + 16 * 64 * 4 / 1e9 + 3e-4])
     # For the period, the same message's CPU times: the sender's on the maker's device, the receiver's on device 0.
     assert problem.costs.output_send_cpu_s[last].tolist() == pytest.approx([0.0, 2e-4])
     assert problem.costs.output_recv_cpu_s[last].tolist() == pytest.approx([0.0, 3e-4])
-    assert HEADER_BYTES == 8 * len(HEADER_FIELDS)  # the runtime's header: that many int64
+    assert HEADER_BYTES == 8 * HEADER_WORDS  # the runtime's header: that many int64

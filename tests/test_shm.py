@@ -107,8 +107,9 @@ def test_spill_files_of_closed_links_and_ended_processes_are_removed(monkeypatch
     monkeypatch.setattr(shm, "_shm_dir", lambda: str(tmp_path))
     a, _ = connected_pair()
     a.send([torch.ones(shm.RING_BYTES)], 1, 1)  # spilled, never read
-    ended = tmp_path / f"{shm._SPILL_PREFIX}999999999-abc"  # no process has this pid
+    ended = tmp_path / f"{shm._SPILL_PREFIX}ended-abc"  # its owner's lock file is held by nobody
     ended.write_bytes(b"x")
+    (tmp_path / f"{shm._SPILL_PREFIX}ended{shm._LOCK_SUFFIX}").touch(mode=0o600)
     connected_pair()
     assert not ended.exists() and len(shm.spill_files()) == 1  # a live writer's file stays
     a.close()
@@ -158,9 +159,13 @@ def test_links_leave_no_files_behind(monkeypatch, tmp_path):
     a, _, c = connected_pair(3)
     a.send([torch.ones(3)], 2, 1)
     a.send([torch.ones(shm.RING_BYTES)], 2, 2)  # spilled
-    assert [p.name for p in tmp_path.iterdir()] == [p.name for p in shm.spill_files()]  # rings and FIFOs: gone
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(shm._LOCK_SUFFIX))
+    assert left == [p.name for p in shm.spill_files()]  # rings and FIFOs: gone
     torch.testing.assert_close(received(c, torch.empty(3), 0, 1), torch.ones(3))
     torch.testing.assert_close(received(c, torch.empty(shm.RING_BYTES), 0, 2), torch.ones(shm.RING_BYTES))
-    assert not list(tmp_path.iterdir())
+    assert all(p.name.endswith(shm._LOCK_SUFFIX) for p in tmp_path.iterdir())  # the live links' locks only
     group = Group(0, [torch.device("cpu")] * 3, gloo="gloo group", nccl=None, store=None, shared_memory=a)
     assert group.link(torch.device("cpu"), 2) is a
+    for links in (a, _, c):
+        links.close()
+    assert not list(tmp_path.iterdir())

@@ -51,6 +51,7 @@ import os
 import socket
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -65,7 +66,7 @@ from rich.progress import Progress
 from moirai.cluster.devices import Cluster, Device
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import kind_of
-from moirai.errors import ClusterError
+from moirai.errors import ClusterError, MoiraiWarning
 from moirai.frontend.graph import OpGraph, model_output_bytes
 from moirai.frontend.trace import TracedModel
 from moirai.planning.costs import RequestCosts
@@ -338,7 +339,25 @@ class _ProfileCache:
         self.device_key = device_key
         self.times_s: dict[str, float] = {}
         if self.path.exists():
-            self.times_s = json.loads(self.path.read_text()).get("times_s", {})
+            self.times_s = self._read()
+
+    def _read(self) -> dict[str, float]:
+        """The cached times, or none (the file renamed ``.corrupt`` with a warning, so it is measured again)."""
+        try:
+            times_s = json.loads(self.path.read_text()).get("times_s")
+            if isinstance(times_s, dict) and all(isinstance(t, int | float) for t in times_s.values()):
+                return times_s
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            pass
+        corrupt = self.path.with_suffix(".corrupt")
+        os.replace(self.path, corrupt)
+        warnings.warn(
+            f"the profile cache {self.path} was corrupt (not the JSON moirai writes); it was moved to {corrupt} and "
+            "the ops are measured again",
+            MoiraiWarning,
+            stacklevel=4,
+        )
+        return {}
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

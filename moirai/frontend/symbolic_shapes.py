@@ -8,13 +8,13 @@ A model traced with ``dynamic_shapes`` (:func:`moirai.frontend.trace.trace`) has
 
 from __future__ import annotations
 
+import ast
 import functools
 import math
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 import sympy
@@ -60,7 +60,7 @@ def symbolic_expression(value: int | torch.SymInt | torch.SymBool | torch.SymFlo
 
 def evaluate_symbolic(expression: str, symbol_values: Mapping[str, int]) -> Any:
     """The value of a :func:`symbolic_expression` at the given symbol values."""
-    return eval(_compiled_expression(expression), {"__builtins__": {}, **_EXPRESSION_FUNCTIONS}, dict(symbol_values))
+    return _evaluate(_parsed_expression(expression), symbol_values, expression)
 
 
 def concrete_shape(spec: TensorSpec, symbol_values: Mapping[str, int]) -> tuple[int, ...]:
@@ -103,7 +103,7 @@ def dynamic_shapes_from_json(
                 f"inputs have {len(tensors)} tensors; give example inputs structured as those the plan was made with"
             )
         # A derived dim (2*batch) is the same arithmetic on torch.export.Dim objects.
-        axes_of.setdefault(position, {})[axis] = eval(_compiled_expression(expression), {"__builtins__": {}}, dims)
+        axes_of.setdefault(position, {})[axis] = evaluate_symbolic(expression, dims)
     shapes = torch.export.ShapesCollection()
     for position, axes in axes_of.items():
         shapes[tensors[position]] = axes
@@ -216,12 +216,107 @@ def _user_dim_names(
     }
 
 
-_EXPRESSION_FUNCTIONS = {"max": max, "min": min, "abs": abs, "math": math, "int": int, "float": float}
+# What shape expressions may call and do (PythonPrinter's output): a plan file's strings are data, never code.
+_EXPRESSION_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "max": max,
+    "min": min,
+    "abs": abs,
+    "int": int,
+    "float": float,
+    "math.floor": math.floor,
+    "math.ceil": math.ceil,
+    "math.trunc": math.trunc,
+}
+_BINARY_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY_OPERATORS: dict[type, Callable[[Any], Any]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_COMPARISONS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+}
+_MAX_EXPRESSION_CHARS = 2000
+_MAX_EXPONENT = 64  # a larger power of a size is no shape; it would only make the evaluation hang
 
 
 @functools.lru_cache(maxsize=4096)
-def _compiled_expression(expression: str) -> CodeType:
-    return compile(expression, "<symbolic shape>", "eval")
+def _parsed_expression(expression: str) -> ast.expr:
+    """``expression``'s syntax tree if it is shape arithmetic, else :class:`moirai.PlanError`."""
+    if not isinstance(expression, str) or len(expression) > _MAX_EXPRESSION_CHARS:
+        raise PlanError(f"a symbolic shape must be a string of at most {_MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression, mode="eval").body
+    except SyntaxError as error:
+        raise PlanError(f"symbolic shape {expression!r:.80} is not an expression ({error.msg})") from None
+    for node in ast.walk(tree):
+        _check_node(node, expression)
+    return tree
+
+
+def _check_node(node: ast.AST, expression: str) -> None:
+    allowed = (
+        isinstance(node, ast.Name)
+        or (isinstance(node, ast.Constant) and type(node.value) in (int, float, bool))
+        or (isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPERATORS)
+        or (isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPERATORS)
+        or (isinstance(node, ast.Compare) and all(type(op) in _COMPARISONS for op in node.ops))
+        or (isinstance(node, ast.Call) and _function_name(node.func) in _EXPRESSION_FUNCTIONS and not node.keywords)
+        or isinstance(node, ast.Attribute | ast.Load | ast.operator | ast.unaryop | ast.cmpop)
+    )
+    if isinstance(node, ast.Attribute):
+        allowed = _function_name(node) in _EXPRESSION_FUNCTIONS
+    if not allowed:
+        raise PlanError(
+            f"symbolic shape {expression!r:.80} is not shape arithmetic ({type(node).__name__} is not allowed: only "
+            "numbers, dimension symbols, + - * / // % **, comparisons and " + ", ".join(_EXPRESSION_FUNCTIONS) + ")"
+        )
+
+
+def _function_name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return f"{node.value.id}.{node.attr}"
+    return None
+
+
+def _evaluate(node: ast.expr, values: Mapping[str, Any], expression: str) -> Any:
+    """Walk a tree :func:`_parsed_expression` accepted (values may be ints or ``torch.export.Dim`` s)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id not in values:
+            raise PlanError(f"symbolic shape {expression!r:.80} names {node.id!r}, which is not a dimension symbol")
+        return values[node.id]
+    if isinstance(node, ast.UnaryOp):
+        return _UNARY_OPERATORS[type(node.op)](_evaluate(node.operand, values, expression))
+    if isinstance(node, ast.BinOp):
+        left, right = _evaluate(node.left, values, expression), _evaluate(node.right, values, expression)
+        if isinstance(node.op, ast.Pow) and not (isinstance(right, int) and abs(right) <= _MAX_EXPONENT):
+            raise PlanError(f"symbolic shape {expression!r:.80} raises to a power other than an integer up to 64")
+        return _BINARY_OPERATORS[type(node.op)](left, right)
+    if isinstance(node, ast.Compare):
+        left = _evaluate(node.left, values, expression)
+        for op, comparator in zip(node.ops, node.comparators, strict=True):
+            right = _evaluate(comparator, values, expression)
+            if not _COMPARISONS[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if not isinstance(node, ast.Call):  # a function named but not called
+        raise PlanError(f"symbolic shape {expression!r:.80} is not shape arithmetic")
+    function = _EXPRESSION_FUNCTIONS[_function_name(node.func) or ""]
+    return function(*(_evaluate(argument, values, expression) for argument in node.args))
 
 
 def example_int(size: int | torch.SymInt) -> int:

@@ -38,12 +38,36 @@ def report_failure(store: Any, rank: int, peer: int | None, message: str) -> Non
         pass  # the store's host is gone too: the others name this rank as one nobody heard from
 
 
-def _read_report(store: Any, rank: int, deadline: float) -> dict[str, Any] | None:
+def read_report(store: Any, rank: int, world_size: int) -> dict[str, Any]:
+    """Rank ``rank``'s failure report, checked: :class:`moirai.DistributedError` naming the key unless it is one."""
+    key = f"moirai/failure/{rank}"
+    raw = store.get(key)
+    try:
+        report = json.loads(raw)
+    except ValueError:
+        report = None
+    peer = report.get("peer", ...) if isinstance(report, dict) else ...
+    if not (
+        isinstance(report, dict)
+        and isinstance(report.get("message"), str)
+        and (peer is None or (type(peer) is int and 0 <= peer < world_size and peer != rank))
+    ):
+        raise DistributedError(
+            f"store key {key!r} holds no failure report ({bytes(raw)[:80]!r}): expected "
+            f'{{"peer": null or a rank 0..{world_size - 1} other than {rank}, "message": a string}}; a process '
+            "that is no rank of this run wrote it"
+        )
+    return report
+
+
+def _read_report(store: Any, rank: int, world_size: int, deadline: float) -> dict[str, Any] | None:
     key = f"moirai/failure/{rank}"
     while True:
         try:
             if store.check([key]):
-                return json.loads(store.get(key))
+                return read_report(store, rank, world_size)
+        except DistributedError:
+            raise
         except Exception:
             return None
         if time.monotonic() > deadline:
@@ -55,8 +79,16 @@ def blamed(group: Group, error: BaseException, what: str) -> DistributedError:
     """Report this rank's failure, then the error naming the guilty rank: who failed on its own, or went silent.
 
     Starting from the rank this one waited for, follow each report's "waiting for" to a rank that
-    failed on its own or that sent no report within the grace period (hung or dead).
+    failed on its own or that sent no report within the grace period (hung or dead). A report that
+    is none (forged, or written without the run's secret) is the error, naming its store key.
     """
+    try:
+        return _blamed(group, error, what)
+    except DistributedError as forged:
+        return DistributedError(f"rank {group.rank} ({group.devices[group.rank]}) failed during {what}: {forged}")
+
+
+def _blamed(group: Group, error: BaseException, what: str) -> DistributedError:
     rank = group.rank
     peer = error.peer if isinstance(error, PeerFailure) else None
     own = str(error) if peer is not None else describe_error(error)
@@ -67,7 +99,7 @@ def blamed(group: Group, error: BaseException, what: str) -> DistributedError:
     chain = [f"rank {rank}: {own.removeprefix(f'rank {rank}: ')}"]
     seen, guilty = {rank}, peer
     while True:
-        report = _read_report(group.store, guilty, deadline)
+        report = _read_report(group.store, guilty, group.world_size, deadline)
         if report is None:
             headline = (
                 f"rank {guilty} ({group.devices[guilty]}) hung or died during {what}: no rank heard from it within the "

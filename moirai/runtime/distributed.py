@@ -54,7 +54,7 @@ from moirai.cluster.kinds import kind_of
 from moirai.errors import DistributedError, InputError
 from moirai.progress import stage
 from moirai.runtime import shm
-from moirai.runtime.blame import blamed, describe_error, report_failure
+from moirai.runtime.blame import blamed, describe_error, read_report, report_failure
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import Group, local_group, placed_part
 from moirai.runtime.local import check_inputs
@@ -68,6 +68,7 @@ from moirai.runtime.resources import (
     restore_resources,
 )
 from moirai.runtime.split import SplitProgram
+from moirai.runtime.store import RUN_SECRET_ENV, RunStore, join_store, start_store
 
 __all__ = [
     "DistributedRunner",
@@ -218,7 +219,7 @@ class DistributedRunner:
         self.max_in_flight = check_max_in_flight(max_in_flight)
         self._workers: list[multiprocessing.Process] = []
         self._driver: Driver | None = None
-        self._store: Any = None
+        self._store: RunStore | None = None
         self._restore: RankResources | None = None
         self._starting = threading.Lock()  # submit may be called from several threads
 
@@ -276,7 +277,7 @@ class DistributedRunner:
                 self._start()
         return [
             _resources_in_use(),
-            *(json.loads(self._store.get(f"moirai/resources/{k}")) for k in range(1, len(self._workers) + 1)),
+            *(_checked_resources(self._store, k) for k in range(1, len(self._workers) + 1)),
         ]
 
     def close(self) -> None:
@@ -294,8 +295,9 @@ class DistributedRunner:
         world_size = len(self.torch_devices)
         resources = rank_resources(self.devices)
         # Joining (store and groups) may take as long as start-up; each message waits with its request's timeout.
-        timeout = datetime.timedelta(seconds=self.start_timeout_s)
-        self._store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        if shm.enabled():
+            shm.check_space(world_size)
+        self._store = start_store(world_size, self.start_timeout_s)
         context = torch.multiprocessing.get_context("spawn")
         self._workers = [
             context.Process(
@@ -305,6 +307,7 @@ class DistributedRunner:
                     self.torch_devices,
                     self._names(),
                     self._store.port,
+                    self._store.secret,
                     self.timeout_s,
                     self.start_timeout_s,
                     resources[rank],
@@ -336,8 +339,11 @@ class DistributedRunner:
                 if self._store.check([f"moirai/ready/{rank}"]):
                     waiting.discard(rank)
                 elif self._store.check([f"moirai/failure/{rank}"]):
-                    report = json.loads(self._store.get(f"moirai/failure/{rank}"))
-                    self._fail_start(f"rank {rank} ({self._names()[rank]}) failed during start-up: {report['message']}")
+                    try:
+                        message = read_report(self._store, rank, len(self.torch_devices))["message"]
+                    except DistributedError as forged:
+                        self._fail_start(str(forged))
+                    self._fail_start(f"rank {rank} ({self._names()[rank]}) failed during start-up: {message}")
                 elif not self._workers[rank - 1].is_alive():
                     self._fail_start(self._start_death(rank))
             if waiting and time.monotonic() > deadline:
@@ -400,18 +406,45 @@ def _resources_in_use() -> dict[str, Any]:
     }
 
 
+def _checked_resources(store: RunStore, rank: int) -> dict[str, Any]:
+    key = f"moirai/resources/{rank}"
+    resources = json.loads(store.get(key))
+    if not isinstance(resources, dict) or not isinstance(resources.get("threads"), int):
+        raise DistributedError(f"store key {key!r} holds no resources report: {resources!r:.80}")
+    return resources
+
+
+def torchrun_secret() -> bytes | None:
+    """Under torchrun, the run's secret from ``MOIRAI_RUN_SECRET`` (hex, the same on every rank), if set.
+
+    Without it, rank 0's headers are not authenticated, and a rank refuses to load a program sent over
+    the network (under torchrun every rank has its program already).
+    """
+    text = os.environ.get(RUN_SECRET_ENV)
+    if not text:
+        return None
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise InputError(f"{RUN_SECRET_ENV} must be hexadecimal (e.g. from `openssl rand -hex 32`)") from None
+
+
 def _worker_main(
     rank: int,
     torch_devices: list[str],
     names: list[str],
     port: int,
+    secret: bytes,
     timeout_s: float,
     start_timeout_s: float,
     resources: RankResources,
 ) -> None:
-    """A spawned rank: take its share of the cores, join the groups on loopback, serve until rank 0 closes."""
-    timeout = datetime.timedelta(seconds=start_timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, len(torch_devices), is_master=False, timeout=timeout)
+    """A spawned rank: take its share of the cores, join the groups on loopback, serve until rank 0 closes.
+
+    ``secret`` (the run's, from rank 0's arguments, never from the store) opens the store's values and
+    authenticates rank 0's headers.
+    """
+    store = join_store(port, len(torch_devices), secret, start_timeout_s)
     group = None
     try:
         apply_resources(resources, names[rank])
@@ -452,7 +485,7 @@ def _torchrun_group(
         apply_resources(resources, str(devices[rank]))
         pin_io_threads(resources)
         default = dist.distributed_c10d._get_default_group()
-        store = dist.distributed_c10d._get_default_store()
+        store = RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
         links = shm.connect(rank, world_size, store, timeout_s, f"moirai/shm/{world_size}")
         _TORCHRUN_GROUP = Group(
             rank, [torch.device(d) for d in torch_devices], default, default, store, shared_memory=links

@@ -32,6 +32,7 @@ from moirai.runtime.protocol import (
     Header,
     Messages,
     check_tags,
+    program_for_rank,
     run_part,
     send_header,
     send_inputs,
@@ -40,12 +41,18 @@ from moirai.runtime.split import SplitProgram
 
 # A heartbeat goes to a rank that has had no header for this fraction of the timeout.
 _HEARTBEAT_FRACTION = 0.25
+# The longest time limit: a timedelta holds ~2.7e14 s and torch's waits take milliseconds in a signed 64-bit count.
+_MAX_TIMEOUT_S = 1e9
 
 
 def check_timeout(timeout_s: float) -> float:
-    """``timeout_s`` if it is a positive number of seconds, else :class:`moirai.InputError` naming the option."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
-        raise InputError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    """``timeout_s`` if it is a positive, finite number of seconds, else :class:`moirai.InputError` naming the option
+    (torch's waits take a finite time limit: infinity would overflow them)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s < _MAX_TIMEOUT_S:
+        raise InputError(
+            f"timeout_s must be a positive number of seconds below {_MAX_TIMEOUT_S:.0e} (a year is 3.2e7), got "
+            f"{timeout_s!r}"
+        )
     return float(timeout_s)
 
 
@@ -237,9 +244,12 @@ class Driver:
             check_tags(program)
             program_id = self._programs[id(program)] = len(self._programs)
             self._keep.append(program)  # ids stay unique while the program lives
-            ranks = range(1, self.group.world_size)
-            load = Header(LOAD, program_id, payload=pickle.dumps(program))
-            self._outgoing.put(("control", self._send_headers(load, ranks)))
+            # Each rank gets its own part only: no rank holds another's weights, and a load costs one part per rank.
+            sent = []
+            for rank in range(1, self.group.world_size):
+                load = Header(LOAD, program_id, payload=pickle.dumps(program_for_rank(program, rank)))
+                sent += self._send_headers(load, [rank])
+            self._outgoing.put(("control", sent))
         return self._programs[id(program)]
 
     def _send_headers(self, header: Header, ranks: Sequence[int]) -> list[Messages]:

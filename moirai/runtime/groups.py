@@ -22,6 +22,7 @@ from moirai.cluster.kinds import device_memory_kind, host_device, kind_of
 from moirai.runtime import shm
 from moirai.runtime.local import place_part
 from moirai.runtime.split import SplitProgram
+from moirai.runtime.store import RunStore
 
 
 @dataclass
@@ -33,12 +34,17 @@ class Group:
     devices: list[torch.device]
     gloo: Any
     nccl: Any
-    store: Any
+    store: RunStore
     describe_rank: Callable[[int], str] = lambda rank: ""
     shared_memory: shm.SharedMemoryLinks | None = None
 
     def __post_init__(self) -> None:
         self.requests = itertools.count()
+
+    @property
+    def secret(self) -> bytes | None:
+        """The run's secret: authenticates rank 0's headers (None: torchrun's store, no secret given)."""
+        return self.store.secret
 
     @property
     def world_size(self) -> int:
@@ -64,20 +70,26 @@ class Group:
 
 
 def local_group(rank: int, torch_devices: Sequence[str], store: Any, join_timeout_s: float) -> Group:
-    """Process groups of our own on loopback (not the default group, which stays the user's)."""
+    """Process groups of our own on loopback (not the default group, which stays the user's).
+
+    ``store``: the run's :class:`moirai.runtime.store.RunStore` (a bare torch store carries no secret: its
+    ranks take no program from the driver).
+    """
+    if not isinstance(store, RunStore):
+        store = RunStore(store, None)
     timeout = datetime.timedelta(seconds=join_timeout_s)
     world_size = len(torch_devices)
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     options._timeout = timeout
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("moirai/gloo/", store), rank, world_size, options)
+    gloo = dist.ProcessGroupGloo(store.prefix_store("moirai/gloo/"), rank, world_size, options)
     nccl = None
     # NCCL carries only messages between two GPUs (see Group.wire_device), so only a world with two needs it.
     memory_kind = device_memory_kind(torch_devices)
     if memory_kind is not None:
         device = torch.device(torch_devices[rank])
         kind_of(device).set_current(device)
-        nccl = memory_kind.device_group(dist.PrefixStore(f"moirai/{memory_kind.backend}/", store), rank, world_size)
+        nccl = memory_kind.device_group(store.prefix_store(f"moirai/{memory_kind.backend}/"), rank, world_size)
     links = shm.connect(rank, world_size, store, join_timeout_s, "moirai/shm")
     return Group(rank, [torch.device(d) for d in torch_devices], gloo, nccl, store, shared_memory=links)
 

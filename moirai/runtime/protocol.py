@@ -10,12 +10,22 @@ the program's global order, see :mod:`moirai.runtime.split`). Receive buffers ta
 traced specs with the header's symbolic dimension values (:func:`moirai.runtime.split.concrete_shape`).
 
 A failed send, receive or wait raises :class:`moirai.runtime.blame.PeerFailure` naming the peer.
+
+Every header carries an HMAC (SHA-256) of the receiver's rank, the header's position in its
+sequence, its fields and a digest of its payload, keyed with the run's secret
+(:mod:`moirai.runtime.store`): a rank checks it before it reads the payload, and a header that
+fails the check is a :class:`moirai.DistributedError`, never acted on. A load's payload is the
+pickled program with only the receiving rank's part (:func:`program_for_rank`); a rank without
+the run's secret (torchrun, ``MOIRAI_RUN_SECRET`` unset) refuses loads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import hashlib
+import hmac
 import itertools
 import json
 import pickle
@@ -27,16 +37,18 @@ import torch
 import torch.fx as fx
 
 from moirai.cluster.kinds import kind_of
-from moirai.errors import PlanError
+from moirai.errors import DistributedError, PlanError
 from moirai.frontend.trace import TensorSpec
 from moirai.runtime.blame import PeerFailure
 from moirai.runtime.groups import Group, placed_part
-from moirai.runtime.header import HEADER_DTYPE, HEADER_FIELDS
+from moirai.runtime.header import DIGEST_WORDS, HEADER_DTYPE, HEADER_FIELDS, HEADER_WORDS
 from moirai.runtime.split import SplitProgram, concrete_shape, symbol_values
+from moirai.runtime.store import derived_key
 
-# Header kinds; a header's fields are listed in moirai.runtime.header.
+# Header kinds; a header's layout (fields, the payload's digest, the header's HMAC) is moirai.runtime.header's.
 RUN, LOAD, HEARTBEAT, CLOSE = 1, 2, 3, 4
 _HEADER_DTYPE = getattr(torch, HEADER_DTYPE)
+_MAX_PAYLOAD_BYTES = 1 << 40
 # Tag = request index modulo a window, then the message's position in the request (0 header, 1 payload).
 _TAG_BITS = 20
 _TAG_WINDOW = 2048
@@ -220,7 +232,12 @@ def serve(group: Group, programs: dict[int, SplitProgram], timeout_s: float) -> 
         if header.kind == CLOSE:
             break
         if header.kind == LOAD:
-            programs[header.program_id] = pickle.loads(header.payload)
+            if group.secret is None:
+                raise DistributedError(
+                    f"rank {group.rank} was sent a program to load, but this run has no secret to authenticate it "
+                    f"with (under torchrun, set MOIRAI_RUN_SECRET on every rank); it loads none"
+                )
+            programs[header.program_id] = pickle.loads(header.payload)  # authenticated by receive_header
         elif header.kind == RUN:
             program = programs[header.program_id]
             request_timeout = datetime.timedelta(milliseconds=header.timeout_ms)
@@ -259,6 +276,21 @@ class Header:
         return json.loads(self.payload) if self.kind == RUN and self.payload else {}
 
 
+def program_for_rank(program: SplitProgram, rank: int) -> SplitProgram:
+    """``program`` with only rank ``rank``'s part: the others' graphs (their weights) emptied, their wiring kept."""
+    parts = tuple(
+        part if part.device == rank else dataclasses.replace(part, graph_module=_empty_module())
+        for part in program.parts
+    )
+    return dataclasses.replace(program, parts=parts)
+
+
+def _empty_module() -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(None)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
 def send_header(group: Group, sequence: int, dst: int, header: Header, timeout: datetime.timedelta) -> Messages:
     """Send ``header`` as rank ``dst``'s message number ``sequence``; wait for the returned messages' sends."""
     values = {
@@ -269,20 +301,56 @@ def send_header(group: Group, sequence: int, dst: int, header: Header, timeout: 
         "timeout_ms": header.timeout_ms,
     }
     fields = [values[name] for name in HEADER_FIELDS]
+    digest = hashlib.sha256(header.payload).digest()
+    words = fields + _words(digest) + _words(_header_mac(group.secret, dst, sequence, fields, digest))
     control = Messages(group, sequence, timeout)
-    control.send(torch.tensor(fields, dtype=_HEADER_DTYPE), dst, 0, "a request header")
+    control.send(torch.tensor(words, dtype=_HEADER_DTYPE), dst, 0, "a request header")
     if header.payload:
         control.send(torch.frombuffer(bytearray(header.payload), dtype=torch.uint8), dst, 1, "a request's payload")
     return control
 
 
 def receive_header(group: Group, sequence: int, timeout: datetime.timedelta) -> Header:
+    """Rank ``group.rank``'s header number ``sequence``, checked against the run's secret before its payload is read."""
     control = Messages(group, sequence, timeout)
-    received = control.wait_recv(control.post_recv((len(HEADER_FIELDS),), _HEADER_DTYPE, 0, 0, "a request's header"))
-    values = dict(zip(HEADER_FIELDS, received.tolist(), strict=True))
+    received = control.post_recv((HEADER_WORDS,), _HEADER_DTYPE, 0, 0, "the next request's header")
+    words = control.wait_recv(received).tolist()
+    count = len(HEADER_FIELDS)
+    fields, digest = words[:count], _bytes(words[count : count + DIGEST_WORDS])
+    mac = _bytes(words[count + DIGEST_WORDS :])
+    if group.secret is not None and not hmac.compare_digest(
+        mac, _header_mac(group.secret, group.rank, sequence, fields, digest)
+    ):
+        raise DistributedError(
+            f"rank {group.rank}: header {sequence} failed its authentication check (its HMAC does not match this "
+            "run's secret): a process that is not this run's rank 0 sent it; nothing in it was used"
+        )
+    values = dict(zip(HEADER_FIELDS, fields, strict=True))
     payload_bytes = values["payload_bytes"]
+    if not 0 <= payload_bytes <= _MAX_PAYLOAD_BYTES:
+        raise DistributedError(f"rank {group.rank}: header {sequence} announces a payload of {payload_bytes} bytes")
     payload = b""
     if payload_bytes:
         received = control.wait_recv(control.post_recv((payload_bytes,), torch.uint8, 0, 1, "a request's payload"))
         payload = received.numpy().tobytes()
+    if not hmac.compare_digest(hashlib.sha256(payload).digest(), digest):
+        raise DistributedError(
+            f"rank {group.rank}: the payload of header {sequence} does not match the header's digest; nothing in it "
+            "was used"
+        )
     return Header(values["kind"], values["program_id"], values["request"], values["timeout_ms"], payload)
+
+
+def _header_mac(secret: bytes | None, dst: int, sequence: int, fields: Sequence[int], digest: bytes) -> bytes:
+    if secret is None:
+        return bytes(DIGEST_WORDS * 8)
+    message = json.dumps([dst, sequence, list(fields)]).encode() + digest
+    return hmac.new(derived_key(secret, "headers"), message, hashlib.sha256).digest()
+
+
+def _words(digest: bytes) -> list[int]:
+    return [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, len(digest), 8)]
+
+
+def _bytes(words: Sequence[int]) -> bytes:
+    return b"".join(int(word).to_bytes(8, "little", signed=True) for word in words)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,12 @@ from moirai.cluster.devices import Device
 from moirai.cluster.host import available_cores, current_cores, note_pinning, split_cores
 from moirai.cluster.kinds import DeviceKind, kind_of
 from moirai.errors import ClusterError
+
+# Every apply_resources not yet restored, oldest first: (what it returned, what it set), and what the process had
+# before the first of them. Runners open at once hold the process newest first, whatever order they close in.
+_APPLIED: list[tuple[RankResources, RankResources]] = []
+_ORIGINAL: list[RankResources] = []
+_APPLIED_LOCK = threading.Lock()
 
 # The name (``/proc/<pid>/task/<tid>/comm``) of gloo's I/O threads starts with this.
 _IO_THREAD_NAME = "gloo_tcp"
@@ -133,16 +140,11 @@ def apply_resources(resources: RankResources, device_name: str, own_process: boo
     allows it (only before any inter-op work; it cannot be undone, so a caller's process keeps its own).
     """
     before = RankResources(current_cores(), torch.get_num_threads())
-    if resources.cores is not None and hasattr(os, "sched_setaffinity"):
-        unknown = sorted(set(resources.cores) - set(range(os.cpu_count() or 1)))
-        if unknown:
-            raise ClusterError(
-                f"device {device_name!r} asks for cores {unknown}, which this host does not have "
-                f"(cores 0..{(os.cpu_count() or 1) - 1}); fix its cores in the cluster file"
-            )
-        _set_affinity(resources.cores)
-        note_pinning(before.cores, pinned=True)
-    torch.set_num_threads(resources.threads)
+    _set_resources(resources, device_name)
+    with _APPLIED_LOCK:
+        if not _APPLIED:
+            _ORIGINAL[:] = [before]
+        _APPLIED.append((before, resources))
     if own_process:
         try:
             torch.set_num_interop_threads(1)
@@ -152,11 +154,35 @@ def apply_resources(resources: RankResources, device_name: str, own_process: boo
 
 
 def restore_resources(before: RankResources) -> None:
-    """Undo :func:`apply_resources` (the interop thread count stays)."""
-    if before.cores is not None and hasattr(os, "sched_setaffinity"):
-        _set_affinity(before.cores)
-        note_pinning(tuple(before.cores), pinned=False)
-    torch.set_num_threads(before.threads)
+    """Undo the :func:`apply_resources` that returned ``before`` (the interop thread count stays).
+
+    While others are still applied, the newest of them holds the process; the last one restores what
+    the process had before the first.
+    """
+    with _APPLIED_LOCK:
+        index = next((i for i, (b, _) in enumerate(_APPLIED) if b is before), None)
+        if index is None:
+            _set_resources(before, "the process before moirai pinned it", restoring=True)
+            return
+        _APPLIED.pop(index)
+        if _APPLIED:
+            _set_resources(_APPLIED[-1][1], "a runner still open")
+        else:
+            _set_resources(_ORIGINAL.pop(), "the process before moirai pinned it", restoring=True)
+
+
+def _set_resources(resources: RankResources, device_name: str, restoring: bool = False) -> None:
+    previous = current_cores()
+    if resources.cores is not None and hasattr(os, "sched_setaffinity"):
+        unknown = sorted(set(resources.cores) - set(range(os.cpu_count() or 1)))
+        if unknown:
+            raise ClusterError(
+                f"device {device_name!r} asks for cores {unknown}, which this host does not have "
+                f"(cores 0..{(os.cpu_count() or 1) - 1}); fix its cores in the cluster file"
+            )
+        _set_affinity(resources.cores)
+        note_pinning(tuple(resources.cores) if restoring else previous, pinned=not restoring)
+    torch.set_num_threads(resources.threads)
 
 
 def _set_affinity(cores: Sequence[int]) -> None:

@@ -14,37 +14,53 @@ A peer that exits closes its end of the FIFO, so a rank waiting on it fails at o
 ends at its time limit. Send and receive return objects with gloo's ``wait(timeout)``.
 
 Set ``MOIRAI_SHARED_MEMORY=0`` to send through gloo instead (to compare, or where ``/dev/shm`` is
-too small).
+too small), ``MOIRAI_SHM_DIR`` to keep the files elsewhere (a tmpfs of your own).
+
+Files are reserved when made (``posix_fallocate``), so a full ``/dev/shm`` is a
+:class:`moirai.DistributedError` (at start: :func:`check_space`), never a SIGBUS on a write into
+a sparse file. A rank opens what a peer names only as the peer's private files: the directory
+owned by this user with mode 0700, each file opened without following links and checked (owner,
+type, size) before it is mapped. Spill files belong to one set of links (:class:`_SpillOwner`),
+which holds a lock file while it lives: closing removes its own spill files only, and a spill file
+is another owner's leftover only when that owner's lock can be taken (its process ended, in any
+PID namespace).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import fcntl
 import json
 import mmap
 import os
 import select
 import socket
+import stat
 import struct
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from moirai.errors import DistributedError
+
 RING_BYTES = 8 << 20  # per ordered pair of ranks; larger messages go in files of their own
 ENV_SWITCH = "MOIRAI_SHARED_MEMORY"
+DIR_ENV = "MOIRAI_SHM_DIR"  # where rings and spill files live (default /dev/shm)
 _CONTROL_BYTES = 64  # the ring file's head: the receiver's consumed count (int64)
 _ALIGN = 64
 _RECORD = struct.Struct("<qqqq")  # tag, payload bytes, kind, length of a spill file's path
 _INLINE, _WRAP, _SPILL = 0, 1, 2
 _FULL_RING_POLL_S = 0.0005
-_SPILL_PREFIX = "moirai-spill-"  # then the writer's pid: files of a process that ended are removed
+_SPILL_PREFIX = "moirai-spill-"  # then the owner's id: "<owner>.lock" while it lives, "<owner>-<uuid>" its files
+_LOCK_SUFFIX = ".lock"
 
 
 def enabled() -> bool:
@@ -82,17 +98,88 @@ def _aligned(size: int) -> int:
 
 
 def _shm_dir() -> str:
+    chosen = os.environ.get(DIR_ENV)
+    if chosen:
+        return chosen
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def ring_file_bytes() -> int:
+    return _CONTROL_BYTES + RING_BYTES
+
+
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer may still allocate in ``directory``'s file system."""
+    usage = os.statvfs(directory)
+    return usage.f_bavail * usage.f_frsize
+
+
+def check_space(world_size: int) -> None:
+    """:class:`moirai.DistributedError` unless the shared-memory directory holds every ring of a world of this size."""
+    directory = _shm_dir()
+    needed = world_size * (world_size - 1) * ring_file_bytes()
+    free = free_bytes(directory)
+    if free < needed:
+        raise DistributedError(
+            f"{directory} has {free / 2**20:.0f} MB free, the plan needs {needed / 2**20:.0f} MB for the shared-memory "
+            f"rings of {world_size} ranks; set {ENV_SWITCH}=0 (send through gloo) or enlarge {directory} (e.g. docker "
+            f"--shm-size), or point {DIR_ENV} at a larger tmpfs"
+        )
+
+
+def _reserve_file(fd: int, size: int, path: str) -> None:
+    """Allocate ``size`` bytes of the file now: writing into a sparse file on a full tmpfs kills with SIGBUS."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise DistributedError(
+            f"{_shm_dir()} has {free_bytes(os.path.dirname(path)) / 2**20:.0f} MB free, the run needs "
+            f"{size / 2**20:.0f} MB more for {path}; set {ENV_SWITCH}=0 (send through gloo) or enlarge it (e.g. docker "
+            f"--shm-size), or point {DIR_ENV} at a larger tmpfs"
+        ) from None
+
+
+def _open_checked(path: str, flags: int, kind: int, min_bytes: int = 0, dir_fd: int | None = None) -> int:
+    """``path`` opened without following links, if it is this user's file of type ``kind`` (mode 0600, at least
+    ``min_bytes`` long), else OSError: a file a peer names is mapped or written only if it is the run's own."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid() or stat.S_IFMT(info.st_mode) != kind or info.st_mode & 0o077:
+            raise PermissionError(f"{path} is not this user's private {stat.filemode(kind)[0]} file")
+        if info.st_size < min_bytes:
+            raise OSError(f"{path} holds {info.st_size} bytes, fewer than the {min_bytes} announced")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_private_directory(path: str) -> int:
+    """A peer's directory, if it is this user's with mode 0700 (no other user can have put files in it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    info = os.fstat(fd)
+    if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) != 0o700:
+        os.close(fd)
+        raise PermissionError(
+            f"{path} is not this user's private directory (owner {info.st_uid}, mode {info.st_mode:o})"
+        )
+    return fd
 
 
 class _Ring:
     """A ring file mapped by its sender and its receiver; offsets grow forever, positions wrap."""
 
-    def __init__(self, path: str, create: bool) -> None:
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    def __init__(self, path: str, create: bool, dir_fd: int | None = None) -> None:
+        if create:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        else:
+            fd = _open_checked(path, os.O_RDWR, stat.S_IFREG, ring_file_bytes(), dir_fd)
         try:
             if create:
-                os.ftruncate(fd, _CONTROL_BYTES + RING_BYTES)
+                _reserve_file(fd, ring_file_bytes(), path)
             self._map = mmap.mmap(fd, _CONTROL_BYTES + RING_BYTES)
         finally:
             os.close(fd)
@@ -116,8 +203,8 @@ class _Ring:
 class _Outbound:
     """This rank's messages to one peer: records in the peer's ring, a byte per message in its FIFO."""
 
-    def __init__(self, ring: _Ring, fifo_fd: int, spill_dir: str) -> None:
-        self._ring, self._fifo, self._spill_dir = ring, fifo_fd, spill_dir
+    def __init__(self, ring: _Ring, fifo_fd: int, spills: _SpillOwner) -> None:
+        self._ring, self._fifo, self._spills = ring, fifo_fd, spills
         self._produced = 0
         self._lock = threading.Lock()
 
@@ -132,7 +219,7 @@ class _Outbound:
                 self._ring.data[start : start + nbytes].copy_(payload)
                 self._produced += _aligned(_RECORD.size + nbytes)
             else:
-                path = self._spill(payload).encode()
+                path = self._spills.write(payload).encode()
                 self._reserve(_RECORD.size + len(path), time.monotonic() + timeout_s)
                 position = self._produced % RING_BYTES
                 self._ring.write_record(position, tag, nbytes, _SPILL, len(path))
@@ -162,19 +249,6 @@ class _Outbound:
     def close(self) -> None:
         with self._lock, contextlib.suppress(OSError):
             os.close(self._fifo)
-
-    def _spill(self, payload: torch.Tensor) -> str:
-        path = os.path.join(self._spill_dir, f"{_SPILL_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, max(payload.numel(), 1))
-            with mmap.mmap(fd, max(payload.numel(), 1)) as mapped:
-                view = torch.frombuffer(mapped, dtype=torch.uint8)
-                view[: payload.numel()].copy_(payload)
-                del view
-        finally:
-            os.close(fd)
-        return path
 
 
 class _Inbound:
@@ -277,7 +351,12 @@ class _Inbound:
             self._fill(tag, buffer, payload)
 
     def _deliver_spilled(self, tag: int, path: str, nbytes: int) -> None:
-        fd = os.open(path, os.O_RDWR)
+        name = os.path.basename(path)
+        if os.path.dirname(path) != _shm_dir() or not name.startswith(_SPILL_PREFIX) or name.endswith(_LOCK_SUFFIX):
+            raise PermissionError(
+                f"the peer named {path!r:.200} as a spill file; spill files are {_shm_dir()}/{_SPILL_PREFIX}*"
+            )
+        fd = _open_checked(path, os.O_RDWR, stat.S_IFREG, nbytes)
         try:
             os.unlink(path)
             with mmap.mmap(fd, max(nbytes, 1)) as mapped:
@@ -303,8 +382,10 @@ class SharedMemoryLinks:
     A send waits for room in a full ring at most ``timeout_s``.
     """
 
-    def __init__(self, outbound: dict[int, _Outbound], inbound: dict[int, _Inbound], timeout_s: float) -> None:
-        self._outbound, self._inbound, self._timeout_s = outbound, inbound, timeout_s
+    def __init__(
+        self, outbound: dict[int, _Outbound], inbound: dict[int, _Inbound], timeout_s: float, spills: _SpillOwner
+    ) -> None:
+        self._outbound, self._inbound, self._timeout_s, self._spills = outbound, inbound, timeout_s, spills
         self.peers = frozenset(outbound) & frozenset(inbound)
 
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> _Done:
@@ -320,7 +401,7 @@ class SharedMemoryLinks:
         """Close the FIFOs: a peer still waiting on this rank then fails at once."""
         for link in [*self._outbound.values(), *self._inbound.values()]:
             link.close()
-        remove_spill_files(lambda pid: pid == os.getpid())
+        self._spills.close()
 
 
 def connect(rank: int, world_size: int, store: Any, timeout_s: float, prefix: str) -> SharedMemoryLinks | None:
@@ -333,9 +414,10 @@ def connect(rank: int, world_size: int, store: Any, timeout_s: float, prefix: st
     """
     if not enabled():
         return None
-    remove_spill_files(lambda pid: not _alive(pid))
+    remove_dead_spill_files()
     host = socket.gethostname()
-    directory = tempfile.mkdtemp(prefix=f"moirai-r{rank}-", dir=_shm_dir())
+    spills = _SpillOwner(_shm_dir())
+    directory = tempfile.mkdtemp(prefix=f"moirai-r{rank}-", dir=_shm_dir())  # mode 0700, this user's
     peers = [k for k in range(world_size) if k != rank]
     rings: dict[int, _Ring] = {}
     fifos: dict[int, int] = {}
@@ -347,25 +429,25 @@ def connect(rank: int, world_size: int, store: Any, timeout_s: float, prefix: st
         store.set(f"{prefix}/{rank}/where", json.dumps({"host": host, "directory": directory}))
         outbound = {}
         for peer in peers:
-            where = json.loads(_get(store, f"{prefix}/{peer}/where", timeout_s))
+            where = _where(store, f"{prefix}/{peer}/where", timeout_s)
             if where["host"] != host:
                 continue
             with contextlib.suppress(OSError):
-                ring = _Ring(os.path.join(where["directory"], f"ring-{rank}"), create=False)
-                fd = os.open(os.path.join(where["directory"], f"fifo-{rank}"), os.O_WRONLY | os.O_NONBLOCK)
-                os.set_blocking(fd, True)
-                outbound[peer] = _Outbound(ring, fd, _shm_dir())
+                outbound[peer] = _open_outbound(where["directory"], rank, spills)
         store.set(f"{prefix}/{rank}/opened", json.dumps(sorted(outbound)))
         inbound = {}
         for peer in peers:
-            if rank in json.loads(_get(store, f"{prefix}/{peer}/opened", timeout_s)):
+            if rank in _opened(store, f"{prefix}/{peer}/opened", world_size, timeout_s):
                 inbound[peer] = _Inbound(rings[peer], fifos[peer])
         for peer in peers:
             if peer not in inbound:
                 os.close(fifos[peer])
         for peer in set(outbound) - set(inbound):
             outbound.pop(peer).close()
-        return SharedMemoryLinks(outbound, inbound, timeout_s)
+        return SharedMemoryLinks(outbound, inbound, timeout_s, spills)
+    except BaseException:
+        spills.close()
+        raise
     finally:
         for name in os.listdir(directory):
             os.unlink(os.path.join(directory, name))
@@ -377,24 +459,112 @@ def _get(store: Any, key: str, timeout_s: float) -> str:
     return store.get(key).decode()
 
 
+def _open_outbound(directory: str, rank: int, spills: _SpillOwner) -> _Outbound:
+    """This rank's end of the ring and FIFO a peer made for it in ``directory`` (checked: the peer's own files)."""
+    dir_fd = _open_private_directory(directory)
+    try:
+        ring = _Ring(f"ring-{rank}", create=False, dir_fd=dir_fd)
+        fd = _open_checked(f"fifo-{rank}", os.O_WRONLY | os.O_NONBLOCK, stat.S_IFIFO, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    os.set_blocking(fd, True)
+    return _Outbound(ring, fd, spills)
+
+
+def _where(store: Any, key: str, timeout_s: float) -> dict[str, str]:
+    where = _json(store, key, timeout_s)
+    if not (
+        isinstance(where, dict)
+        and isinstance(where.get("host"), str)
+        and isinstance(where.get("directory"), str)
+        and os.path.isabs(where["directory"])
+    ):
+        raise DistributedError(f"store key {key!r} holds no shared-memory address: {where!r:.120}")
+    return where
+
+
+def _opened(store: Any, key: str, world_size: int, timeout_s: float) -> list[int]:
+    opened = _json(store, key, timeout_s)
+    if not (isinstance(opened, list) and all(type(k) is int and 0 <= k < world_size for k in opened)):
+        raise DistributedError(f"store key {key!r} holds no list of ranks 0..{world_size - 1}: {opened!r:.120}")
+    return opened
+
+
+def _json(store: Any, key: str, timeout_s: float) -> Any:
+    try:
+        return json.loads(_get(store, key, timeout_s))
+    except ValueError:
+        raise DistributedError(f"store key {key!r} holds no JSON") from None
+
+
+def _get(store: Any, key: str, timeout_s: float) -> str:
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    return store.get(key).decode()
+
+
+class _SpillOwner:
+    """One set of links' spill files: named after it, removed when it closes, found dead once its lock is free."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.owner = uuid.uuid4().hex
+        path = os.path.join(directory, f"{_SPILL_PREFIX}{self.owner}{_LOCK_SUFFIX}")
+        self._lock_fd: int | None = os.open(
+            path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def write(self, payload: torch.Tensor) -> str:
+        """A new spill file holding ``payload``; its path."""
+        path = os.path.join(self.directory, f"{_SPILL_PREFIX}{self.owner}-{uuid.uuid4().hex}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            _reserve_file(fd, max(payload.numel(), 1), path)
+            with mmap.mmap(fd, max(payload.numel(), 1)) as mapped:
+                view = torch.frombuffer(mapped, dtype=torch.uint8)
+                view[: payload.numel()].copy_(payload)
+                del view
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return path
+
+    def close(self) -> None:
+        """Remove this owner's unread spill files, then its lock file."""
+        if self._lock_fd is None:
+            return
+        _remove_owner_files(self.directory, self.owner)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+
 def spill_files() -> list[Path]:
     """Spill files not yet read."""
-    return sorted(Path(_shm_dir()).glob(f"{_SPILL_PREFIX}*"))
+    return sorted(p for p in Path(_shm_dir()).glob(f"{_SPILL_PREFIX}*") if not p.name.endswith(_LOCK_SUFFIX))
 
 
-def remove_spill_files(of_writer: Callable[[int], bool]) -> None:
-    """Remove the spill files whose writer's pid passes ``of_writer``: nobody reads them any more."""
-    for path in spill_files():
-        with contextlib.suppress(ValueError, OSError):
-            if of_writer(int(path.name[len(_SPILL_PREFIX) :].split("-")[0])):
-                path.unlink()
+def remove_dead_spill_files() -> None:
+    """Remove the spill files of owners whose lock can be taken: their process ended, nobody reads them any more."""
+    directory = _shm_dir()
+    for lock in Path(directory).glob(f"{_SPILL_PREFIX}*{_LOCK_SUFFIX}"):
+        try:
+            fd = _open_checked(str(lock), os.O_RDWR, stat.S_IFREG)
+        except OSError:
+            continue  # another user's, or gone meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner lives (in this process, another one, or another PID namespace)
+        finally:
+            os.close(fd)
+        _remove_owner_files(directory, lock.name[len(_SPILL_PREFIX) : -len(_LOCK_SUFFIX)])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _remove_owner_files(directory: str, owner: str) -> None:
+    for path in Path(directory).glob(f"{_SPILL_PREFIX}{owner}-*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(directory, f"{_SPILL_PREFIX}{owner}{_LOCK_SUFFIX}"))

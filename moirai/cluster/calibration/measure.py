@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -94,6 +95,12 @@ def run_ranks(settings: list, world_size: int, timeout_s: float, entry: Callable
     """Start the ranks as fresh interpreters that import only moirai (a spawned process would re-import the
     caller's ``__main__``, and a script that compiles at top level would compile again in every rank); each
     calls ``entry(rank, *settings)``, a function of a moirai module."""
+    from moirai.runtime.distributed import RUN_SECRET_ENV
+    from moirai.runtime.store import new_secret
+
+    # The run's secret seals the store and authenticates rank 0's headers; the environment, not the command line
+    # (which every local user can read), hands it over.
+    environment = {**os.environ, RUN_SECRET_ENV: new_secret().hex()}
     ranks = [
         subprocess.Popen(
             [
@@ -104,6 +111,7 @@ def run_ranks(settings: list, world_size: int, timeout_s: float, entry: Callable
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            env=environment,
         )
         for rank in range(world_size)
     ]
@@ -207,15 +215,21 @@ def _rank_main(
 def join_as_runtime_rank(rank: int, torch_devices: list[str], port: int, timeout_s: float) -> tuple[Any, Any, Any]:
     """This process as rank ``rank``, set up as the runtime sets up a worker: its share of the cores, the store
     (rank 0 hosts it), the runtime's links: ``(group, store, resources)``."""
-    import torch.distributed as dist
-
+    from moirai.runtime.distributed import torchrun_secret
     from moirai.runtime.groups import local_group
     from moirai.runtime.resources import apply_resources, pin_io_threads, rank_resources
+    from moirai.runtime.store import join_store, start_store
 
     resources = rank_resources(torch_devices)[rank]
     apply_resources(resources, torch_devices[rank])
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, len(torch_devices), is_master=rank == 0, timeout=timeout)
+    secret = torchrun_secret()  # run_ranks set it in every rank's environment
+    if secret is None:
+        raise DistributedError("a calibration rank was started without the run's secret (see run_ranks)")
+    world_size = len(torch_devices)
+    if rank == 0:
+        store = start_store(world_size, timeout_s, secret, port=port)
+    else:
+        store = join_store(port, world_size, secret, timeout_s)
     group = local_group(rank, torch_devices, store, timeout_s)
     pin_io_threads(resources)
     return group, store, resources

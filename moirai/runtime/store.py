@@ -1,0 +1,156 @@
+"""The key-value store of a run moirai starts: on loopback only, every value sealed with the run's secret.
+
+torch's TCPStore has no authentication, and any client may list and read its keys. A run that
+moirai starts (:class:`moirai.runtime.distributed.DistributedRunner`, the calibration) therefore
+listens on 127.0.0.1 only (:func:`start_store`: moirai binds the socket and hands TCPStore its
+descriptor), and every value moirai writes is encrypted and authenticated with a random per-run
+secret that rank 0 hands the ranks it spawns through their process arguments, never through the
+store (:class:`RunStore`): a client without the secret reads noise, and a value it writes fails
+the check with a :class:`moirai.DistributedError` naming the key. Keys live under a namespace
+derived from the secret, so two runs never read each other's keys. Under torchrun the store is
+torchrun's: a :class:`RunStore` without a secret passes values through as they are.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import secrets
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from moirai.errors import DistributedError
+
+SECRET_BYTES = 32
+RUN_SECRET_ENV = "MOIRAI_RUN_SECRET"  # under torchrun: the run's secret, hex, the same on every rank
+_NONCE_BYTES = 16
+_TAG_BYTES = 32
+_BLOCK_BYTES = hashlib.sha256().digest_size
+_LISTEN_BACKLOG = 128
+
+
+def new_secret() -> bytes:
+    """A run's secret: rank 0 makes it and passes it to the ranks it spawns in their arguments."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def derived_key(secret: bytes, purpose: str) -> bytes:
+    """A key for one use of the run's secret (store values, headers), so that no two uses share a key."""
+    return hmac.new(secret, f"moirai {purpose}".encode(), hashlib.sha256).digest()
+
+
+class RunStore:
+    """A store's keys under this run's namespace, values sealed (encrypted, then authenticated with the key's name).
+
+    ``raw`` is the underlying store (gloo and NCCL rendezvous through :meth:`prefix_store`); ``secret`` None
+    (torchrun's own store) leaves keys and values as they are.
+    """
+
+    def __init__(self, raw: Any, secret: bytes | None, listener: socket.socket | None = None) -> None:
+        self.raw = raw
+        self._listener = listener  # TCPStore listens on its descriptor: it stays open while the store lives
+        self.secret = secret
+        self.prefix = "" if secret is None else derived_key(secret, "namespace")[:12].hex() + "/"
+        self._cipher_key = None if secret is None else derived_key(secret, "store cipher")
+        self._mac_key = None if secret is None else derived_key(secret, "store mac")
+
+    @property
+    def port(self) -> int:
+        return self.raw.port
+
+    def prefix_store(self, name: str) -> Any:
+        """A torch store for a process group's rendezvous under this run's namespace."""
+        return dist.PrefixStore(f"{self.prefix}{name}", self.raw)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self.raw.set(self.prefix + key, self._seal(key, data))
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, self.raw.get(self.prefix + key))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self.raw.check([self.prefix + key for key in keys])
+
+    def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
+        names = [self.prefix + key for key in keys]
+        if timeout is None:
+            self.raw.wait(names)
+        else:
+            self.raw.wait(names, timeout)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.raw.set_timeout(timeout)
+
+    def _seal(self, key: str, data: bytes) -> bytes:
+        if self._cipher_key is None:
+            return data
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        sealed = _xor(data, self._keystream(nonce, len(data)))
+        return nonce + self._tag(key, nonce, sealed) + sealed
+
+    def _open(self, key: str, value: bytes) -> bytes:
+        if self._cipher_key is None:
+            return value
+        nonce, tag, sealed = value[:_NONCE_BYTES], value[_NONCE_BYTES : _NONCE_BYTES + _TAG_BYTES], value[48:]
+        if len(value) < _NONCE_BYTES + _TAG_BYTES or not hmac.compare_digest(tag, self._tag(key, nonce, sealed)):
+            raise DistributedError(
+                f"store key {key!r} failed its authentication check: a process without this run's secret wrote it "
+                "(another local user or program on this run's port); the run stops instead of trusting it"
+            )
+        return _xor(sealed, self._keystream(nonce, len(sealed)))
+
+    def _tag(self, key: str, nonce: bytes, sealed: bytes) -> bytes:
+        assert self._mac_key is not None
+        return hmac.new(self._mac_key, key.encode() + b"\0" + nonce + sealed, hashlib.sha256).digest()
+
+    def _keystream(self, nonce: bytes, size: int) -> bytes:
+        assert self._cipher_key is not None
+        blocks = -(-size // _BLOCK_BYTES)
+        return b"".join(
+            hmac.new(self._cipher_key, nonce + counter.to_bytes(8, "little"), hashlib.sha256).digest()
+            for counter in range(blocks)
+        )
+
+
+def _xor(data: bytes, stream: bytes) -> bytes:
+    return (int.from_bytes(data, "little") ^ int.from_bytes(stream[: len(data)], "little")).to_bytes(
+        len(data), "little"
+    )
+
+
+def start_store(world_size: int, timeout_s: float, secret: bytes | None = None, port: int = 0) -> RunStore:
+    """Rank 0: a new store listening on 127.0.0.1:``port`` (0: any free port) only, sealed with ``secret``
+    (default: a new one).
+
+    The other ranks join with :func:`join_store` and the same secret, handed to them in their process arguments
+    or environment (not on a command line, which every local user can read).
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", port))
+        listener.listen(_LISTEN_BACKLOG)
+        port = listener.getsockname()[1]
+        raw = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    return RunStore(raw, new_secret() if secret is None else secret, listener)
+
+
+def join_store(port: int, world_size: int, secret: bytes, timeout_s: float) -> RunStore:
+    """A rank other than 0: the run's store on 127.0.0.1:``port``, sealed with the secret rank 0 handed over."""
+    raw = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return RunStore(raw, secret)

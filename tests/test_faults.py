@@ -1,0 +1,408 @@
+"""Faults an attacker or an unlucky operator causes (issue 22): each is a moirai error, never code run, a signal or a
+hang."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from torch.export import Dim
+
+import moirai
+from moirai.errors import DistributedError, PlanError
+from moirai.frontend.symbolic_shapes import evaluate_symbolic
+from moirai.runtime import DistributedRunner, shm
+from moirai.runtime.blame import PeerFailure, blamed
+from moirai.runtime.groups import Group
+from moirai.runtime.protocol import LOAD, Header, program_for_rank, receive_header, send_header
+from moirai.runtime.resources import RankResources, apply_resources, restore_resources
+from moirai.runtime.store import RunStore, new_secret, start_store
+
+ROOT = Path(__file__).resolve().parent.parent
+_EXPLOIT = (
+    "[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == 'catch_warnings'][0]()"
+    "._module.__builtins__['__import__']('os').system('touch {marker}')"
+)
+
+
+class _Rows(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).relu())
+
+
+@pytest.fixture(scope="module")
+def rows():
+    torch.manual_seed(0)
+    model = _Rows().eval()
+    example = (torch.randn(3, 8),)
+    compiled = moirai.compile(
+        model, ["cpu", "cpu"], example, dynamic_shapes=({0: Dim("batch", min=1, max=16)},), placer="round_robin"
+    )
+    assert compiled.program.num_devices == 2 and not compiled.program.parts[1].idle
+    return model, example, compiled
+
+
+# --- 1. no code from data ----------------------------------------------------------------------
+
+
+def test_a_plan_whose_shape_expression_is_code_is_a_plan_error_and_runs_nothing(rows, tmp_path) -> None:
+    model, example, compiled = rows
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    plan = json.loads(path.read_text())
+    marker = tmp_path / "pwned"
+    assert plan["dynamic_dims"]["axes"], "the plan keeps its symbolic axes"
+    plan["dynamic_dims"]["axes"][0][2] = _EXPLOIT.format(marker=marker)
+    path.write_text(json.dumps(plan))
+    with pytest.raises(PlanError, match="not shape arithmetic"):
+        moirai.load(path, model, example)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "expression",
+    ["().__class__", "__import__('os')", "math.__dict__", "s0.real", "lambda: 1", "[s0]", "s0 if s0 else 1", "s0**100"],
+)
+def test_shape_expressions_other_than_arithmetic_are_plan_errors(expression) -> None:
+    with pytest.raises(PlanError):
+        evaluate_symbolic(expression, {"s0": 3})
+
+
+def test_the_expressions_torch_prints_still_evaluate() -> None:
+    values = {"s0": 7, "s1": 3}
+    cases = {"s0*s1": 21, "s0 // 2": 3, "s0 % 3": 1, "(-1) + 2*s0": 13, "max(s0, s1)": 7, "min(4, s0)": 4}
+    cases |= {"math.floor((1/2)*s0)": 3, "math.ceil((1/3)*s0)": 3, "s0*s0": 49, "s0 >= s1": True, "16": 16}
+    assert {expression: evaluate_symbolic(expression, values) for expression in cases} == cases
+
+
+def test_a_worker_is_sent_its_own_part_only(rows) -> None:
+    _, _, compiled = rows
+    program = compiled.program
+    for rank in range(1, program.num_devices):
+        sent = pickle.loads(pickle.dumps(program_for_rank(program, rank)))
+        assert list(sent.parts[rank].graph_module.state_dict()) == list(program.parts[rank].graph_module.state_dict())
+        others = [part for part in sent.parts if part.device != rank]
+        assert others and all(not part.graph_module.state_dict() for part in others)
+        assert sent.transfers == program.transfers and sent.outputs == program.outputs
+
+
+def _linked_groups(secrets: tuple[bytes | None, bytes | None], tmp_path) -> list[Group]:
+    """Two ranks of this process linked through shared memory, rank k's store sealed with ``secrets[k]``."""
+    os.environ[shm.DIR_ENV] = str(tmp_path)
+    try:
+        store = dist.HashStore()
+        with ThreadPoolExecutor(2) as pool:
+            links = list(pool.map(lambda rank: shm.connect(rank, 2, store, 10.0, "faults"), range(2)))
+    finally:
+        del os.environ[shm.DIR_ENV]
+    devices = [torch.device("cpu")] * 2
+    return [
+        Group(rank, devices, gloo=None, nccl=None, store=RunStore(store, secrets[rank]), shared_memory=links[rank])
+        for rank in range(2)
+    ]
+
+
+class _Payload:
+    """Unpickling it creates a file: proof that a payload was unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_header_without_the_runs_secret_is_a_distributed_error_and_its_payload_is_never_unpickled(tmp_path) -> None:
+    secret = new_secret()
+    marker = tmp_path / "unpickled"
+    forger, rank_1 = _linked_groups((new_secret(), secret), tmp_path)
+    timeout = datetime.timedelta(seconds=10)
+    send_header(forger, 0, 1, Header(LOAD, 0, payload=pickle.dumps(_Payload(marker))), timeout).wait_sends()
+    with pytest.raises(DistributedError, match="header 0 failed its authentication check"):
+        receive_header(rank_1, 0, timeout)
+    assert not marker.exists()
+
+
+def test_a_header_with_the_runs_secret_goes_through(tmp_path) -> None:
+    secret = new_secret()
+    rank_0, rank_1 = _linked_groups((secret, secret), tmp_path)
+    timeout = datetime.timedelta(seconds=10)
+    send_header(rank_0, 0, 1, Header(LOAD, 3, payload=b"payload"), timeout).wait_sends()
+    assert receive_header(rank_1, 0, timeout) == Header(LOAD, 3, payload=b"payload")
+
+
+# --- 2. listeners and the store ----------------------------------------------------------------
+
+
+def _listening_addresses(pid: int) -> list[str]:
+    return sorted(
+        c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+    )
+
+
+def test_the_store_listens_on_loopback_only() -> None:
+    before = set(_listening_addresses(os.getpid()))
+    store = start_store(2, 10.0)
+    listening = [
+        c
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port
+    ]
+    assert [c.laddr.ip for c in listening] == ["127.0.0.1"], before
+
+
+def test_a_client_without_the_runs_secret_cannot_read_or_forge_its_keys() -> None:
+    store = start_store(2, 10.0)
+    store.set("moirai/shm/1/where", json.dumps({"host": "h", "directory": "/dev/shm/moirai-r1-secret"}))
+    intruder = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))
+    keys = intruder.list_keys()
+    assert keys and all(b"moirai-r1-secret" not in intruder.get(key) for key in keys)
+    assert not intruder.check(["moirai/shm/1/where"])  # the names are under the run's namespace too
+    intruder.set(keys[0], json.dumps({"host": "h", "directory": "/tmp/attacker"}))
+    with pytest.raises(DistributedError, match="store key 'moirai/shm/1/where' failed its authentication check"):
+        store.get("moirai/shm/1/where")
+
+
+@pytest.mark.parametrize("secret", [None, b"k" * 32], ids=["torchrun store", "sealed store"])
+@pytest.mark.parametrize("report", ['{"peer": 99}', '{"peer": "0", "message": "x"}', "not json"])
+def test_a_forged_failure_report_is_a_distributed_error_naming_its_key(secret, report) -> None:
+    raw = dist.HashStore()
+    store = RunStore(raw, secret)
+    raw.set(store.prefix + "moirai/failure/1", report)
+    group = Group(0, [torch.device("cpu")] * 2, gloo=None, nccl=None, store=store)
+    started = time.monotonic()
+    error = blamed(group, PeerFailure("rank 0: receiving x from rank 1 failed", 1), "request 0")
+    assert isinstance(error, DistributedError) and "moirai/failure/1" in str(error)
+    assert time.monotonic() - started < 10.0
+
+
+def test_a_peers_shared_memory_files_are_opened_only_if_they_are_this_users_private_files(tmp_path) -> None:
+    directory = tmp_path / "peer"
+    directory.mkdir(mode=0o755)
+    (tmp_path / "elsewhere").write_bytes(bytes(shm.ring_file_bytes()))
+    (directory / "ring-0").symlink_to(tmp_path / "elsewhere")
+    spills = shm._SpillOwner(str(tmp_path))
+    try:
+        with pytest.raises(PermissionError, match="private directory"):
+            shm._open_outbound(str(directory), 0, spills)
+        directory.chmod(0o700)
+        with pytest.raises(OSError):  # a link is not followed
+            shm._open_outbound(str(directory), 0, spills)
+    finally:
+        spills.close()
+
+
+@pytest.mark.slow
+def test_a_runner_listens_on_loopback_only(rows) -> None:
+    model, example, compiled = rows
+    with DistributedRunner(["cpu", "cpu"]) as runner:
+        outputs = runner.run(compiled.program, list(example))
+        addresses = {os.getpid(): _listening_addresses(os.getpid())}
+        addresses |= {worker.pid: _listening_addresses(worker.pid) for worker in runner._workers}
+        ss = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True, check=False).stdout
+    with torch.no_grad():
+        torch.testing.assert_close(outputs[0], model(*example))
+    assert all(addresses.values()) and all(ip == "127.0.0.1" for ips in addresses.values() for ip in ips), addresses
+    mine = [line for line in ss.splitlines() if f"pid={os.getpid()}," in line]
+    assert mine and all(line.split()[3].startswith("127.0.0.1:") for line in mine), ss  # the local address
+
+
+# --- 3. a small /dev/shm -----------------------------------------------------------------------
+
+
+def test_too_little_shared_memory_is_a_distributed_error_at_start(rows, monkeypatch) -> None:
+    _, example, compiled = rows
+    monkeypatch.setattr(shm, "free_bytes", lambda directory: 1 << 20)
+    with (
+        pytest.raises(DistributedError, match=r"has 1 MB free, the plan needs 16 MB.*MOIRAI_SHARED_MEMORY=0"),
+        DistributedRunner(["cpu", "cpu"]) as runner,
+    ):
+        runner.run(compiled.program, list(example))
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (needs root), else the test is skipped."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_tmpfs_is_a_distributed_error_not_a_sigbus(tiny_tmpfs) -> None:
+    script = textwrap.dedent(
+        """
+        from concurrent.futures import ThreadPoolExecutor
+        import torch, torch.distributed as dist
+        from moirai.errors import DistributedError
+        from moirai.runtime import shm
+        def connect():
+            store = dist.HashStore()
+            with ThreadPoolExecutor(2) as pool:
+                return list(pool.map(lambda rank: shm.connect(rank, 2, store, 10.0, "tiny"), range(2)))
+        try:
+            connect()  # two 8 MiB rings in 1 MiB
+        except DistributedError as error:
+            print("rings:", error)
+        shm.RING_BYTES = 1 << 16
+        a, b = connect()
+        try:
+            a.send([torch.ones(1 << 20)], 1, 1)  # 4 MiB: spilled into a file the tmpfs cannot hold
+        except DistributedError as error:
+            print("spill:", error)
+        a.close(); b.close()
+        """
+    )
+    env = {**os.environ, shm.DIR_ENV: str(tiny_tmpfs), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr  # a SIGBUS would be -7
+    assert f"rings: {tiny_tmpfs} has 1 MB free, the run needs 8 MB more" in done.stdout, done.stdout
+    assert "spill:" in done.stdout and "MOIRAI_SHARED_MEMORY=0" in done.stdout, done.stdout
+    assert not list(tiny_tmpfs.iterdir())
+
+
+# --- 5. servers that leave each other alone ----------------------------------------------------
+
+
+def test_closing_one_owner_leaves_another_owners_spill_files(tmp_path) -> None:
+    a, b = shm._SpillOwner(str(tmp_path)), shm._SpillOwner(str(tmp_path))
+    kept = b.write(torch.ones(16, dtype=torch.uint8))
+    gone = a.write(torch.ones(16, dtype=torch.uint8))
+    a.close()
+    assert Path(kept).exists() and not Path(gone).exists()
+    b.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_spill_files_of_a_live_owner_in_another_process_stay_and_of_an_ended_one_go(tmp_path, monkeypatch) -> None:
+    script = textwrap.dedent(
+        """
+        import sys, time, torch
+        from moirai.runtime import shm
+        owner = shm._SpillOwner(sys.argv[1])
+        print(owner.write(torch.ones(8, dtype=torch.uint8)), flush=True)
+        time.sleep(300)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    other = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        path = Path(other.stdout.readline().strip())
+        monkeypatch.setenv(shm.DIR_ENV, str(tmp_path))
+        shm.remove_dead_spill_files()
+        assert path.exists()  # whatever its pid reads as in this namespace: its lock is held
+    finally:
+        other.kill()
+        other.wait()
+    shm.remove_dead_spill_files()
+    assert not path.exists() and not list(tmp_path.iterdir())
+
+
+def test_overlapping_runners_closing_out_of_order_give_back_the_original_affinity() -> None:
+    original = os.sched_getaffinity(0)
+    threads = torch.get_num_threads()
+    cores = sorted(original)
+    first = apply_resources(RankResources((cores[0],), 1), "a", own_process=False)
+    second = apply_resources(RankResources((cores[-1],), 1), "b", own_process=False)
+    restore_resources(first)  # the first runner closes first: the second still holds the process
+    assert os.sched_getaffinity(0) == {cores[-1]}
+    restore_resources(second)
+    assert os.sched_getaffinity(0) == original and torch.get_num_threads() == threads
+
+
+@pytest.mark.slow
+def test_two_servers_in_one_process_close_a_and_b_still_serves(rows) -> None:
+    model, example, compiled = rows
+    original = os.sched_getaffinity(0)
+    large = torch.randn(16, 8)
+    a, b = DistributedRunner(["cpu", "cpu"]), DistributedRunner(["cpu", "cpu"])
+    try:
+        a.run(compiled.program, list(example))
+        pending = [b.submit(compiled.program, [large]) for _ in range(20)]
+        a.close()
+        with torch.no_grad():
+            expected = model(large)
+        for future in pending:
+            torch.testing.assert_close(future.result(timeout=120)[0], expected)
+        torch.testing.assert_close(b.run(compiled.program, [large])[0], expected)
+    finally:
+        a.close()
+        b.close()
+    assert os.sched_getaffinity(0) == original
+
+
+# --- 7. raw errors -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), 1e300])
+def test_an_unbounded_timeout_is_an_input_error_not_an_overflow(rows, timeout_s) -> None:
+    _, _, compiled = rows
+    with pytest.raises(moirai.InputError, match="timeout_s must be a positive number of seconds below"):
+        compiled.server(timeout_s=timeout_s)
+
+
+def test_saving_into_a_missing_directory_is_a_plan_error(rows, tmp_path) -> None:
+    _, _, compiled = rows
+    with pytest.raises(PlanError, match="directory .*nowhere.* does not exist"):
+        compiled.save(tmp_path / "nowhere" / "plan.json")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("groups", "all"), ("groups", [[1, 2]]), ("node_device", "first"), ("node_device", 1.5), ("devices", "cpu")],
+)
+def test_plan_fields_of_the_wrong_type_are_plan_errors_naming_the_field(rows, tmp_path, field, value) -> None:
+    model, example, compiled = rows
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    plan = json.loads(path.read_text())
+    plan[field] = {name: value for name in plan["node_device"]} if field == "node_device" else value
+    path.write_text(json.dumps(plan))
+    with pytest.raises(PlanError, match=f"'{field}' is"):
+        moirai.load(path, model, example)
+
+
+def test_a_plan_from_another_torch_warns(rows, tmp_path) -> None:
+    model, example, compiled = rows
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    plan = json.loads(path.read_text())
+    assert plan["versions"]["torch"] == torch.__version__
+    plan["versions"]["torch"] = "1.0.0"
+    path.write_text(json.dumps(plan))
+    with pytest.warns(moirai.MoiraiWarning, match=r"saved with torch 1\.0\.0 \(here "):
+        moirai.load(path, model, example)
+
+
+@pytest.mark.parametrize("content", ["{not json", '["a list"]', '{"times_s": {"op": "fast"}}', "\udcff"])
+def test_a_corrupt_profile_cache_is_named_moved_aside_and_rebuilt(tmp_path, content) -> None:
+    from moirai.cluster.cost import _ProfileCache
+
+    cache = _ProfileCache(tmp_path, "cpu|test")
+    cache.path.parent.mkdir(parents=True)
+    cache.path.write_bytes(content.encode(errors="surrogateescape"))
+    with pytest.warns(moirai.MoiraiWarning, match=r"profile cache .* was corrupt.*measured again"):
+        rebuilt = _ProfileCache(tmp_path, "cpu|test")
+    assert rebuilt.times_s == {} and cache.path.with_suffix(".corrupt").exists()
+    rebuilt.times_s["op"] = 1e-3
+    rebuilt.save()
+    assert _ProfileCache(tmp_path, "cpu|test").times_s == {"op": 1e-3}
