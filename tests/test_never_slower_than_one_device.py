@@ -197,9 +197,9 @@ def test_expensive_calibrated_links_give_a_single_device_plan(tmp_path: Path) ->
     )
     assert len(set(compiled.plan.placement.tolist())) == 1
     assert np.all(compiled.problem.transfer_s[:, 0, 1] >= 50e-3)
-    # The driver's header to the second device is one message of the link: its latency plus 40 bytes (the
+    # The driver's header to the second device is one message of the link: its latency plus the header's bytes (the
     # calibration gives no CPU times); the model's output (16 x 64 floats), made by the last task, travels back.
-    assert compiled.problem.costs.header_s.tolist() == pytest.approx([0.0, 50e-3 + 40 / 1e6])
+    assert compiled.problem.costs.header_s.tolist() == pytest.approx([0.0, 50e-3 + HEADER_BYTES / 1e6])
     last = compiled.problem.topological_order[-1]
     assert compiled.problem.costs.output_s[last].tolist() == pytest.approx([0.0, 50e-3 + 16 * 64 * 4 / 1e6])
     assert not compiled.problem.costs.output_s[compiled.problem.topological_order[0]].any()
