@@ -2,7 +2,7 @@
 
 Run: ``python bench/start_plan_costs.py [--sizes 1000,3000] [--devices 4] [--out PATH]`` on the machine that
 places (a few minutes on 2 cores; ``pipeline`` dominates). Every placer that is a start plan for some objective
-(its spec's ``start_plan``) places random layered DAGs (:func:`bench.milp_ablation.random_layered_problem`)
+(its spec's ``start_plan``) places random layered DAGs (:func:`moirai.testing.random_layered_problem`)
 of each size; its cost is the largest, over the sizes, of its seconds per (1,000 tasks) ** 1.4, times a margin.
 The simulator's seconds per task and one lookahead round's seconds per 1,000 tasks are measured alike. The milp
 placer reads the file (:mod:`moirai.planning.solve.costs`) to start only what its budget has time for.
@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.milp_ablation import random_layered_problem
 from moirai.planning.objective import OBJECTIVES
 from moirai.planning.placers import get_placer, start_plans
 from moirai.planning.problem import Problem
@@ -24,6 +23,7 @@ from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
 from moirai.planning.simulate import simulate
 from moirai.planning.solve.costs import COSTS_FILE, SIZE_EXPONENT
 from moirai.planning.solve.start_plans import placement_tail
+from moirai.testing import random_layered_problem
 
 MARGIN = 1.2  # measured times vary from run to run; a start plan predicted too fast could overrun the budget
 ROUND_MARGIN = 1.5  # a round that overruns eats into the window search, so a wider margin

@@ -47,7 +47,7 @@ class RankResources:
     """``cores``: the CPU affinity (None: leave it); ``threads``: torch intra-op threads; ``io_cores``: where
     gloo's I/O threads run (None: with the rest of the process); ``helper_cores``: where the driver's helper
     thread runs, only cores no rank computes on (None: with the rest of the process, so the driver's work stays
-    on its own device's cores, where the model charges it, :attr:`moirai.Problem.request_cpu_s`)."""
+    on its own device's cores, where the model charges it, :attr:`moirai.planning.costs.RequestCosts.request_cpu_s`)."""
 
     cores: tuple[int, ...] | None
     threads: int

@@ -41,9 +41,9 @@ class RequestCost:
 
     ``driver_cpu_s`` on rank 0: the caller's submit and wait, the driver's threads, the headers it sends and
     the model's inputs; ``worker_cpu_s`` on any other rank: its header, setting up its part (the model outputs'
-    messages are booked on their own, :attr:`moirai.Problem.output_send_cpu_s`).
+    messages are booked on their own, :attr:`moirai.planning.costs.RequestCosts.output_send_cpu_s`).
     Measured with the runtime's own server on two CPU ranks (:func:`measure_request_cost`): host work, which
-    the model charges to every device taking part in a request (:attr:`moirai.Problem.request_cpu_s`).
+    the model charges to every device taking part in a request (:attr:`RequestCosts.request_cpu_s`).
     """
 
     driver_cpu_s: float
