@@ -26,7 +26,7 @@ from moirai.frontend.symbolic_shapes import evaluate_symbolic
 from moirai.runtime import DistributedRunner, shm
 from moirai.runtime.blame import PeerFailure, blamed
 from moirai.runtime.groups import Group
-from moirai.runtime.protocol import LOAD, Header, program_for_rank, receive_header, send_header
+from moirai.runtime.protocol import Header, HeaderKind, program_for_rank, receive_header, send_header
 from moirai.runtime.resources import RankResources, apply_resources, restore_resources
 from moirai.runtime.store import RunStore, new_secret, start_store
 
@@ -133,7 +133,7 @@ def test_a_header_without_the_runs_secret_is_a_distributed_error_and_its_payload
     marker = tmp_path / "unpickled"
     forger, rank_1 = _linked_groups((new_secret(), secret), tmp_path)
     timeout = datetime.timedelta(seconds=10)
-    send_header(forger, 0, 1, Header(LOAD, 0, payload=pickle.dumps(_Payload(marker))), timeout).wait_sends()
+    send_header(forger, 0, 1, Header(HeaderKind.LOAD, 0, payload=pickle.dumps(_Payload(marker))), timeout).wait_sends()
     with pytest.raises(DistributedError, match="header 0 failed its authentication check"):
         receive_header(rank_1, 0, timeout)
     assert not marker.exists()
@@ -143,8 +143,18 @@ def test_a_header_with_the_runs_secret_goes_through(tmp_path) -> None:
     secret = new_secret()
     rank_0, rank_1 = _linked_groups((secret, secret), tmp_path)
     timeout = datetime.timedelta(seconds=10)
-    send_header(rank_0, 0, 1, Header(LOAD, 3, payload=b"payload"), timeout).wait_sends()
-    assert receive_header(rank_1, 0, timeout) == Header(LOAD, 3, payload=b"payload")
+    send_header(rank_0, 0, 1, Header(HeaderKind.LOAD, 3, payload=b"payload"), timeout).wait_sends()
+    assert receive_header(rank_1, 0, timeout) == Header(HeaderKind.LOAD, 3, payload=b"payload")
+
+
+def test_a_header_of_an_unknown_kind_is_a_distributed_error_naming_the_kind(tmp_path) -> None:
+    secret = new_secret()
+    rank_0, rank_1 = _linked_groups((secret, secret), tmp_path)
+    timeout = datetime.timedelta(seconds=10)
+    # A rank 0 of another protocol version: its header is authentic, its kind unknown here.
+    send_header(rank_0, 0, 1, Header(9, 3), timeout).wait_sends()  # type: ignore[arg-type]
+    with pytest.raises(DistributedError, match=r"rank 1: header 0 has kind 9, which is none of 1 \(RUN\), 2 \(LOAD\)"):
+        receive_header(rank_1, 0, timeout)
 
 
 # --- 2. listeners and the store ----------------------------------------------------------------
