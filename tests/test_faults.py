@@ -23,10 +23,10 @@ from torch.export import Dim
 import moirai
 from moirai.errors import DistributedError, PlanError
 from moirai.frontend.symbolic_shapes import evaluate_symbolic
-from moirai.runtime import DistributedRunner, shm
+from moirai.runtime import DistributedRunner, shm, shm_files
 from moirai.runtime.blame import PeerFailure, blamed
 from moirai.runtime.groups import Group
-from moirai.runtime.protocol import LOAD, Header, program_for_rank, receive_header, send_header
+from moirai.runtime.protocol import Header, HeaderKind, program_for_rank, receive_header, send_header
 from moirai.runtime.resources import RankResources, apply_resources, restore_resources
 from moirai.runtime.store import RunStore, new_secret, start_store
 
@@ -133,7 +133,7 @@ def test_a_header_without_the_runs_secret_is_a_distributed_error_and_its_payload
     marker = tmp_path / "unpickled"
     forger, rank_1 = _linked_groups((new_secret(), secret), tmp_path)
     timeout = datetime.timedelta(seconds=10)
-    send_header(forger, 0, 1, Header(LOAD, 0, payload=pickle.dumps(_Payload(marker))), timeout).wait_sends()
+    send_header(forger, 0, 1, Header(HeaderKind.LOAD, 0, payload=pickle.dumps(_Payload(marker))), timeout).wait_sends()
     with pytest.raises(DistributedError, match="header 0 failed its authentication check"):
         receive_header(rank_1, 0, timeout)
     assert not marker.exists()
@@ -143,8 +143,18 @@ def test_a_header_with_the_runs_secret_goes_through(tmp_path) -> None:
     secret = new_secret()
     rank_0, rank_1 = _linked_groups((secret, secret), tmp_path)
     timeout = datetime.timedelta(seconds=10)
-    send_header(rank_0, 0, 1, Header(LOAD, 3, payload=b"payload"), timeout).wait_sends()
-    assert receive_header(rank_1, 0, timeout) == Header(LOAD, 3, payload=b"payload")
+    send_header(rank_0, 0, 1, Header(HeaderKind.LOAD, 3, payload=b"payload"), timeout).wait_sends()
+    assert receive_header(rank_1, 0, timeout) == Header(HeaderKind.LOAD, 3, payload=b"payload")
+
+
+def test_a_header_of_an_unknown_kind_is_a_distributed_error_naming_the_kind(tmp_path) -> None:
+    secret = new_secret()
+    rank_0, rank_1 = _linked_groups((secret, secret), tmp_path)
+    timeout = datetime.timedelta(seconds=10)
+    # A rank 0 of another protocol version: its header is authentic, its kind unknown here.
+    send_header(rank_0, 0, 1, Header(9, 3), timeout).wait_sends()  # type: ignore[arg-type]
+    with pytest.raises(DistributedError, match=r"rank 1: header 0 has kind 9, which is none of 1 \(RUN\), 2 \(LOAD\)"):
+        receive_header(rank_1, 0, timeout)
 
 
 # --- 2. listeners and the store ----------------------------------------------------------------
@@ -197,7 +207,7 @@ def test_a_peers_shared_memory_files_are_opened_only_if_they_are_this_users_priv
     directory.mkdir(mode=0o755)
     (tmp_path / "elsewhere").write_bytes(bytes(shm.ring_file_bytes()))
     (directory / "ring-0").symlink_to(tmp_path / "elsewhere")
-    spills = shm._SpillOwner(str(tmp_path))
+    spills = shm_files.SpillOwner(str(tmp_path))
     try:
         with pytest.raises(PermissionError, match="private directory"):
             shm._open_outbound(str(directory), 0, spills)
@@ -228,7 +238,7 @@ def test_a_runner_listens_on_loopback_only(rows) -> None:
 
 def test_too_little_shared_memory_is_a_distributed_error_at_start(rows, monkeypatch) -> None:
     _, example, compiled = rows
-    monkeypatch.setattr(shm, "free_bytes", lambda directory: 1 << 20)
+    monkeypatch.setattr(shm_files, "free_bytes", lambda directory: 1 << 20)
     with (
         pytest.raises(DistributedError, match=r"has 1 MB free, the plan needs 16 MB.*MOIRAI_SHARED_MEMORY=0"),
         DistributedRunner(["cpu", "cpu"]) as runner,
@@ -284,7 +294,7 @@ def test_a_full_tmpfs_is_a_distributed_error_not_a_sigbus(tiny_tmpfs) -> None:
 
 
 def test_closing_one_owner_leaves_another_owners_spill_files(tmp_path) -> None:
-    a, b = shm._SpillOwner(str(tmp_path)), shm._SpillOwner(str(tmp_path))
+    a, b = shm_files.SpillOwner(str(tmp_path)), shm_files.SpillOwner(str(tmp_path))
     kept = b.write(torch.ones(16, dtype=torch.uint8))
     gone = a.write(torch.ones(16, dtype=torch.uint8))
     a.close()
@@ -297,8 +307,8 @@ def test_spill_files_of_a_live_owner_in_another_process_stay_and_of_an_ended_one
     script = textwrap.dedent(
         """
         import sys, time, torch
-        from moirai.runtime import shm
-        owner = shm._SpillOwner(sys.argv[1])
+        from moirai.runtime import shm_files
+        owner = shm_files.SpillOwner(sys.argv[1])
         print(owner.write(torch.ones(8, dtype=torch.uint8)), flush=True)
         time.sleep(300)
         """
@@ -308,12 +318,12 @@ def test_spill_files_of_a_live_owner_in_another_process_stay_and_of_an_ended_one
     try:
         path = Path(other.stdout.readline().strip())
         monkeypatch.setenv(shm.DIR_ENV, str(tmp_path))
-        shm.remove_dead_spill_files()
+        shm_files.remove_dead_spill_files()
         assert path.exists()  # whatever its pid reads as in this namespace: its lock is held
     finally:
         other.kill()
         other.wait()
-    shm.remove_dead_spill_files()
+    shm_files.remove_dead_spill_files()
     assert not path.exists() and not list(tmp_path.iterdir())
 
 

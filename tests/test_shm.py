@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moirai.runtime import shm
+from moirai.runtime import shm, shm_files
 from moirai.runtime.groups import Group
 
 
@@ -53,33 +52,29 @@ def test_messages_both_ways_of_every_dtype_and_shape():
         torch.testing.assert_close(received(a, tensor, 1, tag), tensor + 1 if tensor.dtype != torch.bool else ~tensor)
 
 
-def test_messages_larger_than_the_ring_or_finding_it_full_go_through_files_of_their_own():
+def test_messages_larger_than_the_ring_or_finding_it_full_go_through_files_of_their_own(monkeypatch, tmp_path):
+    monkeypatch.setattr(shm_files, "shm_dir", lambda: str(tmp_path))  # this test's files only, whoever else runs
     a, b = connected_pair()
     large = torch.randn(shm.RING_BYTES // 4 + 10)  # more bytes than the whole ring
     medium = [torch.full((shm.RING_BYTES // 16,), float(k)) for k in range(12)]  # together 3x the ring, unread
     a.send([large], 1, 100)
     for tag, tensor in enumerate(medium):
         a.send([tensor], 1, tag)
-    assert shm.spill_files()  # written, not yet read
+    assert shm_files.spill_files()  # written, not yet read
     for tag in reversed(range(len(medium))):
         torch.testing.assert_close(received(b, medium[tag], 0, tag), medium[tag])
     torch.testing.assert_close(received(b, large, 0, 100), large)
-    assert not shm.spill_files()  # a spill file is removed once read
+    assert not shm_files.spill_files()  # a spill file is removed once read
 
 
-def test_many_messages_wrap_around_the_ring():
+def test_many_messages_wrap_around_the_ring(monkeypatch, tmp_path):
+    monkeypatch.setattr(shm_files, "shm_dir", lambda: str(tmp_path))  # this test's files only, whoever else runs
     a, b = connected_pair()
     message = torch.randn(shm.RING_BYTES // 40)  # ~1/10 of the ring: it wraps every ten messages
     for tag in range(100):
         a.send([message + tag], 1, tag)
         torch.testing.assert_close(received(b, message, 0, tag), message + tag)
-    assert not own_spill_files(), "a message that fits the ring must not spill"
-
-
-def own_spill_files() -> list:
-    """Spill files this process wrote (their names carry the writer's pid): other moirai processes on the host
-    may have their own in the same directory."""
-    return [path for path in shm.spill_files() if path.name.startswith(f"{shm._SPILL_PREFIX}{os.getpid()}-")]
+    assert not shm_files.spill_files(), "a message that fits the ring must not spill"
 
 
 def test_waiters_in_several_threads_each_get_their_own_message():
@@ -104,20 +99,20 @@ def test_waiters_in_several_threads_each_get_their_own_message():
 
 
 def test_spill_files_of_closed_links_and_ended_processes_are_removed(monkeypatch, tmp_path):
-    monkeypatch.setattr(shm, "_shm_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(shm_files, "shm_dir", lambda: str(tmp_path))
     a, _ = connected_pair()
     a.send([torch.ones(shm.RING_BYTES)], 1, 1)  # spilled, never read
-    ended = tmp_path / f"{shm._SPILL_PREFIX}ended-abc"  # its owner's lock file is held by nobody
+    ended = tmp_path / f"{shm_files._SPILL_PREFIX}ended-abc"  # its owner's lock file is held by nobody
     ended.write_bytes(b"x")
-    (tmp_path / f"{shm._SPILL_PREFIX}ended{shm._LOCK_SUFFIX}").touch(mode=0o600)
+    (tmp_path / f"{shm_files._SPILL_PREFIX}ended{shm_files._LOCK_SUFFIX}").touch(mode=0o600)
     connected_pair()
-    assert not ended.exists() and len(shm.spill_files()) == 1  # a live writer's file stays
+    assert not ended.exists() and len(shm_files.spill_files()) == 1  # a live writer's file stays
     a.close()
-    assert not shm.spill_files()
+    assert not shm_files.spill_files()
 
 
 def test_a_full_ring_fails_a_send_at_the_time_limit(monkeypatch, tmp_path):
-    monkeypatch.setattr(shm, "_shm_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(shm_files, "shm_dir", lambda: str(tmp_path))
     monkeypatch.setattr(shm, "RING_BYTES", 1 << 16)
     store = dist.HashStore()
     with ThreadPoolExecutor(2) as pool:
@@ -125,9 +120,9 @@ def test_a_full_ring_fails_a_send_at_the_time_limit(monkeypatch, tmp_path):
     with pytest.raises(TimeoutError, match="ring stayed full"):
         for tag in range(2000):  # unread: spilled once the ring is full, until spill records fill it too
             a.send([torch.ones(256)], 1, tag)
-    assert tag > 32 and shm.spill_files()  # the ring held many before it spilled, then spill records filled it
+    assert tag > 32 and shm_files.spill_files()  # the ring held many before it spilled, then spill records filled it
     a.close()
-    assert not shm.spill_files()
+    assert not shm_files.spill_files()
 
 
 def test_a_wait_ends_at_its_time_limit():
@@ -155,15 +150,15 @@ def test_switched_off_by_the_environment_the_group_uses_gloo(monkeypatch):
 
 
 def test_links_leave_no_files_behind(monkeypatch, tmp_path):
-    monkeypatch.setattr(shm, "_shm_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(shm_files, "shm_dir", lambda: str(tmp_path))
     a, _, c = connected_pair(3)
     a.send([torch.ones(3)], 2, 1)
     a.send([torch.ones(shm.RING_BYTES)], 2, 2)  # spilled
-    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(shm._LOCK_SUFFIX))
-    assert left == [p.name for p in shm.spill_files()]  # rings and FIFOs: gone
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(shm_files._LOCK_SUFFIX))
+    assert left == [p.name for p in shm_files.spill_files()]  # rings and FIFOs: gone
     torch.testing.assert_close(received(c, torch.empty(3), 0, 1), torch.ones(3))
     torch.testing.assert_close(received(c, torch.empty(shm.RING_BYTES), 0, 2), torch.ones(shm.RING_BYTES))
-    assert all(p.name.endswith(shm._LOCK_SUFFIX) for p in tmp_path.iterdir())  # the live links' locks only
+    assert all(p.name.endswith(shm_files._LOCK_SUFFIX) for p in tmp_path.iterdir())  # the live links' locks only
     group = Group(0, [torch.device("cpu")] * 3, gloo="gloo group", nccl=None, store=None, shared_memory=a)
     assert group.link(torch.device("cpu"), 2) is a
     for links in (a, _, c):

@@ -5,6 +5,9 @@ finish, runs part 0 itself and receives the outputs of the other parts. An idle 
 heartbeat headers, so a rank waits for its next header at most a fraction of the timeout while
 the driver is alive. On a failure every pending request fails with one error naming the guilty
 rank (:mod:`moirai.runtime.blame`).
+
+The threads hand each other typed items: :class:`Submitted` requests and a :class:`Stop` to the
+dispatcher, :class:`Ran` requests, :class:`ControlSent` headers and a :class:`Stop` to the completer.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,10 +29,8 @@ from moirai.errors import DistributedError, InputError, PlanError
 from moirai.runtime.blame import blamed, describe_error, report_failure
 from moirai.runtime.groups import Group, placed_part
 from moirai.runtime.protocol import (
-    CLOSE,
-    HEARTBEAT,
-    LOAD,
     Header,
+    HeaderKind,
     Messages,
     check_tags,
     program_for_rank,
@@ -60,6 +61,65 @@ def check_max_in_flight(max_in_flight: int) -> int:
     if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
         raise InputError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
     return max_in_flight
+
+
+class Submitted(NamedTuple):
+    """A request handed to the dispatcher: what to run on which inputs, the future its result settles."""
+
+    program: SplitProgram
+    flat_inputs: list[torch.Tensor]
+    future: Future
+    finish: Callable[[list[torch.Tensor]], Any]
+    timeout_s: float
+
+    def __repr__(self) -> str:
+        return (
+            f"Submitted({len(self.flat_inputs)} inputs, {self.program.num_devices} parts, limit {self.timeout_s:g} s)"
+        )
+
+
+class Sent(NamedTuple):
+    """A request whose header and inputs went to the other ranks; part 0 has not run."""
+
+    request: int
+    control: list[Messages]  # its headers' sends
+    messages: Messages
+    submitted: Submitted
+
+    def __repr__(self) -> str:
+        return f"Sent(request {self.request}, {len(self.control)} headers)"
+
+
+class Ran(NamedTuple):
+    """A request whose part 0 ran: the completer waits for its outputs and settles its future."""
+
+    request: int
+    control: list[Messages]  # its headers' sends
+    finish_outputs: Callable[[], list[torch.Tensor]]
+    future: Future
+    finish: Callable[[list[torch.Tensor]], Any]
+
+    def __repr__(self) -> str:
+        return f"Ran(request {self.request}, {len(self.control)} headers)"
+
+
+class ControlSent(NamedTuple):
+    """Headers of no request (loads, heartbeats, the close) whose sends the completer waits for."""
+
+    kind: HeaderKind
+    control: list[Messages]
+
+    def __repr__(self) -> str:
+        return f"ControlSent({self.kind} to {len(self.control)} ranks)"
+
+
+class Stop(NamedTuple):
+    """The last item of a queue: the driver closes, or the dispatcher ended."""
+
+    reason: str
+
+    def __repr__(self) -> str:
+        return f"Stop({self.reason})"
 
 
 class Driver:
@@ -100,8 +160,8 @@ class Driver:
         self._lock = threading.Lock()
         self._dispatching = threading.Lock()  # one thread at a time sends headers and runs part 0
         self._pending: set[Future] = set()
-        self._incoming: queue.SimpleQueue = queue.SimpleQueue()
-        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self._incoming: queue.SimpleQueue[Submitted | Stop] = queue.SimpleQueue()
+        self._outgoing: queue.SimpleQueue[Ran | ControlSent | Stop] = queue.SimpleQueue()
         self._threads = torch.get_num_threads()  # rank 0's share, set by apply_resources in this thread
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="moirai-dispatch", daemon=True)
         self._completer = threading.Thread(target=self._complete_loop, name="moirai-complete", daemon=True)
@@ -121,7 +181,7 @@ class Driver:
                 future.set_exception(self.failure)
                 return future
             self._pending.add(future)
-        self._incoming.put((program, list(flat_inputs), future, finish, check_timeout(timeout_s)))
+        self._incoming.put(Submitted(program, list(flat_inputs), future, finish, check_timeout(timeout_s)))
         return future
 
     def run(
@@ -144,11 +204,11 @@ class Driver:
         try:
             with self._dispatching:
                 request = self.dispatched
-                sent = self._send_request(program, list(flat_inputs), future, finish, timeout_s)
-                _, control, finish_outputs, _, _ = self._run_part_0(*sent)
-            for messages in control:
+                sent = self._send_request(Submitted(program, list(flat_inputs), future, finish, timeout_s))
+                ran = self._run_part_0(sent)
+            for messages in ran.control:
                 messages.wait_sends()
-            return finish(finish_outputs())
+            return finish(ran.finish_outputs())
         except BaseException as error:
             self._fail(error, f"request {request}" if request is not None else "a request")
             if self.failure is error:
@@ -160,7 +220,7 @@ class Driver:
 
     def close(self) -> None:
         """Finish every submitted request, then tell the ranks to stop."""
-        self._incoming.put(None)
+        self._incoming.put(Stop("closed"))
         self._dispatcher.join()
         self._completer.join()
 
@@ -172,51 +232,54 @@ class Driver:
         # Requests sent to the other ranks whose part 0 has not run. Every queued request is sent before part 0
         # of the oldest runs: part 0 may wait for another rank's work on its request (a plan whose first stage is
         # on rank 1), and that rank must have the next requests by then, or nothing is pipelined.
-        started: collections.deque[tuple] = collections.deque()
+        started: collections.deque[Sent] = collections.deque()
         closing = False
         try:
             while self.failure is None:
                 if not closing and (not started or self._slots.acquire(blocking=False)):
                     have_slot = bool(started)
+                    item: Submitted | Stop | None
                     try:
                         item = self._incoming.get_nowait() if started else self._incoming.get(timeout=self._heartbeat_s)
                     except queue.Empty:
-                        item = ()
-                    if not item and have_slot:
+                        item = None
+                    if not isinstance(item, Submitted) and have_slot:
                         self._slots.release()
-                    if item is None:
+                    if isinstance(item, Stop):
                         closing = True
-                    elif item:
+                    elif isinstance(item, Submitted):
                         if not have_slot:
                             self._slots.acquire()
                         if self.failure is not None:
                             return
                         with self._dispatching:
-                            started.append(self._send_request(*item))
+                            started.append(self._send_request(item))
                         continue
                 if started:
                     with self._dispatching:
-                        self._outgoing.put(("run", *self._run_part_0(*started.popleft())))
+                        self._outgoing.put(self._run_part_0(started.popleft()))
                     continue
                 if closing:
                     with self._dispatching:
-                        everyone = range(1, self.group.world_size)
-                        self._outgoing.put(("control", self._send_headers(Header(CLOSE), everyone)))
-                    self._outgoing.put(None)
+                        self._send_control(HeaderKind.CLOSE, range(1, self.group.world_size))
+                    self._outgoing.put(Stop("closed"))
                     return
                 with self._dispatching:
                     due = time.monotonic() - self._heartbeat_s
                     idle = [k for k in range(1, self.group.world_size) if self._last_header_s[k] < due]
                     if idle:
-                        self._outgoing.put(("control", self._send_headers(Header(HEARTBEAT), idle)))
+                        self._send_control(HeaderKind.HEARTBEAT, idle)
         except BaseException as error:
             self._fail(error, "sending a request")
-            self._outgoing.put(None)
+            self._outgoing.put(Stop("failed"))
 
-    def _send_request(
-        self, program: SplitProgram, flat_inputs: list[torch.Tensor], future: Future, finish: Callable, timeout_s: float
-    ) -> tuple:
+    def _send_control(self, kind: HeaderKind, ranks: Sequence[int]) -> None:
+        """Send ``ranks`` a header of no request and no program (a heartbeat, the close)."""
+        self._outgoing.put(ControlSent(kind, self._send_headers(Header(kind), ranks)))
+
+    def _send_request(self, submitted: Submitted) -> Sent:
         """Send a request's header and inputs to the other ranks; :meth:`_run_part_0` runs this rank's part."""
+        program, flat_inputs, timeout_s = submitted.program, submitted.flat_inputs, submitted.timeout_s
         request = self.dispatched
         header = Header.run(program, self._program_id(program), request, flat_inputs, timeout_s)
         # A rank the plan leaves idle is not told: each header costs both ends CPU time on their cores.
@@ -224,20 +287,12 @@ class Driver:
         messages = Messages(self.group, request, datetime.timedelta(seconds=timeout_s), header.symbol_values)
         send_inputs(program, messages, flat_inputs)
         self.dispatched += 1
-        return request, control, messages, program, flat_inputs, future, finish
+        return Sent(request, control, messages, submitted)
 
-    def _run_part_0(
-        self,
-        request: int,
-        control: list[Messages],
-        messages: Messages,
-        program: SplitProgram,
-        flat_inputs: list[torch.Tensor],
-        future: Future,
-        finish: Callable,
-    ) -> tuple:
-        finish_outputs = run_part(program, self.group, placed_part(program, self.group), messages, flat_inputs)
-        return request, control, finish_outputs, future, finish
+    def _run_part_0(self, sent: Sent) -> Ran:
+        program, flat_inputs = sent.submitted.program, sent.submitted.flat_inputs
+        finish_outputs = run_part(program, self.group, placed_part(program, self.group), sent.messages, flat_inputs)
+        return Ran(sent.request, sent.control, finish_outputs, sent.submitted.future, sent.submitted.finish)
 
     def _program_id(self, program: SplitProgram) -> int:
         if id(program) not in self._programs:
@@ -247,9 +302,9 @@ class Driver:
             # Each rank gets its own part only: no rank holds another's weights, and a load costs one part per rank.
             sent = []
             for rank in range(1, self.group.world_size):
-                load = Header(LOAD, program_id, payload=pickle.dumps(program_for_rank(program, rank)))
+                load = Header(HeaderKind.LOAD, program_id, payload=pickle.dumps(program_for_rank(program, rank)))
                 sent += self._send_headers(load, [rank])
-            self._outgoing.put(("control", sent))
+            self._outgoing.put(ControlSent(HeaderKind.LOAD, sent))
         return self._programs[id(program)]
 
     def _send_headers(self, header: Header, ranks: Sequence[int]) -> list[Messages]:
@@ -270,19 +325,19 @@ class Driver:
             os.sched_setaffinity(0, self._helper_cores)
         request = None
         try:
-            while (item := self._outgoing.get()) is not None:
-                if item[0] == "control":
-                    for control in item[1]:
+            while not isinstance(item := self._outgoing.get(), Stop):
+                if isinstance(item, ControlSent):
+                    for control in item.control:
                         control.wait_sends()
                     continue
-                _, request, control, finish_outputs, future, finish = item
-                for messages in control:
+                request = item.request
+                for messages in item.control:
                     messages.wait_sends()
-                result = finish(finish_outputs())
+                result = item.finish(item.finish_outputs())
                 with self._lock:
-                    self._pending.discard(future)
-                    if not future.done():
-                        future.set_result(result)
+                    self._pending.discard(item.future)
+                    if not item.future.done():
+                        item.future.set_result(result)
                 self._slots.release()
         except BaseException as error:
             self._fail(error, f"request {request}" if request is not None else "sending control messages")

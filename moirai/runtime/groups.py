@@ -1,6 +1,8 @@
 """This rank's connections to the others: shared memory on one host, gloo between hosts, NCCL between two GPUs,
 the store for failure reports.
 
+A message goes through a :class:`Link` (the point-to-point surface that gloo's and NCCL's process
+groups and :class:`moirai.runtime.shm.SharedMemoryLinks` share), picked per peer by :meth:`Group.link`.
 A spawned world (:class:`moirai.runtime.distributed.DistributedRunner`) joins process groups of
 its own on loopback (:func:`local_group`), leaving the default process group to the user; under
 torchrun the default group serves (:mod:`moirai.runtime.distributed`).
@@ -12,17 +14,36 @@ import datetime
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
 from moirai.cluster.kinds import device_memory_kind, host_device, kind_of
+from moirai.errors import DistributedError
 from moirai.runtime import shm
 from moirai.runtime.local import place_part
 from moirai.runtime.split import SplitProgram
 from moirai.runtime.store import RunStore
+
+
+@runtime_checkable
+class Work(Protocol):
+    """A posted send or receive: ``wait`` returns once it completed (gloo's and shared memory's within ``timeout``;
+    NCCL's at once, the compute stream waits)."""
+
+    def wait(self, timeout: datetime.timedelta = ..., /) -> bool: ...
+
+
+@runtime_checkable
+class Link(Protocol):
+    """What carries this rank's messages to and from a peer: a process group's send and recv of one tensor, matched
+    by tag (gloo, shared memory) or by order (NCCL)."""
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int, /) -> Work: ...
+
+    def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int, /) -> Work: ...
 
 
 @dataclass
@@ -32,8 +53,8 @@ class Group:
 
     rank: int
     devices: list[torch.device]
-    gloo: Any
-    nccl: Any
+    gloo: Link
+    nccl: Link | None  # None: no two of the world's devices exchange messages in device memory
     store: RunStore
     describe_rank: Callable[[int], str] = lambda rank: ""
     shared_memory: shm.SharedMemoryLinks | None = None
@@ -56,9 +77,13 @@ class Group:
         in_device_memory = kind_of(mine).messages_in_device_memory and self.devices[peer].type == mine.type
         return mine if in_device_memory else host_device()
 
-    def link(self, wire: torch.device, peer: int) -> Any:
-        """What carries a message on ``wire`` to or from ``peer``: an object with a process group's send and recv."""
+    def link(self, wire: torch.device, peer: int) -> Link:
+        """What carries a message on ``wire`` (:meth:`wire_device`) to or from ``peer``."""
         if kind_of(wire).messages_in_device_memory:
+            if self.nccl is None:
+                raise DistributedError(
+                    f"rank {self.rank} has no process group for messages in {wire} memory, so none to rank {peer}"
+                )
             return self.nccl
         if self.shared_memory is not None and peer in self.shared_memory.peers:
             return self.shared_memory
@@ -69,7 +94,7 @@ class Group:
             self.shared_memory.close()
 
 
-def local_group(rank: int, torch_devices: Sequence[str], store: Any, join_timeout_s: float) -> Group:
+def local_group(rank: int, torch_devices: Sequence[str], store: RunStore | dist.Store, join_timeout_s: float) -> Group:
     """Process groups of our own on loopback (not the default group, which stays the user's).
 
     ``store``: the run's :class:`moirai.runtime.store.RunStore` (a bare torch store carries no secret: its

@@ -2,7 +2,7 @@
 
 Rank 0 sends every other rank a small header per request (a gloo message: which program, the
 request's symbolic dimension values, its time limit), or a header that loads a program, is an
-idle driver's heartbeat or closes the rank (:class:`Header`). Every message of request ``r``
+idle driver's heartbeat or closes the rank (:class:`Header`, its :class:`HeaderKind`). Every message of request ``r``
 carries a tag made of ``r`` and its position in the request (header, inputs, the program's
 transfers in their global order, outputs), so gloo matches messages per request; NCCL ignores
 tags and matches by order, which every rank keeps (requests in order, each part's messages in
@@ -31,7 +31,8 @@ import json
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from enum import IntEnum
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -40,13 +41,11 @@ from moirai.cluster.kinds import kind_of
 from moirai.errors import DistributedError, PlanError
 from moirai.frontend.trace import TensorSpec
 from moirai.runtime.blame import PeerFailure
-from moirai.runtime.groups import Group, placed_part
+from moirai.runtime.groups import Group, Work, placed_part
 from moirai.runtime.header import DIGEST_WORDS, HEADER_DTYPE, HEADER_FIELDS, HEADER_WORDS
 from moirai.runtime.split import SplitProgram, concrete_shape, symbol_values
 from moirai.runtime.store import derived_key
 
-# Header kinds; a header's layout (fields, the payload's digest, the header's HMAC) is moirai.runtime.header's.
-RUN, LOAD, HEARTBEAT, CLOSE = 1, 2, 3, 4
 _HEADER_DTYPE = getattr(torch, HEADER_DTYPE)
 _MAX_PAYLOAD_BYTES = 1 << 40
 # Tag = request index modulo a window, then the message's position in the request (0 header, 1 payload).
@@ -55,12 +54,53 @@ _TAG_WINDOW = 2048
 _FIRST_DATA_TAG = 2
 
 
+class HeaderKind(IntEnum):
+    """What a header tells a rank, sent as its ``kind`` field (the layout is :mod:`moirai.runtime.header`'s)."""
+
+    RUN = 1
+    LOAD = 2
+    HEARTBEAT = 3
+    CLOSE = 4
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def from_wire(cls, value: int, rank: int, sequence: int) -> HeaderKind:
+        """The kind a received header names, or a :class:`moirai.DistributedError` naming the unknown number."""
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(f"{kind.value} ({kind.name})" for kind in cls)
+            raise DistributedError(
+                f"rank {rank}: header {sequence} has kind {value}, which is none of {known}: rank 0 runs another "
+                "version of moirai's protocol; run the same moirai on every rank"
+            ) from None
+
+
 @dataclass
 class PendingReceive:
-    work: Any
+    """A posted receive: what :meth:`Messages.wait_recv` waits for."""
+
+    work: Work
     buffer: torch.Tensor
     what: str
     src: int
+
+    def __repr__(self) -> str:
+        return f"PendingReceive({self.what})"
+
+
+class _PostedSend(NamedTuple):
+    """A posted send, kept (with its staged tensor) until :meth:`Messages.wait_sends` waits for it."""
+
+    work: Work
+    staged: torch.Tensor
+    what: str
+    dst: int
+
+    def __repr__(self) -> str:
+        return f"_PostedSend({self.what})"
 
 
 class Messages:
@@ -73,7 +113,7 @@ class Messages:
         self.timeout = timeout
         self.values = values or {}
         self._tag_base = (sequence % _TAG_WINDOW) << _TAG_BITS
-        self._sends: list[tuple[Any, torch.Tensor, str, int]] = []
+        self._sends: list[_PostedSend] = []
 
     def send(self, tensor: torch.Tensor, dst: int, index: int, what: str) -> None:
         wire = self.group.wire_device(dst)
@@ -81,7 +121,7 @@ class Messages:
         what = f"sending {what} to rank {dst}"
         with self._naming_peer(what, dst):
             work = self.group.link(wire, dst).send([staged], dst, self._tag_base | index)
-        self._sends.append((work, staged, what, dst))
+        self._sends.append(_PostedSend(work, staged, what, dst))
 
     def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, index: int, what: str) -> PendingReceive:
         wire = self.group.wire_device(src)
@@ -103,7 +143,7 @@ class Messages:
             self._wait(work, what, staged.device, dst)
         self._sends.clear()
 
-    def _wait(self, work: Any, what: str, wire: torch.device, peer: int) -> None:
+    def _wait(self, work: Work, what: str, wire: torch.device, peer: int) -> None:
         with self._naming_peer(what, peer):
             # NCCL waits are asynchronous (the compute stream waits); the process group's timeout bounds them.
             if kind_of(wire).messages_in_device_memory:
@@ -220,7 +260,8 @@ def run_part(
 
 
 def serve(group: Group, programs: dict[int, SplitProgram], timeout_s: float) -> None:
-    """A non-driver rank: run each request rank 0 announces, in order, until rank 0 closes.
+    """A non-driver rank: run each request rank 0 announces, in order, until rank 0 closes (a heartbeat only
+    shows that rank 0 lives).
 
     The sends of request ``r`` are waited for after running request ``r + 1``, so this rank can
     run ahead of its receivers by one request.
@@ -229,16 +270,16 @@ def serve(group: Group, programs: dict[int, SplitProgram], timeout_s: float) -> 
     previous: Callable[[], Any] | None = None
     for sequence in itertools.count():
         header = receive_header(group, sequence, timeout)
-        if header.kind == CLOSE:
+        if header.kind == HeaderKind.CLOSE:
             break
-        if header.kind == LOAD:
+        if header.kind == HeaderKind.LOAD:
             if group.secret is None:
                 raise DistributedError(
                     f"rank {group.rank} was sent a program to load, but this run has no secret to authenticate it "
                     f"with (under torchrun, set MOIRAI_RUN_SECRET on every rank); it loads none"
                 )
             programs[header.program_id] = pickle.loads(header.payload)  # authenticated by receive_header
-        elif header.kind == RUN:
+        elif header.kind == HeaderKind.RUN:
             program = programs[header.program_id]
             request_timeout = datetime.timedelta(milliseconds=header.timeout_ms)
             messages = Messages(group, header.request, request_timeout, header.symbol_values)
@@ -257,7 +298,7 @@ class Header:
     A run's payload holds the request's symbolic dimension values (JSON), a load's the pickled program.
     """
 
-    kind: int
+    kind: HeaderKind
     program_id: int = 0
     request: int = 0
     timeout_ms: int = 0
@@ -269,11 +310,20 @@ class Header:
     ) -> Header:
         values = symbol_values(program, flat_inputs)
         payload = json.dumps(values).encode() if values else b""
-        return cls(RUN, program_id, request, round(timeout_s * 1000), payload)
+        return cls(HeaderKind.RUN, program_id, request, round(timeout_s * 1000), payload)
 
     @property
     def symbol_values(self) -> dict[str, int]:
-        return json.loads(self.payload) if self.kind == RUN and self.payload else {}
+        return json.loads(self.payload) if self.kind == HeaderKind.RUN and self.payload else {}
+
+    def __repr__(self) -> str:
+        # A load's payload is a pickled program: its size says enough.
+        details = [f"program {self.program_id}"]
+        if self.kind == HeaderKind.RUN:
+            details += [f"request {self.request}", f"limit {self.timeout_ms} ms"]
+        if self.payload:
+            details.append(f"{len(self.payload)} payload bytes")
+        return f"Header({self.kind}, {', '.join(details)})"
 
 
 def program_for_rank(program: SplitProgram, rank: int) -> SplitProgram:
@@ -326,6 +376,7 @@ def receive_header(group: Group, sequence: int, timeout: datetime.timedelta) -> 
             "run's secret): a process that is not this run's rank 0 sent it; nothing in it was used"
         )
     values = dict(zip(HEADER_FIELDS, fields, strict=True))
+    kind = HeaderKind.from_wire(values["kind"], group.rank, sequence)
     payload_bytes = values["payload_bytes"]
     if not 0 <= payload_bytes <= _MAX_PAYLOAD_BYTES:
         raise DistributedError(f"rank {group.rank}: header {sequence} announces a payload of {payload_bytes} bytes")
@@ -338,7 +389,7 @@ def receive_header(group: Group, sequence: int, timeout: datetime.timedelta) -> 
             f"rank {group.rank}: the payload of header {sequence} does not match the header's digest; nothing in it "
             "was used"
         )
-    return Header(values["kind"], values["program_id"], values["request"], values["timeout_ms"], payload)
+    return Header(kind, values["program_id"], values["request"], values["timeout_ms"], payload)
 
 
 def _header_mac(secret: bytes | None, dst: int, sequence: int, fields: Sequence[int], digest: bytes) -> bytes:

@@ -16,22 +16,15 @@ ends at its time limit. Send and receive return objects with gloo's ``wait(timeo
 Set ``MOIRAI_SHARED_MEMORY=0`` to send through gloo instead (to compare, or where ``/dev/shm`` is
 too small), ``MOIRAI_SHM_DIR`` to keep the files elsewhere (a tmpfs of your own).
 
-Files are reserved when made (``posix_fallocate``), so a full ``/dev/shm`` is a
-:class:`moirai.DistributedError` (at start: :func:`check_space`), never a SIGBUS on a write into
-a sparse file. A rank opens what a peer names only as the peer's private files: the directory
-owned by this user with mode 0700, each file opened without following links and checked (owner,
-type, size) before it is mapped. Spill files belong to one set of links (:class:`_SpillOwner`),
-which holds a lock file while it lives: closing removes its own spill files only, and a spill file
-is another owner's leftover only when that owner's lock can be taken (its process ended, in any
-PID namespace).
+The files (where they go, how a peer's are opened and checked, the room they take, who owns the
+spill files) are :mod:`moirai.runtime.shm_files`'s; a full ``/dev/shm`` is a
+:class:`moirai.DistributedError` at start (:func:`check_space`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
-import fcntl
 import json
 import mmap
 import os
@@ -42,25 +35,21 @@ import struct
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from moirai.errors import DistributedError
+from moirai.runtime import shm_files
+from moirai.runtime.shm_files import DIR_ENV, ENV_SWITCH
 
 RING_BYTES = 8 << 20  # per ordered pair of ranks; larger messages go in files of their own
-ENV_SWITCH = "MOIRAI_SHARED_MEMORY"
-DIR_ENV = "MOIRAI_SHM_DIR"  # where rings and spill files live (default /dev/shm)
 _CONTROL_BYTES = 64  # the ring file's head: the receiver's consumed count (int64)
 _ALIGN = 64
 _RECORD = struct.Struct("<qqqq")  # tag, payload bytes, kind, length of a spill file's path
 _INLINE, _WRAP, _SPILL = 0, 1, 2
 _FULL_RING_POLL_S = 0.0005
-_SPILL_PREFIX = "moirai-spill-"  # then the owner's id: "<owner>.lock" while it lives, "<owner>-<uuid>" its files
-_LOCK_SUFFIX = ".lock"
 
 
 def enabled() -> bool:
@@ -97,76 +86,21 @@ def _aligned(size: int) -> int:
     return -(-size // _ALIGN) * _ALIGN
 
 
-def _shm_dir() -> str:
-    chosen = os.environ.get(DIR_ENV)
-    if chosen:
-        return chosen
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
 def ring_file_bytes() -> int:
     return _CONTROL_BYTES + RING_BYTES
 
 
-def free_bytes(directory: str) -> int:
-    """Bytes an unprivileged writer may still allocate in ``directory``'s file system."""
-    usage = os.statvfs(directory)
-    return usage.f_bavail * usage.f_frsize
-
-
 def check_space(world_size: int) -> None:
     """:class:`moirai.DistributedError` unless the shared-memory directory holds every ring of a world of this size."""
-    directory = _shm_dir()
+    directory = shm_files.shm_dir()
     needed = world_size * (world_size - 1) * ring_file_bytes()
-    free = free_bytes(directory)
+    free = shm_files.free_bytes(directory)
     if free < needed:
         raise DistributedError(
             f"{directory} has {free / 2**20:.0f} MB free, the plan needs {needed / 2**20:.0f} MB for the shared-memory "
             f"rings of {world_size} ranks; set {ENV_SWITCH}=0 (send through gloo) or enlarge {directory} (e.g. docker "
             f"--shm-size), or point {DIR_ENV} at a larger tmpfs"
         )
-
-
-def _reserve_file(fd: int, size: int, path: str) -> None:
-    """Allocate ``size`` bytes of the file now: writing into a sparse file on a full tmpfs kills with SIGBUS."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise
-        raise DistributedError(
-            f"{_shm_dir()} has {free_bytes(os.path.dirname(path)) / 2**20:.0f} MB free, the run needs "
-            f"{size / 2**20:.0f} MB more for {path}; set {ENV_SWITCH}=0 (send through gloo) or enlarge it (e.g. docker "
-            f"--shm-size), or point {DIR_ENV} at a larger tmpfs"
-        ) from None
-
-
-def _open_checked(path: str, flags: int, kind: int, min_bytes: int = 0, dir_fd: int | None = None) -> int:
-    """``path`` opened without following links, if it is this user's file of type ``kind`` (mode 0600, at least
-    ``min_bytes`` long), else OSError: a file a peer names is mapped or written only if it is the run's own."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        info = os.fstat(fd)
-        if info.st_uid != os.getuid() or stat.S_IFMT(info.st_mode) != kind or info.st_mode & 0o077:
-            raise PermissionError(f"{path} is not this user's private {stat.filemode(kind)[0]} file")
-        if info.st_size < min_bytes:
-            raise OSError(f"{path} holds {info.st_size} bytes, fewer than the {min_bytes} announced")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _open_private_directory(path: str) -> int:
-    """A peer's directory, if it is this user's with mode 0700 (no other user can have put files in it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    info = os.fstat(fd)
-    if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) != 0o700:
-        os.close(fd)
-        raise PermissionError(
-            f"{path} is not this user's private directory (owner {info.st_uid}, mode {info.st_mode:o})"
-        )
-    return fd
 
 
 class _Ring:
@@ -176,10 +110,10 @@ class _Ring:
         if create:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         else:
-            fd = _open_checked(path, os.O_RDWR, stat.S_IFREG, ring_file_bytes(), dir_fd)
+            fd = shm_files.open_checked(path, os.O_RDWR, stat.S_IFREG, ring_file_bytes(), dir_fd)
         try:
             if create:
-                _reserve_file(fd, ring_file_bytes(), path)
+                shm_files.reserve_file(fd, ring_file_bytes(), path)
             self._map = mmap.mmap(fd, _CONTROL_BYTES + RING_BYTES)
         finally:
             os.close(fd)
@@ -203,7 +137,7 @@ class _Ring:
 class _Outbound:
     """This rank's messages to one peer: records in the peer's ring, a byte per message in its FIFO."""
 
-    def __init__(self, ring: _Ring, fifo_fd: int, spills: _SpillOwner) -> None:
+    def __init__(self, ring: _Ring, fifo_fd: int, spills: shm_files.SpillOwner) -> None:
         self._ring, self._fifo, self._spills = ring, fifo_fd, spills
         self._produced = 0
         self._lock = threading.Lock()
@@ -351,20 +285,8 @@ class _Inbound:
             self._fill(tag, buffer, payload)
 
     def _deliver_spilled(self, tag: int, path: str, nbytes: int) -> None:
-        name = os.path.basename(path)
-        if os.path.dirname(path) != _shm_dir() or not name.startswith(_SPILL_PREFIX) or name.endswith(_LOCK_SUFFIX):
-            raise PermissionError(
-                f"the peer named {path!r:.200} as a spill file; spill files are {_shm_dir()}/{_SPILL_PREFIX}*"
-            )
-        fd = _open_checked(path, os.O_RDWR, stat.S_IFREG, nbytes)
-        try:
-            os.unlink(path)
-            with mmap.mmap(fd, max(nbytes, 1)) as mapped:
-                payload = torch.frombuffer(mapped, dtype=torch.uint8)[:nbytes]
-                self._deliver(tag, payload)
-                del payload  # the map closes only when no tensor views it
-        finally:
-            os.close(fd)
+        with shm_files.taken_spill(path, nbytes) as payload:
+            self._deliver(tag, payload)
 
     def _fill(self, tag: int, buffer: torch.Tensor, payload: torch.Tensor) -> None:
         target = _bytes_of(buffer)
@@ -383,7 +305,11 @@ class SharedMemoryLinks:
     """
 
     def __init__(
-        self, outbound: dict[int, _Outbound], inbound: dict[int, _Inbound], timeout_s: float, spills: _SpillOwner
+        self,
+        outbound: dict[int, _Outbound],
+        inbound: dict[int, _Inbound],
+        timeout_s: float,
+        spills: shm_files.SpillOwner,
     ) -> None:
         self._outbound, self._inbound, self._timeout_s, self._spills = outbound, inbound, timeout_s, spills
         self.peers = frozenset(outbound) & frozenset(inbound)
@@ -414,10 +340,10 @@ def connect(rank: int, world_size: int, store: Any, timeout_s: float, prefix: st
     """
     if not enabled():
         return None
-    remove_dead_spill_files()
+    shm_files.remove_dead_spill_files()
     host = socket.gethostname()
-    spills = _SpillOwner(_shm_dir())
-    directory = tempfile.mkdtemp(prefix=f"moirai-r{rank}-", dir=_shm_dir())  # mode 0700, this user's
+    spills = shm_files.SpillOwner(shm_files.shm_dir())
+    directory = tempfile.mkdtemp(prefix=f"moirai-r{rank}-", dir=shm_files.shm_dir())  # mode 0700, this user's
     peers = [k for k in range(world_size) if k != rank]
     rings: dict[int, _Ring] = {}
     fifos: dict[int, int] = {}
@@ -459,12 +385,12 @@ def _get(store: Any, key: str, timeout_s: float) -> str:
     return store.get(key).decode()
 
 
-def _open_outbound(directory: str, rank: int, spills: _SpillOwner) -> _Outbound:
+def _open_outbound(directory: str, rank: int, spills: shm_files.SpillOwner) -> _Outbound:
     """This rank's end of the ring and FIFO a peer made for it in ``directory`` (checked: the peer's own files)."""
-    dir_fd = _open_private_directory(directory)
+    dir_fd = shm_files.open_private_directory(directory)
     try:
         ring = _Ring(f"ring-{rank}", create=False, dir_fd=dir_fd)
-        fd = _open_checked(f"fifo-{rank}", os.O_WRONLY | os.O_NONBLOCK, stat.S_IFIFO, dir_fd=dir_fd)
+        fd = shm_files.open_checked(f"fifo-{rank}", os.O_WRONLY | os.O_NONBLOCK, stat.S_IFIFO, dir_fd=dir_fd)
     finally:
         os.close(dir_fd)
     os.set_blocking(fd, True)
@@ -495,76 +421,3 @@ def _json(store: Any, key: str, timeout_s: float) -> Any:
         return json.loads(_get(store, key, timeout_s))
     except ValueError:
         raise DistributedError(f"store key {key!r} holds no JSON") from None
-
-
-def _get(store: Any, key: str, timeout_s: float) -> str:
-    store.wait([key], datetime.timedelta(seconds=timeout_s))
-    return store.get(key).decode()
-
-
-class _SpillOwner:
-    """One set of links' spill files: named after it, removed when it closes, found dead once its lock is free."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.owner = uuid.uuid4().hex
-        path = os.path.join(directory, f"{_SPILL_PREFIX}{self.owner}{_LOCK_SUFFIX}")
-        self._lock_fd: int | None = os.open(
-            path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-    def write(self, payload: torch.Tensor) -> str:
-        """A new spill file holding ``payload``; its path."""
-        path = os.path.join(self.directory, f"{_SPILL_PREFIX}{self.owner}-{uuid.uuid4().hex}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            _reserve_file(fd, max(payload.numel(), 1), path)
-            with mmap.mmap(fd, max(payload.numel(), 1)) as mapped:
-                view = torch.frombuffer(mapped, dtype=torch.uint8)
-                view[: payload.numel()].copy_(payload)
-                del view
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        return path
-
-    def close(self) -> None:
-        """Remove this owner's unread spill files, then its lock file."""
-        if self._lock_fd is None:
-            return
-        _remove_owner_files(self.directory, self.owner)
-        os.close(self._lock_fd)
-        self._lock_fd = None
-
-
-def spill_files() -> list[Path]:
-    """Spill files not yet read."""
-    return sorted(p for p in Path(_shm_dir()).glob(f"{_SPILL_PREFIX}*") if not p.name.endswith(_LOCK_SUFFIX))
-
-
-def remove_dead_spill_files() -> None:
-    """Remove the spill files of owners whose lock can be taken: their process ended, nobody reads them any more."""
-    directory = _shm_dir()
-    for lock in Path(directory).glob(f"{_SPILL_PREFIX}*{_LOCK_SUFFIX}"):
-        try:
-            fd = _open_checked(str(lock), os.O_RDWR, stat.S_IFREG)
-        except OSError:
-            continue  # another user's, or gone meanwhile
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # its owner lives (in this process, another one, or another PID namespace)
-        finally:
-            os.close(fd)
-        _remove_owner_files(directory, lock.name[len(_SPILL_PREFIX) : -len(_LOCK_SUFFIX)])
-
-
-def _remove_owner_files(directory: str, owner: str) -> None:
-    for path in Path(directory).glob(f"{_SPILL_PREFIX}{owner}-*"):
-        with contextlib.suppress(OSError):
-            path.unlink()
-    with contextlib.suppress(OSError):
-        os.unlink(os.path.join(directory, f"{_SPILL_PREFIX}{owner}{_LOCK_SUFFIX}"))

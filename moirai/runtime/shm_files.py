@@ -1,0 +1,178 @@
+"""The files shared memory lives in (:mod:`moirai.runtime.shm`): where they go, how a peer's are opened, how much
+room they take, and who owns the spill files.
+
+Files are reserved when made (``posix_fallocate``), so a full ``/dev/shm`` is a
+:class:`moirai.DistributedError`, never a SIGBUS on a write into a sparse file. A rank opens what
+a peer names only as the peer's private files: the directory owned by this user with mode 0700,
+each file opened without following links and checked (owner, type, size) before it is mapped.
+Spill files belong to one set of links (:class:`SpillOwner`), which holds a lock file while it
+lives: closing removes its own spill files only, and a spill file is another owner's leftover
+only when that owner's lock can be taken (its process ended, in any PID namespace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import stat
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from moirai.errors import DistributedError
+
+ENV_SWITCH = "MOIRAI_SHARED_MEMORY"
+DIR_ENV = "MOIRAI_SHM_DIR"  # where rings and spill files live (default /dev/shm)
+_SPILL_PREFIX = "moirai-spill-"  # then the owner's id: "<owner>.lock" while it lives, "<owner>-<uuid>" its files
+_LOCK_SUFFIX = ".lock"
+
+
+def shm_dir() -> str:
+    """Where rings and spill files go: ``MOIRAI_SHM_DIR``, else ``/dev/shm`` where writable, else the temp directory."""
+    chosen = os.environ.get(DIR_ENV)
+    if chosen:
+        return chosen
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer may still allocate in ``directory``'s file system."""
+    usage = os.statvfs(directory)
+    return usage.f_bavail * usage.f_frsize
+
+
+def reserve_file(fd: int, size: int, path: str) -> None:
+    """Allocate ``size`` bytes of the file now: writing into a sparse file on a full tmpfs kills with SIGBUS."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise DistributedError(
+            f"{shm_dir()} has {free_bytes(os.path.dirname(path)) / 2**20:.0f} MB free, the run needs "
+            f"{size / 2**20:.0f} MB more for {path}; set {ENV_SWITCH}=0 (send through gloo) or enlarge it (e.g. docker "
+            f"--shm-size), or point {DIR_ENV} at a larger tmpfs"
+        ) from None
+
+
+def open_checked(path: str, flags: int, kind: int, min_bytes: int = 0, dir_fd: int | None = None) -> int:
+    """``path`` opened without following links, if it is this user's file of type ``kind`` (mode 0600, at least
+    ``min_bytes`` long), else OSError: a file a peer names is mapped or written only if it is the run's own."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid() or stat.S_IFMT(info.st_mode) != kind or info.st_mode & 0o077:
+            raise PermissionError(f"{path} is not this user's private {stat.filemode(kind)[0]} file")
+        if info.st_size < min_bytes:
+            raise OSError(f"{path} holds {info.st_size} bytes, fewer than the {min_bytes} announced")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_private_directory(path: str) -> int:
+    """A peer's directory, if it is this user's with mode 0700 (no other user can have put files in it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    info = os.fstat(fd)
+    if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) != 0o700:
+        os.close(fd)
+        raise PermissionError(
+            f"{path} is not this user's private directory (owner {info.st_uid}, mode {info.st_mode:o})"
+        )
+    return fd
+
+
+class SpillOwner:
+    """One set of links' spill files: named after it, removed when it closes, found dead once its lock is free."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.owner = uuid.uuid4().hex
+        path = os.path.join(directory, f"{_SPILL_PREFIX}{self.owner}{_LOCK_SUFFIX}")
+        self._lock_fd: int | None = os.open(
+            path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def write(self, payload: torch.Tensor) -> str:
+        """A new spill file holding ``payload``; its path."""
+        path = os.path.join(self.directory, f"{_SPILL_PREFIX}{self.owner}-{uuid.uuid4().hex}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            reserve_file(fd, max(payload.numel(), 1), path)
+            with mmap.mmap(fd, max(payload.numel(), 1)) as mapped:
+                view = torch.frombuffer(mapped, dtype=torch.uint8)
+                view[: payload.numel()].copy_(payload)
+                del view
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return path
+
+    def close(self) -> None:
+        """Remove this owner's unread spill files, then its lock file."""
+        if self._lock_fd is None:
+            return
+        _remove_owner_files(self.directory, self.owner)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+
+def spill_files() -> list[Path]:
+    """Spill files not yet read."""
+    return sorted(p for p in Path(shm_dir()).glob(f"{_SPILL_PREFIX}*") if not p.name.endswith(_LOCK_SUFFIX))
+
+
+def remove_dead_spill_files() -> None:
+    """Remove the spill files of owners whose lock can be taken: their process ended, nobody reads them any more."""
+    directory = shm_dir()
+    for lock in Path(directory).glob(f"{_SPILL_PREFIX}*{_LOCK_SUFFIX}"):
+        try:
+            fd = open_checked(str(lock), os.O_RDWR, stat.S_IFREG)
+        except OSError:
+            continue  # another user's, or gone meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner lives (in this process, another one, or another PID namespace)
+        finally:
+            os.close(fd)
+        _remove_owner_files(directory, lock.name[len(_SPILL_PREFIX) : -len(_LOCK_SUFFIX)])
+
+
+def _remove_owner_files(directory: str, owner: str) -> None:
+    for path in Path(directory).glob(f"{_SPILL_PREFIX}{owner}-*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(directory, f"{_SPILL_PREFIX}{owner}{_LOCK_SUFFIX}"))
+
+
+@contextlib.contextmanager
+def taken_spill(path: str, nbytes: int) -> Iterator[torch.Tensor]:
+    """The ``nbytes`` bytes of the spill file a peer named, mapped while the context lasts; the file is removed at
+    once. A path that is no spill file of this directory is a PermissionError: a peer names files, it does not
+    choose them."""
+    name = os.path.basename(path)
+    if os.path.dirname(path) != shm_dir() or not name.startswith(_SPILL_PREFIX) or name.endswith(_LOCK_SUFFIX):
+        raise PermissionError(
+            f"the peer named {path!r:.200} as a spill file; spill files are {shm_dir()}/{_SPILL_PREFIX}*"
+        )
+    fd = open_checked(path, os.O_RDWR, stat.S_IFREG, nbytes)
+    try:
+        os.unlink(path)
+        with mmap.mmap(fd, max(nbytes, 1)) as mapped:
+            payload = torch.frombuffer(mapped, dtype=torch.uint8)[:nbytes]
+            yield payload
+            del payload  # the map closes only when no tensor views it
+    finally:
+        os.close(fd)

@@ -1,0 +1,59 @@
+"""The runtime's typed messages: header kinds, headers and the driver's queue items print what they are, and every
+link a group picks (gloo, shared memory) has the send/recv surface the protocol calls."""
+
+from __future__ import annotations
+
+import datetime
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from moirai.runtime import shm
+from moirai.runtime.driver import ControlSent, Ran, Sent, Stop, Submitted
+from moirai.runtime.groups import Link, Work
+from moirai.runtime.protocol import Header, HeaderKind
+
+
+def test_header_kinds_print_by_name_and_keep_their_numbers_on_the_wire():
+    assert [(str(kind), int(kind)) for kind in HeaderKind] == [("RUN", 1), ("LOAD", 2), ("HEARTBEAT", 3), ("CLOSE", 4)]
+    assert f"{HeaderKind.HEARTBEAT}" == "HEARTBEAT"
+
+
+def test_headers_print_their_kind_and_the_size_of_their_payload_not_its_bytes():
+    load = Header(HeaderKind.LOAD, 3, payload=bytes(10_000))
+    assert repr(load) == str(load) == "Header(LOAD, program 3, 10000 payload bytes)"
+    run = Header(HeaderKind.RUN, 1, request=7, timeout_ms=2500)
+    assert repr(run) == "Header(RUN, program 1, request 7, limit 2500 ms)"
+
+
+def test_the_drivers_queue_items_print_what_they_carry():
+    program = SimpleNamespace(num_devices=3)  # a stand-in: printing reads its part count only
+    submitted = Submitted(program, [torch.ones(2), torch.ones(3)], Future(), list, 1.5)  # type: ignore[arg-type]
+    assert str(submitted) == "Submitted(2 inputs, 3 parts, limit 1.5 s)"
+    headers = [object(), object()]  # stand-ins for the headers' Messages: printing counts them
+    assert repr(Sent(4, headers, object(), submitted)) == "Sent(request 4, 2 headers)"  # type: ignore[arg-type]
+    assert repr(Ran(4, headers, list, Future(), list)) == "Ran(request 4, 2 headers)"  # type: ignore[arg-type]
+    assert str(ControlSent(HeaderKind.HEARTBEAT, headers)) == "ControlSent(HEARTBEAT to 2 ranks)"  # type: ignore[arg-type]
+    assert str(Stop("closed")) == "Stop(closed)"
+
+
+def test_gloo_and_shared_memory_links_have_the_surface_the_protocol_calls():
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    assert isinstance(dist.ProcessGroupGloo(dist.HashStore(), 0, 1, options), Link)
+    store = dist.HashStore()
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(lambda rank: shm.connect(rank, 2, store, 10.0, "links"), range(2))
+    try:
+        assert isinstance(a, Link) and isinstance(b, Link)
+        buffer = torch.empty(3)
+        receive = b.recv([buffer], 0, 5)
+        send = a.send([torch.arange(3.0)], 1, 5)
+        assert isinstance(send, Work) and isinstance(receive, Work)
+        assert send.wait(datetime.timedelta(seconds=10)) and receive.wait(datetime.timedelta(seconds=10))
+        torch.testing.assert_close(buffer, torch.arange(3.0))
+    finally:
+        a.close()
+        b.close()
