@@ -55,3 +55,7 @@ class OverMemoryWarning(MoiraiWarning):
 
 class PlanVersionWarning(MoiraiWarning):
     """A plan file was saved by another version of moirai or torch."""
+
+
+class OversubscriptionWarning(MoiraiWarning):
+    """More logical CPU devices than cores, or more threads than a rank's cores: ranks share cores."""
