@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moirai", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    description = (__doc__ or "").replace("``", "")  # the module's reST markup, read as plain text
+    parser = argparse.ArgumentParser(
+        prog="moirai", description=description, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"moirai {importlib.metadata.version('moirai')}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True)

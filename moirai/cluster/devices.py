@@ -78,7 +78,7 @@ from moirai.cluster.files import (
 from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, MICROSECOND, Device, Link
 from moirai.cluster.host import available_cores, core_shares, device_index
 from moirai.cluster.kinds import CPU, accelerator_kinds, detect_device, kind_of, local_link
-from moirai.errors import ClusterError, OversubscriptionWarning
+from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
 
 # The CPU time a transfer takes from its two ends: fixed seconds and seconds per byte.
 _CPU_TIME_MATRICES = ("send_cpu_s", "send_cpu_s_per_byte", "recv_cpu_s", "recv_cpu_s_per_byte")
@@ -330,7 +330,7 @@ def _warn_if_oversubscribed(devices: Sequence[Device]) -> None:
         f"{len(pinned)} logical CPU devices on {len(cores)} cores: {', '.join(shared)} share cores, so each of them "
         f"computes at a fraction of a core (the plan counts it so); give at most {len(cores)} CPU devices",
         OversubscriptionWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 

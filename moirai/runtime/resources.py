@@ -31,7 +31,7 @@ import torch
 from moirai.cluster.devices import Device
 from moirai.cluster.host import available_cores, current_cores, note_pinning, split_cores
 from moirai.cluster.kinds import DeviceKind, kind_of
-from moirai.errors import ClusterError, OversubscriptionWarning
+from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
 
 # Every apply_resources not yet restored, oldest first: (what it returned, what it set), and what the process had
 # before the first of them. Runners open at once hold the process newest first, whatever order they close in.
@@ -101,7 +101,7 @@ def _warn_if_threads_exceed_cores(devices: Sequence[str | Device], resources: Se
                 f"{list(resource.cores)}: they take turns, and it computes slower than its threads suggest; give it "
                 "at most as many threads as cores in the cluster file",
                 OversubscriptionWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
 

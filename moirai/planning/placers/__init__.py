@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moirai.errors import MoiraiError, OverMemoryWarning, PlacerOptionError
+from moirai.errors import MoiraiError, OverMemoryWarning, PlacerOptionError, user_stacklevel
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.problem import Plan, Problem
 from moirai.progress import LONG_STAGE_S, format_seconds, stage
@@ -327,7 +327,7 @@ def _warn_if_over_memory(problem: Problem, plan: Plan, timeline: Timeline) -> No
             f"the {plan.placer!r} plan puts more on a device than it can hold ({amounts}); {plan.placer!r} ignores "
             f"memory: use a placer that respects it ({respecting}) or add memory"
         ),
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 
