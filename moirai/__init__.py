@@ -24,6 +24,7 @@ _EXPORTS = {
     "MoiraiError": "moirai.errors",
     "MoiraiWarning": "moirai.errors",
     "OverMemoryWarning": "moirai.errors",
+    "OversubscriptionWarning": "moirai.errors",
     "PlacerOptionError": "moirai.errors",
     "TrainingModeWarning": "moirai.errors",
     "Objective": "moirai.planning.objective",

@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moirai", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    description = (__doc__ or "").replace("``", "")  # the module's reST markup, read as plain text
+    parser = argparse.ArgumentParser(
+        prog="moirai", description=description, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"moirai {importlib.metadata.version('moirai')}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--devices", help="comma-separated torch devices, e.g. cpu,cpu or cuda:0,cuda:1,cpu")
     where.add_argument("--cluster", help="a cluster file (TOML) or a preset name (see moirai.Cluster.presets())")
     compile_.add_argument("--cost", choices=("analytic", "measured"), default="analytic")
+    compile_.add_argument(
+        "--calibration",
+        default="auto",
+        metavar="auto|none|remeasure|FILE",
+        help="what the links between --devices cost, as moirai.compile's calibration (default auto: this "
+        "machine's cached calibration, measured once); a --cluster file keeps its own links",
+    )
     compile_.add_argument("--check", action="store_true", help="run the split model, compare with the model")
     _placement_arguments(compile_, default_placer="milp")
 
@@ -95,11 +105,18 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
         raise MoiraiError(f"unknown placer {args.placer!r}; choose one of {', '.join(moirai.list_placers())}")
     if args.gantt:
         viz.check_picture_path(args.gantt)
-    cluster = moirai.Cluster.from_devices(_device_list(args.devices)) if args.devices else _cluster(args.cluster)
+    # A device list goes to compile as the API's users give it, so that both build the cluster one way.
+    devices = _device_list(args.devices) if args.devices else _cluster(args.cluster)
     model, example_inputs = _load_factory(args.factory)
     options = _placer_options(args)
     compiled = moirai.compile(
-        model, cluster, example_inputs=example_inputs, placer=args.placer, cost=args.cost, **options
+        model,
+        devices,
+        example_inputs=example_inputs,
+        placer=args.placer,
+        cost=args.cost,
+        calibration=args.calibration,
+        **options,
     )
     compiled.summary(console)
     if args.timeline:
@@ -134,6 +151,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         console.print(viz.text_gantt(problem, plan, timeline=timeline))
     if args.output:
         Path(args.output).write_text(json.dumps(plan.to_dict(), indent=1))
+        console.print(f"plan written to {args.output}", highlight=False)
     if args.gantt:
         viz.gantt(problem, plan, args.gantt, timeline=timeline)
         console.print(f"schedule drawn in {args.gantt}", highlight=False)

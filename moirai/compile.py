@@ -28,6 +28,7 @@ from rich.table import Table
 
 from moirai import progress as _progress
 from moirai import viz
+from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
@@ -232,7 +233,7 @@ def compile(
     time). A :class:`moirai.Cluster` keeps the links it describes.
     """
     _check_not_misspelt(placer_options)
-    cluster = _local_cluster(devices, calibration)
+    cluster = local_cluster(devices, calibration)
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
     logger.debug("coarsened %s to %d op groups (fusion rules %s)", traced.model_name, len(coarse.nodes), fusion_rules)
@@ -250,20 +251,6 @@ def compile(
     return _assemble(traced, cluster, coarse, problem, plan)
 
 
-def _local_cluster(devices: Cluster | Sequence[str], calibration: str | Path) -> Cluster:
-    """``devices`` as a cluster; local devices get the links of this machine's calibration unless it is "none"."""
-    if isinstance(devices, Cluster):
-        return devices
-    cluster = Cluster.from_devices(devices)
-    if calibration == "none" or len(cluster) < 2:
-        logger.debug("links between %s: the detected defaults (calibration=%r)", devices, calibration)
-        return cluster
-    from moirai.cluster.calibration import calibrated_cluster, local_calibration, local_request_cost
-
-    links = local_calibration([d.torch_device for d in cluster.devices], calibration)
-    return calibrated_cluster(cluster, links, local_request_cost(calibration))
-
-
 @_progress.reports_progress
 def load(
     path: str | Path,
@@ -273,15 +260,20 @@ def load(
     devices: Cluster | Sequence[str] | None = None,
     dynamic_shapes: Any = None,
     progress: bool = True,
+    calibration: str | Path = "none",
 ) -> CompiledModel:
     """Rebuild a compiled model from a saved plan and the model (with real weights); ``progress`` as in compile.
+
+    ``devices`` (default: the plan's) become a cluster as compile's do; the plan file holds the problem it was
+    planned for, so ``calibration`` (as in compile, default ``"none"``: nothing is measured) matters only for a
+    plan file too old to hold it.
 
     A plan compiled with dynamic shapes is traced again with the same dynamic dimensions (names and
     ranges from the plan file, applied to ``example_inputs``) unless ``dynamic_shapes`` is given.
     """
     record = _read_plan_file(path)
     saved_devices = [d["torch_device"] for d in record["devices"]]
-    cluster = devices if isinstance(devices, Cluster) else Cluster.from_devices(devices or saved_devices)
+    cluster = local_cluster(devices or saved_devices, calibration)
     if len(cluster) != len(saved_devices):
         raise PlanError(f"{path} places the model on {len(saved_devices)} devices, {len(cluster)} were given")
     if dynamic_shapes is None and record.get("dynamic_dims"):

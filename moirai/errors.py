@@ -55,3 +55,23 @@ class OverMemoryWarning(MoiraiWarning):
 
 class PlanVersionWarning(MoiraiWarning):
     """A plan file was saved by another version of moirai or torch."""
+
+
+class OversubscriptionWarning(MoiraiWarning):
+    """More logical CPU devices than cores, or more threads than a rank's cores: ranks share cores."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning given by the function calling this name the user's line: the first
+    frame outside the moirai package (and Python's contextlib), however deep inside moirai the warning arises."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1  # the caller of this function: warnings.warn's stacklevel=1
+    while frame is not None and (
+        os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep)
+        or frame.f_code.co_filename.endswith("contextlib.py")
+    ):
+        frame, level = frame.f_back, level + 1
+    return level

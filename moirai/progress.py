@@ -13,13 +13,19 @@ placer called in a loop stays quiet. Only the outermost stage reports: a stage t
 * a terminal: a rich spinner while the stage runs, then ``✓ trace  1.23 s``;
 * Jupyter: a line that says ``… trace`` while it runs and becomes ``✓ trace  1.23 s`` (an
   IPython display that is updated, so no ipywidgets are needed);
-* anything else (a log, CI): one plain line per finished stage on stderr, ``moirai: trace 1.23 s``.
+* anything else (a log, CI): one plain line per finished stage on stderr, ``moirai: trace 1.23 s``; a stage
+  that may take long (it says what it will do: ``stage("place", "milp, limit 60 s")``) also prints a start line,
+  ``moirai: place: milp, limit 60 s``, and what it reports with :func:`update` at most every few seconds.
+
+``shown(False)`` (``progress=False``) silences the stages inside and tells placers with a status line of
+their own (milp) to keep quiet too (:func:`silenced`). Under torchrun only rank 0 reports.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,19 +37,49 @@ from rich.console import Console
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 _console: ContextVar[Console | None] = ContextVar("moirai_progress_console", default=None)
 _in_stage: ContextVar[bool] = ContextVar("moirai_progress_in_stage", default=False)
+_silenced: ContextVar[bool] = ContextVar("moirai_progress_silenced", default=False)
+# Where the running stage shows what it is doing now (None outside a stage that reports).
+_update: ContextVar[Callable[[str], None] | None] = ContextVar("moirai_progress_update", default=None)
+LOG_EVERY_S = 5.0  # in a log, the least time between two lines of one stage's progress
+LONG_STAGE_S = 2.0  # a stage whose budget is at least this long says so when it starts
 
 
 @contextmanager
 def shown(enabled: bool = True, console: Console | None = None) -> Iterator[None]:
-    """Let the stages run inside this block report (to ``console``, default stderr) when ``enabled``."""
-    if not enabled or _console.get() is not None:
+    """Let the stages run inside this block report (to ``console``, default stderr) when ``enabled``; a disabled
+    block silences every stage inside, placers' own status lines included. Only rank 0 of torchrun reports."""
+    if _console.get() is not None or _silenced.get():
         yield
+        return
+    if not enabled or os.environ.get("RANK", "0") != "0":
+        token = _silenced.set(True)
+        try:
+            yield
+        finally:
+            _silenced.reset(token)
         return
     token = _console.set(console or Console(stderr=True))
     try:
         yield
     finally:
         _console.reset(token)
+
+
+def silenced() -> bool:
+    """Whether the caller asked for no progress at all (``progress=False``, or a rank other than 0)."""
+    return _silenced.get()
+
+
+def showing() -> bool:
+    """Whether a stage is reporting now, so that :func:`update` reaches the user."""
+    return _update.get() is not None
+
+
+def update(text: str) -> None:
+    """Show ``text`` as what the running stage is doing now (in a log, at most every :data:`LOG_EVERY_S`)."""
+    show = _update.get()
+    if show is not None:
+        show(text)
 
 
 def reports_progress(function: _Function) -> _Function:
@@ -60,8 +96,12 @@ def reports_progress(function: _Function) -> _Function:
 
 
 @contextmanager
-def stage(name: str) -> Iterator[None]:
-    """Report ``name`` while the block (or decorated function) runs and its time when it ends."""
+def stage(name: str, plan: str | None = None) -> Iterator[None]:
+    """Report ``name`` while the block (or decorated function) runs and its time when it ends.
+
+    ``plan``: what a stage that may take longer than a couple of seconds will do (``"milp, limit 60 s"``); a
+    log then gets a start line, so that a long silence has a reason.
+    """
     console = _console.get()
     if console is None or _in_stage.get():
         yield
@@ -73,14 +113,39 @@ def stage(name: str) -> Iterator[None]:
             with _jupyter_line(name, start):
                 yield
         elif console.is_terminal:
-            with console.status(f"{name} …"):
+            with console.status(f"{name} …") as status, _updating(lambda text: status.update(f"{name} … {text}")):
                 yield
             console.print(f"[green]✓[/] {name}  {format_seconds(time.perf_counter() - start)}", highlight=False)
         else:
-            yield
+            if plan is not None:
+                console.print(f"moirai: {name}: {plan}", highlight=False)
+            with _updating(_log_lines(console, name)):
+                yield
             console.print(f"moirai: {name} {format_seconds(time.perf_counter() - start)}", highlight=False)
     finally:
         _in_stage.reset(token)
+
+
+@contextmanager
+def _updating(show: Callable[[str], None]) -> Iterator[None]:
+    token = _update.set(show)
+    try:
+        yield
+    finally:
+        _update.reset(token)
+
+
+def _log_lines(console: Console, name: str) -> Callable[[str], None]:
+    """A line per update, but none sooner than :data:`LOG_EVERY_S` after the last (a log is read later)."""
+    last = [time.perf_counter()]
+
+    def show(text: str) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= LOG_EVERY_S:
+            last[0] = now
+            console.print(f"moirai: {name}: {text}", highlight=False)
+
+    return show
 
 
 @contextmanager
@@ -90,7 +155,8 @@ def _jupyter_line(name: str, start: float) -> Iterator[None]:
     handle = display(Pretty(f"… {name}"), display_id=True)
     outcome = "✗"
     try:
-        yield
+        with _updating(lambda text: handle.update(Pretty(f"… {name}: {text}"))):
+            yield
         outcome = "✓"
     finally:
         handle.update(Pretty(f"{outcome} {name}  {format_seconds(time.perf_counter() - start)}"))

@@ -49,6 +49,8 @@ _MAIN_OPS = (
     "batch_norm",
     "softmax",
 )
+# Ops that torch.export adds for its own checks and dtype or device moves: they name no kind the user knows.
+_INTERNAL_OPS = ("_assert_tensor_metadata", "_assert_scalar", "to", "_to_copy", "alias", "detach", "lift_fresh_copy")
 _PALETTE = "tab20"
 _TRANSFER_COLOUR = "0.45"
 _MAX_LEGEND_GROUPS = 11  # more kinds than this: the ones with the least time share one grey "other"
@@ -122,13 +124,15 @@ def format_bytes_compact(num_bytes: float) -> str:
 
 
 def kind_of_targets(targets: Sequence[str]) -> str:
-    """A group's kind: its main aten op's short name (``aten.addmm.default`` -> ``addmm``)."""
+    """A group's kind: its main aten op's short name (``aten.addmm.default`` -> ``addmm``), never an internal op
+    (``_assert_tensor_metadata``, ``to``): a group of those alone is ``other``."""
     names = [target.split(".")[1] if target.startswith("aten.") else target for target in targets]
     for main in _MAIN_OPS:
         for name in names:
             if name.startswith(main):
                 return main
-    return names[0] if names else "op"
+    own = [name for name in names if name not in _INTERNAL_OPS]
+    return own[0] if own else (_OTHER if names else "op")
 
 
 def kind_of_name(task_name: str) -> str:
@@ -477,7 +481,7 @@ def summary_table(
     reason = stop_reason(plan)
     if reason:
         details.append(f"stopped: {reason}")
-    details.append(f"{len(timeline.transfers)} transfers")
+    details.append(f"{len(timeline.transfers)} transfer{'' if len(timeline.transfers) == 1 else 's'}")
     if plan.placement_time_s is not None:
         details.append(f"placed in {format_seconds(plan.placement_time_s)}")
     if not timeline.fits_memory:

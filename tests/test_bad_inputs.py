@@ -242,8 +242,9 @@ def test_option_of_the_wrong_type(problem):
 
 
 def test_memory_ignoring_placer_over_memory_warns_with_the_numbers_and_marks_the_plan(problem):
-    with pytest.warns(OverMemoryWarning, match=r"'round_robin' plan.*a holds 16 B of 10 B.*'heft'"):
+    with pytest.warns(OverMemoryWarning, match=r"'round_robin' plan.*a holds 16 B of 10 B.*'heft'") as caught:
         plan = moirai.place(problem, "round_robin")
+    assert caught[0].filename == __file__, "attributed to the caller's line, not to moirai or contextlib"
     assert plan.report.notes["over_memory_devices"] == ["a"]
     assert devices_over_memory(problem, plan) == [0]
 
@@ -270,8 +271,9 @@ def test_summary_shows_devices_over_memory_in_red(compiled):
             "links": [{"src": "A", "dst": "B", "bandwidth_gbps": 10, "both_directions": True}],
         }
     )
-    with pytest.warns(OverMemoryWarning, match="A holds 160 B of 100 B.*ignores memory"):
+    with pytest.warns(OverMemoryWarning, match="A holds 160 B of 100 B.*ignores memory") as caught:
         cm = moirai.compile(tiny(), cluster, (X,), placer="round_robin")
+    assert [w.filename for w in caught if w.category is OverMemoryWarning] == [__file__], "the user's line"
     output = io.StringIO()
     table = cm.summary(Console(file=output, width=200))
     assert [row.style for row in table.rows] == ["bold red", None]

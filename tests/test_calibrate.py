@@ -238,3 +238,36 @@ def test_calibrate_two_gloo_ranks_writes_a_cluster_file(tmp_path: Path) -> None:
 def test_calibrate_needs_two_ranks() -> None:
     with pytest.raises(ClusterError, match="at least two ranks"):
         calibrate(world_size=1)
+
+
+def test_moirai_calibrate_leaves_the_machines_calibration_alone_unless_asked(tmp_path: Path, monkeypatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    import moirai.cluster.calibration.cli as cli_module
+    from moirai.cli import _parser
+
+    cache = tmp_path / "cache" / "calibration.json"
+    cache.parent.mkdir()
+    monkeypatch.setattr(cli_module, "calibration_cache_path", lambda: cache)
+    monkeypatch.setattr(
+        cli_module, "measure_transfer_costs", lambda devices, sizes, repeats: {(0, 1): FAKE_COST, (1, 0): FAKE_COST}
+    )
+    monkeypatch.setattr(cli_module, "measure_request_cost", lambda link: FAKE_REQUESTS)
+    monkeypatch.setattr(cli_module, "measure_link_kinds", lambda pair: {"cpu->cpu": FAKE_COST})
+    monkeypatch.setattr(cli_module, "_transport", lambda backend: "shm")
+    output = tmp_path / "cluster.toml"
+
+    def run(*extra: str) -> str:
+        console = Console(file=io.StringIO(), width=200)
+        assert cli_module.run(_parser().parse_args(["calibrate", "--output", str(output), *extra]), console) == 0
+        return console.file.getvalue()
+
+    assert "not saved" in run() and not cache.exists()
+    assert Cluster.from_file(output).name == "calibrated-shm", "named after what carried the messages"
+    run("--update-cache")
+    assert read_calibration(cache) == {"cpu->cpu": FAKE_COST}
+    mine = tmp_path / "mine.json"
+    run("--save", str(mine))
+    assert read_request_cost(mine) == FAKE_REQUESTS

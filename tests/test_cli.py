@@ -68,6 +68,38 @@ def test_demo_runs_the_split_decoder_on_three_processes_and_its_outputs_match() 
     assert "outputs match" in result.stdout and "on 3 processes" in result.stdout
 
 
+def test_the_cli_and_the_api_plan_the_same_devices_alike(factory_file: Path, tmp_path: Path) -> None:
+    """``--devices cpu,cpu,cpu`` builds the cluster and its calibration as ``moirai.compile(model, ["cpu"] * 3)``."""
+    import inspect
+    import warnings
+
+    import moirai
+    from moirai.cli import _parser
+    from moirai.cluster.calibration import RequestCost, TransferCost, write_calibration
+
+    assert _parser().parse_args(["compile", "m:f", "--devices", "cpu"]).calibration == (
+        inspect.signature(moirai.compile).parameters["calibration"].default
+    )
+    calibration = tmp_path / "links.json"  # slower than the detected default (50 us), so a skipped calibration shows
+    write_calibration(calibration, {"cpu->cpu": TransferCost(2e-3, 1e8, 1e-4, 0.0, 1e-4, 0.0)}, RequestCost(3e-4, 1e-4))
+    plan = tmp_path / "plan.json"
+    args = ["--devices", "cpu,cpu,cpu", "--calibration", str(calibration), "--placer", "heft", "--output", str(plan)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", moirai.OversubscriptionWarning)  # on a host of fewer than 3 cores
+        assert main(["compile", f"{factory_file}:make", *args]) == 0
+        sys.path.insert(0, str(factory_file.parent))
+        try:
+            from my_models import make
+        finally:
+            sys.path.remove(str(factory_file.parent))
+        model, example_inputs = make()
+        api = moirai.compile(model.eval(), ["cpu"] * 3, example_inputs, placer="heft", calibration=calibration)
+    saved = json.loads(plan.read_text())
+    assert saved["problem"] == api.problem.to_dict()
+    assert max(max(row) for row in saved["problem"]["edges"][0]["send_cpu_s"]) == pytest.approx(1e-4)  # calibrated
+    assert saved["node_device"] == api.node_device
+
+
 def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factory_file: Path, capsys) -> None:
     code = main(["compile", f"{factory_file}:WithInputs", "--cluster", "moirai-intra-server", "--placer", "heft"])
     assert code == 0

@@ -304,3 +304,39 @@ def test_device_kinds_answer_what_the_runtime_and_cost_code_ask() -> None:
     assert CUDA.messages_in_device_memory and not CPU.messages_in_device_memory
     with pytest.raises(ClusterError, match="unsupported device 'meta'"):
         kind_of("meta")
+
+
+def test_core_shares_follow_the_pinning_of_split_cores() -> None:
+    from moirai.cluster.host import core_shares, split_cores
+
+    assert split_cores((0, 1), 3) == [(0,), (1,), (0,)]
+    assert core_shares((0, 1), 3) == [0.5, 1.0, 0.5]  # cpu_0 and cpu_2 take turns on core 0
+    assert core_shares((0, 1, 2, 3), 2) == [2.0, 2.0]
+
+
+def test_more_cpu_devices_than_cores_is_named_and_priced_at_the_share_they_get(monkeypatch) -> None:
+    import warnings
+
+    import moirai.cluster.devices
+    import moirai.cluster.kinds
+    from moirai.errors import OversubscriptionWarning
+
+    for module in (moirai.cluster.devices, moirai.cluster.kinds):
+        monkeypatch.setattr(module, "available_cores", lambda: (0, 1))
+    with pytest.warns(OversubscriptionWarning, match=r"3 logical CPU devices on 2 cores: cpu_0, cpu_2 share cores"):
+        cluster = Cluster.from_devices(["cpu"] * 3)
+    speeds = [d.peak_flops for d in cluster.devices]
+    assert speeds[0] == pytest.approx(speeds[1] / 2) and speeds[2] == pytest.approx(speeds[1] / 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OversubscriptionWarning)
+        two = Cluster.from_devices(["cpu"] * 2)
+    assert two.devices[0].peak_flops == pytest.approx(two.devices[1].peak_flops) == pytest.approx(speeds[1])
+
+
+def test_more_threads_than_cores_is_named() -> None:
+    from moirai.errors import OversubscriptionWarning
+    from moirai.runtime.resources import rank_resources
+
+    pinned = Device("busy", "cpu", 1e9, 1e11, 1e10, cores=(0,), threads=4)
+    with pytest.warns(OversubscriptionWarning, match=r"'busy' runs 4 threads on 1 core\(s\) \[0\]"):
+        rank_resources([pinned, "cpu"], cores=[0, 1])

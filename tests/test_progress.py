@@ -1,5 +1,6 @@
 """Progress lines: one per long stage where stderr is a log, silent with progress=False or outside compile."""
 
+import contextlib
 import io
 import re
 
@@ -66,3 +67,66 @@ def test_load_reports_its_stages_unless_progress_is_false(tmp_path, capfd) -> No
     loaded = moirai.load(tmp_path / "p.json", model, example_inputs=(x,))
     assert re.findall(r"^moirai: (trace|split) ", capfd.readouterr().err, re.MULTILINE) == ["trace", "split"]
     torch.testing.assert_close(loaded(x), model(x))
+
+
+def _small_model() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).eval(), torch.randn(2, 8)
+
+
+def test_progress_false_silences_every_stage_and_the_milps_own_status_line(capfd, monkeypatch) -> None:
+    import sys
+
+    import moirai.planning.placers.milp as milp
+
+    opened = []
+
+    class OwnStatusLine(contextlib.nullcontext):
+        def update(self, text: str) -> None:
+            opened.append(text)
+
+    def own_status_line() -> OwnStatusLine:
+        opened.append("status")
+        return OwnStatusLine()
+
+    monkeypatch.setattr(milp, "_status", own_status_line)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # where the milp would draw its own line
+    model, x = _small_model()
+    moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), time_limit_s=3, progress=False)
+    assert capfd.readouterr() == ("", "") and opened == []
+    moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), time_limit_s=3)
+    assert opened == [], "inside compile the milp reports through the place stage's line, never a second one"
+
+
+def test_a_log_gets_a_start_line_with_the_budget_of_a_long_stage(capfd) -> None:
+    model, x = _small_model()
+    moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), time_limit_s=3)
+    err = capfd.readouterr().err
+    assert re.search(r"^moirai: place: milp, limit 3 s\n(.*\n)*moirai: place \S+ \S+$", err, re.MULTILINE), err
+    moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft")
+    assert "moirai: place:" not in capfd.readouterr().err, "a placer without a time budget is quick: no start line"
+
+
+def test_a_stage_shows_updates_in_a_log_at_most_every_few_seconds(monkeypatch) -> None:
+    console = log_console()
+    clock = iter([0.0, 0.0, 1.0, 6.0, 7.0, 7.5, 8.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    with progress.shown(console=console), progress.stage("place", "milp, limit 60 s"):
+        progress.update("incumbent 2 ms")  # 1 s after the start: too soon
+        progress.update("incumbent 1 ms")  # 6 s: shown
+        progress.update("incumbent 0.9 ms")  # 7 s: too soon after the last
+    assert console.file.getvalue().splitlines() == [
+        "moirai: place: milp, limit 60 s",
+        "moirai: place: incumbent 1 ms",
+        "moirai: place 7.5 s",
+    ]
+
+
+def test_only_rank_0_reports_under_torchrun(capfd, monkeypatch) -> None:
+    model, x = _small_model()
+    monkeypatch.setenv("RANK", "1")
+    moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft")
+    assert "moirai:" not in capfd.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft")
+    assert "moirai: place" in capfd.readouterr().err

@@ -257,3 +257,45 @@ def test_requests_reach_rank_1_while_part_0_waits_for_rank_1() -> None:
     assert [(t.src, t.dst) for t in compiled.program.transfers] == [(1, 0)]
     requests = [torch.randn(4, 64) for _ in range(4)]
     _serve_with_rank_1_stopped(model, compiled, 2, requests, "every request in flight was sent to rank 1")
+
+
+class _Biased(torch.nn.Module):
+    """A model called with keyword arguments, as a Hugging Face model with ``return_dict=False`` is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, return_dict: bool = True) -> tuple[torch.Tensor, ...]:
+        y = self.second(torch.relu(self.first(x) + bias))
+        return (y,) if not return_dict else {"y": y}
+
+
+def test_map_items_take_every_form_submit_does() -> None:
+    """A tensor, positional arguments, keyword arguments, or an (args, kwargs) pair: each reaches submit as such."""
+    from concurrent.futures import Future
+
+    from moirai.runtime.server import Server
+
+    def submit_flat(flat: list, finish) -> Future:
+        future: Future = Future()
+        future.set_result(finish(flat))
+        return future
+
+    server = Server(submit_flat, lambda args, kwargs: [(args, kwargs)], lambda flat: flat[0], lambda: None, 2)
+    items = ["t", ("a", "b"), {"mask": "m"}, (("a",), {"mask": "m"})]
+    assert list(server.map(items)) == [(("t",), {}), (("a", "b"), {}), ((), {"mask": "m"}), (("a",), {"mask": "m"})]
+
+
+@pytest.mark.slow
+def test_map_serves_a_model_traced_with_example_kwargs() -> None:
+    model = _Biased().eval()
+    example = {"x": torch.randn(4, 16), "bias": torch.randn(16), "return_dict": False}
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_kwargs=example, placer="round_robin", progress=False)
+    requests = [{"x": torch.randn(4, 16), "bias": torch.randn(16), "return_dict": False} for _ in range(4)]
+    with compiled.server(timeout_s=60.0) as server:
+        outputs = list(server.map([requests[0], ((), requests[1]), *requests[2:]]))
+    for request, (output,) in zip(requests, outputs, strict=True):
+        with torch.no_grad():
+            torch.testing.assert_close(output, model(**request)[0])

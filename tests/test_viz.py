@@ -183,3 +183,16 @@ def test_summary_fits_80_columns_with_16_character_device_names_and_large_number
     assert all(len(line) <= 80 for line in lines), "\n".join(lines)
     row = next(line for line in lines if line.startswith(names[0]))
     assert "1.20 TB / 812 GB" in row and "6.17 min" in row and "cuda:10" in row and "299997" in row  # busy: 370 s
+
+
+def test_summary_counts_one_transfer_in_the_singular(problem) -> None:
+    one = moirai.Plan(np.array([0, 1, 1, 1]), problem.device_names, placer="by hand")  # hidden crosses once
+    caption = str(viz.summary_table(problem, one).caption)
+    assert "1 transfer" in caption and "1 transfers" not in caption
+    assert "2 transfers" in str(viz.summary_table(problem, split_plan(problem)).caption)
+
+
+def test_kinds_never_name_internal_ops() -> None:
+    assert viz.kind_of_targets(["aten._assert_tensor_metadata.default", "aten.add.Tensor"]) == "add"
+    assert viz.kind_of_targets(["aten.to.dtype", "aten.addmm.default"]) == "addmm"
+    assert viz.kind_of_targets(["aten._assert_tensor_metadata.default", "aten.to.dtype"]) == "other"

@@ -54,6 +54,7 @@ so an asymmetric cluster keeps different numbers per direction.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,9 +76,9 @@ from moirai.cluster.files import (
     torch_device_name,
 )
 from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, MICROSECOND, Device, Link
-from moirai.cluster.host import device_index
+from moirai.cluster.host import available_cores, core_shares, device_index
 from moirai.cluster.kinds import CPU, accelerator_kinds, detect_device, kind_of, local_link
-from moirai.errors import ClusterError
+from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
 
 # The CPU time a transfer takes from its two ends: fixed seconds and seconds per byte.
 _CPU_TIME_MATRICES = ("send_cpu_s", "send_cpu_s_per_byte", "recv_cpu_s", "recv_cpu_s_per_byte")
@@ -151,6 +152,24 @@ class Cluster:
 
     def __len__(self) -> int:
         return len(self.devices)
+
+    def __str__(self) -> str:
+        """One line per device (kind, speed, memory) and the fastest and slowest link: what ``print`` shows."""
+        from moirai.planning.bounds import format_bytes
+
+        lines = [f"Cluster {self.name or '(unnamed)'}: {len(self)} device(s)"]
+        for d in self.devices:
+            where = "" if d.host == "localhost" else f" on {d.host}"
+            lines.append(
+                f"  {d.name}: {d.torch_device}{where}, {d.peak_flops / 1e9:.1f} GFLOP/s, {format_bytes(d.memory_bytes)}"
+            )
+        if len(self) > 1:
+            off = ~np.eye(len(self), dtype=bool)
+            lines.append(
+                f"  links: {self.latency_s[off].min() * 1e6:.0f}-{self.latency_s[off].max() * 1e6:.0f} us, "
+                f"{format_bytes(self.bandwidth_bytes_per_s[off].min())}/s-{format_bytes(self.bandwidth_bytes_per_s[off].max())}/s"
+            )
+        return "\n".join(lines)
 
     def index(self, name: str) -> int:
         """Position of the device called ``name``."""
@@ -289,7 +308,8 @@ class Cluster:
             index = seen.get(spec, 0)
             seen[spec] = index + 1
             name = torch_device.replace(":", "") + (f"_{index}" if counts[spec] > 1 else "")
-            devices.append(detect_device(torch_device, name, share=counts[spec]))
+            devices.append(detect_device(torch_device, name, share=counts[spec], index=index))
+        _warn_if_oversubscribed(devices)
         k = len(devices)
         bandwidth, latency = np.zeros((k, k)), np.zeros((k, k))
         for a in range(k):
@@ -297,6 +317,21 @@ class Cluster:
                 bandwidth[a, b], latency[a, b] = local_link(kind_of(devices[a]), kind_of(devices[b]))
         np.fill_diagonal(latency, 0.0)
         return cls(tuple(devices), bandwidth, latency)
+
+
+def _warn_if_oversubscribed(devices: Sequence[Device]) -> None:
+    """Logical devices of a pinned kind (the CPU) beyond the host's cores share cores: say so, with the numbers."""
+    pinned = [d for d in devices if kind_of(d).pinned]
+    cores = available_cores()
+    if len(pinned) <= len(cores):
+        return
+    shared = [d.name for d, share in zip(pinned, core_shares(cores, len(pinned)), strict=True) if share < 1]
+    warnings.warn(
+        f"{len(pinned)} logical CPU devices on {len(cores)} cores: {', '.join(shared)} share cores, so each of them "
+        f"computes at a fraction of a core (the plan counts it so); give at most {len(cores)} CPU devices",
+        OversubscriptionWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 # --- routes ---------------------------------------------------------------------------------

@@ -60,6 +60,17 @@ def split_cores(cores: Sequence[int], share: int) -> list[tuple[int, ...]]:
     return [tuple(cores[(k * size + i) % len(cores)] for i in range(size)) for k in range(share)]
 
 
+def core_shares(cores: Sequence[int], share: int) -> list[float]:
+    """The cores' worth each block of :func:`split_cores` really gets: a core that ``n`` blocks hold (more devices
+    than cores) counts ``1 / n`` for each of them, so the cost model's speed follows the pinning."""
+    blocks = split_cores(cores, share)
+    holders: dict[int, int] = {}
+    for block in blocks:
+        for core in block:
+            holders[core] = holders.get(core, 0) + 1
+    return [sum(1.0 / holders[core] for core in block) for block in blocks]
+
+
 def cpu_flags_and_clock() -> tuple[set[str], float]:
     """The CPU's feature flags and clock from /proc/cpuinfo (empty and a typical clock elsewhere)."""
     flags: set[str] = set()

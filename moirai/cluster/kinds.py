@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from moirai.cluster.hardware import GB, MICROSECOND, TFLOPS, Device, device_type_named, device_types
-from moirai.cluster.host import available_cores, cpu_flags_and_clock, split_cores
+from moirai.cluster.host import available_cores, core_shares, cpu_flags_and_clock
 from moirai.errors import ClusterError
 
 _CPU_MEMORY_BANDWIDTH_BYTES_PER_S = 10e9
@@ -81,12 +81,13 @@ class DeviceKind:
         """A process group that carries messages in this kind's device memory (kinds that keep them there)."""
         raise ClusterError(f"ranks of kind {self.name!r} exchange messages through the host")
 
-    def describe(self, torch_device: str, name: str, share: int) -> Device:
-        """The local device ``torch_device`` (detected) as ``name``; ``share`` logical devices split it."""
+    def describe(self, torch_device: str, name: str, share: int, index: int = 0) -> Device:
+        """The local device ``torch_device`` (detected) as ``name``; ``share`` logical devices split it and this is
+        the ``index``-th of them (with more devices than cores, some share a core: :func:`core_shares`)."""
         if torch_device != self.name:
             raise ClusterError(f"unsupported device {torch_device!r}; use {self.name!r} for the host CPU")
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        cores = len(split_cores(available_cores(), share)[0])
+        cores = core_shares(available_cores(), share)[index]
         flags, clock_hz = cpu_flags_and_clock()
         per_cycle = next(
             (flops for flag, flops in _FP32_FLOPS_PER_CYCLE_BY_FLAG if flag in flags), _FP32_FLOPS_PER_CYCLE_BASELINE
@@ -176,7 +177,7 @@ class CudaKind(DeviceKind):
 
         return dist.ProcessGroupNCCL(store, rank, world_size)
 
-    def describe(self, torch_device: str, name: str, share: int) -> Device:
+    def describe(self, torch_device: str, name: str, share: int, index: int = 0) -> Device:
         props = self.properties(self.check_index(torch_device))
         known = self.describe_accelerator(torch_device, name, share, props.total_memory)
         if known is not None:
@@ -250,9 +251,9 @@ def host_device() -> torch.device:
     return torch.device(CPU.name)
 
 
-def detect_device(torch_device: str, name: str, share: int) -> Device:
-    """Properties of a local device; ``share`` logical devices split one physical device."""
-    return kind_of(torch_device).describe(torch_device, name, share)
+def detect_device(torch_device: str, name: str, share: int, index: int = 0) -> Device:
+    """Properties of a local device; ``share`` logical devices split one physical device, this is the ``index``-th."""
+    return kind_of(torch_device).describe(torch_device, name, share, index)
 
 
 def local_link(a: DeviceKind, b: DeviceKind) -> LocalLink:

@@ -286,7 +286,7 @@ class DistributedRunner:
             self._driver.close()
         self._stop()
 
-    @stage("start workers")
+    @stage("start workers", "one process per device but the first")
     def _start(self) -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
             # This is a spawned rank importing the user's script, which starts a runner at import: stop quietly

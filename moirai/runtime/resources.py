@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch
 from moirai.cluster.devices import Device
 from moirai.cluster.host import available_cores, current_cores, note_pinning, split_cores
 from moirai.cluster.kinds import DeviceKind, kind_of
-from moirai.errors import ClusterError
+from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
 
 # Every apply_resources not yet restored, oldest first: (what it returned, what it set), and what the process had
 # before the first of them. Runners open at once hold the process newest first, whatever order they close in.
@@ -86,7 +87,22 @@ def rank_resources(devices: Sequence[str | Device], cores: Sequence[int] | None 
             elif not kind.pinned:
                 resources[k] = RankResources(None, threads or min(kind.rank_threads or 1, len(host_cores)))
         _place_io_threads(resources, ranks, host_cores)
-    return [r for r in resources if r is not None]
+    placed = [r for r in resources if r is not None]
+    _warn_if_threads_exceed_cores(devices, placed)
+    return placed
+
+
+def _warn_if_threads_exceed_cores(devices: Sequence[str | Device], resources: Sequence[RankResources]) -> None:
+    """A rank with more torch threads than cores time-slices them: say so, with the numbers."""
+    for device, resource in zip(devices, resources, strict=True):
+        if resource.cores is not None and resource.threads > len(resource.cores):
+            warnings.warn(
+                f"device {_name(device)!r} runs {resource.threads} threads on {len(resource.cores)} core(s) "
+                f"{list(resource.cores)}: they take turns, and it computes slower than its threads suggest; give it "
+                "at most as many threads as cores in the cluster file",
+                OversubscriptionWarning,
+                stacklevel=user_stacklevel(),
+            )
 
 
 def _place_io_threads(resources: list[RankResources | None], ranks: Sequence[int], host_cores: Sequence[int]) -> None:

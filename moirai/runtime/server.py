@@ -5,6 +5,7 @@ Example::
     with compiled.server() as server:
         future = server.submit(x)                 # a concurrent.futures.Future of the model's outputs
         outputs = list(server.map([(x1,), (x2,)]))  # in input order, pipelined through the devices
+        outputs = list(server.map([((x1,), {"mask": m1}), {"x": x2, "mask": m2}]))  # with keyword arguments
 
 Outside torchrun the server starts one process per device but the first (this process is
 rank 0, see :class:`moirai.runtime.distributed.DistributedRunner`). Under torchrun, rank 0
@@ -53,13 +54,16 @@ class Server:
         return self._submit_flat(self._flatten(args, kwargs), self._unflatten)
 
     def map(self, inputs: Iterable[Any]) -> Iterator[Any]:
-        """The outputs for each item of ``inputs``, in order; an item is a tuple of positional arguments or one tensor.
+        """The outputs for each item of ``inputs``, in order.
 
-        Keeps up to twice the server's in-flight requests submitted ahead of the one it yields.
+        An item is one tensor, a tuple of positional arguments, a dict of keyword arguments, or an ``(args, kwargs)``
+        pair (a tuple of a tuple and a dict), as ``submit(*args, **kwargs)`` takes them. Keeps up to twice the
+        server's in-flight requests submitted ahead of the one it yields.
         """
         ahead: collections.deque[Future] = collections.deque()
         for item in inputs:
-            ahead.append(self.submit(*(item if isinstance(item, tuple) else (item,))))
+            args, kwargs = _arguments(item)
+            ahead.append(self.submit(*args, **kwargs))
             if len(ahead) >= 2 * self._max_in_flight:
                 yield ahead.popleft().result()
         while ahead:
@@ -70,3 +74,12 @@ class Server:
         if not self._closed:
             self._closed = True
             self._close()
+
+
+def _arguments(item: Any) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` of one item of :meth:`Server.map`."""
+    if isinstance(item, dict):
+        return (), item
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], tuple) and isinstance(item[1], dict):
+        return item
+    return (item if isinstance(item, tuple) else (item,)), {}

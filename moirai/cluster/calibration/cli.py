@@ -36,11 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--base", help="cluster file whose devices (one per rank, in rank order) to keep")
     parser.add_argument("--output", default="cluster.toml", help="cluster file to write")
-    parser.add_argument(
-        "--save",
-        default=None,
-        help="calibration file to write the transfer costs to (default: this machine's cached calibration, "
-        "which compile(..., cost='measured') reads)",
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--save", default=None, help="calibration file to write the transfer and request costs to")
+    where.add_argument(
+        "--update-cache",
+        action="store_true",
+        help="replace this machine's cached calibration, which every later compile on local devices reads "
+        "(measure on an idle machine); by default it is left alone",
     )
 
 
@@ -51,23 +53,23 @@ def run(args: argparse.Namespace, console: Console) -> int:
     base = Cluster.from_file(args.base) if args.base else None
     devices = rank_devices(args.world_size, args.backend, base)
     costs = measure_transfer_costs([d.torch_device for d in devices], sizes, args.repeats)
-    cluster = measured_cluster(
-        devices, costs, base.name if base is not None else f"calibrated-{args.backend}", args.output
-    )
+    transport = _transport(args.backend)
+    name = base.name if base is not None else f"calibrated-{transport}"  # what carried the messages, e.g. shm
+    cluster = measured_cluster(devices, costs, name, args.output)
     by_kind = costs_by_kind([d.torch_device for d in devices], costs)
-    saved = Path(args.save) if args.save else calibration_cache_path()
-    previous = cached_links(saved)  # kinds measured before and not now, unless an older moirai measured them
+    saved = Path(args.save) if args.save else calibration_cache_path() if args.update_cache else None
+    previous = cached_links(saved) if saved is not None else {}  # kinds measured before and not now
     links = {**previous, **by_kind}
     host_link = link_kind(CPU.name, CPU.name)
     if host_link not in links:  # the request cost's program runs on two CPU ranks
         links.update(measure_link_kinds((CPU.name, CPU.name)))
     requests = measure_request_cost(links[host_link])
-    write_calibration(saved, links, requests)
+    if saved is not None:
+        write_calibration(saved, links, requests)
     table = Table(
-        title=(
-            f"transfers measured in the runtime ({_transport(args.backend)}, ranks pinned to their share of the cores)"
-        ),
-        caption=f"cluster file: {args.output}; calibration: {saved}",
+        title=f"transfers measured in the runtime ({transport}, ranks pinned to their share of the cores)",
+        caption=f"cluster file: {args.output}; calibration: "
+        + (str(saved) if saved is not None else "not saved (--save FILE, or --update-cache for this machine's)"),
     )
     for column in ("link", "latency us", "bandwidth GB/s", "sender CPU us + ns/KiB", "receiver CPU us + ns/KiB"):
         table.add_column(column, justify="right")

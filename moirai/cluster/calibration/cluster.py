@@ -1,5 +1,7 @@
-"""Clusters from calibration: one whose links were measured between local ranks (:func:`calibrate`), and a
-cluster with the calibrated costs of its link kinds (:func:`calibrated_cluster`)."""
+"""Clusters from calibration: one whose links were measured between local ranks (:func:`calibrate`), a
+cluster with the calibrated costs of its link kinds (:func:`calibrated_cluster`), and the one way every entry
+point (``moirai.compile``, ``moirai.load``, ``moirai compile --devices``, torchrun ranks) turns a list of local
+devices into a cluster (:func:`local_cluster`)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,22 @@ from moirai.cluster.calibration.request_cost import RequestCost
 from moirai.cluster.devices import Cluster, Device, Link
 from moirai.cluster.kinds import kind_for_backend
 from moirai.errors import ClusterError
+
+
+def local_cluster(devices: Cluster | Sequence[str], calibration: str | Path = "auto") -> Cluster:
+    """``devices`` as a cluster: local devices (a list of torch device strings) are detected, and their links get
+    this machine's calibration (:func:`moirai.cluster.calibration.local_calibration`: ``"auto"`` cached or measured
+    once, ``"remeasure"``, a calibration file's path) unless ``calibration`` is ``"none"`` (the detected defaults).
+    A :class:`Cluster` keeps the links it describes."""
+    if isinstance(devices, Cluster):
+        return devices
+    cluster = Cluster.from_devices(devices)
+    if calibration == "none" or len(cluster) < 2:
+        return cluster
+    from moirai.cluster.calibration.cache import local_calibration, local_request_cost
+
+    links = local_calibration([d.torch_device for d in cluster.devices], calibration)
+    return calibrated_cluster(cluster, links, local_request_cost(calibration))
 
 
 def calibrate(

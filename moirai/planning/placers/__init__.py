@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moirai.errors import MoiraiError, OverMemoryWarning, PlacerOptionError
+from moirai.errors import MoiraiError, OverMemoryWarning, PlacerOptionError, user_stacklevel
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.problem import Plan, Problem
-from moirai.progress import stage
+from moirai.progress import LONG_STAGE_S, format_seconds, stage
 
 if TYPE_CHECKING:
     from moirai.planning.simulate import Timeline
@@ -128,7 +128,6 @@ def get_placer(name: str) -> Placer:
 MIN_SPLIT_GAIN = 0.01
 
 
-@stage("place")
 def place(problem: Problem, placer: str = "heft", objective: str | Objective = "latency", **options: Any) -> Plan:
     """Place ``problem`` with the named placer for ``objective`` (:mod:`moirai.planning.objective`).
 
@@ -137,6 +136,20 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     never returns a plan worse than the best single-device plan that fits: that plan replaces it
     (``plan.report.notes["replaced_by_single_device_s"]`` keeps the placer's own value).
     """
+    with stage("place", _long_placement(placer, options)):
+        return _place(problem, placer, objective, **options)
+
+
+def _long_placement(placer: str, options: dict[str, Any]) -> str | None:
+    """``"milp, limit 60 s"`` for a placer whose time limit (given, or its default) may make the stage long."""
+    parameter = inspect.signature(spec(placer).function).parameters.get("time_limit_s")
+    limit_s = options.get("time_limit_s", parameter.default if parameter is not None else None)
+    if not isinstance(limit_s, (int, float)) or limit_s < LONG_STAGE_S:
+        return None
+    return f"{placer}, limit {format_seconds(limit_s)}"
+
+
+def _place(problem: Problem, placer: str, objective: str | Objective, **options: Any) -> Plan:
     from moirai.planning.simulate import simulate
 
     traits = spec(placer)
@@ -314,7 +327,7 @@ def _warn_if_over_memory(problem: Problem, plan: Plan, timeline: Timeline) -> No
             f"the {plan.placer!r} plan puts more on a device than it can hold ({amounts}); {plan.placer!r} ignores "
             f"memory: use a placer that respects it ({respecting}) or add memory"
         ),
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from moirai import progress as progress_lines
 from moirai.errors import InfeasibleError, MoiraiError
 from moirai.planning.bounds import format_bytes
 from moirai.planning.objective import LATENCY, Objective
@@ -84,7 +85,8 @@ def place_milp(
     solver threads (solver default if None). ``formulation``: ``"strong"`` or the paper's literal
     ``"paper"``. ``strategy``: ``"auto"`` (whole model up to ``FULL_MODEL_MAX_TASKS`` tasks, window
     search beyond), ``"full"`` or ``"windows"``. ``window_tasks``: tasks freed per window.
-    ``progress``: a rich status line on stderr (default: when stderr is a terminal). ``objective``: what
+    ``progress``: a rich status line on stderr (default: as the caller's progress says, else when stderr is a
+    terminal; inside compile, the ``place`` stage's line shows the search). ``objective``: what
     the plan minimises (:func:`moirai.place` passes it).
     """
     deadline = time.perf_counter() + time_limit_s
@@ -94,10 +96,9 @@ def place_milp(
         raise MoiraiError(f"unknown formulation {formulation!r}; choose one of {FORMULATIONS}")
     if strategy not in STRATEGIES:
         raise MoiraiError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
-    show = sys.stderr.isatty() if progress is None else progress
-    status = _status() if show else None
+    show, status = _status_line(progress)
     with status if status is not None else nullcontext():
-        report = status.update if status is not None else (lambda _: None)
+        report = status.update if status is not None else progress_lines.update if show else (lambda _: None)
         settings = SolverSettings(solver, time_limit_s, mip_gap, threads, report if show else None)
         start_plan, timeline, heuristics = _best_heuristic(problem, deadline, report, objective)
         finish_by = deadline - _finishing_time(problem)
@@ -144,6 +145,20 @@ def place_milp(
         final.lower_bound_s,
     )
     return final
+
+
+def _status_line(progress: bool | None) -> tuple[bool, Any]:
+    """Whether to report, and a status line of the placer's own (None: the running stage's, or none).
+
+    ``progress=None`` follows the caller: silent under ``progress=False``, the stage's line where one reports
+    (compile's ``place``), else a line of its own in a terminal.
+    """
+    if progress is False or (progress is None and progress_lines.silenced()):
+        return False, None
+    if progress_lines.showing():
+        return True, None
+    show = progress or sys.stderr.isatty()
+    return show, _status() if show else None
 
 
 def _status() -> Any:
