@@ -11,7 +11,8 @@ import pytest
 from moirai.planning.bounds import lower_bound
 from moirai.planning.highs import run_highs
 from moirai.planning.placers import place
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.solve.model import MilpModel, build_model
 from moirai.planning.solve.solver import SolverSettings, solve_model

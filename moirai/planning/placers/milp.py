@@ -41,7 +41,8 @@ from moirai.errors import InfeasibleError, MoiraiError
 from moirai.planning.bounds import format_bytes
 from moirai.planning.objective import LATENCY, Objective
 from moirai.planning.placers import register, start_plans
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.report import BoundSource, SolverReport, StopReason
 from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.solve.costs import measured_costs

@@ -8,7 +8,8 @@ import networkx as nx
 import numpy as np
 from pyomo.common.collections import ComponentMap
 
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.schedule.transfers import implied_transfers, recv_cpu_s, transfer_duration_s
 from moirai.planning.simulate import Timeline
 from moirai.planning.solve.model import MODEL_TIME_SCALE, MilpModel
