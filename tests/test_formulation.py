@@ -112,11 +112,12 @@ def test_chain_load_cuts_and_device_fixing_keep_the_optimum(monkeypatch, seed):
     problem = random_layered_problem(10, 3, seed=seed)
     strong = optimum_s(problem, "strong")
     assert strong == pytest.approx(optimum_s(problem, "paper"), rel=1e-6)
-    import moirai.planning.solve.model as model
+    import moirai.planning.solve.cuts as cuts
+    import moirai.planning.solve.formulation as formulation
 
-    monkeypatch.setattr(model, "_add_chain_load_cuts", lambda *args: None)
-    monkeypatch.setattr(model, "devices_in_time", lambda problem, allowed, *windows: allowed)
-    monkeypatch.setattr(model, "_add_device_load_cuts", lambda *args: None)
+    monkeypatch.setattr(cuts, "add_chain_load_cuts", lambda *args: None)
+    monkeypatch.setattr(formulation, "devices_in_time", lambda problem, allowed, *windows: allowed)
+    monkeypatch.setattr(cuts, "add_device_load_cuts", lambda *args: None)
     assert strong == pytest.approx(optimum_s(problem, "strong"), rel=1e-6)
 
 
