@@ -53,7 +53,9 @@ class Formulation:
         c.m.S = pyo.Var(c.free, domain=pyo.NonNegativeReals)
         c.m.T = pyo.Var(domain=pyo.NonNegativeReals)
 
-    def transfer_window(self, c: ModelParts, key: tuple[int, int], duration: Any, earliest_s: float, latest_s: float):
+    def transfer_window(
+        self, c: ModelParts, key: tuple[int, int], duration: Any, earliest_s: float, latest_s: float
+    ) -> None:
         """Bound the start ``R[key]`` of a transfer that may run between ``earliest_s`` and ``latest_s``."""
 
     def arrival_big_m(self, c: ModelParts, latest_s: float, consumer: int) -> float:
@@ -127,7 +129,9 @@ class StrongFormulation(Formulation):
         c.m.S = pyo.Var(c.free, domain=pyo.NonNegativeReals, bounds=lambda _, i: bounds[i])
         c.m.T = pyo.Var(bounds=(0.0, MODEL_TIME_SCALE))
 
-    def transfer_window(self, c: ModelParts, key: tuple[int, int], duration: Any, earliest_s: float, latest_s: float):
+    def transfer_window(
+        self, c: ModelParts, key: tuple[int, int], duration: Any, earliest_s: float, latest_s: float
+    ) -> None:
         c.m.R[key].setlb(c.scaled(earliest_s))
         c.add(c.m.R[key] + duration <= c.scaled(latest_s))
 
