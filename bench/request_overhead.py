@@ -29,7 +29,7 @@ from rich.table import Table
 
 import moirai
 from bench.serving import pinned
-from moirai.planning.problem import Plan
+from moirai.planning.plan import Plan
 from moirai.planning.simulate import simulate
 from moirai.runtime.resources import rank_resources
 

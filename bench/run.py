@@ -52,7 +52,8 @@ from moirai.frontend.graph import OpGraph, build_op_graph  # noqa: E402
 from moirai.frontend.trace import trace  # noqa: E402
 from moirai.planning.bounds import lower_bound  # noqa: E402
 from moirai.planning.placers import get_placer, list_placers, place  # noqa: E402
-from moirai.planning.problem import Plan, Problem  # noqa: E402
+from moirai.planning.plan import Plan  # noqa: E402
+from moirai.planning.problem import Problem  # noqa: E402
 
 PAPER_CLUSTERS = ("moirai-inter-server", "moirai-intra-server")
 # Solver-based placers with a time limit: run on small models by default, on paper sizes only when named.

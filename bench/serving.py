@@ -42,7 +42,8 @@ from rich.console import Console
 from rich.table import Table
 
 import moirai
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.planning.stream import simulate_stream
 from moirai.runtime import DistributedRunner

@@ -15,7 +15,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 
 

@@ -28,7 +28,7 @@ _EXPORTS = {
     "PlacerOptionError": "moirai.errors",
     "TrainingModeWarning": "moirai.errors",
     "Objective": "moirai.planning.objective",
-    "Plan": "moirai.planning.problem",
+    "Plan": "moirai.planning.plan",
     "PlanError": "moirai.errors",
     "Problem": "moirai.planning.problem",
     "ProblemError": "moirai.errors",

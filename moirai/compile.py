@@ -39,7 +39,8 @@ from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes
 from moirai.frontend.trace import TracedModel, trace
 from moirai.planning.objective import Objective
 from moirai.planning.placers import place
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.runtime import distributed
 from moirai.runtime.distributed import DistributedRunner, check_timeout, run_distributed, run_rank, torchrun_driver

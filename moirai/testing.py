@@ -12,7 +12,8 @@ import numpy as np
 
 from moirai.errors import PlanError
 from moirai.planning.costs import RequestCosts
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 
 

@@ -26,7 +26,8 @@ from rich.text import Text
 
 from moirai.errors import InfeasibleError, MoiraiError
 from moirai.planning.objective import as_objective
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.stream import simulate_stream
 from moirai.progress import format_seconds

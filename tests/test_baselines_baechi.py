@@ -16,7 +16,8 @@ from moirai.planning.placers.getf import group_assignment, speed_groups
 from moirai.planning.placers.m_etf import m_etf_schedule
 from moirai.planning.placers.m_sct import favourite_children
 from moirai.planning.placers.pesto import coarsen, merge_tasks
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.testing import brute_force_optimum, random_problem
 

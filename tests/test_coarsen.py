@@ -13,14 +13,8 @@ from rich.console import Console
 from torch import nn
 
 from moirai.errors import FusionRuleError
-from moirai.frontend.coarsen import (
-    BALANCE_FACTOR,
-    BUNDLED_RULE_SETS,
-    coarsen,
-    load_rules,
-    parse_rules,
-    print_coarsening_table,
-)
+from moirai.frontend.coarsen import BALANCE_FACTOR, coarsen, print_coarsening_table
+from moirai.frontend.fusion_rules import BUNDLED_RULE_SETS, load_rules, parse_rules
 from moirai.frontend.graph import OpEdge, OpGraph, OpNode, build_op_graph
 from moirai.frontend.trace import trace
 

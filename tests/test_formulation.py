@@ -11,7 +11,8 @@ import pytest
 from moirai.planning.bounds import lower_bound
 from moirai.planning.highs import run_highs
 from moirai.planning.placers import place
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.solve.model import MilpModel, build_model
 from moirai.planning.solve.solver import SolverSettings, solve_model
@@ -111,11 +112,12 @@ def test_chain_load_cuts_and_device_fixing_keep_the_optimum(monkeypatch, seed):
     problem = random_layered_problem(10, 3, seed=seed)
     strong = optimum_s(problem, "strong")
     assert strong == pytest.approx(optimum_s(problem, "paper"), rel=1e-6)
-    import moirai.planning.solve.model as model
+    import moirai.planning.solve.cuts as cuts
+    import moirai.planning.solve.formulation as formulation
 
-    monkeypatch.setattr(model, "_add_chain_load_cuts", lambda *args: None)
-    monkeypatch.setattr(model, "devices_in_time", lambda problem, allowed, *windows: allowed)
-    monkeypatch.setattr(model, "_add_device_load_cuts", lambda *args: None)
+    monkeypatch.setattr(cuts, "add_chain_load_cuts", lambda *args: None)
+    monkeypatch.setattr(formulation, "devices_in_time", lambda problem, allowed, *windows: allowed)
+    monkeypatch.setattr(cuts, "add_device_load_cuts", lambda *args: None)
     assert strong == pytest.approx(optimum_s(problem, "strong"), rel=1e-6)
 
 

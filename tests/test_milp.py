@@ -12,7 +12,8 @@ import pytest
 from moirai.errors import InfeasibleError
 from moirai.planning.bounds import lower_bound
 from moirai.planning.placers import place
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.report import StopReason
 from moirai.planning.simulate import simulate
 from moirai.planning.solve.model import build_model

@@ -12,12 +12,12 @@ from torch import nn
 
 import moirai
 from moirai.cluster.calibration import RequestCost, TransferCost, write_calibration
-from moirai.cluster.cost import HEADER_BYTES
 from moirai.planning.objective import LATENCY
 from moirai.planning.placers import MIN_SPLIT_GAIN, no_worse_than_one_device, place, specs
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
-from moirai.runtime.header import HEADER_WORDS
+from moirai.runtime.header import HEADER_BYTES, HEADER_WORDS
 
 LATENCY_PLACERS = [s.name for s in specs() if s.minimises]
 

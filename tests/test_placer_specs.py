@@ -11,7 +11,8 @@ import pytest
 from moirai.errors import InfeasibleError
 from moirai.planning import placers
 from moirai.planning.placers import get_placer, list_placers, place, register, spec, specs, start_plans
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 
 
 def two_device_chain(memory_bytes: float = 1e9) -> Problem:

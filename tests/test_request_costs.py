@@ -15,7 +15,8 @@ from moirai.errors import MoiraiError, ProblemError
 from moirai.planning.costs import PERIOD_TERMS, RequestCosts
 from moirai.planning.objective import Latency, Objective, Throughput
 from moirai.planning.placers import get_placer
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.schedule import runtime_cpu_s
 from moirai.planning.simulate import simulate
 from moirai.planning.solve.model import build_model

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from moirai.errors import PlanError
 from moirai.planning.placers._list_scheduling import to_plan
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.schedule import ScheduleBuilder
 from moirai.planning.simulate import simulate
 

@@ -15,7 +15,8 @@ from moirai.errors import InfeasibleError
 from moirai.planning.bounds import lower_bounds
 from moirai.planning.objective import Throughput, as_objective
 from moirai.planning.placers import get_placer, list_placers, place
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.testing import random_problem
 from tests.test_placers import MEMORY_BLIND, OPTIONS

@@ -27,10 +27,8 @@ Compute time of every node (op or op group) on every device, two modes:
   of the cluster must be on this machine; devices sharing a torch device share its
   measurements, taken with the current ``torch.get_num_threads()``.
 
-Communication: tensor ``t`` from device ``a`` to ``b`` takes ``latency[a, b] + bytes / bandwidth[a, b]``
-on the cluster's (routed) link matrices, 0 on one device, and keeps device ``a`` busy for
-``send_cpu_s[a, b] + bytes * send_cpu_s_per_byte[a, b]`` (:func:`send_cpu_s`), and device ``b`` busy for the
-receiver's time (:func:`recv_cpu_s`); both 0 unless calibrated.
+Communication: what a tensor, the runtime's header and the model outputs cost on the cluster's links
+(:mod:`moirai.cluster.messages`).
 
 Memory: a node holds its parameters and buffers on its device for the whole run
 (``Problem.memory_bytes``). Activations are transient: every device keeps free the activation
@@ -54,7 +52,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import networkx as nx
 import numpy as np
@@ -66,13 +64,13 @@ from rich.progress import Progress
 from moirai.cluster.devices import Cluster, Device
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import kind_of
+from moirai.cluster.messages import header_s, output_messages, recv_cpu_s, send_cpu_s, transfer_s
 from moirai.errors import ClusterError, MoiraiWarning
-from moirai.frontend.graph import OpGraph, model_output_bytes
+from moirai.frontend.graph import OpGraph
 from moirai.frontend.trace import TracedModel
 from moirai.planning.costs import RequestCosts
 from moirai.planning.problem import Problem
 from moirai.progress import stage
-from moirai.runtime.header import HEADER_BYTES  # the runtime's header layout prices it
 
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
 _EMPTY_SPANS = 4  # spans with no op in profiling runs, to time the clock itself
@@ -166,62 +164,6 @@ def activation_peak_bytes(graph: OpGraph) -> float:
     np.add.at(change, np.arange(n), allocated)
     np.add.at(change, last_use + 1, -allocated)
     return float(np.cumsum(change)[:n].max()) if n else 0.0
-
-
-def transfer_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
-    """``[t, a, b]``: time to send tensor ``t`` from device ``a`` to ``b`` (0 on the diagonal)."""
-    off_diagonal = ~np.eye(len(cluster), dtype=bool)
-    with np.errstate(divide="ignore"):
-        per_byte = np.where(off_diagonal, 1.0 / cluster.bandwidth_bytes_per_s, 0.0)
-    latency = cluster.latency_s * off_diagonal
-    return latency[None, :, :] + np.asarray(tensor_bytes, float)[:, None, None] * per_byte[None, :, :]
-
-
-def header_s(cluster: Cluster) -> np.ndarray:
-    """``[k]``: when device ``k`` can start a request: the runtime's header, a message of :data:`HEADER_BYTES` from
-    device 0 (the driver), has come and been taken in (its delay and its receiver's CPU time; 0 where no finite
-    link leads: such a device cannot take part anyway)."""
-    header = np.array([HEADER_BYTES])
-    delay = transfer_s(header, cluster)[0, 0] + recv_cpu_s(header, cluster)[0, 0]
-    return np.where(np.isfinite(delay), delay, 0.0)
-
-
-class OutputMessages(NamedTuple):
-    """``[node, k]``, for the one message that carries the model outputs ``node`` makes on device ``k`` to the
-    driver on device 0 (zero on device 0, and without ``traced``, which knows the outputs)."""
-
-    delay_s: np.ndarray  # from the node's finish until device 0 holds them: send, transfer and receive
-    send_cpu_s: np.ndarray  # CPU time the send takes from device k
-    recv_cpu_s: np.ndarray  # CPU time the receive takes from device 0
-
-
-def output_messages(graph: OpGraph, traced: TracedModel | None, cluster: Cluster) -> OutputMessages:
-    """What sending each node's model outputs to device 0 costs (:class:`OutputMessages`)."""
-    costs = [np.zeros((len(graph.nodes), len(cluster))) for _ in OutputMessages._fields]
-    if traced is not None:
-        for node, made_bytes in model_output_bytes(graph, traced).items():
-            message = np.array([made_bytes])
-            sender, receiver = send_cpu_s(message, cluster)[0, :, 0], recv_cpu_s(message, cluster)[0, :, 0]
-            delay = sender + transfer_s(message, cluster)[0, :, 0] + receiver
-            for cost, value in zip(costs, (delay, sender, receiver), strict=True):
-                cost[node] = value
-    return OutputMessages(*(np.where(np.isfinite(cost), cost, 0.0) for cost in costs))
-
-
-def send_cpu_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
-    """``[t, a, b]``: time sending tensor ``t`` from device ``a`` to ``b`` keeps ``a`` busy (0 on the diagonal)."""
-    return _cpu_time_s(tensor_bytes, cluster.send_cpu_s, cluster.send_cpu_s_per_byte)
-
-
-def recv_cpu_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:
-    """``[t, a, b]``: time receiving tensor ``t`` from device ``a`` keeps ``b`` busy (0 on the diagonal)."""
-    return _cpu_time_s(tensor_bytes, cluster.recv_cpu_s, cluster.recv_cpu_s_per_byte)
-
-
-def _cpu_time_s(tensor_bytes: np.ndarray, fixed_s: np.ndarray, s_per_byte: np.ndarray) -> np.ndarray:
-    off_diagonal = ~np.eye(len(fixed_s), dtype=bool)
-    fixed, per_byte = fixed_s * off_diagonal, s_per_byte * off_diagonal
-    return fixed[None, :, :] + np.asarray(tensor_bytes, float)[:, None, None] * per_byte[None, :, :]
 
 
 def analytic_compute_s(graph: OpGraph, cluster: Cluster, dtypes: Sequence[str] | None = None) -> np.ndarray:

@@ -7,12 +7,12 @@ callers need, so that none of them asks which objective it is (its start plans a
 serves it): whether the critical-path searches serve it (:attr:`Objective.windows_apply`),
 its latency limit (:attr:`Objective.latency_limit_s`), the makespan its MILP may assume
 (:meth:`Objective.makespan_horizon_s`), its MILP rows, variable and warm-start value
-(:meth:`Objective.milp_rows`, a :class:`moirai.planning.solve.model.MilpRows`) and how a report names its bound
+(:meth:`Objective.milp_rows`, a :class:`moirai.planning.solve.rows.MilpRows`) and how a report names its bound
 (:attr:`Objective.bound_label`).
 
 :class:`Latency` minimises the time of one request; :class:`Throughput` the steady-state period of a
 stream of pipelined requests (the busiest device or link per request), optionally under ``max_latency_s``.
-Another objective is one more subclass here plus its rows in the MILP (:mod:`moirai.planning.solve.model`).
+Another objective is one more subclass here plus its rows in the MILP (:mod:`moirai.planning.solve.rows`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from moirai.errors import MoiraiError
 if TYPE_CHECKING:
     from moirai.planning.problem import Problem
     from moirai.planning.simulate import Timeline
-    from moirai.planning.solve.model import MilpRows
+    from moirai.planning.solve.rows import MilpRows
 
 
 class Objective(ABC):
@@ -86,7 +86,7 @@ class Latency(Objective):
         return None if start is None else self.value_s(start)
 
     def milp_rows(self) -> MilpRows:
-        from moirai.planning.solve.model import LATENCY_ROWS
+        from moirai.planning.solve.rows import LATENCY_ROWS
 
         return LATENCY_ROWS
 
@@ -114,7 +114,7 @@ class Throughput(Objective):
         return timeline.period_s
 
     def milp_rows(self) -> MilpRows:
-        from moirai.planning.solve.model import THROUGHPUT_ROWS
+        from moirai.planning.solve.rows import THROUGHPUT_ROWS
 
         return THROUGHPUT_ROWS
 

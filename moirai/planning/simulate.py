@@ -40,7 +40,8 @@ from typing import NamedTuple
 import numpy as np
 
 from moirai.errors import PlanError
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.schedule import (
     ImpliedTransfers,
     implied_transfers,

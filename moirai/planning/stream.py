@@ -17,7 +17,8 @@ from typing import NamedTuple
 import numpy as np
 
 from moirai.errors import MoiraiError
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.schedule import output_arrival_s, runtime_cpu_s
 from moirai.planning.simulate import Timeline, simulate
 

@@ -24,7 +24,8 @@ import numpy as np
 
 from moirai.errors import MoiraiError, OverMemoryWarning, PlacerOptionError, user_stacklevel
 from moirai.planning.objective import Objective, as_objective
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.progress import LONG_STAGE_S, format_seconds, stage
 
 if TYPE_CHECKING:

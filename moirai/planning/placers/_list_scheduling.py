@@ -18,7 +18,8 @@ from collections.abc import Callable
 import numpy as np
 
 from moirai.planning.bounds import memory_error
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.report import PlacerReport
 from moirai.planning.schedule import ScheduleBuilder
 

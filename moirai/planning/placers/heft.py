@@ -28,7 +28,8 @@ under the same ``contention`` setting.
 from __future__ import annotations
 
 from moirai.planning.placers import register
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
 
 

@@ -13,7 +13,8 @@ from functools import partial
 
 from moirai.planning.placers import register
 from moirai.planning.placers._list_scheduling import earliest_time_first, list_schedule, to_plan
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.schedule import ScheduleBuilder
 
 

@@ -31,7 +31,8 @@ import numpy as np
 from moirai.planning.highs import SparseLinearProgram
 from moirai.planning.placers import register
 from moirai.planning.placers._list_scheduling import Choice, ReadyTasks, list_schedule, to_plan
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 
 
 @register("m_sct", minimises=True, respects_memory=True, start_plan=8)

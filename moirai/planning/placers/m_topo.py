@@ -15,7 +15,8 @@ import numpy as np
 
 from moirai.planning.bounds import memory_error
 from moirai.planning.placers import register
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.report import PlacerReport
 
 

@@ -42,11 +42,13 @@ from moirai.errors import InfeasibleError, MoiraiError
 from moirai.planning.bounds import format_bytes
 from moirai.planning.objective import LATENCY, Objective
 from moirai.planning.placers import register, start_plans
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.report import BoundSource, SolverReport, StopReason
 from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.solve.costs import measured_costs
-from moirai.planning.solve.model import FORMULATIONS, build_model
+from moirai.planning.solve.formulation import FORMULATIONS, formulation_named
+from moirai.planning.solve.model import build_model
 from moirai.planning.solve.search import DEFAULT_WINDOW_TASKS, gap_closed, improve_by_windows
 from moirai.planning.solve.solver import SOLVERS, MilpSolution, SolverSettings, progress_text, solve_model
 from moirai.planning.solve.start_plans import improve_start_plan
@@ -278,7 +280,7 @@ def _solve_whole(
     objective: Objective,
 ) -> tuple[Plan, Timeline]:
     """The full MILP, warm-started from ``start_plan``; falls back to it if the solver finds nothing better."""
-    if start_plan is not None and info.formulation == "strong":
+    if start_plan is not None and formulation_named(info.formulation).breaks_symmetry:
         start_plan, timeline = _relabeled(problem, start_plan)
     horizon = _horizon_s(problem, timeline, objective)
     try:

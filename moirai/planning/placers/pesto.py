@@ -54,7 +54,8 @@ from pyomo.common.collections import ComponentMap
 from moirai.planning.highs import run_highs
 from moirai.planning.placers import register
 from moirai.planning.placers.m_etf import m_etf_schedule
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.report import SolverReport
 from moirai.planning.schedule import ScheduleBuilder, transfer_duration_s
 

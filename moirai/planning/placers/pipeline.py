@@ -21,7 +21,8 @@ import numpy as np
 
 from moirai.errors import InfeasibleError
 from moirai.planning.placers import register
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.report import PlacerReport
 from moirai.planning.schedule import transfer_duration_s
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from moirai.planning.placers import register
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 
 
 @register("round_robin", minimises=False, respects_memory=False, start_plan=3)

@@ -7,7 +7,8 @@ import numpy as np
 from moirai.errors import InfeasibleError
 from moirai.planning.bounds import format_bytes
 from moirai.planning.placers import register
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 
 
 @register("single", minimises=False, respects_memory=True, start_plan=1)

@@ -39,7 +39,8 @@ import numpy as np
 
 from moirai.errors import PlanError
 from moirai.planning.objective import LATENCY, Objective
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.report import StopReason
 from moirai.planning.schedule.transfers import transfer_duration_s
 from moirai.planning.simulate import Timeline, simulate

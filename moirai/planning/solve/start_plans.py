@@ -32,7 +32,8 @@ import numpy as np
 
 from moirai.errors import InfeasibleError
 from moirai.planning.objective import LATENCY, Objective
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
 from moirai.planning.schedule.transfers import transfer_duration_s
 from moirai.planning.simulate import Timeline, simulate, upward_rank

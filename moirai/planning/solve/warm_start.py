@@ -8,7 +8,8 @@ import networkx as nx
 import numpy as np
 from pyomo.common.collections import ComponentMap
 
-from moirai.planning.problem import Plan, Problem
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
 from moirai.planning.schedule.transfers import implied_transfers, recv_cpu_s, transfer_duration_s
 from moirai.planning.simulate import Timeline
 from moirai.planning.solve.model import MODEL_TIME_SCALE, MilpModel
@@ -63,16 +64,17 @@ def warm_start_values(built: MilpModel, timeline: Timeline) -> ComponentMap:
     def precedes(i: int, j: int) -> bool:
         return (start[i], finish[i], i) < (start[j], finish[j], j)
 
+    same, same_link = m.component("same"), m.component("same_link")  # the formulation's aggregated pair variables
     for i, j in built.device_pairs:
-        if built.formulation == "strong":
-            values[m.same[i, j]] = float(placement[i] == placement[j])
+        if same is not None:
+            values[same[i, j]] = float(placement[i] == placement[j])
         if (i, j) in m.delta:
             values[m.delta[i, j]] = float(precedes(i, j))
     for q, r in built.transfer_pairs:
         tq, tr_ = sent.get(q), sent.get(r)
         both = tq is not None and tr_ is not None and tq.src == tr_.src
-        if built.formulation == "strong":
-            values[m.same_link[q, r]] = float(both)
+        if same_link is not None:
+            values[same_link[q, r]] = float(both)
         if (*q, *r) in m.link_delta:  # Pyomo flattens the index on lookup, not on membership tests
             q_start = values[m.R[q]]
             r_start = values[m.R[r]]
