@@ -32,7 +32,7 @@ from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
-from moirai.errors import ClusterError, MoiraiError, PlanError, PlanVersionWarning
+from moirai.errors import ClusterError, MoiraiError, PlanError, PlanVersionWarning, ProblemError
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
@@ -301,7 +301,13 @@ def _planned_problem(
             stacklevel=4,  # the caller of load, past its progress wrapper
         )
         return build_problem(coarse, cluster, traced=traced)
-    problem = Problem.from_dict(record["problem"])
+    try:
+        problem = Problem.from_dict(record["problem"])
+    except ProblemError as error:
+        raise PlanError(
+            f"{path} holds a planned problem that does not hold together ({error}); the file was edited "
+            "or mixed: save it again"
+        ) from None
     if problem.num_tasks != len(coarse.nodes) or problem.num_devices != len(cluster):
         raise PlanError(
             f"{path} holds a problem of {problem.num_tasks} tasks on {problem.num_devices} devices, but its plan has "
