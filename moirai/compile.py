@@ -280,11 +280,12 @@ def load(
     if dynamic_shapes is None and record.get("dynamic_dims"):
         dynamic_shapes = dynamic_shapes_from_json(record["dynamic_dims"], model, example_inputs, example_kwargs)
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
-    node_device = {name: int(k) for name, k in record["node_device"].items()}
-    program = _split(traced, node_device, record["device_order"], len(cluster), source=str(path))
+    # Stages in compile's order (trace, op graph, ..., split), so that load's progress lines read as compile's.
     graph = build_op_graph(traced)
     coarse = graph.merge([graph.nodes_of_fx_names(group) for group in record["groups"]])
     problem = _planned_problem(record, path, coarse, cluster, traced)
+    node_device = {name: int(k) for name, k in record["node_device"].items()}
+    program = _split(traced, node_device, record["device_order"], len(cluster), source=str(path))
     plan = Plan.from_dict(record["plan"])
     plan.device_names = cluster.names
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
