@@ -129,7 +129,8 @@ class CompiledModel:
         return [d.torch_device for d in self.cluster.devices]
 
     def summary(self, console: Console | None = None) -> Table:
-        """Print (and return) the plan as a table that fits 80 columns: one row per device."""
+        """Print (and return) the plan as a table, one row per device, with its caption unwrapped where the console
+        is wide enough."""
         table = viz.summary_table(
             self.problem,
             self.plan,
@@ -142,6 +143,7 @@ class CompiledModel:
             dims = ", ".join(f"{dim.name} {dim.range}" for dim in self.traced.dynamic_dims)
             shapes = ", ".join(str(spec.shape) for spec in self.traced.input_specs)
             table.caption += f"\ndynamic {dims}: costs and times are those of the example inputs {shapes}"
+            viz.widen_to_caption(table)
         (console or Console()).print(table)
         return table
 
