@@ -15,7 +15,7 @@ import numpy as np
 from moirai.cluster.calibration.fit import TransferCost, link_kind
 from moirai.cluster.calibration.measure import DEFAULT_SIZES_BYTES, measure_transfer_costs
 from moirai.cluster.calibration.request_cost import RequestCost
-from moirai.cluster.devices import Cluster, Device, Link
+from moirai.cluster.devices import Cluster, Device, Link, warn_if_oversubscribed_here
 from moirai.cluster.kinds import kind_for_backend
 from moirai.errors import ClusterError
 
@@ -24,8 +24,10 @@ def local_cluster(devices: Cluster | Sequence[str], calibration: str | Path = "a
     """``devices`` as a cluster: local devices (a list of torch device strings) are detected, and their links get
     this machine's calibration (:func:`moirai.cluster.calibration.local_calibration`: ``"auto"`` cached or measured
     once, ``"remeasure"``, a calibration file's path) unless ``calibration`` is ``"none"`` (the detected defaults).
-    A :class:`Cluster` keeps the links it describes."""
+    A :class:`Cluster` keeps the links it describes; one on this host alone is checked for more CPU devices than
+    cores (:func:`moirai.cluster.devices.warn_if_oversubscribed_here`)."""
     if isinstance(devices, Cluster):
+        warn_if_oversubscribed_here(devices)
         return devices
     cluster = Cluster.from_devices(devices)
     if calibration == "none" or len(cluster) < 2:
