@@ -129,7 +129,8 @@ class CompiledModel:
         return [d.torch_device for d in self.cluster.devices]
 
     def summary(self, console: Console | None = None) -> Table:
-        """Print (and return) the plan as a table that fits 80 columns: one row per device."""
+        """Print (and return) the plan as a table, one row per device, with its caption unwrapped where the console
+        is wide enough."""
         table = viz.summary_table(
             self.problem,
             self.plan,
@@ -142,6 +143,7 @@ class CompiledModel:
             dims = ", ".join(f"{dim.name} {dim.range}" for dim in self.traced.dynamic_dims)
             shapes = ", ".join(str(spec.shape) for spec in self.traced.input_specs)
             table.caption += f"\ndynamic {dims}: costs and times are those of the example inputs {shapes}"
+            viz.widen_to_caption(table)
         (console or Console()).print(table)
         return table
 
@@ -281,10 +283,12 @@ def load(
         dynamic_shapes = dynamic_shapes_from_json(record["dynamic_dims"], model, example_inputs, example_kwargs)
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     node_device = {name: int(k) for name, k in record["node_device"].items()}
-    program = _split(traced, node_device, record["device_order"], len(cluster), source=str(path))
+    _check_ops_known(traced, node_device, source=str(path))
+    # Stages in compile's order (trace, op graph, ..., split), so that load's progress lines read as compile's.
     graph = build_op_graph(traced)
     coarse = graph.merge([graph.nodes_of_fx_names(group) for group in record["groups"]])
     problem = _planned_problem(record, path, coarse, cluster, traced)
+    program = split_module(traced, node_device, len(cluster), record["device_order"])
     plan = Plan.from_dict(record["plan"])
     plan.device_names = cluster.names
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
@@ -301,19 +305,23 @@ def _planned_problem(
             stacklevel=4,  # the caller of load, past its progress wrapper
         )
         return build_problem(coarse, cluster, traced=traced)
+    saved = record["problem"]
+    if not isinstance(saved, dict):
+        raise PlanError(f"{path}: 'problem' must be an object (a saved Problem), got {type(saved).__name__}")
+    # Sizes first: a problem of other sizes than its plan's fails its own checks with a less useful message.
+    tasks, devices = (len(saved.get(key) or ()) for key in ("tasks", "devices"))
+    if tasks != len(coarse.nodes) or devices != len(cluster):
+        raise PlanError(
+            f"{path} holds a problem of {tasks} tasks on {devices} devices, but its plan has "
+            f"{len(coarse.nodes)} op groups on {len(cluster)} devices; the file was edited or mixed: save it again"
+        )
     try:
-        problem = Problem.from_dict(record["problem"])
+        return Problem.from_dict(saved)
     except ProblemError as error:
         raise PlanError(
             f"{path} holds a planned problem that does not hold together ({error}); the file was edited "
             "or mixed: save it again"
         ) from None
-    if problem.num_tasks != len(coarse.nodes) or problem.num_devices != len(cluster):
-        raise PlanError(
-            f"{path} holds a problem of {problem.num_tasks} tasks on {problem.num_devices} devices, but its plan has "
-            f"{len(coarse.nodes)} op groups on {len(cluster)} devices; the file was edited or mixed: save it again"
-        )
-    return problem
 
 
 def serve_rank(compiled: CompiledModel, timeout_s: float = 120.0) -> None:
@@ -442,17 +450,15 @@ def _assemble(traced: TracedModel, cluster: Cluster, coarse: OpGraph, problem: P
     node_device = {name: int(plan.placement[i]) for i, node in enumerate(coarse.nodes) for name in node.fx_names}
     task_order = simulate(problem, plan).device_order()
     device_order = [[name for i in tasks for name in coarse.nodes[i].fx_names] for tasks in task_order]
-    program = _split(traced, node_device, device_order, len(cluster), source="the plan")
+    program = split_module(traced, node_device, len(cluster), device_order)
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, device_order, program)
 
 
-def _split(
-    traced: TracedModel, node_device: dict[str, int], device_order: list[list[str]], num_devices: int, source: str
-) -> SplitProgram:
+def _check_ops_known(traced: TracedModel, node_device: dict[str, int], source: str) -> None:
+    """A plan names the traced model's ops; one it does not have means another model or other inputs."""
     unknown = sorted(set(node_device) - {node.name for node in traced.graph_module.graph.nodes})
     if unknown:
         raise PlanError(
             f"{source} names ops {unknown[:3]} that {traced.model_name} does not have; "
             "the model or its example inputs differ from the ones planned: compile again"
         )
-    return split_module(traced, node_device, num_devices, device_order)

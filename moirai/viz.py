@@ -85,16 +85,21 @@ def headline(problem: Problem, plan: Plan, timeline: Timeline) -> str:
     """``predicted 1.23 ms · 812 req/s · bound 1.10 ms · gap 10.6%``: what a plan promises (one request's latency,
     and requests per second when pipelined) and how far from optimal on its objective.
 
-    The bound holds for plans that fit memory only, so a plan over memory gets none.
+    A plan for another objective than latency shows its value next to its bound (``predicted 3.10 ms · period
+    1.23 ms, 812 req/s · period bound 1.10 ms · gap 10.6%``). The bound holds for plans that fit memory only, so a
+    plan over memory gets none.
     """
     latency = predicted_latency_s(timeline)
+    objective = as_objective(plan.objective)
+    value = objective.value_s(timeline)
     words = [f"predicted {format_seconds(latency)}"]
-    if timeline.period_s > 0:
-        words.append(f"{format_rate(1 / timeline.period_s)} req/s")
+    rate = f"{format_rate(1 / timeline.period_s)} req/s" if timeline.period_s > 0 else None
+    if objective.value_label is not None:
+        words.append(f"{objective.value_label} {format_seconds(value)}" + (f", {rate}" if rate else ""))
+    elif rate:
+        words.append(rate)
     bound = best_lower_bound_s(problem, plan) if timeline.fits_memory else None
     if bound is not None:
-        objective = as_objective(plan.objective)
-        value = objective.value_s(timeline)
         words.append(f"{objective.bound_label} {format_seconds(bound)}")
         if value > 0:
             words.append(f"gap {max(value - bound, 0.0) / value:.1%}")
@@ -450,7 +455,8 @@ def summary_table(
 
     ``reserve_bytes`` is memory every device keeps free besides its tasks' (the activation peak
     of a compiled model); the capacity shown is the device's, the problem's plus the reserve.
-    Fits an 80-column terminal for device names up to 16 characters (``format_bytes_compact``, ``format_seconds``).
+    Its columns fit an 80-column terminal for device names up to 16 characters (``format_bytes_compact``,
+    ``format_seconds``); the table is as wide as its caption's longest line, up to the console's width.
     """
     timeline = timeline or simulate(problem, plan)
     latency = predicted_latency_s(timeline)
@@ -489,4 +495,12 @@ def summary_table(
         details.append("[bold red]OVER MEMORY on the red rows[/]")
     table.caption = headline(problem, plan, timeline) + "\n" + " · ".join(details)
     table.caption_justify = "left"
+    return widen_to_caption(table)
+
+
+def widen_to_caption(table: Table) -> Table:
+    """Let ``table`` be as wide as its caption's longest line (rich caps it at the console's width), so that a
+    caption wider than the columns is not wrapped to their width."""
+    lines = Text.from_markup(str(table.caption or "")).plain.splitlines() or [""]
+    table.min_width = max(len(line) for line in lines)
     return table

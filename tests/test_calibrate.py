@@ -271,3 +271,39 @@ def test_moirai_calibrate_leaves_the_machines_calibration_alone_unless_asked(tmp
     mine = tmp_path / "mine.json"
     run("--save", str(mine))
     assert read_request_cost(mine) == FAKE_REQUESTS
+
+
+def test_moirai_calibrate_measures_the_links_of_a_base_file_that_has_none(tmp_path: Path, monkeypatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    import moirai.cluster.calibration.cli as cli_module
+    from moirai.cli import _parser
+
+    measured: list[list[str]] = []
+
+    def measure(devices: list[str], sizes, repeats) -> dict:
+        measured.append(devices)
+        return {(a, b): FAKE_COST for a in range(len(devices)) for b in range(len(devices)) if a != b}
+
+    monkeypatch.setattr(cli_module, "measure_transfer_costs", measure)
+    monkeypatch.setattr(cli_module, "measure_request_cost", lambda link: FAKE_REQUESTS)
+    monkeypatch.setattr(cli_module, "measure_link_kinds", lambda pair: {"cpu->cpu": FAKE_COST})
+    base = tmp_path / "base.toml"
+    base.write_text(
+        'name = "lab"\n'
+        + "".join(f'[[devices]]\nname = "cpu{r}"\ntype = "cpu"\nthreads = 1\n' for r in range(3))  # no links
+    )
+    with pytest.raises(ClusterError, match=r"needs \[\[links\]\] or a \[matrix\]"):
+        Cluster.from_file(base)
+    output = tmp_path / "cluster.toml"
+    arguments = _parser().parse_args(["calibrate", "--base", str(base), "--output", str(output)])
+    assert cli_module.run(arguments, Console(file=io.StringIO(), width=200)) == 0
+    assert measured == [["cpu", "cpu", "cpu"]]  # as many ranks as the base has devices
+    cluster = Cluster.from_file(output)
+    assert cluster.name == "lab" and cluster.names == ("cpu0", "cpu1", "cpu2")
+    assert len(cluster.links) == 6 and cluster.devices[0].threads == 1
+    wrong = _parser().parse_args(["calibrate", "--base", str(base), "--world-size", "2", "--output", str(output)])
+    with pytest.raises(ClusterError, match="3 devices.*--world-size 3"):
+        cli_module.run(wrong, Console(file=io.StringIO()))

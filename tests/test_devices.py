@@ -333,6 +333,29 @@ def test_more_cpu_devices_than_cores_is_named_and_priced_at_the_share_they_get(m
     assert two.devices[0].peak_flops == pytest.approx(two.devices[1].peak_flops) == pytest.approx(speeds[1])
 
 
+def test_a_cluster_file_with_more_cpu_devices_than_cores_here_is_named_when_compiled(monkeypatch) -> None:
+    import warnings
+
+    import moirai.cluster.devices
+    from moirai.cluster.calibration.cluster import local_cluster
+    from moirai.errors import OversubscriptionWarning
+
+    monkeypatch.setattr(moirai.cluster.devices, "available_cores", lambda: (0, 1))
+
+    def cpus(count: int, **settings: object) -> Cluster:
+        devices = [{"name": f"c{k}", "type": "cpu", **settings} for k in range(count)]
+        bandwidth = [[0 if a == b else 10 for b in range(count)] for a in range(count)]
+        return Cluster.from_dict({"devices": devices, "matrix": {"bandwidth_gbps": bandwidth}})
+
+    with pytest.warns(OversubscriptionWarning, match=r"3 logical CPU devices on 2 cores: c0, c2 share cores") as caught:
+        local_cluster(cpus(3))
+    assert caught[0].filename == __file__  # the caller's line, not moirai's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OversubscriptionWarning)
+        local_cluster(cpus(3, host="server"))  # planned for another machine
+        local_cluster(cpus(2))
+
+
 def test_more_threads_than_cores_is_named() -> None:
     from moirai.errors import OversubscriptionWarning
     from moirai.runtime.resources import rank_resources

@@ -158,4 +158,5 @@ def test_compile_for_throughput_splits_correctly_and_the_summary_shows_both_figu
     text = console.export_text()
     timeline = moirai.simulate(compiled.problem, compiled.plan)
     assert f"predicted {viz.format_seconds(timeline.makespan_s)}" in text
-    assert f"{viz.format_rate(1 / timeline.period_s)} req/s" in text and "throughput bound" in text
+    period = f"period {viz.format_seconds(timeline.period_s)}, {viz.format_rate(1 / timeline.period_s)} req/s"
+    assert f"{period} · period bound" in text  # the period next to its bound

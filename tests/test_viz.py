@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from rich.console import Console
+from rich.text import Text
 
 import moirai
 from moirai import viz
@@ -196,3 +197,21 @@ def test_kinds_never_name_internal_ops() -> None:
     assert viz.kind_of_targets(["aten._assert_tensor_metadata.default", "aten.add.Tensor"]) == "add"
     assert viz.kind_of_targets(["aten.to.dtype", "aten.addmm.default"]) == "addmm"
     assert viz.kind_of_targets(["aten._assert_tensor_metadata.default", "aten.to.dtype"]) == "other"
+
+
+def test_summary_caption_is_not_wrapped_where_the_console_is_wide_enough(problem) -> None:
+    plan = moirai.place(problem, placer="milp", time_limit_s=5)
+    table = viz.summary_table(problem, plan, title="t")
+    caption = Text.from_markup(str(table.caption)).plain.splitlines()
+    assert max(len(line) for line in caption) > sum(len(c.header) + 2 for c in table.columns)  # wider than columns
+    lines = [line.rstrip() for line in render(table, width=200)]
+    assert all(line in lines for line in caption), "\n".join(lines)
+    assert all(len(line) <= 50 for line in render(table, width=50))  # never wider than the console
+
+
+def test_a_throughput_plan_shows_its_period_next_to_its_bound(problem) -> None:
+    plan = moirai.place(problem, placer="pipeline", objective="throughput")
+    timeline = moirai.simulate(problem, plan)
+    caption = str(viz.summary_table(problem, plan).caption)
+    period = f"period {viz.format_seconds(timeline.period_s)}, {viz.format_rate(1 / timeline.period_s)} req/s"
+    assert f"predicted {viz.format_seconds(timeline.makespan_s)} · {period} · period bound" in caption

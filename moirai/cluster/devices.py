@@ -54,6 +54,7 @@ so an asymmetric cluster keeps different numbers per direction.
 
 from __future__ import annotations
 
+import socket
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -319,19 +320,32 @@ class Cluster:
         return cls(tuple(devices), bandwidth, latency)
 
 
-def _warn_if_oversubscribed(devices: Sequence[Device]) -> None:
-    """Logical devices of a pinned kind (the CPU) beyond the host's cores share cores: say so, with the numbers."""
-    pinned = [d for d in devices if kind_of(d).pinned]
-    cores = available_cores()
+def _warn_if_oversubscribed(devices: Sequence[Device], why: str = "the plan counts it so") -> None:
+    """Logical devices of a pinned kind (the CPU) beyond the host's cores share cores: say so, with the numbers.
+
+    The runtime splits the cores no device claims (``cores`` in a cluster file) among the pinned devices that claim
+    none (:func:`moirai.runtime.resources.rank_resources`); ``why`` says what that means for the plan.
+    """
+    claimed = {core for d in devices for core in d.cores or ()}
+    pinned = [d for d in devices if kind_of(d).pinned and d.cores is None]
+    cores = tuple(c for c in available_cores() if c not in claimed) or available_cores()
     if len(pinned) <= len(cores):
         return
     shared = [d.name for d, share in zip(pinned, core_shares(cores, len(pinned)), strict=True) if share < 1]
     warnings.warn(
         f"{len(pinned)} logical CPU devices on {len(cores)} cores: {', '.join(shared)} share cores, so each of them "
-        f"computes at a fraction of a core (the plan counts it so); give at most {len(cores)} CPU devices",
+        f"computes at a fraction of a core ({why}); give at most {len(cores)} CPU devices",
         OversubscriptionWarning,
         stacklevel=user_stacklevel(),
     )
+
+
+def warn_if_oversubscribed_here(cluster: Cluster) -> None:
+    """The warning :meth:`Cluster.from_devices` gives, for a cluster (a file, a preset) about to be compiled or
+    loaded to run here: one whose devices are all on this host (no ``host``, or this host's name)."""
+    if all(d.host in ("localhost", socket.gethostname()) for d in cluster.devices):
+        why = "when run on this host; a CPU device's speed from a cluster file is used as given"
+        _warn_if_oversubscribed(cluster.devices, why)
 
 
 # --- routes ---------------------------------------------------------------------------------

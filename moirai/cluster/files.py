@@ -131,14 +131,8 @@ def _check_keys(entry: Mapping[str, Any], allowed: set[str], where: str) -> None
 
 def cluster_description(description: Mapping[str, Any]) -> tuple[tuple[Device, ...], list[Link], str]:
     """The devices, direct links and name a parsed cluster file describes, every entry checked."""
-    _check_keys(description, _FILE_KEYS, "the cluster file")
-    _check_arrays_of_tables(description)
-    entries = description.get("devices")
-    if not entries:
-        raise ClusterError("a cluster file needs at least one [[devices]] entry")
-    devices = tuple(_device_from_dict(entry) for entry in entries)
+    devices, name = devices_description(description)
     names = [d.name for d in devices]
-    check_device_names(names)
     has_links, has_matrix = "links" in description, "matrix" in description
     if has_links and has_matrix:
         raise ClusterError("give either [[links]] or [matrix] in a cluster file, not both")
@@ -150,7 +144,29 @@ def cluster_description(description: Mapping[str, Any]) -> tuple[tuple[Device, .
         links = []
     else:
         raise ClusterError("a cluster file with several devices needs [[links]] or a [matrix] between them")
-    return devices, links, str(description.get("name", ""))
+    return devices, links, name
+
+
+def devices_description(description: Mapping[str, Any]) -> tuple[tuple[Device, ...], str]:
+    """The devices and name a parsed cluster file describes, every entry checked; links, if any, are not read
+    (``moirai calibrate --base`` measures them)."""
+    _check_keys(description, _FILE_KEYS, "the cluster file")
+    _check_arrays_of_tables(description)
+    entries = description.get("devices")
+    if not entries:
+        raise ClusterError("a cluster file needs at least one [[devices]] entry")
+    devices = tuple(_device_from_dict(entry) for entry in entries)
+    check_device_names([d.name for d in devices])
+    return devices, str(description.get("name", ""))
+
+
+def read_cluster_devices(path: str | Path) -> tuple[tuple[Device, ...], str]:
+    """The devices and name of the cluster file at ``path``, which need not have links yet."""
+    description = read_cluster_file(path)
+    try:
+        return devices_description(description)
+    except ClusterError as error:
+        raise ClusterError(f"{path}: {error}") from None
 
 
 def _device_from_dict(entry: Mapping[str, Any]) -> Device:

@@ -7,8 +7,8 @@ callers need, so that none of them asks which objective it is (its start plans a
 serves it): whether the critical-path searches serve it (:attr:`Objective.windows_apply`),
 its latency limit (:attr:`Objective.latency_limit_s`), the makespan its MILP may assume
 (:meth:`Objective.makespan_horizon_s`), its MILP rows, variable and warm-start value
-(:meth:`Objective.milp_rows`, a :class:`moirai.planning.solve.rows.MilpRows`) and how a report names its bound
-(:attr:`Objective.bound_label`).
+(:meth:`Objective.milp_rows`, a :class:`moirai.planning.solve.rows.MilpRows`) and how a report names its value and
+its bound (:attr:`Objective.value_label`, :attr:`Objective.bound_label`).
 
 :class:`Latency` minimises the time of one request; :class:`Throughput` the steady-state period of a
 stream of pipelined requests (the busiest device or link per request), optionally under ``max_latency_s``.
@@ -33,6 +33,8 @@ class Objective(ABC):
     """A figure of merit of a plan, in seconds; smaller is better."""
 
     name: ClassVar[str]
+    # How a report names this objective's value, shown next to its bound (None: the value is the latency it shows).
+    value_label: ClassVar[str | None]
     bound_label: ClassVar[str]  # how a report names this objective's lower bound
     # Whether lookahead rounds and the window search, which shorten a schedule's critical path, serve it.
     windows_apply: ClassVar[bool] = False
@@ -76,6 +78,7 @@ class Latency(Objective):
     """The time one request takes through the plan: the simulated makespan."""
 
     name: ClassVar[str] = "latency"
+    value_label: ClassVar[str | None] = None
     bound_label: ClassVar[str] = "bound"
     windows_apply: ClassVar[bool] = True
 
@@ -103,7 +106,8 @@ class Throughput(Objective):
     exceeds ``max_latency_s`` is not acceptable."""
 
     name: ClassVar[str] = "throughput"
-    bound_label: ClassVar[str] = "throughput bound"
+    value_label: ClassVar[str | None] = "period"
+    bound_label: ClassVar[str] = "period bound"
     max_latency_s: float | None = None
 
     @property

@@ -16,7 +16,7 @@ from moirai.cluster.calibration.cluster import measured_cluster, rank_devices
 from moirai.cluster.calibration.fit import costs_by_kind, link_kind
 from moirai.cluster.calibration.measure import measure_link_kinds, measure_transfer_costs
 from moirai.cluster.calibration.request_cost import measure_request_cost
-from moirai.cluster.devices import Cluster
+from moirai.cluster.files import read_cluster_devices
 from moirai.cluster.kinds import CPU, backends, kind_for_backend
 
 
@@ -30,11 +30,17 @@ def _transport(backend: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``moirai calibrate``."""
-    parser.add_argument("--world-size", type=int, default=2, help="number of local ranks (one device each)")
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="number of local ranks, one device each (default: --base's, or 2)"
+    )
     parser.add_argument("--backend", choices=backends(), default=CPU.backend)
     parser.add_argument("--max-size-mb", type=float, default=16.0, help="largest message of the sweep (MiB)")
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--base", help="cluster file whose devices (one per rank, in rank order) to keep")
+    parser.add_argument(
+        "--base",
+        help="cluster file whose devices (one per rank, in rank order) to keep; its links, if any, are replaced by "
+        "the measured ones",
+    )
     parser.add_argument("--output", default="cluster.toml", help="cluster file to write")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--save", default=None, help="calibration file to write the transfer and request costs to")
@@ -50,11 +56,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     """``moirai calibrate``: measure what transfers cost between local ranks; write a cluster file and the
     calibration compile reads."""
     sizes = tuple(s for s in (1024 * 4**k for k in range(16)) if s <= args.max_size_mb * 2**20)
-    base = Cluster.from_file(args.base) if args.base else None
-    devices = rank_devices(args.world_size, args.backend, base)
+    base, base_name = read_cluster_devices(args.base) if args.base else (None, "")
+    world_size = args.world_size or (len(base) if base is not None else 2)
+    devices = rank_devices(world_size, args.backend, base)
     costs = measure_transfer_costs([d.torch_device for d in devices], sizes, args.repeats)
     transport = _transport(args.backend)
-    name = base.name if base is not None else f"calibrated-{transport}"  # what carried the messages, e.g. shm
+    name = base_name or f"calibrated-{transport}"  # the base's, else what carried the messages, e.g. shm
     cluster = measured_cluster(devices, costs, name, args.output)
     by_kind = costs_by_kind([d.torch_device for d in devices], costs)
     saved = Path(args.save) if args.save else calibration_cache_path() if args.update_cache else None

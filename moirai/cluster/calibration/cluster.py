@@ -15,7 +15,7 @@ import numpy as np
 from moirai.cluster.calibration.fit import TransferCost, link_kind
 from moirai.cluster.calibration.measure import DEFAULT_SIZES_BYTES, measure_transfer_costs
 from moirai.cluster.calibration.request_cost import RequestCost
-from moirai.cluster.devices import Cluster, Device, Link
+from moirai.cluster.devices import Cluster, Device, Link, warn_if_oversubscribed_here
 from moirai.cluster.kinds import kind_for_backend
 from moirai.errors import ClusterError
 
@@ -24,8 +24,10 @@ def local_cluster(devices: Cluster | Sequence[str], calibration: str | Path = "a
     """``devices`` as a cluster: local devices (a list of torch device strings) are detected, and their links get
     this machine's calibration (:func:`moirai.cluster.calibration.local_calibration`: ``"auto"`` cached or measured
     once, ``"remeasure"``, a calibration file's path) unless ``calibration`` is ``"none"`` (the detected defaults).
-    A :class:`Cluster` keeps the links it describes."""
+    A :class:`Cluster` keeps the links it describes; one on this host alone is checked for more CPU devices than
+    cores (:func:`moirai.cluster.devices.warn_if_oversubscribed_here`)."""
     if isinstance(devices, Cluster):
+        warn_if_oversubscribed_here(devices)
         return devices
     cluster = Cluster.from_devices(devices)
     if calibration == "none" or len(cluster) < 2:
@@ -49,18 +51,22 @@ def calibrate(
     ``base`` supplies the devices (one per rank, in rank order); by default they are detected
     (``cpu`` for gloo, ``cuda:r`` for nccl). ``output`` writes the result as a cluster file.
     """
-    devices = rank_devices(world_size, backend, base)
+    devices = rank_devices(world_size, backend, None if base is None else base.devices)
     costs = measure_transfer_costs([d.torch_device for d in devices], sizes_bytes, repeats)
     return measured_cluster(devices, costs, base.name if base is not None else f"calibrated-{backend}", output)
 
 
-def rank_devices(world_size: int, backend: str, base: Cluster | None) -> tuple[Device, ...]:
+def rank_devices(world_size: int, backend: str, base: Sequence[Device] | None) -> tuple[Device, ...]:
+    """The device of each rank: ``base``'s (a cluster file's devices, in rank order), else detected ones."""
     if world_size < 2:
         raise ClusterError("calibration needs at least two ranks (world_size >= 2)")
     if base is not None:
         if len(base) != world_size:
-            raise ClusterError(f"base cluster has {len(base)} devices, calibration runs {world_size} ranks")
-        return base.devices
+            raise ClusterError(
+                f"the base cluster has {len(base)} devices, calibration runs {world_size} ranks; give --world-size "
+                f"{len(base)} (or leave it out)"
+            )
+        return tuple(base)
     kind = kind_for_backend(backend)
     local = [f"{kind.name}:{r}" if kind.accelerator else kind.name for r in range(world_size)]
     host = socket.gethostname()
