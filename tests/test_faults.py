@@ -445,14 +445,23 @@ def _assert_serves(runner: DistributedRunner, rows, x: torch.Tensor) -> None:
         torch.testing.assert_close(runner.run(compiled.program, [x])[0], model(x))
 
 
-def _errors_of(futures, started: float) -> list[str]:
-    """Each future's DistributedError message, all within the timeout and the slack of ``started``."""
-    errors = []
+def _outcomes(futures, started: float) -> tuple[list, list[str]]:
+    """The futures' outputs and DistributedError messages, all finished within the timeout and the slack of
+    ``started``."""
+    outputs, errors = [], []
     for future in futures:
-        with pytest.raises(DistributedError) as failure:
-            future.result(timeout=_FAULT_TIMEOUT_S + 60.0)
-        errors.append(str(failure.value))
+        try:
+            outputs.append(future.result(timeout=_FAULT_TIMEOUT_S + 60.0))
+        except DistributedError as error:
+            errors.append(str(error))
     assert time.monotonic() - started < _FAULT_TIMEOUT_S + _FAULT_SLACK_S, errors[:1]
+    return outputs, errors
+
+
+def _errors_of(futures, started: float) -> list[str]:
+    """Each future's DistributedError message (every one fails), within the timeout and the slack of ``started``."""
+    outputs, errors = _outcomes(futures, started)
+    assert not outputs, f"{len(outputs)} of {len(futures)} requests finished without the rank"
     return errors
 
 
@@ -511,12 +520,13 @@ def test_a_worker_killed_or_stopped_under_load_fails_the_pending_requests_naming
         os.kill(_worker_pid(runner), sent)
         started = time.monotonic()
         pending = [f for f in futures if not f.done()]
-        assert pending, "the load ran out before the fault"
-        errors = _errors_of(pending, started)
+        assert len(pending) > 100, "the load ran out before the fault"
+        outputs, errors = _outcomes(futures, started)
+        # Only requests whose last message was already on its way when the signal came may still finish.
+        assert len(errors) >= len(pending) - runner.max_in_flight, (len(errors), len(pending))
         assert all(re.match(r"rank 1 \(cpu\)", error) for error in errors), errors[0]
-        for future in futures:
-            if future.exception() is None:  # those finished before the fault are right
-                torch.testing.assert_close(future.result()[0], expected)
+        for output in outputs:
+            torch.testing.assert_close(output[0], expected)
         _assert_serves(runner, rows, x)
 
 
