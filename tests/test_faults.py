@@ -242,7 +242,7 @@ def test_too_little_shared_memory_is_a_distributed_error_at_start(rows, monkeypa
     _, example, compiled = rows
     monkeypatch.setattr(shm_files, "free_bytes", lambda directory: 1 << 20)
     with (
-        pytest.raises(DistributedError, match=r"has 1 MB free, the plan needs 16 MB.*MOIRAI_SHARED_MEMORY=0"),
+        pytest.raises(DistributedError, match=r"has 1 MB free, the plan needs 17 MB.*MOIRAI_SHARED_MEMORY=0"),
         DistributedRunner(["cpu", "cpu"]) as runner,
     ):
         runner.run(compiled.program, list(example))
@@ -287,7 +287,7 @@ def test_a_full_tmpfs_is_a_distributed_error_not_a_sigbus(tiny_tmpfs) -> None:
     env = {**os.environ, shm.DIR_ENV: str(tiny_tmpfs), "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr  # a SIGBUS would be -7
-    assert f"rings: {tiny_tmpfs} has 1 MB free, the run needs 8 MB more" in done.stdout, done.stdout
+    assert f"rings: {tiny_tmpfs} has 1 MB free, the run needs 9 MB more" in done.stdout, done.stdout
     assert "spill:" in done.stdout and "MOIRAI_SHARED_MEMORY=0" in done.stdout, done.stdout
     assert not list(tiny_tmpfs.iterdir())
 
@@ -563,6 +563,9 @@ def test_a_134_mb_model_under_a_16_mb_dev_shm_refuses_or_serves_and_nothing_dies
     assert done.returncode == 0, done.stderr[-3000:]  # a SIGBUS would be -7
     output = done.stdout + done.stderr
     assert "served" in done.stdout or ("refused:" in done.stdout and "MOIRAI_SHARED_MEMORY=0" in done.stdout), output
+    if "refused:" in done.stdout:
+        free_mb, needed_mb = map(int, re.search(r"has (\d+) MB free, the \w+ needs (\d+) MB", done.stdout).groups())
+        assert free_mb < needed_mb, done.stdout  # the refusal's numbers say why
     assert "code -" not in output, output  # no rank died of a signal either
     assert not left, left
 
