@@ -530,11 +530,23 @@ def test_a_worker_killed_or_stopped_under_load_fails_the_pending_requests_naming
         _assert_serves(runner, rows, x)
 
 
+_PART_OVER_FREE_SHM = (
+    "bug: the start checks room for the rings only; a part larger than what is left fails its LOAD at the first "
+    "request, which rank 0 reports as 'rank 1 (cpu) hung or died' after the timeout (the /dev/shm message cut "
+    "short inside it), and a spill owner's lock file is left in the directory"
+)
+
+
 @pytest.mark.slow
-def test_a_134_mb_model_under_a_16_mb_dev_shm_refuses_or_serves_and_nothing_dies_of_a_signal(tmp_path) -> None:
-    mount = tmp_path / "shm16"
+@pytest.mark.parametrize(
+    "size_mb",
+    [16, pytest.param(32, marks=pytest.mark.xfail(strict=True, reason=_PART_OVER_FREE_SHM))],
+    ids=["rings do not fit", "rings fit, a 67 MB part does not"],
+)
+def test_a_134_mb_model_under_a_small_dev_shm_refuses_or_serves_and_nothing_dies_of_a_signal(tmp_path, size_mb) -> None:
+    mount = tmp_path / "shm"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(mount)], capture_output=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     script = textwrap.dedent(
@@ -547,7 +559,7 @@ def test_a_134_mb_model_under_a_16_mb_dev_shm_refuses_or_serves_and_nothing_dies
         x = torch.randn(4, 2048)
         compiled = moirai.compile(model, ["cpu", "cpu"], (x,), placer="round_robin", progress=False)
         try:
-            with compiled.server(timeout_s=60.0) as server:
+            with compiled.server(timeout_s=20.0) as server:
                 torch.testing.assert_close(server.submit(x).result(), model(x))
             print("served")
         except DistributedError as error:
@@ -567,6 +579,7 @@ def test_a_134_mb_model_under_a_16_mb_dev_shm_refuses_or_serves_and_nothing_dies
         free_mb, needed_mb = map(int, re.search(r"has (\d+) MB free, the \w+ needs (\d+) MB", done.stdout).groups())
         assert free_mb < needed_mb, done.stdout  # the refusal's numbers say why
     assert "code -" not in output, output  # no rank died of a signal either
+    assert "hung or died" not in output, output  # the refusal is the /dev/shm message, not a rank's blame
     assert not left, left
 
 
