@@ -7,6 +7,8 @@ import datetime
 import json
 import os
 import pickle
+import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -240,7 +242,7 @@ def test_too_little_shared_memory_is_a_distributed_error_at_start(rows, monkeypa
     _, example, compiled = rows
     monkeypatch.setattr(shm_files, "free_bytes", lambda directory: 1 << 20)
     with (
-        pytest.raises(DistributedError, match=r"has 1 MB free, the plan needs 16 MB.*MOIRAI_SHARED_MEMORY=0"),
+        pytest.raises(DistributedError, match=r"has 1 MB free, the plan needs 17 MB.*MOIRAI_SHARED_MEMORY=0"),
         DistributedRunner(["cpu", "cpu"]) as runner,
     ):
         runner.run(compiled.program, list(example))
@@ -285,7 +287,7 @@ def test_a_full_tmpfs_is_a_distributed_error_not_a_sigbus(tiny_tmpfs) -> None:
     env = {**os.environ, shm.DIR_ENV: str(tiny_tmpfs), "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr  # a SIGBUS would be -7
-    assert f"rings: {tiny_tmpfs} has 1 MB free, the run needs 8 MB more" in done.stdout, done.stdout
+    assert f"rings: {tiny_tmpfs} has 1 MB free, the run needs 9 MB more" in done.stdout, done.stdout
     assert "spill:" in done.stdout and "MOIRAI_SHARED_MEMORY=0" in done.stdout, done.stdout
     assert not list(tiny_tmpfs.iterdir())
 
@@ -416,3 +418,209 @@ def test_a_corrupt_profile_cache_is_named_moved_aside_and_rebuilt(tmp_path, cont
     rebuilt.times_s["op"] = 1e-3
     rebuilt.save()
     assert _ProfileCache(tmp_path, "cpu|test").times_s == {"op": 1e-3}
+
+
+# === 8. fault injection: workers killed or stopped, a large model in a small /dev/shm, a corrupt calibration ===
+
+_FAULT_TIMEOUT_S = 5.0
+# The slack beyond the timeout a failure may take to reach the caller: the machine running the suite is shared.
+_FAULT_SLACK_S = 8.0
+_SIGNALS = [signal.SIGKILL, signal.SIGSTOP]
+
+
+def _worker_pid(runner: DistributedRunner, deadline_s: float = 60.0) -> int:
+    """Rank 1's pid, as soon as its process exists."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        workers = list(runner._workers)
+        if workers and workers[0].pid is not None:
+            return workers[0].pid
+        time.sleep(0.01)
+    raise AssertionError("rank 1 was never started")
+
+
+def _assert_serves(runner: DistributedRunner, rows, x: torch.Tensor) -> None:
+    model, _, compiled = rows
+    with torch.no_grad():
+        torch.testing.assert_close(runner.run(compiled.program, [x])[0], model(x))
+
+
+def _outcomes(futures, started: float) -> tuple[list, list[str]]:
+    """The futures' outputs and DistributedError messages, all finished within the timeout and the slack of
+    ``started``."""
+    outputs, errors = [], []
+    for future in futures:
+        try:
+            outputs.append(future.result(timeout=_FAULT_TIMEOUT_S + 60.0))
+        except DistributedError as error:
+            errors.append(str(error))
+    assert time.monotonic() - started < _FAULT_TIMEOUT_S + _FAULT_SLACK_S, errors[:1]
+    return outputs, errors
+
+
+def _errors_of(futures, started: float) -> list[str]:
+    """Each future's DistributedError message (every one fails), within the timeout and the slack of ``started``."""
+    outputs, errors = _outcomes(futures, started)
+    assert not outputs, f"{len(outputs)} of {len(futures)} requests finished without the rank"
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sent", _SIGNALS, ids=lambda s: s.name)
+def test_a_worker_killed_or_stopped_at_start_up_fails_the_start_naming_it_and_the_next_call_starts_again(
+    rows, sent
+) -> None:
+    _, example, compiled = rows
+    start_timeout_s = 15.0
+    with (
+        DistributedRunner(["cpu", "cpu"], timeout_s=_FAULT_TIMEOUT_S, start_timeout_s=start_timeout_s) as runner,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        first = pool.submit(runner.run, compiled.program, list(example))
+        os.kill(_worker_pid(runner), sent)  # while it imports torch, before it reports ready
+        started = time.monotonic()
+        with pytest.raises(DistributedError) as failure:
+            first.result(timeout=start_timeout_s + 60.0)
+        assert time.monotonic() - started < start_timeout_s + _FAULT_SLACK_S
+        assert re.match(r"rank(\(s\))? \[?1\b", str(failure.value)), str(failure.value)
+        _assert_serves(runner, rows, example[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sent", _SIGNALS, ids=lambda s: s.name)
+def test_a_worker_killed_or_stopped_while_idle_fails_the_next_requests_naming_it_then_the_server_restarts(
+    rows, sent
+) -> None:
+    _, example, compiled = rows
+    x = torch.randn(16, 8)
+    with DistributedRunner(["cpu", "cpu"], timeout_s=_FAULT_TIMEOUT_S) as runner:
+        _assert_serves(runner, rows, x)
+        os.kill(_worker_pid(runner), sent)
+        time.sleep(0.5)
+        started = time.monotonic()
+        errors = _errors_of([runner.submit(compiled.program, [x]) for _ in range(5)], started)
+        assert all(re.match(r"rank 1 \(cpu\)", error) for error in errors), errors[0]
+        _assert_serves(runner, rows, x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sent", _SIGNALS, ids=lambda s: s.name)
+def test_a_worker_killed_or_stopped_under_load_fails_the_pending_requests_naming_it_then_the_server_restarts(
+    rows, sent
+) -> None:
+    model, _, compiled = rows
+    x = torch.randn(16, 8)
+    with torch.no_grad():
+        expected = model(x)
+    with DistributedRunner(["cpu", "cpu"], timeout_s=_FAULT_TIMEOUT_S, max_in_flight=8) as runner:
+        _assert_serves(runner, rows, x)
+        futures = [runner.submit(compiled.program, [x]) for _ in range(400)]
+        while sum(f.done() for f in futures) < 20:
+            time.sleep(0.001)
+        os.kill(_worker_pid(runner), sent)
+        started = time.monotonic()
+        pending = [f for f in futures if not f.done()]
+        assert len(pending) > 100, "the load ran out before the fault"
+        outputs, errors = _outcomes(futures, started)
+        # Only requests whose last message was already on its way when the signal came may still finish.
+        assert len(errors) >= len(pending) - runner.max_in_flight, (len(errors), len(pending))
+        assert all(re.match(r"rank 1 \(cpu\)", error) for error in errors), errors[0]
+        for output in outputs:
+            torch.testing.assert_close(output[0], expected)
+        _assert_serves(runner, rows, x)
+
+
+_PART_OVER_FREE_SHM = (
+    "bug: the start checks room for the rings only; a part larger than what is left fails its LOAD at the first "
+    "request, which rank 0 reports as 'rank 1 (cpu) hung or died' after the timeout (the /dev/shm message cut "
+    "short inside it), and a spill owner's lock file is left in the directory"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "size_mb",
+    [16, pytest.param(32, marks=pytest.mark.xfail(strict=True, reason=_PART_OVER_FREE_SHM))],
+    ids=["rings do not fit", "rings fit, a 67 MB part does not"],
+)
+def test_a_134_mb_model_under_a_small_dev_shm_refuses_or_serves_and_nothing_dies_of_a_signal(tmp_path, size_mb) -> None:
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    script = textwrap.dedent(
+        """
+        import torch, moirai
+        from moirai.errors import DistributedError
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).eval()
+        assert sum(p.numel() for p in model.parameters()) * 4 > 134e6
+        x = torch.randn(4, 2048)
+        compiled = moirai.compile(model, ["cpu", "cpu"], (x,), placer="round_robin", progress=False)
+        try:
+            with compiled.server(timeout_s=20.0) as server:
+                torch.testing.assert_close(server.submit(x).result(), model(x))
+            print("served")
+        except DistributedError as error:
+            print("refused:", error)
+        """
+    )
+    env = {**os.environ, shm.DIR_ENV: str(mount), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=500)
+        left = list(mount.iterdir())
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+    assert done.returncode == 0, done.stderr[-3000:]  # a SIGBUS would be -7
+    output = done.stdout + done.stderr
+    assert "served" in done.stdout or ("refused:" in done.stdout and "MOIRAI_SHARED_MEMORY=0" in done.stdout), output
+    if "refused:" in done.stdout:
+        free_mb, needed_mb = map(int, re.search(r"has (\d+) MB free, the \w+ needs (\d+) MB", done.stdout).groups())
+        assert free_mb < needed_mb, done.stdout  # the refusal's numbers say why
+    assert "code -" not in output, output  # no rank died of a signal either
+    assert "hung or died" not in output, output  # the refusal is the /dev/shm message, not a rank's blame
+    assert not left, left
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '["a list"]',
+        '{"format": 4, "links": ["cpu->cpu"]}',
+        '{"format": 4, "links": {"cpu->cpu": {"latency_s": "fast"}}}',
+        '{"format": 4, "links": {"cpu->cpu": [1, 2]}}',
+        '{"format": 4, "links": {}, "requests": {"driver_cpu_s": 1e-4}}',
+        "{not json",
+    ],
+)
+def test_a_calibration_cache_of_the_wrong_structure_is_named_moved_aside_and_measured_again(
+    tmp_path, monkeypatch, content
+) -> None:
+    from moirai.cluster.calibration import RequestCost, TransferCost, cache, local_calibration, local_request_cost
+
+    link = TransferCost(300e-6, 0.5e9, 40e-6, 1e-10, 60e-6, 2e-10)
+    requests = RequestCost(120e-6, 25e-6)
+    measured: list[str] = []
+    monkeypatch.setattr(cache, "measure_link_kinds", lambda pair: measured.append("links") or {"cpu->cpu": link})
+    monkeypatch.setattr(cache, "measure_request_cost", lambda cost: measured.append("requests") or requests)
+    path = cache.calibration_cache_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with pytest.warns(moirai.MoiraiWarning, match=r"calibration cache .* was corrupt .*moved to .*\.corrupt"):
+        assert local_calibration(["cpu", "cpu"], cache_dir=tmp_path) == {"cpu->cpu": link}
+        assert local_request_cost(cache_dir=tmp_path) == requests
+    assert path.with_suffix(".corrupt").read_text() == content
+    assert measured == ["links", "requests"]
+    assert local_calibration(["cpu", "cpu"], cache_dir=tmp_path) == {"cpu->cpu": link}  # read back, not measured
+    assert local_request_cost(cache_dir=tmp_path) == requests and measured == ["links", "requests"]
+
+
+def test_a_calibration_file_of_the_wrong_structure_given_by_the_user_is_a_cluster_error_naming_it(tmp_path) -> None:
+    from moirai.cluster.calibration import local_calibration
+
+    path = tmp_path / "mine.json"
+    path.write_text('{"format": 4, "links": {"cpu->cpu": {"latency_s": null}}}')
+    with pytest.raises(moirai.ClusterError, match=r"calibration file .*mine\.json.* is corrupt: links\['cpu->cpu'\]"):
+        local_calibration(["cpu", "cpu"], path)
+    assert path.exists()  # the user's own file is left where it is

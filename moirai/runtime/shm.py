@@ -96,8 +96,9 @@ def check_space(world_size: int) -> None:
     needed = world_size * (world_size - 1) * ring_file_bytes()
     free = shm_files.free_bytes(directory)
     if free < needed:
+        free_mb, needed_mb = shm_files.free_and_needed_mb(free, needed)
         raise DistributedError(
-            f"{directory} has {free / 2**20:.0f} MB free, the plan needs {needed / 2**20:.0f} MB for the shared-memory "
+            f"{directory} has {free_mb} MB free, the plan needs {needed_mb} MB for the shared-memory "
             f"rings of {world_size} ranks; set {ENV_SWITCH}=0 (send through gloo) or enlarge {directory} (e.g. docker "
             f"--shm-size), or point {DIR_ENV} at a larger tmpfs"
         )

@@ -47,6 +47,11 @@ def free_bytes(directory: str) -> int:
     return usage.f_bavail * usage.f_frsize
 
 
+def free_and_needed_mb(free: int, needed: int) -> tuple[int, int]:
+    """Free MB rounded down, needed MB rounded up: a refusal never reads "16 MB free, the run needs 16 MB"."""
+    return free // 2**20, -(-needed // 2**20)
+
+
 def reserve_file(fd: int, size: int, path: str) -> None:
     """Allocate ``size`` bytes of the file now: writing into a sparse file on a full tmpfs kills with SIGBUS."""
     try:
@@ -54,10 +59,10 @@ def reserve_file(fd: int, size: int, path: str) -> None:
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise
+        free_mb, needed_mb = free_and_needed_mb(free_bytes(os.path.dirname(path)), size)
         raise DistributedError(
-            f"{shm_dir()} has {free_bytes(os.path.dirname(path)) / 2**20:.0f} MB free, the run needs "
-            f"{size / 2**20:.0f} MB more for {path}; set {ENV_SWITCH}=0 (send through gloo) or enlarge it (e.g. docker "
-            f"--shm-size), or point {DIR_ENV} at a larger tmpfs"
+            f"{shm_dir()} has {free_mb} MB free, the run needs {needed_mb} MB more for {path}; set {ENV_SWITCH}=0 "
+            f"(send through gloo) or enlarge it (e.g. docker --shm-size), or point {DIR_ENV} at a larger tmpfs"
         ) from None
 
 

@@ -10,8 +10,10 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import socket
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from moirai.cluster.calibration.request_cost import RequestCost, measure_request
 from moirai.cluster.cost import default_cache_dir
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import CPU
-from moirai.errors import ClusterError
+from moirai.errors import ClusterError, MoiraiWarning
 
 try:
     import fcntl
@@ -90,10 +92,11 @@ def local_request_cost(calibration: str | Path = "auto", cache_dir: str | Path |
     link = local_calibration([CPU.name, CPU.name], "auto", cache_dir)[link_kind(CPU.name, CPU.name)]
     path = calibration_cache_path(cache_dir)
     with _exclusive(path.with_suffix(".lock")):
+        links = cached_links(path)  # read first: a corrupt request cost sets the whole file aside
         requests = _read_cached_requests(path) if calibration == "auto" else None
         if requests is None:
             requests = measure_request_cost(link)
-            write_calibration(path, cached_links(path), requests)
+            write_calibration(path, links, requests)
     return requests
 
 
@@ -108,23 +111,40 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def cached_links(path: Path) -> dict[str, TransferCost]:
-    """The cached calibration, or nothing when there is none or it was measured by an older moirai."""
+    """The cached calibration, or nothing when there is none, it was measured by an older moirai or it is corrupt."""
     if not path.exists():
         return {}
     try:
         return read_calibration(path)
+    except CorruptCalibrationError as error:
+        _set_aside(path, error)
     except ClusterError:
-        return {}
+        pass
+    return {}
 
 
 def _read_cached_requests(path: Path) -> RequestCost | None:
-    """The cached request cost, or None when there is none or it was measured by an older moirai."""
+    """The cached request cost, or None when there is none, it was measured by an older moirai or it is corrupt."""
     if not path.exists():
         return None
     try:
         return read_request_cost(path)
+    except CorruptCalibrationError as error:
+        _set_aside(path, error)
     except ClusterError:
-        return None
+        pass
+    return None
+
+
+def _set_aside(path: Path, error: CorruptCalibrationError) -> None:
+    """Rename a corrupt cache ``.corrupt`` with a warning, so what it held is measured again and it can be read."""
+    corrupt = path.with_suffix(".corrupt")
+    os.replace(path, corrupt)
+    warnings.warn(
+        f"the calibration cache {path} was corrupt ({error.what}); it was moved to {corrupt} and is measured again",
+        MoiraiWarning,
+        stacklevel=4,
+    )
 
 
 def calibration_cache_path(cache_dir: str | Path | None = None) -> Path:
@@ -134,15 +154,35 @@ def calibration_cache_path(cache_dir: str | Path | None = None) -> Path:
     return Path(cache_dir if cache_dir is not None else default_cache_dir()) / "calibration" / f"{digest}.json"
 
 
+class CorruptCalibrationError(ClusterError):
+    """A calibration file that is not what moirai writes: not JSON, or of this format with the wrong structure."""
+
+    def __init__(self, path: str | Path, what: str) -> None:
+        self.what = what
+        super().__init__(f"calibration file {str(path)!r} is corrupt: {what}; moirai calibrate --save PATH writes one")
+
+
 def read_calibration(path: str | Path) -> dict[str, TransferCost]:
     """The transfer costs stored in a calibration file, by link kind."""
-    return {kind: TransferCost(**fields) for kind, fields in _calibration_record(path)["links"].items()}
+    links = _calibration_record(path).get("links")
+    if not isinstance(links, dict):
+        raise CorruptCalibrationError(path, "it has no 'links' table")
+    return {kind: _fields_of(TransferCost, fields, path, f"links[{kind!r}]") for kind, fields in links.items()}
 
 
 def read_request_cost(path: str | Path) -> RequestCost | None:
     """The runtime's work per request stored in a calibration file (None when it holds links only)."""
     fields = _calibration_record(path).get("requests")
-    return None if fields is None else RequestCost(**fields)
+    return None if fields is None else _fields_of(RequestCost, fields, path, "requests")
+
+
+def _fields_of(cls: type, fields: Any, path: str | Path, where: str) -> Any:
+    """``cls(**fields)`` when ``fields`` holds exactly ``cls``'s fields, each a finite number."""
+    names = [field.name for field in dataclasses.fields(cls)]
+    valid = isinstance(fields, dict) and sorted(fields) == sorted(names)
+    if not valid or not all(type(value) in (int, float) and math.isfinite(value) for value in fields.values()):
+        raise CorruptCalibrationError(path, f"{where} is not the numbers {', '.join(names)} ({str(fields)[:80]})")
+    return cls(**fields)
 
 
 def _calibration_record(path: str | Path) -> dict[str, Any]:
@@ -150,8 +190,10 @@ def _calibration_record(path: str | Path) -> dict[str, Any]:
         record = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ClusterError(f"calibration file {str(path)!r} does not exist; run moirai calibrate --save") from None
-    except json.JSONDecodeError as error:
-        raise ClusterError(f"calibration file {str(path)!r} is not JSON ({error}); measure again") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CorruptCalibrationError(path, f"not JSON ({error})") from None
+    if not isinstance(record, dict):
+        raise CorruptCalibrationError(path, f"it holds a {type(record).__name__}, not a table")
     if record.get("format") != CALIBRATION_FORMAT_VERSION:
         raise ClusterError(f"{path} is not a moirai calibration of format {CALIBRATION_FORMAT_VERSION}; measure again")
     return record
