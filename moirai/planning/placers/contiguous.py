@@ -2,7 +2,8 @@
 (Tarnawski et al., NeurIPS 2020, "Efficient algorithms for device placement of DNN graph operators", Section 4).
 
 A state is a downward-closed set of tasks (an ideal: every predecessor of a task in it is in it) when the graph
-has at most :data:`IDEAL_LIMIT` of them, else a prefix of the topological order. A stage is the difference of two
+has at most :data:`IDEAL_LIMIT` of them and their number times the combinations of used devices times the devices is
+at most :data:`IDEAL_WORK_LIMIT`, else a prefix of the topological order. A stage is the difference of two
 nested states, placed on one device; every device takes at most one stage and must hold it in memory. Devices of
 one kind (:func:`moirai.planning.solve.window.identical_device_groups`) are interchangeable: a stage goes to the
 first unused device of its kind. Over prefixes, or with more combinations of used devices than :data:`SUBSET_LIMIT`,
@@ -20,9 +21,11 @@ finished and every output is back on device 0. The simulator judges the returned
 A partial split is a label: what its devices and links have been charged so far, and which device holds every
 tensor still to be read. Sends of a stage's tensors are charged when a later stage reads them, so a device's load
 is open while it holds such tensors; labels of one state are kept while no other beats them in every open load
-(Pareto), which makes the DP exact over ideals. Over prefixes only the :data:`PREFIX_LABELS` best labels of a state
-and last device are kept, so that it stays about ``O(n^2 k^2)`` (and less where a stage's value passes the best
-split found).
+(Pareto), at most the :data:`IDEAL_LABELS` best by value per state and used devices: exact over ideals while no
+state has more, a heuristic beyond. Over prefixes only the :data:`PREFIX_LABELS` best labels of a state and last
+device are kept, so that it stays about ``O(n^2 k^2)``. Either way a label is dropped once its value, or a lower
+bound on any completion of it (the remaining tasks' fastest compute, in one chain for latency, shared by the free
+devices for throughput), reaches the best split found, which loses nothing.
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ from moirai.planning.report import PlacerReport
 from moirai.planning.schedule import recv_cpu_s, send_cpu_s, transfer_duration_s
 
 IDEAL_LIMIT = 100  # the most ideals the DP enumerates; beyond, prefixes of the topological order
+IDEAL_WORK_LIMIT = 2000  # the most ideals times device combinations times devices it searches; beyond, prefixes
 SUBSET_LIMIT = 128  # the most combinations of used devices the DP tells apart; beyond, a fixed device order
 PREFIX_LABELS = 1  # labels kept per state and last device over prefixes
+IDEAL_LABELS = 8  # Pareto labels kept per state and used devices over ideals, the best by value
 
 
 class _Label(NamedTuple):
@@ -123,7 +128,7 @@ class _Space(NamedTuple):
     size: list[int]
 
 
-@register("contiguous", minimises=True, respects_memory=True, start_plan=1)
+@register("contiguous", minimises=True, respects_memory=True, start_plan=None)
 def place_contiguous(problem: Problem, objective: Objective = LATENCY) -> Plan:
     """The best split into contiguous stages, one device each, for ``objective`` (see the module docstring)."""
     throughput = objective.name == "throughput"
@@ -146,15 +151,34 @@ def place_contiguous(problem: Problem, objective: Objective = LATENCY) -> Plan:
     buckets[0][0] = [start]
     best: _Label | None = None
     full = len(space.size) - 1
+    remaining = _remaining_s(problem, space)
+
+    def bound_s(label: _Label) -> float:
+        """A lower bound on the value of every completion of ``label``."""
+        if throughput:
+            free = devices.free(label.used)
+            rest = remaining[label.state] / free if free else math.inf
+            return max(label.value_s, rest if remaining[label.state] > 0 else 0.0)
+        return max(label.value_s, label.closed_s + remaining[label.state])
+
     for s in range(len(space.size)):
         for labels in list(buckets[s].values()):
             for label in labels:
-                if best is not None and label.value_s >= best.value_s:
+                if best is not None and bound_s(label) >= best.value_s:
                     continue
                 pending = dict(label.pending)
                 for d in devices.allowed(label.used):
+                    used = devices.use(label.used, d)
+                    free = devices.free(used)
                     for target, stage in _grow(problem, p, space, s, pending, d):
-                        new = _close(p, space, label, stage, target, devices.use(label.used, d), throughput)
+                        if best is not None:  # cheap bounds before the label is built
+                            if not throughput and label.closed_s + stage.busy_s + remaining[target] >= best.value_s:
+                                if exact:
+                                    continue
+                                break  # a prefix's stage only grows, by at least what the rest loses
+                            if throughput and remaining[target] > 0 and remaining[target] >= best.value_s * free:
+                                continue
+                        new = _close(p, space, label, stage, target, used, throughput)
                         if new is None:
                             continue
                         if best is not None and new.value_s >= best.value_s:
@@ -163,8 +187,8 @@ def place_contiguous(problem: Problem, objective: Objective = LATENCY) -> Plan:
                             break  # a prefix's stage only grows, and its value with it
                         if target == full:
                             best = new
-                        else:
-                            _keep(buckets[target], new, None if exact else PREFIX_LABELS)
+                        elif best is None or bound_s(new) < best.value_s:
+                            _keep(buckets[target], new, IDEAL_LABELS if exact else PREFIX_LABELS)
     if best is None:
         raise InfeasibleError(
             "contiguous finds no split into contiguous stages that fit the devices' memory and run every task "
@@ -189,7 +213,7 @@ def _states(problem: Problem) -> _Space:
         frontier = grown
     readers = [sum(1 << c for c in consumers) for consumers in problem.tensor_consumers]
     producer = problem.tensor_producer.tolist()
-    if len(seen) <= IDEAL_LIMIT:
+    if len(seen) <= IDEAL_LIMIT and len(seen) * _Devices(problem, ordered=False).work() <= IDEAL_WORK_LIMIT:
         masks = sorted(seen, key=lambda m: (m.bit_count(), m))
         crossing = [[t for t, r in enumerate(readers) if mask >> producer[t] & 1 and r & ~mask] for mask in masks]
         return _Space(masks, order, crossing, [m.bit_count() for m in masks])
@@ -200,6 +224,16 @@ def _states(problem: Problem) -> _Space:
         for s in range(position[u] + 1, last_read[t] + 1):
             crossing[s].append(t)
     return _Space(None, order, crossing, list(range(n + 1)))
+
+
+def _remaining_s(problem: Problem, space: _Space) -> list[float]:
+    """Per state: the sum over the tasks not in it of their fastest compute time."""
+    compute = np.where(np.isfinite(problem.compute_s), problem.compute_s, np.inf).min(axis=1)
+    if space.masks is None:
+        after = np.concatenate([np.cumsum(compute[space.order][::-1])[::-1], [0.0]])
+        return after.tolist()
+    tasks = range(problem.num_tasks)
+    return [float(sum(compute[i] for i in tasks if not m >> i & 1)) for m in space.masks]
 
 
 def _grow(
@@ -307,6 +341,14 @@ class _Devices:
                     yield free
         else:
             yield from self.order[used:]
+
+    def work(self) -> int:
+        """The combinations of used devices the DP tells apart, times the devices: its work per state."""
+        return (math.prod(len(kind) + 1 for kind in self.kinds) if self.subsets else len(self.order)) * len(self.order)
+
+    def free(self, used: int) -> int:
+        """How many devices may still take a stage."""
+        return len(self.order) - (used.bit_count() if self.subsets else used)
 
     def use(self, used: int, device: int) -> int:
         return used | 1 << device if self.subsets else self.order.index(device) + 1
