@@ -225,19 +225,18 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
 def no_worse_than_one_device(
     problem: Problem, plan: Plan, timeline: Timeline, objective: Objective
 ) -> tuple[Plan, Timeline]:
-    """``plan`` and its timeline, or the best single-device plan that fits and its timeline unless ``plan`` is
+    """``plan`` and its timeline, or the single-device plan that fits and simulates best by ``objective`` (driver
+    messages included) and its timeline unless ``plan`` is
     predicted better by more than :data:`MIN_SPLIT_GAIN`: what the model leaves out (the inputs the driver
     sends other devices, a worker's own work per request) only adds to a split plan ([Note: minimum split gain]
     in docs/design.md)."""
     from moirai.errors import InfeasibleError
-    from moirai.planning.placers.single import place_single
-    from moirai.planning.simulate import simulate
+    from moirai.planning.placers.single import best_single_device
 
     try:
-        single = place_single(problem)
+        single, single_timeline = best_single_device(problem, objective)
     except InfeasibleError:
         return plan, timeline
-    single_timeline = simulate(problem, single)
     if len(np.unique(plan.placement)) == 1:
         keep = not objective.improves(single_timeline, timeline)  # another device may be the better one
     else:

@@ -1,0 +1,103 @@
+"""The ``contiguous`` placer: the best contiguous split, as brute force over every contiguous split finds it; and
+``single``, which picks its device by the simulated latency, driver messages included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import moirai
+from moirai.errors import InfeasibleError
+from moirai.planning.objective import OBJECTIVES
+from moirai.planning.placers import start_plans
+from moirai.planning.placers.contiguous import all_contiguous_splits, place_contiguous
+from moirai.planning.placers.single import place_single
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
+from moirai.planning.simulate import simulate
+from moirai.testing import random_layered_problem, random_problem
+
+
+def _problems() -> list[Problem]:
+    layered = [random_layered_problem(6 + seed % 4, 2 + seed % 2, seed=seed) for seed in range(8)]
+    costly = [
+        random_problem(
+            seed,
+            6 + seed % 4,
+            2 + seed % 2,
+            send_cpu_s=0.5,
+            recv_cpu_s=0.5,
+            request_cpu_s=0.3,
+            output_cpu_s=0.3,
+            task_memory_bytes=1.0,
+            capacity_bytes=[5.0, 4.0, 9.0][: 2 + seed % 2],
+        )
+        for seed in (0, 1, 2, 5, 8, 9, 13, 16)
+    ]
+    return [p for p in layered + costly if _has_few_ideals(p)]
+
+
+def _has_few_ideals(problem: Problem) -> bool:
+    """Whether the DP searches this graph's ideals (else prefixes, and brute force over ideals does not apply)."""
+    try:
+        next(all_contiguous_splits(problem))
+    except InfeasibleError:
+        return False
+    return True
+
+
+def test_most_small_problems_are_searched_over_ideals() -> None:
+    assert len(_problems()) >= 12
+
+
+@pytest.mark.parametrize("problem", _problems())
+def test_throughput_equals_the_best_contiguous_split_by_brute_force(problem: Problem) -> None:
+    plan = place_contiguous(problem, objective=OBJECTIVES["throughput"])
+    assert plan.report.notes["states"] == "ideals"
+    timelines = (simulate(problem, Plan(p, problem.device_names)) for p in all_contiguous_splits(problem))
+    brute_force_s = min(t.period_s for t in timelines if t.fits_memory)
+    timeline = simulate(problem, plan)
+    assert timeline.fits_memory
+    assert timeline.period_s == pytest.approx(brute_force_s, rel=1e-9)
+    assert plan.report.notes["dp_period_s"] == pytest.approx(timeline.period_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("problem", _problems()[:8])
+def test_latency_is_no_worse_than_any_contiguous_chain_it_models(problem: Problem) -> None:
+    """The chain model (stages one after another) bounds the simulated latency of its plan from above."""
+    plan = place_contiguous(problem, objective=OBJECTIVES["latency"])
+    assert simulate(problem, plan).makespan_s <= plan.report.notes["dp_chain_latency_s"] * (1 + 1e-9)
+
+
+def test_large_graphs_use_prefixes_and_fit_memory() -> None:
+    problem = random_layered_problem(120, 3, seed=4)
+    plan = moirai.place(problem, placer="contiguous", objective="throughput")
+    assert plan.report.notes["states"] == "prefixes"
+    assert simulate(problem, plan).period_s <= simulate(problem, place_single(problem)).period_s
+
+
+def test_it_is_not_a_start_plan_it_takes_seconds_over_prefixes() -> None:
+    for objective in ("latency", "throughput"):
+        assert "contiguous" not in [s.name for s in start_plans(objective)]
+
+
+def test_single_picks_the_device_fastest_once_the_output_is_back_on_device_0() -> None:
+    """Device 1 computes faster, but sending the output back to device 0 costs more than it saves."""
+    problem = Problem.from_dict(
+        {
+            "devices": [{"name": "a", "memory_bytes": 1e9}, {"name": "b", "memory_bytes": 1e9}],
+            "tasks": [
+                {"name": "x", "compute_s": [2.0, 1.0]},
+                {"name": "y", "compute_s": [2.0, 1.0], "output_s": [0.0, 5.0]},
+            ],
+            "edges": [{"src": "x", "dst": "y", "transfer_s": [[0, 1], [1, 0]]}],
+        }
+    )
+    assert problem.compute_s[:, 1].sum() < problem.compute_s[:, 0].sum()
+    plan = place_single(problem)
+    assert set(plan.placement.tolist()) == {0}
+    assert simulate(problem, plan).makespan_s == pytest.approx(4.0)
+    # The rule that replaces split plans compares with that device too.
+    placed = moirai.place(problem, placer="heft")
+    assert placed.makespan_s <= 4.0 + 1e-9
+    assert np.all(placed.placement == 0)
