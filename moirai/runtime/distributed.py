@@ -54,7 +54,7 @@ from moirai.cluster.kinds import kind_of
 from moirai.errors import DistributedError, InputError
 from moirai.progress import stage
 from moirai.runtime import shm
-from moirai.runtime.blame import blamed, describe_error, read_report, report_failure
+from moirai.runtime.blame import PeerFailure, blamed, describe_error, read_report, report_failure
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import Group, local_group, placed_part
 from moirai.runtime.local import check_inputs
@@ -442,8 +442,9 @@ def _worker_main(
     """A spawned rank: take its share of the cores, join the groups on loopback, serve until rank 0 closes.
 
     ``secret`` (the run's, from rank 0's arguments, never from the store) opens the store's values and
-    authenticates rank 0's headers.
+    authenticates rank 0's headers. The rank exits as soon as rank 0's process does, whatever it was doing.
     """
+    _exit_with_parent(rank)
     store = join_store(port, len(torch_devices), secret, start_timeout_s)
     group = None
     try:
@@ -457,10 +458,27 @@ def _worker_main(
         if group is None:
             report_failure(store, rank, None, describe_error(error))
         else:
+            # Ranks waiting on this one learn at once (not when its verdict is done) and follow its report.
+            report_failure(store, rank, error.peer if isinstance(error, PeerFailure) else None, str(error))
+            group.hang_up()
             # Rank 0 names the guilty rank in its own error; this rank's verdict goes to its stderr, as under torchrun.
             verdict = blamed(group, error, "serving")
             print(f"moirai rank {rank}: DistributedError: {verdict}", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+def _exit_with_parent(rank: int) -> None:
+    """End this spawned rank as soon as its parent, rank 0, ends (killed at start-up, idle or serving)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        print(f"moirai rank {rank}: rank 0's process (pid {parent.pid}) ended; this rank stops", file=sys.stderr)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="moirai-parent-watch", daemon=True).start()
 
 
 _TORCHRUN_GROUP: Group | None = None

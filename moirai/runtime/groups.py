@@ -93,6 +93,14 @@ class Group:
         if self.shared_memory is not None:
             self.shared_memory.close()
 
+    def hang_up(self) -> None:
+        """Close this rank's links, so that every rank waiting on it fails now rather than at its time limit."""
+        self.close()
+        try:
+            self.gloo.abort()
+        except Exception:
+            pass  # a process group without abort closes its connections when this process exits
+
 
 def local_group(rank: int, torch_devices: Sequence[str], store: RunStore | dist.Store, join_timeout_s: float) -> Group:
     """Process groups of our own on loopback (not the default group, which stays the user's).
