@@ -529,20 +529,26 @@ def _driver_process() -> subprocess.Popen:
     )
 
 
+def _ranks_of(driver: subprocess.Popen) -> list[psutil.Process]:
+    """The ranks the driver spawned (not multiprocessing's resource tracker)."""
+    children = psutil.Process(driver.pid).children()
+    return [child for child in children if any("spawn_main" in part for part in child.cmdline())]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["starting", "ready"])
 def test_workers_exit_at_once_when_their_driver_is_killed(stage) -> None:
     driver = _driver_process()
-    while (line := driver.stdout.readline().strip()) != stage:
-        assert line, "the driver script ended early"
-    if stage == "starting":  # the workers exist but are still importing torch and joining
+    try:
+        while (line := driver.stdout.readline().strip()) != stage:
+            assert line, "the driver script ended early"
         deadline = time.monotonic() + 60.0
-        while len(psutil.Process(driver.pid).children()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-    workers = psutil.Process(driver.pid).children()
-    assert len(workers) == 2
-    os.kill(driver.pid, 9)
-    driver.wait()
+        while len(workers := _ranks_of(driver)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # at "starting" the workers are still importing torch and joining
+        assert len(workers) == 2
+    finally:
+        os.kill(driver.pid, 9)
+        driver.wait()
     _, alive = psutil.wait_procs(workers, timeout=2.0 + 3.0)
     assert not alive, f"orphaned workers {alive} outlived their driver"
 

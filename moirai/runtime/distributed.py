@@ -53,7 +53,7 @@ from moirai.cluster.devices import Device
 from moirai.cluster.kinds import kind_of
 from moirai.errors import DistributedError, InputError
 from moirai.progress import stage
-from moirai.runtime import shm
+from moirai.runtime import orphans, shm
 from moirai.runtime.blame import PeerFailure, blamed, describe_error, read_report, report_failure
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import Group, local_group, placed_part
@@ -313,7 +313,7 @@ class DistributedRunner:
                     resources[rank],
                 ),
                 daemon=True,
-                name=f"moirai-rank{rank}",
+                name=orphans.rank_process_name(rank),
             )
             for rank in range(1, world_size)
         ]
@@ -442,13 +442,13 @@ def _worker_main(
     """A spawned rank: take its share of the cores, join the groups on loopback, serve until rank 0 closes.
 
     ``secret`` (the run's, from rank 0's arguments, never from the store) opens the store's values and
-    authenticates rank 0's headers. The rank exits as soon as rank 0's process does, whatever it was doing.
+    authenticates rank 0's headers. The rank exits as soon as rank 0's process does (:mod:`moirai.runtime.orphans`).
     """
-    _exit_with_parent(rank)
     store = join_store(port, len(torch_devices), secret, start_timeout_s)
     group = None
     try:
         apply_resources(resources, names[rank])
+        orphans.started()
         store.set(f"moirai/ready/{rank}", "1")
         group = local_group(rank, torch_devices, store, start_timeout_s)
         pin_io_threads(resources)
@@ -465,20 +465,6 @@ def _worker_main(
             verdict = blamed(group, error, "serving")
             print(f"moirai rank {rank}: DistributedError: {verdict}", file=sys.stderr, flush=True)
         os._exit(1)
-
-
-def _exit_with_parent(rank: int) -> None:
-    """End this spawned rank as soon as its parent, rank 0, ends (killed at start-up, idle or serving)."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        parent.join()
-        print(f"moirai rank {rank}: rank 0's process (pid {parent.pid}) ended; this rank stops", file=sys.stderr)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="moirai-parent-watch", daemon=True).start()
 
 
 _TORCHRUN_GROUP: Group | None = None
