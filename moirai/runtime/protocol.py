@@ -4,7 +4,8 @@ Rank 0 sends every other rank a small header per request (a gloo message: which 
 request's symbolic dimension values, its time limit), or a header that loads a program, is an
 idle driver's heartbeat or closes the rank (:class:`Header`, its :class:`HeaderKind`). Every message of request ``r``
 carries a tag made of ``r`` and its position in the request (header, inputs, the program's
-transfers in their global order, outputs), so gloo matches messages per request; NCCL ignores
+transfers in their global order, outputs, each working rank's status: did its part raise,
+:mod:`moirai.runtime.isolation`), so gloo matches messages per request; NCCL ignores
 tags and matches by order, which every rank keeps (requests in order, each part's messages in
 the program's global order, see :mod:`moirai.runtime.split`). Receive buffers take their shapes from the
 traced specs with the header's symbolic dimension values (:func:`moirai.runtime.split.concrete_shape`).
@@ -258,7 +259,8 @@ def run_part(
         if failure is not None:
             isolation.report_part_failure(group.store, messages.request, failure)  # before the status that points to it
         status = torch.tensor([isolation.STATUS_OK if failure is None else isolation.STATUS_FAILED], dtype=torch.int64)
-        messages.send(status, 0, status_tag + rank, "its status")
+        if not part.idle:  # rank 0 waits for the working ranks' statuses (an idle rank runs only under run_rank)
+            messages.send(status, 0, status_tag + rank, "its status")
 
         def finish_sends() -> None:
             messages.wait_sends()
