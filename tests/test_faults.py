@@ -573,3 +573,18 @@ def test_blame_in_a_loop_names_the_rank_the_first_to_give_up_waited_for(tmp_path
     store.set("moirai/failure/3", json.dumps({"peer": 2, "message": "rank 3: waiting for rank 2", "at": 90.0}))
     verdict = str(blamed(group, PeerFailure("rank 1: waiting for rank 2", 2), "serving"))
     assert verdict.startswith("rank 2 (cpu) stopped responding during serving: rank 3 gave up waiting for it first")
+
+
+def test_a_request_error_names_first_the_failed_rank_no_other_failed_rank_fed() -> None:
+    from types import SimpleNamespace
+
+    from moirai.runtime.isolation import PartFailure, request_error
+
+    program = SimpleNamespace(transfers=[SimpleNamespace(src=k, dst=k + 1) for k in range(3)])
+    failures = [PartFailure(3, "log_1 (log.default)", "ValueError: zeros"), PartFailure(1, "emb (embedding)", "Index")]
+    message = str(request_error(program, [torch.device("cpu")] * 4, 7, failures))
+    first, then = message.splitlines()[:2]
+    assert first == "request 7 failed on rank 1 (cpu) at op emb (embedding): Index"
+    assert then.startswith(
+        "then rank 3 (cpu) failed at op log_1 (log.default) on the zeros sent in place of rank(s) [1]"
+    )
