@@ -490,22 +490,21 @@ def test_a_request_that_raises_on_rank_0_fails_alone_in_run_too(rows) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shared_memory", ["1", "0"])
-def test_a_rank_killed_in_the_middle_of_a_chain_of_six_is_named_within_the_timeout_and_3_s(
-    shared_memory, monkeypatch
-) -> None:
-    monkeypatch.setenv(shm.ENV_SWITCH, shared_memory)  # its links, or gloo's connections, close at once
+def test_a_rank_killed_in_the_middle_of_a_chain_of_six_is_named_within_the_timeout_and_3_s(monkeypatch) -> None:
+    monkeypatch.setenv(shm.ENV_SWITCH, "1")  # a rank hangs up its shared-memory links (gloo's close when it exits)
     torch.manual_seed(0)
     compiled = moirai.compile(_Chain(6).eval(), ["cpu"] * 6, (torch.randn(2, 8),), placer="round_robin", progress=False)
     assert [(t.src, t.dst) for t in compiled.program.transfers] == [(k, k + 1) for k in range(5)]
-    timeout_s = 5.0
+    # A killed rank's neighbours see its links close at once; each other rank must learn from its neighbour's hang-up
+    # too, not when that neighbour has finished its 3 s report grace, nor at the time limit.
+    report_grace_s, timeout_s = 3.0, 30.0
     with DistributedRunner(["cpu"] * 6, timeout_s=timeout_s) as runner:
         runner.run(compiled.program, [torch.randn(2, 8)])
         os.kill(runner._workers[2].pid, 9)
         start_s = time.monotonic()
         with pytest.raises(DistributedError, match=r"^rank 3 \(cpu\) hung or died") as raised:
             runner.run(compiled.program, [torch.randn(2, 8)])
-        assert time.monotonic() - start_s < timeout_s + 3.0 + 1.0, raised.value
+        assert time.monotonic() - start_s < report_grace_s + 2.5, raised.value
 
 
 _DRIVER = textwrap.dedent(

@@ -94,12 +94,9 @@ class Group:
             self.shared_memory.close()
 
     def hang_up(self) -> None:
-        """Close this rank's links, so that every rank waiting on it fails now rather than at its time limit."""
+        """Close this rank's shared-memory links, so that every rank waiting on one fails now, not at its time limit
+        (gloo's connections close only when this process exits: gloo's abort leaves them open)."""
         self.close()
-        try:
-            self.gloo.abort()
-        except Exception:
-            pass  # a process group without abort closes its connections when this process exits
 
 
 def local_group(rank: int, torch_devices: Sequence[str], store: RunStore | dist.Store, join_timeout_s: float) -> Group:
