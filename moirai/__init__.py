@@ -32,6 +32,7 @@ _EXPORTS = {
     "PlanError": "moirai.errors",
     "Problem": "moirai.planning.problem",
     "ProblemError": "moirai.errors",
+    "RequestError": "moirai.errors",
     "Timeline": "moirai.planning.simulate",
     "TraceError": "moirai.errors",
     "coarsen": "moirai.frontend.coarsen",

@@ -41,6 +41,10 @@ class PlacerOptionError(MoiraiError):
     """An option given to a placer is unknown to it or out of its range."""
 
 
+class RequestError(MoiraiError):
+    """One request raised inside a part (an op rejected its inputs): that request fails alone, the ranks serve on."""
+
+
 class MoiraiWarning(UserWarning):
     """Base class of every warning moirai gives on purpose."""
 

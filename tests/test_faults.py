@@ -624,3 +624,178 @@ def test_a_calibration_file_of_the_wrong_structure_given_by_the_user_is_a_cluste
     with pytest.raises(moirai.ClusterError, match=r"calibration file .*mine\.json.* is corrupt: links\['cpu->cpu'\]"):
         local_calibration(["cpu", "cpu"], path)
     assert path.exists()  # the user's own file is left where it is
+
+
+# --- 4 and 6. request isolation; prompt, exact blame (kill -9 and SIGSTOP injected with os.kill) -----------------
+
+
+class _IndexAfterCompute(torch.nn.Module):
+    """An embedding whose index waits for the first layer's output, so it runs on the second device (a worker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.table = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Embedding(10, 4)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        h = self.b(self.a(x).relu())
+        return h + self.table(index + (h.sum() * 0).long())
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x).relu()
+        return x
+
+
+def test_a_meta_input_is_an_input_error_at_submit(rows) -> None:
+    _, example, compiled = rows
+    with pytest.raises(moirai.InputError, match="input 0 is on the meta device"):
+        compiled(torch.empty(3, 8, device="meta"))
+    assert torch.allclose(compiled(*example), rows[0](*example), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_bad_request_fails_alone_among_twenty_good_ones_and_no_rank_restarts() -> None:
+    torch.manual_seed(0)
+    model = _IndexAfterCompute().eval()
+    good = [(torch.randn(3, 8), torch.tensor([1, 2, 3])) for _ in range(20)]
+    compiled = moirai.compile(model, ["cpu", "cpu"], good[0], placer="round_robin", progress=False)
+    assert any(n.target == torch.ops.aten.embedding.default for n in compiled.program.parts[1].graph_module.graph.nodes)
+    with compiled.server() as server:
+        server.submit(*good[0]).result()
+        pids = [child.pid for child in psutil.Process().children()]
+        futures = [server.submit(*inputs) for inputs in good[:10]]
+        with pytest.raises(moirai.InputError, match="meta device"):
+            server.submit(torch.empty(3, 8, device="meta"), torch.tensor([1, 2, 3]))
+        bad = server.submit(torch.randn(3, 8), torch.tensor([1, 99, 3]))
+        futures += [server.submit(*inputs) for inputs in good[10:]]
+        for inputs, future in zip(good, futures, strict=True):
+            assert torch.allclose(future.result(), model(*inputs), atol=1e-5)
+        with pytest.raises(
+            moirai.RequestError, match=r"failed on rank 1 \(cpu\) at op \w+ \(embedding.default\): Index"
+        ):
+            bad.result()
+        assert torch.allclose(server.submit(*good[0]).result(), model(*good[0]), atol=1e-5)
+        assert [child.pid for child in psutil.Process().children()] == pids
+
+
+def test_a_request_that_raises_on_rank_0_fails_alone_in_run_too(rows) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 4)).eval()
+    example = (torch.tensor([1, 2, 3]),)
+    compiled = moirai.compile(model, ["cpu", "cpu"], example, placer="round_robin", progress=False)
+    with DistributedRunner(["cpu", "cpu"], timeout_s=30.0) as runner:
+        with pytest.raises(moirai.RequestError, match=r"request 0 failed on rank 0 \(cpu\) at op embedding"):
+            runner.run(compiled.program, [torch.tensor([1, 99, 3])])
+        pids = [worker.pid for worker in runner._workers]
+        assert torch.allclose(runner.run(compiled.program, list(example))[0], model(*example), atol=1e-5)
+        assert [worker.pid for worker in runner._workers] == pids
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_the_middle_of_a_chain_of_six_is_named_within_the_timeout_and_3_s(monkeypatch) -> None:
+    monkeypatch.setenv(shm.ENV_SWITCH, "1")  # a rank hangs up its shared-memory links (gloo's close when it exits)
+    torch.manual_seed(0)
+    compiled = moirai.compile(_Chain(6).eval(), ["cpu"] * 6, (torch.randn(2, 8),), placer="round_robin", progress=False)
+    assert [(t.src, t.dst) for t in compiled.program.transfers] == [(k, k + 1) for k in range(5)]
+    # A killed rank's neighbours see its links close at once; each other rank must learn from its neighbour's hang-up
+    # too, not when that neighbour has finished its 3 s report grace, nor at the time limit.
+    report_grace_s, timeout_s = 3.0, 30.0
+    with DistributedRunner(["cpu"] * 6, timeout_s=timeout_s) as runner:
+        runner.run(compiled.program, [torch.randn(2, 8)])
+        os.kill(runner._workers[2].pid, 9)
+        start_s = time.monotonic()
+        with pytest.raises(DistributedError, match=r"^rank 3 \(cpu\) hung or died") as raised:
+            runner.run(compiled.program, [torch.randn(2, 8)])
+        assert time.monotonic() - start_s < report_grace_s + 2.5, raised.value
+
+
+_DRIVER = textwrap.dedent(
+    """
+    import sys, time, torch, moirai
+    from moirai.runtime import DistributedRunner
+    if __name__ == "__main__":
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+        compiled = moirai.compile(model, ["cpu", "cpu"], (torch.randn(2, 8),), placer="round_robin", progress=False)
+        with DistributedRunner(["cpu", "cpu", "cpu"], timeout_s=2.0) as runner:
+            print("starting", flush=True)
+            runner.run(compiled.program, [torch.randn(2, 8)])
+            print("ready", flush=True)
+            sys.stdin.readline()
+            time.sleep(1.0)  # the idle driver's heartbeat meets the ranks that gave up on it
+            print("error:", str(runner._driver.failure).replace(chr(10), " | "), flush=True)
+    """
+)
+
+
+def _driver_process() -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-c", _DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+
+
+def _ranks_of(driver: subprocess.Popen) -> list[psutil.Process]:
+    """The ranks the driver spawned (not multiprocessing's resource tracker)."""
+    children = psutil.Process(driver.pid).children()
+    return [child for child in children if any("spawn_main" in part for part in child.cmdline())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["starting", "ready"])
+def test_workers_exit_at_once_when_their_driver_is_killed(stage) -> None:
+    driver = _driver_process()
+    try:
+        while (line := driver.stdout.readline().strip()) != stage:
+            assert line, "the driver script ended early"
+        deadline = time.monotonic() + 60.0
+        while len(workers := _ranks_of(driver)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # at "starting" the workers are still importing torch and joining
+        assert len(workers) == 2
+    finally:
+        os.kill(driver.pid, 9)
+        driver.wait()
+    _, alive = psutil.wait_procs(workers, timeout=2.0 + 3.0)
+    assert not alive, f"orphaned workers {alive} outlived their driver"
+
+
+@pytest.mark.slow
+def test_a_driver_resumed_after_sigstop_names_itself_not_rank_1() -> None:
+    driver = _driver_process()
+    while (line := driver.stdout.readline().strip()) != "ready":
+        assert line, "the driver script ended early"
+    os.kill(driver.pid, 19)  # SIGSTOP, for longer than the timeout and the report grace
+    time.sleep(2.0 + 3.0 + 2.0)
+    os.kill(driver.pid, 18)  # SIGCONT
+    out, _ = driver.communicate("go\n", timeout=120)
+    assert out.startswith("error: rank 0 (cpu, this process) stopped responding"), out
+    assert "rank 1 gave up waiting for it first" in out
+
+
+def test_blame_in_a_loop_names_the_rank_the_first_to_give_up_waited_for(tmp_path) -> None:
+    store = RunStore(dist.HashStore(), None)
+    group = Group(1, [torch.device("cpu")] * 4, None, None, store)
+    store.set("moirai/failure/2", json.dumps({"peer": 3, "message": "rank 2: waiting for rank 3", "at": 100.0}))
+    store.set("moirai/failure/3", json.dumps({"peer": 2, "message": "rank 3: waiting for rank 2", "at": 90.0}))
+    verdict = str(blamed(group, PeerFailure("rank 1: waiting for rank 2", 2), "serving"))
+    assert verdict.startswith("rank 2 (cpu) stopped responding during serving: rank 3 gave up waiting for it first")
+
+
+def test_a_request_error_names_first_the_failed_rank_no_other_failed_rank_fed() -> None:
+    from types import SimpleNamespace
+
+    from moirai.runtime.isolation import PartFailure, request_error
+
+    program = SimpleNamespace(transfers=[SimpleNamespace(src=k, dst=k + 1) for k in range(3)])
+    failures = [PartFailure(3, "log_1 (log.default)", "ValueError: zeros"), PartFailure(1, "emb (embedding)", "Index")]
+    message = str(request_error(program, [torch.device("cpu")] * 4, 7, failures))
+    first, then = message.splitlines()[:2]
+    assert first == "request 7 failed on rank 1 (cpu) at op emb (embedding): Index"
+    assert then.startswith(
+        "then rank 3 (cpu) failed at op log_1 (log.default) on the zeros sent in place of rank(s) [1]"
+    )

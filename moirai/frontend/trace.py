@@ -77,6 +77,12 @@ def check_flat_inputs(
     for position, (value, spec) in enumerate(zip(tensors, specs, strict=True)):
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{model_name}: input {position} must be a tensor, got {type(value).__name__}")
+        if value.device.type == "meta":
+            # Inputs on other devices are moved to each part's device; a meta tensor holds no values to move.
+            raise InputError(
+                f"{model_name}: input {position} is on the meta device, which holds shapes but no values; pass a "
+                "tensor with values (on any device: each part moves its inputs to its own device)"
+            )
         for axis, size in enumerate(value.shape[: len(spec.shape)]):
             dim = dims.get(spec.symbolic_shape[axis]) if spec.symbolic_shape else None
             if dim is None:

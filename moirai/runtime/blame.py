@@ -33,7 +33,8 @@ def report_failure(store: Any, rank: int, peer: int | None, message: str) -> Non
     """Tell the other ranks why this rank failed: on its own (``peer`` None) or waiting for ``peer``."""
     try:
         store.set_timeout(datetime.timedelta(seconds=_REPORT_GRACE_S))
-        store.set(f"moirai/failure/{rank}", json.dumps({"peer": peer, "message": message}))
+        report = {"peer": peer, "message": message, "at": time.time()}
+        store.set(f"moirai/failure/{rank}", json.dumps(report))
     except Exception:
         pass  # the store's host is gone too: the others name this rank as one nobody heard from
 
@@ -51,6 +52,7 @@ def read_report(store: Any, rank: int, world_size: int) -> dict[str, Any]:
         isinstance(report, dict)
         and isinstance(report.get("message"), str)
         and (peer is None or (type(peer) is int and 0 <= peer < world_size and peer != rank))
+        and isinstance(report.get("at", 0.0), int | float)
     ):
         raise DistributedError(
             f"store key {key!r} holds no failure report ({bytes(raw)[:80]!r}): expected "
@@ -97,7 +99,8 @@ def _blamed(group: Group, error: BaseException, what: str) -> DistributedError:
         return DistributedError(f"rank {rank} ({group.devices[rank]}) failed during {what}: {own}")
     deadline = time.monotonic() + _REPORT_GRACE_S
     chain = [f"rank {rank}: {own.removeprefix(f'rank {rank}: ')}"]
-    seen, guilty = {rank}, peer
+    reports: dict[int, dict[str, Any]] = {rank: {"peer": peer, "at": time.time()}}
+    guilty = peer
     while True:
         report = _read_report(group.store, guilty, group.world_size, deadline)
         if report is None:
@@ -106,13 +109,34 @@ def _blamed(group: Group, error: BaseException, what: str) -> DistributedError:
                 f"time limit{group.describe_rank(guilty)}"
             )
             break
-        if report["peer"] is None or report["peer"] in seen:
+        if report["peer"] is None:
             headline = f"rank {guilty} ({group.devices[guilty]}) failed during {what}: {report['message']}"
             break
         chain.append(f"rank {guilty}: {report['message'].removeprefix(f'rank {guilty}: ')}")
-        seen.add(guilty)
+        reports[guilty] = report
+        if report["peer"] in reports:
+            headline = _loop_headline(group, reports, report["peer"], what)
+            break
         guilty = report["peer"]
     return DistributedError(headline + "\nwhile " + "\nwhile ".join(chain))
+
+
+def _loop_headline(group: Group, reports: dict[int, dict[str, Any]], start: int, what: str) -> str:
+    """Ranks that waited for each other in a loop: the rank that gave up first waited for the one that stopped first
+    (a suspended or starved process, this one included), which the others then waited for in turn."""
+    loop, member = [start], reports[start]["peer"]
+    while member != start:
+        loop.append(member)
+        member = reports[member]["peer"]
+    first = min(loop, key=lambda k: reports[k].get("at", float("inf")))
+    stopped = reports[first]["peer"]
+    late_s = reports[group.rank]["at"] - reports[first].get("at", reports[group.rank]["at"])
+    this = ", this process" if stopped == group.rank else ""
+    return (
+        f"rank {stopped} ({group.devices[stopped]}{this}) stopped responding during {what}: rank {first} gave up "
+        f"waiting for it first, {late_s:.1f} s before this rank's error; was it suspended (SIGSTOP, a debugger) or "
+        "starved of CPU for longer than the time limit?"
+    )
 
 
 def describe_error(error: BaseException) -> str:

@@ -53,8 +53,8 @@ from moirai.cluster.devices import Device
 from moirai.cluster.kinds import kind_of
 from moirai.errors import DistributedError, InputError
 from moirai.progress import stage
-from moirai.runtime import shm
-from moirai.runtime.blame import blamed, describe_error, read_report, report_failure
+from moirai.runtime import orphans, shm
+from moirai.runtime.blame import PeerFailure, blamed, describe_error, read_report, report_failure
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import Group, local_group, placed_part
 from moirai.runtime.local import check_inputs
@@ -313,7 +313,7 @@ class DistributedRunner:
                     resources[rank],
                 ),
                 daemon=True,
-                name=f"moirai-rank{rank}",
+                name=orphans.rank_process_name(rank),
             )
             for rank in range(1, world_size)
         ]
@@ -442,12 +442,13 @@ def _worker_main(
     """A spawned rank: take its share of the cores, join the groups on loopback, serve until rank 0 closes.
 
     ``secret`` (the run's, from rank 0's arguments, never from the store) opens the store's values and
-    authenticates rank 0's headers.
+    authenticates rank 0's headers. The rank exits as soon as rank 0's process does (:mod:`moirai.runtime.orphans`).
     """
     store = join_store(port, len(torch_devices), secret, start_timeout_s)
     group = None
     try:
         apply_resources(resources, names[rank])
+        orphans.started()
         store.set(f"moirai/ready/{rank}", "1")
         group = local_group(rank, torch_devices, store, start_timeout_s)
         pin_io_threads(resources)
@@ -457,6 +458,9 @@ def _worker_main(
         if group is None:
             report_failure(store, rank, None, describe_error(error))
         else:
+            # Ranks waiting on this one learn at once (not when its verdict is done) and follow its report.
+            report_failure(store, rank, error.peer if isinstance(error, PeerFailure) else None, str(error))
+            group.hang_up()
             # Rank 0 names the guilty rank in its own error; this rank's verdict goes to its stderr, as under torchrun.
             verdict = blamed(group, error, "serving")
             print(f"moirai rank {rank}: DistributedError: {verdict}", file=sys.stderr, flush=True)

@@ -3,8 +3,9 @@
 The driver sends each request's header and inputs without waiting for earlier requests to
 finish, runs part 0 itself and receives the outputs of the other parts. An idle driver sends
 heartbeat headers, so a rank waits for its next header at most a fraction of the timeout while
-the driver is alive. On a failure every pending request fails with one error naming the guilty
-rank (:mod:`moirai.runtime.blame`).
+the driver is alive. A request whose part raises fails alone with a :class:`moirai.RequestError`
+(:mod:`moirai.runtime.isolation`); when a rank fails or hangs every pending request fails with one
+error naming the guilty rank (:mod:`moirai.runtime.blame`).
 
 The threads hand each other typed items: :class:`Submitted` requests and a :class:`Stop` to the
 dispatcher, :class:`Ran` requests, :class:`ControlSent` headers and a :class:`Stop` to the completer.
@@ -25,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from moirai.errors import DistributedError, InputError, PlanError
+from moirai.errors import DistributedError, InputError, PlanError, RequestError
 from moirai.runtime.blame import blamed, describe_error, report_failure
 from moirai.runtime.groups import Group, placed_part
 from moirai.runtime.protocol import (
@@ -209,6 +210,8 @@ class Driver:
             for messages in ran.control:
                 messages.wait_sends()
             return finish(ran.finish_outputs())
+        except RequestError:
+            raise  # this request's part raised: the ranks serve on
         except BaseException as error:
             self._fail(error, f"request {request}" if request is not None else "a request")
             if self.failure is error:
@@ -333,11 +336,17 @@ class Driver:
                 request = item.request
                 for messages in item.control:
                     messages.wait_sends()
-                result = item.finish(item.finish_outputs())
+                try:
+                    result, failed = item.finish(item.finish_outputs()), None
+                except RequestError as error:
+                    result, failed = None, error  # this request's part raised: it fails alone
                 with self._lock:
                     self._pending.discard(item.future)
                     if not item.future.done():
-                        item.future.set_result(result)
+                        if failed is None:
+                            item.future.set_result(result)
+                        else:
+                            item.future.set_exception(failed)
                 self._slots.release()
         except BaseException as error:
             self._fail(error, f"request {request}" if request is not None else "sending control messages")

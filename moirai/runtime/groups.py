@@ -93,6 +93,11 @@ class Group:
         if self.shared_memory is not None:
             self.shared_memory.close()
 
+    def hang_up(self) -> None:
+        """Close this rank's shared-memory links, so that every rank waiting on one fails now, not at its time limit
+        (gloo's connections close only when this process exits: gloo's abort leaves them open)."""
+        self.close()
+
 
 def local_group(rank: int, torch_devices: Sequence[str], store: RunStore | dist.Store, join_timeout_s: float) -> Group:
     """Process groups of our own on loopback (not the default group, which stays the user's).

@@ -4,7 +4,8 @@ Rank 0 sends every other rank a small header per request (a gloo message: which 
 request's symbolic dimension values, its time limit), or a header that loads a program, is an
 idle driver's heartbeat or closes the rank (:class:`Header`, its :class:`HeaderKind`). Every message of request ``r``
 carries a tag made of ``r`` and its position in the request (header, inputs, the program's
-transfers in their global order, outputs), so gloo matches messages per request; NCCL ignores
+transfers in their global order, outputs, each working rank's status: did its part raise,
+:mod:`moirai.runtime.isolation`), so gloo matches messages per request; NCCL ignores
 tags and matches by order, which every rank keeps (requests in order, each part's messages in
 the program's global order, see :mod:`moirai.runtime.split`). Receive buffers take their shapes from the
 traced specs with the header's symbolic dimension values (:func:`moirai.runtime.split.concrete_shape`).
@@ -40,6 +41,7 @@ import torch.fx as fx
 from moirai.cluster.kinds import kind_of
 from moirai.errors import DistributedError, PlanError
 from moirai.frontend.trace import TensorSpec
+from moirai.runtime import isolation
 from moirai.runtime.blame import PeerFailure
 from moirai.runtime.groups import Group, Work, placed_part
 from moirai.runtime.header import DIGEST_WORDS, HEADER_DTYPE, HEADER_FIELDS, HEADER_WORDS
@@ -110,6 +112,7 @@ class Messages:
         self, group: Group, sequence: int, timeout: datetime.timedelta, values: dict[str, int] | None = None
     ) -> None:
         self.group = group
+        self.request = sequence
         self.timeout = timeout
         self.values = values or {}
         self._tag_base = (sequence % _TAG_WINDOW) << _TAG_BITS
@@ -169,19 +172,28 @@ class _Transport:
         self._transfers = program.transfers
         self._first_tag = _FIRST_DATA_TAG + len(program.input_specs)
         self._messages = messages
+        # What the part did, so that a part that raises can still send and receive the rest of its messages.
+        self.sent: set[int] = set()
+        self.posted: dict[int, PendingReceive] = {}  # by position in the program's transfers
+        self.waited: set[int] = set()  # ids of the receives waited for
 
     def send(self, tensor: torch.Tensor, transfer_index: int) -> None:
         transfer = self._transfers[transfer_index]
         self._messages.send(tensor, transfer.dst, self._first_tag + transfer.index, f"tensor {transfer.tensor}")
+        self.sent.add(transfer_index)
 
     def post_recv(self, transfer_index: int) -> PendingReceive:
         transfer = self._transfers[transfer_index]
-        return self._messages.post_recv_spec(
+        pending = self._messages.post_recv_spec(
             transfer.spec, transfer.src, self._first_tag + transfer.index, f"tensor {transfer.tensor}"
         )
+        self.posted[transfer_index] = pending
+        return pending
 
     def wait_recv(self, pending: PendingReceive) -> torch.Tensor:
-        return self._messages.wait_recv(pending)
+        received = self._messages.wait_recv(pending)
+        self.waited.add(id(pending))
+        return received
 
     @property
     def symbol_values(self) -> dict[str, int]:
@@ -191,6 +203,7 @@ class _Transport:
 
 def check_tags(program: SplitProgram) -> None:
     messages = _FIRST_DATA_TAG + len(program.input_specs) + len(program.transfers) + len(program.outputs)
+    messages += program.num_devices  # each rank's status
     if messages >= 1 << _TAG_BITS:
         raise PlanError(f"the program sends {messages} messages per request; at most {(1 << _TAG_BITS) - 1} fit a tag")
 
@@ -225,13 +238,29 @@ def run_part(
             for index in part.input_indices
         ]
         local_inputs = [messages.wait_recv(p) for p in pending_inputs]
-    with torch.no_grad():
-        part_outputs = module(_Transport(program, messages), *(t.to(device) for t in local_inputs))
+    transport = _Transport(program, messages)
+    failure = None
+    try:
+        with torch.no_grad():
+            # forward, not __call__: fx's wrapper drops the traceback that names the op that raised.
+            part_outputs = module.forward(transport, *(t.to(device) for t in local_inputs))
+    except DistributedError:
+        raise  # a failed message: a rank died or hung
+    except Exception as error:
+        failure = isolation.part_failure(rank, module, error)
+        isolation.settle_failed_part(transport, program.transfers, rank, messages.values)
+        part_outputs = [spec and isolation.placeholder(spec, messages.values) for spec in part.output_specs]
     first_tag = _FIRST_DATA_TAG + len(program.input_specs) + len(program.transfers)
+    status_tag = first_tag + len(program.outputs)
     if rank != 0:
         for position, location in enumerate(program.outputs):
             if location.device == rank:
                 messages.send(part_outputs[location.index], 0, first_tag + position, f"flat output {position}")
+        if failure is not None:
+            isolation.report_part_failure(group.store, messages.request, failure)  # before the status that points to it
+        status = torch.tensor([isolation.STATUS_OK if failure is None else isolation.STATUS_FAILED], dtype=torch.int64)
+        if not part.idle:  # rank 0 waits for the working ranks' statuses (an idle rank runs only under run_rank)
+            messages.send(status, 0, status_tag + rank, "its status")
 
         def finish_sends() -> None:
             messages.wait_sends()
@@ -247,13 +276,21 @@ def run_part(
         for position, location in enumerate(program.outputs)
         if location.device != 0
     }
+    statuses = {
+        k: messages.post_recv((1,), torch.int64, k, status_tag + k, "its status") for k in program.working_ranks
+    }
 
     def finish_outputs() -> list[torch.Tensor]:
         outputs = [
             messages.wait_recv(pending[position]) if position in pending else part_outputs[location.index]
             for position, location in enumerate(program.outputs)
         ]
+        failed = [k for k, status in statuses.items() if int(messages.wait_recv(status)[0]) != isolation.STATUS_OK]
         messages.wait_sends()
+        failures = [failure] if failure is not None else []
+        failures += [isolation.read_part_failure(group.store, messages.request, k) for k in failed]
+        if failures:
+            raise isolation.request_error(program, group.devices, messages.request, failures)
         return outputs
 
     return finish_outputs
