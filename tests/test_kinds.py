@@ -47,7 +47,7 @@ class FakeMpsKind(DeviceKind):
     def available(self, device: torch.device) -> bool:
         return (device.index or 0) < self.count()
 
-    def describe(self, torch_device: str, name: str, share: int) -> Device:
+    def describe(self, torch_device: str, name: str, share: int, index: int = 0) -> Device:
         self.check_index(torch_device)
         return Device(name, torch_device, 32e9 / share, 13.6e12, 400e9, 8e-6, self.name)
 
