@@ -28,7 +28,7 @@ from models_for_tests import (
     random_assignment,
 )
 
-from moirai.errors import DistributedError, InputError, PlanError
+from moirai.errors import DistributedError, InputError, PlanError, RequestError
 from moirai.frontend.trace import TracedModel, trace
 from moirai.runtime import DistributedRunner, run_distributed, run_local
 from moirai.runtime.split import SplitProgram, split_module
@@ -357,8 +357,12 @@ def test_failing_rank_fails_the_call_with_its_rank_and_error():
         module.graph.call_method("injected_failure_for_the_test", (first_op.args[0],))
     module.recompile()
     started = time.monotonic()
-    expected = r"rank 1 \(cpu\) failed during request 0(.|\n)*no attribute 'injected_failure_for_the_test'"
-    with pytest.raises(DistributedError, match=expected):
+    # An op that raises fails its own request (the ranks serve on), naming the rank, the op and the cause.
+    expected = (
+        r"request 0 failed on rank 1 \(cpu\) at op injected_failure_for_the_test(.|\n)*"
+        r"no attribute 'injected_failure_for_the_test'"
+    )
+    with pytest.raises(RequestError, match=expected):
         run_distributed(program, case.flat_inputs, ["cpu", "cpu"], timeout_s=30.0)
     assert time.monotonic() - started < 60.0
 

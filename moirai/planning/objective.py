@@ -38,6 +38,8 @@ class Objective(ABC):
     bound_label: ClassVar[str]  # how a report names this objective's lower bound
     # Whether lookahead rounds and the window search, which shorten a schedule's critical path, serve it.
     windows_apply: ClassVar[bool] = False
+    # Whether it judges the steady state of pipelined requests (a period) rather than one request's time.
+    steady_state: ClassVar[bool] = False
 
     @property
     def latency_limit_s(self) -> float | None:
@@ -107,6 +109,7 @@ class Throughput(Objective):
 
     name: ClassVar[str] = "throughput"
     value_label: ClassVar[str | None] = "period"
+    steady_state: ClassVar[bool] = True
     bound_label: ClassVar[str] = "period bound"
     max_latency_s: float | None = None
 

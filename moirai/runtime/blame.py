@@ -17,6 +17,8 @@ from moirai.errors import DistributedError
 from moirai.runtime.groups import Group
 
 # How long a failed rank waits for the other ranks' reports before naming a rank nobody heard from.
+# A rank that gave up this much later than the one waiting for it was stopped meanwhile (SIGSTOP, starved).
+_STOPPED_GAP_S = 1.0
 _REPORT_GRACE_S = 3.0
 _REPORT_POLL_S = 0.05
 
@@ -115,21 +117,28 @@ def _blamed(group: Group, error: BaseException, what: str) -> DistributedError:
         chain.append(f"rank {guilty}: {report['message'].removeprefix(f'rank {guilty}: ')}")
         reports[guilty] = report
         if report["peer"] in reports:
-            headline = _loop_headline(group, reports, report["peer"], what)
+            headline = _loop_headline(group, reports, report["peer"], what) or (
+                f"rank {guilty} ({group.devices[guilty]}) failed during {what}: {report['message']}"
+            )
             break
         guilty = report["peer"]
     return DistributedError(headline + "\nwhile " + "\nwhile ".join(chain))
 
 
-def _loop_headline(group: Group, reports: dict[int, dict[str, Any]], start: int, what: str) -> str:
+def _loop_headline(group: Group, reports: dict[int, dict[str, Any]], start: int, what: str) -> str | None:
     """Ranks that waited for each other in a loop: the rank that gave up first waited for the one that stopped first
-    (a suspended or starved process, this one included), which the others then waited for in turn."""
+    (a suspended or starved process, this one included), which the others then waited for in turn. None where the
+    rank it waited for gave up too within ``_STOPPED_GAP_S``: then nobody stopped, the waits timed out together (a
+    message the program never sends), and the rank whose report closed the loop is named as failing."""
     loop, member = [start], reports[start]["peer"]
     while member != start:
         loop.append(member)
         member = reports[member]["peer"]
     first = min(loop, key=lambda k: reports[k].get("at", float("inf")))
     stopped = reports[first]["peer"]
+    first_at = reports[first].get("at")
+    if first_at is None or reports[stopped].get("at", first_at) - first_at < _STOPPED_GAP_S:
+        return None
     late_s = reports[group.rank]["at"] - reports[first].get("at", reports[group.rank]["at"])
     this = ", this process" if stopped == group.rank else ""
     return (

@@ -131,7 +131,7 @@ class _Space(NamedTuple):
 @register("contiguous", minimises=True, respects_memory=True, start_plan=None)
 def place_contiguous(problem: Problem, objective: Objective = LATENCY) -> Plan:
     """The best split into contiguous stages, one device each, for ``objective`` (see the module docstring)."""
-    throughput = objective.name == "throughput"
+    throughput = objective.steady_state
     p = _Pricing(problem)
     space = _states(problem)
     exact = space.masks is not None
