@@ -41,6 +41,9 @@ def test_compile_reports_every_stage_on_stderr_unless_progress_is_false(capfd) -
     moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft")
     stages = re.findall(r"^moirai: ([a-z ]+) \S+ \S+$", capfd.readouterr().err, re.MULTILINE)
     assert stages == ["trace", "op graph", "coarsen", "cost", "place", "split"]
+    moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft")
+    # Tracing a large model takes seconds: a log says it has started before it ends.
+    assert re.search(r"^moirai: trace: torch.export", capfd.readouterr().err, re.MULTILINE)
     moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft", progress=False)
     assert "moirai:" not in capfd.readouterr().err
 

@@ -160,7 +160,7 @@ class TracedModel:
         return pytree.tree_unflatten(list(flat_outputs), self.out_spec)
 
 
-@stage("trace")
+@stage("trace", "torch.export, then decompositions to aten")
 def trace(
     model: torch.nn.Module,
     example_inputs: tuple = (),
