@@ -15,6 +15,7 @@ from typing import Any
 _EXPORTS = {
     "Cluster": "moirai.cluster.devices",
     "ClusterError": "moirai.errors",
+    "CompiledLM": "moirai.generation.lm",
     "CompiledModel": "moirai.compile",
     "Device": "moirai.cluster.devices",
     "DistributedError": "moirai.errors",
@@ -38,6 +39,7 @@ _EXPORTS = {
     "coarsen": "moirai.frontend.coarsen",
     "gantt": "moirai.viz",
     "compile": "moirai.compile",
+    "compile_lm": "moirai.generation.lm",
     "list_placers": "moirai.planning.placers",
     "load": "moirai.compile",
     "lower_bound": "moirai.planning.bounds",

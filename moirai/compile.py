@@ -128,9 +128,9 @@ class CompiledModel:
     def torch_devices(self) -> list[str]:
         return [d.torch_device for d in self.cluster.devices]
 
-    def summary(self, console: Console | None = None) -> Table:
+    def summary(self, console: Console | None = None, objective: Objective | None = None) -> Table:
         """Print (and return) the plan as a table, one row per device, with its caption unwrapped where the console
-        is wide enough."""
+        is wide enough (``objective``: the plan's, where its name alone does not make it)."""
         table = viz.summary_table(
             self.problem,
             self.plan,
@@ -138,6 +138,7 @@ class CompiledModel:
             ops_per_task=[len(node.targets) for node in self.graph.nodes],
             reserve_bytes=activation_peak_bytes(self.graph),
             title=f"moirai plan for {self.traced.model_name} ({self.plan.placer})",
+            objective=objective,
         )
         if self.traced.dynamic_dims:
             dims = ", ".join(f"{dim.name} {dim.range}" for dim in self.traced.dynamic_dims)

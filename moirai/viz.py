@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moirai.errors import InfeasibleError, MoiraiError
-from moirai.planning.objective import as_objective
+from moirai.planning.objective import Objective, as_objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import Timeline, simulate
@@ -70,27 +70,28 @@ def stop_reason(plan: Plan) -> str | None:
     return None if reason is None else reason.value
 
 
-def best_lower_bound_s(problem: Problem, plan: Plan) -> float | None:
+def best_lower_bound_s(problem: Problem, plan: Plan, objective: Objective | None = None) -> float | None:
     """The larger of the placer's proven bound and the objective's own bound (both hold for every plan that fits),
-    on the objective the plan was made for: latency, or the period of pipelined requests."""
+    on the objective the plan was made for (``objective``, else the one it names): latency, or the period of
+    pipelined requests."""
     try:
-        bound = as_objective(plan.objective).lower_bound_s(problem)
+        bound = (objective or as_objective(plan.objective)).lower_bound_s(problem)
     except InfeasibleError:
         bound = None
     candidates = [b for b in (bound, plan.lower_bound_s) if b is not None]
     return max(candidates) if candidates else None
 
 
-def headline(problem: Problem, plan: Plan, timeline: Timeline) -> str:
+def headline(problem: Problem, plan: Plan, timeline: Timeline, objective: Objective | None = None) -> str:
     """``predicted 1.23 ms · 812 req/s · bound 1.10 ms · gap 10.6%``: what a plan promises (one request's latency,
     and requests per second when pipelined) and how far from optimal on its objective.
 
     A plan for another objective than latency shows its value next to its bound (``predicted 3.10 ms · period
     1.23 ms, 812 req/s · period bound 1.10 ms · gap 10.6%``). The bound holds for plans that fit memory only, so a
-    plan over memory gets none.
+    plan over memory gets none. ``objective``: the plan's, where its name alone does not make it (generation's).
     """
     latency = predicted_latency_s(timeline)
-    objective = as_objective(plan.objective)
+    objective = objective or as_objective(plan.objective)
     value = objective.value_s(timeline)
     words = [f"predicted {format_seconds(latency)}"]
     rate = f"{format_rate(1 / timeline.period_s)} req/s" if timeline.period_s > 0 else None
@@ -98,7 +99,7 @@ def headline(problem: Problem, plan: Plan, timeline: Timeline) -> str:
         words.append(f"{objective.value_label} {format_seconds(value)}" + (f", {rate}" if rate else ""))
     elif rate:
         words.append(rate)
-    bound = best_lower_bound_s(problem, plan) if timeline.fits_memory else None
+    bound = best_lower_bound_s(problem, plan, objective) if timeline.fits_memory else None
     if bound is not None:
         words.append(f"{objective.bound_label} {format_seconds(bound)}")
         if value > 0:
@@ -450,6 +451,7 @@ def summary_table(
     ops_per_task: Sequence[int] | None = None,
     reserve_bytes: float = 0.0,
     title: str | None = None,
+    objective: Objective | None = None,
 ) -> Table:
     """One row per device: groups (and ops), memory in use / capacity (red when over), busy time.
 
@@ -493,7 +495,7 @@ def summary_table(
         details.append(f"placed in {format_seconds(plan.placement_time_s)}")
     if not timeline.fits_memory:
         details.append("[bold red]OVER MEMORY on the red rows[/]")
-    table.caption = headline(problem, plan, timeline) + "\n" + " · ".join(details)
+    table.caption = headline(problem, plan, timeline, objective) + "\n" + " · ".join(details)
     table.caption_justify = "left"
     return widen_to_caption(table)
 

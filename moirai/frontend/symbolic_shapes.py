@@ -9,11 +9,13 @@ A model traced with ``dynamic_shapes`` (:func:`moirai.frontend.trace.trace`) has
 from __future__ import annotations
 
 import ast
+import contextlib
+import contextvars
 import functools
 import math
 import operator
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -319,6 +321,31 @@ def _evaluate(node: ast.expr, values: Mapping[str, Any], expression: str) -> Any
     return function(*(_evaluate(argument, values, expression) for argument in node.args))
 
 
+# Symbol name -> size, while costs are taken at sizes other than the example inputs' (sizes_at).
+_SIZES_AT: contextvars.ContextVar[Mapping[str, int] | None] = contextvars.ContextVar("moirai_sizes_at", default=None)
+
+
+@contextlib.contextmanager
+def sizes_at(symbol_values: Mapping[str, int]) -> Iterator[None]:
+    """Within the block, :func:`example_int` gives every symbolic size at ``symbol_values`` (symbol name -> size)
+    instead of at the example inputs: the op graph of one trace priced at another call's shapes (a generation
+    step's prefill and decode)."""
+    token = _SIZES_AT.set(dict(symbol_values))
+    try:
+        yield
+    finally:
+        _SIZES_AT.reset(token)
+
+
 def example_int(size: int | torch.SymInt) -> int:
-    """A size at the example inputs (a symbolic size's hint): costs are taken at the example shapes."""
-    return size if isinstance(size, int) else int(size.node.hint)
+    """A size at the example inputs (a symbolic size's hint): costs are taken at the example shapes, or at the
+    sizes :func:`sizes_at` sets."""
+    if isinstance(size, int):
+        return size
+    overrides = _SIZES_AT.get()
+    if overrides:
+        expr = size.node.expr
+        value = expr.xreplace({s: overrides[s.name] for s in expr.free_symbols if s.name in overrides})
+        if isinstance(value, int) or value.is_number:
+            return int(value)
+    return int(size.node.hint)

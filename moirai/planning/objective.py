@@ -137,6 +137,90 @@ class Throughput(Objective):
         return max(lower_bounds(problem).load_s, problem.costs.charges.driver_floor_s())
 
 
+@dataclass(frozen=True, eq=False)
+class Generation(Objective):
+    """Serving a causal LM: a prompt's prefill, then one decode step per new token, with ``sequences`` sequences
+    in flight (moirai.generation). The problem placed is the decode step's; ``prefill`` is the same graph priced at
+    a typical prompt, so one placement serves both phases and both are judged:
+
+    - one sequence (``sequences == 1``): the time to answer it, TTFT + ``new_tokens`` x TPOT, where TTFT is the
+      prefill's simulated makespan and TPOT the decode step's (the plan's order and placement for both);
+    - several: the time per decode step in the steady state, the longer of the busiest device's or link's time per
+      step (the period) and one step's latency over the sequences in flight (a sequence's next step waits for its
+      token); decode tokens/s is the step's batch over that. A plan whose TTFT exceeds ``max_ttft_s`` is not
+      acceptable.
+
+    The MILP models the decode step (latency rows for one sequence, period rows for several); every plan it
+    considers is judged here, both phases simulated.
+    """
+
+    name: ClassVar[str] = "generation"
+    prefill: Problem | None = None
+    new_tokens: int = 64
+    sequences: int = 1
+    max_ttft_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.new_tokens < 1 or self.sequences < 1:
+            raise MoiraiError(
+                f"Generation needs new_tokens >= 1 and sequences >= 1, got {self.new_tokens} and {self.sequences}"
+            )
+
+    @property
+    def value_label(self) -> str:  # type: ignore[override]
+        return f"TTFT + {self.new_tokens} TPOT" if self.sequences == 1 else f"step ({self.sequences} in flight)"
+
+    @property
+    def bound_label(self) -> str:  # type: ignore[override]
+        return "bound"
+
+    @property
+    def windows_apply(self) -> bool:  # type: ignore[override]
+        return self.sequences == 1
+
+    @property
+    def steady_state(self) -> bool:  # type: ignore[override]
+        return self.sequences > 1
+
+    def ttft_s(self, timeline: Timeline) -> float:
+        """The prefill's simulated makespan under the decode plan's placement and order (0 without a prefill)."""
+        if self.prefill is None:
+            return 0.0
+        from moirai.planning.plan import Plan
+        from moirai.planning.simulate import simulate
+
+        plan = Plan(timeline.placement, tuple(self.prefill.device_names), order=timeline.execution_sequences)
+        return simulate(self.prefill, plan).makespan_s
+
+    def step_s(self, timeline: Timeline) -> float:
+        """Time per decode step in the steady state with ``sequences`` in flight (TPOT for one sequence)."""
+        if self.sequences == 1:
+            return timeline.makespan_s
+        return max(timeline.period_s, timeline.makespan_s / self.sequences)
+
+    def value_s(self, timeline: Timeline) -> float:
+        if self.sequences == 1:
+            return self.ttft_s(timeline) + self.new_tokens * timeline.makespan_s
+        return self.step_s(timeline)
+
+    def acceptable(self, timeline: Timeline) -> bool:
+        if not timeline.fits_memory:
+            return False
+        return self.max_ttft_s is None or self.ttft_s(timeline) <= self.max_ttft_s * (1 + 1e-9)
+
+    def milp_rows(self) -> MilpRows:
+        return (LATENCY if self.sequences == 1 else Throughput()).milp_rows()
+
+    def makespan_horizon_s(self, start: Timeline | None) -> float | None:
+        return LATENCY.makespan_horizon_s(start) if self.sequences == 1 else None
+
+    def lower_bound_s(self, problem: Problem) -> float:
+        if self.sequences > 1:
+            return Throughput().lower_bound_s(problem)
+        prefill_s = 0.0 if self.prefill is None else LATENCY.lower_bound_s(self.prefill)
+        return prefill_s + self.new_tokens * LATENCY.lower_bound_s(problem)
+
+
 LATENCY = Latency()
 OBJECTIVES: dict[str, Objective] = {LATENCY.name: LATENCY, Throughput.name: Throughput()}
 

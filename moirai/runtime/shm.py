@@ -79,7 +79,13 @@ class _Receive:
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
+    flat = tensor.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # A one-element tensor may carry any stride (a [1, 1] slice of a wider tensor); it is dense all the same.
+        flat = flat.as_strided((flat.numel(),), (1,))
+    elif flat.stride(0) != 1:
+        flat = flat.contiguous()
+    return flat.view(torch.uint8)
 
 
 def _aligned(size: int) -> int:

@@ -1,0 +1,288 @@
+"""The generation loop: sequences in cache slots, prefill chunks and batched decode steps kept in flight.
+
+An :class:`Engine` owns the slots of one split step program (:mod:`moirai.generation.step`) and drives it through
+a ``submit(flat_inputs) -> Future[tokens]`` function: the local runner (each step done before the next) or the
+distributed server (steps pipelined through the ranks). Every round it fills the pipeline up to ``depth`` steps:
+
+- a sequence whose prompt is not yet in its slot sends its next chunk of at most ``max_prefill`` tokens alone
+  (``B = 1``); the token of its last chunk is its first new token;
+- the sequences waiting for their next token are cut into steps of about ``active / depth`` sequences each
+  (``T = 1``, at most the step's batch), so that as many steps as stages are in flight: stage k decodes one group
+  while stage k + 1 decodes another;
+
+and it takes each step's tokens as they come back. Sequences join (a free slot) and leave (end of sequence, or
+``max_new_tokens``) between steps: continuous batching. A sequence's step reads only its own slot's positions up
+to its own, each written by that sequence before it is read, so slots need no clearing.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from moirai.errors import InputError, MoiraiError
+
+SubmitStep = Callable[[tuple[torch.Tensor, ...]], "Future[torch.Tensor]"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a sequence picks its tokens: ``temperature`` 0 is greedy; else top-k (0: all) and top-p sampling
+    seeded by ``seed`` (a seeded sequence draws the same tokens on every run)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise InputError(
+                f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got temperature={self.temperature}, "
+                f"top_k={self.top_k}, top_p={self.top_p}"
+            )
+
+
+@dataclass
+class Sequence_:
+    """One sequence being generated: its slot, its prompt, the tokens so far and where it stands."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int]
+    future: Future = field(default_factory=Future)
+    on_token: Callable[[int], None] | None = None
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens already in the slot
+    tokens: list[int] = field(default_factory=list)
+    busy: bool = False  # a step of it is in flight
+    generator: torch.Generator | None = None
+
+    @property
+    def next_position(self) -> int:
+        return self.prefilled + max(len(self.tokens) - 1, 0) if self.tokens else self.prefilled
+
+    @property
+    def finished(self) -> bool:
+        return len(self.tokens) >= self.max_new_tokens or (bool(self.tokens) and self.tokens[-1] in self.eos_token_ids)
+
+    def uniform(self) -> float:
+        if self.sampling.temperature == 0:
+            return 0.0
+        if self.generator is None:
+            self.generator = torch.Generator()
+            if self.sampling.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(self.sampling.seed)
+        return float(torch.rand((), generator=self.generator))
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A step in flight: its sequences, and for a prefill chunk (one sequence) its length (0: a decode step);
+    a decode step's tokens, and a prompt's last chunk's, are new tokens."""
+
+    sequences: tuple[Sequence_, ...]
+    prefill_tokens: int = 0
+
+    @property
+    def gives_tokens(self) -> bool:
+        sequence = self.sequences[0]
+        return not self.prefill_tokens or sequence.prefilled + self.prefill_tokens == len(sequence.prompt)
+
+
+class Engine:
+    """Runs sequences through a split step program; see the module doc. Thread-safe ``add``; one loop thread."""
+
+    def __init__(
+        self,
+        submit: SubmitStep,
+        slots: int,
+        max_seq_len: int,
+        max_prefill: int,
+        max_batch: int,
+        depth: int,
+        input_device: str = "cpu",
+    ) -> None:
+        self._submit = submit
+        self._free_slots = list(range(slots))
+        self.max_seq_len, self.max_prefill, self.max_batch, self.depth = max_seq_len, max_prefill, max_batch, depth
+        self._device = input_device
+        self._waiting: queue.Queue[Sequence_ | None] = queue.Queue()
+        self._active: list[Sequence_] = []
+        self._in_flight: dict[Future, _Step] = {}
+        self._failed: BaseException | None = None
+
+    def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        """:class:`InputError` unless a sequence of this prompt and length fits a slot."""
+        if len(prompt) == 0:
+            raise InputError("the prompt is empty: give at least one token")
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if len(prompt) + max_new_tokens > self.max_seq_len:
+            raise InputError(
+                f"a prompt of {len(prompt)} tokens plus max_new_tokens={max_new_tokens} is "
+                f"{len(prompt) + max_new_tokens} tokens, over max_seq_len={self.max_seq_len}: shorten the prompt, "
+                "ask for fewer tokens, or compile_lm with a larger max_seq_len"
+            )
+
+    def add(self, sequence: Sequence_) -> Future:
+        self.check(sequence.prompt, sequence.max_new_tokens)
+        self._waiting.put(sequence)
+        return sequence.future
+
+    def run_until_idle(self) -> None:
+        """Serve every sequence added so far (and any added meanwhile) to its end."""
+        while self._admit(block=False) or self._active or self._in_flight:
+            self._round()
+
+    def serve_forever(self, stopped: threading.Event) -> None:
+        """Serve sequences as they are added until ``stopped`` is set and nothing is left (a server's thread)."""
+        while not (stopped.is_set() and not self._active and not self._in_flight and self._waiting.empty()):
+            if not self._active and not self._in_flight:
+                self._admit(block=True)
+            self._round()
+
+    def fail_all(self, error: BaseException) -> None:
+        for sequence in [*self._active, *self._drain_waiting()]:
+            if not sequence.future.done():
+                sequence.future.set_exception(error)
+        self._active.clear()
+
+    # --- one round: admit, fill the pipeline, take what came back ---
+
+    def _round(self) -> None:
+        self._admit(block=False)
+        self._fill_pipeline()
+        if self._in_flight:
+            done, _ = wait(list(self._in_flight), timeout=0.5, return_when=FIRST_COMPLETED)
+            for future in done:
+                self._finish_step(self._in_flight.pop(future), future)
+
+    def _admit(self, block: bool) -> bool:
+        """Give waiting sequences free slots; whether any sequence is waiting or was admitted."""
+        admitted = False
+        while self._free_slots:
+            try:
+                sequence = self._waiting.get(timeout=0.2) if block and not admitted else self._waiting.get_nowait()
+            except queue.Empty:
+                break
+            if sequence is None:
+                continue
+            sequence.slot = self._free_slots.pop(0)
+            self._active.append(sequence)
+            admitted = True
+        return admitted or not self._waiting.empty()
+
+    def _fill_pipeline(self) -> None:
+        while len(self._in_flight) < self.depth:
+            step = self._next_step()
+            if step is None:
+                return
+            for sequence in step.sequences:
+                sequence.busy = True
+            try:
+                future = self._submit(self._inputs(step))
+            except MoiraiError as error:
+                self._fail_step(step, error)
+                continue
+            self._in_flight[future] = step
+
+    def _next_step(self) -> _Step | None:
+        idle = [s for s in self._active if not s.busy]
+        for sequence in idle:
+            if sequence.prefilled < len(sequence.prompt):
+                return _Step((sequence,), min(self.max_prefill, len(sequence.prompt) - sequence.prefilled))
+        decoding = [s for s in idle if s.tokens]
+        if not decoding:
+            return None
+        share = math.ceil(len([s for s in self._active if s.tokens]) / self.depth)
+        return _Step(tuple(decoding[: max(1, min(share, self.max_batch))]))
+
+    def _inputs(self, step: _Step) -> tuple[torch.Tensor, ...]:
+        ids, positions, rows = [], [], []
+        for sequence in step.sequences:
+            if step.prefill_tokens:
+                start = sequence.prefilled
+                ids.append(sequence.prompt[start : start + step.prefill_tokens])
+                positions.append(list(range(start, start + step.prefill_tokens)))
+            else:
+                ids.append([sequence.tokens[-1]])
+                positions.append([sequence.next_position])
+            sampling = sequence.sampling
+            rows.append([sampling.temperature, float(sampling.top_k), sampling.top_p, sequence.uniform()])
+        slots = [s.slot for s in step.sequences]
+        return (
+            torch.tensor(ids, dtype=torch.long, device=self._device),
+            torch.tensor(positions, dtype=torch.long, device=self._device),
+            torch.tensor(slots, dtype=torch.long, device=self._device),
+            torch.tensor(rows, dtype=torch.float32, device=self._device),
+        )
+
+    def _finish_step(self, step: _Step, future: Future) -> None:
+        error = future.exception()
+        if error is not None:
+            self._fail_step(step, error)
+            return
+        tokens = future.result().tolist()
+        gives_tokens = step.gives_tokens
+        for sequence, token in zip(step.sequences, tokens, strict=True):
+            sequence.busy = False
+            sequence.prefilled += step.prefill_tokens
+            if gives_tokens:
+                self._take_token(sequence, int(token))
+
+    def _take_token(self, sequence: Sequence_, token: int) -> None:
+        sequence.tokens.append(token)
+        if sequence.on_token is not None:
+            try:
+                sequence.on_token(token)
+            except Exception as error:  # a caller's callback failing ends its own sequence only
+                self._end(sequence, error)
+                return
+        if sequence.finished:
+            self._end(sequence, None)
+
+    def _fail_step(self, step: _Step, error: BaseException) -> None:
+        for sequence in step.sequences:
+            self._end(sequence, error)
+
+    def _end(self, sequence: Sequence_, error: BaseException | None) -> None:
+        sequence.busy = False
+        if sequence in self._active:
+            self._active.remove(sequence)
+            self._free_slots.append(sequence.slot)
+        if sequence.future.done():
+            return
+        if error is None:
+            sequence.future.set_result(list(sequence.tokens))
+        else:
+            sequence.future.set_exception(error)
+
+    def _drain_waiting(self) -> list[Sequence_]:
+        drained = []
+        while True:
+            try:
+                sequence = self._waiting.get_nowait()
+            except queue.Empty:
+                return drained
+            if sequence is not None:
+                drained.append(sequence)
+
+
+def done_future(compute: Callable[[], torch.Tensor]) -> Future:
+    """A future already settled with ``compute()``'s result or exception (the local runner's steps)."""
+    future: Future = Future()
+    try:
+        future.set_result(compute())
+    except Exception as error:
+        future.set_exception(error)
+    return future

@@ -1,0 +1,462 @@
+"""``moirai.compile_lm``: a causal LM split across devices, with ``generate`` and a generation server.
+
+Example::
+
+    lm = moirai.compile_lm(model, ["cpu", "cpu"], max_batch_size=4, max_seq_len=256)
+    lm.summary()                                            # the plan, predicted TTFT, TPOT and tokens/s
+    ids = lm.generate(input_ids, max_new_tokens=32)         # as model.generate: prompt + new tokens
+    with lm.server() as server:                             # one process per device, sequences in flight
+        future = server.submit(prompt_ids, max_new_tokens=32)
+        for token in server.stream(prompt_ids, max_new_tokens=32): ...
+
+One step graph serves prefill and decode (:mod:`moirai.generation.step`): traced once with the batch and token
+dimensions dynamic, priced at both phases' shapes, placed once for the generation workload
+(:class:`moirai.planning.objective.Generation`), split once. Each layer's KV cache is a buffer of the step, kept
+with the ops that write and read it on one device (``Problem.colocated``), where it stays between steps.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from moirai import progress as _progress
+from moirai import viz
+from moirai.cluster.calibration.cluster import local_cluster
+from moirai.cluster.cost import activation_peak_bytes, build_problem
+from moirai.cluster.devices import Cluster
+from moirai.compile import CompiledModel, _assemble, _check_not_misspelt
+from moirai.errors import InputError
+from moirai.frontend.coarsen import coarsen
+from moirai.frontend.graph import OpGraph, build_op_graph
+from moirai.frontend.state import colocated_groups, mutable_buffers
+from moirai.frontend.symbolic_shapes import sizes_at
+from moirai.frontend.trace import TracedModel, trace
+from moirai.generation.engine import Engine, SamplingParams, Sequence_, done_future
+from moirai.generation.step import CacheShape, CausalLMStep
+from moirai.planning.objective import Generation
+from moirai.planning.placers import place
+from moirai.planning.problem import Problem
+from moirai.planning.simulate import simulate
+
+
+class Prediction(NamedTuple):
+    """What the plan predicts for generation: time to the first token of a typical prompt, time per output token
+    of one sequence alone, time per decode step with the plan's sequences in flight, and decode tokens/s then."""
+
+    ttft_s: float
+    tpot_s: float
+    step_s: float
+    tokens_per_s: float
+    prompt_tokens: int
+    decode_batch: int
+
+
+@dataclass
+class CompiledLM:
+    """A causal LM split across a cluster: :meth:`generate` as Hugging Face's, :meth:`server` for many users."""
+
+    compiled: CompiledModel  # the step program (its problem is the decode step's)
+    prefill_problem: Problem
+    objective: Generation
+    cache: CacheShape
+    max_prefill: int
+    decode_batch: int  # sequences per decode step the plan was priced for
+    prompt_tokens: int  # the typical prompt the plan was priced for
+    eos_token_id: tuple[int, ...]
+    pad_token_id: int | None
+    model_name: str = "a causal LM"
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cache.max_seq_len
+
+    @property
+    def stages(self) -> int:
+        """Devices the plan uses: a server keeps as many decode steps in flight."""
+        return len(set(self.compiled.plan.placement.tolist()))
+
+    def prediction(self) -> Prediction:
+        decode = simulate(self.compiled.problem, self.compiled.plan)
+        one_sequence = replace(self.objective, sequences=1)
+        in_flight = replace(self.objective, sequences=max(self.objective.sequences, self.stages))
+        step_s = in_flight.step_s(decode)
+        return Prediction(
+            ttft_s=one_sequence.ttft_s(decode),
+            tpot_s=decode.makespan_s,
+            step_s=step_s,
+            tokens_per_s=self.decode_batch / step_s if step_s > 0 else math.inf,
+            prompt_tokens=self.prompt_tokens,
+            decode_batch=self.decode_batch,
+        )
+
+    def summary(self, console: Console | None = None) -> Table:
+        """Print (and return) the plan per device, priced at a decode step, with the predicted TTFT, TPOT and
+        tokens/s in its caption."""
+        compiled = self.compiled
+        table = viz.summary_table(
+            compiled.problem,
+            compiled.plan,
+            torch_devices=compiled.torch_devices,
+            ops_per_task=[len(node.targets) for node in compiled.graph.nodes],
+            reserve_bytes=activation_peak_bytes(compiled.graph),
+            title=f"moirai plan for generating with {self.model_name} ({compiled.plan.placer})",
+            objective=self.objective,
+        )
+        p = self.prediction()
+        table.caption += (
+            f"\ngeneration: TTFT {viz.format_seconds(p.ttft_s)} ({p.prompt_tokens}-token prompt), TPOT "
+            f"{viz.format_seconds(p.tpot_s)} (one sequence), {viz.format_rate(p.tokens_per_s)} tokens/s with "
+            f"{self.stages} decode steps of {p.decode_batch} in flight; KV cache "
+            f"{viz.format_bytes_compact(self.cache.slot_bytes)} per sequence, {self.cache.slots} slots"
+        )
+        viz.widen_to_caption(table)
+        (console or Console()).print(table)
+        return table
+
+    def gantt(self, path: str | Path | None = None, phase: str = "decode", **options: Any) -> Any:
+        """The simulated schedule of one decode step (``phase="prefill"``: of the typical prompt's prefill), titled
+        with the predicted TTFT, TPOT and tokens/s."""
+        problem = self.compiled.problem if phase == "decode" else self.prefill_problem
+        figure = viz.gantt(problem, self.compiled.plan, path=None, **options)
+        p = self.prediction()
+        figure.suptitle(
+            f"{phase}: TTFT {p.ttft_s * 1e3:.3g} ms ({p.prompt_tokens} tokens), TPOT {p.tpot_s * 1e3:.3g} ms, "
+            f"{p.tokens_per_s:.4g} tokens/s in flight",
+            fontsize=9,
+        )
+        if path is not None:
+            figure.savefig(path, bbox_inches="tight")
+        return figure
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 20,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 50,
+        top_p: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        pad_token_id: int | None = None,
+        seed: int | None = None,
+    ) -> torch.Tensor:
+        """Token ids ``[batch, prompt + new]`` as Hugging Face's ``generate`` returns them, run by the local runner
+        (every part from this process; :meth:`server` runs one process per device).
+
+        Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it);
+        rows that end early (``eos_token_id``) are padded with ``pad_token_id`` (default: the model's, else the end
+        token). ``do_sample`` samples with ``temperature``, ``top_k`` (0: all) and ``top_p``, from ``seed`` (each row
+        from ``seed + row``; None: a fresh seed).
+        """
+        engine = Engine(
+            lambda inputs: done_future(lambda: self.compiled(*inputs)),
+            self.cache.slots,
+            self.max_seq_len,
+            self.max_prefill,
+            self.cache.slots,
+            depth=1,
+        )
+        request = GenerateRequest.of(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+        sampling = sampling_params(do_sample, temperature, top_k, top_p)
+        futures = request.submit(engine, sampling, seed)
+        engine.run_until_idle()
+        return request.assemble([f.result() for f in futures])
+
+    def server(self, timeout_s: float = 120.0, max_in_flight: int | None = None) -> GenerationServer:
+        """A server that generates for many sequences at once, one process per device (see
+        :class:`GenerationServer`); ``max_in_flight`` steps in flight (default: one per stage, at least 2)."""
+        depth = max_in_flight or max(2, self.stages)
+        return GenerationServer(self, self.compiled.server(timeout_s=timeout_s, max_in_flight=depth), depth)
+
+
+class GenerationServer:
+    """Sequences generated at once through one split step program: ``submit`` -> Future of the new token ids,
+    ``stream`` -> the tokens as they come, ``generate`` as :meth:`CompiledLM.generate`. Thread-safe; sequences
+    join and leave between steps, up to ``max_batch_size`` at once (more wait for a free slot)."""
+
+    def __init__(self, lm: CompiledLM, step_server: Any, depth: int) -> None:
+        self._lm, self._step_server = lm, step_server
+        submit = lambda inputs: step_server.submit(*inputs)  # noqa: E731
+        self._engine = Engine(submit, lm.cache.slots, lm.max_seq_len, lm.max_prefill, lm.cache.slots, depth)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="moirai-generation", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> GenerationServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def submit(
+        self,
+        prompt_ids: torch.Tensor | Sequence[int],
+        max_new_tokens: int = 20,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 50,
+        top_p: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        seed: int | None = None,
+        on_token: Any = None,
+    ) -> Future:
+        """A future of the new token ids of one sequence (``InputError`` at once if it cannot fit a slot);
+        ``on_token(token)`` is called with each token as it comes, from the server's thread."""
+        if self._stopped.is_set():
+            raise InputError("this generation server is closed; open a new one with lm.server()")
+        prompt = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
+        sequence = Sequence_(
+            prompt,
+            max_new_tokens,
+            sampling_params(do_sample, temperature, top_k, top_p, seed),
+            end_tokens(eos_token_id, self._lm.eos_token_id),
+            on_token=on_token,
+        )
+        return self._engine.add(sequence)
+
+    def stream(
+        self, prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int = 20, **options: Any
+    ) -> Iterator[int]:
+        """The new tokens of one sequence, each as soon as the last stage has sampled it."""
+        tokens: queue.Queue[int] = queue.Queue()
+        future = self.submit(prompt_ids, max_new_tokens, on_token=tokens.put, **options)
+        while True:
+            try:
+                yield tokens.get(timeout=0.05)
+                continue
+            except queue.Empty:
+                pass
+            if future.done():
+                future.result()  # a failed sequence raises here
+                while not tokens.empty():
+                    yield tokens.get()
+                return
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 20,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 50,
+        top_p: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        pad_token_id: int | None = None,
+        seed: int | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
+        request = GenerateRequest.of(self._lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+        sampling = sampling_params(do_sample, temperature, top_k, top_p)
+        futures = request.submit(self._engine, sampling, seed)
+        return request.assemble([f.result() for f in futures])
+
+    def close(self) -> None:
+        """Finish the sequences in flight, then stop the other ranks."""
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self._thread.join()
+            self._step_server.close()
+
+    def _serve(self) -> None:
+        try:
+            self._engine.serve_forever(self._stopped)
+        except BaseException as error:  # the loop itself failed: every sequence learns why
+            self._engine.fail_all(error)
+            raise
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A ``generate`` call's rows as sequences, and how to put their tokens back as Hugging Face returns them."""
+
+    input_ids: torch.Tensor
+    prompts: tuple[list[int], ...]
+    max_new_tokens: int
+    eos: frozenset[int]
+    pad_token_id: int
+
+    @classmethod
+    def of(
+        cls,
+        lm: CompiledLM,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None,
+        pad_token_id: int | None,
+    ) -> GenerateRequest:
+        input_ids = torch.as_tensor(input_ids)
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(
+                f"input_ids must be token ids [batch, tokens] (int64), got shape {tuple(input_ids.shape)} and dtype "
+                f"{input_ids.dtype}"
+            )
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise InputError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}: "
+                "give one mask value per token"
+            )
+        rows = input_ids.cpu().tolist()
+        keep = attention_mask.cpu().bool().tolist() if attention_mask is not None else None
+        prompts = tuple(
+            [t for t, kept in zip(row, keep[i], strict=True) if kept] if keep else list(row)
+            for i, row in enumerate(rows)
+        )
+        eos = end_tokens(eos_token_id, lm.eos_token_id)
+        pad = pad_token_id if pad_token_id is not None else lm.pad_token_id
+        if pad is None:
+            pad = min(eos) if eos else 0
+        return cls(input_ids, prompts, max_new_tokens, eos, pad)
+
+    def submit(self, engine: Engine, sampling: SamplingParams, seed: int | None) -> list[Future]:
+        for prompt in self.prompts:
+            engine.check(prompt, self.max_new_tokens)
+        futures = []
+        for row, prompt in enumerate(self.prompts):
+            row_sampling = sampling if seed is None else replace(sampling, seed=seed + row)
+            futures.append(engine.add(Sequence_(prompt, self.max_new_tokens, row_sampling, self.eos)))
+        return futures
+
+    def assemble(self, new_tokens: list[list[int]]) -> torch.Tensor:
+        """The prompt rows as given, then each row's new tokens, padded to the longest with the pad token."""
+        longest = max((len(tokens) for tokens in new_tokens), default=0)
+        padded = [tokens + [self.pad_token_id] * (longest - len(tokens)) for tokens in new_tokens]
+        generated = torch.tensor(padded, dtype=self.input_ids.dtype).reshape(len(new_tokens), longest)
+        return torch.cat([self.input_ids.cpu(), generated], dim=1).to(self.input_ids.device)
+
+
+def sampling_params(
+    do_sample: bool, temperature: float, top_k: int | None, top_p: float | None, seed: int | None = None
+) -> SamplingParams:
+    """Hugging Face's sampling arguments as :class:`SamplingParams` (greedy unless ``do_sample``)."""
+    if not do_sample:
+        return SamplingParams(seed=seed)
+    return SamplingParams(temperature, int(top_k or 0), float(top_p if top_p is not None else 1.0), seed)
+
+
+def end_tokens(given: int | Sequence[int] | None, default: Sequence[int]) -> frozenset[int]:
+    if given is None:
+        return frozenset(default)
+    return frozenset([given] if isinstance(given, int) else [int(t) for t in given])
+
+
+@_progress.reports_progress
+def compile_lm(
+    model: torch.nn.Module,
+    devices: Cluster | Sequence[str],
+    max_batch_size: int = 4,
+    max_seq_len: int = 256,
+    max_prefill: int = 64,
+    prompt_tokens: int | None = None,
+    new_tokens: int = 64,
+    sequences: int = 1,
+    max_ttft_s: float | None = None,
+    placer: str = "milp",
+    fusion_rules: str | Path = "default",
+    progress: bool = True,
+    calibration: str | Path = "auto",
+    **placer_options: Any,
+) -> CompiledLM:
+    """Split a Hugging Face-style causal LM across ``devices`` for generation (see the module doc).
+
+    ``max_batch_size`` sequences are held at once (each its own KV-cache slot of ``max_seq_len`` tokens, on the
+    devices of its layers); prompts go in chunks of at most ``max_prefill`` tokens. The plan is chosen for
+    ``sequences`` sequences in flight (1: a prompt of ``prompt_tokens`` tokens, default ``min(32, max_prefill)``,
+    answered with ``new_tokens`` tokens soonest; more: the most decode tokens/s, each step of
+    ``max_batch_size / sequences`` sequences, with time to first token at most ``max_ttft_s``). ``devices``,
+    ``placer``, ``calibration``, ``progress`` and ``placer_options`` as in :func:`moirai.compile`.
+    """
+    _check_not_misspelt(placer_options)
+    limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_prefill": max_prefill}
+    for name, value in limits.items():
+        if not isinstance(value, int) or value < 1:
+            raise InputError(f"compile_lm: {name} must be a positive integer, got {value!r}")
+    if max_prefill > max_seq_len:
+        raise InputError(f"compile_lm: max_prefill={max_prefill} is over max_seq_len={max_seq_len}")
+    if not 1 <= sequences <= max_batch_size:
+        raise InputError(f"compile_lm: sequences={sequences} must be between 1 and max_batch_size={max_batch_size}")
+    prompt_tokens = prompt_tokens or min(32, max_prefill)
+    steps_in_flight = min(sequences, len(devices))  # a server keeps about one decode step per stage in flight
+    decode_batch = math.ceil(sequences / steps_in_flight)
+    cluster = local_cluster(devices, calibration)
+    step = CausalLMStep(model, max_batch_size, max_seq_len).eval()
+    traced = trace_step(step, max_batch_size, max_prefill)
+    graph = build_op_graph(traced)
+    coarse = coarsen(graph, rules=fusion_rules).graph
+    colocated = colocated_groups(coarse, mutable_buffers(traced.graph_module))
+    prefill = phase_problem(traced, graph, coarse, cluster, colocated, batch=1, tokens=min(prompt_tokens, max_prefill))
+    decode = phase_problem(traced, graph, coarse, cluster, colocated, batch=decode_batch, tokens=1)
+    objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s)
+    plan = place(decode, placer=placer, objective=objective, **placer_options)
+    compiled = _assemble(traced, cluster, coarse, decode, plan)
+    config = model.config
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None) or getattr(config, "eos_token_id", None)
+    pad = getattr(generation_config, "pad_token_id", None) or getattr(config, "pad_token_id", None)
+    eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+    return CompiledLM(
+        compiled,
+        prefill,
+        objective,
+        step.cache_shape,
+        max_prefill,
+        decode_batch,
+        prompt_tokens,
+        eos_ids,
+        pad,
+        type(model).__name__,
+    )
+
+
+def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> TracedModel:
+    """The step traced once, its batch and token dimensions dynamic (static where their range is one size)."""
+    batch = _dim("batch", max_batch_size)
+    tokens = _dim("tokens", max_prefill)
+    # torch.export takes an example size of 1 for a constant: trace at 2 where the range allows.
+    b, t = min(2, max_batch_size), min(2, max_prefill)
+    device = step.key_cache_0.device
+    example = (
+        torch.zeros(b, t, dtype=torch.long, device=device),
+        torch.arange(t, device=device).repeat(b, 1),
+        torch.arange(b, device=device),
+        torch.zeros(b, 4, device=device),
+    )
+    shapes = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch})
+    return trace(step, example, dynamic_shapes=shapes)
+
+
+def _dim(name: str, upper: int) -> Any:
+    return torch.export.Dim(name, min=1, max=upper) if upper > 1 else None
+
+
+def phase_problem(
+    traced: TracedModel,
+    graph: OpGraph,
+    coarse: OpGraph,
+    cluster: Cluster,
+    colocated: tuple[tuple[int, ...], ...],
+    batch: int,
+    tokens: int,
+) -> Problem:
+    """The placement problem of the step's coarse graph priced at ``batch`` sequences of ``tokens`` tokens."""
+    symbols = {dim.name: dim.symbol for dim in traced.dynamic_dims}
+    sizes = {symbols[name]: size for name, size in (("batch", batch), ("tokens", tokens)) if name in symbols}
+    with sizes_at(sizes):
+        at_size = build_op_graph(traced)
+        coarse_at_size = at_size.merge([at_size.nodes_of_fx_names(node.fx_names) for node in coarse.nodes])
+        return build_problem(coarse_at_size, cluster, "analytic", traced)  # TEMP until colocation merges

@@ -1,0 +1,165 @@
+"""One generation step of a causal LM as a module moirai can trace once and split: prefill and decode alike.
+
+:class:`CausalLMStep` wraps a Hugging Face-style causal LM. Its KV cache is registered buffers, one key and one
+value buffer per layer, each ``[slots, max_seq_len, kv_heads, head_dim]``: a sequence owns a slot for its life, and
+a step writes its new keys and values at ``(slot, position)`` in place (``index_put_``) and attends over its slot.
+The step's inputs are plain tensors, so torch.export traces it once with the batch and token dimensions dynamic::
+
+    step(input_ids[B, T], positions[B, T], slots[B], sampling[B, 4]) -> tokens[B]
+
+A prefill chunk is ``B = 1, T = n``, a decode step ``B = sequences, T = 1``. Positions come in and an attention
+mask over the slot is built from them, so no cache length is read from the cache itself and nothing but the
+buffers is state. The last op samples (:func:`sample_tokens`), so the step's output is token ids, not logits.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from moirai.errors import InputError
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What one layer's key (or value) cache holds: ``[slots, max_seq_len, kv_heads, head_dim]`` of ``dtype``."""
+
+    layers: int
+    slots: int
+    max_seq_len: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's keys and values together, every slot."""
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.slots * self.max_seq_len * self.kv_heads * self.head_dim * element_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one sequence's cache takes over all layers."""
+        return self.layers * self.layer_bytes // self.slots
+
+    @classmethod
+    def of(cls, config: object, slots: int, max_seq_len: int, dtype: torch.dtype) -> CacheShape:
+        """The cache shape a model with Hugging Face ``config`` needs for ``slots`` sequences of ``max_seq_len``."""
+        heads = _config_int(config, "num_attention_heads", "n_head")
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or _config_int(config, "hidden_size", "n_embd") // heads
+        layers = _config_int(config, "num_hidden_layers", "n_layer")
+        return cls(layers, slots, max_seq_len, int(kv_heads), int(head_dim), dtype)
+
+
+def _config_int(config: object, *names: str) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return int(value)
+    raise InputError(f"the model's config has none of {names}: moirai cannot size its KV cache")
+
+
+class SlotCache:
+    """The cache object the wrapped model's attention layers call: ``update`` writes the step's keys and values
+    into the step module's buffers at ``(slot, position)`` and returns each sequence's whole slot.
+
+    Positions past a sequence's own are masked by the step's attention mask, so what an earlier sequence left
+    in the slot is never attended to.
+    """
+
+    is_compileable = True
+
+    def __init__(self, step: CausalLMStep, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        self._step, self._slots, self._positions = step, slots, positions
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._step.cache_buffers(layer_idx)
+        where = (self._slots.view(-1, 1), self._positions)  # broadcast to [B, T]
+        keys.index_put_(where, key_states.transpose(1, 2).to(keys.dtype))
+        values.index_put_(where, value_states.transpose(1, 2).to(values.dtype))
+        # [B, max_seq_len, kv_heads, head_dim] -> the attention's [B, kv_heads, max_seq_len, head_dim]
+        return keys.index_select(0, self._slots).transpose(1, 2), values.index_select(0, self._slots).transpose(1, 2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed in; nothing reads a length from the cache
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self._step.cache_shape.max_seq_len
+
+
+class CausalLMStep(torch.nn.Module):
+    """One step of ``model`` over a slot-indexed KV cache that lives in this module's buffers (see the module doc)."""
+
+    def __init__(self, model: torch.nn.Module, slots: int, max_seq_len: int) -> None:
+        super().__init__()
+        config = getattr(model, "config", None)
+        if config is None:
+            raise InputError(
+                f"{type(model).__name__} has no config: compile_lm takes a Hugging Face-style causal LM "
+                "(a model with .config whose forward takes input_ids, position_ids, attention_mask and a cache)"
+            )
+        self.model = model
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.cache_shape = CacheShape.of(config, slots, max_seq_len, dtype)
+        shape = self.cache_shape
+        for layer in range(shape.layers):
+            for kind in ("key", "value"):
+                buffer = torch.zeros(shape.slots, shape.max_seq_len, shape.kv_heads, shape.head_dim, dtype=dtype)
+                self.register_buffer(f"{kind}_cache_{layer}", buffer.to(device))
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
+        self._keep_last_logits = "logits_to_keep" in parameters
+
+    def cache_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"key_cache_{layer}"), getattr(self, f"value_cache_{layer}")
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, sampling: torch.Tensor
+    ) -> torch.Tensor:
+        cache = SlotCache(self, slots, positions)
+        mask = attention_mask(positions, self.cache_shape.max_seq_len, self.cache_shape.dtype)
+        options = {self._cache_keyword: cache, "use_cache": True}
+        if self._keep_last_logits:
+            options["logits_to_keep"] = 1
+        output = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, **options)
+        logits = output.logits if hasattr(output, "logits") else output[0]
+        return sample_tokens(logits[:, -1, :], sampling)
+
+
+def attention_mask(positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask ``[B, 1, T, max_seq_len]``: a token at position p sees the slot's positions 0..p."""
+    seen = torch.arange(max_seq_len, device=positions.device).view(1, 1, -1) <= positions.unsqueeze(-1)
+    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=positions.device)
+    return torch.where(seen, torch.zeros((), dtype=dtype, device=positions.device), blocked).unsqueeze(1)
+
+
+def sample_tokens(logits: torch.Tensor, sampling: torch.Tensor) -> torch.Tensor:
+    """The next token of every row of ``logits [B, V]``, chosen as ``sampling [B, 4]`` says.
+
+    A row's ``(temperature, top_k, top_p, uniform)``: temperature 0 is greedy (the first largest logit, as
+    ``argmax`` and Hugging Face's greedy search take it); otherwise the logits are divided by the temperature,
+    cut to the ``top_k`` largest (0: all) and to the smallest set whose probability reaches ``top_p`` (Hugging Face's
+    order: temperature, top-k, top-p), and the token is drawn by inverting the remaining distribution's CDF at
+    ``uniform`` (a number in [0, 1) the caller draws, so a seeded run is reproducible wherever it runs).
+    """
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    temperature, top_k, top_p, uniform = sampling.float().unbind(dim=-1)
+    scaled = logits / temperature.clamp_min(1e-5).unsqueeze(-1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    keep = (top_k.unsqueeze(-1) <= 0) | (rank < top_k.unsqueeze(-1))
+    probabilities = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    keep = keep & ((probabilities.cumsum(dim=-1) - probabilities) < top_p.unsqueeze(-1))
+    cdf = probabilities.masked_fill(~keep, 0.0).cumsum(dim=-1)
+    pick = torch.searchsorted(cdf, (uniform.unsqueeze(-1) * cdf[:, -1:]).contiguous(), right=True)
+    sampled = order.gather(-1, pick.clamp_max(logits.shape[-1] - 1)).squeeze(-1)
+    return torch.where(temperature > 0, sampled, greedy)
