@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moirai.errors import InputError, MoiraiError
+from moirai.errors import DistributedError, InputError, MoiraiError
 
 SubmitStep = Callable[[tuple[torch.Tensor, ...]], "Future[torch.Tensor]"]
 
@@ -229,6 +229,12 @@ class Engine:
 
     def _finish_step(self, step: _Step, future: Future) -> None:
         error = future.exception()
+        if isinstance(error, DistributedError):
+            # A rank failed: the caches it held are gone (a restarted rank starts empty), so every sequence that
+            # has begun fails with it; sequences still waiting for a slot start afresh on the new ranks.
+            for sequence in list(self._active):
+                self._end(sequence, error)
+            return
         if error is not None:
             self._fail_step(step, error)
             return

@@ -36,7 +36,7 @@ from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
 from moirai.compile import CompiledModel, _assemble, _check_not_misspelt
-from moirai.errors import InputError
+from moirai.errors import InfeasibleError, InputError
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
@@ -402,7 +402,10 @@ def compile_lm(
     prefill = phase_problem(traced, graph, coarse, cluster, colocated, batch=1, tokens=min(prompt_tokens, max_prefill))
     decode = phase_problem(traced, graph, coarse, cluster, colocated, batch=decode_batch, tokens=1)
     objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s)
-    plan = place(decode, placer=placer, objective=objective, **placer_options)
+    try:
+        plan = place(decode, placer=placer, objective=objective, **placer_options)
+    except InfeasibleError as error:
+        raise InfeasibleError(_does_not_fit(type(model).__name__, graph, step.cache_shape, decode, error)) from None
     compiled = _assemble(traced, cluster, coarse, decode, plan)
     config = model.config
     generation_config = getattr(model, "generation_config", None)
@@ -460,3 +463,18 @@ def phase_problem(
         at_size = build_op_graph(traced)
         coarse_at_size = at_size.merge([at_size.nodes_of_fx_names(node.fx_names) for node in coarse.nodes])
         return build_problem(coarse_at_size, cluster, "analytic", traced)  # TEMP until colocation merges
+
+
+def _does_not_fit(name: str, graph: OpGraph, cache: CacheShape, problem: Problem, error: InfeasibleError) -> str:
+    cache_bytes = cache.layers * cache.layer_bytes
+    free = ", ".join(
+        f"{device} {viz.format_bytes_compact(capacity)}"
+        for device, capacity in zip(problem.device_names, problem.memory_capacity_bytes, strict=True)
+    )
+    return (
+        f"{name} does not fit the devices for generation: weights "
+        f"{viz.format_bytes_compact(graph.total_param_bytes - cache_bytes)}, KV cache "
+        f"{viz.format_bytes_compact(cache.slot_bytes)} per sequence x {cache.slots} slots = "
+        f"{viz.format_bytes_compact(cache_bytes)}, free after the activation reserve: {free}; give fewer slots "
+        f"(max_batch_size), a shorter max_seq_len, or more devices ({error})"
+    )

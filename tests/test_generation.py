@@ -1,0 +1,238 @@
+"""Generation across the split: tokens equal the model's own generate, caches stay with their ops, sequences in
+flight through a server each equal their lone run, and what a user can get wrong is a moirai error."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import moirai
+from moirai.frontend.state import mutable_buffers
+from moirai.generation.step import sample_tokens
+from moirai.planning.objective import Generation
+from moirai.planning.plan import Plan
+from moirai.planning.simulate import simulate
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 512
+
+
+def tiny_llama(layers: int = 2, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def compile_tiny(model: torch.nn.Module, devices=("cpu", "cpu"), **options) -> moirai.CompiledLM:
+    settings = {"max_batch_size": 4, "max_seq_len": 64, "max_prefill": 8, "placer": "round_robin"}
+    settings.update(options)
+    return moirai.compile_lm(model, list(devices), calibration="none", progress=False, **settings)
+
+
+@pytest.fixture(scope="module")
+def llama() -> torch.nn.Module:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def split_lm(llama: torch.nn.Module) -> moirai.CompiledLM:
+    lm = compile_tiny(llama)
+    assert len(set(lm.compiled.plan.placement.tolist())) == 2, "the test needs a plan on both devices"
+    return lm
+
+
+def hf_new_tokens(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        return model.generate(prompt[None], max_new_tokens=max_new_tokens, do_sample=False)[0, len(prompt) :].tolist()
+
+
+def test_greedy_tokens_equal_the_models_generate_with_prompts_longer_than_a_prefill_chunk(llama, split_lm):
+    prompt = torch.randint(0, VOCAB, (2, 19), generator=torch.Generator().manual_seed(1))  # 19 > max_prefill = 8
+    with torch.no_grad():
+        expected = llama.generate(prompt, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(split_lm.generate(prompt, max_new_tokens=24), expected)
+
+
+def test_left_padded_rows_generate_as_their_unpadded_prompts(llama, split_lm):
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
+    padded = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        padded[row, 9 - len(prompt) :], mask[row, 9 - len(prompt) :] = prompt, 1
+    output = split_lm.generate(padded, max_new_tokens=10, attention_mask=mask)
+    assert torch.equal(output[:, :9], padded)
+    for row, prompt in enumerate(prompts):
+        assert output[row, 9:].tolist() == hf_new_tokens(llama, prompt, 10)
+
+
+def test_a_row_that_ends_is_padded_and_the_others_go_on(split_lm):
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    free_run = split_lm.generate(prompt, max_new_tokens=8)[:, 6:].tolist()
+    eos = free_run[0][2]  # the first row's third new token ends it
+
+    def up_to_eos(tokens: list[int]) -> list[int]:
+        return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+    rows = [up_to_eos(tokens) for tokens in free_run]
+    longest = max(len(row) for row in rows)
+    output = split_lm.generate(prompt, max_new_tokens=8, eos_token_id=eos, pad_token_id=-1)
+    assert output[:, 6:].tolist() == [row + [-1] * (longest - len(row)) for row in rows]
+
+
+def test_a_sampled_run_with_a_seed_is_reproducible_and_another_seed_differs(split_lm):
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(4))
+    options = {"max_new_tokens": 16, "do_sample": True, "temperature": 1.5, "top_k": 0, "top_p": 1.0}
+    first = split_lm.generate(prompt, seed=11, **options)
+    assert torch.equal(first, split_lm.generate(prompt, seed=11, **options))
+    assert not torch.equal(first, split_lm.generate(prompt, seed=12, **options))
+
+
+def test_sampling_follows_temperature_top_k_and_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0]])
+    greedy = torch.tensor([[0.0, 0.0, 1.0, 0.5]])
+    assert sample_tokens(logits, greedy).item() == 4
+    grid = torch.linspace(0.0, 0.999, 1000)
+
+    def drawn(temperature: float, top_k: int, top_p: float) -> np.ndarray:
+        rows = torch.stack(
+            [torch.full_like(grid, temperature), torch.full_like(grid, top_k), torch.full_like(grid, top_p), grid], 1
+        )
+        tokens = sample_tokens(logits.expand(len(grid), -1), rows)
+        return np.bincount(tokens.numpy(), minlength=5) / len(grid)
+
+    # Inverting the CDF at evenly spread uniforms draws each token in proportion to its probability.
+    np.testing.assert_allclose(drawn(1.0, 0, 1.0), torch.softmax(logits[0], 0).numpy(), atol=2e-3)
+    np.testing.assert_allclose(drawn(2.0, 0, 1.0), torch.softmax(logits[0] / 2, 0).numpy(), atol=2e-3)
+    top2 = drawn(1.0, 2, 1.0)
+    assert set(np.flatnonzero(top2)) == {0, 4}
+    assert top2[4] == pytest.approx(np.exp(3) / (np.exp(3) + np.exp(2)), abs=2e-3)
+    # top_p 0.5: token 4 alone has 0.63 of the mass, so it is the smallest set reaching 0.5.
+    assert set(np.flatnonzero(drawn(1.0, 0, 0.5))) == {4}
+
+
+def test_each_cache_buffer_stays_on_the_device_of_the_ops_that_write_and_read_it(split_lm):
+    compiled = split_lm.compiled
+    buffers = mutable_buffers(compiled.traced.graph_module)
+    assert len(buffers) == 2 * 2  # keys and values of two layers
+    for buffer in buffers:
+        assert len({compiled.node_device[name] for name in buffer.op_names}) == 1, buffer
+        holders = [part.device for part in compiled.program.parts if buffer.name in part.attribute_names]
+        assert len(holders) == 1, f"{buffer.name} is held by parts {holders}"
+
+
+def test_the_cache_counts_in_the_memory_of_the_devices_that_hold_it(split_lm):
+    cache = split_lm.cache
+    problem = split_lm.compiled.problem
+    timeline = simulate(problem, split_lm.compiled.plan)
+    assert cache.layer_bytes == 2 * 4 * 64 * 2 * 16 * 4  # keys and values, 4 slots x 64 tokens x 2 heads x 16 dims
+    weights = sum(p.numel() * p.element_size() for p in split_lm.compiled.traced.graph_module.parameters())
+    assert timeline.memory_bytes.sum() >= weights + cache.layers * cache.layer_bytes
+
+
+def test_devices_too_small_for_the_cache_split_it_or_say_what_does_not_fit(llama):
+    lm = compile_tiny(llama)
+    cache_bytes = lm.cache.layers * lm.cache.layer_bytes
+    cluster = moirai.Cluster.from_devices(["cpu", "cpu"])
+    tight = lm.compiled.problem.memory_capacity_bytes  # what the plan's devices hold after the activation reserve
+    assert np.all(tight > cache_bytes)
+    weights = lm.compiled.graph.total_param_bytes - cache_bytes
+    reserve = cluster.devices[0].memory_bytes - tight[0]
+    # Room for a bit over half the model on each device: the plan must split the layers (and their caches).
+    half = dataclasses.replace(
+        cluster,
+        devices=[dataclasses.replace(d, memory_bytes=reserve + 0.6 * (weights + cache_bytes)) for d in cluster.devices],
+    )
+    split = moirai.compile_lm(
+        llama, half, max_batch_size=4, max_seq_len=64, max_prefill=8, placer="heft", progress=False
+    )
+    assert simulate(split.compiled.problem, split.compiled.plan).fits_memory
+    assert len(set(split.compiled.plan.placement.tolist())) == 2
+    too_small = dataclasses.replace(
+        cluster,
+        devices=[dataclasses.replace(d, memory_bytes=reserve + 0.3 * (weights + cache_bytes)) for d in cluster.devices],
+    )
+    with pytest.raises(moirai.InfeasibleError, match=r"KV cache .* per sequence x 4 slots"):
+        moirai.compile_lm(
+            llama, too_small, max_batch_size=4, max_seq_len=64, max_prefill=8, placer="heft", progress=False
+        )
+
+
+def test_the_generation_objective_adds_ttft_to_new_tokens_times_tpot(split_lm):
+    compiled, objective = split_lm.compiled, split_lm.objective
+    decode = simulate(compiled.problem, compiled.plan)
+    order = decode.execution_sequences
+    prefill = simulate(split_lm.prefill_problem, Plan(compiled.plan.placement, compiled.plan.device_names, order=order))
+    one = Generation(split_lm.prefill_problem, new_tokens=10, sequences=1)
+    assert one.value_s(decode) == pytest.approx(prefill.makespan_s + 10 * decode.makespan_s)
+    assert prefill.makespan_s > decode.makespan_s  # a prompt of 8 tokens costs more than one token
+    two = Generation(split_lm.prefill_problem, new_tokens=10, sequences=2)
+    assert two.value_s(decode) == pytest.approx(max(decode.period_s, decode.makespan_s / 2))
+    assert not Generation(split_lm.prefill_problem, 10, 1, max_ttft_s=prefill.makespan_s / 2).acceptable(decode)
+    assert objective.sequences == 1
+
+
+def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
+    with pytest.raises(moirai.InputError, match="over max_seq_len=64"):
+        split_lm.generate(torch.zeros(1, 60, dtype=torch.long), max_new_tokens=10)
+    with pytest.raises(moirai.InputError, match="token ids"):
+        split_lm.generate(torch.zeros(1, 5), max_new_tokens=2)
+    with pytest.raises(moirai.InputError, match="max_prefill"):
+        moirai.compile_lm(llama, ["cpu"], max_seq_len=16, max_prefill=32, progress=False, calibration="none")
+    with pytest.raises(moirai.InputError, match="sampling needs"):
+        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, top_p=0.0)
+
+
+@pytest.mark.slow
+def test_twenty_sequences_in_flight_each_equal_their_lone_run(llama, split_lm):
+    lengths = [3 + (7 * i) % 23 for i in range(20)]  # 3..25 tokens: some in several prefill chunks
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(100 + n)) for n in lengths]
+    alone = [split_lm.generate(prompt[None], max_new_tokens=12)[0, len(prompt) :].tolist() for prompt in prompts]
+    assert alone[0] == hf_new_tokens(llama, prompts[0], 12)
+    with split_lm.server() as server:
+        futures = [server.submit(prompt, max_new_tokens=12) for prompt in prompts]  # 20 sequences, 4 slots
+        assert [future.result(timeout=120) for future in futures] == alone
+        assert list(server.stream(prompts[5], max_new_tokens=12)) == alone[5]
+        batch = torch.stack([prompts[i][:3] for i in range(3)])
+        assert torch.equal(server.generate(batch, max_new_tokens=6), split_lm.generate(batch, max_new_tokens=6))
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_every_pending_sequence_naming_it(split_lm):
+    prompts = [torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(200 + i)) for i in range(4)]
+    with split_lm.server(timeout_s=5) as server:
+        assert server.submit(prompts[0], max_new_tokens=2).result(timeout=60)
+        started = threading.Event()
+        futures = [server.submit(prompt, max_new_tokens=58, on_token=lambda _: started.set()) for prompt in prompts]
+        assert started.wait(60)
+        os.kill(_worker_pids(server)[0], signal.SIGKILL)  # 58 tokens each: every sequence is still going
+        for future in futures:
+            with pytest.raises(moirai.DistributedError, match="rank 1"):
+                future.result(timeout=60)
+
+
+def _worker_pids(server) -> list[int]:
+    import psutil
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the server's ranks are this process's children (spawned)
+        children = [c.pid for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
+        if children:
+            return children
+        time.sleep(0.05)
+    raise AssertionError("the server started no worker process")
