@@ -58,6 +58,7 @@ from moirai.runtime.blame import PeerFailure, blamed, describe_error, read_repor
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import Group, local_group, placed_part
 from moirai.runtime.local import check_inputs
+from moirai.runtime.network import choose_gloo_interface
 from moirai.runtime.protocol import Header, Messages, receive_header, run_part, send_header, send_inputs, serve
 from moirai.runtime.resources import (
     RankResources,
@@ -107,10 +108,13 @@ def init_rank(
 ) -> None:
     """Join the default process group (``env://`` reads torchrun's MASTER_ADDR/MASTER_PORT).
 
-    Headers are host tensors, so a world of GPUs only still gets gloo for host memory.
+    Headers are host tensors, so a world of GPUs only still gets gloo for host memory. Across hosts gloo gets the
+    interface that routes to the master address unless ``GLOO_SOCKET_IFNAME`` names one
+    (:func:`moirai.runtime.network.choose_gloo_interface`).
     """
     device = torch.device(torch_devices[rank])
     kind_of(device).set_current(device)
+    choose_gloo_interface(rank=rank)
     dist.init_process_group(
         device_kinds.default_group_backend(torch_devices),
         init_method=init_method,
