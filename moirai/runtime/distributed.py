@@ -81,6 +81,7 @@ __all__ = [
     "run_rank",
     "serve_rank",
     "torchrun_driver",
+    "torchrun_store",
 ]
 
 _START_POLL_S = 0.05
@@ -470,6 +471,19 @@ def _worker_main(
             verdict = blamed(group, error, "serving")
             print(f"moirai rank {rank}: DistributedError: {verdict}", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+def torchrun_store(torch_devices: Sequence[str], timeout_s: float = 120.0) -> RunStore | None:
+    """Under torchrun with one rank per device of ``torch_devices``, the run's store (joining the default process
+    group, as the first request would, if not yet joined); None otherwise."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, world_size = _torchrun_rank()
+    if world_size < 2 or world_size != len(torch_devices):
+        return None
+    if not dist.is_initialized():
+        init_rank(rank, world_size, torch_devices, check_timeout(timeout_s))
+    return RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
 
 
 _TORCHRUN_GROUP: Group | None = None
