@@ -11,8 +11,10 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
@@ -32,7 +35,7 @@ from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
-from moirai.errors import ClusterError, MoiraiError, PlanError, PlanVersionWarning, ProblemError
+from moirai.errors import ClusterError, DistributedError, MoiraiError, PlanError, PlanVersionWarning, ProblemError
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
@@ -53,6 +56,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 PLAN_FORMAT_VERSION = 1
+# Long enough for rank 0's planning (a milp within its time limit); a rank 0 that failed ends torchrun's run sooner.
+_PLAN_HANDOVER_TIMEOUT_S = 1800.0
 _PLAN_KEYS = ("format", "devices", "node_device", "groups", "device_order", "plan")
 
 
@@ -179,7 +184,18 @@ class CompiledModel:
     def save(self, path: str | Path) -> None:
         """Write what each rank needs to rebuild its part (the op -> device map and the orders) and the planned
         problem, so that :func:`load` describes the problem this plan was made for."""
-        record = {
+        record = self.plan_record()
+        directory = Path(path).parent
+        if not directory.is_dir():
+            raise PlanError(f"cannot save the plan to {str(path)!r}: directory {str(directory)!r} does not exist")
+        try:
+            Path(path).write_text(json.dumps(record, indent=1))
+        except OSError as error:
+            raise PlanError(f"cannot save the plan to {str(path)!r}: {error.strerror}") from None
+
+    def plan_record(self) -> dict[str, Any]:
+        """What :meth:`save` writes (plain JSON values)."""
+        return {
             "format": PLAN_FORMAT_VERSION,
             "model": self.traced.model_name,
             "devices": [{"name": d.name, "torch_device": d.torch_device} for d in self.cluster.devices],
@@ -191,13 +207,6 @@ class CompiledModel:
             "dynamic_dims": dynamic_dims_to_json(self.traced),
             "versions": _versions(),
         }
-        directory = Path(path).parent
-        if not directory.is_dir():
-            raise PlanError(f"cannot save the plan to {str(path)!r}: directory {str(directory)!r} does not exist")
-        try:
-            Path(path).write_text(json.dumps(record, indent=1))
-        except OSError as error:
-            raise PlanError(f"cannot save the plan to {str(path)!r}: {error.strerror}") from None
 
 
 @_progress.reports_progress
@@ -237,6 +246,12 @@ def compile(
     time). A :class:`moirai.Cluster` keeps the links it describes.
     """
     _check_not_misspelt(placer_options)
+    handover = _PlanHandover.under_torchrun(devices)
+    if handover is not None and not handover.plans:
+        # Another rank plans: this one measures nothing and takes that rank's plan, problem included.
+        cluster = local_cluster(devices, "none")
+        traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
+        return _from_record(handover.receive(), "rank 0's plan", traced, cluster)
     cluster = local_cluster(devices, calibration)
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
@@ -252,7 +267,10 @@ def compile(
         plan.objective,
         plan.objective_s,
     )
-    return _assemble(traced, cluster, coarse, problem, plan)
+    compiled = _assemble(traced, cluster, coarse, problem, plan)
+    if handover is not None:
+        handover.send(compiled.plan_record())
+    return compiled
 
 
 @_progress.reports_progress
@@ -283,16 +301,56 @@ def load(
     if dynamic_shapes is None and record.get("dynamic_dims"):
         dynamic_shapes = dynamic_shapes_from_json(record["dynamic_dims"], model, example_inputs, example_kwargs)
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
+    return _from_record(record, path, traced, cluster)
+
+
+def _from_record(record: dict[str, Any], source: str | Path, traced: TracedModel, cluster: Cluster) -> CompiledModel:
+    """The compiled model a plan record (:meth:`CompiledModel.plan_record`) describes, for ``traced`` on ``cluster``."""
     node_device = {name: int(k) for name, k in record["node_device"].items()}
-    _check_ops_known(traced, node_device, source=str(path))
+    _check_ops_known(traced, node_device, source=str(source))
     # Stages in compile's order (trace, op graph, ..., split), so that load's progress lines read as compile's.
     graph = build_op_graph(traced)
     coarse = graph.merge([graph.nodes_of_fx_names(group) for group in record["groups"]])
-    problem = _planned_problem(record, path, coarse, cluster, traced)
+    problem = _planned_problem(record, source, coarse, cluster, traced)
     program = split_module(traced, node_device, len(cluster), record["device_order"])
     plan = Plan.from_dict(record["plan"])
     plan.device_names = cluster.names
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
+
+
+class _PlanHandover:
+    """Under torchrun, rank 0 plans and hands its plan to every other rank through the run's store (sealed where
+    ``MOIRAI_RUN_SECRET`` is set), so no rank plans on numbers of its own; compiles pair up in call order."""
+
+    _compiles = itertools.count()
+
+    def __init__(self, store: Any, rank: int) -> None:
+        self.store = store
+        self.plans = rank == 0
+        self.key = f"moirai/plan/{next(self._compiles)}"
+
+    @classmethod
+    def under_torchrun(cls, devices: Cluster | Sequence[str]) -> _PlanHandover | None:
+        """None outside torchrun, or where the devices are not one per rank of this world."""
+        torch_devices = [d.torch_device for d in devices.devices] if isinstance(devices, Cluster) else list(devices)
+        store = distributed.torchrun_store([str(torch.device(d)) for d in torch_devices])
+        return None if store is None else cls(store, int(os.environ["RANK"]))
+
+    def send(self, record: dict[str, Any]) -> None:
+        self.store.set(self.key, json.dumps(record))
+
+    def receive(self) -> dict[str, Any]:
+        try:
+            self.store.wait([self.key], datetime.timedelta(seconds=_PLAN_HANDOVER_TIMEOUT_S))
+        except (RuntimeError, dist.DistStoreError) as error:
+            raise DistributedError(
+                f"rank 0 did not hand over its plan within {_PLAN_HANDOVER_TIMEOUT_S:g} s ({error}); see rank 0's "
+                "output for why"
+            ) from None
+        record = json.loads(self.store.get(self.key))
+        if not isinstance(record, dict) or any(key not in record for key in _PLAN_KEYS):
+            raise DistributedError(f"store key {self.key!r} holds no plan: {str(record)[:80]!r}")
+        return record
 
 
 def _planned_problem(

@@ -216,6 +216,26 @@ def test_transfers_between_two_pinned_gloo_ranks_are_measured() -> None:
         assert cost.sender_cpu_time_s(4 << 20) > 0 and cost.receiver_cpu_time_s(4 << 20) > 0
 
 
+def test_every_rank_numbers_the_pairs_alike() -> None:
+    # Each directed pair once, in one order for every rank: the tags of an exchange depend on its place in it.
+    pairs = measure_module.directed_pairs(3)
+    assert pairs == [(0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1)]
+    assert len(set(measure_module.directed_pairs(4))) == 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_three_and_four_ranks_measure_every_directed_pair(world_size: int) -> None:
+    # Before exchanges were numbered per pair, rank 2 started pair (0, 2) at exchange 0 while rank 0 was at the
+    # pair's true number, and the run hung until its timeout.
+    timings = measure_module.measure_transfers(
+        ["cpu"] * world_size, sizes_bytes=(1024, 65536), repeats=2, warmup=1, timeout_s=60.0
+    )
+    assert set(timings) == set(measure_module.directed_pairs(world_size))
+    for pair_timings in timings.values():
+        assert len(pair_timings.delay_s) == 2 and all(delay > 0 for delay in pair_timings.delay_s)
+
+
 @pytest.mark.slow
 def test_the_runtimes_work_per_request_is_measured_through_its_server() -> None:
     requests = measure_request_cost(FAKE_COST, requests=200)

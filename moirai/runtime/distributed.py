@@ -57,7 +57,9 @@ from moirai.runtime import orphans, shm
 from moirai.runtime.blame import PeerFailure, blamed, describe_error, read_report, report_failure
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import Group, local_group, placed_part
+from moirai.runtime.hosts import host_ranks, torchrun_layout
 from moirai.runtime.local import check_inputs
+from moirai.runtime.network import choose_gloo_interface
 from moirai.runtime.protocol import Header, Messages, receive_header, run_part, send_header, send_inputs, serve
 from moirai.runtime.resources import (
     RankResources,
@@ -79,6 +81,7 @@ __all__ = [
     "run_rank",
     "serve_rank",
     "torchrun_driver",
+    "torchrun_store",
 ]
 
 _START_POLL_S = 0.05
@@ -107,10 +110,13 @@ def init_rank(
 ) -> None:
     """Join the default process group (``env://`` reads torchrun's MASTER_ADDR/MASTER_PORT).
 
-    Headers are host tensors, so a world of GPUs only still gets gloo for host memory.
+    Headers are host tensors, so a world of GPUs only still gets gloo for host memory. Across hosts gloo gets the
+    interface that routes to the master address unless ``GLOO_SOCKET_IFNAME`` names one
+    (:func:`moirai.runtime.network.choose_gloo_interface`).
     """
     device = torch.device(torch_devices[rank])
     kind_of(device).set_current(device)
+    choose_gloo_interface(rank=rank)
     dist.init_process_group(
         device_kinds.default_group_backend(torch_devices),
         init_method=init_method,
@@ -184,7 +190,7 @@ def torchrun_driver(
             f"this is rank {rank}: only rank 0 serves requests; call moirai.serve_rank(compiled) on the other ranks"
         )
     group = _torchrun_group(program, rank, world_size, torch_devices, timeout_s)
-    helper_cores = rank_resources(torch_devices)[rank].helper_cores
+    helper_cores = _torchrun_resources(torch_devices, rank)[0].helper_cores
     return Driver(group, timeout_s, max_in_flight, preloaded=program, helper_cores=helper_cores)
 
 
@@ -467,6 +473,19 @@ def _worker_main(
         os._exit(1)
 
 
+def torchrun_store(torch_devices: Sequence[str], timeout_s: float = 120.0) -> RunStore | None:
+    """Under torchrun with one rank per device of ``torch_devices``, the run's store (joining the default process
+    group, as the first request would, if not yet joined); None otherwise."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, world_size = _torchrun_rank()
+    if world_size < 2 or world_size != len(torch_devices):
+        return None
+    if not dist.is_initialized():
+        init_rank(rank, world_size, torch_devices, check_timeout(timeout_s))
+    return RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
+
+
 _TORCHRUN_GROUP: Group | None = None
 
 
@@ -485,13 +504,21 @@ def _torchrun_group(
     if _TORCHRUN_GROUP is None or _TORCHRUN_GROUP.rank != rank or _TORCHRUN_GROUP.world_size != world_size:
         if not dist.is_initialized():
             init_rank(rank, world_size, torch_devices, timeout_s)
-        resources = rank_resources(devices)[rank]
+        resources, neighbours = _torchrun_resources(devices, rank)
         apply_resources(resources, str(devices[rank]))
         pin_io_threads(resources)
         default = dist.distributed_c10d._get_default_group()
         store = RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
-        links = shm.connect(rank, world_size, store, timeout_s, f"moirai/shm/{world_size}")
+        links = shm.connect(rank, world_size, store, timeout_s, f"moirai/shm/{world_size}", neighbours)
         _TORCHRUN_GROUP = Group(
             rank, [torch.device(d) for d in torch_devices], default, default, store, shared_memory=links
         )
     return _TORCHRUN_GROUP
+
+
+def _torchrun_resources(devices: Sequence[str | Device], rank: int) -> tuple[RankResources, range]:
+    """This rank's share of its host, split among its host's devices only, and the ranks on its host
+    (:mod:`moirai.runtime.hosts`: torchrun's layout, checked against the plan's hosts)."""
+    plan_hosts = [d.host if isinstance(d, Device) else "localhost" for d in devices]
+    neighbours = host_ranks(plan_hosts, rank, torchrun_layout())
+    return rank_resources([devices[k] for k in neighbours])[rank - neighbours.start], neighbours

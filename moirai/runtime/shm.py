@@ -29,13 +29,12 @@ import json
 import mmap
 import os
 import select
-import socket
 import stat
 import struct
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -337,8 +336,14 @@ class SharedMemoryLinks:
         self._spills.close()
 
 
-def connect(rank: int, world_size: int, store: Any, timeout_s: float, prefix: str) -> SharedMemoryLinks | None:
+def connect(
+    rank: int, world_size: int, store: Any, timeout_s: float, prefix: str, neighbours: Collection[int] | None = None
+) -> SharedMemoryLinks | None:
     """Links to every rank of this host that makes them too (a collective: every rank calls it), or None when off.
+
+    ``neighbours``: the ranks the plan and the launcher put on this rank's host (None: any); a rank outside them
+    keeps gloo even where it shares this machine. Ranks are on one host only where their
+    :func:`shm_files.host_identity` (hostname, boot, the shared-memory directory's file system) is the same.
 
     Each rank makes a ring and a FIFO for each peer to write to, publishes where they are under
     ``prefix`` in ``store``, opens its peers' and removes its own files once every peer has opened
@@ -348,7 +353,7 @@ def connect(rank: int, world_size: int, store: Any, timeout_s: float, prefix: st
     if not enabled():
         return None
     shm_files.remove_dead_spill_files()
-    host = socket.gethostname()
+    host = shm_files.host_identity()
     spills = shm_files.SpillOwner(shm_files.shm_dir())
     directory = tempfile.mkdtemp(prefix=f"moirai-r{rank}-", dir=shm_files.shm_dir())  # mode 0700, this user's
     peers = [k for k in range(world_size) if k != rank]
@@ -363,7 +368,7 @@ def connect(rank: int, world_size: int, store: Any, timeout_s: float, prefix: st
         outbound = {}
         for peer in peers:
             where = _where(store, f"{prefix}/{peer}/where", timeout_s)
-            if where["host"] != host:
+            if where["host"] != host or (neighbours is not None and peer not in neighbours):
                 continue
             with contextlib.suppress(OSError):
                 outbound[peer] = _open_outbound(where["directory"], rank, spills)

@@ -17,6 +17,7 @@ import errno
 import fcntl
 import mmap
 import os
+import socket
 import stat
 import tempfile
 import uuid
@@ -31,6 +32,8 @@ ENV_SWITCH = "MOIRAI_SHARED_MEMORY"
 DIR_ENV = "MOIRAI_SHM_DIR"  # where rings and spill files live (default /dev/shm)
 _SPILL_PREFIX = "moirai-spill-"  # then the owner's id: "<owner>.lock" while it lives, "<owner>-<uuid>" its files
 _LOCK_SUFFIX = ".lock"
+# One id per boot of the kernel (a container sees its host's).
+_BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 
 def shm_dir() -> str:
@@ -39,6 +42,18 @@ def shm_dir() -> str:
     if chosen:
         return chosen
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def host_identity() -> str:
+    """What ranks that can share memory have alike: the hostname, the kernel's boot (two machines, or containers on
+    them, may share a hostname) and the shared-memory directory's file system (two containers of one machine with
+    their own ``/dev/shm`` have different ones)."""
+    try:
+        with open(_BOOT_ID_PATH) as boot_id_file:
+            boot = boot_id_file.read().strip()
+    except OSError:
+        boot = "unknown boot"
+    return f"{socket.gethostname()}/{boot}/{os.stat(shm_dir()).st_dev}"
 
 
 def free_bytes(directory: str) -> int:

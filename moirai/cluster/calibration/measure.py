@@ -142,7 +142,8 @@ def _rank_main(
 ) -> None:
     """One rank, set up as a runtime worker: its share of the cores, the runtime's process groups and messages.
 
-    Every rank takes part in every pair in the same order; the sender of a pair records the medians.
+    Every rank takes the pairs it is part of in one order (:func:`directed_pairs`), a pair only once the one
+    before it has finished; the sender of a pair records the medians.
     """
     from moirai.runtime.protocol import Messages
 
@@ -163,53 +164,69 @@ def _rank_main(
             block @ block
 
     results = []
-    exchange = 0  # one request of the runtime per message and its reply, so every tag is fresh
-    for src in range(group.world_size):
-        for dst in range(group.world_size):
-            if src == dst or rank not in (src, dst):
-                continue
-            medians: dict[str, list[float]] = {"delay_s": [], "sender_cpu_s": [], "receiver_cpu_s": []}
-            for size in sizes:
-                shape = (max(1, size // 4),)
-                message = torch.ones(shape, device=device)
-                delays, sender_cpu, receiver_cpu = [], [], []
-                for run in range(warmup + repeats):
-                    messages = Messages(group, exchange, timeout)
-                    exchange += 1
-                    if rank == dst:
-                        cpu_before = time.process_time()
-                        pending = messages.post_recv(shape, torch.float32, src, 0, "calibration message")
-                        messages.wait_recv(pending)
-                        synchronize()
-                        held_at = time.perf_counter()
-                        # The reply: when this rank held the message, and the CPU time its wait took.
-                        reply = torch.tensor([held_at, time.process_time() - cpu_before], dtype=torch.float64)
-                        messages.send(reply, src, 1, "calibration reply")
-                        messages.wait_sends()
-                        continue
-                    pending_reply = messages.post_recv((2,), torch.float64, dst, 1, "calibration reply")
-                    compute_for(_SENDER_PAUSE_S)
-                    synchronize()
-                    cpu_before, sent_at = time.process_time(), time.perf_counter()
-                    messages.send(message, dst, 0, "calibration message")
-                    cpu_spent = time.process_time() - cpu_before
-                    compute_for(_SENDER_COMPUTES_ON_S)
+    runs_per_pair = len(sizes) * (warmup + repeats)
+    pairs = directed_pairs(group.world_size)
+    for index, (src, dst) in enumerate(pairs):
+        if rank not in (src, dst):
+            continue
+        # One pair at a time: the pair before this one has finished (its sender says so), so no other pair's
+        # messages share the cores or the links while this one is timed.
+        if index > 0:
+            store.wait([_pair_done_key(index - 1)], timeout)
+        # Every rank numbers exchanges alike, whichever pairs it takes part in, so both ends of a pair tag alike.
+        exchange = index * runs_per_pair
+        medians: dict[str, list[float]] = {"delay_s": [], "sender_cpu_s": [], "receiver_cpu_s": []}
+        for size in sizes:
+            shape = (max(1, size // 4),)
+            message = torch.ones(shape, device=device)
+            delays, sender_cpu, receiver_cpu = [], [], []
+            for run in range(warmup + repeats):
+                messages = Messages(group, exchange, timeout)
+                exchange += 1
+                if rank == dst:
                     cpu_before = time.process_time()
-                    messages.wait_sends()
+                    pending = messages.post_recv(shape, torch.float32, src, 0, "calibration message")
+                    messages.wait_recv(pending)
                     synchronize()
-                    cpu_spent += time.process_time() - cpu_before
-                    held_at, waited_cpu = messages.wait_recv(pending_reply).tolist()
-                    if run >= warmup:
-                        delays.append(held_at - sent_at)
-                        sender_cpu.append(cpu_spent)
-                        receiver_cpu.append(waited_cpu)
-                if rank == src:
-                    for key, values in zip(medians, (delays, sender_cpu, receiver_cpu), strict=True):
-                        medians[key].append(statistics.median(values))
+                    held_at = time.perf_counter()
+                    # The reply: when this rank held the message, and the CPU time its wait took.
+                    reply = torch.tensor([held_at, time.process_time() - cpu_before], dtype=torch.float64)
+                    messages.send(reply, src, 1, "calibration reply")
+                    messages.wait_sends()
+                    continue
+                pending_reply = messages.post_recv((2,), torch.float64, dst, 1, "calibration reply")
+                compute_for(_SENDER_PAUSE_S)
+                synchronize()
+                cpu_before, sent_at = time.process_time(), time.perf_counter()
+                messages.send(message, dst, 0, "calibration message")
+                cpu_spent = time.process_time() - cpu_before
+                compute_for(_SENDER_COMPUTES_ON_S)
+                cpu_before = time.process_time()
+                messages.wait_sends()
+                synchronize()
+                cpu_spent += time.process_time() - cpu_before
+                held_at, waited_cpu = messages.wait_recv(pending_reply).tolist()
+                if run >= warmup:
+                    delays.append(held_at - sent_at)
+                    sender_cpu.append(cpu_spent)
+                    receiver_cpu.append(waited_cpu)
             if rank == src:
-                results.append({"src": src, "dst": dst, **medians})
+                for key, values in zip(medians, (delays, sender_cpu, receiver_cpu), strict=True):
+                    medians[key].append(statistics.median(values))
+        if rank == src:
+            results.append({"src": src, "dst": dst, **medians})
+            store.set(_pair_done_key(index), "1")
     Path(results_dir, f"rank{rank}.json").write_text(json.dumps(results))
     leave_together(store, rank, group.world_size)
+
+
+def directed_pairs(world_size: int) -> list[tuple[int, int]]:
+    """Every directed pair of ranks ``(src, dst)``, in the order every rank measures them."""
+    return [(src, dst) for src in range(world_size) for dst in range(world_size) if src != dst]
+
+
+def _pair_done_key(index: int) -> str:
+    return f"moirai/calibration/pair/{index}"
 
 
 def join_as_runtime_rank(rank: int, torch_devices: list[str], port: int, timeout_s: float) -> tuple[Any, Any, Any]:

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Two "hosts" on one machine, for trying a run across hosts (torchrun --nnodes 2) without a second machine.
+#
+# Each host is a process holding its own network namespace (joined to the other's by a veth pair), UTS namespace
+# (its own hostname) and mount namespace (its own fresh tmpfs on /dev/shm); traffic between them never leaves
+# the machine. Needs root (or whatever lets `unshare --net --uts --mount` and `ip link` work).
+#
+#   tools/two_hosts.sh up            # host a (10.77.0.1) and host b (10.77.0.2)
+#   tools/two_hosts.sh run a CMD...  # CMD on host a, in this directory
+#   tools/two_hosts.sh down          # stop both; the veth pair goes with them
+#
+# MOIRAI_TWO_HOSTS_DIR holds the hosts' state (default /tmp/moirai-two-hosts); give each concurrent pair its own.
+# MOIRAI_TWO_HOSTS_NET is the /24 the two addresses come from (default 10.77.0).
+set -euo pipefail
+
+STATE_DIR="${MOIRAI_TWO_HOSTS_DIR:-/tmp/moirai-two-hosts}"
+NET="${MOIRAI_TWO_HOSTS_NET:-10.77.0}"
+HOSTS=(a b)
+IP="${IP:-$(command -v ip || echo /usr/sbin/ip)}"
+
+address_of() { [[ "$1" == a ]] && echo "$NET.1" || echo "$NET.2"; }
+
+holder_of() {
+    local pid_file="$STATE_DIR/$1.pid"
+    [[ -s "$pid_file" ]] || { echo "two_hosts: host $1 is not up (no $pid_file): run '$0 up'" >&2; exit 2; }
+    cat "$pid_file"
+}
+
+# The process that holds a host's namespaces: sets its hostname, mounts its /dev/shm, then waits.
+start_holder() {
+    local host="$1"
+    unshare --net --uts --mount --propagation private --fork \
+        sh -c "hostname moirai-host-$host && mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm \
+               && touch '$STATE_DIR/$host.ready' && exec sleep infinity" \
+        </dev/null >/dev/null 2>"$STATE_DIR/$host.log" &
+    echo $! >"$STATE_DIR/$host.unshare.pid"
+}
+
+# The pid inside the namespaces: unshare --fork's child (the sleep).
+wait_for_holder() {
+    local host="$1" unshare_pid
+    unshare_pid="$(cat "$STATE_DIR/$host.unshare.pid")"
+    for _ in $(seq 100); do
+        if [[ -e "$STATE_DIR/$host.ready" ]]; then
+            pgrep -P "$unshare_pid" >"$STATE_DIR/$host.pid" && return 0
+        fi
+        kill -0 "$unshare_pid" 2>/dev/null || break
+        sleep 0.05
+    done
+    echo "two_hosts: host $host did not start: $(cat "$STATE_DIR/$host.log")" >&2
+    return 1
+}
+
+up() {
+    mkdir -p "$STATE_DIR"
+    [[ ! -e "$STATE_DIR/a.pid" ]] || { echo "two_hosts: already up ($STATE_DIR); run '$0 down' first" >&2; exit 2; }
+    trap 'down' ERR
+    for host in "${HOSTS[@]}"; do start_holder "$host"; done
+    for host in "${HOSTS[@]}"; do wait_for_holder "$host"; done
+    # Interface names are global until moved into the namespaces: make them unique to this pair.
+    local suffix end_a end_b
+    suffix="$(printf '%s' "$STATE_DIR" | cksum | cut -c1-8)"
+    end_a="mha$suffix" end_b="mhb$suffix"
+    "$IP" link add "$end_a" type veth peer name "$end_b"
+    "$IP" link set "$end_a" netns "$(holder_of a)"
+    "$IP" link set "$end_b" netns "$(holder_of b)"
+    for host in "${HOSTS[@]}"; do
+        local end="mh$host$suffix"
+        in_host "$host" "$IP" link set lo up
+        in_host "$host" "$IP" addr add "$(address_of "$host")/24" dev "$end"
+        in_host "$host" "$IP" link set "$end" up
+        echo "host $host: $(in_host "$host" hostname), $(address_of "$host") on $end"
+    done
+    trap - ERR
+}
+
+down() {
+    for host in "${HOSTS[@]}"; do
+        if [[ -s "$STATE_DIR/$host.pid" ]]; then
+            local holder namespace
+            holder="$(cat "$STATE_DIR/$host.pid")"
+            namespace="$(readlink "/proc/$holder/ns/net" 2>/dev/null || true)"
+            # The host's processes first (every process in its network namespace, the holder last).
+            if [[ -n "$namespace" ]]; then
+                for pid in $(ls /proc | grep -E '^[0-9]+$'); do
+                    if [[ "$pid" != "$holder" && "$(readlink "/proc/$pid/ns/net" 2>/dev/null)" == "$namespace" ]]; then
+                        kill -9 "$pid" 2>/dev/null || true
+                    fi
+                done
+                kill -9 "$holder" 2>/dev/null || true
+            fi
+        fi
+        if [[ -s "$STATE_DIR/$host.unshare.pid" ]]; then
+            kill "$(cat "$STATE_DIR/$host.unshare.pid")" 2>/dev/null || true
+        fi
+        rm -f "$STATE_DIR/$host".{pid,unshare.pid,ready,log}
+    done
+    rmdir "$STATE_DIR" 2>/dev/null || true
+}
+
+in_host() {
+    local host="$1"
+    shift
+    nsenter --target "$(holder_of "$host")" --net --uts --mount --wd="$PWD" "$@"
+}
+
+case "${1:-}" in
+up) up ;;
+down) down ;;
+run)
+    [[ $# -ge 3 && " ${HOSTS[*]} " == *" $2 "* ]] || { echo "usage: $0 run a|b CMD..." >&2; exit 2; }
+    host="$2"
+    shift 2
+    in_host "$host" "$@"
+    ;;
+*)
+    echo "usage: $0 up | run a|b CMD... | down" >&2
+    exit 2
+    ;;
+esac
