@@ -236,3 +236,46 @@ def _worker_pids(server) -> list[int]:
             return children
         time.sleep(0.05)
     raise AssertionError("the server started no worker process")
+
+
+TORCHRUN_SCRIPT = """
+import os
+import torch
+import transformers
+import moirai
+
+torch.manual_seed(0)
+config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+model = transformers.LlamaForCausalLM(config).eval()
+lm = moirai.compile_lm(model, ["cpu", "cpu"], max_batch_size=4, max_seq_len=64, max_prefill=8, placer="round_robin",
+                       calibration="none", progress=False)
+if int(os.environ["RANK"]) == 0:
+    prompts = torch.randint(0, 512, (3, 10), generator=torch.Generator().manual_seed(5))
+    with lm.server() as server:
+        tokens = server.generate(prompts, max_new_tokens=12)
+    with torch.no_grad():
+        expected = model.generate(prompts, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(prompts))
+    print("EQUAL", torch.equal(tokens, expected), flush=True)
+else:
+    moirai.serve_rank(lm.compiled)
+"""
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_0_generates_and_the_other_rank_serves(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "generate.py").write_text(TORCHRUN_SCRIPT)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "generate.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "EQUAL True" in result.stdout

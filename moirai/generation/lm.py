@@ -35,7 +35,7 @@ from moirai import viz
 from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
-from moirai.compile import CompiledModel, _assemble, _check_not_misspelt
+from moirai.compile import CompiledModel, _assemble, _check_not_misspelt, _from_record, _PlanHandover
 from moirai.errors import InfeasibleError, InputError
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
@@ -393,7 +393,8 @@ def compile_lm(
     prompt_tokens = prompt_tokens or min(32, max_prefill)
     steps_in_flight = min(sequences, len(devices))  # a server keeps about one decode step per stage in flight
     decode_batch = math.ceil(sequences / steps_in_flight)
-    cluster = local_cluster(devices, calibration)
+    handover = _PlanHandover.under_torchrun(devices)  # under torchrun rank 0 plans, as compile does
+    cluster = local_cluster(devices, calibration if handover is None or handover.plans else "none")
     step = CausalLMStep(model, max_batch_size, max_seq_len).eval()
     traced = trace_step(step, max_batch_size, max_prefill)
     graph = build_op_graph(traced)
@@ -402,11 +403,17 @@ def compile_lm(
     prefill = phase_problem(traced, graph, coarse, cluster, colocated, batch=1, tokens=min(prompt_tokens, max_prefill))
     decode = phase_problem(traced, graph, coarse, cluster, colocated, batch=decode_batch, tokens=1)
     objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s)
-    try:
-        plan = place(decode, placer=placer, objective=objective, **placer_options)
-    except InfeasibleError as error:
-        raise InfeasibleError(_does_not_fit(type(model).__name__, graph, step.cache_shape, decode, error)) from None
-    compiled = _assemble(traced, cluster, coarse, decode, plan)
+    if handover is not None and not handover.plans:
+        # This rank takes rank 0's plan and serves it with moirai.serve_rank(lm.compiled).
+        compiled = _from_record(handover.receive(), "rank 0's plan", traced, cluster)
+    else:
+        try:
+            plan = place(decode, placer=placer, objective=objective, **placer_options)
+        except InfeasibleError as error:
+            raise InfeasibleError(_does_not_fit(type(model).__name__, graph, step.cache_shape, decode, error)) from None
+        compiled = _assemble(traced, cluster, coarse, decode, plan)
+        if handover is not None:
+            handover.send(compiled.plan_record())
     config = model.config
     generation_config = getattr(model, "generation_config", None)
     eos = getattr(generation_config, "eos_token_id", None) or getattr(config, "eos_token_id", None)
