@@ -50,7 +50,7 @@ import socket
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,6 +67,7 @@ from moirai.cluster.kinds import kind_of
 from moirai.cluster.messages import header_s, output_messages, recv_cpu_s, send_cpu_s, transfer_s
 from moirai.errors import ClusterError, MoiraiWarning
 from moirai.frontend.graph import OpGraph
+from moirai.frontend.symbolic_shapes import concrete_shape, example_int, sizes_at
 from moirai.frontend.trace import TracedModel
 from moirai.planning.costs import RequestCosts
 from moirai.planning.problem import Problem
@@ -88,11 +89,14 @@ def build_problem(
     repeats: int = 11,
     progress: bool = True,
     clock: Callable[[], float] = time.perf_counter,
+    symbol_values: Mapping[str, int] | None = None,
 ) -> Problem:
     """The placement problem of ``graph`` on ``cluster``.
 
     ``mode="measured"`` needs ``traced``, the model ``graph`` was built from; ``analytic`` uses it,
-    when given, only to read each node's dtype.
+    when given, only to read each node's dtype. ``symbol_values`` (a dynamic dimension's symbol -> size): measure
+    at those sizes rather than the example inputs' (``graph`` should be built under
+    :func:`moirai.frontend.symbolic_shapes.sizes_at` with the same values).
     """
     if mode == "analytic":
         dtypes = None if traced is None else node_dtypes(graph, traced)
@@ -101,7 +105,15 @@ def build_problem(
         if traced is None:
             raise ClusterError("mode='measured' runs the model's ops: pass traced=, the TracedModel of the graph")
         compute = measured_compute_s(
-            graph, cluster, traced, cache_dir=cache_dir, warmup=warmup, repeats=repeats, progress=progress, clock=clock
+            graph,
+            cluster,
+            traced,
+            cache_dir=cache_dir,
+            warmup=warmup,
+            repeats=repeats,
+            progress=progress,
+            clock=clock,
+            symbol_values=symbol_values,
         )
     else:
         raise ClusterError(f"unknown cost mode {mode!r}; use 'analytic' or 'measured'")
@@ -209,6 +221,7 @@ def measured_compute_s(
     repeats: int = 11,
     progress: bool = True,
     clock: Callable[[], float] = time.perf_counter,
+    symbol_values: Mapping[str, int] | None = None,
 ) -> np.ndarray:
     """``[node, device]`` measured times; devices sharing a torch device share one profile."""
     for device in cluster.devices:
@@ -223,6 +236,7 @@ def measured_compute_s(
             repeats=repeats,
             progress=progress,
             clock=clock,
+            symbol_values=symbol_values,
         )
         for torch_device in dict.fromkeys(d.torch_device for d in cluster.devices)
     }
@@ -239,25 +253,30 @@ def profile_nodes(
     repeats: int = 11,
     progress: bool = True,
     clock: Callable[[], float] = time.perf_counter,
+    symbol_values: Mapping[str, int] | None = None,
 ) -> np.ndarray:
     """Median time (s) of every node of ``graph`` on ``torch_device``, timed inside a run of the whole model.
 
     ``clock`` times the runs: wall time by default; ``time.thread_time`` counts only this thread's
     CPU time, which suits single-threaded CPU profiling on a machine shared with other work.
     Nodes with equal op signatures share the median of their times; times are disk-cached.
+    ``symbol_values``: run at those sizes of the dynamic dimensions instead of the example inputs'.
     """
     if warmup < 0 or repeats < 1:
         raise ClusterError(f"profiling needs warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     device = torch.device(torch_device)
     fx_nodes = {n.name: n for n in traced.graph_module.graph.nodes}
-    signatures = [_signature(traced.graph_module, [fx_nodes[f] for f in node.fx_names]) for node in graph.nodes]
+    with sizes_at(symbol_values or {}):
+        signatures = [_signature(traced.graph_module, [fx_nodes[f] for f in node.fx_names]) for node in graph.nodes]
     cache = _ProfileCache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), _device_key(device, clock))
     missing = list(dict.fromkeys(s for s in signatures if s not in cache.times_s))
     if missing:
         module = _module_on(traced.graph_module, device)
         order = _group_order(graph, traced.graph_module)
         timed = _timed_module(module, [graph.nodes[i].fx_names for i in order], clock, device)
-        inputs = [_random_like(torch.empty(s.shape, dtype=s.dtype, device=device)) for s in traced.input_specs]
+        shapes = [concrete_shape(s, symbol_values) if symbol_values else s.shape for s in traced.input_specs]
+        specs = zip(shapes, traced.input_specs, strict=True)
+        inputs = [_random_like(torch.empty(shape, dtype=spec.dtype, device=device)) for shape, spec in specs]
         times = _in_situ_times_s(timed, inputs, warmup, repeats, progress, f"{len(order)} op groups on {device}")
         occurrences: dict[str, list[float]] = {}
         for index, time_s in zip(order, times, strict=True):
@@ -346,7 +365,9 @@ def _signature(module: fx.GraphModule, nodes: Sequence[fx.Node]) -> str:
 
 
 def _tensor_signature(t: torch.Tensor) -> str:
-    return f"T{tuple(t.shape)}{t.dtype}{tuple(t.stride())}"
+    # Sizes as numbers: a symbolic size prints as its symbol, the same whatever size a profile ran at.
+    shape, stride = (tuple(example_int(size) for size in sizes) for sizes in (t.shape, t.stride()))
+    return f"T{shape}{t.dtype}{stride}"
 
 
 def _module_on(module: fx.GraphModule, device: torch.device) -> fx.GraphModule:

@@ -368,6 +368,7 @@ def compile_lm(
     max_ttft_s: float | None = None,
     placer: str = "milp",
     fusion_rules: str | Path = "default",
+    cost: str = "analytic",
     progress: bool = True,
     calibration: str | Path = "auto",
     **placer_options: Any,
@@ -400,8 +401,9 @@ def compile_lm(
     graph = build_op_graph(traced)
     coarse = coarsen(graph, rules=fusion_rules).graph
     colocated = colocated_groups(coarse, mutable_buffers(traced.graph_module))
-    prefill = phase_problem(traced, graph, coarse, cluster, colocated, batch=1, tokens=min(prompt_tokens, max_prefill))
-    decode = phase_problem(traced, graph, coarse, cluster, colocated, batch=decode_batch, tokens=1)
+    prompt_chunk = min(prompt_tokens, max_prefill)
+    prefill = phase_problem(traced, coarse, cluster, colocated, cost, batch=1, tokens=prompt_chunk)
+    decode = phase_problem(traced, coarse, cluster, colocated, cost, batch=decode_batch, tokens=1)
     objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s)
     if handover is not None and not handover.plans:
         # This rank takes rank 0's plan and serves it with moirai.serve_rank(lm.compiled).
@@ -456,10 +458,10 @@ def _dim(name: str, upper: int) -> Any:
 
 def phase_problem(
     traced: TracedModel,
-    graph: OpGraph,
     coarse: OpGraph,
     cluster: Cluster,
     colocated: tuple[tuple[int, ...], ...],
+    cost: str,
     batch: int,
     tokens: int,
 ) -> Problem:
@@ -469,7 +471,8 @@ def phase_problem(
     with sizes_at(sizes):
         at_size = build_op_graph(traced)
         coarse_at_size = at_size.merge([at_size.nodes_of_fx_names(node.fx_names) for node in coarse.nodes])
-        return build_problem(coarse_at_size, cluster, "analytic", traced)  # TEMP until colocation merges
+        problem = build_problem(coarse_at_size, cluster, cost, traced, symbol_values=sizes)  # type: ignore[arg-type]
+    return problem  # TEMP until colocation merges: colocated
 
 
 def _does_not_fit(name: str, graph: OpGraph, cache: CacheShape, problem: Problem, error: InfeasibleError) -> str:
