@@ -110,11 +110,18 @@ def random_problem(
 
 
 def random_layered_problem(
-    num_tasks: int, num_devices: int, seed: int = 0, width: int = 3, communication_ratio: float = 1.0
+    num_tasks: int,
+    num_devices: int,
+    seed: int = 0,
+    width: int = 3,
+    communication_ratio: float = 1.0,
+    cpu_ratio: float = 0.0,
 ) -> Problem:
     """A random layered DAG on heterogeneous devices: layers of 1 to ``2 width`` tasks, each reading the output of
     1-3 tasks of the layer before (one tensor per task, sent once to each device that reads it); devices differ
-    in speed and per-task affinity; transfer times are ``communication_ratio`` times the mean compute on average."""
+    in speed and per-task affinity; transfer times are ``communication_ratio`` times the mean compute on average.
+    ``cpu_ratio``: a transfer keeps its sender and its receiver busy for a random fraction, up to this, of its
+    transfer time each (drawn last, so the rest is the problem of the same seed without them)."""
     rng = np.random.default_rng(seed)
     layers: list[list[int]] = []
     placed = 0
@@ -135,6 +142,7 @@ def random_layered_problem(
     size = rng.uniform(0.2, 1.8, len(producers)) * compute.mean() * communication_ratio
     transfer = size[:, None, None] / bandwidth[None]
     transfer[:, np.arange(num_devices), np.arange(num_devices)] = 0.0
+    send, recv = (transfer * rng.uniform(0.0, cpu_ratio, transfer.shape) for _ in range(2))
     return Problem(
         device_names=tuple(f"dev{d}" for d in range(num_devices)),
         memory_capacity_bytes=np.full(num_devices, np.inf),
@@ -145,6 +153,8 @@ def random_layered_problem(
         tensor_producer=np.array(producers, int),
         tensor_consumers=tuple(tuple(consumers[u]) for u in producers),
         transfer_s=transfer,
+        send_cpu_s=send,
+        recv_cpu_s=recv,
     )
 
 

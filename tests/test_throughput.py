@@ -18,7 +18,7 @@ from moirai.planning.placers import get_placer, list_placers, place
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
-from moirai.testing import random_problem
+from moirai.testing import random_layered_problem, random_problem
 from tests.test_placers import MEMORY_BLIND, OPTIONS
 
 
@@ -137,6 +137,44 @@ def test_pipeline_stages_carry_the_runtimes_work_per_request():
     plan = get_placer("pipeline")(problem)
     assert sorted(np.bincount(plan.placement, minlength=2).tolist()) == [2, 4]  # 2 + 2 on the driver, 4 + 0.5
     assert simulate(problem, plan).period_s == plan.report.notes["dp_period_s"] == best_period_s(problem) == 4.5
+
+
+def _pipeline_problems() -> list[Problem]:
+    """Layered graphs on 2-9 devices (both the subset DP and the fixed device order) whose transfers cost their
+    two ends CPU time, and small random graphs with every per-request cost (runtime work, output messages)."""
+    layered = [
+        random_layered_problem(20 + 5 * seed, 2 + seed % 8, seed=seed, communication_ratio=2.0, cpu_ratio=0.8)
+        for seed in range(10)
+    ]
+    costly = [
+        random_problem(seed, 10, 3, send_cpu_s=0.5, recv_cpu_s=0.5, request_cpu_s=0.3, output_cpu_s=0.3)
+        for seed in range(4)
+    ]
+    return layered + costly
+
+
+@pytest.mark.parametrize("problem", _pipeline_problems())
+def test_pipeline_dp_prices_a_plan_as_the_simulator_does_send_and_receive_cpu_included(problem: Problem):
+    plan = get_placer("pipeline")(problem)
+    period_s = simulate(problem, plan).period_s
+    assert plan.report.notes["dp_period_s"] == pytest.approx(period_s, rel=1e-9)
+    assert period_s <= plan.report.notes["cut_priced_period_s"] * (1 + 1e-9)  # never worse than PipeEdge's pick
+
+
+# The simulated periods the pipeline DP reached before it priced sends and receives on devices (PipeEdge's price
+# alone, commit 566b75a) on layered graphs without CPU time per transfer.
+PIPEEDGE_PERIODS_S = [
+    0.003888859, 0.002277848, 0.002194822, 0.002230976, 0.002208316, 0.002404709,
+    0.002505119, 0.002466235, 0.007199976, 0.008546399, 0.005049087, 0.004067288,
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(len(PIPEEDGE_PERIODS_S)))
+def test_pipeline_is_no_worse_than_before_where_transfers_cost_no_cpu(seed: int):
+    n, k = 20 + 6 * seed, 2 + seed % 8
+    problem = random_layered_problem(n, k, seed=seed, communication_ratio=[0.5, 2.0, 4.0][seed % 3])
+    plan = get_placer("pipeline")(problem)
+    assert simulate(problem, plan).period_s <= PIPEEDGE_PERIODS_S[seed] * (1 + 1e-6)
 
 
 def test_unknown_objective_names_the_choices():

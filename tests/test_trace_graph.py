@@ -136,3 +136,27 @@ def test_non_tensor_inputs_are_baked_in_and_checked() -> None:
     torch.testing.assert_close(traced.graph_module(*flat)[0], x + 3.0)
     with pytest.raises(InputError, match="non-tensor input 3.0"):
         traced.flatten_inputs((x,), {"use_cache": False, "scale": 2.0})
+
+
+def test_a_view_moves_no_bytes_and_a_lookup_reads_only_the_rows_it_gathers() -> None:
+    """A tied head's transpose of a 4 MB table is a view, and the lookup of 3 tokens reads 3 rows, not the table
+    (bench/view_and_lookup_costs.py compares the analytic times with measured profiles)."""
+
+    class TiedLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(1000, 1024)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.embed(ids).view(3, 1024) @ self.embed.weight.T
+
+    ids = torch.tensor([[1, 5, 7]])
+    graph = build_op_graph(trace(TiedLM(), (ids,)))
+    by_target = {node.targets[0]: node for node in graph.nodes}
+    row_bytes = 1024 * 4
+    lookup = by_target["aten.embedding.default"]
+    assert lookup.bytes_moved == 2 * 3 * row_bytes + ids.numel() * ids.element_size()
+    views = [node for name, node in by_target.items() if "numpy_T" in name or "aten.view" in name]
+    assert len(views) == 2 and all(node.bytes_moved == 0 and node.output_bytes == 0 for node in views)
+    matmul = by_target["aten.matmul.default"]
+    assert matmul.bytes_moved == (3 * 1024 + 1000 * 1024 + 3 * 1000) * 4  # what reads through the view pays for it

@@ -6,8 +6,9 @@ Compute time of every node (op or op group) on every device, two modes:
   ``max(flops / peak_flops[dtype], bytes_moved / memory_bandwidth) / efficiency`` plus one launch
   overhead per op (peaks, bandwidth, efficiency and overhead from the device, see
   :mod:`moirai.cluster.devices`). Ops the FLOP counter does not cover have 0 FLOPs and cost their bytes
-  moved. The dtype of a node is that of its largest floating-point output (read from the traced
-  model when one is given; float32 otherwise).
+  moved (:func:`moirai.frontend.graph.build_op_graph`: none for a view, the gathered rows for a lookup). The dtype
+  of a node is that of its largest floating-point output (read from the traced model when one is given; float32
+  otherwise).
 * ``measured``: every node is timed inside runs of the whole model on the real device, with
   random inputs of the traced shapes (integer inputs are zeros; weights on the meta device become
   random). The traced graph is regenerated with each node's ops contiguous (nodes in a

@@ -41,7 +41,8 @@ class OpNode:
     """One op (or, in a coarse graph, one group of ops in topological order).
 
     ``output_bytes`` is the memory its outputs allocate: a view (``transpose``, ``view``,
-    ``expand``...) allocates none. ``bytes_moved`` is what it reads and writes.
+    ``expand``...) allocates none. ``bytes_moved`` is what it reads and writes: a view nothing, an embedding
+    lookup the rows it gathers (not the table), any other op its inputs and outputs.
     """
 
     name: str
@@ -166,7 +167,6 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
             continue
         index = len(nodes)
         params = frozenset(n.name for n in inputs if n.op == "get_attr")
-        input_bytes = sum(_nbytes(n.meta.get("val")) for n in inputs)
         output_bytes = _nbytes(fx_node.meta.get("val"))
         allocated_bytes = 0 if is_view_node(fx_node) else output_bytes
         nodes.append(
@@ -175,7 +175,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
                 targets=(_target_name(fx_node),),
                 fx_names=(fx_node.name,),
                 flops=_flops(fx_node),
-                bytes_moved=float(input_bytes + output_bytes),
+                bytes_moved=_bytes_moved(fx_node, output_bytes),
                 output_bytes=float(allocated_bytes),
                 param_names=params,
                 param_bytes=float(sum(parameter_bytes[p] for p in params)),
@@ -187,6 +187,24 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
                 key = (node_of[producer.name], index, producer.name)
                 edges.setdefault(key, OpEdge(*key, float(_nbytes(producer.meta.get("val")))))
     return OpGraph(tuple(nodes), tuple(edges.values()), parameter_bytes)
+
+
+# Ops that gather rows of their first input (the table) by the indices of their second: they read those rows only.
+_ROW_GATHERS = frozenset({"aten::embedding", "aten::index_select"})
+
+
+def _bytes_moved(node: fx.Node, output_bytes: int) -> float:
+    """What an op reads and writes in memory: nothing for a view (its output aliases its input, as the op's schema
+    declares); for a lookup of rows (``embedding``, ``index_select``) the rows it gathers (its output's bytes), the
+    indices and its output, not the whole table; else every input and its output."""
+    if is_view_node(node):
+        return 0.0
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target._schema.name in _ROW_GATHERS:
+        index = node.args[1] if target._schema.name == "aten::embedding" else node.args[2]
+        index_bytes = _nbytes(index.meta.get("val")) if isinstance(index, fx.Node) else 0
+        return float(2 * output_bytes + index_bytes)
+    return float(sum(_nbytes(n.meta.get("val")) for n in node.all_input_nodes) + output_bytes)
 
 
 def _target_name(node: fx.Node) -> str:

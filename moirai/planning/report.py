@@ -12,6 +12,7 @@ class StopReason(enum.Enum):
 
     GAP_CLOSED = "gap closed"  # within the relative gap of a proven lower bound
     NO_IMPROVING_WINDOW = "no improving window"  # every critical window re-solved without gain
+    NO_IMPROVING_MOVE = "no improving move"  # a full pass of the period search's moves kept none
     TIME_LIMIT = "time limit"
     SOLVER_STATUS = "solver status"  # the solver ended otherwise; ``solver_status`` says how
 
@@ -58,7 +59,7 @@ class SolverReport(PlacerReport):
     time_limit_s: float | None = None  # the budget the placer was given
     elapsed_s: float | None = None  # what it used, by its own clock, from its start to its plan
     formulation: str = ""
-    strategy: str = ""  # "full" (one model) or "windows" (the window search)
+    strategy: str = ""  # "full" (one model), "windows" (the window search) or "period search" (throughput)
     stop_reason: StopReason | None = None
     solver_status: str = ""
     bound_source: BoundSource = BoundSource.BOUNDS
@@ -78,4 +79,6 @@ class SolverReport(PlacerReport):
     windows_tried: int = 0
     windows_improved: int = 0
     windows_unproven: int = 0
+    moves_tried: int = 0  # the period search's moves priced
+    moves_kept: int = 0
     history: list[tuple[float, float]] = field(default_factory=list)  # (seconds, objective) of the winning search

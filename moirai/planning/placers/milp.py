@@ -49,6 +49,7 @@ from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.solve.costs import measured_costs
 from moirai.planning.solve.formulation import FORMULATIONS, formulation_named
 from moirai.planning.solve.model import build_model
+from moirai.planning.solve.period_search import improve_period
 from moirai.planning.solve.search import DEFAULT_WINDOW_TASKS, gap_closed, improve_by_windows
 from moirai.planning.solve.solver import SOLVERS, MilpSolution, SolverSettings, progress_text, solve_model
 from moirai.planning.solve.start_plans import improve_start_plan
@@ -65,6 +66,8 @@ _HEURISTIC_SHARE = 0.3  # of the budget, at most, for start plans on a large pro
 _LOOKAHEAD_SHARE = 0.9
 _SAFETY_S = 0.05
 _MIN_SEARCH_S = 0.3  # the window search needs more than this to solve a window
+_CONTIGUOUS_SHARE = 0.3  # of what the start plans left, at most, for the contiguous DP's predicted time
+_CONTIGUOUS_MEASURED_DEVICES = 4  # its measured time is for this many devices; it grows about as their square
 
 
 @register("milp", minimises=True, respects_memory=True)
@@ -102,7 +105,7 @@ def place_milp(
     with status if status is not None else nullcontext():
         report = status.update if status is not None else progress_lines.update if show else (lambda _: None)
         settings = SolverSettings(solver, time_limit_s, mip_gap, threads, report if show else None)
-        start_plan, timeline, heuristics = _best_heuristic(problem, deadline, report, objective)
+        start_plan, timeline, heuristics, starts = _best_heuristic(problem, deadline, report, objective)
         finish_by = deadline - _finishing_time(problem)
         bound_s = objective.lower_bound_s(problem)
         whole = strategy == "full" or (strategy == "auto" and problem.num_tasks <= FULL_MODEL_MAX_TASKS)
@@ -112,10 +115,8 @@ def place_milp(
         elif whole:
             plan, timeline = _solve_whole(problem, start_plan, timeline, settings, finish_by, info, objective)
         elif not objective.windows_apply:
-            # Lookahead rounds and windows shorten a schedule's critical path: they serve latency only.
-            if start_plan is None:
-                raise InfeasibleError("no heuristic found a placement that fits memory; add memory or devices")
-            plan, info.strategy, info.stop_reason = start_plan, "heuristics", StopReason.TIME_LIMIT
+            # Lookahead rounds and windows shorten a schedule's critical path: the period gets its own search.
+            plan, timeline = _search_period(problem, starts, finish_by, settings, report, bound_s, info, objective)
         elif start_plan is None:
             raise InfeasibleError(
                 "no heuristic found a placement that fits memory and the graph is too large for one MILP "
@@ -173,8 +174,9 @@ def _status() -> Any:
 
 def _best_heuristic(
     problem: Problem, deadline: float, report: Any, objective: Objective
-) -> tuple[Plan | None, Timeline | None, dict[str, float]]:
-    """The acceptable heuristic plan (memory first) best by ``objective``, and every heuristic's objective value.
+) -> tuple[Plan | None, Timeline | None, dict[str, float], dict[str, tuple[Plan, Timeline]]]:
+    """The acceptable heuristic plan (memory first) best by ``objective``, every heuristic's objective value, and
+    every acceptable heuristic plan by name.
 
     The heuristics are the placers whose spec names a start-plan rank and serves ``objective``, most promising
     (lowest rank) first; one whose measured time (:mod:`moirai.planning.solve.costs`) does not fit what is left
@@ -183,6 +185,7 @@ def _best_heuristic(
     budget = (deadline - started) * _HEURISTIC_SHARE
     best: tuple[Plan, Timeline] | None = None
     values: dict[str, float] = {}
+    plans: dict[str, tuple[Plan, Timeline]] = {}
     for heuristic in start_plans(objective.name):
         name = heuristic.name
         predicted = measured_costs().start_plan_time_s(name, problem.num_tasks)
@@ -203,11 +206,69 @@ def _best_heuristic(
             logger.debug("start plan %s skipped: not acceptable to the %s objective", name, objective.name)
             continue
         values[name] = objective.value_s(timeline)
+        plans[name] = (plan, timeline)
         if best is None or objective.improves(timeline, best[1]):
             best = (plan, timeline)
     if best is None:
-        return None, None, values
-    return best[0], best[1], values
+        return None, None, values, plans
+    return best[0], best[1], values, plans
+
+
+def _search_period(
+    problem: Problem,
+    starts: dict[str, tuple[Plan, Timeline]],
+    deadline: float,
+    settings: SolverSettings,
+    report: Any,
+    bound_s: float,
+    info: SolverReport,
+    objective: Objective,
+) -> tuple[Plan, Timeline]:
+    """The period search (:mod:`moirai.planning.solve.period_search`) from the start plans, ``contiguous`` among
+    them where its predicted time fits its share of the budget, best first, each distinct placement in turn with an
+    equal share of the time left (a search that stops early leaves its time to the others). The best plan wins."""
+    starts = dict(starts)
+    predicted_s = measured_costs().start_plan_time_s("contiguous", problem.num_tasks)
+    predicted_s *= max(1.0, problem.num_devices / _CONTIGUOUS_MEASURED_DEVICES) ** 2  # measured on 4 devices
+    if predicted_s <= _CONTIGUOUS_SHARE * (deadline - time.perf_counter()):
+        report("start plan: contiguous")
+        from moirai.planning.placers.contiguous import place_contiguous
+
+        try:
+            plan = place_contiguous(problem, objective=objective)
+            timeline = simulate(problem, plan)
+            if objective.acceptable(timeline):
+                starts["contiguous"] = (plan, timeline)
+                info.heuristics["contiguous"] = objective.value_s(timeline)
+        except InfeasibleError as error:
+            logger.debug("start plan contiguous skipped: %s", error)
+    if not starts:
+        raise InfeasibleError("no heuristic found a placement that fits memory; add memory or devices")
+    pending, seen = [], set()
+    for plan, timeline in sorted(starts.values(), key=lambda pt: objective.rank(pt[1])):
+        if timeline.placement.tobytes() not in seen:
+            seen.add(timeline.placement.tobytes())
+            pending.append((plan, timeline))
+    info.strategy, info.window_starts = "period search", len(pending)
+    best = pending[0]
+    info.history = [(0.0, objective.value_s(best[1]))]
+    stopped_by_time = False
+    while pending:
+        plan, timeline = pending.pop(0)
+        until = time.perf_counter() + (deadline - time.perf_counter()) / (len(pending) + 1)
+        report(progress_text("period search", objective.value_s(best[1]), bound_s))
+        search = improve_period(problem, plan, timeline, until, bound_s, settings.mip_gap, objective)
+        info.moves_tried += search.moves_tried
+        info.moves_kept += search.moves_kept
+        if objective.improves(search.timeline, best[1]):
+            best = (search.plan, search.timeline)
+            info.history = search.history
+        if search.stop_reason is StopReason.GAP_CLOSED:
+            info.stop_reason = StopReason.GAP_CLOSED
+            return best
+        stopped_by_time |= search.stop_reason is StopReason.TIME_LIMIT
+    info.stop_reason = StopReason.TIME_LIMIT if stopped_by_time else StopReason.NO_IMPROVING_MOVE
+    return best
 
 
 def _search_large(

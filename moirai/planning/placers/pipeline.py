@@ -1,14 +1,22 @@
 """``pipeline``: stages of a topological order for throughput, by dynamic programming (PipeEdge, Hu et al. 2022).
 
-The tasks, in topological order, are cut into contiguous stages, one per device used, each device used
-at most once and in any order. A stage's cost is the larger of its compute time on its device and the
-transfer into it: every tensor produced before the cut and read after it, sent from the previous stage's
-device (tensors that skip a stage are charged to the cut they cross, as PipeEdge does), and the runtime's own
-work per request on the stage's device and the model outputs' messages, as
-:attr:`moirai.planning.costs.RequestCosts.charges` charges them; device 0's driver is charged for every stage's
-outputs it receives, so its load grows stage by stage. The DP minimises the largest stage cost (or device 0's load),
-the period of a pipelined stream of requests, over (tasks placed, devices used, last device); stages must fit their
-device's memory and run only tasks the device can run.
+The tasks, in topological order, are cut into contiguous stages, one per device used, each device used at most once
+and in any order. A partial split (a label) is priced exactly as the simulator prices its plan
+(:attr:`moirai.planning.simulate.Timeline.period_s`, :mod:`moirai.planning.schedule.transfers`): a tensor crosses
+once to every later stage that reads it, straight from the device that made it, occupying that link, its sender's
+device (``send_cpu_s``) and the stage's device (``recv_cpu_s``); every device pays its share of
+:attr:`moirai.planning.costs.RequestCosts.charges` (device 0 the driver's, which grows with every stage). A label
+carries every device's load so far and which device holds each tensor still to be read, since a sender's load grows
+when a later stage reads what it made; its value, the busiest device or link so far, is the period of the split so
+far and never shrinks. So the DP's value of the plan it returns is the simulator's period of that plan.
+
+Over (tasks placed, devices used, last device) the DP keeps two labels: the one of least value, and the one PipeEdge's
+own price picks (every tensor crossing a cut is charged to the link from the previous stage's device, as if
+forwarded stage by stage; optimal substructure, so that label is the best split by that price). The exact price
+has no optimal substructure (a label's later sends are not in its value yet), so neither label alone is the best
+split; keeping both, the plan returned is never worse than PipeEdge's price would pick, and on graphs whose
+tensors never skip a stage the two prices agree. Stages must fit their device's memory and run only tasks the
+device can run.
 
 With more than :data:`SUBSET_DP_MAX_DEVICES` devices the device order is fixed (fastest first by
 :attr:`moirai.planning.problem.Problem.device_speed`) and the DP chooses only where to cut, which devices to skip
@@ -17,6 +25,9 @@ included. Each device runs its stage in topological order; the simulator judges 
 
 from __future__ import annotations
 
+import bisect
+from typing import NamedTuple
+
 import numpy as np
 
 from moirai.errors import InfeasibleError
@@ -24,93 +35,217 @@ from moirai.planning.placers import register
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.report import PlacerReport
-from moirai.planning.schedule import transfer_duration_s
+from moirai.planning.schedule import recv_cpu_s, send_cpu_s, transfer_duration_s
 
 SUBSET_DP_MAX_DEVICES = 6
+
+
+class _Label(NamedTuple):
+    """A split of the first ``end`` tasks: its period so far, PipeEdge's price of it, and how it was reached."""
+
+    value_s: float  # the busiest device or link so far (device loads only grow)
+    cut_priced_s: float  # PipeEdge's price: every crossing tensor charged to the last cut's link
+    loads_s: np.ndarray  # [k] every device's CPU time per request so far
+    links_s: float  # the busiest link so far (a link into a stage is done when the stage is)
+    holding: dict[int, int]  # which device holds every tensor made before ``end`` and read at or after it
+    end: int
+    device: int
+    parent: _Label | None
+
+
+class _Best:
+    """Of the splits that end with one (devices used, last device), the best by one measure for every end: numbers
+    in arrays, made a :class:`_Label` only when the DP extends it (most are replaced before)."""
+
+    def __init__(self, n: int, k: int, by_price: bool, made: list[_Label]) -> None:
+        self.by_price, self.made = by_price, made  # made: every label extended, by index
+        self.value_s, self.price_s = np.full(n + 1, np.inf), np.full(n + 1, np.inf)
+        self.loads_s, self.links_s = np.zeros((n + 1, k)), np.zeros(n + 1)
+        self.parent = np.full(n + 1, -1)  # index in ``made``; -1: no split ends there
+
+    def measure(self) -> np.ndarray:
+        return self.price_s if self.by_price else self.value_s
+
+    def update(self, ends: np.ndarray, better: np.ndarray, value, price, loads, links, parent: int) -> None:
+        at = ends[better]
+        self.value_s[at], self.price_s[at] = value[better], price[better]
+        self.loads_s[at], self.links_s[at] = loads[:, better].T, links[better]
+        self.parent[at] = parent
+
+    def label(self, p: _Prices, end: int, device: int) -> _Label:
+        parent = self.made[self.parent[end]]
+        holding = {t: device if p.made_at[t] >= parent.end else parent.holding[t] for t in p.crossing[end]}
+        loads = self.loads_s[end].copy()
+        return _Label(
+            float(self.value_s[end]),
+            float(self.price_s[end]),
+            loads,
+            float(self.links_s[end]),
+            holding,
+            end,
+            device,
+            parent,
+        )
+
+
+class _Prices(NamedTuple):
+    """The problem's numbers the DP reads, by position in the topological order."""
+
+    order: np.ndarray
+    work: np.ndarray  # [n + 1, k] prefix sums of finite compute plus what a task charges its own device
+    unrunnable: np.ndarray  # [n + 1, k] prefix counts of tasks a device cannot run
+    to_driver: np.ndarray  # [n + 1, k] prefix sums of what tasks on each device charge device 0
+    memory: np.ndarray  # [n + 1] prefix sums of memory
+    taking_part: np.ndarray  # [k]
+    made_at: np.ndarray  # [tensors] position of each tensor's producer
+    read_at: list[list[int]]  # per tensor, its consumers' positions, sorted
+    crossing: list[list[int]]  # per cut position, tensors made before it and read at or after it
+    transfer: np.ndarray  # [tensors, k, k]
+    send: np.ndarray
+    recv: np.ndarray
+    cut: np.ndarray  # [n + 2, k, k] PipeEdge's transfer price of each cut
+
+
+def _prices(problem: Problem) -> _Prices:
+    n, k = problem.num_tasks, problem.num_devices
+    order = np.array(problem.topological_order, int)
+    charges = problem.costs.charges
+    runs = np.isfinite(problem.compute_s)
+    work = np.where(runs, problem.compute_s, 0.0) + charges.own_s
+    position = np.empty(n, int)
+    position[order] = np.arange(n)
+    made_at = position[problem.tensor_producer] if problem.num_tensors else np.zeros(0, int)
+    read_at = [sorted(int(position[c]) for c in consumers) for consumers in problem.tensor_consumers]
+    crossing: list[list[int]] = [[] for _ in range(n + 2)]
+    for t, positions in enumerate(read_at):
+        for cut in range(int(made_at[t]) + 1, positions[-1] + 1):
+            crossing[cut].append(t)
+    tensors, devices = np.arange(problem.num_tensors)[:, None, None], np.arange(k)
+    src, dst = devices[None, :, None], devices[None, None, :]
+
+    def prefix(values: np.ndarray) -> np.ndarray:
+        return np.vstack([np.zeros((1,) + values.shape[1:]), np.cumsum(values[order], axis=0)])
+
+    return _Prices(
+        order,
+        prefix(work),
+        prefix((~runs).astype(float)),
+        prefix(charges.driver_s),
+        np.r_[0.0, np.cumsum(problem.memory_bytes[order])],
+        charges.taking_part_s,
+        made_at,
+        read_at,
+        crossing,
+        transfer_duration_s(problem, tensors, src, dst),
+        send_cpu_s(problem, tensors, src, dst),
+        recv_cpu_s(problem, tensors, src, dst),
+        _cut_transfer_s(problem, order, made_at, read_at),
+    )
 
 
 @register("pipeline", minimises=True, respects_memory=True, objectives=("throughput",), start_plan=10)
 def place_pipeline(problem: Problem) -> Plan:
     n, k = problem.num_tasks, problem.num_devices
-    order = np.array(problem.topological_order, int)
-    charges = problem.costs.charges
-    with np.errstate(invalid="ignore"):
-        # Prefix sums (inf stays) of each task's compute and of the per-request CPU time it charges its own device
-        # and the driver on device 0 (RequestCosts.charges, as the simulator counts them).
-        work = problem.compute_s + charges.own_s
-        compute = np.vstack([np.zeros(k), np.cumsum(work[order], axis=0)])
-    to_driver = np.vstack([np.zeros(k), np.cumsum(charges.driver_s[order], axis=0)])
-    stage_fixed_s = charges.always_s + charges.taking_part_s
-    memory = np.r_[0.0, np.cumsum(problem.memory_bytes[order])]
-    cut = _cut_transfer_s(problem, order)
-    devices = list(range(k)) if k <= SUBSET_DP_MAX_DEVICES else list(np.argsort(-problem.device_speed, kind="stable"))
+    p = _prices(problem)
+    always = problem.costs.charges.always_s
     subsets = k <= SUBSET_DP_MAX_DEVICES
-    # best[(start, used, last)] = (period so far, previous state, stage device, device 0's load so far); ``used`` a
-    # bit mask. Device 0's driver works on every request and takes every stage's outputs, so its load grows with
-    # every stage and no period is shorter than it.
-    driver_s = float(charges.always_s[0])
-    best: dict[tuple[int, int, int], tuple[float, tuple[int, int, int] | None, int, float]] = {
-        (0, 0, -1): (max(driver_s, float(charges.always_s.max(initial=0.0))), None, -1, driver_s)
-    }
-    by_start: list[list[tuple[int, int, int]]] = [[] for _ in range(n + 1)]
-    by_start[0].append((0, 0, -1))
-    for start in range(n):
-        for state in sorted(by_start[start]):
-            period, _, _, driver_s = best[state]
-            _, used, last = state
+    devices = list(range(k)) if subsets else [int(d) for d in np.argsort(-problem.device_speed, kind="stable")]
+    start = _Label(float(always.max(initial=0.0)), 0.0, always.astype(float), 0.0, {}, 0, -1, None)
+    start = start._replace(cut_priced_s=start.value_s)
+    # Per (devices used, last device): the best splits by value and by PipeEdge's price, for every end.
+    tables: dict[tuple[int, int], tuple[_Best, _Best]] = {}
+    made: list[_Label] = []
+    for s in range(n):
+        for used, last in [(0, -1)] if s == 0 else sorted(tables):
+            if s == 0:
+                labels = [start]
+            else:
+                by_value, by_price = tables[used, last]
+                if by_price.parent[s] < 0:
+                    continue
+                # PipeEdge's label first, so that on ties its own choices stay as they were.
+                labels = [by_price.label(p, s, last)]
+                if by_value.parent[s] != by_price.parent[s]:
+                    labels.append(by_value.label(p, s, last))
             position = devices.index(last) if last >= 0 else -1
             candidates = devices if subsets else devices[position + 1 :]
-            for d in candidates:
-                if used >> d & 1:
-                    continue
-                ends = np.arange(start + 1, n + 1)
-                stage_s = compute[ends, d] - compute[start, d] + stage_fixed_s[d]
-                driver = driver_s + to_driver[ends, d] - to_driver[start, d]
-                if d == 0:
-                    driver, stage_s = driver + stage_s - charges.always_s[0], 0.0
-                incoming = cut[start, last, d] if last >= 0 else 0.0
-                cost = np.maximum(np.maximum(np.maximum(stage_s, incoming), period), driver)
-                ok = (memory[ends] - memory[start] <= problem.memory_capacity_bytes[d]) & np.isfinite(cost)
-                for end, value, load in zip(ends[ok].tolist(), cost[ok].tolist(), driver[ok].tolist(), strict=True):
-                    key = (end, used | 1 << d if subsets else 0, d)  # a fixed order needs no used set
-                    if key not in best:
-                        by_start[end].append(key)
-                    if key not in best or value < best[key][0]:
-                        best[key] = (value, state, d, load)
-    finals = by_start[n]
+            for label in labels:
+                made.append(label)
+                for d in candidates:
+                    if subsets and used >> d & 1:
+                        continue
+                    key = (used | 1 << d if subsets else 0, d)  # a fixed order needs no used set
+                    if key not in tables:
+                        tables[key] = (_Best(n, k, False, made), _Best(n, k, True, made))
+                    _extend(problem, p, label, len(made) - 1, last, d, tables[key])
+    finals = [
+        table.label(p, n, last)
+        for (_, last), tables_ in sorted(tables.items())
+        for table in tables_[::-1]
+        if table.parent[n] >= 0
+    ]
     if not finals:
         raise InfeasibleError(
             "pipeline finds no split of the topological order into stages that fit the devices' memory and run "
             "every task where it can run; try 'heft' or 'milp'"
         )
-    state: tuple[int, int, int] | None = min(finals, key=lambda s: (best[s][0], s))
+    best = min(finals, key=lambda label: label.value_s)
+    by_price = min(finals, key=lambda label: label.cut_priced_s)
     placement = np.empty(n, int)
-    period_s = best[state][0]
-    while state is not None and state[0] > 0:
-        _, previous, d, _ = best[state]
-        placement[order[previous[0] : state[0]]] = d
-        state = previous
-    per_device = tuple(tuple(int(i) for i in order if placement[i] == d) for d in range(k))
-    return Plan(
-        placement,
-        problem.device_names,
-        order=per_device,
-        placer="pipeline",
-        report=PlacerReport(notes={"dp_period_s": period_s}),
+    label: _Label | None = best
+    while label is not None and label.parent is not None:
+        placement[p.order[label.parent.end : label.end]] = label.device
+        label = label.parent
+    per_device = tuple(tuple(int(i) for i in p.order if placement[i] == d) for d in range(k))
+    notes = {"dp_period_s": best.value_s, "cut_priced_period_s": by_price.value_s}
+    return Plan(placement, problem.device_names, order=per_device, placer="pipeline", report=PlacerReport(notes=notes))
+
+
+def _extend(
+    problem: Problem, p: _Prices, label: _Label, index: int, last: int, d: int, tables: tuple[_Best, _Best]
+) -> None:
+    """Every stage on ``d`` after ``label`` (number ``index`` of those made), priced and kept where it improves a
+    table."""
+    n, k, s = problem.num_tasks, problem.num_devices, label.end
+    ends = np.arange(s + 1, n + 1)
+    m = len(ends)
+    ok = (p.unrunnable[ends, d] == p.unrunnable[s, d]) & (
+        p.memory[ends] - p.memory[s] <= problem.memory_capacity_bytes[d]
     )
+    if not ok[0]:
+        return
+    # Tensors held elsewhere that the stage reads: received once, at its first reader in the stage.
+    sends, links, received = np.zeros((k, m)), np.zeros((k, m)), np.zeros(m)
+    for t, a in label.holding.items():
+        first = p.read_at[t][bisect.bisect_left(p.read_at[t], s)] - s
+        if first < m:
+            sends[a, first] += p.send[t, a, d]
+            links[a, first] += p.transfer[t, a, d]
+            received[first] += p.recv[t, a, d]
+    np.cumsum(sends, axis=1, out=sends)
+    np.cumsum(links, axis=1, out=links)
+    loads = label.loads_s[:, None] + sends
+    loads[d] += p.taking_part[d] + p.work[ends, d] - p.work[s, d] + np.cumsum(received)
+    loads[0] += p.to_driver[ends, d] - p.to_driver[s, d]
+    link_s = np.maximum(links.max(axis=0), label.links_s)
+    value = np.maximum(loads.max(axis=0), link_s)
+    incoming = p.cut[s, last, d] if last >= 0 else 0.0
+    price = np.maximum(np.maximum(np.maximum(loads[d], loads[0]), incoming), label.cut_priced_s)
+    ok &= np.isfinite(value)
+    for table, measure in zip(tables, (value, price), strict=True):
+        better = ok & (measure < table.measure()[ends])
+        if better.any():
+            table.update(ends, better, value, price, loads, link_s, index)
 
 
-def _cut_transfer_s(problem: Problem, order: np.ndarray) -> np.ndarray:
-    """``cut[b, a, d]``: time to send from device ``a`` to ``d`` every tensor made before position ``b`` of
-    ``order`` and read at or after it."""
+def _cut_transfer_s(problem: Problem, order: np.ndarray, made_at: np.ndarray, read_at: list[list[int]]) -> np.ndarray:
+    """``cut[b, a, d]``: PipeEdge's price of cut ``b``, the time to send from device ``a`` to ``d`` every tensor made
+    before position ``b`` of ``order`` and read at or after it."""
     n, k = problem.num_tasks, problem.num_devices
-    position = np.empty(n, int)
-    position[order] = np.arange(n)
     change = np.zeros((n + 2, k, k))
     devices = np.arange(k)
-    for t, consumers in enumerate(problem.tensor_consumers):
-        made = position[problem.tensor_producer[t]] + 1
-        last_read = max(position[c] for c in consumers)
+    for t, positions in enumerate(read_at):
+        made, last_read = int(made_at[t]) + 1, positions[-1]
         if last_read >= made:
             seconds = transfer_duration_s(problem, t, devices[:, None], devices[None, :])
             change[made] += seconds

@@ -1,0 +1,247 @@
+"""Large-neighbourhood search for the throughput objective: moves of tasks between devices, judged by the period.
+
+A plan's period (:attr:`moirai.planning.simulate.Timeline.period_s`) depends on its placement alone: every device's
+tasks with their sends and receives (:mod:`moirai.planning.schedule.transfers`), the runtime's charges
+(:attr:`moirai.planning.costs.RequestCosts.charges`), and every directed link's transfers, a tensor crossing once to
+each device that reads it. :class:`Loads` keeps those per device and link for one placement and prices a move from
+the tensors its tasks touch, so a move costs time in the tasks' degree, not a simulation; the search's result is
+simulated, and with a latency limit every kept move is.
+
+The neighbourhoods, tried in turn, a pass each:
+
+- **boundary**: one task to a device that makes one of its inputs or reads one of its outputs (a stage boundary
+  moved by one task, or a task joining its neighbours);
+- **chunks**: the first or last 1, 2, 4, ... tasks, in topological order, of the busiest device (or of both ends of
+  the busiest link) to another device, all of them included (a boundary moved by many tasks, a stage split onto an
+  idle device, two stages merged);
+- **swap**: the tasks of two devices exchanged (a stage on a faster or better-linked device).
+
+A move is kept when it shortens the period, or keeps it and lowers the sum of squared loads (so load leaves the
+busiest device even where another is as busy). The search stops when the period reaches the bound (within the
+relative gap), when a full pass over every neighbourhood keeps nothing (:attr:`StopReason.NO_IMPROVING_MOVE`), or at
+the deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moirai.planning.objective import Objective
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
+from moirai.planning.report import StopReason
+from moirai.planning.schedule import recv_cpu_s, send_cpu_s, transfer_duration_s
+from moirai.planning.simulate import Timeline, simulate
+from moirai.planning.solve.search import gap_closed
+
+_IMPROVEMENT = 1e-12  # relative: a period this much shorter counts as progress
+
+
+class Loads:
+    """Every device's and link's time per request under one placement, as the simulator's period counts them."""
+
+    def __init__(self, problem: Problem, placement: np.ndarray) -> None:
+        self.problem = problem
+        k = problem.num_devices
+        charges = problem.costs.charges
+        self._compute = np.where(np.isfinite(problem.compute_s), problem.compute_s, np.inf) + charges.own_s
+        self._driver = charges.driver_s
+        self._always, self._taking_part = charges.always_s, charges.taking_part_s
+        tensors, devices = np.arange(problem.num_tensors)[:, None, None], np.arange(k)
+        src, dst = devices[None, :, None], devices[None, None, :]
+        self._transfer = transfer_duration_s(problem, tensors, src, dst)
+        self._send = send_cpu_s(problem, tensors, src, dst)
+        self._recv = recv_cpu_s(problem, tensors, src, dst)
+        self._producer = problem.tensor_producer.tolist()
+        self._consumers = [list(cs) for cs in problem.tensor_consumers]
+        self._touching = [
+            sorted({*problem.input_tensors[i], *problem.output_tensors[i]}) for i in range(problem.num_tasks)
+        ]
+        self.placement = np.asarray(placement, int).copy()
+        self.device_s, self.link_s, self.count, self.memory_bytes = self._totals(self.placement)
+
+    def _totals(self, placement: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        problem, k = self.problem, self.problem.num_devices
+        tasks = np.arange(problem.num_tasks)
+        device = np.bincount(placement, weights=self._compute[tasks, placement], minlength=k)
+        device[0] += self._driver[tasks, placement].sum()
+        count = np.bincount(placement, minlength=k)
+        device += self._always + np.where(count > 0, self._taking_part, 0.0)
+        link = np.zeros((k, k))
+        for t in range(problem.num_tensors):
+            self._tensor(t, placement, device, link, 1.0)
+        memory = np.bincount(placement, weights=problem.memory_bytes, minlength=k)
+        return device, link, count, memory
+
+    def _tensor(self, t: int, placement: np.ndarray, device: np.ndarray, link: np.ndarray, sign: float) -> None:
+        """Add (``sign`` 1) or remove (-1) tensor ``t``'s transfers under ``placement``: once to each other device."""
+        a = placement[self._producer[t]]
+        for b in {int(placement[c]) for c in self._consumers[t]} - {a}:
+            link[a, b] += sign * self._transfer[t, a, b]
+            device[a] += sign * self._send[t, a, b]
+            device[b] += sign * self._recv[t, a, b]
+
+    @property
+    def period_s(self) -> float:
+        return float(max(self.device_s.max(initial=0.0), self.link_s.max(initial=0.0)))
+
+    @staticmethod
+    def key(device_s: np.ndarray, link_s: np.ndarray) -> tuple[float, float]:
+        """What a move lowers: the period, then the sum of squared loads."""
+        period = float(max(device_s.max(initial=0.0), link_s.max(initial=0.0)))
+        return period, float((device_s**2).sum() + (link_s**2).sum())
+
+    def priced(self, tasks: list[int], target: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Device and link loads with ``tasks`` moved to device ``target`` (None: it cannot run one or hold them)."""
+        problem, placement = self.problem, self.placement
+        moving = [i for i in tasks if placement[i] != target]
+        if not moving or not np.all(np.isfinite(self._compute[moving, target])):
+            return None
+        memory = float(problem.memory_bytes[moving].sum())
+        if self.memory_bytes[target] + memory > problem.memory_capacity_bytes[target]:
+            return None
+        device, link = self.device_s.copy(), self.link_s.copy()
+        touched = sorted({t for i in moving for t in self._touching[i]})
+        for t in touched:
+            self._tensor(t, placement, device, link, -1.0)
+        count = self.count.copy()
+        for i in moving:
+            a = placement[i]
+            device[a] -= self._compute[i, a]
+            device[target] += self._compute[i, target]
+            device[0] += self._driver[i, target] - self._driver[i, a]
+            count[a] -= 1
+            count[target] += 1
+        for d in {int(placement[i]) for i in moving} | {target}:
+            was, now = self.count[d] > 0, count[d] > 0
+            device[d] += self._taking_part[d] * (float(now) - float(was))
+        moved = placement.copy()
+        moved[moving] = target
+        for t in touched:
+            self._tensor(t, moved, device, link, 1.0)
+        return device, link
+
+    def apply(self, placement: np.ndarray, device_s: np.ndarray, link_s: np.ndarray) -> None:
+        """Take ``placement``, whose loads :meth:`priced` or :meth:`relabelled` gave (in place: moves read it)."""
+        k = self.problem.num_devices
+        self.placement[:] = placement
+        self.count[:] = np.bincount(placement, minlength=k)
+        self.memory_bytes[:] = np.bincount(placement, weights=self.problem.memory_bytes, minlength=k)
+        self.device_s, self.link_s = device_s, link_s
+
+    def relabelled(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Device and link loads with the tasks of devices ``a`` and ``b`` exchanged (None: they do not fit or run)."""
+        swapped = self.placement.copy()
+        swapped[self.placement == a], swapped[self.placement == b] = b, a
+        tasks = np.arange(self.problem.num_tasks)
+        if not np.all(np.isfinite(self._compute[tasks, swapped])):
+            return None
+        device, link, _, memory = self._totals(swapped)
+        if np.any(memory > self.problem.memory_capacity_bytes):
+            return None
+        return device, link
+
+
+@dataclass
+class PeriodSearchResult:
+    plan: Plan
+    timeline: Timeline
+    stop_reason: StopReason
+    passes: int = 0
+    moves_tried: int = 0
+    moves_kept: int = 0
+    history: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, period)
+
+
+def improve_period(
+    problem: Problem,
+    plan: Plan,
+    timeline: Timeline,
+    deadline: float,
+    bound_s: float,
+    mip_gap: float,
+    objective: Objective,
+) -> PeriodSearchResult:
+    """The neighbourhood search from ``plan`` (simulated as ``timeline``) until ``deadline`` (a
+    ``time.perf_counter`` value), the bound, or a pass that keeps nothing; never worse than its start."""
+    started = time.perf_counter()
+    loads = Loads(problem, timeline.placement)
+    best_key = Loads.key(loads.device_s, loads.link_s)
+    result = PeriodSearchResult(plan, timeline, StopReason.TIME_LIMIT, history=[(0.0, objective.value_s(timeline))])
+    limited = objective.latency_limit_s is not None
+    current = timeline
+    while result.stop_reason is StopReason.TIME_LIMIT and time.perf_counter() < deadline:
+        if gap_closed(best_key[0], bound_s, mip_gap):
+            result.stop_reason = StopReason.GAP_CLOSED
+            break
+        result.passes += 1
+        kept = 0
+        for tasks, target, swap in _moves(problem, loads):
+            if time.perf_counter() >= deadline or gap_closed(best_key[0], bound_s, mip_gap):
+                break
+            result.moves_tried += 1
+            priced = loads.relabelled(*swap) if swap else loads.priced(tasks, target)
+            if priced is None:
+                continue
+            key = Loads.key(*priced)
+            shorter = key[0] < best_key[0] * (1 - _IMPROVEMENT)
+            if not (shorter or (key[0] <= best_key[0] and key[1] < best_key[1] * (1 - _IMPROVEMENT))):
+                continue
+            placement = loads.placement.copy()
+            if swap:
+                a, b = swap
+                placement[loads.placement == a], placement[loads.placement == b] = b, a
+            else:
+                placement[tasks] = target
+            if limited:  # only the simulator knows the latency
+                candidate = simulate(problem, Plan(placement, problem.device_names, placer=plan.placer))
+                if not objective.acceptable(candidate):
+                    continue
+                current = candidate
+            loads.apply(placement, *priced)
+            best_key = key
+            kept += 1
+            result.moves_kept += 1
+            result.history.append((time.perf_counter() - started, key[0]))
+        else:
+            if kept == 0:
+                result.stop_reason = StopReason.NO_IMPROVING_MOVE
+    if result.moves_kept:
+        final = Plan(loads.placement.copy(), problem.device_names, placer=plan.placer)
+        final_timeline = current if limited else simulate(problem, final)
+        if objective.improves(final_timeline, timeline):
+            result.plan, result.timeline = final, final_timeline
+    return result
+
+
+def _moves(problem: Problem, loads: Loads) -> Iterator[tuple[list[int], int, tuple[int, int] | None]]:
+    """Every move of the three neighbourhoods under the current placement: (tasks, target device, swapped pair)."""
+    placement, k = loads.placement, problem.num_devices
+    position = problem.topological_position
+    for i in problem.topological_order:
+        neighbours = {int(problem.tensor_producer[t]) for t in problem.input_tensors[i]}
+        neighbours |= {c for t in problem.output_tensors[i] for c in problem.tensor_consumers[t]}
+        for d in sorted({int(placement[j]) for j in neighbours} - {int(placement[i])}):
+            yield [i], d, None
+    busy = [int(np.argmax(loads.device_s))]
+    if loads.link_s.max(initial=0.0) > loads.device_s.max(initial=0.0):
+        busy = [int(x) for x in np.unravel_index(np.argmax(loads.link_s), loads.link_s.shape)]
+    for a in busy:
+        stage = sorted(np.flatnonzero(placement == a).tolist(), key=lambda i: position[i])
+        sizes, size = [], 1
+        while size < len(stage):
+            sizes.append(size)
+            size *= 2
+        sizes.append(len(stage))
+        for size in sizes:
+            for chunk in (stage[:size], stage[-size:]):
+                for d in range(k):
+                    if d != a:
+                        yield chunk, d, None
+    for a in range(k):
+        for b in range(a + 1, k):
+            yield [], -1, (a, b)
