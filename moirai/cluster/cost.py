@@ -88,11 +88,13 @@ def build_problem(
     repeats: int = 11,
     progress: bool = True,
     clock: Callable[[], float] = time.perf_counter,
+    colocated: Sequence[Sequence[int]] = (),
 ) -> Problem:
     """The placement problem of ``graph`` on ``cluster``.
 
     ``mode="measured"`` needs ``traced``, the model ``graph`` was built from; ``analytic`` uses it,
-    when given, only to read each node's dtype.
+    when given, only to read each node's dtype. ``colocated``: sets of node indices that must share one device
+    (:attr:`moirai.planning.problem.Problem.colocated`).
     """
     if mode == "analytic":
         dtypes = None if traced is None else node_dtypes(graph, traced)
@@ -142,6 +144,7 @@ def build_problem(
             output_recv_cpu_s=outputs.recv_cpu_s,
             request_cpu_s=cluster.request_cpu_s,
         ),
+        colocated=tuple(tuple(members) for members in colocated),
     )
 
 
