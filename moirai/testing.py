@@ -159,8 +159,9 @@ def random_layered_problem(
 
 
 def brute_force_optimum(problem: Problem, contention: bool = True) -> float:
-    """The true optimum: the best simulated makespan over every placement that fits memory, every device order
-    and (with contention) every order on every link; ``inf`` when no placement fits. Placements are visited by
+    """The true optimum: the best simulated makespan over every placement that fits memory and keeps every colocated
+    set on one device, every device order and (with contention) every order on every link; ``inf`` when no placement
+    fits. Placements are visited by
     a lower bound (longest path with their transfers, busiest device) and the search stops when that bound
     reaches the best found."""
     k = problem.num_devices
@@ -171,6 +172,7 @@ def brute_force_optimum(problem: Problem, contention: bool = True) -> float:
         for p in placements
         if np.all(np.bincount(p, weights=problem.memory_bytes, minlength=k) <= problem.memory_capacity_bytes)
         and np.all(problem.runs_on[np.arange(problem.num_tasks), p])
+        and all(len(set(p[list(members)].tolist())) == 1 for members in problem.colocated)
     ]
     best = math.inf
     for bound, placement in sorted(((_placement_bound(problem, p), p) for p in placements), key=lambda bp: bp[0]):

@@ -66,6 +66,11 @@ def test_problem_transfers_and_memory() -> None:
     np.testing.assert_allclose(problem.memory_capacity_bytes, [1e9 - 7e5, 1e9 - 7e5])
 
 
+def test_colocated_node_sets_pass_through_to_the_problem() -> None:
+    assert build_problem(hand_graph(), two_device_cluster(), colocated=[[1, 0]]).colocated == ((0, 1),)
+    assert build_problem(hand_graph(), two_device_cluster()).colocated == ()
+
+
 def test_activation_peak_frees_tensors_after_their_last_consumer() -> None:
     def node(name: str, output_bytes: float) -> OpNode:
         return OpNode(name, ("aten.relu",), (name,), 0.0, 0.0, output_bytes, frozenset(), 0.0)

@@ -91,13 +91,15 @@ def build_problem(
     progress: bool = True,
     clock: Callable[[], float] = time.perf_counter,
     symbol_values: Mapping[str, int] | None = None,
+    colocated: Sequence[Sequence[int]] = (),
 ) -> Problem:
     """The placement problem of ``graph`` on ``cluster``.
 
     ``mode="measured"`` needs ``traced``, the model ``graph`` was built from; ``analytic`` uses it,
     when given, only to read each node's dtype. ``symbol_values`` (a dynamic dimension's symbol -> size): measure
     at those sizes rather than the example inputs' (``graph`` should be built under
-    :func:`moirai.frontend.symbolic_shapes.sizes_at` with the same values).
+    :func:`moirai.frontend.symbolic_shapes.sizes_at` with the same values). ``colocated``: sets of node indices that
+    must share one device (:attr:`moirai.planning.problem.Problem.colocated`).
     """
     if mode == "analytic":
         dtypes = None if traced is None else node_dtypes(graph, traced)
@@ -155,6 +157,7 @@ def build_problem(
             output_recv_cpu_s=outputs.recv_cpu_s,
             request_cpu_s=cluster.request_cpu_s,
         ),
+        colocated=tuple(tuple(members) for members in colocated),
     )
 
 

@@ -21,6 +21,7 @@ import highspy
 import numpy as np
 
 from moirai.errors import InfeasibleError
+from moirai.planning.colocation import Contraction, contract
 from moirai.planning.highs import new_highs
 from moirai.planning.problem import Problem
 
@@ -58,7 +59,9 @@ def format_bytes(num_bytes: float) -> str:
 
 
 def check_memory_feasible(problem: Problem) -> None:
-    """Raise :class:`InfeasibleError` when no placement can fit the model's memory, saying by how much."""
+    """Raise :class:`InfeasibleError` when no placement can fit the model's memory, saying by how much: in total,
+    for a task, or for a colocation group (a colocated set with the tasks :func:`moirai.planning.colocation.contract`
+    keeps with it), whose tasks must share one device."""
     needed = float(problem.memory_bytes.sum())
     capacity = problem.memory_capacity_bytes
     if needed > capacity.sum():
@@ -67,6 +70,22 @@ def check_memory_feasible(problem: Problem) -> None:
             "add devices or memory, or use a smaller data type"
         )
     _fastest_holding_device_time(problem)
+    if problem.colocated:
+        _check_groups_fit(contract(problem))
+
+
+def _check_groups_fit(contraction: Contraction) -> None:
+    contracted = contraction.problem
+    for c in contraction.groups:
+        if contracted.fits[c].any():
+            continue
+        runs_on = contracted.runs_on[c]
+        largest = float(contracted.memory_capacity_bytes[runs_on].max())
+        raise InfeasibleError(
+            f"colocated tasks {contraction.describe(c)} must share one device and need "
+            f"{format_bytes(float(contracted.memory_bytes[c]))} together, but no device that can run them all has "
+            f"that much (largest: {format_bytes(largest)}); add memory or split the set"
+        )
 
 
 def _fastest_holding_device_time(problem: Problem) -> np.ndarray:

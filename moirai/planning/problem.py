@@ -26,6 +26,7 @@ from typing import Any
 
 import networkx as nx
 import numpy as np
+from networkx.utils import UnionFind
 
 from moirai.errors import ProblemError
 from moirai.planning.costs import RequestCosts
@@ -49,6 +50,10 @@ class Problem:
     work (:class:`moirai.planning.costs.RequestCosts`; default 0). They delay when devices start and when a
     request is done, and their CPU time limits the period of pipelined requests, not one request's latency
     (:func:`moirai.planning.schedule.runtime_cpu_s`).
+    ``colocated``: sets of task indices that must share one device (a mutable buffer, such as a layer's KV cache,
+    and every task that reads or writes it). Sets that overlap are merged, as colocation is transitive, and sets of
+    fewer than two tasks dropped; each is kept sorted. :func:`moirai.place` enforces them for every placer and the
+    simulator refuses a plan that separates one (:mod:`moirai.planning.colocation`).
     """
 
     device_names: tuple[str, ...]
@@ -64,6 +69,7 @@ class Problem:
     send_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
     recv_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
     costs: RequestCosts = field(default=None)  # type: ignore[assignment]
+    colocated: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         n, k, t = len(self.task_names), len(self.device_names), len(self.tensor_names)
@@ -81,6 +87,7 @@ class Problem:
             )
         if self.costs is None:
             object.__setattr__(self, "costs", RequestCosts.zeros(n, k))
+        object.__setattr__(self, "colocated", _merged_sets(self.colocated, n))
         self._validate()
 
     def _validate(self) -> None:
@@ -353,6 +360,7 @@ class Problem:
             send_cpu_s=np.array(send_cpu).reshape(len(names), k, k),
             recv_cpu_s=np.array(recv_cpu).reshape(len(names), k, k),
             costs=RequestCosts.from_dict(d.get("request_costs"), devices, tasks),
+            colocated=tuple(tuple(index[str(name)] for name in names) for names in d.get("colocated", [])),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -366,6 +374,7 @@ class Problem:
                 for i, name in enumerate(self.task_names)
             ],
             "request_costs": self.costs.to_dict(),
+            "colocated": [[self.task_names[i] for i in members] for members in self.colocated],
             "edges": [
                 {
                     "src": self.task_names[int(self.tensor_producer[t])],
@@ -416,6 +425,7 @@ def _check_description(d: Any) -> None:
             missing = [k for k in required if k not in entry]
             if missing:
                 raise ProblemError(f"{key}[{i}] lacks {missing}; every entry of {key!r} needs {list(required)}")
+    _check_colocated_description(d)
     k = len(d["devices"])
     for i, task in enumerate(d["tasks"]):
         try:
@@ -427,6 +437,48 @@ def _check_description(d: Any) -> None:
             raise ProblemError(
                 f"tasks[{i}] ({task['name']!r}): compute_s must list one time per device ({k}), got {compute.size}"
             )
+
+
+def _check_colocated_description(d: dict[str, Any]) -> None:
+    """``colocated``: a list of lists of task names, each naming a task of ``tasks``."""
+    sets = d.get("colocated", [])
+    if not isinstance(sets, list):
+        raise ProblemError(f"'colocated' must be a list of lists of task names, got {type(sets).__name__}")
+    names = {str(task["name"]) for task in d["tasks"]}
+    for i, members in enumerate(sets):
+        if not isinstance(members, list) or not all(isinstance(name, str) for name in members):
+            raise ProblemError(f"colocated[{i}] must be a list of task names, got {members!r}")
+        unknown = [name for name in members if name not in names]
+        if unknown:
+            raise ProblemError(f"colocated[{i}] names unknown tasks {unknown}; name tasks listed in 'tasks'")
+
+
+def _merged_sets(sets: Any, num_tasks: int) -> tuple[tuple[int, ...], ...]:
+    """``sets`` of task indices checked, overlapping ones merged (union-find), those of one task dropped, each
+    sorted, in order of their first task: the one form of :attr:`Problem.colocated`."""
+    try:
+        sets = list(sets)
+    except TypeError:
+        raise ProblemError(f"colocated must be a list of sets of task indices, got {type(sets).__name__}") from None
+    if not sets:
+        return ()
+    merged = UnionFind()
+    for s, members in enumerate(sets):
+        indices = [int(i) for i in members] if _is_index_list(members) else None
+        if indices is None or any(not 0 <= i < num_tasks for i in indices):
+            raise ProblemError(
+                f"colocated[{s}] must list task indices in 0..{num_tasks - 1}, got {members!r}; "
+                "give every set as task indices (JSON: task names)"
+            )
+        merged.union(*indices)
+    return tuple(sorted(tuple(sorted(group)) for group in merged.to_sets() if len(group) > 1))
+
+
+def _is_index_list(members: Any) -> bool:
+    try:
+        return all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in members)
+    except TypeError:
+        return False
 
 
 def _link_matrices(links: dict[str, Any] | None, k: int) -> tuple[np.ndarray, np.ndarray] | None:

@@ -23,6 +23,7 @@ Semantics (the contract between the simulator, the MILP and the runtime):
   among its tasks whose inputs have all arrived, the one with the longest remaining path
   (:func:`upward_rank`: compute on the assigned devices plus the transfers the placement
   implies, Mayer et al.'s PCT); ties go to the earlier task in topological order.
+* Every set of :attr:`Problem.colocated` runs on one device: a plan that separates one is a :class:`PlanError`.
 * Memory is static: a device holds the sum of ``memory_bytes`` of its tasks. A plan that
   exceeds a device's capacity is still simulated; :attr:`Timeline.fits_memory` says so.
 * Graph inputs are on every device for free; graph outputs are not sent anywhere.
@@ -40,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from moirai.errors import PlanError
+from moirai.planning.colocation import check_colocated
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.schedule import (
@@ -171,8 +173,10 @@ def _link_sequences(problem: Problem, plan: Plan, transfers: ImpliedTransfers) -
 
 
 def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
-    """Simulate ``plan`` on ``problem``; raise :class:`PlanError` if its orders deadlock."""
+    """Simulate ``plan`` on ``problem``; raise :class:`PlanError` if its orders deadlock or it separates a colocated
+    set of tasks."""
     plan.check(problem)
+    check_colocated(problem, plan.placement)
     n, k = problem.num_tasks, problem.num_devices
     placement = plan.placement
     transfers = implied_transfers(problem, placement)

@@ -82,6 +82,7 @@ def unroll(problem: Problem, plan: Plan, num_requests: int) -> tuple[Problem, Pl
         send_cpu_s=np.tile(problem.send_cpu_s, (num_requests, 1, 1)),
         recv_cpu_s=np.tile(problem.recv_cpu_s, (num_requests, 1, 1)),
         costs=problem.costs.for_stream(num_requests),
+        colocated=tuple(tuple(i + r * n for i in members) for r in copies for members in problem.colocated),
     )
     unrolled_plan = Plan(
         placement=np.tile(plan.placement, num_requests),

@@ -60,14 +60,18 @@ class PlacerSpec:
 
     @functools.cached_property
     def checked(self) -> Placer:
-        """The function behind the registry's preconditions: memory first, for a placer that respects it."""
+        """The function behind the registry's preconditions: memory first, for a placer that respects it; a problem
+        with colocated tasks is contracted, placed and its plan expanded (:mod:`moirai.planning.colocation`)."""
+        from moirai.planning.bounds import check_memory_feasible
+        from moirai.planning.colocation import contract
 
         @functools.wraps(self.function)
         def placer(problem: Problem, **options: Any) -> Plan:
             if self.respects_memory:
-                from moirai.planning.bounds import check_memory_feasible
-
                 check_memory_feasible(problem)
+            if problem.colocated:
+                contraction = contract(problem)
+                return contraction.expand(self.function(contraction.problem, **options))
             return self.function(problem, **options)
 
         return placer
@@ -135,7 +139,8 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     The plan's makespan and objective value are the simulator's. A placer that compares plans (milp) takes
     the objective as an option; the others build one schedule their own way. A placer that minimises
     never returns a plan worse than the best single-device plan that fits: that plan replaces it
-    (``plan.report.notes["replaced_by_single_device_s"]`` keeps the placer's own value).
+    (``plan.report.notes["replaced_by_single_device_s"]`` keeps the placer's own value). Every colocated set of
+    tasks (:attr:`Problem.colocated`) ends on one device, whichever the placer (:attr:`PlacerSpec.checked`).
     """
     with stage("place", _long_placement(placer, options)):
         return _place(problem, placer, objective, **options)
@@ -168,6 +173,8 @@ def _place(problem: Problem, placer: str, objective: str | Objective, **options:
     plan.placement_time_s = time.perf_counter() - start
     plan.placer = plan.placer or placer
     plan.check(problem)
+    if traits.minimises and problem.colocated:
+        plan = _groups_unbundled(problem, plan, chosen)
     if traits.minimises:
         plan = _as_the_runtime_prefers(problem, plan, chosen)
     timeline = simulate(problem, plan)
@@ -178,6 +185,23 @@ def _place(problem: Problem, placer: str, objective: str | Objective, **options:
     # A placer may prove a stronger bound (the MILP's); keep the better of the two.
     plan.lower_bound_s = max(plan.lower_bound_s or 0.0, chosen.lower_bound_s(problem))
     _warn_if_over_memory(problem, plan, timeline)
+    return plan
+
+
+def _groups_unbundled(problem: Problem, plan: Plan, objective: Objective) -> Plan:
+    """``plan`` or, if the objective prefers it, its placement list-scheduled by the simulator.
+
+    The placer ordered every colocation group as one task (:mod:`moirai.planning.colocation`), which waits for all
+    of the group's inputs; list-scheduled, each member runs as soon as its own inputs are there, between other tasks.
+    """
+    from moirai.planning.simulate import simulate
+
+    if plan.order is None:
+        return plan
+    unbundled = dataclasses.replace(plan, order=None, transfer_order=None)
+    if objective.improves(simulate(problem, unbundled), simulate(problem, plan)):
+        logger.debug("%s plan: colocated tasks list-scheduled, between other tasks", plan.placer)
+        return unbundled
     return plan
 
 

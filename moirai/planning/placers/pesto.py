@@ -181,7 +181,8 @@ def merge_tasks(problem: Problem, groups: Sequence[Sequence[int]]) -> Problem:
     """Pesto's coarse graph: one task per group (compute and memory add up), one tensor per edge between groups.
 
     An edge's tensor stands for every tensor crossing it (transfer times add up), as Pesto's
-    augmented graph has one communication vertex per edge; tensors inside a group vanish.
+    augmented graph has one communication vertex per edge; tensors inside a group vanish. A colocated set becomes
+    the set of its members' groups.
     """
     group_of = np.empty(problem.num_tasks, int)
     for g, members in enumerate(groups):
@@ -206,6 +207,7 @@ def merge_tasks(problem: Problem, groups: Sequence[Sequence[int]]) -> Problem:
         send_cpu_s=np.array([problem.send_cpu_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
         recv_cpu_s=np.array([problem.recv_cpu_s[ts].sum(axis=0) for ts in crossing.values()]).reshape(-1, k, k),
         costs=problem.costs.merge(groups),
+        colocated=tuple(tuple({int(group_of[i]) for i in members}) for members in problem.colocated),
     )
 
 
