@@ -471,8 +471,14 @@ def phase_problem(
     with sizes_at(sizes):
         at_size = build_op_graph(traced)
         coarse_at_size = at_size.merge([at_size.nodes_of_fx_names(node.fx_names) for node in coarse.nodes])
-        problem = build_problem(coarse_at_size, cluster, cost, traced, symbol_values=sizes)  # type: ignore[arg-type]
-    return problem  # TEMP until colocation merges: colocated
+        return build_problem(
+            coarse_at_size,
+            cluster,
+            cost,  # type: ignore[arg-type]
+            traced,
+            symbol_values=sizes,
+            colocated=colocated,
+        )
 
 
 def _does_not_fit(name: str, graph: OpGraph, cache: CacheShape, problem: Problem, error: InfeasibleError) -> str:

@@ -33,7 +33,7 @@ import networkx as nx
 import numpy as np
 from networkx.utils import UnionFind
 
-from moirai.errors import InfeasibleError, PlanError
+from moirai.errors import InfeasibleError, PlanError, ProblemError
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.report import BoundSource
@@ -60,6 +60,15 @@ class Contraction:
     def groups(self) -> tuple[int, ...]:
         """The contracted tasks that stand for more than one original task."""
         return tuple(c for c, tasks in enumerate(self.members) if len(tasks) > 1)
+
+    def of(self, other: Problem) -> Problem:
+        """``other``, a problem of the same tasks (the same graph priced otherwise: a generation step's prefill),
+        contracted into the same groups."""
+        if other.num_tasks != self.original.num_tasks:
+            raise ProblemError(
+                f"cannot contract a problem of {other.num_tasks} tasks like one of {self.original.num_tasks}"
+            )
+        return _contract(other, tuple(group for group in self.members if len(group) > 1)).problem
 
     def describe(self, task: int) -> str:
         """The original tasks of contracted ``task``, by name, for messages."""

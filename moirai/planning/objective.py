@@ -18,12 +18,13 @@ Another objective is one more subclass here plus its rows in the MILP (:mod:`moi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 from moirai.errors import MoiraiError
 
 if TYPE_CHECKING:
+    from moirai.planning.colocation import Contraction
     from moirai.planning.problem import Problem
     from moirai.planning.simulate import Timeline
     from moirai.planning.solve.rows import MilpRows
@@ -65,6 +66,11 @@ class Objective(ABC):
     def acceptable(self, timeline: Timeline) -> bool:
         """Whether the plan meets the objective's side conditions (memory always; a latency limit, say)."""
         return timeline.fits_memory
+
+    def contracted(self, contraction: Contraction) -> Objective:
+        """This objective for the contracted problem a placer sees (:mod:`moirai.planning.colocation`): itself,
+        unless it holds problems of its own to contract alike."""
+        return self
 
     def rank(self, timeline: Timeline) -> tuple[bool, float]:
         """Sort key: acceptable plans first, then by value."""
@@ -159,6 +165,9 @@ class Generation(Objective):
     new_tokens: int = 64
     sequences: int = 1
     max_ttft_s: float | None = None
+
+    def contracted(self, contraction: Contraction) -> Generation:
+        return self if self.prefill is None else replace(self, prefill=contraction.of(self.prefill))
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1 or self.sequences < 1:

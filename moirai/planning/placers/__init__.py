@@ -71,6 +71,8 @@ class PlacerSpec:
                 check_memory_feasible(problem)
             if problem.colocated:
                 contraction = contract(problem)
+                if isinstance(options.get("objective"), Objective):
+                    options = {**options, "objective": options["objective"].contracted(contraction)}
                 return contraction.expand(self.function(contraction.problem, **options))
             return self.function(problem, **options)
 
