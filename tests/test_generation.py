@@ -279,3 +279,25 @@ def test_under_torchrun_rank_0_generates_and_the_other_rank_serves(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "EQUAL True" in result.stdout
+
+
+def test_the_simulator_refuses_exactly_the_placements_that_separate_a_cache_from_its_ops(split_lm):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    problem = split_lm.compiled.problem
+    assert problem.colocated
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.integers(0, 1), min_size=problem.num_tasks, max_size=problem.num_tasks))
+    def check(devices: list[int]) -> None:
+        placement = np.array(devices)
+        separates = any(len(set(placement[list(members)].tolist())) > 1 for members in problem.colocated)
+        plan = Plan(placement, problem.device_names)
+        if separates:
+            with pytest.raises(moirai.PlanError, match="colocated|share"):
+                simulate(problem, plan)
+        else:
+            simulate(problem, plan)
+
+    check()
