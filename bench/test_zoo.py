@@ -205,3 +205,12 @@ def test_every_zoo_model_coarsens_to_a_dag_of_at_most_the_target(name: str):
     assert sorted(f for node in result.graph.nodes for f in node.fx_names) == sorted(graph.node_of_fx_name)
     assert result.original.nodes > result.fused.nodes and result.coarse.nodes <= 32
     assert math.isclose(result.graph.total_flops, graph.total_flops)
+
+
+@pytest.mark.slow
+def test_the_generation_bench_runs_and_every_row_generates_the_models_tokens() -> None:
+    from bench import generate
+
+    rows = generate.main(["--quick", "--placer", "heft", "--cost", "analytic"])
+    assert [row.name for row in rows][:2] == ["HF generate, 1 sequence", f"HF generate, batch of {generate.HF_BATCH}"]
+    assert all(row.equal for row in rows[2:]) and all(row.tokens_per_s > 0 for row in rows)

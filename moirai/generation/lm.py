@@ -439,8 +439,9 @@ def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> Tra
     """The step traced once, its batch and token dimensions dynamic (static where their range is one size)."""
     batch = _dim("batch", max_batch_size)
     tokens = _dim("tokens", max_prefill)
-    # torch.export takes an example size of 1 for a constant: trace at 2 where the range allows.
-    b, t = min(2, max_batch_size), min(2, max_prefill)
+    # torch.export takes an example size of 1 for a constant, and two dimensions of one example size for one
+    # symbol: trace at sizes 2 and 3 where the ranges allow.
+    b, t = min(2, max_batch_size), min(3, max_prefill)
     device = step.key_cache_0.device
     example = (
         torch.zeros(b, t, dtype=torch.long, device=device),
@@ -453,7 +454,9 @@ def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> Tra
 
 
 def _dim(name: str, upper: int) -> Any:
-    return torch.export.Dim(name, min=1, max=upper) if upper > 1 else None
+    if upper > 1:
+        return torch.export.Dim(name, min=1, max=upper)
+    return getattr(torch.export.Dim, "STATIC", None)  # a range of one size: static (None before torch 2.6)
 
 
 def phase_problem(
@@ -466,8 +469,8 @@ def phase_problem(
     tokens: int,
 ) -> Problem:
     """The placement problem of the step's coarse graph priced at ``batch`` sequences of ``tokens`` tokens."""
-    symbols = {dim.name: dim.symbol for dim in traced.dynamic_dims}
-    sizes = {symbols[name]: size for name, size in (("batch", batch), ("tokens", tokens)) if name in symbols}
+    wanted = {"batch": batch, "tokens": tokens}
+    sizes = {dim.symbol: wanted[dim.name] for dim in traced.dynamic_dims if dim.name in wanted}
     with sizes_at(sizes):
         at_size = build_op_graph(traced)
         coarse_at_size = at_size.merge([at_size.nodes_of_fx_names(node.fx_names) for node in coarse.nodes])
