@@ -50,7 +50,7 @@ class SamplingParams:
 
 
 @dataclass
-class Sequence_:
+class SequenceState:
     """One sequence being generated: its slot, its prompt, the tokens so far and where it stands."""
 
     prompt: list[int]
@@ -90,7 +90,7 @@ class _Step:
     """A step in flight: its sequences, and for a prefill chunk (one sequence) its length (0: a decode step);
     a decode step's tokens, and a prompt's last chunk's, are new tokens."""
 
-    sequences: tuple[Sequence_, ...]
+    sequences: tuple[SequenceState, ...]
     prefill_tokens: int = 0
 
     @property
@@ -116,8 +116,8 @@ class Engine:
         self._free_slots = list(range(slots))
         self.max_seq_len, self.max_prefill, self.max_batch, self.depth = max_seq_len, max_prefill, max_batch, depth
         self._device = input_device
-        self._waiting: queue.Queue[Sequence_ | None] = queue.Queue()
-        self._active: list[Sequence_] = []
+        self._waiting: queue.Queue[SequenceState | None] = queue.Queue()
+        self._active: list[SequenceState] = []
         self._in_flight: dict[Future, _Step] = {}
         self._failed: BaseException | None = None
 
@@ -134,7 +134,7 @@ class Engine:
                 "ask for fewer tokens, or compile_lm with a larger max_seq_len"
             )
 
-    def add(self, sequence: Sequence_) -> Future:
+    def add(self, sequence: SequenceState) -> Future:
         self.check(sequence.prompt, sequence.max_new_tokens)
         self._waiting.put(sequence)
         return sequence.future
@@ -246,7 +246,7 @@ class Engine:
             if gives_tokens:
                 self._take_token(sequence, int(token))
 
-    def _take_token(self, sequence: Sequence_, token: int) -> None:
+    def _take_token(self, sequence: SequenceState, token: int) -> None:
         sequence.tokens.append(token)
         if sequence.on_token is not None:
             try:
@@ -261,7 +261,7 @@ class Engine:
         for sequence in step.sequences:
             self._end(sequence, error)
 
-    def _end(self, sequence: Sequence_, error: BaseException | None) -> None:
+    def _end(self, sequence: SequenceState, error: BaseException | None) -> None:
         sequence.busy = False
         if sequence in self._active:
             self._active.remove(sequence)
@@ -273,7 +273,7 @@ class Engine:
         else:
             sequence.future.set_exception(error)
 
-    def _drain_waiting(self) -> list[Sequence_]:
+    def _drain_waiting(self) -> list[SequenceState]:
         drained = []
         while True:
             try:

@@ -42,7 +42,7 @@ from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import sizes_at
 from moirai.frontend.trace import TracedModel, trace
-from moirai.generation.engine import Engine, SamplingParams, Sequence_, done_future
+from moirai.generation.engine import Engine, SamplingParams, SequenceState, done_future
 from moirai.generation.step import CacheShape, CausalLMStep
 from moirai.planning.objective import Generation
 from moirai.planning.placers import place
@@ -217,7 +217,7 @@ class GenerationServer:
         if self._stopped.is_set():
             raise InputError("this generation server is closed; open a new one with lm.server()")
         prompt = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
-        sequence = Sequence_(
+        sequence = SequenceState(
             prompt,
             max_new_tokens,
             sampling_params(do_sample, temperature, top_k, top_p, seed),
@@ -329,7 +329,7 @@ class GenerateRequest:
         futures = []
         for row, prompt in enumerate(self.prompts):
             row_sampling = sampling if seed is None else replace(sampling, seed=seed + row)
-            futures.append(engine.add(Sequence_(prompt, self.max_new_tokens, row_sampling, self.eos)))
+            futures.append(engine.add(SequenceState(prompt, self.max_new_tokens, row_sampling, self.eos)))
         return futures
 
     def assemble(self, new_tokens: list[list[int]]) -> torch.Tensor:
