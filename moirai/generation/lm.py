@@ -18,10 +18,7 @@ with the ops that write and read it on one device (``Problem.colocated``), where
 from __future__ import annotations
 
 import math
-import queue
-import threading
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -42,7 +39,9 @@ from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import sizes_at
 from moirai.frontend.trace import TracedModel, trace
-from moirai.generation.engine import Engine, SamplingParams, SequenceState, done_future
+from moirai.generation.engine import Engine, done_future
+from moirai.generation.requests import GenerateRequest, sampling_params
+from moirai.generation.server import GenerationServer
 from moirai.generation.step import CacheShape, CausalLMStep
 from moirai.planning.objective import Generation
 from moirai.planning.placers import place
@@ -179,180 +178,6 @@ class CompiledLM:
         :class:`GenerationServer`); ``max_in_flight`` steps in flight (default: one per stage, at least 2)."""
         depth = max_in_flight or max(2, self.stages)
         return GenerationServer(self, self.compiled.server(timeout_s=timeout_s, max_in_flight=depth), depth)
-
-
-class GenerationServer:
-    """Sequences generated at once through one split step program: ``submit`` -> Future of the new token ids,
-    ``stream`` -> the tokens as they come, ``generate`` as :meth:`CompiledLM.generate`. Thread-safe; sequences
-    join and leave between steps, up to ``max_batch_size`` at once (more wait for a free slot)."""
-
-    def __init__(self, lm: CompiledLM, step_server: Any, depth: int) -> None:
-        self._lm, self._step_server = lm, step_server
-        submit = lambda inputs: step_server.submit(*inputs)  # noqa: E731
-        self._engine = Engine(submit, lm.cache.slots, lm.max_seq_len, lm.max_prefill, lm.cache.slots, depth)
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="moirai-generation", daemon=True)
-        self._thread.start()
-
-    def __enter__(self) -> GenerationServer:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def submit(
-        self,
-        prompt_ids: torch.Tensor | Sequence[int],
-        max_new_tokens: int = 20,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 50,
-        top_p: float = 1.0,
-        eos_token_id: int | Sequence[int] | None = None,
-        seed: int | None = None,
-        on_token: Any = None,
-    ) -> Future:
-        """A future of the new token ids of one sequence (``InputError`` at once if it cannot fit a slot);
-        ``on_token(token)`` is called with each token as it comes, from the server's thread."""
-        if self._stopped.is_set():
-            raise InputError("this generation server is closed; open a new one with lm.server()")
-        prompt = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
-        sequence = SequenceState(
-            prompt,
-            max_new_tokens,
-            sampling_params(do_sample, temperature, top_k, top_p, seed),
-            end_tokens(eos_token_id, self._lm.eos_token_id),
-            on_token=on_token,
-        )
-        return self._engine.add(sequence)
-
-    def stream(
-        self, prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int = 20, **options: Any
-    ) -> Iterator[int]:
-        """The new tokens of one sequence, each as soon as the last stage has sampled it."""
-        tokens: queue.Queue[int] = queue.Queue()
-        future = self.submit(prompt_ids, max_new_tokens, on_token=tokens.put, **options)
-        while True:
-            try:
-                yield tokens.get(timeout=0.05)
-                continue
-            except queue.Empty:
-                pass
-            if future.done():
-                future.result()  # a failed sequence raises here
-                while not tokens.empty():
-                    yield tokens.get()
-                return
-
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int = 20,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 50,
-        top_p: float = 1.0,
-        eos_token_id: int | Sequence[int] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        pad_token_id: int | None = None,
-        seed: int | None = None,
-    ) -> torch.Tensor:
-        """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
-        request = GenerateRequest.of(self._lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
-        sampling = sampling_params(do_sample, temperature, top_k, top_p)
-        futures = request.submit(self._engine, sampling, seed)
-        return request.assemble([f.result() for f in futures])
-
-    def close(self) -> None:
-        """Finish the sequences in flight, then stop the other ranks."""
-        if not self._stopped.is_set():
-            self._stopped.set()
-            self._thread.join()
-            self._step_server.close()
-
-    def _serve(self) -> None:
-        try:
-            self._engine.serve_forever(self._stopped)
-        except BaseException as error:  # the loop itself failed: every sequence learns why
-            self._engine.fail_all(error)
-            raise
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """A ``generate`` call's rows as sequences, and how to put their tokens back as Hugging Face returns them."""
-
-    input_ids: torch.Tensor
-    prompts: tuple[list[int], ...]
-    max_new_tokens: int
-    eos: frozenset[int]
-    pad_token_id: int
-
-    @classmethod
-    def of(
-        cls,
-        lm: CompiledLM,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        max_new_tokens: int,
-        eos_token_id: int | Sequence[int] | None,
-        pad_token_id: int | None,
-    ) -> GenerateRequest:
-        input_ids = torch.as_tensor(input_ids)
-        if input_ids.dim() == 1:
-            input_ids = input_ids.unsqueeze(0)
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise InputError(
-                f"input_ids must be token ids [batch, tokens] (int64), got shape {tuple(input_ids.shape)} and dtype "
-                f"{input_ids.dtype}"
-            )
-        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
-            raise InputError(
-                f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}: "
-                "give one mask value per token"
-            )
-        rows = input_ids.cpu().tolist()
-        keep = attention_mask.cpu().bool().tolist() if attention_mask is not None else None
-        prompts = tuple(
-            [t for t, kept in zip(row, keep[i], strict=True) if kept] if keep else list(row)
-            for i, row in enumerate(rows)
-        )
-        eos = end_tokens(eos_token_id, lm.eos_token_id)
-        pad = pad_token_id if pad_token_id is not None else lm.pad_token_id
-        if pad is None:
-            pad = min(eos) if eos else 0
-        return cls(input_ids, prompts, max_new_tokens, eos, pad)
-
-    def submit(self, engine: Engine, sampling: SamplingParams, seed: int | None) -> list[Future]:
-        for prompt in self.prompts:
-            engine.check(prompt, self.max_new_tokens)
-        futures = []
-        for row, prompt in enumerate(self.prompts):
-            row_sampling = sampling if seed is None else replace(sampling, seed=seed + row)
-            futures.append(engine.add(SequenceState(prompt, self.max_new_tokens, row_sampling, self.eos)))
-        return futures
-
-    def assemble(self, new_tokens: list[list[int]]) -> torch.Tensor:
-        """The prompt rows as given, then each row's new tokens, padded to the longest with the pad token."""
-        longest = max((len(tokens) for tokens in new_tokens), default=0)
-        padded = [tokens + [self.pad_token_id] * (longest - len(tokens)) for tokens in new_tokens]
-        generated = torch.tensor(padded, dtype=self.input_ids.dtype).reshape(len(new_tokens), longest)
-        return torch.cat([self.input_ids.cpu(), generated], dim=1).to(self.input_ids.device)
-
-
-def sampling_params(
-    do_sample: bool, temperature: float, top_k: int | None, top_p: float | None, seed: int | None = None
-) -> SamplingParams:
-    """Hugging Face's sampling arguments as :class:`SamplingParams` (greedy unless ``do_sample``)."""
-    if not do_sample:
-        return SamplingParams(seed=seed)
-    return SamplingParams(temperature, int(top_k or 0), float(top_p if top_p is not None else 1.0), seed)
-
-
-def end_tokens(given: int | Sequence[int] | None, default: Sequence[int]) -> frozenset[int]:
-    if given is None:
-        return frozenset(default)
-    return frozenset([given] if isinstance(given, int) else [int(t) for t in given])
 
 
 @_progress.reports_progress

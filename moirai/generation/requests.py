@@ -1,0 +1,94 @@
+"""A Hugging Face-style ``generate`` call as sequences for the :class:`~moirai.generation.engine.Engine`, and its
+tokens put back as ``model.generate`` returns them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from moirai.errors import InputError
+from moirai.generation.engine import Engine, SamplingParams, SequenceState
+
+if TYPE_CHECKING:
+    from moirai.generation.lm import CompiledLM
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A ``generate`` call's rows as sequences, and how to put their tokens back as Hugging Face returns them."""
+
+    input_ids: torch.Tensor
+    prompts: tuple[list[int], ...]
+    max_new_tokens: int
+    eos: frozenset[int]
+    pad_token_id: int
+
+    @classmethod
+    def of(
+        cls,
+        lm: CompiledLM,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None,
+        pad_token_id: int | None,
+    ) -> GenerateRequest:
+        input_ids = torch.as_tensor(input_ids)
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(
+                f"input_ids must be token ids [batch, tokens] (int64), got shape {tuple(input_ids.shape)} and dtype "
+                f"{input_ids.dtype}"
+            )
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise InputError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}: "
+                "give one mask value per token"
+            )
+        rows = input_ids.cpu().tolist()
+        keep = attention_mask.cpu().bool().tolist() if attention_mask is not None else None
+        prompts = tuple(
+            [t for t, kept in zip(row, keep[i], strict=True) if kept] if keep else list(row)
+            for i, row in enumerate(rows)
+        )
+        eos = end_tokens(eos_token_id, lm.eos_token_id)
+        pad = pad_token_id if pad_token_id is not None else lm.pad_token_id
+        if pad is None:
+            pad = min(eos) if eos else 0
+        return cls(input_ids, prompts, max_new_tokens, eos, pad)
+
+    def submit(self, engine: Engine, sampling: SamplingParams, seed: int | None) -> list[Future]:
+        for prompt in self.prompts:
+            engine.check(prompt, self.max_new_tokens)
+        futures = []
+        for row, prompt in enumerate(self.prompts):
+            row_sampling = sampling if seed is None else replace(sampling, seed=seed + row)
+            futures.append(engine.add(SequenceState(prompt, self.max_new_tokens, row_sampling, self.eos)))
+        return futures
+
+    def assemble(self, new_tokens: list[list[int]]) -> torch.Tensor:
+        """The prompt rows as given, then each row's new tokens, padded to the longest with the pad token."""
+        longest = max((len(tokens) for tokens in new_tokens), default=0)
+        padded = [tokens + [self.pad_token_id] * (longest - len(tokens)) for tokens in new_tokens]
+        generated = torch.tensor(padded, dtype=self.input_ids.dtype).reshape(len(new_tokens), longest)
+        return torch.cat([self.input_ids.cpu(), generated], dim=1).to(self.input_ids.device)
+
+
+def sampling_params(
+    do_sample: bool, temperature: float, top_k: int | None, top_p: float | None, seed: int | None = None
+) -> SamplingParams:
+    """Hugging Face's sampling arguments as :class:`SamplingParams` (greedy unless ``do_sample``)."""
+    if not do_sample:
+        return SamplingParams(seed=seed)
+    return SamplingParams(temperature, int(top_k or 0), float(top_p if top_p is not None else 1.0), seed)
+
+
+def end_tokens(given: int | Sequence[int] | None, default: Sequence[int]) -> frozenset[int]:
+    if given is None:
+        return frozenset(default)
+    return frozenset([given] if isinstance(given, int) else [int(t) for t in given])

@@ -1,0 +1,124 @@
+"""The generation server: many sequences generated at once through one split step program, one process per device.
+
+Example::
+
+    with lm.server() as server:
+        future = server.submit(prompt_ids, max_new_tokens=32)     # a Future of the new token ids
+        for token in server.stream(prompt_ids, max_new_tokens=32):  # each token as it comes
+            ...
+        ids = server.generate(input_ids, max_new_tokens=32)       # as CompiledLM.generate, rows in flight together
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moirai.errors import InputError
+from moirai.generation.engine import Engine, SequenceState
+from moirai.generation.requests import GenerateRequest, end_tokens, sampling_params
+
+if TYPE_CHECKING:
+    from moirai.generation.lm import CompiledLM
+
+
+class GenerationServer:
+    """Sequences generated at once through one split step program: ``submit`` -> Future of the new token ids,
+    ``stream`` -> the tokens as they come, ``generate`` as :meth:`CompiledLM.generate`. Thread-safe; sequences
+    join and leave between steps, up to ``max_batch_size`` at once (more wait for a free slot)."""
+
+    def __init__(self, lm: CompiledLM, step_server: Any, depth: int) -> None:
+        self._lm, self._step_server = lm, step_server
+        submit = lambda inputs: step_server.submit(*inputs)  # noqa: E731
+        self._engine = Engine(submit, lm.cache.slots, lm.max_seq_len, lm.max_prefill, lm.cache.slots, depth)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="moirai-generation", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> GenerationServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def submit(
+        self,
+        prompt_ids: torch.Tensor | Sequence[int],
+        max_new_tokens: int = 20,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 50,
+        top_p: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        seed: int | None = None,
+        on_token: Any = None,
+    ) -> Future:
+        """A future of the new token ids of one sequence (``InputError`` at once if it cannot fit a slot);
+        ``on_token(token)`` is called with each token as it comes, from the server's thread."""
+        if self._stopped.is_set():
+            raise InputError("this generation server is closed; open a new one with lm.server()")
+        prompt = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
+        sequence = SequenceState(
+            prompt,
+            max_new_tokens,
+            sampling_params(do_sample, temperature, top_k, top_p, seed),
+            end_tokens(eos_token_id, self._lm.eos_token_id),
+            on_token=on_token,
+        )
+        return self._engine.add(sequence)
+
+    def stream(
+        self, prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int = 20, **options: Any
+    ) -> Iterator[int]:
+        """The new tokens of one sequence, each as soon as the last stage has sampled it."""
+        tokens: queue.Queue[int] = queue.Queue()
+        future = self.submit(prompt_ids, max_new_tokens, on_token=tokens.put, **options)
+        while True:
+            try:
+                yield tokens.get(timeout=0.05)
+                continue
+            except queue.Empty:
+                pass
+            if future.done():
+                future.result()  # a failed sequence raises here
+                while not tokens.empty():
+                    yield tokens.get()
+                return
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 20,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 50,
+        top_p: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        pad_token_id: int | None = None,
+        seed: int | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
+        request = GenerateRequest.of(self._lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+        sampling = sampling_params(do_sample, temperature, top_k, top_p)
+        futures = request.submit(self._engine, sampling, seed)
+        return request.assemble([f.result() for f in futures])
+
+    def close(self) -> None:
+        """Finish the sequences in flight, then stop the other ranks."""
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self._thread.join()
+            self._step_server.close()
+
+    def _serve(self) -> None:
+        try:
+            self._engine.serve_forever(self._stopped)
+        except BaseException as error:  # the loop itself failed: every sequence learns why
+            self._engine.fail_all(error)
+            raise
