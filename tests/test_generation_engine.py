@@ -1,0 +1,129 @@
+"""The generation loop on its own, with a fake step program: chunked prefill, steps in flight, continuous batching."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from moirai.errors import DistributedError, InputError, RequestError
+from moirai.generation.engine import Engine, SamplingParams, SequenceState
+
+
+class FakeSteps:
+    """A step program whose next token is the last input token + 1, kept in flight until released."""
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[torch.Tensor, ...]] = []
+        self.pending: list[tuple[Future, torch.Tensor]] = []
+        self.most_in_flight = 0
+        self.fail_next: BaseException | None = None
+
+    def submit(self, inputs: tuple[torch.Tensor, ...]) -> Future:
+        ids, positions, slots, sampling = inputs
+        assert ids.shape == positions.shape and ids.shape[0] == slots.shape[0] == sampling.shape[0]
+        self.submitted.append(inputs)
+        future: Future = Future()
+        self.pending.append((future, ids[:, -1] + 1))
+        self.most_in_flight = max(self.most_in_flight, len(self.pending))
+        return future
+
+    def release_one(self) -> None:
+        future, tokens = self.pending.pop(0)
+        if self.fail_next is not None:
+            future.set_exception(self.fail_next)
+            self.fail_next = None
+        else:
+            future.set_result(tokens)
+
+
+def run(engine: Engine, steps: FakeSteps, sequences: list[SequenceState]) -> None:
+    """Drive the engine's loop from a thread while this one answers its steps in order."""
+    futures = [engine.add(sequence) for sequence in sequences]
+    stopped = threading.Event()
+    loop = threading.Thread(target=engine.serve_forever, args=(stopped,))
+    loop.start()
+    while not all(future.done() for future in futures):
+        if steps.pending:
+            steps.release_one()
+        else:
+            threading.Event().wait(0.001)
+    stopped.set()
+    loop.join(timeout=10)
+
+
+def sequence(prompt: list[int], new_tokens: int, eos: frozenset[int] = frozenset()) -> SequenceState:
+    return SequenceState(prompt, new_tokens, SamplingParams(), eos)
+
+
+def test_prompts_go_in_chunks_then_every_token_follows_the_last_one() -> None:
+    steps = FakeSteps()
+    engine = Engine(steps.submit, slots=2, max_seq_len=64, max_prefill=4, max_batch=2, depth=1)
+    first = sequence(list(range(10)), 5)
+    run(engine, steps, [first])
+    assert first.future.result() == [10, 11, 12, 13, 14]
+    chunks = [inputs[0].tolist() for inputs in steps.submitted[:3]]
+    assert chunks == [[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9]]]
+    positions = [inputs[1].tolist()[0] for inputs in steps.submitted]
+    assert positions[:3] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert positions[3:] == [[10], [11], [12], [13]]  # each new token is written right after the one before
+
+
+def test_as_many_steps_as_the_depth_are_in_flight_and_sequences_share_them() -> None:
+    steps = FakeSteps()
+    engine = Engine(steps.submit, slots=4, max_seq_len=64, max_prefill=8, max_batch=4, depth=2)
+    sequences = [sequence([10 * i], 6) for i in range(4)]
+    run(engine, steps, sequences)
+    assert [s.future.result() for s in sequences] == [[10 * i + k for k in range(1, 7)] for i in range(4)]
+    assert steps.most_in_flight == 2
+    decode_batches = [inputs[0].shape[0] for inputs in steps.submitted if inputs[0].shape[1] == 1]
+    assert max(decode_batches) == 2  # four sequences in two steps of two
+
+
+def test_sequences_beyond_the_slots_wait_and_take_a_slot_as_one_leaves() -> None:
+    steps = FakeSteps()
+    engine = Engine(steps.submit, slots=2, max_seq_len=64, max_prefill=8, max_batch=2, depth=2)
+    sequences = [sequence([100 * i + 1, 100 * i + 2], 3 + i) for i in range(5)]
+    run(engine, steps, sequences)
+    for i, s in enumerate(sequences):
+        assert s.future.result() == [100 * i + 3 + k for k in range(3 + i)]
+    assert max(int(inputs[2].max()) for inputs in steps.submitted) == 1  # two slots served all five
+
+
+def test_a_sequence_ends_at_its_end_token_and_its_slot_is_free_again() -> None:
+    steps = FakeSteps()
+    engine = Engine(steps.submit, slots=1, max_seq_len=64, max_prefill=8, max_batch=1, depth=1)
+    ended, after = sequence([5], 10, eos=frozenset({8})), sequence([20], 2)
+    run(engine, steps, [ended, after])
+    assert ended.future.result() == [6, 7, 8]
+    assert after.future.result() == [21, 22]
+
+
+def test_a_request_error_fails_its_step_alone_and_a_rank_failure_every_begun_sequence() -> None:
+    steps = FakeSteps()
+    engine = Engine(steps.submit, slots=4, max_seq_len=64, max_prefill=8, max_batch=1, depth=1)
+    steps.fail_next = RequestError("rank 1 failed op embedding: index out of range")
+    sequences = [sequence([1], 3), sequence([2], 3)]
+    run(engine, steps, sequences)
+    with pytest.raises(RequestError):
+        sequences[0].future.result()
+    assert sequences[1].future.result() == [3, 4, 5]
+
+    steps = FakeSteps()
+    engine = Engine(steps.submit, slots=4, max_seq_len=64, max_prefill=8, max_batch=1, depth=2)
+    sequences = [sequence([1], 3), sequence([2], 3)]
+    steps.fail_next = DistributedError("rank 1 hung or died")
+    run(engine, steps, sequences)
+    for s in sequences:  # the second had begun too: its cache on rank 1 is gone
+        with pytest.raises(DistributedError, match="rank 1"):
+            s.future.result()
+
+
+def test_a_sequence_that_cannot_fit_a_slot_is_refused_at_once() -> None:
+    engine = Engine(FakeSteps().submit, slots=1, max_seq_len=16, max_prefill=8, max_batch=1, depth=1)
+    with pytest.raises(InputError, match="over max_seq_len=16"):
+        engine.add(sequence(list(range(10)), 7))
+    with pytest.raises(InputError, match="empty"):
+        engine.add(sequence([], 2))
