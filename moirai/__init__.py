@@ -34,6 +34,7 @@ _EXPORTS = {
     "Problem": "moirai.planning.problem",
     "ProblemError": "moirai.errors",
     "RequestError": "moirai.errors",
+    "SharedMemoryWarning": "moirai.errors",
     "Timeline": "moirai.planning.simulate",
     "TraceError": "moirai.errors",
     "coarsen": "moirai.frontend.coarsen",

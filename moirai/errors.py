@@ -65,6 +65,10 @@ class OversubscriptionWarning(MoiraiWarning):
     """More logical CPU devices than cores, or more threads than a rank's cores: ranks share cores."""
 
 
+class SharedMemoryWarning(MoiraiWarning):
+    """The shared-memory directory cannot hold what a run sends through it: the run sends through gloo instead."""
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning given by the function calling this name the user's line: the first
     frame outside the moirai package (and Python's contextlib), however deep inside moirai the warning arises."""

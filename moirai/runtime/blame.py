@@ -99,12 +99,11 @@ def _blamed(group: Group, error: BaseException, what: str) -> DistributedError:
     report_failure(group.store, rank, peer, own)
     if peer is None:
         return DistributedError(f"rank {rank} ({group.devices[rank]}) failed during {what}: {own}")
-    deadline = time.monotonic() + _REPORT_GRACE_S
     chain = [f"rank {rank}: {own.removeprefix(f'rank {rank}: ')}"]
     reports: dict[int, dict[str, Any]] = {rank: {"peer": peer, "at": time.time()}}
-    guilty = peer
+    guilty, named_at = peer, reports[rank]["at"]
     while True:
-        report = _read_report(group.store, guilty, group.world_size, deadline)
+        report = _read_report(group.store, guilty, group.world_size, _report_deadline(named_at))
         if report is None:
             headline = (
                 f"rank {guilty} ({group.devices[guilty]}) hung or died during {what}: no rank heard from it within the "
@@ -121,8 +120,17 @@ def _blamed(group: Group, error: BaseException, what: str) -> DistributedError:
                 f"rank {guilty} ({group.devices[guilty]}) failed during {what}: {report['message']}"
             )
             break
-        guilty = report["peer"]
+        guilty, named_at = report["peer"], report.get("at", time.time())
     return DistributedError(headline + "\nwhile " + "\nwhile ".join(chain))
+
+
+def _report_deadline(named_at: float) -> float:
+    """Until when (monotonic) to wait for the report of a rank that a report written at ``named_at`` (wall clock)
+    waited for: the grace counts from that report, so that a rank further down a chain, which learnt of the failure
+    later, does not wait the grace again (over gloo each rank learns only when the one it waited for exits, after
+    its own verdict); never longer than the grace from now, whatever the clocks say."""
+    remaining_s = min(max(named_at + _REPORT_GRACE_S - time.time(), 0.0), _REPORT_GRACE_S)
+    return time.monotonic() + remaining_s
 
 
 def _loop_headline(group: Group, reports: dict[int, dict[str, Any]], start: int, what: str) -> str | None:

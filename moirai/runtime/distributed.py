@@ -20,10 +20,7 @@ name the rank that failed on its own or that nobody heard from, a hung or dead r
 Launching:
 
 - :class:`DistributedRunner` (and :func:`run_distributed`, one call) makes this process rank 0
-  and spawns ranks 1..N-1 with ``torch.multiprocessing`` (:func:`_worker_main`), connected on
-  127.0.0.1 with process groups of their own (the default process group is left alone). While
-  the runner is open this process runs on rank 0's share of the cores (see
-  :mod:`moirai.runtime.resources`).
+  and spawns ranks 1..N-1 (:mod:`moirai.runtime.runner`).
 - Under ``torchrun`` the ranks are torchrun's (``RANK``; the default process group is
   initialised from its environment if needed): rank ``k`` serves the plan's device ``k``, and
   the world size must equal the number of devices. Either every rank calls :func:`run_rank`
@@ -35,15 +32,8 @@ Launching:
 from __future__ import annotations
 
 import datetime
-import json
-import multiprocessing
 import os
-import sys
-import threading
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,25 +42,18 @@ from moirai.cluster import kinds as device_kinds
 from moirai.cluster.devices import Device
 from moirai.cluster.kinds import kind_of
 from moirai.errors import DistributedError, InputError
-from moirai.progress import stage
-from moirai.runtime import orphans, shm
-from moirai.runtime.blame import PeerFailure, blamed, describe_error, read_report, report_failure
-from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
-from moirai.runtime.groups import Group, local_group, placed_part
+from moirai.runtime import shm
+from moirai.runtime.blame import blamed
+from moirai.runtime.driver import Driver, check_timeout
+from moirai.runtime.groups import Group, placed_part
 from moirai.runtime.hosts import host_ranks, torchrun_layout
 from moirai.runtime.local import check_inputs
 from moirai.runtime.network import choose_gloo_interface
 from moirai.runtime.protocol import Header, Messages, receive_header, run_part, send_header, send_inputs, serve
-from moirai.runtime.resources import (
-    RankResources,
-    apply_resources,
-    io_thread_cores,
-    pin_io_threads,
-    rank_resources,
-    restore_resources,
-)
+from moirai.runtime.resources import RankResources, apply_resources, pin_io_threads, rank_resources
+from moirai.runtime.runner import DistributedRunner, torch_device
 from moirai.runtime.split import SplitProgram
-from moirai.runtime.store import RUN_SECRET_ENV, RunStore, join_store, start_store
+from moirai.runtime.store import RUN_SECRET_ENV, RunStore
 
 __all__ = [
     "DistributedRunner",
@@ -83,10 +66,6 @@ __all__ = [
     "torchrun_driver",
     "torchrun_store",
 ]
-
-_START_POLL_S = 0.05
-# Exit code of a spawned rank that found the user's script re-imported without a __main__ guard.
-_NO_MAIN_GUARD_EXIT_CODE = 86
 
 
 def run_distributed(
@@ -200,226 +179,6 @@ def _torchrun_rank() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-class DistributedRunner:
-    """This process as rank 0 and one spawned process per other device, kept between calls.
-
-    ``run(program, flat_inputs)`` returns the flat outputs on ``torch_devices[0]``; ``submit``
-    returns a future of them, so several requests can be in flight (at most ``max_in_flight``
-    are sent ahead). A program is sent to the workers the first time it is used (several
-    programs with at most ``len(torch_devices)`` parts can share one runner). Workers start on
-    the first call; after a failure the next call starts new ones. Use as a context manager or
-    call ``close()``.
-    """
-
-    def __init__(
-        self,
-        torch_devices: Sequence[str | Device],
-        timeout_s: float = 60.0,
-        start_timeout_s: float = 180.0,
-        max_in_flight: int = 8,
-    ) -> None:
-        self.devices = list(torch_devices)
-        self.torch_devices = [_torch_device(d) for d in self.devices]
-        self.timeout_s = check_timeout(timeout_s)
-        self.start_timeout_s = check_timeout(start_timeout_s)
-        self.max_in_flight = check_max_in_flight(max_in_flight)
-        self._workers: list[multiprocessing.Process] = []
-        self._driver: Driver | None = None
-        self._store: RunStore | None = None
-        self._restore: RankResources | None = None
-        self._starting = threading.Lock()  # submit may be called from several threads
-
-    def __enter__(self) -> DistributedRunner:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def run(
-        self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor], timeout_s: float | None = None
-    ) -> list[torch.Tensor]:
-        """The flat outputs; every wait of this call is bounded by ``timeout_s`` (default: the runner's)."""
-        driver = self._driver_for(program, flat_inputs)
-        return driver.run(
-            program, flat_inputs, lambda outputs: outputs, self.timeout_s if timeout_s is None else timeout_s
-        )
-
-    def submit(
-        self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor], timeout_s: float | None = None
-    ) -> Future:
-        """A future of the flat outputs; requests run in submission order, pipelined through the ranks."""
-        return self.submit_with(program, flat_inputs, lambda outputs: outputs, timeout_s)
-
-    def submit_with(
-        self,
-        program: SplitProgram,
-        flat_inputs: Sequence[torch.Tensor],
-        finish: Callable[[list[torch.Tensor]], Any],
-        timeout_s: float | None = None,
-    ) -> Future:
-        """Like :meth:`submit`, the future holding ``finish(flat_outputs)``."""
-        driver = self._driver_for(program, flat_inputs)
-        return driver.submit(program, flat_inputs, finish, self.timeout_s if timeout_s is None else timeout_s)
-
-    def _driver_for(self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> Driver:
-        """The running driver (workers started, or restarted after a failure) once the call is checked."""
-        if program.num_devices > len(self.torch_devices):
-            raise InputError(
-                f"the program has {program.num_devices} parts but this runner has {len(self.torch_devices)} devices"
-            )
-        check_inputs(program, flat_inputs)
-        with self._starting:
-            if self._driver is not None and self._driver.failure is not None:
-                self._stop()
-            if self._driver is None:
-                self._start()
-            return self._driver
-
-    def resources_in_use(self) -> list[dict[str, Any]]:
-        """Per rank, what it runs with, read back inside its process: ``cores`` (affinity), ``threads`` and
-        ``io_thread_cores`` (the affinity of each of gloo's I/O threads)."""
-        with self._starting:
-            if self._driver is None:
-                self._start()
-        return [
-            _resources_in_use(),
-            *(_checked_resources(self._store, k) for k in range(1, len(self._workers) + 1)),
-        ]
-
-    def close(self) -> None:
-        """Finish the requests in flight, stop the workers and give this process its cores back."""
-        if self._driver is not None and self._driver.failure is None:
-            self._driver.close()
-        self._stop()
-
-    @stage("start workers", "one process per device but the first")
-    def _start(self) -> None:
-        if getattr(multiprocessing.current_process(), "_inheriting", False):
-            # This is a spawned rank importing the user's script, which starts a runner at import: stop quietly
-            # with a code the parent recognises, instead of three multiprocessing tracebacks.
-            raise SystemExit(_NO_MAIN_GUARD_EXIT_CODE)
-        world_size = len(self.torch_devices)
-        resources = rank_resources(self.devices)
-        # Joining (store and groups) may take as long as start-up; each message waits with its request's timeout.
-        if shm.enabled():
-            shm.check_space(world_size)
-        self._store = start_store(world_size, self.start_timeout_s)
-        context = torch.multiprocessing.get_context("spawn")
-        self._workers = [
-            context.Process(
-                target=_worker_main,
-                args=(
-                    rank,
-                    self.torch_devices,
-                    self._names(),
-                    self._store.port,
-                    self._store.secret,
-                    self.timeout_s,
-                    self.start_timeout_s,
-                    resources[rank],
-                ),
-                daemon=True,
-                name=orphans.rank_process_name(rank),
-            )
-            for rank in range(1, world_size)
-        ]
-        for worker in self._workers:
-            worker.start()
-        self._await_ready()
-        self._restore = apply_resources(resources[0], self._names()[0], own_process=False)
-        group = local_group(0, self.torch_devices, self._store, self.start_timeout_s)
-        pin_io_threads(resources[0])
-        self._driver = Driver(
-            group,
-            self.timeout_s,
-            self.max_in_flight,
-            describe_rank=self._describe_process,
-            helper_cores=resources[0].helper_cores,
-        )
-
-    def _await_ready(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        waiting = set(range(1, len(self._workers) + 1))
-        while waiting:
-            for rank in sorted(waiting):
-                if self._store.check([f"moirai/ready/{rank}"]):
-                    waiting.discard(rank)
-                elif self._store.check([f"moirai/failure/{rank}"]):
-                    try:
-                        message = read_report(self._store, rank, len(self.torch_devices))["message"]
-                    except DistributedError as forged:
-                        self._fail_start(str(forged))
-                    self._fail_start(f"rank {rank} ({self._names()[rank]}) failed during start-up: {message}")
-                elif not self._workers[rank - 1].is_alive():
-                    self._fail_start(self._start_death(rank))
-            if waiting and time.monotonic() > deadline:
-                self._fail_start(f"rank(s) {sorted(waiting)} did not start within {self.start_timeout_s:.0f} s")
-            time.sleep(_START_POLL_S if waiting else 0)
-
-    def _start_death(self, rank: int) -> str:
-        code = self._workers[rank - 1].exitcode
-        if code == _NO_MAIN_GUARD_EXIT_CODE:
-            return (
-                "the worker processes re-import your script, and it starts a distributed run when imported: put the "
-                "code that calls run_distributed / DistributedRunner / compiled.server() under `if __name__ == "
-                '"__main__":`'
-            )
-        return (
-            f"rank {rank} ({self._names()[rank]}) died during start-up with exit code {code} without reporting an "
-            'error (see its output above); if your script has no `if __name__ == "__main__":` guard, add one'
-        )
-
-    def _fail_start(self, message: str) -> None:
-        self._stop()
-        raise DistributedError(message)
-
-    def _describe_process(self, rank: int) -> str:
-        if rank == 0 or rank > len(self._workers):
-            return ""
-        code = self._workers[rank - 1].exitcode
-        return f"; its process exited with code {code}" if code is not None else ""
-
-    def _names(self) -> list[str]:
-        return [d.name if isinstance(d, Device) else d for d in self.devices]
-
-    def _stop(self) -> None:
-        # After a failure the other ranks still name the guilty rank on their stderr (within the report grace).
-        deadline = time.monotonic() + 5.0
-        for worker in self._workers:
-            worker.join(timeout=max(0.0, deadline - time.monotonic()))
-        for worker in self._workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join(timeout=5.0)
-        if self._driver is not None:
-            self._driver.group.close()
-        if self._restore is not None:
-            restore_resources(self._restore)
-        self._workers, self._driver, self._store, self._restore = [], None, None, None
-
-
-def _torch_device(device: str | Device) -> str:
-    return str(torch.device(device.torch_device if isinstance(device, Device) else device))
-
-
-def _resources_in_use() -> dict[str, Any]:
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    return {
-        "cores": cores,
-        "threads": torch.get_num_threads(),
-        "interop_threads": torch.get_num_interop_threads(),
-        "io_thread_cores": io_thread_cores(),
-    }
-
-
-def _checked_resources(store: RunStore, rank: int) -> dict[str, Any]:
-    key = f"moirai/resources/{rank}"
-    resources = json.loads(store.get(key))
-    if not isinstance(resources, dict) or not isinstance(resources.get("threads"), int):
-        raise DistributedError(f"store key {key!r} holds no resources report: {resources!r:.80}")
-    return resources
-
-
 def torchrun_secret() -> bytes | None:
     """Under torchrun, the run's secret from ``MOIRAI_RUN_SECRET`` (hex, the same on every rank), if set.
 
@@ -433,44 +192,6 @@ def torchrun_secret() -> bytes | None:
         return bytes.fromhex(text)
     except ValueError:
         raise InputError(f"{RUN_SECRET_ENV} must be hexadecimal (e.g. from `openssl rand -hex 32`)") from None
-
-
-def _worker_main(
-    rank: int,
-    torch_devices: list[str],
-    names: list[str],
-    port: int,
-    secret: bytes,
-    timeout_s: float,
-    start_timeout_s: float,
-    resources: RankResources,
-) -> None:
-    """A spawned rank: take its share of the cores, join the groups on loopback, serve until rank 0 closes.
-
-    ``secret`` (the run's, from rank 0's arguments, never from the store) opens the store's values and
-    authenticates rank 0's headers. The rank exits as soon as rank 0's process does (:mod:`moirai.runtime.orphans`).
-    """
-    store = join_store(port, len(torch_devices), secret, start_timeout_s)
-    group = None
-    try:
-        apply_resources(resources, names[rank])
-        orphans.started()
-        store.set(f"moirai/ready/{rank}", "1")
-        group = local_group(rank, torch_devices, store, start_timeout_s)
-        pin_io_threads(resources)
-        store.set(f"moirai/resources/{rank}", json.dumps(_resources_in_use()))
-        serve(group, {}, timeout_s)
-    except Exception as error:
-        if group is None:
-            report_failure(store, rank, None, describe_error(error))
-        else:
-            # Ranks waiting on this one learn at once (not when its verdict is done) and follow its report.
-            report_failure(store, rank, error.peer if isinstance(error, PeerFailure) else None, str(error))
-            group.hang_up()
-            # Rank 0 names the guilty rank in its own error; this rank's verdict goes to its stderr, as under torchrun.
-            verdict = blamed(group, error, "serving")
-            print(f"moirai rank {rank}: DistributedError: {verdict}", file=sys.stderr, flush=True)
-        os._exit(1)
 
 
 def torchrun_store(torch_devices: Sequence[str], timeout_s: float = 120.0) -> RunStore | None:
@@ -494,7 +215,7 @@ def _torchrun_group(
 ) -> Group:
     """The default process group (initialised from torchrun's environment if needed), once per process."""
     global _TORCHRUN_GROUP
-    torch_devices = [_torch_device(d) for d in devices]
+    torch_devices = [torch_device(d) for d in devices]
     if not len(torch_devices) == world_size == program.num_devices:
         raise InputError(
             f"the plan has {program.num_devices} devices, so it needs exactly {program.num_devices} ranks, one per "

@@ -129,7 +129,8 @@ class Driver:
     Two threads: the dispatcher sends headers and inputs and runs part 0 (request after request,
     without waiting for earlier outputs; at most ``max_in_flight`` unfinished); the completer
     waits for each request's outputs in order and settles its future, on ``helper_cores`` when given
-    (spare cores of the host, :attr:`moirai.runtime.resources.RankResources.helper_cores`).
+    (spare cores of the host, :attr:`moirai.runtime.resources.RankResources.helper_cores`). Once a failure
+    has failed every pending request, ``on_failure(driver)`` is called (a runner starts new ranks).
     """
 
     def __init__(
@@ -140,8 +141,10 @@ class Driver:
         preloaded: SplitProgram | None = None,
         describe_rank: Callable[[int], str] | None = None,
         helper_cores: Sequence[int] | None = None,
+        on_failure: Callable[[Driver], None] | None = None,
     ) -> None:
         check_max_in_flight(max_in_flight)
+        self._on_failure = on_failure
         self._helper_cores = helper_cores
         self.group = group
         if describe_rank is not None:
@@ -220,6 +223,11 @@ class Driver:
         finally:
             with self._lock:
                 self._pending.discard(future)
+
+    @property
+    def loaded(self) -> list[SplitProgram]:
+        """The programs the ranks have (sent, or preloaded under torchrun), oldest first."""
+        return list(self._keep)
 
     def close(self) -> None:
         """Finish every submitted request, then tell the ranks to stop."""
@@ -372,3 +380,5 @@ class Driver:
             if not future.done():
                 future.set_exception(failure)
         self._slots.release()
+        if self._on_failure is not None:
+            self._on_failure(self)

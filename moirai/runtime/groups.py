@@ -99,11 +99,18 @@ class Group:
         self.close()
 
 
-def local_group(rank: int, torch_devices: Sequence[str], store: RunStore | dist.Store, join_timeout_s: float) -> Group:
+def local_group(
+    rank: int,
+    torch_devices: Sequence[str],
+    store: RunStore | dist.Store,
+    join_timeout_s: float,
+    shared_memory: bool | None = None,
+) -> Group:
     """Process groups of our own on loopback (not the default group, which stays the user's).
 
     ``store``: the run's :class:`moirai.runtime.store.RunStore` (a bare torch store carries no secret: its
-    ranks take no program from the driver).
+    ranks take no program from the driver). ``shared_memory``: whether host-memory messages go through shared
+    memory (default: unless ``MOIRAI_SHARED_MEMORY=0``); every rank of the world must be given the same.
     """
     if not isinstance(store, RunStore):
         store = RunStore(store, None)
@@ -120,7 +127,8 @@ def local_group(rank: int, torch_devices: Sequence[str], store: RunStore | dist.
         device = torch.device(torch_devices[rank])
         kind_of(device).set_current(device)
         nccl = memory_kind.device_group(store.prefix_store(f"moirai/{memory_kind.backend}/"), rank, world_size)
-    links = shm.connect(rank, world_size, store, join_timeout_s, "moirai/shm")
+    use_shared_memory = shm.enabled() if shared_memory is None else shared_memory
+    links = shm.connect(rank, world_size, store, join_timeout_s, "moirai/shm") if use_shared_memory else None
     return Group(rank, [torch.device(d) for d in torch_devices], gloo, nccl, store, shared_memory=links)
 
 

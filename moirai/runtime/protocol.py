@@ -54,6 +54,8 @@ _MAX_PAYLOAD_BYTES = 1 << 40
 _TAG_BITS = 20
 _TAG_WINDOW = 2048
 _FIRST_DATA_TAG = 2
+# What pickling adds per tensor beside its storage (its name, type, shape, strides): about 350 bytes, rounded up.
+_PICKLED_TENSOR_BYTES = 1024
 
 
 class HeaderKind(IntEnum):
@@ -159,6 +161,8 @@ class Messages:
         """A failed post or wait (a closed connection, a timeout) as a failure that names the peer."""
         try:
             yield
+        except DistributedError:
+            raise  # this rank's own (a full /dev/shm): not the peer's failure
         except Exception as error:
             raise PeerFailure(
                 f"rank {self.group.rank}: {what} failed ({type(error).__name__}: {str(error).strip()[:200]})", peer
@@ -370,6 +374,17 @@ def program_for_rank(program: SplitProgram, rank: int) -> SplitProgram:
         for part in program.parts
     )
     return dataclasses.replace(program, parts=parts)
+
+
+def load_bytes(program: SplitProgram, rank: int) -> int:
+    """About the bytes of rank ``rank``'s load (the pickled :func:`program_for_rank`), without pickling its weights:
+    the storages its part's tensors hold, its code, and the program's wiring (pickled with every part emptied)."""
+    module = program.parts[rank].graph_module
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [value for value in vars(module).values() if isinstance(value, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    wiring = len(pickle.dumps(program_for_rank(program, -1)))
+    return sum(storages.values()) + _PICKLED_TENSOR_BYTES * len(tensors) + len(module.code) + wiring
 
 
 def _empty_module() -> fx.GraphModule:

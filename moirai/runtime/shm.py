@@ -18,7 +18,8 @@ too small), ``MOIRAI_SHM_DIR`` to keep the files elsewhere (a tmpfs of your own)
 
 The files (where they go, how a peer's are opened and checked, the room they take, who owns the
 spill files) are :mod:`moirai.runtime.shm_files`'s; a full ``/dev/shm`` is a
-:class:`moirai.DistributedError` at start (:func:`check_space`).
+:class:`moirai.DistributedError` (:func:`moirai.runtime.shm_files.reserve_file`); what a run will need is
+:func:`room_shortfall`'s.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 
 from moirai.errors import DistributedError
 from moirai.runtime import shm_files
-from moirai.runtime.shm_files import DIR_ENV, ENV_SWITCH
+from moirai.runtime.shm_files import DIR_ENV, ENV_SWITCH  # noqa: F401  (DIR_ENV: named as shm's by its users)
 
 RING_BYTES = 8 << 20  # per ordered pair of ranks; larger messages go in files of their own
 _CONTROL_BYTES = 64  # the ring file's head: the receiver's consumed count (int64)
@@ -95,18 +96,24 @@ def ring_file_bytes() -> int:
     return _CONTROL_BYTES + RING_BYTES
 
 
-def check_space(world_size: int) -> None:
-    """:class:`moirai.DistributedError` unless the shared-memory directory holds every ring of a world of this size."""
+def spills(nbytes: int) -> bool:
+    """Whether a message of ``nbytes`` bytes always goes in a spill file of its own (too large for half a ring)."""
+    return _aligned(_RECORD.size + nbytes) > RING_BYTES // 2
+
+
+def room_shortfall(message_bytes: Sequence[int], world_size: int = 0) -> str | None:
+    """Why the shared-memory directory cannot hold the rings of a world of ``world_size`` ranks (0: they exist) and
+    a spill file for each of ``message_bytes`` that spills, all at once; None where it can."""
     directory = shm_files.shm_dir()
-    needed = world_size * (world_size - 1) * ring_file_bytes()
+    rings = world_size * (world_size - 1) * ring_file_bytes()
+    spilled = sum(nbytes for nbytes in message_bytes if spills(nbytes))
     free = shm_files.free_bytes(directory)
-    if free < needed:
-        free_mb, needed_mb = shm_files.free_and_needed_mb(free, needed)
-        raise DistributedError(
-            f"{directory} has {free_mb} MB free, the plan needs {needed_mb} MB for the shared-memory "
-            f"rings of {world_size} ranks; set {ENV_SWITCH}=0 (send through gloo) or enlarge {directory} (e.g. docker "
-            f"--shm-size), or point {DIR_ENV} at a larger tmpfs"
-        )
+    if free >= rings + spilled:
+        return None
+    free_mb, needed_mb = shm_files.free_and_needed_mb(free, rings + spilled)
+    parts = [f"{-(-rings // 2**20)} MB for the rings of {world_size} ranks"] if rings else []
+    parts += [f"{-(-spilled // 2**20)} MB to load the parts"] if spilled else []
+    return f"{directory} has {free_mb} MB free, the plan needs {needed_mb} MB ({', '.join(parts)})"
 
 
 class _Ring:

@@ -1,0 +1,368 @@
+"""The spawned world: this process as rank 0 (the driver) and one spawned process per other device.
+
+:class:`DistributedRunner` (and :func:`moirai.runtime.distributed.run_distributed`, one call) spawns ranks
+1..N-1 with ``torch.multiprocessing`` (:func:`_worker_main`), connected on 127.0.0.1 with process groups of
+their own (the default process group is left alone). While the runner is open this process runs on rank
+0's share of the cores (see :mod:`moirai.runtime.resources`). Before it spawns, it checks that the
+shared-memory directory holds the rings and the parts' loads; where it does not, the ranks send through
+gloo instead, with a :class:`moirai.errors.SharedMemoryWarning`. When a rank fails, the driver fails the
+pending requests with the error naming it, and new ranks start in the background.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from moirai.cluster.devices import Device
+from moirai.errors import DistributedError, InputError, SharedMemoryWarning, user_stacklevel
+from moirai.progress import stage
+from moirai.runtime import orphans, shm
+from moirai.runtime.blame import PeerFailure, blamed, describe_error, read_report, report_failure
+from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
+from moirai.runtime.groups import local_group
+from moirai.runtime.local import check_inputs
+from moirai.runtime.protocol import load_bytes, serve
+from moirai.runtime.resources import (
+    RankResources,
+    apply_resources,
+    io_thread_cores,
+    pin_io_threads,
+    rank_resources,
+    restore_resources,
+)
+from moirai.runtime.shm_files import shm_dir
+from moirai.runtime.split import SplitProgram
+from moirai.runtime.store import RunStore, join_store, start_store
+
+__all__ = ["DistributedRunner", "torch_device"]
+
+_log = logging.getLogger(__name__)
+_START_POLL_S = 0.05
+# Exit code of a spawned rank that found the user's script re-imported without a __main__ guard.
+_NO_MAIN_GUARD_EXIT_CODE = 86
+
+
+class DistributedRunner:
+    """This process as rank 0 and one spawned process per other device, kept between calls.
+
+    ``run(program, flat_inputs)`` returns the flat outputs on ``torch_devices[0]``; ``submit``
+    returns a future of them, so several requests can be in flight (at most ``max_in_flight``
+    are sent ahead). A program is sent to the workers the first time it is used (several
+    programs with at most ``len(torch_devices)`` parts can share one runner). Workers start on
+    the first call; once a failure has failed the pending requests, new ones start in the background, and a call
+    meanwhile waits for them. Where the shared-memory directory cannot hold the rings and the parts' loads, the
+    ranks send through gloo (a :class:`moirai.errors.SharedMemoryWarning` says so). Use as a context manager or
+    call ``close()``.
+    """
+
+    def __init__(
+        self,
+        torch_devices: Sequence[str | Device],
+        timeout_s: float = 60.0,
+        start_timeout_s: float = 180.0,
+        max_in_flight: int = 8,
+    ) -> None:
+        self.devices = list(torch_devices)
+        self.torch_devices = [torch_device(d) for d in self.devices]
+        self.timeout_s = check_timeout(timeout_s)
+        self.start_timeout_s = check_timeout(start_timeout_s)
+        self.max_in_flight = check_max_in_flight(max_in_flight)
+        self._workers: list[multiprocessing.Process] = []
+        self._driver: Driver | None = None
+        self._store: RunStore | None = None
+        self._restore: RankResources | None = None
+        self._shared_memory = False  # whether the running ranks send through shared memory
+        self._starting = threading.Lock()  # submit may be called from several threads, and a restart runs in one
+        self._closing = False
+
+    def __enter__(self) -> DistributedRunner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def run(
+        self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor], timeout_s: float | None = None
+    ) -> list[torch.Tensor]:
+        """The flat outputs; every wait of this call is bounded by ``timeout_s`` (default: the runner's)."""
+        driver = self._driver_for(program, flat_inputs)
+        return driver.run(
+            program, flat_inputs, lambda outputs: outputs, self.timeout_s if timeout_s is None else timeout_s
+        )
+
+    def submit(
+        self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor], timeout_s: float | None = None
+    ) -> Future:
+        """A future of the flat outputs; requests run in submission order, pipelined through the ranks."""
+        return self.submit_with(program, flat_inputs, lambda outputs: outputs, timeout_s)
+
+    def submit_with(
+        self,
+        program: SplitProgram,
+        flat_inputs: Sequence[torch.Tensor],
+        finish: Callable[[list[torch.Tensor]], Any],
+        timeout_s: float | None = None,
+    ) -> Future:
+        """Like :meth:`submit`, the future holding ``finish(flat_outputs)``."""
+        driver = self._driver_for(program, flat_inputs)
+        return driver.submit(program, flat_inputs, finish, self.timeout_s if timeout_s is None else timeout_s)
+
+    def _driver_for(self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> Driver:
+        """The running driver (workers started, or restarted after a failure) once the call is checked."""
+        if program.num_devices > len(self.torch_devices):
+            raise InputError(
+                f"the program has {program.num_devices} parts but this runner has {len(self.torch_devices)} devices"
+            )
+        check_inputs(program, flat_inputs)
+        with self._starting:
+            if self._driver is not None and self._driver.failure is not None:
+                self._stop()
+            if self._driver is None:
+                self._start([program])
+            elif self._shared_memory and not any(p is program for p in self._driver.loaded):
+                _check_room_to_load(program)
+            return self._driver
+
+    def resources_in_use(self) -> list[dict[str, Any]]:
+        """Per rank, what it runs with, read back inside its process: ``cores`` (affinity), ``threads`` and
+        ``io_thread_cores`` (the affinity of each of gloo's I/O threads)."""
+        with self._starting:
+            if self._driver is None:
+                self._start([])
+        return [
+            _resources_in_use(),
+            *(_checked_resources(self._store, k) for k in range(1, len(self._workers) + 1)),
+        ]
+
+    def close(self) -> None:
+        """Finish the requests in flight, stop the workers and give this process its cores back."""
+        self._closing = True  # a restart not yet begun starts nothing
+        try:
+            with self._starting:
+                if self._driver is not None and self._driver.failure is None:
+                    self._driver.close()
+                self._stop()
+        finally:
+            self._closing = False
+
+    def _restart_in_background(self, failed: Driver) -> None:
+        """Called by a driver once its failure has failed its pending requests."""
+        threading.Thread(target=self._restart, args=(failed,), name="moirai-restart", daemon=True).start()
+
+    def _restart(self, failed: Driver) -> None:
+        """New workers in place of a failed driver's, for the programs it had: a later call waits for what is left."""
+        with self._starting:
+            if self._driver is not failed or self._closing:
+                return  # a call restarted it already, or the runner closes
+            _log.info("starting new ranks after: %s", failed.failure)
+            self._stop()
+            try:
+                self._start(failed.loaded)
+            except Exception as error:  # the next call starts again and raises its own error
+                _log.warning("restarting the ranks after a failure failed: %s", error)
+
+    @stage("start workers", "one process per device but the first")
+    def _start(self, programs: Sequence[SplitProgram]) -> None:
+        """Spawn ranks 1..N-1 and make the driver; ``programs``: those the first calls will load (to check room)."""
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # This is a spawned rank importing the user's script, which starts a runner at import: stop quietly
+            # with a code the parent recognises, instead of three multiprocessing tracebacks.
+            raise SystemExit(_NO_MAIN_GUARD_EXIT_CODE)
+        world_size = len(self.torch_devices)
+        resources = rank_resources(self.devices)
+        # Joining (store and groups) may take as long as start-up; each message waits with its request's timeout.
+        self._shared_memory = shm.enabled() and _room_for_shared_memory(world_size, programs)
+        self._store = start_store(world_size, self.start_timeout_s)
+        context = torch.multiprocessing.get_context("spawn")
+        self._workers = [
+            context.Process(
+                target=_worker_main,
+                args=(
+                    rank,
+                    self.torch_devices,
+                    self._names(),
+                    self._store.port,
+                    self._store.secret,
+                    self.timeout_s,
+                    self.start_timeout_s,
+                    resources[rank],
+                    self._shared_memory,
+                ),
+                daemon=True,
+                name=orphans.rank_process_name(rank),
+            )
+            for rank in range(1, world_size)
+        ]
+        for worker in self._workers:
+            worker.start()
+        self._await_ready()
+        self._restore = apply_resources(resources[0], self._names()[0], own_process=False)
+        group = local_group(0, self.torch_devices, self._store, self.start_timeout_s, self._shared_memory)
+        pin_io_threads(resources[0])
+        self._driver = Driver(
+            group,
+            self.timeout_s,
+            self.max_in_flight,
+            describe_rank=self._describe_process,
+            helper_cores=resources[0].helper_cores,
+            on_failure=self._restart_in_background,
+        )
+
+    def _await_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        waiting = set(range(1, len(self._workers) + 1))
+        while waiting:
+            for rank in sorted(waiting):
+                if self._store.check([f"moirai/ready/{rank}"]):
+                    waiting.discard(rank)
+                elif self._store.check([f"moirai/failure/{rank}"]):
+                    try:
+                        message = read_report(self._store, rank, len(self.torch_devices))["message"]
+                    except DistributedError as forged:
+                        self._fail_start(str(forged))
+                    self._fail_start(f"rank {rank} ({self._names()[rank]}) failed during start-up: {message}")
+                elif not self._workers[rank - 1].is_alive():
+                    self._fail_start(self._start_death(rank))
+            if waiting and time.monotonic() > deadline:
+                self._fail_start(f"rank(s) {sorted(waiting)} did not start within {self.start_timeout_s:.0f} s")
+            time.sleep(_START_POLL_S if waiting else 0)
+
+    def _start_death(self, rank: int) -> str:
+        code = self._workers[rank - 1].exitcode
+        if code == _NO_MAIN_GUARD_EXIT_CODE:
+            return (
+                "the worker processes re-import your script, and it starts a distributed run when imported: put the "
+                "code that calls run_distributed / DistributedRunner / compiled.server() under `if __name__ == "
+                '"__main__":`'
+            )
+        return (
+            f"rank {rank} ({self._names()[rank]}) died during start-up with exit code {code} without reporting an "
+            'error (see its output above); if your script has no `if __name__ == "__main__":` guard, add one'
+        )
+
+    def _fail_start(self, message: str) -> None:
+        self._stop()
+        raise DistributedError(message)
+
+    def _describe_process(self, rank: int) -> str:
+        if rank == 0 or rank > len(self._workers):
+            return ""
+        code = self._workers[rank - 1].exitcode
+        return f"; its process exited with code {code}" if code is not None else ""
+
+    def _names(self) -> list[str]:
+        return [d.name if isinstance(d, Device) else d for d in self.devices]
+
+    def _stop(self) -> None:
+        # After a failure the other ranks still name the guilty rank on their stderr (within the report grace).
+        deadline = time.monotonic() + 5.0
+        for worker in self._workers:
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        for worker in self._workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=5.0)
+        if self._driver is not None:
+            self._driver.group.close()
+        if self._restore is not None:
+            restore_resources(self._restore)
+        self._workers, self._driver, self._store, self._restore = [], None, None, None
+
+
+def _room_for_shared_memory(world_size: int, programs: Sequence[SplitProgram]) -> bool:
+    """Whether the shared-memory directory holds the rings and every rank's loads of ``programs``; where it does not,
+    a warning: the ranks send through gloo, which serves, only slower, rather than refuse to start (docker's default
+    64 MB /dev/shm would refuse four ranks of any model)."""
+    loads = [load_bytes(program, rank) for program in programs for rank in range(1, program.num_devices)]
+    shortfall = shm.room_shortfall(loads, world_size)
+    if shortfall is None:
+        return True
+    warnings.warn(
+        f"{shortfall}: the ranks send through gloo instead, which costs each a fraction of a millisecond of CPU per "
+        f"message more; enlarge it (e.g. docker --shm-size) or point {shm.DIR_ENV} at a larger tmpfs, or set "
+        f"{shm.ENV_SWITCH}=0 to choose gloo without this warning",
+        SharedMemoryWarning,
+        stacklevel=user_stacklevel(),
+    )
+    return False
+
+
+def _check_room_to_load(program: SplitProgram) -> None:
+    """Before a running world loads another program: a :class:`moirai.DistributedError` where its parts do not fit
+    in the shared-memory directory (the ranks run on, serving the programs they have)."""
+    shortfall = shm.room_shortfall([load_bytes(program, rank) for rank in range(1, program.num_devices)])
+    if shortfall is not None:
+        raise DistributedError(f"{shortfall}; set {shm.ENV_SWITCH}=0 or enlarge {shm_dir()}, e.g. docker --shm-size")
+
+
+def torch_device(device: str | Device) -> str:
+    return str(torch.device(device.torch_device if isinstance(device, Device) else device))
+
+
+def _resources_in_use() -> dict[str, Any]:
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "cores": cores,
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "io_thread_cores": io_thread_cores(),
+    }
+
+
+def _checked_resources(store: RunStore, rank: int) -> dict[str, Any]:
+    key = f"moirai/resources/{rank}"
+    resources = json.loads(store.get(key))
+    if not isinstance(resources, dict) or not isinstance(resources.get("threads"), int):
+        raise DistributedError(f"store key {key!r} holds no resources report: {resources!r:.80}")
+    return resources
+
+
+def _worker_main(
+    rank: int,
+    torch_devices: list[str],
+    names: list[str],
+    port: int,
+    secret: bytes,
+    timeout_s: float,
+    start_timeout_s: float,
+    resources: RankResources,
+    shared_memory: bool,
+) -> None:
+    """A spawned rank: take its share of the cores, join the groups on loopback, serve until rank 0 closes.
+
+    ``secret`` (the run's, from rank 0's arguments, never from the store) opens the store's values and
+    authenticates rank 0's headers. The rank exits as soon as rank 0's process does (:mod:`moirai.runtime.orphans`).
+    """
+    store = join_store(port, len(torch_devices), secret, start_timeout_s)
+    group = None
+    try:
+        apply_resources(resources, names[rank])
+        orphans.started()
+        store.set(f"moirai/ready/{rank}", "1")
+        group = local_group(rank, torch_devices, store, start_timeout_s, shared_memory)
+        pin_io_threads(resources)
+        store.set(f"moirai/resources/{rank}", json.dumps(_resources_in_use()))
+        serve(group, {}, timeout_s)
+    except Exception as error:
+        if group is None:
+            report_failure(store, rank, None, describe_error(error))
+        else:
+            # Ranks waiting on this one learn at once (not when its verdict is done) and follow its report.
+            report_failure(store, rank, error.peer if isinstance(error, PeerFailure) else None, str(error))
+            group.hang_up()
+            # Rank 0 names the guilty rank in its own error; this rank's verdict goes to its stderr, as under torchrun.
+            verdict = blamed(group, error, "serving")
+            print(f"moirai rank {rank}: DistributedError: {verdict}", file=sys.stderr, flush=True)
+        os._exit(1)
