@@ -38,6 +38,7 @@ from moirai.cluster.kinds import kind_of
 from moirai.errors import ClusterError, DistributedError, MoiraiError, PlanError, PlanVersionWarning, ProblemError
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
+from moirai.frontend.state import colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
 from moirai.frontend.trace import TracedModel, trace
 from moirai.planning.objective import Objective
@@ -256,7 +257,9 @@ def compile(
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
     logger.debug("coarsened %s to %d op groups (fusion rules %s)", traced.model_name, len(coarse.nodes), fusion_rules)
-    problem = build_problem(coarse, cluster, cost, traced)
+    # a buffer the model writes in place (a static KV cache) stays on one device with every op that touches it
+    colocated = colocated_groups(coarse, mutable_buffers(traced.graph_module))
+    problem = build_problem(coarse, cluster, cost, traced, colocated=colocated)
     plan = place(problem, placer=placer, objective=objective, **placer_options)
     logger.info(
         "%s placed by %s on %d of %d devices: %s %.6g s",
