@@ -1,7 +1,8 @@
 """Model families from configs with random weights generate across the split exactly as their own ``generate``:
-Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2, Gemma2 and Gemma3 (text), greedy, 32 new tokens, on 2 and 3 logical CPU
-devices, local and distributed; sliding windows (per kind of layer where they differ) are masked as the config says.
-Hugging Face's own export wrapper over a ``StaticCache`` compiles with plain ``moirai.compile`` and runs stepwise."""
+Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2, Gemma2 and Gemma3 (text), greedy, 32 new tokens for two rows (one
+left-padded), on 2 and 3 logical CPU devices, local and distributed; sliding windows (per kind of layer where they
+differ) are masked as the config says. Hugging Face's own export wrapper over a ``StaticCache`` compiles with plain
+``moirai.compile`` and runs stepwise."""
 
 from __future__ import annotations
 
@@ -117,16 +118,20 @@ def family_lm(name: str, devices: int) -> moirai.CompiledLM:
     )
 
 
-def prompts() -> torch.Tensor:
-    return torch.randint(0, 256, (2, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1))
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows and their attention mask: 11 tokens (two prefill chunks) and 8 left-padded to 11 (one chunk)."""
+    ids = torch.randint(3, 256, (2, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
 
 
 @functools.cache
 def reference(name: str) -> torch.Tensor:
     """The model's own greedy ``generate``: the prompt rows, then 32 new tokens each."""
-    ids = prompts()
+    ids, mask = prompts()
     expected = family_model(name).generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
+        ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
     )
     assert expected.shape == (2, PROMPT_TOKENS + NEW_TOKENS)
     return expected
@@ -150,8 +155,8 @@ def test_sliding_windows_change_what_the_windowed_families_generate():
         config.sliding_window = 4096
         unwindowed = type(model)(config).eval()
         unwindowed.load_state_dict(model.state_dict())
-        ids = prompts()
-        full = unwindowed.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+        ids, mask = prompts()
+        full = unwindowed.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
         assert not torch.equal(full, reference(name)), f"{name}: its sliding window does not change its tokens"
 
 
@@ -167,8 +172,8 @@ def test_greedy_tokens_equal_the_models_generate(name, devices):
     lm = family_lm(name, devices)
     assert len(set(lm.compiled.node_device.values())) == devices, "the plan leaves a device out"
     assert len(cache_devices(lm)) >= 2, "the plan keeps every layer's cache on one device"
-    ids = prompts()
-    tokens = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS)
+    ids, mask = prompts()
+    tokens = lm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0)
     assert torch.equal(tokens, reference(name))
 
 
@@ -176,9 +181,9 @@ def test_greedy_tokens_equal_the_models_generate(name, devices):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_tokens_equal_the_models_generate_through_the_server(name):
     lm = family_lm(name, 2)
-    ids = prompts()
+    ids, mask = prompts()
     with lm.server() as server:
-        tokens = server.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS)
+        tokens = server.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0)
     assert torch.equal(tokens, reference(name))
 
 
