@@ -9,6 +9,7 @@ import torch
 
 from moirai.errors import InputError, TraceError
 from moirai.frontend.graph import build_op_graph
+from moirai.frontend.state import mutable_buffers
 from moirai.frontend.trace import trace
 
 
@@ -109,6 +110,7 @@ def test_meta_model_of_over_a_billion_parameters_traces_without_weight_memory() 
         import resource, torch
         from moirai.frontend.trace import trace
         from moirai.frontend.graph import build_op_graph
+from moirai.frontend.state import mutable_buffers
         with torch.device("meta"):
             model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(16)])
         graph = build_op_graph(trace(model, (torch.randn(8, 8192, device="meta"),)))
@@ -160,3 +162,32 @@ def test_a_view_moves_no_bytes_and_a_lookup_reads_only_the_rows_it_gathers() -> 
     assert len(views) == 2 and all(node.bytes_moved == 0 and node.output_bytes == 0 for node in views)
     matmul = by_target["aten.matmul.default"]
     assert matmul.bytes_moved == (3 * 1024 + 1000 * 1024 + 3 * 1000) * 4  # what reads through the view pays for it
+
+
+class _StateBehindAReference(torch.nn.Module):
+    """Writes in place through a second reference to its state, as Hugging Face's StaticCache export wrapper does."""
+
+    def __init__(self, registered: bool) -> None:
+        super().__init__()
+        state = torch.zeros(4)
+        if registered:
+            self.register_buffer("state", state)
+        self.holder = [state]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.holder[0].add_(x)
+        return x * 2 + self.holder[0]
+
+
+def test_state_written_through_another_reference_to_a_buffer_is_the_buffer() -> None:
+    traced = trace(_StateBehindAReference(registered=True), (torch.ones(4),))
+    # non-strict export alone takes it for a constant (lifted_tensor_0), which a split would copy into every part
+    assert [buffer.name for buffer in mutable_buffers(traced.graph_module)] == ["state"]
+    flat = traced.flatten_inputs((torch.ones(4),), {})
+    assert torch.equal(traced.graph_module(*flat)[0], torch.full((4,), 3.0))
+    assert torch.equal(traced.graph_module(*flat)[0], torch.full((4,), 4.0))  # the write was kept
+
+
+def test_state_written_outside_every_buffer_is_a_trace_error_pointing_at_compile_lm() -> None:
+    with pytest.raises(TraceError, match="not its registered buffers.*compile_lm"):
+        trace(_StateBehindAReference(registered=False), (torch.ones(4),))

@@ -12,7 +12,7 @@ inputs and of the traced graph, and the errors tracing raises, are :mod:`moirai.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from moirai.frontend.symbolic_shapes import (
     symbolic_expression,
 )
 from moirai.frontend.trace_checks import (
+    _first_line,
     check_example_inputs,
     check_operand_dtypes,
     check_static_shapes,
@@ -182,6 +183,10 @@ def trace(
     warn_if_training(model, name)
     try:
         exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        if _writes_constants(exported):
+            exported = _export_strict(model, args, kwargs, dynamic_shapes, name)
+    except TraceError:
+        raise
     except Exception as export_error:
         if dynamic_shapes is not None and "tree_name" in str(export_error):
             raise TraceError(
@@ -309,12 +314,8 @@ def is_view_node(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
-def _has_observable_mutation(graph: fx.Graph) -> bool:
-    """Whether an in-place op writes a tensor (or a view of it) that another op also reads.
-
-    ``relu_`` on a value nothing else reads (ResNet's ``ReLU(inplace=True)``) is harmless to a split;
-    ``t.add_(u)`` where another op reads ``t`` (before or after) makes an order the data edges do not show.
-    """
+def _written_bases(graph: fx.Graph) -> Iterator[tuple[fx.Node, fx.Node]]:
+    """Each in-place op with each tensor it writes, followed back through views to the tensor they view."""
     for node in graph.nodes:
         target = node.target
         if not isinstance(target, torch._ops.OpOverload):
@@ -324,22 +325,66 @@ def _has_observable_mutation(graph: fx.Graph) -> bool:
             for i, argument in enumerate(target._schema.arguments)
             if argument.alias_info is not None and argument.alias_info.is_write
         ]
-        for value in written:
-            if not isinstance(value, fx.Node):
+        for base in written:
+            if not isinstance(base, fx.Node):
                 continue
-            base = value
             while is_view_node(base) and isinstance(base.args[0], fx.Node):
                 base = base.args[0]
-            aliases, frontier = {base}, [base]
-            while frontier:
-                for user in frontier.pop().users:
-                    if user is node or user in aliases:
-                        continue
-                    if not is_view_node(user):
-                        return True  # a reader of the written tensor other than the in-place op
-                    aliases.add(user)
-                    frontier.append(user)
+            yield node, base
+
+
+def _has_observable_mutation(graph: fx.Graph) -> bool:
+    """Whether an in-place op writes a tensor (or a view of it) that another op also reads.
+
+    ``relu_`` on a value nothing else reads (ResNet's ``ReLU(inplace=True)``) is harmless to a split;
+    ``t.add_(u)`` where another op reads ``t`` (before or after) makes an order the data edges do not show.
+    """
+    for node, base in _written_bases(graph):
+        aliases, frontier = {base}, [base]
+        while frontier:
+            for user in frontier.pop().users:
+                if user is node or user in aliases:
+                    continue
+                if not is_view_node(user):
+                    return True  # a reader of the written tensor other than the in-place op
+                aliases.add(user)
+                frontier.append(user)
     return False
+
+
+def _writes_constants(exported: torch.export.ExportedProgram) -> bool:
+    """Whether the program writes a tensor it took as a constant: state the model holds outside its registered
+    buffers (Hugging Face's ``StaticCache`` behind an export wrapper's buffers), which non-strict export cannot
+    see as the buffer it aliases, so each call's writes would be lost."""
+    constants = {
+        spec.arg.name
+        for spec in exported.graph_signature.input_specs
+        if spec.kind == torch.export.graph_signature.InputKind.CONSTANT_TENSOR
+    }
+    return any(base.op == "placeholder" and base.name in constants for _, base in _written_bases(exported.graph))
+
+
+def _export_strict(
+    model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic_shapes: Any, name: str
+) -> torch.export.ExportedProgram:
+    """Export again with TorchDynamo (strict), which follows a tensor to the registered buffer it aliases."""
+    try:
+        exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=True)
+    except Exception as error:
+        raise TraceError(
+            f"could not trace {name}: its forward writes in place tensors that are not its registered buffers (a "
+            "cache object holding its own references, say), which torch.export cannot carry between calls, and "
+            f"strict export failed too ({_first_line(error)}). Register such state as buffers and write them "
+            "through the module; for a Hugging Face causal LM, moirai.compile_lm(model, devices) splits it with "
+            "its KV cache and generates"
+        ) from error
+    if _writes_constants(exported):
+        raise TraceError(
+            f"could not trace {name}: its forward writes in place tensors that are not its registered buffers, so "
+            "their writes would be lost between calls. Register such state as buffers; for a Hugging Face causal "
+            "LM, moirai.compile_lm(model, devices) splits it with its KV cache and generates"
+        )
+    return exported
 
 
 def _views_as_reshapes(graph: fx.Graph) -> None:

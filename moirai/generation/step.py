@@ -10,6 +10,11 @@ The step's inputs are plain tensors, so torch.export traces it once with the bat
 A prefill chunk is ``B = 1, T = n``, a decode step ``B = sequences, T = 1``. Positions come in and an attention
 mask over the slot is built from them, so no cache length is read from the cache itself and nothing but the
 buffers is state. The last op samples (:func:`sample_tokens`), so the step's output is token ids, not logits.
+
+Nothing here names a model family: the cache's shape and the masks come from the Hugging Face config
+(:class:`CacheShape`, :func:`layer_windows`: a sliding window hides positions older than it, per kind of layer
+where the config's ``layer_types`` differ), and the wrapped model's own layers do the rest (fused projections,
+embedding scales, soft-capping), so every family whose attention calls ``cache.update`` and takes a 4D mask works.
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ class CausalLMStep(torch.nn.Module):
         parameters = inspect.signature(model.forward).parameters
         self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
         self._keep_last_logits = "logits_to_keep" in parameters
+        self.windows = layer_windows(config)
 
     def cache_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"key_cache_{layer}"), getattr(self, f"value_cache_{layer}")
@@ -125,7 +131,10 @@ class CausalLMStep(torch.nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, sampling: torch.Tensor
     ) -> torch.Tensor:
         cache = SlotCache(self, slots, positions)
-        mask = attention_mask(positions, self.cache_shape.max_seq_len, self.cache_shape.dtype)
+        length, dtype = self.cache_shape.max_seq_len, self.cache_shape.dtype
+        masks = {kind: attention_mask(positions, length, dtype, window) for kind, window in self.windows.items()}
+        # one mask per kind of layer, as models whose layers differ take it; else the one 4D mask every model takes
+        mask = masks if len(masks) > 1 else next(iter(masks.values()))
         options = {self._cache_keyword: cache, "use_cache": True}
         if self._keep_last_logits:
             options["logits_to_keep"] = 1
@@ -134,9 +143,35 @@ class CausalLMStep(torch.nn.Module):
         return sample_tokens(logits[:, -1, :], sampling)
 
 
-def attention_mask(positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask ``[B, 1, T, max_seq_len]``: a token at position p sees the slot's positions 0..p."""
-    seen = torch.arange(max_seq_len, device=positions.device).view(1, 1, -1) <= positions.unsqueeze(-1)
+ATTENTION_KINDS = ("full_attention", "sliding_attention")  # the layer types of Hugging Face configs moirai masks
+
+
+def layer_windows(config: object) -> dict[str, int | None]:
+    """Each kind of attention layer in ``config`` with the sliding window its mask keeps (None: every earlier
+    position). A config without ``layer_types`` has one kind, windowed where it has a ``sliding_window``."""
+    if getattr(config, "use_bidirectional_attention", False):
+        raise InputError("the model's config asks for bidirectional attention: compile_lm generates with causal LMs")
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds:
+        return {"full_attention" if window is None else "sliding_attention": window}
+    unknown = sorted(kinds - set(ATTENTION_KINDS))
+    if unknown:
+        raise InputError(
+            f"the model's config has layers of type {unknown}: compile_lm masks only {list(ATTENTION_KINDS)} layers"
+        )
+    return {kind: window if kind == "sliding_attention" else None for kind in sorted(kinds)}
+
+
+def attention_mask(
+    positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype, window: int | None = None
+) -> torch.Tensor:
+    """The additive mask ``[B, 1, T, max_seq_len]``: a token at position p sees the slot's positions 0..p, or with
+    a sliding ``window`` only the last ``window`` of them (p - window + 1..p, as Hugging Face's sliding masks)."""
+    slot_positions = torch.arange(max_seq_len, device=positions.device).view(1, 1, -1)
+    seen = slot_positions <= positions.unsqueeze(-1)
+    if window is not None:
+        seen = seen & (slot_positions > positions.unsqueeze(-1) - window)
     blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=positions.device)
     return torch.where(seen, torch.zeros((), dtype=dtype, device=positions.device), blocked).unsqueeze(1)
 

@@ -1,0 +1,238 @@
+"""Model families from configs with random weights generate across the split exactly as their own ``generate``:
+Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2, Gemma2 and Gemma3 (text), greedy, 32 new tokens for two rows (one
+left-padded), on 2 and 3 logical CPU devices, local and distributed; sliding windows (per kind of layer where they
+differ) are masked as the config says. Hugging Face's own export wrapper over a ``StaticCache`` compiles with plain
+``moirai.compile`` and runs stepwise."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import moirai
+from moirai.errors import InputError
+from moirai.frontend.state import mutable_buffers
+from moirai.generation.step import attention_mask, layer_windows
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 32
+PROMPT_TOKENS = 11  # over max_prefill, so prompts go in two chunks
+WINDOW = 4  # under the prompt, so a sliding layer's mask differs from a full one's from the first token on
+# Untied heads: with a tied head these random models mostly repeat their last token (Gemma's embedding is scaled by
+# sqrt(hidden)), and the tokens would not depend on attention, masks or caches at all.
+COMMON = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+    "eos_token_id": None,  # every row runs its 32 tokens, on both sides
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    model_class: str
+    make_config: Callable[[], object]
+    windowed: bool = False  # the config has sliding-window layers
+
+
+def _config(name: str, **options: object) -> Callable[[], object]:
+    return lambda: getattr(transformers, name)(**options)
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM", _config("LlamaConfig", **COMMON)),
+    # sliding layers from layer 1 on: a full and a sliding layer, one mask each
+    "qwen2": Family(
+        "Qwen2ForCausalLM",
+        _config("Qwen2Config", **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+        windowed=True,
+    ),
+    "mistral": Family("MistralForCausalLM", _config("MistralConfig", **COMMON, sliding_window=WINDOW), windowed=True),
+    # head_dim 32 is not hidden / heads; the embedding is scaled by sqrt(hidden)
+    "gemma": Family("GemmaForCausalLM", _config("GemmaConfig", **COMMON, head_dim=32)),
+    # fused qkv and gate-up projections
+    "phi3": Family(
+        "Phi3ForCausalLM", _config("Phi3Config", **COMMON, sliding_window=WINDOW, pad_token_id=0), windowed=True
+    ),
+    # Conv1D projections, learned positions, its own attention and cache call
+    "gpt2": Family(
+        "GPT2LMHeadModel",
+        _config(
+            "GPT2Config",
+            vocab_size=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+    ),
+    # alternating sliding and full layers, attention and final soft-capping
+    "gemma2": Family(
+        "Gemma2ForCausalLM", _config("Gemma2Config", **COMMON, head_dim=32, sliding_window=WINDOW), windowed=True
+    ),
+    # a rotary embedding per kind of layer, query and key norms
+    "gemma3": Family(
+        "Gemma3ForCausalLM",
+        _config(
+            "Gemma3TextConfig",
+            **COMMON,
+            head_dim=32,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        windowed=True,
+    ),
+}
+
+
+@functools.cache
+def family_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return getattr(transformers, FAMILIES[name].model_class)(FAMILIES[name].make_config()).eval()
+
+
+@functools.cache
+def family_lm(name: str, devices: int) -> moirai.CompiledLM:
+    return moirai.compile_lm(
+        family_model(name),
+        ["cpu"] * devices,
+        max_batch_size=2,
+        max_seq_len=PROMPT_TOKENS + NEW_TOKENS,
+        max_prefill=8,
+        placer="round_robin",
+        calibration="none",
+        progress=False,
+    )
+
+
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows and their attention mask: 11 tokens (two prefill chunks) and 8 left-padded to 11 (one chunk)."""
+    ids = torch.randint(3, 256, (2, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
+
+
+@functools.cache
+def reference(name: str) -> torch.Tensor:
+    """The model's own greedy ``generate``: the prompt rows, then 32 new tokens each."""
+    ids, mask = prompts()
+    expected = family_model(name).generate(
+        ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+    )
+    assert expected.shape == (2, PROMPT_TOKENS + NEW_TOKENS)
+    return expected
+
+
+def cache_devices(lm: moirai.CompiledLM) -> set[int]:
+    """The devices that hold a KV-cache buffer (each buffer is on one, with its ops)."""
+    compiled = lm.compiled
+    return {
+        compiled.node_device[op] for buffer in mutable_buffers(compiled.traced.graph_module) for op in buffer.op_names
+    }
+
+
+def test_sliding_windows_change_what_the_windowed_families_generate():
+    """Without this, the equality tests below could not catch a window left out of the mask."""
+    for name, family in FAMILIES.items():
+        if not family.windowed:
+            continue
+        model = family_model(name)
+        config = copy.deepcopy(model.config)
+        config.sliding_window = 4096
+        unwindowed = type(model)(config).eval()
+        unwindowed.load_state_dict(model.state_dict())
+        ids, mask = prompts()
+        full = unwindowed.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        assert not torch.equal(full, reference(name)), f"{name}: its sliding window does not change its tokens"
+
+
+def test_the_families_generate_more_than_a_repeated_token():
+    for name in FAMILIES:
+        assert len(set(reference(name)[:, PROMPT_TOKENS:].flatten().tolist())) >= 8, name
+
+
+@pytest.mark.filterwarnings("ignore::moirai.OversubscriptionWarning")
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_tokens_equal_the_models_generate(name, devices):
+    lm = family_lm(name, devices)
+    assert len(set(lm.compiled.node_device.values())) == devices, "the plan leaves a device out"
+    assert len(cache_devices(lm)) >= 2, "the plan keeps every layer's cache on one device"
+    ids, mask = prompts()
+    tokens = lm.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    assert torch.equal(tokens, reference(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_tokens_equal_the_models_generate_through_the_server(name):
+    lm = family_lm(name, 2)
+    ids, mask = prompts()
+    with lm.server() as server:
+        tokens = server.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    assert torch.equal(tokens, reference(name))
+
+
+def test_a_sliding_window_mask_keeps_the_last_window_positions():
+    positions = torch.tensor([[0, 5, 9]])
+    seen = attention_mask(positions, 12, torch.float32, window=4)[0, 0] == 0
+    assert [row.nonzero().flatten().tolist() for row in seen] == [[0], [2, 3, 4, 5], [6, 7, 8, 9]]
+    assert (attention_mask(positions, 12, torch.float32)[0, 0, 2] == 0).sum() == 10
+
+
+def test_layer_windows_follow_the_config():
+    assert layer_windows(transformers.LlamaConfig(**COMMON)) == {"full_attention": None}
+    assert layer_windows(transformers.MistralConfig(**COMMON, sliding_window=7)) == {"sliding_attention": 7}
+    gemma2 = transformers.Gemma2Config(**COMMON, sliding_window=7)
+    assert layer_windows(gemma2) == {"full_attention": None, "sliding_attention": 7}
+    chunked = transformers.LlamaConfig(**COMMON)
+    chunked.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(InputError, match="chunked_attention"):
+        layer_windows(chunked)
+    bidirectional = transformers.Gemma3TextConfig(**COMMON, use_bidirectional_attention=True)
+    with pytest.raises(InputError, match="bidirectional"):
+        layer_windows(bidirectional)
+
+
+def test_hugging_faces_static_cache_export_wrapper_splits_and_runs_stepwise():
+    executorch = pytest.importorskip("transformers.integrations.executorch")
+    model = family_model("llama")
+    generation_config = model.generation_config
+    model.generation_config = copy.deepcopy(generation_config)
+    model.generation_config.cache_implementation = "static"  # the wrapper asks for it
+    try:
+        wrapper = executorch.TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=32)
+        own = executorch.TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=32)
+    finally:
+        model.generation_config = generation_config
+    example = {"input_ids": torch.tensor([[1]]), "cache_position": torch.tensor([0])}
+    compiled = moirai.compile(
+        wrapper, ["cpu", "cpu"], example_kwargs=example, placer="round_robin", calibration="none", progress=False
+    )
+    assert len(set(compiled.node_device.values())) == 2
+    buffers = [b for b in mutable_buffers(compiled.traced.graph_module) if "cache" in b.name]
+    assert len(buffers) == 2 * 2, [b.name for b in buffers]  # keys and values of two layers: the cache is state
+    for buffer in buffers:
+        assert len({compiled.node_device[op] for op in buffer.op_names}) == 1, buffer.name
+    token = torch.tensor([[5]])
+    with torch.no_grad():
+        for position in range(12):
+            inputs = {"input_ids": token, "cache_position": torch.tensor([position])}
+            expected, logits = own(**inputs), compiled(**inputs)
+            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+            token = expected[:, -1:].argmax(-1)
+            assert torch.equal(logits[:, -1:].argmax(-1), token)
