@@ -133,6 +133,16 @@ class DevicePart:
         return not busy and not any(node.op in _COMPUTE_OPS for node in self.graph_module.graph.nodes)
 
 
+class PartTracer(fx.Tracer):
+    """Traces a part's code again where a rank unpickles it (a GraphModule pickles its code, not its graph), with its
+    buffers as ``get_attr`` nodes: the default tracer reads them as plain tensors, so an op on buffers alone (an
+    in-place count, ``calls.add_(1)``) would run once while unpickling and be folded into a constant."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.proxy_buffer_attributes = True
+
+
 @dataclass(frozen=True, eq=False)
 class SplitProgram:
     """Every device's part plus what connects them."""
@@ -436,6 +446,7 @@ class _PartBuilder:
         self.graph.output(tuple(self.output_values))
         self.graph.lint()
         graph_module = fx.GraphModule(self.attributes, self.graph, class_name=f"Device{self.device}Part")
+        graph_module._tracer_cls = PartTracer  # how a rank's unpickling traces the part's code again (see there)
         return DevicePart(
             device=self.device,
             graph_module=graph_module,
