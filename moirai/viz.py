@@ -287,12 +287,14 @@ def gantt(
     timeline: Timeline | None = None,
     title: str | None = None,
     requests: int = 1,
+    objective: Objective | None = None,
 ) -> Figure:
     """Draw the simulated schedule of ``plan``; save it to ``path`` (PNG, SVG, PDF by suffix) when given.
 
     ``groups`` names the colour of every task (default: its kind, from its name). ``requests > 1``
     draws that many requests pipelined through the plan (:mod:`moirai.planning.stream`), coloured by request,
-    with the steady-state period in the title. Returns the matplotlib Figure, which Jupyter shows inline.
+    with the steady-state period in the title. ``objective``: the one the title judges by, where the plan's name
+    alone does not make it (generation's). Returns the matplotlib Figure, which Jupyter shows inline.
     """
     if path is not None:
         check_picture_path(path)
@@ -378,7 +380,7 @@ def gantt(
     handles += [Patch(facecolor=_TRANSFER_COLOUR)] if timeline.transfers else []
     handles.append(Patch(facecolor=_CRITICAL))
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
-    ax.set_title(title or f"{plan.placer or 'plan'}: {headline(problem, plan, timeline)}", loc="left")
+    ax.set_title(title or f"{plan.placer or 'plan'}: {headline(problem, plan, timeline, objective)}", loc="left")
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig

@@ -301,3 +301,19 @@ def test_the_simulator_refuses_exactly_the_placements_that_separate_a_cache_from
             simulate(problem, plan)
 
     check()
+
+
+def test_the_summary_and_the_gantt_show_the_predicted_ttft_tpot_and_tokens_per_s(split_lm, tmp_path):
+    pytest.importorskip("matplotlib")
+    from rich.console import Console
+
+    console = Console(record=True, width=120)
+    split_lm.summary(console)
+    text = console.export_text()
+    prediction = split_lm.prediction()
+    assert "TTFT" in text and "TPOT" in text and "tokens/s" in text and "per sequence" in text
+    assert prediction.ttft_s > prediction.tpot_s > 0 and prediction.tokens_per_s > 0
+    for phase in ("decode", "prefill"):
+        figure = split_lm.gantt(tmp_path / f"{phase}.png", phase=phase)
+        assert (tmp_path / f"{phase}.png").stat().st_size > 0
+        assert figure._suptitle.get_text().startswith(f"{phase}: TTFT")

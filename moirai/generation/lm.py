@@ -43,7 +43,7 @@ from moirai.generation.engine import Engine, done_future
 from moirai.generation.requests import GenerateRequest, sampling_params
 from moirai.generation.server import GenerationServer
 from moirai.generation.step import CacheShape, CausalLMStep
-from moirai.planning.objective import Generation
+from moirai.planning.objective import LATENCY, Generation
 from moirai.planning.placers import place
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
@@ -126,8 +126,12 @@ class CompiledLM:
     def gantt(self, path: str | Path | None = None, phase: str = "decode", **options: Any) -> Any:
         """The simulated schedule of one decode step (``phase="prefill"``: of the typical prompt's prefill), titled
         with the predicted TTFT, TPOT and tokens/s."""
-        problem = self.compiled.problem if phase == "decode" else self.prefill_problem
-        figure = viz.gantt(problem, self.compiled.plan, path=None, **options)
+        if phase not in ("decode", "prefill"):
+            raise InputError(f"gantt draws phase 'decode' or 'prefill', not {phase!r}")
+        problem, objective = (
+            (self.compiled.problem, self.objective) if phase == "decode" else (self.prefill_problem, LATENCY)
+        )
+        figure = viz.gantt(problem, self.compiled.plan, path=None, objective=objective, **options)
         p = self.prediction()
         figure.suptitle(
             f"{phase}: TTFT {p.ttft_s * 1e3:.3g} ms ({p.prompt_tokens} tokens), TPOT {p.tpot_s * 1e3:.3g} ms, "
