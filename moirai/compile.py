@@ -335,6 +335,8 @@ class _PlanHandover:
     @classmethod
     def under_torchrun(cls, devices: Cluster | Sequence[str]) -> _PlanHandover | None:
         """None outside torchrun, or where the devices are not one per rank of this world."""
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return None  # before reading devices: a malformed list is local_cluster's to name
         torch_devices = [d.torch_device for d in devices.devices] if isinstance(devices, Cluster) else list(devices)
         store = distributed.torchrun_store([str(torch.device(d)) for d in torch_devices])
         return None if store is None else cls(store, int(os.environ["RANK"]))
