@@ -110,16 +110,13 @@ class Engine:
         max_prefill: int,
         max_batch: int,
         depth: int,
-        input_device: str = "cpu",
     ) -> None:
         self._submit = submit
         self._free_slots = list(range(slots))
         self.max_seq_len, self.max_prefill, self.max_batch, self.depth = max_seq_len, max_prefill, max_batch, depth
-        self._device = input_device
-        self._waiting: queue.Queue[SequenceState | None] = queue.Queue()
-        self._active: list[SequenceState] = []
+        self._waiting: queue.Queue[SequenceState] = queue.Queue()  # added, not yet given a slot
+        self._active: list[SequenceState] = []  # in a slot (the loop thread's only)
         self._in_flight: dict[Future, _Step] = {}
-        self._failed: BaseException | None = None
 
     def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         """:class:`InputError` unless a sequence of this prompt and length fits a slot."""
@@ -175,8 +172,6 @@ class Engine:
                 sequence = self._waiting.get(timeout=0.2) if block and not admitted else self._waiting.get_nowait()
             except queue.Empty:
                 break
-            if sequence is None:
-                continue
             sequence.slot = self._free_slots.pop(0)
             self._active.append(sequence)
             admitted = True
@@ -220,11 +215,12 @@ class Engine:
             sampling = sequence.sampling
             rows.append([sampling.temperature, float(sampling.top_k), sampling.top_p, sequence.uniform()])
         slots = [s.slot for s in step.sequences]
+        # On the host: each part moves the inputs it reads to its own device.
         return (
-            torch.tensor(ids, dtype=torch.long, device=self._device),
-            torch.tensor(positions, dtype=torch.long, device=self._device),
-            torch.tensor(slots, dtype=torch.long, device=self._device),
-            torch.tensor(rows, dtype=torch.float32, device=self._device),
+            torch.tensor(ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            torch.tensor(slots, dtype=torch.long),
+            torch.tensor(rows, dtype=torch.float32),
         )
 
     def _finish_step(self, step: _Step, future: Future) -> None:
@@ -277,11 +273,9 @@ class Engine:
         drained = []
         while True:
             try:
-                sequence = self._waiting.get_nowait()
+                drained.append(self._waiting.get_nowait())
             except queue.Empty:
                 return drained
-            if sequence is not None:
-                drained.append(sequence)
 
 
 def done_future(compute: Callable[[], torch.Tensor]) -> Future:
