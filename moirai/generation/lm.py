@@ -233,7 +233,8 @@ def compile_lm(
     prompt_chunk = min(prompt_tokens, max_prefill)
     prefill = phase_problem(traced, coarse, cluster, colocated, cost, batch=1, tokens=prompt_chunk)
     decode = phase_problem(traced, coarse, cluster, colocated, cost, batch=decode_batch, tokens=1)
-    objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s)
+    # A chunk's cost depends on its tokens only (attention spans the whole slot): a long prompt is whole chunks.
+    objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s, math.ceil(prompt_tokens / prompt_chunk))
     if handover is not None and not handover.plans:
         # This rank takes rank 0's plan and serves it with moirai.serve_rank(lm.compiled).
         compiled = _from_record(handover.receive(), "rank 0's plan", traced, cluster)

@@ -165,14 +165,16 @@ class Generation(Objective):
     new_tokens: int = 64
     sequences: int = 1
     max_ttft_s: float | None = None
+    prefill_chunks: int = 1  # a prompt longer than a chunk goes in this many chunks of the prefill's size
 
     def contracted(self, contraction: Contraction) -> Generation:
         return self if self.prefill is None else replace(self, prefill=contraction.of(self.prefill))
 
     def __post_init__(self) -> None:
-        if self.new_tokens < 1 or self.sequences < 1:
+        if self.new_tokens < 1 or self.sequences < 1 or self.prefill_chunks < 1:
             raise MoiraiError(
-                f"Generation needs new_tokens >= 1 and sequences >= 1, got {self.new_tokens} and {self.sequences}"
+                f"Generation needs new_tokens, sequences and prefill_chunks >= 1, got {self.new_tokens}, "
+                f"{self.sequences} and {self.prefill_chunks}"
             )
 
     @property
@@ -192,14 +194,15 @@ class Generation(Objective):
         return self.sequences > 1
 
     def ttft_s(self, timeline: Timeline) -> float:
-        """The prefill's simulated makespan under the decode plan's placement and order (0 without a prefill)."""
+        """The prefill's simulated makespan under the decode plan's placement and order, once per chunk (0 without
+        a prefill)."""
         if self.prefill is None:
             return 0.0
         from moirai.planning.plan import Plan
         from moirai.planning.simulate import simulate
 
         plan = Plan(timeline.placement, tuple(self.prefill.device_names), order=timeline.execution_sequences)
-        return simulate(self.prefill, plan).makespan_s
+        return self.prefill_chunks * simulate(self.prefill, plan).makespan_s
 
     def step_s(self, timeline: Timeline) -> float:
         """Time per decode step in the steady state with ``sequences`` in flight (TPOT for one sequence)."""
@@ -226,7 +229,7 @@ class Generation(Objective):
     def lower_bound_s(self, problem: Problem) -> float:
         if self.sequences > 1:
             return Throughput().lower_bound_s(problem)
-        prefill_s = 0.0 if self.prefill is None else LATENCY.lower_bound_s(self.prefill)
+        prefill_s = 0.0 if self.prefill is None else self.prefill_chunks * LATENCY.lower_bound_s(self.prefill)
         return prefill_s + self.new_tokens * LATENCY.lower_bound_s(problem)
 
 
