@@ -60,15 +60,15 @@ def test_every_readme_python_block_runs_as_pasted_in_a_script_of_its_own(tmp_pat
             skipped += 1
             continue
         script = tmp_path / f"readme_block_{number}.py"
-        script.write_text(
-            block["code"] + "\n" + (SHOWS_ITS_SPLIT if "compiled = moirai.compile(" in block["code"] else "")
-        )
+        shows = SHOWS_ITS_SPLIT if "compiled = moirai.compile(" in block["code"] else ""
+        shows += SHOWS_ITS_LM_SPLIT if "lm = moirai.compile_lm(" in block["code"] else ""
+        script.write_text(block["code"] + "\n" + shows)
         result = subprocess.run(
             [sys.executable, script.name], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env()
         )
         assert result.returncode == 0, f"README python block {number} failed:\n{result.stdout}\n{result.stderr}"
         ran += 1
-    assert ran == 4 and skipped == 1
+    assert ran == 5 and skipped == 1
     assert (tmp_path / "plan.png").stat().st_size > 0 and (tmp_path / "plan.json").exists()
     assert (tmp_path / "stream.png").stat().st_size > 0
 
@@ -83,6 +83,16 @@ if __name__ == "__main__":
     value_s = lambda plan: as_objective(compiled.plan.objective).value_s(moirai.simulate(compiled.problem, plan))
     assert sorted(set(compiled.plan.placement.tolist())) == [0, 1], compiled.plan.placement
     assert value_s(compiled.plan) < 0.9 * value_s(alone), (value_s(compiled.plan), value_s(alone))
+"""
+
+
+# The same for a block that compiles a causal LM for generation, judged by its generation objective.
+SHOWS_ITS_LM_SPLIT = """
+if __name__ == "__main__":
+    alone = moirai.place(lm.compiled.problem, placer="single", objective=lm.objective)
+    value_s = lambda plan: lm.objective.value_s(moirai.simulate(lm.compiled.problem, plan))
+    assert sorted(set(lm.compiled.plan.placement.tolist())) == [0, 1], lm.compiled.plan.placement
+    assert value_s(lm.compiled.plan) < 0.9 * value_s(alone), (value_s(lm.compiled.plan), value_s(alone))
 """
 
 
