@@ -3,6 +3,7 @@ its own hostname and /dev/shm (tools/two_hosts.sh), torchrun --nnodes 2 on each,
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -12,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from moirai.cluster.calibration import HostLink
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO_HOSTS = ROOT / "tools" / "two_hosts.sh"
@@ -48,19 +51,18 @@ def two_hosts(tmp_path: Path) -> Iterator[dict[str, str]]:
         subprocess.run([str(TWO_HOSTS), "down"], env=environment, capture_output=True, timeout=60)
 
 
-@pytest.mark.slow
-def test_readme_serve_script_runs_across_two_hosts(two_hosts: dict[str, str], tmp_path: Path) -> None:
-    readme = (ROOT / "README.md").read_text()
-    (script,) = re.findall(r"```python\n(# serve\.py.+?)\n```", readme, re.DOTALL)
-    assert "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr" in script
-    (tmp_path / "serve.py").write_text(script)
+def run_on_both_hosts(
+    environment: dict[str, str], cwd: Path, *arguments: str, timeout_s: float = RUN_TIMEOUT_S
+) -> dict[str, tuple[str, str]]:
+    """``torchrun --nnodes 2 ... arguments`` on host a (node 0) and host b (node 1): each host's stdout and stderr,
+    after both exited with status 0."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     hosts = {
         host: subprocess.Popen(
             [str(TWO_HOSTS), "run", host, torchrun, "--nnodes", "2", "--node-rank", str(node_rank)]
-            + ["--nproc-per-node", "1", "--master-addr", MASTER_ADDR, "--master-port", "29500", "serve.py"],
-            cwd=tmp_path,
-            env=two_hosts,
+            + ["--nproc-per-node", "1", "--master-addr", MASTER_ADDR, "--master-port", "29500", *arguments],
+            cwd=cwd,
+            env=environment,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -70,10 +72,80 @@ def test_readme_serve_script_runs_across_two_hosts(two_hosts: dict[str, str], tm
     finished = {}
     for host, process in hosts.items():
         try:
-            finished[host] = process.communicate(timeout=RUN_TIMEOUT_S)
+            finished[host] = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"host {host} did not finish within {RUN_TIMEOUT_S} s")  # the fixture ends both hosts
+            pytest.fail(f"host {host} did not finish within {timeout_s} s")  # the fixture ends both hosts
         assert process.returncode == 0, f"host {host} failed: {finished[host][1][-3000:]}"
+    return finished
+
+
+# Rank 0 compiles with the calibration file and prints what its cluster says the link between the hosts costs.
+PLAN_WITH_CALIBRATION = """
+import json, os, warnings
+import torch
+import moirai
+
+warnings.simplefilter("error", moirai.MoiraiWarning)  # an unmeasured link between the hosts would warn
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).eval()
+x = torch.randn(4, 64)
+compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft", calibration="calibration.json")
+y = compiled.run_rank(x)
+if int(os.environ["RANK"]) == 0:
+    c = compiled.cluster
+    with torch.no_grad():
+        assert torch.allclose(y, model(x), atol=1e-6)
+    print(json.dumps({
+        "hosts": [d.host for d in c.devices],
+        "latency_s": c.latency_s.tolist(),
+        "bandwidth_bytes_per_s": c.bandwidth_bytes_per_s.tolist(),
+        "send_cpu_s": c.send_cpu_s.tolist(),
+        "recv_cpu_s": c.recv_cpu_s.tolist(),
+    }))
+"""
+
+
+@pytest.mark.slow
+def test_calibrate_measures_the_link_between_the_hosts_and_rank_0_plans_with_it(
+    two_hosts: dict[str, str], tmp_path: Path
+) -> None:
+    environment = {**two_hosts, "MOIRAI_CACHE_DIR": str(tmp_path / "cache")}
+    sweep = ("--max-size-mb", "0.25", "--repeats", "5")
+    finished = run_on_both_hosts(
+        environment, tmp_path, "-m", "moirai", "calibrate", *sweep, "--save", "calibration.json", timeout_s=240
+    )
+    assert "rank0 -> rank1" in finished["a"][0] and "rank0 on moirai-host-a, rank1 on moirai-host-b" in finished["a"][0]
+    assert finished["b"][0] == ""  # rank 0 alone writes and prints
+    from moirai.cluster.calibration import read_host_links
+
+    links = read_host_links(tmp_path / "calibration.json")
+    forth, back = (HostLink(f"moirai-host-{s}", f"moirai-host-{d}", "cpu->cpu") for s, d in ("ab", "ba"))
+    assert set(links) == {forth, back}  # one rank per host: no link within a host to measure
+    for cost in links.values():
+        assert 0 < cost.latency_s < 0.1 and cost.bandwidth_bytes_per_s > 1e6
+        assert (
+            cost.sender_cpu_s + cost.sender_cpu_s_per_byte > 0
+            and cost.receiver_cpu_s + cost.receiver_cpu_s_per_byte > 0
+        )
+
+    (tmp_path / "plan.py").write_text(PLAN_WITH_CALIBRATION)
+    finished = run_on_both_hosts(environment, tmp_path, "plan.py")
+    seen = json.loads(finished["a"][0].strip().splitlines()[-1])
+    assert seen["hosts"] == ["moirai-host-a", "moirai-host-b"]
+    for (a, b), link in (((0, 1), forth), ((1, 0), back)):
+        assert seen["latency_s"][a][b] == pytest.approx(links[link].latency_s)
+        assert seen["bandwidth_bytes_per_s"][a][b] == pytest.approx(links[link].bandwidth_bytes_per_s)
+        assert seen["send_cpu_s"][a][b] == pytest.approx(links[link].sender_cpu_s)
+        assert seen["recv_cpu_s"][a][b] == pytest.approx(links[link].receiver_cpu_s)
+
+
+@pytest.mark.slow
+def test_readme_serve_script_runs_across_two_hosts(two_hosts: dict[str, str], tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    (script,) = re.findall(r"```python\n(# serve\.py.+?)\n```", readme, re.DOTALL)
+    assert "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr" in script
+    (tmp_path / "serve.py").write_text(script)
+    finished = run_on_both_hosts(two_hosts, tmp_path, "serve.py")
     assert "served 50 requests, all equal to the model's" in finished["a"][0]
     for node_rank, host in enumerate("ab"):
         # Each rank found the veth end that routes to host a, and said so.

@@ -81,6 +81,7 @@ __all__ = [
     "run_rank",
     "serve_rank",
     "torchrun_driver",
+    "torchrun_group",
     "torchrun_store",
 ]
 
@@ -502,18 +503,26 @@ def _torchrun_group(
             f"plan's device order); this run has {world_size} ranks and {len(torch_devices)} devices"
         )
     if _TORCHRUN_GROUP is None or _TORCHRUN_GROUP.rank != rank or _TORCHRUN_GROUP.world_size != world_size:
-        if not dist.is_initialized():
-            init_rank(rank, world_size, torch_devices, timeout_s)
-        resources, neighbours = _torchrun_resources(devices, rank)
-        apply_resources(resources, str(devices[rank]))
-        pin_io_threads(resources)
-        default = dist.distributed_c10d._get_default_group()
-        store = RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
-        links = shm.connect(rank, world_size, store, timeout_s, f"moirai/shm/{world_size}", neighbours)
-        _TORCHRUN_GROUP = Group(
-            rank, [torch.device(d) for d in torch_devices], default, default, store, shared_memory=links
-        )
+        _TORCHRUN_GROUP = torchrun_group(rank, world_size, devices, timeout_s, f"moirai/shm/{world_size}")
     return _TORCHRUN_GROUP
+
+
+def torchrun_group(
+    rank: int, world_size: int, devices: Sequence[str | Device], timeout_s: float, shm_prefix: str
+) -> Group:
+    """This torchrun rank set up as the runtime sets up its ranks: its share of its host's cores, the default process
+    group (gloo between hosts), shared memory with the ranks of its host (a collective: every rank calls it, with one
+    ``shm_prefix`` per call)."""
+    torch_devices = [_torch_device(d) for d in devices]
+    if not dist.is_initialized():
+        init_rank(rank, world_size, torch_devices, timeout_s)
+    resources, neighbours = _torchrun_resources(devices, rank)
+    apply_resources(resources, str(devices[rank]))
+    pin_io_threads(resources)
+    default = dist.distributed_c10d._get_default_group()
+    store = RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
+    links = shm.connect(rank, world_size, store, timeout_s, shm_prefix, neighbours)
+    return Group(rank, [torch.device(d) for d in torch_devices], default, default, store, shared_memory=links)
 
 
 def _torchrun_resources(devices: Sequence[str | Device], rank: int) -> tuple[RankResources, range]:

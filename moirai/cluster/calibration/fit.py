@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -70,6 +71,17 @@ def fit_line(sizes_bytes: Sequence[float], values_s: Sequence[float], what: str)
     design = np.stack([np.ones_like(sizes), sizes], axis=1) * weight[:, None]
     (fixed, per_byte), *_ = np.linalg.lstsq(design, values * weight, rcond=None)
     return float(fixed), float(per_byte)
+
+
+class HostLink(NamedTuple):
+    """A link between the ranks of two hosts (one host: ranks that share its memory), of one :func:`link_kind`."""
+
+    src_host: str
+    dst_host: str
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.src_host} -> {self.dst_host} ({self.kind})"
 
 
 def link_kind(src_torch_device: str, dst_torch_device: str) -> str:
