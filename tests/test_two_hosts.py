@@ -9,7 +9,8 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,99 @@ def test_readme_serve_script_runs_across_two_hosts(two_hosts: dict[str, str], tm
     for node_rank, host in enumerate("ab"):
         # Each rank found the veth end that routes to host a, and said so.
         assert re.search(rf"moirai rank {node_rank}: gloo uses interface mh{host}\w+ \(10\.77\.0\.", finished[host][1])
+
+
+# Rank 0 serves requests, a few in flight at a time, until one fails (host b went away); it writes what failed and
+# how many requests were pending, closes its server and exits.
+SERVE_UNTIL_A_HOST_GOES = """
+import json, os, sys
+from pathlib import Path
+import torch
+import moirai
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]).eval()
+x = torch.randn(16, 256)
+compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="round_robin", calibration="none")
+if int(os.environ["RANK"]) != 0:
+    moirai.serve_rank(compiled, timeout_s=TIMEOUT_S)
+    sys.exit(0)
+server = compiled.server(timeout_s=TIMEOUT_S, max_in_flight=4)
+served, failures = 0, []
+while not failures:
+    futures = [server.submit(x) for _ in range(4)]
+    for future in futures:
+        try:
+            future.result()
+            served += 1
+        except moirai.DistributedError as error:
+            failures.append(str(error))
+    if served >= 8:
+        Path("serving").touch()  # the test takes host b away now
+try:
+    server.close()
+except moirai.DistributedError:
+    pass  # the failure it closes on is the one the requests had
+Path("result.json").write_text(json.dumps({"served": served, "failures": failures}))
+"""
+GONE_TIMEOUT_S = 10
+
+
+@pytest.mark.slow
+def test_a_host_that_goes_away_fails_the_pending_requests_naming_its_rank(
+    two_hosts: dict[str, str], tmp_path: Path
+) -> None:
+    (tmp_path / "gone.py").write_text(SERVE_UNTIL_A_HOST_GOES.replace("TIMEOUT_S", str(GONE_TIMEOUT_S)))
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    hosts = {
+        host: subprocess.Popen(
+            [str(TWO_HOSTS), "run", host, torchrun, "--nnodes", "2", "--node-rank", str(node_rank)]
+            + ["--nproc-per-node", "1", "--master-addr", MASTER_ADDR, "--master-port", "29500", "gone.py"],
+            cwd=tmp_path,
+            env=two_hosts,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node_rank, host in enumerate("ab")
+    }
+    serving, result = tmp_path / "serving", tmp_path / "result.json"
+    wait_for(lambda: serving.exists() or any(p.poll() is not None for p in hosts.values()), RUN_TIMEOUT_S)
+    assert serving.exists(), f"the hosts stopped before serving: {[p.communicate()[0][-2000:] for p in hosts.values()]}"
+    subprocess.run([str(TWO_HOSTS), "kill", "b"], env=two_hosts, check=True, timeout=60)
+    assert hosts["b"].wait(timeout=30) != 0  # killed
+
+    # Rank 0 gets its failure within the request timeout (gloo's connection to the killed rank is reset) and its
+    # process ends; torchrun's agent on host a then waits for host b's in its exit barrier, which is torchrun's.
+    wait_for(lambda: result.exists() and not rank_processes(two_hosts, "a", "gone.py"), GONE_TIMEOUT_S + 60)
+    outcome = json.loads(result.read_text())
+    assert outcome["served"] >= 8 and outcome["failures"], outcome
+    for failure in outcome["failures"]:
+        assert "rank 1 (cpu)" in failure and "host moirai-host-b" in failure, failure
+    subprocess.run([str(TWO_HOSTS), "kill", "a"], env=two_hosts, check=True, timeout=60)  # the agent, waiting
+    hosts["a"].communicate(timeout=30)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout_s`` (a bound on a hang, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"still waiting after {timeout_s} s")
+        time.sleep(0.2)
+
+
+def rank_processes(environment: dict[str, str], host: str, script: str) -> list[int]:
+    """The processes on ``host`` (in its network namespace) running ``script``: torchrun's workers, not its agent."""
+    holder = (Path(environment["MOIRAI_TWO_HOSTS_DIR"]) / f"{host}.pid").read_text().strip()
+    namespace = os.readlink(f"/proc/{holder}/ns/net")
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.readlink(entry / "ns" / "net") == namespace:
+                args = (entry / "cmdline").read_bytes().split(b"\0")
+                if any(a.endswith(script.encode()) for a in args) and not any(b"torchrun" in a for a in args):
+                    found.append(int(entry.name))
+        except OSError:
+            continue  # it ended meanwhile
+    return found

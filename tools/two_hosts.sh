@@ -7,6 +7,7 @@
 #
 #   tools/two_hosts.sh up            # host a (10.77.0.1) and host b (10.77.0.2)
 #   tools/two_hosts.sh run a CMD...  # CMD on host a, in this directory
+#   tools/two_hosts.sh kill b        # host b goes away: every process on it is killed (SIGKILL), its network stays
 #   tools/two_hosts.sh down          # stop both; the veth pair goes with them
 #
 # MOIRAI_TWO_HOSTS_DIR holds the hosts' state (default /tmp/moirai-two-hosts); give each concurrent pair its own.
@@ -74,21 +75,26 @@ up() {
     trap - ERR
 }
 
+# Every process in a host's network namespace but the holder: SIGKILL, as a machine that loses power.
+kill_processes_of() {
+    local host="$1" holder namespace
+    [[ -s "$STATE_DIR/$host.pid" ]] || return 0
+    holder="$(cat "$STATE_DIR/$host.pid")"
+    namespace="$(readlink "/proc/$holder/ns/net" 2>/dev/null || true)"
+    [[ -n "$namespace" ]] || return 0
+    for pid in $(ls /proc | grep -E '^[0-9]+$'); do
+        if [[ "$pid" != "$holder" && "$(readlink "/proc/$pid/ns/net" 2>/dev/null)" == "$namespace" ]]; then
+            kill -9 "$pid" 2>/dev/null || true
+        fi
+    done
+}
+
 down() {
     for host in "${HOSTS[@]}"; do
+        # The host's processes first, the holder last.
+        kill_processes_of "$host"
         if [[ -s "$STATE_DIR/$host.pid" ]]; then
-            local holder namespace
-            holder="$(cat "$STATE_DIR/$host.pid")"
-            namespace="$(readlink "/proc/$holder/ns/net" 2>/dev/null || true)"
-            # The host's processes first (every process in its network namespace, the holder last).
-            if [[ -n "$namespace" ]]; then
-                for pid in $(ls /proc | grep -E '^[0-9]+$'); do
-                    if [[ "$pid" != "$holder" && "$(readlink "/proc/$pid/ns/net" 2>/dev/null)" == "$namespace" ]]; then
-                        kill -9 "$pid" 2>/dev/null || true
-                    fi
-                done
-                kill -9 "$holder" 2>/dev/null || true
-            fi
+            kill -9 "$(cat "$STATE_DIR/$host.pid")" 2>/dev/null || true
         fi
         if [[ -s "$STATE_DIR/$host.unshare.pid" ]]; then
             kill "$(cat "$STATE_DIR/$host.unshare.pid")" 2>/dev/null || true
@@ -107,6 +113,11 @@ in_host() {
 case "${1:-}" in
 up) up ;;
 down) down ;;
+kill)
+    [[ $# -eq 2 && " ${HOSTS[*]} " == *" $2 "* ]] || { echo "usage: $0 kill a|b" >&2; exit 2; }
+    holder_of "$2" >/dev/null
+    kill_processes_of "$2"
+    ;;
 run)
     [[ $# -ge 3 && " ${HOSTS[*]} " == *" $2 "* ]] || { echo "usage: $0 run a|b CMD..." >&2; exit 2; }
     host="$2"
@@ -114,7 +125,7 @@ run)
     in_host "$host" "$@"
     ;;
 *)
-    echo "usage: $0 up | run a|b CMD... | down" >&2
+    echo "usage: $0 up | run a|b CMD... | kill a|b | down" >&2
     exit 2
     ;;
 esac

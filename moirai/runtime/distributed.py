@@ -57,7 +57,7 @@ from moirai.runtime import orphans, shm
 from moirai.runtime.blame import PeerFailure, blamed, describe_error, read_report, report_failure
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import Group, local_group, placed_part
-from moirai.runtime.hosts import host_ranks, torchrun_layout
+from moirai.runtime.hosts import host_ranks, rank_hosts, torchrun_layout
 from moirai.runtime.local import check_inputs
 from moirai.runtime.network import choose_gloo_interface
 from moirai.runtime.protocol import Header, Messages, receive_header, run_part, send_header, send_inputs, serve
@@ -522,7 +522,11 @@ def torchrun_group(
     default = dist.distributed_c10d._get_default_group()
     store = RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
     links = shm.connect(rank, world_size, store, timeout_s, shm_prefix, neighbours)
-    return Group(rank, [torch.device(d) for d in torch_devices], default, default, store, shared_memory=links)
+    group = Group(rank, [torch.device(d) for d in torch_devices], default, default, store, shared_memory=links)
+    hosts = rank_hosts(store, rank, world_size, f"{shm_prefix}/host", timeout_s)
+    if len(set(hosts)) > 1:  # a rank that went silent is named with its host: a host may have gone away
+        group.describe_rank = lambda peer: f"; it ran on host {hosts[peer]}"
+    return group
 
 
 def _torchrun_resources(devices: Sequence[str | Device], rank: int) -> tuple[RankResources, range]:
