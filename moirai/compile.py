@@ -258,7 +258,7 @@ def compile(
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
     logger.debug("coarsened %s to %d op groups (fusion rules %s)", traced.model_name, len(coarse.nodes), fusion_rules)
-    problem = build_problem(coarse, cluster, cost, traced)
+    problem = build_problem(coarse, cluster, cost, traced, remote_alike=hosts is not None)
     plan = place(problem, placer=placer, objective=objective, **placer_options)
     logger.info(
         "%s placed by %s on %d of %d devices: %s %.6g s",

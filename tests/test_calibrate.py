@@ -386,3 +386,16 @@ def test_the_pairs_measured_across_hosts_and_the_hosts_named() -> None:
     # Two containers named alike on two machines are two hosts.
     same = [("node", "node/boot1/5"), ("node", "node/boot2/5"), ("other", "other/boot3/5"), ("node", "node/boot1/5")]
     assert host_labels(same) == ["node#0", "node#1", "other", "node#0"]
+
+
+def test_a_link_between_hosts_takes_its_bandwidth_from_the_large_messages() -> None:
+    from moirai.cluster.calibration.fit import fit_between_hosts
+
+    # A token bucket of 64 KiB at 100 Mbit/s: messages up to the bucket pass at once, larger ones at the rate.
+    sizes = tuple(1024 * 4**k for k in range(6))
+    rate = 12.5e6
+    delays = tuple(150e-6 + max(size - 65536, 0) / rate for size in sizes)
+    cost = fit_between_hosts(TransferTimings(sizes, delays, delays, delays))
+    assert cost.bandwidth_bytes_per_s == pytest.approx(rate, rel=0.1)
+    assert TransferTimings(sizes, delays, delays, delays).fit().bandwidth_bytes_per_s > 1.5 * rate  # what it fixes
+    assert cost.delay_s(1 << 20) == pytest.approx(delays[-1], rel=0.1)

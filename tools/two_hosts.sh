@@ -8,6 +8,7 @@
 #   tools/two_hosts.sh up            # host a (10.77.0.1) and host b (10.77.0.2)
 #   tools/two_hosts.sh run a CMD...  # CMD on host a, in this directory
 #   tools/two_hosts.sh kill b        # host b goes away: every process on it is killed (SIGKILL), its network stays
+#   tools/two_hosts.sh shape 100mbit # both ends of the veth send at most 100 Mbit/s (tc tbf); `shape none` undoes it
 #   tools/two_hosts.sh down          # stop both; the veth pair goes with them
 #
 # MOIRAI_TWO_HOSTS_DIR holds the hosts' state (default /tmp/moirai-two-hosts); give each concurrent pair its own.
@@ -60,7 +61,7 @@ up() {
     for host in "${HOSTS[@]}"; do wait_for_holder "$host"; done
     # Interface names are global until moved into the namespaces: make them unique to this pair.
     local suffix end_a end_b
-    suffix="$(printf '%s' "$STATE_DIR" | cksum | cut -c1-8)"
+    suffix="$(printf '%s' "$STATE_DIR" | cksum | cut -d' ' -f1 | cut -c1-8)"
     end_a="mha$suffix" end_b="mhb$suffix"
     "$IP" link add "$end_a" type veth peer name "$end_b"
     "$IP" link set "$end_a" netns "$(holder_of a)"
@@ -104,6 +105,20 @@ down() {
     rmdir "$STATE_DIR" 2>/dev/null || true
 }
 
+# A token bucket on each end of the veth (netem is missing on many kernels; tbf and htb are not).
+shape() {
+    local rate="$1" host end
+    for host in "${HOSTS[@]}"; do
+        end="$(in_host "$host" "$IP" -o link show type veth | awk -F': ' '{print $2}' | cut -d@ -f1)"
+        in_host "$host" tc qdisc del dev "$end" root 2>/dev/null || true
+        if [[ "$rate" != none ]]; then
+            # A small bucket (one GSO packet), so that a message of any size leaves at the rate; the queue holds 200 ms.
+            in_host "$host" tc qdisc add dev "$end" root tbf rate "$rate" burst 64kb latency 200ms
+        fi
+        echo "host $host: $end $(in_host "$host" tc qdisc show dev "$end" root)"
+    done
+}
+
 in_host() {
     local host="$1"
     shift
@@ -113,6 +128,10 @@ in_host() {
 case "${1:-}" in
 up) up ;;
 down) down ;;
+shape)
+    [[ $# -eq 2 ]] || { echo "usage: $0 shape RATE|none (a tc rate: 1gbit, 100mbit)" >&2; exit 2; }
+    shape "$2"
+    ;;
 kill)
     [[ $# -eq 2 && " ${HOSTS[*]} " == *" $2 "* ]] || { echo "usage: $0 kill a|b" >&2; exit 2; }
     holder_of "$2" >/dev/null
@@ -125,7 +144,7 @@ run)
     in_host "$host" "$@"
     ;;
 *)
-    echo "usage: $0 up | run a|b CMD... | kill a|b | down" >&2
+    echo "usage: $0 up | run a|b CMD... | kill a|b | shape RATE|none | down" >&2
     exit 2
     ;;
 esac

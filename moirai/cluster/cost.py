@@ -43,6 +43,7 @@ made a 13B decoder need 48 GB for 26 GB of weights.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -88,11 +89,13 @@ def build_problem(
     repeats: int = 11,
     progress: bool = True,
     clock: Callable[[], float] = time.perf_counter,
+    remote_alike: bool = False,
 ) -> Problem:
     """The placement problem of ``graph`` on ``cluster``.
 
     ``mode="measured"`` needs ``traced``, the model ``graph`` was built from; ``analytic`` uses it,
-    when given, only to read each node's dtype.
+    when given, only to read each node's dtype. ``remote_alike``: a device on another host is measured here, as
+    its kind of device of this host (torchrun's hosts, which compile assumes alike); else it is an error.
     """
     if mode == "analytic":
         dtypes = None if traced is None else node_dtypes(graph, traced)
@@ -101,7 +104,15 @@ def build_problem(
         if traced is None:
             raise ClusterError("mode='measured' runs the model's ops: pass traced=, the TracedModel of the graph")
         compute = measured_compute_s(
-            graph, cluster, traced, cache_dir=cache_dir, warmup=warmup, repeats=repeats, progress=progress, clock=clock
+            graph,
+            cluster,
+            traced,
+            cache_dir=cache_dir,
+            warmup=warmup,
+            repeats=repeats,
+            progress=progress,
+            clock=clock,
+            remote_alike=remote_alike,
         )
     else:
         raise ClusterError(f"unknown cost mode {mode!r}; use 'analytic' or 'measured'")
@@ -209,10 +220,12 @@ def measured_compute_s(
     repeats: int = 11,
     progress: bool = True,
     clock: Callable[[], float] = time.perf_counter,
+    remote_alike: bool = False,
 ) -> np.ndarray:
-    """``[node, device]`` measured times; devices sharing a torch device share one profile."""
+    """``[node, device]`` measured times; devices sharing a torch device share one profile (``remote_alike``: as
+    :func:`build_problem`'s)."""
     for device in cluster.devices:
-        _check_local(device)
+        _check_local(device if not remote_alike else dataclasses.replace(device, host="localhost"))
     profiles = {
         torch_device: profile_nodes(
             graph,

@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from moirai.cluster.calibration.fit import HostLink, TransferCost, TransferTimings, link_kind
+from moirai.cluster.calibration.fit import HostLink, TransferCost, TransferTimings, fit_between_hosts, link_kind
 from moirai.cluster.calibration.measure import leave_together, measure_pairs
 from moirai.errors import DistributedError
 
@@ -35,7 +35,12 @@ class HostsCalibration:
 
     @property
     def costs(self) -> dict[tuple[int, int], TransferCost]:
-        return {pair: timings.fit() for pair, timings in self.timings.items()}
+        """Pairs within a host fitted as a local calibration fits them, pairs of two hosts as a network
+        (:func:`~moirai.cluster.calibration.fit.fit_between_hosts`)."""
+        return {
+            (a, b): timings.fit() if self.hosts[a] == self.hosts[b] else fit_between_hosts(timings)
+            for (a, b), timings in self.timings.items()
+        }
 
     def host_links(self) -> dict[HostLink, TransferCost]:
         """The measured pairs by the hosts of their ends and their kind."""
