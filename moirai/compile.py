@@ -48,6 +48,7 @@ from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.runtime import distributed
 from moirai.runtime.distributed import DistributedRunner, check_timeout, run_distributed, run_rank, torchrun_driver
+from moirai.runtime.hosts import rank_hosts
 from moirai.runtime.local import check_inputs, run_local
 from moirai.runtime.server import Server
 from moirai.runtime.split import SplitProgram, split_module
@@ -248,18 +249,19 @@ def compile(
     """
     _check_not_misspelt(placer_options)
     handover = _PlanHandover.under_torchrun(devices)
+    hosts = handover.hosts if handover is not None else None
     if handover is not None and not handover.plans:
         # Another rank plans: this one measures nothing and takes that rank's plan, problem included.
-        cluster = local_cluster(devices, "none")
+        cluster = local_cluster(devices, "none", hosts)
         traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
         return _from_record(handover.receive(), "rank 0's plan", traced, cluster)
-    cluster = local_cluster(devices, calibration)
+    cluster = local_cluster(devices, calibration, hosts)
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
     logger.debug("coarsened %s to %d op groups (fusion rules %s)", traced.model_name, len(coarse.nodes), fusion_rules)
     # A buffer the model writes in place (a KV cache) lives on one device with every op that touches it.
     colocated = colocated_groups(coarse, mutable_buffers(traced.graph_module))
-    problem = build_problem(coarse, cluster, cost, traced, colocated=colocated)
+    problem = build_problem(coarse, cluster, cost, traced, colocated=colocated, remote_alike=hosts is not None)
     plan = place(problem, placer=placer, objective=objective, **placer_options)
     logger.info(
         "%s placed by %s on %d of %d devices: %s %.6g s",
@@ -327,10 +329,16 @@ class _PlanHandover:
 
     _compiles = itertools.count()
 
-    def __init__(self, store: Any, rank: int) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, named_hosts: bool) -> None:
         self.store = store
         self.plans = rank == 0
         self.key = f"moirai/plan/{next(self._compiles)}"
+        # Devices given as strings are put on the hosts their ranks run on, where there are several: rank 0 then
+        # prices the links between hosts as measured there (a cluster names its own hosts).
+        self.hosts: list[str] | None = None
+        if not named_hosts:
+            hosts = rank_hosts(store, rank, world_size, f"{self.key}/host", _PLAN_HANDOVER_TIMEOUT_S)
+            self.hosts = hosts if len(set(hosts)) > 1 else None
 
     @classmethod
     def under_torchrun(cls, devices: Cluster | Sequence[str]) -> _PlanHandover | None:
@@ -339,7 +347,9 @@ class _PlanHandover:
             return None  # before reading devices: a malformed list is local_cluster's to name
         torch_devices = [d.torch_device for d in devices.devices] if isinstance(devices, Cluster) else list(devices)
         store = distributed.torchrun_store([str(torch.device(d)) for d in torch_devices])
-        return None if store is None else cls(store, int(os.environ["RANK"]))
+        if store is None:
+            return None
+        return cls(store, int(os.environ["RANK"]), len(torch_devices), isinstance(devices, Cluster))
 
     def send(self, record: dict[str, Any]) -> None:
         self.store.set(self.key, json.dumps(record))

@@ -16,6 +16,7 @@ import moirai
 import moirai.cluster.calibration.cache as cache_module
 import moirai.cluster.calibration.measure as measure_module
 from moirai.cluster.calibration import (
+    HostLink,
     RequestCost,
     TransferCost,
     TransferTimings,
@@ -26,9 +27,11 @@ from moirai.cluster.calibration import (
     measure_request_cost,
     measure_transfer_costs,
     read_calibration,
+    read_host_links,
     read_request_cost,
     write_calibration,
 )
+from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.devices import Cluster
 from moirai.errors import ClusterError
 from moirai.planning.problem import Problem
@@ -327,3 +330,72 @@ def test_moirai_calibrate_measures_the_links_of_a_base_file_that_has_none(tmp_pa
     wrong = _parser().parse_args(["calibrate", "--base", str(base), "--world-size", "2", "--output", str(output)])
     with pytest.raises(ClusterError, match="3 devices.*--world-size 3"):
         cli_module.run(wrong, Console(file=io.StringIO()))
+
+
+def test_links_between_hosts_are_priced_by_their_hosts_and_within_a_host_by_kind(
+    fake_measurement: list, tmp_path: Path
+) -> None:
+    # Ranks 0, 1 on host a and 2 on host b (torchrun across hosts): a link between the hosts costs what moirai
+    # calibrate measured between them, a link within a host what this machine's calibration says.
+    network = TransferCost(2e-3, 12.5e6, 80e-6, 3e-9, 90e-6, 4e-9)
+    path = tmp_path / "hosts.json"
+    write_calibration(
+        path,
+        {"cpu->cpu": FAKE_COST},
+        FAKE_REQUESTS,
+        {HostLink("a", "b", "cpu->cpu"): network, HostLink("b", "a", "cpu->cpu"): network},
+    )
+    assert read_host_links(path) == {HostLink("a", "b", "cpu->cpu"): network, HostLink("b", "a", "cpu->cpu"): network}
+    cluster = local_cluster(["cpu", "cpu", "cpu"], path, hosts=["a", "a", "b"])
+    assert [d.host for d in cluster.devices] == ["a", "a", "b"]
+    assert cluster.latency_s[0, 1] == FAKE_COST.latency_s and cluster.send_cpu_s[1, 0] == FAKE_COST.sender_cpu_s
+    for a, b in ((0, 2), (1, 2), (2, 0), (2, 1)):
+        assert cluster.latency_s[a, b] == network.latency_s
+        assert cluster.bandwidth_bytes_per_s[a, b] == network.bandwidth_bytes_per_s
+        assert cluster.send_cpu_s_per_byte[a, b] == network.sender_cpu_s_per_byte
+        assert cluster.recv_cpu_s[a, b] == network.receiver_cpu_s
+    # Each host's two CPU devices split only their own host's cores.
+    alone = Cluster.from_devices(["cpu"]).devices[0]
+    assert cluster.devices[2].peak_flops == pytest.approx(alone.peak_flops)
+    assert cluster.devices[0].peak_flops < alone.peak_flops or len(os.sched_getaffinity(0)) == 1
+    assert fake_measurement == []
+    # A calibration file is what the user asked for: a pair of hosts it lacks is an error, the cache's a warning.
+    with pytest.raises(ClusterError, match=r"a -> c \(cpu->cpu\).+moirai calibrate"):
+        local_cluster(["cpu", "cpu"], path, hosts=["a", "c"])
+    with pytest.warns(moirai.MoiraiWarning, match=r"links a -> b \(cpu->cpu\), b -> a \(cpu->cpu\) between hosts"):
+        local_cluster(["cpu", "cpu"], "auto", hosts=["a", "b"])
+
+
+def test_links_between_hosts_survive_the_cache_measuring_a_new_kind(fake_measurement: list, tmp_path: Path) -> None:
+    cached = cache_module.calibration_cache_path()
+    network = TransferCost(2e-3, 12.5e6, 0.0, 0.0, 0.0, 0.0)
+    write_calibration(cached, {}, None, {HostLink("a", "b", "cpu->cpu"): network})
+    local_calibration(["cpu", "cpu"])  # measures cpu->cpu and writes the cache again
+    local_request_cost()
+    assert fake_measurement == [("cpu", "cpu"), ("requests",)]
+    assert read_host_links(cached) == {HostLink("a", "b", "cpu->cpu"): network}
+
+
+def test_the_pairs_measured_across_hosts_and_the_hosts_named() -> None:
+    from moirai.cluster.calibration.across_hosts import host_pairs
+    from moirai.runtime.hosts import host_labels
+
+    # Hosts a (ranks 0, 1) and b (ranks 2, 3): first ranks both ways, then each host's first two both ways.
+    assert host_pairs(["a", "a", "b", "b"]) == [(0, 2), (2, 0), (0, 1), (1, 0), (2, 3), (3, 2)]
+    assert host_pairs(["a", "b", "c"]) == [(0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1)]
+    # Two containers named alike on two machines are two hosts.
+    same = [("node", "node/boot1/5"), ("node", "node/boot2/5"), ("other", "other/boot3/5"), ("node", "node/boot1/5")]
+    assert host_labels(same) == ["node#0", "node#1", "other", "node#0"]
+
+
+def test_a_link_between_hosts_takes_its_bandwidth_from_the_large_messages() -> None:
+    from moirai.cluster.calibration.fit import fit_between_hosts
+
+    # A token bucket of 64 KiB at 100 Mbit/s: messages up to the bucket pass at once, larger ones at the rate.
+    sizes = tuple(1024 * 4**k for k in range(6))
+    rate = 12.5e6
+    delays = tuple(150e-6 + max(size - 65536, 0) / rate for size in sizes)
+    cost = fit_between_hosts(TransferTimings(sizes, delays, delays, delays))
+    assert cost.bandwidth_bytes_per_s == pytest.approx(rate, rel=0.1)
+    assert TransferTimings(sizes, delays, delays, delays).fit().bandwidth_bytes_per_s > 1.5 * rate  # what it fixes
+    assert cost.delay_s(1 << 20) == pytest.approx(delays[-1], rel=0.1)

@@ -3,15 +3,19 @@ its own hostname and /dev/shm (tools/two_hosts.sh), torchrun --nnodes 2 on each,
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from moirai.cluster.calibration import HostLink
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO_HOSTS = ROOT / "tools" / "two_hosts.sh"
@@ -48,19 +52,18 @@ def two_hosts(tmp_path: Path) -> Iterator[dict[str, str]]:
         subprocess.run([str(TWO_HOSTS), "down"], env=environment, capture_output=True, timeout=60)
 
 
-@pytest.mark.slow
-def test_readme_serve_script_runs_across_two_hosts(two_hosts: dict[str, str], tmp_path: Path) -> None:
-    readme = (ROOT / "README.md").read_text()
-    (script,) = re.findall(r"```python\n(# serve\.py.+?)\n```", readme, re.DOTALL)
-    assert "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr" in script
-    (tmp_path / "serve.py").write_text(script)
+def run_on_both_hosts(
+    environment: dict[str, str], cwd: Path, *arguments: str, timeout_s: float = RUN_TIMEOUT_S
+) -> dict[str, tuple[str, str]]:
+    """``torchrun --nnodes 2 ... arguments`` on host a (node 0) and host b (node 1): each host's stdout and stderr,
+    after both exited with status 0."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     hosts = {
         host: subprocess.Popen(
             [str(TWO_HOSTS), "run", host, torchrun, "--nnodes", "2", "--node-rank", str(node_rank)]
-            + ["--nproc-per-node", "1", "--master-addr", MASTER_ADDR, "--master-port", "29500", "serve.py"],
-            cwd=tmp_path,
-            env=two_hosts,
+            + ["--nproc-per-node", "1", "--master-addr", MASTER_ADDR, "--master-port", "29500", *arguments],
+            cwd=cwd,
+            env=environment,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -70,11 +73,177 @@ def test_readme_serve_script_runs_across_two_hosts(two_hosts: dict[str, str], tm
     finished = {}
     for host, process in hosts.items():
         try:
-            finished[host] = process.communicate(timeout=RUN_TIMEOUT_S)
+            finished[host] = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"host {host} did not finish within {RUN_TIMEOUT_S} s")  # the fixture ends both hosts
+            pytest.fail(f"host {host} did not finish within {timeout_s} s")  # the fixture ends both hosts
         assert process.returncode == 0, f"host {host} failed: {finished[host][1][-3000:]}"
+    return finished
+
+
+# Rank 0 compiles with the calibration file and prints what its cluster says the link between the hosts costs.
+PLAN_WITH_CALIBRATION = """
+import json, os, warnings
+import torch
+import moirai
+
+warnings.simplefilter("error", moirai.MoiraiWarning)  # an unmeasured link between the hosts would warn
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).eval()
+x = torch.randn(4, 64)
+compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft", calibration="calibration.json")
+y = compiled.run_rank(x)
+if int(os.environ["RANK"]) == 0:
+    c = compiled.cluster
+    with torch.no_grad():
+        assert torch.allclose(y, model(x), atol=1e-6)
+    print(json.dumps({
+        "hosts": [d.host for d in c.devices],
+        "latency_s": c.latency_s.tolist(),
+        "bandwidth_bytes_per_s": c.bandwidth_bytes_per_s.tolist(),
+        "send_cpu_s": c.send_cpu_s.tolist(),
+        "recv_cpu_s": c.recv_cpu_s.tolist(),
+    }))
+"""
+
+
+@pytest.mark.slow
+def test_calibrate_measures_the_link_between_the_hosts_and_rank_0_plans_with_it(
+    two_hosts: dict[str, str], tmp_path: Path
+) -> None:
+    environment = {**two_hosts, "MOIRAI_CACHE_DIR": str(tmp_path / "cache")}
+    sweep = ("--max-size-mb", "2", "--repeats", "7")  # sizes up to 2 MB: a slope well above a loaded box's noise
+    finished = run_on_both_hosts(
+        environment, tmp_path, "-m", "moirai", "calibrate", *sweep, "--save", "calibration.json", timeout_s=240
+    )
+    assert "rank0 -> rank1" in finished["a"][0] and "rank0 on moirai-host-a, rank1 on moirai-host-b" in finished["a"][0]
+    assert finished["b"][0] == ""  # rank 0 alone writes and prints
+    from moirai.cluster.calibration import read_host_links
+
+    links = read_host_links(tmp_path / "calibration.json")
+    forth, back = (HostLink(f"moirai-host-{s}", f"moirai-host-{d}", "cpu->cpu") for s, d in ("ab", "ba"))
+    assert set(links) == {forth, back}  # one rank per host: no link within a host to measure
+    for cost in links.values():
+        assert 0 < cost.latency_s < 0.1 and cost.bandwidth_bytes_per_s > 1e6
+        assert (
+            cost.sender_cpu_s + cost.sender_cpu_s_per_byte > 0
+            and cost.receiver_cpu_s + cost.receiver_cpu_s_per_byte > 0
+        )
+
+    (tmp_path / "plan.py").write_text(PLAN_WITH_CALIBRATION)
+    finished = run_on_both_hosts(environment, tmp_path, "plan.py")
+    seen = json.loads(finished["a"][0].strip().splitlines()[-1])
+    assert seen["hosts"] == ["moirai-host-a", "moirai-host-b"]
+    for (a, b), link in (((0, 1), forth), ((1, 0), back)):
+        assert seen["latency_s"][a][b] == pytest.approx(links[link].latency_s)
+        assert seen["bandwidth_bytes_per_s"][a][b] == pytest.approx(links[link].bandwidth_bytes_per_s)
+        assert seen["send_cpu_s"][a][b] == pytest.approx(links[link].sender_cpu_s)
+        assert seen["recv_cpu_s"][a][b] == pytest.approx(links[link].receiver_cpu_s)
+
+
+@pytest.mark.slow
+def test_readme_serve_script_runs_across_two_hosts(two_hosts: dict[str, str], tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    (script,) = re.findall(r"```python\n(# serve\.py.+?)\n```", readme, re.DOTALL)
+    assert "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr" in script
+    (tmp_path / "serve.py").write_text(script)
+    finished = run_on_both_hosts(two_hosts, tmp_path, "serve.py")
     assert "served 50 requests, all equal to the model's" in finished["a"][0]
     for node_rank, host in enumerate("ab"):
         # Each rank found the veth end that routes to host a, and said so.
         assert re.search(rf"moirai rank {node_rank}: gloo uses interface mh{host}\w+ \(10\.77\.0\.", finished[host][1])
+
+
+# Rank 0 serves requests, a few in flight at a time, until one fails (host b went away); it writes what failed and
+# how many requests were pending, closes its server and exits.
+SERVE_UNTIL_A_HOST_GOES = """
+import json, os, sys
+from pathlib import Path
+import torch
+import moirai
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]).eval()
+x = torch.randn(16, 256)
+compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="round_robin", calibration="none")
+if int(os.environ["RANK"]) != 0:
+    moirai.serve_rank(compiled, timeout_s=TIMEOUT_S)
+    sys.exit(0)
+server = compiled.server(timeout_s=TIMEOUT_S, max_in_flight=4)
+served, failures = 0, []
+while not failures:
+    futures = [server.submit(x) for _ in range(4)]
+    for future in futures:
+        try:
+            future.result()
+            served += 1
+        except moirai.DistributedError as error:
+            failures.append(str(error))
+    if served >= 8:
+        Path("serving").touch()  # the test takes host b away now
+try:
+    server.close()
+except moirai.DistributedError:
+    pass  # the failure it closes on is the one the requests had
+Path("result.json").write_text(json.dumps({"served": served, "failures": failures}))
+"""
+GONE_TIMEOUT_S = 10
+
+
+@pytest.mark.slow
+def test_a_host_that_goes_away_fails_the_pending_requests_naming_its_rank(
+    two_hosts: dict[str, str], tmp_path: Path
+) -> None:
+    (tmp_path / "gone.py").write_text(SERVE_UNTIL_A_HOST_GOES.replace("TIMEOUT_S", str(GONE_TIMEOUT_S)))
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    hosts = {
+        host: subprocess.Popen(
+            [str(TWO_HOSTS), "run", host, torchrun, "--nnodes", "2", "--node-rank", str(node_rank)]
+            + ["--nproc-per-node", "1", "--master-addr", MASTER_ADDR, "--master-port", "29500", "gone.py"],
+            cwd=tmp_path,
+            env=two_hosts,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node_rank, host in enumerate("ab")
+    }
+    serving, result = tmp_path / "serving", tmp_path / "result.json"
+    wait_for(lambda: serving.exists() or any(p.poll() is not None for p in hosts.values()), RUN_TIMEOUT_S)
+    assert serving.exists(), f"the hosts stopped before serving: {[p.communicate()[0][-2000:] for p in hosts.values()]}"
+    subprocess.run([str(TWO_HOSTS), "kill", "b"], env=two_hosts, check=True, timeout=60)
+    assert hosts["b"].wait(timeout=30) != 0  # killed
+
+    # Rank 0 gets its failure within the request timeout (gloo's connection to the killed rank is reset) and its
+    # process ends; torchrun's agent on host a then waits for host b's in its exit barrier, which is torchrun's.
+    wait_for(lambda: result.exists() and not rank_processes(two_hosts, "a", "gone.py"), GONE_TIMEOUT_S + 60)
+    outcome = json.loads(result.read_text())
+    assert outcome["served"] >= 8 and outcome["failures"], outcome
+    for failure in outcome["failures"]:
+        assert "rank 1 (cpu)" in failure and "host moirai-host-b" in failure, failure
+    subprocess.run([str(TWO_HOSTS), "kill", "a"], env=two_hosts, check=True, timeout=60)  # the agent, waiting
+    hosts["a"].communicate(timeout=30)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout_s`` (a bound on a hang, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"still waiting after {timeout_s} s")
+        time.sleep(0.2)
+
+
+def rank_processes(environment: dict[str, str], host: str, script: str) -> list[int]:
+    """The processes on ``host`` (in its network namespace) running ``script``: torchrun's workers, not its agent."""
+    holder = (Path(environment["MOIRAI_TWO_HOSTS_DIR"]) / f"{host}.pid").read_text().strip()
+    namespace = os.readlink(f"/proc/{holder}/ns/net")
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.readlink(entry / "ns" / "net") == namespace:
+                args = (entry / "cmdline").read_bytes().split(b"\0")
+                if any(a.endswith(script.encode()) for a in args) and not any(b"torchrun" in a for a in args):
+                    found.append(int(entry.name))
+        except OSError:
+            continue  # it ended meanwhile
+    return found

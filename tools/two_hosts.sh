@@ -7,6 +7,8 @@
 #
 #   tools/two_hosts.sh up            # host a (10.77.0.1) and host b (10.77.0.2)
 #   tools/two_hosts.sh run a CMD...  # CMD on host a, in this directory
+#   tools/two_hosts.sh kill b        # host b goes away: every process on it is killed (SIGKILL), its network stays
+#   tools/two_hosts.sh shape 100mbit # both ends of the veth send at most 100 Mbit/s (tc tbf); `shape none` undoes it
 #   tools/two_hosts.sh down          # stop both; the veth pair goes with them
 #
 # MOIRAI_TWO_HOSTS_DIR holds the hosts' state (default /tmp/moirai-two-hosts); give each concurrent pair its own.
@@ -59,7 +61,7 @@ up() {
     for host in "${HOSTS[@]}"; do wait_for_holder "$host"; done
     # Interface names are global until moved into the namespaces: make them unique to this pair.
     local suffix end_a end_b
-    suffix="$(printf '%s' "$STATE_DIR" | cksum | cut -c1-8)"
+    suffix="$(printf '%s' "$STATE_DIR" | cksum | cut -d' ' -f1 | cut -c1-8)"
     end_a="mha$suffix" end_b="mhb$suffix"
     "$IP" link add "$end_a" type veth peer name "$end_b"
     "$IP" link set "$end_a" netns "$(holder_of a)"
@@ -74,21 +76,26 @@ up() {
     trap - ERR
 }
 
+# Every process in a host's network namespace but the holder: SIGKILL, as a machine that loses power.
+kill_processes_of() {
+    local host="$1" holder namespace
+    [[ -s "$STATE_DIR/$host.pid" ]] || return 0
+    holder="$(cat "$STATE_DIR/$host.pid")"
+    namespace="$(readlink "/proc/$holder/ns/net" 2>/dev/null || true)"
+    [[ -n "$namespace" ]] || return 0
+    for pid in $(ls /proc | grep -E '^[0-9]+$'); do
+        if [[ "$pid" != "$holder" && "$(readlink "/proc/$pid/ns/net" 2>/dev/null)" == "$namespace" ]]; then
+            kill -9 "$pid" 2>/dev/null || true
+        fi
+    done
+}
+
 down() {
     for host in "${HOSTS[@]}"; do
+        # The host's processes first, the holder last.
+        kill_processes_of "$host"
         if [[ -s "$STATE_DIR/$host.pid" ]]; then
-            local holder namespace
-            holder="$(cat "$STATE_DIR/$host.pid")"
-            namespace="$(readlink "/proc/$holder/ns/net" 2>/dev/null || true)"
-            # The host's processes first (every process in its network namespace, the holder last).
-            if [[ -n "$namespace" ]]; then
-                for pid in $(ls /proc | grep -E '^[0-9]+$'); do
-                    if [[ "$pid" != "$holder" && "$(readlink "/proc/$pid/ns/net" 2>/dev/null)" == "$namespace" ]]; then
-                        kill -9 "$pid" 2>/dev/null || true
-                    fi
-                done
-                kill -9 "$holder" 2>/dev/null || true
-            fi
+            kill -9 "$(cat "$STATE_DIR/$host.pid")" 2>/dev/null || true
         fi
         if [[ -s "$STATE_DIR/$host.unshare.pid" ]]; then
             kill "$(cat "$STATE_DIR/$host.unshare.pid")" 2>/dev/null || true
@@ -96,6 +103,20 @@ down() {
         rm -f "$STATE_DIR/$host".{pid,unshare.pid,ready,log}
     done
     rmdir "$STATE_DIR" 2>/dev/null || true
+}
+
+# A token bucket on each end of the veth (netem is missing on many kernels; tbf and htb are not).
+shape() {
+    local rate="$1" host end
+    for host in "${HOSTS[@]}"; do
+        end="$(in_host "$host" "$IP" -o link show type veth | awk -F': ' '{print $2}' | cut -d@ -f1)"
+        in_host "$host" tc qdisc del dev "$end" root 2>/dev/null || true
+        if [[ "$rate" != none ]]; then
+            # A small bucket (one GSO packet), so that a message of any size leaves at the rate; the queue holds 200 ms.
+            in_host "$host" tc qdisc add dev "$end" root tbf rate "$rate" burst 64kb latency 200ms
+        fi
+        echo "host $host: $end $(in_host "$host" tc qdisc show dev "$end" root)"
+    done
 }
 
 in_host() {
@@ -107,6 +128,15 @@ in_host() {
 case "${1:-}" in
 up) up ;;
 down) down ;;
+shape)
+    [[ $# -eq 2 ]] || { echo "usage: $0 shape RATE|none (a tc rate: 1gbit, 100mbit)" >&2; exit 2; }
+    shape "$2"
+    ;;
+kill)
+    [[ $# -eq 2 && " ${HOSTS[*]} " == *" $2 "* ]] || { echo "usage: $0 kill a|b" >&2; exit 2; }
+    holder_of "$2" >/dev/null
+    kill_processes_of "$2"
+    ;;
 run)
     [[ $# -ge 3 && " ${HOSTS[*]} " == *" $2 "* ]] || { echo "usage: $0 run a|b CMD..." >&2; exit 2; }
     host="$2"
@@ -114,7 +144,7 @@ run)
     in_host "$host" "$@"
     ;;
 *)
-    echo "usage: $0 up | run a|b CMD... | down" >&2
+    echo "usage: $0 up | run a|b CMD... | kill a|b | shape RATE|none | down" >&2
     exit 2
     ;;
 esac

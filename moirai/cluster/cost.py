@@ -44,6 +44,7 @@ made a 13B decoder need 48 GB for 26 GB of weights.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -92,6 +93,7 @@ def build_problem(
     clock: Callable[[], float] = time.perf_counter,
     symbol_values: Mapping[str, int] | None = None,
     colocated: Sequence[Sequence[int]] = (),
+    remote_alike: bool = False,
 ) -> Problem:
     """The placement problem of ``graph`` on ``cluster``.
 
@@ -99,7 +101,9 @@ def build_problem(
     when given, only to read each node's dtype. ``symbol_values`` (a dynamic dimension's symbol -> size): measure
     at those sizes rather than the example inputs' (``graph`` should be built under
     :func:`moirai.frontend.symbolic_shapes.sizes_at` with the same values). ``colocated``: sets of node indices that
-    must share one device (:attr:`moirai.planning.problem.Problem.colocated`).
+    must share one device (:attr:`moirai.planning.problem.Problem.colocated`). ``remote_alike``: a device on another
+    host is measured here, as its kind of device of this host (torchrun's hosts, which compile assumes alike); else it
+    is an error.
     """
     if mode == "analytic":
         dtypes = None if traced is None else node_dtypes(graph, traced)
@@ -117,6 +121,7 @@ def build_problem(
             progress=progress,
             clock=clock,
             symbol_values=symbol_values,
+            remote_alike=remote_alike,
         )
     else:
         raise ClusterError(f"unknown cost mode {mode!r}; use 'analytic' or 'measured'")
@@ -226,10 +231,12 @@ def measured_compute_s(
     progress: bool = True,
     clock: Callable[[], float] = time.perf_counter,
     symbol_values: Mapping[str, int] | None = None,
+    remote_alike: bool = False,
 ) -> np.ndarray:
-    """``[node, device]`` measured times; devices sharing a torch device share one profile."""
+    """``[node, device]`` measured times; devices sharing a torch device share one profile (``remote_alike``: as
+    :func:`build_problem`'s)."""
     for device in cluster.devices:
-        _check_local(device)
+        _check_local(device if not remote_alike else dataclasses.replace(device, host="localhost"))
     profiles = {
         torch_device: profile_nodes(
             graph,

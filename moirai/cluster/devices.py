@@ -54,6 +54,7 @@ so an asymmetric cluster keeps different numbers per direction.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -291,8 +292,12 @@ class Cluster:
         return cls.from_links(devices, links, name="detected")
 
     @classmethod
-    def from_devices(cls, torch_devices: Sequence[str]) -> Cluster:
-        """Describe local devices by detection; a device string repeated gives separate logical devices."""
+    def from_devices(cls, torch_devices: Sequence[str], hosts: Sequence[str] | None = None) -> Cluster:
+        """Describe local devices by detection; a device string repeated gives separate logical devices.
+
+        ``hosts`` (one per device; torchrun's ranks across hosts) puts each device on its host: devices share a
+        physical device only with those of their host, and a device on another host is described by this host's
+        hardware (the hosts are assumed alike)."""
         if isinstance(torch_devices, (str, torch.device)) or not isinstance(torch_devices, Iterable):
             raise ClusterError(
                 f"devices={torch_devices!r} is not a list; give one torch device per part, e.g. ['cpu', 'cpu'] or "
@@ -301,16 +306,24 @@ class Cluster:
         torch_devices = [torch_device_name(spec, f"devices[{i}]") for i, spec in enumerate(torch_devices)]
         if not torch_devices:
             raise ClusterError("give at least one device, e.g. ['cpu', 'cpu'] or ['cuda:0', 'cuda:1']")
-        counts = {d: list(torch_devices).count(d) for d in torch_devices}
+        hosts = ["localhost"] * len(torch_devices) if hosts is None else [str(h) for h in hosts]
+        if len(hosts) != len(torch_devices):
+            raise ClusterError(f"{len(hosts)} hosts given for {len(torch_devices)} devices; give one host per device")
+        on_host = list(zip(hosts, torch_devices, strict=True))
+        counts = {d: torch_devices.count(d) for d in torch_devices}
         seen: dict[str, int] = {}
         devices = []
-        for spec in torch_devices:
+        for host, spec in on_host:
             torch_device = str(torch.device(spec))
             index = seen.get(spec, 0)
             seen[spec] = index + 1
             name = torch_device.replace(":", "") + (f"_{index}" if counts[spec] > 1 else "")
-            devices.append(detect_device(torch_device, name, share=counts[spec], index=index))
-        _warn_if_oversubscribed(devices)
+            # Logical devices split a physical one only on their own host.
+            share, share_index = on_host.count((host, spec)), on_host[: len(devices)].count((host, spec))
+            device = detect_device(torch_device, name, share=share, index=share_index)
+            devices.append(device if host == "localhost" else dataclasses.replace(device, host=host))
+        for host in dict.fromkeys(hosts):
+            _warn_if_oversubscribed([d for d, h in zip(devices, hosts, strict=True) if h == host])
         k = len(devices)
         bandwidth, latency = np.zeros((k, k)), np.zeros((k, k))
         for a in range(k):

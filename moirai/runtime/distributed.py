@@ -46,7 +46,7 @@ from moirai.runtime import shm
 from moirai.runtime.blame import blamed
 from moirai.runtime.driver import Driver, check_timeout
 from moirai.runtime.groups import Group, placed_part
-from moirai.runtime.hosts import host_ranks, torchrun_layout
+from moirai.runtime.hosts import host_ranks, rank_hosts, torchrun_layout
 from moirai.runtime.local import check_inputs
 from moirai.runtime.network import choose_gloo_interface
 from moirai.runtime.protocol import Header, Messages, receive_header, run_part, send_header, send_inputs, serve
@@ -64,6 +64,7 @@ __all__ = [
     "run_rank",
     "serve_rank",
     "torchrun_driver",
+    "torchrun_group",
     "torchrun_store",
 ]
 
@@ -223,18 +224,30 @@ def _torchrun_group(
             f"plan's device order); this run has {world_size} ranks and {len(torch_devices)} devices"
         )
     if _TORCHRUN_GROUP is None or _TORCHRUN_GROUP.rank != rank or _TORCHRUN_GROUP.world_size != world_size:
-        if not dist.is_initialized():
-            init_rank(rank, world_size, torch_devices, timeout_s)
-        resources, neighbours = _torchrun_resources(devices, rank)
-        apply_resources(resources, str(devices[rank]))
-        pin_io_threads(resources)
-        default = dist.distributed_c10d._get_default_group()
-        store = RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
-        links = shm.connect(rank, world_size, store, timeout_s, f"moirai/shm/{world_size}", neighbours)
-        _TORCHRUN_GROUP = Group(
-            rank, [torch.device(d) for d in torch_devices], default, default, store, shared_memory=links
-        )
+        _TORCHRUN_GROUP = torchrun_group(rank, world_size, devices, timeout_s, f"moirai/shm/{world_size}")
     return _TORCHRUN_GROUP
+
+
+def torchrun_group(
+    rank: int, world_size: int, devices: Sequence[str | Device], timeout_s: float, shm_prefix: str
+) -> Group:
+    """This torchrun rank set up as the runtime sets up its ranks: its share of its host's cores, the default process
+    group (gloo between hosts), shared memory with the ranks of its host (a collective: every rank calls it, with one
+    ``shm_prefix`` per call)."""
+    torch_devices = [torch_device(d) for d in devices]
+    if not dist.is_initialized():
+        init_rank(rank, world_size, torch_devices, timeout_s)
+    resources, neighbours = _torchrun_resources(devices, rank)
+    apply_resources(resources, str(devices[rank]))
+    pin_io_threads(resources)
+    default = dist.distributed_c10d._get_default_group()
+    store = RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
+    links = shm.connect(rank, world_size, store, timeout_s, shm_prefix, neighbours)
+    group = Group(rank, [torch.device(d) for d in torch_devices], default, default, store, shared_memory=links)
+    hosts = rank_hosts(store, rank, world_size, f"{shm_prefix}/host", timeout_s)
+    if len(set(hosts)) > 1:  # a rank that went silent is named with its host: a host may have gone away
+        group.describe_rank = lambda peer: f"; it ran on host {hosts[peer]}"
+    return group
 
 
 def _torchrun_resources(devices: Sequence[str | Device], rank: int) -> tuple[RankResources, range]:

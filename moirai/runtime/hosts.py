@@ -4,16 +4,21 @@ torchrun numbers ranks host by host in ``--node-rank`` order, so the ranks of on
 host holds ranks ``RANK - LOCAL_RANK`` up to ``+ LOCAL_WORLD_SIZE``, and it is host number ``GROUP_RANK``. A plan whose
 devices name several hosts (``host`` in the cluster file) must put them the same way; a plan on one host (no hosts
 named, e.g. ``["cpu", "cpu"]``) runs on whatever hosts torchrun gives it. A rank's cores and threads come from its own
-host's devices only, and shared memory joins only ranks of one host.
+host's devices only, and shared memory joins only ranks of one host. Rank 0 learns every rank's host through the
+store (:func:`rank_hosts`), to plan and to calibrate with the links between hosts.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from moirai.errors import InputError
+from moirai.errors import DistributedError, InputError
 
 _LAYOUT_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -104,3 +109,42 @@ def describe_blocks(hosts: Sequence[str]) -> str:
 
 def _ranks(ranks: range) -> str:
     return str(ranks.start) if len(ranks) == 1 else f"{ranks.start}-{ranks.stop - 1}"
+
+
+def rank_hosts(store: Any, rank: int, world_size: int, prefix: str, timeout_s: float) -> list[str]:
+    """The host of every rank (a collective: every rank calls it with one ``prefix``): its hostname, and where two
+    hosts share a name but not their identity (:func:`moirai.runtime.shm_files.host_identity`: boot, /dev/shm) the
+    name with ``#n``, ``n`` counting those hosts in rank order."""
+    from moirai.runtime.shm_files import host_identity
+
+    store.set(f"{prefix}/{rank}", json.dumps({"hostname": socket.gethostname(), "identity": host_identity()}))
+    keys = [f"{prefix}/{k}" for k in range(world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, DistributedError) as error:
+        raise DistributedError(f"not every rank said which host it is on within {timeout_s:g} s ({error})") from None
+    return host_labels([_host_entry(store, key) for key in keys])
+
+
+def _host_entry(store: Any, key: str) -> tuple[str, str]:
+    try:
+        entry = json.loads(store.get(key))
+    except ValueError:
+        entry = None
+    if not (isinstance(entry, dict) and all(isinstance(entry.get(f), str) for f in ("hostname", "identity"))):
+        raise DistributedError(f"store key {key!r} holds no host: {entry!r:.120}")
+    return entry["hostname"], entry["identity"]
+
+
+def host_labels(hosts: Sequence[tuple[str, str]]) -> list[str]:
+    """Per rank, a name for its host from its ``(hostname, identity)``: the hostname, with ``#n`` where hosts of
+    different identities share it (two containers named alike)."""
+    identities: dict[str, list[str]] = {}
+    for hostname, identity in hosts:
+        seen = identities.setdefault(hostname, [])
+        if identity not in seen:
+            seen.append(identity)
+    return [
+        hostname if len(identities[hostname]) == 1 else f"{hostname}#{identities[hostname].index(identity)}"
+        for hostname, identity in hosts
+    ]

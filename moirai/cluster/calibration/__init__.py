@@ -33,22 +33,33 @@ Example::
 measured the first time a link kind is needed and stored next to the measured profiles.
 
 The modules: :mod:`~.measure` the rank measurement protocol, :mod:`~.fit` the fitted costs,
-:mod:`~.request_cost` the runtime's own work per request, :mod:`~.cache` this machine's cached calibration,
+:mod:`~.request_cost` the runtime's own work per request, :mod:`~.across_hosts` the links between hosts under
+torchrun, :mod:`~.cache` this machine's cached calibration (with the links between hosts measured from it),
 :mod:`~.cluster` clusters from calibration, :mod:`~.cli` ``moirai calibrate``. They build on the runtime and
 the cost model, never on :mod:`moirai.compile`, which calls them.
 """
 
+from moirai.cluster.calibration.across_hosts import HostsCalibration, measure_across_hosts
 from moirai.cluster.calibration.cache import (
     CALIBRATION_FORMAT_VERSION,
     calibration_cache_path,
     local_calibration,
+    local_host_links,
     local_request_cost,
     read_calibration,
+    read_host_links,
     read_request_cost,
     write_calibration,
 )
 from moirai.cluster.calibration.cluster import calibrate, calibrated_cluster
-from moirai.cluster.calibration.fit import TransferCost, TransferTimings, costs_by_kind, fit_line, link_kind
+from moirai.cluster.calibration.fit import (
+    HostLink,
+    TransferCost,
+    TransferTimings,
+    costs_by_kind,
+    fit_line,
+    link_kind,
+)
 from moirai.cluster.calibration.measure import (
     DEFAULT_SIZES_BYTES,
     measure_link_kinds,
@@ -60,6 +71,8 @@ from moirai.cluster.calibration.request_cost import RequestCost, measure_request
 __all__ = [
     "CALIBRATION_FORMAT_VERSION",
     "DEFAULT_SIZES_BYTES",
+    "HostLink",
+    "HostsCalibration",
     "RequestCost",
     "TransferCost",
     "TransferTimings",
@@ -70,12 +83,15 @@ __all__ = [
     "fit_line",
     "link_kind",
     "local_calibration",
+    "local_host_links",
     "local_request_cost",
+    "measure_across_hosts",
     "measure_link_kinds",
     "measure_request_cost",
     "measure_transfer_costs",
     "measure_transfers",
     "read_calibration",
+    "read_host_links",
     "read_request_cost",
     "write_calibration",
 ]

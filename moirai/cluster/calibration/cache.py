@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moirai.cluster.calibration.fit import TransferCost, link_kind
+from moirai.cluster.calibration.fit import HostLink, TransferCost, link_kind
 from moirai.cluster.calibration.measure import measure_link_kinds
 from moirai.cluster.calibration.request_cost import RequestCost, measure_request_cost
 from moirai.cluster.cost import default_cache_dir
@@ -74,7 +74,9 @@ def local_calibration(
             if kind not in cached:  # measuring a -> b measures b -> a too
                 cached.update(measure_link_kinds(pair))
         if missing:
-            write_calibration(path, {**cached_links(path), **cached}, _read_cached_requests(path))
+            write_calibration(
+                path, {**cached_links(path), **cached}, _read_cached_requests(path), cached_host_links(path)
+            )
     return {kind: cached[kind] for kind in needed}
 
 
@@ -96,7 +98,7 @@ def local_request_cost(calibration: str | Path = "auto", cache_dir: str | Path |
         requests = _read_cached_requests(path) if calibration == "auto" else None
         if requests is None:
             requests = measure_request_cost(link)
-            write_calibration(path, links, requests)
+            write_calibration(path, links, requests, cached_host_links(path))
     return requests
 
 
@@ -116,6 +118,30 @@ def cached_links(path: Path) -> dict[str, TransferCost]:
         return {}
     try:
         return read_calibration(path)
+    except CorruptCalibrationError as error:
+        _set_aside(path, error)
+    except ClusterError:
+        pass
+    return {}
+
+
+def local_host_links(
+    calibration: str | Path = "auto", cache_dir: str | Path | None = None
+) -> dict[HostLink, TransferCost]:
+    """The links between hosts measured under torchrun (``moirai calibrate --save`` or ``--update-cache``): a
+    calibration file's, or with ``"auto"`` and ``"remeasure"`` this machine's cached ones (measuring them needs
+    every host's ranks, so nothing here measures them)."""
+    if calibration in ("auto", "remeasure"):
+        return cached_host_links(calibration_cache_path(cache_dir))
+    return read_host_links(calibration)
+
+
+def cached_host_links(path: Path) -> dict[HostLink, TransferCost]:
+    """The cached links between hosts, or nothing (as :func:`cached_links`)."""
+    if not path.exists():
+        return {}
+    try:
+        return read_host_links(path)
     except CorruptCalibrationError as error:
         _set_aside(path, error)
     except ClusterError:
@@ -170,6 +196,21 @@ def read_calibration(path: str | Path) -> dict[str, TransferCost]:
     return {kind: _fields_of(TransferCost, fields, path, f"links[{kind!r}]") for kind, fields in links.items()}
 
 
+def read_host_links(path: str | Path) -> dict[HostLink, TransferCost]:
+    """The links between hosts stored in a calibration file (none where it was measured on one host)."""
+    entries = _calibration_record(path).get("host_links", [])
+    if not isinstance(entries, list):
+        raise CorruptCalibrationError(path, "'host_links' is not a list")
+    links = {}
+    for i, entry in enumerate(entries):
+        where = f"host_links[{i}]"
+        ends = [entry.get(key) for key in HostLink._fields] if isinstance(entry, dict) else []
+        if len(ends) != len(HostLink._fields) or not all(isinstance(end, str) for end in ends):
+            raise CorruptCalibrationError(path, f"{where} does not name {', '.join(HostLink._fields)} ({entry!r:.80})")
+        links[HostLink(*ends)] = _fields_of(TransferCost, entry.get("cost"), path, f"{where}.cost")
+    return links
+
+
 def read_request_cost(path: str | Path) -> RequestCost | None:
     """The runtime's work per request stored in a calibration file (None when it holds links only)."""
     fields = _calibration_record(path).get("requests")
@@ -199,7 +240,12 @@ def _calibration_record(path: str | Path) -> dict[str, Any]:
     return record
 
 
-def write_calibration(path: str | Path, costs: Mapping[str, TransferCost], requests: RequestCost | None = None) -> None:
+def write_calibration(
+    path: str | Path,
+    costs: Mapping[str, TransferCost],
+    requests: RequestCost | None = None,
+    host_links: Mapping[HostLink, TransferCost] | None = None,
+) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {
@@ -208,6 +254,8 @@ def write_calibration(path: str | Path, costs: Mapping[str, TransferCost], reque
     }
     if requests is not None:
         record["requests"] = dataclasses.asdict(requests)
+    if host_links:
+        record["host_links"] = [{**link._asdict(), "cost": dataclasses.asdict(c)} for link, c in host_links.items()]
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(record, indent=1))
     os.replace(partial, path)  # atomic: a concurrent reader never sees half a file

@@ -4,20 +4,25 @@ calibration compile reads."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from rich.console import Console
 from rich.table import Table
 
-from moirai.cluster.calibration.cache import cached_links, calibration_cache_path, write_calibration
+from moirai.cluster.calibration.across_hosts import measure_across_hosts, torchrun_world
+from moirai.cluster.calibration.cache import cached_host_links, cached_links, calibration_cache_path, write_calibration
 from moirai.cluster.calibration.cluster import measured_cluster, rank_devices
-from moirai.cluster.calibration.fit import costs_by_kind, link_kind
+from moirai.cluster.calibration.fit import HostLink, TransferCost, costs_by_kind, link_kind
 from moirai.cluster.calibration.measure import measure_link_kinds, measure_transfer_costs
 from moirai.cluster.calibration.request_cost import measure_request_cost
 from moirai.cluster.files import read_cluster_devices
+from moirai.cluster.hardware import Device
 from moirai.cluster.kinds import CPU, backends, kind_for_backend
+from moirai.errors import ClusterError
 
 
 def _transport(backend: str) -> str:
@@ -31,7 +36,11 @@ def _transport(backend: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``moirai calibrate``."""
     parser.add_argument(
-        "--world-size", type=int, default=None, help="number of local ranks, one device each (default: --base's, or 2)"
+        "--world-size",
+        type=int,
+        default=None,
+        help="number of local ranks, one device each (default: --base's, or 2; under torchrun, its ranks on every "
+        "host)",
     )
     parser.add_argument("--backend", choices=backends(), default=CPU.backend)
     parser.add_argument("--max-size-mb", type=float, default=16.0, help="largest message of the sweep (MiB)")
@@ -52,48 +61,97 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Measured(NamedTuple):
+    """What one calibration run measured: the ranks' devices, the cost of every pair of ranks, the local link
+    kinds' and the host links' costs, and a row (label, cost) per measured pair."""
+
+    devices: tuple[Device, ...]
+    costs: dict[tuple[int, int], TransferCost]
+    by_kind: dict[str, TransferCost]
+    host_links: dict[HostLink, TransferCost]
+    rows: list[tuple[str, TransferCost]]
+    transport: str
+
+
 def run(args: argparse.Namespace, console: Console) -> int:
-    """``moirai calibrate``: measure what transfers cost between local ranks; write a cluster file and the
-    calibration compile reads."""
+    """``moirai calibrate``: measure what transfers cost between local ranks, or under torchrun between and within
+    its hosts; write a cluster file and the calibration compile reads."""
     sizes = tuple(s for s in (1024 * 4**k for k in range(16)) if s <= args.max_size_mb * 2**20)
     base, base_name = read_cluster_devices(args.base) if args.base else (None, "")
-    world_size = args.world_size or (len(base) if base is not None else 2)
+    world = torchrun_world()
+    if world is not None and args.world_size not in (None, world[1]):
+        raise ClusterError(f"--world-size {args.world_size}, but torchrun runs {world[1]} ranks: leave it out")
+    world_size = world[1] if world is not None else args.world_size or (len(base) if base is not None else 2)
     devices = rank_devices(world_size, args.backend, base)
-    costs = measure_transfer_costs([d.torch_device for d in devices], sizes, args.repeats)
     transport = _transport(args.backend)
+    measured = (
+        _measure_local(devices, sizes, args.repeats, transport)
+        if world is None
+        else _measure_hosts(devices, sizes, args.repeats, transport)
+    )
+    if measured is None:
+        return 0  # a torchrun rank other than 0: rank 0 writes and prints what every rank measured
     name = base_name or f"calibrated-{transport}"  # the base's, else what carried the messages, e.g. shm
-    cluster = measured_cluster(devices, costs, name, args.output)
-    by_kind = costs_by_kind([d.torch_device for d in devices], costs)
+    measured_cluster(measured.devices, measured.costs, name, args.output)
     saved = Path(args.save) if args.save else calibration_cache_path() if args.update_cache else None
     previous = cached_links(saved) if saved is not None else {}  # kinds measured before and not now
-    links = {**previous, **by_kind}
+    links = {**previous, **measured.by_kind}
     host_link = link_kind(CPU.name, CPU.name)
     if host_link not in links:  # the request cost's program runs on two CPU ranks
         links.update(measure_link_kinds((CPU.name, CPU.name)))
     requests = measure_request_cost(links[host_link])
     if saved is not None:
-        write_calibration(saved, links, requests)
+        host_links = {**cached_host_links(saved), **measured.host_links}  # host pairs measured before and not now
+        write_calibration(saved, links, requests, host_links)
     table = Table(
-        title=f"transfers measured in the runtime ({transport}, ranks pinned to their share of the cores)",
+        title=f"transfers measured in the runtime ({measured.transport}, ranks pinned to their share of the cores)",
         caption=f"cluster file: {args.output}; calibration: "
         + (str(saved) if saved is not None else "not saved (--save FILE, or --update-cache for this machine's)"),
     )
     for column in ("link", "latency us", "bandwidth GB/s", "sender CPU us + ns/KiB", "receiver CPU us + ns/KiB"):
         table.add_column(column, justify="right")
-    for (a, b), cost in costs.items():
+    for label, cost in measured.rows:
         table.add_row(
-            f"{cluster.names[a]} -> {cluster.names[b]}",
+            label,
             f"{cost.latency_s * 1e6:.1f}",
-            f"{cost.bandwidth_bytes_per_s / 1e9:.2f}",
+            f"{cost.bandwidth_bytes_per_s / 1e9:.3f}",
             f"{cost.sender_cpu_s * 1e6:.1f} + {cost.sender_cpu_s_per_byte * 1024e9:.0f}",
             f"{cost.receiver_cpu_s * 1e6:.1f} + {cost.receiver_cpu_s_per_byte * 1024e9:.0f}",
         )
     console.print(table)
+    if measured.host_links:
+        console.print("hosts: " + ", ".join(f"{d.name} on {d.host}" for d in measured.devices))
     console.print(
         f"the runtime's own work per request (through its server): driver (rank 0) "
         f"{requests.driver_cpu_s * 1e6:.0f} us, another rank {requests.worker_cpu_s * 1e6:.0f} us"
     )
     return 0
+
+
+def _measure_local(devices: tuple[Device, ...], sizes: tuple[int, ...], repeats: int, transport: str) -> _Measured:
+    """Every directed pair of local ranks, spawned here."""
+    costs = measure_transfer_costs([d.torch_device for d in devices], sizes, repeats)
+    by_kind = costs_by_kind([d.torch_device for d in devices], costs)
+    rows = [(f"{devices[a].name} -> {devices[b].name}", cost) for (a, b), cost in costs.items()]
+    return _Measured(devices, costs, by_kind, {}, rows, transport)
+
+
+def _measure_hosts(
+    devices: tuple[Device, ...], sizes: tuple[int, ...], repeats: int, transport: str
+) -> _Measured | None:
+    """Under torchrun, the links between every pair of its hosts and within each (None on ranks other than 0)."""
+    measured = measure_across_hosts([d.torch_device for d in devices], sizes, repeats)
+    if measured is None:
+        return None
+    devices = tuple(dataclasses.replace(d, host=host) for d, host in zip(devices, measured.hosts, strict=True))
+    host_links = measured.host_links()
+    # Every pair of ranks costs what the measured pair of its hosts and kind costs.
+    pairs = [(a, b) for a in range(len(devices)) for b in range(len(devices)) if a != b]
+    costs = {pair: host_links[measured.host_link(*pair)] for pair in pairs if measured.host_link(*pair) in host_links}
+    rows = [(f"{devices[a].name} -> {devices[b].name}", cost) for (a, b), cost in measured.costs.items()]
+    return _Measured(
+        devices, costs, measured.local_links(), host_links, rows, f"gloo between hosts, {transport} within"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

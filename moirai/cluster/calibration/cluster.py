@@ -7,35 +7,64 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from moirai.cluster.calibration.fit import TransferCost, link_kind
+from moirai.cluster.calibration.fit import HostLink, TransferCost, link_kind
 from moirai.cluster.calibration.measure import DEFAULT_SIZES_BYTES, measure_transfer_costs
 from moirai.cluster.calibration.request_cost import RequestCost
 from moirai.cluster.devices import Cluster, Device, Link, warn_if_oversubscribed_here
 from moirai.cluster.kinds import kind_for_backend
-from moirai.errors import ClusterError
+from moirai.errors import ClusterError, MoiraiWarning, user_stacklevel
 
 
-def local_cluster(devices: Cluster | Sequence[str], calibration: str | Path = "auto") -> Cluster:
+def local_cluster(
+    devices: Cluster | Sequence[str], calibration: str | Path = "auto", hosts: Sequence[str] | None = None
+) -> Cluster:
     """``devices`` as a cluster: local devices (a list of torch device strings) are detected, and their links get
     this machine's calibration (:func:`moirai.cluster.calibration.local_calibration`: ``"auto"`` cached or measured
     once, ``"remeasure"``, a calibration file's path) unless ``calibration`` is ``"none"`` (the detected defaults).
     A :class:`Cluster` keeps the links it describes; one on this host alone is checked for more CPU devices than
-    cores (:func:`moirai.cluster.devices.warn_if_oversubscribed_here`)."""
+    cores (:func:`moirai.cluster.devices.warn_if_oversubscribed_here`).
+
+    ``hosts`` (one per device: torchrun's ranks on several hosts) puts the devices on their hosts; a link between
+    two hosts gets the cost ``moirai calibrate`` measured under torchrun (:func:`~.cache.local_host_links`), and one
+    never measured keeps the default with a warning (an error where ``calibration`` names a file)."""
     if isinstance(devices, Cluster):
         warn_if_oversubscribed_here(devices)
         return devices
-    cluster = Cluster.from_devices(devices)
+    cluster = Cluster.from_devices(devices, hosts)
     if calibration == "none" or len(cluster) < 2:
         return cluster
-    from moirai.cluster.calibration.cache import local_calibration, local_request_cost
+    from moirai.cluster.calibration.cache import local_calibration, local_host_links, local_request_cost
 
     links = local_calibration([d.torch_device for d in cluster.devices], calibration)
-    return calibrated_cluster(cluster, links, local_request_cost(calibration))
+    host_links = local_host_links(calibration) if hosts is not None else {}
+    unmeasured = sorted({str(link) for link in _host_links_of(cluster) if link not in host_links})
+    if unmeasured:
+        what = (
+            f"the links {', '.join(unmeasured)} between hosts were never measured, so the plan assumes the default "
+            "link between local devices for them"
+        )
+        measure = "torchrun (on every host) ... -m moirai calibrate --update-cache, or --save FILE and calibration=FILE"
+        if calibration not in ("auto", "remeasure"):
+            raise ClusterError(f"calibration file {str(calibration)!r}: {what}; measure them with {measure}")
+        warnings.warn(f"{what}; measure them with {measure}", MoiraiWarning, stacklevel=user_stacklevel())
+    return calibrated_cluster(cluster, links, local_request_cost(calibration), host_links)
+
+
+def _host_links_of(cluster: Cluster) -> set[HostLink]:
+    """The links between two hosts that the cluster's devices use."""
+    devices = cluster.devices
+    return {
+        HostLink(a.host, b.host, link_kind(a.torch_device, b.torch_device))
+        for a in devices
+        for b in devices
+        if a.host != b.host
+    }
 
 
 def calibrate(
@@ -90,10 +119,16 @@ def measured_cluster(
 
 
 def calibrated_cluster(
-    cluster: Cluster, costs: Mapping[str, TransferCost], requests: RequestCost | None = None
+    cluster: Cluster,
+    costs: Mapping[str, TransferCost],
+    requests: RequestCost | None = None,
+    host_links: Mapping[HostLink, TransferCost] | None = None,
 ) -> Cluster:
     """``cluster`` with every link's latency, bandwidth and its ends' CPU times those of its kind in ``costs``,
     and, with ``requests``, the runtime's work per request on each device (the driver's on device 0).
+
+    ``host_links`` (measured under torchrun) price a link by its two devices' hosts and kind: a link between
+    hosts only from them, a link within a host from them where that host's links were measured, else by its kind.
 
     The measured delay already holds the receiver's CPU time of a receiver blocked in its wait; a schedule
     also books that time on the receiving device, where a receiver busy with other work loses it.
@@ -101,11 +136,14 @@ def calibrated_cluster(
     k = len(cluster)
     bandwidth, latency = cluster.bandwidth_bytes_per_s.copy(), cluster.latency_s.copy()
     cpu = {label: getattr(cluster, label).copy() for label in _CPU_FIELDS}
+    host_links = host_links or {}
     for a in range(k):
         for b in range(k):
-            kind = link_kind(cluster.devices[a].torch_device, cluster.devices[b].torch_device)
-            if a != b and kind in costs:
-                cost = costs[kind]
+            src, dst = cluster.devices[a], cluster.devices[b]
+            kind = link_kind(src.torch_device, dst.torch_device)
+            measured = host_links.get(HostLink(src.host, dst.host, kind))
+            cost = measured if measured is not None else costs.get(kind) if src.host == dst.host else None
+            if a != b and cost is not None:
                 bandwidth[a, b], latency[a, b] = cost.bandwidth_bytes_per_s, cost.latency_s
                 for label, field_name in _CPU_FIELDS.items():
                     cpu[label][a, b] = getattr(cost, field_name)

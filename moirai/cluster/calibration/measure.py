@@ -32,6 +32,8 @@ DEFAULT_SIZES_BYTES = tuple(1024 * 4**k for k in range(8))
 # meanwhile, and goes on computing after its send call, as a part does.
 _SENDER_PAUSE_S = 2e-3
 _SENDER_COMPUTES_ON_S = 2e-3
+# Round trips that estimate the clock offset between two hosts (the shortest one counts).
+_CLOCK_PINGS = 20
 
 
 def measure_transfers(
@@ -140,16 +142,36 @@ def _rank_main(
     timeout_s: float,
     results_dir: str,
 ) -> None:
-    """One rank, set up as a runtime worker: its share of the cores, the runtime's process groups and messages.
+    """One rank, set up as a runtime worker: its share of the cores, the runtime's process groups and messages."""
+    group, store, _ = join_as_runtime_rank(rank, torch_devices, port, timeout_s)
+    pairs = directed_pairs(group.world_size)
+    results = [result for _, result in measure_pairs(group, pairs, sizes, repeats, warmup, timeout_s)]
+    Path(results_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    leave_together(store, rank, group.world_size)
 
-    Every rank takes the pairs it is part of in one order (:func:`directed_pairs`), a pair only once the one
-    before it has finished; the sender of a pair records the medians.
+
+def measure_pairs(
+    group: Any,
+    pairs: Sequence[tuple[int, int]],
+    sizes: Sequence[int],
+    repeats: int,
+    warmup: int,
+    timeout_s: float,
+    prefix: str = "moirai/calibration",
+    hosts: Sequence[str] | None = None,
+) -> list[tuple[int, dict[str, Any]]]:
+    """Time ``pairs`` of ranks (``(src, dst)``) over the runtime's links of ``group`` (a collective: every rank calls
+    it with the same pairs); the sender of each pair returns its place in ``pairs`` and its medians.
+
+    Every rank takes the pairs it is part of in that order, a pair only once the one before it has finished; the
+    sender of a pair records the medians. ``hosts`` (one per rank; None: one host) tells pairs on two hosts, whose
+    clocks differ: their sender first estimates the receiver's clock offset (:func:`_clock_offset_s`).
     """
     from moirai.runtime.protocol import Messages
 
+    rank, store = group.rank, group.store
     timeout = datetime.timedelta(seconds=timeout_s)
-    group, store, _ = join_as_runtime_rank(rank, torch_devices, port, timeout_s)
-    device = torch.device(torch_devices[rank])
+    device = group.devices[rank]
     kind = kind_of(device)
 
     def synchronize() -> None:
@@ -164,17 +186,20 @@ def _rank_main(
             block @ block
 
     results = []
-    runs_per_pair = len(sizes) * (warmup + repeats)
-    pairs = directed_pairs(group.world_size)
+    runs_per_pair = _CLOCK_PINGS + len(sizes) * (warmup + repeats)
     for index, (src, dst) in enumerate(pairs):
         if rank not in (src, dst):
             continue
         # One pair at a time: the pair before this one has finished (its sender says so), so no other pair's
         # messages share the cores or the links while this one is timed.
         if index > 0:
-            store.wait([_pair_done_key(index - 1)], timeout)
+            store.wait([f"{prefix}/pair/{index - 1}"], timeout)
         # Every rank numbers exchanges alike, whichever pairs it takes part in, so both ends of a pair tag alike.
         exchange = index * runs_per_pair
+        offset_s = 0.0
+        if hosts is not None and hosts[src] != hosts[dst]:
+            offset_s = _clock_offset_s(group, src, dst, exchange, timeout)
+        exchange += _CLOCK_PINGS
         medians: dict[str, list[float]] = {"delay_s": [], "sender_cpu_s": [], "receiver_cpu_s": []}
         for size in sizes:
             shape = (max(1, size // 4),)
@@ -207,26 +232,44 @@ def _rank_main(
                 cpu_spent += time.process_time() - cpu_before
                 held_at, waited_cpu = messages.wait_recv(pending_reply).tolist()
                 if run >= warmup:
-                    delays.append(held_at - sent_at)
+                    delays.append(held_at - offset_s - sent_at)
                     sender_cpu.append(cpu_spent)
                     receiver_cpu.append(waited_cpu)
             if rank == src:
                 for key, values in zip(medians, (delays, sender_cpu, receiver_cpu), strict=True):
                     medians[key].append(statistics.median(values))
         if rank == src:
-            results.append({"src": src, "dst": dst, **medians})
-            store.set(_pair_done_key(index), "1")
-    Path(results_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    leave_together(store, rank, group.world_size)
+            results.append((index, {"src": src, "dst": dst, **medians}))
+            store.set(f"{prefix}/pair/{index}", "1")
+    return results
+
+
+def _clock_offset_s(group: Any, src: int, dst: int, first_exchange: int, timeout: datetime.timedelta) -> float:
+    """On ``src``, how far ``dst``'s clock is ahead of its own (0 on ``dst``): of ``_CLOCK_PINGS`` round trips of a
+    timestamp, the shortest, whose middle is when ``dst`` read its clock give or take half of it (NTP's estimate)."""
+    from moirai.runtime.protocol import Messages
+
+    samples = []
+    for ping in range(_CLOCK_PINGS):
+        messages = Messages(group, first_exchange + ping, timeout)
+        if group.rank == dst:
+            messages.wait_recv(messages.post_recv((1,), torch.float64, src, 0, "clock ping"))
+            messages.send(torch.tensor([time.perf_counter()], dtype=torch.float64), src, 1, "clock reply")
+            messages.wait_sends()
+            continue
+        pending = messages.post_recv((1,), torch.float64, dst, 1, "clock reply")
+        sent_at = time.perf_counter()
+        messages.send(torch.zeros(1, dtype=torch.float64), dst, 0, "clock ping")
+        their_clock = messages.wait_recv(pending).item()
+        back_at = time.perf_counter()
+        messages.wait_sends()
+        samples.append((back_at - sent_at, their_clock - (sent_at + back_at) / 2))
+    return min(samples)[1] if samples else 0.0
 
 
 def directed_pairs(world_size: int) -> list[tuple[int, int]]:
     """Every directed pair of ranks ``(src, dst)``, in the order every rank measures them."""
     return [(src, dst) for src in range(world_size) for dst in range(world_size) if src != dst]
-
-
-def _pair_done_key(index: int) -> str:
-    return f"moirai/calibration/pair/{index}"
 
 
 def join_as_runtime_rank(rank: int, torch_devices: list[str], port: int, timeout_s: float) -> tuple[Any, Any, Any]:

@@ -1,0 +1,131 @@
+"""Calibration under torchrun: what a message costs between the ranks of every pair of hosts, and within each host.
+
+``moirai calibrate`` started by torchrun on every host (:func:`torchrun_world`) measures in the ranks torchrun started,
+set up as the runtime sets up its ranks under torchrun (:func:`moirai.runtime.distributed.torchrun_group`: gloo over
+TCP between hosts, shared memory within one): for every ordered pair of hosts, the first rank of one to the first of
+the other, and within a host of two ranks or more, its first two both ways. Two hosts' clocks differ, so a pair of
+hosts times its messages after estimating the offset between them
+(:func:`moirai.cluster.calibration.measure.measure_pairs`). Rank 0 collects the medians through the store and fits
+them (:class:`HostsCalibration`); ``compile`` on rank 0 prices the links between the hosts with them
+(:func:`moirai.cluster.calibration.cluster.local_cluster`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moirai.cluster.calibration.fit import HostLink, TransferCost, TransferTimings, fit_between_hosts, link_kind
+from moirai.cluster.calibration.measure import leave_together, measure_pairs
+from moirai.errors import DistributedError
+
+_PREFIX = "moirai/calibration"
+
+
+@dataclass(frozen=True)
+class HostsCalibration:
+    """What rank 0 of a torchrun world measured: every rank's device and host, and the fitted cost of each measured
+    directed pair of ranks."""
+
+    torch_devices: tuple[str, ...]
+    hosts: tuple[str, ...]
+    timings: dict[tuple[int, int], TransferTimings]
+
+    @property
+    def costs(self) -> dict[tuple[int, int], TransferCost]:
+        """Pairs within a host fitted as a local calibration fits them, pairs of two hosts as a network
+        (:func:`~moirai.cluster.calibration.fit.fit_between_hosts`)."""
+        return {
+            (a, b): timings.fit() if self.hosts[a] == self.hosts[b] else fit_between_hosts(timings)
+            for (a, b), timings in self.timings.items()
+        }
+
+    def host_links(self) -> dict[HostLink, TransferCost]:
+        """The measured pairs by the hosts of their ends and their kind."""
+        return {self.host_link(src, dst): cost for (src, dst), cost in self.costs.items()}
+
+    def host_link(self, src: int, dst: int) -> HostLink:
+        return HostLink(self.hosts[src], self.hosts[dst], link_kind(self.torch_devices[src], self.torch_devices[dst]))
+
+    def local_links(self) -> dict[str, TransferCost]:
+        """The links measured within rank 0's host, by kind (what a calibration on that host alone measures)."""
+        return {link.kind: cost for link, cost in self.host_links().items() if link.src_host == link.dst_host}
+
+
+def torchrun_world() -> tuple[int, int] | None:
+    """``(rank, world size)`` where torchrun started this process in a world of two or more, else None."""
+    if not all(os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return None
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return (rank, world_size) if world_size >= 2 else None
+
+
+def host_pairs(hosts: Sequence[str]) -> list[tuple[int, int]]:
+    """The pairs of ranks measured (every rank computes the same): the first ranks of every ordered pair of hosts,
+    then within each host of two ranks or more its first two, both ways."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        ranks_of.setdefault(host, []).append(rank)
+    firsts = [ranks[0] for ranks in ranks_of.values()]
+    pairs = [(a, b) for a in firsts for b in firsts if a != b]
+    for ranks in ranks_of.values():
+        if len(ranks) >= 2:
+            pairs += [(ranks[0], ranks[1]), (ranks[1], ranks[0])]
+    return pairs
+
+
+def measure_across_hosts(
+    torch_devices: Sequence[str], sizes_bytes: Sequence[int], repeats: int, warmup: int = 3, timeout_s: float = 300.0
+) -> HostsCalibration | None:
+    """Under torchrun, on every rank (a collective): measure the links between and within the hosts; rank 0 gets
+    the result, the others None. Rank ``r`` runs on ``torch_devices[r]``."""
+    from moirai.runtime.distributed import torchrun_group
+    from moirai.runtime.hosts import rank_hosts
+
+    world = torchrun_world()
+    if world is None:
+        raise DistributedError("measuring the links between hosts needs torchrun's ranks (RANK, WORLD_SIZE unset)")
+    rank, world_size = world
+    if len(torch_devices) != world_size:
+        raise DistributedError(
+            f"torchrun runs {world_size} ranks but {len(torch_devices)} devices were given; give one device per rank"
+        )
+    group = torchrun_group(rank, world_size, list(torch_devices), timeout_s, f"{_PREFIX}/shm")
+    try:
+        hosts = rank_hosts(group.store, rank, world_size, f"{_PREFIX}/host", timeout_s)
+        pairs = host_pairs(hosts)
+        sizes = tuple(int(s) for s in sizes_bytes)
+        for index, medians in measure_pairs(group, pairs, sizes, repeats, warmup, timeout_s, _PREFIX, hosts):
+            group.store.set(f"{_PREFIX}/result/{index}", json.dumps(medians))
+        leave_together(group.store, rank, world_size)
+    finally:
+        group.close()
+    if rank != 0:
+        return None
+    timings = {}
+    for index, pair in enumerate(pairs):
+        medians = _medians(group.store, f"{_PREFIX}/result/{index}", pair, len(sizes))
+        timings[pair] = TransferTimings(sizes, *(tuple(medians[key]) for key in _MEDIANS))
+    return HostsCalibration(tuple(str(d) for d in torch_devices), tuple(hosts), timings)
+
+
+_MEDIANS = ("delay_s", "sender_cpu_s", "receiver_cpu_s")
+
+
+def _medians(store: object, key: str, pair: tuple[int, int], num_sizes: int) -> dict[str, list[float]]:
+    """A pair's medians as its sender set them, checked (the store is the network's)."""
+    try:
+        medians = json.loads(store.get(key))  # type: ignore[attr-defined]
+    except ValueError:
+        medians = None
+    valid = isinstance(medians, dict) and [medians.get("src"), medians.get("dst")] == list(pair)
+    if not valid or not all(
+        isinstance(medians.get(k), list)
+        and len(medians[k]) == num_sizes
+        and all(type(v) in (int, float) for v in medians[k])
+        for k in _MEDIANS
+    ):
+        raise DistributedError(f"store key {key!r} holds no timings of ranks {pair[0]} -> {pair[1]}: {medians!r:.120}")
+    return medians
