@@ -11,21 +11,18 @@ Example::
 
 from __future__ import annotations
 
-import datetime
 import difflib
 import inspect
-import itertools
 import json
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
@@ -35,12 +32,13 @@ from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
-from moirai.errors import ClusterError, DistributedError, MoiraiError, PlanError, PlanVersionWarning, ProblemError
+from moirai.errors import ClusterError, MoiraiError, PlanError, ProblemError
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
 from moirai.frontend.trace import TracedModel, trace
+from moirai.plan_records import PLAN_FORMAT_VERSION, PlanHandover, read_plan_file, versions
 from moirai.planning.objective import Objective
 from moirai.planning.placers import place
 from moirai.planning.plan import Plan
@@ -48,7 +46,6 @@ from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.runtime import distributed
 from moirai.runtime.distributed import DistributedRunner, check_timeout, run_distributed, run_rank, torchrun_driver
-from moirai.runtime.hosts import rank_hosts
 from moirai.runtime.local import check_inputs, run_local
 from moirai.runtime.server import Server
 from moirai.runtime.split import SplitProgram, split_module
@@ -57,10 +54,6 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 logger = logging.getLogger(__name__)
-PLAN_FORMAT_VERSION = 1
-# Long enough for rank 0's planning (a milp within its time limit); a rank 0 that failed ends torchrun's run sooner.
-_PLAN_HANDOVER_TIMEOUT_S = 1800.0
-_PLAN_KEYS = ("format", "devices", "node_device", "groups", "device_order", "plan")
 
 
 @dataclass
@@ -129,7 +122,7 @@ class CompiledModel:
         """The same model, trace and problem split by another plan of this problem (one placed for another
         objective, or one made by hand), without tracing or profiling again."""
         plan.check(self.problem)
-        return _assemble(self.traced, self.cluster, self.graph, self.problem, plan)
+        return assemble(self.traced, self.cluster, self.graph, self.problem, plan)
 
     @property
     def torch_devices(self) -> list[str]:
@@ -207,7 +200,7 @@ class CompiledModel:
             "plan": self.plan.to_dict(),
             "problem": self.problem.to_dict(),
             "dynamic_dims": dynamic_dims_to_json(self.traced),
-            "versions": _versions(),
+            "versions": versions(),
         }
 
 
@@ -247,14 +240,14 @@ def compile(
     again; a path reads a calibration file; ``"none"`` keeps the detected defaults (50 us, no CPU
     time). A :class:`moirai.Cluster` keeps the links it describes.
     """
-    _check_not_misspelt(placer_options)
-    handover = _PlanHandover.under_torchrun(devices)
+    check_placer_options(placer_options)
+    handover = PlanHandover.under_torchrun(devices)
     hosts = handover.hosts if handover is not None else None
     if handover is not None and not handover.plans:
         # Another rank plans: this one measures nothing and takes that rank's plan, problem included.
         cluster = local_cluster(devices, "none", hosts)
         traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
-        return _from_record(handover.receive(), "rank 0's plan", traced, cluster)
+        return from_plan_record(handover.receive(), "rank 0's plan", traced, cluster)
     cluster = local_cluster(devices, calibration, hosts)
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
@@ -272,7 +265,7 @@ def compile(
         plan.objective,
         plan.objective_s,
     )
-    compiled = _assemble(traced, cluster, coarse, problem, plan)
+    compiled = assemble(traced, cluster, coarse, problem, plan)
     if handover is not None:
         handover.send(compiled.plan_record())
     return compiled
@@ -298,7 +291,7 @@ def load(
     A plan compiled with dynamic shapes is traced again with the same dynamic dimensions (names and
     ranges from the plan file, applied to ``example_inputs``) unless ``dynamic_shapes`` is given.
     """
-    record = _read_plan_file(path)
+    record = read_plan_file(path)
     saved_devices = [d["torch_device"] for d in record["devices"]]
     cluster = local_cluster(devices or saved_devices, calibration)
     if len(cluster) != len(saved_devices):
@@ -306,10 +299,12 @@ def load(
     if dynamic_shapes is None and record.get("dynamic_dims"):
         dynamic_shapes = dynamic_shapes_from_json(record["dynamic_dims"], model, example_inputs, example_kwargs)
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
-    return _from_record(record, path, traced, cluster)
+    return from_plan_record(record, path, traced, cluster)
 
 
-def _from_record(record: dict[str, Any], source: str | Path, traced: TracedModel, cluster: Cluster) -> CompiledModel:
+def from_plan_record(
+    record: dict[str, Any], source: str | Path, traced: TracedModel, cluster: Cluster
+) -> CompiledModel:
     """The compiled model a plan record (:meth:`CompiledModel.plan_record`) describes, for ``traced`` on ``cluster``."""
     node_device = {name: int(k) for name, k in record["node_device"].items()}
     _check_ops_known(traced, node_device, source=str(source))
@@ -321,51 +316,6 @@ def _from_record(record: dict[str, Any], source: str | Path, traced: TracedModel
     plan = Plan.from_dict(record["plan"])
     plan.device_names = cluster.names
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
-
-
-class _PlanHandover:
-    """Under torchrun, rank 0 plans and hands its plan to every other rank through the run's store (sealed where
-    ``MOIRAI_RUN_SECRET`` is set), so no rank plans on numbers of its own; compiles pair up in call order."""
-
-    _compiles = itertools.count()
-
-    def __init__(self, store: Any, rank: int, world_size: int, named_hosts: bool) -> None:
-        self.store = store
-        self.plans = rank == 0
-        self.key = f"moirai/plan/{next(self._compiles)}"
-        # Devices given as strings are put on the hosts their ranks run on, where there are several: rank 0 then
-        # prices the links between hosts as measured there (a cluster names its own hosts).
-        self.hosts: list[str] | None = None
-        if not named_hosts:
-            hosts = rank_hosts(store, rank, world_size, f"{self.key}/host", _PLAN_HANDOVER_TIMEOUT_S)
-            self.hosts = hosts if len(set(hosts)) > 1 else None
-
-    @classmethod
-    def under_torchrun(cls, devices: Cluster | Sequence[str]) -> _PlanHandover | None:
-        """None outside torchrun, or where the devices are not one per rank of this world."""
-        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            return None  # before reading devices: a malformed list is local_cluster's to name
-        torch_devices = [d.torch_device for d in devices.devices] if isinstance(devices, Cluster) else list(devices)
-        store = distributed.torchrun_store([str(torch.device(d)) for d in torch_devices])
-        if store is None:
-            return None
-        return cls(store, int(os.environ["RANK"]), len(torch_devices), isinstance(devices, Cluster))
-
-    def send(self, record: dict[str, Any]) -> None:
-        self.store.set(self.key, json.dumps(record))
-
-    def receive(self) -> dict[str, Any]:
-        try:
-            self.store.wait([self.key], datetime.timedelta(seconds=_PLAN_HANDOVER_TIMEOUT_S))
-        except (RuntimeError, dist.DistStoreError) as error:
-            raise DistributedError(
-                f"rank 0 did not hand over its plan within {_PLAN_HANDOVER_TIMEOUT_S:g} s ({error}); see rank 0's "
-                "output for why"
-            ) from None
-        record = json.loads(self.store.get(self.key))
-        if not isinstance(record, dict) or any(key not in record for key in _PLAN_KEYS):
-            raise DistributedError(f"store key {self.key!r} holds no plan: {str(record)[:80]!r}")
-        return record
 
 
 def _planned_problem(
@@ -403,106 +353,19 @@ def serve_rank(compiled: CompiledModel, timeout_s: float = 120.0) -> None:
     distributed.serve_rank(compiled.program, compiled.cluster.devices, timeout_s=timeout_s)
 
 
-def _check_not_misspelt(placer_options: dict[str, Any]) -> None:
-    """A misspelt parameter of compile (``dynamic_shape=``) would reach the placer as an option; name it here."""
-    own = [name for name in inspect.signature(compile).parameters if name != "placer_options"]
+def check_placer_options(placer_options: dict[str, Any], caller: Callable[..., Any] | None = None) -> None:
+    """A misspelt parameter of ``caller`` (compile's ``dynamic_shape=``) would reach the placer as an option; name it
+    here."""
+    caller = caller or compile
+    own = [name for name in inspect.signature(caller).parameters if name != "placer_options"]
+    name = f"moirai.{getattr(caller, '__name__', 'compile')}"
     for option in placer_options:
         close = difflib.get_close_matches(option, own, n=1, cutoff=0.8)
         if close:
             raise MoiraiError(
-                f"moirai.compile has no parameter {option!r}; did you mean {close[0]!r}? Keywords other than "
-                f"compile's own ({', '.join(own)}) go to the placer as its options"
+                f"{name} has no parameter {option!r}; did you mean {close[0]!r}? Keywords other than "
+                f"its own ({', '.join(own)}) go to the placer as its options"
             )
-
-
-def _read_plan_file(path: str | Path) -> dict[str, Any]:
-    """The record ``CompiledModel.save`` wrote, or a :class:`PlanError` saying what is wrong with the file."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise PlanError(f"plan file {str(path)!r} does not exist; write one with CompiledModel.save(path)") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise PlanError(f"cannot read plan file {str(path)!r}: {error}") from None
-    if not text.strip():
-        raise PlanError(f"plan file {str(path)!r} is empty; save the plan again with CompiledModel.save(path)")
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise PlanError(
-            f"plan file {str(path)!r} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); "
-            "was it cut short? Save the plan again with CompiledModel.save(path)"
-        ) from None
-    if not isinstance(record, dict):
-        raise PlanError(
-            f"plan file {str(path)!r} holds a JSON {type(record).__name__}, not a moirai plan (an object with keys "
-            f"{list(_PLAN_KEYS)}); give the file CompiledModel.save wrote"
-        )
-    if record.get("format") != PLAN_FORMAT_VERSION:
-        raise PlanError(f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION}; compile the model again")
-    missing = [key for key in _PLAN_KEYS if key not in record]
-    missing += [f"plan.{key}" for key in ("placement", "device_names") if key not in (record.get("plan") or {})]
-    if missing:
-        raise PlanError(f"plan file {str(path)!r} lacks {missing}; it is not a whole moirai plan: save it again")
-    _check_plan_fields(record, path)
-    _warn_on_other_versions(record.get("versions"), path)
-    return record
-
-
-def _check_plan_fields(record: dict[str, Any], path: str | Path) -> None:
-    """A :class:`PlanError` naming the first field of a plan file whose type or range is not what save writes."""
-    devices = record["devices"]
-    problems = {
-        "devices": isinstance(devices, list)
-        and all(isinstance(d, dict) and isinstance(d.get("torch_device"), str) for d in devices),
-        "node_device": isinstance(record["node_device"], dict)
-        and all(
-            type(k) is int and 0 <= k < (len(devices) if isinstance(devices, list) else 0)
-            for k in record["node_device"].values()
-        ),
-        "groups": _is_list_of_name_lists(record["groups"]),
-        "device_order": record["device_order"] is None or _is_list_of_name_lists(record["device_order"]),
-    }
-    wrong = [field for field, ok in problems.items() if not ok]
-    if wrong:
-        expected = {
-            "devices": "a list of {'name', 'torch_device'} objects",
-            "node_device": "an object mapping op names to device indices 0..len(devices)-1",
-            "groups": "a list of lists of op names",
-            "device_order": "null or a list of lists of op names",
-        }
-        raise PlanError(
-            f"plan file {str(path)!r}: {wrong[0]!r} is {str(record[wrong[0]])[:80]!r}, not {expected[wrong[0]]}; "
-            "save the plan again with CompiledModel.save(path)"
-        )
-
-
-def _is_list_of_name_lists(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g) for g in value)
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        moirai_version = version("moirai")
-    except PackageNotFoundError:
-        moirai_version = "unknown"
-    return {"moirai": moirai_version, "torch": torch.__version__}
-
-
-def _warn_on_other_versions(saved: Any, path: str | Path) -> None:
-    """A plan made by another moirai or torch may trace to other op names: say so before they fail to match."""
-    if not isinstance(saved, dict):
-        return
-    here = _versions()
-    other = [f"{name} {saved[name]} (here {here[name]})" for name in here if saved.get(name) not in (None, here[name])]
-    if other:
-        warnings.warn(
-            f"plan file {str(path)!r} was saved with {', '.join(other)}; if loading fails or the split differs, "
-            "compile the model again",
-            PlanVersionWarning,
-            stacklevel=3,
-        )
 
 
 def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:
@@ -520,7 +383,7 @@ def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:
             )
 
 
-def _assemble(traced: TracedModel, cluster: Cluster, coarse: OpGraph, problem: Problem, plan: Plan) -> CompiledModel:
+def assemble(traced: TracedModel, cluster: Cluster, coarse: OpGraph, problem: Problem, plan: Plan) -> CompiledModel:
     node_device = {name: int(plan.placement[i]) for i, node in enumerate(coarse.nodes) for name in node.fx_names}
     task_order = simulate(problem, plan).device_order()
     device_order = [[name for i in tasks for name in coarse.nodes[i].fx_names] for tasks in task_order]

@@ -32,7 +32,7 @@ from moirai import viz
 from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
-from moirai.compile import CompiledModel, _assemble, _check_not_misspelt, _from_record, _PlanHandover
+from moirai.compile import CompiledModel, assemble, check_placer_options, from_plan_record
 from moirai.errors import InfeasibleError, InputError
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
@@ -43,6 +43,7 @@ from moirai.generation.engine import Engine, done_future
 from moirai.generation.requests import GenerateRequest, sampling_params
 from moirai.generation.server import GenerationServer
 from moirai.generation.step import CacheShape, CausalLMStep
+from moirai.plan_records import PlanHandover
 from moirai.planning.objective import LATENCY, Generation
 from moirai.planning.placers import place
 from moirai.planning.problem import Problem
@@ -211,7 +212,7 @@ def compile_lm(
     ``max_batch_size / sequences`` sequences, with time to first token at most ``max_ttft_s``). ``devices``,
     ``placer``, ``calibration``, ``progress`` and ``placer_options`` as in :func:`moirai.compile`.
     """
-    _check_not_misspelt(placer_options)
+    check_placer_options(placer_options, compile_lm)
     limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_prefill": max_prefill}
     for name, value in limits.items():
         if not isinstance(value, int) or value < 1:
@@ -223,7 +224,7 @@ def compile_lm(
     prompt_tokens = prompt_tokens or min(32, max_prefill)
     steps_in_flight = min(sequences, len(devices))  # a server keeps about one decode step per stage in flight
     decode_batch = math.ceil(sequences / steps_in_flight)
-    handover = _PlanHandover.under_torchrun(devices)  # under torchrun rank 0 plans, as compile does
+    handover = PlanHandover.under_torchrun(devices)  # under torchrun rank 0 plans, as compile does
     cluster = local_cluster(devices, calibration if handover is None or handover.plans else "none")
     step = CausalLMStep(model, max_batch_size, max_seq_len).eval()
     traced = trace_step(step, max_batch_size, max_prefill)
@@ -237,13 +238,13 @@ def compile_lm(
     objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s, math.ceil(prompt_tokens / prompt_chunk))
     if handover is not None and not handover.plans:
         # This rank takes rank 0's plan and serves it with moirai.serve_rank(lm.compiled).
-        compiled = _from_record(handover.receive(), "rank 0's plan", traced, cluster)
+        compiled = from_plan_record(handover.receive(), "rank 0's plan", traced, cluster)
     else:
         try:
             plan = place(decode, placer=placer, objective=objective, **placer_options)
         except InfeasibleError as error:
             raise InfeasibleError(_does_not_fit(type(model).__name__, graph, step.cache_shape, decode, error)) from None
-        compiled = _assemble(traced, cluster, coarse, decode, plan)
+        compiled = assemble(traced, cluster, coarse, decode, plan)
         if handover is not None:
             handover.send(compiled.plan_record())
     config = model.config
