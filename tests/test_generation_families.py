@@ -7,10 +7,12 @@ differ) are masked as the config says. Hugging Face's own export wrapper over a 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ import moirai
 from moirai.errors import InputError
 from moirai.frontend.state import mutable_buffers
 from moirai.generation.step import attention_mask, layer_windows
+from moirai.planning.plan import Plan
 
 transformers = pytest.importorskip("transformers")
 
@@ -106,7 +109,7 @@ def family_model(name: str) -> torch.nn.Module:
 
 @functools.cache
 def family_lm(name: str, devices: int) -> moirai.CompiledLM:
-    return moirai.compile_lm(
+    lm = moirai.compile_lm(
         family_model(name),
         ["cpu"] * devices,
         max_batch_size=2,
@@ -116,6 +119,32 @@ def family_lm(name: str, devices: int) -> moirai.CompiledLM:
         calibration="none",
         progress=False,
     )
+    return dataclasses.replace(lm, compiled=lm.compiled.with_plan(layers_apart(lm, devices)))
+
+
+def layers_apart(lm: moirai.CompiledLM, devices: int) -> Plan:
+    """A contiguous split with the first layer's cache and its ops on the first device, the last layer's on the last
+    and what lies between on the others: every device works and the caches of two layers are apart (a placer's plan
+    for so small a model may keep them together)."""
+    compiled, problem = lm.compiled, lm.compiled.problem
+    order = sorted(range(problem.num_tasks), key=lambda task: problem.topological_position[task])
+    rank = {task: position for position, task in enumerate(order)}
+    layer_tasks: dict[int, set[int]] = {}
+    for buffer in mutable_buffers(compiled.traced.graph_module):
+        layer = int(buffer.name.rsplit("_", 1)[1])
+        layer_tasks.setdefault(layer, set()).update(compiled.graph.nodes_of_fx_names(buffer.op_names))
+    first_end = max(rank[task] for task in layer_tasks[min(layer_tasks)])
+    last_start = min(rank[task] for task in layer_tasks[max(layer_tasks)])
+    middle = np.linspace(first_end + 1, last_start, devices - 1)[1:-1] if devices > 2 else []
+    placement = np.zeros(problem.num_tasks, int)
+    for task, position in rank.items():
+        if position <= first_end:
+            placement[task] = 0
+        elif position >= last_start:
+            placement[task] = devices - 1
+        else:
+            placement[task] = 1 + int((np.asarray(middle) <= position).sum())
+    return Plan(placement, problem.device_names, placer="layers apart")
 
 
 def prompts() -> tuple[torch.Tensor, torch.Tensor]:
