@@ -1,19 +1,25 @@
-"""The bench runner: zoo models x clusters x placers -> simulated latency, speedup, placement time, memory, gap.
+"""The bench runner: zoo models x clusters x objectives x placers -> simulated objective, ratio to contiguous,
+speedup, gap, placement time, memory.
 
 Per model: trace on the meta device (paper sizes) or CPU (small sizes) -> OpGraph -> coarsen with the
 fusion rules (``--target-nodes`` also merges to a size; ``--no-coarsen`` keeps the original graph).
-Per cluster: ``moirai.cluster.cost.build_problem`` (analytic costs) and ``moirai.planning.bounds.lower_bound``.
-Per placer: ``moirai.planning.placers.place``; its makespan is the simulator's. A placer that raises
-``InfeasibleError`` is shown as "does not fit"; any other exception is shown as an error in its row.
+Per cluster: ``moirai.cluster.cost.build_problem`` (analytic costs).
+Per objective (``latency``: one request's makespan; ``throughput``: the period of pipelined requests) and placer:
+``moirai.planning.placers.place(problem, placer, objective=...)``; every value is the simulator's. A placer that
+raises ``InfeasibleError`` is shown as "does not fit"; any other exception is shown as an error in its row.
+``--layered`` adds a family of random layered DAGs (200-2,000 tasks, 4-14 identical devices) whose best throughput
+is known, a contiguous split (:mod:`bench.known_split`); its bound column is that optimum.
 
-Columns: latency (simulated makespan), speedup (the reference placer's latency / this one's), gap to the
-lower bound ((latency - bound) / latency), placement time, the process's peak RSS while the placer ran
-(sampled every 5 ms; it includes the traced model, the graph and memory earlier rows left to the
-allocator) and its growth during the placer (what the placer needed beyond that).
+Columns: the objective's value, the plan's latency, its ratio to ``contiguous``'s value (the contiguous-split DP,
+the published baseline), speedup (the reference placer's value / this one's), gap to the objective's lower bound
+((value - bound) / value), placement time, the process's peak RSS while the placer ran (sampled every 5 ms; it
+includes the traced model, the graph and memory earlier rows left to the allocator) and its growth during the placer
+(what the placer needed beyond that). After the table, the targets: milp at most every baseline on every row.
 
 Run::
 
-    python bench/run.py --quick --output quick.md      # ~2 minutes; also writes the tables as markdown
+    python bench/run.py --quick --output quick.md      # a few minutes; also writes the tables as markdown
+    python bench/run.py --quick --layered --objectives throughput   # the known-optimum family too
     python bench/run.py                                # every small model x every placer, paper sizes x fast placers
     python bench/run.py --models gpt3:13B swin --clusters moirai-intra-server --placers heft m_sct milp \\
         --time-limit 120
@@ -43,6 +49,7 @@ if __package__ in (None, ""):
     # Run as ``python bench/run.py``: make the repository root importable, as ``python -m bench.run`` does.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.known_split import known_split_problem  # noqa: E402
 from bench.models import ZOO, build, model_sizes, size_spec  # noqa: E402
 from moirai.cluster.cost import build_problem  # noqa: E402
 from moirai.cluster.devices import Cluster  # noqa: E402
@@ -50,7 +57,7 @@ from moirai.errors import InfeasibleError, MoiraiError  # noqa: E402
 from moirai.frontend.coarsen import coarsen  # noqa: E402
 from moirai.frontend.graph import OpGraph, build_op_graph  # noqa: E402
 from moirai.frontend.trace import trace  # noqa: E402
-from moirai.planning.bounds import lower_bound  # noqa: E402
+from moirai.planning.objective import as_objective  # noqa: E402
 from moirai.planning.placers import get_placer, list_placers, place  # noqa: E402
 from moirai.planning.plan import Plan  # noqa: E402
 from moirai.planning.problem import Problem  # noqa: E402
@@ -61,6 +68,12 @@ SLOW_PLACERS = ("pesto", "milp")
 QUICK_MODELS = ("gpt3:small", "googlenet:small", "transformer:small", "evoformer:small", "gpt3:330M")
 DEFAULT_TIME_LIMIT_S = 30.0
 QUICK_TIME_LIMIT_S = 5.0
+OBJECTIVES_RUN = ("latency", "throughput")
+BASELINE = "contiguous"  # every row's ratio is to this placer's value
+# The layered family with a known optimum: (tasks, devices), seed 0; and the placers run on it. contiguous's
+# throughput DP takes about 10 s on (500, 6) and minutes on (2000, 14) on 2 cores.
+LAYERED_FAMILY = ((200, 4), (500, 6), (1000, 8), (2000, 14))
+LAYERED_PLACERS = ("milp", "contiguous", "pipeline", "heft", "getf", "m_sct")
 RSS_SAMPLE_PERIOD_S = 0.005
 
 
@@ -87,20 +100,23 @@ class Row:
 
     model: str
     cluster: str
+    objective: str
     placer: str
     status: str
+    objective_s: float | None = None  # the simulated value of the objective the placer was asked for
     latency_s: float | None = None
     placement_s: float | None = None
     peak_rss_bytes: float | None = None
     rss_growth_bytes: float | None = None
     lower_bound_s: float | None = None
     speedup: float | None = None
+    to_baseline: float | None = None  # objective_s over the BASELINE placer's on the same problem and objective
 
     @property
     def gap(self) -> float | None:
-        if self.latency_s is None or self.lower_bound_s is None or self.latency_s == 0:
+        if self.objective_s is None or self.lower_bound_s is None or self.objective_s == 0:
             return None
-        return (self.latency_s - self.lower_bound_s) / self.latency_s
+        return (self.objective_s - self.lower_bound_s) / self.objective_s
 
 
 class PeakRss:
@@ -169,22 +185,31 @@ def placer_options(placer: str, time_limit_s: float) -> dict[str, float]:
 
 
 def run_placer(
-    problem: Problem, placer: str, model: str, cluster: str, time_limit_s: float, bound_s: float | None
+    problem: Problem,
+    placer: str,
+    model: str,
+    cluster: str,
+    objective: str,
+    time_limit_s: float,
+    bound_s: float | None,
 ) -> Row:
     try:
         with PeakRss() as rss:
-            plan = place(problem, placer, **placer_options(placer, time_limit_s))
+            plan = place(problem, placer, objective=objective, **placer_options(placer, time_limit_s))
     except InfeasibleError:
-        return Row(model, cluster, placer, "does not fit", lower_bound_s=bound_s)
+        return Row(model, cluster, objective, placer, "does not fit", lower_bound_s=bound_s)
     except Exception as error:  # a broken placer is a row of the table, not the end of the run
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return Row(model, cluster, placer, f"error: {type(error).__name__}: {message[:80]}", lower_bound_s=bound_s)
+        status = f"error: {type(error).__name__}: {message[:80]}"
+        return Row(model, cluster, objective, placer, status, lower_bound_s=bound_s)
     status = memory_status(problem, plan)
     return Row(
         model,
         cluster,
+        objective,
         placer,
         status,
+        plan.objective_s,
         plan.makespan_s,
         plan.placement_time_s,
         rss.peak_bytes,
@@ -203,16 +228,64 @@ def memory_status(problem: Problem, plan: Plan) -> str:
     return "ok" if not over else "exceeds memory: " + ", ".join(over)
 
 
+def objective_bound_s(problem: Problem, objective: str) -> float | None:
+    """The objective's lower bound on ``problem`` (None where the model fits nowhere: every placer will say so)."""
+    try:
+        return as_objective(objective).lower_bound_s(problem)
+    except InfeasibleError:
+        return None
+
+
 def with_speedups(rows: list[Row], reference: str) -> list[Row]:
-    reference_latency = {
-        (r.model, r.cluster): r.latency_s for r in rows if r.placer == reference and r.latency_s is not None
-    }
+    """Each row with its speedup over ``reference`` and its ratio to BASELINE on the same problem and objective."""
+
+    def values(placer: str) -> dict[tuple[str, str, str], float]:
+        return {
+            (r.model, r.cluster, r.objective): r.objective_s
+            for r in rows
+            if r.placer == placer and r.objective_s is not None
+        }
+
+    reference_value, baseline_value = values(reference), values(BASELINE)
     result = []
     for r in rows:
-        base = reference_latency.get((r.model, r.cluster))
-        speedup = base / r.latency_s if base is not None and r.latency_s else None
-        result.append(replace(r, speedup=speedup))
+        key = (r.model, r.cluster, r.objective)
+        base, baseline = reference_value.get(key), baseline_value.get(key)
+        speedup = base / r.objective_s if base is not None and r.objective_s else None
+        to_baseline = r.objective_s / baseline if baseline and r.objective_s is not None else None
+        result.append(replace(r, speedup=speedup, to_baseline=to_baseline))
     return result
+
+
+def target_lines(rows: list[Row]) -> list[str]:
+    """The issue's targets, per objective: milp at most every other placer's value on every problem that fits, and
+    milp's ratio to contiguous (at most 1.00 everywhere for throughput)."""
+    lines = []
+    for objective in sorted({r.objective for r in rows}):
+        problems = sorted({(r.model, r.cluster) for r in rows if r.objective == objective})
+        beaten, ratios, compared = [], [], 0
+        for model, cluster in problems:
+            same = [r for r in rows if (r.model, r.cluster, r.objective) == (model, cluster, objective)]
+            milp = next((r for r in same if r.placer == "milp" and r.status == "ok"), None)
+            if milp is None or milp.objective_s is None:
+                continue
+            compared += 1
+            if milp.to_baseline is not None:
+                ratios.append(milp.to_baseline)
+            for other in same:
+                if other.placer != "milp" and other.status == "ok" and other.objective_s is not None:
+                    ratio = milp.objective_s / other.objective_s
+                    if ratio > 1 + 1e-9:
+                        beaten.append(f"{model} / {cluster}: milp {ratio:.4f}x {other.placer}'s")
+        ratio_text = (
+            f"milp / {BASELINE}: min {min(ratios):.3f}, median {float(np.median(ratios)):.3f}, max {max(ratios):.3f}"
+            if ratios
+            else f"no {BASELINE} rows"
+        )
+        lost = len({line.split(": milp ")[0] for line in beaten})
+        lines.append(f"{objective}: milp beaten on {lost} of {compared} problems with a milp row; {ratio_text}")
+        lines += [f"  beaten on {line}" for line in beaten]
+    return lines
 
 
 def _ms(seconds: float | None) -> str:
@@ -227,8 +300,11 @@ MODEL_COLUMNS = ("model", "params", "graph ops", "placed nodes", "Table IV / Fig
 RESULT_COLUMNS = (
     "model",
     "cluster",
+    "objective",
     "placer",
+    "value ms",
     "latency ms",
+    f"/ {BASELINE}",
     "speedup",
     "gap to bound",
     "place s",
@@ -257,8 +333,11 @@ def result_cells(r: Row) -> list[str]:
     return [
         r.model,
         r.cluster,
+        r.objective,
         r.placer,
+        _ms(r.objective_s),
         _ms(r.latency_s),
+        _fmt(r.to_baseline, ".3f"),
         speedup,
         _fmt(r.gap, ".1%"),
         _fmt(r.placement_s, ".3f"),
@@ -272,7 +351,8 @@ def rich_table(title: str, columns: tuple[str, ...], rows: list[list[str]], grou
     """A table with a rule under every group of rows sharing their first ``group_by`` cells."""
     table = Table(title=title)
     for column in columns:
-        table.add_column(column, justify="left" if column in ("model", "cluster", "placer", "status") else "right")
+        left = ("model", "cluster", "objective", "placer", "status")
+        table.add_column(column, justify="left" if column in left else "right")
     for row, following in zip(rows, [*rows[1:], None], strict=True):
         table.add_row(*row, end_section=following is None or following[:group_by] != row[:group_by])
     return table
@@ -313,11 +393,12 @@ def write_results(
     section = "\n\n".join(
         [
             f"Command: `{command}`  \nMachine: {machine_description()}  \n"
-            f"Reference placer for speedup: `{reference}`; solver time limit {time_limit_s:g} s; "
-            "costs: analytic (moirai.cluster.cost); latency: moirai.planning.simulate with link contention; "
-            f"whole run {elapsed_s:.0f} s.",
+            f"Reference placer for speedup: `{reference}`; ratios to `{BASELINE}`; solver time limit "
+            f"{time_limit_s:g} s; costs: analytic (moirai.cluster.cost); values: moirai.planning.simulate with link "
+            f"contention; whole run {elapsed_s:.0f} s.",
             markdown_table(MODEL_COLUMNS, [model_cells(m) for m in models]),
             markdown_table(RESULT_COLUMNS, [result_cells(r) for r in rows]),
+            "Targets:\n\n" + "\n".join(f"- {line}" for line in target_lines(rows)),
         ]
     )
     write_section(path, f"Every placer on the zoo models (`bench/run.py`), {now}", section)
@@ -330,7 +411,18 @@ def write_section(path: Path, title: str, body: str) -> None:
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a ~2 minute subset: small models and GPT-3 330M")
+    parser.add_argument("--quick", action="store_true", help="a few minutes' subset: small models and GPT-3 330M")
+    parser.add_argument(
+        "--objectives", nargs="+", default=list(OBJECTIVES_RUN), choices=OBJECTIVES_RUN, help="default: both"
+    )
+    parser.add_argument(
+        "--layered",
+        action="store_true",
+        help=f"also the random layered family with a known optimum: (tasks, devices) in {LAYERED_FAMILY}, "
+        f"placers {', '.join(LAYERED_PLACERS)} unless --placers names others",
+    )
+    parser.add_argument("--layered-max-tasks", type=int, default=2000, help="the family's members up to this size")
+    parser.add_argument("--no-zoo", action="store_true", help="no zoo models (with --layered: the family alone)")
     parser.add_argument(
         "--models",
         nargs="+",
@@ -365,7 +457,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if options.time_limit is None:
         options.time_limit = QUICK_TIME_LIMIT_S if options.quick else DEFAULT_TIME_LIMIT_S
     try:
-        options.models = parse_model_specs(options.models) if options.models else model_sizes()
+        options.models = (
+            [] if options.no_zoo else parse_model_specs(options.models) if options.models else model_sizes()
+        )
         options.clusters = {name: Cluster.preset(name) for name in options.clusters}
         for placer in [*(options.placers or []), options.reference]:
             get_placer(placer)
@@ -381,6 +475,33 @@ def placers_for(model: ModelGraph, chosen: list[str] | None) -> list[str]:
     return [p for p in list_placers() if not (paper_size and p in SLOW_PLACERS)]
 
 
+def layered_rows(
+    chosen: list[str] | None,
+    objectives: list[str],
+    time_limit_s: float,
+    max_tasks: int,
+    console: Console,
+    started: float,
+) -> list[Row]:
+    """Every placer on the layered family; a throughput row's bound is the family's known optimum."""
+    rows = []
+    for num_tasks, num_devices in LAYERED_FAMILY:
+        for seed in (0,) if num_tasks <= max_tasks else ():
+            family = known_split_problem(num_tasks, num_devices, seed)
+            model, cluster = f"layered{num_tasks}-s{seed}", f"{num_devices} identical"
+            for objective in objectives:
+                bound_s = (
+                    family.optimum_s if objective == "throughput" else objective_bound_s(family.problem, objective)
+                )
+                for placer in chosen or LAYERED_PLACERS:
+                    with console.status(f"{model} on {cluster}, {objective}: {placer}"):
+                        rows.append(
+                            run_placer(family.problem, placer, model, cluster, objective, time_limit_s, bound_s)
+                        )
+            console.print(f"{model} on {cluster} done ({time.perf_counter() - started:.0f} s)")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     options = parse_arguments(argv)
     console = Console(width=None if sys.stdout.isatty() else 160, emoji=False)
@@ -394,26 +515,34 @@ def main(argv: list[str] | None = None) -> None:
         models.append(model)
         for cluster_name, cluster in clusters.items():
             problem = build_problem(model.graph, cluster)
-            try:
-                bound_s: float | None = lower_bound(problem)
-            except InfeasibleError:  # the model fits nowhere on this cluster: every placer will say so
-                bound_s = None
-            for placer in placers_for(model, options.placers):
-                with console.status(f"{name}:{size} on {cluster_name}: {placer}"):
-                    rows.append(
-                        run_placer(problem, placer, f"{name}:{size}", cluster_name, options.time_limit, bound_s)
-                    )
+            for objective in options.objectives:
+                bound_s = objective_bound_s(problem, objective)
+                for placer in placers_for(model, options.placers):
+                    with console.status(f"{name}:{size} on {cluster_name}, {objective}: {placer}"):
+                        rows.append(
+                            run_placer(
+                                problem, placer, f"{name}:{size}", cluster_name, objective, options.time_limit, bound_s
+                            )
+                        )
         console.print(
             f"{name}:{size}: {model.original_ops} ops -> {len(model.graph.nodes)} nodes, "
             f"{len(clusters)} clusters done ({time.perf_counter() - started:.0f} s)"
+        )
+    if options.layered:
+        rows += layered_rows(
+            options.placers, options.objectives, options.time_limit, options.layered_max_tasks, console, started
         )
     rows = with_speedups(rows, options.reference)
     console.print(rich_table("Models", MODEL_COLUMNS, [model_cells(m) for m in models]))
     console.print(
         rich_table(
-            f"Placers (speedup vs {options.reference})", RESULT_COLUMNS, [result_cells(r) for r in rows], group_by=2
+            f"Placers (speedup vs {options.reference}, value / {BASELINE}'s)",
+            RESULT_COLUMNS,
+            [result_cells(r) for r in rows],
+            group_by=3,
         )
     )
+    console.print("Targets:\n" + "\n".join(target_lines(rows)))
     if options.output is not None:
         command = " ".join(["python bench/run.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
         write_results(

@@ -168,22 +168,31 @@ def test_runner_rows_show_results_misfits_and_errors_and_go_to_a_markdown_file(m
     assert len(model.graph.nodes) < model.original_ops
     problem = build_problem(model.graph, Cluster.preset("moirai-inter-server"))
     bound = lower_bound(problem)
-    names = ("single", "heft", "broken_for_test", "never_fits_for_test")
-    rows = run.with_speedups([run.run_placer(problem, p, "gpt3:small", "inter", 1.0, bound) for p in names], "single")
-    single, heft, broken, misfit = rows
-    assert single.status == heft.status == "ok"
-    assert single.speedup == 1.0
+    names = ("single", "heft", "contiguous", "broken_for_test", "never_fits_for_test")
+    rows = run.with_speedups(
+        [run.run_placer(problem, p, "gpt3:small", "inter", "latency", 1.0, bound) for p in names], "single"
+    )
+    single, heft, contiguous, broken, misfit = rows
+    assert single.status == heft.status == contiguous.status == "ok"
+    assert single.speedup == 1.0 and contiguous.to_baseline == 1.0
+    assert heft.objective_s == heft.latency_s  # the latency objective's value is the makespan
     assert heft.speedup == pytest.approx(single.latency_s / heft.latency_s)
+    assert heft.to_baseline == pytest.approx(heft.latency_s / contiguous.latency_s)
     assert heft.latency_s >= bound * (1 - 1e-9) and 0 <= heft.gap < 1
     assert heft.peak_rss_bytes > 0 and 0 <= heft.rss_growth_bytes <= heft.peak_rss_bytes and heft.placement_s >= 0
     assert broken.status == "error: RuntimeError: solver crashed" and broken.latency_s is None
-    assert misfit.status == "does not fit" and misfit.speedup is None
+    assert misfit.status == "does not fit" and misfit.speedup is None and misfit.to_baseline is None
+
+    # For throughput the value is the period, and the bound the objective's.
+    period_bound = run.objective_bound_s(problem, "throughput")
+    streamed = run.run_placer(problem, "heft", "gpt3:small", "inter", "throughput", 1.0, period_bound)
+    assert streamed.objective == "throughput" and period_bound <= streamed.objective_s < streamed.latency_s
 
     # Device 0 holds almost nothing; round_robin, which ignores memory, still gives it a chunk.
     capacity = np.full(problem.num_devices, problem.memory_bytes.sum())
     capacity[0] = 1.0
     device0_full = dataclasses.replace(problem, memory_capacity_bytes=capacity)
-    overflowing = run.run_placer(device0_full, "round_robin", "gpt3:small", "inter", 1.0, bound)
+    overflowing = run.run_placer(device0_full, "round_robin", "gpt3:small", "inter", "latency", 1.0, bound)
     assert overflowing.status.startswith("exceeds memory: ") and overflowing.latency_s > 0
 
     output = tmp_path / "placers.md"
@@ -192,7 +201,10 @@ def test_runner_rows_show_results_misfits_and_errors_and_go_to_a_markdown_file(m
     text = output.read_text()
     assert text.startswith("## Every placer on the zoo models (`bench/run.py`), ")
     assert text.count("Command: `python bench/run.py") == 1 and "--again" in text, "the file is replaced, not appended"
-    assert "| gpt3:small | inter | never_fits_for_test | - | - | - | - | - | - | does not fit |" in text
+    assert (
+        "| gpt3:small | inter | latency | never_fits_for_test | - | - | - | - | - | - | - | - | does not fit |" in text
+    )
+    assert "Targets:" in text and "latency: milp beaten on 0 of 0 problems with a milp row" in text
 
 
 @pytest.mark.slow

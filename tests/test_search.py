@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from moirai.planning.placers import get_placer, place
-from moirai.planning.report import StopReason
 from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
 from moirai.planning.simulate import simulate, upward_rank
 from moirai.planning.solve.start_plans import improve_start_plan, placement_tail, schedule_tail
@@ -81,23 +80,33 @@ def test_milp_placer_at_scale_is_better_than_every_heuristic_within_its_budget()
 
 
 @pytest.mark.slow
-def test_window_search_at_a_local_optimum_also_starts_from_the_best_heuristic(monkeypatch):
+def test_window_search_descends_from_several_starts_then_grows_windows_from_the_best(monkeypatch):
     milp_placer = importlib.import_module("moirai.planning.placers.milp")
     real_search = milp_placer.improve_by_windows
-    starts: list[float] = []
+    calls: list[tuple[float, int | None, float]] = []  # (start's makespan, size resumed at, result's makespan)
 
     def recording_search(problem, plan, timeline, *args, **kwargs):
-        starts.append(timeline.makespan_s)
-        return real_search(problem, plan, timeline, *args, **kwargs)
+        result = real_search(problem, plan, timeline, *args, **kwargs)
+        calls.append((timeline.makespan_s, args[-1], result.timeline.makespan_s))
+        return result
 
     monkeypatch.setattr(milp_placer, "improve_by_windows", recording_search)
     problem = random_layered_problem(40, 4, seed=1)
     plan = place(problem, "milp", time_limit_s=30)
-    best_heuristic = min(plan.report.heuristics.values())
-    assert plan.report.stop_reason == StopReason.NO_IMPROVING_WINDOW
-    assert starts == [plan.report.lookahead_objective_s, best_heuristic]
-    assert plan.report.window_starts == 2
-    assert plan.makespan_s < plan.report.lookahead_objective_s < best_heuristic
+    heuristics = plan.report.heuristics
+    descents = [call for call in calls if call[1] is None]
+    # The lookahead's plan first, then the best heuristic's; contiguous's joins when a descent stalls.
+    assert [start for start, *_ in descents[:3]] == [
+        plan.report.lookahead_objective_s,
+        min(heuristics.values()),
+        heuristics["contiguous"],
+    ]
+    assert len(descents) == plan.report.window_starts >= 3
+    # A stalled descent goes on with larger windows from where it stopped.
+    grown = [call for call in calls if call[1] is not None]
+    assert grown and grown[0][0] in {result for *_, result in descents}
+    assert plan.report.window_tasks > grown[0][1]
+    assert plan.makespan_s <= min(result for *_, result in calls) * (1 + 1e-9)
 
 
 def test_schedule_tail_on_the_current_device_is_how_long_the_schedule_runs_on_after_the_task():

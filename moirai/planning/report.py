@@ -74,7 +74,7 @@ class SolverReport(PlacerReport):
     lookahead_rounds: int = 0
     lookahead_improved: int = 0
     lookahead_objective_s: float | None = None
-    window_tasks: int | None = None
+    window_tasks: int | None = None  # the largest window size the latency search reached
     window_starts: int = 0
     windows_tried: int = 0
     windows_improved: int = 0

@@ -50,7 +50,7 @@ from moirai.planning.solve.costs import measured_costs
 from moirai.planning.solve.formulation import FORMULATIONS, formulation_named
 from moirai.planning.solve.model import build_model
 from moirai.planning.solve.period_search import improve_period
-from moirai.planning.solve.search import DEFAULT_WINDOW_TASKS, gap_closed, improve_by_windows
+from moirai.planning.solve.search import DEFAULT_WINDOW_TASKS, gap_closed, improve_by_windows, window_sizes
 from moirai.planning.solve.solver import SOLVERS, MilpSolution, SolverSettings, progress_text, solve_model
 from moirai.planning.solve.start_plans import improve_start_plan
 from moirai.planning.solve.warm_start import plan_from_times, relabel_identical_devices
@@ -68,6 +68,7 @@ _SAFETY_S = 0.05
 _MIN_SEARCH_S = 0.3  # the window search needs more than this to solve a window
 _CONTIGUOUS_SHARE = 0.3  # of what the start plans left, at most, for the contiguous DP's predicted time
 _CONTIGUOUS_MEASURED_DEVICES = 4  # its measured time is for this many devices; it grows about as their square
+_WINDOW_STARTS = 4  # the most start plans the latency window search starts from ([Note: window restarts])
 
 
 @register("milp", minimises=True, respects_memory=True)
@@ -125,7 +126,17 @@ def place_milp(
             )
         else:
             plan, timeline = _search_large(
-                problem, start_plan, timeline, finish_by, settings, window_tasks, report, bound_s, info, objective
+                problem,
+                starts,
+                start_plan,
+                timeline,
+                finish_by,
+                settings,
+                window_tasks,
+                report,
+                bound_s,
+                info,
+                objective,
             )
     if not timeline.fits_memory:
         # The model and the search enforce memory; this guards the promise, never a silent overflow.
@@ -214,6 +225,42 @@ def _best_heuristic(
     return best[0], best[1], values, plans
 
 
+def _with_contiguous(
+    problem: Problem,
+    starts: dict[str, tuple[Plan, Timeline]],
+    deadline: float,
+    report: Any,
+    info: SolverReport,
+    objective: Objective,
+) -> dict[str, tuple[Plan, Timeline]]:
+    """``starts`` with the ``contiguous`` placer's plan added where its predicted time fits
+    ``_CONTIGUOUS_SHARE`` of the time left (and it finds an acceptable plan)."""
+    starts = dict(starts)
+    predicted_s = measured_costs().start_plan_time_s("contiguous", problem.num_tasks)
+    predicted_s *= max(1.0, problem.num_devices / _CONTIGUOUS_MEASURED_DEVICES) ** 2  # measured on 4 devices
+    if predicted_s > _CONTIGUOUS_SHARE * (deadline - time.perf_counter()):
+        logger.debug("start plan contiguous skipped: predicted %.3g s, more than its share of the budget", predicted_s)
+        return starts
+    report("start plan: contiguous")
+    from moirai.planning.placers.contiguous import place_contiguous
+
+    try:
+        plan = place_contiguous(problem, objective=objective)
+        timeline = simulate(problem, plan)
+    except InfeasibleError as error:
+        logger.debug("start plan contiguous skipped: %s", error)
+        return starts
+    if objective.acceptable(timeline):
+        starts["contiguous"] = (plan, timeline)
+        info.heuristics["contiguous"] = objective.value_s(timeline)
+    return starts
+
+
+def _distinct_best_first(plans: list[tuple[Plan, Timeline]], objective: Objective) -> list[tuple[Plan, Timeline]]:
+    """``plans`` best first by ``objective``, each placement once (the best of those sharing it)."""
+    return _distinct_first(sorted(plans, key=lambda pt: objective.rank(pt[1])))
+
+
 def _search_period(
     problem: Problem,
     starts: dict[str, tuple[Plan, Timeline]],
@@ -227,28 +274,10 @@ def _search_period(
     """The period search (:mod:`moirai.planning.solve.period_search`) from the start plans, ``contiguous`` among
     them where its predicted time fits its share of the budget, best first, each distinct placement in turn with an
     equal share of the time left (a search that stops early leaves its time to the others). The best plan wins."""
-    starts = dict(starts)
-    predicted_s = measured_costs().start_plan_time_s("contiguous", problem.num_tasks)
-    predicted_s *= max(1.0, problem.num_devices / _CONTIGUOUS_MEASURED_DEVICES) ** 2  # measured on 4 devices
-    if predicted_s <= _CONTIGUOUS_SHARE * (deadline - time.perf_counter()):
-        report("start plan: contiguous")
-        from moirai.planning.placers.contiguous import place_contiguous
-
-        try:
-            plan = place_contiguous(problem, objective=objective)
-            timeline = simulate(problem, plan)
-            if objective.acceptable(timeline):
-                starts["contiguous"] = (plan, timeline)
-                info.heuristics["contiguous"] = objective.value_s(timeline)
-        except InfeasibleError as error:
-            logger.debug("start plan contiguous skipped: %s", error)
+    starts = _with_contiguous(problem, starts, deadline, report, info, objective)
     if not starts:
         raise InfeasibleError("no heuristic found a placement that fits memory; add memory or devices")
-    pending, seen = [], set()
-    for plan, timeline in sorted(starts.values(), key=lambda pt: objective.rank(pt[1])):
-        if timeline.placement.tobytes() not in seen:
-            seen.add(timeline.placement.tobytes())
-            pending.append((plan, timeline))
+    pending = _distinct_best_first(list(starts.values()), objective)
     info.strategy, info.window_starts = "period search", len(pending)
     best = pending[0]
     info.history = [(0.0, objective.value_s(best[1]))]
@@ -273,6 +302,7 @@ def _search_period(
 
 def _search_large(
     problem: Problem,
+    starts: dict[str, tuple[Plan, Timeline]],
     start_plan: Plan,
     timeline: Timeline,
     deadline: float,
@@ -283,52 +313,96 @@ def _search_large(
     info: SolverReport,
     objective: Objective,
 ) -> tuple[Plan, Timeline]:
-    """Lookahead rounds from the best heuristic plan, then the window search from their result and from the
-    heuristic plan, sharing the time: each search not yet at a local optimum gets an equal share of what is
-    left, and a search that stops early leaves its time to the others. The shortest plan found wins.
+    """Lookahead rounds from the best heuristic plan, then the window search from several starts, sharing the
+    time: the lookahead's result and the best heuristic plan; each time a descent (windows of the first size only)
+    reaches its local optimum, the next start joins, ``contiguous``'s where its predicted time fits and then the
+    next best heuristic plans, up to ``_WINDOW_STARTS`` distinct placements, and the stalled search goes on with
+    growing windows. Each search not yet at a local optimum gets an equal share of what is left, in turn, and
+    resumes where it stopped (its plan, its window size); a search that stops early leaves its time to the others.
+    The shortest plan found wins.
 
-    Why both: neither start reaches the better local optimum on every graph ([Note: windows from both starts]
-    in docs/design.md).
+    Why several: neither the lookahead's nor the heuristic's start reaches the better local optimum on every
+    graph ([Note: windows from both starts] in docs/design.md).
     """
     report("start plan: HEFT with lookahead")
     lookahead_by = time.perf_counter() + _LOOKAHEAD_SHARE * (deadline - time.perf_counter())
     lookahead = improve_start_plan(problem, start_plan, timeline, lookahead_by, objective)
-    pending = [(lookahead.plan, lookahead.timeline)]  # searches not at a local optimum yet
-    if lookahead.plan is not start_plan:
-        pending.append((start_plan, timeline))
+    others = _with_contiguous(problem, starts, deadline, report, info, objective)
+    firsts = [(lookahead.plan, lookahead.timeline), (start_plan, timeline)]
+    ranked = _distinct_best_first(list(others.values()), objective)
+    if "contiguous" in others:  # a different shape of plan from the list schedulers': always among the starts
+        ranked.insert(0, others["contiguous"])
+    # Searches not at a local optimum yet, in turn (the window size to resume at; None: a descent, not grown yet):
+    # the lookahead's and the best heuristic's first; each descent that stalls brings in the next start.
+    chosen = _distinct_first(firsts + ranked)[:_WINDOW_STARTS]
+    pending: list[tuple[Plan, Timeline, int | None]] = [(plan, plan_timeline, None) for plan, plan_timeline in chosen]
+    first = len(_distinct_first(firsts))  # one where the lookahead kept the heuristic's plan
+    later, pending = pending[first:], pending[:first]
     info.strategy = "windows"
     info.lookahead_rounds, info.lookahead_improved = lookahead.rounds, lookahead.improved
     info.lookahead_objective_s = objective.value_s(lookahead.timeline)
-    info.window_tasks, info.window_starts = window_tasks, len(pending)
+    info.window_tasks, info.window_starts = window_tasks, 0
     info.history = [(0.0, info.lookahead_objective_s)]
     best: tuple[Plan, Timeline] | None = None  # the first search's result (never worse than its start), or shorter
     gap_is_closed = False
-    while pending and not gap_is_closed and deadline - time.perf_counter() > _MIN_SEARCH_S:
-        plan, start_timeline = pending.pop(0)
+    can_grow = len(window_sizes(window_tasks, problem.num_tasks)) > 1
+    while (pending or later) and not gap_is_closed and deadline - time.perf_counter() > _MIN_SEARCH_S:
+        if not pending:
+            pending.append(later.pop(0))
+        plan, start_timeline, resume_tasks = pending.pop(0)
+        info.window_starts += resume_tasks is None
         until = time.perf_counter() + (deadline - time.perf_counter()) / (len(pending) + 1)
         report("window search")
         search = improve_by_windows(
-            problem, plan, start_timeline, until, settings, window_tasks, report, bound_s, objective
+            problem,
+            plan,
+            start_timeline,
+            until,
+            settings,
+            window_tasks,
+            report,
+            bound_s,
+            objective,
+            resume_tasks,
+            grow=resume_tasks is not None,
         )
         info.windows_tried += search.windows_tried
         info.windows_improved += search.windows_improved
         info.windows_unproven += search.windows_unproven
+        info.window_tasks = max(info.window_tasks, search.window_tasks)
         if best is None or objective.improves(search.timeline, best[1]):
             best = (search.plan, search.timeline)
             info.history = search.history
         gap_is_closed = search.stop_reason == StopReason.GAP_CLOSED
-        if search.stop_reason == StopReason.TIME_LIMIT:
-            pending.append((search.plan, search.timeline))
+        stalled = search.stop_reason == StopReason.NO_IMPROVING_WINDOW
+        if stalled and resume_tasks is None and later:
+            pending.append(later.pop(0))  # a restart, before this search's larger windows
+        if search.stop_reason == StopReason.TIME_LIMIT or (stalled and resume_tasks is None and can_grow):
+            pending.append((search.plan, search.timeline, search.window_tasks))
     if best is None:
         best = (lookahead.plan, lookahead.timeline)
     info.stop_reason = (
-        StopReason.GAP_CLOSED if gap_is_closed else StopReason.TIME_LIMIT if pending else StopReason.NO_IMPROVING_WINDOW
+        StopReason.GAP_CLOSED
+        if gap_is_closed
+        else StopReason.TIME_LIMIT
+        if pending or later
+        else StopReason.NO_IMPROVING_WINDOW
     )
     report(
         f"{progress_text('window search', objective.value_s(best[1]), bound_s)}; "
         f"{info.windows_tried} windows from {info.window_starts} start plan(s)"
     )
     return best[0], best[1]
+
+
+def _distinct_first(plans: list[tuple[Plan, Timeline]]) -> list[tuple[Plan, Timeline]]:
+    """``plans`` in their order, each placement once (its first)."""
+    distinct, seen = [], set()
+    for plan, timeline in plans:
+        if timeline.placement.tobytes() not in seen:
+            seen.add(timeline.placement.tobytes())
+            distinct.append((plan, timeline))
+    return distinct
 
 
 def _solve_whole(

@@ -19,13 +19,22 @@ anything worse than its start. When a batch fails, its windows are tried alone, 
 first. The batch size grows with the cost of a simulation (large graphs), so judging stays a
 small share of the time.
 
-The deadline is an upper limit. The search stops earlier when the makespan is within the
-solver's relative gap of a proven lower bound, or when every critical window has been solved
-once since the last improvement and none was kept: the schedule no longer changes, so trying
-them again would give the same answers.
+The neighbourhood grows when it finds nothing, so that the budget and not the neighbourhood ends the search.
+Each size's windows are the critical ones, and beyond the first size those around the critical tasks' producers and
+consumers that are not critical themselves (a branch beside the critical path can hold the device or link it waits
+for). When every
+window of a size has been solved against the current schedule without one being kept, the size grows by
+:data:`WINDOW_GROWTH` (larger windows, sparser, each with a time limit in proportion) up to
+:data:`MAX_WINDOW_TASKS`; at the largest size, windows whose solve ran out of time are solved again with twice the
+time. An improvement takes the search back to the first size: the schedule changed, and small windows are cheap.
+
+The deadline is an upper limit. The search stops earlier when the makespan is within the solver's relative gap of
+a proven lower bound, or when every window of every size up to the largest has been solved since the last
+improvement, each proven to hold no gain (none ran out of time): the schedule no longer changes, so solving them
+again would give the same answers (``StopReason.NO_IMPROVING_WINDOW``).
 
 Windows of 8 tasks gave the largest gains in a fixed time on random layered graphs of 300 and
-3,000 tasks (8 beat 5 and 12).
+3,000 tasks (8 beat 5 and 12), so the search starts there.
 """
 
 from __future__ import annotations
@@ -51,7 +60,9 @@ from moirai.planning.solve.window import Window
 
 logger = logging.getLogger(__name__)
 DEFAULT_WINDOW_TASKS = 8
-_WINDOW_TIME_LIMIT_S = 1.0
+MAX_WINDOW_TASKS = 48  # windows beyond this seldom solve within seconds ([Note: growing windows] in docs/design.md)
+WINDOW_GROWTH = 1.5
+_WINDOW_TIME_LIMIT_S = 1.0  # for a window of the first size; a larger one gets as much more as it has tasks
 _IMPROVEMENT = 1e-9  # relative makespan gain that counts as progress
 _MAX_BATCH = 16
 
@@ -64,12 +75,23 @@ class SearchResult:
     windows_tried: int = 0
     windows_improved: int = 0
     windows_unproven: int = 0  # solves stopped by their time limit before finding or ruling out a gain
+    window_tasks: int = DEFAULT_WINDOW_TASKS  # the window size it reached, where a resumed search goes on
     history: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, objective)
 
 
 def gap_closed(value_s: float, lower_bound_s: float, mip_gap: float) -> bool:
     """The objective is within the relative gap ``mip_gap`` of a proven lower bound: nothing worth finding is left."""
     return value_s - lower_bound_s <= mip_gap * value_s
+
+
+def window_sizes(first_tasks: int, num_tasks: int) -> tuple[int, ...]:
+    """The window sizes the search goes through: ``first_tasks``, then :data:`WINDOW_GROWTH` times larger up to
+    :data:`MAX_WINDOW_TASKS` (never more than the problem's tasks, never fewer than 2)."""
+    largest = min(num_tasks, max(first_tasks, MAX_WINDOW_TASKS))
+    sizes = [max(2, min(first_tasks, num_tasks))]
+    while sizes[-1] < largest:
+        sizes.append(min(largest, int(np.ceil(sizes[-1] * WINDOW_GROWTH))))
+    return tuple(sizes)
 
 
 def improve_by_windows(
@@ -82,30 +104,50 @@ def improve_by_windows(
     report: Callable[[str], None] | None = None,
     lower_bound_s: float = 0.0,
     objective: Objective = LATENCY,
+    resume_tasks: int | None = None,
+    grow: bool = True,
 ) -> SearchResult:
     """Improve ``plan`` (whose simulation is ``timeline``) until ``deadline`` (a ``time.perf_counter`` value).
 
-    Windows are chosen on the critical path and re-solved for their finish-plus-tail; a merged plan is kept
-    when ``objective`` says it improves. Stops earlier when the objective is within ``settings.mip_gap`` of
-    ``lower_bound_s`` (a proven bound on it), or when every critical window of the schedule has been tried
-    since the last improvement without one being kept: the plan is then a local optimum of this neighbourhood
-    (up to windows whose solve ran out of time, counted in ``windows_unproven``).
+    Windows of ``window_tasks`` tasks (of ``resume_tasks``, a size a stopped search had reached, if given) are
+    chosen on and beside the critical path and re-solved for their finish-plus-tail; a merged plan is kept when
+    ``objective`` says it improves. The windows grow while they find nothing (:func:`window_sizes`; with ``grow``
+    False they keep their first size, a quick descent to a local optimum of small windows). Stops earlier
+    when the objective is within ``settings.mip_gap`` of ``lower_bound_s`` (a proven bound on it), or when every
+    window of every size has been proven not to improve the plan since the last improvement: the plan is then a
+    local optimum of this neighbourhood.
     """
     started = time.perf_counter()
     result = SearchResult(plan, timeline, history=[(0.0, objective.value_s(timeline))])
-    window_tasks = max(2, min(window_tasks, problem.num_tasks))
+    sizes = window_sizes(window_tasks, problem.num_tasks)[: None if grow else 1]
+    level = int(np.searchsorted(sizes, resume_tasks)) if resume_tasks is not None else 0
+    level = min(level, len(sizes) - 1)
+    time_factor = 1.0  # doubles at the largest size while windows there run out of time
+    unproven_here = False  # a window of this size ran out of time since the size was taken
     cursor = 0.0  # fraction of the makespan from which the next batch takes its windows
     judge_s, window_s, build_s = 0.0, 0.1, 0.0
-    schedule = _ScheduleIndex(problem, timeline, window_tasks)
+    schedule = _ScheduleIndex(problem, timeline, sizes[level], sparse=level > 0)
     tried: set[int] = set()  # windows (by first position) solved against the current schedule
     while True:
+        result.window_tasks = sizes[level]
         if gap_closed(objective.value_s(result.timeline), lower_bound_s, settings.mip_gap):
             result.stop_reason = StopReason.GAP_CLOSED
             break
-        untried = [first for first in schedule.critical_windows if first not in tried]
+        untried = [first for first in schedule.windows if first not in tried]
         if not untried:
-            result.stop_reason = StopReason.NO_IMPROVING_WINDOW
-            break
+            if level + 1 < len(sizes):
+                level += 1
+            elif unproven_here:
+                time_factor *= 2
+            else:
+                result.stop_reason = StopReason.NO_IMPROVING_WINDOW
+                break
+            logger.debug("window search: every window tried, now %d tasks, time x%g", sizes[level], time_factor)
+            schedule = _ScheduleIndex(problem, result.timeline, sizes[level], sparse=True)
+            tried.clear()
+            unproven_here, cursor = False, 0.0
+            continue
+        window_limit_s = _WINDOW_TIME_LIMIT_S * time_factor * sizes[level] / sizes[0]
         batch_size = int(np.clip(np.ceil(judge_s / window_s), 1, _MAX_BATCH))
         batch, cursor = schedule.spread_windows(untried, cursor, batch_size)
         improved: list[tuple[float, MilpModel, MilpSolution]] = []
@@ -115,7 +157,7 @@ def improve_by_windows(
                 break
             window = schedule.window_at(first)
             built = build_model(problem, window)
-            limit = min(_WINDOW_TIME_LIMIT_S, deadline - time.perf_counter() - 0.1 - judge_s)
+            limit = min(window_limit_s, deadline - time.perf_counter() - 0.1 - judge_s)
             solution = solve_model(built, replace(settings, time_limit_s=limit, report=None), result.timeline)
             tried.add(first)
             result.windows_tried += 1
@@ -126,6 +168,7 @@ def improve_by_windows(
             else:
                 if not solution.optimal:
                     result.windows_unproven += 1
+                    unproven_here = True
                 logger.debug(
                     "window at %d rejected: the solver (%s) found nothing shorter than %.6g s",
                     first,
@@ -142,18 +185,21 @@ def improve_by_windows(
             judge_s = (time.perf_counter() - judge_started) / simulations
             if kept:
                 result.history.append((time.perf_counter() - started, objective.value_s(result.timeline)))
-                schedule = _ScheduleIndex(problem, result.timeline, window_tasks)
+                level, time_factor, unproven_here = 0, 1.0, False
+                schedule = _ScheduleIndex(problem, result.timeline, sizes[level])
                 tried.clear()
         if report is not None:
             report(
                 f"{progress_text('window search', result.timeline.makespan_s, lower_bound_s)}; "
-                f"{result.windows_tried} windows, {max(0.0, deadline - time.perf_counter()):.0f} s left"
+                f"{result.windows_tried} windows of {sizes[level]} tasks, "
+                f"{max(0.0, deadline - time.perf_counter()):.0f} s left"
             )
     logger.debug(
-        "window search stopped (%s): %d windows tried, %d kept",
+        "window search stopped (%s): %d windows tried, %d kept, last size %d",
         result.stop_reason,
         result.windows_tried,
         result.windows_improved,
+        result.window_tasks,
     )
     return result
 
@@ -222,7 +268,7 @@ def _merged_plan(
 class _ScheduleIndex:
     """One simulated schedule, indexed for cutting windows out of it quickly."""
 
-    def __init__(self, problem: Problem, timeline: Timeline, window_tasks: int) -> None:
+    def __init__(self, problem: Problem, timeline: Timeline, window_tasks: int, sparse: bool = False) -> None:
         self.problem = problem
         self.timeline = timeline
         self.window_tasks = window_tasks
@@ -247,9 +293,28 @@ class _ScheduleIndex:
             self.link_finish_max[link] = np.maximum.accumulate([f for _, f in spans])
         self.arrival = {(tr.tensor, tr.dst): (tr.start, tr.finish) for tr in timeline.transfers}
 
-        # The windows worth solving: one around each critical task (by its first position in start order).
-        firsts = np.clip(self.position[self.critical] - window_tasks // 3, 0, problem.num_tasks - window_tasks)
-        self.critical_windows = tuple(int(first) for first in np.unique(firsts))
+        # The windows worth solving: one around each critical task (by its first position in start order); beyond the
+        # first size (``sparse``: a quarter window apart), then one around each of their producers and consumers off
+        # the critical path.
+        on_path = set(self.critical.tolist())
+        beside = (
+            sorted(
+                {int(j) for i in on_path for j in (*problem.predecessors[i], *problem.successors[i])} - on_path,
+                key=lambda j: self.position[j],
+            )
+            if sparse
+            else []
+        )
+        spacing = max(1, window_tasks // 4) if sparse else 1
+        windows: dict[int, None] = {}  # ordered, without repeats
+        last_bound = problem.num_tasks - window_tasks
+        for tasks in (self.critical, np.array(beside, int)):
+            taken: list[int] = []
+            for first in np.unique(np.clip(self.position[tasks] - window_tasks // 3, 0, last_bound)).tolist():
+                if not taken or first - taken[-1] >= spacing:
+                    taken.append(first)
+            windows.update(dict.fromkeys(taken))
+        self.windows = tuple(windows)
 
     def spread_windows(self, candidates: list[int], cursor: float, count: int) -> tuple[list[int], float]:
         """Up to ``count`` of the ``candidates`` windows, at least two windows apart, those starting from
