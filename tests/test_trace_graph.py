@@ -110,7 +110,6 @@ def test_meta_model_of_over_a_billion_parameters_traces_without_weight_memory() 
         import resource, torch
         from moirai.frontend.trace import trace
         from moirai.frontend.graph import build_op_graph
-from moirai.frontend.state import mutable_buffers
         with torch.device("meta"):
             model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(16)])
         graph = build_op_graph(trace(model, (torch.randn(8, 8192, device="meta"),)))
