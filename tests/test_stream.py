@@ -75,3 +75,17 @@ def test_gantt_of_pipelined_requests_colours_by_request(tmp_path) -> None:
     assert {"request 0", "request 1", "request 2"} <= labels
     assert "3 pipelined requests" in axes.get_title(loc="left") and "req/s" in axes.get_title(loc="left")
     assert (tmp_path / "stream.png").stat().st_size > 5_000
+
+
+def test_a_part_holds_its_device_for_a_round_trip_through_another_and_a_stage_for_none() -> None:
+    from moirai.planning.simulate import round_trip_s
+
+    problem = chain_problem()
+    stages = moirai.simulate(problem, moirai.Plan(np.array([0, 0, 1, 1]), problem.device_names))
+    assert round_trip_s(problem, stages).tolist() == [0.0, 0.0]  # b waits for its input only: the pipeline fills
+    there_and_back = moirai.Plan(np.array([0, 1, 1, 0]), problem.device_names)
+    timeline = moirai.simulate(problem, there_and_back)
+    held = round_trip_s(problem, timeline)
+    # a's part runs layer0, waits for b's layer1 and layer2, then runs layer3: it holds a for the whole request.
+    assert held[0] == pytest.approx(timeline.task_finish[3] - timeline.task_start[0])
+    assert held[0] > timeline.period_s and held[1] == 0.0

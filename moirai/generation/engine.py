@@ -6,9 +6,10 @@ distributed server (steps pipelined through the ranks). Every round it fills the
 
 - a sequence whose prompt is not yet in its slot sends its next chunk of at most ``max_prefill`` tokens alone
   (``B = 1``); the token of its last chunk is its first new token;
-- the sequences waiting for their next token are cut into steps of about ``active / depth`` sequences each
-  (``T = 1``, at most the step's batch), so that as many steps as stages are in flight: stage k decodes one group
-  while stage k + 1 decodes another;
+- every sequence belongs to one of ``depth`` decode groups (the smallest when it joins); a group's sequences that
+  wait for their next token go in one step (``T = 1``, at most the step's batch), one step of a group in flight at a
+  time, so that as many steps as stages are in flight, each as large as its group: stage k decodes one group while
+  stage k + 1 decodes another (steps cut from whoever was idle would stay as small as the first ones were);
 
 and it takes each step's tokens as they come back. Sequences join (a free slot) and leave (end of sequence, or
 ``max_new_tokens``) between steps: continuous batching. A sequence's step reads only its own slot's positions up
@@ -17,7 +18,6 @@ to its own, each written by that sequence before it is read, so slots need no cl
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -63,6 +63,7 @@ class SequenceState:
     prefilled: int = 0  # prompt tokens already in the slot
     tokens: list[int] = field(default_factory=list)
     busy: bool = False  # a step of it is in flight
+    group: int = 0  # the decode group it steps with (Engine._next_step)
     generator: torch.Generator | None = None
 
     @property
@@ -173,6 +174,8 @@ class Engine:
             except queue.Empty:
                 break
             sequence.slot = self._free_slots.pop(0)
+            sizes = [sum(1 for s in self._active if s.group == group) for group in range(self.depth)]
+            sequence.group = sizes.index(min(sizes))  # the smallest decode group
             self._active.append(sequence)
             admitted = True
         return admitted or not self._waiting.empty()
@@ -196,11 +199,14 @@ class Engine:
         for sequence in idle:
             if sequence.prefilled < len(sequence.prompt):
                 return _Step((sequence,), min(self.max_prefill, len(sequence.prompt) - sequence.prefilled))
-        decoding = [s for s in idle if s.tokens]
-        if not decoding:
-            return None
-        share = math.ceil(len([s for s in self._active if s.tokens]) / self.depth)
-        return _Step(tuple(decoding[: max(1, min(share, self.max_batch))]))
+        # Each group decodes together, one step of it in flight at a time: as many groups as steps in flight, so
+        # that stage k decodes one group while stage k + 1 decodes another, each step as large as its group.
+        busy_groups = {s.group for s in self._active if s.busy and s.tokens}
+        for group in range(self.depth):
+            members = [s for s in idle if s.tokens and s.group == group]
+            if members and group not in busy_groups:
+                return _Step(tuple(members[: self.max_batch]))
+        return None
 
     def _inputs(self, step: _Step) -> tuple[torch.Tensor, ...]:
         ids, positions, rows = [], [], []

@@ -47,6 +47,12 @@ class Objective(ABC):
         """The longest one request may take in an acceptable plan (None: no limit)."""
         return None
 
+    @property
+    def plans_like(self) -> str:
+        """The objective, by name, whose placers make the plans worth starting from for this one (the placer specs'
+        ``objectives`` name it; the milp placer's start plans are theirs)."""
+        return self.name
+
     def makespan_horizon_s(self, start: Timeline | None) -> float | None:
         """A makespan the plans worth modelling stay within, given the best start plan (None: none known)."""
         return self.latency_limit_s
@@ -190,6 +196,10 @@ class Generation(Objective):
         return self.sequences == 1
 
     @property
+    def plans_like(self) -> str:
+        return "latency" if self.sequences == 1 else "throughput"
+
+    @property
     def steady_state(self) -> bool:  # type: ignore[override]
         return self.sequences > 1
 
@@ -205,10 +215,17 @@ class Generation(Objective):
         return self.prefill_chunks * simulate(self.prefill, plan).makespan_s
 
     def step_s(self, timeline: Timeline) -> float:
-        """Time per decode step in the steady state with ``sequences`` in flight (TPOT for one sequence)."""
+        """Time per decode step in the steady state with ``sequences`` in flight (TPOT for one sequence): the period,
+        the longest round trip a part waits for inside itself (:func:`moirai.planning.simulate.round_trip_s`: the
+        next step's part waits for it), or one step's latency shared by the steps in flight, whichever is longest."""
         if self.sequences == 1:
             return timeline.makespan_s
-        return max(timeline.period_s, timeline.makespan_s / self.sequences)
+        held_s = 0.0
+        if self.prefill is not None:  # the same step graph as the decode's, priced otherwise: its paths are the same
+            from moirai.planning.simulate import round_trip_s
+
+            held_s = float(round_trip_s(self.prefill, timeline).max(initial=0.0))
+        return max(timeline.period_s, held_s, timeline.makespan_s / self.sequences)
 
     def value_s(self, timeline: Timeline) -> float:
         if self.sequences == 1:

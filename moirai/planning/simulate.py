@@ -340,3 +340,33 @@ def _deadlock_message(problem: Problem, plan: Plan, sequences: list[list[int]], 
         f"the plan's per-device orders (and transfer orders) are jointly inconsistent and deadlock: {detail}. "
         "Give orders that follow one topological order of the graph."
     )
+
+
+def round_trip_s(problem: Problem, timeline: Timeline) -> np.ndarray:
+    """Per device, the longest time its part holds the device for one request while waiting for work it sent to
+    another device to come back: from the start of a task whose output returns to this device through another's
+    tasks to the finish of the task it returns to (0 for a device no path leaves and re-enters).
+
+    The runtime runs a part whole, request after request, so such a part holds its device for that long whatever
+    its busy time: a pipeline's period is at least the longest round trip. A part that only waits for its inputs
+    (a pipeline stage) has none: the wait is the pipeline filling.
+    """
+    placement = timeline.placement
+    order = problem.topological_order
+    held = np.zeros(problem.num_devices)
+    for device in range(problem.num_devices):
+        # earliest[i]: the earliest start of a task on ``device`` from which task i is reached (itself included);
+        # returning[i]: the same over paths that pass through another device's tasks on the way to task i.
+        earliest = np.full(problem.num_tasks, np.inf)
+        returning = np.full(problem.num_tasks, np.inf)
+        for task in order:
+            here = placement[task] == device
+            for predecessor in problem.predecessors[task]:
+                earliest[task] = min(earliest[task], earliest[predecessor])
+                away = placement[predecessor] != device
+                returning[task] = min(returning[task], earliest[predecessor] if away else returning[predecessor])
+            if here:
+                earliest[task] = min(earliest[task], timeline.task_start[task])
+                if np.isfinite(returning[task]):
+                    held[device] = max(held[device], timeline.task_finish[task] - returning[task])
+    return held

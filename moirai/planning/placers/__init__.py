@@ -164,7 +164,7 @@ def _place(problem: Problem, placer: str, objective: str | Objective, **options:
     function = traits.checked
     check_options(placer, traits.function, options)
     chosen = as_objective(objective)
-    if not traits.serves(chosen.name):
+    if not traits.serves(chosen.plans_like):
         logger.debug(
             "placer %r is not meant for the %r objective; its plan is judged by it all the same", placer, chosen.name
         )

@@ -197,7 +197,7 @@ def _best_heuristic(
     best: tuple[Plan, Timeline] | None = None
     values: dict[str, float] = {}
     plans: dict[str, tuple[Plan, Timeline]] = {}
-    for heuristic in start_plans(objective.name):
+    for heuristic in start_plans(objective.plans_like):
         name = heuristic.name
         predicted = measured_costs().start_plan_time_s(name, problem.num_tasks)
         if best is not None and time.perf_counter() - started + predicted > budget:
