@@ -207,9 +207,10 @@ def compile_lm(
 
     ``max_batch_size`` sequences are held at once (each its own KV-cache slot of ``max_seq_len`` tokens, on the
     devices of its layers); prompts go in chunks of at most ``max_prefill`` tokens. The plan is chosen for
-    ``sequences`` sequences in flight (1: a prompt of ``prompt_tokens`` tokens, default ``min(32, max_prefill)``,
-    answered with ``new_tokens`` tokens soonest; more: the most decode tokens/s, each step of
-    ``max_batch_size / sequences`` sequences, with time to first token at most ``max_ttft_s``). ``devices``,
+    ``sequences`` sequences generated at once: 1, a prompt of ``prompt_tokens`` tokens (default
+    ``min(32, max_prefill)``) answered with ``new_tokens`` tokens soonest; more, the most decode tokens/s with one
+    decode step per device in flight, each of ``sequences / devices`` sequences, and the time to the first token at
+    most ``max_ttft_s``. ``cost="measured"`` times both phases at their shapes on the local devices. ``devices``,
     ``placer``, ``calibration``, ``progress`` and ``placer_options`` as in :func:`moirai.compile`.
     """
     check_placer_options(placer_options, compile_lm)
@@ -249,8 +250,7 @@ def compile_lm(
             handover.send(compiled.plan_record())
     config = model.config
     generation_config = getattr(model, "generation_config", None)
-    eos = getattr(generation_config, "eos_token_id", None) or getattr(config, "eos_token_id", None)
-    pad = getattr(generation_config, "pad_token_id", None) or getattr(config, "pad_token_id", None)
+    eos, pad = (_first_set(name, generation_config, config) for name in ("eos_token_id", "pad_token_id"))
     eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     return CompiledLM(
         compiled,
@@ -328,3 +328,8 @@ def _does_not_fit(name: str, graph: OpGraph, cache: CacheShape, problem: Problem
         f"{viz.format_bytes_compact(cache_bytes)}, free after the activation reserve: {free}; give fewer slots "
         f"(max_batch_size), a shorter max_seq_len, or more devices ({error})"
     )
+
+
+def _first_set(name: str, *configs: object) -> Any:
+    """The first of ``configs`` to set ``name`` (token id 0 is set: no ``or``)."""
+    return next((value for value in (getattr(c, name, None) for c in configs) if value is not None), None)
