@@ -319,3 +319,14 @@ def test_the_summary_and_the_gantt_show_the_predicted_ttft_tpot_and_tokens_per_s
         figure = split_lm.gantt(tmp_path / f"{phase}.png", phase=phase)
         assert (tmp_path / f"{phase}.png").stat().st_size > 0
         assert figure._suptitle.get_text().startswith(f"{phase}: TTFT")
+
+
+def test_token_id_0_in_the_generation_config_is_the_pad_and_end_token(llama):
+    config = llama.generation_config
+    saved = config.pad_token_id, config.eos_token_id
+    config.pad_token_id, config.eos_token_id = 0, 0
+    try:
+        lm = compile_tiny(llama)
+    finally:
+        config.pad_token_id, config.eos_token_id = saved
+    assert lm.pad_token_id == 0 and lm.eos_token_id == (0,)
