@@ -40,7 +40,7 @@ from moirai.frontend.state import colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import sizes_at
 from moirai.frontend.trace import TracedModel, trace
 from moirai.generation.engine import Engine, done_future
-from moirai.generation.requests import GenerateRequest, sampling_params
+from moirai.generation.requests import generate_rows, sampling_params
 from moirai.generation.server import GenerationServer
 from moirai.generation.step import CacheShape, CausalLMStep
 from moirai.plan_records import PlanHandover
@@ -172,11 +172,19 @@ class CompiledLM:
             self.cache.slots,
             depth=1,
         )
-        request = GenerateRequest.of(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
         sampling = sampling_params(do_sample, temperature, top_k, top_p)
-        futures = request.submit(engine, sampling, seed)
-        engine.run_until_idle()
-        return request.assemble([f.result() for f in futures])
+        return generate_rows(
+            self,
+            engine,
+            input_ids,
+            attention_mask,
+            max_new_tokens,
+            sampling,
+            eos_token_id,
+            pad_token_id,
+            seed,
+            drive=engine.run_until_idle,
+        )
 
     def server(self, timeout_s: float = 120.0, max_in_flight: int | None = None) -> GenerationServer:
         """A server that generates for many sequences at once, one process per device (see

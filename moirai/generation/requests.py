@@ -3,7 +3,7 @@ tokens put back as ``model.generate`` returns them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -92,3 +92,24 @@ def end_tokens(given: int | Sequence[int] | None, default: Sequence[int]) -> fro
     if given is None:
         return frozenset(default)
     return frozenset([given] if isinstance(given, int) else [int(t) for t in given])
+
+
+def generate_rows(
+    lm: CompiledLM,
+    engine: Engine,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    eos_token_id: int | Sequence[int] | None,
+    pad_token_id: int | None,
+    seed: int | None,
+    drive: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """A ``generate`` call through ``engine`` (``drive``: what runs the engine until the rows are done, when no
+    thread of its own serves it): its rows as sequences, their tokens as Hugging Face returns them."""
+    request = GenerateRequest.of(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    futures = request.submit(engine, sampling, seed)
+    if drive is not None:
+        drive()
+    return request.assemble([f.result() for f in futures])

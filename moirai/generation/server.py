@@ -21,7 +21,7 @@ import torch
 
 from moirai.errors import InputError
 from moirai.generation.engine import Engine, SequenceState
-from moirai.generation.requests import GenerateRequest, end_tokens, sampling_params
+from moirai.generation.requests import end_tokens, generate_rows, sampling_params
 
 if TYPE_CHECKING:
     from moirai.generation.lm import CompiledLM
@@ -104,10 +104,18 @@ class GenerationServer:
         seed: int | None = None,
     ) -> torch.Tensor:
         """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
-        request = GenerateRequest.of(self._lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
         sampling = sampling_params(do_sample, temperature, top_k, top_p)
-        futures = request.submit(self._engine, sampling, seed)
-        return request.assemble([f.result() for f in futures])
+        return generate_rows(
+            self._lm,
+            self._engine,
+            input_ids,
+            attention_mask,
+            max_new_tokens,
+            sampling,
+            eos_token_id,
+            pad_token_id,
+            seed,
+        )
 
     def close(self) -> None:
         """Finish the sequences in flight, then stop the other ranks."""

@@ -220,11 +220,7 @@ class Generation(Objective):
         next step's part waits for it), or one step's latency shared by the steps in flight, whichever is longest."""
         if self.sequences == 1:
             return timeline.makespan_s
-        held_s = 0.0
-        if self.prefill is not None:  # the same step graph as the decode's, priced otherwise: its paths are the same
-            from moirai.planning.simulate import round_trip_s
-
-            held_s = float(round_trip_s(self.prefill, timeline).max(initial=0.0))
+        held_s = float(timeline.round_trip_s.max(initial=0.0))
         return max(timeline.period_s, held_s, timeline.makespan_s / self.sequences)
 
     def value_s(self, timeline: Timeline) -> float:

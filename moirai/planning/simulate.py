@@ -34,8 +34,9 @@ whose orders come from a feasible schedule are never later than that schedule's.
 
 from __future__ import annotations
 
+import functools
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -80,6 +81,7 @@ class Timeline:
     contention: bool
     execution_sequences: tuple[tuple[int, ...], ...]
     runtime_cpu_s: np.ndarray  # each device's CPU time per request outside tasks and transfers (runtime_cpu_s)
+    problem: Problem | None = field(default=None, repr=False)  # what was simulated: round trips read its graph
 
     @property
     def fits_memory(self) -> bool:
@@ -103,6 +105,14 @@ class Timeline:
         device's time is its tasks' (``busy_s``) and the runtime's own work and output messages (``runtime_cpu_s``)."""
         device_s = self.busy_s + self.runtime_cpu_s
         return max(float(device_s.max(initial=0.0)), max(self.link_busy_s.values(), default=0.0))
+
+    @functools.cached_property
+    def round_trip_s(self) -> np.ndarray:
+        """Per device, the longest its part holds it for one request waiting for work sent elsewhere to come back
+        (:func:`round_trip_s`; zeros for a timeline made without its problem)."""
+        if self.problem is None:
+            return np.zeros(len(self.busy_s))
+        return round_trip_s(self.problem, self)
 
     @property
     def utilisation(self) -> np.ndarray:
@@ -323,6 +333,7 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
         contention=contention,
         execution_sequences=tuple(tuple(s) for s in sequences),
         runtime_cpu_s=runtime_cpu_s(problem, placement),
+        problem=problem,
     )
 
 
