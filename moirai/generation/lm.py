@@ -42,7 +42,7 @@ from moirai.frontend.trace import TracedModel, trace
 from moirai.generation.engine import Engine, done_future
 from moirai.generation.requests import generate_rows, sampling_params
 from moirai.generation.server import GenerationServer
-from moirai.generation.step import CacheShape, CausalLMStep
+from moirai.generation.step import CacheShape, CausalLMStep, grouped_query_attention
 from moirai.plan_records import PlanHandover
 from moirai.planning.objective import LATENCY, Generation
 from moirai.planning.placers import place
@@ -289,7 +289,8 @@ def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> Tra
         torch.zeros(b, 4, device=device),
     )
     shapes = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch})
-    return trace(step, example, dynamic_shapes=shapes)
+    with grouped_query_attention():
+        return trace(step, example, dynamic_shapes=shapes)
 
 
 def _dim(name: str, upper: int) -> Any:

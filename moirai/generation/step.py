@@ -1,8 +1,9 @@
 """One generation step of a causal LM as a module moirai can trace once and split: prefill and decode alike.
 
 :class:`CausalLMStep` wraps a Hugging Face-style causal LM. Its KV cache is registered buffers, one key and one
-value buffer per layer, each ``[slots, max_seq_len, kv_heads, head_dim]``: a sequence owns a slot for its life, and
-a step writes its new keys and values at ``(slot, position)`` in place (``index_put_``) and attends over its slot.
+value buffer per layer, each ``[slots, kv_heads, max_seq_len, head_dim]`` (the attention's own layout, so a batch's
+slots are gathered without a transpose): a sequence owns a slot for its life, and a step writes its new keys and
+values at ``(slot, :, position)`` in place (``index_put_``) and attends over its slot.
 The step's inputs are plain tensors, so torch.export traces it once with the batch and token dimensions dynamic::
 
     step(input_ids[B, T], positions[B, T], slots[B], sampling[B, 4]) -> tokens[B]
@@ -19,7 +20,10 @@ embedding scales, soft-capping), so every family whose attention calls ``cache.u
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +35,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
 
 @dataclass(frozen=True)
 class CacheShape:
-    """What one layer's key (or value) cache holds: ``[slots, max_seq_len, kv_heads, head_dim]`` of ``dtype``."""
+    """What one layer's key (or value) cache holds: ``[slots, kv_heads, max_seq_len, head_dim]`` of ``dtype``."""
 
     layers: int
     slots: int
@@ -86,11 +90,11 @@ class SlotCache:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self._step.cache_buffers(layer_idx)
-        where = (self._slots.view(-1, 1), self._positions)  # broadcast to [B, T]
-        keys.index_put_(where, key_states.transpose(1, 2).to(keys.dtype))
-        values.index_put_(where, value_states.transpose(1, 2).to(values.dtype))
-        # [B, max_seq_len, kv_heads, head_dim] -> the attention's [B, kv_heads, max_seq_len, head_dim]
-        return keys.index_select(0, self._slots).transpose(1, 2), values.index_select(0, self._slots).transpose(1, 2)
+        # (slot [B, 1], every head, position [B, T]): the indexed entries come out as [B, T, kv_heads, head_dim]
+        where = [self._slots.view(-1, 1), None, self._positions]
+        torch.ops.aten.index_put_(keys, where, key_states.transpose(1, 2).to(keys.dtype))
+        torch.ops.aten.index_put_(values, where, value_states.transpose(1, 2).to(values.dtype))
+        return keys.index_select(0, self._slots), values.index_select(0, self._slots)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed in; nothing reads a length from the cache
@@ -117,7 +121,7 @@ class CausalLMStep(torch.nn.Module):
         shape = self.cache_shape
         for layer in range(shape.layers):
             for kind in ("key", "value"):
-                buffer = torch.zeros(shape.slots, shape.max_seq_len, shape.kv_heads, shape.head_dim, dtype=dtype)
+                buffer = torch.zeros(shape.slots, shape.kv_heads, shape.max_seq_len, shape.head_dim, dtype=dtype)
                 self.register_buffer(f"{kind}_cache_{layer}", buffer.to(device))
         parameters = inspect.signature(model.forward).parameters
         self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
@@ -141,6 +145,26 @@ class CausalLMStep(torch.nn.Module):
         output = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, **options)
         logits = output.logits if hasattr(output, "logits") else output[0]
         return sample_tokens(logits[:, -1, :], sampling)
+
+
+# Hugging Face's sdpa attention reads this at each call: "1" passes grouped key-value heads to sdpa as they are.
+_FORCE_GQA_VARIABLE = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+@contextlib.contextmanager
+def grouped_query_attention() -> Iterator[None]:
+    """While tracing the step: Hugging Face's sdpa attention hands sdpa the grouped key-value heads
+    (``enable_gqa``) instead of copying each of them per query head (``repeat_kv``), as it does whenever a mask is
+    given and the token count is not known to be 1 (a decode step of batch 8 copied its whole cache twice a layer)."""
+    previous = os.environ.get(_FORCE_GQA_VARIABLE)
+    os.environ[_FORCE_GQA_VARIABLE] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_FORCE_GQA_VARIABLE, None)
+        else:
+            os.environ[_FORCE_GQA_VARIABLE] = previous
 
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")  # the layer types of Hugging Face configs moirai masks

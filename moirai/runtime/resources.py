@@ -14,10 +14,17 @@ connection's events only if it takes the connection's lock at once, and otherwis
 epoll, which reports the same events again: on the rank's own core it spins, for a whole time
 slice, against the rank's thread that holds the lock and waits to be scheduled (in bench/RESULTS.md's
 git history, 2026-11-23: calls with transfers stalled in steps of about 3 ms).
+
+A CPU rank keeps the memory it frees (:func:`keep_freed_memory`): [Note: fresh pages] glibc hands out and takes
+back allocations of a MB or so with mmap and by trimming its heap, so every step's activations and cache gathers
+land on fresh pages the kernel faults in and zeroes, which cost a decode step of batch 8 as much as a quarter of
+its time.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import os
 import threading
@@ -41,6 +48,11 @@ _APPLIED_LOCK = threading.Lock()
 
 # The name (``/proc/<pid>/task/<tid>/comm``) of gloo's I/O threads starts with this.
 _IO_THREAD_NAME = "gloo_tcp"
+
+# glibc's mallopt parameters (malloc.h) and what a rank sets them to: allocations up to glibc's largest mmap
+# threshold come from the heap, and the heap is never trimmed, so a step's freed memory serves the next step.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_KEPT_HEAP_SETTINGS = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 40), (_M_TOP_PAD, 64 << 20))
 
 
 @dataclass(frozen=True)
@@ -154,6 +166,8 @@ def apply_resources(resources: RankResources, device_name: str, own_process: boo
 
     In a process of its own (``own_process``) a rank also gets 1 interop thread where torch still
     allows it (only before any inter-op work; it cannot be undone, so a caller's process keeps its own).
+    Every process that computes as a rank, the caller's included, keeps the memory it frees from then on
+    (:func:`keep_freed_memory`; nor can that be undone).
     """
     before = RankResources(current_cores(), torch.get_num_threads())
     _set_resources(resources, device_name)
@@ -161,12 +175,27 @@ def apply_resources(resources: RankResources, device_name: str, own_process: boo
         if not _APPLIED:
             _ORIGINAL[:] = [before]
         _APPLIED.append((before, resources))
+    keep_freed_memory()
     if own_process:
         try:
             torch.set_num_interop_threads(1)
         except RuntimeError:
             pass  # already set, or inter-op work has started in this process: torch keeps its count
     return before
+
+
+def keep_freed_memory() -> bool:
+    """Have this process's C heap keep what it frees instead of returning it to the kernel (see [Note: fresh
+    pages]); True where that was set (glibc), False elsewhere. The process keeps it: its memory stays at its high
+    mark, as a GPU's caching allocator keeps its blocks."""
+    library = ctypes.util.find_library("c")
+    if library is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(library).mallopt
+    except (OSError, AttributeError):
+        return False  # not glibc: musl and macOS have no mallopt
+    return all(mallopt(parameter, value) == 1 for parameter, value in _KEPT_HEAP_SETTINGS)
 
 
 def restore_resources(before: RankResources) -> None:
