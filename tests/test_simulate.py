@@ -384,3 +384,13 @@ def test_schedule_respects_precedence_and_exclusivity(case):
     assert timeline.makespan_s == pytest.approx(max(timeline.task_finish))
     replay = simulate(problem, Plan(placement, problem.device_names, order=timeline.device_order()), contention)
     assert replay.task_start.tolist() == timeline.task_start.tolist()
+
+
+def test_part_0_holds_the_driver_from_the_request_start_to_its_last_finish():
+    # The driver runs part 0 right after sending a request's inputs and sends the next request only after it:
+    # a plan whose second stage is device 0 holds device 0 for the whole request, the first stage only for its own.
+    problem = two_devices({"a": [1.0, 1.0], "b": [1.0, 1.0]}, [{"src": "a", "dst": "b", "transfer_s": link(0.5)}])
+    first_on_driver = simulate(problem, place(problem, {"a": 0, "b": 1}))
+    last_on_driver = simulate(problem, place(problem, {"a": 1, "b": 0}))
+    assert first_on_driver.round_trip_s.tolist() == [1.0, 0.0]
+    assert last_on_driver.round_trip_s[0] == last_on_driver.makespan_s == 2.5
