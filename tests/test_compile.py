@@ -79,7 +79,7 @@ class TwoBranches(torch.nn.Module):
 
 
 def test_default_fusion_plans_joined_branches_as_fast_as_no_fusion() -> None:
-    # Fusing one branch's last linear with the add made it wait for the other branch: 22% slower than no fusion.
+    # Fusing one branch's last linear with the add made it wait for the other branch (bench/RESULTS.md, section 17).
     torch.manual_seed(0)
     model, x = TwoBranches().eval(), torch.randn(128, 2048)
     latency_s = {}
