@@ -29,17 +29,17 @@ from rich.table import Table
 from moirai import progress as _progress
 from moirai import viz
 from moirai.cluster.calibration.cluster import local_cluster
-from moirai.cluster.cost import activation_peak_bytes, build_problem
+from moirai.cluster.cost import activation_peak_bytes, build_problem, unfused_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
-from moirai.errors import ClusterError, MoiraiError, PlanError, ProblemError
-from moirai.frontend.coarsen import coarsen
+from moirai.errors import ClusterError, InfeasibleError, MoiraiError, PlanError, ProblemError
+from moirai.frontend.coarsen import CoarseningResult, coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
 from moirai.frontend.trace import TracedModel, trace
 from moirai.plan_records import PLAN_FORMAT_VERSION, PlanHandover, read_plan_file, versions
-from moirai.planning.objective import Objective
+from moirai.planning.objective import Objective, as_objective
 from moirai.planning.placers import place
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
@@ -250,12 +250,15 @@ def compile(
         return from_plan_record(handover.receive(), "rank 0's plan", traced, cluster)
     cluster = local_cluster(devices, calibration, hosts)
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
-    coarse = coarsen(build_op_graph(traced), rules=fusion_rules, target_nodes=target_nodes).graph
+    graph = build_op_graph(traced)
+    coarsening = coarsen(graph, rules=fusion_rules, target_nodes=target_nodes)
+    coarse = coarsening.graph
     logger.debug("coarsened %s to %d op groups (fusion rules %s)", traced.model_name, len(coarse.nodes), fusion_rules)
     # A buffer the model writes in place (a KV cache) lives on one device with every op that touches it.
     colocated = colocated_groups(coarse, mutable_buffers(traced.graph_module))
     problem = build_problem(coarse, cluster, cost, traced, colocated=colocated, remote_alike=hosts is not None)
     plan = place(problem, placer=placer, objective=objective, **placer_options)
+    plan.report.unfused_lower_bound_s = _unfused_lower_bound_s(graph, coarsening, problem, cluster, traced, objective)
     logger.info(
         "%s placed by %s on %d of %d devices: %s %.6g s",
         traced.model_name,
@@ -346,6 +349,25 @@ def _planned_problem(
             f"{path} holds a planned problem that does not hold together ({error}); the file was edited "
             "or mixed: save it again"
         ) from None
+
+
+def _unfused_lower_bound_s(
+    graph: OpGraph,
+    coarsening: CoarseningResult,
+    problem: Problem,
+    cluster: Cluster,
+    traced: TracedModel,
+    objective: str | Objective,
+) -> float | None:
+    """The objective's lower bound with ``graph``'s ops ungrouped (:func:`moirai.cluster.cost.unfused_problem`), or
+    None when coarsening grouped none of them."""
+    if len(coarsening.groups) == len(graph.nodes):
+        return None
+    ungrouped = unfused_problem(graph, coarsening.groups, problem, cluster, traced)
+    try:
+        return as_objective(objective).lower_bound_s(ungrouped)
+    except InfeasibleError:
+        return None  # no plan fits memory; the coarsened problem's own bound is then absent too
 
 
 def serve_rank(compiled: CompiledModel, timeout_s: float = 120.0) -> None:

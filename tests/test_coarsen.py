@@ -102,6 +102,48 @@ def test_quantifiers_optional_and_repeated():
     assert coarsen(hand_graph(["conv", "bn"], [(0, 1)]), rules).groups == ((0,), (1,))
 
 
+def even_graph(kinds: list[str], edges: list[tuple[int, int]]) -> OpGraph:
+    """Like hand_graph, but every op has the same work (100 FLOPs), so path lengths count ops."""
+    nodes = tuple(
+        OpNode(f"{kind}{i}", (TARGETS[kind],), (f"{kind}{i}",), 100.0, 0.0, 4.0, frozenset(), 0.0)
+        for i, kind in enumerate(kinds)
+    )
+    return OpGraph(nodes, tuple(OpEdge(s, d, nodes[s].name, 4.0) for s, d in edges))
+
+
+JOIN_RULE = '[[rule]]\nops = ["relu", "add"]\n'
+# A source, branch A (relu1-relu2-relu3) and branch B joined by add; relu-add spells the rule.
+TWO_BRANCHES = [(0, 1), (1, 2), (2, 3), (0, 4), (4, 5), (5, 6), (3, 7), (6, 7)]
+
+
+def test_a_join_whose_other_input_comes_later_is_not_fused_onto_the_critical_path():
+    # Branches of three ops each: fusing relu3 with add makes relu3 wait for branch B's end, so the path
+    # through the group (4 + 2 ops) outruns the unfused critical path (5 ops); likewise relu6 for branch A.
+    graph = even_graph(["sigmoid", "relu", "relu", "relu", "relu", "relu", "relu", "add"], TWO_BRANCHES)
+    result = coarsen(graph, parse_rules(JOIN_RULE, "join.toml"))
+    assert result.groups == tuple((i,) for i in range(8))
+    assert result.fusions == ()
+
+
+def test_a_join_whose_other_input_is_ready_first_still_fuses():
+    # Branch B is one op, done before relu3 can start: relu3-add waits for nothing.
+    edges = [(0, 1), (1, 2), (2, 3), (0, 4), (3, 5), (4, 5)]
+    graph = even_graph(["sigmoid", "relu", "relu", "relu", "relu", "add"], edges)
+    result = coarsen(graph, parse_rules(JOIN_RULE, "join.toml"))
+    assert named_groups(graph, result) == {("sigmoid0",), ("relu1",), ("relu2",), ("relu3", "add5"), ("relu4",)}
+
+
+def test_a_join_fuses_where_the_wait_stays_within_the_critical_path():
+    # As in the first test, plus a chain of six ops from the source: the critical path (7 ops) now
+    # exceeds the path through relu3-add (6 ops), so the fusion costs no plan anything the bound sees.
+    chain = [(0, 8)] + [(i, i + 1) for i in range(8, 13)]
+    kinds = ["sigmoid", "relu", "relu", "relu", "relu", "relu", "relu", "add"] + ["sigmoid"] * 6
+    graph = even_graph(kinds, TWO_BRANCHES + chain)
+    result = coarsen(graph, parse_rules(JOIN_RULE, "join.toml"))
+    assert ("relu3", "add7") in named_groups(graph, result)
+    assert [f.rule for f in result.fusions] == ["join:relu+add"]
+
+
 def uniform_chain(length: int, edge_bytes: list[float] | None = None) -> OpGraph:
     nodes = tuple(
         OpNode(f"n{i}", ("aten.sigmoid.default",), (f"n{i}",), 100.0, 0.0, 4.0, frozenset(), 0.0) for i in range(length)

@@ -11,6 +11,8 @@ from rich.console import Console
 
 import moirai
 from moirai.errors import InputError, PlanError
+from moirai.frontend.coarsen import RuleSet
+from moirai.frontend.graph import build_op_graph
 
 
 class Residual(torch.nn.Module):
@@ -50,6 +52,43 @@ def test_plan_carries_simulated_makespan_and_lower_bound(compiled: moirai.Compil
     plan = compiled.plan
     assert plan.makespan_s == pytest.approx(moirai.simulate(compiled.problem, plan).makespan_s)
     assert 0 < plan.lower_bound_s <= plan.makespan_s
+
+
+def test_the_report_carries_the_unfused_bound_through_save_and_load(compiled: moirai.CompiledModel, tmp_path) -> None:
+    # Default rules fuse each linear with its relu, so the ops ungrouped have a bound of their own, never
+    # above the coarsened problem's (a coarse plan is a plan of the ungrouped ops with the same work).
+    unfused_s = compiled.plan.report.unfused_lower_bound_s
+    assert len(compiled.graph.nodes) < len(build_op_graph(compiled.traced).nodes)
+    assert unfused_s is not None and 0 < unfused_s <= compiled.plan.lower_bound_s * (1 + 1e-6)
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    loaded = moirai.load(path, Residual().eval(), example_inputs=(torch.randn(4, 32),))
+    assert loaded.plan.report.unfused_lower_bound_s == unfused_s
+
+
+class TwoBranches(torch.nn.Module):
+    """Issue 24's example: two branches of four Linear(2048) joined by an add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(4)))
+        self.b = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+def test_default_fusion_plans_joined_branches_as_fast_as_no_fusion() -> None:
+    # Fusing one branch's last linear with the add made it wait for the other branch (bench/RESULTS.md, section 17).
+    torch.manual_seed(0)
+    model, x = TwoBranches().eval(), torch.randn(128, 2048)
+    latency_s = {}
+    for name, rules in (("default", "default"), ("none", RuleSet((), ("none",)))):
+        compiled = moirai.compile(
+            model, ["cpu", "cpu"], (x,), placer="milp", fusion_rules=rules, calibration="none", progress=False
+        )
+        latency_s[name] = compiled.plan.makespan_s
+    assert latency_s["default"] <= latency_s["none"] * 1.01
 
 
 def test_save_and_load_rebuild_the_same_split(compiled: moirai.CompiledModel, tmp_path) -> None:

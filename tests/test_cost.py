@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from pathlib import Path
@@ -14,11 +15,19 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moirai.cluster.cost as cost
-from moirai.cluster.cost import activation_peak_bytes, analytic_compute_s, build_problem, node_dtypes, profile_nodes
+from moirai.cluster.cost import (
+    activation_peak_bytes,
+    analytic_compute_s,
+    build_problem,
+    node_dtypes,
+    profile_nodes,
+    unfused_problem,
+)
 from moirai.cluster.devices import Cluster, Device, Link
 from moirai.errors import ClusterError
 from moirai.frontend.graph import OpEdge, OpGraph, OpNode, build_op_graph
 from moirai.frontend.trace import trace
+from moirai.planning.bounds import lower_bounds
 
 
 def device(name: str, **overrides: float) -> Device:
@@ -152,6 +161,37 @@ def test_measured_cache_dir_from_environment(traced_two_layers, tmp_path: Path, 
     monkeypatch.setenv("MOIRAI_CACHE_DIR", str(tmp_path))
     profile_nodes(graph.merge([[0, 1, 2]]), traced, "cpu", repeats=2, progress=False)
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+
+
+def test_unfused_problem_shares_out_each_groups_compute_and_memory(traced_two_layers) -> None:  # noqa: ANN001
+    traced, graph = traced_two_layers
+    groups = [[0, 1], [2]]  # first linear with its relu, then the second linear
+    cluster = two_device_cluster()
+    coarse = build_problem(graph.merge(groups), cluster, traced=traced)
+    fine = unfused_problem(graph, groups, coarse, cluster, traced)
+    assert fine.num_tasks == 3 and fine.tensor_producer.tolist() == [0, 1]
+    for g, members in enumerate(groups):
+        np.testing.assert_allclose(fine.compute_s[members].sum(axis=0), coarse.compute_s[g])
+        assert fine.memory_bytes[members].sum() == pytest.approx(coarse.memory_bytes[g])
+    # Shares follow each op's own analytic time, device by device; memory follows the parameters (relu has none).
+    alone = analytic_compute_s(graph, cluster)
+    for k in range(2):
+        assert fine.compute_s[0, k] / fine.compute_s[1, k] == pytest.approx(alone[0, k] / alone[1, k])
+    assert fine.memory_bytes[1] == 0
+    np.testing.assert_array_equal(fine.memory_capacity_bytes, coarse.memory_capacity_bytes)
+    ungrouped, grouped = lower_bounds(fine), lower_bounds(coarse)
+    assert ungrouped.critical_path_s <= grouped.critical_path_s and ungrouped.load_s <= grouped.load_s * (1 + 1e-6)
+
+
+def test_unfused_problem_keeps_a_group_off_a_device_it_cannot_run_on(traced_two_layers) -> None:  # noqa: ANN001
+    traced, graph = traced_two_layers
+    groups = [[0, 1], [2]]
+    cluster = two_device_cluster()
+    coarse = build_problem(graph.merge(groups), cluster, traced=traced)
+    compute_s = coarse.compute_s.copy()
+    compute_s[0, 1] = np.inf
+    fine = unfused_problem(graph, groups, dataclasses.replace(coarse, compute_s=compute_s), cluster, traced)
+    assert np.isinf(fine.compute_s[[0, 1], 1]).all() and np.isfinite(fine.compute_s[[0, 1], 0]).all()
 
 
 class Branches(nn.Module):

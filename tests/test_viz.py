@@ -215,3 +215,17 @@ def test_a_throughput_plan_shows_its_period_next_to_its_bound(problem) -> None:
     caption = str(viz.summary_table(problem, plan).caption)
     period = f"period {viz.format_seconds(timeline.period_s)}, {viz.format_rate(1 / timeline.period_s)} req/s"
     assert f"predicted {viz.format_seconds(timeline.makespan_s)} · {period} · period bound" in caption
+
+
+def test_summary_shows_the_gap_to_the_unfused_bound_where_it_differs(problem) -> None:
+    plan = moirai.place(problem, placer="milp", time_limit_s=5)
+    timeline = moirai.simulate(problem, plan)
+    bound_s = viz.best_lower_bound_s(problem, plan)
+    assert "unfused" not in str(viz.summary_table(problem, plan).caption)  # compile sets it only where it grouped ops
+    plan.report.unfused_lower_bound_s = bound_s  # the same gap: the line would repeat the headline
+    assert "unfused" not in str(viz.summary_table(problem, plan).caption)
+    plan.report.unfused_lower_bound_s = bound_s / 2
+    caption = str(viz.summary_table(problem, plan).caption).splitlines()
+    gap = (timeline.makespan_s - bound_s / 2) / timeline.makespan_s
+    assert caption[1] == f"unfused bound {viz.format_seconds(bound_s / 2)} · gap vs unfused {gap:.1%}"
+    assert all(len(line) <= 80 for line in render(viz.summary_table(problem, plan)))

@@ -127,6 +127,73 @@ def build_problem(
     else:
         raise ClusterError(f"unknown cost mode {mode!r}; use 'analytic' or 'measured'")
 
+    reserve = activation_peak_bytes(graph)
+    return _problem_of(
+        graph,
+        cluster,
+        traced,
+        compute_s=compute,
+        memory_bytes=np.array([n.param_bytes for n in graph.nodes]),
+        memory_capacity_bytes=np.array([max(d.memory_bytes - reserve, 0.0) for d in cluster.devices]),
+        colocated=colocated,
+    )
+
+
+def unfused_problem(
+    graph: OpGraph,
+    groups: Sequence[Sequence[int]],
+    problem: Problem,
+    cluster: Cluster,
+    traced: TracedModel | None = None,
+) -> Problem:
+    """``graph``'s problem op by op, where ``problem`` is that of ``graph`` merged by ``groups`` (coarsened).
+
+    Each op gets its share of its group's compute time on every device (in proportion to its analytic time there)
+    and of its group's memory (in proportion to its parameter bytes); capacities are ``problem``'s. A plan of
+    ``problem`` is then a plan of this one that keeps each group together, with the same compute, so this problem's
+    lower bounds hold for ``problem``'s plans too and are never above ``problem``'s own: the difference is what
+    grouping the ops may cost, whatever the cost mode (measured times are shared out, not measured again).
+    """
+    share_s = analytic_compute_s(graph, cluster, None if traced is None else node_dtypes(graph, traced))
+    param_bytes = np.array([n.param_bytes for n in graph.nodes], float)
+    compute = np.zeros_like(share_s)
+    memory = np.zeros(len(graph.nodes))
+    for g, members in enumerate(groups):
+        ops = list(members)
+        group_s = problem.compute_s[g]
+        runs = np.isfinite(group_s)  # a group that cannot run on a device leaves every op of it unable to
+        compute[ops] = np.where(runs, _shares(share_s[ops]) * np.where(runs, group_s, 0.0), np.inf)
+        memory[ops] = _shares(param_bytes[ops, None])[:, 0] * problem.memory_bytes[g]
+    return _problem_of(
+        graph,
+        cluster,
+        traced,
+        compute_s=compute,
+        memory_bytes=memory,
+        memory_capacity_bytes=problem.memory_capacity_bytes,
+    )
+
+
+def _shares(weights: np.ndarray) -> np.ndarray:
+    """Each row's fraction of its column's total (equal fractions in a column that sums to 0)."""
+    total = weights.sum(axis=0, keepdims=True)
+    even = np.full_like(weights, 1.0 / len(weights))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, weights / np.where(total > 0, total, 1.0), even)
+
+
+def _problem_of(
+    graph: OpGraph,
+    cluster: Cluster,
+    traced: TracedModel | None,
+    *,
+    compute_s: np.ndarray,
+    memory_bytes: np.ndarray,
+    memory_capacity_bytes: np.ndarray,
+    colocated: Sequence[Sequence[int]] = (),
+) -> Problem:
+    """The problem of ``graph`` on ``cluster`` with these tasks' costs: its tensors and what they and a request cost
+    on the links."""
     tensor_index: dict[tuple[int, str], int] = {}
     names, producers, consumers, sizes = [], [], [], []
     for e in graph.edges:
@@ -139,14 +206,13 @@ def build_problem(
             sizes.append(e.bytes)
         consumers[tensor_index[key]].append(e.dst)
     sizes_array = np.array(sizes, float)
-    reserve = activation_peak_bytes(graph)
     outputs = output_messages(graph, traced, cluster)
     return Problem(
         device_names=cluster.names,
-        memory_capacity_bytes=np.array([max(d.memory_bytes - reserve, 0.0) for d in cluster.devices]),
+        memory_capacity_bytes=memory_capacity_bytes,
         task_names=tuple(n.name for n in graph.nodes),
-        compute_s=compute,
-        memory_bytes=np.array([n.param_bytes for n in graph.nodes]),
+        compute_s=compute_s,
+        memory_bytes=memory_bytes,
         tensor_names=tuple(names),
         tensor_producer=np.array(producers, int),
         tensor_consumers=tuple(tuple(c) for c in consumers),

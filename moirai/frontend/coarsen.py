@@ -9,7 +9,11 @@ end. A group fuses with a consumer only over a direct or multi-input connection 
 outputs all go to that consumer); a multi-output connection (paper Fig. 6b) is cut only for a
 rule marked ``multi_output = true``, and only when the consumer has no other producer. Either
 condition leaves the edge as the only path between the two groups, so the result is a DAG
-(Pesto, Corollary 3.3). Each merge costs amortised O(log V) dictionary moves: near-linear time.
+(Pesto, Corollary 3.3). A fused group starts only when all its inputs are ready, so a fusion at a join (the
+consumer has another producer) makes the producer's ops wait for the other input; when that input is not
+ready by the time the producer's own inputs are and the path through the fused group then outruns the
+unfused graph's critical path (the critical-path bound of every plan), the edge is not fused
+(:class:`_JoinCheck`). Each merge costs amortised O(log V) dictionary moves: near-linear time.
 
 Stage 2 (``target_nodes``) merges groups until at most ``target_nodes`` remain, heaviest transfer
 first, under the same cycle-safety condition and a compute cap that keeps groups balanced; the
@@ -257,12 +261,17 @@ class _Quotient:
         self.groups = UnionFind(range(node_count))
         self.successors: list[dict[int, float]] = [{} for _ in range(node_count)]
         self.predecessors: list[dict[int, float]] = [{} for _ in range(node_count)]
+        self._members: list[list[int]] = [[node] for node in range(node_count)]
         for (src, dst), weight in edge_weights.items():
             self.successors[src][dst] = weight
             self.predecessors[dst][src] = weight
 
     def group(self, node: int) -> int:
         return self.groups[node]
+
+    def members_of(self, group: int) -> list[int]:
+        """The nodes of ``group``, a group's representative (in no particular order)."""
+        return self._members[group]
 
     def is_only_path(self, pred: int, succ: int) -> bool:
         """Whether the edge pred -> succ is provably the only path between them (Pesto, Corollary 3.3)."""
@@ -283,6 +292,8 @@ class _Quotient:
                 back[kept] = back.get(kept, 0.0) + weight
                 own[kept][neighbour] = own[kept].get(neighbour, 0.0) + weight
             own[gone] = {}
+        self._members[kept].extend(self._members[gone])  # union by size: the smaller group's list moves
+        self._members[gone] = []
         return kept
 
     def members(self) -> list[list[int]]:
@@ -296,14 +307,84 @@ def _dependency_bytes(graph: OpGraph) -> dict[tuple[int, int], float]:
     return weights
 
 
+def _work_flops(graph: OpGraph) -> list[float]:
+    """Each node's compute as a device-independent roofline in FLOPs (a byte moved costs ``FLOPS_PER_BYTE``)."""
+    return [max(node.flops, FLOPS_PER_BYTE * node.bytes_moved) for node in graph.nodes]
+
+
+class _JoinCheck:
+    """Whether fusing a group into a join lengthens the unfused graph's critical path (in roofline FLOPs).
+
+    A fused group is one task: it starts when all its inputs are ready. Fusing ``pred`` into a consumer ``succ``
+    that has another producer therefore makes ``pred``'s ops wait for that producer's output too. Measured with
+    the unfused graph's longest paths into and out of the group (``ready``: longest path to a node's end;
+    ``tail``: from a node's start to a sink), the path through the fused group is ``other input ready + its
+    work + the longest tail after it``; longer than the unfused graph's critical path, it would raise the
+    critical-path bound of every plan, and the fusion is refused. Each fusion is checked on its own against
+    the unfused graph's levels (the groups fused before it do not change them).
+    """
+
+    def __init__(self, graph: OpGraph, dependencies: Iterable[tuple[int, int]]):
+        node_count = len(graph.nodes)
+        self.work_flops = _work_flops(graph)
+        self.producers: list[list[int]] = [[] for _ in range(node_count)]
+        self.consumers: list[list[int]] = [[] for _ in range(node_count)]
+        for src, dst in dependencies:
+            self.producers[dst].append(src)
+            self.consumers[src].append(dst)
+        self.ready_flops = [0.0] * node_count
+        for node in range(node_count):  # nodes are in topological order
+            start = max((self.ready_flops[p] for p in self.producers[node]), default=0.0)
+            self.ready_flops[node] = start + self.work_flops[node]
+        self.tail_flops = [0.0] * node_count
+        for node in reversed(range(node_count)):
+            after = max((self.tail_flops[c] for c in self.consumers[node]), default=0.0)
+            self.tail_flops[node] = self.work_flops[node] + after
+        self.critical_flops = max(self.ready_flops, default=0.0)
+
+    def delays(self, quotient: _Quotient, pred: int, succ: int) -> bool:
+        """Whether fusing ``pred`` into ``succ`` waits for another input of ``succ`` and so lengthens the critical
+        path; False where ``succ`` has no other producer."""
+        if len(quotient.predecessors[succ]) < 2:
+            return False
+        fused = (pred, succ)
+        pred_ready = self._inputs_ready_flops(quotient, pred, fused)
+        other_ready = self._inputs_ready_flops(quotient, succ, fused)
+        if other_ready <= pred_ready:
+            return False  # the other input is ready when pred could start: no one waits
+        members = quotient.members_of(pred) + quotient.members_of(succ)
+        tail = max(
+            (self.tail_flops[c] for m in members for c in self.consumers[m] if quotient.group(c) not in fused),
+            default=0.0,
+        )
+        through = other_ready + sum(self.work_flops[m] for m in members) + tail
+        return through > self.critical_flops * (1 + 1e-9)  # a relative tolerance for rounding in the sums
+
+    def _inputs_ready_flops(self, quotient: _Quotient, group: int, fused: tuple[int, int]) -> float:
+        """When ``group``'s inputs from outside the fused pair are all ready, by the unfused graph's levels."""
+        return max(
+            (
+                self.ready_flops[p]
+                for m in quotient.members_of(group)
+                for p in self.producers[m]
+                if quotient.group(p) not in fused
+            ),
+            default=0.0,
+        )
+
+
 def _fuse(graph: OpGraph, matcher: _Matcher) -> tuple[list[list[int]], list[str | None]]:
-    """Algorithm 1 (GCOF): the fusion groups and, for each, the rule that fused it (None: a lone op)."""
+    """Algorithm 1 (GCOF): the fusion groups and, for each, the rule that fused it (None: a lone op).
+
+    An edge into a join is not fused where that lengthens the critical path (:class:`_JoinCheck`).
+    """
     node_count = len(graph.nodes)
     dependencies = _dependency_bytes(graph)
     consumers: list[list[int]] = [[] for _ in range(node_count)]
     for src, dst in dependencies:
         consumers[src].append(dst)
     quotient = _Quotient(node_count, dependencies)  # every merge so far, bound ones included
+    join_check = _JoinCheck(graph, dependencies)
     fused = UnionFind(range(node_count))  # committed fusions only: unbinding is forgetting the rest
     type_of: dict[int, int] = {}  # group -> matcher type
     parts_of: dict[int, list[int]] = {}  # group -> fused groups it binds (absent: the group itself)
@@ -326,7 +407,7 @@ def _fuse(graph: OpGraph, matcher: _Matcher) -> tuple[list[list[int]], list[str 
             else:
                 continue
             joined = matcher.join(group_type(pred), group_type(succ), cuts_multi_output)
-            if joined == matcher.NO_MATCH:
+            if joined == matcher.NO_MATCH or join_check.delays(quotient, pred, succ):
                 continue
             parts = parts_of.pop(pred, [pred]) + parts_of.pop(succ, [succ])
             group = quotient.contract(pred, succ)
@@ -359,7 +440,7 @@ def _topological_group_order(graph: OpGraph, groups: Sequence[Sequence[int]]) ->
 
 def _merge_to_target(graph: OpGraph, target_nodes: int) -> list[list[int]]:
     """Groups of ``graph``'s nodes, at most ``target_nodes`` of them, whose quotient is a DAG."""
-    work = [max(node.flops, FLOPS_PER_BYTE * node.bytes_moved) for node in graph.nodes]
+    work = _work_flops(graph)
     total_work = sum(work)
     quotient = _Quotient(len(graph.nodes), _dependency_bytes(graph))
     group_count = len(graph.nodes)

@@ -31,6 +31,9 @@ class PlacerReport:
 
     predicted_makespan_s: float | None = None
     contention: bool | None = None
+    # The objective's lower bound with the ops ungrouped (moirai.compile sets it when coarsening grouped any):
+    # a bound on every plan of the coarsened problem too, so the gap to it includes what coarsening may cost.
+    unfused_lower_bound_s: float | None = None
     notes: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
