@@ -14,11 +14,11 @@ Hugging Face's ``generate`` runs in this process with as many threads as the dev
 * even split: the layers cut in two halves by weight (vLLM's default pipeline split), same runtime, as many
   sequences as stages.
 
-Columns: decode tokens/s measured (all sequences' tokens after their first, over the time from the first of them to
-the last token) and predicted (the plan's decode step time with its steps in flight); TTFT measured for a sequence
-served alone (submit to first token) against the prefill's prediction; TPOT, each sequence's mean gap between its
-tokens with the row's sequences together, against the steps in flight times the step time (a sequence's next step
-waits for its token). ``cost="measured"`` profiles on the core and thread count a rank gets. Every moirai row's
+Columns: decode tokens/s measured and predicted (the plan's decode step time with its steps in flight), decode alone
+as HF's batch row is timed (its one-token run subtracted): the tokens that came from when every sequence had its
+first token (the last prefill done) to when the first of them ended; TTFT measured for a sequence served alone
+(submit to first token) against the prefill's prediction; TPOT, each sequence's mean gap between its tokens in that
+window, against the steps in flight times the step time (a sequence's next step waits for its token). ``cost="measured"`` profiles on the core and thread count a rank gets. Every moirai row's
 tokens are checked against HF's greedy tokens. Targets (printed, not asserted): as many sequences as stages >= 1.6x
 one sequence's tokens/s; 8 sequences >= HF's batch of 8; measured TTFT and TPOT within 15% of predicted; the plan no
 slower than the even split.
@@ -123,9 +123,11 @@ def served_row(
         server.submit(prompts[0], max_new_tokens=4).result()  # warm-up: workers started, parts loaded
         (alone,), _ = _timed_sequences(server, prompts[:1], 2)
         together, tokens = _timed_sequences(server, prompts, new_tokens)
-    firsts = [times[0] for times in together]
-    decode_tokens = sum(len(times) - 1 for times in together)
-    tokens_per_s = decode_tokens / (max(times[-1] for times in together) - min(firsts))
+    # Decode alone, as HF's batch row times it: from when every sequence has its first token (the last prefill done)
+    # to when the first of them ends, the tokens that came in between.
+    start_s, end_s = max(times[0] for times in together), min(times[-1] for times in together)
+    window = [[t for t in times if start_s <= t <= end_s] for times in together]
+    tokens_per_s = sum(sum(1 for t in times if t > start_s) for times in window) / (end_s - start_s)
     prediction = lm.prediction()
     steps = min(len(prompts), max(lm.objective.sequences, lm.stages))
     predicted_step_s = prediction.step_s if len(prompts) > 1 else prediction.tpot_s
@@ -135,7 +137,7 @@ def served_row(
         predicted_tokens_per_s=len(prompts) / (steps * predicted_step_s),
         ttft_s=alone[0],
         predicted_ttft_s=prediction.ttft_s,
-        tpot_s=float(np.mean([np.mean(np.diff(times)) for times in together])),
+        tpot_s=float(np.mean([np.mean(np.diff(times)) for times in window if len(times) > 1])),
         predicted_tpot_s=steps * predicted_step_s,
         equal=tokens == list(expected[: len(prompts)]),
     )
