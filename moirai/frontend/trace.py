@@ -207,6 +207,7 @@ def trace(
         graph_module = exported.module()
         out_spec = exported.call_spec.out_spec
         _drop_guard_calls(graph_module)
+        _drop_metadata_asserts(graph_module)
         if dynamic_shapes is not None:
             dynamic_dims = exported_dynamic_dims(exported, graph_module, model, args, kwargs, dynamic_shapes)
         check_static_shapes(graph_module, name)
@@ -301,6 +302,15 @@ def _drop_guard_calls(graph_module: fx.GraphModule) -> None:
             graph_module.graph.erase_node(node)
     if hasattr(graph_module, "_guards_fn"):
         delattr(graph_module, "_guards_fn")
+
+
+def _drop_metadata_asserts(graph_module: fx.GraphModule) -> None:
+    """Exported graphs assert the dtype and device of each tensor a ``.to`` converts, which the trace already fixed;
+    each assert is an op call on every run (a Llama layer has seven)."""
+    metadata_assert = torch.ops.aten._assert_tensor_metadata.default
+    for node in graph_module.graph.find_nodes(op="call_function", target=metadata_assert):
+        if not node.users:
+            graph_module.graph.erase_node(node)
 
 
 def is_view_node(node: fx.Node) -> bool:
