@@ -361,9 +361,9 @@ def round_trip_s(problem: Problem, timeline: Timeline) -> np.ndarray:
     The runtime runs a part whole, request after request, so such a part holds its device for that long whatever
     its busy time: a pipeline's period is at least the longest round trip. A part that only waits for its inputs
     (a pipeline stage) has none: the wait is the pipeline filling. Except on device 0: the driver sends a request's
-    inputs and then runs part 0 in the same thread, and sends no later request until part 0 is done, so part 0
-    holds device 0 from the request's start to its last finish (a plan whose later stage is device 0's ran two
-    decode steps in flight no faster than one).
+    inputs and then runs part 0 in the same thread, and sends no later request until part 0 is done, so a part 0
+    that waits for another device holds device 0 from the request's start to its last finish (a plan whose later
+    stage was device 0's ran two decode steps in flight no faster than one).
     """
     placement = timeline.placement
     order = problem.topological_order
@@ -383,7 +383,7 @@ def round_trip_s(problem: Problem, timeline: Timeline) -> np.ndarray:
                 earliest[task] = min(earliest[task], timeline.task_start[task])
                 if np.isfinite(returning[task]):
                     held[device] = max(held[device], timeline.task_finish[task] - returning[task])
-    on_driver = placement == 0
-    if on_driver.any():
+    on_driver = np.flatnonzero(placement == 0)
+    if any(placement[p] != 0 for task in on_driver for p in problem.predecessors[task]):
         held[0] = max(held[0], float(timeline.task_finish[on_driver].max()))
     return held
