@@ -190,9 +190,12 @@ GONE_TIMEOUT_S = 10
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("goes_away", ["kill", "unplug"])
 def test_a_host_that_goes_away_fails_the_pending_requests_naming_its_rank(
-    two_hosts: dict[str, str], tmp_path: Path
+    two_hosts: dict[str, str], tmp_path: Path, goes_away: str
 ) -> None:
+    """Host b goes away while requests are pending: its processes killed (gloo's connections are reset), or its end
+    of the veth taken down (nothing is reset: only timeouts tell)."""
     (tmp_path / "gone.py").write_text(SERVE_UNTIL_A_HOST_GOES.replace("TIMEOUT_S", str(GONE_TIMEOUT_S)))
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     hosts = {
@@ -210,18 +213,35 @@ def test_a_host_that_goes_away_fails_the_pending_requests_naming_its_rank(
     serving, result = tmp_path / "serving", tmp_path / "result.json"
     wait_for(lambda: serving.exists() or any(p.poll() is not None for p in hosts.values()), RUN_TIMEOUT_S)
     assert serving.exists(), f"the hosts stopped before serving: {[p.communicate()[0][-2000:] for p in hosts.values()]}"
-    subprocess.run([str(TWO_HOSTS), "kill", "b"], env=two_hosts, check=True, timeout=60)
-    assert hosts["b"].wait(timeout=30) != 0  # killed
+    subprocess.run([str(TWO_HOSTS), goes_away, "b"], env=two_hosts, check=True, timeout=60)
+    if goes_away == "kill":
+        assert hosts["b"].wait(timeout=30) != 0
 
-    # Rank 0 gets its failure within the request timeout (gloo's connection to the killed rank is reset) and its
-    # process ends; torchrun's agent on host a then waits for host b's in its exit barrier, which is torchrun's.
+    # Rank 0 gets its failure within the request timeout and its process ends; torchrun's agent on host a then waits
+    # for host b's in its exit barrier, which is torchrun's.
     wait_for(lambda: result.exists() and not rank_processes(two_hosts, "a", "gone.py"), GONE_TIMEOUT_S + 60)
     outcome = json.loads(result.read_text())
     assert outcome["served"] >= 8 and outcome["failures"], outcome
     for failure in outcome["failures"]:
         assert "rank 1 (cpu)" in failure and "host moirai-host-b" in failure, failure
+    if goes_away == "unplug":
+        # Host b's rank, cut off and alive, stops too: it hears from rank 0 no more, and its store is on host a.
+        wait_for(lambda: not rank_processes(two_hosts, "b", "gone.py"), GONE_TIMEOUT_S + 60)
     subprocess.run([str(TWO_HOSTS), "kill", "a"], env=two_hosts, check=True, timeout=60)  # the agent, waiting
-    hosts["a"].communicate(timeout=30)
+    subprocess.run([str(TWO_HOSTS), "kill", "b"], env=two_hosts, check=True, timeout=60)
+    output = {host: process.communicate(timeout=30)[0] for host, process in hosts.items()}
+    assert "[rank0]: Traceback" not in output["a"], output["a"][-3000:]  # rank 0 caught its failures and exited
+    if goes_away == "unplug":
+        assert "rank 0 (cpu) hung or died during serving" in output["b"] and "host moirai-host-a" in output["b"]
+    for host, text in output.items():
+        # The failure is moirai's to report: no gloo traceback or source location, no exception of another library.
+        raw = [line for line in text.splitlines() if "gloo" in line.lower() and "gloo uses interface" not in line]
+        foreign = [
+            name
+            for name in re.findall(r"^\[rank\d+\]: ([\w.]+(?:Error|Exception|Failure)): ", text, re.M)
+            if not name.startswith("moirai.")
+        ]
+        assert not raw and not foreign, f"host {host}: {text[-3000:]}"
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float) -> None:

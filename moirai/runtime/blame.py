@@ -2,15 +2,19 @@
 
 A rank whose wait fails writes what it was waiting for into the store (:func:`report_failure`),
 reads the others' reports and follows who waited for whom to the rank that failed on its own or
-that nobody heard from within a grace period, a hung or dead rank (:func:`blamed`).
+that nobody heard from within a grace period, a hung or dead rank (:func:`blamed`). The store may be on a host
+whose network went away, where a store call waits for TCP to give up (many minutes): every call here is bounded
+(:func:`_bounded`), and a store that does not answer counts as a rank nobody heard from.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from moirai.errors import DistributedError
@@ -31,12 +35,42 @@ class PeerFailure(DistributedError):
         self.peer = peer
 
 
+class _NoAnswer(Exception):
+    """A store call that did not return within its bound: the store's host, or the network to it, is gone."""
+
+
+def _bounded(call: Callable[[], Any], timeout_s: float = _REPORT_GRACE_S) -> Any:
+    """``call()``'s result, or :class:`_NoAnswer` after ``timeout_s``: a torch store call on a connection whose network
+    went away neither fails nor honours the store's timeout (it waits in ``recv`` until TCP gives up), so it runs on
+    a daemon thread that is left behind, which the process's exit does not wait for."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as error:  # re-raised on the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="moirai-store-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise _NoAnswer(f"the store did not answer within {timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
 def report_failure(store: Any, rank: int, peer: int | None, message: str) -> None:
     """Tell the other ranks why this rank failed: on its own (``peer`` None) or waiting for ``peer``."""
-    try:
+    report = {"peer": peer, "message": message, "at": time.time()}
+
+    def write() -> None:
         store.set_timeout(datetime.timedelta(seconds=_REPORT_GRACE_S))
-        report = {"peer": peer, "message": message, "at": time.time()}
         store.set(f"moirai/failure/{rank}", json.dumps(report))
+
+    try:
+        _bounded(write)
     except Exception:
         pass  # the store's host is gone too: the others name this rank as one nobody heard from
 
@@ -44,7 +78,7 @@ def report_failure(store: Any, rank: int, peer: int | None, message: str) -> Non
 def read_report(store: Any, rank: int, world_size: int) -> dict[str, Any]:
     """Rank ``rank``'s failure report, checked: :class:`moirai.DistributedError` naming the key unless it is one."""
     key = f"moirai/failure/{rank}"
-    raw = store.get(key)
+    raw = _bounded(lambda: store.get(key))
     try:
         report = json.loads(raw)
     except ValueError:
@@ -68,12 +102,12 @@ def _read_report(store: Any, rank: int, world_size: int, deadline: float) -> dic
     key = f"moirai/failure/{rank}"
     while True:
         try:
-            if store.check([key]):
+            if _bounded(lambda: store.check([key])):
                 return read_report(store, rank, world_size)
         except DistributedError:
             raise
         except Exception:
-            return None
+            return None  # the store is gone (or does not answer): nobody heard from this rank
         if time.monotonic() > deadline:
             return None
         time.sleep(_REPORT_POLL_S)
