@@ -4,21 +4,20 @@ A rank whose wait fails writes what it was waiting for into the store (:func:`re
 reads the others' reports and follows who waited for whom to the rank that failed on its own or
 that nobody heard from within a grace period, a hung or dead rank (:func:`blamed`). The store may be on a host
 whose network went away, where a store call waits for TCP to give up (many minutes): every call here is bounded
-(:func:`_bounded`), and a store that does not answer counts as a rank nobody heard from.
+(:func:`moirai.runtime.store.answered_within`), and a store that does not answer counts as a rank nobody heard from.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import threading
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 from moirai.errors import DistributedError
 from moirai.runtime.groups import Group
+from moirai.runtime.store import StoreSilent, answered_within
 
 # How long a failed rank waits for the other ranks' reports before naming a rank nobody heard from.
 # A rank that gave up this much later than the one waiting for it was stopped meanwhile (SIGSTOP, starved).
@@ -35,32 +34,6 @@ class PeerFailure(DistributedError):
         self.peer = peer
 
 
-class _NoAnswer(Exception):
-    """A store call that did not return within its bound: the store's host, or the network to it, is gone."""
-
-
-def _bounded(call: Callable[[], Any], timeout_s: float = _REPORT_GRACE_S) -> Any:
-    """``call()``'s result, or :class:`_NoAnswer` after ``timeout_s``: a torch store call on a connection whose network
-    went away neither fails nor honours the store's timeout (it waits in ``recv`` until TCP gives up), so it runs on
-    a daemon thread that is left behind, which the process's exit does not wait for."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as error:  # re-raised on the caller's thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run, name="moirai-store-call", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise _NoAnswer(f"the store did not answer within {timeout_s:g} s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
-
-
 def report_failure(store: Any, rank: int, peer: int | None, message: str) -> None:
     """Tell the other ranks why this rank failed: on its own (``peer`` None) or waiting for ``peer``."""
     report = {"peer": peer, "message": message, "at": time.time()}
@@ -70,7 +43,7 @@ def report_failure(store: Any, rank: int, peer: int | None, message: str) -> Non
         store.set(f"moirai/failure/{rank}", json.dumps(report))
 
     try:
-        _bounded(write)
+        answered_within(write, _REPORT_GRACE_S)
     except Exception:
         pass  # the store's host is gone too: the others name this rank as one nobody heard from
 
@@ -78,7 +51,7 @@ def report_failure(store: Any, rank: int, peer: int | None, message: str) -> Non
 def read_report(store: Any, rank: int, world_size: int) -> dict[str, Any]:
     """Rank ``rank``'s failure report, checked: :class:`moirai.DistributedError` naming the key unless it is one."""
     key = f"moirai/failure/{rank}"
-    raw = _bounded(lambda: store.get(key))
+    raw = answered_within(lambda: store.get(key), _REPORT_GRACE_S)
     try:
         report = json.loads(raw)
     except ValueError:
@@ -102,8 +75,10 @@ def _read_report(store: Any, rank: int, world_size: int, deadline: float) -> dic
     key = f"moirai/failure/{rank}"
     while True:
         try:
-            if _bounded(lambda: store.check([key])):
+            if answered_within(lambda: store.check([key]), _REPORT_GRACE_S):
                 return read_report(store, rank, world_size)
+        except StoreSilent:
+            return None  # the store does not answer: nobody heard from this rank
         except DistributedError:
             raise
         except Exception:
