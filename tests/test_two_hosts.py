@@ -169,10 +169,11 @@ def test_compile_with_auto_calibration_measures_the_link_between_the_hosts_once(
     assert json.loads(again["a"][0].strip().splitlines()[-1]) == seen
 
 
-# Rank 0's planning fails (its placer raises, and its script carries on as if it could recover) or never ends
-# (host b is then cut off); rank 1 writes the error its compile raised.
+# Rank 0's planning fails (its placer raises, and its script carries on as if it could recover), its process dies
+# (torchrun's launcher on host a, which holds the store, then exits too) or it never ends (host b is then cut off);
+# rank 1 writes the error its compile raised.
 RANK_0_FAILS_TO_PLAN = """
-import importlib, os, time
+import importlib, os, signal, time
 from pathlib import Path
 import torch
 import moirai
@@ -183,6 +184,8 @@ if rank == 0:
         Path("planning").touch()
         if "HOW" == "raises":
             raise RuntimeError("the placer broke")
+        if "HOW" == "dies":
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(600)
     importlib.import_module("moirai.compile").place = place
 torch.manual_seed(0)
@@ -197,7 +200,7 @@ except Exception as error:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["raises", "unplug"])
+@pytest.mark.parametrize("how", ["raises", "dies", "unplug"])
 def test_a_rank_0_that_fails_to_plan_fails_the_other_ranks_naming_it(
     two_hosts: dict[str, str], tmp_path: Path, how: str
 ) -> None:
@@ -213,7 +216,11 @@ def test_a_rank_0_that_fails_to_plan_fails_the_other_ranks_naming_it(
     error = failed.read_text()
     assert error.startswith("moirai.errors.DistributedError: "), error
     if how == "raises":
-        assert "rank 0 (host moirai-host-a) failed to plan" in error and "RuntimeError: the placer broke" in error, error
+        assert "rank 0 (host moirai-host-a) failed to plan" in error and "RuntimeError: the placer broke" in error, (
+            error
+        )
+    elif how == "dies":
+        assert "the store closed while rank 0 (host moirai-host-a) was planning" in error, error
     else:
         assert "stopped answering" in error and "while rank 0 (host moirai-host-a) was planning" in error, error
         assert not (tmp_path / "failed.0").exists()  # rank 0 plans on: rank 1 did not wait for it
