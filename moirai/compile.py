@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import json
@@ -28,6 +29,7 @@ from rich.table import Table
 
 from moirai import progress as _progress
 from moirai import viz
+from moirai.cluster.calibration.across_hosts import measure_host_links
 from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem, unfused_problem
 from moirai.cluster.devices import Cluster
@@ -243,32 +245,42 @@ def compile(
     check_placer_options(placer_options)
     handover = PlanHandover.under_torchrun(devices)
     hosts = handover.hosts if handover is not None else None
+    if handover is not None and hosts is not None:
+        # Every rank takes part where the links between the hosts are to be measured, before rank 0 plans with them.
+        measure_host_links(
+            handover.store, handover.rank, handover.torch_devices, hosts, calibration, f"{handover.key}/hosts"
+        )
     if handover is not None and not handover.plans:
         # Another rank plans: this one measures nothing and takes that rank's plan, problem included.
         cluster = local_cluster(devices, "none", hosts)
         traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
         return from_plan_record(handover.receive(), "rank 0's plan", traced, cluster)
-    cluster = local_cluster(devices, calibration, hosts)
-    traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
-    graph = build_op_graph(traced)
-    coarsening = coarsen(graph, rules=fusion_rules, target_nodes=target_nodes)
-    coarse = coarsening.graph
-    logger.debug("coarsened %s to %d op groups (fusion rules %s)", traced.model_name, len(coarse.nodes), fusion_rules)
-    # A buffer the model writes in place (a KV cache) lives on one device with every op that touches it.
-    colocated = colocated_groups(coarse, mutable_buffers(traced.graph_module))
-    problem = build_problem(coarse, cluster, cost, traced, colocated=colocated, remote_alike=hosts is not None)
-    plan = place(problem, placer=placer, objective=objective, **placer_options)
-    plan.report.unfused_lower_bound_s = _unfused_lower_bound_s(graph, coarsening, problem, cluster, traced, objective)
-    logger.info(
-        "%s placed by %s on %d of %d devices: %s %.6g s",
-        traced.model_name,
-        plan.placer,
-        len(set(plan.placement.tolist())),
-        len(cluster),
-        plan.objective,
-        plan.objective_s,
-    )
-    compiled = assemble(traced, cluster, coarse, problem, plan)
+    with handover.planning() if handover is not None else contextlib.nullcontext():
+        cluster = local_cluster(devices, calibration, hosts)
+        traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
+        graph = build_op_graph(traced)
+        coarsening = coarsen(graph, rules=fusion_rules, target_nodes=target_nodes)
+        coarse = coarsening.graph
+        logger.debug(
+            "coarsened %s to %d op groups (fusion rules %s)", traced.model_name, len(coarse.nodes), fusion_rules
+        )
+        # A buffer the model writes in place (a KV cache) lives on one device with every op that touches it.
+        colocated = colocated_groups(coarse, mutable_buffers(traced.graph_module))
+        problem = build_problem(coarse, cluster, cost, traced, colocated=colocated, remote_alike=hosts is not None)
+        plan = place(problem, placer=placer, objective=objective, **placer_options)
+        plan.report.unfused_lower_bound_s = _unfused_lower_bound_s(
+            graph, coarsening, problem, cluster, traced, objective
+        )
+        logger.info(
+            "%s placed by %s on %d of %d devices: %s %.6g s",
+            traced.model_name,
+            plan.placer,
+            len(set(plan.placement.tolist())),
+            len(cluster),
+            plan.objective,
+            plan.objective_s,
+        )
+        compiled = assemble(traced, cluster, coarse, problem, plan)
     if handover is not None:
         handover.send(compiled.plan_record())
     return compiled

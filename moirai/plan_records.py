@@ -4,25 +4,25 @@ every other rank under torchrun (:class:`PlanHandover`), checked field by field 
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import itertools
 import json
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from moirai.cluster.devices import Cluster
 from moirai.errors import DistributedError, PlanError, PlanVersionWarning
 from moirai.runtime import distributed
 from moirai.runtime.hosts import rank_hosts
+from moirai.runtime.store import wait_for_key
 
 PLAN_FORMAT_VERSION = 1
-# Long enough for rank 0's planning (a milp within its time limit); a rank 0 that failed ends torchrun's run sooner.
+# Long enough for rank 0's planning (a milp within its time limit); a rank 0 that fails says so sooner.
 _PLAN_HANDOVER_TIMEOUT_S = 1800.0
 PLAN_KEYS = ("format", "devices", "node_device", "groups", "device_order", "plan")
 
@@ -33,9 +33,12 @@ class PlanHandover:
 
     _compiles = itertools.count()
 
-    def __init__(self, store: Any, rank: int, world_size: int, named_hosts: bool) -> None:
+    def __init__(self, store: Any, rank: int, torch_devices: Sequence[str], named_hosts: bool) -> None:
         self.store = store
+        self.rank = rank
+        self.torch_devices = list(torch_devices)  # one per rank
         self.plans = rank == 0
+        world_size = len(self.torch_devices)
         self.key = f"moirai/plan/{next(self._compiles)}"
         # Devices given as strings are put on the hosts their ranks run on, where there are several: rank 0 then
         # prices the links between hosts as measured there (a cluster names its own hosts).
@@ -49,24 +52,39 @@ class PlanHandover:
         """None outside torchrun, or where the devices are not one per rank of this world."""
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             return None  # before reading devices: a malformed list is local_cluster's to name
-        torch_devices = [d.torch_device for d in devices.devices] if isinstance(devices, Cluster) else list(devices)
-        store = distributed.torchrun_store([str(torch.device(d)) for d in torch_devices])
+        given = [d.torch_device for d in devices.devices] if isinstance(devices, Cluster) else list(devices)
+        torch_devices = [str(torch.device(d)) for d in given]
+        store = distributed.torchrun_store(torch_devices)
         if store is None:
             return None
-        return cls(store, int(os.environ["RANK"]), len(torch_devices), isinstance(devices, Cluster))
+        return cls(store, int(os.environ["RANK"]), torch_devices, isinstance(devices, Cluster))
+
+    @property
+    def planner(self) -> str:
+        """Rank 0, with its host where the ranks span several."""
+        return "rank 0" if self.hosts is None else f"rank 0 (host {self.hosts[0]})"
 
     def send(self, record: dict[str, Any]) -> None:
         self.store.set(self.key, json.dumps(record))
 
-    def receive(self) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def planning(self) -> Iterator[None]:
+        """Rank 0's planning: an error in it is handed over in place of the plan, so the other ranks fail with it at
+        once, also where rank 0's script catches it and carries on (torchrun then stops nobody)."""
         try:
-            self.store.wait([self.key], datetime.timedelta(seconds=_PLAN_HANDOVER_TIMEOUT_S))
-        except (RuntimeError, dist.DistStoreError) as error:
-            raise DistributedError(
-                f"rank 0 did not hand over its plan within {_PLAN_HANDOVER_TIMEOUT_S:g} s ({error}); see rank 0's "
-                "output for why"
-            ) from None
+            yield
+        except BaseException as error:
+            try:
+                self.store.set(self.key, json.dumps({"failed": f"{type(error).__name__}: {error}"}))
+            except Exception:
+                pass  # the store is gone: the others learn it from the store
+            raise
+
+    def receive(self) -> dict[str, Any]:
+        wait_for_key(self.store, self.key, self.planner, "planning", _PLAN_HANDOVER_TIMEOUT_S)
         record = json.loads(self.store.get(self.key))
+        if isinstance(record, dict) and isinstance(record.get("failed"), str):
+            raise DistributedError(f"{self.planner} failed to plan, so this rank has no plan: {record['failed']}")
         if not isinstance(record, dict) or any(key not in record for key in PLAN_KEYS):
             raise DistributedError(f"store key {self.key!r} holds no plan: {str(record)[:80]!r}")
         return record

@@ -141,6 +141,96 @@ def test_calibrate_measures_the_link_between_the_hosts_and_rank_0_plans_with_it(
 
 
 @pytest.mark.slow
+def test_compile_with_auto_calibration_measures_the_link_between_the_hosts_once(
+    two_hosts: dict[str, str], tmp_path: Path
+) -> None:
+    """No `moirai calibrate` first: compile measures the link between the hosts (every rank taking part), caches it
+    on rank 0's host and plans with it; a second run reads it."""
+    environment = {**two_hosts, "MOIRAI_CACHE_DIR": str(tmp_path / "cache")}
+    (tmp_path / "plan.py").write_text(PLAN_WITH_CALIBRATION.replace('"calibration.json"', '"auto"'))
+    first = run_on_both_hosts(environment, tmp_path, "plan.py", timeout_s=240)
+    assert "moirai: measure links between hosts" in first["a"][1], first["a"][1][-3000:]
+    from moirai.cluster.calibration import read_host_links
+
+    cached = [read_host_links(path) for path in (tmp_path / "cache" / "calibration").glob("*.json")]
+    (links,) = [found for found in cached if found]  # rank 0's host's cache alone holds them
+    forth, back = (HostLink(f"moirai-host-{s}", f"moirai-host-{d}", "cpu->cpu") for s, d in ("ab", "ba"))
+    assert set(links) == {forth, back}
+    seen = json.loads(first["a"][0].strip().splitlines()[-1])
+    assert seen["hosts"] == ["moirai-host-a", "moirai-host-b"]
+    for (a, b), link in (((0, 1), forth), ((1, 0), back)):
+        assert 0 < links[link].latency_s < 0.1 and links[link].bandwidth_bytes_per_s > 1e6
+        assert seen["latency_s"][a][b] == pytest.approx(links[link].latency_s)
+        assert seen["bandwidth_bytes_per_s"][a][b] == pytest.approx(links[link].bandwidth_bytes_per_s)
+        assert seen["send_cpu_s"][a][b] == pytest.approx(links[link].sender_cpu_s)
+
+    again = run_on_both_hosts(environment, tmp_path, "plan.py")
+    assert "measure links between hosts" not in again["a"][1]
+    assert json.loads(again["a"][0].strip().splitlines()[-1]) == seen
+
+
+# Rank 0's planning fails (its placer raises, and its script carries on as if it could recover), its process dies
+# (torchrun's launcher on host a, which holds the store, then exits too) or it never ends (host b is then cut off);
+# rank 1 writes the error its compile raised.
+RANK_0_FAILS_TO_PLAN = """
+import importlib, os, signal, time
+from pathlib import Path
+import torch
+import moirai
+
+rank = int(os.environ["RANK"])
+if rank == 0:
+    def place(*args, **kwargs):
+        Path("planning").touch()
+        if "HOW" == "raises":
+            raise RuntimeError("the placer broke")
+        if "HOW" == "dies":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(600)
+    importlib.import_module("moirai.compile").place = place
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).eval()
+try:
+    moirai.compile(model, ["cpu", "cpu"], example_inputs=(torch.randn(4, 64),), placer="heft", calibration="none")
+except Exception as error:
+    Path(f"failed.{rank}").write_text(f"{type(error).__module__}.{type(error).__name__}: {error}")
+    if rank == 0:
+        time.sleep(600)  # torchrun stops nobody while rank 0 lives
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["raises", "dies", "unplug"])
+def test_a_rank_0_that_fails_to_plan_fails_the_other_ranks_naming_it(
+    two_hosts: dict[str, str], tmp_path: Path, how: str
+) -> None:
+    (tmp_path / "plan.py").write_text(RANK_0_FAILS_TO_PLAN.replace("HOW", how))
+    hosts = start_on_both_hosts(two_hosts, tmp_path, "plan.py")
+    planning, failed = tmp_path / "planning", tmp_path / "failed.1"
+    wait_for(lambda: planning.exists() or any(p.poll() is not None for p in hosts.values()), RUN_TIMEOUT_S)
+    assert planning.exists(), f"rank 0 did not plan: {[p.communicate()[0][-2000:] for p in hosts.values()]}"
+    if how == "unplug":
+        subprocess.run([str(TWO_HOSTS), "unplug", "b"], env=two_hosts, check=True, timeout=60)
+    # Rank 1 fails long before rank 0's script ends (600 s) or the plan's time limit (1800 s).
+    wait_for(failed.exists, 60)
+    error = failed.read_text()
+    assert error.startswith("moirai.errors.DistributedError: "), error
+    if how == "raises":
+        assert "rank 0 (host moirai-host-a) failed to plan" in error and "RuntimeError: the placer broke" in error, (
+            error
+        )
+    elif how == "dies":
+        assert "the store closed while rank 0 (host moirai-host-a) was planning" in error, error
+    else:
+        assert "stopped answering" in error and "while rank 0 (host moirai-host-a) was planning" in error, error
+        assert not (tmp_path / "failed.0").exists()  # rank 0 plans on: rank 1 did not wait for it
+    for host in "ab":
+        subprocess.run([str(TWO_HOSTS), "kill", host], env=two_hosts, check=True, timeout=60)
+    for process in hosts.values():
+        process.communicate(timeout=30)
+
+
+@pytest.mark.slow
 def test_readme_serve_script_runs_across_two_hosts(two_hosts: dict[str, str], tmp_path: Path) -> None:
     readme = (ROOT / "README.md").read_text()
     (script,) = re.findall(r"```python\n(# serve\.py.+?)\n```", readme, re.DOTALL)
@@ -190,38 +280,63 @@ GONE_TIMEOUT_S = 10
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("goes_away", ["kill", "unplug"])
 def test_a_host_that_goes_away_fails_the_pending_requests_naming_its_rank(
-    two_hosts: dict[str, str], tmp_path: Path
+    two_hosts: dict[str, str], tmp_path: Path, goes_away: str
 ) -> None:
+    """Host b goes away while requests are pending: its processes killed (gloo's connections are reset), or its end
+    of the veth taken down (nothing is reset: only timeouts tell)."""
     (tmp_path / "gone.py").write_text(SERVE_UNTIL_A_HOST_GOES.replace("TIMEOUT_S", str(GONE_TIMEOUT_S)))
+    hosts = start_on_both_hosts(two_hosts, tmp_path, "gone.py")
+    serving, result = tmp_path / "serving", tmp_path / "result.json"
+    wait_for(lambda: serving.exists() or any(p.poll() is not None for p in hosts.values()), RUN_TIMEOUT_S)
+    assert serving.exists(), f"the hosts stopped before serving: {[p.communicate()[0][-2000:] for p in hosts.values()]}"
+    subprocess.run([str(TWO_HOSTS), goes_away, "b"], env=two_hosts, check=True, timeout=60)
+    if goes_away == "kill":
+        assert hosts["b"].wait(timeout=30) != 0
+
+    # Rank 0 gets its failure within the request timeout and its process ends; torchrun's agent on host a then waits
+    # for host b's in its exit barrier, which is torchrun's.
+    wait_for(lambda: result.exists() and not rank_processes(two_hosts, "a", "gone.py"), GONE_TIMEOUT_S + 60)
+    outcome = json.loads(result.read_text())
+    assert outcome["served"] >= 8 and outcome["failures"], outcome
+    for failure in outcome["failures"]:
+        assert "rank 1 (cpu)" in failure and "host moirai-host-b" in failure, failure
+    if goes_away == "unplug":
+        # Host b's rank, cut off and alive, stops too: it hears from rank 0 no more, and its store is on host a.
+        wait_for(lambda: not rank_processes(two_hosts, "b", "gone.py"), GONE_TIMEOUT_S + 60)
+    subprocess.run([str(TWO_HOSTS), "kill", "a"], env=two_hosts, check=True, timeout=60)  # the agent, waiting
+    subprocess.run([str(TWO_HOSTS), "kill", "b"], env=two_hosts, check=True, timeout=60)
+    output = {host: process.communicate(timeout=30)[0] for host, process in hosts.items()}
+    assert "[rank0]: Traceback" not in output["a"], output["a"][-3000:]  # rank 0 caught its failures and exited
+    if goes_away == "unplug":
+        assert "rank 0 (cpu) hung or died during serving" in output["b"] and "host moirai-host-a" in output["b"]
+    for host, text in output.items():
+        # The failure is moirai's to report: no gloo traceback or source location, no exception of another library.
+        raw = [line for line in text.splitlines() if "gloo" in line.lower() and "gloo uses interface" not in line]
+        foreign = [
+            name
+            for name in re.findall(r"^\[rank\d+\]: ([\w.]+(?:Error|Exception|Failure)): ", text, re.M)
+            if not name.startswith("moirai.")
+        ]
+        assert not raw and not foreign, f"host {host}: {text[-3000:]}"
+
+
+def start_on_both_hosts(environment: dict[str, str], cwd: Path, script: str) -> dict[str, subprocess.Popen[str]]:
+    """``torchrun --nnodes 2 ... script`` on host a (node 0) and host b (node 1), started, stdout and stderr as one."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    hosts = {
+    return {
         host: subprocess.Popen(
             [str(TWO_HOSTS), "run", host, torchrun, "--nnodes", "2", "--node-rank", str(node_rank)]
-            + ["--nproc-per-node", "1", "--master-addr", MASTER_ADDR, "--master-port", "29500", "gone.py"],
-            cwd=tmp_path,
-            env=two_hosts,
+            + ["--nproc-per-node", "1", "--master-addr", MASTER_ADDR, "--master-port", "29500", script],
+            cwd=cwd,
+            env=environment,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         for node_rank, host in enumerate("ab")
     }
-    serving, result = tmp_path / "serving", tmp_path / "result.json"
-    wait_for(lambda: serving.exists() or any(p.poll() is not None for p in hosts.values()), RUN_TIMEOUT_S)
-    assert serving.exists(), f"the hosts stopped before serving: {[p.communicate()[0][-2000:] for p in hosts.values()]}"
-    subprocess.run([str(TWO_HOSTS), "kill", "b"], env=two_hosts, check=True, timeout=60)
-    assert hosts["b"].wait(timeout=30) != 0  # killed
-
-    # Rank 0 gets its failure within the request timeout (gloo's connection to the killed rank is reset) and its
-    # process ends; torchrun's agent on host a then waits for host b's in its exit barrier, which is torchrun's.
-    wait_for(lambda: result.exists() and not rank_processes(two_hosts, "a", "gone.py"), GONE_TIMEOUT_S + 60)
-    outcome = json.loads(result.read_text())
-    assert outcome["served"] >= 8 and outcome["failures"], outcome
-    for failure in outcome["failures"]:
-        assert "rank 1 (cpu)" in failure and "host moirai-host-b" in failure, failure
-    subprocess.run([str(TWO_HOSTS), "kill", "a"], env=two_hosts, check=True, timeout=60)  # the agent, waiting
-    hosts["a"].communicate(timeout=30)
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float) -> None:

@@ -8,6 +8,8 @@
 #   tools/two_hosts.sh up            # host a (10.77.0.1) and host b (10.77.0.2)
 #   tools/two_hosts.sh run a CMD...  # CMD on host a, in this directory
 #   tools/two_hosts.sh kill b        # host b goes away: every process on it is killed (SIGKILL), its network stays
+#   tools/two_hosts.sh unplug b      # host b's network goes away: its end of the veth is taken down, its processes stay
+#   tools/two_hosts.sh plug b        # and comes back
 #   tools/two_hosts.sh shape 100mbit # both ends of the veth send at most 100 Mbit/s (tc tbf); `shape none` undoes it
 #   tools/two_hosts.sh down          # stop both; the veth pair goes with them
 #
@@ -105,11 +107,25 @@ down() {
     rmdir "$STATE_DIR" 2>/dev/null || true
 }
 
+# A host's end of the veth pair.
+veth_end() {
+    in_host "$1" "$IP" -o link show type veth | awk -F': ' '{print $2}' | cut -d@ -f1
+}
+
+# Take a host's end of the veth down (or up): packets to and from it are dropped, as when a cable is pulled; no
+# connection is reset, so its peers learn of it only from their timeouts.
+set_link() {
+    local host="$1" state="$2" end
+    end="$(veth_end "$host")"
+    in_host "$host" "$IP" link set "$end" "$state"
+    echo "host $host: $end $state"
+}
+
 # A token bucket on each end of the veth (netem is missing on many kernels; tbf and htb are not).
 shape() {
     local rate="$1" host end
     for host in "${HOSTS[@]}"; do
-        end="$(in_host "$host" "$IP" -o link show type veth | awk -F': ' '{print $2}' | cut -d@ -f1)"
+        end="$(veth_end "$host")"
         in_host "$host" tc qdisc del dev "$end" root 2>/dev/null || true
         if [[ "$rate" != none ]]; then
             # A small bucket (one GSO packet), so that a message of any size leaves at the rate; the queue holds 200 ms.
@@ -137,6 +153,10 @@ kill)
     holder_of "$2" >/dev/null
     kill_processes_of "$2"
     ;;
+unplug | plug)
+    [[ $# -eq 2 && " ${HOSTS[*]} " == *" $2 "* ]] || { echo "usage: $0 $1 a|b" >&2; exit 2; }
+    if [[ "$1" == unplug ]]; then set_link "$2" down; else set_link "$2" up; fi
+    ;;
 run)
     [[ $# -ge 3 && " ${HOSTS[*]} " == *" $2 "* ]] || { echo "usage: $0 run a|b CMD..." >&2; exit 2; }
     host="$2"
@@ -144,7 +164,7 @@ run)
     in_host "$host" "$@"
     ;;
 *)
-    echo "usage: $0 up | run a|b CMD... | kill a|b | shape RATE|none | down" >&2
+    echo "usage: $0 up | run a|b CMD... | kill a|b | unplug a|b | plug a|b | shape RATE|none | down" >&2
     exit 2
     ;;
 esac

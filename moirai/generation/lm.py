@@ -17,6 +17,7 @@ with the ops that write and read it on one device (``Problem.colocated``), where
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -249,11 +250,14 @@ def compile_lm(
         # This rank takes rank 0's plan and serves it with moirai.serve_rank(lm.compiled).
         compiled = from_plan_record(handover.receive(), "rank 0's plan", traced, cluster)
     else:
-        try:
-            plan = place(decode, placer=placer, objective=objective, **placer_options)
-        except InfeasibleError as error:
-            raise InfeasibleError(_does_not_fit(type(model).__name__, graph, step.cache_shape, decode, error)) from None
-        compiled = assemble(traced, cluster, coarse, decode, plan)
+        with handover.planning() if handover is not None else contextlib.nullcontext():
+            try:
+                plan = place(decode, placer=placer, objective=objective, **placer_options)
+            except InfeasibleError as error:
+                raise InfeasibleError(
+                    _does_not_fit(type(model).__name__, graph, step.cache_shape, decode, error)
+                ) from None
+            compiled = assemble(traced, cluster, coarse, decode, plan)
         if handover is not None:
             handover.send(compiled.plan_record())
     config = model.config

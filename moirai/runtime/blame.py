@@ -2,7 +2,9 @@
 
 A rank whose wait fails writes what it was waiting for into the store (:func:`report_failure`),
 reads the others' reports and follows who waited for whom to the rank that failed on its own or
-that nobody heard from within a grace period, a hung or dead rank (:func:`blamed`).
+that nobody heard from within a grace period, a hung or dead rank (:func:`blamed`). The store may be on a host
+whose network went away, where a store call waits for TCP to give up (many minutes): every call here is bounded
+(:func:`moirai.runtime.store.answered_within`), and a store that does not answer counts as a rank nobody heard from.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from moirai.errors import DistributedError
 from moirai.runtime.groups import Group
+from moirai.runtime.store import StoreSilent, answered_within
 
 # How long a failed rank waits for the other ranks' reports before naming a rank nobody heard from.
 # A rank that gave up this much later than the one waiting for it was stopped meanwhile (SIGSTOP, starved).
@@ -33,10 +36,14 @@ class PeerFailure(DistributedError):
 
 def report_failure(store: Any, rank: int, peer: int | None, message: str) -> None:
     """Tell the other ranks why this rank failed: on its own (``peer`` None) or waiting for ``peer``."""
-    try:
+    report = {"peer": peer, "message": message, "at": time.time()}
+
+    def write() -> None:
         store.set_timeout(datetime.timedelta(seconds=_REPORT_GRACE_S))
-        report = {"peer": peer, "message": message, "at": time.time()}
         store.set(f"moirai/failure/{rank}", json.dumps(report))
+
+    try:
+        answered_within(write, _REPORT_GRACE_S)
     except Exception:
         pass  # the store's host is gone too: the others name this rank as one nobody heard from
 
@@ -44,7 +51,7 @@ def report_failure(store: Any, rank: int, peer: int | None, message: str) -> Non
 def read_report(store: Any, rank: int, world_size: int) -> dict[str, Any]:
     """Rank ``rank``'s failure report, checked: :class:`moirai.DistributedError` naming the key unless it is one."""
     key = f"moirai/failure/{rank}"
-    raw = store.get(key)
+    raw = answered_within(lambda: store.get(key), _REPORT_GRACE_S)
     try:
         report = json.loads(raw)
     except ValueError:
@@ -68,12 +75,14 @@ def _read_report(store: Any, rank: int, world_size: int, deadline: float) -> dic
     key = f"moirai/failure/{rank}"
     while True:
         try:
-            if store.check([key]):
+            if answered_within(lambda: store.check([key]), _REPORT_GRACE_S):
                 return read_report(store, rank, world_size)
+        except StoreSilent:
+            return None  # the store does not answer: nobody heard from this rank
         except DistributedError:
             raise
         except Exception:
-            return None
+            return None  # the store is gone (or does not answer): nobody heard from this rank
         if time.monotonic() > deadline:
             return None
         time.sleep(_REPORT_POLL_S)

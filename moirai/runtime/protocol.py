@@ -30,6 +30,7 @@ import hmac
 import itertools
 import json
 import pickle
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -56,6 +57,7 @@ _TAG_WINDOW = 2048
 _FIRST_DATA_TAG = 2
 # What pickling adds per tensor beside its storage (its name, type, shape, strides): about 350 bytes, rounded up.
 _PICKLED_TENSOR_BYTES = 1024
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\]\s*")
 
 
 class HeaderKind(IntEnum):
@@ -164,9 +166,14 @@ class Messages:
         except DistributedError:
             raise  # this rank's own (a full /dev/shm): not the peer's failure
         except Exception as error:
-            raise PeerFailure(
-                f"rank {self.group.rank}: {what} failed ({type(error).__name__}: {str(error).strip()[:200]})", peer
-            ) from error
+            # The transport's message is kept, not its traceback: a wait on a peer has nothing of ours to show.
+            raise PeerFailure(f"rank {self.group.rank}: {what} failed ({transport_error(error)})", peer) from None
+
+
+def transport_error(error: BaseException) -> str:
+    """A process group's error in a line: gloo's and c10d's source locations (``[.../unbound_buffer.cc:78] ``) cut."""
+    text = _SOURCE_LOCATION.sub("", str(error)).strip()
+    return f"{type(error).__name__}: {text[:200]}"
 
 
 class _Transport:

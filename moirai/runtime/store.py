@@ -18,7 +18,9 @@ import hashlib
 import hmac
 import secrets
 import socket
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -154,3 +156,61 @@ def join_store(port: int, world_size: int, secret: bytes, timeout_s: float) -> R
     """A rank other than 0: the run's store on 127.0.0.1:``port``, sealed with the secret rank 0 handed over."""
     raw = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     return RunStore(raw, secret)
+
+
+class StoreSilent(DistributedError):
+    """A store call that did not return within its bound: the store's host, or the network to it, went away."""
+
+
+def answered_within(call: Callable[[], Any], timeout_s: float) -> Any:
+    """``call()``'s result (or its exception), or :class:`StoreSilent` after ``timeout_s``. The call runs on a daemon
+    thread, left behind where it does not return (a process's exit does not wait for it); a store whose call is left
+    behind holds its connection's lock, so its later calls time out here too."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as error:  # raised again on the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="moirai-store-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise StoreSilent(f"the store did not answer within {timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+# How long a store may take to answer one call while another rank works: a live store answers in milliseconds.
+STORE_ANSWER_S = 10.0
+_KEY_POLL_S = 0.2
+
+
+def wait_for_key(
+    store: Any, key: str, who: str, doing: str, timeout_s: float, answer_s: float = STORE_ANSWER_S
+) -> None:
+    """Wait up to ``timeout_s`` for ``who`` (e.g. ``rank 0 (host a)``) to set ``key`` while it is ``doing`` something;
+    a :class:`moirai.DistributedError` saying what happened to it otherwise: the store closed (under torchrun it
+    lives in the launcher of node 0, which exits when its rank fails), stopped answering (its host or the network to
+    it went away), or the time ran out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if answered_within(lambda: store.check([key]), answer_s):
+                return
+        except StoreSilent:
+            raise DistributedError(
+                f"the store stopped answering (for {answer_s:g} s) while {who} was {doing}: its host, or the network "
+                f"to it, went away; check that host and start the run again"
+            ) from None
+        except (RuntimeError, dist.DistStoreError) as error:
+            raise DistributedError(
+                f"the store closed while {who} was {doing} ({str(error).splitlines()[0][:160]}): under torchrun it "
+                f"closes when the launcher of node 0 exits, so {who} failed or was stopped; see its output for why"
+            ) from None
+        if time.monotonic() > deadline:
+            raise DistributedError(f"{who} was still {doing} after {timeout_s:g} s; see its output for why")
+        time.sleep(_KEY_POLL_S)

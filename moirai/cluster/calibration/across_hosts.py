@@ -7,7 +7,9 @@ the other, and within a host of two ranks or more, its first two both ways. Two 
 hosts times its messages after estimating the offset between them
 (:func:`moirai.cluster.calibration.measure.measure_pairs`). Rank 0 collects the medians through the store and fits
 them (:class:`HostsCalibration`); ``compile`` on rank 0 prices the links between the hosts with them
-(:func:`moirai.cluster.calibration.cluster.local_cluster`).
+(:func:`moirai.cluster.calibration.cluster.local_cluster`). ``compile`` with ``calibration="auto"`` measures them
+itself where rank 0's cached calibration lacks them, every rank taking part before rank 0 plans
+(:func:`measure_host_links`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,19 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from moirai.cluster.calibration.cache import cache_host_links, local_host_links
 from moirai.cluster.calibration.fit import HostLink, TransferCost, TransferTimings, fit_between_hosts, link_kind
-from moirai.cluster.calibration.measure import leave_together, measure_pairs
+from moirai.cluster.calibration.measure import DEFAULT_SIZES_BYTES, leave_together, measure_pairs
 from moirai.errors import DistributedError
+from moirai.progress import stage
 
 _PREFIX = "moirai/calibration"
+# What compile measures between hosts: the sweep and repeats a local calibration takes (and `moirai calibrate`).
+_AUTO_REPEATS = 15
+_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -77,10 +86,16 @@ def host_pairs(hosts: Sequence[str]) -> list[tuple[int, int]]:
 
 
 def measure_across_hosts(
-    torch_devices: Sequence[str], sizes_bytes: Sequence[int], repeats: int, warmup: int = 3, timeout_s: float = 300.0
+    torch_devices: Sequence[str],
+    sizes_bytes: Sequence[int],
+    repeats: int,
+    warmup: int = 3,
+    timeout_s: float = _TIMEOUT_S,
+    prefix: str = _PREFIX,
 ) -> HostsCalibration | None:
     """Under torchrun, on every rank (a collective): measure the links between and within the hosts; rank 0 gets
-    the result, the others None. Rank ``r`` runs on ``torch_devices[r]``."""
+    the result, the others None. Rank ``r`` runs on ``torch_devices[r]``; ``prefix`` names the store keys, one per
+    measurement of a run."""
     from moirai.runtime.distributed import torchrun_group
     from moirai.runtime.hosts import rank_hosts
 
@@ -92,26 +107,68 @@ def measure_across_hosts(
         raise DistributedError(
             f"torchrun runs {world_size} ranks but {len(torch_devices)} devices were given; give one device per rank"
         )
-    group = torchrun_group(rank, world_size, list(torch_devices), timeout_s, f"{_PREFIX}/shm")
+    group = torchrun_group(rank, world_size, list(torch_devices), timeout_s, f"{prefix}/shm")
     try:
-        hosts = rank_hosts(group.store, rank, world_size, f"{_PREFIX}/host", timeout_s)
+        hosts = rank_hosts(group.store, rank, world_size, f"{prefix}/host", timeout_s)
         pairs = host_pairs(hosts)
         sizes = tuple(int(s) for s in sizes_bytes)
-        for index, medians in measure_pairs(group, pairs, sizes, repeats, warmup, timeout_s, _PREFIX, hosts):
-            group.store.set(f"{_PREFIX}/result/{index}", json.dumps(medians))
-        leave_together(group.store, rank, world_size)
+        for index, medians in measure_pairs(group, pairs, sizes, repeats, warmup, timeout_s, prefix, hosts):
+            group.store.set(f"{prefix}/result/{index}", json.dumps(medians))
+        leave_together(group.store, rank, world_size, prefix)
     finally:
         group.close()
     if rank != 0:
         return None
     timings = {}
     for index, pair in enumerate(pairs):
-        medians = _medians(group.store, f"{_PREFIX}/result/{index}", pair, len(sizes))
+        medians = _medians(group.store, f"{prefix}/result/{index}", pair, len(sizes))
         timings[pair] = TransferTimings(sizes, *(tuple(medians[key]) for key in _MEDIANS))
     return HostsCalibration(tuple(str(d) for d in torch_devices), tuple(hosts), timings)
 
 
 _MEDIANS = ("delay_s", "sender_cpu_s", "receiver_cpu_s")
+
+
+def measure_host_links(
+    store: Any,
+    rank: int,
+    torch_devices: Sequence[str],
+    hosts: Sequence[str],
+    calibration: str | Path,
+    prefix: str,
+    cache_dir: str | Path | None = None,
+) -> None:
+    """Under torchrun with ranks on several ``hosts``, on every rank before rank 0 plans (a collective): with
+    ``calibration="auto"`` where rank 0's cached calibration lacks a link between hosts that
+    :func:`measure_across_hosts` measures, or with ``"remeasure"``, every rank measures them and rank 0 adds them to
+    its cache; a calibration file or ``"none"`` measures nothing. Rank 0 decides, and says so under ``prefix``."""
+    from moirai.runtime.store import wait_for_key
+
+    decision, missing = f"{prefix}/measure", []
+    if rank == 0:
+        cached = local_host_links(calibration, cache_dir) if calibration in ("auto", "remeasure") else {}
+        missing = sorted(str(link) for link in _links_measured(torch_devices, hosts) - set(cached))
+        measure = calibration == "remeasure" or (calibration == "auto" and bool(missing))
+        store.set(decision, "1" if measure else "0")
+    else:
+        wait_for_key(store, decision, f"rank 0 (host {hosts[0]})", "reading its calibration", _TIMEOUT_S)
+        measure = store.get(decision) == b"1"
+    if not measure:
+        return
+    why = f"{', '.join(missing)}: not in this machine's calibration" if missing else f"calibration={calibration!r}"
+    with stage("measure links between hosts", why):
+        measured = measure_across_hosts(torch_devices, DEFAULT_SIZES_BYTES, _AUTO_REPEATS, prefix=prefix)
+    if measured is not None:
+        cache_host_links(measured.host_links(), cache_dir)
+
+
+def _links_measured(torch_devices: Sequence[str], hosts: Sequence[str]) -> set[HostLink]:
+    """The links between two hosts that :func:`measure_across_hosts` measures (its pairs' ends and kinds)."""
+    return {
+        HostLink(hosts[a], hosts[b], link_kind(torch_devices[a], torch_devices[b]))
+        for a, b in host_pairs(hosts)
+        if hosts[a] != hosts[b]
+    }
 
 
 def _medians(store: object, key: str, pair: tuple[int, int], num_sizes: int) -> dict[str, list[float]]:

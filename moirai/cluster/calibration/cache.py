@@ -128,12 +128,21 @@ def cached_links(path: Path) -> dict[str, TransferCost]:
 def local_host_links(
     calibration: str | Path = "auto", cache_dir: str | Path | None = None
 ) -> dict[HostLink, TransferCost]:
-    """The links between hosts measured under torchrun (``moirai calibrate --save`` or ``--update-cache``): a
-    calibration file's, or with ``"auto"`` and ``"remeasure"`` this machine's cached ones (measuring them needs
-    every host's ranks, so nothing here measures them)."""
+    """The links between hosts measured under torchrun (``moirai calibrate --save`` or ``--update-cache``, or
+    ``compile`` with ``"auto"``: :func:`~.across_hosts.measure_host_links`): a calibration file's, or with ``"auto"``
+    and ``"remeasure"`` this machine's cached ones (measuring them needs every host's ranks, so nothing here measures
+    them)."""
     if calibration in ("auto", "remeasure"):
         return cached_host_links(calibration_cache_path(cache_dir))
     return read_host_links(calibration)
+
+
+def cache_host_links(links: Mapping[HostLink, TransferCost], cache_dir: str | Path | None = None) -> None:
+    """Add ``links`` (measured under torchrun) to this machine's cached calibration, replacing those it had."""
+    path = calibration_cache_path(cache_dir)
+    with _exclusive(path.with_suffix(".lock")):
+        host_links = {**cached_host_links(path), **links}
+        write_calibration(path, cached_links(path), _read_cached_requests(path), host_links)
 
 
 def cached_host_links(path: Path) -> dict[HostLink, TransferCost]:

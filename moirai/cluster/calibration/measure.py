@@ -295,7 +295,8 @@ def join_as_runtime_rank(rank: int, torch_devices: list[str], port: int, timeout
     return group, store, resources
 
 
-def leave_together(store: Any, rank: int, world_size: int) -> None:
-    """Nobody leaves before the last message is through: a rank that exits closes its connections."""
-    store.set(f"moirai/calibrated/{rank}", "1")
-    store.wait([f"moirai/calibrated/{r}" for r in range(world_size)])
+def leave_together(store: Any, rank: int, world_size: int, prefix: str = "moirai") -> None:
+    """Nobody leaves before the last message is through: a rank that exits closes its connections (``prefix``: one
+    per measurement in one store)."""
+    store.set(f"{prefix}/calibrated/{rank}", "1")
+    store.wait([f"{prefix}/calibrated/{r}" for r in range(world_size)])
