@@ -154,6 +154,7 @@ def bench(options: argparse.Namespace) -> None:
             subprocess.run([str(TWO_HOSTS), "shape", rate], env=environment, check=True, capture_output=True)
             calibration = work / f"calibration-{rate}.json"
             sweep = ["--max-size-mb", str(options.max_size_mb), "--repeats", str(options.repeats)]
+            sweep += ["--output", str(work / f"cluster-{rate}.toml")]  # not the checkout's ./cluster.toml
             on_both_hosts(environment, "-m", "moirai", "calibrate", *sweep, "--save", str(calibration), pinned=False)
             link = read_host_links(calibration)[HostLink("moirai-host-a", "moirai-host-b", "cpu->cpu")]
             rows_file = work / f"rows-{rate}.json"
