@@ -30,7 +30,9 @@ import hmac
 import itertools
 import json
 import pickle
+import queue
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -46,7 +48,7 @@ from moirai.runtime import isolation
 from moirai.runtime.blame import PeerFailure
 from moirai.runtime.groups import Group, Work, placed_part
 from moirai.runtime.header import DIGEST_WORDS, HEADER_DTYPE, HEADER_FIELDS, HEADER_WORDS
-from moirai.runtime.split import SplitProgram, concrete_shape, symbol_values
+from moirai.runtime.split import SplitProgram, TensorTransfer, concrete_shape, symbol_values
 from moirai.runtime.store import derived_key
 
 _HEADER_DTYPE = getattr(torch, HEADER_DTYPE)
@@ -179,10 +181,13 @@ def transport_error(error: BaseException) -> str:
 class _Transport:
     """What a part's send/post_recv/wait_recv nodes call (see :class:`moirai.runtime.split.Transport`)."""
 
-    def __init__(self, program: SplitProgram, messages: Messages) -> None:
+    def __init__(
+        self, program: SplitProgram, messages: Messages, preposted: dict[int, PendingReceive] | None = None
+    ) -> None:
         self._transfers = program.transfers
         self._first_tag = _FIRST_DATA_TAG + len(program.input_specs)
         self._messages = messages
+        self._preposted = dict(preposted or {})  # by transfer index: receives posted before the part ran
         # What the part did, so that a part that raises can still send and receive the rest of its messages.
         self.sent: set[int] = set()
         self.posted: dict[int, PendingReceive] = {}  # by position in the program's transfers
@@ -194,10 +199,9 @@ class _Transport:
         self.sent.add(transfer_index)
 
     def post_recv(self, transfer_index: int) -> PendingReceive:
-        transfer = self._transfers[transfer_index]
-        pending = self._messages.post_recv_spec(
-            transfer.spec, transfer.src, self._first_tag + transfer.index, f"tensor {transfer.tensor}"
-        )
+        pending = self._preposted.pop(transfer_index, None)
+        if pending is None:
+            pending = _post_transfer_recv(self._messages, self._transfers[transfer_index], self._first_tag)
         self.posted[transfer_index] = pending
         return pending
 
@@ -227,29 +231,74 @@ def send_inputs(program: SplitProgram, messages: Messages, flat_inputs: Sequence
             messages.send(flat_inputs[index], other.device, _FIRST_DATA_TAG + index, f"flat input {index}")
 
 
+def _post_outputs(
+    program: SplitProgram,
+    messages: Messages,
+    pending: dict[int, PendingReceive],
+    statuses: dict[int, PendingReceive],
+    by_order: bool,
+) -> None:
+    """Rank 0: post the receives of the other parts' flat outputs and statuses on the links that match messages
+    by order (``by_order``, NCCL's) or by tag (gloo, shared memory), into ``pending`` and ``statuses``."""
+    first_tag = _FIRST_DATA_TAG + len(program.input_specs) + len(program.transfers)
+    status_tag = first_tag + len(program.outputs)
+    group = messages.group
+    for position, location in enumerate(program.outputs):
+        if location.device != 0 and matches_by_order(group, location.device) == by_order:
+            spec = program.parts[location.device].output_specs[location.index]
+            pending[position] = messages.post_recv_spec(
+                spec, location.device, first_tag + position, f"flat output {position}"
+            )
+    for k in program.working_ranks:
+        if matches_by_order(group, k) == by_order:
+            statuses[k] = messages.post_recv((1,), torch.int64, k, status_tag + k, "its status")
+
+
+class Preposted(NamedTuple):
+    """A request's receives, posted before its part runs (see [Note: receives posted ahead])."""
+
+    messages: Messages
+    inputs: dict[int, PendingReceive]  # by flat input index
+    transfers: dict[int, PendingReceive]  # by transfer index
+
+
+def _post_input_recv(messages: Messages, program: SplitProgram, index: int) -> PendingReceive:
+    return messages.post_recv_spec(program.input_specs[index], 0, _FIRST_DATA_TAG + index, f"flat input {index}")
+
+
+def _post_transfer_recv(messages: Messages, transfer: TensorTransfer, first_tag: int) -> PendingReceive:
+    return messages.post_recv_spec(transfer.spec, transfer.src, first_tag + transfer.index, f"tensor {transfer.tensor}")
+
+
 def run_part(
     program: SplitProgram,
     group: Group,
     module: fx.GraphModule,
     messages: Messages,
     flat_inputs: Sequence[torch.Tensor] | None,
+    preposted: Preposted | None = None,
 ) -> Callable[[], list[torch.Tensor] | None]:
     """Run this rank's part of one request; returns what finishes it (rank 0: the flat outputs, others: None).
 
     Rank 0 runs part 0 (after :func:`send_inputs`) and posts the receives of the other parts'
-    outputs; the others receive their inputs, run their part and send their outputs.
+    outputs; the others receive their inputs, run their part and send their outputs. ``preposted``: this
+    request's receives, posted before (``messages`` is then ``preposted.messages``).
     """
     rank, device = group.rank, group.devices[group.rank]
     part = program.parts[rank]
     if flat_inputs is not None:
         local_inputs = [flat_inputs[index] for index in part.input_indices]
     else:
-        pending_inputs = [
-            messages.post_recv_spec(program.input_specs[index], 0, _FIRST_DATA_TAG + index, f"flat input {index}")
-            for index in part.input_indices
-        ]
+        early = preposted.inputs if preposted is not None else {}
+        pending_inputs = [early.get(i) or _post_input_recv(messages, program, i) for i in part.input_indices]
         local_inputs = [messages.wait_recv(p) for p in pending_inputs]
-    transport = _Transport(program, messages)
+    pending: dict[int, PendingReceive] = {}
+    statuses: dict[int, PendingReceive] = {}
+    if rank == 0:
+        # Where messages match by tag, posted before part 0 sends anything, so that gloo's "ready to receive" for
+        # them goes out first ([Note: receives posted ahead]); NCCL matches by order: after part 0, as its peers.
+        _post_outputs(program, messages, pending, statuses, by_order=False)
+    transport = _Transport(program, messages, preposted.transfers if preposted is not None else None)
     failure = None
     try:
         with torch.no_grad():
@@ -277,26 +326,14 @@ def run_part(
             messages.wait_sends()
 
         return finish_sends
-    pending = {
-        position: messages.post_recv_spec(
-            program.parts[location.device].output_specs[location.index],
-            location.device,
-            first_tag + position,
-            f"flat output {position}",
-        )
-        for position, location in enumerate(program.outputs)
-        if location.device != 0
-    }
-    statuses = {
-        k: messages.post_recv((1,), torch.int64, k, status_tag + k, "its status") for k in program.working_ranks
-    }
+    _post_outputs(program, messages, pending, statuses, by_order=True)
 
     def finish_outputs() -> list[torch.Tensor]:
         outputs = [
             messages.wait_recv(pending[position]) if position in pending else part_outputs[location.index]
             for position, location in enumerate(program.outputs)
         ]
-        failed = [k for k, status in statuses.items() if int(messages.wait_recv(status)[0]) != isolation.STATUS_OK]
+        failed = [k for k in sorted(statuses) if int(messages.wait_recv(statuses[k])[0]) != isolation.STATUS_OK]
         messages.wait_sends()
         failures = [failure] if failure is not None else []
         failures += [isolation.read_part_failure(group.store, messages.request, k) for k in failed]
@@ -312,31 +349,98 @@ def serve(group: Group, programs: dict[int, SplitProgram], timeout_s: float) -> 
     shows that rank 0 lives).
 
     The sends of request ``r`` are waited for after running request ``r + 1``, so this rank can
-    run ahead of its receivers by one request.
+    run ahead of its receivers by one request. Over gloo the headers are read ahead ([Note: receives posted
+    ahead]).
     """
     timeout = datetime.timedelta(seconds=timeout_s)
+    reads_ahead = not matches_by_order(group, 0) and group.link(group.wire_device(0), 0) is group.gloo
+    headers = _headers_read_ahead if reads_ahead else _headers_in_turn
     previous: Callable[[], Any] | None = None
-    for sequence in itertools.count():
-        header = receive_header(group, sequence, timeout)
+    for header, preposted in headers(group, programs, timeout):
         if header.kind == HeaderKind.CLOSE:
             break
-        if header.kind == HeaderKind.LOAD:
-            if group.secret is None:
-                raise DistributedError(
-                    f"rank {group.rank} was sent a program to load, but this run has no secret to authenticate it "
-                    f"with (under torchrun, set MOIRAI_RUN_SECRET on every rank); it loads none"
-                )
-            programs[header.program_id] = pickle.loads(header.payload)  # authenticated by receive_header
-        elif header.kind == HeaderKind.RUN:
+        if header.kind == HeaderKind.RUN:
             program = programs[header.program_id]
-            request_timeout = datetime.timedelta(milliseconds=header.timeout_ms)
-            messages = Messages(group, header.request, request_timeout, header.symbol_values)
-            finish = run_part(program, group, placed_part(program, group), messages, None)
+            if preposted is None:
+                request_timeout = datetime.timedelta(milliseconds=header.timeout_ms)
+                preposted = Preposted(Messages(group, header.request, request_timeout, header.symbol_values), {}, {})
+            part = placed_part(program, group)
+            finish = run_part(program, group, part, preposted.messages, None, preposted)
             if previous is not None:
                 previous()
             previous = finish
     if previous is not None:
         previous()
+
+
+def _headers_in_turn(
+    group: Group, programs: dict[int, SplitProgram], timeout: datetime.timedelta
+) -> Iterator[tuple[Header, Preposted | None]]:
+    """Each header once the request before it has run, a program loaded as its header comes; up to the close."""
+    for sequence in itertools.count():
+        header = receive_header(group, sequence, timeout)
+        if header.kind == HeaderKind.LOAD:
+            _load(group, programs, header)
+            continue
+        yield header, None
+        if header.kind == HeaderKind.CLOSE:
+            return
+
+
+def _headers_read_ahead(
+    group: Group, programs: dict[int, SplitProgram], timeout: datetime.timedelta
+) -> Iterator[tuple[Header, Preposted | None]]:
+    """As :func:`_headers_in_turn`, read by a thread of their own that posts each request's receives as its header
+    comes, while the request before it still runs (see [Note: receives posted ahead])."""
+    ahead: queue.Queue[tuple[Header, Preposted | None] | BaseException] = queue.Queue(maxsize=1)
+
+    def read() -> None:
+        try:
+            for header, _ in _headers_in_turn(group, programs, timeout):
+                ahead.put((header, _post_receives(group, programs, header)))
+        except BaseException as error:  # the rank's loop raises it, as it would have raised it itself
+            ahead.put(error)
+
+    threading.Thread(target=read, name="moirai-headers", daemon=True).start()
+    while True:
+        item = ahead.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item[0].kind == HeaderKind.CLOSE:
+            return
+
+
+def _post_receives(group: Group, programs: dict[int, SplitProgram], header: Header) -> Preposted | None:
+    """The receives of ``header``'s request on this rank, posted now (None: not a request, one whose program this
+    rank lacks, which the rank's loop then names, or one with messages that match by order)."""
+    program = programs.get(header.program_id) if header.kind == HeaderKind.RUN else None
+    if program is None:
+        return None
+    part = program.parts[group.rank]
+    sources = {transfer.src for transfer in part.receives} | ({0} if part.input_indices else set())
+    if any(matches_by_order(group, source) for source in sources):
+        return None  # NCCL pairs sends and receives in the order both ends post them: posted in turn
+    timeout = datetime.timedelta(milliseconds=header.timeout_ms)
+    messages = Messages(group, header.request, timeout, header.symbol_values)
+    first_tag = _FIRST_DATA_TAG + len(program.input_specs)
+    inputs = {index: _post_input_recv(messages, program, index) for index in part.input_indices}
+    transfers = {t.index: _post_transfer_recv(messages, t, first_tag) for t in part.receives}
+    return Preposted(messages, inputs, transfers)
+
+
+def _load(group: Group, programs: dict[int, SplitProgram], header: Header) -> None:
+    if group.secret is None:
+        raise DistributedError(
+            f"rank {group.rank} was sent a program to load, but this run has no secret to authenticate it "
+            f"with (under torchrun, set MOIRAI_RUN_SECRET on every rank); it loads none"
+        )
+    programs[header.program_id] = pickle.loads(header.payload)  # authenticated by receive_header
+
+
+def matches_by_order(group: Group, peer: int) -> bool:
+    """Whether messages to and from ``peer`` match by posting order (NCCL's), not by tag (gloo, shared memory)."""
+    return kind_of(group.wire_device(peer)).messages_in_device_memory
 
 
 @dataclass(frozen=True)
