@@ -244,19 +244,13 @@ def compile(
     """
     check_placer_options(placer_options)
     handover = PlanHandover.under_torchrun(devices)
-    hosts = handover.hosts if handover is not None else None
-    if handover is not None and hosts is not None:
-        # Every rank takes part where the links between the hosts are to be measured, before rank 0 plans with them.
-        measure_host_links(
-            handover.store, handover.rank, handover.torch_devices, hosts, calibration, f"{handover.key}/hosts"
-        )
     if handover is not None and not handover.plans:
-        # Another rank plans: this one measures nothing and takes that rank's plan, problem included.
-        cluster = local_cluster(devices, "none", hosts)
+        # Another rank plans: this one takes that rank's plan, problem included.
+        cluster, _ = rank_cluster(devices, calibration, handover)
         traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
         return from_plan_record(handover.receive(), "rank 0's plan", traced, cluster)
     with handover.planning() if handover is not None else contextlib.nullcontext():
-        cluster = local_cluster(devices, calibration, hosts)
+        cluster, hosts = rank_cluster(devices, calibration, handover)
         traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
         graph = build_op_graph(traced)
         coarsening = coarsen(graph, rules=fusion_rules, target_nodes=target_nodes)
@@ -361,6 +355,22 @@ def _planned_problem(
             f"{path} holds a planned problem that does not hold together ({error}); the file was edited "
             "or mixed: save it again"
         ) from None
+
+
+def rank_cluster(
+    devices: Cluster | Sequence[str], calibration: str | Path, handover: PlanHandover | None
+) -> tuple[Cluster, tuple[str, ...] | None]:
+    """The cluster this process plans or serves with, and under a torchrun across hosts each device's host (else
+    None). Every rank of such a run first takes part in measuring the links between the hosts where they are to
+    be measured (:func:`measure_host_links`); a rank that does not plan measures nothing else, as the plan it
+    receives carries rank 0's costs."""
+    hosts = handover.hosts if handover is not None else None
+    if handover is not None and hosts is not None:
+        measure_host_links(
+            handover.store, handover.rank, handover.torch_devices, hosts, calibration, f"{handover.key}/hosts"
+        )
+    plans = handover is None or handover.plans
+    return local_cluster(devices, calibration if plans else "none", hosts), hosts
 
 
 def _unfused_lower_bound_s(

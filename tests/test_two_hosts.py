@@ -244,6 +244,7 @@ def test_readme_serve_script_runs_across_two_hosts(two_hosts: dict[str, str], tm
 
 
 # Rank 0 generates with a split Llama, its caches on both hosts, three sequences in flight; host b's rank serves.
+# The links between the hosts are measured first (calibration="auto", an empty cache), every rank taking part.
 GENERATE_ACROSS_HOSTS = """
 import os
 import torch
@@ -254,15 +255,15 @@ torch.manual_seed(0)
 config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 model = transformers.LlamaForCausalLM(config).eval()
-lm = moirai.compile_lm(model, ["cpu", "cpu"], max_batch_size=4, max_seq_len=64, max_prefill=8, placer="round_robin",
-                       calibration="none", progress=False)
+lm = moirai.compile_lm(model, ["cpu", "cpu"], max_batch_size=4, max_seq_len=64, max_prefill=8, placer="round_robin")
 if int(os.environ["RANK"]) == 0:
     prompts = torch.randint(0, 512, (3, 10), generator=torch.Generator().manual_seed(5))
     with lm.server() as server:
         tokens = server.generate(prompts, max_new_tokens=12)
     with torch.no_grad():
         expected = model.generate(prompts, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(prompts))
-    print("devices", sorted(set(lm.compiled.plan.placement.tolist())), "EQUAL", torch.equal(tokens, expected))
+    hosts, used = [d.host for d in lm.compiled.cluster.devices], sorted(set(lm.compiled.plan.placement.tolist()))
+    print("hosts", hosts, "devices", used, "EQUAL", torch.equal(tokens, expected))
 else:
     moirai.serve_rank(lm.compiled)
 """
@@ -271,8 +272,11 @@ else:
 @pytest.mark.slow
 def test_the_generation_server_runs_across_two_hosts(two_hosts: dict[str, str], tmp_path: Path) -> None:
     (tmp_path / "generate.py").write_text(GENERATE_ACROSS_HOSTS)
-    finished = run_on_both_hosts(two_hosts, tmp_path, "generate.py")
-    assert "devices [0, 1] EQUAL True" in finished["a"][0], finished["a"]
+    environment = {**two_hosts, "MOIRAI_CACHE_DIR": str(tmp_path / "cache")}
+    finished = run_on_both_hosts(environment, tmp_path, "generate.py", timeout_s=240)
+    assert "moirai: measure links between hosts" in finished["a"][1], finished["a"][1][-3000:]
+    hosts = "['moirai-host-a', 'moirai-host-b']"
+    assert f"hosts {hosts} devices [0, 1] EQUAL True" in finished["a"][0], finished["a"]
 
 
 # Rank 0 serves requests, a few in flight at a time, until one fails (host b went away); it writes what failed and

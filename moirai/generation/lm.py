@@ -30,10 +30,9 @@ from rich.table import Table
 
 from moirai import progress as _progress
 from moirai import viz
-from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
-from moirai.compile import CompiledModel, assemble, check_placer_options, from_plan_record
+from moirai.compile import CompiledModel, assemble, check_placer_options, from_plan_record, rank_cluster
 from moirai.errors import InfeasibleError, InputError
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
@@ -235,15 +234,16 @@ def compile_lm(
     steps_in_flight = min(sequences, len(devices))  # a server keeps about one decode step per stage in flight
     decode_batch = math.ceil(sequences / steps_in_flight)
     handover = PlanHandover.under_torchrun(devices)  # under torchrun rank 0 plans, as compile does
-    cluster = local_cluster(devices, calibration if handover is None or handover.plans else "none")
+    cluster, hosts = rank_cluster(devices, calibration, handover)
     step = CausalLMStep(model, max_batch_size, max_seq_len).eval()
     traced = trace_step(step, max_batch_size, max_prefill)
     graph = build_op_graph(traced)
     coarse = coarsen(graph, rules=fusion_rules).graph
     colocated = colocated_groups(coarse, mutable_buffers(traced.graph_module))
     prompt_chunk = min(prompt_tokens, max_prefill)
-    prefill = phase_problem(traced, coarse, cluster, colocated, cost, batch=1, tokens=prompt_chunk)
-    decode = phase_problem(traced, coarse, cluster, colocated, cost, batch=decode_batch, tokens=1)
+    remote_alike = hosts is not None  # devices on other hosts are priced as this host's of their kind
+    prefill = phase_problem(traced, coarse, cluster, colocated, cost, 1, prompt_chunk, remote_alike)
+    decode = phase_problem(traced, coarse, cluster, colocated, cost, decode_batch, 1, remote_alike)
     # A chunk's cost depends on its tokens only (attention spans the whole slot): a long prompt is whole chunks.
     objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s, math.ceil(prompt_tokens / prompt_chunk))
     if handover is not None and not handover.plans:
@@ -311,8 +311,10 @@ def phase_problem(
     cost: str,
     batch: int,
     tokens: int,
+    remote_alike: bool = False,
 ) -> Problem:
-    """The placement problem of the step's coarse graph priced at ``batch`` sequences of ``tokens`` tokens."""
+    """The placement problem of the step's coarse graph priced at ``batch`` sequences of ``tokens`` tokens
+    (``remote_alike`` as :func:`moirai.cluster.cost.build_problem`'s)."""
     wanted = {"batch": batch, "tokens": tokens}
     sizes = {dim.symbol: wanted[dim.name] for dim in traced.dynamic_dims if dim.name in wanted}
     with sizes_at(sizes):
@@ -325,6 +327,7 @@ def phase_problem(
             traced,
             symbol_values=sizes,
             colocated=colocated,
+            remote_alike=remote_alike,
         )
 
 
