@@ -285,7 +285,31 @@ def target_lines(rows: list[Row]) -> list[str]:
         lost = len({line.split(": milp ")[0] for line in beaten})
         lines.append(f"{objective}: milp beaten on {lost} of {compared} problems with a milp row; {ratio_text}")
         lines += [f"  beaten on {line}" for line in beaten]
+        if objective == "latency":
+            lines.append(_room_line([r for r in rows if r.objective == objective], problems))
     return lines
+
+
+ROOM_TARGET = 0.90  # latency: milp at most this times the best other placer, where the lower bound allows it
+
+
+def _room_line(rows: list[Row], problems: list[tuple[str, str]]) -> str:
+    """How often milp is at most ``ROOM_TARGET`` times the best other placer, on the problems whose lower bound
+    leaves that room (bound at most ``ROOM_TARGET`` times the best other's value)."""
+    met, room = [], []
+    for model, cluster in problems:
+        same = [r for r in rows if (r.model, r.cluster) == (model, cluster) and r.status == "ok" and r.objective_s]
+        milp = next((r for r in same if r.placer == "milp"), None)
+        others = [r.objective_s for r in same if r.placer != "milp"]
+        if milp is None or not others or milp.lower_bound_s is None:
+            continue
+        best = min(others)
+        if milp.lower_bound_s <= ROOM_TARGET * best:
+            room.append(f"{model}/{cluster} {milp.objective_s / best:.3f}")
+            met += [model] if milp.objective_s <= ROOM_TARGET * best else []
+    return f"  milp <= {ROOM_TARGET:.2f}x the best other where the bound leaves room: {len(met)} of {len(room)}" + (
+        f" ({', '.join(room)})" if room else ""
+    )
 
 
 def _ms(seconds: float | None) -> str:
