@@ -143,18 +143,30 @@ def _head_s(problem: Problem, v: int, producers: tuple[int, ...], head: np.ndarr
     arrival = through.min(axis=1)  # [producer, device]: through a link, from the producer's best other device
     local_start = head[list(producers)]
     local_compute = np.where(problem.fits[list(producers)], problem.compute_s[list(producers)], np.inf)
-    if len(producers) > _EXACT_SPLIT_MAX_PRODUCERS:
-        return np.minimum(arrival, finish[list(producers)]).max(axis=0)
+    return earliest_start_s(arrival, local_start, local_compute)
+
+
+def earliest_start_s(arrival_s: np.ndarray, local_start_s: np.ndarray, local_compute_s: np.ndarray) -> np.ndarray:
+    """The earliest a task can start on each device, from its producers (rows) on each device (columns): a producer
+    sent from elsewhere arrives at ``arrival_s`` at the earliest; one on the same device starts there at
+    ``local_start_s`` at the earliest and takes ``local_compute_s``, and those run one at a time (the one-machine
+    bound: the latest start among any of them plus all their compute from it on). Each split is tried that sends
+    the producers arriving earliest (the best split is one of them); with many producers, each alone."""
+    m, k = arrival_s.shape
+    if m == 0:
+        return np.zeros(k)
+    if m > _EXACT_SPLIT_MAX_PRODUCERS:
+        return np.minimum(arrival_s, local_start_s + local_compute_s).max(axis=0)
     # Per device, producers by latest start first (the one-machine bound's order), each with its arrival's rank;
     # split ``j`` sends the ``j`` earliest-arriving producers and runs the others locally.
-    by_start = np.argsort(-local_start, axis=0)
-    start_s = np.take_along_axis(local_start, by_start, axis=0)
-    compute_s = np.take_along_axis(local_compute, by_start, axis=0)
-    rank = np.take_along_axis(np.argsort(np.argsort(arrival, axis=0), axis=0), by_start, axis=0)
-    local = rank[None] >= np.arange(len(producers) + 1)[:, None, None]  # [split, producer, device]
+    by_start = np.argsort(-local_start_s, axis=0)
+    start_s = np.take_along_axis(local_start_s, by_start, axis=0)
+    compute_s = np.take_along_axis(local_compute_s, by_start, axis=0)
+    rank = np.take_along_axis(np.argsort(np.argsort(arrival_s, axis=0), axis=0), by_start, axis=0)
+    local = rank[None] >= np.arange(m + 1)[:, None, None]  # [split, producer, device]
     busy = np.cumsum(np.where(local, compute_s[None], 0.0), axis=1)
     local_done = np.where(local, start_s[None] + busy, -np.inf).max(axis=1)
-    sent = np.vstack([np.zeros(k), np.sort(arrival, axis=0)])  # [split, device]: the last sent tensor's arrival
+    sent = np.vstack([np.zeros(k), np.sort(arrival_s, axis=0)])  # [split, device]: the last sent tensor's arrival
     return np.maximum(sent, local_done).min(axis=0)
 
 
