@@ -28,6 +28,7 @@ from moirai.errors import InfeasibleError
 from moirai.planning.colocation import Contraction, contract
 from moirai.planning.highs import new_highs
 from moirai.planning.problem import Problem
+from moirai.planning.schedule.transfers import transfer_duration_s
 
 
 class LowerBounds(NamedTuple):
@@ -137,7 +138,9 @@ def _head_s(problem: Problem, v: int, producers: tuple[int, ...], head: np.ndarr
     rows = {u: row for row, u in enumerate(producers)}
     sent = [(rows[int(problem.tensor_producer[t])], t) for t in problem.input_tensors[v]]
     link = np.zeros((len(producers), k, k))  # [producer, a, b]: the longest of its tensors for v on link a -> b
-    np.maximum.at(link, [row for row, _ in sent], problem.transfer_s[[t for _, t in sent]])
+    devices = np.arange(k)
+    durations = transfer_duration_s(problem, np.array([t for _, t in sent])[:, None, None], devices[:, None], devices)
+    np.maximum.at(link, [row for row, _ in sent], durations)
     through = finish[list(producers)][:, :, None] + link
     through[:, np.arange(k), np.arange(k)] = np.inf
     arrival = through.min(axis=1)  # [producer, device]: through a link, from the producer's best other device
