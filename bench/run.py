@@ -71,7 +71,7 @@ QUICK_TIME_LIMIT_S = 5.0
 OBJECTIVES_RUN = ("latency", "throughput")
 BASELINE = "contiguous"  # every row's ratio is to this placer's value
 # The layered family with a known optimum: (tasks, devices), seed 0; and the placers run on it. contiguous's
-# throughput DP takes about 10 s on (500, 6) and minutes on (2000, 14) on 2 cores.
+# throughput DP grows fast with the member (its times: bench/RESULTS.md section 1).
 LAYERED_FAMILY = ((200, 4), (500, 6), (1000, 8), (2000, 14))
 LAYERED_PLACERS = ("milp", "contiguous", "pipeline", "heft", "getf", "m_sct")
 RSS_SAMPLE_PERIOD_S = 0.005
