@@ -71,7 +71,7 @@ QUICK_TIME_LIMIT_S = 5.0
 OBJECTIVES_RUN = ("latency", "throughput")
 BASELINE = "contiguous"  # every row's ratio is to this placer's value
 # The layered family with a known optimum: (tasks, devices), seed 0; and the placers run on it. contiguous's
-# throughput DP takes about 10 s on (500, 6) and minutes on (2000, 14) on 2 cores.
+# throughput DP grows fast with the member (its times: bench/RESULTS.md section 1).
 LAYERED_FAMILY = ((200, 4), (500, 6), (1000, 8), (2000, 14))
 LAYERED_PLACERS = ("milp", "contiguous", "pipeline", "heft", "getf", "m_sct")
 RSS_SAMPLE_PERIOD_S = 0.005
@@ -285,7 +285,31 @@ def target_lines(rows: list[Row]) -> list[str]:
         lost = len({line.split(": milp ")[0] for line in beaten})
         lines.append(f"{objective}: milp beaten on {lost} of {compared} problems with a milp row; {ratio_text}")
         lines += [f"  beaten on {line}" for line in beaten]
+        if objective == "latency":
+            lines.append(_room_line([r for r in rows if r.objective == objective], problems))
     return lines
+
+
+ROOM_TARGET = 0.90  # latency: milp at most this times the best other placer, where the lower bound allows it
+
+
+def _room_line(rows: list[Row], problems: list[tuple[str, str]]) -> str:
+    """How often milp is at most ``ROOM_TARGET`` times the best other placer, on the problems whose lower bound
+    leaves that room (bound at most ``ROOM_TARGET`` times the best other's value)."""
+    met, room = [], []
+    for model, cluster in problems:
+        same = [r for r in rows if (r.model, r.cluster) == (model, cluster) and r.status == "ok" and r.objective_s]
+        milp = next((r for r in same if r.placer == "milp"), None)
+        others = [r.objective_s for r in same if r.placer != "milp"]
+        if milp is None or not others or milp.lower_bound_s is None:
+            continue
+        best = min(others)
+        if milp.lower_bound_s <= ROOM_TARGET * best:
+            room.append(f"{model}/{cluster} {milp.objective_s / best:.3f}")
+            met += [model] if milp.objective_s <= ROOM_TARGET * best else []
+    return f"  milp <= {ROOM_TARGET:.2f}x the best other where the bound leaves room: {len(met)} of {len(room)}" + (
+        f" ({', '.join(room)})" if room else ""
+    )
 
 
 def _ms(seconds: float | None) -> str:

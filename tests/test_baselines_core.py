@@ -79,8 +79,27 @@ def test_load_bound_is_total_work_over_total_speed_on_related_devices():
 
 
 def test_critical_path_bound_uses_each_tasks_fastest_device():
-    problem = problem_of({"a": ([1.0, 4.0], 0.0), "b": ([4.0, 2.0], 0.0), "c": ([3.0, 3.0], 0.0)}, [("a", "b", 9.0)])
+    problem = problem_of({"a": ([1.0, 4.0], 0.0), "b": ([4.0, 2.0], 0.0), "c": ([3.0, 3.0], 0.0)}, [("a", "b", 0.0)])
     assert lower_bounds(problem).critical_path_s == 3.0
+
+
+def test_critical_path_bound_pays_for_a_transfer_or_for_running_producers_one_at_a_time():
+    # b after a: on gpu0 (1 + 4) or on gpu1 after a there (4 + 2) or after a's tensor crosses (1 + 9 + 2).
+    problem = problem_of({"a": ([1.0, 4.0], 0.0), "b": ([4.0, 2.0], 0.0), "c": ([3.0, 3.0], 0.0)}, [("a", "b", 9.0)])
+    assert lower_bounds(problem).critical_path_s == 5.0 == brute_force_optimum(problem)
+    # d reads a, b and c, each 1 s on both devices: one crossing (3 s) costs more than running them in turn.
+    tasks = {name: ([1.0, 1.0], 0.0) for name in "abcd"}
+    joined = problem_of(tasks, [(u, "d", 3.0) for u in "abc"])
+    assert lower_bounds(joined).critical_path_s == 4.0 == brute_force_optimum(joined)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_critical_path_bound_with_communication_never_exceeds_the_brute_force_optimum(seed):
+    rng = np.random.default_rng(1000 + seed)
+    problem = random_problem(
+        rng, int(rng.integers(3, 6)), 2, slowdown=2.0, send_cpu_s=0.5, recv_cpu_s=0.5, header_s=0.3, output_s=0.4
+    )
+    assert lower_bounds(problem).critical_path_s <= brute_force_optimum(problem, contention=False) + 1e-9
 
 
 def test_memory_makes_the_load_bound_tighter():

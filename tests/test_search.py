@@ -12,6 +12,7 @@ import pytest
 from moirai.planning.placers import get_placer, place
 from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
 from moirai.planning.simulate import simulate, upward_rank
+from moirai.planning.solve.chain_moves import ChainResult
 from moirai.planning.solve.start_plans import improve_start_plan, placement_tail, schedule_tail
 from moirai.testing import random_layered_problem
 
@@ -91,6 +92,8 @@ def test_window_search_descends_from_several_starts_then_grows_windows_from_the_
         return result
 
     monkeypatch.setattr(milp_placer, "improve_by_windows", recording_search)
+    monkeypatch.setattr(milp_placer, "_CHAIN_SHARE", 0.0)  # the windows' restarts alone: chain moves find nothing
+    monkeypatch.setattr(milp_placer, "improve_by_chains", lambda p, plan, timeline, *_: ChainResult(plan, timeline))
     problem = random_layered_problem(40, 4, seed=1)
     plan = place(problem, "milp", time_limit_s=30)
     heuristics = plan.report.heuristics
@@ -107,6 +110,36 @@ def test_window_search_descends_from_several_starts_then_grows_windows_from_the_
     assert grown and grown[0][0] in {result for *_, result in descents}
     assert plan.report.window_tasks > grown[0][1]
     assert plan.makespan_s <= min(result for *_, result in calls) * (1 + 1e-9)
+
+
+@pytest.mark.slow
+def test_chain_moves_run_first_and_where_a_descent_stalls_and_a_kept_move_starts_a_new_descent(monkeypatch):
+    milp_placer = importlib.import_module("moirai.planning.placers.milp")
+    real_search, real_chains = milp_placer.improve_by_windows, milp_placer.improve_by_chains
+    events: list[tuple[str, float, float]] = []  # (what, start's makespan, result's makespan)
+
+    def recording_search(problem, plan, timeline, *args, **kwargs):
+        result = real_search(problem, plan, timeline, *args, **kwargs)
+        if args[-1] is None:  # a descent
+            events.append(("descent", timeline.makespan_s, result.timeline.makespan_s))
+        return result
+
+    def recording_chains(problem, plan, timeline, *args):
+        result = real_chains(problem, plan, timeline, *args)
+        events.append(("chains", timeline.makespan_s, result.timeline.makespan_s))
+        return result
+
+    monkeypatch.setattr(milp_placer, "improve_by_windows", recording_search)
+    monkeypatch.setattr(milp_placer, "improve_by_chains", recording_chains)
+    problem = random_layered_problem(60, 3, seed=5, cpu_ratio=0.3)
+    plan = place(problem, "milp", time_limit_s=15)
+    assert events[0][0] == "chains" and events[0][1] == plan.report.lookahead_objective_s
+    assert events[1] == ("descent", events[0][2], events[1][2])  # the first descent starts where the moves got
+    for (what, _, result), after in zip(events, events[1:], strict=False):
+        if what == "descent" and after[0] == "chains":
+            assert after[1] == result  # chain moves go on from a stalled descent's plan
+    assert plan.report.moves_tried > 0
+    assert plan.makespan_s <= min(result for *_, result in events) * (1 + 1e-9)
 
 
 def test_schedule_tail_on_the_current_device_is_how_long_the_schedule_runs_on_after_the_task():

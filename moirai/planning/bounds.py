@@ -1,9 +1,13 @@
 """Lower bounds on the best makespan of a problem, so every plan can print its gap; memory feasibility.
 
-Two bounds, each valid for every plan that respects memory, with or without link contention
-(both ignore communication, which only ever delays a task):
+Two bounds, each valid for every plan that respects memory, with or without link contention:
 
-* critical path: the longest path when every task runs on its fastest device that can hold it;
+* critical path: the longest path when every task runs on its fastest device that can hold it, counting what its
+  inputs must cost: for each task and device a head (the earliest it can start there), where each producer either
+  runs on the same device, and those producers then run one at a time, or sends its tensor, which then takes at
+  least the link's time from the producer's best other device; each device waits for its header and each task's
+  model outputs take their time to device 0. Where transfers cost several tasks' time this is far above the longest
+  path of compute alone (where they cost nothing, it is that path);
 * load: the optimum of the LP "minimise T such that a fractional assignment of tasks to
   devices puts at most T seconds of work on every device and at most its capacity of memory".
   The number returned is not the solver's objective but the Lagrangian bound
@@ -24,6 +28,7 @@ from moirai.errors import InfeasibleError
 from moirai.planning.colocation import Contraction, contract
 from moirai.planning.highs import new_highs
 from moirai.planning.problem import Problem
+from moirai.planning.schedule.transfers import transfer_duration_s
 
 
 class LowerBounds(NamedTuple):
@@ -101,12 +106,71 @@ def _fastest_holding_device_time(problem: Problem) -> np.ndarray:
     return np.where(holds, problem.compute_s, np.inf).min(axis=1)
 
 
+_EXACT_SPLIT_MAX_PRODUCERS = 12  # beyond this many producers a task's head takes each one's cheaper way alone
+
+
 def _critical_path_bound(problem: Problem) -> float:
-    weight = _fastest_holding_device_time(problem).tolist()
-    finish = [0.0] * problem.num_tasks
+    """The latest, over tasks, of the least head + compute + model-output time on any device that can hold it."""
+    _fastest_holding_device_time(problem)  # raises for a task no device can hold
+    n, k = problem.num_tasks, problem.num_devices
+    compute = np.where(problem.fits, problem.compute_s, np.inf)
+    header = np.asarray(problem.costs.header_s, float)
+    output = np.asarray(problem.costs.output_s, float)
+    head = np.full((n, k), np.inf)
+    finish = np.full((n, k), np.inf)  # head + compute: the earliest each task can finish on each device
+    bound = 0.0
     for v in problem.topological_order:
-        finish[v] = weight[v] + max((finish[u] for u in problem.predecessors[v]), default=0.0)
-    return max(finish, default=0.0)
+        producers = problem.predecessors[v]
+        head[v] = header if not producers else np.maximum(header, _head_s(problem, v, producers, head, finish))
+        finish[v] = head[v] + compute[v]
+        bound = max(bound, float(np.min(finish[v] + output[v])))
+    return bound
+
+
+def _head_s(problem: Problem, v: int, producers: tuple[int, ...], head: np.ndarray, finish: np.ndarray) -> np.ndarray:
+    """The earliest task ``v`` can start on each device given its producers' earliest starts and finishes.
+
+    A producer on the same device ``k`` finishes there, and those producers run one at a time (the one-machine
+    bound: the latest start among any of them plus all their compute from it on); one elsewhere sends its
+    tensors, which arrive at the earliest its best other device's finish plus the link's time. The best split
+    sends exactly the producers whose tensors would arrive by some time: every such threshold is tried."""
+    k = problem.num_devices
+    rows = {u: row for row, u in enumerate(producers)}
+    sent = [(rows[int(problem.tensor_producer[t])], t) for t in problem.input_tensors[v]]
+    link = np.zeros((len(producers), k, k))  # [producer, a, b]: the longest of its tensors for v on link a -> b
+    devices = np.arange(k)
+    durations = transfer_duration_s(problem, np.array([t for _, t in sent])[:, None, None], devices[:, None], devices)
+    np.maximum.at(link, [row for row, _ in sent], durations)
+    through = finish[list(producers)][:, :, None] + link
+    through[:, np.arange(k), np.arange(k)] = np.inf
+    arrival = through.min(axis=1)  # [producer, device]: through a link, from the producer's best other device
+    local_start = head[list(producers)]
+    local_compute = np.where(problem.fits[list(producers)], problem.compute_s[list(producers)], np.inf)
+    return earliest_start_s(arrival, local_start, local_compute)
+
+
+def earliest_start_s(arrival_s: np.ndarray, local_start_s: np.ndarray, local_compute_s: np.ndarray) -> np.ndarray:
+    """The earliest a task can start on each device, from its producers (rows) on each device (columns): a producer
+    sent from elsewhere arrives at ``arrival_s`` at the earliest; one on the same device starts there at
+    ``local_start_s`` at the earliest and takes ``local_compute_s``, and those run one at a time (the one-machine
+    bound: the latest start among any of them plus all their compute from it on). Each split is tried that sends
+    the producers arriving earliest (the best split is one of them); with many producers, each alone."""
+    m, k = arrival_s.shape
+    if m == 0:
+        return np.zeros(k)
+    if m > _EXACT_SPLIT_MAX_PRODUCERS:
+        return np.minimum(arrival_s, local_start_s + local_compute_s).max(axis=0)
+    # Per device, producers by latest start first (the one-machine bound's order), each with its arrival's rank;
+    # split ``j`` sends the ``j`` earliest-arriving producers and runs the others locally.
+    by_start = np.argsort(-local_start_s, axis=0)
+    start_s = np.take_along_axis(local_start_s, by_start, axis=0)
+    compute_s = np.take_along_axis(local_compute_s, by_start, axis=0)
+    rank = np.take_along_axis(np.argsort(np.argsort(arrival_s, axis=0), axis=0), by_start, axis=0)
+    local = rank[None] >= np.arange(m + 1)[:, None, None]  # [split, producer, device]
+    busy = np.cumsum(np.where(local, compute_s[None], 0.0), axis=1)
+    local_done = np.where(local, start_s[None] + busy, -np.inf).max(axis=1)
+    sent = np.vstack([np.zeros(k), np.sort(arrival_s, axis=0)])  # [split, device]: the last sent tensor's arrival
+    return np.maximum(sent, local_done).min(axis=0)
 
 
 def _load_bound(problem: Problem) -> float:

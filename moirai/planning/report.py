@@ -82,6 +82,6 @@ class SolverReport(PlacerReport):
     windows_tried: int = 0
     windows_improved: int = 0
     windows_unproven: int = 0
-    moves_tried: int = 0  # the period search's moves priced
+    moves_tried: int = 0  # the period search's moves priced, or the latency search's chain moves simulated
     moves_kept: int = 0
     history: list[tuple[float, float]] = field(default_factory=list)  # (seconds, objective) of the winning search

@@ -10,7 +10,8 @@
    (:mod:`moirai.planning.solve.start_plans`; at that size it gains more per second than windows,
    [Note: lookahead before windows] in docs/design.md); then the window search of
    :mod:`moirai.planning.solve.search`: windows of the schedule re-solved as small MILPs, each kept only if
-   the simulator confirms a shorter makespan.
+   the simulator confirms a shorter makespan, with chain moves (:mod:`moirai.planning.solve.chain_moves`: runs of
+   tasks moved to another device at once) before it and wherever it reaches a local optimum.
 
 The budget is an upper limit, not a target: the search returns as soon as the makespan is within
 ``mip_gap`` of the proven lower bound, or (window search) when no critical window improves the
@@ -46,6 +47,7 @@ from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.report import BoundSource, SolverReport, StopReason
 from moirai.planning.simulate import Timeline, simulate
+from moirai.planning.solve.chain_moves import improve_by_chains
 from moirai.planning.solve.costs import measured_costs
 from moirai.planning.solve.formulation import FORMULATIONS, formulation_named
 from moirai.planning.solve.model import build_model
@@ -68,6 +70,8 @@ _SAFETY_S = 0.05
 _MIN_SEARCH_S = 0.3  # the window search needs more than this to solve a window
 _CONTIGUOUS_SHARE = 0.3  # of what the start plans left, at most, for the contiguous DP's predicted time
 _CONTIGUOUS_MEASURED_DEVICES = 4  # its measured time is for this many devices; it grows about as their square
+# Of what the lookahead left, at most, for chain moves before the first descent ([Note: chain moves] in docs/design.md).
+_CHAIN_SHARE = 0.3
 _WINDOW_STARTS = 4  # the most start plans the latency window search starts from ([Note: window restarts])
 
 
@@ -313,13 +317,14 @@ def _search_large(
     info: SolverReport,
     objective: Objective,
 ) -> tuple[Plan, Timeline]:
-    """Lookahead rounds from the best heuristic plan, then the window search from several starts, sharing the
-    time: the lookahead's result and the best heuristic plan; each time a descent (windows of the first size only)
-    reaches its local optimum, the next start joins, ``contiguous``'s where its predicted time fits and then the
-    next best heuristic plans, up to ``_WINDOW_STARTS`` distinct placements, and the stalled search goes on with
-    growing windows. Each search not yet at a local optimum gets an equal share of what is left, in turn, and
-    resumes where it stopped (its plan, its window size); a search that stops early leaves its time to the others.
-    The shortest plan found wins.
+    """Lookahead rounds from the best heuristic plan, chain moves from its result (at most ``_CHAIN_SHARE`` of the
+    time left), then the window search from several starts, sharing the time: that plan and the best heuristic
+    plan; each time a descent (windows of the first size only) reaches its local optimum, chain moves go on from
+    it, and if they keep one a new descent starts from theirs; else the next start joins, ``contiguous``'s where
+    its predicted time fits and then the next best heuristic plans, up to ``_WINDOW_STARTS`` distinct placements,
+    and the stalled search goes on with growing windows. Each search not yet at a local optimum gets an equal share
+    of what is left, in turn, and resumes where it stopped (its plan, its window size); a search that stops early
+    leaves its time to the others. The shortest plan found wins.
 
     Why several: neither the lookahead's nor the heuristic's start reaches the better local optimum on every
     graph ([Note: windows from both starts] in docs/design.md).
@@ -344,6 +349,13 @@ def _search_large(
     info.window_tasks, info.window_starts = window_tasks, 0
     info.history = [(0.0, info.lookahead_objective_s)]
     best: tuple[Plan, Timeline] | None = None  # the first search's result (never worse than its start), or shorter
+    if _CHAIN_SHARE > 0 and pending:
+        plan, plan_timeline, _ = pending[0]
+        chains_by = time.perf_counter() + _CHAIN_SHARE * (deadline - time.perf_counter())
+        chains = improve_by_chains(problem, plan, plan_timeline, chains_by, objective)
+        info.moves_tried += chains.moves_tried
+        info.moves_kept += chains.moves_kept
+        pending[0] = (chains.plan, chains.timeline, None)
     gap_is_closed = False
     can_grow = len(window_sizes(window_tasks, problem.num_tasks)) > 1
     while (pending or later) and not gap_is_closed and deadline - time.perf_counter() > _MIN_SEARCH_S:
@@ -353,6 +365,7 @@ def _search_large(
         info.window_starts += resume_tasks is None
         until = time.perf_counter() + (deadline - time.perf_counter()) / (len(pending) + 1)
         report("window search")
+        search_started = time.perf_counter()
         search = improve_by_windows(
             problem,
             plan,
@@ -375,6 +388,19 @@ def _search_large(
             info.history = search.history
         gap_is_closed = search.stop_reason == StopReason.GAP_CLOSED
         stalled = search.stop_reason == StopReason.NO_IMPROVING_WINDOW
+        if stalled and resume_tasks is None:
+            # Windows of this size are at a local optimum: moving whole chains may leave it for a better descent.
+            chains_by = time.perf_counter() + (deadline - time.perf_counter()) / (len(pending) + 1)
+            chains = improve_by_chains(problem, search.plan, search.timeline, chains_by, objective)
+            info.moves_tried += chains.moves_tried
+            info.moves_kept += chains.moves_kept
+            if chains.moves_kept:
+                if objective.improves(chains.timeline, best[1]):
+                    best = (chains.plan, chains.timeline)
+                    info.history = [*search.history, (time.perf_counter() - search_started, objective.value_s(best[1]))]
+                pending.append((chains.plan, chains.timeline, None))  # a new descent from where the moves got
+                info.window_starts -= 1  # the same start, going on
+                continue
         if stalled and resume_tasks is None and later:
             pending.append(later.pop(0))  # a restart, before this search's larger windows
         if search.stop_reason == StopReason.TIME_LIMIT or (stalled and resume_tasks is None and can_grow):

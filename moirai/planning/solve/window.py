@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
+from moirai.planning.bounds import earliest_start_s
 from moirai.planning.problem import Problem
 from moirai.planning.schedule.transfers import transfer_duration_s
 
@@ -103,17 +104,15 @@ def device_heads_and_tails(
     order = list(nx.topological_sort(free_graph))
     head: dict[tuple[int, int], float] = {}
     for i in order:
+        free_producers = [u for u in problem.predecessors[i] if u in position]
+        # Free producers on the same device run one at a time; the others send (moirai.planning.bounds).
+        from_free = earliest_start_s(*_producer_times(problem, i, free_producers, allowed, head))
         for k in allowed[i]:
-            ready = float(window.device_ready_s[k])
+            ready = max(float(window.device_ready_s[k]), float(from_free[k]))
             for t in problem.input_tensors[i]:
                 u = int(problem.tensor_producer[t])
                 if u in position:
-                    arrival = min(
-                        head[u, a]
-                        + problem.compute_s[u, a]
-                        + (0.0 if a == k else transfer_duration_s(problem, t, a, k))
-                        for a in allowed[u]
-                    )
+                    continue
                 elif (t, k) in window.arrived_s:
                     arrival = window.arrived_s[t, k]
                 elif math.isnan(window.fixed_finish_s[u]):
@@ -141,6 +140,30 @@ def device_heads_and_tails(
                         )
             tail[i, k] = after
     return head, tail
+
+
+def _producer_times(
+    problem: Problem,
+    i: int,
+    producers: list[int],
+    allowed: dict[int, tuple[int, ...]],
+    head: dict[tuple[int, int], float],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For :func:`moirai.planning.bounds.earliest_start_s`: per producer of ``i`` (rows) and device (columns), the
+    earliest its tensors for ``i`` arrive from its best other device, and its earliest start and compute there."""
+    k = problem.num_devices
+    arrival = np.full((len(producers), k), np.inf)
+    start = np.full((len(producers), k), np.inf)
+    compute = np.full((len(producers), k), np.inf)
+    for row, u in enumerate(producers):
+        tensors = [t for t in problem.output_tensors[u] if i in problem.tensor_consumers[t]]
+        for a in allowed[u]:
+            start[row, a], compute[row, a] = head[u, a], problem.compute_s[u, a]
+            link = np.max([transfer_duration_s(problem, t, a, np.arange(k)) for t in tensors], axis=0)
+            through = head[u, a] + problem.compute_s[u, a] + link
+            through[a] = np.inf
+            np.minimum(arrival[row], through, out=arrival[row])
+    return arrival, start, compute
 
 
 def devices_in_time(
