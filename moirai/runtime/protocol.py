@@ -353,7 +353,7 @@ def serve(group: Group, programs: dict[int, SplitProgram], timeout_s: float) -> 
     ahead]).
     """
     timeout = datetime.timedelta(seconds=timeout_s)
-    reads_ahead = not matches_by_order(group, 0) and group.link(group.wire_device(0), 0) is group.gloo
+    reads_ahead = group.link(group.wire_device(0), 0) is group.gloo
     headers = _headers_read_ahead if reads_ahead else _headers_in_turn
     previous: Callable[[], Any] | None = None
     for header, preposted in headers(group, programs, timeout):

@@ -15,10 +15,7 @@ epoll, which reports the same events again: on the rank's own core it spins, for
 slice, against the rank's thread that holds the lock and waits to be scheduled (in bench/RESULTS.md's
 git history, 2026-11-23: calls with transfers stalled in steps of about 3 ms).
 
-A CPU rank keeps the memory it frees (:func:`keep_freed_memory`): [Note: fresh pages] glibc hands out and takes
-back allocations of a MB or so with mmap and by trimming its heap, so every step's activations and cache gathers
-land on fresh pages the kernel faults in and zeroes, which cost a decode step of batch 8 as much as a quarter of
-its time.
+A CPU rank keeps the memory it frees (:func:`keep_freed_memory`, [Note: fresh pages] in docs/design.md).
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import os
 import threading
 import warnings
@@ -184,6 +182,7 @@ def apply_resources(resources: RankResources, device_name: str, own_process: boo
     return before
 
 
+@functools.cache  # once a process: it cannot be undone, so setting it again changes nothing
 def keep_freed_memory() -> bool:
     """Have this process's C heap keep what it frees instead of returning it to the kernel (see [Note: fresh
     pages]); True where that was set (glibc), False elsewhere. The process keeps it: its memory stays at its high

@@ -28,7 +28,7 @@ from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.solve.search import latest_starts
-from moirai.planning.solve.warm_start import plan_from_times
+from moirai.planning.solve.warm_start import plan_from_times, transfer_starts
 
 logger = logging.getLogger(__name__)
 _IMPROVEMENT = 1e-9  # relative gain that counts as progress, as the window search's
@@ -118,11 +118,5 @@ def _runs(sequence: np.ndarray, length: int) -> Iterator[np.ndarray]:
 def _plan_with(problem: Problem, timeline: Timeline, placement: np.ndarray, placer: str) -> Plan:
     """``placement`` with every task and transfer in its current start order (a new transfer: its producer's start)."""
     sent = {(tr.tensor, tr.dst): tr.start for tr in timeline.transfers}
-    needed: dict[tuple[int, int], float] = {}
-    for t, consumers in enumerate(problem.tensor_consumers):
-        u = int(problem.tensor_producer[t])
-        for c in consumers:
-            b = int(placement[c])
-            if b != placement[u] and (t, b) not in needed:
-                needed[t, b] = sent.get((t, b), float(timeline.task_start[u]))
+    needed = transfer_starts(problem, placement, timeline.task_start, sent)
     return plan_from_times(problem, placement, timeline.task_start, needed, placer)

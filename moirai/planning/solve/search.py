@@ -55,7 +55,7 @@ from moirai.planning.schedule.transfers import transfer_duration_s
 from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.solve.model import MilpModel, build_model
 from moirai.planning.solve.solver import MilpSolution, SolverSettings, progress_text, solve_model
-from moirai.planning.solve.warm_start import plan_from_times
+from moirai.planning.solve.warm_start import plan_from_times, transfer_starts
 from moirai.planning.solve.window import Window
 
 logger = logging.getLogger(__name__)
@@ -255,13 +255,7 @@ def _merged_plan(
         for q in built.transfer_sources:
             transfer_priority.pop(q, None)
         transfer_priority.update(solution.transfer_start_s)
-    needed: dict[tuple[int, int], float] = {}
-    for t, consumers in enumerate(problem.tensor_consumers):
-        u = int(problem.tensor_producer[t])
-        for c in consumers:
-            b = int(placement[c])
-            if b != placement[u] and (t, b) not in needed:
-                needed[t, b] = transfer_priority.get((t, b), start[u])
+    needed = transfer_starts(problem, placement, start, transfer_priority)
     return plan_from_times(problem, placement, start, needed, placer)
 
 

@@ -86,6 +86,21 @@ def warm_start_values(built: MilpModel, timeline: Timeline) -> ComponentMap:
     return values
 
 
+def transfer_starts(
+    problem: Problem, placement: np.ndarray, start_s: np.ndarray, known_s: dict[tuple[int, int], float]
+) -> dict[tuple[int, int], float]:
+    """Every ``(tensor, destination device)`` transfer ``placement`` needs, with its start time: ``known_s``'s where
+    it has one, else its producer's start (a transfer the placement newly needs)."""
+    needed: dict[tuple[int, int], float] = {}
+    for t, consumers in enumerate(problem.tensor_consumers):
+        u = int(problem.tensor_producer[t])
+        for c in consumers:
+            b = int(placement[c])
+            if b != placement[u] and (t, b) not in needed:
+                needed[t, b] = known_s.get((t, b), float(start_s[u]))
+    return needed
+
+
 def plan_from_times(
     problem: Problem,
     placement: np.ndarray,
