@@ -150,7 +150,7 @@ def bench(options: argparse.Namespace) -> None:
         table.add_column(column, justify="right")
     subprocess.run([str(TWO_HOSTS), "up"], env=environment, check=True, capture_output=True)
     try:
-        for label, rate in SETTINGS:
+        for label, rate in [(label, rate) for label, rate in SETTINGS if rate in options.settings]:
             subprocess.run([str(TWO_HOSTS), "shape", rate], env=environment, check=True, capture_output=True)
             calibration = work / f"calibration-{rate}.json"
             sweep = ["--max-size-mb", str(options.max_size_mb), "--repeats", str(options.repeats)]
@@ -189,6 +189,10 @@ def main() -> None:
     parser.add_argument("--time-limit", dest="time_limit_s", type=float, default=10.0, help="milp's time limit (s)")
     parser.add_argument("--max-size-mb", type=float, default=2.0, help="largest message of the calibration sweep")
     parser.add_argument("--repeats", type=int, default=7, help="repeats per size in the calibration")
+    parser.add_argument(
+        "--settings", nargs="+", choices=[rate for _, rate in SETTINGS], default=[rate for _, rate in SETTINGS],
+        help="the link settings to run (default: all)",
+    )
     options = parser.parse_args()
     if options.worker:
         worker(*options.worker, options.time_limit_s)

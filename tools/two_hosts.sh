@@ -121,6 +121,18 @@ set_link() {
     echo "host $host: $end $state"
 }
 
+# The token bucket's size for a rate (e.g. 100mbit): 0.2 ms of it, at least 4 KiB (two full frames). A message
+# leaves at the veth's own speed until the bucket is empty, which a real link of that rate never does: 64 KiB let a
+# lone 256 KiB message cross 100 Mbit/s in 16 ms instead of 21; tbf splits larger GSO packets to fit the bucket.
+burst_bytes() {
+    local rate="${1,,}" number unit
+    [[ "$rate" =~ ^([0-9]+)(kbit|mbit|gbit)$ ]] || { echo "two_hosts: a rate like 100mbit or 1gbit, not '$1'" >&2; exit 2; }
+    number="${BASH_REMATCH[1]}" unit="${BASH_REMATCH[2]}"
+    local bits_per_s=$((number * $([[ $unit == kbit ]] && echo 1000 || ([[ $unit == mbit ]] && echo 1000000 || echo 1000000000))))
+    local bytes=$((bits_per_s / 8 / 5000))
+    echo $((bytes > 4096 ? bytes : 4096))
+}
+
 # A token bucket on each end of the veth (netem is missing on many kernels; tbf and htb are not).
 shape() {
     local rate="$1" host end
@@ -128,8 +140,7 @@ shape() {
         end="$(veth_end "$host")"
         in_host "$host" tc qdisc del dev "$end" root 2>/dev/null || true
         if [[ "$rate" != none ]]; then
-            # A small bucket (one GSO packet), so that a message of any size leaves at the rate; the queue holds 200 ms.
-            in_host "$host" tc qdisc add dev "$end" root tbf rate "$rate" burst 64kb latency 200ms
+            in_host "$host" tc qdisc add dev "$end" root tbf rate "$rate" burst "$(burst_bytes "$rate")" latency 200ms
         fi
         echo "host $host: $end $(in_host "$host" tc qdisc show dev "$end" root)"
     done

@@ -45,7 +45,7 @@ from moirai.errors import DistributedError, InputError
 from moirai.runtime import shm
 from moirai.runtime.blame import blamed
 from moirai.runtime.driver import Driver, check_timeout
-from moirai.runtime.groups import Group, placed_part
+from moirai.runtime.groups import Group, gloo_links, placed_part
 from moirai.runtime.hosts import host_ranks, rank_hosts, torchrun_layout
 from moirai.runtime.local import check_inputs
 from moirai.runtime.network import choose_gloo_interface
@@ -243,11 +243,17 @@ def torchrun_group(
     default = dist.distributed_c10d._get_default_group()
     store = RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
     links = shm.connect(rank, world_size, store, timeout_s, shm_prefix, neighbours)
-    group = Group(rank, [torch.device(d) for d in torch_devices], default, default, store, shared_memory=links)
+    gloo = gloo_links(rank, lambda name: _gloo_group(timeout_s))
+    group = Group(rank, [torch.device(d) for d in torch_devices], gloo, default, store, shared_memory=links)
     hosts = rank_hosts(store, rank, world_size, f"{shm_prefix}/host", timeout_s)
     if len(set(hosts)) > 1:  # a rank that went silent is named with its host: a host may have gone away
         group.describe_rank = lambda peer: f"; it ran on host {hosts[peer]}"
     return group
+
+
+def _gloo_group(timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of the whole world with connections of its own (a collective: every rank creates it)."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _torchrun_resources(devices: Sequence[str | Device], rank: int) -> tuple[RankResources, range]:

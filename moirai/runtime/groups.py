@@ -46,6 +46,34 @@ class Link(Protocol):
     def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int, /) -> Work: ...
 
 
+@dataclass(frozen=True)
+class GlooLinks:
+    """Gloo with three connections between two ranks ([Note: a connection per direction]): data from a lower rank
+    to a higher one through ``to_higher``, the other way through ``to_lower``, and request headers through
+    ``control``, so that neither the word a receiver sends to say it has posted a receive nor the header that tells
+    it what to post waits behind a request's data on the same connection."""
+
+    rank: int
+    to_higher: Link
+    to_lower: Link
+    control: Link
+
+    def _between(self, sender: int, receiver: int) -> Link:
+        return self.to_higher if sender < receiver else self.to_lower
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int, /) -> Work:
+        return self._between(self.rank, dst).send(tensors, dst, tag)
+
+    def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int, /) -> Work:
+        return self._between(src, self.rank).recv(tensors, src, tag)
+
+
+def gloo_links(rank: int, connect: Callable[[str], Link]) -> GlooLinks:
+    """This rank's :class:`GlooLinks`, each connection a gloo group of the whole world made by ``connect(name)``
+    (a collective: every rank makes them, in this order)."""
+    return GlooLinks(rank, connect("to-higher"), connect("to-lower"), connect("control"))
+
+
 @dataclass
 class Group:
     """This rank's connections: host memory through shared memory (ranks of one host) or gloo, device memory
@@ -77,8 +105,9 @@ class Group:
         in_device_memory = kind_of(mine).messages_in_device_memory and self.devices[peer].type == mine.type
         return mine if in_device_memory else host_device()
 
-    def link(self, wire: torch.device, peer: int) -> Link:
-        """What carries a message on ``wire`` (:meth:`wire_device`) to or from ``peer``."""
+    def link(self, wire: torch.device, peer: int, control: bool = False) -> Link:
+        """What carries a message on ``wire`` (:meth:`wire_device`) to or from ``peer``; ``control``: a request
+        header, which over gloo has a connection of its own."""
         if kind_of(wire).messages_in_device_memory:
             if self.nccl is None:
                 raise DistributedError(
@@ -87,7 +116,7 @@ class Group:
             return self.nccl
         if self.shared_memory is not None and peer in self.shared_memory.peers:
             return self.shared_memory
-        return self.gloo
+        return self.gloo.control if control and isinstance(self.gloo, GlooLinks) else self.gloo
 
     def close(self) -> None:
         if self.shared_memory is not None:
@@ -119,7 +148,10 @@ def local_group(
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     options._timeout = timeout
-    gloo = dist.ProcessGroupGloo(store.prefix_store("moirai/gloo/"), rank, world_size, options)
+    gloo = gloo_links(
+        rank,
+        lambda name: dist.ProcessGroupGloo(store.prefix_store(f"moirai/gloo/{name}/"), rank, world_size, options),
+    )
     nccl = None
     # NCCL carries only messages between two GPUs (see Group.wire_device), so only a world with two needs it.
     memory_kind = device_memory_kind(torch_devices)

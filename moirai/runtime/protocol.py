@@ -115,9 +115,15 @@ class Messages:
     """One rank's messages of one request: tags from the request index, its time limit, readable failures."""
 
     def __init__(
-        self, group: Group, sequence: int, timeout: datetime.timedelta, values: dict[str, int] | None = None
+        self,
+        group: Group,
+        sequence: int,
+        timeout: datetime.timedelta,
+        values: dict[str, int] | None = None,
+        control: bool = False,
     ) -> None:
         self.group = group
+        self.control = control  # request headers: over gloo, a connection of their own
         self.request = sequence
         self.timeout = timeout
         self.values = values or {}
@@ -129,7 +135,7 @@ class Messages:
         staged = tensor.detach().to(wire).contiguous()
         what = f"sending {what} to rank {dst}"
         with self._naming_peer(what, dst):
-            work = self.group.link(wire, dst).send([staged], dst, self._tag_base | index)
+            work = self.group.link(wire, dst, self.control).send([staged], dst, self._tag_base | index)
         self._sends.append(_PostedSend(work, staged, what, dst))
 
     def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, index: int, what: str) -> PendingReceive:
@@ -137,7 +143,7 @@ class Messages:
         buffer = torch.empty(shape, dtype=dtype, device=wire)
         what = f"receiving {what} from rank {src}"
         with self._naming_peer(what, src):
-            work = self.group.link(wire, src).recv([buffer], src, self._tag_base | index)
+            work = self.group.link(wire, src, self.control).recv([buffer], src, self._tag_base | index)
         return PendingReceive(work, buffer, what, src)
 
     def post_recv_spec(self, spec: TensorSpec, src: int, index: int, what: str) -> PendingReceive:
@@ -516,7 +522,7 @@ def send_header(group: Group, sequence: int, dst: int, header: Header, timeout: 
     fields = [values[name] for name in HEADER_FIELDS]
     digest = hashlib.sha256(header.payload).digest()
     words = fields + _words(digest) + _words(_header_mac(group.secret, dst, sequence, fields, digest))
-    control = Messages(group, sequence, timeout)
+    control = Messages(group, sequence, timeout, control=True)
     control.send(torch.tensor(words, dtype=_HEADER_DTYPE), dst, 0, "a request header")
     if header.payload:
         control.send(torch.frombuffer(bytearray(header.payload), dtype=torch.uint8), dst, 1, "a request's payload")
@@ -525,7 +531,7 @@ def send_header(group: Group, sequence: int, dst: int, header: Header, timeout: 
 
 def receive_header(group: Group, sequence: int, timeout: datetime.timedelta) -> Header:
     """Rank ``group.rank``'s header number ``sequence``, checked against the run's secret before its payload is read."""
-    control = Messages(group, sequence, timeout)
+    control = Messages(group, sequence, timeout, control=True)
     received = control.post_recv((HEADER_WORDS,), _HEADER_DTYPE, 0, 0, "the next request's header")
     words = control.wait_recv(received).tolist()
     count = len(HEADER_FIELDS)

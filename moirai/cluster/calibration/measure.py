@@ -180,10 +180,17 @@ def measure_pairs(
     block = torch.ones(64, 64)
 
     def compute_for(seconds: float) -> None:
-        """Keep this rank's core busy, as a part computing around its sends keeps it."""
+        """Keep this rank's core busy, as a part computing around its sends keeps it, on one thread: the CPU time a
+        message is charged is the whole process's, which would count a rank's other compute threads spinning after a
+        parallel matmul ([Note: a message's CPU on one thread])."""
         deadline = time.perf_counter() + seconds
-        while time.perf_counter() < deadline:
-            block @ block
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            while time.perf_counter() < deadline:
+                block @ block
+        finally:
+            torch.set_num_threads(threads)
 
     results = []
     runs_per_pair = _CLOCK_PINGS + len(sizes) * (warmup + repeats)
