@@ -121,15 +121,16 @@ set_link() {
     echo "host $host: $end $state"
 }
 
-# The token bucket's size for a rate (e.g. 100mbit): 0.2 ms of it, at least 4 KiB (two full frames). A message
-# leaves at the veth's own speed until the bucket is empty, which a real link of that rate never does: 64 KiB let a
-# lone 256 KiB message cross 100 Mbit/s in 16 ms instead of 21; tbf splits larger GSO packets to fit the bucket.
+# The token bucket's size for a rate (e.g. 100mbit): 0.5 ms of it, at least 4 KiB (two full frames). A message
+# leaves at the veth's own speed until the bucket is empty, which a real link of that rate never does (64 KiB let a
+# lone 256 KiB message cross 100 Mbit/s in 16 ms instead of 21), while a smaller one wakes tbf's timer more often,
+# on the hosts' own cores; tbf splits GSO packets larger than the bucket.
 burst_bytes() {
     local rate="${1,,}" number unit
     [[ "$rate" =~ ^([0-9]+)(kbit|mbit|gbit)$ ]] || { echo "two_hosts: a rate like 100mbit or 1gbit, not '$1'" >&2; exit 2; }
     number="${BASH_REMATCH[1]}" unit="${BASH_REMATCH[2]}"
     local bits_per_s=$((number * $([[ $unit == kbit ]] && echo 1000 || ([[ $unit == mbit ]] && echo 1000000 || echo 1000000000))))
-    local bytes=$((bits_per_s / 8 / 5000))
+    local bytes=$((bits_per_s / 8 / 2000))
     echo $((bytes > 4096 ? bytes : 4096))
 }
 
