@@ -190,7 +190,10 @@ def main() -> None:
     parser.add_argument("--max-size-mb", type=float, default=2.0, help="largest message of the calibration sweep")
     parser.add_argument("--repeats", type=int, default=7, help="repeats per size in the calibration")
     parser.add_argument(
-        "--settings", nargs="+", choices=[rate for _, rate in SETTINGS], default=[rate for _, rate in SETTINGS],
+        "--settings",
+        nargs="+",
+        choices=[rate for _, rate in SETTINGS],
+        default=[rate for _, rate in SETTINGS],
         help="the link settings to run (default: all)",
     )
     options = parser.parse_args()

@@ -76,6 +76,17 @@ def test_large_graphs_use_prefixes_and_fit_memory() -> None:
     assert simulate(problem, plan).period_s <= simulate(problem, place_single(problem)).period_s
 
 
+def test_a_split_far_above_the_lower_bound_is_found_past_the_caps() -> None:
+    """Sends and receives that cost far more than the compute put the best split above the first caps: the DP
+    searches again under higher ones and still finds the best split."""
+    problem = random_problem(3, 7, 2, send_cpu_s=4.0, recv_cpu_s=4.0)
+    plan = place_contiguous(problem, objective=OBJECTIVES["throughput"])
+    assert plan.report.notes["states"] == "ideals" and plan.report.notes["searches"] > 1
+    timelines = (simulate(problem, Plan(p, problem.device_names)) for p in all_contiguous_splits(problem))
+    brute_force_s = min(t.period_s for t in timelines if t.fits_memory)
+    assert simulate(problem, plan).period_s == pytest.approx(brute_force_s, rel=1e-9)
+
+
 def test_it_is_not_a_start_plan_it_takes_seconds_over_prefixes() -> None:
     for objective in ("latency", "throughput"):
         assert "contiguous" not in [s.name for s in start_plans(objective)]

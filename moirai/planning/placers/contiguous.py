@@ -25,7 +25,9 @@ is open while it holds such tensors; labels of one state are kept while no other
 state has more, a heuristic beyond. Over prefixes only the :data:`PREFIX_LABELS` best labels of a state and last
 device are kept, so that it stays about ``O(n^2 k^2)``. Either way a label is dropped once its value, or a lower
 bound on any completion of it (the remaining tasks' fastest compute, in one chain for latency, shared by the free
-devices for throughput), reaches the best split found, which loses nothing.
+devices for throughput), reaches the best split found, which loses nothing; and before any split is found, once it
+reaches a cap a little above the lower bound, raised until some split is under it ([Note: a capped search] in
+docs/design.md).
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ IDEAL_WORK_LIMIT = 2000  # the most ideals times device combinations times devic
 SUBSET_LIMIT = 128  # the most combinations of used devices the DP tells apart; beyond, a fixed device order
 PREFIX_LABELS = 1  # labels kept per state and last device over prefixes
 IDEAL_LABELS = 8  # Pareto labels kept per state and used devices over ideals, the best by value
+# The capped searches: the first cap this far above the lower bound, each next one this much higher, then none.
+CAP_FIRST = 1.02
+CAP_GROWTH = 1.25
+CAP_STEPS = 6
 
 
 class _Label(NamedTuple):
@@ -136,6 +142,30 @@ def place_contiguous(problem: Problem, objective: Objective = LATENCY) -> Plan:
     space = _states(problem)
     exact = space.masks is not None
     devices = _Devices(problem, ordered=not exact)
+    remaining = _remaining_s(problem, space)
+    # [Note: a capped search] first with a cap a little above a lower bound, raised until a split is found under it.
+    floor_s = remaining[0] / problem.num_devices if throughput else remaining[0]
+    for searches, cap_s in enumerate([*(floor_s * CAP_FIRST * CAP_GROWTH**k for k in range(CAP_STEPS)), math.inf], 1):
+        best = _search(problem, p, space, devices, remaining, throughput, cap_s)
+        if best is not None:
+            return _plan(problem, space, best, throughput, exact, searches)
+    raise InfeasibleError(
+        "contiguous finds no split into contiguous stages that fit the devices' memory and run every task "
+        "where it can run; try 'heft' or 'milp'"
+    )
+
+
+def _search(
+    problem: Problem,
+    p: _Pricing,
+    space: _Space,
+    devices: _Devices,
+    remaining: list[float],
+    throughput: bool,
+    cap_s: float,
+) -> _Label | None:
+    """The DP over ``space``'s states: the best split whose value is under ``cap_s``, or None if none is."""
+    exact = space.masks is not None
     buckets: list[dict[int, list[_Label]]] = [{} for _ in space.size]
     start = _Label(
         max(p.always, default=0.0) if throughput else 0.0,
@@ -151,7 +181,6 @@ def place_contiguous(problem: Problem, objective: Objective = LATENCY) -> Plan:
     buckets[0][0] = [start]
     best: _Label | None = None
     full = len(space.size) - 1
-    remaining = _remaining_s(problem, space)
 
     def bound_s(label: _Label) -> float:
         """A lower bound on the value of every completion of ``label``."""
@@ -164,37 +193,34 @@ def place_contiguous(problem: Problem, objective: Objective = LATENCY) -> Plan:
     for s in range(len(space.size)):
         for labels in list(buckets[s].values()):
             for label in labels:
-                if best is not None and bound_s(label) >= best.value_s:
+                best_s = best.value_s if best is not None else cap_s
+                if bound_s(label) >= best_s:
                     continue
                 pending = dict(label.pending)
                 for d in devices.allowed(label.used):
                     used = devices.use(label.used, d)
                     free = devices.free(used)
                     for target, stage in _grow(problem, p, space, s, pending, d):
-                        if best is not None:  # cheap bounds before the label is built
-                            if not throughput and label.closed_s + stage.busy_s + remaining[target] >= best.value_s:
-                                if exact:
-                                    continue
-                                break  # a prefix's stage only grows, by at least what the rest loses
-                            if throughput and remaining[target] > 0 and remaining[target] >= best.value_s * free:
+                        best_s = best.value_s if best is not None else cap_s
+                        # cheap bounds before the label is built
+                        if not throughput and label.closed_s + stage.busy_s + remaining[target] >= best_s:
+                            if exact:
                                 continue
+                            break  # a prefix's stage only grows, by at least what the rest loses
+                        if throughput and remaining[target] > 0 and remaining[target] >= best_s * free:
+                            continue
                         new = _close(p, space, label, stage, target, used, throughput)
                         if new is None:
                             continue
-                        if best is not None and new.value_s >= best.value_s:
+                        if new.value_s >= best_s:
                             if exact:
                                 continue
                             break  # a prefix's stage only grows, and its value with it
                         if target == full:
                             best = new
-                        elif best is None or bound_s(new) < best.value_s:
+                        elif bound_s(new) < (best.value_s if best is not None else cap_s):
                             _keep(buckets[target], new, IDEAL_LABELS if exact else PREFIX_LABELS)
-    if best is None:
-        raise InfeasibleError(
-            "contiguous finds no split into contiguous stages that fit the devices' memory and run every task "
-            "where it can run; try 'heft' or 'milp'"
-        )
-    return _plan(problem, space, best, throughput, exact)
+    return best
 
 
 def _states(problem: Problem) -> _Space:
@@ -354,7 +380,7 @@ class _Devices:
         return used | 1 << device if self.subsets else self.order.index(device) + 1
 
 
-def _plan(problem: Problem, space: _Space, best: _Label, throughput: bool, exact: bool) -> Plan:
+def _plan(problem: Problem, space: _Space, best: _Label, throughput: bool, exact: bool, searches: int) -> Plan:
     placement = np.empty(problem.num_tasks, int)
     label: _Label | None = best
     stages = 0
@@ -373,6 +399,7 @@ def _plan(problem: Problem, space: _Space, best: _Label, throughput: bool, exact
         "dp_period_s" if throughput else "dp_chain_latency_s": best.value_s,
         "stages": stages,
         "states": "ideals" if exact else "prefixes",
+        "searches": searches,  # capped searches until one found a split
     }
     return Plan(placement, problem.device_names, order=order, placer="contiguous", report=PlacerReport(notes=notes))
 
