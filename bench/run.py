@@ -377,7 +377,7 @@ def rich_table(title: str, columns: tuple[str, ...], rows: list[list[str]], grou
     for column in columns:
         left = ("model", "cluster", "objective", "placer", "status")
         table.add_column(column, justify="left" if column in left else "right")
-    for row, following in zip(rows, [*rows[1:], None], strict=True):
+    for row, following in zip(rows, [*rows[1:], None][: len(rows)], strict=True):  # no rows: an empty table
         table.add_row(*row, end_section=following is None or following[:group_by] != row[:group_by])
     return table
 
