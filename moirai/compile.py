@@ -260,7 +260,17 @@ def compile(
         )
         # A buffer the model writes in place (a KV cache) lives on one device with every op that touches it.
         colocated = colocated_groups(coarse, mutable_buffers(traced.graph_module))
-        problem = build_problem(coarse, cluster, cost, traced, colocated=colocated, remote_alike=hosts is not None)
+        # A pipelining objective's devices compute at once: profiled so ([Note: steady-state profile]).
+        steady_state = as_objective(objective).steady_state
+        problem = build_problem(
+            coarse,
+            cluster,
+            cost,
+            traced,
+            colocated=colocated,
+            remote_alike=hosts is not None,
+            steady_state=steady_state,
+        )
         plan = place(problem, placer=placer, objective=objective, **placer_options)
         plan.report.unfused_lower_bound_s = _unfused_lower_bound_s(
             graph, coarsening, problem, cluster, traced, objective
