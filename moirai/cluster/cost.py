@@ -425,9 +425,12 @@ def _computing_meanwhile(
             pid = os.fork()
             if pid == 0:
                 os.close(stop_write)
-                _compute_until_closed(module, inputs, cores, threads, stop_read)
+                _compute_until_closed(module, inputs, threads, stop_read)
             os.close(stop_read)
             children.append((pid, stop_write))
+            # Pinned here, not by the child, so before the profile starts; a child already ended says so below.
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(pid, cores)
         yield
     finally:
         for _, stop_write in children:
@@ -441,13 +444,12 @@ def _computing_meanwhile(
 
 
 def _compute_until_closed(
-    module: fx.GraphModule, inputs: Sequence[torch.Tensor], cores: Sequence[int], threads: int, stop_fd: int
+    module: fx.GraphModule, inputs: Sequence[torch.Tensor], threads: int, stop_fd: int
 ) -> NoReturn:
-    """A forked child's whole life: ``module`` run on ``cores`` with ``threads`` threads until ``stop_fd`` closes
-    (the parent closed it, or died)."""
+    """A forked child's whole life (the parent pins it): ``module`` run with ``threads`` threads until ``stop_fd``
+    closes (the parent closed it, or died)."""
     code = 1
     try:
-        os.sched_setaffinity(0, cores)
         torch.set_num_threads(threads)
         with torch.no_grad():
             while not select.select([stop_fd], [], [], 0)[0]:
