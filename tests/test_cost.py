@@ -316,11 +316,10 @@ def test_measured_with_meta_weights(tmp_path: Path) -> None:
     assert times.shape == (3,) and np.all(np.isfinite(times)) and np.all(times > 0)
 
 
-def _children_cores() -> list[set[int]]:
-    """The cores each child process of this one may run on (Linux's /proc)."""
+def _children() -> set[int]:
+    """This process's child processes (Linux's /proc)."""
     pid = os.getpid()
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [os.sched_getaffinity(int(child)) for child in children]
+    return {int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
 
 
 @pytest.mark.skipif(
@@ -332,8 +331,10 @@ def test_steady_state_profiles_beside_the_other_ranks_computing(traced_two_layer
     seen: list[list[set[int]]] = []
     real_timer = cost._in_situ_times_s
 
+    earlier = _children()  # other tests' processes, still ending
+
     def watching_timer(timed, *args):  # noqa: ANN001, ANN002, ANN202
-        seen.append(_children_cores())
+        seen.append([os.sched_getaffinity(child) for child in sorted(_children() - earlier)])
         return real_timer(timed, *args)
 
     monkeypatch.setattr(cost, "_in_situ_times_s", watching_timer)
@@ -345,7 +346,7 @@ def test_steady_state_profiles_beside_the_other_ranks_computing(traced_two_layer
     )
     # The lone profile had no process beside it; the steady state's had one, on device 1's cores, gone after.
     assert seen == [[], [set(cores[1])]]
-    assert _children_cores() == []
+    assert not _children() - earlier
     assert steady.compute_s.shape == (3, 2) and np.all(steady.compute_s > 0)
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2  # cached apart
 
