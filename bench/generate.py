@@ -19,7 +19,8 @@ as HF's batch row is timed (its one-token run subtracted): the tokens that came 
 first token (the last prefill done) to when the first of them ended; TTFT measured for a sequence served alone
 (submit to first token) against the prefill's prediction; TPOT, each sequence's mean gap between its tokens in that
 window, against the steps in flight times the step time (a sequence's next step waits for its token).
-``cost="measured"`` profiles on the core and thread count a rank gets. Every moirai row's tokens are checked against
+``cost="measured"`` profiles on the core and thread count a rank gets, and for several sequences in flight beside a
+process computing on the other rank's core (the steady state). Every moirai row's tokens are checked against
 HF's greedy tokens. Targets (printed, not asserted): as many sequences as stages >= 1.6x
 one sequence's tokens/s; 8 sequences >= HF's batch of 8; measured TTFT and TPOT within 15% of predicted; the plan no
 slower than the even split.

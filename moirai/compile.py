@@ -95,18 +95,18 @@ class CompiledModel:
         timeout_s = check_timeout(timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             driver = torchrun_driver(self.program, self.cluster.devices, timeout_s, max_in_flight)
-            submit = lambda flat, finish: driver.submit(self.program, flat, finish, timeout_s)  # noqa: E731
+
+            def submit(flat: list[torch.Tensor], finish: Any) -> Any:
+                check_inputs(self.program, flat)  # as the runner checks them on the other path
+                return driver.submit(self.program, flat, finish, timeout_s)
+
             close = driver.close
         else:
             runner = DistributedRunner(self.cluster.devices, timeout_s=timeout_s, max_in_flight=max_in_flight)
             submit = lambda flat, finish: runner.submit_with(self.program, flat, finish)  # noqa: E731
             close = runner.close
-        return Server(submit, self._checked_flat_inputs, self.traced.unflatten_outputs, close, max_in_flight)
-
-    def _checked_flat_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
-        flat_inputs = self.traced.flatten_inputs(args, kwargs)
-        check_inputs(self.program, flat_inputs)
-        return flat_inputs
+        # Both submits check the flat inputs against the program (Server.submit_flat's are not flattened here).
+        return Server(submit, self.traced.flatten_inputs, self.traced.unflatten_outputs, close, max_in_flight)
 
     def run_rank(self, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> Any:
         """Run this process's part under ``torchrun`` (rank and world size from its environment).
@@ -260,7 +260,17 @@ def compile(
         )
         # A buffer the model writes in place (a KV cache) lives on one device with every op that touches it.
         colocated = colocated_groups(coarse, mutable_buffers(traced.graph_module))
-        problem = build_problem(coarse, cluster, cost, traced, colocated=colocated, remote_alike=hosts is not None)
+        # A pipelining objective's devices compute at once: profiled so ([Note: steady-state profile]).
+        steady_state = as_objective(objective).steady_state
+        problem = build_problem(
+            coarse,
+            cluster,
+            cost,
+            traced,
+            colocated=colocated,
+            remote_alike=hosts is not None,
+            steady_state=steady_state,
+        )
         plan = place(problem, placer=placer, objective=objective, **placer_options)
         plan.report.unfused_lower_bound_s = _unfused_lower_bound_s(
             graph, coarsening, problem, cluster, traced, objective

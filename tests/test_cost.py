@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import weakref
 from pathlib import Path
@@ -28,6 +29,7 @@ from moirai.errors import ClusterError
 from moirai.frontend.graph import OpEdge, OpGraph, OpNode, build_op_graph
 from moirai.frontend.trace import trace
 from moirai.planning.bounds import lower_bounds
+from moirai.runtime.resources import rank_resources
 
 
 def device(name: str, **overrides: float) -> Device:
@@ -312,3 +314,50 @@ def test_measured_with_meta_weights(tmp_path: Path) -> None:
     graph = build_op_graph(traced)
     times = profile_nodes(graph, traced, "cpu", cache_dir=tmp_path, repeats=2, progress=False)
     assert times.shape == (3,) and np.all(np.isfinite(times)) and np.all(times > 0)
+
+
+def _children() -> set[int]:
+    """This process's child processes (Linux's /proc)."""
+    pid = os.getpid()
+    return {int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+
+
+@pytest.mark.skipif(
+    not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists() or (os.cpu_count() or 1) < 2,
+    reason="needs Linux's /proc and two cores",
+)
+def test_steady_state_profiles_beside_the_other_ranks_computing(traced_two_layers, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    traced, graph = traced_two_layers
+    seen: list[list[set[int]]] = []
+    real_timer = cost._in_situ_times_s
+
+    earlier = _children()  # other tests' processes, still ending
+
+    def watching_timer(timed, *args):  # noqa: ANN001, ANN002, ANN202
+        seen.append([os.sched_getaffinity(child) for child in sorted(_children() - earlier)])
+        return real_timer(timed, *args)
+
+    monkeypatch.setattr(cost, "_in_situ_times_s", watching_timer)
+    cluster = Cluster.from_devices(["cpu", "cpu"])
+    cores = [r.cores for r in rank_resources(cluster.devices)]
+    build_problem(graph, cluster, "measured", traced, cache_dir=tmp_path, repeats=2, progress=False)
+    steady = build_problem(
+        graph, cluster, "measured", traced, cache_dir=tmp_path, repeats=2, progress=False, steady_state=True
+    )
+    # The lone profile had no process beside it; the steady state's had one, on device 1's cores, gone after.
+    assert seen == [[], [set(cores[1])]]
+    assert not _children() - earlier
+    assert steady.compute_s.shape == (3, 2) and np.all(steady.compute_s > 0)
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 2  # cached apart
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or (os.cpu_count() or 1) < 2, reason="needs os.fork and two cores")
+def test_steady_state_profile_fails_when_its_other_rank_does(traced_two_layers, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    traced, graph = traced_two_layers
+    monkeypatch.setattr(cost, "_compute_until_closed", lambda *args: os._exit(1))
+    cluster = Cluster.from_devices(["cpu", "cpu"])
+    with pytest.raises(ClusterError, match="1 of the 1 processes computing beside the steady-state profile failed"):
+        build_problem(
+            graph, cluster, "measured", traced, cache_dir=tmp_path, repeats=2, progress=False, steady_state=True
+        )
+    assert not list((tmp_path / "profiles").glob("*.json"))  # nothing cached

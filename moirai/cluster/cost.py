@@ -26,7 +26,10 @@ Compute time of every node (op or op group) on every device, two modes:
   argument shapes, dtypes, strides, constants) and the device: nodes of one signature share the
   median of their times, and a second compile reads the cache instead of profiling. Every device
   of the cluster must be on this machine; devices sharing a torch device share its
-  measurements, taken with the current ``torch.get_num_threads()``.
+  measurements, taken with the current ``torch.get_num_threads()``. ``steady_state=True`` (plans whose devices
+  compute at once: several requests or decode steps in flight) profiles while the other devices that share the
+  profile run the model over and over on their own cores, so the times include what ranks computing at once cost
+  each other (memory bandwidth, shared caches; [Note: steady-state profile]); cached apart from the lone profile.
 
 Communication: what a tensor, the runtime's header and the model outputs cost on the cluster's links
 (:mod:`moirai.cluster.messages`).
@@ -43,18 +46,20 @@ made a 13B decoder need 48 GB for 26 GB of weights.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import json
 import os
+import select
 import socket
 import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import networkx as nx
 import numpy as np
@@ -95,6 +100,7 @@ def build_problem(
     symbol_values: Mapping[str, int] | None = None,
     colocated: Sequence[Sequence[int]] = (),
     remote_alike: bool = False,
+    steady_state: bool = False,
 ) -> Problem:
     """The placement problem of ``graph`` on ``cluster``.
 
@@ -104,7 +110,7 @@ def build_problem(
     :func:`moirai.frontend.symbolic_shapes.sizes_at` with the same values). ``colocated``: sets of node indices that
     must share one device (:attr:`moirai.planning.problem.Problem.colocated`). ``remote_alike``: a device on another
     host is measured here, as its kind of device of this host (torchrun's hosts, which compile assumes alike); else it
-    is an error.
+    is an error. ``steady_state``: measured with the devices computing at once (:func:`measured_compute_s`).
     """
     if mode == "analytic":
         dtypes = None if traced is None else node_dtypes(graph, traced)
@@ -123,6 +129,7 @@ def build_problem(
             clock=clock,
             symbol_values=symbol_values,
             remote_alike=remote_alike,
+            steady_state=steady_state,
         )
     else:
         raise ClusterError(f"unknown cost mode {mode!r}; use 'analytic' or 'measured'")
@@ -299,18 +306,27 @@ def measured_compute_s(
     clock: Callable[[], float] = time.perf_counter,
     symbol_values: Mapping[str, int] | None = None,
     remote_alike: bool = False,
+    steady_state: bool = False,
 ) -> np.ndarray:
     """``[node, device]`` measured times; devices sharing a torch device share one profile (``remote_alike``: as
     :func:`build_problem`'s), taken on the cores and thread count the first such device's rank will get (a logical
     CPU device's rank runs on its share of the cores: profiled with the caller's threads instead, a compute-bound
-    prefill was predicted 1.5x faster than it ran)."""
+    prefill was predicted 1.5x faster than it ran). ``steady_state``: while the others of those devices with cores of
+    their own run the model on them, as their ranks compute while this one does when requests are pipelined
+    ([Note: steady-state profile])."""
     local = [dataclasses.replace(d, host="localhost") if remote_alike else d for d in cluster.devices]
     for device in local:
         _check_local(device)
     resources = rank_resources(local)
     profiles = {}
     for torch_device in dict.fromkeys(d.torch_device for d in cluster.devices):
-        first = next(k for k, d in enumerate(cluster.devices) if d.torch_device == torch_device)
+        sharing = [k for k, d in enumerate(cluster.devices) if d.torch_device == torch_device]
+        first = sharing[0]
+        co_running = tuple(
+            (resources[k].cores, resources[k].threads)
+            for k in sharing[1:]
+            if steady_state and resources[k].cores is not None and resources[k].cores != resources[first].cores
+        )
         before = apply_resources(resources[first], cluster.devices[first].name, own_process=False)
         try:
             profiles[torch_device] = profile_nodes(
@@ -323,6 +339,7 @@ def measured_compute_s(
                 progress=progress,
                 clock=clock,
                 symbol_values=symbol_values,
+                co_running=co_running,
             )
         finally:
             restore_resources(before)
@@ -340,13 +357,16 @@ def profile_nodes(
     progress: bool = True,
     clock: Callable[[], float] = time.perf_counter,
     symbol_values: Mapping[str, int] | None = None,
+    co_running: Sequence[tuple[Sequence[int], int]] = (),
 ) -> np.ndarray:
     """Median time (s) of every node of ``graph`` on ``torch_device``, timed inside a run of the whole model.
 
     ``clock`` times the runs: wall time by default; ``time.thread_time`` counts only this thread's
     CPU time, which suits single-threaded CPU profiling on a machine shared with other work.
     Nodes with equal op signatures share the median of their times; times are disk-cached.
-    ``symbol_values``: run at those sizes of the dynamic dimensions instead of the example inputs'.
+    ``symbol_values``: run at those sizes of the dynamic dimensions instead of the example inputs'. ``co_running``:
+    blocks of (cores, threads) that run the model over and over meanwhile, each in a process of its own (the steady
+    state of ranks computing at once, [Note: steady-state profile]); its profile is cached apart.
     """
     if warmup < 0 or repeats < 1:
         raise ClusterError(f"profiling needs warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
@@ -354,7 +374,8 @@ def profile_nodes(
     fx_nodes = {n.name: n for n in traced.graph_module.graph.nodes}
     with sizes_at(symbol_values or {}):
         signatures = [_signature(traced.graph_module, [fx_nodes[f] for f in node.fx_names]) for node in graph.nodes]
-    cache = _ProfileCache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), _device_key(device, clock))
+    device_key = _device_key(device, clock) + _co_running_key(co_running)
+    cache = _ProfileCache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), device_key)
     missing = list(dict.fromkeys(s for s in signatures if s not in cache.times_s))
     if missing:
         module = _module_on(traced.graph_module, device)
@@ -363,13 +384,81 @@ def profile_nodes(
         shapes = [concrete_shape(s, symbol_values) if symbol_values else s.shape for s in traced.input_specs]
         specs = zip(shapes, traced.input_specs, strict=True)
         inputs = [_random_like(torch.empty(shape, dtype=spec.dtype, device=device)) for shape, spec in specs]
-        times = _in_situ_times_s(timed, inputs, warmup, repeats, progress, f"{len(order)} op groups on {device}")
+        beside = f" beside {len(co_running)} computing" if co_running else ""
+        with _computing_meanwhile(module, inputs, co_running):
+            times = _in_situ_times_s(
+                timed, inputs, warmup, repeats, progress, f"{len(order)} op groups on {device}{beside}"
+            )
         occurrences: dict[str, list[float]] = {}
         for index, time_s in zip(order, times, strict=True):
             occurrences.setdefault(signatures[index], []).append(float(time_s))
         cache.times_s.update({s: statistics.median(occurrences[s]) for s in missing})
         cache.save()
     return np.array([cache.times_s[s] for s in signatures])
+
+
+def _co_running_key(co_running: Sequence[tuple[Sequence[int], int]]) -> str:
+    """What a steady-state profile adds to the device key: the thread counts of the ranks computing meanwhile."""
+    return f"|steady state beside {sorted(threads for _, threads in co_running)} threads" if co_running else ""
+
+
+@contextlib.contextmanager
+def _computing_meanwhile(
+    module: fx.GraphModule, inputs: Sequence[torch.Tensor], blocks: Sequence[tuple[Sequence[int], int]]
+):
+    """While the body runs, ``module`` runs over and over in a forked process per block of (cores, threads), pinned
+    there: the ranks of the other devices computing at once. Forked, so a child has the model without pickling it
+    and without importing the caller's script; :class:`ClusterError` if a child failed (the profile would be a lone
+    one's)."""
+    if not blocks:
+        yield
+        return
+    if not (hasattr(os, "fork") and hasattr(os, "sched_setaffinity")):
+        raise ClusterError(
+            "a steady-state profile runs the other ranks' compute in forked processes pinned to their cores, which "
+            "this platform lacks (os.fork, os.sched_setaffinity); profile without steady_state"
+        )
+    children: list[tuple[int, int]] = []
+    try:
+        for cores, threads in blocks:
+            stop_read, stop_write = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(stop_write)
+                _compute_until_closed(module, inputs, threads, stop_read)
+            os.close(stop_read)
+            children.append((pid, stop_write))
+            # Pinned here, not by the child, so before the profile starts; a child already ended says so below.
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(pid, cores)
+        yield
+    finally:
+        for _, stop_write in children:
+            os.close(stop_write)  # the children's signal to stop
+        failed = [pid for pid, _ in children if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
+    if failed:
+        raise ClusterError(
+            f"{len(failed)} of the {len(children)} processes computing beside the steady-state profile failed, so it "
+            "measured a rank alone; profile without steady_state, or see the process's error above"
+        )
+
+
+def _compute_until_closed(
+    module: fx.GraphModule, inputs: Sequence[torch.Tensor], threads: int, stop_fd: int
+) -> NoReturn:
+    """A forked child's whole life (the parent pins it): ``module`` run with ``threads`` threads until ``stop_fd``
+    closes (the parent closed it, or died)."""
+    code = 1
+    try:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            while not select.select([stop_fd], [], [], 0)[0]:
+                module(*inputs)
+        code = 0
+    except BaseException as error:  # the parent says that a child failed; this says why
+        os.write(2, f"moirai: a process computing beside a steady-state profile failed: {error!r}\n".encode())
+    finally:
+        os._exit(code)
 
 
 def default_cache_dir() -> Path:

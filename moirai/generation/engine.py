@@ -21,7 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -118,6 +118,9 @@ class Engine:
         self._waiting: queue.Queue[SequenceState] = queue.Queue()  # added, not yet given a slot
         self._active: list[SequenceState] = []  # in a slot (the loop thread's only)
         self._in_flight: dict[Future, _Step] = {}
+        # Steps' futures as they settle (their done callbacks put them here): the loop waits on this one queue
+        # rather than on every future in flight each round.
+        self._settled: queue.SimpleQueue[Future] = queue.SimpleQueue()
 
     def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         """:class:`InputError` unless a sequence of this prompt and length fits a slot."""
@@ -161,9 +164,11 @@ class Engine:
         self._admit(block=False)
         self._fill_pipeline()
         if self._in_flight:
-            done, _ = wait(list(self._in_flight), timeout=0.5, return_when=FIRST_COMPLETED)
-            for future in done:
-                self._finish_step(self._in_flight.pop(future), future)
+            try:
+                future = self._settled.get(timeout=0.5)
+            except queue.Empty:
+                return
+            self._finish_step(self._in_flight.pop(future), future)
 
     def _admit(self, block: bool) -> bool:
         """Give waiting sequences free slots; whether any sequence is waiting or was admitted."""
@@ -193,6 +198,7 @@ class Engine:
                 self._fail_step(step, error)
                 continue
             self._in_flight[future] = step
+            future.add_done_callback(self._settled.put)  # at once if already settled (the local runner's)
 
     def _next_step(self) -> _Step | None:
         idle = [s for s in self._active if not s.busy]

@@ -242,8 +242,11 @@ def compile_lm(
     colocated = colocated_groups(coarse, mutable_buffers(traced.graph_module))
     prompt_chunk = min(prompt_tokens, max_prefill)
     remote_alike = hosts is not None  # devices on other hosts are priced as this host's of their kind
-    prefill = phase_problem(traced, coarse, cluster, colocated, cost, 1, prompt_chunk, remote_alike)
-    decode = phase_problem(traced, coarse, cluster, colocated, cost, decode_batch, 1, remote_alike)
+    # Several steps in flight: the stages compute at once, so each is profiled beside the others computing
+    # (Generation.steady_state; [Note: steady-state profile]).
+    steady_state = steps_in_flight > 1
+    prefill = phase_problem(traced, coarse, cluster, colocated, cost, 1, prompt_chunk, remote_alike, steady_state)
+    decode = phase_problem(traced, coarse, cluster, colocated, cost, decode_batch, 1, remote_alike, steady_state)
     # A chunk's cost depends on its tokens only (attention spans the whole slot): a long prompt is whole chunks.
     objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s, math.ceil(prompt_tokens / prompt_chunk))
     if handover is not None and not handover.plans:
@@ -312,9 +315,10 @@ def phase_problem(
     batch: int,
     tokens: int,
     remote_alike: bool = False,
+    steady_state: bool = False,
 ) -> Problem:
     """The placement problem of the step's coarse graph priced at ``batch`` sequences of ``tokens`` tokens
-    (``remote_alike`` as :func:`moirai.cluster.cost.build_problem`'s)."""
+    (``remote_alike`` and ``steady_state`` as :func:`moirai.cluster.cost.build_problem`'s)."""
     wanted = {"batch": batch, "tokens": tokens}
     sizes = {dim.symbol: wanted[dim.name] for dim in traced.dynamic_dims if dim.name in wanted}
     with sizes_at(sizes):
@@ -328,6 +332,7 @@ def phase_problem(
             symbol_values=sizes,
             colocated=colocated,
             remote_alike=remote_alike,
+            steady_state=steady_state,
         )
 
 

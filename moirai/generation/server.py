@@ -34,8 +34,9 @@ class GenerationServer:
 
     def __init__(self, lm: CompiledLM, step_server: Any, depth: int) -> None:
         self._lm, self._step_server = lm, step_server
-        submit = lambda inputs: step_server.submit(*inputs)  # noqa: E731
-        self._engine = Engine(submit, lm.cache.slots, lm.max_seq_len, lm.max_prefill, lm.cache.slots, depth)
+        self._engine = Engine(
+            step_server.submit_flat, lm.cache.slots, lm.max_seq_len, lm.max_prefill, lm.cache.slots, depth
+        )
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="moirai-generation", daemon=True)
         self._thread.start()

@@ -136,7 +136,10 @@ class Messages:
         what = f"sending {what} to rank {dst}"
         with self._naming_peer(what, dst):
             work = self.group.link(wire, dst, self.control).send([staged], dst, self._tag_base | index)
-        self._sends.append(_PostedSend(work, staged, what, dst))
+        # A shared-memory send is done once posted: recording it would only cost wait_sends a call per message,
+        # on the driver's and the ranks' cores, every request.
+        if not getattr(work, "complete_when_posted", False):
+            self._sends.append(_PostedSend(work, staged, what, dst))
 
     def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, index: int, what: str) -> PendingReceive:
         wire = self.group.wire_device(src)

@@ -16,9 +16,11 @@ rank 0 closes the server.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
+
+import torch
 
 from moirai.errors import InputError
 
@@ -52,6 +54,14 @@ class Server:
         if self._closed:
             raise InputError("this server is closed; open a new one with compiled.server()")
         return self._submit_flat(self._flatten(args, kwargs), self._unflatten)
+
+    def submit_flat(self, flat_inputs: Sequence[torch.Tensor]) -> Future:
+        """As :meth:`submit`, given the traced model's flat input tensors in order (a caller that builds them so, as
+        the generation engine does every decode step, skips flattening its arguments; the runner still checks
+        them against the traced shapes)."""
+        if self._closed:
+            raise InputError("this server is closed; open a new one with compiled.server()")
+        return self._submit_flat(list(flat_inputs), self._unflatten)
 
     def map(self, inputs: Iterable[Any]) -> Iterator[Any]:
         """The outputs for each item of ``inputs``, in order.

@@ -64,6 +64,8 @@ def host_transport() -> str:
 class _Done:
     """A send: complete once its bytes are in the ring."""
 
+    complete_when_posted = True  # nothing to wait for (Messages keeps no record of it)
+
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         return True
 
