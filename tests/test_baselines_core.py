@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -99,6 +101,26 @@ def test_critical_path_bound_with_communication_never_exceeds_the_brute_force_op
     problem = random_problem(
         rng, int(rng.integers(3, 6)), 2, slowdown=2.0, send_cpu_s=0.5, recv_cpu_s=0.5, header_s=0.3, output_s=0.4
     )
+    assert lower_bounds(problem).critical_path_s <= brute_force_optimum(problem, contention=False) + 1e-9
+
+
+def test_critical_path_bound_runs_every_ancestor_kept_on_the_device_one_at_a_time():
+    # s forks into three branches b -> c that join in j; a crossing (10 s) costs more than the whole graph serial
+    # (8 s). Counting only j's producers gives 6 s (each c can start at 2); counting every ancestor gives 8 s.
+    tasks = {name: ([1.0, 1.0], 0.0) for name in ["s", "b0", "c0", "b1", "c1", "b2", "c2", "j"]}
+    edges = [("s", f"b{i}") for i in range(3)] + [(f"b{i}", f"c{i}") for i in range(3)]
+    problem = problem_of(tasks, edges + [(f"c{i}", "j") for i in range(3)], transfer=10.0)
+    assert lower_bounds(problem).critical_path_s == 8.0 == brute_force_optimum(problem)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_critical_path_bound_on_deeper_graphs_and_three_devices_never_exceeds_the_brute_force_optimum(seed):
+    """Deeper graphs (6-7 tasks on 2 devices) and 3 devices (5 tasks), where ancestors beyond the producers count;
+    transfers from cheap to several tasks' time."""
+    rng = np.random.default_rng(2000 + seed)
+    devices = 2 if seed % 3 else 3
+    problem = random_problem(rng, int(rng.integers(6, 8)) if devices == 2 else 5, devices, slowdown=1.5)
+    problem = replace(problem, transfer_s=problem.transfer_s * float(rng.choice([0.3, 1.0, 4.0])))
     assert lower_bounds(problem).critical_path_s <= brute_force_optimum(problem, contention=False) + 1e-9
 
 
