@@ -114,15 +114,21 @@ _EXACT_SPLIT_MAX_PRODUCERS = 12  # beyond this many producers a task's head take
 
 def _critical_path_bound(problem: Problem) -> float:
     """The latest, over tasks, of the least head + compute + model-output time on any device that can hold it."""
+    finish = earliest_finish_s(problem)
+    output = np.asarray(problem.costs.output_s, float)
+    return max(0.0, float(np.max(np.min(finish + output, axis=1), initial=0.0)))
+
+
+def earliest_finish_s(problem: Problem) -> np.ndarray:
+    """``[task, device]``: no plan finishes the task's compute on the device earlier (head + compute; ``inf`` where
+    it cannot run), the critical-path bound's numbers; the sends and receives it books come on top."""
     _fastest_holding_device_time(problem)  # raises for a task no device can hold
     n, k = problem.num_tasks, problem.num_devices
     compute = np.where(problem.fits, problem.compute_s, np.inf)
     header = np.asarray(problem.costs.header_s, float)
-    output = np.asarray(problem.costs.output_s, float)
     head = np.full((n, k), np.inf)
     finish = np.full((n, k), np.inf)  # head + compute: the earliest each task can finish on each device
     ancestors = _Ancestors(problem, compute) if n <= _ANCESTORS_MAX_TASKS else None
-    bound = 0.0
     for v in problem.topological_order:
         producers = problem.predecessors[v]
         head[v] = header if not producers else np.maximum(header, _head_s(problem, v, producers, head, finish))
@@ -131,8 +137,7 @@ def _critical_path_bound(problem: Problem) -> float:
         finish[v] = head[v] + compute[v]
         if ancestors is not None:
             ancestors.finished(v, finish[v])
-        bound = max(bound, float(np.min(finish[v] + output[v])))
-    return bound
+    return finish
 
 
 _ANCESTORS_MAX_TASKS = 3000  # the ancestor sets are an n x n matrix; beyond this the producers alone are counted
