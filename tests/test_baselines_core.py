@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moirai.errors import InfeasibleError
-from moirai.planning.bounds import lower_bound, lower_bounds
+from moirai.planning.bounds import lower_bound, lower_bounds, split_start_s
 from moirai.planning.placers import get_placer, place
 from moirai.planning.placers.cp_pct import critical_path
 from moirai.planning.placers.heft import upward_rank_mean_costs
@@ -122,6 +125,40 @@ def test_critical_path_bound_on_deeper_graphs_and_three_devices_never_exceeds_th
     problem = random_problem(rng, int(rng.integers(6, 8)) if devices == 2 else 5, devices, slowdown=1.5)
     problem = replace(problem, transfer_s=problem.transfer_s * float(rng.choice([0.3, 1.0, 4.0])))
     assert lower_bounds(problem).critical_path_s <= brute_force_optimum(problem, contention=False) + 1e-9
+
+
+def _one_machine_s(start_s: list[float], compute_s: list[float]) -> float:
+    """The one-machine bound by its definition: the latest start plus all compute from it on, over starts."""
+    return max((s + sum(c for t, c in zip(start_s, compute_s, strict=True) if t >= s) for s in start_s), default=0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.floats(0, 10), st.just(float("inf"))),  # arrival (inf: no link)
+            st.floats(0, 10),  # earliest start on the device
+            st.one_of(st.floats(0.1, 5), st.just(float("inf"))),  # compute there (inf: cannot run there)
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_split_start_is_the_best_of_every_set_sent(rows):
+    """Over every set of the rows sent (the rest run on the device), the least of max(last arrival, one-machine
+    bound of the rest): the thresholds split_start_s tries include the best."""
+    arrival, start, compute = (np.array(column)[:, None] for column in zip(*rows, strict=True))
+    best = min(
+        max(
+            max((a for a, s in zip(arrival[:, 0], sent, strict=True) if s), default=0.0),
+            _one_machine_s(
+                [t for t, s in zip(start[:, 0], sent, strict=True) if not s],
+                [c for c, s in zip(compute[:, 0], sent, strict=True) if not s],
+            ),
+        )
+        for sent in itertools.product([False, True], repeat=len(rows))
+    )
+    assert split_start_s(arrival, start, compute)[0] == pytest.approx(best)
 
 
 def test_memory_makes_the_load_bound_tighter():

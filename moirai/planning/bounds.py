@@ -163,14 +163,14 @@ class _Ancestors:
         np.minimum.at(self.cheapest_in_s, problem.tensor_producer, into.min(axis=1))
         self.arrival_s = np.full((n, k), np.inf)
         self.of = np.zeros((n, n), bool)  # of[v]: v's ancestors
-        self.all_of_last = np.zeros(0, int)  # every ancestor of the task head_s saw last
         self.problem = problem
 
     def head_s(self, v: int, head_s: np.ndarray, finish_s: np.ndarray) -> np.ndarray:
+        """``v``'s earliest start on each device from its ancestors (bounded before it, in topological order)."""
         for u in self.problem.predecessors[v]:
             self.of[v] |= self.of[u]
             self.of[v, u] = True
-        ancestors = self.all_of_last = np.flatnonzero(self.of[v])
+        ancestors = np.flatnonzero(self.of[v])
         if ancestors.size > _ANCESTORS_KEPT:
             latest = np.argpartition(-finish_s[ancestors].min(axis=1), _ANCESTORS_KEPT)[:_ANCESTORS_KEPT]
             ancestors = ancestors[latest]
@@ -186,7 +186,7 @@ class _Ancestors:
         two = np.partition(finish_s, 1)[:2]
         elsewhere = np.where(finish_s <= two[0], two[1], two[0])  # the earliest finish on another device
         reach = elsewhere + self.cheapest_in_s[v]
-        rows = np.append(self.all_of_last, v)  # v and its ancestors, as head_s found them just before
+        rows = np.append(np.flatnonzero(self.of[v]), v)
         self.arrival_s[rows] = np.minimum(self.arrival_s[rows], reach)
 
 

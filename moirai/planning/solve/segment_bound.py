@@ -1,22 +1,26 @@
 """A latency lower bound from the graph's cut tasks: the pieces between them solved exactly, chained by device.
 
-A cut task is one every other task either leads to or follows (an inception block's concatenation, a pooling
-between blocks). Every task after a cut starts after it finishes and every task before it has finished when it
-starts, so a plan's makespan splits at its cut tasks ``c_1, c_2, ...`` into pieces that cannot overlap. The piece
-between ``c_i`` on device ``d`` and ``c_{i+1}`` on ``d'`` (``c_i`` done, its compute 0; the tasks between; ``c_{i+1}``
-with its compute) is a small problem of its own whose optimum, on devices free at its start, is a lower bound on
-``finish(c_{i+1}) - finish(c_i)``: the whole plan, cut to that piece, is one of its plans. It is solved by the
-whole MILP (moirai.planning.solve.model), whose proven bound is taken, for every pair of devices, and a DP over
-the cut tasks' devices adds the pieces up: ``F_{i+1}(d') = min_d F_i(d) + piece_i(d, d')``, from the critical-path
-bound's earliest finish of ``c_1`` on each device, up to the last cut task and the piece after it (its model
-outputs' time to device 0 included).
+A cut task is one every other task leads to, follows, or is a dead end beside (an inception block's
+concatenation, a pooling between blocks; a layer of one task in a layered graph). For any chain of tasks
+``c_1, c_2, ...``, each following the one before, the tasks between ``c_i`` and ``c_{i+1}`` (those that follow
+``c_i`` and lead to ``c_{i+1}``) start after ``c_i`` finishes and finish before ``c_{i+1}`` starts. So the piece
+between ``c_i`` on device ``d`` and ``c_{i+1}`` on ``d'`` (``c_i`` done, its compute 0; the tasks between;
+``c_{i+1}`` with its compute) is a small problem of its own whose optimum, on devices free at its start, is a lower
+bound on ``finish(c_{i+1}) - finish(c_i)``: the whole plan, cut to that piece, is one of its plans (tasks outside
+it, such as the dead ends, only ever take devices and links away). Each piece is solved by the whole MILP
+(moirai.planning.solve.model), whose proven bound is taken, for every pair of devices, and a DP over the cut tasks'
+devices adds the pieces up: ``F_{i+1}(d') = max(min_d F_i(d) + piece_i(d, d'), critical-path finish of c_{i+1} on
+d')``, from the critical-path bound's earliest finish of ``c_1``, up to the last cut task and the piece after it
+(its model outputs' time to device 0 included). The chain is the cut tasks: their dead ends, left out, hold at
+most :data:`MAX_DROPPED_SHARE` of the work.
 
 The pieces drop what only makes a plan slower: memory limits, colocation, headers, the CPU time of sends and
-receives, tensors from before the piece (they count as there already) and devices busy with nothing else, so the
-bound holds for every plan the simulator runs with link contention, as the MILP models it. It is far tighter than
-the per-task critical path where the pieces are parallel branches on a few devices (a branch sent elsewhere has
-to share that device and link with the others), and costs a MILP per piece and device pair: a bench's bound, not
-the one every plan prints (:func:`moirai.planning.bounds.lower_bound`, which this one is never below).
+receives, and tensors from before the piece (they count as there already), so the bound holds for every plan the
+simulator runs with link contention, as the MILP models it (tests/test_segment_bound.py checks it against brute
+force). It is far tighter than the per-task critical path where the pieces are parallel branches on a few devices
+(a branch sent elsewhere has to share that device and its link with the others), and costs a MILP per piece and
+device pair: a bench's bound, not the one every plan prints (:func:`moirai.planning.bounds.lower_bound`, which this
+one is never below).
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ def segment_lower_bound(problem: Problem, time_limit_s: float = 60.0) -> Segment
     deadline = time.perf_counter() + time_limit_s
     interchangeable = identical_device_groups(problem) == (tuple(range(k)),) if k > 1 else True
     solved = optimal = 0
-    finish = earliest_finish_s(problem)[cuts[0]]  # F_1: the first cut task's earliest finish on each device
+    earliest = earliest_finish_s(problem)
+    finish = earliest[cuts[0]]  # F_1: the first cut task's earliest finish on each device
     for first, last in [*zip(cuts, cuts[1:], strict=False), (cuts[-1], None)]:
         between = reach[first] & (reach[:, last] if last is not None else True)
         tasks = [first, *(v for v in problem.topological_order if between[v] and v != last)]
@@ -81,6 +86,8 @@ def segment_lower_bound(problem: Problem, time_limit_s: float = 60.0) -> Segment
                     solved, optimal = solved + (sub is not None), optimal + (sub is not None and proven)
                 piece[d, slice(None) if e is None else e] = solves[key]
         finish = (finish[:, None] + piece).min(axis=0)
+        if last is not None:  # the critical-path bound on the cut task's finish holds as well
+            finish = np.maximum(finish, earliest[last])
     return SegmentBound(max(base, float(finish.min())), len(cuts), solved, optimal)
 
 
