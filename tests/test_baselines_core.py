@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moirai.errors import InfeasibleError
-from moirai.planning.bounds import lower_bound, lower_bounds
+from moirai.planning.bounds import lower_bound, lower_bounds, split_start_s
 from moirai.planning.placers import get_placer, place
 from moirai.planning.placers.cp_pct import critical_path
 from moirai.planning.placers.heft import upward_rank_mean_costs
@@ -100,6 +105,60 @@ def test_critical_path_bound_with_communication_never_exceeds_the_brute_force_op
         rng, int(rng.integers(3, 6)), 2, slowdown=2.0, send_cpu_s=0.5, recv_cpu_s=0.5, header_s=0.3, output_s=0.4
     )
     assert lower_bounds(problem).critical_path_s <= brute_force_optimum(problem, contention=False) + 1e-9
+
+
+def test_critical_path_bound_runs_every_ancestor_kept_on_the_device_one_at_a_time():
+    # s forks into three branches b -> c that join in j; a crossing (10 s) costs more than the whole graph serial
+    # (8 s). Counting only j's producers gives 6 s (each c can start at 2); counting every ancestor gives 8 s.
+    tasks = {name: ([1.0, 1.0], 0.0) for name in ["s", "b0", "c0", "b1", "c1", "b2", "c2", "j"]}
+    edges = [("s", f"b{i}") for i in range(3)] + [(f"b{i}", f"c{i}") for i in range(3)]
+    problem = problem_of(tasks, edges + [(f"c{i}", "j") for i in range(3)], transfer=10.0)
+    assert lower_bounds(problem).critical_path_s == 8.0 == brute_force_optimum(problem)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_critical_path_bound_on_deeper_graphs_and_three_devices_never_exceeds_the_brute_force_optimum(seed):
+    """Deeper graphs (6-7 tasks on 2 devices) and 3 devices (5 tasks), where ancestors beyond the producers count;
+    transfers from cheap to several tasks' time."""
+    rng = np.random.default_rng(2000 + seed)
+    devices = 2 if seed % 3 else 3
+    problem = random_problem(rng, int(rng.integers(6, 8)) if devices == 2 else 5, devices, slowdown=1.5)
+    problem = replace(problem, transfer_s=problem.transfer_s * float(rng.choice([0.3, 1.0, 4.0])))
+    assert lower_bounds(problem).critical_path_s <= brute_force_optimum(problem, contention=False) + 1e-9
+
+
+def _one_machine_s(start_s: list[float], compute_s: list[float]) -> float:
+    """The one-machine bound by its definition: the latest start plus all compute from it on, over starts."""
+    return max((s + sum(c for t, c in zip(start_s, compute_s, strict=True) if t >= s) for s in start_s), default=0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.floats(0, 10), st.just(float("inf"))),  # arrival (inf: no link)
+            st.floats(0, 10),  # earliest start on the device
+            st.one_of(st.floats(0.1, 5), st.just(float("inf"))),  # compute there (inf: cannot run there)
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_split_start_is_the_best_of_every_set_sent(rows):
+    """Over every set of the rows sent (the rest run on the device), the least of max(last arrival, one-machine
+    bound of the rest): the thresholds split_start_s tries include the best."""
+    arrival, start, compute = (np.array(column)[:, None] for column in zip(*rows, strict=True))
+    best = min(
+        max(
+            max((a for a, s in zip(arrival[:, 0], sent, strict=True) if s), default=0.0),
+            _one_machine_s(
+                [t for t, s in zip(start[:, 0], sent, strict=True) if not s],
+                [c for c, s in zip(compute[:, 0], sent, strict=True) if not s],
+            ),
+        )
+        for sent in itertools.product([False, True], repeat=len(rows))
+    )
+    assert split_start_s(arrival, start, compute)[0] == pytest.approx(best)
 
 
 def test_memory_makes_the_load_bound_tighter():

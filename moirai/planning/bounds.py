@@ -7,7 +7,10 @@ Two bounds, each valid for every plan that respects memory, with or without link
   runs on the same device, and those producers then run one at a time, or sends its tensor, which then takes at
   least the link's time from the producer's best other device; each device waits for its header and each task's
   model outputs take their time to device 0. Where transfers cost several tasks' time this is far above the longest
-  path of compute alone (where they cost nothing, it is that path);
+  path of compute alone (where they cost nothing, it is that path). The head also counts every ancestor, not only the
+  producers: one on the same device runs there first (the one-machine bound over all of them), one elsewhere gets
+  its result to the device at the earliest when it, or a later ancestor, finishes elsewhere and sends its cheapest
+  tensor (:class:`_Ancestors`);
 * load: the optimum of the LP "minimise T such that a fractional assignment of tasks to
   devices puts at most T seconds of work on every device and at most its capacity of memory".
   The number returned is not the solver's objective but the Lagrangian bound
@@ -111,20 +114,97 @@ _EXACT_SPLIT_MAX_PRODUCERS = 12  # beyond this many producers a task's head take
 
 def _critical_path_bound(problem: Problem) -> float:
     """The latest, over tasks, of the least head + compute + model-output time on any device that can hold it."""
+    finish = earliest_finish_s(problem)
+    output = np.asarray(problem.costs.output_s, float)
+    return max(0.0, float(np.max(np.min(finish + output, axis=1), initial=0.0)))
+
+
+def earliest_finish_s(problem: Problem) -> np.ndarray:
+    """``[task, device]``: no plan finishes the task's compute on the device earlier (head + compute; ``inf`` where
+    it cannot run), the critical-path bound's numbers; the sends and receives it books come on top."""
     _fastest_holding_device_time(problem)  # raises for a task no device can hold
     n, k = problem.num_tasks, problem.num_devices
     compute = np.where(problem.fits, problem.compute_s, np.inf)
     header = np.asarray(problem.costs.header_s, float)
-    output = np.asarray(problem.costs.output_s, float)
     head = np.full((n, k), np.inf)
     finish = np.full((n, k), np.inf)  # head + compute: the earliest each task can finish on each device
-    bound = 0.0
+    ancestors = _Ancestors(problem, compute) if n <= _ANCESTORS_MAX_TASKS else None
     for v in problem.topological_order:
         producers = problem.predecessors[v]
         head[v] = header if not producers else np.maximum(header, _head_s(problem, v, producers, head, finish))
+        if ancestors is not None:
+            head[v] = np.maximum(head[v], ancestors.head_s(v, head, finish))
         finish[v] = head[v] + compute[v]
-        bound = max(bound, float(np.min(finish[v] + output[v])))
-    return bound
+        if ancestors is not None:
+            ancestors.finished(v, finish[v])
+    return finish
+
+
+_ANCESTORS_MAX_TASKS = 3000  # the ancestor sets are an n x n matrix; beyond this the producers alone are counted
+_ANCESTORS_KEPT = 32  # per task, the ancestors that can finish latest: fewer keep the bound valid, only weaker
+
+
+class _Ancestors:
+    """The head of a task on a device from all its ancestors, not only its producers.
+
+    An ancestor ``u`` of ``v`` on ``v``'s device ``k`` runs there before ``v``; the ones there run one at a time (the
+    one-machine bound over their earliest starts on ``k``). One elsewhere reaches ``v`` along a path whose last task
+    off ``k``, ``a`` (``u`` or a descendant of it), sends a tensor to ``k``: that arrives no earlier than ``a``'s
+    earliest finish off ``k`` plus the cheapest transfer of any of ``a``'s tensors into ``k``. ``arrival_s[u, k]``
+    is the least of that over ``u`` and the descendants bounded so far (a superset of those on a path to ``v``, so
+    never more than the truth). As for producers, every split that sends the ancestors arriving earliest is tried."""
+
+    def __init__(self, problem: Problem, compute_s: np.ndarray) -> None:
+        n, k = problem.num_tasks, problem.num_devices
+        self.compute_s = compute_s
+        into = problem.transfer_s.copy()  # [tensor, from, to]: the diagonal is no transfer
+        into[:, np.arange(k), np.arange(k)] = np.inf
+        self.cheapest_in_s = np.full((n, k), np.inf)  # [task, device]: its cheapest tensor into the device
+        np.minimum.at(self.cheapest_in_s, problem.tensor_producer, into.min(axis=1))
+        self.arrival_s = np.full((n, k), np.inf)
+        self.of = np.zeros((n, n), bool)  # of[v]: v's ancestors
+        self.problem = problem
+
+    def head_s(self, v: int, head_s: np.ndarray, finish_s: np.ndarray) -> np.ndarray:
+        """``v``'s earliest start on each device from its ancestors (bounded before it, in topological order)."""
+        for u in self.problem.predecessors[v]:
+            self.of[v] |= self.of[u]
+            self.of[v, u] = True
+        ancestors = np.flatnonzero(self.of[v])
+        if ancestors.size > _ANCESTORS_KEPT:
+            latest = np.argpartition(-finish_s[ancestors].min(axis=1), _ANCESTORS_KEPT)[:_ANCESTORS_KEPT]
+            ancestors = ancestors[latest]
+        if ancestors.size == 0:
+            return np.zeros(self.problem.num_devices)
+        return split_start_s(self.arrival_s[ancestors], head_s[ancestors], self.compute_s[ancestors])
+
+    def finished(self, v: int, finish_s: np.ndarray) -> None:
+        """Record ``v``'s earliest finishes: its result (and so its ancestors') can reach device ``k`` from then."""
+        k = finish_s.size
+        if k < 2:
+            return
+        two = np.partition(finish_s, 1)[:2]
+        elsewhere = np.where(finish_s <= two[0], two[1], two[0])  # the earliest finish on another device
+        reach = elsewhere + self.cheapest_in_s[v]
+        rows = np.append(np.flatnonzero(self.of[v]), v)
+        self.arrival_s[rows] = np.minimum(self.arrival_s[rows], reach)
+
+
+def split_start_s(arrival_s: np.ndarray, local_start_s: np.ndarray, local_compute_s: np.ndarray) -> np.ndarray:
+    """The earliest a task can start on each device (columns) given tasks it waits for (rows): each arrives from
+    elsewhere no earlier than ``arrival_s``, or runs on the device from ``local_start_s`` for ``local_compute_s``
+    before it, those one at a time. For each threshold ``θ`` (0 or an arrival), those arriving by ``θ`` are sent and
+    the rest run on the device: ``max(θ, one-machine bound of the rest)``, the least over thresholds."""
+    m, k = arrival_s.shape
+    thresholds = np.vstack([np.zeros(k), np.sort(arrival_s, axis=0)])  # [split, device]
+    by_start = np.argsort(-local_start_s, axis=0)
+    start_s = np.take_along_axis(local_start_s, by_start, axis=0)
+    compute_s = np.take_along_axis(local_compute_s, by_start, axis=0)
+    arrives_s = np.take_along_axis(arrival_s, by_start, axis=0)
+    local = arrives_s[None] > thresholds[:, None, :]  # [split, ancestor by latest start, device]
+    busy = np.cumsum(np.where(local, compute_s[None], 0.0), axis=1)
+    local_done = np.where(local, start_s[None] + busy, -np.inf).max(axis=1)
+    return np.maximum(thresholds, local_done).min(axis=0)
 
 
 def _head_s(problem: Problem, v: int, producers: tuple[int, ...], head: np.ndarray, finish: np.ndarray) -> np.ndarray:

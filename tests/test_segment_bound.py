@@ -1,0 +1,99 @@
+"""The cut-task latency bound (moirai.planning.solve.segment_bound) against brute force."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moirai.planning.bounds import lower_bound
+from moirai.planning.problem import Problem
+from moirai.planning.solve.segment_bound import cut_tasks, segment_lower_bound
+from moirai.testing import brute_force_optimum, random_problem
+
+
+def fork_join(branches: int, compute_s: np.ndarray, transfer_s: float) -> Problem:
+    """``s`` -> ``branches`` tasks -> ``j`` on ``compute_s.shape[1]`` devices; every tensor takes ``transfer_s``."""
+    n, k = branches + 2, compute_s.shape[1]
+    tensors = [(0, tuple(range(1, branches + 1)))] + [(b, (n - 1,)) for b in range(1, branches + 1)]
+    transfer = np.full((len(tensors), k, k), transfer_s)
+    transfer[:, np.arange(k), np.arange(k)] = 0.0
+    return Problem(
+        device_names=tuple(f"dev{d}" for d in range(k)),
+        memory_capacity_bytes=np.full(k, np.inf),
+        task_names=("s", *(f"b{i}" for i in range(branches)), "j"),
+        compute_s=compute_s,
+        memory_bytes=np.zeros(n),
+        tensor_names=tuple(f"t{t}" for t in range(len(tensors))),
+        tensor_producer=np.array([u for u, _ in tensors]),
+        tensor_consumers=tuple(c for _, c in tensors),
+        transfer_s=transfer,
+    )
+
+
+def test_on_a_fork_join_the_cut_bound_is_the_optimum_where_the_critical_path_is_not():
+    # Four 2 s branches, 1 s transfers, two devices: sending two branches away shares one link and one device, which
+    # the per-task bound cannot see (it lets every branch start at 1 s elsewhere).
+    compute = np.array([[1.0, 1.0]] + [[2.0, 2.0]] * 4 + [[1.0, 1.0]])
+    problem = fork_join(4, compute, transfer_s=1.0)
+    optimum = brute_force_optimum(problem)
+    bound = segment_lower_bound(problem)
+    assert bound.cuts == 2 and bound.pieces_optimal == bound.pieces_solved > 0
+    assert bound.bound_s == pytest.approx(optimum, abs=1e-6)
+    assert lower_bound(problem) < optimum - 0.5
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_cut_bound_never_exceeds_the_brute_force_optimum(seed):
+    """Random DAGs (most have cut tasks) with every per-request cost and device-side communication."""
+    rng = np.random.default_rng(3000 + seed)
+    problem = random_problem(
+        rng,
+        int(rng.integers(4, 7)),
+        2 if seed % 4 else 3,
+        slowdown=1.5,
+        send_cpu_s=0.3 if seed % 2 else 0.0,
+        recv_cpu_s=0.3 if seed % 2 else 0.0,
+        header_s=0.3,
+        output_s=0.4,
+    )
+    bound = segment_lower_bound(problem)
+    assert lower_bound(problem) <= bound.bound_s <= brute_force_optimum(problem) + 1e-6
+
+
+def test_a_cut_task_may_leave_out_a_dead_end_beside_it():
+    # s -> a, b; a -> c -> j; b (a dead end) reads s: c is a cut task though b neither leads to it nor follows it.
+    compute = np.array([[1.0, 1.0], [2.0, 2.0], [0.5, 0.5], [2.0, 2.0], [1.0, 1.0]])
+    tensors = [(0, (1, 2)), (1, (3,)), (3, (4,))]
+    transfer = np.full((3, 2, 2), 1.5)
+    transfer[:, [0, 1], [0, 1]] = 0.0
+    problem = Problem(
+        device_names=("dev0", "dev1"),
+        memory_capacity_bytes=np.full(2, np.inf),
+        task_names=("s", "a", "b", "c", "j"),
+        compute_s=compute,
+        memory_bytes=np.zeros(5),
+        tensor_names=("t0", "t1", "t2"),
+        tensor_producer=np.array([u for u, _ in tensors]),
+        tensor_consumers=tuple(c for _, c in tensors),
+        transfer_s=transfer,
+    )
+    assert cut_tasks(problem, problem.reachable()) == [0, 1, 3, 4]
+    assert segment_lower_bound(problem).bound_s <= brute_force_optimum(problem) + 1e-9
+
+
+def test_without_cut_tasks_it_is_the_critical_path_bound():
+    # Two independent tasks: neither leads to the other.
+    problem = fork_join(2, np.ones((4, 2)), transfer_s=1.0)
+    independent = Problem(
+        device_names=problem.device_names,
+        memory_capacity_bytes=problem.memory_capacity_bytes,
+        task_names=("a", "b"),
+        compute_s=np.ones((2, 2)),
+        memory_bytes=np.zeros(2),
+        tensor_names=(),
+        tensor_producer=np.zeros(0, int),
+        tensor_consumers=(),
+        transfer_s=np.zeros((0, 2, 2)),
+    )
+    bound = segment_lower_bound(independent)
+    assert bound.cuts == 0 and bound.bound_s == lower_bound(independent)
