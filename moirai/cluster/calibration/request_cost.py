@@ -40,8 +40,8 @@ _ROUNDS = 7
 _PART_CALLS = 50
 # One request per rank in flight, each submitted when one before it is done: a generation server's decode steps.
 _IN_FLIGHT = 2
-# Each half: two Linear(2048, 2048) on one row, 32 MB of weights streamed per request (a millisecond or two of one
-# core), so the runtime's code runs between parts with its caches cold, as between the stages of a real model.
+# Each half: two Linear(2048, 2048) on one row, 32 MB of weights streamed per request (milliseconds of one core),
+# so the runtime's code runs between parts with its caches cold, as between the stages of a real model.
 _WIDTH = 2048
 _LAYERS_PER_PART = 2
 
@@ -162,7 +162,7 @@ def _halves(model: torch.nn.Sequential) -> tuple[torch.nn.Module, torch.nn.Modul
 
 def _half_alone_s(half: torch.nn.Module) -> float:
     """A half's CPU time per call, called back to back in this thread (its weights, more than one core's cache
-    holds, stream in as they do served; the other rank streaming its own at once slowed it by 3% at most)."""
+    holds, stream in as they do served; what the other rank streaming at once slows is counted as the runtime's)."""
     x = torch.randn(1, _WIDTH)
     with torch.no_grad():
         half(x)
