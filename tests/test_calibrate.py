@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from moirai.cluster.calibration import (
     costs_by_kind,
     local_calibration,
     local_request_cost,
-    measure_request_cost,
+    measure_request_cost_spread,
     measure_transfer_costs,
     read_calibration,
     read_host_links,
@@ -32,6 +33,7 @@ from moirai.cluster.calibration import (
     write_calibration,
 )
 from moirai.cluster.calibration.cluster import local_cluster
+from moirai.cluster.calibration.request_cost import MeasuredRequestCost, request_cost_of
 from moirai.cluster.devices import Cluster
 from moirai.errors import ClusterError
 from moirai.planning.problem import Problem
@@ -46,6 +48,7 @@ FAKE_COST = TransferCost(
     receiver_cpu_s_per_byte=2e-10,
 )
 FAKE_REQUESTS = RequestCost(driver_cpu_s=120e-6, worker_cpu_s=25e-6)
+FAKE_MEASURED_REQUESTS = MeasuredRequestCost(FAKE_REQUESTS, RequestCost(driver_cpu_s=30e-6, worker_cpu_s=10e-6))
 
 
 def test_fit_recovers_the_three_lines() -> None:
@@ -240,11 +243,62 @@ def test_three_and_four_ranks_measure_every_directed_pair(world_size: int) -> No
 
 
 @pytest.mark.slow
-def test_the_runtimes_work_per_request_is_measured_through_its_server() -> None:
-    requests = measure_request_cost(FAKE_COST, requests=200)
+def test_the_runtimes_work_per_request_is_measured_through_its_server_between_parts_that_compute() -> None:
+    measured = measure_request_cost_spread(FAKE_COST, requests=40)
     # Python work of the driver's threads and a worker's loop: more than nothing, well under 10 ms per request.
-    assert 0 < requests.driver_cpu_s < 10e-3
-    assert 0 <= requests.worker_cpu_s < 10e-3
+    assert 0 < measured.cost.driver_cpu_s < 10e-3
+    assert 0 <= measured.cost.worker_cpu_s < 10e-3
+    spread = [measured.spread.driver_cpu_s, measured.spread.worker_cpu_s]
+    assert all(math.isfinite(s) and 0 <= s < 10e-3 for s in spread), spread
+
+
+def _way(first: int, rounds: list[tuple[list[float], list[float]]]) -> dict:
+    return {"first": first, "rounds": [[cpu_s, half_s] for cpu_s, half_s in rounds]}
+
+
+def test_the_request_cost_is_each_ranks_cpu_less_its_half_alone_and_the_booked_messages() -> None:
+    link = TransferCost(
+        1e-4, 1e9, sender_cpu_s=10e-6, sender_cpu_s_per_byte=0.0, receiver_cpu_s=20e-6, receiver_cpu_s_per_byte=0.0
+    )
+    report = {
+        "activation_bytes": 8192.0,
+        "output_bytes": 8192.0,
+        "ways": [
+            # Rank 0 first: it sends the activation (10 us), rank 1 receives it (20) and sends the output (10),
+            # which rank 0 receives (20).
+            _way(
+                0,
+                [
+                    ([1.5e-3, 1.4e-3], [1.0e-3, 1.0e-3]),
+                    ([1.9e-3, 1.5e-3], [1.2e-3, 1.0e-3]),
+                    ([1.6e-3, 1.45e-3], [1.1e-3, 1.0e-3]),
+                ],
+            ),
+            # Rank 1 first: it sends the activation, rank 0 receives it and makes the output (no message).
+            _way(
+                1,
+                [
+                    ([1.4e-3, 1.3e-3], [1.0e-3, 1.0e-3]),
+                    ([1.4e-3, 1.3e-3], [1.0e-3, 1.0e-3]),
+                    ([1.4e-3, 1.3e-3], [1.0e-3, 1.0e-3]),
+                ],
+            ),
+        ],
+    }
+    measured = request_cost_of(report, link)
+    # Way 0, rank 0: 1.5 - 1.0 - 0.03, 1.9 - 1.2 - 0.03, 1.6 - 1.1 - 0.03 ms: 0.47, 0.67, 0.47; rank 1: 1.4 - 1.0 -
+    # 0.03, ...: 0.37, 0.47, 0.42. Way 1: rank 0 1.4 - 1.0 - 0.02 = 0.38, rank 1 1.3 - 1.0 - 0.01 = 0.29.
+    assert measured.cost.driver_cpu_s == pytest.approx((0.47e-3 + 0.38e-3) / 2)
+    assert measured.cost.worker_cpu_s == pytest.approx((0.42e-3 + 0.29e-3) / 2)
+    assert measured.spread.driver_cpu_s == pytest.approx((0.2e-3 + 0) / 2)
+    assert measured.spread.worker_cpu_s == pytest.approx((0.1e-3 + 0) / 2)
+
+
+def test_a_rank_that_books_more_than_it_took_costs_nothing_rather_than_a_negative_time() -> None:
+    link = TransferCost(1e-4, 1e9, 0.0, 0.0, 0.0, 0.0)
+    report = {"activation_bytes": 0.0, "output_bytes": 0.0, "ways": [_way(0, [([1e-3, 1e-3], [1.2e-3, 0.9e-3])])]}
+    measured = request_cost_of(report, link)
+    assert measured.cost.driver_cpu_s == 0.0 and measured.cost.worker_cpu_s == pytest.approx(0.1e-3)
 
 
 @pytest.mark.slow
@@ -277,7 +331,7 @@ def test_moirai_calibrate_leaves_the_machines_calibration_alone_unless_asked(tmp
     monkeypatch.setattr(
         cli_module, "measure_transfer_costs", lambda devices, sizes, repeats: {(0, 1): FAKE_COST, (1, 0): FAKE_COST}
     )
-    monkeypatch.setattr(cli_module, "measure_request_cost", lambda link: FAKE_REQUESTS)
+    monkeypatch.setattr(cli_module, "measure_request_cost_spread", lambda link: FAKE_MEASURED_REQUESTS)
     monkeypatch.setattr(cli_module, "measure_link_kinds", lambda pair: {"cpu->cpu": FAKE_COST})
     monkeypatch.setattr(cli_module, "_transport", lambda backend: "shm")
     output = tmp_path / "cluster.toml"
@@ -311,7 +365,7 @@ def test_moirai_calibrate_measures_the_links_of_a_base_file_that_has_none(tmp_pa
         return {(a, b): FAKE_COST for a in range(len(devices)) for b in range(len(devices)) if a != b}
 
     monkeypatch.setattr(cli_module, "measure_transfer_costs", measure)
-    monkeypatch.setattr(cli_module, "measure_request_cost", lambda link: FAKE_REQUESTS)
+    monkeypatch.setattr(cli_module, "measure_request_cost_spread", lambda link: FAKE_MEASURED_REQUESTS)
     monkeypatch.setattr(cli_module, "measure_link_kinds", lambda pair: {"cpu->cpu": FAKE_COST})
     base = tmp_path / "base.toml"
     base.write_text(

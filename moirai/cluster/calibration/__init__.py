@@ -66,13 +66,19 @@ from moirai.cluster.calibration.measure import (
     measure_transfer_costs,
     measure_transfers,
 )
-from moirai.cluster.calibration.request_cost import RequestCost, measure_request_cost
+from moirai.cluster.calibration.request_cost import (
+    MeasuredRequestCost,
+    RequestCost,
+    measure_request_cost,
+    measure_request_cost_spread,
+)
 
 __all__ = [
     "CALIBRATION_FORMAT_VERSION",
     "DEFAULT_SIZES_BYTES",
     "HostLink",
     "HostsCalibration",
+    "MeasuredRequestCost",
     "RequestCost",
     "TransferCost",
     "TransferTimings",
@@ -88,6 +94,7 @@ __all__ = [
     "measure_across_hosts",
     "measure_link_kinds",
     "measure_request_cost",
+    "measure_request_cost_spread",
     "measure_transfer_costs",
     "measure_transfers",
     "read_calibration",

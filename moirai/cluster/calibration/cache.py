@@ -34,8 +34,8 @@ except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
 
 # 2: the sender computes around its send; 3: one host's ranks message through shared memory; 4: the runtime's
-# own work per request (RequestCost)
-CALIBRATION_FORMAT_VERSION = 4
+# own work per request (RequestCost); 5: that work measured between parts that compute as a model's do
+CALIBRATION_FORMAT_VERSION = 5
 
 
 def local_calibration(

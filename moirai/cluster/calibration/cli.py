@@ -18,7 +18,7 @@ from moirai.cluster.calibration.cache import cached_host_links, cached_links, ca
 from moirai.cluster.calibration.cluster import measured_cluster, rank_devices
 from moirai.cluster.calibration.fit import HostLink, TransferCost, costs_by_kind, link_kind
 from moirai.cluster.calibration.measure import measure_link_kinds, measure_transfer_costs
-from moirai.cluster.calibration.request_cost import measure_request_cost
+from moirai.cluster.calibration.request_cost import measure_request_cost_spread
 from moirai.cluster.files import read_cluster_devices
 from moirai.cluster.hardware import Device
 from moirai.cluster.kinds import CPU, backends, kind_for_backend
@@ -99,7 +99,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     host_link = link_kind(CPU.name, CPU.name)
     if host_link not in links:  # the request cost's program runs on two CPU ranks
         links.update(measure_link_kinds((CPU.name, CPU.name)))
-    requests = measure_request_cost(links[host_link])
+    measured_requests = measure_request_cost_spread(links[host_link])
+    requests = measured_requests.cost
     if saved is not None:
         host_links = {**cached_host_links(saved), **measured.host_links}  # host pairs measured before and not now
         write_calibration(saved, links, requests, host_links)
@@ -123,7 +124,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print("hosts: " + ", ".join(f"{d.name} on {d.host}" for d in measured.devices))
     console.print(
         f"the runtime's own work per request (through its server): driver (rank 0) "
-        f"{requests.driver_cpu_s * 1e6:.0f} us, another rank {requests.worker_cpu_s * 1e6:.0f} us"
+        f"{requests.driver_cpu_s * 1e6:.0f} us, another rank {requests.worker_cpu_s * 1e6:.0f} us "
+        f"(its rounds spread over {measured_requests.spread.driver_cpu_s * 1e6:.0f} and "
+        f"{measured_requests.spread.worker_cpu_s * 1e6:.0f} us)"
     )
     return 0
 
