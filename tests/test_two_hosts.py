@@ -57,19 +57,7 @@ def run_on_both_hosts(
 ) -> dict[str, tuple[str, str]]:
     """``torchrun --nnodes 2 ... arguments`` on host a (node 0) and host b (node 1): each host's stdout and stderr,
     after both exited with status 0."""
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    hosts = {
-        host: subprocess.Popen(
-            [str(TWO_HOSTS), "run", host, torchrun, "--nnodes", "2", "--node-rank", str(node_rank)]
-            + ["--nproc-per-node", "1", "--master-addr", MASTER_ADDR, "--master-port", "29500", *arguments],
-            cwd=cwd,
-            env=environment,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node_rank, host in enumerate("ab")
-    }
+    hosts = start_on_both_hosts(environment, cwd, *arguments, stderr=subprocess.PIPE)
     finished = {}
     for host, process in hosts.items():
         try:
@@ -358,17 +346,20 @@ def test_a_host_that_goes_away_fails_the_pending_requests_naming_its_rank(
         assert not raw and not foreign, f"host {host}: {text[-3000:]}"
 
 
-def start_on_both_hosts(environment: dict[str, str], cwd: Path, script: str) -> dict[str, subprocess.Popen[str]]:
-    """``torchrun --nnodes 2 ... script`` on host a (node 0) and host b (node 1), started, stdout and stderr as one."""
+def start_on_both_hosts(
+    environment: dict[str, str], cwd: Path, *arguments: str, stderr: int = subprocess.STDOUT
+) -> dict[str, subprocess.Popen[str]]:
+    """``torchrun --nnodes 2 ... arguments`` on host a (node 0) and host b (node 1), started (``stderr``: into
+    stdout unless piped apart)."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     return {
         host: subprocess.Popen(
             [str(TWO_HOSTS), "run", host, torchrun, "--nnodes", "2", "--node-rank", str(node_rank)]
-            + ["--nproc-per-node", "1", "--master-addr", MASTER_ADDR, "--master-port", "29500", script],
+            + ["--nproc-per-node", "1", "--master-addr", MASTER_ADDR, "--master-port", "29500", *arguments],
             cwd=cwd,
             env=environment,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=stderr,
             text=True,
         )
         for node_rank, host in enumerate("ab")

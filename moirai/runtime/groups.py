@@ -81,7 +81,7 @@ class Group:
 
     rank: int
     devices: list[torch.device]
-    gloo: Link
+    gloo: GlooLinks
     nccl: Link | None  # None: no two of the world's devices exchange messages in device memory
     store: RunStore
     describe_rank: Callable[[int], str] = lambda rank: ""
@@ -116,7 +116,7 @@ class Group:
             return self.nccl
         if self.shared_memory is not None and peer in self.shared_memory.peers:
             return self.shared_memory
-        return self.gloo.control if control and isinstance(self.gloo, GlooLinks) else self.gloo
+        return self.gloo.control if control else self.gloo
 
     def close(self) -> None:
         if self.shared_memory is not None:

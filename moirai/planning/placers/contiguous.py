@@ -180,6 +180,7 @@ def _search(
     )
     buckets[0][0] = [start]
     best: _Label | None = None
+    limit_s = cap_s  # what a split must beat: the cap, then the best split found
     full = len(space.size) - 1
 
     def bound_s(label: _Label) -> float:
@@ -193,32 +194,30 @@ def _search(
     for s in range(len(space.size)):
         for labels in list(buckets[s].values()):
             for label in labels:
-                best_s = best.value_s if best is not None else cap_s
-                if bound_s(label) >= best_s:
+                if bound_s(label) >= limit_s:
                     continue
                 pending = dict(label.pending)
                 for d in devices.allowed(label.used):
                     used = devices.use(label.used, d)
                     free = devices.free(used)
                     for target, stage in _grow(problem, p, space, s, pending, d):
-                        best_s = best.value_s if best is not None else cap_s
                         # cheap bounds before the label is built
-                        if not throughput and label.closed_s + stage.busy_s + remaining[target] >= best_s:
+                        if not throughput and label.closed_s + stage.busy_s + remaining[target] >= limit_s:
                             if exact:
                                 continue
                             break  # a prefix's stage only grows, by at least what the rest loses
-                        if throughput and remaining[target] > 0 and remaining[target] >= best_s * free:
+                        if throughput and remaining[target] > 0 and remaining[target] >= limit_s * free:
                             continue
                         new = _close(p, space, label, stage, target, used, throughput)
                         if new is None:
                             continue
-                        if new.value_s >= best_s:
+                        if new.value_s >= limit_s:
                             if exact:
                                 continue
                             break  # a prefix's stage only grows, and its value with it
                         if target == full:
-                            best = new
-                        elif bound_s(new) < (best.value_s if best is not None else cap_s):
+                            best, limit_s = new, new.value_s
+                        elif bound_s(new) < limit_s:
                             _keep(buckets[target], new, IDEAL_LABELS if exact else PREFIX_LABELS)
     return best
 
