@@ -32,6 +32,7 @@ def random_problem(
     output_s: float = 0.0,
     request_cpu_s: float = 0.0,
     output_cpu_s: float = 0.0,
+    input_s: float = 0.0,
 ) -> Problem:
     """A random DAG: every task reads up to two earlier tasks, a producer's tensor is shared by two consumers
     half the time (it crosses to a device once), compute and per-link transfer times are random.
@@ -45,6 +46,9 @@ def random_problem(
     ``header_s``: every device but the first waits a random time up to this for its header (drawn after them).
     ``output_s``: the last two tasks make model outputs that take a random time up to this to reach the first
     device from the others (drawn last).
+    ``input_s``: two model inputs, each read by two or three random tasks, whose messages from the first device take
+    a random time up to this to arrive, cost both ends CPU time up to half of it and hold the link up to half of it;
+    their outputs' messages hold the link too (drawn after everything else).
     """
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     n = int(rng.integers(4, 8)) if num_tasks is None else num_tasks
@@ -85,6 +89,15 @@ def random_problem(
     if output_cpu_s > 0:  # the last two tasks make model outputs; sending them to device 0 costs both ends
         output_send[-2:, 1:] = rng.uniform(0.0, output_cpu_s, (2, k - 1)).round(2)
         output_recv[-2:, 1:] = rng.uniform(0.0, output_cpu_s, (2, k - 1)).round(2)
+    readers: list[list[int]] = []
+    inputs = {name: np.zeros((0, k)) for name in ("input_s", "input_send_cpu_s", "input_recv_cpu_s", "input_link_s")}
+    output_link = np.zeros((n, k))
+    if input_s > 0:
+        readers = [rng.choice(n, size=int(rng.integers(2, 4)), replace=False).tolist() for _ in range(2)]
+        for name, most_s in zip(inputs, (input_s, input_s / 2, input_s / 2, input_s / 2), strict=True):
+            inputs[name] = rng.uniform(0.0, most_s, (2, k)).round(2)
+            inputs[name][:, 0] = 0.0
+        output_link[-2:, 1:] = rng.uniform(0.0, input_s / 2, (2, k - 1)).round(2)
     return Problem(
         device_names=tuple(f"dev{d}" for d in range(k)),
         memory_capacity_bytes=np.broadcast_to(np.asarray(capacity_bytes, float), (k,)).copy(),
@@ -100,6 +113,9 @@ def random_problem(
         costs=RequestCosts.build(
             n,
             k,
+            readers,
+            **inputs,
+            output_link_s=output_link,
             header_s=header,
             output_s=output,
             request_cpu_s=request_cpu,

@@ -29,6 +29,7 @@ def _problems() -> list[Problem]:
             recv_cpu_s=0.5,
             request_cpu_s=0.3,
             output_cpu_s=0.3,
+            input_s=0.6,
             task_memory_bytes=1.0,
             capacity_bytes=[5.0, 4.0, 9.0][: 2 + seed % 2],
         )

@@ -30,6 +30,7 @@ from moirai.frontend.graph import OpEdge, OpGraph, OpNode, build_op_graph
 from moirai.frontend.trace import trace
 from moirai.planning.bounds import lower_bounds
 from moirai.runtime.resources import rank_resources
+from moirai.runtime.split import split_module
 
 
 def device(name: str, **overrides: float) -> Device:
@@ -361,3 +362,37 @@ def test_steady_state_profile_fails_when_its_other_rank_does(traced_two_layers, 
             graph, cluster, "measured", traced, cache_dir=tmp_path, repeats=2, progress=False, steady_state=True
         )
     assert not list((tmp_path / "profiles").glob("*.json"))  # nothing cached
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.third = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.third(self.second(self.first(x)) + y) + x.mean()
+
+
+def test_model_inputs_are_priced_where_the_split_program_ships_them() -> None:
+    """The driver sends each model input once to every other part that reads it (split.py's input_indices): the
+    problem's input readers name exactly those devices, and price the bytes on the link from device 0."""
+    traced = trace(_TwoInputs(), (torch.randn(8, 16), torch.randn(8, 16)))
+    graph = build_op_graph(traced)
+    problem = build_problem(graph, two_device_cluster(), traced=traced)
+    costs = problem.costs
+    assert costs.num_inputs == 2
+    expected_link_s = (
+        8 * 16 * 4 / two_device_cluster().bandwidth_bytes_per_s[0, 1] + two_device_cluster().latency_s[0, 1]
+    )
+    assert costs.input_link_s[:, 1] == pytest.approx([expected_link_s] * 2)
+    assert not costs.input_s[:, 0].any() and (costs.input_s[:, 1] >= costs.input_link_s[:, 1]).all()
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        placement = rng.integers(0, 2, len(graph.nodes))
+        node_device = {name: int(placement[i]) for i, node in enumerate(graph.nodes) for name in node.fx_names}
+        program = split_module(traced, node_device, 2)
+        shipped = {index for part in program.parts[1:] for index in part.input_indices}
+        priced = {j for j, devices in enumerate(costs.input_devices(placement)) if 1 in devices}
+        assert shipped == priced
+        seconds = costs.link_s(placement)
+        assert seconds[0, 1] == pytest.approx(len(priced) * expected_link_s)

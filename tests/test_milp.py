@@ -83,11 +83,12 @@ def test_with_the_receivers_cpu_time_the_milp_optimum_equals_brute_force_and_the
 
 @pytest.mark.parametrize("formulation", ["strong", "paper"])
 def test_with_headers_and_outputs_the_milp_optimum_equals_brute_force_and_the_simulator(formulation):
-    """A device waits for the driver's header before its first task (header_s) and a task's model outputs travel
-    back to device 0 (output_s), in the simulator, the brute force and the MILP alike; identical devices with
+    """A device waits for the driver's header before its first task (header_s), a task for the model inputs it
+    reads (input_s), and a task's model outputs travel back to device 0 (output_s), in the simulator, the brute
+    force and the MILP alike; identical devices with
     different headers are not interchangeable."""
     for seed in range(20) if formulation == "strong" else range(6):
-        problem = random_problem(seed, send_cpu_s=0.5 if seed % 2 else 0.0, header_s=2.0, output_s=2.0)
+        problem = random_problem(seed, send_cpu_s=0.5 if seed % 2 else 0.0, header_s=2.0, output_s=2.0, input_s=2.0)
         assert (
             problem.costs.header_s[1:].any() and problem.costs.header_s[0] == 0 and problem.costs.output_s[-1, 1:].any()
         )

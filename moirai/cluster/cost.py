@@ -71,7 +71,7 @@ from rich.progress import Progress
 from moirai.cluster.devices import Cluster, Device
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import kind_of
-from moirai.cluster.messages import header_s, output_messages, recv_cpu_s, send_cpu_s, transfer_s
+from moirai.cluster.messages import header_s, input_messages, output_messages, recv_cpu_s, send_cpu_s, transfer_s
 from moirai.errors import ClusterError, MoiraiWarning
 from moirai.frontend.graph import OpGraph
 from moirai.frontend.symbolic_shapes import concrete_shape, example_int, sizes_at
@@ -214,6 +214,7 @@ def _problem_of(
         consumers[tensor_index[key]].append(e.dst)
     sizes_array = np.array(sizes, float)
     outputs = output_messages(graph, traced, cluster)
+    inputs = input_messages(graph, traced, cluster)
     return Problem(
         device_names=cluster.names,
         memory_capacity_bytes=memory_capacity_bytes,
@@ -230,10 +231,16 @@ def _problem_of(
         costs=RequestCosts.build(
             len(graph.nodes),
             len(cluster),
+            inputs.readers,
             header_s=header_s(cluster),
             output_s=outputs.delay_s,
             output_send_cpu_s=outputs.send_cpu_s,
             output_recv_cpu_s=outputs.recv_cpu_s,
+            output_link_s=outputs.link_s,
+            input_s=inputs.delay_s,
+            input_send_cpu_s=inputs.send_cpu_s,
+            input_recv_cpu_s=inputs.recv_cpu_s,
+            input_link_s=inputs.link_s,
             request_cpu_s=cluster.request_cpu_s,
         ),
         colocated=tuple(tuple(members) for members in colocated),

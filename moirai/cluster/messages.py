@@ -2,7 +2,8 @@
 ``latency[a, b] + bytes / bandwidth[a, b]`` on the cluster's (routed) link matrices, 0 on one device, and keeps
 device ``a`` busy for ``send_cpu_s[a, b] + bytes * send_cpu_s_per_byte[a, b]`` (:func:`send_cpu_s`), and device
 ``b`` busy for the receiver's time (:func:`recv_cpu_s`); both 0 unless calibrated. The runtime's header
-(:func:`header_s`) and the model outputs sent to the driver (:func:`output_messages`) are priced the same way.
+(:func:`header_s`), the model inputs it sends (:func:`input_messages`) and the model outputs sent to it
+(:func:`output_messages`) are priced the same way.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from moirai.cluster.devices import Cluster
-from moirai.frontend.graph import OpGraph, model_output_bytes
+from moirai.frontend.graph import OpGraph, model_input_readers, model_output_bytes
 from moirai.frontend.trace import TracedModel
 from moirai.runtime.header import HEADER_BYTES  # the runtime's header layout prices it
 
@@ -42,6 +43,7 @@ class OutputMessages(NamedTuple):
     delay_s: np.ndarray  # from the node's finish until device 0 holds them: send, transfer and receive
     send_cpu_s: np.ndarray  # CPU time the send takes from device k
     recv_cpu_s: np.ndarray  # CPU time the receive takes from device 0
+    link_s: np.ndarray  # time the message holds the link from device k to device 0
 
 
 def output_messages(graph: OpGraph, traced: TracedModel | None, cluster: Cluster) -> OutputMessages:
@@ -51,10 +53,33 @@ def output_messages(graph: OpGraph, traced: TracedModel | None, cluster: Cluster
         for node, made_bytes in model_output_bytes(graph, traced).items():
             message = np.array([made_bytes])
             sender, receiver = send_cpu_s(message, cluster)[0, :, 0], recv_cpu_s(message, cluster)[0, :, 0]
-            delay = sender + transfer_s(message, cluster)[0, :, 0] + receiver
-            for cost, value in zip(costs, (delay, sender, receiver), strict=True):
+            link = transfer_s(message, cluster)[0, :, 0]
+            for cost, value in zip(costs, (sender + link + receiver, sender, receiver, link), strict=True):
                 cost[node] = value
     return OutputMessages(*(np.where(np.isfinite(cost), cost, 0.0) for cost in costs))
+
+
+class InputMessages(NamedTuple):
+    """``[j, k]``, for the message that carries model input ``j`` from the driver on device 0 to device ``k``
+    (zero on device 0), and the nodes that read each input (empty without ``traced``, which knows the inputs)."""
+
+    readers: tuple[tuple[int, ...], ...]
+    delay_s: np.ndarray  # from the request's start until device k holds it: send, transfer and receive
+    send_cpu_s: np.ndarray  # CPU time the send takes from device 0
+    recv_cpu_s: np.ndarray  # CPU time the receive takes from device k
+    link_s: np.ndarray  # time the message holds the link from device 0 to device k
+
+
+def input_messages(graph: OpGraph, traced: TracedModel | None, cluster: Cluster) -> InputMessages:
+    """What sending each model input from device 0 to the devices that read it costs (:class:`InputMessages`)."""
+    inputs = model_input_readers(graph, traced) if traced is not None else []
+    message = np.array([input_bytes for input_bytes, _ in inputs])
+    sender, receiver = send_cpu_s(message, cluster)[:, 0, :], recv_cpu_s(message, cluster)[:, 0, :]
+    link = transfer_s(message, cluster)[:, 0, :]
+    costs = (sender + link + receiver, sender, receiver, link)
+    return InputMessages(
+        tuple(readers for _, readers in inputs), *(np.where(np.isfinite(cost), cost, 0.0) for cost in costs)
+    )
 
 
 def send_cpu_s(tensor_bytes: np.ndarray, cluster: Cluster) -> np.ndarray:

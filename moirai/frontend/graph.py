@@ -1,8 +1,8 @@
 """OpGraph: one node per compute op of a traced model, with the costs placement needs.
 
 Placeholders (model inputs) and ``get_attr`` nodes (parameters, buffers, constants) are
-not OpGraph nodes: inputs are available to every device, and a parameter is charged to
-the nodes that read it (``param_names``). ``operator.getitem`` on a multi-output op joins
+not OpGraph nodes: an input is sent by the driver to every device whose nodes read it
+(:func:`model_input_readers`), and a parameter is charged to the nodes that read it (``param_names``). ``operator.getitem`` on a multi-output op joins
 its producer's node. Every other ``call_function`` is a node. A scalar of the input shapes
 (``sym_size`` and arithmetic on it, in a model traced with dynamic shapes) is a node without
 out-edges: every device that reads one computes it itself (see :mod:`moirai.runtime.split`).
@@ -224,6 +224,21 @@ def model_output_bytes(graph: OpGraph, traced: TracedModel) -> dict[int, float]:
             node = graph.node_of_fx_name[value.name]
             made[node] = made.get(node, 0.0) + float(_nbytes(value.meta.get("val")))
     return made
+
+
+def model_input_readers(graph: OpGraph, traced: TracedModel) -> list[tuple[float, tuple[int, ...]]]:
+    """For every model input (placeholder) some node reads, its bytes and the nodes of ``graph`` that read it, as
+    :mod:`moirai.runtime.split` ships it: once to every device where one of them runs (a scalar of the input shapes
+    reads no input: each part computes it from the shapes it is given)."""
+    scalars = {node.name for node in shape_scalars(traced)}
+    inputs = []
+    for placeholder in traced.graph_module.graph.find_nodes(op="placeholder"):
+        readers = graph.nodes_of_fx_names(
+            [user.name for user in placeholder.users if user.name in graph.node_of_fx_name and user.name not in scalars]
+        )
+        if readers:
+            inputs.append((float(_nbytes(placeholder.meta.get("val"))), tuple(sorted(readers))))
+    return inputs
 
 
 def _nbytes(value: object) -> int:

@@ -5,12 +5,12 @@ Two bounds, each valid for every plan that respects memory, with or without link
 * critical path: the longest path when every task runs on its fastest device that can hold it, counting what its
   inputs must cost: for each task and device a head (the earliest it can start there), where each producer either
   runs on the same device, and those producers then run one at a time, or sends its tensor, which then takes at
-  least the link's time from the producer's best other device; each device waits for its header and each task's
-  model outputs take their time to device 0. Where transfers cost several tasks' time this is far above the longest
-  path of compute alone (where they cost nothing, it is that path). The head also counts every ancestor, not only the
-  producers: one on the same device runs there first (the one-machine bound over all of them), one elsewhere gets
-  its result to the device at the earliest when it, or a later ancestor, finishes elsewhere and sends its cheapest
-  tensor (:class:`_Ancestors`);
+  least the link's time from the producer's best other device; a task waits for its device's header and the model
+  inputs it reads, and its model outputs take their time to device 0. Where transfers cost several tasks' time this
+  is far above the longest path of compute alone (where they cost nothing, it is that path). The head also counts
+  every ancestor, not only the producers: one on the same device runs there first (the one-machine bound over all
+  of them), one elsewhere gets its result to the device at the earliest when it, or a later ancestor, finishes
+  elsewhere and sends its cheapest tensor (:class:`_Ancestors`);
 * load: the optimum of the LP "minimise T such that a fractional assignment of tasks to
   devices puts at most T seconds of work on every device and at most its capacity of memory".
   The number returned is not the solver's objective but the Lagrangian bound
@@ -125,13 +125,13 @@ def earliest_finish_s(problem: Problem) -> np.ndarray:
     _fastest_holding_device_time(problem)  # raises for a task no device can hold
     n, k = problem.num_tasks, problem.num_devices
     compute = np.where(problem.fits, problem.compute_s, np.inf)
-    header = np.asarray(problem.costs.header_s, float)
+    release = np.asarray(problem.costs.release_s, float)  # its device's header and the model inputs it reads
     head = np.full((n, k), np.inf)
     finish = np.full((n, k), np.inf)  # head + compute: the earliest each task can finish on each device
     ancestors = _Ancestors(problem, compute) if n <= _ANCESTORS_MAX_TASKS else None
     for v in problem.topological_order:
         producers = problem.predecessors[v]
-        head[v] = header if not producers else np.maximum(header, _head_s(problem, v, producers, head, finish))
+        head[v] = release[v] if not producers else np.maximum(release[v], _head_s(problem, v, producers, head, finish))
         if ancestors is not None:
             head[v] = np.maximum(head[v], ancestors.head_s(v, head, finish))
         finish[v] = head[v] + compute[v]

@@ -31,10 +31,12 @@ from moirai.errors import ProblemError
 
 
 class Per(Enum):
-    """What one cost is given for: each device (``[k]``), or each task on each device (``[n, k]``)."""
+    """What one cost is given for: each device (``[k]``), each task on each device (``[n, k]``), or each model input
+    on each device (``[j, k]``)."""
 
     DEVICE = "device"
     TASK = "task"
+    INPUT = "input"
 
 
 def _cost(per: Per, meaning: str) -> Any:
@@ -52,7 +54,11 @@ class RequestCosts:
     ``output_s[i, k]``: how long after task ``i`` finishes on device ``k`` the model outputs it makes are with the
     driver on device 0 (their send, transfer and receive; 0 on device 0 and for tasks that make no output).
     ``output_send_cpu_s[i, k]`` and ``output_recv_cpu_s[i, k]``: the CPU time that message takes from device ``k``
-    and from device 0.
+    and from device 0; ``output_link_s[i, k]`` the time it holds the link from ``k`` to device 0.
+    ``input_readers[j]``: the tasks that read model input ``j``. The driver sends the input once to every other
+    device where one of them runs: ``input_s[j, k]`` after a request starts it is there (send, transfer and receive;
+    0 on device 0), ``input_send_cpu_s[j, k]`` and ``input_recv_cpu_s[j, k]`` are the CPU time that message takes
+    from device 0 and from device ``k``, and ``input_link_s[j, k]`` the time it holds the link from device 0 to ``k``.
     """
 
     header_s: np.ndarray = _cost(Per.DEVICE, "when each device can start a request")
@@ -60,9 +66,16 @@ class RequestCosts:
     output_s: np.ndarray = _cost(Per.TASK, "when a task's model outputs reach device 0")
     output_send_cpu_s: np.ndarray = _cost(Per.TASK, "sending a task's model outputs, on its device")
     output_recv_cpu_s: np.ndarray = _cost(Per.TASK, "receiving a task's model outputs, on device 0")
+    output_link_s: np.ndarray = _cost(Per.TASK, "a task's model outputs on the link to device 0")
+    input_s: np.ndarray = _cost(Per.INPUT, "when each model input is on each device")
+    input_send_cpu_s: np.ndarray = _cost(Per.INPUT, "sending a model input, on device 0")
+    input_recv_cpu_s: np.ndarray = _cost(Per.INPUT, "receiving a model input, on its device")
+    input_link_s: np.ndarray = _cost(Per.INPUT, "a model input on the link from device 0")
+    input_readers: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
+        object.__setattr__(self, "input_readers", tuple(tuple(sorted({int(i) for i in r})) for r in self.input_readers))
+        for f in _cost_fields():
             value = getattr(self, f.name)
             if value is None:
                 raise ProblemError(f"RequestCosts needs {f.name}; build one with RequestCosts.build or zeros")
@@ -70,20 +83,24 @@ class RequestCosts:
         self._validate()
 
     @classmethod
-    def build(cls, num_tasks: int, num_devices: int, **seconds: Any) -> RequestCosts:
-        """Costs for ``num_tasks`` tasks on ``num_devices`` devices: those given (arrays, by field name), else 0."""
+    def build(
+        cls, num_tasks: int, num_devices: int, input_readers: Sequence[Sequence[int]] = (), **seconds: Any
+    ) -> RequestCosts:
+        """Costs for ``num_tasks`` tasks on ``num_devices`` devices, with model inputs read by ``input_readers``:
+        those given (arrays, by field name), else 0."""
         unknown = sorted(set(seconds) - set(cls.names()))
         if unknown:
             raise ProblemError(f"unknown per-request costs {unknown}; they are {list(cls.names())}")
+        rows = {Per.DEVICE: (), Per.TASK: (num_tasks,), Per.INPUT: (len(input_readers),)}
         values = {}
         for name, per in cls.names().items():
-            shape = (num_devices,) if per is Per.DEVICE else (num_tasks, num_devices)
+            shape = (*rows[per], num_devices)
             given = seconds.get(name)
             value = np.zeros(shape) if given is None else np.asarray(given, float)
             if value.size != int(np.prod(shape)):
                 raise ProblemError(f"{name} must hold {' x '.join(map(str, shape))} numbers, got shape {value.shape}")
             values[name] = value.reshape(shape)
-        return cls(**values)
+        return cls(**values, input_readers=tuple(tuple(r) for r in input_readers))
 
     @classmethod
     def zeros(cls, num_tasks: int, num_devices: int) -> RequestCosts:
@@ -92,7 +109,7 @@ class RequestCosts:
     @staticmethod
     def names() -> dict[str, Per]:
         """Every cost's name and what it is given for."""
-        return {f.name: f.metadata["per"] for f in dataclasses.fields(RequestCosts)}
+        return {f.name: f.metadata["per"] for f in _cost_fields()}
 
     @property
     def num_devices(self) -> int:
@@ -102,31 +119,74 @@ class RequestCosts:
     def num_tasks(self) -> int:
         return self.output_s.shape[0]
 
+    @property
+    def num_inputs(self) -> int:
+        return len(self.input_readers)
+
     def _validate(self) -> None:
         if self.header_s.ndim != 1 or self.output_s.ndim != 2:
             raise ProblemError("header_s must be one number per device and output_s one row per task")
         k, n = len(self.header_s), len(self.output_s)
-        for f in dataclasses.fields(self):
+        rows = {Per.DEVICE: (), Per.TASK: (n,), Per.INPUT: (self.num_inputs,)}
+        for f in _cost_fields():
             value, per = getattr(self, f.name), f.metadata["per"]
-            shape = (k,) if per is Per.DEVICE else (n, k)
+            shape = (*rows[per], k)
             if value.shape != shape:
                 raise ProblemError(f"{f.name} ({f.metadata['meaning']}) must have shape {shape}, got {value.shape}")
             if not np.all(np.isfinite(value)) or np.any(value < 0):
                 raise ProblemError(f"{f.name} ({f.metadata['meaning']}) must be non-negative finite numbers")
+        for j, readers in enumerate(self.input_readers):
+            if not readers or readers[0] < 0 or readers[-1] >= n:
+                raise ProblemError(f"model input {j} must be read by one or more of the {n} tasks, got {readers}")
 
     def replace(self, **seconds: Any) -> RequestCosts:
         """These costs with some replaced (arrays by field name)."""
-        return RequestCosts.build(self.num_tasks, self.num_devices, **{**self.to_arrays(), **seconds})
+        return RequestCosts.build(
+            self.num_tasks, self.num_devices, self.input_readers, **{**self.to_arrays(), **seconds}
+        )
 
     def same_for(self, a: int, b: int) -> bool:
         """Whether devices ``a`` and ``b`` have the same costs, every one of them."""
         return all(np.array_equal(value[..., a], value[..., b]) for value in self.to_arrays().values())
 
+    @cached_property
+    def inputs_of_task(self) -> tuple[tuple[int, ...], ...]:
+        """The model inputs every task reads."""
+        read: list[list[int]] = [[] for _ in range(self.num_tasks)]
+        for j, readers in enumerate(self.input_readers):
+            for i in readers:
+                read[i].append(j)
+        return tuple(map(tuple, read))
+
+    @cached_property
+    def release_s(self) -> np.ndarray:
+        """``[n, k]``: when task ``i`` on device ``k`` can start, at the earliest: its device's header has come and
+        the model inputs it reads are there."""
+        release = np.tile(self.header_s, (self.num_tasks, 1))
+        for j, readers in enumerate(self.input_readers):
+            release[list(readers)] = np.maximum(release[list(readers)], self.input_s[j])
+        return release
+
+    def link_s(self, placement: np.ndarray) -> np.ndarray:
+        """``[a, b]``: how long ``placement``'s input and output messages hold each directed link per request."""
+        placement = np.asarray(placement, int)
+        k = self.num_devices
+        seconds = np.zeros((k, k))
+        np.add.at(seconds, (placement, 0), self.output_link_s[np.arange(len(placement)), placement])
+        for j, devices in enumerate(self.input_devices(placement)):
+            seconds[0, devices] += self.input_link_s[j, devices]
+        return seconds
+
+    def input_devices(self, placement: np.ndarray) -> list[list[int]]:
+        """For every model input, the devices ``placement`` puts a reader of it on."""
+        return [sorted({int(placement[i]) for i in readers}) for readers in self.input_readers]
+
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in self.names()}
 
     def to_dict(self) -> dict[str, list[Any]]:
-        return {name: value.tolist() for name, value in self.to_arrays().items()}
+        arrays: dict[str, list[Any]] = {name: value.tolist() for name, value in self.to_arrays().items()}
+        return {**arrays, "input_readers": [list(r) for r in self.input_readers]}
 
     @classmethod
     def from_dict(
@@ -138,9 +198,16 @@ class RequestCosts:
         if d is not None:
             if not isinstance(d, dict):
                 raise ProblemError(f"'request_costs' must be an object of named arrays, got {type(d).__name__}")
-            return cls.build(n, k, **{name: d[name] for name in cls.names() if name in d})
+            readers = d.get("input_readers", [])
+            if not isinstance(readers, list) or not all(
+                isinstance(r, list) and all(isinstance(i, int) for i in r) for r in readers
+            ):
+                raise ProblemError("'input_readers' must be a list of lists of task indices, one per model input")
+            return cls.build(n, k, readers, **{name: d[name] for name in cls.names() if name in d})
         values = {}
         for name, per in cls.names().items():
+            if per is Per.INPUT:
+                continue  # files written before model inputs were priced have none
             entries = devices if per is Per.DEVICE else tasks
             if any(name in entry for entry in entries):
                 zero = 0.0 if per is Per.DEVICE else [0.0] * k
@@ -159,23 +226,27 @@ class RequestCosts:
             for name, per in self.names().items()
             if per is Per.TASK
         }
-        return RequestCosts.build(len(groups), self.num_devices, **{**self.to_arrays(), **merged})
+        group_of = {i: g for g, group in enumerate(groups) for i in group}
+        readers = [{group_of[i] for i in r} for r in self.input_readers]
+        return RequestCosts.build(len(groups), self.num_devices, readers, **{**self.to_arrays(), **merged})
 
     def for_stream(self, num_requests: int) -> RequestCosts:
         """The costs of ``num_requests`` copies of the task graph (:func:`moirai.planning.stream.unroll`): the
-        outputs' delays repeat per request; only the first request waits for its header (the driver sends later
-        ones ahead); the CPU time, which the stream folds into each device's tasks, is 0."""
+        outputs' delays repeat per request; only the first request waits for its header and inputs (the driver
+        sends later ones ahead); the CPU time, which the stream folds into each device's tasks, is 0."""
         return RequestCosts.build(
             self.num_tasks * num_requests,
             self.num_devices,
+            self.input_readers,
             header_s=self.header_s,
             output_s=np.tile(self.output_s, (num_requests, 1)),
+            input_s=self.input_s,
         )
 
     @cached_property
     def charges(self) -> Charges:
         """The CPU time per request every term of :data:`PERIOD_TERMS` charges, summed."""
-        total = Charges.zeros(self.num_tasks, self.num_devices)
+        total = Charges.zeros(self.num_tasks, self.num_devices, self.input_readers)
         for term in PERIOD_TERMS:
             total = total + term.charges(self)
         return total
@@ -186,22 +257,27 @@ class Charges(NamedTuple):
 
     A placement charges device ``k`` ``always_s[k]``, plus ``taking_part_s[k]`` if a task runs there, plus
     ``own_s[i, k]`` for every task ``i`` on it, plus (device 0) ``driver_s[i, d]`` for every task ``i`` on any
-    device ``d``.
+    device ``d``; and for every model input ``j`` and every device ``k`` with a task of ``input_readers[j]``,
+    ``input_own_s[j, k]`` to ``k`` and ``input_driver_s[j, k]`` to device 0.
     """
 
     always_s: np.ndarray  # [k]
     taking_part_s: np.ndarray  # [k]
     own_s: np.ndarray  # [n, k]
     driver_s: np.ndarray  # [n, k]
+    input_own_s: np.ndarray  # [j, k]
+    input_driver_s: np.ndarray  # [j, k]
+    input_readers: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
-    def zeros(cls, num_tasks: int, num_devices: int) -> Charges:
-        k = num_devices
-        return cls(np.zeros(k), np.zeros(k), np.zeros((num_tasks, k)), np.zeros((num_tasks, k)))
+    def zeros(cls, num_tasks: int, num_devices: int, input_readers: tuple[tuple[int, ...], ...] = ()) -> Charges:
+        k, j = num_devices, len(input_readers)
+        tasks, inputs = np.zeros((num_tasks, k)), np.zeros((j, k))
+        return cls(np.zeros(k), np.zeros(k), tasks, tasks.copy(), inputs, inputs.copy(), input_readers)
 
     def __add__(self, other: object) -> Charges:  # type: ignore[override]
-        assert isinstance(other, Charges)
-        return Charges(*(a + b for a, b in zip(self, other, strict=True)))
+        assert isinstance(other, Charges) and other.input_readers == self.input_readers
+        return Charges(*(a + b for a, b in zip(self[:-1], other[:-1], strict=True)), self.input_readers)
 
     def device_s(self, placement: np.ndarray) -> np.ndarray:
         """``[k]``: what ``placement`` (task -> device) charges every device per request."""
@@ -212,11 +288,15 @@ class Charges(NamedTuple):
         seconds = self.always_s + np.where(taking_part, self.taking_part_s, 0.0)
         seconds += np.bincount(placement, weights=self.own_s[tasks, placement], minlength=k)
         seconds[0] += self.driver_s[tasks, placement].sum()
+        for j, readers in enumerate(self.input_readers):
+            devices = sorted({int(placement[i]) for i in readers})
+            seconds[devices] += self.input_own_s[j, devices]
+            seconds[0] += self.input_driver_s[j, devices].sum()
         return seconds
 
     def singles_out_driver(self) -> bool:
         """Whether device 0 is charged something no other device is (so it cannot stand in for another)."""
-        return bool(self.always_s[0] > 0 or self.driver_s.any())
+        return bool(self.always_s[0] > 0 or self.driver_s.any() or self.input_driver_s.any())
 
     def driver_floor_s(self) -> float:
         """The least any placement charges device 0, whose driver works on every request."""
@@ -239,7 +319,7 @@ class RuntimeWork(PeriodTerm):
     device 0, whose driver takes every request."""
 
     def charges(self, costs: RequestCosts) -> Charges:
-        zero = Charges.zeros(costs.num_tasks, costs.num_devices)
+        zero = _zero_charges(costs)
         always = np.zeros(costs.num_devices)
         always[0] = costs.request_cpu_s[0]
         taking_part = costs.request_cpu_s.copy()
@@ -252,7 +332,7 @@ class OutputSend(PeriodTerm):
     """Sending a task's model outputs to the driver takes CPU time from the task's device."""
 
     def charges(self, costs: RequestCosts) -> Charges:
-        return Charges.zeros(costs.num_tasks, costs.num_devices)._replace(own_s=costs.output_send_cpu_s)
+        return _zero_charges(costs)._replace(own_s=costs.output_send_cpu_s)
 
 
 @dataclass(frozen=True)
@@ -260,7 +340,33 @@ class OutputReceive(PeriodTerm):
     """Receiving a task's model outputs takes CPU time from device 0, the driver."""
 
     def charges(self, costs: RequestCosts) -> Charges:
-        return Charges.zeros(costs.num_tasks, costs.num_devices)._replace(driver_s=costs.output_recv_cpu_s)
+        return _zero_charges(costs)._replace(driver_s=costs.output_recv_cpu_s)
 
 
-PERIOD_TERMS: tuple[PeriodTerm, ...] = (RuntimeWork(), OutputSend(), OutputReceive())
+@dataclass(frozen=True)
+class InputSend(PeriodTerm):
+    """Sending a model input to a device that reads it takes CPU time from device 0, the driver (once per device,
+    however many of its tasks read it)."""
+
+    def charges(self, costs: RequestCosts) -> Charges:
+        return _zero_charges(costs)._replace(input_driver_s=costs.input_send_cpu_s)
+
+
+@dataclass(frozen=True)
+class InputReceive(PeriodTerm):
+    """Receiving a model input takes CPU time from the device that reads it."""
+
+    def charges(self, costs: RequestCosts) -> Charges:
+        return _zero_charges(costs)._replace(input_own_s=costs.input_recv_cpu_s)
+
+
+def _zero_charges(costs: RequestCosts) -> Charges:
+    return Charges.zeros(costs.num_tasks, costs.num_devices, costs.input_readers)
+
+
+def _cost_fields() -> list[dataclasses.Field[Any]]:
+    """The fields of :class:`RequestCosts` that hold seconds (all but ``input_readers``)."""
+    return [f for f in dataclasses.fields(RequestCosts) if "per" in f.metadata]
+
+
+PERIOD_TERMS: tuple[PeriodTerm, ...] = (RuntimeWork(), OutputSend(), OutputReceive(), InputSend(), InputReceive())

@@ -90,12 +90,17 @@ class Timeline:
 
     @property
     def link_busy_s(self) -> dict[tuple[int, int], float]:
-        """Seconds every used directed link spends sending, per request."""
+        """Seconds every used directed link spends sending, per request: tensors between tasks and the driver's
+        messages, the model inputs from device 0 and the outputs back to it (:meth:`RequestCosts.link_s`)."""
         busy: dict[tuple[int, int], float] = {}
         for transfer in self.transfers:
             busy[transfer.src, transfer.dst] = (
                 busy.get((transfer.src, transfer.dst), 0.0) + transfer.finish - transfer.start
             )
+        if self.problem is not None:
+            messages_s = self.problem.costs.link_s(self.placement)
+            for a, b in zip(*np.nonzero(messages_s), strict=True):
+                busy[int(a), int(b)] = busy.get((int(a), int(b)), 0.0) + float(messages_s[a, b])
         return busy
 
     @property
@@ -194,7 +199,7 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
     _check_runnable(problem, placement, duration_array, transfers)
     duration = duration_array.tolist()
     device_of = placement.tolist()
-    release = problem.costs.header_s.tolist()
+    release = problem.costs.release_s[np.arange(n), placement].tolist()
     inputs_needed = transfers.inputs_needed
     local_consumers, by_producer = transfers.local_consumers, transfers.by_producer
     transfer_duration, transfer_consumers = transfers.duration, transfers.consumers
@@ -256,7 +261,7 @@ def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
                     continue
                 u = task_at[heapq.heappop(ready_heap[d])[1]]
             device_busy[d] = True
-            task_start[u] = max(now, release[d])
+            task_start[u] = max(now, release[u])
             sequences[d].append(u)
             heapq.heappush(events, (task_start[u] + duration[u], u))
         dirty_devices.clear()

@@ -84,7 +84,12 @@ class _Pricing:
         self.own = charges.own_s.tolist()
         self.driver = charges.driver_s.tolist()
         self.output = problem.costs.output_s.tolist()
-        self.header = problem.costs.header_s.tolist()
+        self.output_link = problem.costs.output_link_s.tolist()
+        self.release = problem.costs.release_s.tolist()
+        self.model_inputs = problem.costs.inputs_of_task
+        self.input_own = charges.input_own_s.tolist()
+        self.input_driver = charges.input_driver_s.tolist()
+        self.input_link = problem.costs.input_link_s.tolist()
         self.always = charges.always_s.tolist()
         self.taking_part = charges.taking_part_s.tolist()
         self.memory = problem.memory_bytes.tolist()
@@ -100,11 +105,27 @@ class _Pricing:
 class _Stage:
     """One stage on one device, grown task by task after ``label``: what it costs and what it charges others."""
 
-    __slots__ = ("busy_s", "device", "driver_s", "link_s", "memory_bytes", "output_s", "own_s", "pending", "sent_s")
+    __slots__ = (
+        "busy_s",
+        "device",
+        "driver_s",
+        "input_link_s",
+        "link_s",
+        "memory_bytes",
+        "model_inputs",
+        "output_link_s",
+        "output_s",
+        "own_s",
+        "pending",
+        "release_s",
+        "sent_s",
+    )
 
     def __init__(self, pending: dict[int, int], device: int) -> None:
         self.pending, self.device = pending, device
         self.busy_s = self.own_s = self.driver_s = self.memory_bytes = self.output_s = 0.0
+        self.release_s = self.output_link_s = self.input_link_s = 0.0
+        self.model_inputs: set[int] = set()  # the model inputs the driver sends the stage
         self.link_s: dict[int, float] = {}  # by source device: transfers into the stage
         self.sent_s: dict[int, float] = {}  # by source device: its sends to the stage
 
@@ -115,6 +136,14 @@ class _Stage:
         self.driver_s += p.driver[task][d]
         self.memory_bytes += p.memory[task]
         self.output_s = max(self.output_s, p.output[task][d])
+        self.output_link_s += p.output_link[task][d]
+        self.release_s = max(self.release_s, p.release[task][d])
+        for j in p.model_inputs[task]:
+            if j not in self.model_inputs:
+                self.model_inputs.add(j)
+                self.own_s += p.input_own[j][d]
+                self.driver_s += p.input_driver[j][d]
+                self.input_link_s += p.input_link[j][d]
         for t in p.inputs[task]:
             a = self.pending.get(t)
             if a is None or t in received:  # made in this stage, or already here
@@ -310,14 +339,16 @@ def _close(
             loads[a] += seconds
         loads[0] += stage.driver_s
         loads[d] = loads.get(d, p.always[d]) + p.taking_part[d] + stage.busy_s + stage.own_s
-        closed = max(label.closed_s, max(stage.link_s.values(), default=0.0))
+        # The outputs' link to device 0 is taken apart from the tensors a later stage there receives on it.
+        from_driver = stage.link_s.get(0, 0.0) + stage.input_link_s
+        closed = max(label.closed_s, stage.output_link_s, from_driver, max(stage.link_s.values(), default=0.0))
         holders = tuple(sorted({0, *holding.values()}))
         closed = max([closed, *(load for a, load in loads.items() if a not in holders)])
         open_s = tuple(loads[a] for a in holders)
         value = max(closed, *open_s)
     else:
         ready = max((label.closed_s + stage.link_s[a] + stage.sent_s[a] for a in stage.link_s), default=0.0)
-        finish = max(label.closed_s, ready, p.header[d]) + stage.busy_s
+        finish = max(label.closed_s, ready, stage.release_s) + stage.busy_s
         closed, holders = finish, ()
         open_s = (max(label.open_s[0], finish + stage.output_s),)
         value = max(finish, open_s[0])

@@ -104,6 +104,11 @@ class _Prices(NamedTuple):
     send: np.ndarray
     recv: np.ndarray
     cut: np.ndarray  # [n + 2, k, k] PipeEdge's transfer price of each cut
+    input_read_at: list[list[int]]  # per model input, its readers' positions, sorted
+    input_own: np.ndarray  # [inputs, k] what receiving each model input charges its device
+    input_driver: np.ndarray  # [inputs, k] what sending it there charges device 0
+    input_link: np.ndarray  # [inputs, k] its time on the link from device 0
+    output_link: np.ndarray  # [n + 1, k] prefix sums of the outputs' time on the link to device 0
 
 
 def _prices(problem: Problem) -> _Prices:
@@ -140,6 +145,11 @@ def _prices(problem: Problem) -> _Prices:
         send_cpu_s(problem, tensors, src, dst),
         recv_cpu_s(problem, tensors, src, dst),
         _cut_transfer_s(problem, order, made_at, read_at),
+        [sorted(int(position[i]) for i in readers) for readers in problem.costs.input_readers],
+        charges.input_own_s,
+        charges.input_driver_s,
+        problem.costs.input_link_s,
+        prefix(problem.costs.output_link_s),
     )
 
 
@@ -222,12 +232,22 @@ def _extend(
             sends[a, first] += p.send[t, a, d]
             links[a, first] += p.transfer[t, a, d]
             received[first] += p.recv[t, a, d]
+    # Model inputs the stage reads: the driver sends each once, by its first reader in the stage.
+    for j, positions in enumerate(p.input_read_at):
+        at = bisect.bisect_left(positions, s)
+        first = positions[at] - s if at < len(positions) else m
+        if first < m:
+            sends[0, first] += p.input_driver[j, d]
+            links[0, first] += p.input_link[j, d]
+            received[first] += p.input_own[j, d]
     np.cumsum(sends, axis=1, out=sends)
     np.cumsum(links, axis=1, out=links)
     loads = label.loads_s[:, None] + sends
     loads[d] += p.taking_part[d] + p.work[ends, d] - p.work[s, d] + np.cumsum(received)
     loads[0] += p.to_driver[ends, d] - p.to_driver[s, d]
-    link_s = np.maximum(links.max(axis=0), label.links_s)
+    # The outputs' link to device 0 is taken apart from the tensors a later stage there receives on it.
+    outputs_link = p.output_link[ends, d] - p.output_link[s, d]
+    link_s = np.maximum(np.maximum(links.max(axis=0), outputs_link), label.links_s)
     value = np.maximum(loads.max(axis=0), link_s)
     incoming = p.cut[s, last, d] if last >= 0 else 0.0
     price = np.maximum(np.maximum(np.maximum(loads[d], loads[0]), incoming), label.cut_priced_s)

@@ -96,7 +96,7 @@ class ScheduleBuilder:
         self._compute = problem.compute_s.tolist()
         self._memory = problem.memory_bytes.tolist()
         self._capacity = problem.memory_capacity_bytes.tolist()
-        self._header_s = problem.costs.header_s.tolist()
+        self._release_s = problem.costs.release_s.tolist()
 
     def fits(self, task: int, device: int) -> bool:
         """Whether ``task`` can run on ``device`` and its memory still fits next to the tasks booked there."""
@@ -107,7 +107,7 @@ class ScheduleBuilder:
 
     def book_inputs(self, task: int, device: int) -> Booking:
         """Book the transfers that bring the inputs of ``task`` (all of whose producers are booked) to ``device``."""
-        ready_s, booked, remote, sends = self._header_s[device], [], [], []
+        ready_s, booked, remote, sends = self._release_s[task][device], [], [], []
         placement, finish, producer = self.placement, self.finish_s, self._producer
         for t in self.problem.input_tensors[task]:
             source = placement[producer[t]]

@@ -225,7 +225,8 @@ def _assignment_and_memory_rows(c: ModelParts) -> None:
 
 
 def _precedence_rows(c: ModelParts) -> None:
-    """(4a) precedence of tasks, and device readiness after fixed tasks."""
+    """(4a) precedence of tasks, device readiness after fixed tasks, and each task's release (its header and the
+    model inputs it reads, :attr:`moirai.planning.costs.RequestCosts.release_s`)."""
     problem, window, m, free_set = c.problem, c.window, c.m, set(c.free)
     for i in c.free:
         for u in problem.predecessors[i]:
@@ -233,7 +234,9 @@ def _precedence_rows(c: ModelParts) -> None:
                 c.add(m.S[i] >= c.finish[u])
             elif not math.isnan(window.fixed_finish_s[u]):
                 c.add(m.S[i] >= c.scaled(window.fixed_finish_s[u]))
-        ready = {k: c.scaled(window.device_ready_s[k]) for k in c.allowed[i] if window.device_ready_s[k] > 0}
+        release = problem.costs.release_s[i]  # its device's header and the model inputs it reads
+        ready_s = {k: max(float(window.device_ready_s[k]), float(release[k])) for k in c.allowed[i]}
+        ready = {k: c.scaled(seconds) for k, seconds in ready_s.items() if seconds > 0}
         if ready:
             c.add(m.S[i] >= sum(r * m.x[i, k] for k, r in ready.items()))
 

@@ -51,6 +51,14 @@ class Loads:
         self._compute = np.where(np.isfinite(problem.compute_s), problem.compute_s, np.inf) + charges.own_s
         self._driver = charges.driver_s
         self._always, self._taking_part = charges.always_s, charges.taking_part_s
+        costs = problem.costs
+        self._input_own, self._input_driver, self._input_link = (
+            charges.input_own_s,
+            charges.input_driver_s,
+            costs.input_link_s,
+        )
+        self._input_readers, self._inputs_of_task = costs.input_readers, costs.inputs_of_task
+        self._output_link = costs.output_link_s
         tensors, devices = np.arange(problem.num_tensors)[:, None, None], np.arange(k)
         src, dst = devices[None, :, None], devices[None, None, :]
         self._transfer = transfer_duration_s(problem, tensors, src, dst)
@@ -72,8 +80,11 @@ class Loads:
         count = np.bincount(placement, minlength=k)
         device += self._always + np.where(count > 0, self._taking_part, 0.0)
         link = np.zeros((k, k))
+        np.add.at(link, (placement, 0), self._output_link[tasks, placement])
         for t in range(problem.num_tensors):
             self._tensor(t, placement, device, link, 1.0)
+        for j in range(len(self._input_readers)):
+            self._model_input(j, placement, device, link, 1.0)
         memory = np.bincount(placement, weights=problem.memory_bytes, minlength=k)
         return device, link, count, memory
 
@@ -84,6 +95,14 @@ class Loads:
             link[a, b] += sign * self._transfer[t, a, b]
             device[a] += sign * self._send[t, a, b]
             device[b] += sign * self._recv[t, a, b]
+
+    def _model_input(self, j: int, placement: np.ndarray, device: np.ndarray, link: np.ndarray, sign: float) -> None:
+        """Add (``sign`` 1) or remove (-1) model input ``j``'s messages from the driver under ``placement``: once to
+        each device with a reader (:meth:`moirai.planning.costs.RequestCosts.link_s`)."""
+        for b in {int(placement[i]) for i in self._input_readers[j]}:
+            link[0, b] += sign * self._input_link[j, b]
+            device[0] += sign * self._input_driver[j, b]
+            device[b] += sign * self._input_own[j, b]
 
     @property
     def period_s(self) -> float:
@@ -106,14 +125,19 @@ class Loads:
             return None
         device, link = self.device_s.copy(), self.link_s.copy()
         touched = sorted({t for i in moving for t in self._touching[i]})
+        inputs = sorted({j for i in moving for j in self._inputs_of_task[i]})
         for t in touched:
             self._tensor(t, placement, device, link, -1.0)
+        for j in inputs:
+            self._model_input(j, placement, device, link, -1.0)
         count = self.count.copy()
         for i in moving:
             a = placement[i]
             device[a] -= self._compute[i, a]
             device[target] += self._compute[i, target]
             device[0] += self._driver[i, target] - self._driver[i, a]
+            link[a, 0] -= self._output_link[i, a]
+            link[target, 0] += self._output_link[i, target]
             count[a] -= 1
             count[target] += 1
         for d in {int(placement[i]) for i in moving} | {target}:
@@ -123,6 +147,8 @@ class Loads:
         moved[moving] = target
         for t in touched:
             self._tensor(t, moved, device, link, 1.0)
+        for j in inputs:
+            self._model_input(j, moved, device, link, 1.0)
         return device, link
 
     def apply(self, placement: np.ndarray, device_s: np.ndarray, link_s: np.ndarray) -> None:

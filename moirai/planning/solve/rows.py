@@ -55,10 +55,12 @@ def _period_rows(c: ModelParts, objective: Objective) -> None:
         for i in c.free:
             if k in c.allowed[i]:
                 c.add(m.u[k] >= m.x[i, k])
+    _input_rows(c)
     for k in range(problem.num_devices):
         users = [i for i in c.free if k in c.allowed[i]]
         runtime = c.scaled(charges.always_s[k]) + (c.scaled(charges.taking_part_s[k]) * m.u[k] if k in charged else 0)
         outputs = sum(c.scaled(charges.own_s[i, k]) * m.x[i, k] for i in users if charges.own_s[i, k] > 0)
+        outputs += sum(c.scaled(charges.input_own_s[j, d]) * m.v[j, d] for j, d in m.v if d == k)
         if k == 0:
             outputs += sum(
                 c.scaled(charges.driver_s[i, d]) * m.x[i, d]
@@ -66,6 +68,7 @@ def _period_rows(c: ModelParts, objective: Objective) -> None:
                 for d in c.allowed[i]
                 if charges.driver_s[i, d] > 0
             )
+            outputs += sum(c.scaled(charges.input_driver_s[j, d]) * m.v[j, d] for j, d in m.v)
         if users:
             c.add(
                 m.P
@@ -82,12 +85,35 @@ def _period_rows(c: ModelParts, objective: Objective) -> None:
         c.add(m.T <= MODEL_TIME_SCALE)
 
 
+def _input_rows(c: ModelParts) -> None:
+    """v[j, k] = 1 when device ``k`` has a task that reads model input ``j``, for the inputs and devices whose
+    message costs something: the driver sends the input there once (``RequestCosts.input_readers``)."""
+    m, costs = c.m, c.problem.costs
+    charges = costs.charges
+    priced = costs.input_link_s + charges.input_own_s + charges.input_driver_s
+    pairs = [(j, k) for j in range(costs.num_inputs) for k in range(c.problem.num_devices) if priced[j, k] > 0]
+    m.v = pyo.Var(pairs, domain=pyo.Binary)
+    for j, k in pairs:
+        for i in costs.input_readers[j]:
+            if k in c.allowed[i]:
+                c.add(m.v[j, k] >= m.x[i, k])
+
+
 def _link_period_rows(c: ModelParts, objective: Objective, transfers: Transfers) -> None:
-    """Throughput: the period covers every directed link's transfers per request (a tensor sent once per device)."""
+    """Throughput: the period covers every directed link's transfers per request (a tensor sent once per device)
+    and the driver's messages on it: the model inputs it sends and the outputs it gets back."""
     on_link: dict[tuple[int, int], list[Any]] = {}
     for (t, b), sources in transfers.sources.items():
         for a in sources:
             on_link.setdefault((a, b), []).append(c.scaled(transfer_duration_s(c.problem, t, a, b)) * c.m.w[t, a, b])
+    costs = c.problem.costs
+    for j, k in c.m.v:
+        if costs.input_link_s[j, k] > 0:
+            on_link.setdefault((0, k), []).append(c.scaled(costs.input_link_s[j, k]) * c.m.v[j, k])
+    for i in c.free:
+        for k in c.allowed[i]:
+            if costs.output_link_s[i, k] > 0:
+                on_link.setdefault((k, 0), []).append(c.scaled(costs.output_link_s[i, k]) * c.m.x[i, k])
     for terms in on_link.values():
         c.add(c.m.P >= sum(terms))
 
@@ -112,12 +138,16 @@ def _no_rows(*args: Any) -> None:
 
 
 def _period_warm_start(values: ComponentMap, built: MilpModel, timeline: Timeline) -> None:
-    """The period P of the start plan (the busiest device or link) and which devices its free tasks use (u)."""
+    """The period P of the start plan (the busiest device or link), which devices its free tasks use (u) and
+    where it sends the model inputs (v)."""
     m = built.model
     values[m.P] = timeline.period_s / built.unit_s
     used = {int(timeline.placement[i]) for i in built.window.free_tasks}
     for k in m.u:
         values[m.u[k]] = float(k in used)
+    reading = built.problem.costs.input_devices(timeline.placement)
+    for j, k in m.v:
+        values[m.v[j, k]] = float(k in reading[j])
 
 
 class MilpRows(NamedTuple):
