@@ -33,6 +33,7 @@ def random_problem(
     request_cpu_s: float = 0.0,
     output_cpu_s: float = 0.0,
     input_s: float = 0.0,
+    driver_part_cpu_s: float = 0.0,
 ) -> Problem:
     """A random DAG: every task reads up to two earlier tasks, a producer's tensor is shared by two consumers
     half the time (it crosses to a device once), compute and per-link transfer times are random.
@@ -49,6 +50,8 @@ def random_problem(
     ``input_s``: two model inputs, each read by two or three random tasks, whose messages from the first device take
     a random time up to this to arrive, cost both ends CPU time up to half of it and hold the link up to half of it;
     their outputs' messages hold the link too (drawn after everything else).
+    ``driver_part_cpu_s``: the first device is charged a random time up to this for every other device taking part
+    (drawn last).
     """
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     n = int(rng.integers(4, 8)) if num_tasks is None else num_tasks
@@ -98,6 +101,9 @@ def random_problem(
             inputs[name] = rng.uniform(0.0, most_s, (2, k)).round(2)
             inputs[name][:, 0] = 0.0
         output_link[-2:, 1:] = rng.uniform(0.0, input_s / 2, (2, k - 1)).round(2)
+    driver_part = np.zeros(k)
+    if driver_part_cpu_s > 0:
+        driver_part[1:] = rng.uniform(0.0, driver_part_cpu_s, k - 1).round(2)
     return Problem(
         device_names=tuple(f"dev{d}" for d in range(k)),
         memory_capacity_bytes=np.broadcast_to(np.asarray(capacity_bytes, float), (k,)).copy(),
@@ -119,6 +125,7 @@ def random_problem(
             header_s=header,
             output_s=output,
             request_cpu_s=request_cpu,
+            driver_part_cpu_s=driver_part,
             output_send_cpu_s=output_send,
             output_recv_cpu_s=output_recv,
         ),

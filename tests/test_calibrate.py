@@ -47,7 +47,7 @@ FAKE_COST = TransferCost(
     receiver_cpu_s=60e-6,
     receiver_cpu_s_per_byte=2e-10,
 )
-FAKE_REQUESTS = RequestCost(driver_cpu_s=120e-6, worker_cpu_s=25e-6)
+FAKE_REQUESTS = RequestCost(driver_cpu_s=120e-6, worker_cpu_s=25e-6, driver_alone_cpu_s=80e-6)
 FAKE_MEASURED_REQUESTS = MeasuredRequestCost(FAKE_REQUESTS, RequestCost(driver_cpu_s=30e-6, worker_cpu_s=10e-6))
 
 
@@ -127,10 +127,12 @@ def test_calibrated_transfer_terms_reach_the_problem(fake_measurement: list) -> 
         np.testing.assert_allclose(matrix[:, 1, 0], expected_cpu, rtol=1e-12)
         assert np.all(matrix[:, 0, 0] == 0)
         assert getattr(Problem.from_dict(problem.to_dict()), label).tolist() == matrix.tolist()
-    # The runtime's own work per request: the driver's on device 0, a worker's on the others.
-    assert problem.costs.request_cpu_s.tolist() == [FAKE_REQUESTS.driver_cpu_s, FAKE_REQUESTS.worker_cpu_s]
+    # The runtime's own work per request: the driver's alone on device 0, a worker's on the others, and the
+    # driver's more for each other device taking part.
+    assert problem.costs.request_cpu_s.tolist() == [FAKE_REQUESTS.driver_alone_cpu_s, FAKE_REQUESTS.worker_cpu_s]
+    assert problem.costs.driver_part_cpu_s.tolist() == pytest.approx([0.0, 40e-6])
     again = Problem.from_dict(problem.to_dict())
-    for label in ("request_cpu_s", "output_send_cpu_s", "output_recv_cpu_s"):
+    for label in ("request_cpu_s", "driver_part_cpu_s", "output_send_cpu_s", "output_recv_cpu_s"):
         assert getattr(again.costs, label).tolist() == getattr(problem.costs, label).tolist()
     assert fake_measurement == [("cpu", "cpu"), ("requests",)]
 
@@ -262,7 +264,12 @@ def test_the_request_cost_is_each_ranks_cpu_less_its_half_alone_and_the_booked_m
     )
     report = {
         "activation_bytes": 8192.0,
+        "input_bytes": 8192.0,
         "output_bytes": 8192.0,
+        # Whole on rank 0: its CPU less both halves alone, 0.2, 0.3 and 0.25 ms; rank 1 idle.
+        "alone": {
+            "rounds": [([1.2e-3, 0.0], [1.0e-3, 0.0]), ([1.3e-3, 0.0], [1.0e-3, 0.0]), ([1.25e-3, 0], [1e-3, 0])]
+        },
         "ways": [
             # Rank 0 first: it sends the activation (10 us), rank 1 receives it (20) and sends the output (10),
             # which rank 0 receives (20).
@@ -274,7 +281,8 @@ def test_the_request_cost_is_each_ranks_cpu_less_its_half_alone_and_the_booked_m
                     ([1.6e-3, 1.45e-3], [1.1e-3, 1.0e-3]),
                 ],
             ),
-            # Rank 1 first: it sends the activation, rank 0 receives it and makes the output (no message).
+            # Rank 1 first: the driver sends it the input (10 us, rank 1 receives it: 20), it sends the activation,
+            # rank 0 receives it and makes the output (no message).
             _way(
                 1,
                 [
@@ -287,18 +295,28 @@ def test_the_request_cost_is_each_ranks_cpu_less_its_half_alone_and_the_booked_m
     }
     measured = request_cost_of(report, link)
     # Way 0, rank 0: 1.5 - 1.0 - 0.03, 1.9 - 1.2 - 0.03, 1.6 - 1.1 - 0.03 ms: 0.47, 0.67, 0.47; rank 1: 1.4 - 1.0 -
-    # 0.03, ...: 0.37, 0.47, 0.42. Way 1: rank 0 1.4 - 1.0 - 0.02 = 0.38, rank 1 1.3 - 1.0 - 0.01 = 0.29.
-    assert measured.cost.driver_cpu_s == pytest.approx((0.47e-3 + 0.38e-3) / 2)
-    assert measured.cost.worker_cpu_s == pytest.approx((0.42e-3 + 0.29e-3) / 2)
+    # 0.03, ...: 0.37, 0.47, 0.42. Way 1: rank 0 1.4 - 1.0 - 0.02 - 0.01 = 0.37, rank 1 1.3 - 1.0 - 0.01 - 0.02 = 0.27.
+    assert measured.cost.driver_cpu_s == pytest.approx((0.47e-3 + 0.37e-3) / 2)
+    assert measured.cost.worker_cpu_s == pytest.approx((0.42e-3 + 0.27e-3) / 2)
+    assert measured.cost.driver_alone_cpu_s == pytest.approx(0.25e-3)
+    assert measured.cost.driver_part_cpu_s == pytest.approx((0.47e-3 + 0.37e-3) / 2 - 0.25e-3)
     assert measured.spread.driver_cpu_s == pytest.approx((0.2e-3 + 0) / 2)
     assert measured.spread.worker_cpu_s == pytest.approx((0.1e-3 + 0) / 2)
+    assert measured.spread.driver_alone_cpu_s == pytest.approx(0.1e-3)
 
 
 def test_a_rank_that_books_more_than_it_took_costs_nothing_rather_than_a_negative_time() -> None:
     link = TransferCost(1e-4, 1e9, 0.0, 0.0, 0.0, 0.0)
-    report = {"activation_bytes": 0.0, "output_bytes": 0.0, "ways": [_way(0, [([1e-3, 1e-3], [1.2e-3, 0.9e-3])])]}
+    report = {
+        "activation_bytes": 0.0,
+        "input_bytes": 0.0,
+        "output_bytes": 0.0,
+        "ways": [_way(0, [([1e-3, 1e-3], [1.2e-3, 0.9e-3])])],
+        "alone": {"rounds": [([1e-3, 0.0], [1.1e-3, 0.0])]},
+    }
     measured = request_cost_of(report, link)
     assert measured.cost.driver_cpu_s == 0.0 and measured.cost.worker_cpu_s == pytest.approx(0.1e-3)
+    assert measured.cost.driver_alone_cpu_s == 0.0 and measured.cost.driver_part_cpu_s == 0.0
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ def _problems() -> list[Problem]:
             request_cpu_s=0.3,
             output_cpu_s=0.3,
             input_s=0.6,
+            driver_part_cpu_s=0.3,
             task_memory_bytes=1.0,
             capacity_bytes=[5.0, 4.0, 9.0][: 2 + seed % 2],
         )

@@ -658,10 +658,10 @@ def test_a_134_mb_model_under_a_small_dev_shm_serves_through_gloo_with_a_warning
     "content",
     [
         '["a list"]',
-        '{"format": 5, "links": ["cpu->cpu"]}',
-        '{"format": 5, "links": {"cpu->cpu": {"latency_s": "fast"}}}',
-        '{"format": 5, "links": {"cpu->cpu": [1, 2]}}',
-        '{"format": 5, "links": {}, "requests": {"driver_cpu_s": 1e-4}}',
+        '{"format": 6, "links": ["cpu->cpu"]}',
+        '{"format": 6, "links": {"cpu->cpu": {"latency_s": "fast"}}}',
+        '{"format": 6, "links": {"cpu->cpu": [1, 2]}}',
+        '{"format": 6, "links": {}, "requests": {"driver_cpu_s": 1e-4}}',
         "{not json",
     ],
 )
@@ -691,7 +691,7 @@ def test_a_calibration_file_of_the_wrong_structure_given_by_the_user_is_a_cluste
     from moirai.cluster.calibration import local_calibration
 
     path = tmp_path / "mine.json"
-    path.write_text('{"format": 5, "links": {"cpu->cpu": {"latency_s": null}}}')
+    path.write_text('{"format": 6, "links": {"cpu->cpu": {"latency_s": null}}}')
     with pytest.raises(moirai.ClusterError, match=r"calibration file .*mine\.json.* is corrupt: links\['cpu->cpu'\]"):
         local_calibration(["cpu", "cpu"], path)
     assert path.exists()  # the user's own file is left where it is

@@ -25,7 +25,15 @@ THROUGHPUT = OBJECTIVES["throughput"]
 def _costly(seed: int) -> Problem:
     if seed % 2:
         return random_problem(
-            seed, 12, 3, send_cpu_s=0.5, recv_cpu_s=0.5, request_cpu_s=0.3, output_cpu_s=0.3, input_s=0.3
+            seed,
+            12,
+            3,
+            send_cpu_s=0.5,
+            recv_cpu_s=0.5,
+            request_cpu_s=0.3,
+            output_cpu_s=0.3,
+            input_s=0.3,
+            driver_part_cpu_s=0.3,
         )
     return random_layered_problem(40, 4, seed=seed, cpu_ratio=0.5)
 

@@ -32,6 +32,7 @@ def _charged_before(problem: Problem, placement: np.ndarray) -> np.ndarray:
     taking_part[0] = True
     tasks = np.arange(problem.num_tasks)
     seconds = np.where(taking_part, costs.request_cpu_s, 0.0)
+    seconds[0] += costs.driver_part_cpu_s[1:][taking_part[1:]].sum()
     seconds += np.bincount(placement, weights=costs.output_send_cpu_s[tasks, placement], minlength=k)
     seconds[0] += costs.output_recv_cpu_s[tasks, placement].sum()
     for j, readers in enumerate(costs.input_readers):  # once per model input and device that reads it
@@ -42,7 +43,9 @@ def _charged_before(problem: Problem, placement: np.ndarray) -> np.ndarray:
 
 
 def _costly(seed: int) -> Problem:
-    return random_problem(seed, header_s=1.0, output_s=1.0, request_cpu_s=0.5, output_cpu_s=0.5, input_s=1.0)
+    return random_problem(
+        seed, header_s=1.0, output_s=1.0, request_cpu_s=0.5, output_cpu_s=0.5, input_s=1.0, driver_part_cpu_s=0.5
+    )
 
 
 def test_a_problem_round_trips_its_costs_through_json(tmp_path):

@@ -104,6 +104,7 @@ def test_milp_throughput_optimum_equals_the_best_period(seed, send_cpu_s, recv_c
         request_cpu_s=request_cpu_s,
         output_cpu_s=request_cpu_s,
         input_s=request_cpu_s,
+        driver_part_cpu_s=request_cpu_s,
     )
     plan = place(problem, "milp", objective="throughput", time_limit_s=30)
     assert plan.objective_s == pytest.approx(best_period_s(problem), rel=1e-6)
@@ -148,7 +149,17 @@ def _pipeline_problems() -> list[Problem]:
         for seed in range(10)
     ]
     costly = [
-        random_problem(seed, 10, 3, send_cpu_s=0.5, recv_cpu_s=0.5, request_cpu_s=0.3, output_cpu_s=0.3, input_s=0.3)
+        random_problem(
+            seed,
+            10,
+            3,
+            send_cpu_s=0.5,
+            recv_cpu_s=0.5,
+            request_cpu_s=0.3,
+            output_cpu_s=0.3,
+            input_s=0.3,
+            driver_part_cpu_s=0.3,
+        )
         for seed in range(4)
     ]
     return layered + costly

@@ -242,6 +242,7 @@ def _problem_of(
             input_recv_cpu_s=inputs.recv_cpu_s,
             input_link_s=inputs.link_s,
             request_cpu_s=cluster.request_cpu_s,
+            driver_part_cpu_s=cluster.driver_part_cpu_s,
         ),
         colocated=tuple(tuple(members) for members in colocated),
     )

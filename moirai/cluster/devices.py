@@ -84,6 +84,11 @@ from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
 
 # The CPU time a transfer takes from its two ends: fixed seconds and seconds per byte.
 _CPU_TIME_MATRICES = ("send_cpu_s", "send_cpu_s_per_byte", "recv_cpu_s", "recv_cpu_s_per_byte")
+# The runtime's own CPU time per request, one number per device: name -> what it is.
+_PER_DEVICE_CPU_TIMES = {
+    "request_cpu_s": "the runtime's own time per request on each device",
+    "driver_part_cpu_s": "the driver's time per request for each other device taking part",
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,7 +101,9 @@ class Cluster:
     keeps device ``a`` busy, and ``recv_cpu_s`` / ``recv_cpu_s_per_byte`` the time receiving it keeps ``b`` busy
     (default 0; a calibration measures them, :func:`moirai.cluster.calibration.calibrated_cluster`).
     ``request_cpu_s[k]``: the runtime's own CPU time per request on device ``k``'s rank beyond its ops and
-    messages (device 0's rank is the driver; default 0, measured by the calibration too).
+    messages (device 0's rank is the driver, this its work when it computes alone; default 0, measured by the
+    calibration too); ``driver_part_cpu_s[k]``: the driver's more per request when device ``k`` takes part too (its
+    header and status; 0 for device 0).
     """
 
     devices: tuple[Device, ...]
@@ -109,6 +116,7 @@ class Cluster:
     recv_cpu_s: np.ndarray = None  # type: ignore[assignment]
     recv_cpu_s_per_byte: np.ndarray = None  # type: ignore[assignment]
     request_cpu_s: np.ndarray = None  # type: ignore[assignment]
+    driver_part_cpu_s: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         k = len(self.devices)
@@ -133,13 +141,14 @@ class Cluster:
                 raise ClusterError(
                     f"{label} (a sender's or receiver's time per transfer) must be non-negative finite numbers"
                 )
-        request_cpu = np.zeros(k) if self.request_cpu_s is None else np.asarray(self.request_cpu_s, float)
-        if request_cpu.shape != (k,) or not np.all(np.isfinite(request_cpu)) or np.any(request_cpu < 0):
-            raise ClusterError(
-                f"request_cpu_s (the runtime's own time per request on each device) must be {k} non-negative "
-                f"finite numbers, got {request_cpu.tolist()}"
-            )
-        object.__setattr__(self, "request_cpu_s", request_cpu)
+        for label, meaning in _PER_DEVICE_CPU_TIMES.items():
+            value = getattr(self, label)
+            seconds = np.zeros(k) if value is None else np.asarray(value, float)
+            if seconds.shape != (k,) or not np.all(np.isfinite(seconds)) or np.any(seconds < 0):
+                raise ClusterError(
+                    f"{label} ({meaning}) must be {k} non-negative finite numbers, got {seconds.tolist()}"
+                )
+            object.__setattr__(self, label, seconds)
         off_diagonal = ~np.eye(k, dtype=bool)
         if np.any(~(self.bandwidth_bytes_per_s[off_diagonal] > 0)):
             raise ClusterError("every link between two distinct devices needs a positive bandwidth")

@@ -2,10 +2,11 @@
 
 Placeholders (model inputs) and ``get_attr`` nodes (parameters, buffers, constants) are
 not OpGraph nodes: an input is sent by the driver to every device whose nodes read it
-(:func:`model_input_readers`), and a parameter is charged to the nodes that read it (``param_names``). ``operator.getitem`` on a multi-output op joins
-its producer's node. Every other ``call_function`` is a node. A scalar of the input shapes
-(``sym_size`` and arithmetic on it, in a model traced with dynamic shapes) is a node without
-out-edges: every device that reads one computes it itself (see :mod:`moirai.runtime.split`).
+(:func:`model_input_readers`), and a parameter is charged to the nodes that read it
+(``param_names``). ``operator.getitem`` on a multi-output op joins its producer's node. Every
+other ``call_function`` is a node. A scalar of the input shapes (``sym_size`` and arithmetic on
+it, in a model traced with dynamic shapes) is a node without out-edges: every device that reads
+one computes it itself (see :mod:`moirai.runtime.split`).
 
 A coarse graph (after :mod:`moirai.frontend.coarsen`) has the same type: its nodes are groups of
 ops, built with :meth:`OpGraph.merge`.

@@ -50,7 +50,9 @@ class RequestCosts:
     ``header_s[k]``: how long after a request starts device ``k`` can start its first task: until the header the
     driver, on device 0, sends every other device with work has come and been taken in.
     ``request_cpu_s[k]``: the runtime's own work per request on device ``k`` beyond its tasks and messages (on
-    device 0 the driver's: taking the request, its headers, settling its future).
+    device 0 the driver's when it works alone: taking the request, settling its future).
+    ``driver_part_cpu_s[k]``: the driver's more work per request, on device 0, when device ``k`` takes part too
+    (its header, its status, their hand-offs; 0 for device 0).
     ``output_s[i, k]``: how long after task ``i`` finishes on device ``k`` the model outputs it makes are with the
     driver on device 0 (their send, transfer and receive; 0 on device 0 and for tasks that make no output).
     ``output_send_cpu_s[i, k]`` and ``output_recv_cpu_s[i, k]``: the CPU time that message takes from device ``k``
@@ -63,6 +65,7 @@ class RequestCosts:
 
     header_s: np.ndarray = _cost(Per.DEVICE, "when each device can start a request")
     request_cpu_s: np.ndarray = _cost(Per.DEVICE, "the runtime's own work per request on each device")
+    driver_part_cpu_s: np.ndarray = _cost(Per.DEVICE, "the driver's work per request for each other device")
     output_s: np.ndarray = _cost(Per.TASK, "when a task's model outputs reach device 0")
     output_send_cpu_s: np.ndarray = _cost(Per.TASK, "sending a task's model outputs, on its device")
     output_recv_cpu_s: np.ndarray = _cost(Per.TASK, "receiving a task's model outputs, on device 0")
@@ -255,7 +258,8 @@ class RequestCosts:
 class Charges(NamedTuple):
     """CPU time per request outside tasks and their transfers, by whom it falls on (seconds).
 
-    A placement charges device ``k`` ``always_s[k]``, plus ``taking_part_s[k]`` if a task runs there, plus
+    A placement charges device ``k`` ``always_s[k]``, plus ``taking_part_s[k]`` if a task runs there (and device 0
+    ``driver_taking_part_s[k]`` then), plus
     ``own_s[i, k]`` for every task ``i`` on it, plus (device 0) ``driver_s[i, d]`` for every task ``i`` on any
     device ``d``; and for every model input ``j`` and every device ``k`` with a task of ``input_readers[j]``,
     ``input_own_s[j, k]`` to ``k`` and ``input_driver_s[j, k]`` to device 0.
@@ -263,6 +267,7 @@ class Charges(NamedTuple):
 
     always_s: np.ndarray  # [k]
     taking_part_s: np.ndarray  # [k]
+    driver_taking_part_s: np.ndarray  # [k]
     own_s: np.ndarray  # [n, k]
     driver_s: np.ndarray  # [n, k]
     input_own_s: np.ndarray  # [j, k]
@@ -273,7 +278,7 @@ class Charges(NamedTuple):
     def zeros(cls, num_tasks: int, num_devices: int, input_readers: tuple[tuple[int, ...], ...] = ()) -> Charges:
         k, j = num_devices, len(input_readers)
         tasks, inputs = np.zeros((num_tasks, k)), np.zeros((j, k))
-        return cls(np.zeros(k), np.zeros(k), tasks, tasks.copy(), inputs, inputs.copy(), input_readers)
+        return cls(np.zeros(k), np.zeros(k), np.zeros(k), tasks, tasks.copy(), inputs, inputs.copy(), input_readers)
 
     def __add__(self, other: object) -> Charges:  # type: ignore[override]
         assert isinstance(other, Charges) and other.input_readers == self.input_readers
@@ -286,6 +291,7 @@ class Charges(NamedTuple):
         tasks = np.arange(len(placement))
         taking_part = np.bincount(placement, minlength=k) > 0
         seconds = self.always_s + np.where(taking_part, self.taking_part_s, 0.0)
+        seconds[0] += self.driver_taking_part_s[taking_part].sum()
         seconds += np.bincount(placement, weights=self.own_s[tasks, placement], minlength=k)
         seconds[0] += self.driver_s[tasks, placement].sum()
         for j, readers in enumerate(self.input_readers):
@@ -296,7 +302,9 @@ class Charges(NamedTuple):
 
     def singles_out_driver(self) -> bool:
         """Whether device 0 is charged something no other device is (so it cannot stand in for another)."""
-        return bool(self.always_s[0] > 0 or self.driver_s.any() or self.input_driver_s.any())
+        return bool(
+            self.always_s[0] > 0 or self.driver_s.any() or self.input_driver_s.any() or self.driver_taking_part_s.any()
+        )
 
     def driver_floor_s(self) -> float:
         """The least any placement charges device 0, whose driver works on every request."""
@@ -316,7 +324,8 @@ class PeriodTerm(ABC):
 @dataclass(frozen=True)
 class RuntimeWork(PeriodTerm):
     """The runtime's own work per request (``request_cpu_s``) falls on every device with a task, and always on
-    device 0, whose driver takes every request."""
+    device 0, whose driver takes every request; the driver works more for every other device with a task
+    (``driver_part_cpu_s``)."""
 
     def charges(self, costs: RequestCosts) -> Charges:
         zero = _zero_charges(costs)
@@ -324,7 +333,9 @@ class RuntimeWork(PeriodTerm):
         always[0] = costs.request_cpu_s[0]
         taking_part = costs.request_cpu_s.copy()
         taking_part[0] = 0.0
-        return zero._replace(always_s=always, taking_part_s=taking_part)
+        driver_taking_part = costs.driver_part_cpu_s.copy()
+        driver_taking_part[0] = 0.0
+        return zero._replace(always_s=always, taking_part_s=taking_part, driver_taking_part_s=driver_taking_part)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ except ImportError:  # not POSIX
 
 # 2: the sender computes around its send; 3: one host's ranks message through shared memory; 4: the runtime's
 # own work per request (RequestCost); 5: that work measured between parts that compute as a model's do
-CALIBRATION_FORMAT_VERSION = 5
+CALIBRATION_FORMAT_VERSION = 6
 
 
 def local_calibration(

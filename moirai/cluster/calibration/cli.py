@@ -124,9 +124,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print("hosts: " + ", ".join(f"{d.name} on {d.host}" for d in measured.devices))
     console.print(
         f"the runtime's own work per request (through its server): driver (rank 0) "
-        f"{requests.driver_cpu_s * 1e6:.0f} us, another rank {requests.worker_cpu_s * 1e6:.0f} us "
-        f"(its rounds spread over {measured_requests.spread.driver_cpu_s * 1e6:.0f} and "
-        f"{measured_requests.spread.worker_cpu_s * 1e6:.0f} us)"
+        f"{requests.driver_cpu_s * 1e6:.0f} us with another rank working ({requests.driver_alone_cpu_s * 1e6:.0f} us "
+        f"alone), another rank {requests.worker_cpu_s * 1e6:.0f} us (its rounds spread over "
+        f"{measured_requests.spread.driver_cpu_s * 1e6:.0f}, {measured_requests.spread.driver_alone_cpu_s * 1e6:.0f} "
+        f"and {measured_requests.spread.worker_cpu_s * 1e6:.0f} us)"
     )
     return 0
 

@@ -125,7 +125,8 @@ def calibrated_cluster(
     host_links: Mapping[HostLink, TransferCost] | None = None,
 ) -> Cluster:
     """``cluster`` with every link's latency, bandwidth and its ends' CPU times those of its kind in ``costs``,
-    and, with ``requests``, the runtime's work per request on each device (the driver's on device 0).
+    and, with ``requests``, the runtime's work per request on each device (the driver's alone on device 0) and the
+    driver's for each other device that takes part.
 
     ``host_links`` (measured under torchrun) price a link by its two devices' hosts and kind: a link between
     hosts only from them, a link within a host from them where that host's links were measured, else by its kind.
@@ -147,10 +148,19 @@ def calibrated_cluster(
                 bandwidth[a, b], latency[a, b] = cost.bandwidth_bytes_per_s, cost.latency_s
                 for label, field_name in _CPU_FIELDS.items():
                     cpu[label][a, b] = getattr(cost, field_name)
-    request_cpu = cluster.request_cpu_s
+    request_cpu, driver_part = cluster.request_cpu_s, cluster.driver_part_cpu_s
     if requests is not None:
-        request_cpu = np.r_[requests.driver_cpu_s, np.full(k - 1, requests.worker_cpu_s)]
-    return Cluster(cluster.devices, bandwidth, latency, name=cluster.name, **cpu, request_cpu_s=request_cpu)
+        request_cpu = np.r_[requests.driver_alone_cpu_s, np.full(k - 1, requests.worker_cpu_s)]
+        driver_part = np.r_[0.0, np.full(k - 1, requests.driver_part_cpu_s)]
+    return Cluster(
+        cluster.devices,
+        bandwidth,
+        latency,
+        name=cluster.name,
+        **cpu,
+        request_cpu_s=request_cpu,
+        driver_part_cpu_s=driver_part,
+    )
 
 
 # Cluster matrix -> TransferCost field.

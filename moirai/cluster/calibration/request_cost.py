@@ -50,16 +50,29 @@ _LAYERS_PER_PART = 2
 class RequestCost:
     """The runtime's own CPU time per request on a rank, beyond its ops and the messages the model books.
 
-    ``driver_cpu_s`` on rank 0: the caller's submit and wait, the driver's threads, the headers it sends and
-    the model's inputs; ``worker_cpu_s`` on any other rank: its header, setting up its part (the model outputs'
-    messages are booked on their own, :attr:`moirai.planning.costs.RequestCosts.output_send_cpu_s`).
-    Measured with the runtime's own server on two CPU ranks between parts that compute as a model's do
-    (:func:`measure_request_cost`): host work, which the model charges to every device taking part in a request
-    (:attr:`RequestCosts.request_cpu_s`).
+    ``driver_cpu_s`` on rank 0 while another rank works on each request: the caller's submit and wait, the
+    driver's threads, the header it sends and the status it takes back; ``driver_alone_cpu_s`` on rank 0 when it
+    does all the work itself (no header, no status; default: ``driver_cpu_s``); ``worker_cpu_s`` on any other rank:
+    its header, setting up its part. The model's inputs' and outputs' messages are booked on their own
+    (:attr:`moirai.planning.costs.RequestCosts.input_send_cpu_s`, ``output_send_cpu_s``...). Measured with the
+    runtime's own server on two CPU ranks between parts that compute as a model's do (:func:`measure_request_cost`):
+    host work, which the model charges to every device taking part in a request
+    (:attr:`RequestCosts.request_cpu_s`: the driver's alone on device 0) and to the driver for every other device
+    that takes part (:attr:`RequestCosts.driver_part_cpu_s`: ``driver_cpu_s - driver_alone_cpu_s``).
     """
 
     driver_cpu_s: float
     worker_cpu_s: float
+    driver_alone_cpu_s: float = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.driver_alone_cpu_s is None:
+            object.__setattr__(self, "driver_alone_cpu_s", self.driver_cpu_s)
+
+    @property
+    def driver_part_cpu_s(self) -> float:
+        """The driver's work per request for another rank taking part: its header and status, their hand-offs."""
+        return max(self.driver_cpu_s - self.driver_alone_cpu_s, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +96,8 @@ def measure_request_cost_spread(
 
     Two CPU ranks, set up as the runtime sets up its workers, serve a chain of four ``Linear(2048, 2048)`` on one
     row split in halves both ways: the first half on rank 0 and the second on rank 1, then the reverse; closed
-    loop, a request per rank in flight, the ways alternating round by round ([Note: the driver's work per step]).
+    loop, a request per rank in flight, the ways alternating round by round ([Note: the driver's work per step]),
+    and the whole chain on rank 0 alone (rank 1 idle), for the driver's work without another rank.
     Each round, each rank's process CPU time per request (every thread), less its half's CPU time computed alone
     in the same process on the same core and thread count (rank 0: just before the round; rank 1, which cannot
     compute alone while it serves: the median of rounds before and after serving) and the send or receive time
@@ -107,7 +121,11 @@ def request_cost_of(report: dict[str, Any], link: TransferCost) -> MeasuredReque
         medians.append(np.median(own, axis=0))
         spreads.append(own.max(axis=0) - own.min(axis=0))
     cost, spread = np.mean(medians, axis=0).tolist(), np.mean(spreads, axis=0).tolist()
-    return MeasuredRequestCost(RequestCost(*cost), RequestCost(*spread))
+    # Alone: rank 0 computes both halves and sends nothing; what is left of its CPU is the driver's own.
+    alone = np.array([max(cpu_s[0] - part_s[0], 0.0) for cpu_s, part_s in report["alone"]["rounds"]])
+    return MeasuredRequestCost(
+        RequestCost(*cost, float(np.median(alone))), RequestCost(*spread, float(alone.max() - alone.min()))
+    )
 
 
 def _runtime_own_cpu_s(
@@ -120,10 +138,20 @@ def _runtime_own_cpu_s(
     booked = list(part_s)
     booked[first] += link.sender_cpu_time_s(report["activation_bytes"])
     booked[second] += link.receiver_cpu_time_s(report["activation_bytes"])
-    # The second half makes the output: off rank 0, a message to the driver, charged as the model charges it.
+    # Off rank 0, the first half reads the model's input, a message from the driver, and the second makes the
+    # output, a message to the driver: charged as the model charges them.
     send, receive = link.sender_cpu_time_s(report["output_bytes"]), link.receiver_cpu_time_s(report["output_bytes"])
-    output = RequestCosts.build(2, 2, output_send_cpu_s=[[0, 0], [0, send]], output_recv_cpu_s=[[0, 0], [0, receive]])
-    booked = (np.array(booked) + output.charges.device_s(np.array([first, second]))).tolist()
+    send_in, receive_in = link.sender_cpu_time_s(report["input_bytes"]), link.receiver_cpu_time_s(report["input_bytes"])
+    messages = RequestCosts.build(
+        2,
+        2,
+        [[0]],
+        output_send_cpu_s=[[0, 0], [0, send]],
+        output_recv_cpu_s=[[0, 0], [0, receive]],
+        input_send_cpu_s=[[0, send_in]],
+        input_recv_cpu_s=[[0, receive_in]],
+    )
+    booked = (np.array(booked) + messages.charges.device_s(np.array([first, second]))).tolist()
     return [max(cpu - b, 0.0) for cpu, b in zip(cpu_s, booked, strict=True)]
 
 
@@ -204,17 +232,19 @@ def _time_requests(
     chain = _TwoWayChain.of(model, x)
     worker = psutil.Process(int(store.get("moirai/pid/1")))
     driver = Driver(group, timeout_s, max_in_flight=_IN_FLIGHT, helper_cores=helper_cores)
-    servers = [chain.server(first_rank, driver, timeout_s) for first_rank in (0, 1)]
-    rounds: list[list[tuple[list[float], float]]] = [[], []]  # per way: each rank's CPU, rank 0's half alone
+    servers = [chain.server(program, driver, timeout_s) for program in chain.programs]
+    # Per way (first part on rank 0, on rank 1, all on rank 0): each rank's CPU, rank 0's share computed alone.
+    rounds: list[list[tuple[list[float], float]]] = [[], [], []]
     for round_index in range(_ROUNDS + 1):
-        for first_rank, server in enumerate(servers):
-            half_s = _half_alone_s(halves[first_rank])  # rank 0 computes the first half when it is first
+        for way, server in enumerate(servers):
+            # rank 0 computes the first half when it is first, the second when rank 1 is, both when alone
+            half_s = sum(_half_alone_s(halves[h]) for h in ((0,), (1,), (0, 1))[way])
             cpu_before = [time.process_time(), _process_cpu_s(worker)]
             _closed_loop(server, x, requests)
             cpu_after = [time.process_time(), _process_cpu_s(worker)]
             if round_index > 0:  # the first round warms up
                 cpu_s = [(after - before) / requests for before, after in zip(cpu_before, cpu_after, strict=True)]
-                rounds[first_rank].append((cpu_s, half_s))
+                rounds[way].append((cpu_s, half_s))
     driver.close()
     worker_halves_s = json.loads(store.get("moirai/halves_s/1"))
     with torch.no_grad():
@@ -228,7 +258,13 @@ def _time_requests(
                 "rounds": [(cpu_s, [half_s, worker_half_s]) for cpu_s, half_s in rounds[first_rank]],
             }
         )
-    return {"activation_bytes": chain.activation_bytes, "output_bytes": output_bytes, "ways": ways}
+    return {
+        "activation_bytes": chain.activation_bytes,
+        "input_bytes": float(x.numel() * x.element_size()),
+        "output_bytes": output_bytes,
+        "ways": ways,
+        "alone": {"rounds": [(cpu_s, [half_s, 0.0]) for cpu_s, half_s in rounds[2]]},
+    }
 
 
 def _closed_loop(server: Server, x: torch.Tensor, requests: int) -> None:
@@ -243,10 +279,10 @@ def _closed_loop(server: Server, x: torch.Tensor, requests: int) -> None:
 
 class _TwoWayChain(NamedTuple):
     """A model split in halves both ways: the first half of its op groups on rank 0 and the rest on rank 1, then the
-    reverse."""
+    reverse; and whole on rank 0."""
 
     traced: TracedModel
-    programs: tuple[SplitProgram, SplitProgram]
+    programs: tuple[SplitProgram, SplitProgram, SplitProgram]
     activation_bytes: float  # what crosses between the parts
 
     @classmethod
@@ -257,8 +293,8 @@ class _TwoWayChain(NamedTuple):
         problem = build_problem(groups, Cluster.from_devices([CPU.name, CPU.name]), "analytic", traced)
         first = [int(i) for i in problem.topological_order[: problem.num_tasks // 2]]
         programs = []
-        for first_rank in (0, 1):
-            placement = np.full(problem.num_tasks, 1 - first_rank)
+        for first_rank, second_rank in ((0, 1), (1, 0), (0, 0)):
+            placement = np.full(problem.num_tasks, second_rank)
             placement[first] = first_rank
             node_device = {name: int(placement[i]) for i, node in enumerate(groups.nodes) for name in node.fx_names}
             programs.append(split_module(traced, node_device, 2))
@@ -268,12 +304,11 @@ class _TwoWayChain(NamedTuple):
             for t, producer in enumerate(problem.tensor_producer)
             if producer in in_first and not in_first.issuperset(problem.tensor_consumers[t])
         ]
-        return cls(traced, (programs[0], programs[1]), float(problem.tensor_bytes[crossing].sum()))
+        return cls(traced, (programs[0], programs[1], programs[2]), float(problem.tensor_bytes[crossing].sum()))
 
-    def server(self, first_rank: int, driver: Any, timeout_s: float) -> Server:
-        """The way with its first part on ``first_rank``, served as a compiled model's server() serves: inputs
-        checked and flattened, outputs rebuilt."""
-        program = self.programs[first_rank]
+    def server(self, program: SplitProgram, driver: Any, timeout_s: float) -> Server:
+        """``program`` served as a compiled model's server() serves: inputs checked and flattened, outputs
+        rebuilt."""
 
         def checked_flat_inputs(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
             flat_inputs = self.traced.flatten_inputs(args, kwargs)

@@ -92,6 +92,7 @@ class _Pricing:
         self.input_link = problem.costs.input_link_s.tolist()
         self.always = charges.always_s.tolist()
         self.taking_part = charges.taking_part_s.tolist()
+        self.driver_taking_part = charges.driver_taking_part_s.tolist()
         self.memory = problem.memory_bytes.tolist()
         self.capacity = problem.memory_capacity_bytes.tolist()
         tensors, devices = np.arange(problem.num_tensors)[:, None, None], np.arange(k)
@@ -337,7 +338,7 @@ def _close(
         loads = dict(zip(label.holders, label.open_s, strict=True))
         for a, seconds in stage.sent_s.items():
             loads[a] += seconds
-        loads[0] += stage.driver_s
+        loads[0] += stage.driver_s + p.driver_taking_part[d]
         loads[d] = loads.get(d, p.always[d]) + p.taking_part[d] + stage.busy_s + stage.own_s
         # The outputs' link to device 0 is taken apart from the tensors a later stage there receives on it.
         from_driver = stage.link_s.get(0, 0.0) + stage.input_link_s

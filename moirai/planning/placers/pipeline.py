@@ -97,6 +97,7 @@ class _Prices(NamedTuple):
     to_driver: np.ndarray  # [n + 1, k] prefix sums of what tasks on each device charge device 0
     memory: np.ndarray  # [n + 1] prefix sums of memory
     taking_part: np.ndarray  # [k]
+    driver_taking_part: np.ndarray  # [k] what a device taking part charges device 0
     made_at: np.ndarray  # [tensors] position of each tensor's producer
     read_at: list[list[int]]  # per tensor, its consumers' positions, sorted
     crossing: list[list[int]]  # per cut position, tensors made before it and read at or after it
@@ -138,6 +139,7 @@ def _prices(problem: Problem) -> _Prices:
         prefix(charges.driver_s),
         np.r_[0.0, np.cumsum(problem.memory_bytes[order])],
         charges.taking_part_s,
+        charges.driver_taking_part_s,
         made_at,
         read_at,
         crossing,
@@ -244,7 +246,7 @@ def _extend(
     np.cumsum(links, axis=1, out=links)
     loads = label.loads_s[:, None] + sends
     loads[d] += p.taking_part[d] + p.work[ends, d] - p.work[s, d] + np.cumsum(received)
-    loads[0] += p.to_driver[ends, d] - p.to_driver[s, d]
+    loads[0] += p.to_driver[ends, d] - p.to_driver[s, d] + p.driver_taking_part[d]
     # The outputs' link to device 0 is taken apart from the tensors a later stage there receives on it.
     outputs_link = p.output_link[ends, d] - p.output_link[s, d]
     link_s = np.maximum(np.maximum(links.max(axis=0), outputs_link), label.links_s)

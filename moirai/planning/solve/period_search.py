@@ -51,6 +51,7 @@ class Loads:
         self._compute = np.where(np.isfinite(problem.compute_s), problem.compute_s, np.inf) + charges.own_s
         self._driver = charges.driver_s
         self._always, self._taking_part = charges.always_s, charges.taking_part_s
+        self._driver_taking_part = charges.driver_taking_part_s
         costs = problem.costs
         self._input_own, self._input_driver, self._input_link = (
             charges.input_own_s,
@@ -79,6 +80,7 @@ class Loads:
         device[0] += self._driver[tasks, placement].sum()
         count = np.bincount(placement, minlength=k)
         device += self._always + np.where(count > 0, self._taking_part, 0.0)
+        device[0] += self._driver_taking_part[count > 0].sum()
         link = np.zeros((k, k))
         np.add.at(link, (placement, 0), self._output_link[tasks, placement])
         for t in range(problem.num_tensors):
@@ -143,6 +145,7 @@ class Loads:
         for d in {int(placement[i]) for i in moving} | {target}:
             was, now = self.count[d] > 0, count[d] > 0
             device[d] += self._taking_part[d] * (float(now) - float(was))
+            device[0] += self._driver_taking_part[d] * (float(now) - float(was))
         moved = placement.copy()
         moved[moving] = target
         for t in touched:

@@ -49,7 +49,9 @@ def _period_rows(c: ModelParts, objective: Objective) -> None:
     # The simulator's charges (RequestCosts.charges, the sum of every term of PERIOD_TERMS), linear in x and in
     # u[k] = 1 when device k has a task.
     charges = problem.costs.charges
-    charged = [k for k in range(problem.num_devices) if charges.taking_part_s[k] > 0]
+    charged = [
+        k for k in range(problem.num_devices) if charges.taking_part_s[k] > 0 or charges.driver_taking_part_s[k] > 0
+    ]
     m.u = pyo.Var(charged, domain=pyo.Binary)
     for k in charged:
         for i in c.free:
@@ -69,6 +71,7 @@ def _period_rows(c: ModelParts, objective: Objective) -> None:
                 if charges.driver_s[i, d] > 0
             )
             outputs += sum(c.scaled(charges.input_driver_s[j, d]) * m.v[j, d] for j, d in m.v)
+            outputs += sum(c.scaled(charges.driver_taking_part_s[d]) * m.u[d] for d in charged)
         if users:
             c.add(
                 m.P
