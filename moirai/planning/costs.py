@@ -1,10 +1,12 @@
 """What a request costs beyond its tasks and tensors: one value, :class:`RequestCosts`, and its charge rules.
 
 The runtime does work of its own for every request: the driver on device 0 sends every other device with work a
-header (:attr:`RequestCosts.header_s`, when a device can start), takes the model outputs back
+header (:attr:`RequestCosts.header_s`, when a device can start) and the model inputs its tasks read
+(:attr:`RequestCosts.input_s`, when they can start: :attr:`RequestCosts.release_s`), takes the model outputs back
 (:attr:`RequestCosts.output_s`, when a request is done) and spends CPU time on both ends of those messages and on
-its own loops. :class:`RequestCosts` holds these numbers, per device or per task and device; it validates, zeroes,
-reads and writes them in one place.
+its own loops; the input and output messages hold their links too (:meth:`RequestCosts.link_s`).
+:class:`RequestCosts` holds these numbers, per device, per task and device or per model input and device; it
+validates, zeroes, reads and writes them in one place.
 
 The CPU time counts towards the period of pipelined requests, not one request's latency. Who pays it is said by
 :data:`PERIOD_TERMS`, one small class per rule, each giving its share as :class:`Charges` (what every request costs
