@@ -174,3 +174,14 @@ def test_no_caller_branches_on_the_objective_name():
     found = subprocess.run(["grep", "-rn", pattern, "moirai"], cwd=root, capture_output=True, text=True).stdout
     found = found.splitlines()
     assert [line for line in found if not line.startswith("moirai/planning/objective.py")] == []
+
+
+def test_the_driver_is_charged_for_another_device_only_when_that_device_takes_part():
+    """A plan on device 0 alone sends no header and takes no status: the driver's work for another rank
+    (driver_part_cpu_s) is charged to device 0 once per other device with a task, never for device 0 itself."""
+    problem = random_problem(0, num_tasks=4, num_devices=3).with_costs(
+        request_cpu_s=[0.5, 0.25, 0.125], driver_part_cpu_s=[9.0, 1.0, 2.0]
+    )
+    assert runtime_cpu_s(problem, np.array([0, 0, 0, 0])).tolist() == [0.5, 0.0, 0.0]
+    assert runtime_cpu_s(problem, np.array([0, 1, 1, 0])).tolist() == [1.5, 0.25, 0.0]
+    assert runtime_cpu_s(problem, np.array([2, 1, 1, 2])).tolist() == [3.5, 0.25, 0.125]
