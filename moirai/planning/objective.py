@@ -117,7 +117,9 @@ class Latency(Objective):
 class Throughput(Objective):
     """The period of a stream of requests pipelined through the plan (1 / requests per second): the busiest
     device's or link's time per request (:attr:`moirai.planning.simulate.Timeline.period_s`). A plan whose latency
-    exceeds ``max_latency_s`` is not acceptable."""
+    exceeds ``max_latency_s`` is not acceptable. Not counted yet: a round trip a part holds its device for
+    (:attr:`~moirai.planning.simulate.Timeline.served_period_s` counts it; the MILP's rows, the DPs and the period
+    search do not)."""
 
     name: ClassVar[str] = "throughput"
     value_label: ClassVar[str | None] = "period"
@@ -220,8 +222,7 @@ class Generation(Objective):
         next step's part waits for it), or one step's latency shared by the steps in flight, whichever is longest."""
         if self.sequences == 1:
             return timeline.makespan_s
-        held_s = float(timeline.round_trip_s.max(initial=0.0))
-        return max(timeline.period_s, held_s, timeline.makespan_s / self.sequences)
+        return max(timeline.served_period_s, timeline.makespan_s / self.sequences)
 
     def value_s(self, timeline: Timeline) -> float:
         if self.sequences == 1:

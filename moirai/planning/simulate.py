@@ -111,6 +111,12 @@ class Timeline:
         device_s = self.busy_s + self.runtime_cpu_s
         return max(float(device_s.max(initial=0.0)), max(self.link_busy_s.values(), default=0.0))
 
+    @property
+    def served_period_s(self) -> float:
+        """The period the runtime serves this plan at, at best: :attr:`period_s`, or the longest round trip a part
+        holds its device for (:attr:`round_trip_s`: the next request's part waits for it), whichever is longer."""
+        return max(self.period_s, float(self.round_trip_s.max(initial=0.0)))
+
     @functools.cached_property
     def round_trip_s(self) -> np.ndarray:
         """Per device, the longest its part holds it for one request waiting for work sent elsewhere to come back
