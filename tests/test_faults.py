@@ -4,6 +4,7 @@ hang."""
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import pickle
@@ -178,6 +179,29 @@ def test_the_store_listens_on_loopback_only() -> None:
         if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port
     ]
     assert [c.laddr.ip for c in listening] == ["127.0.0.1"], before
+
+
+def test_a_store_that_goes_closes_its_listening_socket_once_not_a_descriptor_opened_since() -> None:
+    """The driver's process groups keep the torch store after the run's store object goes. The socket object closed
+    the listener then, and the torch store closed its number again when it went: a descriptor another thread had
+    opened in between under that number (a gloo socket of the next world) was closed under it, an EBADF later."""
+    store = start_store(2, 10.0)
+    port = store.port
+    kept = store.prefix_store("moirai/gloo/to-higher/")  # as a gloo process group holds it
+    del store
+    gc.collect()
+    opened_since = [fd for _ in range(8) for fd in os.pipe()]
+    del kept
+    gc.collect()
+    closed_under_us = []
+    for fd in opened_since:
+        try:
+            os.fstat(fd)
+            os.close(fd)
+        except OSError:
+            closed_under_us.append(fd)
+    assert not closed_under_us
+    assert port not in [c.laddr.port for c in psutil.Process().net_connections(kind="inet")]  # closed, not leaked
 
 
 def test_a_client_without_the_runs_secret_cannot_read_or_forge_its_keys() -> None:
