@@ -108,13 +108,12 @@ def test_a_worker_is_sent_its_own_part_only(rows) -> None:
 
 def _linked_groups(secrets: tuple[bytes | None, bytes | None], tmp_path) -> list[Group]:
     """Two ranks of this process linked through shared memory, rank k's store sealed with ``secrets[k]``."""
-    os.environ[shm.DIR_ENV] = str(tmp_path)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(shm.DIR_ENV, str(tmp_path))
+        patch.setenv(shm.ENV_SWITCH, "1")  # these links are shared memory's, whatever the run's environment chooses
         store = dist.HashStore()
         with ThreadPoolExecutor(2) as pool:
             links = list(pool.map(lambda rank: shm.connect(rank, 2, store, 10.0, "faults"), range(2)))
-    finally:
-        del os.environ[shm.DIR_ENV]
     devices = [torch.device("cpu")] * 2
     return [
         Group(rank, devices, gloo=None, nccl=None, store=RunStore(store, secrets[rank]), shared_memory=links[rank])
@@ -263,7 +262,15 @@ def test_a_runner_listens_on_loopback_only(rows) -> None:
 # --- 3. a small /dev/shm -----------------------------------------------------------------------
 
 
-def test_too_little_shared_memory_for_the_rings_sends_through_gloo_with_a_warning(rows, monkeypatch) -> None:
+@pytest.fixture
+def shared_memory_on(monkeypatch):
+    """The test is about shared memory: it is on whatever the run's environment sets (MOIRAI_SHARED_MEMORY=0)."""
+    monkeypatch.setenv(shm.ENV_SWITCH, "1")
+
+
+def test_too_little_shared_memory_for_the_rings_sends_through_gloo_with_a_warning(
+    rows, monkeypatch, shared_memory_on
+) -> None:
     model, example, compiled = rows
     monkeypatch.setattr(shm_files, "free_bytes", lambda directory: 1 << 20)
     with (
@@ -300,7 +307,9 @@ def test_a_load_is_counted_at_least_as_large_as_it_is(rows) -> None:
         assert pickled <= load_bytes(program, rank) <= pickled + 16384
 
 
-def test_a_program_whose_load_does_not_fit_is_refused_at_submit_and_the_runner_serves_on(rows, monkeypatch) -> None:
+def test_a_program_whose_load_does_not_fit_is_refused_at_submit_and_the_runner_serves_on(
+    rows, monkeypatch, shared_memory_on
+) -> None:
     model, example, compiled = rows
     with DistributedRunner(["cpu", "cpu"]) as runner:
         runner.run(compiled.program, list(example))
@@ -324,7 +333,7 @@ def tiny_tmpfs(tmp_path):
     subprocess.run(["umount", str(mount)], check=False)
 
 
-def test_a_full_tmpfs_is_a_distributed_error_not_a_sigbus(tiny_tmpfs) -> None:
+def test_a_full_tmpfs_is_a_distributed_error_not_a_sigbus(tiny_tmpfs, shared_memory_on) -> None:
     script = textwrap.dedent(
         """
         from concurrent.futures import ThreadPoolExecutor
@@ -636,7 +645,7 @@ def test_a_killed_rank_is_restarted_in_the_background_and_a_later_request_is_ser
 @pytest.mark.slow
 @pytest.mark.parametrize("size_mb", [16, 32], ids=["rings do not fit", "rings fit, a 67 MB part does not"])
 def test_a_134_mb_model_under_a_small_dev_shm_serves_through_gloo_with_a_warning_and_nothing_dies(
-    tmp_path, size_mb
+    tmp_path, size_mb, shared_memory_on
 ) -> None:
     mount = tmp_path / "shm"
     mount.mkdir()
