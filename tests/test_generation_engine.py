@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -40,18 +41,27 @@ class FakeSteps:
 
 
 def run(engine: Engine, steps: FakeSteps, sequences: list[SequenceState]) -> None:
-    """Drive the engine's loop from a thread while this one answers its steps in order."""
+    """Drive the engine's loop from a thread while this one answers its steps in order, until every sequence ended
+    and then until the loop did: it ends once its steps in flight are back, a step of a sequence that a failure
+    ended meanwhile included (a step program answers every step it took)."""
     futures = [engine.add(sequence) for sequence in sequences]
     stopped = threading.Event()
-    loop = threading.Thread(target=engine.serve_forever, args=(stopped,))
+    loop = threading.Thread(target=engine.serve_forever, args=(stopped,), daemon=True)  # a hung loop fails one test
     loop.start()
     while not all(future.done() for future in futures):
-        if steps.pending:
-            steps.release_one()
-        else:
-            threading.Event().wait(0.001)
+        answer(steps)
     stopped.set()
-    loop.join(timeout=10)
+    deadline = time.monotonic() + 60  # a bound on a hang, not a timing
+    while loop.is_alive():
+        assert time.monotonic() < deadline, f"the engine's loop did not end; {len(steps.pending)} steps unanswered"
+        answer(steps)
+
+
+def answer(steps: FakeSteps) -> None:
+    if steps.pending:
+        steps.release_one()
+    else:
+        threading.Event().wait(0.001)
 
 
 def sequence(prompt: list[int], new_tokens: int, eos: frozenset[int] = frozenset()) -> SequenceState:
@@ -119,6 +129,37 @@ def test_a_request_error_fails_its_step_alone_and_a_rank_failure_every_begun_seq
     for s in sequences:  # the second had begun too: its cache on rank 1 is gone
         with pytest.raises(DistributedError, match="rank 1"):
             s.future.result()
+
+
+class FailureTakenFirst(FakeSteps):
+    """Fails the next step answered, then answers no other until the engine has ended the ``sequences`` with that
+    failure: the order a loaded machine may give, where the engine's thread runs before the answering one."""
+
+    def __init__(self, sequences: list[SequenceState]) -> None:
+        super().__init__()
+        self.fail_next = DistributedError("rank 1 hung or died")
+        self.sequences = sequences
+
+    def release_one(self) -> None:
+        failing = self.fail_next is not None
+        super().release_one()
+        deadline = time.monotonic() + 60
+        while failing and not all(s.future.done() for s in self.sequences):
+            assert time.monotonic() < deadline, "the engine did not take the failed step"
+            threading.Event().wait(0.001)
+
+
+def test_a_rank_failure_taken_before_the_other_steps_in_flight_come_back_still_lets_the_loop_end() -> None:
+    """The loop waited for a step of a sequence the failure had ended, which nobody answered any more: its
+    non-daemon thread never ended and held the interpreter at exit."""
+    sequences = [sequence([1], 3), sequence([2], 3)]
+    steps = FailureTakenFirst(sequences)
+    engine = Engine(steps.submit, slots=4, max_seq_len=64, max_prefill=8, max_batch=1, depth=2)
+    run(engine, steps, sequences)
+    for s in sequences:
+        with pytest.raises(DistributedError, match="rank 1"):
+            s.future.result()
+    assert not steps.pending
 
 
 def test_a_sequence_that_cannot_fit_a_slot_is_refused_at_once() -> None:

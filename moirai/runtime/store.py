@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import os
 import secrets
 import socket
 import threading
@@ -52,9 +53,8 @@ class RunStore:
     (torchrun's own store) leaves keys and values as they are.
     """
 
-    def __init__(self, raw: Any, secret: bytes | None, listener: socket.socket | None = None) -> None:
+    def __init__(self, raw: Any, secret: bytes | None) -> None:
         self.raw = raw
-        self._listener = listener  # TCPStore listens on its descriptor: it stays open while the store lives
         self.secret = secret
         self.prefix = "" if secret is None else derived_key(secret, "namespace")[:12].hex() + "/"
         self._cipher_key = None if secret is None else derived_key(secret, "store cipher")
@@ -132,11 +132,14 @@ def start_store(world_size: int, timeout_s: float, secret: bytes | None = None, 
     The other ranks join with :func:`join_store` and the same secret, handed to them in their process arguments
     or environment (not on a command line, which every local user can read).
     """
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.bind(("127.0.0.1", port))
         listener.listen(_LISTEN_BACKLOG)
         port = listener.getsockname()[1]
+        # TCPStore closes the descriptor it listens on when it goes, so it must be its only owner: a second close
+        # (the socket object's) would close whatever another thread had opened under that number meanwhile.
+        listen_fd = listener.detach()
+    try:
         raw = dist.TCPStore(
             "127.0.0.1",
             port,
@@ -144,12 +147,12 @@ def start_store(world_size: int, timeout_s: float, secret: bytes | None = None, 
             is_master=True,
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
-            master_listen_fd=listener.fileno(),
+            master_listen_fd=listen_fd,
         )
     except BaseException:
-        listener.close()
+        os.close(listen_fd)  # a TCPStore that fails to start leaves the descriptor open
         raise
-    return RunStore(raw, new_secret() if secret is None else secret, listener)
+    return RunStore(raw, new_secret() if secret is None else secret)
 
 
 def join_store(port: int, world_size: int, secret: bytes, timeout_s: float) -> RunStore:
