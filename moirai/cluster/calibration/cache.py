@@ -183,8 +183,10 @@ def _set_aside(path: Path, error: CorruptCalibrationError) -> None:
 
 
 def calibration_cache_path(cache_dir: str | Path | None = None) -> Path:
-    """Where this machine's calibration lives: one file per host, CPU, core count and torch version."""
+    """Where this machine's calibration lives: one file per host, CPU, core count, torch version and calibration
+    format (two moirai versions on one machine keep their own rather than measuring again over each other's)."""
     machine = f"{socket.gethostname()}|{cpu_model()}|cores={os.cpu_count()}|torch {torch.__version__}"
+    machine += f"|format {CALIBRATION_FORMAT_VERSION}"
     digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
     return Path(cache_dir if cache_dir is not None else default_cache_dir()) / "calibration" / f"{digest}.json"
 
