@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -210,3 +211,30 @@ def test_compile_for_throughput_splits_correctly_and_the_summary_shows_both_figu
     assert f"predicted {viz.format_seconds(timeline.makespan_s)}" in text
     period = f"period {viz.format_seconds(timeline.period_s)}, {viz.format_rate(1 / timeline.period_s)} req/s"
     assert f"{period} · period bound" in text  # the period next to its bound
+
+
+def test_of_two_mirror_images_of_one_period_throughput_keeps_the_one_without_a_round_trip_on_rank_0():
+    """Input read by the first task, output made by the last, priced alike both ways: [0, 1] and its mirror image
+    [1, 0] tie in period and latency. For latency the plan ending on rank 0 is kept ([Note: end on rank 0]); for
+    throughput the one starting there, as a part 0 that waits for another device holds rank 0 for a round trip."""
+    from moirai.planning.costs import RequestCosts
+    from moirai.planning.placers import _as_the_runtime_prefers
+
+    problem = chain([[1.0, 1.0], [1.0, 1.0]], transfer_s=0.1)
+    costs = RequestCosts.build(
+        2,
+        2,
+        [[0]],
+        input_s=[[0, 0.1]],
+        input_link_s=[[0, 0.1]],
+        output_s=[[0, 0], [0, 0.1]],
+        output_link_s=[[0, 0], [0, 0.1]],
+    )
+    problem = dataclasses.replace(problem, costs=costs)
+    starting, ending = (Plan(np.array(p), problem.device_names) for p in ([0, 1], [1, 0]))
+    for plan in (starting, ending):
+        assert simulate(problem, plan).period_s == pytest.approx(1.0)
+        assert simulate(problem, plan).makespan_s == pytest.approx(2.2)
+    assert simulate(problem, ending).served_period_s == pytest.approx(2.2)
+    assert _as_the_runtime_prefers(problem, starting, Throughput()).placement.tolist() == [0, 1]
+    assert _as_the_runtime_prefers(problem, starting, as_objective("latency")).placement.tolist() == [1, 0]

@@ -17,6 +17,7 @@ Another objective is one more subclass here plus its rows in the MILP (:mod:`moi
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
@@ -78,13 +79,27 @@ class Objective(ABC):
         unless it holds problems of its own to contract alike."""
         return self
 
-    def rank(self, timeline: Timeline) -> tuple[bool, float]:
-        """Sort key: acceptable plans first, then by value."""
-        return not self.acceptable(timeline), self.value_s(timeline)
+    def tie_break_s(self, timeline: Timeline) -> float:
+        """Between plans of one value, the one of less of this is better (nothing, unless an objective says)."""
+        return 0.0
+
+    def rank(self, timeline: Timeline) -> tuple[bool, float, float]:
+        """Sort key: acceptable plans first, then by value, then by :meth:`tie_break_s`."""
+        return not self.acceptable(timeline), self.value_s(timeline), self.tie_break_s(timeline)
 
     def improves(self, candidate: Timeline, current: Timeline, relative: float = 0.0) -> bool:
-        """Whether ``candidate`` is acceptable and better than ``current`` by more than ``relative`` of its value."""
-        return self.acceptable(candidate) and self.value_s(candidate) < self.value_s(current) * (1.0 - relative)
+        """Whether ``candidate`` is acceptable and better than ``current`` by more than ``relative`` of its value, or,
+        with ``relative`` 0, of the same value (to a part in 10^9) and better by :meth:`tie_break_s`."""
+        if not self.acceptable(candidate):
+            return False
+        value, other = self.value_s(candidate), self.value_s(current)
+        if value < other * (1.0 - relative) and not (relative == 0.0 and math.isclose(value, other, rel_tol=1e-9)):
+            return True
+        return (
+            relative == 0.0
+            and math.isclose(value, other, rel_tol=1e-9)
+            and self.tie_break_s(candidate) < self.tie_break_s(current) * (1.0 - 1e-9)
+        )
 
 
 @dataclass(frozen=True)
@@ -119,7 +134,7 @@ class Throughput(Objective):
     device's or link's time per request (:attr:`moirai.planning.simulate.Timeline.period_s`). A plan whose latency
     exceeds ``max_latency_s`` is not acceptable. Not counted yet: a round trip a part holds its device for
     (:attr:`~moirai.planning.simulate.Timeline.served_period_s` counts it; the MILP's rows, the DPs and the period
-    search do not)."""
+    search do not); it breaks ties between plans of one period."""
 
     name: ClassVar[str] = "throughput"
     value_label: ClassVar[str | None] = "period"
@@ -133,6 +148,10 @@ class Throughput(Objective):
 
     def value_s(self, timeline: Timeline) -> float:
         return timeline.period_s
+
+    def tie_break_s(self, timeline: Timeline) -> float:
+        # Of two plans of one period, the one no part holds its device longer for a round trip serves faster.
+        return timeline.served_period_s
 
     def milp_rows(self) -> MilpRows:
         from moirai.planning.solve.rows import THROUGHPUT_ROWS

@@ -214,8 +214,10 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
     * Devices that differ only in the header the driver sends them: the plan that relabels the device of the
       last task as the first device (rank 0, which drives every request and gathers the outputs) replaces
       ``plan`` unless the model predicts it worse. The model charges outputs sent back to rank 0
-      (:attr:`RequestCosts.output_s`) and headers; where they tie (no outputs, no headers), ending on rank 0 saves
-      the driver a receive ([Note: end on rank 0] in docs/design.md).
+      (:attr:`RequestCosts.output_s`), inputs sent from it and headers; where they tie (no outputs, no headers),
+      ending on rank 0 saves the driver a receive ([Note: end on rank 0] in docs/design.md), unless the objective
+      breaks the tie the other way (throughput: a part 0 that waits for another device holds rank 0 for a round
+      trip, :attr:`moirai.planning.simulate.Timeline.served_period_s`).
     * A plan that puts every task on one device runs them in the graph's own order: on one device the order
       changes no prediction, and the traced order is the one eager runs ([Note: one device, traced order]).
     """
@@ -239,7 +241,7 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
         relabelled = dataclasses.replace(
             plan, placement=swap[plan.placement], order=order, transfer_order=transfer_order
         )
-        if not objective.improves(simulate(problem, plan), simulate(problem, relabelled), relative=1e-9):
+        if not objective.improves(simulate(problem, plan), simulate(problem, relabelled)):
             logger.debug("%s plan: devices 0 and %d swapped so the last task runs on rank 0", plan.placer, last_device)
             plan = relabelled
     used = np.unique(plan.placement)

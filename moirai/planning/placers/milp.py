@@ -471,7 +471,7 @@ def _solve_whole(
     start = np.array([solution.start_s[i] for i in range(problem.num_tasks)])
     plan = plan_from_times(problem, placement, start, solution.transfer_start_s, "milp")
     solved = simulate(problem, plan)
-    if timeline is not None and objective.value_s(solved) > objective.value_s(timeline):
+    if timeline is not None and objective.improves(timeline, solved):
         return start_plan, timeline
     return plan, solved
 
