@@ -16,6 +16,16 @@ from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 
+# Every cost random_problem can draw beyond compute and transfers, at a scale that matters next to them.
+EVERY_COST = {
+    "send_cpu_s": 0.5,
+    "recv_cpu_s": 0.5,
+    "request_cpu_s": 0.3,
+    "output_cpu_s": 0.3,
+    "input_s": 0.3,
+    "driver_part_cpu_s": 0.3,
+}
+
 
 def random_problem(
     seed: int | np.random.Generator,

@@ -17,24 +17,14 @@ from moirai.planning.problem import Problem
 from moirai.planning.report import StopReason
 from moirai.planning.simulate import simulate
 from moirai.planning.solve.period_search import Loads, improve_period
-from moirai.testing import random_layered_problem, random_problem
+from moirai.testing import EVERY_COST, random_layered_problem, random_problem
 
 THROUGHPUT = OBJECTIVES["throughput"]
 
 
 def _costly(seed: int) -> Problem:
     if seed % 2:
-        return random_problem(
-            seed,
-            12,
-            3,
-            send_cpu_s=0.5,
-            recv_cpu_s=0.5,
-            request_cpu_s=0.3,
-            output_cpu_s=0.3,
-            input_s=0.3,
-            driver_part_cpu_s=0.3,
-        )
+        return random_problem(seed, 12, 3, **EVERY_COST)
     return random_layered_problem(40, 4, seed=seed, cpu_ratio=0.5)
 
 

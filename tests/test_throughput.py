@@ -19,7 +19,7 @@ from moirai.planning.placers import get_placer, list_placers, place
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
-from moirai.testing import random_layered_problem, random_problem
+from moirai.testing import EVERY_COST, random_layered_problem, random_problem
 from tests.test_placers import MEMORY_BLIND, OPTIONS
 
 
@@ -149,20 +149,7 @@ def _pipeline_problems() -> list[Problem]:
         random_layered_problem(20 + 5 * seed, 2 + seed % 8, seed=seed, communication_ratio=2.0, cpu_ratio=0.8)
         for seed in range(10)
     ]
-    costly = [
-        random_problem(
-            seed,
-            10,
-            3,
-            send_cpu_s=0.5,
-            recv_cpu_s=0.5,
-            request_cpu_s=0.3,
-            output_cpu_s=0.3,
-            input_s=0.3,
-            driver_part_cpu_s=0.3,
-        )
-        for seed in range(4)
-    ]
+    costly = [random_problem(seed, 10, 3, **EVERY_COST) for seed in range(4)]
     return layered + costly
 
 
