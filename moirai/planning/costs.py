@@ -184,7 +184,7 @@ class RequestCosts:
 
     def input_devices(self, placement: np.ndarray) -> list[list[int]]:
         """For every model input, the devices ``placement`` puts a reader of it on."""
-        return [sorted({int(placement[i]) for i in readers}) for readers in self.input_readers]
+        return [reader_devices(readers, placement) for readers in self.input_readers]
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in self.names()}
@@ -297,7 +297,7 @@ class Charges(NamedTuple):
         seconds += np.bincount(placement, weights=self.own_s[tasks, placement], minlength=k)
         seconds[0] += self.driver_s[tasks, placement].sum()
         for j, readers in enumerate(self.input_readers):
-            devices = sorted({int(placement[i]) for i in readers})
+            devices = reader_devices(readers, placement)
             seconds[devices] += self.input_own_s[j, devices]
             seconds[0] += self.input_driver_s[j, devices].sum()
         return seconds
@@ -371,6 +371,11 @@ class InputReceive(PeriodTerm):
 
     def charges(self, costs: RequestCosts) -> Charges:
         return _zero_charges(costs)._replace(input_own_s=costs.input_recv_cpu_s)
+
+
+def reader_devices(readers: Sequence[int], placement: np.ndarray) -> list[int]:
+    """The devices ``placement`` puts one of a model input's ``readers`` on: the driver sends it to each once."""
+    return sorted({int(placement[i]) for i in readers})
 
 
 def _zero_charges(costs: RequestCosts) -> Charges:

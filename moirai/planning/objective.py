@@ -93,13 +93,9 @@ class Objective(ABC):
         if not self.acceptable(candidate):
             return False
         value, other = self.value_s(candidate), self.value_s(current)
-        if value < other * (1.0 - relative) and not (relative == 0.0 and math.isclose(value, other, rel_tol=1e-9)):
-            return True
-        return (
-            relative == 0.0
-            and math.isclose(value, other, rel_tol=1e-9)
-            and self.tie_break_s(candidate) < self.tie_break_s(current) * (1.0 - 1e-9)
-        )
+        if relative == 0.0 and math.isclose(value, other, rel_tol=1e-9):
+            return self.tie_break_s(candidate) < self.tie_break_s(current) * (1.0 - 1e-9)
+        return value < other * (1.0 - relative)
 
 
 @dataclass(frozen=True)

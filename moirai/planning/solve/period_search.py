@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moirai.planning.costs import reader_devices
 from moirai.planning.objective import Objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
@@ -101,7 +102,7 @@ class Loads:
     def _model_input(self, j: int, placement: np.ndarray, device: np.ndarray, link: np.ndarray, sign: float) -> None:
         """Add (``sign`` 1) or remove (-1) model input ``j``'s messages from the driver under ``placement``: once to
         each device with a reader (:meth:`moirai.planning.costs.RequestCosts.link_s`)."""
-        for b in {int(placement[i]) for i in self._input_readers[j]}:
+        for b in reader_devices(self._input_readers[j], placement):
             link[0, b] += sign * self._input_link[j, b]
             device[0] += sign * self._input_driver[j, b]
             device[b] += sign * self._input_own[j, b]
