@@ -35,7 +35,7 @@ from moirai.cluster.calibration import (
 from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.calibration.request_cost import MeasuredRequestCost, request_cost_of
 from moirai.cluster.devices import Cluster
-from moirai.errors import ClusterError
+from moirai.errors import ClusterError, DistributedError
 from moirai.planning.problem import Problem
 
 SIZES = (1024, 65536, 1 << 20, 4 << 20)
@@ -471,3 +471,54 @@ def test_a_link_between_hosts_takes_its_bandwidth_from_the_large_messages() -> N
     assert cost.bandwidth_bytes_per_s == pytest.approx(rate, rel=0.1)
     assert TransferTimings(sizes, delays, delays, delays).fit().bandwidth_bytes_per_s > 1.5 * rate  # what it fixes
     assert cost.delay_s(1 << 20) == pytest.approx(delays[-1], rel=0.1)
+
+
+_FAKE_RANKS = """
+import sys, time
+
+def fake_rank(rank, stop_file):
+    if rank == 1:
+        sys.exit("rank 1 broke before the first message")
+    while True:  # rank 0 waits for its peer, as a calibration rank waits in the store
+        time.sleep(0.1)
+"""
+
+
+def test_a_calibration_rank_that_fails_ends_the_wait_for_all_of_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injected: rank 1 dies at once while rank 0 would wait for it forever. The ranks are waited for
+    together, so the failure is reported at once, naming rank 1, and rank 0 is not left running; before, rank 0
+    was waited for first, until its timeout (300 s for a real calibration, per rank)."""
+    import threading
+
+    (tmp_path / "fake_ranks.py").write_text(_FAKE_RANKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    from fake_ranks import fake_rank  # type: ignore[import-not-found]
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            measure_module.run_ranks([str(tmp_path / "stop")], 2, 3600.0, entry=fake_rank)
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            errors.append(error)
+
+    waiter = threading.Thread(target=run, daemon=True)
+    waiter.start()
+    waiter.join(120)  # far below rank 0's 3600 s: only the failed rank can have ended the wait
+    assert not waiter.is_alive(), "run_ranks still waits for rank 0 after rank 1 failed"
+    assert len(errors) == 1 and isinstance(errors[0], DistributedError), errors
+    assert "rank 1: rank 1 broke before the first message" in str(errors[0])
+    assert "rank 0" not in str(errors[0]), "rank 0 did not fail; it was stopped"
+
+
+def test_a_calibration_rank_past_its_timeout_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "fake_ranks_slow.py").write_text(_FAKE_RANKS.replace("if rank == 1", "if rank == 2"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    from fake_ranks_slow import fake_rank  # type: ignore[import-not-found]
+
+    with pytest.raises(DistributedError, match=r"calibration ranks 0, 1 did not finish within 2 s"):
+        measure_module.run_ranks([str(tmp_path / "stop")], 2, 2.0, entry=fake_rank)

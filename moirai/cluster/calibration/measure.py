@@ -7,6 +7,7 @@ interpreters that import only moirai (:func:`run_ranks`), joined as the runtime 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -103,33 +104,59 @@ def run_ranks(settings: list, world_size: int, timeout_s: float, entry: Callable
     # The run's secret seals the store and authenticates rank 0's headers; the environment, not the command line
     # (which every local user can read), hands it over.
     environment = {**os.environ, RUN_SECRET_ENV: new_secret().hex()}
-    ranks = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                f"from {entry.__module__} import {entry.__name__}; {entry.__name__}({rank}, *{json.dumps(settings)})",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=environment,
-        )
-        for rank in range(world_size)
-    ]
-    failures = []
-    for rank, process in enumerate(ranks):
+    with contextlib.ExitStack() as stack:
+        # Files, not pipes: a rank whose stderr nobody reads while another is watched would block on a full pipe.
+        stderrs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world_size)]
+        ranks = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    f"from {entry.__module__} import {entry.__name__}; "
+                    f"{entry.__name__}({rank}, *{json.dumps(settings)})",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=stderrs[rank],
+                text=True,
+                env=environment,
+            )
+            for rank in range(world_size)
+        ]
         try:
-            _, stderr = process.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for other in ranks:
-                other.kill()
-            raise DistributedError(f"calibration rank {rank} did not finish within {timeout_s:g} s") from None
-        if process.returncode != 0:
-            last_line = (stderr.strip().splitlines() or [f"exit code {process.returncode}"])[-1]
-            failures.append(f"rank {rank}: {last_line}")
+            failures = _wait_for_ranks(ranks, stderrs, timeout_s)
+        finally:
+            for process in ranks:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
     if failures:
         raise DistributedError(f"a calibration rank failed: {'; '.join(failures)}")
+
+
+def _wait_for_ranks(ranks: list[subprocess.Popen], stderrs: list[Any], timeout_s: float) -> list[str]:
+    """Wait for every rank together: the first that fails ends the wait (its peers would otherwise wait for it until
+    their own timeout, rank by rank); a rank still running after ``timeout_s`` is an error naming it. Returns what
+    each failed rank said last."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [process.poll() for process in ranks]
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            return [f"rank {rank}: {_last_line(stderrs[rank], codes[rank])}" for rank in failed]
+        if all(code == 0 for code in codes):
+            return []
+        if time.monotonic() > deadline:
+            running = [rank for rank, code in enumerate(codes) if code is None]
+            raise DistributedError(
+                f"calibration rank{'s' * (len(running) > 1)} {', '.join(map(str, running))} did not finish "
+                f"within {timeout_s:g} s"
+            )
+        time.sleep(0.05)
+
+
+def _last_line(stderr: Any, returncode: int) -> str:
+    stderr.seek(0)
+    return (stderr.read().strip().splitlines() or [f"exit code {returncode}"])[-1]
 
 
 def _rank_main(
