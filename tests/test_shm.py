@@ -164,3 +164,48 @@ def test_links_leave_no_files_behind(monkeypatch, tmp_path):
     for links in (a, _, c):
         links.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_a_send_after_close_fails_and_writes_to_no_other_file():
+    """Fault injected: the FIFO's descriptor is closed and its number taken by a new pipe, as another thread of the
+    rank could take it; a send then must not announce its message into that pipe."""
+    import os
+
+    a, _ = connected_pair()
+    outbound = a._outbound[1]
+    a.close()
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(ConnectionError, match="closed"):
+            a.send([torch.ones(4)], 1, 3)
+        os.set_blocking(read_end, False)
+        with pytest.raises(BlockingIOError):
+            os.read(read_end, 1)  # nothing was written into the pipe, whatever number it got
+        assert outbound._closed
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_closing_a_rank_while_its_thread_waits_on_the_fifo_wakes_it_and_closes_the_fifo_after():
+    """The waiting thread is in select on the FIFO when close() runs: it fails at once (not at its time limit), and
+    the FIFO is closed by it, after its select, so no select ever runs on a descriptor closed under it."""
+    _, b = connected_pair()
+    inbound = b._inbound[0]
+    failure: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            received(b, torch.empty(4), 0, 7, timeout_s=600.0)
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            failure.append(error)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    while not inbound._reading:  # the waiter is reading: in (or on its way to) its select
+        time.sleep(0.01)
+    b.close()
+    waiter.join(60)  # far below its own 600 s: only close() can have ended it
+    assert not waiter.is_alive()
+    assert len(failure) == 1 and isinstance(failure[0], ConnectionError), failure
+    assert not inbound._descriptors_open

@@ -155,12 +155,17 @@ class _Outbound:
     def __init__(self, ring: _Ring, fifo_fd: int, spills: shm_files.SpillOwner) -> None:
         self._ring, self._fifo, self._spills = ring, fifo_fd, spills
         self._produced = 0
+        # Guards the ring's write position and the FIFO's descriptor: a send never writes to a descriptor that
+        # close() has given back (the number may already name another file of this process).
         self._lock = threading.Lock()
+        self._closed = False
 
     def send(self, tensor: torch.Tensor, tag: int, timeout_s: float) -> None:
         payload = _bytes_of(tensor)
         nbytes = payload.numel()
         with self._lock:
+            if self._closed:
+                raise ConnectionError("this rank's links were closed")
             if _aligned(_RECORD.size + nbytes) <= RING_BYTES // 2 and self._reserve(_RECORD.size + nbytes, None):
                 position = self._produced % RING_BYTES
                 self._ring.write_record(position, tag, nbytes, _INLINE)
@@ -175,7 +180,7 @@ class _Outbound:
                 start = position + _RECORD.size
                 self._ring.data[start : start + len(path)].copy_(torch.frombuffer(bytearray(path), dtype=torch.uint8))
                 self._produced += _aligned(_RECORD.size + len(path))
-        os.write(self._fifo, b"\0")
+            os.write(self._fifo, b"\0")
 
     def _reserve(self, size: int, deadline: float | None) -> bool:
         """Room for a record of ``size`` bytes at the write position, wrapping to the start if needed; with no
@@ -196,8 +201,11 @@ class _Outbound:
             time.sleep(_FULL_RING_POLL_S)
 
     def close(self) -> None:
-        with self._lock, contextlib.suppress(OSError):
-            os.close(self._fifo)
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                with contextlib.suppress(OSError):
+                    os.close(self._fifo)
 
 
 class _Inbound:
@@ -214,11 +222,30 @@ class _Inbound:
         self._kept: dict[int, torch.Tensor] = {}
         self._filled: set[int] = set()
         self._closed: str | None = None
+        # close() wakes a reader waiting on the FIFO through this pipe and leaves the descriptors to it: closed
+        # under a select, a descriptor's number could be reused by another file before the select returns.
+        self._wake_read, self._wake_write = os.pipe()
+        self._descriptors_open = True
 
     def close(self) -> None:
-        with self._cond, contextlib.suppress(OSError):
-            self._closed = "this rank's links were closed"
-            os.close(self._fifo)
+        with self._cond:
+            if self._closed is None:
+                self._closed = "this rank's links were closed"
+            if not self._descriptors_open:
+                return
+            if self._reading:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_write, b"\0")
+            else:
+                self._close_descriptors()
+
+    def _close_descriptors(self) -> None:
+        """Called holding the condition, by close() or by the reader that close() woke."""
+        if self._descriptors_open:
+            self._descriptors_open = False
+            for fd in (self._fifo, self._wake_read, self._wake_write):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def post(self, tag: int, buffer: torch.Tensor) -> None:
         with self._cond:
@@ -245,6 +272,8 @@ class _Inbound:
                     self._read_one(deadline)
                 finally:
                     self._reading = False
+                    if self._closed is not None:
+                        self._close_descriptors()
                     self._cond.notify_all()
             self._filled.discard(tag)
 
@@ -280,7 +309,9 @@ class _Inbound:
         """Messages announced since the last read (0 or None: none now, or none before the deadline); a closed
         FIFO closes this."""
         remaining_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        readable, _, _ = select.select([self._fifo], [], [], remaining_s)
+        readable, _, _ = select.select([self._fifo, self._wake_read], [], [], remaining_s)
+        if self._wake_read in readable:  # close(): the wait's loop finds it closed
+            return None
         if not readable:
             return None
         try:
