@@ -522,3 +522,28 @@ def test_a_calibration_rank_past_its_timeout_is_named(tmp_path: Path, monkeypatc
 
     with pytest.raises(DistributedError, match=r"calibration ranks 0, 1 did not finish within 2 s"):
         measure_module.run_ranks([str(tmp_path / "stop")], 2, 2.0, entry=fake_rank)
+
+
+def test_the_calibration_stores_port_is_held_from_the_moment_it_is_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port chosen by binding and closing a socket could be taken by any process before rank 0 listened on it;
+    now the caller's listener holds it, and rank 0's store takes that very socket over."""
+    import socket
+
+    from moirai.runtime.store import loopback_listener
+
+    handed: list[int] = []
+    real_run_ranks = measure_module.run_ranks
+
+    def run_ranks_checking_the_port(settings, world_size, timeout_s, entry, store_listener=None):  # noqa: ANN001
+        port = settings[1]
+        assert store_listener is not None and store_listener.getsockname() == ("127.0.0.1", port)
+        with socket.socket() as intruder, pytest.raises(OSError):
+            intruder.bind(("127.0.0.1", port))  # nobody else can take it while the ranks start
+        handed.append(port)
+        real_run_ranks(settings, world_size, timeout_s, entry, store_listener)
+
+    monkeypatch.setattr(measure_module, "run_ranks", run_ranks_checking_the_port)
+    timings = measure_module.measure_transfers(["cpu", "cpu"], (1024, 4096), repeats=1, warmup=0)
+    assert handed and set(timings) == {(0, 1), (1, 0)}
+    with loopback_listener() as listener:
+        assert listener.getsockname()[0] == "127.0.0.1"

@@ -125,20 +125,41 @@ def _xor(data: bytes, stream: bytes) -> bytes:
     )
 
 
-def start_store(world_size: int, timeout_s: float, secret: bytes | None = None, port: int = 0) -> RunStore:
+def loopback_listener(port: int = 0) -> socket.socket:
+    """A socket listening on 127.0.0.1:``port`` (0: a free one) for a store to take over (:func:`start_store`)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", port))
+        listener.listen(_LISTEN_BACKLOG)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def start_store(
+    world_size: int, timeout_s: float, secret: bytes | None = None, port: int = 0, listen_fd: int | None = None
+) -> RunStore:
     """Rank 0: a new store listening on 127.0.0.1:``port`` (0: any free port) only, sealed with ``secret``
-    (default: a new one).
+    (default: a new one). ``listen_fd``: a socket already listening there, which the store takes over (a parent
+    that holds the port from the start, so no other process can take it between choosing it and listening on it).
 
     The other ranks join with :func:`join_store` and the same secret, handed to them in their process arguments
     or environment (not on a command line, which every local user can read).
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", port))
-        listener.listen(_LISTEN_BACKLOG)
-        port = listener.getsockname()[1]
-        # TCPStore closes the descriptor it listens on when it goes, so it must be its only owner: a second close
-        # (the socket object's) would close whatever another thread had opened under that number meanwhile.
-        listen_fd = listener.detach()
+    if listen_fd is None:
+        with loopback_listener(port) as listener:
+            port = listener.getsockname()[1]
+            # TCPStore closes the descriptor it listens on when it goes, so it must be its only owner: a second
+            # close (the socket object's) would close whatever another thread had opened under that number.
+            listen_fd = listener.detach()
+    else:
+        with socket.socket(fileno=listen_fd) as listener:
+            address = listener.getsockname()
+            listener.detach()
+        if address != ("127.0.0.1", port):
+            os.close(listen_fd)
+            raise DistributedError(f"the store's inherited socket listens on {address}, not 127.0.0.1:{port}")
     try:
         raw = dist.TCPStore(
             "127.0.0.1",

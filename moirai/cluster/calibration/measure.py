@@ -53,10 +53,12 @@ def measure_transfers(
         raise ClusterError(f"calibrating {devices} needs {missing}, which this machine does not have")
     if warmup < 0 or repeats < 1:
         raise ClusterError(f"calibration needs warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    from moirai.runtime.store import loopback_listener
+
     sizes = tuple(int(s) for s in sizes_bytes)
-    with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir:
-        settings = [devices, free_port(), list(sizes), repeats, warmup, timeout_s, results_dir]
-        run_ranks(settings, len(devices), timeout_s, entry=_rank_main)
+    with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir, loopback_listener() as listener:
+        settings = [devices, listener.getsockname()[1], list(sizes), repeats, warmup, timeout_s, results_dir]
+        run_ranks(settings, len(devices), timeout_s, entry=_rank_main, store_listener=listener)
         reports = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("rank*.json"))]
     return {
         (pair["src"], pair["dst"]): TransferTimings(
@@ -88,16 +90,22 @@ def measure_link_kinds(
     return costs_by_kind([a, b], measure_transfer_costs([a, b], sizes_bytes))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Names the descriptor of the store's listening socket that rank 0 inherits from run_ranks.
+_STORE_FD_ENV = "MOIRAI_CALIBRATION_STORE_FD"
 
 
-def run_ranks(settings: list, world_size: int, timeout_s: float, entry: Callable[..., None]) -> None:
+def run_ranks(
+    settings: list,
+    world_size: int,
+    timeout_s: float,
+    entry: Callable[..., None],
+    store_listener: socket.socket | None = None,
+) -> None:
     """Start the ranks as fresh interpreters that import only moirai (a spawned process would re-import the
     caller's ``__main__``, and a script that compiles at top level would compile again in every rank); each
-    calls ``entry(rank, *settings)``, a function of a moirai module."""
+    calls ``entry(rank, *settings)``, a function of a moirai module. ``store_listener`` (the caller's, listening
+    on the port the settings name) is handed to rank 0 for its store: the port is held from the moment it is
+    chosen, so no other process can take it before rank 0 listens (:func:`join_as_runtime_rank`)."""
     from moirai.runtime.distributed import RUN_SECRET_ENV
     from moirai.runtime.store import new_secret
 
@@ -107,6 +115,7 @@ def run_ranks(settings: list, world_size: int, timeout_s: float, entry: Callable
     with contextlib.ExitStack() as stack:
         # Files, not pipes: a rank whose stderr nobody reads while another is watched would block on a full pipe.
         stderrs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world_size)]
+        handed = {} if store_listener is None else {_STORE_FD_ENV: str(store_listener.fileno())}
         ranks = [
             subprocess.Popen(
                 [
@@ -118,7 +127,8 @@ def run_ranks(settings: list, world_size: int, timeout_s: float, entry: Callable
                 stdout=subprocess.DEVNULL,
                 stderr=stderrs[rank],
                 text=True,
-                env=environment,
+                env={**environment, **handed} if rank == 0 else environment,
+                pass_fds=(store_listener.fileno(),) if rank == 0 and store_listener is not None else (),
             )
             for rank in range(world_size)
         ]
@@ -321,7 +331,8 @@ def join_as_runtime_rank(rank: int, torch_devices: list[str], port: int, timeout
         raise DistributedError("a calibration rank was started without the run's secret (see run_ranks)")
     world_size = len(torch_devices)
     if rank == 0:
-        store = start_store(world_size, timeout_s, secret, port=port)
+        inherited = os.environ.pop(_STORE_FD_ENV, None)  # run_ranks's listener, already on ``port``
+        store = start_store(world_size, timeout_s, secret, port, None if inherited is None else int(inherited))
     else:
         store = join_store(port, world_size, secret, timeout_s)
     group = local_group(rank, torch_devices, store, timeout_s)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from moirai.cluster.calibration.fit import TransferCost
-from moirai.cluster.calibration.measure import free_port, join_as_runtime_rank, leave_together, run_ranks
+from moirai.cluster.calibration.measure import join_as_runtime_rank, leave_together, run_ranks
 from moirai.cluster.cost import build_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import CPU
@@ -32,6 +32,7 @@ from moirai.planning.costs import RequestCosts
 from moirai.runtime.local import check_inputs
 from moirai.runtime.server import Server
 from moirai.runtime.split import SplitProgram, split_module
+from moirai.runtime.store import loopback_listener
 
 # Requests of each timed round of each way; rounds, after one that warms up (their median resists a round that
 # other processes slowed); calls of a half timed alone.
@@ -105,9 +106,9 @@ def measure_request_cost_spread(
     the driver where rank 1 makes it. The rounds' median is taken and the two ways are averaged (one has the
     driver send a header, the other a header and the input).
     """
-    with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir:
-        settings = [[CPU.name, CPU.name], free_port(), requests, timeout_s, results_dir]
-        run_ranks(settings, 2, timeout_s, entry=_request_rank_main)
+    with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir, loopback_listener() as listener:
+        settings = [[CPU.name, CPU.name], listener.getsockname()[1], requests, timeout_s, results_dir]
+        run_ranks(settings, 2, timeout_s, entry=_request_rank_main, store_listener=listener)
         report = json.loads(Path(results_dir, "requests.json").read_text())
     return request_cost_of(report, link)
 
