@@ -534,16 +534,35 @@ def test_the_calibration_stores_port_is_held_from_the_moment_it_is_chosen(monkey
     handed: list[int] = []
     real_run_ranks = measure_module.run_ranks
 
-    def run_ranks_checking_the_port(settings, world_size, timeout_s, entry, store_listener=None):  # noqa: ANN001
+    def run_ranks_checking_the_port(settings, world_size, timeout_s, entry, store_listener=None, environment=None):  # noqa: ANN001
         port = settings[1]
         assert store_listener is not None and store_listener.getsockname() == ("127.0.0.1", port)
         with socket.socket() as intruder, pytest.raises(OSError):
             intruder.bind(("127.0.0.1", port))  # nobody else can take it while the ranks start
         handed.append(port)
-        real_run_ranks(settings, world_size, timeout_s, entry, store_listener)
+        real_run_ranks(settings, world_size, timeout_s, entry, store_listener, environment)
 
     monkeypatch.setattr(measure_module, "run_ranks", run_ranks_checking_the_port)
     timings = measure_module.measure_transfers(["cpu", "cpu"], (1024, 4096), repeats=1, warmup=0)
     assert handed and set(timings) == {(0, 1), (1, 0)}
     with loopback_listener() as listener:
         assert listener.getsockname()[0] == "127.0.0.1"
+
+
+def test_a_calibration_where_shared_memory_has_no_room_measures_gloo_as_the_runtime_would_send(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Docker's default 64 MB /dev/shm holds no rings for four ranks: the runtime sends through gloo there, so the
+    calibration measures gloo, with a warning that says why, instead of a rank dying making its ring."""
+    from moirai.errors import SharedMemoryWarning
+    from moirai.runtime import shm, shm_files
+
+    monkeypatch.setenv(shm.ENV_SWITCH, "1")
+    monkeypatch.setattr(shm_files, "free_bytes", lambda directory: 1 << 20)
+    with pytest.warns(SharedMemoryWarning, match=r"has 1 MB free.*the calibration measures gloo"):
+        assert measure_module.transport_environment(4, [1024, 16 << 20]) == {shm.ENV_SWITCH: "0"}
+    with pytest.warns(SharedMemoryWarning, match="the calibration measures gloo"):
+        timings = measure_module.measure_transfers(["cpu", "cpu"], (1024, 4096), repeats=1, warmup=0)
+    assert set(timings) == {(0, 1), (1, 0)}
+    monkeypatch.setattr(shm_files, "free_bytes", lambda directory: 1 << 40)
+    assert measure_module.transport_environment(4, [1024, 16 << 20]) == {}  # room: shared memory, no warning

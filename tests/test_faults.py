@@ -402,6 +402,38 @@ def test_spill_files_of_a_live_owner_in_another_process_stay_and_of_an_ended_one
     assert not path.exists() and not list(tmp_path.iterdir())
 
 
+def test_a_rank_killed_while_its_links_connect_leaves_its_rings_to_the_next_connect(tmp_path, monkeypatch) -> None:
+    """Fault injected: a rank is killed (SIGKILL, as a calibration or a runner stops the peers of a failed rank)
+    while it waits for its peers in shm.connect, holding its directory of rings (8 MiB each) and FIFOs; they went
+    nowhere before. Now the directory is named after the links' spill owner, so the next connect removes it once
+    that owner's lock is free, and never while it lives."""
+    script = textwrap.dedent(
+        """
+        import sys, time, torch.distributed as dist
+        from moirai.runtime import shm
+        store = dist.HashStore()
+        store.set("t/1/where", '{"host": "elsewhere", "directory": "/nowhere"}')
+        shm.connect(0, 2, store, 300.0, "t")  # waits for rank 1's "opened", which never comes
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), shm.DIR_ENV: str(tmp_path)}
+    rank = subprocess.Popen([sys.executable, "-c", script], env=env)
+    monkeypatch.setenv(shm.DIR_ENV, str(tmp_path))
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("moirai-r0-*/ring-1")) and rank.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (links,) = tmp_path.glob("moirai-r0-*")
+        shm_files.remove_dead_spill_files()
+        assert links.exists()  # its owner lives
+    finally:
+        rank.kill()
+        rank.wait()
+    assert links.exists()  # killed: nothing of it ran to remove its files
+    shm_files.remove_dead_spill_files()
+    assert not list(tmp_path.iterdir())
+
+
 def test_overlapping_runners_closing_out_of_order_give_back_the_original_affinity() -> None:
     original = os.sched_getaffinity(0)
     threads = torch.get_num_threads()

@@ -32,7 +32,6 @@ import os
 import select
 import stat
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -387,15 +386,16 @@ def connect(
 
     Each rank makes a ring and a FIFO for each peer to write to, publishes where they are under
     ``prefix`` in ``store``, opens its peers' and removes its own files once every peer has opened
-    them (so nothing is left behind, whatever happens to the run). A pair whose ends do not both
-    open (other hosts, other ``/dev/shm``s) keeps gloo.
+    them (so nothing is left behind, whatever happens to the run); a rank killed before that leaves its
+    directory to the next connect on this host (it is named after the links' spill owner, whose lock dies with
+    it). A pair whose ends do not both open (other hosts, other ``/dev/shm``s) keeps gloo.
     """
     if not enabled():
         return None
     shm_files.remove_dead_spill_files()
     host = shm_files.host_identity()
     spills = shm_files.SpillOwner(shm_files.shm_dir())
-    directory = tempfile.mkdtemp(prefix=f"moirai-r{rank}-", dir=shm_files.shm_dir())  # mode 0700, this user's
+    directory = spills.links_directory(rank)
     peers = [k for k in range(world_size) if k != rank]
     rings: dict[int, _Ring] = {}
     fifos: dict[int, int] = {}
@@ -427,9 +427,10 @@ def connect(
         spills.close()
         raise
     finally:
-        for name in os.listdir(directory):
-            os.unlink(os.path.join(directory, name))
-        os.rmdir(directory)
+        with contextlib.suppress(FileNotFoundError):  # spills.close() above removes it where connecting failed
+            for name in os.listdir(directory):
+                os.unlink(os.path.join(directory, name))
+            os.rmdir(directory)
 
 
 def _get(store: Any, key: str, timeout_s: float) -> str:

@@ -31,6 +31,7 @@ from moirai.errors import DistributedError
 ENV_SWITCH = "MOIRAI_SHARED_MEMORY"
 DIR_ENV = "MOIRAI_SHM_DIR"  # where rings and spill files live (default /dev/shm)
 _SPILL_PREFIX = "moirai-spill-"  # then the owner's id: "<owner>.lock" while it lives, "<owner>-<uuid>" its files
+_LINKS_PREFIX = "moirai-r"  # then "<rank>-<owner>": a rank's directory of rings and FIFOs while its links connect
 _LOCK_SUFFIX = ".lock"
 # One id per boot of the kernel (a container sees its host's).
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -138,8 +139,16 @@ class SpillOwner:
             os.close(fd)
         return path
 
+    def links_directory(self, rank: int) -> str:
+        """A new directory (this user's, mode 0700) for rank ``rank``'s rings and FIFOs while its links connect,
+        named after this owner: a process killed before it removes the directory leaves it to the next
+        :func:`remove_dead_spill_files`, as its spill files."""
+        path = os.path.join(self.directory, f"{_LINKS_PREFIX}{rank}-{self.owner}")
+        os.mkdir(path, 0o700)
+        return path
+
     def close(self) -> None:
-        """Remove this owner's unread spill files, then its lock file."""
+        """Remove this owner's unread spill files and links directory, then its lock file."""
         if self._lock_fd is None:
             return
         _remove_owner_files(self.directory, self.owner)
@@ -153,7 +162,8 @@ def spill_files() -> list[Path]:
 
 
 def remove_dead_spill_files() -> None:
-    """Remove the spill files of owners whose lock can be taken: their process ended, nobody reads them any more."""
+    """Remove the spill files (and links directories) of owners whose lock can be taken: their process ended,
+    nobody reads them any more."""
     directory = shm_dir()
     for lock in Path(directory).glob(f"{_SPILL_PREFIX}*{_LOCK_SUFFIX}"):
         try:
@@ -173,6 +183,11 @@ def _remove_owner_files(directory: str, owner: str) -> None:
     for path in Path(directory).glob(f"{_SPILL_PREFIX}{owner}-*"):
         with contextlib.suppress(OSError):
             path.unlink()
+    for links in Path(directory).glob(f"{_LINKS_PREFIX}*-{owner}"):
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(links):  # rings and FIFOs only; a link among them is removed, not followed
+                os.unlink(entry.path)
+            links.rmdir()
     with contextlib.suppress(OSError):
         os.unlink(os.path.join(directory, f"{_SPILL_PREFIX}{owner}{_LOCK_SUFFIX}"))
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,10 @@ def measure_transfers(
     from moirai.runtime.store import loopback_listener
 
     sizes = tuple(int(s) for s in sizes_bytes)
+    transport = transport_environment(len(devices), sizes)
     with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir, loopback_listener() as listener:
         settings = [devices, listener.getsockname()[1], list(sizes), repeats, warmup, timeout_s, results_dir]
-        run_ranks(settings, len(devices), timeout_s, entry=_rank_main, store_listener=listener)
+        run_ranks(settings, len(devices), timeout_s, entry=_rank_main, store_listener=listener, environment=transport)
         reports = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("rank*.json"))]
     return {
         (pair["src"], pair["dst"]): TransferTimings(
@@ -90,6 +92,28 @@ def measure_link_kinds(
     return costs_by_kind([a, b], measure_transfer_costs([a, b], sizes_bytes))
 
 
+def transport_environment(world_size: int, message_bytes: Sequence[int]) -> dict[str, str]:
+    """What the calibration ranks are told about shared memory: where the shared-memory directory cannot hold a
+    world of ``world_size`` ranks' rings and the largest of ``message_bytes`` (one message is in flight at a time),
+    the runtime would send through gloo (moirai/runtime/runner.py), so the calibration measures gloo too, with a
+    warning, rather than have a rank die making its ring (docker's default 64 MB /dev/shm and four ranks)."""
+    from moirai.errors import SharedMemoryWarning, user_stacklevel
+    from moirai.runtime import shm
+
+    if not shm.enabled():
+        return {}
+    shortfall = shm.room_shortfall([max(message_bytes, default=0)], world_size)
+    if shortfall is None:
+        return {}
+    warnings.warn(
+        f"{shortfall}: the calibration measures gloo, which the runtime will send through too; enlarge it "
+        f"(e.g. docker --shm-size) and calibrate again for shared memory's costs",
+        SharedMemoryWarning,
+        stacklevel=user_stacklevel(),
+    )
+    return {shm.ENV_SWITCH: "0"}
+
+
 # Names the descriptor of the store's listening socket that rank 0 inherits from run_ranks.
 _STORE_FD_ENV = "MOIRAI_CALIBRATION_STORE_FD"
 
@@ -100,18 +124,20 @@ def run_ranks(
     timeout_s: float,
     entry: Callable[..., None],
     store_listener: socket.socket | None = None,
+    environment: dict[str, str] | None = None,
 ) -> None:
     """Start the ranks as fresh interpreters that import only moirai (a spawned process would re-import the
     caller's ``__main__``, and a script that compiles at top level would compile again in every rank); each
     calls ``entry(rank, *settings)``, a function of a moirai module. ``store_listener`` (the caller's, listening
     on the port the settings name) is handed to rank 0 for its store: the port is held from the moment it is
-    chosen, so no other process can take it before rank 0 listens (:func:`join_as_runtime_rank`)."""
+    chosen, so no other process can take it before rank 0 listens (:func:`join_as_runtime_rank`). ``environment``:
+    variables set in every rank beyond this process's (:func:`transport_environment`)."""
     from moirai.runtime.distributed import RUN_SECRET_ENV
     from moirai.runtime.store import new_secret
 
     # The run's secret seals the store and authenticates rank 0's headers; the environment, not the command line
     # (which every local user can read), hands it over.
-    environment = {**os.environ, RUN_SECRET_ENV: new_secret().hex()}
+    environment = {**os.environ, **(environment or {}), RUN_SECRET_ENV: new_secret().hex()}
     with contextlib.ExitStack() as stack:
         # Files, not pipes: a rank whose stderr nobody reads while another is watched would block on a full pipe.
         stderrs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world_size)]

@@ -21,7 +21,12 @@ import numpy as np
 import torch
 
 from moirai.cluster.calibration.fit import TransferCost
-from moirai.cluster.calibration.measure import join_as_runtime_rank, leave_together, run_ranks
+from moirai.cluster.calibration.measure import (
+    join_as_runtime_rank,
+    leave_together,
+    run_ranks,
+    transport_environment,
+)
 from moirai.cluster.cost import build_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import CPU
@@ -108,7 +113,8 @@ def measure_request_cost_spread(
     """
     with tempfile.TemporaryDirectory(prefix="moirai-calibrate-") as results_dir, loopback_listener() as listener:
         settings = [[CPU.name, CPU.name], listener.getsockname()[1], requests, timeout_s, results_dir]
-        run_ranks(settings, 2, timeout_s, entry=_request_rank_main, store_listener=listener)
+        transport = transport_environment(2, [])
+        run_ranks(settings, 2, timeout_s, entry=_request_rank_main, store_listener=listener, environment=transport)
         report = json.loads(Path(results_dir, "requests.json").read_text())
     return request_cost_of(report, link)
 
