@@ -162,6 +162,47 @@ def test_a_rank_failure_taken_before_the_other_steps_in_flight_come_back_still_l
     assert not steps.pending
 
 
+def wait_until(condition, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + 60  # a bound on a hang, not a timing
+    while not condition():
+        assert time.monotonic() < deadline, what
+        threading.Event().wait(0.001)
+
+
+def test_a_late_failure_of_a_step_from_before_a_rank_failure_leaves_sequences_begun_since_alone() -> None:
+    """Fault injected: a rank fails with two steps in flight. The engine takes the first failure (both sequences
+    had begun: both end), a new sequence begins on the restarted ranks, and only then the second step's failure
+    comes back: it must end no sequence begun after the failure (it ended every active sequence before)."""
+    steps = FakeSteps()
+    engine = Engine(steps.submit, slots=4, max_seq_len=64, max_prefill=8, max_batch=1, depth=2)
+    before = [sequence([1], 3), sequence([2], 3)]
+    for s in before:
+        engine.add(s)
+    stopped = threading.Event()
+    loop = threading.Thread(target=engine.serve_forever, args=(stopped,), daemon=True)
+    loop.start()
+    try:
+        wait_until(lambda: len(steps.pending) == 2, "the two sequences' steps were not submitted")
+        steps.fail_next = DistributedError("rank 1 hung or died")
+        steps.release_one()
+        wait_until(lambda: all(s.future.done() for s in before), "the failure did not end the begun sequences")
+        after = sequence([5], 3)
+        engine.add(after)
+        wait_until(lambda: len(steps.submitted) == 3, "the new sequence's step was not submitted")
+        steps.fail_next = DistributedError("rank 1 hung or died")  # the old step's failure, late
+        steps.release_one()
+        while not after.future.done():
+            answer(steps)
+    finally:
+        stopped.set()
+        while loop.is_alive():
+            answer(steps)
+    for s in before:
+        with pytest.raises(DistributedError, match="rank 1"):
+            s.future.result()
+    assert after.future.result() == [6, 7, 8]
+
+
 def test_a_sequence_that_cannot_fit_a_slot_is_refused_at_once() -> None:
     engine = Engine(FakeSteps().submit, slots=1, max_seq_len=16, max_prefill=8, max_batch=1, depth=1)
     with pytest.raises(InputError, match="over max_seq_len=16"):

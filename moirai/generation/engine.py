@@ -93,6 +93,7 @@ class _Step:
 
     sequences: tuple[SequenceState, ...]
     prefill_tokens: int = 0
+    cache_epoch: int = 0  # the ranks' caches it ran on: Engine's count of rank failures when it was submitted
 
     @property
     def gives_tokens(self) -> bool:
@@ -121,6 +122,10 @@ class Engine:
         # Steps' futures as they settle (their done callbacks put them here): the loop waits on this one queue
         # rather than on every future in flight each round.
         self._settled: queue.SimpleQueue[Future] = queue.SimpleQueue()
+        # Rank failures taken so far: each loses the caches of every sequence begun before it, once. A step of
+        # before the last failure that fails late (its rank's other steps in flight) ends its own sequences only:
+        # sequences begun since run on the restarted ranks.
+        self._cache_epoch = 0
 
     def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         """:class:`InputError` unless a sequence of this prompt and length fits a slot."""
@@ -204,14 +209,15 @@ class Engine:
         idle = [s for s in self._active if not s.busy]
         for sequence in idle:
             if sequence.prefilled < len(sequence.prompt):
-                return _Step((sequence,), min(self.max_prefill, len(sequence.prompt) - sequence.prefilled))
+                chunk = min(self.max_prefill, len(sequence.prompt) - sequence.prefilled)
+                return _Step((sequence,), chunk, self._cache_epoch)
         # Each group decodes together, one step of it in flight at a time: as many groups as steps in flight, so
         # that stage k decodes one group while stage k + 1 decodes another, each step as large as its group.
         busy_groups = {s.group for s in self._active if s.busy and s.tokens}
         for group in range(self.depth):
             members = [s for s in idle if s.tokens and s.group == group]
             if members and group not in busy_groups:
-                return _Step(tuple(members[: self.max_batch]))
+                return _Step(tuple(members[: self.max_batch]), 0, self._cache_epoch)
         return None
 
     def _inputs(self, step: _Step) -> tuple[torch.Tensor, ...]:
@@ -237,9 +243,10 @@ class Engine:
 
     def _finish_step(self, step: _Step, future: Future) -> None:
         error = future.exception()
-        if isinstance(error, DistributedError):
+        if isinstance(error, DistributedError) and step.cache_epoch == self._cache_epoch:
             # A rank failed: the caches it held are gone (a restarted rank starts empty), so every sequence that
             # has begun fails with it; sequences still waiting for a slot start afresh on the new ranks.
+            self._cache_epoch += 1
             for sequence in list(self._active):
                 self._end(sequence, error)
             return
