@@ -26,6 +26,7 @@ import moirai
 from moirai import progress, viz
 from moirai.cluster.calibration import cli as calibrate_command
 from moirai.errors import MoiraiError
+from moirai.files import write_atomically
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +151,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     if args.timeline:
         console.print(viz.text_gantt(problem, plan, timeline=timeline))
     if args.output:
-        Path(args.output).write_text(json.dumps(plan.to_dict(), indent=1))
+        write_atomically(args.output, json.dumps(plan.to_dict(), indent=1))
         console.print(f"plan written to {args.output}", highlight=False)
     if args.gantt:
         viz.gantt(problem, plan, args.gantt, timeline=timeline)

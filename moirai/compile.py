@@ -35,6 +35,7 @@ from moirai.cluster.cost import activation_peak_bytes, build_problem, unfused_pr
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
 from moirai.errors import ClusterError, InfeasibleError, MoiraiError, PlanError, ProblemError
+from moirai.files import write_atomically
 from moirai.frontend.coarsen import CoarseningResult, coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
@@ -186,7 +187,7 @@ class CompiledModel:
         if not directory.is_dir():
             raise PlanError(f"cannot save the plan to {str(path)!r}: directory {str(directory)!r} does not exist")
         try:
-            Path(path).write_text(json.dumps(record, indent=1))
+            write_atomically(path, json.dumps(record, indent=1))
         except OSError as error:
             raise PlanError(f"cannot save the plan to {str(path)!r}: {error.strerror}") from None
 

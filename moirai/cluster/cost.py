@@ -73,6 +73,7 @@ from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import kind_of
 from moirai.cluster.messages import header_s, input_messages, output_messages, recv_cpu_s, send_cpu_s, transfer_s
 from moirai.errors import ClusterError, MoiraiWarning
+from moirai.files import read_own_text, write_atomically
 from moirai.frontend.graph import OpGraph
 from moirai.frontend.symbolic_shapes import concrete_shape, example_int, sizes_at
 from moirai.frontend.trace import TracedModel
@@ -488,7 +489,7 @@ class _ProfileCache:
     def _read(self) -> dict[str, float]:
         """The cached times, or none (the file renamed ``.corrupt`` with a warning, so it is measured again)."""
         try:
-            times_s = json.loads(self.path.read_text()).get("times_s")
+            times_s = json.loads(read_own_text(self.path)).get("times_s")
             if isinstance(times_s, dict) and all(isinstance(t, int | float) for t in times_s.values()):
                 return times_s
         except (OSError, UnicodeDecodeError, ValueError, AttributeError):
@@ -505,9 +506,7 @@ class _ProfileCache:
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"device": self.device_key, "times_s": self.times_s}, indent=0))
-        os.replace(partial, self.path)  # atomic: a concurrent reader never sees half a file
+        write_atomically(self.path, json.dumps({"device": self.device_key, "times_s": self.times_s}, indent=0))
 
 
 def _check_local(device: Device) -> None:

@@ -81,6 +81,7 @@ from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, MICROSECOND, Device, Li
 from moirai.cluster.host import available_cores, core_shares, device_index
 from moirai.cluster.kinds import CPU, accelerator_kinds, detect_device, kind_of, local_link
 from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
+from moirai.files import write_atomically
 
 # The CPU time a transfer takes from its two ends: fixed seconds and seconds per byte.
 _CPU_TIME_MATRICES = ("send_cpu_s", "send_cpu_s_per_byte", "recv_cpu_s", "recv_cpu_s_per_byte")
@@ -269,7 +270,7 @@ class Cluster:
 
     def to_file(self, path: str | Path) -> None:
         """Write this cluster as a cluster file (TOML)."""
-        Path(path).write_text(to_toml(self.to_dict()))
+        write_atomically(path, to_toml(self.to_dict()))
 
     @classmethod
     def presets(cls) -> tuple[str, ...]:

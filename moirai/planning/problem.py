@@ -29,6 +29,7 @@ import numpy as np
 from networkx.utils import UnionFind
 
 from moirai.errors import ProblemError
+from moirai.files import write_atomically
 from moirai.planning.costs import RequestCosts
 from moirai.planning.plan import Plan
 
@@ -405,7 +406,7 @@ class Problem:
             raise ProblemError(f"{path}: {error}") from None
 
     def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), allow_nan=True))
+        write_atomically(path, json.dumps(self.to_dict(), allow_nan=True))
 
 
 def _check_description(d: Any) -> None:

@@ -27,6 +27,7 @@ from moirai.cluster.cost import default_cache_dir
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import CPU
 from moirai.errors import ClusterError, MoiraiWarning
+from moirai.files import own_lock_file, read_own_text, write_atomically
 
 try:
     import fcntl
@@ -106,7 +107,7 @@ def local_request_cost(calibration: str | Path = "auto", cache_dir: str | Path |
 def _exclusive(lock_path: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``lock_path`` (POSIX; elsewhere nothing is locked)."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as lock:
+    with own_lock_file(lock_path) as lock:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield
@@ -239,9 +240,11 @@ def _fields_of(cls: type, fields: Any, path: str | Path, where: str) -> Any:
 
 def _calibration_record(path: str | Path) -> dict[str, Any]:
     try:
-        record = json.loads(Path(path).read_text())
+        record = json.loads(read_own_text(path))
     except FileNotFoundError:
         raise ClusterError(f"calibration file {str(path)!r} does not exist; run moirai calibrate --save") from None
+    except OSError as error:  # a link (moirai reads its own files without following one), a directory, ...
+        raise ClusterError(f"calibration file {str(path)!r} cannot be read: {error.strerror}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CorruptCalibrationError(path, f"not JSON ({error})") from None
     if not isinstance(record, dict):
@@ -267,6 +270,4 @@ def write_calibration(
         record["requests"] = dataclasses.asdict(requests)
     if host_links:
         record["host_links"] = [{**link._asdict(), "cost": dataclasses.asdict(c)} for link, c in host_links.items()]
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(record, indent=1))
-    os.replace(partial, path)  # atomic: a concurrent reader never sees half a file
+    write_atomically(path, json.dumps(record, indent=1))

@@ -1,0 +1,54 @@
+"""Files moirai writes and the files of its own it reads back: never through a symbolic link.
+
+Every file moirai writes (plans, problems, cluster files, the calibration and profile caches) goes through
+:func:`write_atomically`: the text goes to a new file of a name nobody can have chosen in the same directory
+(``O_CREAT | O_EXCL``, which a link planted there fails), which then replaces the target in one step. A link at the
+target's name is replaced, never followed, so a link another user planted in a shared directory (a
+``MOIRAI_CACHE_DIR`` on ``/tmp``) cannot make moirai overwrite the file it points to; and a concurrent reader sees
+the old file or the new one, never half of one. The caches moirai reads back (:func:`read_own_text`) are opened
+without following a link, so none can hand moirai another file's content as its own numbers. Plain ``os``: the
+planning core may use it (it imports no torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def write_atomically(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` in one step, replacing any file or link of that name (OSError as ``open``)."""
+    target = Path(path)
+    descriptor, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.fchmod(descriptor, 0o644)  # as open() leaves it under the usual umask (mkstemp makes it 0600)
+        with os.fdopen(descriptor, "w") as stream:
+            stream.write(text)
+        os.replace(partial, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
+
+
+def read_own_text(path: str | Path) -> str:
+    """The text of a file moirai wrote (a cache), opened without following a link: a link there is an OSError
+    (ELOOP), as a missing file is FileNotFoundError."""
+    descriptor = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+    with os.fdopen(descriptor, encoding="utf-8") as stream:
+        return stream.read()
+
+
+@contextlib.contextmanager
+def own_lock_file(path: str | Path):  # noqa: ANN201 - a context manager of a descriptor
+    """A lock file of moirai's (created if missing, mode 0600), opened without following a link; its descriptor."""
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o600)
+    try:
+        yield descriptor
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,60 @@
+"""Files moirai writes and reads back: never through a link another user could plant (moirai/files.py)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from moirai.cluster.calibration import TransferCost, read_calibration, write_calibration
+from moirai.cluster.calibration.cache import cached_links
+from moirai.errors import ClusterError
+from moirai.files import read_own_text, write_atomically
+
+COST = TransferCost(1e-5, 1e9, 1e-6, 1e-12, 1e-6, 1e-12)
+
+
+def test_a_write_replaces_a_link_at_its_name_and_leaves_what_the_link_pointed_to(tmp_path: Path) -> None:
+    """Fault injected: another user's link at the name moirai writes (a shared cache directory) pointing at a file
+    of the victim's: before, moirai wrote through it (its temporary name was predictable too)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the victim's own file")
+    planted = tmp_path / "calibration.json"
+    planted.symlink_to(victim)
+    guessed = tmp_path / f"calibration.{os.getpid()}.tmp"  # the temporary name moirai used to write first
+    guessed.symlink_to(victim)
+    write_calibration(planted, {"cpu->cpu": COST})
+    assert victim.read_text() == "the victim's own file"
+    assert not planted.is_symlink() and read_calibration(planted) == {"cpu->cpu": COST}
+    assert stat.S_IMODE(planted.stat().st_mode) == 0o644
+    guessed.unlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration.json", "victim.txt"]  # no temporary left
+
+
+def test_a_write_that_fails_leaves_neither_a_half_file_nor_a_temporary(tmp_path: Path) -> None:
+    target = tmp_path / "plan.json"
+    target.write_text("old")
+
+    class Unwritable:
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    with pytest.raises(TypeError):
+        write_atomically(target, Unwritable())  # type: ignore[arg-type]
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_moirais_own_caches_are_not_read_through_a_link(tmp_path: Path) -> None:
+    """A link at the cache's name is not moirai's file: its content is never taken for measured numbers."""
+    elsewhere = tmp_path / "elsewhere.json"
+    write_calibration(elsewhere, {"cpu->cpu": COST})
+    planted = tmp_path / "cache.json"
+    planted.symlink_to(elsewhere)
+    with pytest.raises(OSError):
+        read_own_text(planted)
+    with pytest.raises(ClusterError, match="cannot be read"):
+        read_calibration(planted)
+    assert cached_links(planted) == {}  # the cache measures again, and its write replaces the link
+    assert os.path.islink(planted)
