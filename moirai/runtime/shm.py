@@ -102,9 +102,9 @@ def spills(nbytes: int) -> bool:
     return _aligned(_RECORD.size + nbytes) > RING_BYTES // 2
 
 
-def room_shortfall(message_bytes: Sequence[int], world_size: int = 0) -> str | None:
+def room_shortfall(message_bytes: Sequence[int], world_size: int = 0, needing: str = "the plan") -> str | None:
     """Why the shared-memory directory cannot hold the rings of a world of ``world_size`` ranks (0: they exist) and
-    a spill file for each of ``message_bytes`` that spills, all at once; None where it can."""
+    a spill file for each of ``message_bytes`` that spills, all at once (what ``needing`` needs); None where it can."""
     directory = shm_files.shm_dir()
     rings = world_size * (world_size - 1) * ring_file_bytes()
     spilled = sum(nbytes for nbytes in message_bytes if spills(nbytes))
@@ -114,7 +114,7 @@ def room_shortfall(message_bytes: Sequence[int], world_size: int = 0) -> str | N
     free_mb, needed_mb = shm_files.free_and_needed_mb(free, rings + spilled)
     parts = [f"{-(-rings // 2**20)} MB for the rings of {world_size} ranks"] if rings else []
     parts += [f"{-(-spilled // 2**20)} MB to load the parts"] if spilled else []
-    return f"{directory} has {free_mb} MB free, the plan needs {needed_mb} MB ({', '.join(parts)})"
+    return f"{directory} has {free_mb} MB free, {needing} needs {needed_mb} MB ({', '.join(parts)})"
 
 
 class _Ring:

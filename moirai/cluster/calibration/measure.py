@@ -102,11 +102,11 @@ def transport_environment(world_size: int, message_bytes: Sequence[int]) -> dict
 
     if not shm.enabled():
         return {}
-    shortfall = shm.room_shortfall([max(message_bytes, default=0)], world_size)
+    shortfall = shm.room_shortfall([max(message_bytes, default=0)], world_size, "the calibration")
     if shortfall is None:
         return {}
     warnings.warn(
-        f"{shortfall}: the calibration measures gloo, which the runtime will send through too; enlarge it "
+        f"{shortfall}: it measures gloo, which the runtime will send through too; enlarge it "
         f"(e.g. docker --shm-size) and calibrate again for shared memory's costs",
         SharedMemoryWarning,
         stacklevel=user_stacklevel(),
