@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -24,9 +24,16 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 def write_atomically(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` in one step, replacing any file or link of that name (OSError as ``open``)."""
     target = Path(path)
-    descriptor, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    # Named beside the target through the same path (not made absolute, as mkstemp does): inside another mount
+    # namespace a cwd and an absolute path to it can be two mounts, and the rename would fail (EXDEV).
+    while True:
+        partial = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+            break
+        except FileExistsError:
+            continue
     try:
-        os.fchmod(descriptor, 0o644)  # as open() leaves it under the usual umask (mkstemp makes it 0600)
         with os.fdopen(descriptor, "w") as stream:
             stream.write(text)
         os.replace(partial, target)
