@@ -309,9 +309,7 @@ class _Inbound:
         FIFO closes this."""
         remaining_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         readable, _, _ = select.select([self._fifo, self._wake_read], [], [], remaining_s)
-        if self._wake_read in readable:  # close(): the wait's loop finds it closed
-            return None
-        if not readable:
+        if not readable or self._wake_read in readable:  # the deadline, or close(): the wait's loop finds it closed
             return None
         try:
             announced = os.read(self._fifo, 1 << 16)
@@ -427,10 +425,7 @@ def connect(
         spills.close()
         raise
     finally:
-        with contextlib.suppress(FileNotFoundError):  # spills.close() above removes it where connecting failed
-            for name in os.listdir(directory):
-                os.unlink(os.path.join(directory, name))
-            os.rmdir(directory)
+        shm_files.remove_links_directory(directory)
 
 
 def _get(store: Any, key: str, timeout_s: float) -> str:

@@ -179,15 +179,21 @@ def remove_dead_spill_files() -> None:
         _remove_owner_files(directory, lock.name[len(_SPILL_PREFIX) : -len(_LOCK_SUFFIX)])
 
 
+def remove_links_directory(path: str) -> None:
+    """Remove a links directory (:meth:`SpillOwner.links_directory`) and its rings and FIFOs, if it is still there;
+    a link among them is removed, not followed."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path):
+            os.unlink(entry.path)
+        os.rmdir(path)
+
+
 def _remove_owner_files(directory: str, owner: str) -> None:
     for path in Path(directory).glob(f"{_SPILL_PREFIX}{owner}-*"):
         with contextlib.suppress(OSError):
             path.unlink()
     for links in Path(directory).glob(f"{_LINKS_PREFIX}*-{owner}"):
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(links):  # rings and FIFOs only; a link among them is removed, not followed
-                os.unlink(entry.path)
-            links.rmdir()
+        remove_links_directory(str(links))
     with contextlib.suppress(OSError):
         os.unlink(os.path.join(directory, f"{_SPILL_PREFIX}{owner}{_LOCK_SUFFIX}"))
 
