@@ -97,3 +97,38 @@ def test_without_cut_tasks_it_is_the_critical_path_bound():
     )
     bound = segment_lower_bound(independent)
     assert bound.cuts == 0 and bound.bound_s == lower_bound(independent)
+
+
+def decoder_block(rng: np.random.Generator) -> Problem:
+    """A decoder layer's shape on two devices of different speeds: ``s`` (the residual stream) -> ``norm`` -> ``q``,
+    ``k``; a rotary table ``rot`` computed from nothing but the model's input feeds both ``rope`` tasks; ``q``,
+    ``k`` -> ``att`` -> ``out`` (the residual add, reading ``s`` too)."""
+    names = ("s", "rot", "norm", "q", "k", "rope_q", "rope_k", "att", "out")
+    tensors = [(0, (2, 8)), (1, (5, 6)), (2, (3, 4)), (3, (5,)), (4, (6,)), (5, (7,)), (6, (7,)), (7, (8,))]
+    n, k = len(names), 2
+    compute = rng.uniform(0.5, 2.0, n)[:, None] * np.array([1.0, 1.5])
+    compute[1] = 0.1  # the table is cheap
+    transfer = rng.uniform(0.2, 1.0, len(tensors))[:, None, None] * (1 - np.eye(k))
+    return Problem(
+        device_names=("fast", "slow"),
+        memory_capacity_bytes=np.full(k, np.inf),
+        task_names=names,
+        compute_s=compute,
+        memory_bytes=np.zeros(n),
+        tensor_names=tuple(f"t{t}" for t in range(len(tensors))),
+        tensor_producer=np.array([u for u, _ in tensors]),
+        tensor_consumers=tuple(c for _, c in tensors),
+        transfer_s=transfer,
+    )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_side_input_does_not_stop_a_cut_and_the_bound_holds(seed):
+    # ``norm`` is a cut though ``rot`` is beside it and feeds its descendants (``rot`` follows no cut task), and so
+    # is ``att``; ``q`` is not: ``k`` beside it follows the cut before (``norm``), and would be left out of every piece.
+    problem = decoder_block(np.random.default_rng(seed))
+    names = [problem.task_names[c] for c in cut_tasks(problem, problem.reachable())]
+    assert names == ["s", "norm", "att", "out"]
+    bound = segment_lower_bound(problem)
+    assert bound.pieces_optimal == bound.pieces_solved > 0
+    assert lower_bound(problem) <= bound.bound_s <= brute_force_optimum(problem) + 1e-6

@@ -93,8 +93,14 @@ def segment_lower_bound(problem: Problem, time_limit_s: float = 60.0) -> Segment
 
 def cut_tasks(problem: Problem, reach: np.ndarray) -> list[int]:
     """The cut tasks, in topological order, each following the one before: tasks every other task leads to, follows,
-    or is a dead end beside (leads to none of its descendants), those dead ends holding at most
-    :data:`MAX_DROPPED_SHARE` of the work (each task at its fastest)."""
+    or is beside, those beside holding at most :data:`MAX_DROPPED_SHARE` of the work (each task at its fastest) and
+    each either a dead end (leads to none of the cut task's descendants) or a side input (follows neither the cut task
+    before nor, for the first, any of its ancestors: computed from the model's inputs alone, as a decoder layer's
+    rotary table or mask is).
+
+    Any chain of tasks gives a valid bound; these rules choose a chain whose pieces keep the branches that matter
+    together: a task with a branch beside it that follows the cut before (a query projection beside its key and
+    value projections) is no cut, as the branch would be left out of every piece ([Note: side inputs])."""
     related = reach | reach.T
     np.fill_diagonal(related, True)
     work = np.where(problem.fits, problem.compute_s, np.inf).min(axis=1)
@@ -103,7 +109,11 @@ def cut_tasks(problem: Problem, reach: np.ndarray) -> list[int]:
         if cuts and not reach[cuts[-1], c]:
             continue
         beside = ~related[c]
-        if work[beside].sum() > MAX_DROPPED_SHARE * work.sum() or (reach[beside] & reach[c]).any():
+        if work[beside].sum() > MAX_DROPPED_SHARE * work.sum():
+            continue
+        side_inputs = beside & reach[:, reach[c]].any(axis=1)
+        before = [cuts[-1]] if cuts else np.flatnonzero(reach[:, c])  # the first cut: its ancestors
+        if side_inputs.any() and reach[np.ix_(before, side_inputs)].any():
             continue
         cuts.append(c)
     return cuts
