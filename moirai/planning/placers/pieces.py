@@ -8,7 +8,8 @@ block's. Every task belongs to one piece: those between two cut tasks, a dead en
 input (a rotary table, a mask) and the tasks before the first cut task to the piece of their first consumer.
 
 A piece's **pattern** puts each of its heaviest tasks (by share of the piece's compute or memory; as many as keep
-the patterns times the device pairs within :data:`MAX_SIMULATIONS`) on a device; every other task of the piece goes
+the patterns times the device pairs within the simulations its shape is given: :data:`MAX_SIMULATIONS`, fewer where
+a graph has many shapes, :data:`SIMULATIONS_PER_TASK`) on a device; every other task of the piece goes
 with its first consumer in it (the cut task after it last), else with its first producer in it, else where the
 piece starts. A pattern is priced by simulating the piece alone (:func:`moirai.planning.simulate.simulate`, its
 tensors' CPU time on both ends included, tensors from other pieces as there already) for every device of the cut
