@@ -16,7 +16,7 @@ from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.report import StopReason
 from moirai.planning.simulate import simulate
-from moirai.planning.solve.period_search import Loads, improve_period
+from moirai.planning.solve.period_search import KICKS_BEFORE_STALL, Loads, improve_period, kicked_search
 from moirai.testing import EVERY_COST, random_layered_problem, random_problem
 
 THROUGHPUT = OBJECTIVES["throughput"]
@@ -102,3 +102,20 @@ def test_a_gap_closed_at_the_start_stops_the_search_at_once() -> None:
         THROUGHPUT,
     )
     assert search.stop_reason is StopReason.GAP_CLOSED and search.moves_tried == 0
+
+
+@pytest.mark.slow
+def test_kicks_shorten_the_period_from_a_local_optimum_and_stop_when_they_stall() -> None:
+    # From the pipeline plan the descent stops where no single move helps; a kick (a run of tasks to another device)
+    # and a descent from there reach shorter periods, and the search stops once its kicks find nothing more.
+    problem = random_layered_problem(120, 4, seed=1, communication_ratio=2.0, cpu_ratio=0.5)
+    plan = get_placer("pipeline")(problem)
+    descent = improve_period(problem, plan, simulate(problem, plan), time.perf_counter() + 60, 0.0, 0.0, THROUGHPUT)
+    assert descent.stop_reason is StopReason.NO_IMPROVING_MOVE
+    kicked = kicked_search(
+        problem, descent.plan, descent.timeline, time.perf_counter() + 120, 0.0, 0.0, THROUGHPUT, seed=0
+    )
+    assert kicked.timeline.period_s < descent.timeline.period_s * (1 - 1e-3)
+    assert kicked.timeline.period_s == pytest.approx(simulate(problem, kicked.plan).period_s, rel=1e-12)
+    assert kicked.stop_reason is StopReason.NO_IMPROVING_MOVE
+    assert kicked.kicks >= KICKS_BEFORE_STALL and kicked.kicks_kept > 0

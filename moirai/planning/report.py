@@ -84,4 +84,6 @@ class SolverReport(PlacerReport):
     windows_unproven: int = 0
     moves_tried: int = 0  # the period search's moves priced, or the latency search's chain moves simulated
     moves_kept: int = 0
+    kicks: int = 0  # the period search's kicks from its local optima (iterated local search), and those kept
+    kicks_kept: int = 0
     history: list[tuple[float, float]] = field(default_factory=list)  # (seconds, objective) of the winning search

@@ -51,7 +51,7 @@ from moirai.planning.solve.chain_moves import improve_by_chains
 from moirai.planning.solve.costs import measured_costs
 from moirai.planning.solve.formulation import FORMULATIONS, formulation_named
 from moirai.planning.solve.model import build_model
-from moirai.planning.solve.period_search import improve_period
+from moirai.planning.solve.period_search import improve_period, kicked_search
 from moirai.planning.solve.search import DEFAULT_WINDOW_TASKS, gap_closed, improve_by_windows, window_sizes
 from moirai.planning.solve.solver import SOLVERS, MilpSolution, SolverSettings, progress_text, solve_model
 from moirai.planning.solve.start_plans import improve_start_plan
@@ -300,6 +300,19 @@ def _search_period(
             info.stop_reason = StopReason.GAP_CLOSED
             return best
         stopped_by_time |= search.stop_reason is StopReason.TIME_LIMIT
+    if not stopped_by_time:  # every start at a local optimum with time left: kicks from the best
+        report(progress_text("period search, kicks", objective.value_s(best[1]), bound_s))
+        kicked = kicked_search(problem, *best, deadline, bound_s, settings.mip_gap, objective)
+        info.moves_tried += kicked.moves_tried
+        info.moves_kept += kicked.moves_kept
+        info.kicks, info.kicks_kept = kicked.kicks, kicked.kicks_kept
+        if objective.improves(kicked.timeline, best[1]):
+            best = (kicked.plan, kicked.timeline)
+            info.history = kicked.history
+        if kicked.stop_reason is StopReason.GAP_CLOSED:
+            info.stop_reason = StopReason.GAP_CLOSED
+            return best
+        stopped_by_time = kicked.stop_reason is StopReason.TIME_LIMIT
     info.stop_reason = StopReason.TIME_LIMIT if stopped_by_time else StopReason.NO_IMPROVING_MOVE
     return best
 

@@ -20,6 +20,12 @@ A move is kept when it shortens the period, or keeps it and lowers the sum of sq
 busiest device even where another is as busy). The search stops when the period reaches the bound (within the
 relative gap), when a full pass over every neighbourhood keeps nothing (:attr:`StopReason.NO_IMPROVING_MOVE`), or at
 the deadline.
+
+From such a local optimum :func:`kicked_search` goes on (iterated local search): a kick moves a random run of a
+device's tasks (the busiest's, most often), in topological order, to another device, the search descends from
+there, and the result is kept when its period is shorter. It stops at the deadline, the bound, or once as many kicks
+as it took to find its last improvement (and at least :data:`KICKS_BEFORE_STALL`) have found nothing
+([Note: kicks]).
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.solve.search import gap_closed
 
 _IMPROVEMENT = 1e-12  # relative: a period this much shorter counts as progress
+KICKS_BEFORE_STALL = 200  # kicks without a shorter period, at least, before the kicked search gives up
+KICK_BUSIEST = 0.7  # how often a kick takes its tasks from the busiest device (else from a random one)
+KICK_SHARE = 0.5  # a kick moves at most this share of its device's tasks
 
 
 class Loads:
@@ -185,6 +194,8 @@ class PeriodSearchResult:
     moves_tried: int = 0
     moves_kept: int = 0
     history: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, period)
+    kicks: int = 0  # kicked_search's kicks, and those whose descent gave a shorter period
+    kicks_kept: int = 0
 
 
 def improve_period(
@@ -275,3 +286,71 @@ def _moves(problem: Problem, loads: Loads) -> Iterator[tuple[list[int], int, tup
     for a in range(k):
         for b in range(a + 1, k):
             yield [], -1, (a, b)
+
+
+def kicked_search(
+    problem: Problem,
+    plan: Plan,
+    timeline: Timeline,
+    deadline: float,
+    bound_s: float,
+    mip_gap: float,
+    objective: Objective,
+    seed: int = 0,
+) -> PeriodSearchResult:
+    """Iterated local search from ``plan`` (a local optimum of :func:`improve_period`): kick, descend, keep the
+    shorter, until ``deadline``, the bound, or a stall; never worse than its start."""
+    started = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    result = PeriodSearchResult(plan, timeline, StopReason.TIME_LIMIT, history=[(0.0, objective.value_s(timeline))])
+    since_kept, kicks_to_last = 0, 0
+    while time.perf_counter() < deadline:
+        if gap_closed(objective.value_s(result.timeline), bound_s, mip_gap):
+            result.stop_reason = StopReason.GAP_CLOSED
+            break
+        if since_kept >= max(KICKS_BEFORE_STALL, kicks_to_last):
+            result.stop_reason = StopReason.NO_IMPROVING_MOVE
+            break
+        kicked = _kicked(problem, result.timeline.placement, rng)
+        if kicked is None:
+            since_kept += 1
+            continue
+        start = Plan(kicked, problem.device_names, placer=plan.placer)
+        start_timeline = simulate(problem, start)
+        since_kept += 1
+        result.kicks += 1
+        if not objective.acceptable(start_timeline):
+            continue
+        search = improve_period(problem, start, start_timeline, deadline, bound_s, mip_gap, objective)
+        result.moves_tried += search.moves_tried
+        result.moves_kept += search.moves_kept
+        if objective.improves(search.timeline, result.timeline):
+            result.plan, result.timeline = search.plan, search.timeline
+            result.kicks_kept += 1
+            kicks_to_last, since_kept = result.kicks, 0
+            result.history.append((time.perf_counter() - started, objective.value_s(search.timeline)))
+    return result
+
+
+def _kicked(problem: Problem, placement: np.ndarray, rng: np.random.Generator) -> np.ndarray | None:
+    """``placement`` with a random run of one device's tasks, in topological order, moved to another device (None:
+    that device has no tasks, or the other cannot run or hold them)."""
+    k = problem.num_devices
+    if k < 2:
+        return None
+    loads = Loads(problem, placement)
+    source = int(np.argmax(loads.device_s)) if rng.random() < KICK_BUSIEST else int(rng.integers(k))
+    position = problem.topological_position
+    stage = sorted(np.flatnonzero(placement == source).tolist(), key=lambda i: position[i])
+    if not stage:
+        return None
+    length = int(rng.integers(1, max(1, int(len(stage) * KICK_SHARE)) + 1))
+    first = int(rng.integers(0, len(stage) - length + 1))
+    target = int(rng.integers(k - 1))
+    target += target >= source
+    run = stage[first : first + length]
+    if loads.priced(run, target) is None:
+        return None
+    kicked = placement.copy()
+    kicked[run] = target
+    return kicked
