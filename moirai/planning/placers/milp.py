@@ -51,7 +51,7 @@ from moirai.planning.solve.chain_moves import improve_by_chains
 from moirai.planning.solve.costs import measured_costs
 from moirai.planning.solve.formulation import FORMULATIONS, formulation_named
 from moirai.planning.solve.model import build_model
-from moirai.planning.solve.period_search import improve_period, kicked_search
+from moirai.planning.solve.period_search import PeriodSearchResult, improve_period, kicked_search
 from moirai.planning.solve.search import DEFAULT_WINDOW_TASKS, gap_closed, improve_by_windows, window_sizes
 from moirai.planning.solve.solver import SOLVERS, MilpSolution, SolverSettings, progress_text, solve_model
 from moirai.planning.solve.start_plans import improve_start_plan
@@ -291,11 +291,7 @@ def _search_period(
         until = time.perf_counter() + (deadline - time.perf_counter()) / (len(pending) + 1)
         report(progress_text("period search", objective.value_s(best[1]), bound_s))
         search = improve_period(problem, plan, timeline, until, bound_s, settings.mip_gap, objective)
-        info.moves_tried += search.moves_tried
-        info.moves_kept += search.moves_kept
-        if objective.improves(search.timeline, best[1]):
-            best = (search.plan, search.timeline)
-            info.history = search.history
+        best = _shorter_of(search, best, info, objective)
         if search.stop_reason is StopReason.GAP_CLOSED:
             info.stop_reason = StopReason.GAP_CLOSED
             return best
@@ -303,18 +299,28 @@ def _search_period(
     if not stopped_by_time:  # every start at a local optimum with time left: kicks from the best
         report(progress_text("period search, kicks", objective.value_s(best[1]), bound_s))
         kicked = kicked_search(problem, *best, deadline, bound_s, settings.mip_gap, objective)
-        info.moves_tried += kicked.moves_tried
-        info.moves_kept += kicked.moves_kept
-        info.kicks, info.kicks_kept = kicked.kicks, kicked.kicks_kept
-        if objective.improves(kicked.timeline, best[1]):
-            best = (kicked.plan, kicked.timeline)
-            info.history = kicked.history
+        best = _shorter_of(kicked, best, info, objective)
         if kicked.stop_reason is StopReason.GAP_CLOSED:
             info.stop_reason = StopReason.GAP_CLOSED
             return best
         stopped_by_time = kicked.stop_reason is StopReason.TIME_LIMIT
     info.stop_reason = StopReason.TIME_LIMIT if stopped_by_time else StopReason.NO_IMPROVING_MOVE
     return best
+
+
+def _shorter_of(
+    search: PeriodSearchResult, best: tuple[Plan, Timeline], info: SolverReport, objective: Objective
+) -> tuple[Plan, Timeline]:
+    """``best``, or the search's plan where ``objective`` prefers it (its history then the report's); the search's
+    moves and kicks counted in ``info``."""
+    info.moves_tried += search.moves_tried
+    info.moves_kept += search.moves_kept
+    info.kicks += search.kicks
+    info.kicks_kept += search.kicks_kept
+    if not objective.improves(search.timeline, best[1]):
+        return best
+    info.history = search.history
+    return search.plan, search.timeline
 
 
 def _search_large(
