@@ -1,7 +1,8 @@
 """A latency lower bound from the graph's cut tasks: the pieces between them solved exactly, chained by device.
 
-A cut task is one every other task leads to, follows, or is a dead end beside (an inception block's
-concatenation, a pooling between blocks; a layer of one task in a layered graph). For any chain of tasks
+A cut task is one every other task leads to, follows, or is a dead end or a side input beside (an inception block's
+concatenation, a pooling between blocks; a layer of one task in a layered graph; a decoder layer's residual add,
+beside the rotary table and mask every layer reads). For any chain of tasks
 ``c_1, c_2, ...``, each following the one before, the tasks between ``c_i`` and ``c_{i+1}`` (those that follow
 ``c_i`` and lead to ``c_{i+1}``) start after ``c_i`` finishes and finish before ``c_{i+1}`` starts. So the piece
 between ``c_i`` on device ``d`` and ``c_{i+1}`` on ``d'`` (``c_i`` done, its compute 0; the tasks between;
@@ -111,9 +112,10 @@ def cut_tasks(problem: Problem, reach: np.ndarray) -> list[int]:
         beside = ~related[c]
         if work[beside].sum() > MAX_DROPPED_SHARE * work.sum():
             continue
-        side_inputs = beside & reach[:, reach[c]].any(axis=1)
+        beside_tasks = np.flatnonzero(beside)
+        side_inputs = beside_tasks[reach[np.ix_(beside_tasks, np.flatnonzero(reach[c]))].any(axis=1)]
         before = [cuts[-1]] if cuts else np.flatnonzero(reach[:, c])  # the first cut: its ancestors
-        if side_inputs.any() and reach[np.ix_(before, side_inputs)].any():
+        if side_inputs.size and reach[np.ix_(before, side_inputs)].any():
             continue
         cuts.append(c)
     return cuts
