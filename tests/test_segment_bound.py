@@ -11,23 +11,32 @@ from moirai.planning.solve.segment_bound import cut_tasks, segment_lower_bound
 from moirai.testing import brute_force_optimum, random_problem
 
 
+def graph_problem(
+    names: tuple[str, ...], tensors: list[tuple[int, tuple[int, ...]]], compute_s: np.ndarray, transfer_s: np.ndarray
+) -> Problem:
+    """Tasks ``names`` with ``compute_s`` (a row per task, a column per device), ``tensors`` as (producer, consumers)
+    with ``transfer_s`` (one per tensor, each k x k), no memory."""
+    k = compute_s.shape[1]
+    return Problem(
+        device_names=tuple(f"dev{d}" for d in range(k)),
+        memory_capacity_bytes=np.full(k, np.inf),
+        task_names=names,
+        compute_s=compute_s,
+        memory_bytes=np.zeros(len(names)),
+        tensor_names=tuple(f"t{t}" for t in range(len(tensors))),
+        tensor_producer=np.array([u for u, _ in tensors]),
+        tensor_consumers=tuple(c for _, c in tensors),
+        transfer_s=transfer_s,
+    )
+
+
 def fork_join(branches: int, compute_s: np.ndarray, transfer_s: float) -> Problem:
     """``s`` -> ``branches`` tasks -> ``j`` on ``compute_s.shape[1]`` devices; every tensor takes ``transfer_s``."""
     n, k = branches + 2, compute_s.shape[1]
     tensors = [(0, tuple(range(1, branches + 1)))] + [(b, (n - 1,)) for b in range(1, branches + 1)]
     transfer = np.full((len(tensors), k, k), transfer_s)
     transfer[:, np.arange(k), np.arange(k)] = 0.0
-    return Problem(
-        device_names=tuple(f"dev{d}" for d in range(k)),
-        memory_capacity_bytes=np.full(k, np.inf),
-        task_names=("s", *(f"b{i}" for i in range(branches)), "j"),
-        compute_s=compute_s,
-        memory_bytes=np.zeros(n),
-        tensor_names=tuple(f"t{t}" for t in range(len(tensors))),
-        tensor_producer=np.array([u for u, _ in tensors]),
-        tensor_consumers=tuple(c for _, c in tensors),
-        transfer_s=transfer,
-    )
+    return graph_problem(("s", *(f"b{i}" for i in range(branches)), "j"), tensors, compute_s, transfer)
 
 
 def test_on_a_fork_join_the_cut_bound_is_the_optimum_where_the_critical_path_is_not():
@@ -66,17 +75,7 @@ def test_a_cut_task_may_leave_out_a_dead_end_beside_it():
     tensors = [(0, (1, 2)), (1, (3,)), (3, (4,))]
     transfer = np.full((3, 2, 2), 1.5)
     transfer[:, [0, 1], [0, 1]] = 0.0
-    problem = Problem(
-        device_names=("dev0", "dev1"),
-        memory_capacity_bytes=np.full(2, np.inf),
-        task_names=("s", "a", "b", "c", "j"),
-        compute_s=compute,
-        memory_bytes=np.zeros(5),
-        tensor_names=("t0", "t1", "t2"),
-        tensor_producer=np.array([u for u, _ in tensors]),
-        tensor_consumers=tuple(c for _, c in tensors),
-        transfer_s=transfer,
-    )
+    problem = graph_problem(("s", "a", "b", "c", "j"), tensors, compute, transfer)
     assert cut_tasks(problem, problem.reachable()) == [0, 1, 3, 4]
     assert segment_lower_bound(problem).bound_s <= brute_force_optimum(problem) + 1e-9
 
@@ -109,17 +108,7 @@ def decoder_block(rng: np.random.Generator) -> Problem:
     compute = rng.uniform(0.5, 2.0, n)[:, None] * np.array([1.0, 1.5])
     compute[1] = 0.1  # the table is cheap
     transfer = rng.uniform(0.2, 1.0, len(tensors))[:, None, None] * (1 - np.eye(k))
-    return Problem(
-        device_names=("fast", "slow"),
-        memory_capacity_bytes=np.full(k, np.inf),
-        task_names=names,
-        compute_s=compute,
-        memory_bytes=np.zeros(n),
-        tensor_names=tuple(f"t{t}" for t in range(len(tensors))),
-        tensor_producer=np.array([u for u, _ in tensors]),
-        tensor_consumers=tuple(c for _, c in tensors),
-        transfer_s=transfer,
-    )
+    return graph_problem(names, tensors, compute, transfer)
 
 
 @pytest.mark.parametrize("seed", range(4))

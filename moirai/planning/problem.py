@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -184,6 +185,17 @@ class Problem:
         for t, producer in enumerate(self.tensor_producer):
             outputs[int(producer)].append(t)
         return tuple(tuple(x) for x in outputs)
+
+    def tensors_among(self, tasks: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
+        """The tensors one of ``tasks`` makes and another reads, by index, each with the positions in ``tasks`` of
+        those that read it (a piece of the graph as a problem of its own)."""
+        position = {int(v): j for j, v in enumerate(tasks)}
+        among = []
+        for t in sorted(t for v in position for t in self.output_tensors[v]):
+            readers = tuple(position[c] for c in self.tensor_consumers[t] if c in position)
+            if readers:
+                among.append((t, readers))
+        return among
 
     # --- facts every placer, bound and model uses, each computed once here ------------
 

@@ -136,7 +136,7 @@ def _pieces(problem: Problem, reach: np.ndarray, cuts: list[int]) -> list[_Piece
 def _shape_key(problem: Problem, piece: _Piece) -> bytes:
     """What a piece's prices depend on: its tasks' costs, its tensors' costs and edges, which ends it has."""
     index = {v: j for j, v in enumerate(piece.tasks)}
-    tensors = _inner_tensors(problem, piece)
+    tensors = problem.tensors_among(piece.tasks)
     parts = [
         bytes([piece.entry, piece.exit]),
         problem.compute_s[list(piece.tasks)].tobytes(),
@@ -149,17 +149,6 @@ def _shape_key(problem: Problem, piece: _Piece) -> bytes:
     return b"|".join(parts)
 
 
-def _inner_tensors(problem: Problem, piece: _Piece) -> list[tuple[int, tuple[int, ...]]]:
-    """The tensors made and read within the piece, each with its consumers there (positions in the piece)."""
-    index = {v: j for j, v in enumerate(piece.tasks)}
-    inner = []
-    for t, consumers in enumerate(problem.tensor_consumers):
-        within = tuple(index[c] for c in consumers if c in index)
-        if within and int(problem.tensor_producer[t]) in index:
-            inner.append((t, within))
-    return inner
-
-
 def _piece_problem(problem: Problem, piece: _Piece) -> Problem:
     """The piece as a problem of its own: its entry (the cut task before it, run in the piece before) takes no time,
     tensors from other pieces are there already, memory is unbounded; only the last piece keeps the model outputs'
@@ -170,7 +159,7 @@ def _piece_problem(problem: Problem, piece: _Piece) -> Problem:
     compute = problem.compute_s[tasks].copy()
     if piece.entry:
         compute[0] = 0.0
-    tensors = _inner_tensors(problem, piece)
+    tensors = problem.tensors_among(piece.tasks)
     chosen = [t for t, _ in tensors]
     task_costs = {}
     if not piece.exit:

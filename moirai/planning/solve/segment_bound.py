@@ -137,11 +137,7 @@ def _piece_problem(problem: Problem, tasks: list[int], first_device: int, last_d
         pinned[last_device] = compute[-1, last_device]
         compute[-1] = pinned
         output[:] = 0.0  # only the tail's outputs end the request
-    kept = [
-        (t, tuple(index[c] for c in consumers if c in index))
-        for t, consumers in enumerate(problem.tensor_consumers)
-        if int(problem.tensor_producer[t]) in index and any(c in index for c in consumers)
-    ]
+    kept = problem.tensors_among(tasks)
     m = len(tasks)
     return Problem(
         device_names=problem.device_names,
