@@ -2,14 +2,15 @@
 
 Run on two hosts (``tools/two_hosts.sh``), each pinned to a core of its own, the receiver first::
 
-    tools/two_hosts.sh run b taskset -c 1 python bench/message_core_time.py receive 29999 200 262144
+    tools/two_hosts.sh run b taskset -c 1 python bench/message_core_time.py receive 10.77.0.2 29999 200 262144
     tools/two_hosts.sh run a taskset -c 0 python bench/message_core_time.py send 10.77.0.2 29999 200 262144 5
 
-The sender sends ``count`` messages of ``size`` bytes, each answered by a byte, ``gap_ms`` apart; a probe process
-spins on the sender's core all the while. A core's time goes to the sender, to the probe, or to neither: to work the
-kernel does on that core for the message outside the sender's time (a link shaper's dequeue, the receiving end's
-protocol work on a veth, run in softirq there). Printed per message: the sender's own CPU time, and the core time
-the probe lost beyond it. On an unshaped veth both are small; under ``tc tbf`` they are not (bench/RESULTS.md
+The receiver listens on its own address on the link only (not every interface) and reads nothing but the bytes it
+counts. The sender sends ``count`` messages of ``size`` bytes, each answered by a byte, ``gap_ms`` apart; a probe
+process spins on the sender's core all the while. A core's time goes to the sender, to the probe, or to neither: to
+work the kernel does on that core for the message outside the sender's time (a link shaper's dequeue, the receiving
+end's protocol work on a veth, run in softirq there). Printed per message: the sender's own CPU time, and the core
+time the probe lost beyond it. On an unshaped veth both are small; under ``tc tbf`` they are not (bench/RESULTS.md
 section 15), which a calibration that counts the sending thread's CPU alone does not see.
 """
 
@@ -32,10 +33,10 @@ print(time.perf_counter() - wall, time.process_time() - cpu, flush=True)
 """
 
 
-def receive(port: int, count: int, size: int) -> None:
+def receive(address: str, port: int, count: int, size: int) -> None:
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("0.0.0.0", port))
+    listener.bind((address, port))
     listener.listen(1)
     peer, _ = listener.accept()
     peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -75,8 +76,8 @@ def send(host: str, port: int, count: int, size: int, gap_ms: float) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "receive":
-        receive(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    if len(sys.argv) == 6 and sys.argv[1] == "receive":
+        receive(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     elif len(sys.argv) == 7 and sys.argv[1] == "send":
         send(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))
     else:
