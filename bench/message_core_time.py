@@ -10,8 +10,9 @@ counts. The sender sends ``count`` messages of ``size`` bytes, each answered by 
 process spins on the sender's core all the while. A core's time goes to the sender, to the probe, or to neither: to
 work the kernel does on that core for the message outside the sender's time (a link shaper's dequeue, the receiving
 end's protocol work on a veth, run in softirq there). Printed per message: the sender's own CPU time, and the core
-time the probe lost beyond it. On an unshaped veth both are small; under ``tc tbf`` they are not (bench/RESULTS.md
-section 15), which a calibration that counts the sending thread's CPU alone does not see.
+time the probe lost beyond it. On an unshaped veth both are small; under ``tc tbf`` with a bucket smaller than a GSO
+packet they are not (tbf then splits the packets into frames in software, on the sender's core: bench/RESULTS.md
+section 15), which is why ``tools/two_hosts.sh shape`` gives fast links a bucket of one GSO packet.
 """
 
 from __future__ import annotations

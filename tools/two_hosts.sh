@@ -121,16 +121,21 @@ set_link() {
     echo "host $host: $end $state"
 }
 
-# The token bucket's size for a rate (e.g. 100mbit): 0.5 ms of it, at least 4 KiB (two full frames). A message
-# leaves at the veth's own speed until the bucket is empty, which a real link of that rate never does (64 KiB let a
-# lone 256 KiB message cross 100 Mbit/s in 16 ms instead of 21), while a smaller one wakes tbf's timer more often,
-# on the hosts' own cores; tbf splits GSO packets larger than the bucket.
+# The token bucket's size for a rate (e.g. 100mbit): 0.5 ms of it, at least 4 KiB (two full frames), and on fast
+# links (0.5 ms of 512 Mbit/s or more) at least one GSO packet (64 KiB and its headers). A message leaves at the
+# veth's own speed until the bucket is empty, which a real link of that rate never does (64 KiB let a lone 256 KiB
+# message cross 100 Mbit/s in 16 ms instead of 21), so the bucket stays small; but tbf splits a GSO packet larger
+# than its bucket into frames in software, on the sending host's core, which a network card with segmentation
+# offload does not: over 1 Gbit/s with a 62 KB bucket a 256 KiB message took 1.5 ms of its sender's core, with a
+# 70 KB one 0.2 ms, as unshaped (bench/RESULTS.md section 15). At 100 Mbit/s the split costs little (0.1 ms).
+GSO_PACKET_BYTES=70000
 burst_bytes() {
     local rate="${1,,}" number unit
     [[ "$rate" =~ ^([0-9]+)(kbit|mbit|gbit)$ ]] || { echo "two_hosts: a rate like 100mbit or 1gbit, not '$1'" >&2; exit 2; }
     number="${BASH_REMATCH[1]}" unit="${BASH_REMATCH[2]}"
     local bits_per_s=$((number * $([[ $unit == kbit ]] && echo 1000 || ([[ $unit == mbit ]] && echo 1000000 || echo 1000000000))))
     local bytes=$((bits_per_s / 8 / 2000))
+    if ((bytes >= 32768 && bytes < GSO_PACKET_BYTES)); then bytes=$GSO_PACKET_BYTES; fi
     echo $((bytes > 4096 ? bytes : 4096))
 }
 
