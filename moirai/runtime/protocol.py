@@ -59,6 +59,10 @@ _TAG_WINDOW = 2048
 _FIRST_DATA_TAG = 2
 # What pickling adds per tensor beside its storage (its name, type, shape, strides): about 350 bytes, rounded up.
 _PICKLED_TENSOR_BYTES = 1024
+# Headers queued ahead of the request a rank runs, each with its receives posted (one more waits for a place): gloo's
+# "ready to receive" queues behind the link's backlog ([Note: receives posted ahead]); the driver's in-flight limit
+# bounds how many exist.
+HEADERS_READ_AHEAD = 4
 _SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\]\s*")
 
 
@@ -401,7 +405,7 @@ def _headers_read_ahead(
 ) -> Iterator[tuple[Header, Preposted | None]]:
     """As :func:`_headers_in_turn`, read by a thread of their own that posts each request's receives as its header
     comes, while the request before it still runs (see [Note: receives posted ahead])."""
-    ahead: queue.Queue[tuple[Header, Preposted | None] | BaseException] = queue.Queue(maxsize=1)
+    ahead: queue.Queue[tuple[Header, Preposted | None] | BaseException] = queue.Queue(maxsize=HEADERS_READ_AHEAD)
 
     def read() -> None:
         try:
