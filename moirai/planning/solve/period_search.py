@@ -30,13 +30,13 @@ as it took to find its last improvement (and at least :data:`KICKS_BEFORE_STALL`
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from moirai.planning.costs import reader_devices
 from moirai.planning.objective import Objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
@@ -81,6 +81,8 @@ class Loads:
             sorted({*problem.input_tensors[i], *problem.output_tensors[i]}) for i in range(problem.num_tasks)
         ]
         self.placement = np.asarray(placement, int).copy()
+        self._placement_list = self.placement.tolist()
+        self._k, self._memory_list = k, problem.memory_bytes.tolist()
         self.device_s, self.link_s, self.count, self.memory_bytes = self._totals(self.placement)
 
     def _totals(self, placement: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -93,87 +95,105 @@ class Loads:
         device[0] += self._driver_taking_part[count > 0].sum()
         link = np.zeros((k, k))
         np.add.at(link, (placement, 0), self._output_link[tasks, placement])
-        for t in range(problem.num_tensors):
-            self._tensor(t, placement, device, link, 1.0)
+        on, device_list, link_list = placement.tolist(), device.tolist(), link.ravel().tolist()
+        for t, (producer, consumers) in enumerate(zip(self._producer, self._consumers, strict=True)):
+            a = on[producer]
+            self._add_tensor(t, a, {on[c] for c in consumers} - {a}, device_list, link_list, 1.0)
         for j in range(len(self._input_readers)):
-            self._model_input(j, placement, device, link, 1.0)
+            self._model_input(j, on, None, device_list, link_list, 1.0)
         memory = np.bincount(placement, weights=problem.memory_bytes, minlength=k)
-        return device, link, count, memory
-
-    def _tensor(self, t: int, placement: np.ndarray, device: np.ndarray, link: np.ndarray, sign: float) -> None:
-        """Add (``sign`` 1) or remove (-1) tensor ``t``'s transfers under ``placement``: once to each other device."""
-        a = placement[self._producer[t]]
-        for b in {int(placement[c]) for c in self._consumers[t]} - {a}:
-            link[a, b] += sign * self._transfer[t, a, b]
-            device[a] += sign * self._send[t, a, b]
-            device[b] += sign * self._recv[t, a, b]
-
-    def _model_input(self, j: int, placement: np.ndarray, device: np.ndarray, link: np.ndarray, sign: float) -> None:
-        """Add (``sign`` 1) or remove (-1) model input ``j``'s messages from the driver under ``placement``: once to
-        each device with a reader (:meth:`moirai.planning.costs.RequestCosts.link_s`)."""
-        for b in reader_devices(self._input_readers[j], placement):
-            link[0, b] += sign * self._input_link[j, b]
-            device[0] += sign * self._input_driver[j, b]
-            device[b] += sign * self._input_own[j, b]
+        return np.array(device_list), np.array(link_list).reshape(k, k), count, memory
 
     @property
     def period_s(self) -> float:
         return float(max(self.device_s.max(initial=0.0), self.link_s.max(initial=0.0)))
 
     @staticmethod
-    def key(device_s: np.ndarray, link_s: np.ndarray) -> tuple[float, float]:
-        """What a move lowers: the period, then the sum of squared loads."""
-        period = float(max(device_s.max(initial=0.0), link_s.max(initial=0.0)))
-        return period, float((device_s**2).sum() + (link_s**2).sum())
+    def key(device_s: list[float], link_s: list[float]) -> tuple[float, float]:
+        """What a move lowers: the period, then the sum of squared loads (the lists :meth:`priced` gives)."""
+        return max(max(device_s, default=0.0), max(link_s, default=0.0)), sum(x * x for x in device_s + link_s)
 
-    def priced(self, tasks: list[int], target: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Device and link loads with ``tasks`` moved to device ``target`` (None: it cannot run one or hold them)."""
-        problem, placement = self.problem, self.placement
+    def priced(self, tasks: list[int], target: int) -> tuple[list[float], list[float]] | None:
+        """Device and link loads (the links flat, ``a * k + b``) with ``tasks`` moved to device ``target`` (None: it
+        cannot run one or hold them)."""
+        placement, compute = self._placement_list, self._compute
         moving = [i for i in tasks if placement[i] != target]
-        if not moving or not np.all(np.isfinite(self._compute[moving, target])):
+        if not moving or any(math.isinf(compute.item(i, target)) for i in moving):
             return None
-        memory = float(problem.memory_bytes[moving].sum())
-        if self.memory_bytes[target] + memory > problem.memory_capacity_bytes[target]:
+        memory = sum(self._memory_list[i] for i in moving)
+        if self.memory_bytes.item(target) + memory > self.problem.memory_capacity_bytes.item(target):
             return None
-        device, link = self.device_s.copy(), self.link_s.copy()
+        k = self._k
+        device, link = self.device_s.tolist(), self.link_s.ravel().tolist()
         touched = sorted({t for i in moving for t in self._touching[i]})
         inputs = sorted({j for i in moving for j in self._inputs_of_task[i]})
+        # Each touched tensor's sender and readers' devices before and after; one whose ends stay is left alone.
+        moved = dict.fromkeys(moving, target)
+        producers, consumers, changed = self._producer, self._consumers, []
         for t in touched:
-            self._tensor(t, placement, device, link, -1.0)
+            a, readers = placement[producers[t]], {placement[c] for c in consumers[t]}
+            new_a, new_readers = moved.get(producers[t], a), {moved.get(c, placement[c]) for c in consumers[t]}
+            if new_a != a or new_readers != readers:
+                self._add_tensor(t, a, readers - {a}, device, link, -1.0)
+                changed.append((t, new_a, new_readers - {new_a}))
         for j in inputs:
-            self._model_input(j, placement, device, link, -1.0)
-        count = self.count.copy()
+            self._model_input(j, placement, None, device, link, -1.0)
+        before = self.count.tolist()
+        count = before.copy()
+        driver, output_link = self._driver, self._output_link
         for i in moving:
             a = placement[i]
-            device[a] -= self._compute[i, a]
-            device[target] += self._compute[i, target]
-            device[0] += self._driver[i, target] - self._driver[i, a]
-            link[a, 0] -= self._output_link[i, a]
-            link[target, 0] += self._output_link[i, target]
+            device[a] -= compute.item(i, a)
+            device[target] += compute.item(i, target)
+            device[0] += driver.item(i, target) - driver.item(i, a)
+            link[a * k] -= output_link.item(i, a)
+            link[target * k] += output_link.item(i, target)
             count[a] -= 1
             count[target] += 1
-        for d in {int(placement[i]) for i in moving} | {target}:
-            was, now = self.count[d] > 0, count[d] > 0
-            device[d] += self._taking_part[d] * (float(now) - float(was))
-            device[0] += self._driver_taking_part[d] * (float(now) - float(was))
-        moved = placement.copy()
-        moved[moving] = target
-        for t in touched:
-            self._tensor(t, moved, device, link, 1.0)
+        for d in {placement[i] for i in moving} | {target}:
+            was, now = before[d] > 0, count[d] > 0
+            device[d] += self._taking_part.item(d) * (float(now) - float(was))
+            device[0] += self._driver_taking_part.item(d) * (float(now) - float(was))
+        for t, a, readers in changed:
+            self._add_tensor(t, a, readers, device, link, 1.0)
         for j in inputs:
-            self._model_input(j, moved, device, link, 1.0)
+            self._model_input(j, placement, moved, device, link, 1.0)
         return device, link
 
-    def apply(self, placement: np.ndarray, device_s: np.ndarray, link_s: np.ndarray) -> None:
+    def _add_tensor(self, t: int, a: int, readers: set[int], device: list, link: list, sign: float) -> None:
+        """Add (``sign`` 1) or remove (-1) tensor ``t``'s transfers from device ``a`` to each of ``readers`` (the
+        other devices that read it); ``device`` and ``link`` (flat, ``a * k + b``) are Python lists: a move touches
+        a few tensors, and numpy's per-element cost would be most of its price."""
+        k = self._k
+        for b in readers:
+            link[a * k + b] += sign * self._transfer.item(t, a, b)
+            device[a] += sign * self._send.item(t, a, b)
+            device[b] += sign * self._recv.item(t, a, b)
+
+    def _model_input(
+        self, j: int, placement: list[int], moved: dict[int, int] | None, device: list, link: list, sign: float
+    ) -> None:
+        """Add (``sign`` 1) or remove (-1) model input ``j``'s messages from the driver, once to each device with a
+        reader (:meth:`moirai.planning.costs.RequestCosts.link_s`), as :meth:`_add_tensor` does a tensor's."""
+        readers = self._input_readers[j]
+        devices = {moved.get(i, placement[i]) for i in readers} if moved else {placement[i] for i in readers}
+        for b in sorted(devices):
+            link[b] += sign * self._input_link.item(j, b)
+            device[0] += sign * self._input_driver.item(j, b)
+            device[b] += sign * self._input_own.item(j, b)
+
+    def apply(self, placement: np.ndarray, device_s: Sequence[float], link_s: Sequence[float]) -> None:
         """Take ``placement``, whose loads :meth:`priced` or :meth:`relabelled` gave (in place: moves read it)."""
         k = self.problem.num_devices
         self.placement[:] = placement
+        self._placement_list = self.placement.tolist()
         self.count[:] = np.bincount(placement, minlength=k)
         self.memory_bytes[:] = np.bincount(placement, weights=self.problem.memory_bytes, minlength=k)
-        self.device_s, self.link_s = device_s, link_s
+        self.device_s, self.link_s = np.array(device_s, float), np.array(link_s, float).reshape(k, k)
 
-    def relabelled(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Device and link loads with the tasks of devices ``a`` and ``b`` exchanged (None: they do not fit or run)."""
+    def relabelled(self, a: int, b: int) -> tuple[list[float], list[float]] | None:
+        """Device and link loads (as :meth:`priced` gives them) with the tasks of devices ``a`` and ``b`` exchanged
+        (None: they do not fit or run)."""
         swapped = self.placement.copy()
         swapped[self.placement == a], swapped[self.placement == b] = b, a
         tasks = np.arange(self.problem.num_tasks)
@@ -182,7 +202,7 @@ class Loads:
         device, link, _, memory = self._totals(swapped)
         if np.any(memory > self.problem.memory_capacity_bytes):
             return None
-        return device, link
+        return device.tolist(), link.ravel().tolist()
 
 
 @dataclass
@@ -211,7 +231,7 @@ def improve_period(
     ``time.perf_counter`` value), the bound, or a pass that keeps nothing; never worse than its start."""
     started = time.perf_counter()
     loads = Loads(problem, timeline.placement)
-    best_key = Loads.key(loads.device_s, loads.link_s)
+    best_key = Loads.key(loads.device_s.tolist(), loads.link_s.ravel().tolist())
     result = PeriodSearchResult(plan, timeline, StopReason.TIME_LIMIT, history=[(0.0, objective.value_s(timeline))])
     limited = objective.latency_limit_s is not None
     current = timeline
