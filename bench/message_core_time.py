@@ -12,7 +12,7 @@ work the kernel does on that core for the message outside the sender's time (a l
 end's protocol work on a veth, run in softirq there). Printed per message: the sender's own CPU time, and the core
 time the probe lost beyond it. On an unshaped veth both are small; under ``tc tbf`` with a bucket smaller than a GSO
 packet they are not (tbf then splits the packets into frames in software, on the sender's core: bench/RESULTS.md
-section 15), which is why ``tools/two_hosts.sh shape`` gives fast links a bucket of one GSO packet.
+section 15), which is why ``tools/two_hosts.sh shape`` keeps the veth's GSO packets within the bucket.
 """
 
 from __future__ import annotations

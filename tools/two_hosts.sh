@@ -121,34 +121,45 @@ set_link() {
     echo "host $host: $end $state"
 }
 
-# The token bucket's size for a rate (e.g. 100mbit): 0.5 ms of it, at least 4 KiB (two full frames), and on fast
-# links (0.5 ms of 512 Mbit/s or more) at least one GSO packet (64 KiB and its headers). A message leaves at the
-# veth's own speed until the bucket is empty, which a real link of that rate never does (64 KiB let a lone 256 KiB
-# message cross 100 Mbit/s in 16 ms instead of 21), so the bucket stays small; but tbf splits a GSO packet larger
-# than its bucket into frames in software, on the sending host's core, which a network card with segmentation
-# offload does not: over 1 Gbit/s with a 62 KB bucket a 256 KiB message took 1.5 ms of its sender's core, with a
-# 70 KB one 0.2 ms, as unshaped (bench/RESULTS.md section 15). At 100 Mbit/s the split costs little (0.1 ms).
-GSO_PACKET_BYTES=70000
+# The token bucket's size for a rate (e.g. 100mbit): 0.5 ms of it, at least 4 KiB (two full frames and headroom). A
+# message leaves at the veth's own speed until the bucket is empty, which a real link of that rate never does (64 KiB
+# let a lone 256 KiB message cross 100 Mbit/s in 16 ms instead of 21), so the bucket stays small; smaller still
+# (0.125 ms, GSO packets to fit) made each message cost its hosts' cores more in a stream: the even split across
+# 1 Gbit/s served 0.82-0.83x its predicted requests/s, against 0.96-0.97x.
 burst_bytes() {
     local rate="${1,,}" number unit
     [[ "$rate" =~ ^([0-9]+)(kbit|mbit|gbit)$ ]] || { echo "two_hosts: a rate like 100mbit or 1gbit, not '$1'" >&2; exit 2; }
     number="${BASH_REMATCH[1]}" unit="${BASH_REMATCH[2]}"
     local bits_per_s=$((number * $([[ $unit == kbit ]] && echo 1000 || ([[ $unit == mbit ]] && echo 1000000 || echo 1000000000))))
     local bytes=$((bits_per_s / 8 / 2000))
-    if ((bytes >= 32768 && bytes < GSO_PACKET_BYTES)); then bytes=$GSO_PACKET_BYTES; fi
     echo $((bytes > 4096 ? bytes : 4096))
 }
 
-# A token bucket on each end of the veth (netem is missing on many kernels; tbf and htb are not).
+# The largest GSO packet the veth end makes under a bucket of BYTES: a frame's worth less than the bucket (at most
+# 64 KiB, the default). tbf splits a GSO packet larger than its bucket into frames in software, on the sending host's
+# core, which a network card with segmentation offload does not do: over 1 Gbit/s with a 62 KB bucket a 256 KiB
+# message took 1.5 ms of its sender's core, with GSO packets that fit 0.1 ms, as unshaped (bench/RESULTS.md
+# section 15).
+gso_bytes() {
+    local bytes=$(($1 - 1514))
+    echo $((bytes < 65536 ? bytes : 65536))
+}
+
+# A token bucket on each end of the veth (netem is missing on many kernels; tbf and htb are not), and GSO packets
+# that fit it.
 shape() {
-    local rate="$1" host end
+    local rate="$1" host end burst
     for host in "${HOSTS[@]}"; do
         end="$(veth_end "$host")"
         in_host "$host" tc qdisc del dev "$end" root 2>/dev/null || true
         if [[ "$rate" != none ]]; then
-            in_host "$host" tc qdisc add dev "$end" root tbf rate "$rate" burst "$(burst_bytes "$rate")" latency 200ms
+            burst="$(burst_bytes "$rate")"
+            in_host "$host" tc qdisc add dev "$end" root tbf rate "$rate" burst "$burst" latency 200ms
+            in_host "$host" "$IP" link set dev "$end" gso_max_size "$(gso_bytes "$burst")"
+        else
+            in_host "$host" "$IP" link set dev "$end" gso_max_size 65536
         fi
-        echo "host $host: $end $(in_host "$host" tc qdisc show dev "$end" root)"
+        echo "host $host: $end $(in_host "$host" tc qdisc show dev "$end" root), $(in_host "$host" "$IP" -d link show dev "$end" | grep -o 'gso_max_size [0-9]*')"
     done
 }
 
