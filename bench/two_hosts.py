@@ -176,7 +176,7 @@ def bench(options: argparse.Namespace) -> None:
                     calibrated,
                     row["plan"],
                     ",".join(map(str, row["devices_used"])),
-                    f"{row['predicted_latency_s'] * 1e3:.1f} / {row['latency_s'] * 1e3:.1f}",
+                    f"{row['predicted_latency_s'] * 1e3:.2f} / {row['latency_s'] * 1e3:.2f}",
                     f"{row['predicted_requests_per_s']:.1f} / {row['requests_per_s']:.1f}",
                 )
                 label, calibrated = "", ""

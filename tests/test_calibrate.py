@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -566,3 +567,32 @@ def test_a_calibration_where_shared_memory_has_no_room_measures_gloo_as_the_runt
     assert set(timings) == {(0, 1), (1, 0)}
     monkeypatch.setattr(shm_files, "free_bytes", lambda directory: 1 << 40)
     assert measure_module.transport_environment(4, [1024, 16 << 20]) == {}  # room: shared memory, no warning
+
+
+def test_a_link_between_hosts_is_no_faster_than_a_stream_of_its_largest_messages() -> None:
+    from moirai.cluster.calibration.fit import fit_between_hosts
+
+    # Lone messages fit at 125 MB/s; back to back they crossed at 115 MB/s (a link busy in both directions, say).
+    sizes = tuple(1024 * 4**k for k in range(6))
+    delays = tuple(50e-6 + size / 125e6 for size in sizes)
+    lone = fit_between_hosts(TransferTimings(sizes, delays, delays, delays))
+    assert lone.bandwidth_bytes_per_s == pytest.approx(125e6, rel=1e-6)
+    streamed = fit_between_hosts(TransferTimings(sizes, delays, delays, delays, stream_bytes_per_s=115e6))
+    assert streamed.bandwidth_bytes_per_s == pytest.approx(115e6, rel=1e-6)
+    assert streamed.latency_s == pytest.approx(delays[0] - sizes[0] / 115e6)  # the smallest message's time beyond it
+    faster = fit_between_hosts(TransferTimings(sizes, delays, delays, delays, stream_bytes_per_s=200e6))
+    assert faster.bandwidth_bytes_per_s == pytest.approx(125e6, rel=1e-6)  # a stream never speeds a link up
+
+
+def test_ranks_on_two_hosts_time_a_stream_of_messages_both_ways(tmp_path: Path) -> None:
+    from moirai.cluster.calibration.measure import _rank_main, run_ranks
+    from moirai.runtime.store import loopback_listener
+
+    sizes = [1024, 262144]
+    with loopback_listener() as listener:
+        settings = [["cpu", "cpu"], listener.getsockname()[1], sizes, 2, 1, 60.0, str(tmp_path), ["x", "y"]]
+        run_ranks(settings, 2, 60.0, entry=_rank_main, store_listener=listener)
+    pairs = [pair for rank in (0, 1) for pair in json.loads((tmp_path / f"rank{rank}.json").read_text())]
+    assert sorted((pair["src"], pair["dst"]) for pair in pairs) == [(0, 1), (1, 0)]
+    for pair in pairs:
+        assert isinstance(pair["stream_bytes_per_s"], float) and pair["stream_bytes_per_s"] > 0

@@ -122,7 +122,8 @@ def measure_across_hosts(
     timings = {}
     for index, pair in enumerate(pairs):
         medians = _medians(group.store, f"{prefix}/result/{index}", pair, len(sizes))
-        timings[pair] = TransferTimings(sizes, *(tuple(medians[key]) for key in _MEDIANS))
+        stream = medians.get("stream_bytes_per_s")
+        timings[pair] = TransferTimings(sizes, *(tuple(medians[key]) for key in _MEDIANS), stream_bytes_per_s=stream)
     return HostsCalibration(tuple(str(d) for d in torch_devices), tuple(hosts), timings)
 
 
@@ -178,11 +179,16 @@ def _medians(store: object, key: str, pair: tuple[int, int], num_sizes: int) -> 
     except ValueError:
         medians = None
     valid = isinstance(medians, dict) and [medians.get("src"), medians.get("dst")] == list(pair)
-    if not valid or not all(
-        isinstance(medians.get(k), list)
-        and len(medians[k]) == num_sizes
-        and all(type(v) in (int, float) for v in medians[k])
-        for k in _MEDIANS
+    stream = medians.get("stream_bytes_per_s") if isinstance(medians, dict) else None
+    if (
+        not valid
+        or not all(
+            isinstance(medians.get(k), list)
+            and len(medians[k]) == num_sizes
+            and all(type(v) in (int, float) for v in medians[k])
+            for k in _MEDIANS
+        )
+        or not (stream is None or (type(stream) in (int, float) and 0 < stream < float("inf")))
     ):
         raise DistributedError(f"store key {key!r} holds no timings of ranks {pair[0]} -> {pair[1]}: {medians!r:.120}")
     return medians

@@ -46,6 +46,8 @@ class TransferTimings:
     delay_s: tuple[float, ...]
     sender_cpu_s: tuple[float, ...]
     receiver_cpu_s: tuple[float, ...]
+    # Between hosts: the rate messages of the largest size sent back to back crossed at (None: not measured).
+    stream_bytes_per_s: float | None = None
 
     def fit(self) -> TransferCost:
         latency, seconds_per_byte = fit_line(self.sizes_bytes, self.delay_s, "transfer delay")
@@ -64,12 +66,15 @@ def fit_between_hosts(timings: TransferTimings) -> TransferCost:
     """A link between hosts, fitted so its bandwidth comes from the large messages: a network passes a small message
     in one burst (a switch's buffer, a token bucket) and holds a large one to its rate, which relative residuals,
     set by the many small sizes, miss (a link shaped to 100 Mbit/s fitted at 2.8 Gbit/s). The slope is the plain
-    least squares one, the latency what the smallest message took beyond its bytes at that rate."""
+    least squares one, or a stream's rate where that is lower ([Note: a stream's bandwidth]); the latency is what
+    the smallest message took beyond its bytes at that rate."""
     fitted = timings.fit()
     sizes, delays = np.asarray(timings.sizes_bytes, float), np.asarray(timings.delay_s, float)
     seconds_per_byte = float(np.polyfit(sizes, delays, 1)[0])
     if not seconds_per_byte > 0:
         return fitted
+    if timings.stream_bytes_per_s is not None:
+        seconds_per_byte = max(seconds_per_byte, 1.0 / timings.stream_bytes_per_s)
     smallest = int(np.argmin(sizes))
     latency = max(float(delays[smallest] - sizes[smallest] * seconds_per_byte), 0.0)
     return dataclasses.replace(fitted, latency_s=latency, bandwidth_bytes_per_s=1.0 / seconds_per_byte)

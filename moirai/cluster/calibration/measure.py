@@ -36,6 +36,9 @@ _SENDER_PAUSE_S = 2e-3
 _SENDER_COMPUTES_ON_S = 2e-3
 # Round trips that estimate the clock offset between two hosts (the shortest one counts).
 _CLOCK_PINGS = 20
+# Messages of the largest size sent back to back between two hosts: the rate a stream of them crosses at
+# ([Note: a stream's bandwidth]).
+STREAM_MESSAGES = 4
 
 
 def measure_transfers(
@@ -204,11 +207,14 @@ def _rank_main(
     warmup: int,
     timeout_s: float,
     results_dir: str,
+    hosts: list[str] | None = None,
 ) -> None:
-    """One rank, set up as a runtime worker: its share of the cores, the runtime's process groups and messages."""
+    """One rank, set up as a runtime worker: its share of the cores, the runtime's process groups and messages.
+    ``hosts``: the ranks' hosts as :func:`measure_pairs` takes them (None: one host; a test names two to time a
+    pair of local ranks as one between hosts)."""
     group, store, _ = join_as_runtime_rank(rank, torch_devices, port, timeout_s)
     pairs = directed_pairs(group.world_size)
-    results = [result for _, result in measure_pairs(group, pairs, sizes, repeats, warmup, timeout_s)]
+    results = [result for _, result in measure_pairs(group, pairs, sizes, repeats, warmup, timeout_s, hosts=hosts)]
     Path(results_dir, f"rank{rank}.json").write_text(json.dumps(results))
     leave_together(store, rank, group.world_size)
 
@@ -256,7 +262,7 @@ def measure_pairs(
             torch.set_num_threads(threads)
 
     results = []
-    runs_per_pair = _CLOCK_PINGS + len(sizes) * (warmup + repeats)
+    runs_per_pair = _CLOCK_PINGS + len(sizes) * (warmup + repeats) + STREAM_MESSAGES + 1
     for index, (src, dst) in enumerate(pairs):
         if rank not in (src, dst):
             continue
@@ -267,7 +273,8 @@ def measure_pairs(
         # Every rank numbers exchanges alike, whichever pairs it takes part in, so both ends of a pair tag alike.
         exchange = index * runs_per_pair
         offset_s = 0.0
-        if hosts is not None and hosts[src] != hosts[dst]:
+        across_hosts = hosts is not None and hosts[src] != hosts[dst]
+        if across_hosts:
             offset_s = _clock_offset_s(group, src, dst, exchange, timeout)
         exchange += _CLOCK_PINGS
         medians: dict[str, list[float]] = {"delay_s": [], "sender_cpu_s": [], "receiver_cpu_s": []}
@@ -308,8 +315,11 @@ def measure_pairs(
             if rank == src:
                 for key, values in zip(medians, (delays, sender_cpu, receiver_cpu), strict=True):
                     medians[key].append(statistics.median(values))
+        stream = None
+        if across_hosts:
+            stream = _stream_bytes_per_s(group, src, dst, exchange, max(sizes), timeout, synchronize)
         if rank == src:
-            results.append((index, {"src": src, "dst": dst, **medians}))
+            results.append((index, {"src": src, "dst": dst, **medians, "stream_bytes_per_s": stream}))
             store.set(f"{prefix}/pair/{index}", "1")
     return results
 
@@ -335,6 +345,45 @@ def _clock_offset_s(group: Any, src: int, dst: int, first_exchange: int, timeout
         messages.wait_sends()
         samples.append((back_at - sent_at, their_clock - (sent_at + back_at) / 2))
     return min(samples)[1] if samples else 0.0
+
+
+def _stream_bytes_per_s(
+    group: Any,
+    src: int,
+    dst: int,
+    first_exchange: int,
+    size: int,
+    timeout: datetime.timedelta,
+    synchronize: Callable[[], None],
+) -> float | None:
+    """On ``src``, the bytes per second that :data:`STREAM_MESSAGES` messages of ``size`` bytes sent back to back
+    crossed to ``dst`` at, timed on ``dst`` from its first message's arrival to its last (None on ``dst``, or where
+    they arrived too close together to time)."""
+    from moirai.runtime.protocol import Messages
+
+    shape, device = (max(1, size // 4),), group.devices[group.rank]
+    stream = [Messages(group, first_exchange + m, timeout) for m in range(STREAM_MESSAGES)]
+    answer = Messages(group, first_exchange + STREAM_MESSAGES, timeout)
+    if group.rank == dst:
+        pending = [messages.post_recv(shape, torch.float32, src, 0, "stream message") for messages in stream]
+        arrived_s = []
+        for messages, receive in zip(stream, pending, strict=True):
+            messages.wait_recv(receive)
+            synchronize()
+            arrived_s.append(time.perf_counter())
+        seconds = arrived_s[-1] - arrived_s[0]
+        rate = (STREAM_MESSAGES - 1) * shape[0] * 4 / seconds if seconds > 0 else 0.0
+        answer.send(torch.tensor([rate], dtype=torch.float64), src, 1, "stream rate")
+        answer.wait_sends()
+        return None
+    reply = answer.post_recv((1,), torch.float64, dst, 1, "stream rate")
+    message = torch.ones(shape, device=device)
+    for messages in stream:
+        messages.send(message, dst, 0, "stream message")
+    for messages in stream:
+        messages.wait_sends()
+    rate = answer.wait_recv(reply).item()
+    return rate if rate > 0 else None
 
 
 def directed_pairs(world_size: int) -> list[tuple[int, int]]:
