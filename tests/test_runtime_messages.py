@@ -57,3 +57,42 @@ def test_gloo_and_shared_memory_links_have_the_surface_the_protocol_calls():
     finally:
         a.close()
         b.close()
+
+
+def test_a_rank_reads_several_headers_ahead_and_posts_their_receives(monkeypatch) -> None:
+    """[Note: receives posted ahead]: while a rank runs one request, the receives of the next HEADERS_READ_AHEAD + 1
+    are posted (their "ready to receive" goes out behind the link's backlog), and no more."""
+    import threading
+    import time
+
+    from moirai.runtime import protocol
+
+    read: list[int] = []
+    posted: list[int] = []
+    more = threading.Event()
+
+    def receive_header(group, sequence, timeout):  # noqa: ANN001, ANN202
+        if sequence >= 50:
+            more.wait(10)
+            return Header(HeaderKind.CLOSE)
+        read.append(sequence)
+        return Header(HeaderKind.RUN, 0, request=sequence)
+
+    def post_receives(group, programs, header):  # noqa: ANN001, ANN202
+        posted.append(header.request)
+        return None
+
+    monkeypatch.setattr(protocol, "receive_header", receive_header)
+    monkeypatch.setattr(protocol, "_post_receives", post_receives)
+    headers = protocol._headers_read_ahead(None, {}, datetime.timedelta(seconds=10))
+    first, _ = next(headers)  # request 0 runs; the reader goes on
+    deadline = time.monotonic() + 5
+    while len(posted) < protocol.HEADERS_READ_AHEAD + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert first.request == 0
+    assert posted == read == list(range(protocol.HEADERS_READ_AHEAD + 2))  # request 0, the queue's, one waiting
+    assert protocol.HEADERS_READ_AHEAD >= 4
+    more.set()
+    rest = [header for header, _ in headers]
+    assert [header.request for header in rest[:-1]] == list(range(1, 50)) and rest[-1].kind == HeaderKind.CLOSE
