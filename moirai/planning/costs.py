@@ -8,7 +8,8 @@ its own loops; the input and output messages hold their links too (:meth:`Reques
 :class:`RequestCosts` holds these numbers, per device, per task and device or per model input and device; it
 validates, zeroes, reads and writes them in one place.
 
-The CPU time counts towards the period of pipelined requests, not one request's latency. Who pays it is said by
+The CPU time counts towards the period of pipelined requests; of one request's latency only the driver's own work
+(``request_cpu_s[0]``, a release time of every task: [Note: the driver on a lone request's way]). Who pays it is said by
 :data:`PERIOD_TERMS`, one small class per rule, each giving its share as :class:`Charges` (what every request costs
 each device whatever the placement, what a device pays when it takes part, what a task charges its own device and
 what it charges the driver). The simulator (:func:`moirai.planning.schedule.runtime_cpu_s`), the stream, the
@@ -165,9 +166,11 @@ class RequestCosts:
 
     @cached_property
     def release_s(self) -> np.ndarray:
-        """``[n, k]``: when task ``i`` on device ``k`` can start, at the earliest: its device's header has come and
-        the model inputs it reads are there."""
-        release = np.tile(self.header_s, (self.num_tasks, 1))
+        """``[n, k]``: when task ``i`` on device ``k`` can start, at the earliest: the driver has taken the request
+        (its own work, ``request_cpu_s[0]``, as if all before the first task: taking the request and settling its
+        future are both on a lone request's way; [Note: the driver on a lone request's way]), its device's header has
+        come and the model inputs it reads are there."""
+        release = np.tile(self.request_cpu_s[0] + self.header_s, (self.num_tasks, 1))
         for j, readers in enumerate(self.input_readers):
             release[list(readers)] = np.maximum(release[list(readers)], self.input_s[j])
         return release

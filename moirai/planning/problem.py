@@ -50,8 +50,9 @@ class Problem:
     :mod:`moirai.planning.schedule.transfers` for how a schedule books them).
     ``costs``: what a request costs beyond its tasks and tensors, the runtime's headers, output messages and own
     work (:class:`moirai.planning.costs.RequestCosts`; default 0). They delay when devices start and when a
-    request is done, and their CPU time limits the period of pipelined requests, not one request's latency
-    (:func:`moirai.planning.schedule.runtime_cpu_s`).
+    request is done, and their CPU time limits the period of pipelined requests
+    (:func:`moirai.planning.schedule.runtime_cpu_s`); of one request's latency only the driver's own work counts
+    (:attr:`RequestCosts.release_s`).
     ``colocated``: sets of task indices that must share one device (a mutable buffer, such as a layer's KV cache,
     and every task that reads or writes it). Sets that overlap are merged, as colocation is transitive, and sets of
     fewer than two tasks dropped; each is kept sorted. :func:`moirai.place` enforces them for every placer and the

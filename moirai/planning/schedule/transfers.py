@@ -19,7 +19,8 @@ driver's header has come (:attr:`RequestCosts.header_s`, a release time of the d
 makes a model output is done once that output is with the driver (:func:`output_arrival_s`). And the runtime
 itself works on each request on every device taking part, and both ends of an output's message spend CPU
 time (:func:`runtime_cpu_s`): before a device's first task and after its last, so it lengthens the period of
-pipelined requests, not one request's latency (where the header's and the output's delays stand for it).
+pipelined requests; of one request's latency only the driver's own work, a release time of every task
+(:attr:`RequestCosts.release_s`; the headers' and outputs' delays are their messages').
 
 Why at the extended finish: the runtime posts a producer's sends right after it, one after another, before the
 device's next op (:mod:`moirai.runtime.split`), so the device is busy with them before it computes again, and a
