@@ -378,6 +378,29 @@ def test_closing_one_owner_leaves_another_owners_spill_files(tmp_path) -> None:
     assert not list(tmp_path.iterdir())
 
 
+def test_a_sweep_between_an_owners_creation_and_its_lock_leaves_it_alone(tmp_path, monkeypatch) -> None:
+    # Two ranks of one process connecting at once: one's sweep for dead owners ran while the other's lock file
+    # existed but was not locked yet, took it for a dead owner's and removed it (CI: BlockingIOError in flock).
+    import fcntl
+
+    monkeypatch.setenv(shm.DIR_ENV, str(tmp_path))
+    real_flock = fcntl.flock
+
+    def flock_after_a_sweep(fd: int, operation: int) -> None:
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        shm_files.remove_dead_spill_files()  # the other thread's, just before this owner locks
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_a_sweep)
+    owner = shm_files.SpillOwner(str(tmp_path))
+    assert (tmp_path / f"moirai-spill-{owner.owner}.lock").exists()  # not taken for a dead owner's and removed
+    spilled = owner.write(torch.ones(8, dtype=torch.uint8))
+    shm_files.remove_dead_spill_files()
+    assert Path(spilled).exists()  # its lock is there and held
+    owner.close()
+    assert not list(tmp_path.iterdir())
+
+
 def test_spill_files_of_a_live_owner_in_another_process_stay_and_of_an_ended_one_go(tmp_path, monkeypatch) -> None:
     script = textwrap.dedent(
         """

@@ -117,10 +117,19 @@ class SpillOwner:
         self.directory = directory
         self.owner = uuid.uuid4().hex
         path = os.path.join(directory, f"{_SPILL_PREFIX}{self.owner}{_LOCK_SUFFIX}")
+        # Locked under a name no sweep looks at, then renamed: a sweep (remove_dead_spill_files, another thread's
+        # connect) that saw the lock unlocked between its creation and its flock took it for a dead owner's.
+        hidden = os.path.join(directory, f".{_SPILL_PREFIX}{self.owner}{_LOCK_SUFFIX}")
         self._lock_fd: int | None = os.open(
-            path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
         )
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(hidden, path)
+        except BaseException:
+            os.close(self._lock_fd)
+            os.unlink(hidden)
+            raise
 
     def write(self, payload: torch.Tensor) -> str:
         """A new spill file holding ``payload``; its path."""
