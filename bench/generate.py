@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         "progress": False,
     }
     if args.placer == "milp":
-        options["time_limit_s"] = 20
+        options["time_limit_s"] = 5 if args.quick else 20
     rows = hf_rows(model, prompts, args.new_tokens, threads=stages)
     # cost="measured" profiles on the core and thread count a rank gets (moirai.cluster.cost.measured_compute_s).
     one = moirai.compile_lm(model, args.devices, max_batch_size=stages, sequences=1, **options)

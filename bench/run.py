@@ -398,9 +398,11 @@ def machine_description() -> str:
     except OSError:
         pass
     memory_gb = psutil.virtual_memory().total / 2**30
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return (
         f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {memory_gb:.0f} GiB RAM, "
-        f"Python {platform.python_version()}, torch {torch.__version__}"
+        + (f"{', '.join(gpus)}, " if gpus else "")
+        + f"Python {platform.python_version()}, torch {torch.__version__}"
     )
 
 
