@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.fx as fx
 
 from moirai.errors import InputError, TraceError
 from moirai.frontend.graph import build_op_graph
@@ -190,3 +191,33 @@ def test_state_written_through_another_reference_to_a_buffer_is_the_buffer() -> 
 def test_state_written_outside_every_buffer_is_a_trace_error_pointing_at_compile_lm() -> None:
     with pytest.raises(TraceError, match="not its registered buffers.*compile_lm"):
         trace(_StateBehindAReference(registered=False), (torch.ones(4),))
+
+
+def test_retargeting_devices_reaches_the_graphs_nested_in_a_module():
+    """torch 2.11's export keeps a Llama's rotary embedding as the body of ``wrap_with_autocast``, a graph nested in
+    the traced one whose ``arange``/``_assert_tensor_metadata`` name the device of tracing: a part run on a GPU
+    failed with 'Tensor device mismatch' until the nested graphs were retargeted too."""
+    from moirai.frontend.trace import devices_mentioned, retarget_devices
+
+    class Ramp(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.arange(x.shape[-1], dtype=x.dtype, device=torch.device("cpu"))
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ramp = fx.symbolic_trace(Ramp())
+
+        def forward(self, x):
+            return self.ramp(x) * 2
+
+    class KeepGraphModules(fx.Tracer):
+        def is_leaf_module(self, module, name):
+            return isinstance(module, fx.GraphModule) or super().is_leaf_module(module, name)
+
+    outer = Outer()
+    module = fx.GraphModule(outer, KeepGraphModules().trace(outer))
+    assert devices_mentioned(module) == {torch.device("cpu")}
+    retarget_devices(module, torch.device("meta"))
+    assert devices_mentioned(module) == {torch.device("meta")}
+    assert module(torch.ones(2, 3, device="meta")).device.type == "meta"

@@ -313,6 +313,35 @@ def _drop_metadata_asserts(graph_module: fx.GraphModule) -> None:
             graph_module.graph.erase_node(node)
 
 
+def retarget_devices(module: fx.GraphModule, device: torch.device) -> None:
+    """Set every device argument of ``module``'s ops to ``device``, also in the graphs nested in it.
+
+    Traced graphs record the device of tracing in ops that create or check tensors (``arange(device=cpu)``,
+    ``_to_copy``, ``_assert_tensor_metadata``), also inside the bodies of higher-order ops (a Llama's rotary
+    embedding runs under ``wrap_with_autocast``); code that runs the graph on another device must create them there.
+    """
+    for graph_module in _graph_modules(module):
+        stale = [node for node in graph_module.graph.nodes if _devices_of(node) - {device}]
+        for node in stale:
+            node.args, node.kwargs = pytree.tree_map_only(torch.device, lambda _: device, (node.args, node.kwargs))
+        if stale:
+            graph_module.recompile()
+
+
+def devices_mentioned(module: fx.GraphModule) -> set[torch.device]:
+    """The devices that ``module``'s ops name in their arguments, also in the graphs nested in it."""
+    nodes = (node for graph_module in _graph_modules(module) for node in graph_module.graph.nodes)
+    return {device for node in nodes for device in _devices_of(node)}
+
+
+def _graph_modules(module: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    return (m for m in module.modules() if isinstance(m, fx.GraphModule))
+
+
+def _devices_of(node: fx.Node) -> set[torch.device]:
+    return {leaf for leaf in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(leaf, torch.device)}
+
+
 def is_view_node(node: fx.Node) -> bool:
     """An op whose output aliases its first input, as its schema declares (a view, or a piece of a split)."""
     target = node.target

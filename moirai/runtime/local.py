@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from moirai.errors import InputError, PlanError
+from moirai.frontend.trace import retarget_devices
 from moirai.runtime.split import DevicePart, SplitProgram, TensorTransfer, symbol_values
 
 
@@ -58,9 +58,9 @@ def check_inputs(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> 
 def place_part(part: DevicePart, device: torch.device) -> fx.GraphModule:
     """The part's module with its attributes on ``device`` and its ops' device arguments set to it.
 
-    Traced graphs record the device of tracing in ops that create tensors (``arange(device=cpu)``,
-    ``_to_copy``); each part must create them on its own device instead. Placed once per device: later
-    calls of the local runner find the part where it is.
+    Traced graphs record the device of tracing in ops that create tensors
+    (:func:`moirai.frontend.trace.retarget_devices`); each part must create them on its own device instead. Placed
+    once per device: later calls of the local runner find the part where it is.
     """
     module = part.graph_module
     if _PLACED.get(module) == device:
@@ -72,11 +72,7 @@ def place_part(part: DevicePart, device: torch.device) -> fx.GraphModule:
             "model with meta weights can be inspected but not run: load real weights and split again"
         )
     module.to(device)
-    stale = [node for node in module.graph.nodes if _mentions_other_device(node, device)]
-    for node in stale:
-        node.args, node.kwargs = pytree.tree_map_only(torch.device, lambda _: device, (node.args, node.kwargs))
-    if stale:
-        module.recompile()
+    retarget_devices(module, device)
     _PLACED[module] = device
     return module
 
@@ -177,11 +173,6 @@ class _LocalTransport:
 
     def delivered(self, pending: int) -> bool:
         return pending in self._delivered
-
-
-def _mentions_other_device(node: fx.Node, device: torch.device) -> bool:
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    return any(isinstance(leaf, torch.device) and leaf != device for leaf in leaves)
 
 
 def _to(value: object, device: torch.device) -> object:

@@ -157,8 +157,10 @@ class Messages:
         return self.post_recv(concrete_shape(spec, self.values), spec.dtype, src, index, what)
 
     def wait_recv(self, pending: PendingReceive) -> torch.Tensor:
+        """The received tensor: on this rank's device, or where it arrived for a control message (a header and its
+        payload are read on the host, also by a CUDA rank)."""
         self._wait(pending.work, pending.what, pending.buffer.device, pending.src)
-        return pending.buffer.to(self.group.devices[self.group.rank])
+        return pending.buffer if self.control else pending.buffer.to(self.group.devices[self.group.rank])
 
     def wait_sends(self) -> None:
         for work, staged, what, dst in self._sends:
