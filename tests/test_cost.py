@@ -25,6 +25,7 @@ from moirai.cluster.cost import (
     unfused_problem,
 )
 from moirai.cluster.devices import Cluster, Device, Link
+from moirai.cluster.kinds import CPU, HostSpans
 from moirai.errors import ClusterError
 from moirai.frontend.graph import OpEdge, OpGraph, OpNode, build_op_graph
 from moirai.frontend.trace import trace
@@ -294,9 +295,7 @@ def test_measured_needs_an_acyclic_grouping_of_all_ops(traced_branches, tmp_path
 def test_timed_module_returns_the_model_outputs(traced_two_layers) -> None:  # noqa: ANN001
     traced, graph = traced_two_layers
     x = torch.randn(8, 64)
-    timed = cost._timed_module(
-        traced.graph_module, [n.fx_names for n in graph.nodes], time.perf_counter, torch.device("cpu")
-    )
+    timed = cost._timed_module(traced.graph_module, [n.fx_names for n in graph.nodes], HostSpans(time.perf_counter))
     stamps, outputs = timed(x)
     assert len(stamps) == cost._EMPTY_SPANS + 2 + len(graph.nodes) and list(stamps) == sorted(stamps)
     torch.testing.assert_close(outputs, traced.graph_module(x))
@@ -396,3 +395,26 @@ def test_model_inputs_are_priced_where_the_split_program_ships_them() -> None:
         assert shipped == priced
         seconds = costs.link_s(placement)
         assert seconds[0, 1] == pytest.approx(len(priced) * expected_link_s)
+
+
+def test_profiling_warms_up_for_the_kinds_least_seconds_before_timing() -> None:
+    """[Note: a GPU's clocks]: a kind whose spans ask for seconds of warm-up gets them, however few runs that is."""
+    calls: list[float] = []
+
+    class SlowToWarm(HostSpans):
+        warmup_s = 0.05
+
+    spans = SlowToWarm(time.perf_counter)
+
+    def timed(*_):  # noqa: ANN002, ANN202
+        calls.append(time.perf_counter())
+        return [spans.read() for _ in range(cost._EMPTY_SPANS + 3)], None
+
+    begun = time.perf_counter()
+    times = cost._in_situ_times_s(timed, spans, [], warmup=1, repeats=2, progress=False, what="a fake")
+    timed_from = calls[-2]  # the first of the two timed runs
+    assert len(times) == 1 and timed_from - begun >= 0.05 and len(calls) > 3
+    assert (
+        CPU.spans(torch.device("cpu"), time.thread_time).read is time.thread_time
+        and CPU.spans(torch.device("cpu"), time.thread_time).warmup_s == 0.0
+    )

@@ -70,13 +70,13 @@ from rich.progress import Progress
 
 from moirai.cluster.devices import Cluster, Device
 from moirai.cluster.host import cpu_model
-from moirai.cluster.kinds import kind_of
+from moirai.cluster.kinds import CudaEventSpans, HostSpans, kind_of
 from moirai.cluster.messages import header_s, input_messages, output_messages, recv_cpu_s, send_cpu_s, transfer_s
 from moirai.errors import ClusterError, MoiraiWarning
 from moirai.files import read_own_text, write_atomically
 from moirai.frontend.graph import OpGraph
 from moirai.frontend.symbolic_shapes import concrete_shape, example_int, sizes_at
-from moirai.frontend.trace import TracedModel
+from moirai.frontend.trace import TracedModel, devices_mentioned, retarget_devices
 from moirai.planning.costs import RequestCosts
 from moirai.planning.problem import Problem
 from moirai.progress import stage
@@ -389,14 +389,15 @@ def profile_nodes(
     if missing:
         module = _module_on(traced.graph_module, device)
         order = _group_order(graph, traced.graph_module)
-        timed = _timed_module(module, [graph.nodes[i].fx_names for i in order], clock, device)
+        spans = kind_of(device).spans(device, clock)
+        timed = _timed_module(module, [graph.nodes[i].fx_names for i in order], spans)
         shapes = [concrete_shape(s, symbol_values) if symbol_values else s.shape for s in traced.input_specs]
         specs = zip(shapes, traced.input_specs, strict=True)
         inputs = [_random_like(torch.empty(shape, dtype=spec.dtype, device=device)) for shape, spec in specs]
         beside = f" beside {len(co_running)} computing" if co_running else ""
         with _computing_meanwhile(module, inputs, co_running):
             times = _in_situ_times_s(
-                timed, inputs, warmup, repeats, progress, f"{len(order)} op groups on {device}{beside}"
+                timed, spans, inputs, warmup, repeats, progress, f"{len(order)} op groups on {device}{beside}"
             )
         occurrences: dict[str, list[float]] = {}
         for index, time_s in zip(order, times, strict=True):
@@ -523,8 +524,9 @@ def _check_local(device: Device) -> None:
 def _device_key(device: torch.device, clock: Callable[[], float]) -> str:
     """What a measurement depends on besides the ops: the hardware, the thread count, torch, the clock
     and how nodes are timed (in situ: profiles of nodes run alone, taken by earlier versions, differ)."""
-    hardware = kind_of(device).hardware_name(device) or f"{cpu_model()} threads={torch.get_num_threads()}"
-    return f"{device.type}|{hardware}|torch {torch.__version__}|{clock.__name__}|in situ"
+    kind = kind_of(device)
+    hardware = kind.hardware_name(device) or f"{cpu_model()} threads={torch.get_num_threads()}"
+    return f"{device.type}|{hardware}|torch {torch.__version__}|{kind.spans(device, clock).name}|in situ"
 
 
 def _signature(module: fx.GraphModule, nodes: Sequence[fx.Node]) -> str:
@@ -553,17 +555,22 @@ def _tensor_signature(t: torch.Tensor) -> str:
 
 
 def _module_on(module: fx.GraphModule, device: torch.device) -> fx.GraphModule:
-    """``module`` with real weights on ``device``; weights on the meta device become random."""
+    """``module`` with real weights on ``device`` and its ops creating tensors there; weights on the meta device
+    become random."""
     tensors = list(module.parameters()) + list(module.buffers())
     if all(t.device == device for t in tensors):
-        return module
-    if not any(t.is_meta for t in tensors):
-        return copy.deepcopy(module).to(device)
-    materialized = copy.deepcopy(module).to_empty(device=device)
-    with torch.no_grad():
-        for t in list(materialized.parameters()) + list(materialized.buffers()):
-            t.copy_(_random_like(t))
-    return materialized
+        if devices_mentioned(module) <= {device}:
+            return module
+        moved = copy.deepcopy(module)
+    elif not any(t.is_meta for t in tensors):
+        moved = copy.deepcopy(module).to(device)
+    else:
+        moved = copy.deepcopy(module).to_empty(device=device)
+        with torch.no_grad():
+            for t in list(moved.parameters()) + list(moved.buffers()):
+                t.copy_(_random_like(t))
+    retarget_devices(moved, device)
+    return moved
 
 
 def _random_like(t: torch.Tensor) -> torch.Tensor:
@@ -593,23 +600,18 @@ def _group_order(graph: OpGraph, module: fx.GraphModule) -> list[int]:
 
 
 def _timed_module(
-    module: fx.GraphModule, groups: Sequence[Sequence[str]], clock: Callable[[], float], device: torch.device
+    module: fx.GraphModule, groups: Sequence[Sequence[str]], spans: HostSpans | CudaEventSpans
 ) -> fx.GraphModule:
     """``module``'s graph with every group's ops contiguous, groups in the given order, and a clock read
-    before the first and after every group; it returns ``(clock readings, model outputs)``, the readings
-    starting with ``_EMPTY_SPANS + 1`` empty spans.
+    (``spans.read``, [Note: timing a GPU's ops]) before the first and after every group; it returns ``(clock
+    readings, model outputs)``, the readings starting with ``_EMPTY_SPANS + 1`` empty spans.
 
     Inputs come first, outside the timed spans; a parameter or buffer is fetched just before the
     first op that reads it, in that op's span, as the model's run (or a part holding that op)
     fetches it. fx code generation frees every value after its last use, as in the model's own
     run, so the ops allocate and reuse memory as they will when the model runs.
     """
-    kind = kind_of(device)
-
-    def timestamp() -> float:
-        kind.synchronize(device)
-        return clock()
-
+    timestamp = spans.read
     position = {n.name: p for p, n in enumerate(module.graph.nodes)}
     own = {n.name: n for n in module.graph.nodes}
     graph = fx.Graph()
@@ -634,18 +636,30 @@ def _timed_module(
 
 
 def _in_situ_times_s(
-    timed: fx.GraphModule, inputs: Sequence[torch.Tensor], warmup: int, repeats: int, progress: bool, what: str
+    timed: fx.GraphModule,
+    spans: HostSpans | CudaEventSpans,
+    inputs: Sequence[torch.Tensor],
+    warmup: int,
+    repeats: int,
+    progress: bool,
+    what: str,
 ) -> np.ndarray:
     """Per group of ``timed`` (see :func:`_timed_module`), the median over ``repeats`` runs of the time
-    between its clock readings, after ``warmup`` runs, minus the clock's own cost (the median empty span)."""
+    between its clock readings, after ``warmup`` runs and at least ``spans.warmup_s`` seconds of them, minus the
+    clock's own cost (the median empty span)."""
     runs = []
     with torch.no_grad(), Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"profiling {what}", total=warmup + repeats)
-        for run in range(warmup + repeats):
-            stamps, _ = timed(*inputs)
-            if run >= warmup:
-                runs.append(np.diff(stamps))
+        warm_from = time.perf_counter() + spans.warmup_s  # [Note: a GPU's clocks]
+        for _ in range(warmup):
+            spans.seconds(timed(*inputs)[0])
             bar.advance(task)
-    spans = np.array(runs)[:, 1:]
-    clock_cost = np.median(spans[:, :_EMPTY_SPANS])
-    return np.maximum(np.median(spans[:, _EMPTY_SPANS:], axis=0) - clock_cost, 0.0)
+        while time.perf_counter() < warm_from:
+            spans.seconds(timed(*inputs)[0])
+        for _ in range(repeats):
+            stamps, _ = timed(*inputs)
+            runs.append(np.diff(spans.seconds(stamps)))
+            bar.advance(task)
+    durations = np.array(runs)[:, 1:]
+    clock_cost = np.median(durations[:, :_EMPTY_SPANS])
+    return np.maximum(np.median(durations[:, _EMPTY_SPANS:], axis=0) - clock_cost, 0.0)
