@@ -4,14 +4,14 @@
 # others' results. Logs go to $OUT (the device tool brings them back), or to ./gpu-logs.
 #
 #   tools/gpu_checks.sh                     # every step
-#   tools/gpu_checks.sh tests realized      # some steps: env tests calibrate realized serving generate
+#   tools/gpu_checks.sh tests realized      # some steps: env tests calibrate terms realized serving generate
 #
 # Python packages the machine lacks travel as wheels in .whl (pyomo, highspy: see bench/RESULTS.md, "CUDA").
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
-steps=${*:-env tests calibrate realized serving generate}
+steps=${*:-env tests calibrate terms realized serving generate}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 python=${PYTHON:-python3}
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -32,8 +32,10 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, its ou
 step env 60 bash -c "nvidia-smi -L; nproc; $python -c 'import torch, transformers, pyomo, highspy, moirai;
 print(torch.__version__, torch.cuda.is_available(), transformers.__version__); print(moirai.Cluster.detect())'"
 step tests 180 $python -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs --timeout 150
-step calibrate 90 $python -c "from moirai.cluster.calibration import local_calibration
-for kind, cost in local_calibration(['cuda:0', 'cpu']).items(): print(kind, cost)"
+step calibrate 90 $python -c "from moirai.cluster.calibration.cache import local_calibration, local_request_cost
+for kind, cost in local_calibration(['cuda:0', 'cpu']).items(): print(kind, cost)
+print(local_request_cost())"
+step terms 150 $python -m bench.prediction_terms --devices cuda:0 cpu
 step realized 180 $python bench/realized.py --quick --models ${REALIZED_MODELS:-transformer two_branch_mlp gpt2} --devices cuda:0 cpu \
     --output "$out/realized.md"
 step serving 120 $python -m bench.serving --quick --models mlp --devices cuda:0 cpu
