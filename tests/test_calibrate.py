@@ -596,3 +596,14 @@ def test_ranks_on_two_hosts_time_a_stream_of_messages_both_ways(tmp_path: Path) 
     assert sorted((pair["src"], pair["dst"]) for pair in pairs) == [(0, 1), (1, 0)]
     for pair in pairs:
         assert isinstance(pair["stream_bytes_per_s"], float) and pair["stream_bytes_per_s"] > 0
+
+
+def test_calibration_ranks_keep_their_cores_and_compute_on_one_thread():
+    """[Note: a message's CPU on one thread]: on a 16-core machine a CPU rank gets 8 threads; calibrated with them,
+    their spinning after each parallel op counts as the runtime's work and a message's CPU."""
+    from moirai.runtime.resources import rank_resources
+
+    runtime = rank_resources(["cpu", "cpu"], cores=list(range(16)))
+    calibration = [measure_module.calibration_resources(r) for r in runtime]
+    assert [r.threads for r in runtime] == [8, 8] and [r.threads for r in calibration] == [1, 1]
+    assert [r.cores for r in calibration] == [r.cores for r in runtime]

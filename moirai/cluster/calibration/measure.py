@@ -8,6 +8,7 @@ interpreters that import only moirai (:func:`run_ranks`), joined as the runtime 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -20,13 +21,16 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moirai.cluster.calibration.fit import TransferCost, TransferTimings, costs_by_kind
 from moirai.cluster.kinds import CPU, kind_of
 from moirai.errors import ClusterError, DistributedError
+
+if TYPE_CHECKING:
+    from moirai.runtime.resources import RankResources
 
 # 1 KiB .. 16 MiB: small sizes pin the latency, large ones the bandwidth.
 DEFAULT_SIZES_BYTES = tuple(1024 * 4**k for k in range(8))
@@ -391,15 +395,23 @@ def directed_pairs(world_size: int) -> list[tuple[int, int]]:
     return [(src, dst) for src in range(world_size) for dst in range(world_size) if src != dst]
 
 
+def calibration_resources(resources: RankResources) -> RankResources:
+    """A calibration rank's resources: the runtime rank's cores, and one compute thread ([Note: a message's CPU on one
+    thread]): what is timed is CPU time of the whole process, which counts a rank's other compute threads spinning
+    after each parallel op or copy, time that keeps no device from its work."""
+    return dataclasses.replace(resources, threads=1)
+
+
 def join_as_runtime_rank(rank: int, torch_devices: list[str], port: int, timeout_s: float) -> tuple[Any, Any, Any]:
-    """This process as rank ``rank``, set up as the runtime sets up a worker: its share of the cores, the store
-    (rank 0 hosts it), the runtime's links: ``(group, store, resources)``."""
+    """This process as rank ``rank``, set up as the runtime sets up a worker: its share of the cores (with one compute
+    thread, :func:`calibration_resources`), the store (rank 0 hosts it), the runtime's links: ``(group, store,
+    resources)``."""
     from moirai.runtime.distributed import torchrun_secret
     from moirai.runtime.groups import local_group
     from moirai.runtime.resources import apply_resources, pin_io_threads, rank_resources
     from moirai.runtime.store import join_store, start_store
 
-    resources = rank_resources(torch_devices)[rank]
+    resources = calibration_resources(rank_resources(torch_devices)[rank])
     apply_resources(resources, torch_devices[rank])
     secret = torchrun_secret()  # run_ranks set it in every rank's environment
     if secret is None:
