@@ -35,8 +35,9 @@ except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
 
 # 2: the sender computes around its send; 3: one host's ranks message through shared memory; 4: the runtime's
-# own work per request (RequestCost); 5: that work measured between parts that compute as a model's do
-CALIBRATION_FORMAT_VERSION = 6
+# own work per request (RequestCost); 5: that work measured between parts that compute as a model's do; 7: ranks
+# of several threads calibrate on one (measure.calibration_resources)
+CALIBRATION_FORMAT_VERSION = 7
 
 
 def local_calibration(
