@@ -607,3 +607,22 @@ def test_calibration_ranks_keep_their_cores_and_compute_on_one_thread():
     calibration = [measure_module.calibration_resources(r) for r in runtime]
     assert [r.threads for r in runtime] == [8, 8] and [r.threads for r in calibration] == [1, 1]
     assert [r.cores for r in calibration] == [r.cores for r in runtime]
+
+
+def test_timings_that_are_noise_are_measured_once_more_then_an_error(monkeypatch, tmp_path: Path) -> None:  # noqa: ANN001
+    """A fault injected as the transfer sweep's timings: a delay that does not grow with size (seen once in a bench's
+    compile on this VM) is measured again with a warning; twice is the error, a ClusterError as before."""
+    monkeypatch.setenv("MOIRAI_CACHE_DIR", str(tmp_path))
+    noise = TransferTimings((1000, 10**6), (2e-3, 1e-3), (1e-5, 1e-5), (1e-5, 1e-5))
+    answers = [noise, None]
+
+    def measure(torch_devices, sizes_bytes=(), repeats=0, warmup=0):  # noqa: ANN001, ANN202
+        timings = answers.pop(0)
+        return {(0, 1): timings.fit() if timings else FAKE_COST, (1, 0): FAKE_COST}
+
+    monkeypatch.setattr(measure_module, "measure_transfer_costs", measure)
+    with pytest.warns(moirai.MoiraiWarning, match="does not grow with size.*measuring again"):
+        assert local_calibration(["cpu", "cpu"]) == {"cpu->cpu": FAKE_COST}
+    answers[:] = [noise, noise]
+    with pytest.raises(ClusterError, match="does not grow with size"), pytest.warns(moirai.MoiraiWarning):
+        local_calibration(["cpu", "cpu"], "remeasure")

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from moirai.cluster.calibration.fit import HostLink, TransferCost, link_kind
+from moirai.cluster.calibration.fit import HostLink, NoisyTimingsError, TransferCost, link_kind
 from moirai.cluster.calibration.measure import measure_link_kinds
 from moirai.cluster.calibration.request_cost import RequestCost, measure_request_cost
 from moirai.cluster.cost import default_cache_dir
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import CPU
-from moirai.errors import ClusterError, MoiraiWarning
+from moirai.errors import ClusterError, MoiraiWarning, user_stacklevel
 from moirai.files import own_lock_file, read_own_text, write_atomically
 
 try:
@@ -74,7 +74,7 @@ def local_calibration(
         missing = {kind: pair for kind, pair in needed.items() if kind not in cached}
         for kind, pair in missing.items():
             if kind not in cached:  # measuring a -> b measures b -> a too
-                cached.update(measure_link_kinds(pair))
+                cached.update(_measured_again_if_noise(pair))
         if missing:
             write_calibration(
                 path, {**cached_links(path), **cached}, _read_cached_requests(path), cached_host_links(path)
@@ -102,6 +102,20 @@ def local_request_cost(calibration: str | Path = "auto", cache_dir: str | Path |
             requests = measure_request_cost(link)
             write_calibration(path, links, requests, cached_host_links(path))
     return requests
+
+
+def _measured_again_if_noise(pair: tuple[str, str]) -> dict[str, TransferCost]:
+    """:func:`measure_link_kinds`, measured once more (with a warning) where the first timings fit no line: a compile
+    should not fail on one burst of another process's work; twice is an error that says so."""
+    try:
+        return measure_link_kinds(pair)
+    except NoisyTimingsError as error:
+        warnings.warn(
+            f"calibrating {pair[0]} <-> {pair[1]}: {error}; measuring again",
+            MoiraiWarning,
+            stacklevel=user_stacklevel(),
+        )
+    return measure_link_kinds(pair)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,11 @@ class TransferCost:
         return self.receiver_cpu_s + num_bytes * self.receiver_cpu_s_per_byte
 
 
+class NoisyTimingsError(ClusterError):
+    """A link's timings that no line fits (a delay that does not grow with the message's size): noise of the
+    moment, such as another process's burst on the cores while they were taken, which measuring again may not meet."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TransferTimings:
     """Per message size, the medians over the repeats of one directed link's three measurements."""
@@ -52,7 +57,7 @@ class TransferTimings:
     def fit(self) -> TransferCost:
         latency, seconds_per_byte = fit_line(self.sizes_bytes, self.delay_s, "transfer delay")
         if not seconds_per_byte > 0:
-            raise ClusterError(
+            raise NoisyTimingsError(
                 f"transfer delay does not grow with size (slope {seconds_per_byte:.3g} s/byte); "
                 "the timings are noise: use larger sizes or more repeats"
             )
