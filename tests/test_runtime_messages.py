@@ -96,3 +96,33 @@ def test_a_rank_reads_several_headers_ahead_and_posts_their_receives(monkeypatch
     more.set()
     rest = [header for header, _ in headers]
     assert [header.request for header in rest[:-1]] == list(range(1, 50)) and rest[-1].kind == HeaderKind.CLOSE
+
+
+def test_control_messages_stay_in_host_memory_between_cuda_ranks():
+    """Between two CUDA ranks data lives in device memory (NCCL, matched by order); a header and its payload go
+    through host memory (gloo's control connection or shared memory, matched by tag), and a CUDA rank reads them
+    there (the first H200 run: a payload moved to the GPU could not be read)."""
+    from moirai.runtime.protocol import Messages
+
+    posted = []
+
+    class Link:
+        def recv(self, tensors, src, tag):  # noqa: ANN001, ANN202
+            posted.append(("recv", tensors[0].device.type, src))
+            return SimpleNamespace(wait=lambda *_: True)
+
+        def send(self, tensors, dst, tag):  # noqa: ANN001, ANN202
+            posted.append(("send", tensors[0].device.type, dst))
+            return SimpleNamespace(wait=lambda *_: True, complete_when_posted=True)
+
+    cuda = SimpleNamespace(type="cuda")  # stands in for torch.device("cuda:0"), which this machine may not have
+    group = SimpleNamespace(
+        rank=1,
+        devices=[cuda, cuda],
+        wire_device=lambda peer: cuda,
+        link=lambda wire, peer, control=False: Link(),
+    )
+    control = Messages(group, 0, datetime.timedelta(seconds=1), control=True)
+    received = control.wait_recv(control.post_recv((3,), torch.uint8, 0, 0, "a payload"))
+    control.send(torch.zeros(2), 0, 1, "a reply")
+    assert received.device.type == "cpu" and posted == [("recv", "cpu", 0), ("send", "cpu", 0)]

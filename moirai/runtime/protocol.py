@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 
-from moirai.cluster.kinds import kind_of
+from moirai.cluster.kinds import host_device, kind_of
 from moirai.errors import DistributedError, PlanError
 from moirai.frontend.trace import TensorSpec
 from moirai.runtime import isolation
@@ -134,8 +134,14 @@ class Messages:
         self._tag_base = (sequence % _TAG_WINDOW) << _TAG_BITS
         self._sends: list[_PostedSend] = []
 
+    def _wire(self, peer: int) -> torch.device:
+        """Where a message to or from ``peer`` lives: a control message (a header, its payload) in host memory, also
+        between two CUDA ranks (over gloo's control connection or shared memory, matched by tag, which NCCL's
+        messages, matched by order, are not); data where :meth:`Group.wire_device` says."""
+        return host_device() if self.control else self.group.wire_device(peer)
+
     def send(self, tensor: torch.Tensor, dst: int, index: int, what: str) -> None:
-        wire = self.group.wire_device(dst)
+        wire = self._wire(dst)
         staged = tensor.detach().to(wire).contiguous()
         what = f"sending {what} to rank {dst}"
         with self._naming_peer(what, dst):
@@ -146,7 +152,7 @@ class Messages:
             self._sends.append(_PostedSend(work, staged, what, dst))
 
     def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, index: int, what: str) -> PendingReceive:
-        wire = self.group.wire_device(src)
+        wire = self._wire(src)
         buffer = torch.empty(shape, dtype=dtype, device=wire)
         what = f"receiving {what} from rank {src}"
         with self._naming_peer(what, src):
@@ -157,8 +163,7 @@ class Messages:
         return self.post_recv(concrete_shape(spec, self.values), spec.dtype, src, index, what)
 
     def wait_recv(self, pending: PendingReceive) -> torch.Tensor:
-        """The received tensor: on this rank's device, or where it arrived for a control message (a header and its
-        payload are read on the host, also by a CUDA rank)."""
+        """The received tensor: on this rank's device, or on the host for a control message (:meth:`_wire`)."""
         self._wait(pending.work, pending.what, pending.buffer.device, pending.src)
         return pending.buffer if self.control else pending.buffer.to(self.group.devices[self.group.rank])
 
