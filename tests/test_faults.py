@@ -746,14 +746,21 @@ def test_a_134_mb_model_under_a_small_dev_shm_serves_through_gloo_with_a_warning
     assert not left, left
 
 
+def _with_format(content: str) -> str:
+    """A calibration record's text at the current format (a wrong structure is what these tests are about)."""
+    from moirai.cluster.calibration.cache import CALIBRATION_FORMAT_VERSION
+
+    return content.replace("FORMAT", str(CALIBRATION_FORMAT_VERSION))
+
+
 @pytest.mark.parametrize(
     "content",
     [
         '["a list"]',
-        '{"format": 6, "links": ["cpu->cpu"]}',
-        '{"format": 6, "links": {"cpu->cpu": {"latency_s": "fast"}}}',
-        '{"format": 6, "links": {"cpu->cpu": [1, 2]}}',
-        '{"format": 6, "links": {}, "requests": {"driver_cpu_s": 1e-4}}',
+        _with_format('{"format": FORMAT, "links": ["cpu->cpu"]}'),
+        _with_format('{"format": FORMAT, "links": {"cpu->cpu": {"latency_s": "fast"}}}'),
+        _with_format('{"format": FORMAT, "links": {"cpu->cpu": [1, 2]}}'),
+        _with_format('{"format": FORMAT, "links": {}, "requests": {"driver_cpu_s": 1e-4}}'),
         "{not json",
     ],
 )
@@ -783,7 +790,7 @@ def test_a_calibration_file_of_the_wrong_structure_given_by_the_user_is_a_cluste
     from moirai.cluster.calibration import local_calibration
 
     path = tmp_path / "mine.json"
-    path.write_text('{"format": 6, "links": {"cpu->cpu": {"latency_s": null}}}')
+    path.write_text(_with_format('{"format": FORMAT, "links": {"cpu->cpu": {"latency_s": null}}}'))
     with pytest.raises(moirai.ClusterError, match=r"calibration file .*mine\.json.* is corrupt: links\['cpu->cpu'\]"):
         local_calibration(["cpu", "cpu"], path)
     assert path.exists()  # the user's own file is left where it is
