@@ -23,11 +23,10 @@ runner / graph what the runtime adds that the model does not know.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from rich.console import Console
@@ -35,10 +34,11 @@ from rich.table import Table
 
 import moirai
 from bench.realized import MODELS, make_model
+from bench.serving import pinned
 from moirai.cluster.kinds import kind_of
 from moirai.frontend.trace import retarget_devices
 from moirai.runtime import DistributedRunner
-from moirai.runtime.resources import RankResources, apply_resources, rank_resources, restore_resources
+from moirai.runtime.resources import rank_resources
 
 WARMUP_S = 1.0
 REPEATS = 30
@@ -57,15 +57,6 @@ def median_s(call: Callable[[], object], synchronize: Callable[[], None]) -> flo
         synchronize()
         times.append(time.perf_counter() - begun)
     return statistics.median(times)
-
-
-@contextlib.contextmanager
-def pinned(resources: RankResources, device_name: str) -> Iterator[None]:
-    before = apply_resources(resources, device_name)
-    try:
-        yield
-    finally:
-        restore_resources(before)
 
 
 def terms(name: str, devices: Sequence[str]) -> list[str]:
