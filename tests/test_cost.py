@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 import weakref
@@ -418,3 +419,38 @@ def test_profiling_warms_up_for_the_kinds_least_seconds_before_timing() -> None:
         CPU.spans(torch.device("cpu"), time.thread_time).read is time.thread_time
         and CPU.spans(torch.device("cpu"), time.thread_time).warmup_s == 0.0
     )
+
+
+class FourWide(nn.Module):
+    """A few ms on one core: long enough that a run of the whole graph times steadily."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).relu()
+
+
+def test_a_cached_profile_that_does_not_add_up_to_the_whole_graph_is_measured_again(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """[Note: a cached profile checked]: a profile cached at a busy moment (times 3x) is measured again; a sound one
+    is read."""
+    traced = trace(FourWide().eval(), (torch.randn(64, 1024),))
+    graph = build_op_graph(traced)
+    profiled = []
+    real_timer = cost._in_situ_times_s
+
+    def counting_timer(timed, *args):  # noqa: ANN001, ANN002, ANN202
+        profiled.append(timed)
+        return real_timer(timed, *args)
+
+    monkeypatch.setattr(cost, "_in_situ_times_s", counting_timer)
+    first = profile_nodes(graph, traced, "cpu", cache_dir=tmp_path, repeats=5, progress=False)
+    (path,) = (tmp_path / "profiles").glob("*.json")
+    record = json.loads(path.read_text())
+    record["times_s"] = {signature: 3 * seconds for signature, seconds in record["times_s"].items()}
+    path.write_text(json.dumps(record))
+    again = profile_nodes(graph, traced, "cpu", cache_dir=tmp_path, repeats=5, progress=False)
+    assert len(profiled) == 2 and again.sum() < 2 * first.sum()
+    profile_nodes(graph, traced, "cpu", cache_dir=tmp_path, repeats=5, progress=False)
+    assert len(profiled) == 2  # a cache that adds up is read

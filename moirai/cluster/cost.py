@@ -51,6 +51,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import select
 import socket
@@ -84,6 +85,10 @@ from moirai.runtime.resources import apply_resources, rank_resources, restore_re
 
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
 _EMPTY_SPANS = 4  # spans with no op in profiling runs, to time the clock itself
+# A cached profile whose groups add up to more than 25% off a run of the whole graph is measured again.
+_STALE_PROFILE = 0.25
+_STALE_PROFILE_FLOOR_S = 0.2e-3  # and more than this apart: a graph of microseconds is all call overhead and noise
+_STALE_CHECK_RUNS = 3
 
 
 @stage("cost")
@@ -386,14 +391,15 @@ def profile_nodes(
     device_key = _device_key(device, clock) + _co_running_key(co_running)
     cache = _ProfileCache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), device_key)
     missing = list(dict.fromkeys(s for s in signatures if s not in cache.times_s))
+    spans = kind_of(device).spans(device, clock)
+    cached_s = [cache.times_s[s] for s in signatures] if not missing else []
+    if cached_s and not co_running and _stale_profile(traced, device, symbol_values, spans, cached_s):
+        missing = list(dict.fromkeys(signatures))
     if missing:
         module = _module_on(traced.graph_module, device)
         order = _group_order(graph, traced.graph_module)
-        spans = kind_of(device).spans(device, clock)
         timed = _timed_module(module, [graph.nodes[i].fx_names for i in order], spans)
-        shapes = [concrete_shape(s, symbol_values) if symbol_values else s.shape for s in traced.input_specs]
-        specs = zip(shapes, traced.input_specs, strict=True)
-        inputs = [_random_like(torch.empty(shape, dtype=spec.dtype, device=device)) for shape, spec in specs]
+        inputs = _profiling_inputs(traced, device, symbol_values)
         beside = f" beside {len(co_running)} computing" if co_running else ""
         with _computing_meanwhile(module, inputs, co_running):
             times = _in_situ_times_s(
@@ -405,6 +411,46 @@ def profile_nodes(
         cache.times_s.update({s: statistics.median(occurrences[s]) for s in missing})
         cache.save()
     return np.array([cache.times_s[s] for s in signatures])
+
+
+def _profiling_inputs(
+    traced: TracedModel, device: torch.device, symbol_values: Mapping[str, int] | None
+) -> list[torch.Tensor]:
+    """Random model inputs on ``device`` at the example inputs' sizes, or at ``symbol_values``'."""
+    shapes = [concrete_shape(s, symbol_values) if symbol_values else s.shape for s in traced.input_specs]
+    specs = zip(shapes, traced.input_specs, strict=True)
+    return [_random_like(torch.empty(shape, dtype=spec.dtype, device=device)) for shape, spec in specs]
+
+
+def _stale_profile(
+    traced: TracedModel,
+    device: torch.device,
+    symbol_values: Mapping[str, int] | None,
+    spans: HostSpans | CudaEventSpans,
+    cached_s: Sequence[float],
+) -> bool:
+    """Whether the cached times of a graph's groups fail to add up to a run of the whole graph, timed as the groups
+    were (the median of a few runs after one), by more than :data:`_STALE_PROFILE` either way and
+    :data:`_STALE_PROFILE_FLOOR_S` ([Note: a cached profile checked]). A model with weights on the meta device is
+    not checked: its cache is read as it is."""
+    tensors = [*traced.graph_module.parameters(), *traced.graph_module.buffers()]
+    if any(t.is_meta for t in tensors):
+        return False
+    module = _module_on(traced.graph_module, device)
+    inputs = _profiling_inputs(traced, device, symbol_values)
+    runs_s = []
+    with torch.no_grad():
+        module(*inputs)  # the first run allocates
+        for _ in range(_STALE_CHECK_RUNS):
+            begun = spans.read()
+            module(*inputs)
+            ended = spans.read()
+            first, last = spans.seconds([begun, ended])
+            runs_s.append(last - first)
+    whole_s, cached_sum_s = statistics.median(runs_s), float(sum(cached_s))
+    if whole_s <= 0 or cached_sum_s <= 0 or abs(cached_sum_s - whole_s) <= _STALE_PROFILE_FLOOR_S:
+        return False
+    return abs(math.log(cached_sum_s / whole_s)) > math.log(1 + _STALE_PROFILE)
 
 
 def _co_running_key(co_running: Sequence[tuple[Sequence[int], int]]) -> str:
