@@ -139,16 +139,22 @@ def test_node_dtypes_follow_the_traced_model() -> None:
     assert fp32[0, 0] > 3 * bf16[0, 0]  # compute bound: the bf16 peak is 4x the fp32 one
 
 
-def test_measured_profiles_once_then_reads_the_cache(traced_two_layers, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    traced, graph = traced_two_layers
-    profiling_runs = []
+@pytest.fixture
+def profiling_runs(monkeypatch) -> list:  # noqa: ANN001
+    """Each profiling run of the whole graph (``cost._in_situ_times_s``), recorded as it runs."""
+    runs = []
     real_timer = cost._in_situ_times_s
 
     def counting_timer(timed, *args):  # noqa: ANN001, ANN002, ANN202
-        profiling_runs.append(timed)
+        runs.append(timed)
         return real_timer(timed, *args)
 
     monkeypatch.setattr(cost, "_in_situ_times_s", counting_timer)
+    return runs
+
+
+def test_measured_profiles_once_then_reads_the_cache(traced_two_layers, tmp_path: Path, profiling_runs) -> None:  # noqa: ANN001
+    traced, graph = traced_two_layers
     cluster = Cluster.from_devices(["cpu", "cpu"])
     first = build_problem(graph, cluster, "measured", traced, cache_dir=tmp_path, repeats=3, progress=False)
     # Both devices are the local CPU: one profile. Linear, relu, Linear: the Linears share a signature.
@@ -432,19 +438,12 @@ class FourWide(nn.Module):
         return self.layers(x).relu()
 
 
-def test_a_cached_profile_that_does_not_add_up_to_the_whole_graph_is_measured_again(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_a_cached_profile_that_does_not_add_up_to_the_whole_graph_is_measured_again(tmp_path, profiling_runs) -> None:  # noqa: ANN001
     """[Note: a cached profile checked]: a profile cached at a busy moment (times 3x) is measured again; a sound one
     is read."""
     traced = trace(FourWide().eval(), (torch.randn(64, 1024),))
     graph = build_op_graph(traced)
-    profiled = []
-    real_timer = cost._in_situ_times_s
-
-    def counting_timer(timed, *args):  # noqa: ANN001, ANN002, ANN202
-        profiled.append(timed)
-        return real_timer(timed, *args)
-
-    monkeypatch.setattr(cost, "_in_situ_times_s", counting_timer)
+    profiled = profiling_runs
     first = profile_nodes(graph, traced, "cpu", cache_dir=tmp_path, repeats=5, progress=False)
     (path,) = (tmp_path / "profiles").glob("*.json")
     record = json.loads(path.read_text())
