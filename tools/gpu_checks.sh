@@ -6,7 +6,11 @@
 #   tools/gpu_checks.sh                     # every step
 #   tools/gpu_checks.sh tests realized      # some steps: env tests calibrate terms realized serving generate
 #
-# Python packages the machine lacks travel as wheels in .whl (pyomo, highspy: see bench/RESULTS.md, "CUDA").
+# Python packages the device machine lacks (pyomo, highspy; it has torch, transformers, networkx, rich, numpy)
+# travel as wheels in .whl, which git ignores (add "/.whl/" to .git/info/exclude) and the run carries:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pyomo==6.10.1 highspy==1.16.0
+# Start with "env calibrate terms" (about 2 minutes): bench/RESULTS.md, "CUDA: the first runs", says why.
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
