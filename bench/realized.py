@@ -283,7 +283,7 @@ def plan_transfers(compiled: moirai.CompiledModel) -> tuple[int, float]:
 
 def outputs_equal(actual: Any, expected: Any) -> bool:
     try:  # a split program's outputs are where their last op ran, on cuda:N for some plans
-        actual = torch.utils._pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, actual)
+        actual = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.cpu, actual)
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
     except AssertionError:
         return False

@@ -184,7 +184,7 @@ def measure(variants: list[Variant], workload: Workload, problem: Problem, optio
                 elapsed = time.perf_counter() - started
             for index, output in zip(indices, outputs, strict=True):
                 torch.testing.assert_close(
-                    torch.utils._pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, output),
+                    torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.cpu, output),
                     expected[index],
                     msg=lambda m, name=variant.name: f"{name}: {m}",
                     **tolerance,

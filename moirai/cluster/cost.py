@@ -71,7 +71,7 @@ from rich.progress import Progress
 
 from moirai.cluster.devices import Cluster, Device
 from moirai.cluster.host import cpu_model
-from moirai.cluster.kinds import CudaEventSpans, HostSpans, kind_of
+from moirai.cluster.kinds import Spans, kind_of
 from moirai.cluster.messages import header_s, input_messages, output_messages, recv_cpu_s, send_cpu_s, transfer_s
 from moirai.errors import ClusterError, MoiraiWarning
 from moirai.files import read_own_text, write_atomically
@@ -430,7 +430,7 @@ def _stale_profile(
     traced: TracedModel,
     device: torch.device,
     symbol_values: Mapping[str, int] | None,
-    spans: HostSpans | CudaEventSpans,
+    spans: Spans,
     cached_s: Sequence[float],
 ) -> bool:
     """Whether the cached times of a graph's groups fail to add up to a run of the whole graph ([Note: a cached
@@ -443,7 +443,7 @@ def _stale_profile(
     return not _adds_up(float(sum(cached_s)), whole_s)
 
 
-def _whole_graph_s(module: fx.GraphModule, inputs: Sequence[torch.Tensor], spans: HostSpans | CudaEventSpans) -> float:
+def _whole_graph_s(module: fx.GraphModule, inputs: Sequence[torch.Tensor], spans: Spans) -> float:
     """A run of the whole graph, timed as its groups are: the median of a few runs after one (which allocates)."""
     runs_s = []
     with torch.no_grad():
@@ -656,9 +656,7 @@ def _group_order(graph: OpGraph, module: fx.GraphModule) -> list[int]:
         ) from cycle
 
 
-def _timed_module(
-    module: fx.GraphModule, groups: Sequence[Sequence[str]], spans: HostSpans | CudaEventSpans
-) -> fx.GraphModule:
+def _timed_module(module: fx.GraphModule, groups: Sequence[Sequence[str]], spans: Spans) -> fx.GraphModule:
     """``module``'s graph with every group's ops contiguous, groups in the given order, and a clock read
     (``spans.read``, [Note: timing a GPU's ops]) before the first and after every group; it returns ``(clock
     readings, model outputs)``, the readings starting with ``_EMPTY_SPANS + 1`` empty spans.
@@ -694,7 +692,7 @@ def _timed_module(
 
 def _in_situ_times_s(
     timed: fx.GraphModule,
-    spans: HostSpans | CudaEventSpans,
+    spans: Spans,
     inputs: Sequence[torch.Tensor],
     warmup: int,
     repeats: int,

@@ -81,6 +81,9 @@ class CudaEventSpans:
         return [readings[0].elapsed_time(event) / 1e3 for event in readings]
 
 
+Spans = HostSpans | CudaEventSpans  # how the profiler reads time between op groups on one kind of device
+
+
 @dataclass(frozen=True)
 class DeviceKind:
     """One kind of torch device; the base class is the host CPU."""
@@ -106,7 +109,7 @@ class DeviceKind:
     def synchronize(self, device: torch.device) -> None:
         """Wait until the work queued on ``device`` is done (a no-op where work runs as it is called)."""
 
-    def spans(self, device: torch.device, clock: Callable[[], float]) -> HostSpans | CudaEventSpans:
+    def spans(self, device: torch.device, clock: Callable[[], float]) -> Spans:
         """The profiler's clock between the op groups of a run on ``device``; ``clock`` where ops run as called."""
         return HostSpans(clock)
 
@@ -208,7 +211,7 @@ class CudaKind(DeviceKind):
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
-    def spans(self, device: torch.device, clock: Callable[[], float]) -> HostSpans | CudaEventSpans:
+    def spans(self, device: torch.device, clock: Callable[[], float]) -> Spans:
         return CudaEventSpans(device)
 
     def set_current(self, device: torch.device) -> None:

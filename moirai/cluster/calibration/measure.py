@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -253,79 +253,73 @@ def measure_pairs(
     block = torch.ones(64, 64)
 
     def compute_for(seconds: float) -> None:
-        """Keep this rank's core busy, as a part computing around its sends keeps it, on one thread: the CPU time a
-        message is charged is the whole process's, which would count a rank's other compute threads spinning after a
-        parallel matmul ([Note: a message's CPU on one thread])."""
+        """Keep this rank's core busy, as a part computing around its sends keeps it."""
         deadline = time.perf_counter() + seconds
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            while time.perf_counter() < deadline:
-                block @ block
-        finally:
-            torch.set_num_threads(threads)
+        while time.perf_counter() < deadline:
+            block @ block
 
-    results = []
-    runs_per_pair = _CLOCK_PINGS + len(sizes) * (warmup + repeats) + STREAM_MESSAGES + 1
-    for index, (src, dst) in enumerate(pairs):
-        if rank not in (src, dst):
-            continue
-        # One pair at a time: the pair before this one has finished (its sender says so), so no other pair's
-        # messages share the cores or the links while this one is timed.
-        if index > 0:
-            store.wait([f"{prefix}/pair/{index - 1}"], timeout)
-        # Every rank numbers exchanges alike, whichever pairs it takes part in, so both ends of a pair tag alike.
-        exchange = index * runs_per_pair
-        offset_s = 0.0
-        across_hosts = hosts is not None and hosts[src] != hosts[dst]
-        if across_hosts:
-            offset_s = _clock_offset_s(group, src, dst, exchange, timeout)
-        exchange += _CLOCK_PINGS
-        medians: dict[str, list[float]] = {"delay_s": [], "sender_cpu_s": [], "receiver_cpu_s": []}
-        for size in sizes:
-            shape = (max(1, size // 4),)
-            message = torch.ones(shape, device=device)
-            delays, sender_cpu, receiver_cpu = [], [], []
-            for run in range(warmup + repeats):
-                messages = Messages(group, exchange, timeout)
-                exchange += 1
-                if rank == dst:
-                    cpu_before = time.process_time()
-                    pending = messages.post_recv(shape, torch.float32, src, 0, "calibration message")
-                    messages.wait_recv(pending)
+    with _one_compute_thread():
+        results = []
+        runs_per_pair = _CLOCK_PINGS + len(sizes) * (warmup + repeats) + STREAM_MESSAGES + 1
+        for index, (src, dst) in enumerate(pairs):
+            if rank not in (src, dst):
+                continue
+            # One pair at a time: the pair before this one has finished (its sender says so), so no other pair's
+            # messages share the cores or the links while this one is timed.
+            if index > 0:
+                store.wait([f"{prefix}/pair/{index - 1}"], timeout)
+            # Every rank numbers exchanges alike, whichever pairs it takes part in, so both ends of a pair tag alike.
+            exchange = index * runs_per_pair
+            offset_s = 0.0
+            across_hosts = hosts is not None and hosts[src] != hosts[dst]
+            if across_hosts:
+                offset_s = _clock_offset_s(group, src, dst, exchange, timeout)
+            exchange += _CLOCK_PINGS
+            medians: dict[str, list[float]] = {"delay_s": [], "sender_cpu_s": [], "receiver_cpu_s": []}
+            for size in sizes:
+                shape = (max(1, size // 4),)
+                message = torch.ones(shape, device=device)
+                delays, sender_cpu, receiver_cpu = [], [], []
+                for run in range(warmup + repeats):
+                    messages = Messages(group, exchange, timeout)
+                    exchange += 1
+                    if rank == dst:
+                        cpu_before = time.process_time()
+                        pending = messages.post_recv(shape, torch.float32, src, 0, "calibration message")
+                        messages.wait_recv(pending)
+                        synchronize()
+                        held_at = time.perf_counter()
+                        # The reply: when this rank held the message, and the CPU time its wait took.
+                        reply = torch.tensor([held_at, time.process_time() - cpu_before], dtype=torch.float64)
+                        messages.send(reply, src, 1, "calibration reply")
+                        messages.wait_sends()
+                        continue
+                    pending_reply = messages.post_recv((2,), torch.float64, dst, 1, "calibration reply")
+                    compute_for(_SENDER_PAUSE_S)
                     synchronize()
-                    held_at = time.perf_counter()
-                    # The reply: when this rank held the message, and the CPU time its wait took.
-                    reply = torch.tensor([held_at, time.process_time() - cpu_before], dtype=torch.float64)
-                    messages.send(reply, src, 1, "calibration reply")
+                    cpu_before, sent_at = time.process_time(), time.perf_counter()
+                    messages.send(message, dst, 0, "calibration message")
+                    cpu_spent = time.process_time() - cpu_before
+                    compute_for(_SENDER_COMPUTES_ON_S)
+                    cpu_before = time.process_time()
                     messages.wait_sends()
-                    continue
-                pending_reply = messages.post_recv((2,), torch.float64, dst, 1, "calibration reply")
-                compute_for(_SENDER_PAUSE_S)
-                synchronize()
-                cpu_before, sent_at = time.process_time(), time.perf_counter()
-                messages.send(message, dst, 0, "calibration message")
-                cpu_spent = time.process_time() - cpu_before
-                compute_for(_SENDER_COMPUTES_ON_S)
-                cpu_before = time.process_time()
-                messages.wait_sends()
-                synchronize()
-                cpu_spent += time.process_time() - cpu_before
-                held_at, waited_cpu = messages.wait_recv(pending_reply).tolist()
-                if run >= warmup:
-                    delays.append(held_at - offset_s - sent_at)
-                    sender_cpu.append(cpu_spent)
-                    receiver_cpu.append(waited_cpu)
+                    synchronize()
+                    cpu_spent += time.process_time() - cpu_before
+                    held_at, waited_cpu = messages.wait_recv(pending_reply).tolist()
+                    if run >= warmup:
+                        delays.append(held_at - offset_s - sent_at)
+                        sender_cpu.append(cpu_spent)
+                        receiver_cpu.append(waited_cpu)
+                if rank == src:
+                    for key, values in zip(medians, (delays, sender_cpu, receiver_cpu), strict=True):
+                        medians[key].append(statistics.median(values))
+            stream = None
+            if across_hosts:
+                stream = _stream_bytes_per_s(group, src, dst, exchange, max(sizes), timeout, synchronize)
             if rank == src:
-                for key, values in zip(medians, (delays, sender_cpu, receiver_cpu), strict=True):
-                    medians[key].append(statistics.median(values))
-        stream = None
-        if across_hosts:
-            stream = _stream_bytes_per_s(group, src, dst, exchange, max(sizes), timeout, synchronize)
-        if rank == src:
-            results.append((index, {"src": src, "dst": dst, **medians, "stream_bytes_per_s": stream}))
-            store.set(f"{prefix}/pair/{index}", "1")
-    return results
+                results.append((index, {"src": src, "dst": dst, **medians, "stream_bytes_per_s": stream}))
+                store.set(f"{prefix}/pair/{index}", "1")
+        return results
 
 
 def _clock_offset_s(group: Any, src: int, dst: int, first_exchange: int, timeout: datetime.timedelta) -> float:
@@ -388,6 +382,20 @@ def _stream_bytes_per_s(
         messages.wait_sends()
     rate = answer.wait_recv(reply).item()
     return rate if rate > 0 else None
+
+
+@contextlib.contextmanager
+def _one_compute_thread() -> Iterator[None]:
+    """Torch computes on one thread meanwhile ([Note: a message's CPU on one thread]): the CPU time a message is
+    charged is the whole process's, which would count a rank's other compute threads spinning after each parallel
+    op or copy. A local calibration rank has one already (:func:`calibration_resources`); a rank under torchrun has
+    its host's share."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def directed_pairs(world_size: int) -> list[tuple[int, int]]:
