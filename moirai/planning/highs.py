@@ -102,6 +102,37 @@ class SparseLinearProgram:
 
         ``method`` is HiGHS's ``solver`` option: "choose", "simplex" or "ipm" (interior point).
         """
+        highs = self._loaded(integer_vars, time_limit_s, method)
+        highs.run()
+        status = highs.getModelStatus()
+        solution = highs.getSolution()
+        if not solution.value_valid:
+            reason = highs.modelStatusToString(status)
+            raise InfeasibleError(f"HiGHS found no solution of the linear program ({reason})")
+        return np.asarray(solution.col_value, float)
+
+    def solve_mip(
+        self,
+        integer_vars: Sequence[int],
+        time_limit_s: float,
+        start: dict[int, float] | None = None,
+        mip_gap: float = 1e-6,
+    ) -> tuple[np.ndarray, bool] | None:
+        """The best values found within ``time_limit_s`` from ``start`` (values of some variables; HiGHS completes
+        them) and whether they are proved optimal within the relative ``mip_gap``; None when HiGHS found no feasible
+        point (or reports a numerical failure)."""
+        highs = self._loaded(integer_vars, time_limit_s, "choose")
+        highs.setOptionValue("mip_rel_gap", mip_gap)
+        if start:
+            columns = np.fromiter(start, np.int32, len(start))
+            highs.setSolution(len(columns), columns, np.fromiter(start.values(), float, len(start)))
+        highs.run()
+        if highs.getInfo().primal_solution_status != 2:  # 2: a feasible point exists
+            return None
+        optimal = highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
+        return np.asarray(highs.getSolution().col_value, float), optimal
+
+    def _loaded(self, integer_vars: Sequence[int], time_limit_s: float | None, method: str) -> highspy.Highs:
         highs = new_highs(threads=1)
         highs.setOptionValue("output_flag", False)
         if time_limit_s is not None:
@@ -128,13 +159,7 @@ class SparseLinearProgram:
             highs.changeColsIntegrality(
                 len(columns), columns, np.full(len(columns), highspy.HighsVarType.kInteger, np.uint8)
             )
-        highs.run()
-        status = highs.getModelStatus()
-        solution = highs.getSolution()
-        if not solution.value_valid:
-            reason = highs.modelStatusToString(status)
-            raise InfeasibleError(f"HiGHS found no solution of the linear program ({reason})")
-        return np.asarray(solution.col_value, float)
+        return highs
 
 
 class SolverOutcome(NamedTuple):

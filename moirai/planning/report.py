@@ -86,4 +86,6 @@ class SolverReport(PlacerReport):
     moves_kept: int = 0
     kicks: int = 0  # the period search's kicks from its local optima (iterated local search), and those kept
     kicks_kept: int = 0
+    windows: int = 0  # the period search's window programs (moirai.planning.solve.period_windows), and those kept
+    windows_kept: int = 0
     history: list[tuple[float, float]] = field(default_factory=list)  # (seconds, objective) of the winning search

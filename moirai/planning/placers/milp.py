@@ -27,6 +27,7 @@ and the best plan found so far, never a traceback.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -52,6 +53,7 @@ from moirai.planning.solve.costs import measured_costs
 from moirai.planning.solve.formulation import FORMULATIONS, formulation_named
 from moirai.planning.solve.model import build_model
 from moirai.planning.solve.period_search import PeriodSearchResult, improve_period, kicked_search
+from moirai.planning.solve.period_windows import window_search
 from moirai.planning.solve.search import DEFAULT_WINDOW_TASKS, gap_closed, improve_by_windows, window_sizes
 from moirai.planning.solve.solver import SOLVERS, MilpSolution, SolverSettings, progress_text, solve_model
 from moirai.planning.solve.start_plans import improve_start_plan
@@ -296,14 +298,19 @@ def _search_period(
             info.stop_reason = StopReason.GAP_CLOSED
             return best
         stopped_by_time |= search.stop_reason is StopReason.TIME_LIMIT
-    if not stopped_by_time:  # every start at a local optimum with time left: kicks from the best
-        report(progress_text("period search, kicks", objective.value_s(best[1]), bound_s))
-        kicked = kicked_search(problem, *best, deadline, bound_s, settings.mip_gap, objective)
-        best = _shorter_of(kicked, best, info, objective)
-        if kicked.stop_reason is StopReason.GAP_CLOSED:
+    # Every start at a local optimum with time left: windows and kicks from the best, in turn, while either gains.
+    searches = itertools.cycle([("windows", window_search), ("kicks", kicked_search)])
+    stalled = 0
+    while not stopped_by_time and stalled < 2:
+        name, search_from = next(searches)
+        report(progress_text(f"period search, {name}", objective.value_s(best[1]), bound_s))
+        search = search_from(problem, *best, deadline, bound_s, settings.mip_gap, objective)
+        stalled = 0 if objective.improves(search.timeline, best[1]) else stalled + 1
+        best = _shorter_of(search, best, info, objective)
+        if search.stop_reason is StopReason.GAP_CLOSED:
             info.stop_reason = StopReason.GAP_CLOSED
             return best
-        stopped_by_time = kicked.stop_reason is StopReason.TIME_LIMIT
+        stopped_by_time = search.stop_reason is StopReason.TIME_LIMIT
     info.stop_reason = StopReason.TIME_LIMIT if stopped_by_time else StopReason.NO_IMPROVING_MOVE
     return best
 
@@ -317,6 +324,8 @@ def _shorter_of(
     info.moves_kept += search.moves_kept
     info.kicks += search.kicks
     info.kicks_kept += search.kicks_kept
+    info.windows += search.windows
+    info.windows_kept += search.windows_kept
     if not objective.improves(search.timeline, best[1]):
         return best
     info.history = search.history

@@ -25,7 +25,8 @@ From such a local optimum :func:`kicked_search` goes on (iterated local search):
 device's tasks (the busiest's, most often), in topological order, to another device, the search descends from
 there, and the result is kept when its period is shorter. It stops at the deadline, the bound, or once as many kicks
 as it took to find its last improvement (and at least :data:`KICKS_BEFORE_STALL`) have found nothing
-([Note: kicks]).
+([Note: kicks]). The milp placer alternates kicks with windows (:mod:`moirai.planning.solve.period_windows`: many
+tasks' devices chosen at once by a small integer program of these same loads) while either gains.
 """
 
 from __future__ import annotations
@@ -58,25 +59,25 @@ class Loads:
         self.problem = problem
         k = problem.num_devices
         charges = problem.costs.charges
-        self._compute = np.where(np.isfinite(problem.compute_s), problem.compute_s, np.inf) + charges.own_s
-        self._driver = charges.driver_s
-        self._always, self._taking_part = charges.always_s, charges.taking_part_s
-        self._driver_taking_part = charges.driver_taking_part_s
+        self.compute_s = np.where(np.isfinite(problem.compute_s), problem.compute_s, np.inf) + charges.own_s
+        self.driver_s = charges.driver_s
+        self.always_s, self.taking_part_s = charges.always_s, charges.taking_part_s
+        self.driver_taking_part_s = charges.driver_taking_part_s
         costs = problem.costs
-        self._input_own, self._input_driver, self._input_link = (
+        self.input_own_s, self.input_driver_s, self.input_link_s = (
             charges.input_own_s,
             charges.input_driver_s,
             costs.input_link_s,
         )
-        self._input_readers, self._inputs_of_task = costs.input_readers, costs.inputs_of_task
-        self._output_link = costs.output_link_s
+        self.input_readers, self.inputs_of_task = costs.input_readers, costs.inputs_of_task
+        self.output_link_s = costs.output_link_s
         tensors, devices = np.arange(problem.num_tensors)[:, None, None], np.arange(k)
         src, dst = devices[None, :, None], devices[None, None, :]
-        self._transfer = transfer_duration_s(problem, tensors, src, dst)
-        self._send = send_cpu_s(problem, tensors, src, dst)
-        self._recv = recv_cpu_s(problem, tensors, src, dst)
-        self._producer = problem.tensor_producer.tolist()
-        self._consumers = [list(cs) for cs in problem.tensor_consumers]
+        self.transfer_s = transfer_duration_s(problem, tensors, src, dst)
+        self.send_s = send_cpu_s(problem, tensors, src, dst)
+        self.recv_s = recv_cpu_s(problem, tensors, src, dst)
+        self.producer = problem.tensor_producer.tolist()
+        self.consumers = [list(cs) for cs in problem.tensor_consumers]
         self._touching = [
             sorted({*problem.input_tensors[i], *problem.output_tensors[i]}) for i in range(problem.num_tasks)
         ]
@@ -88,18 +89,18 @@ class Loads:
     def _totals(self, placement: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         problem, k = self.problem, self.problem.num_devices
         tasks = np.arange(problem.num_tasks)
-        device = np.bincount(placement, weights=self._compute[tasks, placement], minlength=k)
-        device[0] += self._driver[tasks, placement].sum()
+        device = np.bincount(placement, weights=self.compute_s[tasks, placement], minlength=k)
+        device[0] += self.driver_s[tasks, placement].sum()
         count = np.bincount(placement, minlength=k)
-        device += self._always + np.where(count > 0, self._taking_part, 0.0)
-        device[0] += self._driver_taking_part[count > 0].sum()
+        device += self.always_s + np.where(count > 0, self.taking_part_s, 0.0)
+        device[0] += self.driver_taking_part_s[count > 0].sum()
         link = np.zeros((k, k))
-        np.add.at(link, (placement, 0), self._output_link[tasks, placement])
+        np.add.at(link, (placement, 0), self.output_link_s[tasks, placement])
         on, device_list, link_list = placement.tolist(), device.tolist(), link.ravel().tolist()
-        for t, (producer, consumers) in enumerate(zip(self._producer, self._consumers, strict=True)):
+        for t, (producer, consumers) in enumerate(zip(self.producer, self.consumers, strict=True)):
             a = on[producer]
             self._add_tensor(t, a, {on[c] for c in consumers} - {a}, device_list, link_list, 1.0)
-        for j in range(len(self._input_readers)):
+        for j in range(len(self.input_readers)):
             self._model_input(j, on, None, device_list, link_list, 1.0)
         memory = np.bincount(placement, weights=problem.memory_bytes, minlength=k)
         return np.array(device_list), np.array(link_list).reshape(k, k), count, memory
@@ -113,10 +114,17 @@ class Loads:
         """What a move lowers: the period, then the sum of squared loads (the lists :meth:`priced` gives)."""
         return max(max(device_s, default=0.0), max(link_s, default=0.0)), sum(x * x for x in device_s + link_s)
 
+    @staticmethod
+    def improves(key: tuple[float, float], best_key: tuple[float, float]) -> bool:
+        """Whether loads of ``key`` are kept over ``best_key``'s: a shorter period, or the same period and a lower
+        sum of squared loads (load leaves the busiest device even where another is as busy)."""
+        shorter = key[0] < best_key[0] * (1 - _IMPROVEMENT)
+        return shorter or (key[0] <= best_key[0] and key[1] < best_key[1] * (1 - _IMPROVEMENT))
+
     def priced(self, tasks: list[int], target: int) -> tuple[list[float], list[float]] | None:
         """Device and link loads (the links flat, ``a * k + b``) with ``tasks`` moved to device ``target`` (None: it
         cannot run one or hold them)."""
-        placement, compute = self._placement_list, self._compute
+        placement, compute = self._placement_list, self.compute_s
         moving = [i for i in tasks if placement[i] != target]
         if not moving or any(math.isinf(compute.item(i, target)) for i in moving):
             return None
@@ -126,10 +134,10 @@ class Loads:
         k = self._k
         device, link = self.device_s.tolist(), self.link_s.ravel().tolist()
         touched = sorted({t for i in moving for t in self._touching[i]})
-        inputs = sorted({j for i in moving for j in self._inputs_of_task[i]})
+        inputs = sorted({j for i in moving for j in self.inputs_of_task[i]})
         # Each touched tensor's sender and readers' devices before and after; one whose ends stay is left alone.
         moved = dict.fromkeys(moving, target)
-        producers, consumers, changed = self._producer, self._consumers, []
+        producers, consumers, changed = self.producer, self.consumers, []
         for t in touched:
             a, readers = placement[producers[t]], {placement[c] for c in consumers[t]}
             new_a, new_readers = moved.get(producers[t], a), {moved.get(c, placement[c]) for c in consumers[t]}
@@ -140,7 +148,7 @@ class Loads:
             self._model_input(j, placement, None, device, link, -1.0)
         before = self.count.tolist()
         count = before.copy()
-        driver, output_link = self._driver, self._output_link
+        driver, output_link = self.driver_s, self.output_link_s
         for i in moving:
             a = placement[i]
             device[a] -= compute.item(i, a)
@@ -152,8 +160,8 @@ class Loads:
             count[target] += 1
         for d in {placement[i] for i in moving} | {target}:
             was, now = before[d] > 0, count[d] > 0
-            device[d] += self._taking_part.item(d) * (float(now) - float(was))
-            device[0] += self._driver_taking_part.item(d) * (float(now) - float(was))
+            device[d] += self.taking_part_s.item(d) * (float(now) - float(was))
+            device[0] += self.driver_taking_part_s.item(d) * (float(now) - float(was))
         for t, a, readers in changed:
             self._add_tensor(t, a, readers, device, link, 1.0)
         for j in inputs:
@@ -166,21 +174,21 @@ class Loads:
         a few tensors, and numpy's per-element cost would be most of its price."""
         k = self._k
         for b in readers:
-            link[a * k + b] += sign * self._transfer.item(t, a, b)
-            device[a] += sign * self._send.item(t, a, b)
-            device[b] += sign * self._recv.item(t, a, b)
+            link[a * k + b] += sign * self.transfer_s.item(t, a, b)
+            device[a] += sign * self.send_s.item(t, a, b)
+            device[b] += sign * self.recv_s.item(t, a, b)
 
     def _model_input(
         self, j: int, placement: list[int], moved: dict[int, int] | None, device: list, link: list, sign: float
     ) -> None:
         """Add (``sign`` 1) or remove (-1) model input ``j``'s messages from the driver, once to each device with a
         reader (:meth:`moirai.planning.costs.RequestCosts.link_s`), as :meth:`_add_tensor` does a tensor's."""
-        readers = self._input_readers[j]
+        readers = self.input_readers[j]
         devices = {moved.get(i, placement[i]) for i in readers} if moved else {placement[i] for i in readers}
         for b in sorted(devices):
-            link[b] += sign * self._input_link.item(j, b)
-            device[0] += sign * self._input_driver.item(j, b)
-            device[b] += sign * self._input_own.item(j, b)
+            link[b] += sign * self.input_link_s.item(j, b)
+            device[0] += sign * self.input_driver_s.item(j, b)
+            device[b] += sign * self.input_own_s.item(j, b)
 
     def apply(self, placement: np.ndarray, device_s: Sequence[float], link_s: Sequence[float]) -> None:
         """Take ``placement``, whose loads :meth:`priced` or :meth:`relabelled` gave (in place: moves read it)."""
@@ -197,7 +205,7 @@ class Loads:
         swapped = self.placement.copy()
         swapped[self.placement == a], swapped[self.placement == b] = b, a
         tasks = np.arange(self.problem.num_tasks)
-        if not np.all(np.isfinite(self._compute[tasks, swapped])):
+        if not np.all(np.isfinite(self.compute_s[tasks, swapped])):
             return None
         device, link, _, memory = self._totals(swapped)
         if np.any(memory > self.problem.memory_capacity_bytes):
@@ -216,6 +224,8 @@ class PeriodSearchResult:
     history: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, period)
     kicks: int = 0  # kicked_search's kicks, and those whose descent gave a shorter period
     kicks_kept: int = 0
+    windows: int = 0  # period_windows.window_search's programs, and those whose placement was kept
+    windows_kept: int = 0
 
 
 def improve_period(
@@ -249,8 +259,7 @@ def improve_period(
             if priced is None:
                 continue
             key = Loads.key(*priced)
-            shorter = key[0] < best_key[0] * (1 - _IMPROVEMENT)
-            if not (shorter or (key[0] <= best_key[0] and key[1] < best_key[1] * (1 - _IMPROVEMENT))):
+            if not Loads.improves(key, best_key):
                 continue
             placement = loads.placement.copy()
             if swap:

@@ -1,0 +1,365 @@
+"""Windows for the throughput objective: the devices of many tasks chosen together by a small integer program.
+
+The period search's moves (:mod:`moirai.planning.solve.period_search`) change one device per move and keep only
+moves that shorten the period. Where the busiest devices are as busy as each other, or a better plan needs many
+tasks to change device at once (an exchange between two stages), no single move helps. A window frees the tasks of
+two devices and lets a mixed-integer program place them, with the loads :class:`Loads` counts made linear:
+
+- ``x[i, d]``: free task ``i`` on device ``d``;
+- ``y[t, a, b] >= x[producer, a] + x[reader, b] - 1``: tensor ``t`` sent over ``a -> b``, once whatever its
+  readers there (its link time on ``a -> b``, sender's time on ``a``, receiver's on ``b``);
+- ``z[j, b] >= x[reader, b]``: model input ``j`` sent to ``b``; ``u[d] >= x[i, d]``: device ``d`` taking part;
+- every device's and link's load is a constant (what the fixed tasks cost) plus those columns, and the program
+  minimises their maximum, plus a small weight on the devices' summed load (of two equal periods, less work).
+
+Two kinds of window, alternated by :func:`window_search`: the two devices' tasks may go to **any** device (the
+program minimises the period), or **between the two** only, minimising the busier of the two (and their links) with
+every other load held at most the period: two devices evened out where a third holds the period, which a
+period-only program could not see as progress. The program starts from the current placement, so it never returns a
+worse one; each result is priced again by :class:`Loads` and kept when it lowers the period or, at the same period,
+the sum of squared loads (the descent's rule).
+
+A window of more tasks than :data:`MAX_WINDOW_TASKS` (adjusted as programs finish in time or not) takes the pair's
+tasks in a run of the topological order. The search stops at the deadline, the bound, or when a round over every
+pair of devices, both kinds, kept nothing with every window a whole pair and every program optimal (within
+:data:`WINDOW_GAP`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moirai.planning.highs import SparseLinearProgram
+from moirai.planning.objective import Objective
+from moirai.planning.plan import Plan
+from moirai.planning.problem import Problem
+from moirai.planning.report import StopReason
+from moirai.planning.simulate import Timeline, simulate
+from moirai.planning.solve.period_search import Loads, PeriodSearchResult
+from moirai.planning.solve.search import gap_closed
+
+MAX_WINDOW_TASKS = 120  # free tasks in a window at first; shrinks when a program runs out of time, grows when not
+MIN_WINDOW_TASKS = 16
+WATCHED_LINK_SHARE = 0.5  # links loaded below this share of the period are left out of the program
+WINDOW_TIME_S = 0.5  # the most one window's program may take
+WINDOW_GAP = 1e-5  # a program stops within this share of its bound: the search keeps gains of a few 1e-4
+_TIE = 1e-4  # weight of the devices' summed load beside the busiest one
+
+
+@dataclass(frozen=True)
+class Window:
+    """Tasks freed together, and the devices they may go to (None: any)."""
+
+    tasks: tuple[int, ...]
+    devices: tuple[int, ...] | None
+    whole: bool = True  # every task of its devices (not a run of them)
+
+
+@dataclass
+class _Program:
+    """A window's program as it is built: columns by key, rows, and every load's linear expression."""
+
+    num_devices: int
+    watched: np.ndarray  # [k, k]: the links whose loads the program counts
+    unit_s: float  # the program's unit of time: the current period, so that its loads are near 1
+    columns: dict[tuple, int] = field(default_factory=dict)
+    rows: list[tuple[list[int], list[float], float, float]] = field(default_factory=list)
+    constant: np.ndarray = field(init=False)
+    terms: list[list[tuple[int, float]]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        k = self.num_devices
+        self.constant = np.zeros(k + k * k)  # devices, then links a * k + b
+        self.terms = [[] for _ in range(k + k * k)]
+
+    def column(self, key: tuple) -> int:
+        return self.columns.setdefault(key, len(self.columns))
+
+    def charge(self, device: int | None, link: tuple[int, int] | None, column: int | None, seconds: float) -> None:
+        """Add ``seconds`` (times ``column``, or as a constant when it is None) to a device's or a link's load."""
+        if seconds == 0.0:
+            return
+        if link is not None and not self.watched[link]:
+            return
+        row = device if link is None else self.num_devices * (1 + link[0]) + link[1]
+        if column is None:
+            self.constant[row] += seconds / self.unit_s
+        else:
+            self.terms[row].append((column, seconds / self.unit_s))
+
+    def at_least_sum(self, column: int, ones: list[int | None]) -> None:
+        """``column >= sum(ones) - (len(ones) - 1)``, a None among ``ones`` being a constant 1 (a fixed task)."""
+        cols, vals, lower = [column], [1.0], 1.0 - len(ones)
+        for other in ones:
+            if other is None:
+                lower += 1.0
+            else:
+                cols.append(other)
+                vals.append(-1.0)
+        self.rows.append((cols, vals, lower, math.inf))
+
+
+def window_placement(
+    loads: Loads, window: Window, time_limit_s: float, mip_gap: float = 1e-6
+) -> tuple[np.ndarray, bool] | None:
+    """The placement the window's program finds within ``time_limit_s`` (the other tasks where ``loads`` has them)
+    and whether it is proved optimal; None when the solver found no point (never the case from its start)."""
+    k = loads.problem.num_devices
+    placement = loads.placement.tolist()
+    among = range(k) if window.devices is None else sorted({*window.devices, *(placement[i] for i in window.tasks)})
+    allowed = {i: [d for d in among if math.isfinite(loads.compute_s.item(i, d))] for i in window.tasks}
+    program = _Program(k, loads.link_s >= WATCHED_LINK_SHARE * loads.period_s, loads.period_s or 1.0)
+    for i in window.tasks:
+        for d in allowed[i]:
+            program.column(("x", i, d))
+
+    def options(v: int) -> list[tuple[int, int | None]]:  # (device, its column; None where v is fixed there)
+        return [(d, program.columns["x", v, d]) for d in allowed[v]] if v in allowed else [(placement[v], None)]
+
+    _task_terms(loads, program, options)
+    _taking_part_terms(loads, program, allowed, placement)
+    _tensor_terms(loads, program, options, allowed)
+    _input_terms(loads, program, options)
+    for i in window.tasks:
+        program.rows.append(([program.columns["x", i, d] for d in allowed[i]], [1.0] * len(allowed[i]), 1.0, 1.0))
+    _memory_rows(loads, program, allowed, placement)
+    cost = _load_rows(program, set(among), 1.0)
+    upper = np.array([math.inf if key[0] == "period" else 1.0 for key in program.columns])
+    lp = SparseLinearProgram(len(program.columns), 0.0, upper, cost)
+    for row in program.rows:
+        lp.add_row(*row)
+    binaries = [c for key, c in program.columns.items() if key[0] == "x"]
+    start = {program.columns["x", i, d]: float(d == placement[i]) for i in window.tasks for d in allowed[i]}
+    solution = lp.solve_mip(binaries, time_limit_s, start, mip_gap)
+    if solution is None:
+        return None
+    values, optimal = solution
+    chosen = loads.placement.copy()
+    for i in window.tasks:
+        chosen[i] = max(allowed[i], key=lambda d: values[program.columns["x", i, d]])
+    return chosen, optimal
+
+
+def _task_terms(loads: Loads, program: _Program, options) -> None:  # noqa: ANN001 - a closure over the window
+    """Each task's compute (its charges included) on its device, the driver's work for it, its model outputs' link."""
+    for i in range(loads.problem.num_tasks):
+        for d, x in options(i):
+            program.charge(d, None, x, loads.compute_s.item(i, d))
+            program.charge(0, None, x, loads.driver_s.item(i, d))
+            program.charge(None, (d, 0), x, loads.output_link_s.item(i, d))
+
+
+def _taking_part_terms(loads: Loads, program: _Program, allowed: dict[int, list[int]], placement: list[int]) -> None:
+    """Every device's fixed charge, and its charge for taking part: a constant where a fixed task keeps it busy."""
+    fixed = {placement[i] for i in range(loads.problem.num_tasks) if i not in allowed}
+    for d in range(program.num_devices):
+        program.charge(d, None, None, loads.always_s.item(d))
+        members = [program.columns["x", i, d] for i in allowed if ("x", i, d) in program.columns]
+        if d not in fixed and not members:
+            continue
+        taking = None if d in fixed else program.column(("u", d))
+        program.charge(d, None, taking, loads.taking_part_s.item(d))
+        program.charge(0, None, taking, loads.driver_taking_part_s.item(d))
+        if taking is not None:
+            program.rows.extend(([taking, x], [1.0, -1.0], 0.0, math.inf) for x in members)
+
+
+def _tensor_terms(loads: Loads, program: _Program, options, allowed: dict[int, list[int]]) -> None:  # noqa: ANN001
+    """Each tensor once over every link from its producer's device to a device with a reader (a constant where both
+    ends are fixed)."""
+    for t, (producer, readers) in enumerate(zip(loads.producer, loads.consumers, strict=True)):
+        reader_options = [options(c) for c in readers]
+        for a, x_a in options(producer):
+            for b in range(program.num_devices):
+                at_b = [x for choices in reader_options for d, x in choices if d == b]
+                if b == a or not at_b or not (program.watched[a, b] or _costs_devices(loads, t, a, b)):
+                    continue
+                if x_a is None and any(x is None for x in at_b):
+                    y = None  # a fixed producer and a fixed reader: sent whatever the window does
+                else:
+                    y = program.column(("y", t, a, b))
+                    for x_b in at_b:
+                        program.at_least_sum(y, [x_a, x_b])
+                program.charge(None, (a, b), y, loads.transfer_s.item(t, a, b))
+                program.charge(a, None, y, loads.send_s.item(t, a, b))
+                program.charge(b, None, y, loads.recv_s.item(t, a, b))
+
+
+def _costs_devices(loads: Loads, t: int, a: int, b: int) -> bool:
+    """Whether sending tensor ``t`` over ``a -> b`` takes its sender's or receiver's time."""
+    return bool(loads.send_s.item(t, a, b) or loads.recv_s.item(t, a, b))
+
+
+def _input_terms(loads: Loads, program: _Program, options) -> None:  # noqa: ANN001 - a closure over the window
+    """Each model input once from the driver to every device with a reader."""
+    for j, readers in enumerate(loads.input_readers):
+        reader_options = [options(i) for i in readers]
+        for b in range(program.num_devices):
+            at_b = [x for choices in reader_options for d, x in choices if d == b]
+            own_s, driver_s = loads.input_own_s.item(j, b), loads.input_driver_s.item(j, b)
+            if not at_b or not (program.watched[0, b] or own_s or driver_s):
+                continue
+            z = None if any(x is None for x in at_b) else program.column(("z", j, b))
+            if z is not None:
+                program.rows.extend(([z, x], [1.0, -1.0], 0.0, math.inf) for x in at_b)
+            program.charge(None, (0, b), z, loads.input_link_s.item(j, b))
+            program.charge(0, None, z, driver_s)
+            program.charge(b, None, z, own_s)
+
+
+def _memory_rows(loads: Loads, program: _Program, allowed: dict[int, list[int]], placement: list[int]) -> None:
+    problem = loads.problem
+    for d in range(program.num_devices):
+        capacity = float(problem.memory_capacity_bytes[d])
+        members = [i for i in allowed if ("x", i, d) in program.columns]
+        if not math.isfinite(capacity) or not members:
+            continue
+        held = sum(problem.memory_bytes[i] for i in range(problem.num_tasks) if i not in allowed and placement[i] == d)
+        columns = [program.columns["x", i, d] for i in members]
+        shares = [float(problem.memory_bytes[i]) / capacity for i in members]  # of the capacity: near 1, as the loads
+        program.rows.append((columns, shares, -math.inf, 1.0 - held / capacity))
+
+
+def _load_rows(program: _Program, minimised: set[int], held: float) -> np.ndarray:
+    """Rows ``period >= load`` for the loads of the ``minimised`` devices and the links between them, ``load <=
+    held`` for the others; the cost vector (the period, plus the tie weight on every device's load)."""
+    k = program.num_devices
+    period = program.column(("period",))
+    cost = np.zeros(len(program.columns))
+    cost[period] = 1.0
+    for row, entries in enumerate(program.terms):
+        if not entries and program.constant[row] == 0.0:
+            continue
+        cols, vals = [c for c, _ in entries], [v for _, v in entries]
+        ends = {row} if row < k else set(divmod(row - k, k))
+        if ends <= minimised:
+            program.rows.append(([*cols, period], [*vals, -1.0], -math.inf, -program.constant[row]))
+        elif cols:
+            program.rows.append((cols, vals, -math.inf, held - program.constant[row]))
+        if row < k:
+            for c, v in entries:
+                cost[c] += _TIE * v
+    return cost
+
+
+def window_search(
+    problem: Problem,
+    plan: Plan,
+    timeline: Timeline,
+    deadline: float,
+    bound_s: float,
+    mip_gap: float,
+    objective: Objective,
+) -> PeriodSearchResult:
+    """Windows over every pair of devices, the busiest first, both kinds, until ``deadline``, the bound, or a round
+    of whole pairs that keeps nothing with every program optimal; never worse than its start."""
+    started = time.perf_counter()
+    state = _State(Loads(problem, timeline.placement), timeline)
+    result = PeriodSearchResult(plan, timeline, StopReason.TIME_LIMIT, history=[(0.0, objective.value_s(timeline))])
+    size = {True: MAX_WINDOW_TASKS, False: MAX_WINDOW_TASKS}  # by kind: between the pair only, or anywhere
+    rng = np.random.default_rng(0)
+    settled = problem.num_devices < 2
+    while not settled:
+        settled = True  # every window of this round whole and optimal, none kept
+        for pair, between in _round(state.loads):
+            left = deadline - time.perf_counter()
+            if left <= 0 or gap_closed(state.key[0], bound_s, mip_gap):
+                result.stop_reason = StopReason.TIME_LIMIT if left <= 0 else StopReason.GAP_CLOSED
+                return _finished(problem, plan, timeline, state, result, objective)
+            window = _window(state.loads, pair, between, size[between], rng)
+            if window is None:
+                continue
+            found = window_placement(state.loads, window, min(WINDOW_TIME_S, left), WINDOW_GAP)
+            result.windows += 1
+            settled &= found is not None and found[1] and window.whole
+            if found is None:
+                continue
+            size[between] = _resized(size[between], found[1], len(window.tasks))
+            if state.take(problem, found[0], objective, plan.placer):
+                settled = False
+                result.windows_kept += 1
+                result.history.append((time.perf_counter() - started, state.key[0]))
+    result.stop_reason = StopReason.NO_IMPROVING_MOVE
+    return _finished(problem, plan, timeline, state, result, objective)
+
+
+@dataclass
+class _State:
+    """The search's placement: its loads, their key, and (with a latency limit) its simulated timeline."""
+
+    loads: Loads
+    timeline: Timeline
+    key: tuple[float, float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = Loads.key(self.loads.device_s.tolist(), self.loads.link_s.ravel().tolist())
+
+    def take(self, problem: Problem, placement: np.ndarray, objective: Objective, placer: str) -> bool:
+        """Move to ``placement`` when its loads improve on the current ones (the descent's rule) and, with a latency
+        limit, its simulated latency is within it."""
+        fresh = Loads(problem, placement)
+        key = Loads.key(fresh.device_s.tolist(), fresh.link_s.ravel().tolist())
+        if not Loads.improves(key, self.key):
+            return False
+        if objective.latency_limit_s is not None:  # only the simulator knows the latency
+            candidate = simulate(problem, Plan(placement, problem.device_names, placer=placer))
+            if not objective.acceptable(candidate):
+                return False
+            self.timeline = candidate
+        self.loads, self.key = fresh, key
+        return True
+
+
+def _round(loads: Loads) -> list[tuple[tuple[int, int], bool]]:
+    """A round's windows: every pair of devices, the busiest device's pairs first, between the pair, then the same
+    pairs to any device (none where there are only two)."""
+    k = loads.problem.num_devices
+    order = np.argsort(-loads.device_s, kind="stable").tolist()
+    pairs = list(itertools.combinations(order, 2))
+    return [(pair, between) for between in ((True, False) if k > 2 else (True,)) for pair in pairs]
+
+
+def _window(loads: Loads, pair: tuple[int, int], between: bool, size: int, rng: np.random.Generator) -> Window | None:
+    """The pair's tasks under the current placement (None: it has none), or a random run of ``size`` of them in
+    topological order where it has more."""
+    a, b = pair
+    tasks = np.flatnonzero((loads.placement == a) | (loads.placement == b)).tolist()
+    if not tasks:
+        return None
+    whole = len(tasks) <= size
+    if not whole:
+        position = loads.problem.topological_position
+        tasks.sort(key=lambda i: position[i])
+        first = int(rng.integers(0, len(tasks) - size + 1))
+        tasks = tasks[first : first + size]
+    return Window(tuple(tasks), pair if between else None, whole)
+
+
+def _resized(size: int, optimal: bool, tasks: int) -> int:
+    """The next window's task limit: smaller after a program that ran out of time, larger after one that did not
+    (when it was at the limit)."""
+    if not optimal:
+        return max(MIN_WINDOW_TASKS, int(min(size, tasks) * 0.75))
+    return size + size // 4 if tasks >= size else size
+
+
+def _finished(
+    problem: Problem,
+    plan: Plan,
+    timeline: Timeline,
+    state: _State,
+    result: PeriodSearchResult,
+    objective: Objective,
+) -> PeriodSearchResult:
+    """``result`` with the search's plan where ``objective`` prefers it to the start's."""
+    if result.windows_kept:
+        final = Plan(state.loads.placement.copy(), problem.device_names, placer=plan.placer)
+        final_timeline = state.timeline if objective.latency_limit_s is not None else simulate(problem, final)
+        if objective.improves(final_timeline, timeline):
+            result.plan, result.timeline = final, final_timeline
+    return result
