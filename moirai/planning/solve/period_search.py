@@ -199,6 +199,33 @@ class Loads:
         self.memory_bytes[:] = np.bincount(placement, weights=self.problem.memory_bytes, minlength=k)
         self.device_s, self.link_s = np.array(device_s, float), np.array(link_s, float).reshape(k, k)
 
+    def without(self, tasks: Sequence[int]) -> tuple[list[float], list[float], list[int], list[int]]:
+        """Device and link loads (the links flat) with ``tasks`` taken out: their compute and the driver's work for
+        them, their model outputs, every tensor they make or read and every model input they read (each tensor's and
+        input's every crossing), and the charge for taking part of each device they leave empty; and the tensors and
+        inputs taken out (what a window's program prices again, :mod:`moirai.planning.solve.period_windows`)."""
+        placement, k = self._placement_list, self._k
+        device, link = self.device_s.tolist(), self.link_s.ravel().tolist()
+        tensors = sorted({t for i in tasks for t in self._touching[i]})
+        inputs = sorted({j for i in tasks for j in self.inputs_of_task[i]})
+        for t in tensors:
+            a = placement[self.producer[t]]
+            self._add_tensor(t, a, {placement[c] for c in self.consumers[t]} - {a}, device, link, -1.0)
+        for j in inputs:
+            self._model_input(j, placement, None, device, link, -1.0)
+        left = self.count.tolist()
+        for i in tasks:
+            a = placement[i]
+            device[a] -= self.compute_s.item(i, a)
+            device[0] -= self.driver_s.item(i, a)
+            link[a * k] -= self.output_link_s.item(i, a)
+            left[a] -= 1
+        for d in {placement[i] for i in tasks}:
+            if left[d] == 0:
+                device[d] -= self.taking_part_s.item(d)
+                device[0] -= self.driver_taking_part_s.item(d)
+        return device, link, tensors, inputs
+
     def relabelled(self, a: int, b: int) -> tuple[list[float], list[float]] | None:
         """Device and link loads (as :meth:`priced` gives them) with the tasks of devices ``a`` and ``b`` exchanged
         (None: they do not fit or run)."""

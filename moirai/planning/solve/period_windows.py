@@ -108,12 +108,18 @@ def window_placement(
     loads: Loads, window: Window, time_limit_s: float, mip_gap: float = 1e-6
 ) -> tuple[np.ndarray, bool] | None:
     """The placement the window's program finds within ``time_limit_s`` (the other tasks where ``loads`` has them)
-    and whether it is proved optimal; None when the solver found no point (never the case from its start)."""
+    and whether it is proved optimal; None when the solver found no point (never the case from its start).
+
+    The program is built from what the window's tasks touch (:meth:`Loads.without` gives the rest as constants),
+    so its cost is in the window's size and degree, not the graph's."""
     k = loads.problem.num_devices
     placement = loads.placement.tolist()
     among = range(k) if window.devices is None else sorted({*window.devices, *(placement[i] for i in window.tasks)})
     allowed = {i: [d for d in among if math.isfinite(loads.compute_s.item(i, d))] for i in window.tasks}
     program = _Program(k, loads.link_s >= WATCHED_LINK_SHARE * loads.period_s, loads.period_s or 1.0)
+    device, link, tensors, inputs = loads.without(window.tasks)
+    program.constant[:k] = np.array(device) / program.unit_s
+    program.constant[k:] = np.where(program.watched.ravel(), np.array(link) / program.unit_s, 0.0)
     for i in window.tasks:
         for d in allowed[i]:
             program.column(("x", i, d))
@@ -121,13 +127,11 @@ def window_placement(
     def options(v: int) -> list[tuple[int, int | None]]:  # (device, its column; None where v is fixed there)
         return [(d, program.columns["x", v, d]) for d in allowed[v]] if v in allowed else [(placement[v], None)]
 
-    _task_terms(loads, program, options)
-    _taking_part_terms(loads, program, allowed, placement)
-    _tensor_terms(loads, program, options, allowed)
-    _input_terms(loads, program, options)
-    for i in window.tasks:
-        program.rows.append(([program.columns["x", i, d] for d in allowed[i]], [1.0] * len(allowed[i]), 1.0, 1.0))
-    _memory_rows(loads, program, allowed, placement)
+    _task_terms(loads, program, allowed)
+    _taking_part_terms(loads, program, allowed)
+    _tensor_terms(loads, program, options, tensors)
+    _input_terms(loads, program, options, inputs)
+    _memory_rows(loads, program, allowed)
     cost = _load_rows(program, set(among), 1.0)
     upper = np.array([math.inf if key[0] == "period" else 1.0 for key in program.columns])
     lp = SparseLinearProgram(len(program.columns), 0.0, upper, cost)
@@ -145,36 +149,38 @@ def window_placement(
     return chosen, optimal
 
 
-def _task_terms(loads: Loads, program: _Program, options) -> None:  # noqa: ANN001 - a closure over the window
-    """Each task's compute (its charges included) on its device, the driver's work for it, its model outputs' link."""
-    for i in range(loads.problem.num_tasks):
-        for d, x in options(i):
+def _task_terms(loads: Loads, program: _Program, allowed: dict[int, list[int]]) -> None:
+    """Each free task on one device: its compute (its charges included), the driver's work for it, its model
+    outputs' link."""
+    for i, devices in allowed.items():
+        program.rows.append(([program.columns["x", i, d] for d in devices], [1.0] * len(devices), 1.0, 1.0))
+        for d in devices:
+            x = program.columns["x", i, d]
             program.charge(d, None, x, loads.compute_s.item(i, d))
             program.charge(0, None, x, loads.driver_s.item(i, d))
             program.charge(None, (d, 0), x, loads.output_link_s.item(i, d))
 
 
-def _taking_part_terms(loads: Loads, program: _Program, allowed: dict[int, list[int]], placement: list[int]) -> None:
-    """Every device's fixed charge, and its charge for taking part: a constant where a fixed task keeps it busy."""
-    fixed = {placement[i] for i in range(loads.problem.num_tasks) if i not in allowed}
+def _taking_part_terms(loads: Loads, program: _Program, allowed: dict[int, list[int]]) -> None:
+    """The charge for taking part of each device the window could leave empty or fill (a device that keeps a fixed
+    task keeps its charge among the constants)."""
+    leaving = np.bincount([loads.placement[i] for i in allowed], minlength=program.num_devices)
     for d in range(program.num_devices):
-        program.charge(d, None, None, loads.always_s.item(d))
         members = [program.columns["x", i, d] for i in allowed if ("x", i, d) in program.columns]
-        if d not in fixed and not members:
+        if loads.count[d] > leaving[d] or not members:
             continue
-        taking = None if d in fixed else program.column(("u", d))
+        taking = program.column(("u", d))
         program.charge(d, None, taking, loads.taking_part_s.item(d))
         program.charge(0, None, taking, loads.driver_taking_part_s.item(d))
-        if taking is not None:
-            program.rows.extend(([taking, x], [1.0, -1.0], 0.0, math.inf) for x in members)
+        program.rows.extend(([taking, x], [1.0, -1.0], 0.0, math.inf) for x in members)
 
 
-def _tensor_terms(loads: Loads, program: _Program, options, allowed: dict[int, list[int]]) -> None:  # noqa: ANN001
-    """Each tensor once over every link from its producer's device to a device with a reader (a constant where both
-    ends are fixed)."""
-    for t, (producer, readers) in enumerate(zip(loads.producer, loads.consumers, strict=True)):
-        reader_options = [options(c) for c in readers]
-        for a, x_a in options(producer):
+def _tensor_terms(loads: Loads, program: _Program, options, tensors: list[int]) -> None:  # noqa: ANN001
+    """Each tensor the window touches, once over every link from its producer's device to a device with a reader
+    (a constant where both ends are fixed)."""
+    for t in tensors:
+        reader_options = [options(c) for c in loads.consumers[t]]
+        for a, x_a in options(loads.producer[t]):
             for b in range(program.num_devices):
                 at_b = [x for choices in reader_options for d, x in choices if d == b]
                 if b == a or not at_b or not (program.watched[a, b] or _costs_devices(loads, t, a, b)):
@@ -195,10 +201,10 @@ def _costs_devices(loads: Loads, t: int, a: int, b: int) -> bool:
     return bool(loads.send_s.item(t, a, b) or loads.recv_s.item(t, a, b))
 
 
-def _input_terms(loads: Loads, program: _Program, options) -> None:  # noqa: ANN001 - a closure over the window
-    """Each model input once from the driver to every device with a reader."""
-    for j, readers in enumerate(loads.input_readers):
-        reader_options = [options(i) for i in readers]
+def _input_terms(loads: Loads, program: _Program, options, inputs: list[int]) -> None:  # noqa: ANN001
+    """Each model input the window touches, once from the driver to every device with a reader."""
+    for j in inputs:
+        reader_options = [options(i) for i in loads.input_readers[j]]
         for b in range(program.num_devices):
             at_b = [x for choices in reader_options for d, x in choices if d == b]
             own_s, driver_s = loads.input_own_s.item(j, b), loads.input_driver_s.item(j, b)
@@ -212,17 +218,17 @@ def _input_terms(loads: Loads, program: _Program, options) -> None:  # noqa: ANN
             program.charge(b, None, z, own_s)
 
 
-def _memory_rows(loads: Loads, program: _Program, allowed: dict[int, list[int]], placement: list[int]) -> None:
-    problem = loads.problem
+def _memory_rows(loads: Loads, program: _Program, allowed: dict[int, list[int]]) -> None:
+    """What each device holds within its capacity, in shares of it (near 1, as the loads)."""
+    memory = loads.problem.memory_bytes
     for d in range(program.num_devices):
-        capacity = float(problem.memory_capacity_bytes[d])
+        capacity = float(loads.problem.memory_capacity_bytes[d])
         members = [i for i in allowed if ("x", i, d) in program.columns]
         if not math.isfinite(capacity) or not members:
             continue
-        held = sum(problem.memory_bytes[i] for i in range(problem.num_tasks) if i not in allowed and placement[i] == d)
+        held = loads.memory_bytes.item(d) - sum(memory.item(i) for i in allowed if loads.placement[i] == d)
         columns = [program.columns["x", i, d] for i in members]
-        shares = [float(problem.memory_bytes[i]) / capacity for i in members]  # of the capacity: near 1, as the loads
-        program.rows.append((columns, shares, -math.inf, 1.0 - held / capacity))
+        program.rows.append((columns, [memory.item(i) / capacity for i in members], -math.inf, 1.0 - held / capacity))
 
 
 def _load_rows(program: _Program, minimised: set[int], held: float) -> np.ndarray:
