@@ -119,3 +119,15 @@ def test_kicks_shorten_the_period_from_a_local_optimum_and_stop_when_they_stall(
     assert kicked.timeline.period_s == pytest.approx(simulate(problem, kicked.plan).period_s, rel=1e-12)
     assert kicked.stop_reason is StopReason.NO_IMPROVING_MOVE
     assert kicked.kicks >= KICKS_BEFORE_STALL and kicked.kicks_kept > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_loads_without_every_task_leave_only_what_every_request_costs(seed: int) -> None:
+    problem = _costly(seed)
+    placement = np.random.default_rng(seed).integers(0, problem.num_devices, problem.num_tasks)
+    loads = Loads(problem, placement)
+    device_s, link_s, tensors, inputs = loads.without(list(range(problem.num_tasks)))
+    np.testing.assert_allclose(device_s, problem.costs.charges.always_s, atol=1e-12)
+    np.testing.assert_allclose(link_s, 0.0, atol=1e-12)
+    assert tensors == list(range(problem.num_tensors))  # each made by a task
+    assert inputs == [j for j, readers in enumerate(problem.costs.input_readers) if readers]
