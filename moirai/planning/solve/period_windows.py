@@ -12,12 +12,13 @@ two devices and lets a mixed-integer program place them, with the loads :class:`
 - every device's and link's load is a constant (what the fixed tasks cost) plus those columns, and the program
   minimises their maximum, plus a small weight on the devices' summed load (of two equal periods, less work).
 
-Two kinds of window, alternated by :func:`window_search`: the two devices' tasks may go to **any** device (the
-program minimises the period), or **between the two** only, minimising the busier of the two (and their links) with
-every other load held at most the period: two devices evened out where a third holds the period, which a
-period-only program could not see as progress. The program starts from the current placement, so it never returns a
-worse one; each result is priced again by :class:`Loads` and kept when it lowers the period or, at the same period,
-the sum of squared loads (the descent's rule).
+Two kinds of window, each round of :func:`window_search` taking every pair as the first kind, then as the second:
+**between the two** devices only, minimising the busier of the two (and their links) with every other load held at
+most the period (two devices evened out where a third holds the period, which a period-only program could not see
+as progress), and to **any** device, minimising the period. Links loaded below :data:`WATCHED_LINK_SHARE` of the
+period are left out (the crossings are most of a program's columns). The program starts from the current placement;
+each result is priced again by :class:`Loads`, links included, and kept when it lowers the period or, at the same
+period, the sum of squared loads (the descent's rule).
 
 A window of more tasks than :data:`MAX_WINDOW_TASKS` (adjusted as programs finish in time or not) takes the pair's
 tasks in a run of the topological order. The search stops at the deadline, the bound, or when a round over every
