@@ -92,14 +92,12 @@ def test_the_window_search_never_returns_a_longer_period(seed: int) -> None:
     problem = random_layered_problem(60, 4, seed=seed, cpu_ratio=0.5)
     plan = get_placer("pipeline")(problem)
     timeline = simulate(problem, plan)
-    result = window_search(problem, plan, timeline, time.perf_counter() + 5.0, 0.0, 0.0, THROUGHPUT)
+    result = window_search(problem, plan, timeline, time.perf_counter() + 60.0, 0.0, 0.0, THROUGHPUT)
     assert result.windows > 0
     assert result.timeline.period_s <= timeline.period_s * (1 + 1e-12)
     assert Loads(problem, result.timeline.placement).period_s == pytest.approx(result.timeline.period_s, rel=1e-9)
-    if result.stop_reason is StopReason.NO_IMPROVING_MOVE:
-        # A round kept nothing with every program optimal within its gap: windows gain no more than that gap.
-        again = window_search(problem, result.plan, result.timeline, time.perf_counter() + 5.0, 0.0, 0.0, THROUGHPUT)
-        assert again.timeline.period_s >= result.timeline.period_s * (1 - 2 * period_windows.WINDOW_GAP)
+    # Small pairs solve in well under the deadline: the search stops on a round that keeps nothing.
+    assert result.stop_reason is StopReason.NO_IMPROVING_MOVE, result.stop_reason
 
 
 def test_milp_for_throughput_reports_its_windows() -> None:

@@ -22,8 +22,9 @@ period, the sum of squared loads (the descent's rule).
 
 A window of more tasks than :data:`MAX_WINDOW_TASKS` (adjusted as programs finish in time or not) takes the pair's
 tasks in a run of the topological order. The search stops at the deadline, the bound, or when a round over every
-pair of devices, both kinds, kept nothing with every window a whole pair and every program optimal (within
-:data:`WINDOW_GAP`).
+pair of devices, both kinds, keeps nothing (:attr:`StopReason.NO_IMPROVING_MOVE`: a stall, as the kicks', not a
+proof where a program ran out of time or a window held only a run of a pair's tasks; the milp placer then goes on
+with kicks).
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ class Window:
 
     tasks: tuple[int, ...]
     devices: tuple[int, ...] | None
-    whole: bool = True  # every task of its devices (not a run of them)
 
 
 @dataclass
@@ -264,15 +264,15 @@ def window_search(
     objective: Objective,
 ) -> PeriodSearchResult:
     """Windows over every pair of devices, the busiest first, both kinds, until ``deadline``, the bound, or a round
-    of whole pairs that keeps nothing with every program optimal; never worse than its start."""
+    that keeps nothing; never worse than its start."""
     started = time.perf_counter()
     state = _State(Loads(problem, timeline.placement), timeline)
     result = PeriodSearchResult(plan, timeline, StopReason.TIME_LIMIT, history=[(0.0, objective.value_s(timeline))])
     size = {True: MAX_WINDOW_TASKS, False: MAX_WINDOW_TASKS}  # by kind: between the pair only, or anywhere
     rng = np.random.default_rng(0)
-    settled = problem.num_devices < 2
-    while not settled:
-        settled = True  # every window of this round whole and optimal, none kept
+    kept = problem.num_devices > 1
+    while kept:
+        kept = False
         for pair, between in _round(state.loads):
             left = deadline - time.perf_counter()
             if left <= 0 or gap_closed(state.key[0], bound_s, mip_gap):
@@ -283,12 +283,11 @@ def window_search(
                 continue
             found = window_placement(state.loads, window, min(WINDOW_TIME_S, left), WINDOW_GAP)
             result.windows += 1
-            settled &= found is not None and found[1] and window.whole
             if found is None:
                 continue
             size[between] = _resized(size[between], found[1], len(window.tasks))
             if state.take(problem, found[0], objective, plan.placer):
-                settled = False
+                kept = True
                 result.windows_kept += 1
                 result.history.append((time.perf_counter() - started, state.key[0]))
     result.stop_reason = StopReason.NO_IMPROVING_MOVE
@@ -338,13 +337,12 @@ def _window(loads: Loads, pair: tuple[int, int], between: bool, size: int, rng: 
     tasks = np.flatnonzero((loads.placement == a) | (loads.placement == b)).tolist()
     if not tasks:
         return None
-    whole = len(tasks) <= size
-    if not whole:
+    if len(tasks) > size:
         position = loads.problem.topological_position
         tasks.sort(key=lambda i: position[i])
         first = int(rng.integers(0, len(tasks) - size + 1))
         tasks = tasks[first : first + size]
-    return Window(tuple(tasks), pair if between else None, whole)
+    return Window(tuple(tasks), pair if between else None)
 
 
 def _resized(size: int, optimal: bool, tasks: int) -> int:
