@@ -114,6 +114,11 @@ class Loads:
         """What a move lowers: the period, then the sum of squared loads (the lists :meth:`priced` gives)."""
         return max(max(device_s, default=0.0), max(link_s, default=0.0)), sum(x * x for x in device_s + link_s)
 
+    @property
+    def current_key(self) -> tuple[float, float]:
+        """:meth:`key` of these loads."""
+        return Loads.key(self.device_s.tolist(), self.link_s.ravel().tolist())
+
     @staticmethod
     def improves(key: tuple[float, float], best_key: tuple[float, float]) -> bool:
         """Whether loads of ``key`` are kept over ``best_key``'s: a shorter period, or the same period and a lower
@@ -268,7 +273,7 @@ def improve_period(
     ``time.perf_counter`` value), the bound, or a pass that keeps nothing; never worse than its start."""
     started = time.perf_counter()
     loads = Loads(problem, timeline.placement)
-    best_key = Loads.key(loads.device_s.tolist(), loads.link_s.ravel().tolist())
+    best_key = loads.current_key
     result = PeriodSearchResult(plan, timeline, StopReason.TIME_LIMIT, history=[(0.0, objective.value_s(timeline))])
     limited = objective.latency_limit_s is not None
     current = timeline
@@ -308,11 +313,25 @@ def improve_period(
             if kept == 0:
                 result.stop_reason = StopReason.NO_IMPROVING_MOVE
     if result.moves_kept:
-        final = Plan(loads.placement.copy(), problem.device_names, placer=plan.placer)
-        final_timeline = current if limited else simulate(problem, final)
-        if objective.improves(final_timeline, timeline):
-            result.plan, result.timeline = final, final_timeline
+        adopt_final(result, problem, plan, timeline, loads.placement, current if limited else None, objective)
     return result
+
+
+def adopt_final(
+    result: PeriodSearchResult,
+    problem: Problem,
+    plan: Plan,
+    timeline: Timeline,
+    placement: np.ndarray,
+    simulated: Timeline | None,
+    objective: Objective,
+) -> None:
+    """Give ``result`` the plan of ``placement`` where ``objective`` prefers it to the start (``plan``, simulated as
+    ``timeline``); ``simulated``: that placement's timeline where the search already has it (with a latency limit)."""
+    final = Plan(placement.copy(), problem.device_names, placer=plan.placer)
+    final_timeline = simulated if simulated is not None else simulate(problem, final)
+    if objective.improves(final_timeline, timeline):
+        result.plan, result.timeline = final, final_timeline
 
 
 def _moves(problem: Problem, loads: Loads) -> Iterator[tuple[list[int], int, tuple[int, int] | None]]:

@@ -42,7 +42,7 @@ from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.report import StopReason
 from moirai.planning.simulate import Timeline, simulate
-from moirai.planning.solve.period_search import Loads, PeriodSearchResult
+from moirai.planning.solve.period_search import Loads, PeriodSearchResult, adopt_final
 from moirai.planning.solve.search import gap_closed
 
 MAX_WINDOW_TASKS = 120  # free tasks in a window at first; shrinks when a program runs out of time, grows when not
@@ -133,7 +133,7 @@ def window_placement(
     _tensor_terms(loads, program, options, tensors)
     _input_terms(loads, program, options, inputs)
     _memory_rows(loads, program, allowed)
-    cost = _load_rows(program, set(among), 1.0)
+    cost = _load_rows(program, set(among))
     upper = np.array([math.inf if key[0] == "period" else 1.0 for key in program.columns])
     lp = SparseLinearProgram(len(program.columns), 0.0, upper, cost)
     for row in program.rows:
@@ -232,9 +232,10 @@ def _memory_rows(loads: Loads, program: _Program, allowed: dict[int, list[int]])
         program.rows.append((columns, [memory.item(i) / capacity for i in members], -math.inf, 1.0 - held / capacity))
 
 
-def _load_rows(program: _Program, minimised: set[int], held: float) -> np.ndarray:
-    """Rows ``period >= load`` for the loads of the ``minimised`` devices and the links between them, ``load <=
-    held`` for the others; the cost vector (the period, plus the tie weight on every device's load)."""
+def _load_rows(program: _Program, minimised: set[int]) -> np.ndarray:
+    """Rows ``period >= load`` for the loads of the ``minimised`` devices and the links between them, ``load <= 1``
+    (the current period, the program's unit) for the others; the cost vector (the period, plus the tie weight on
+    every device's load)."""
     k = program.num_devices
     period = program.column(("period",))
     cost = np.zeros(len(program.columns))
@@ -247,7 +248,7 @@ def _load_rows(program: _Program, minimised: set[int], held: float) -> np.ndarra
         if ends <= minimised:
             program.rows.append(([*cols, period], [*vals, -1.0], -math.inf, -program.constant[row]))
         elif cols:
-            program.rows.append((cols, vals, -math.inf, held - program.constant[row]))
+            program.rows.append((cols, vals, -math.inf, 1.0 - program.constant[row]))
         if row < k:
             for c, v in entries:
                 cost[c] += _TIE * v
@@ -277,7 +278,7 @@ def window_search(
             left = deadline - time.perf_counter()
             if left <= 0 or gap_closed(state.key[0], bound_s, mip_gap):
                 result.stop_reason = StopReason.TIME_LIMIT if left <= 0 else StopReason.GAP_CLOSED
-                return _finished(problem, plan, timeline, state, result, objective)
+                return _finished(result, problem, plan, timeline, state, objective)
             window = _window(state.loads, pair, between, size[between], rng)
             if window is None:
                 continue
@@ -291,7 +292,7 @@ def window_search(
                 result.windows_kept += 1
                 result.history.append((time.perf_counter() - started, state.key[0]))
     result.stop_reason = StopReason.NO_IMPROVING_MOVE
-    return _finished(problem, plan, timeline, state, result, objective)
+    return _finished(result, problem, plan, timeline, state, objective)
 
 
 @dataclass
@@ -303,13 +304,13 @@ class _State:
     key: tuple[float, float] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.key = Loads.key(self.loads.device_s.tolist(), self.loads.link_s.ravel().tolist())
+        self.key = self.loads.current_key
 
     def take(self, problem: Problem, placement: np.ndarray, objective: Objective, placer: str) -> bool:
         """Move to ``placement`` when its loads improve on the current ones (the descent's rule) and, with a latency
         limit, its simulated latency is within it."""
         fresh = Loads(problem, placement)
-        key = Loads.key(fresh.device_s.tolist(), fresh.link_s.ravel().tolist())
+        key = fresh.current_key
         if not Loads.improves(key, self.key):
             return False
         if objective.latency_limit_s is not None:  # only the simulator knows the latency
@@ -354,17 +355,9 @@ def _resized(size: int, optimal: bool, tasks: int) -> int:
 
 
 def _finished(
-    problem: Problem,
-    plan: Plan,
-    timeline: Timeline,
-    state: _State,
-    result: PeriodSearchResult,
-    objective: Objective,
+    result: PeriodSearchResult, problem: Problem, plan: Plan, timeline: Timeline, state: _State, objective: Objective
 ) -> PeriodSearchResult:
-    """``result`` with the search's plan where ``objective`` prefers it to the start's."""
     if result.windows_kept:
-        final = Plan(state.loads.placement.copy(), problem.device_names, placer=plan.placer)
-        final_timeline = state.timeline if objective.latency_limit_s is not None else simulate(problem, final)
-        if objective.improves(final_timeline, timeline):
-            result.plan, result.timeline = final, final_timeline
+        simulated = state.timeline if objective.latency_limit_s is not None else None
+        adopt_final(result, problem, plan, timeline, state.loads.placement, simulated, objective)
     return result
