@@ -26,10 +26,11 @@ from torch.export import Dim
 import moirai
 from moirai.errors import DistributedError, PlanError, SharedMemoryWarning
 from moirai.frontend.symbolic_shapes import evaluate_symbolic
-from moirai.runtime import DistributedRunner, shm, shm_files
+from moirai.runtime import DistributedRunner, protocol, shm, shm_files
 from moirai.runtime import runner as runner_module
 from moirai.runtime.blame import PeerFailure, blamed
 from moirai.runtime.groups import Group
+from moirai.runtime.program_codec import decode_program, encode_program
 from moirai.runtime.protocol import Header, HeaderKind, load_bytes, program_for_rank, receive_header, send_header
 from moirai.runtime.resources import RankResources, apply_resources, restore_resources
 from moirai.runtime.store import RunStore, new_secret, start_store
@@ -99,7 +100,7 @@ def test_a_worker_is_sent_its_own_part_only(rows) -> None:
     _, _, compiled = rows
     program = compiled.program
     for rank in range(1, program.num_devices):
-        sent = pickle.loads(pickle.dumps(program_for_rank(program, rank)))
+        sent = decode_program(encode_program(program_for_rank(program, rank)).to_bytes(), "the test")
         assert list(sent.parts[rank].graph_module.state_dict()) == list(program.parts[rank].graph_module.state_dict())
         others = [part for part in sent.parts if part.device != rank]
         assert others and all(not part.graph_module.state_dict() for part in others)
@@ -148,6 +149,20 @@ def test_a_header_with_the_runs_secret_goes_through(tmp_path) -> None:
     timeout = datetime.timedelta(seconds=10)
     send_header(rank_0, 0, 1, Header(HeaderKind.LOAD, 3, payload=b"payload"), timeout).wait_sends()
     assert receive_header(rank_1, 0, timeout) == Header(HeaderKind.LOAD, 3, payload=b"payload")
+
+
+def test_an_authentic_load_whose_payload_is_a_pickle_is_refused_and_never_unpickled(tmp_path) -> None:
+    """The secret authenticates a sender, not what it sends: a rank reads a load as data (program_codec), so a
+    pickle from a rank 0 that holds the secret (another version, a compromised host) runs nothing either."""
+    secret = new_secret()
+    marker = tmp_path / "unpickled"
+    rank_0, rank_1 = _linked_groups((secret, secret), tmp_path)
+    timeout = datetime.timedelta(seconds=10)
+    send_header(rank_0, 0, 1, Header(HeaderKind.LOAD, 0, payload=pickle.dumps(_Payload(marker))), timeout).wait_sends()
+    header = receive_header(rank_1, 0, timeout)
+    with pytest.raises(DistributedError, match="rank 1's load of program 0: the payload"):
+        protocol._load(rank_1, {}, header)
+    assert not marker.exists()
 
 
 def test_a_header_of_an_unknown_kind_is_a_distributed_error_naming_the_kind(tmp_path) -> None:
@@ -293,7 +308,7 @@ def test_the_room_needed_counts_the_rings_and_every_load_too_large_for_a_ring(mo
     ), shortfall
 
 
-def test_a_load_is_counted_at_least_as_large_as_it_is(rows) -> None:
+def test_a_load_is_counted_as_large_as_it_is(rows) -> None:
     torch.manual_seed(0)
     program = moirai.compile(
         torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).eval(),
@@ -303,8 +318,9 @@ def test_a_load_is_counted_at_least_as_large_as_it_is(rows) -> None:
         progress=False,
     ).program
     for rank in range(2):
-        pickled = len(pickle.dumps(program_for_rank(program, rank)))
-        assert pickled <= load_bytes(program, rank) <= pickled + 16384
+        assert load_bytes(program, rank) == len(encode_program(program_for_rank(program, rank)).to_bytes())
+        weights = sum(p.numel() * 4 for p in program.parts[rank].graph_module.parameters())
+        assert weights < load_bytes(program, rank) < weights + 16384
 
 
 def test_a_program_whose_load_does_not_fit_is_refused_at_submit_and_the_runner_serves_on(

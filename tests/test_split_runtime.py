@@ -353,15 +353,14 @@ def test_failing_rank_fails_the_call_with_its_rank_and_error():
     module = program.parts[1].graph_module
     first_op = next(n for n in module.graph.nodes if n.op == "call_function" and n.target != operator.getitem)
     with module.graph.inserting_before(first_op):
-        # Tensors have no such method: the part fails when run (unpickling the part only traces it).
-        module.graph.call_method("injected_failure_for_the_test", (first_op.args[0],))
+        # A matrix product of an activation with itself, whose shapes do not fit: the part loads, and fails when run.
+        operand = first_op.args[0]
+        injected = module.graph.call_function(torch.ops.aten.mm.default, (operand, operand))
+        injected.name = "injected_failure_for_the_test"
     module.recompile()
     started = time.monotonic()
     # An op that raises fails its own request (the ranks serve on), naming the rank, the op and the cause.
-    expected = (
-        r"request 0 failed on rank 1 \(cpu\) at op injected_failure_for_the_test(.|\n)*"
-        r"no attribute 'injected_failure_for_the_test'"
-    )
+    expected = r"request 0 failed on rank 1 \(cpu\) at op injected_failure_for_the_test(.|\n)*cannot be multiplied"
     with pytest.raises(RequestError, match=expected):
         run_distributed(program, case.flat_inputs, ["cpu", "cpu"], timeout_s=30.0)
     assert time.monotonic() - started < 60.0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import datetime
 import os
-import pickle
 import queue
 import threading
 import time
@@ -29,6 +28,7 @@ import torch
 from moirai.errors import DistributedError, InputError, PlanError, RequestError
 from moirai.runtime.blame import blamed, describe_error, report_failure
 from moirai.runtime.groups import Group, placed_part
+from moirai.runtime.program_codec import encode_program
 from moirai.runtime.protocol import (
     Header,
     HeaderKind,
@@ -313,7 +313,8 @@ class Driver:
             # Each rank gets its own part only: no rank holds another's weights, and a load costs one part per rank.
             sent = []
             for rank in range(1, self.group.world_size):
-                load = Header(HeaderKind.LOAD, program_id, payload=pickle.dumps(program_for_rank(program, rank)))
+                payload = encode_program(program_for_rank(program, rank)).to_bytes()
+                load = Header(HeaderKind.LOAD, program_id, payload=payload)
                 sent += self._send_headers(load, [rank])
             self._outgoing.put(ControlSent(HeaderKind.LOAD, sent))
         return self._programs[id(program)]

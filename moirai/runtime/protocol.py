@@ -16,7 +16,8 @@ Every header carries an HMAC (SHA-256) of the receiver's rank, the header's posi
 sequence, its fields and a digest of its payload, keyed with the run's secret
 (:mod:`moirai.runtime.store`): a rank checks it before it reads the payload, and a header that
 fails the check is a :class:`moirai.DistributedError`, never acted on. A load's payload is the
-pickled program with only the receiving rank's part (:func:`program_for_rank`); a rank without
+program with only the receiving rank's part (:func:`program_for_rank`), as data that names nothing a rank would run
+beyond torch's operators (:mod:`moirai.runtime.program_codec`: never a pickle); a rank without
 the run's secret (torchrun, ``MOIRAI_RUN_SECRET`` unset) refuses loads.
 """
 
@@ -29,7 +30,6 @@ import hashlib
 import hmac
 import itertools
 import json
-import pickle
 import queue
 import re
 import threading
@@ -48,6 +48,7 @@ from moirai.runtime import isolation
 from moirai.runtime.blame import PeerFailure
 from moirai.runtime.groups import Group, Work, placed_part
 from moirai.runtime.header import DIGEST_WORDS, HEADER_DTYPE, HEADER_FIELDS, HEADER_WORDS
+from moirai.runtime.program_codec import decode_program, encode_program
 from moirai.runtime.split import SplitProgram, TensorTransfer, concrete_shape, symbol_values
 from moirai.runtime.store import derived_key
 
@@ -57,8 +58,6 @@ _MAX_PAYLOAD_BYTES = 1 << 40
 _TAG_BITS = 20
 _TAG_WINDOW = 2048
 _FIRST_DATA_TAG = 2
-# What pickling adds per tensor beside its storage (its name, type, shape, strides): about 350 bytes, rounded up.
-_PICKLED_TENSOR_BYTES = 1024
 # Headers queued ahead of the request a rank runs, each with its receives posted (one more waits for a place): gloo's
 # "ready to receive" queues behind the link's backlog ([Note: receives posted ahead]); the driver's in-flight limit
 # bounds how many exist.
@@ -455,7 +454,8 @@ def _load(group: Group, programs: dict[int, SplitProgram], header: Header) -> No
             f"rank {group.rank} was sent a program to load, but this run has no secret to authenticate it "
             f"with (under torchrun, set MOIRAI_RUN_SECRET on every rank); it loads none"
         )
-    programs[header.program_id] = pickle.loads(header.payload)  # authenticated by receive_header
+    where = f"rank {group.rank}'s load of program {header.program_id}"
+    programs[header.program_id] = decode_program(header.payload, where)  # authenticated by receive_header
 
 
 def matches_by_order(group: Group, peer: int) -> bool:
@@ -467,7 +467,8 @@ def matches_by_order(group: Group, peer: int) -> bool:
 class Header:
     """What rank 0 tells a rank before each message of the protocol: run a request, load a program, heartbeat, close.
 
-    A run's payload holds the request's symbolic dimension values (JSON), a load's the pickled program.
+    A run's payload holds the request's symbolic dimension values (JSON), a load's the program
+    (:func:`moirai.runtime.program_codec.encode_program`).
     """
 
     kind: HeaderKind
@@ -489,7 +490,7 @@ class Header:
         return json.loads(self.payload) if self.kind == HeaderKind.RUN and self.payload else {}
 
     def __repr__(self) -> str:
-        # A load's payload is a pickled program: its size says enough.
+        # A load's payload is a program: its size says enough.
         details = [f"program {self.program_id}"]
         if self.kind == HeaderKind.RUN:
             details += [f"request {self.request}", f"limit {self.timeout_ms} ms"]
@@ -508,14 +509,8 @@ def program_for_rank(program: SplitProgram, rank: int) -> SplitProgram:
 
 
 def load_bytes(program: SplitProgram, rank: int) -> int:
-    """About the bytes of rank ``rank``'s load (the pickled :func:`program_for_rank`), without pickling its weights:
-    the storages its part's tensors hold, its code, and the program's wiring (pickled with every part emptied)."""
-    module = program.parts[rank].graph_module
-    tensors = [*module.parameters(), *module.buffers()]
-    tensors += [value for value in vars(module).values() if isinstance(value, torch.Tensor)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    wiring = len(pickle.dumps(program_for_rank(program, -1)))
-    return sum(storages.values()) + _PICKLED_TENSOR_BYTES * len(tensors) + len(module.code) + wiring
+    """The bytes of rank ``rank``'s load (:func:`program_for_rank`, encoded), counted without copying its weights."""
+    return encode_program(program_for_rank(program, rank)).num_bytes
 
 
 def _empty_module() -> fx.GraphModule:

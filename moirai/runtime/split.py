@@ -134,7 +134,8 @@ class DevicePart:
 
 
 class PartTracer(fx.Tracer):
-    """Traces a part's code again where a rank unpickles it (a GraphModule pickles its code, not its graph), with its
+    """Traces a part's code again where a pickle of it is loaded (a GraphModule pickles its code, not its graph; a
+    user may pickle a program, while ranks load parts as data, moirai.runtime.program_codec), with its
     buffers as ``get_attr`` nodes: the default tracer reads them as plain tensors, so an op on buffers alone (an
     in-place count, ``calls.add_(1)``) would run once while unpickling and be folded into a constant."""
 
@@ -446,7 +447,7 @@ class _PartBuilder:
         self.graph.output(tuple(self.output_values))
         self.graph.lint()
         graph_module = fx.GraphModule(self.attributes, self.graph, class_name=f"Device{self.device}Part")
-        graph_module._tracer_cls = PartTracer  # how a rank's unpickling traces the part's code again (see there)
+        graph_module._tracer_cls = PartTracer  # how unpickling a part traces its code again (see there)
         return DevicePart(
             device=self.device,
             graph_module=graph_module,

@@ -1,0 +1,534 @@
+"""A split program as bytes another rank can load without running anything the bytes say: no pickle.
+
+Rank 0 sends every other rank its part of a program (:func:`moirai.runtime.protocol.program_for_rank`) in a load
+header's payload, over gloo or shared memory and, under torchrun, between hosts. The header is authenticated with
+the run's secret, but a payload is still something a socket hands a rank, and unpickling it could run any code the
+bytes name. So a program travels as data:
+
+- a JSON description: the program's wiring (transfers, outputs, input specs, dynamic dimensions), and each part's
+  graph as a list of nodes whose targets are names, looked up on the receiving side in a closed vocabulary:
+  operators registered with torch (``torch.ops``: ``aten::add.Tensor``, higher-order ops by name), the arithmetic
+  of :mod:`operator` and :mod:`math` and torch's ``sym_*`` functions (shape arithmetic), ``getattr`` of a public
+  attribute, and the methods of a part's transport (:class:`moirai.runtime.split.Transport`) or of a tensor;
+- the raw bytes of every tensor storage the parts hold, each once (tied weights stay tied), with each tensor's dtype,
+  shape, strides and offset into its storage.
+
+Decoding builds each part with ``fx.Graph.create_node`` and :class:`torch.fx.GraphModule`, the way the splitter
+builds it; anything outside the vocabulary, or a payload that does not parse, is a
+:class:`moirai.DistributedError` that names what was wrong. A part the vocabulary cannot describe (a model traced by
+``symbolic_trace`` that calls its own Python function or module) is a :class:`moirai.PlanError` on rank 0, before
+anything is sent: such a program runs in one process (``run_local``), not across ranks.
+
+Layout: 8 bytes (little-endian length of the description), the description (UTF-8 JSON), the storages in order.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import math
+import operator
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from moirai.errors import DistributedError, PlanError
+from moirai.frontend.symbolic_shapes import DynamicDim
+from moirai.frontend.trace import TensorSpec
+from moirai.runtime.split import DevicePart, OutputLocation, SplitProgram, TensorTransfer, Transport
+
+FORMAT_VERSION = 1
+_LENGTH = struct.Struct("<Q")
+_IDENTIFIER = re.compile(r"^(?!__)[A-Za-z_][A-Za-z0-9_]*$")
+_OPERATOR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TRANSPORT_METHODS = frozenset(name for name in vars(Transport) if not name.startswith("_"))
+_TRANSPORT_ATTRIBUTE = "symbol_values"  # the one attribute a part reads off its transport (shape arithmetic)
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+_MEMORY_FORMATS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.memory_format)}
+# Higher-order ops whose operands are graphs and tensors (an exported graph's control flow and its wrappers); the
+# others run what their operands name (a kernel, a script object) and are not loaded.
+_HIGHER_ORDER_OPS = frozenset(
+    {
+        "cond",
+        "while_loop",
+        "map_impl",
+        "wrap_with_set_grad_enabled",
+        "wrap_with_autocast",
+        "auto_functionalized",
+        "auto_functionalized_v2",
+        "with_effects",
+    }
+)
+# Pure arithmetic, comparisons and indexing: never operator.call, attrgetter or methodcaller, which call what a
+# graph hands them.
+_OPERATOR_FUNCTIONS = (
+    "abs add and_ eq floordiv ge getitem gt index inv invert le lshift lt mod mul ne neg not_ or_ pos pow rshift "
+    "sub truediv truth xor"
+).split()
+
+
+def _python_functions() -> dict[str, Callable[..., Any]]:
+    """The plain Python callables a part may call, by name: shape arithmetic, ``getattr``, torch's sym functions."""
+    functions: dict[str, Callable[..., Any]] = {"builtins.getattr": builtins.getattr}
+    functions |= {f"operator.{name}": getattr(operator, name) for name in _OPERATOR_FUNCTIONS}
+    functions |= {f"math.{n}": getattr(math, n) for n in dir(math) if not n.startswith("_")}
+    functions = {name: function for name, function in functions.items() if callable(function)}
+    functions |= {f"torch.{n}": getattr(torch, n) for n in dir(torch) if n.startswith("sym_")}
+    return functions
+
+
+_FUNCTIONS = _python_functions()
+_FUNCTION_NAMES = {id(function): name for name, function in _FUNCTIONS.items()}
+
+
+@dataclass(frozen=True)
+class EncodedProgram:
+    """A program's description and the storages it carries; :meth:`to_bytes` joins them."""
+
+    description: bytes
+    storages: tuple[torch.Tensor, ...]  # one-dimensional uint8 tensors over them (a meta one's bytes are not sent)
+
+    @property
+    def num_bytes(self) -> int:
+        return _LENGTH.size + len(self.description) + sum(_sent_bytes(s) for s in self.storages)
+
+    def to_bytes(self) -> bytes:
+        chunks = [_LENGTH.pack(len(self.description)), self.description]
+        chunks += [memoryview(s.cpu().numpy()) for s in self.storages if not s.is_meta]  # copied by the join
+        return b"".join(chunks)
+
+
+def encode_program(program: SplitProgram) -> EncodedProgram:
+    """``program`` as data (module doc); :class:`moirai.PlanError` if a part calls what a rank cannot look up."""
+    storages = _Storages()
+    description = {
+        "format": FORMAT_VERSION,
+        "parts": [_encode_part(part, storages) for part in program.parts],
+        "transfers": [_encode_transfer(t) for t in program.transfers],
+        "outputs": [[o.device, o.index] for o in program.outputs],
+        "input_specs": [_encode_spec(s) for s in program.input_specs],
+        "dynamic_dims": [[d.symbol, d.name, d.lower, d.upper, d.where] for d in program.dynamic_dims],
+        "storages": [[s.numel(), s.is_meta] for s in storages.tensors],
+    }
+    return EncodedProgram(json.dumps(description, separators=(",", ":")).encode(), tuple(storages.tensors))
+
+
+def decode_program(payload: bytes, where: str) -> SplitProgram:
+    """The program ``payload`` describes; :class:`moirai.DistributedError` naming ``where`` (``"rank 2's load of
+    program 0"``) and the fault if it is malformed or names anything outside the vocabulary."""
+    try:
+        return _decode(memoryview(payload))
+    except _Malformed as error:
+        raise DistributedError(f"{where}: {error}; the program is not loaded") from None
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, struct.error) as error:
+        raise DistributedError(
+            f"{where}: the payload is not a program this version of moirai can read ({type(error).__name__}: "
+            f"{error}); the program is not loaded"
+        ) from None
+
+
+class _Malformed(Exception):
+    """A payload's fault, in words, before :func:`decode_program` names where it was."""
+
+
+# -- encoding ----------------------------------------------------------------------------------------------------
+
+
+class _Storages:
+    """Every storage the parts hold, each once, as the uint8 tensor that goes on the wire."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self._index: dict[tuple[str, int], int] = {}
+
+    def index_of(self, tensor: torch.Tensor) -> int:
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage._cdata)
+        if key not in self._index:
+            self._index[key] = len(self.tensors)
+            self.tensors.append(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage).detach())
+        return self._index[key]
+
+
+def _sent_bytes(storage: torch.Tensor) -> int:
+    return 0 if storage.is_meta else storage.numel()
+
+
+def _encode_part(part: DevicePart, storages: _Storages) -> dict[str, Any]:
+    return {
+        "device": part.device,
+        "graph_module": _encode_graph_module(part.graph_module, storages, f"part {part.device}", is_part=True),
+        "input_indices": list(part.input_indices),
+        "receives": [t.index for t in part.receives],
+        "sends": [t.index for t in part.sends],
+        "output_specs": [None if s is None else _encode_spec(s) for s in part.output_specs],
+        "attribute_names": list(part.attribute_names),
+    }
+
+
+def _encode_graph_module(module: fx.GraphModule, storages: _Storages, where: str, is_part: bool) -> dict[str, Any]:
+    nodes, attributes = [], []
+    transport = _transport(module.graph, is_part)
+    for node in module.graph.nodes:
+        if node.op == "call_module":
+            raise PlanError(
+                f"{where} calls module {node.target!r} ({type(module.get_submodule(node.target)).__name__}), which "
+                f"another rank cannot load without running Python code from the sender: {_WHAT_TO_DO}"
+            )
+        fault = _call_fault(node, transport)
+        if fault:
+            raise PlanError(f"{where}'s node {node.name} {fault}: {_WHAT_TO_DO}")
+        if node.op == "get_attr":
+            attributes.append(_encode_attribute(module, node.target, storages, where))
+        nodes.append(
+            {
+                "name": node.name,
+                "op": node.op,
+                "target": _encode_target(node, where),
+                "args": _encode_value(node.args, where),
+                "kwargs": _encode_value(node.kwargs, where),
+            }
+        )
+    return {"class_name": type(module).__name__, "nodes": nodes, "attributes": attributes}
+
+
+def _encode_attribute(module: fx.GraphModule, target: str, storages: _Storages, where: str) -> dict[str, Any]:
+    value: Any = module
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    if isinstance(value, fx.GraphModule):  # a higher-order op's body (torch.cond's branches)
+        body = _encode_graph_module(value, storages, f"{where}'s {target}", is_part=False)
+        return {"target": target, "graph_module": body}
+    if isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, torch.nn.Parameter):
+        return {
+            "target": target,
+            "tensor": {
+                "storage": storages.index_of(value),
+                "dtype": _dtype_name(value.dtype),
+                "shape": list(value.shape),
+                "stride": list(value.stride()),
+                "offset": value.storage_offset(),
+                "device": str(value.device),
+                "parameter": isinstance(value, torch.nn.Parameter),
+                "requires_grad": value.requires_grad,
+            },
+        }
+    raise PlanError(
+        f"{where} reads attribute {target!r}, a {type(value).__name__}, which another rank cannot load as data: "
+        f"{_WHAT_TO_DO}"
+    )
+
+
+def _encode_target(node: fx.Node, where: str) -> Any:
+    target = node.target
+    if node.op in ("placeholder", "get_attr", "output"):
+        return target
+    if node.op == "call_method":
+        return target  # a transport's method (_call_fault)
+    if isinstance(target, torch._ops.OpOverload):
+        return {"op": _operator_name(target)}
+    if isinstance(target, torch._ops.HigherOrderOperator) and target.name() in _HIGHER_ORDER_OPS:
+        return {"higher_order": target.name()}
+    name = _FUNCTION_NAMES.get(id(target))
+    if name is None:
+        called = f"{getattr(target, '__module__', '?')}.{getattr(target, '__name__', target)}"
+        raise PlanError(
+            f"{where}'s node {node.name} calls {called}, which another rank cannot look up without running Python "
+            f"code from the sender: {_WHAT_TO_DO}"
+        )
+    return {"function": name}
+
+
+_WHAT_TO_DO = (
+    "a rank loads graphs of torch's operators (as torch.export traces them); trace the model with torch.export, "
+    "or run the program in one process (run_local)"
+)
+
+
+def _transport(graph: fx.Graph, is_part: bool) -> fx.Node | None:
+    """A part's first placeholder, its transport (:class:`moirai.runtime.split.Transport`); a nested graph has none."""
+    return next(iter(graph.find_nodes(op="placeholder")), None) if is_part else None
+
+
+def _call_fault(node: fx.Node, transport: fx.Node | None) -> str | None:
+    """What is wrong with ``node``'s method call or ``getattr``, if anything: a part calls only its transport's
+    methods and reads only its ``symbol_values``, so that no chain of lookups reaches code a payload names."""
+    if node.op == "call_method":
+        if node.target in _TRANSPORT_METHODS and transport is not None and node.args[:1] == (transport,):
+            return None
+        return f"calls method {node.target!r} of {node.args[:1]}, where only a part's transport's methods are called"
+    if node.op == "call_function" and node.target is builtins.getattr:
+        if transport is not None and node.args == (transport, _TRANSPORT_ATTRIBUTE) and not node.kwargs:
+            return None
+        return f"reads attribute {node.args[1:2]} of {node.args[:1]}, where only the transport's symbol_values is read"
+    return None
+
+
+def _operator_name(op: torch._ops.OpOverload) -> str:
+    return f"{op._schema.name}.{op._overloadname}"
+
+
+def _encode_value(value: Any, where: str) -> Any:
+    """A node argument as JSON: plain scalars as themselves, everything else tagged."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if isinstance(value, fx.Node):
+        return {"node": value.name}
+    if isinstance(value, (list, tuple)):
+        return {"list" if isinstance(value, list) else "tuple": [_encode_value(v, where) for v in value]}
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise PlanError(f"{where} has an argument dict with keys that are not strings: {list(value)}")
+        return {"dict": [[k, _encode_value(v, where)] for k, v in value.items()]}
+    if isinstance(value, torch.dtype):
+        return {"dtype": _dtype_name(value)}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, torch.layout):
+        return {"layout": str(value)}
+    if isinstance(value, torch.memory_format):
+        return {"memory_format": str(value)}
+    if isinstance(value, slice):
+        return {"slice": [_encode_value(v, where) for v in (value.start, value.stop, value.step)]}
+    if value is Ellipsis:
+        return {"ellipsis": None}
+    if isinstance(value, complex):
+        return {"complex": [_encode_value(value.real, where), _encode_value(value.imag, where)]}
+    if isinstance(value, torch._ops.OpOverload):  # auto_functionalized's operand
+        return {"op": _operator_name(value)}
+    raise PlanError(f"{where} has an argument {value!r} of type {type(value).__name__}, which a rank cannot load")
+
+
+def _encode_spec(spec: TensorSpec) -> list[Any]:
+    symbolic = None if spec.symbolic_shape is None else list(spec.symbolic_shape)
+    return [list(spec.shape), _dtype_name(spec.dtype), symbolic]
+
+
+def _encode_transfer(transfer: TensorTransfer) -> list[Any]:
+    return [transfer.index, transfer.tensor, transfer.src, transfer.dst, _encode_spec(transfer.spec)]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- decoding ----------------------------------------------------------------------------------------------------
+
+
+def _decode(payload: memoryview) -> SplitProgram:
+    if len(payload) < _LENGTH.size:
+        raise _Malformed(f"the payload has {len(payload)} bytes, fewer than its length field")
+    (length,) = _LENGTH.unpack_from(payload)
+    if length > len(payload) - _LENGTH.size:
+        raise _Malformed(f"the payload announces a {length}-byte description but holds {len(payload)} bytes")
+    description = json.loads(bytes(payload[_LENGTH.size : _LENGTH.size + length]))
+    if not isinstance(description, dict) or description.get("format") != FORMAT_VERSION:
+        found = description.get("format") if isinstance(description, dict) else type(description).__name__
+        raise _Malformed(f"the payload's format is {found!r}, not {FORMAT_VERSION}")
+    storages = _decode_storages(payload, _LENGTH.size + length, description["storages"])
+    transfers = tuple(_decode_transfer(t) for t in description["transfers"])
+    parts = tuple(_decode_part(p, storages, transfers) for p in description["parts"])
+    return SplitProgram(
+        parts=parts,
+        transfers=transfers,
+        outputs=tuple(OutputLocation(int(device), int(index)) for device, index in description["outputs"]),
+        input_specs=tuple(_decode_spec(s) for s in description["input_specs"]),
+        dynamic_dims=tuple(
+            DynamicDim(str(symbol), str(name), int(lower), None if upper is None else int(upper), str(where))
+            for symbol, name, lower, upper, where in description["dynamic_dims"]
+        ),
+    )
+
+
+def _decode_storages(payload: memoryview, start: int, sizes: list[Any]) -> list[torch.Tensor]:
+    storages, offset = [], start
+    for size, is_meta in sizes:
+        size = int(size)
+        if size < 0:
+            raise _Malformed(f"storage {len(storages)} has {size} bytes")
+        if is_meta:  # weights left on the meta device: a size and no bytes
+            storages.append(torch.empty(size, dtype=torch.uint8, device="meta"))
+            continue
+        if offset + size > len(payload):
+            raise _Malformed(f"storage {len(storages)} ({size} bytes) runs past the payload's {len(payload)} bytes")
+        # A copy: the tensors are written in place (a KV cache), and the payload is read-only.
+        storages.append(torch.frombuffer(bytearray(payload[offset : offset + size]), dtype=torch.uint8))
+        offset += size
+    if offset != len(payload):
+        raise _Malformed(f"the payload holds {len(payload) - offset} bytes beyond its storages")
+    return storages
+
+
+def _decode_part(
+    part: dict[str, Any], storages: list[torch.Tensor], transfers: tuple[TensorTransfer, ...]
+) -> DevicePart:
+    by_index = {t.index: t for t in transfers}
+    return DevicePart(
+        device=int(part["device"]),
+        graph_module=_decode_graph_module(part["graph_module"], storages, is_part=True),
+        input_indices=tuple(int(i) for i in part["input_indices"]),
+        receives=tuple(by_index[int(i)] for i in part["receives"]),
+        sends=tuple(by_index[int(i)] for i in part["sends"]),
+        output_specs=tuple(None if s is None else _decode_spec(s) for s in part["output_specs"]),
+        attribute_names=tuple(str(name) for name in part["attribute_names"]),
+    )
+
+
+def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], is_part: bool) -> fx.GraphModule:
+    attributes: dict[str, Any] = {}
+    for attribute in module["attributes"]:
+        target = str(attribute["target"])
+        if not all(_IDENTIFIER.match(atom) for atom in target.split(".")):
+            raise _Malformed(f"attribute name {target!r} is not a dotted identifier")
+        if "graph_module" in attribute:
+            attributes[target] = _decode_graph_module(attribute["graph_module"], storages, is_part=False)
+        else:
+            attributes[target] = _decode_tensor(attribute["tensor"], storages)
+    graph = fx.Graph()
+    nodes: dict[str, fx.Node] = {}
+    for entry in module["nodes"]:
+        op, name = str(entry["op"]), str(entry["name"])
+        if op not in ("placeholder", "get_attr", "call_function", "call_method", "output"):
+            raise _Malformed(f"node {name!r} has op {op!r}, which a loaded part may not have")
+        if op == "get_attr" and entry["target"] not in attributes:
+            raise _Malformed(f"node {name!r} reads attribute {entry['target']!r}, which the payload does not hold")
+        target = _decode_target(op, entry["target"], name)
+        args = _decode_value(entry["args"], nodes)
+        kwargs = _decode_value(entry["kwargs"], nodes)
+        if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+            raise _Malformed(f"node {name!r}'s arguments are not a tuple and a dict")
+        if op == "output":
+            graph.output(args[0])
+            continue
+        node = nodes[name] = graph.create_node(op, target, args, kwargs, name=name)
+        if node.name != name:
+            raise _Malformed(f"node name {name!r} is repeated or not an identifier")
+        fault = _call_fault(node, _transport(graph, is_part))
+        if fault:
+            raise _Malformed(f"node {name!r} {fault}")
+    graph.lint()
+    class_name = str(module["class_name"])
+    if not _IDENTIFIER.match(class_name):
+        raise _Malformed(f"class name {class_name!r} is not an identifier")
+    return fx.GraphModule(attributes, graph, class_name=class_name)
+
+
+def _decode_tensor(tensor: dict[str, Any], storages: list[torch.Tensor]) -> torch.Tensor:
+    storage = storages[int(tensor["storage"])]
+    dtype = _decode_dtype(tensor["dtype"])
+    shape, stride = [int(s) for s in tensor["shape"]], [int(s) for s in tensor["stride"]]
+    offset = int(tensor["offset"])
+    itemsize = dtype.itemsize
+    last = offset + sum((size - 1) * step for size, step in zip(shape, stride, strict=True)) if all(shape) else -1
+    if offset < 0 or min(shape, default=0) < 0 or min(stride, default=0) < 0 or (last + 1) * itemsize > storage.numel():
+        raise _Malformed(f"a {dtype} tensor of shape {shape} at offset {offset} runs past its storage")
+    value = torch.empty(0, dtype=dtype, device=storage.device).set_(storage.untyped_storage(), offset, shape, stride)
+    device = torch.device(str(tensor["device"]))
+    if device != value.device and not value.is_meta:
+        value = value.to(device)
+    if tensor["parameter"]:
+        return torch.nn.Parameter(value, requires_grad=bool(tensor["requires_grad"]))
+    return value.requires_grad_(bool(tensor["requires_grad"]))
+
+
+def _decode_target(op: str, target: Any, name: str) -> Any:
+    if op in ("placeholder", "get_attr", "output"):
+        if not isinstance(target, str):
+            raise _Malformed(f"node {name!r}'s target {target!r} is not a name")
+        return target
+    if op == "call_method":
+        if target not in _TRANSPORT_METHODS:
+            raise _Malformed(f"node {name!r} calls method {target!r}, where only a part's transport's are called")
+        return target
+    if not isinstance(target, dict) or len(target) != 1:
+        raise _Malformed(f"node {name!r}'s target {target!r} is not a tagged name")
+    ((kind, qualified),) = target.items()
+    if kind == "op":
+        return _operator(str(qualified), name)
+    if kind == "higher_order":
+        if qualified not in _HIGHER_ORDER_OPS:
+            raise _Malformed(f"node {name!r} names higher-order op {qualified!r}, which a part may not call")
+        found = getattr(torch.ops.higher_order, qualified, None)
+        if not isinstance(found, torch._ops.HigherOrderOperator):
+            raise _Malformed(f"node {name!r} names higher-order op {qualified!r}, which torch does not have")
+        return found
+    if kind == "function" and qualified in _FUNCTIONS:
+        return _FUNCTIONS[qualified]
+    raise _Malformed(f"node {name!r} calls {kind} {qualified!r}, which is not among the functions a part may call")
+
+
+def _operator(qualified: str, name: str) -> torch._ops.OpOverload:
+    """``aten::add.Tensor`` -> ``torch.ops.aten.add.Tensor``: registered operators only, nothing imported."""
+    namespace, _, rest = qualified.partition("::")
+    op_name, _, overload = rest.partition(".")
+    # aten's operators include dunder names (aten::__and__); the lookup below is of registered schemas only.
+    if not (_IDENTIFIER.match(namespace) and _OPERATOR_NAME.match(op_name) and _IDENTIFIER.match(overload)):
+        raise _Malformed(f"node {name!r} names operator {qualified!r}, which is not namespace::name.overload")
+    try:
+        found = getattr(getattr(getattr(torch.ops, namespace), op_name), overload)
+    except (AttributeError, RuntimeError):
+        found = None
+    if not isinstance(found, torch._ops.OpOverload):
+        raise _Malformed(f"node {name!r} names operator {qualified!r}, which is not registered on this rank")
+    return found
+
+
+def _decode_value(value: Any, nodes: dict[str, fx.Node]) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if not isinstance(value, dict) or len(value) != 1:
+        raise _Malformed(f"argument {value!r} is not a tagged value")
+    ((kind, item),) = value.items()
+    if kind == "node":
+        if item not in nodes:
+            raise _Malformed(f"an argument names node {item!r} before it is defined")
+        return nodes[item]
+    if kind in ("list", "tuple"):
+        items = [_decode_value(v, nodes) for v in item]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict":
+        return {str(k): _decode_value(v, nodes) for k, v in item}
+    if kind == "float" and item in ("inf", "-inf", "nan"):
+        return float(item)
+    if kind == "dtype":
+        return _decode_dtype(item)
+    if kind == "device":
+        return torch.device(str(item))
+    if kind == "layout" and item in _LAYOUTS:
+        return _LAYOUTS[item]
+    if kind == "memory_format" and item in _MEMORY_FORMATS:
+        return _MEMORY_FORMATS[item]
+    if kind == "slice":
+        return slice(*(_decode_value(v, nodes) for v in item))
+    if kind == "ellipsis":
+        return Ellipsis
+    if kind == "complex":
+        return complex(*(_decode_value(v, nodes) for v in item))
+    if kind == "op":
+        return _operator(str(item), "an argument")
+    raise _Malformed(f"argument {value!r} has an unknown tag {kind!r}")
+
+
+def _decode_dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, str(name), None) if _IDENTIFIER.match(str(name)) else None
+    if not isinstance(dtype, torch.dtype):
+        raise _Malformed(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def _decode_spec(spec: list[Any]) -> TensorSpec:
+    shape, dtype, symbolic = spec
+    symbolic_shape = None if symbolic is None else tuple(str(s) for s in symbolic)
+    return TensorSpec(tuple(int(s) for s in shape), _decode_dtype(dtype), symbolic_shape)
+
+
+def _decode_transfer(transfer: list[Any]) -> TensorTransfer:
+    index, tensor, src, dst, spec = transfer
+    return TensorTransfer(int(index), str(tensor), int(src), int(dst), _decode_spec(spec))

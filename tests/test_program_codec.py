@@ -1,0 +1,197 @@
+"""A program on the wire is data (moirai.runtime.program_codec): it loads exactly, and a payload that names anything
+outside the vocabulary of torch's operators is refused before any of it runs."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from models_for_tests import MLP, ResidualBlock, contiguous_assignment
+
+import moirai
+from moirai.errors import DistributedError, PlanError
+from moirai.frontend.trace import trace
+from moirai.runtime import run_local
+from moirai.runtime.program_codec import decode_program, encode_program
+from moirai.runtime.protocol import load_bytes, program_for_rank
+from moirai.runtime.split import split_module
+
+
+def _split(model: torch.nn.Module, example: tuple, num_devices: int):
+    torch.manual_seed(0)
+    model.eval()
+    traced = trace(model, example)
+    program = split_module(traced, contiguous_assignment(traced, num_devices), num_devices)
+    return traced, program
+
+
+def _round_trip(program):
+    encoded = encode_program(program)
+    payload = encoded.to_bytes()
+    assert len(payload) == encoded.num_bytes
+    return decode_program(payload, "the test")
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: (MLP(), (torch.randn(4, 16),)), lambda: (ResidualBlock(), (torch.randn(4, 16),))]
+)
+def test_a_decoded_program_gives_the_original_outputs_exactly(make) -> None:
+    model, example = make()
+    traced, program = _split(model, example, 3)
+    flat = traced.flatten_inputs(example, {})
+    expected = run_local(program, flat, ["cpu"] * 3)
+    restored = _round_trip(program)
+    for got, want in zip(run_local(restored, flat, ["cpu"] * 3), expected, strict=True):
+        assert torch.equal(got, want)
+    assert restored.transfers == program.transfers and restored.outputs == program.outputs
+    assert restored.input_specs == program.input_specs
+    for before, after in zip(program.parts, restored.parts, strict=True):
+        assert after.input_indices == before.input_indices and after.attribute_names == before.attribute_names
+        assert [n.format_node() for n in after.graph_module.graph.nodes] == [
+            n.format_node() for n in before.graph_module.graph.nodes
+        ]
+
+
+def test_tensors_sharing_a_storage_share_it_after_loading_and_it_is_sent_once() -> None:
+    traced, program = _split(MLP(), (torch.randn(4, 16),), 1)
+    module = program.parts[0].graph_module
+    biases = [n for n in program.parts[0].attribute_names if n.endswith("bias")]
+    first, second = (_attribute(module, n) for n in biases[:2])
+    assert first.shape == second.shape
+    setattr(module, biases[1], torch.nn.Parameter(first.detach()))  # tied, as a model may tie two weights
+    restored = _round_trip(program).parts[0].graph_module
+    assert _attribute(restored, biases[0]).data_ptr() == _attribute(restored, biases[1]).data_ptr()
+    storages = {_attribute(module, n).data_ptr(): _attribute(module, n).untyped_storage().nbytes()
+                for n in program.parts[0].attribute_names}  # fmt: skip
+    weights = sum(storages.values())
+    assert weights < load_bytes(program, 0) < weights + 16384
+
+
+def test_a_generation_programs_cache_buffers_load_writable_and_are_sent_with_their_part_only() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    lm = moirai.compile_lm(
+        LlamaForCausalLM(config).eval(), ["cpu", "cpu"], placer="contiguous", progress=False, max_seq_len=32,
+        max_prefill=8, max_batch_size=2,
+    )  # fmt: skip
+    program = lm.compiled.program
+    for rank in range(2):
+        restored = _round_trip(program_for_rank(program, rank))
+        mine = restored.parts[rank].graph_module
+        original = program.parts[rank].graph_module
+        names = [name for name in program.parts[rank].attribute_names if "cache" in name]
+        for name in names:
+            value = _attribute(mine, name)
+            assert torch.equal(value, _attribute(original, name)) and value.data_ptr() != 0
+            value.add_(1)  # a cache is written in place: the loaded one must be writable memory of its own
+            assert not torch.equal(value, _attribute(original, name))
+        others = [part.graph_module for part in restored.parts if part.device != rank]
+        assert all(not [n for n in m.graph.nodes if n.op == "get_attr"] for m in others)
+
+
+def _attribute(module: torch.nn.Module, target: str) -> torch.Tensor:
+    value = module
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
+
+
+# -- payloads that name what no rank may run ------------------------------------------------------------------------
+
+
+def _edited(program, edit) -> bytes:
+    """The program's payload with its description changed by ``edit`` (the storages kept)."""
+    encoded = encode_program(program)
+    description = json.loads(encoded.description)
+    edit(description)
+    text = json.dumps(description).encode()
+    rest = encoded.to_bytes()[8 + len(encoded.description) :]
+    return struct.pack("<Q", len(text)) + text + rest
+
+
+def _first_node(description, op):
+    return next(n for n in description["parts"][1]["graph_module"]["nodes"] if n["op"] == op)
+
+
+def _set_target(op, target):
+    return lambda description: _first_node(description, op).update(target=target)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_set_target("call_function", {"function": "builtins.eval"}), "calls function 'builtins.eval'"),
+        (_set_target("call_function", {"function": "os.system"}), "calls function 'os.system'"),
+        (_set_target("call_function", {"function": "operator.call"}), "calls function 'operator.call'"),
+        (_set_target("call_function", {"op": "os::system.default"}), "'os::system.default', which is not registered"),
+        (_set_target("call_function", {"op": "aten::add.__class__"}), "is not namespace::name.overload"),
+        (_set_target("call_function", {"higher_order": "triton_kernel_wrapper_mutation"}), "may not call"),
+        (_set_target("call_method", "__reduce__"), "calls method '__reduce__'"),
+        (_set_target("call_method", "tofile"), "calls method 'tofile'"),
+        (_set_target("placeholder", {"function": "builtins.eval"}), "is not a name"),
+        (lambda d: _first_node(d, "call_function").update(op="call_module", target="x"), "op 'call_module'"),
+        (lambda d: _first_node(d, "call_function").update(args={"pickle": "x"}), "unknown tag 'pickle'"),
+        (lambda d: d.update(format=0), "format is 0"),
+        (lambda d: d["storages"][0].__setitem__(0, 1 << 40), "runs past the payload"),
+        (lambda d: d["parts"][1]["graph_module"]["attributes"][0]["tensor"].update(offset=1 << 30), "runs past"),
+        (lambda d: d["parts"][1]["graph_module"]["attributes"][0].update(target="__class__"), "dotted identifier"),
+    ],
+)
+def test_a_payload_naming_anything_outside_the_vocabulary_is_refused(edit, message) -> None:
+    _, program = _split(MLP(), (torch.randn(4, 16),), 2)
+    with pytest.raises(DistributedError, match=f"rank 1's load: .*{_escaped(message)}"):
+        decode_program(_edited(program, edit), "rank 1's load")
+
+
+def _escaped(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_a_getattr_other_than_the_transports_symbol_values_is_refused() -> None:
+    _, program = _split(MLP(), (torch.randn(4, 16),), 2)
+
+    def reads_class(description):
+        nodes = description["parts"][1]["graph_module"]["nodes"]
+        transport = nodes[0]["name"]
+        position = next(i for i, n in enumerate(nodes) if n["op"] == "call_function")
+        nodes.insert(position, {
+            "name": "sneaky", "op": "call_function", "target": {"function": "builtins.getattr"},
+            "args": {"tuple": [{"node": transport}, "__class__"]}, "kwargs": {"dict": []},
+        })  # fmt: skip
+
+    with pytest.raises(DistributedError, match="reads attribute .*__class__.* only the transport's symbol_values"):
+        decode_program(_edited(program, reads_class), "rank 1's load")
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x00" * 3, struct.pack("<Q", 99) + b"{}", struct.pack("<Q", 2) + b"[]"])
+def test_a_truncated_or_foreign_payload_is_a_distributed_error(payload) -> None:
+    with pytest.raises(DistributedError, match="rank 1's load: .*the program is not loaded"):
+        decode_program(payload, "rank 1's load")
+
+
+@torch.fx.wrap
+def _users_own_function(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(max=1.0) if x.sum() > 0 else x  # data-dependent: export fails, symbolic_trace keeps the call
+
+
+class _CallsItsOwnFunction(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _users_own_function(torch.relu(x)) * 2
+
+
+def test_a_program_calling_the_users_own_function_runs_locally_and_is_a_plan_error_across_ranks() -> None:
+    example = (torch.randn(3, 5),)
+    traced, program = _split(_CallsItsOwnFunction(), example, 2)
+    flat = traced.flatten_inputs(example, {})
+    torch.testing.assert_close(run_local(program, flat, ["cpu", "cpu"])[0], _CallsItsOwnFunction()(*example))
+    with pytest.raises(PlanError, match="calls torch.relu.*trace the model with torch.export.*run_local"):
+        encode_program(program)
