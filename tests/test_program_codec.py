@@ -172,6 +172,32 @@ def test_a_getattr_other_than_the_transports_symbol_values_is_refused() -> None:
         decode_program(_edited(program, reads_class), "rank 1's load")
 
 
+def _injected(tmp_path, edit) -> tuple[bytes, object]:
+    """A payload whose ``edit`` tries to make fx's generated code touch a file; and that file."""
+    _, program = _split(MLP(), (torch.randn(4, 16),), 2)
+    marker = tmp_path / "ran"
+    code = f"__import__('pathlib').Path({str(marker)!r}).touch()"
+    return _edited(program, lambda d: edit(d, code)), marker
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d, code: _first_node(d, "placeholder").update(target=f"x={code}"),
+        lambda d, code: _first_node(d, "placeholder").update(target="x\n"),
+        lambda d, code: _first_node(d, "placeholder").update(args={"tuple": [{"node": "x"}]}),
+        lambda d, code: _first_node(d, "call_function").update(kwargs={"dict": [[f"x={code}, y", 1]]}),
+        lambda d, code: _first_node(d, "call_function").update(name=f"y = {code}; z"),
+        lambda d, code: d["parts"][1]["graph_module"].update(class_name=f"A({code})"),
+    ],
+)
+def test_nothing_in_a_payload_reaches_the_code_fx_generates(tmp_path, edit) -> None:
+    payload, marker = _injected(tmp_path, edit)
+    with pytest.raises(DistributedError, match="rank 1's load: "):
+        decode_program(payload, "rank 1's load")
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("payload", [b"", b"\x00" * 3, struct.pack("<Q", 99) + b"{}", struct.pack("<Q", 2) + b"[]"])
 def test_a_truncated_or_foreign_payload_is_a_distributed_error(payload) -> None:
     with pytest.raises(DistributedError, match="rank 1's load: .*the program is not loaded"):

@@ -44,8 +44,8 @@ from moirai.runtime.split import DevicePart, OutputLocation, SplitProgram, Tenso
 
 FORMAT_VERSION = 1
 _LENGTH = struct.Struct("<Q")
-_IDENTIFIER = re.compile(r"^(?!__)[A-Za-z_][A-Za-z0-9_]*$")
-_OPERATOR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IDENTIFIER = re.compile(r"(?!__)[A-Za-z_][A-Za-z0-9_]*")  # always fullmatch: "$" would let a newline through
+_OPERATOR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TRANSPORT_METHODS = frozenset(name for name in vars(Transport) if not name.startswith("_"))
 _TRANSPORT_ATTRIBUTE = "symbol_values"  # the one attribute a part reads off its transport (shape arithmetic)
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
@@ -385,7 +385,7 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
     attributes: dict[str, Any] = {}
     for attribute in module["attributes"]:
         target = str(attribute["target"])
-        if not all(_IDENTIFIER.match(atom) for atom in target.split(".")):
+        if not all(_IDENTIFIER.fullmatch(atom) for atom in target.split(".")):
             raise _Malformed(f"attribute name {target!r} is not a dotted identifier")
         if "graph_module" in attribute:
             attributes[target] = _decode_graph_module(attribute["graph_module"], storages, is_part=False)
@@ -404,6 +404,9 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
         kwargs = _decode_value(entry["kwargs"], nodes)
         if not isinstance(args, tuple) or not isinstance(kwargs, dict):
             raise _Malformed(f"node {name!r}'s arguments are not a tuple and a dict")
+        # fx writes keyword names into the generated code as they are, and a placeholder's argument as its default.
+        if not all(_OPERATOR_NAME.fullmatch(key) for key in kwargs) or (op == "placeholder" and (args or kwargs)):
+            raise _Malformed(f"node {name!r} has keywords {list(kwargs)} or defaults {list(args)} a part cannot have")
         if op == "output":
             graph.output(args[0])
             continue
@@ -415,7 +418,7 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
             raise _Malformed(f"node {name!r} {fault}")
     graph.lint()
     class_name = str(module["class_name"])
-    if not _IDENTIFIER.match(class_name):
+    if not _IDENTIFIER.fullmatch(class_name):
         raise _Malformed(f"class name {class_name!r} is not an identifier")
     return fx.GraphModule(attributes, graph, class_name=class_name)
 
@@ -440,7 +443,8 @@ def _decode_tensor(tensor: dict[str, Any], storages: list[torch.Tensor]) -> torc
 
 def _decode_target(op: str, target: Any, name: str) -> Any:
     if op in ("placeholder", "get_attr", "output"):
-        if not isinstance(target, str):
+        # fx writes a placeholder's target into the generated code as a parameter name: an identifier, nothing else.
+        if not isinstance(target, str) or not _OPERATOR_NAME.fullmatch(target):
             raise _Malformed(f"node {name!r}'s target {target!r} is not a name")
         return target
     if op == "call_method":
@@ -469,7 +473,7 @@ def _operator(qualified: str, name: str) -> torch._ops.OpOverload:
     namespace, _, rest = qualified.partition("::")
     op_name, _, overload = rest.partition(".")
     # aten's operators include dunder names (aten::__and__); the lookup below is of registered schemas only.
-    if not (_IDENTIFIER.match(namespace) and _OPERATOR_NAME.match(op_name) and _IDENTIFIER.match(overload)):
+    if not (_IDENTIFIER.fullmatch(namespace) and _OPERATOR_NAME.fullmatch(op_name) and _IDENTIFIER.fullmatch(overload)):
         raise _Malformed(f"node {name!r} names operator {qualified!r}, which is not namespace::name.overload")
     try:
         found = getattr(getattr(getattr(torch.ops, namespace), op_name), overload)
@@ -517,7 +521,7 @@ def _decode_value(value: Any, nodes: dict[str, fx.Node]) -> Any:
 
 
 def _decode_dtype(name: Any) -> torch.dtype:
-    dtype = getattr(torch, str(name), None) if _IDENTIFIER.match(str(name)) else None
+    dtype = getattr(torch, str(name), None) if _IDENTIFIER.fullmatch(str(name)) else None
     if not isinstance(dtype, torch.dtype):
         raise _Malformed(f"{name!r} is not a torch dtype")
     return dtype
