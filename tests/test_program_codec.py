@@ -135,19 +135,52 @@ def _set_target(op, target):
         (_set_target("call_function", {"higher_order": "triton_kernel_wrapper_mutation"}), "may not call"),
         (_set_target("call_method", "__reduce__"), "calls method '__reduce__'"),
         (_set_target("call_method", "tofile"), "calls method 'tofile'"),
-        (_set_target("placeholder", {"function": "builtins.eval"}), "is not a name"),
+        (_set_target("placeholder", {"function": "builtins.eval"}), "is not a plain name"),
         (lambda d: _first_node(d, "call_function").update(op="call_module", target="x"), "op 'call_module'"),
         (lambda d: _first_node(d, "call_function").update(args={"pickle": "x"}), "unknown tag 'pickle'"),
         (lambda d: d.update(format=0), "format is 0"),
         (lambda d: d["storages"][0].__setitem__(0, 1 << 40), "runs past the payload"),
         (lambda d: d["parts"][1]["graph_module"]["attributes"][0]["tensor"].update(offset=1 << 30), "runs past"),
         (lambda d: d["parts"][1]["graph_module"]["attributes"][0].update(target="__class__"), "dotted identifier"),
+        # A module's own method under an attribute's name (GraphModule.recompile hands out fx's globals, torch's os).
+        (lambda d: _rename_attribute(d, "recompile"), "'recompile' is not a dotted identifier of its own"),
+        (lambda d: _first_node(d, "call_function").update(name="self"), "node name 'self'"),
+        (lambda d: _first_node(d, "call_function").update(name="torch"), "node name 'torch'"),
+        (_set_target("call_function", {"op": "aten::from_file.default"}), "which opens a file by name"),
+        (_set_target("call_function", {"op": "profiler::_record_function_enter_new.default"}), "namespace 'profiler'"),
+        (_set_target("call_function", {"op": "_c10d_functional::all_reduce.default"}), "namespace '_c10d_functional'"),
+        (lambda d: _first_node(d, "call_function").update(kwargs={"dict": [["class", 1]]}), "keywords ['class']"),
+        (lambda d: d["storages"][0].__setitem__(0, float("inf")), "OverflowError"),
     ],
 )
 def test_a_payload_naming_anything_outside_the_vocabulary_is_refused(edit, message) -> None:
     _, program = _split(MLP(), (torch.randn(4, 16),), 2)
     with pytest.raises(DistributedError, match=f"rank 1's load: .*{_escaped(message)}"):
         decode_program(_edited(program, edit), "rank 1's load")
+
+
+def _rename_attribute(description, name: str) -> None:
+    graph = description["parts"][1]["graph_module"]
+    old = graph["attributes"][0]["target"]
+    graph["attributes"][0]["target"] = name
+    for node in graph["nodes"]:
+        if node["op"] == "get_attr" and node["target"] == old:
+            node["target"] = name
+
+
+def test_a_program_with_more_parts_than_the_world_has_ranks_is_refused() -> None:
+    _, program = _split(MLP(), (torch.randn(4, 16),), 2)
+    payload = encode_program(program).to_bytes()
+    assert decode_program(payload, "rank 1's load", max_parts=2).num_devices == 2
+    with pytest.raises(DistributedError, match="2 parts, more than the world's 1 ranks"):
+        decode_program(payload, "rank 1's load", max_parts=1)
+
+
+def test_an_empty_tensor_loads() -> None:
+    _, program = _split(MLP(), (torch.randn(4, 16),), 1)
+    name = program.parts[0].attribute_names[0]
+    setattr(program.parts[0].graph_module, name, torch.nn.Parameter(torch.empty(0, 3)))
+    assert _attribute(_round_trip(program).parts[0].graph_module, name).shape == (0, 3)
 
 
 def _escaped(text: str) -> str:

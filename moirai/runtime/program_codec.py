@@ -7,17 +7,21 @@ bytes name. So a program travels as data:
 
 - a JSON description: the program's wiring (transfers, outputs, input specs, dynamic dimensions), and each part's
   graph as a list of nodes whose targets are names, looked up on the receiving side in a closed vocabulary:
-  operators registered with torch (``torch.ops``: ``aten::add.Tensor``, higher-order ops by name), the arithmetic
-  of :mod:`operator` and :mod:`math` and torch's ``sym_*`` functions (shape arithmetic), ``getattr`` of a public
-  attribute, and the methods of a part's transport (:class:`moirai.runtime.split.Transport`) or of a tensor;
+  ``aten`` and ``prims`` operators by schema name (``aten::add.Tensor``; none that opens a file by name), a few
+  higher-order ops whose operands are graphs, the arithmetic of :mod:`operator` and :mod:`math` and torch's
+  ``sym_*`` functions (shape arithmetic), and the part's transport (:class:`moirai.runtime.split.Transport`): its
+  methods and its ``symbol_values``, on the transport only;
 - the raw bytes of every tensor storage the parts hold, each once (tied weights stay tied), with each tensor's dtype,
-  shape, strides and offset into its storage.
+  shape, strides and offset into its storage; a rank gets them on the CPU and places its part itself.
 
 Decoding builds each part with ``fx.Graph.create_node`` and :class:`torch.fx.GraphModule`, the way the splitter
-builds it; anything outside the vocabulary, or a payload that does not parse, is a
-:class:`moirai.DistributedError` that names what was wrong. A part the vocabulary cannot describe (a model traced by
-``symbolic_trace`` that calls its own Python function or module) is a :class:`moirai.PlanError` on rank 0, before
-anything is sent: such a program runs in one process (``run_local``), not across ranks.
+builds it. fx turns a graph into Python source, so every name of the payload that fx writes into that source (node
+names, placeholders, keywords, the class name) must be a plain identifier that none of fx's own names (``self``,
+``torch``, ...) shadows, and every attribute a node reads must be the tensor or graph the payload put there, not a
+method of the module; anything else, or a payload that does not parse, is a :class:`moirai.DistributedError` that
+names what was wrong. What remains trusted is torch's own checking of an operator's arguments. A part the vocabulary
+cannot describe (a model traced by ``symbolic_trace`` that calls its own Python function or module) is a
+:class:`moirai.PlanError` on rank 0, before anything is sent: such a program runs in one process (``run_local``).
 
 Layout: 8 bytes (little-endian length of the description), the description (UTF-8 JSON), the storages in order.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import keyword
 import math
 import operator
 import re
@@ -46,7 +51,26 @@ FORMAT_VERSION = 1
 _LENGTH = struct.Struct("<Q")
 _IDENTIFIER = re.compile(r"(?!__)[A-Za-z_][A-Za-z0-9_]*")  # always fullmatch: "$" would let a newline through
 _OPERATOR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _is_plain_name(name: Any) -> bool:
+    """A name fx may write into generated code as it is: an identifier, no keyword, none of fx's own."""
+    return (
+        isinstance(name, str)
+        and _OPERATOR_NAME.fullmatch(name) is not None
+        and not keyword.iskeyword(name)
+        and name not in _RESERVED_NAMES
+    )
+
+
 _TRANSPORT_METHODS = frozenset(name for name in vars(Transport) if not name.startswith("_"))
+# Names fx's generated code means for itself (the module, and the globals it imports): a node, a placeholder or a
+# keyword of that name would rebind them (a nested graph's node "self" reads attributes of any value).
+_RESERVED_NAMES = frozenset({"self", "torch", "device", "inf", "nan", "NoneType", "fx_pytree", "pytree"})
+_DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+# Operators of these namespaces only, and none that reads or writes a file by name (aten::from_file, aten::save).
+_OPERATOR_NAMESPACES = frozenset({"aten", "prims"})
+_FILE_ARGUMENTS = frozenset({"filename", "path", "file"})
 _TRANSPORT_ATTRIBUTE = "symbol_values"  # the one attribute a part reads off its transport (shape arithmetic)
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 _MEMORY_FORMATS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.memory_format)}
@@ -118,14 +142,15 @@ def encode_program(program: SplitProgram) -> EncodedProgram:
     return EncodedProgram(json.dumps(description, separators=(",", ":")).encode(), tuple(storages.tensors))
 
 
-def decode_program(payload: bytes, where: str) -> SplitProgram:
-    """The program ``payload`` describes; :class:`moirai.DistributedError` naming ``where`` (``"rank 2's load of
-    program 0"``) and the fault if it is malformed or names anything outside the vocabulary."""
+def decode_program(payload: bytes, where: str, max_parts: int | None = None) -> SplitProgram:
+    """The program ``payload`` describes, its tensors on the CPU (or meta); :class:`moirai.DistributedError` naming
+    ``where`` (``"rank 2's load of program 0"``) and the fault if it is malformed, names anything outside the
+    vocabulary, or has more than ``max_parts`` parts (the world's size)."""
     try:
-        return _decode(memoryview(payload))
+        return _decode(memoryview(payload), max_parts)
     except _Malformed as error:
         raise DistributedError(f"{where}: {error}; the program is not loaded") from None
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, struct.error) as error:
+    except Exception as error:  # noqa: BLE001 - whatever a malformed payload makes json, torch or fx raise
         raise DistributedError(
             f"{where}: the payload is not a program this version of moirai can read ({type(error).__name__}: "
             f"{error}); the program is not loaded"
@@ -183,6 +208,11 @@ def _encode_graph_module(module: fx.GraphModule, storages: _Storages, where: str
         fault = _call_fault(node, transport)
         if fault:
             raise PlanError(f"{where}'s node {node.name} {fault}: {_WHAT_TO_DO}")
+        if not _is_plain_name(node.name) or (node.op == "placeholder" and not _is_plain_name(node.target)):
+            raise PlanError(
+                f"{where}'s node {node.name} (target {node.target!r}) has a name fx's generated code uses itself "
+                f"({sorted(_RESERVED_NAMES)}), which a rank refuses to load: rename the model's input or op"
+            )
         if node.op == "get_attr":
             attributes.append(_encode_attribute(module, node.target, storages, where))
         nodes.append(
@@ -213,7 +243,6 @@ def _encode_attribute(module: fx.GraphModule, target: str, storages: _Storages, 
                 "shape": list(value.shape),
                 "stride": list(value.stride()),
                 "offset": value.storage_offset(),
-                "device": str(value.device),
                 "parameter": isinstance(value, torch.nn.Parameter),
                 "requires_grad": value.requires_grad,
             },
@@ -231,6 +260,9 @@ def _encode_target(node: fx.Node, where: str) -> Any:
     if node.op == "call_method":
         return target  # a transport's method (_call_fault)
     if isinstance(target, torch._ops.OpOverload):
+        fault = _operator_fault(target)
+        if fault:
+            raise PlanError(f"{where}'s node {node.name} calls {_operator_name(target)}, {fault}")
         return {"op": _operator_name(target)}
     if isinstance(target, torch._ops.HigherOrderOperator) and target.name() in _HIGHER_ORDER_OPS:
         return {"higher_order": target.name()}
@@ -322,7 +354,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # -- decoding ----------------------------------------------------------------------------------------------------
 
 
-def _decode(payload: memoryview) -> SplitProgram:
+def _decode(payload: memoryview, max_parts: int | None) -> SplitProgram:
     if len(payload) < _LENGTH.size:
         raise _Malformed(f"the payload has {len(payload)} bytes, fewer than its length field")
     (length,) = _LENGTH.unpack_from(payload)
@@ -332,9 +364,12 @@ def _decode(payload: memoryview) -> SplitProgram:
     if not isinstance(description, dict) or description.get("format") != FORMAT_VERSION:
         found = description.get("format") if isinstance(description, dict) else type(description).__name__
         raise _Malformed(f"the payload's format is {found!r}, not {FORMAT_VERSION}")
+    if max_parts is not None and len(description["parts"]) > max_parts:
+        raise _Malformed(f"the program has {len(description['parts'])} parts, more than the world's {max_parts} ranks")
     storages = _decode_storages(payload, _LENGTH.size + length, description["storages"])
     transfers = tuple(_decode_transfer(t) for t in description["transfers"])
-    parts = tuple(_decode_part(p, storages, transfers) for p in description["parts"])
+    by_index = {t.index: t for t in transfers}
+    parts = tuple(_decode_part(p, storages, by_index) for p in description["parts"])
     return SplitProgram(
         parts=parts,
         transfers=transfers,
@@ -353,8 +388,8 @@ def _decode_storages(payload: memoryview, start: int, sizes: list[Any]) -> list[
         size = int(size)
         if size < 0:
             raise _Malformed(f"storage {len(storages)} has {size} bytes")
-        if is_meta:  # weights left on the meta device: a size and no bytes
-            storages.append(torch.empty(size, dtype=torch.uint8, device="meta"))
+        if is_meta or size == 0:  # weights left on the meta device: a size and no bytes
+            storages.append(torch.empty(size, dtype=torch.uint8, device="meta" if is_meta else "cpu"))
             continue
         if offset + size > len(payload):
             raise _Malformed(f"storage {len(storages)} ({size} bytes) runs past the payload's {len(payload)} bytes")
@@ -366,10 +401,7 @@ def _decode_storages(payload: memoryview, start: int, sizes: list[Any]) -> list[
     return storages
 
 
-def _decode_part(
-    part: dict[str, Any], storages: list[torch.Tensor], transfers: tuple[TensorTransfer, ...]
-) -> DevicePart:
-    by_index = {t.index: t for t in transfers}
+def _decode_part(part: dict[str, Any], storages: list[torch.Tensor], by_index: dict[int, TensorTransfer]) -> DevicePart:
     return DevicePart(
         device=int(part["device"]),
         graph_module=_decode_graph_module(part["graph_module"], storages, is_part=True),
@@ -385,8 +417,8 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
     attributes: dict[str, Any] = {}
     for attribute in module["attributes"]:
         target = str(attribute["target"])
-        if not all(_IDENTIFIER.fullmatch(atom) for atom in target.split(".")):
-            raise _Malformed(f"attribute name {target!r} is not a dotted identifier")
+        if not all(_IDENTIFIER.fullmatch(atom) and not hasattr(fx.GraphModule, atom) for atom in target.split(".")):
+            raise _Malformed(f"attribute name {target!r} is not a dotted identifier of its own")
         if "graph_module" in attribute:
             attributes[target] = _decode_graph_module(attribute["graph_module"], storages, is_part=False)
         else:
@@ -397,6 +429,8 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
         op, name = str(entry["op"]), str(entry["name"])
         if op not in ("placeholder", "get_attr", "call_function", "call_method", "output"):
             raise _Malformed(f"node {name!r} has op {op!r}, which a loaded part may not have")
+        if not _is_plain_name(name) or (op == "placeholder" and not _is_plain_name(entry["target"])):
+            raise _Malformed(f"node name {name!r} (target {entry['target']!r}) is not a plain name of its own")
         if op == "get_attr" and entry["target"] not in attributes:
             raise _Malformed(f"node {name!r} reads attribute {entry['target']!r}, which the payload does not hold")
         target = _decode_target(op, entry["target"], name)
@@ -405,7 +439,8 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
         if not isinstance(args, tuple) or not isinstance(kwargs, dict):
             raise _Malformed(f"node {name!r}'s arguments are not a tuple and a dict")
         # fx writes keyword names into the generated code as they are, and a placeholder's argument as its default.
-        if not all(_OPERATOR_NAME.fullmatch(key) for key in kwargs) or (op == "placeholder" and (args or kwargs)):
+        keywords_fit = all(_OPERATOR_NAME.fullmatch(key) and not keyword.iskeyword(key) for key in kwargs)
+        if not keywords_fit or (op == "placeholder" and (args or kwargs)):
             raise _Malformed(f"node {name!r} has keywords {list(kwargs)} or defaults {list(args)} a part cannot have")
         if op == "output":
             graph.output(args[0])
@@ -418,9 +453,20 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
             raise _Malformed(f"node {name!r} {fault}")
     graph.lint()
     class_name = str(module["class_name"])
-    if not _IDENTIFIER.fullmatch(class_name):
+    if not _is_plain_name(class_name) or class_name.startswith("__"):
         raise _Malformed(f"class name {class_name!r} is not an identifier")
-    return fx.GraphModule(attributes, graph, class_name=class_name)
+    decoded = fx.GraphModule(attributes, graph, class_name=class_name)
+    for target, value in attributes.items():  # each name reads what the payload put there, not the module's own
+        if _attribute(decoded, target) is not value:
+            raise _Malformed(f"attribute {target!r} does not read the value the payload gives it")
+    return decoded
+
+
+def _attribute(module: torch.nn.Module, target: str) -> Any:
+    value: Any = module
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
 
 
 def _decode_tensor(tensor: dict[str, Any], storages: list[torch.Tensor]) -> torch.Tensor:
@@ -432,19 +478,16 @@ def _decode_tensor(tensor: dict[str, Any], storages: list[torch.Tensor]) -> torc
     last = offset + sum((size - 1) * step for size, step in zip(shape, stride, strict=True)) if all(shape) else -1
     if offset < 0 or min(shape, default=0) < 0 or min(stride, default=0) < 0 or (last + 1) * itemsize > storage.numel():
         raise _Malformed(f"a {dtype} tensor of shape {shape} at offset {offset} runs past its storage")
+    # On the CPU whatever the sender's device: the rank places its part on its own device (local.place_part).
     value = torch.empty(0, dtype=dtype, device=storage.device).set_(storage.untyped_storage(), offset, shape, stride)
-    device = torch.device(str(tensor["device"]))
-    if device != value.device and not value.is_meta:
-        value = value.to(device)
     if tensor["parameter"]:
         return torch.nn.Parameter(value, requires_grad=bool(tensor["requires_grad"]))
     return value.requires_grad_(bool(tensor["requires_grad"]))
 
 
 def _decode_target(op: str, target: Any, name: str) -> Any:
-    if op in ("placeholder", "get_attr", "output"):
-        # fx writes a placeholder's target into the generated code as a parameter name: an identifier, nothing else.
-        if not isinstance(target, str) or not _OPERATOR_NAME.fullmatch(target):
+    if op in ("placeholder", "get_attr", "output"):  # checked by the caller: its own name, an attribute, "output"
+        if not isinstance(target, str):
             raise _Malformed(f"node {name!r}'s target {target!r} is not a name")
         return target
     if op == "call_method":
@@ -481,7 +524,19 @@ def _operator(qualified: str, name: str) -> torch._ops.OpOverload:
         found = None
     if not isinstance(found, torch._ops.OpOverload):
         raise _Malformed(f"node {name!r} names operator {qualified!r}, which is not registered on this rank")
+    fault = _operator_fault(found)
+    if fault:
+        raise _Malformed(f"node {name!r} names operator {qualified!r}, {fault}")
     return found
+
+
+def _operator_fault(op: torch._ops.OpOverload) -> str | None:
+    """Why a part may not call ``op``, if it may not: another namespace's, or one that opens a file by name."""
+    if op.namespace not in _OPERATOR_NAMESPACES:
+        return f"of namespace {op.namespace!r}, where a part calls {sorted(_OPERATOR_NAMESPACES)}'s operators only"
+    if any(argument.name in _FILE_ARGUMENTS for argument in op._schema.arguments):
+        return "which opens a file by name"
+    return None
 
 
 def _decode_value(value: Any, nodes: dict[str, fx.Node]) -> Any:
@@ -521,10 +576,9 @@ def _decode_value(value: Any, nodes: dict[str, fx.Node]) -> Any:
 
 
 def _decode_dtype(name: Any) -> torch.dtype:
-    dtype = getattr(torch, str(name), None) if _IDENTIFIER.fullmatch(str(name)) else None
-    if not isinstance(dtype, torch.dtype):
+    if name not in _DTYPES:
         raise _Malformed(f"{name!r} is not a torch dtype")
-    return dtype
+    return _DTYPES[name]
 
 
 def _decode_spec(spec: list[Any]) -> TensorSpec:

@@ -455,7 +455,9 @@ def _load(group: Group, programs: dict[int, SplitProgram], header: Header) -> No
             f"with (under torchrun, set MOIRAI_RUN_SECRET on every rank); it loads none"
         )
     where = f"rank {group.rank}'s load of program {header.program_id}"
-    programs[header.program_id] = decode_program(header.payload, where)  # authenticated by receive_header
+    programs[header.program_id] = decode_program(
+        header.payload, where, max_parts=group.world_size
+    )  # authenticated by receive_header
 
 
 def matches_by_order(group: Group, peer: int) -> bool:
