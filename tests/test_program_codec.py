@@ -151,6 +151,18 @@ def _set_target(op, target):
         (_set_target("call_function", {"op": "_c10d_functional::all_reduce.default"}), "namespace '_c10d_functional'"),
         (lambda d: _first_node(d, "call_function").update(kwargs={"dict": [["class", 1]]}), "keywords ['class']"),
         (lambda d: d["storages"][0].__setitem__(0, float("inf")), "OverflowError"),
+        # Operators that trust their strides or lengths read and write the rank's memory beyond their tensors.
+        (_set_target("call_function", {"op": "aten::_reshape_alias.default"}), "trusts its arguments"),
+        (_set_target("call_function", {"op": "aten::segment_reduce.default"}), "trusts its arguments"),
+        (_set_target("call_function", {"op": "aten::_unsafe_index.Tensor"}), "trusts its arguments"),
+        (_set_target("call_function", {"op": "prims::view_of.default"}), "namespace 'prims'"),
+        # A module's own state under an attribute's name: its hooks run on every call.
+        (lambda d: _rename_attribute(d, "_forward_pre_hooks"), "'_forward_pre_hooks' is not a dotted identifier"),
+        (lambda d: _rename_attribute(d, "training"), "'training' is not a dotted identifier"),
+        # fx names a call's global after the function (math_floor); a parameter of that name would stand in for it.
+        (lambda d: _first_node(d, "placeholder").update(target="math_floor"), "(target 'math_floor')"),
+        (lambda d: _first_node(d, "placeholder").update(target="getattr", name="getattr_1"), "(target 'getattr')"),
+        (lambda d: _first_node(d, "call_function").update(args={"tuple": [{"complex": [0, {"float": "inf"}]}]}), ""),
     ],
 )
 def test_a_payload_naming_anything_outside_the_vocabulary_is_refused(edit, message) -> None:

@@ -7,7 +7,7 @@ bytes name. So a program travels as data:
 
 - a JSON description: the program's wiring (transfers, outputs, input specs, dynamic dimensions), and each part's
   graph as a list of nodes whose targets are names, looked up on the receiving side in a closed vocabulary:
-  ``aten`` and ``prims`` operators by schema name (``aten::add.Tensor``; none that opens a file by name), a few
+  ``aten`` operators by schema name (``aten::add.Tensor``; none that opens a file or trusts its strides), a few
   higher-order ops whose operands are graphs, the arithmetic of :mod:`operator` and :mod:`math` and torch's
   ``sym_*`` functions (shape arithmetic), and the part's transport (:class:`moirai.runtime.split.Transport`): its
   methods and its ``symbol_values``, on the transport only;
@@ -53,6 +53,16 @@ _IDENTIFIER = re.compile(r"(?!__)[A-Za-z_][A-Za-z0-9_]*")  # always fullmatch: "
 _OPERATOR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+def _placeholder_fits(target: Any, name: str) -> bool:
+    """Whether a placeholder's target may be the parameter name fx writes for it: its node's own name, or a builtin's
+    that fx gave the node a suffix for (``forward(self, input)``, node ``input_1``). No other: a parameter named as a
+    global fx gives a call (``math_floor``, ``getattr``) would stand in for that function."""
+    if target == name:
+        return True
+    suffixed = re.fullmatch(rf"{re.escape(str(target))}_\d+", name) is not None
+    return suffixed and _is_plain_name(target) and target in vars(builtins) and target != "getattr"
+
+
 def _is_plain_name(name: Any) -> bool:
     """A name fx may write into generated code as it is: an identifier, no keyword, none of fx's own."""
     return (
@@ -67,10 +77,24 @@ _TRANSPORT_METHODS = frozenset(name for name in vars(Transport) if not name.star
 # Names fx's generated code means for itself (the module, and the globals it imports): a node, a placeholder or a
 # keyword of that name would rebind them (a nested graph's node "self" reads attributes of any value).
 _RESERVED_NAMES = frozenset({"self", "torch", "device", "inf", "nan", "NoneType", "fx_pytree", "pytree"})
+_PROBE = fx.GraphModule(torch.nn.Module(), fx.Graph())  # what a module has of its own: methods, hooks, state
 _DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
-# Operators of these namespaces only, and none that reads or writes a file by name (aten::from_file, aten::save).
-_OPERATOR_NAMESPACES = frozenset({"aten", "prims"})
+# aten's operators only (prims' skip checks aten makes), none that reads or writes a file by name (aten::from_file,
+# aten::save), and none that trusts its sizes, strides or indices: those read and write the rank's memory beyond
+# their tensors (a second review read the run's secret through _reshape_alias, and segment_reduce's lengths
+# corrupted the heap). unsafe_split, unsafe_chunk and _unsafe_view check their bounds ("unsafe" for autograd only).
+_OPERATOR_NAMESPACES = frozenset({"aten"})
 _FILE_ARGUMENTS = frozenset({"filename", "path", "file"})
+_UNCHECKED_OPERATORS = frozenset(
+    f"aten::{name}"
+    for name in (
+        "_reshape_alias _reshape_alias_copy segment_reduce _segment_reduce_backward _nested_view_from_buffer "
+        "_nested_view_from_buffer_copy _nested_view_from_jagged _nested_view_from_jagged_copy _unsafe_index "
+        "_unsafe_index_put _unsafe_masked_index _unsafe_masked_index_put_accumulate _index_put_impl _index_put_impl_ "
+        "_sparse_coo_tensor_unsafe _sparse_csr_tensor_unsafe _sparse_csc_tensor_unsafe _sparse_bsr_tensor_unsafe "
+        "_sparse_bsc_tensor_unsafe _sparse_compressed_tensor_unsafe set_"
+    ).split()
+)
 _TRANSPORT_ATTRIBUTE = "symbol_values"  # the one attribute a part reads off its transport (shape arithmetic)
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 _MEMORY_FORMATS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.memory_format)}
@@ -208,7 +232,9 @@ def _encode_graph_module(module: fx.GraphModule, storages: _Storages, where: str
         fault = _call_fault(node, transport)
         if fault:
             raise PlanError(f"{where}'s node {node.name} {fault}: {_WHAT_TO_DO}")
-        if not _is_plain_name(node.name) or (node.op == "placeholder" and not _is_plain_name(node.target)):
+        if not _is_plain_name(node.name) or (
+            node.op == "placeholder" and not _placeholder_fits(node.target, node.name)
+        ):
             raise PlanError(
                 f"{where}'s node {node.name} (target {node.target!r}) has a name fx's generated code uses itself "
                 f"({sorted(_RESERVED_NAMES)}), which a rank refuses to load: rename the model's input or op"
@@ -331,8 +357,8 @@ def _encode_value(value: Any, where: str) -> Any:
         return {"slice": [_encode_value(v, where) for v in (value.start, value.stop, value.step)]}
     if value is Ellipsis:
         return {"ellipsis": None}
-    if isinstance(value, complex):
-        return {"complex": [_encode_value(value.real, where), _encode_value(value.imag, where)]}
+    if isinstance(value, complex) and math.isfinite(value.real) and math.isfinite(value.imag):
+        return {"complex": [value.real, value.imag]}
     if isinstance(value, torch._ops.OpOverload):  # auto_functionalized's operand
         return {"op": _operator_name(value)}
     raise PlanError(f"{where} has an argument {value!r} of type {type(value).__name__}, which a rank cannot load")
@@ -417,7 +443,7 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
     attributes: dict[str, Any] = {}
     for attribute in module["attributes"]:
         target = str(attribute["target"])
-        if not all(_IDENTIFIER.fullmatch(atom) and not hasattr(fx.GraphModule, atom) for atom in target.split(".")):
+        if not all(_IDENTIFIER.fullmatch(atom) and not hasattr(_PROBE, atom) for atom in target.split(".")):
             raise _Malformed(f"attribute name {target!r} is not a dotted identifier of its own")
         if "graph_module" in attribute:
             attributes[target] = _decode_graph_module(attribute["graph_module"], storages, is_part=False)
@@ -429,7 +455,7 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
         op, name = str(entry["op"]), str(entry["name"])
         if op not in ("placeholder", "get_attr", "call_function", "call_method", "output"):
             raise _Malformed(f"node {name!r} has op {op!r}, which a loaded part may not have")
-        if not _is_plain_name(name) or (op == "placeholder" and not _is_plain_name(entry["target"])):
+        if not _is_plain_name(name) or (op == "placeholder" and not _placeholder_fits(entry["target"], name)):
             raise _Malformed(f"node name {name!r} (target {entry['target']!r}) is not a plain name of its own")
         if op == "get_attr" and entry["target"] not in attributes:
             raise _Malformed(f"node {name!r} reads attribute {entry['target']!r}, which the payload does not hold")
@@ -536,6 +562,8 @@ def _operator_fault(op: torch._ops.OpOverload) -> str | None:
         return f"of namespace {op.namespace!r}, where a part calls {sorted(_OPERATOR_NAMESPACES)}'s operators only"
     if any(argument.name in _FILE_ARGUMENTS for argument in op._schema.arguments):
         return "which opens a file by name"
+    if op._schema.name in _UNCHECKED_OPERATORS or any(a.name == "unsafe" for a in op._schema.arguments):
+        return "which trusts its arguments to stay within its tensors' memory"
     return None
 
 
@@ -568,8 +596,11 @@ def _decode_value(value: Any, nodes: dict[str, fx.Node]) -> Any:
         return slice(*(_decode_value(v, nodes) for v in item))
     if kind == "ellipsis":
         return Ellipsis
-    if kind == "complex":
-        return complex(*(_decode_value(v, nodes) for v in item))
+    if kind == "complex":  # fx writes complex(0, inf) as the bare name infj
+        value = complex(*(float(v) for v in item))
+        if not (math.isfinite(value.real) and math.isfinite(value.imag)):
+            raise _Malformed(f"complex constant {value} is not finite")
+        return value
     if kind == "op":
         return _operator(str(item), "an argument")
     raise _Malformed(f"argument {value!r} has an unknown tag {kind!r}")
