@@ -188,6 +188,15 @@ def test_a_program_with_more_parts_than_the_world_has_ranks_is_refused() -> None
         decode_program(payload, "rank 1's load", max_parts=1)
 
 
+def test_an_attribute_named_as_a_modules_own_state_is_a_plan_error_before_it_is_sent() -> None:
+    _, program = _split(MLP(), (torch.randn(4, 16),), 1)
+    module = program.parts[0].graph_module
+    node = next(n for n in module.graph.nodes if n.op == "get_attr")
+    node.target = "training"  # as the rank would read it: the module's own flag, not the payload's tensor
+    with pytest.raises(PlanError, match="reads attribute 'training', a name a module has of its own"):
+        encode_program(program)
+
+
 def test_an_empty_tensor_loads() -> None:
     _, program = _split(MLP(), (torch.randn(4, 16),), 1)
     name = program.parts[0].attribute_names[0]

@@ -254,9 +254,12 @@ def _encode_graph_module(module: fx.GraphModule, storages: _Storages, where: str
 
 
 def _encode_attribute(module: fx.GraphModule, target: str, storages: _Storages, where: str) -> dict[str, Any]:
-    value: Any = module
-    for atom in target.split("."):
-        value = getattr(value, atom)
+    if not _is_attribute_name(target):
+        raise PlanError(
+            f"{where} reads attribute {target!r}, a name a module has of its own (or not an identifier), which a "
+            "rank refuses to load: rename the model's parameter or buffer"
+        )
+    value = _attribute(module, target)
     if isinstance(value, fx.GraphModule):  # a higher-order op's body (torch.cond's branches)
         body = _encode_graph_module(value, storages, f"{where}'s {target}", is_part=False)
         return {"target": target, "graph_module": body}
@@ -443,7 +446,7 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
     attributes: dict[str, Any] = {}
     for attribute in module["attributes"]:
         target = str(attribute["target"])
-        if not all(_IDENTIFIER.fullmatch(atom) and not hasattr(_PROBE, atom) for atom in target.split(".")):
+        if not _is_attribute_name(target):
             raise _Malformed(f"attribute name {target!r} is not a dotted identifier of its own")
         if "graph_module" in attribute:
             attributes[target] = _decode_graph_module(attribute["graph_module"], storages, is_part=False)
@@ -486,6 +489,11 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
         if _attribute(decoded, target) is not value:
             raise _Malformed(f"attribute {target!r} does not read the value the payload gives it")
     return decoded
+
+
+def _is_attribute_name(target: str) -> bool:
+    """A dotted name of identifiers, none a module's own (a method, ``training``, ``_forward_pre_hooks``)."""
+    return all(_IDENTIFIER.fullmatch(atom) and not hasattr(_PROBE, atom) for atom in target.split("."))
 
 
 def _attribute(module: torch.nn.Module, target: str) -> Any:
