@@ -152,10 +152,15 @@ def _set_target(op, target):
         (lambda d: _first_node(d, "call_function").update(kwargs={"dict": [["class", 1]]}), "keywords ['class']"),
         (lambda d: d["storages"][0].__setitem__(0, float("inf")), "OverflowError"),
         # Operators that trust their strides or lengths read and write the rank's memory beyond their tensors.
-        (_set_target("call_function", {"op": "aten::_reshape_alias.default"}), "trusts its arguments"),
-        (_set_target("call_function", {"op": "aten::segment_reduce.default"}), "trusts its arguments"),
-        (_set_target("call_function", {"op": "aten::_unsafe_index.Tensor"}), "trusts its arguments"),
+        (_set_target("call_function", {"op": "aten::_reshape_alias.default"}), "may not call"),
+        (_set_target("call_function", {"op": "aten::segment_reduce.default"}), "may not call"),
+        (_set_target("call_function", {"op": "aten::_unsafe_index.Tensor"}), "may not call"),
         (_set_target("call_function", {"op": "prims::view_of.default"}), "namespace 'prims'"),
+        (_set_target("call_function", {"op": "aten::max_pool2d_with_indices_backward.default"}), "may not call"),
+        (_set_target("call_function", {"op": "aten::_cummax_helper.default"}), "may not call"),
+        (_set_target("call_function", {"op": "aten::sparse_coo_tensor.indices_size"}), "may not call"),
+        (_set_target("call_function", {"op": "aten::_convert_indices_from_coo_to_csr.default"}), "may not call"),
+        (_set_target("call_function", {"op": "aten::add.out"}), "may not call"),
         # A module's own state under an attribute's name: its hooks run on every call.
         (lambda d: _rename_attribute(d, "_forward_pre_hooks"), "'_forward_pre_hooks' is not a dotted identifier"),
         (lambda d: _rename_attribute(d, "training"), "'training' is not a dotted identifier"),
