@@ -53,26 +53,6 @@ _IDENTIFIER = re.compile(r"(?!__)[A-Za-z_][A-Za-z0-9_]*")  # always fullmatch: "
 _OPERATOR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _placeholder_fits(target: Any, name: str) -> bool:
-    """Whether a placeholder's target may be the parameter name fx writes for it: its node's own name, or a builtin's
-    that fx gave the node a suffix for (``forward(self, input)``, node ``input_1``). No other: a parameter named as a
-    global fx gives a call (``math_floor``, ``getattr``) would stand in for that function."""
-    if target == name:
-        return True
-    suffixed = re.fullmatch(rf"{re.escape(str(target))}_\d+", name) is not None
-    return suffixed and _is_plain_name(target) and target in vars(builtins) and target != "getattr"
-
-
-def _is_plain_name(name: Any) -> bool:
-    """A name fx may write into generated code as it is: an identifier, no keyword, none of fx's own."""
-    return (
-        isinstance(name, str)
-        and _OPERATOR_NAME.fullmatch(name) is not None
-        and not keyword.iskeyword(name)
-        and name not in _RESERVED_NAMES
-    )
-
-
 _TRANSPORT_METHODS = frozenset(name for name in vars(Transport) if not name.startswith("_"))
 # Names fx's generated code means for itself (the module, and the globals it imports): a node, a placeholder or a
 # keyword of that name would rebind them (a nested graph's node "self" reads attributes of any value).
@@ -126,14 +106,38 @@ _OPERATOR_FUNCTIONS = (
 ).split()
 
 
+def _placeholder_fits(target: Any, name: str) -> bool:
+    """Whether a placeholder's target may be the parameter name fx writes for it: its node's own name, or a builtin's
+    that fx gave the node a suffix for (``forward(self, input)``, node ``input_1``). No other: a parameter named as a
+    global fx gives a call (``math_floor``, ``getattr``) would stand in for that function."""
+    if target == name:
+        return True
+    suffixed = re.fullmatch(rf"{re.escape(str(target))}_\d+", name) is not None
+    return suffixed and _is_plain_name(target) and target in vars(builtins) and target != "getattr"
+
+
+def _name_fits(op: str, name: Any, target: Any) -> bool:
+    """Whether a node's name (and a placeholder's target) may be written into fx's generated code as they are."""
+    return _is_plain_name(name) and (op != "placeholder" or _placeholder_fits(target, name))
+
+
+def _is_plain_name(name: Any) -> bool:
+    """A name fx may write into generated code as it is: an identifier, no keyword, none of fx's own."""
+    return (
+        isinstance(name, str)
+        and _OPERATOR_NAME.fullmatch(name) is not None
+        and not keyword.iskeyword(name)
+        and name not in _RESERVED_NAMES
+    )
+
+
 def _python_functions() -> dict[str, Callable[..., Any]]:
     """The plain Python callables a part may call, by name: shape arithmetic, ``getattr``, torch's sym functions."""
-    functions: dict[str, Callable[..., Any]] = {"builtins.getattr": builtins.getattr}
+    functions: dict[str, Any] = {"builtins.getattr": builtins.getattr}
     functions |= {f"operator.{name}": getattr(operator, name) for name in _OPERATOR_FUNCTIONS}
     functions |= {f"math.{n}": getattr(math, n) for n in dir(math) if not n.startswith("_")}
-    functions = {name: function for name, function in functions.items() if callable(function)}
     functions |= {f"torch.{n}": getattr(torch, n) for n in dir(torch) if n.startswith("sym_")}
-    return functions
+    return {name: function for name, function in functions.items() if callable(function)}
 
 
 _FUNCTIONS = _python_functions()
@@ -238,9 +242,7 @@ def _encode_graph_module(module: fx.GraphModule, storages: _Storages, where: str
         fault = _call_fault(node, transport)
         if fault:
             raise PlanError(f"{where}'s node {node.name} {fault}: {_WHAT_TO_DO}")
-        if not _is_plain_name(node.name) or (
-            node.op == "placeholder" and not _placeholder_fits(node.target, node.name)
-        ):
+        if not _name_fits(node.op, node.name, node.target):
             raise PlanError(
                 f"{where}'s node {node.name} (target {node.target!r}) has a name fx's generated code uses itself "
                 f"({sorted(_RESERVED_NAMES)}), which a rank refuses to load: rename the model's input or op"
@@ -265,7 +267,7 @@ def _encode_attribute(module: fx.GraphModule, target: str, storages: _Storages, 
             f"{where} reads attribute {target!r}, a name a module has of its own (or not an identifier), which a "
             "rank refuses to load: rename the model's parameter or buffer"
         )
-    value = _attribute(module, target)
+    value = operator.attrgetter(target)(module)
     if isinstance(value, fx.GraphModule):  # a higher-order op's body (torch.cond's branches)
         body = _encode_graph_module(value, storages, f"{where}'s {target}", is_part=False)
         return {"target": target, "graph_module": body}
@@ -290,10 +292,8 @@ def _encode_attribute(module: fx.GraphModule, target: str, storages: _Storages, 
 
 def _encode_target(node: fx.Node, where: str) -> Any:
     target = node.target
-    if node.op in ("placeholder", "get_attr", "output"):
+    if node.op in ("placeholder", "get_attr", "output", "call_method"):  # names; a method is the transport's
         return target
-    if node.op == "call_method":
-        return target  # a transport's method (_call_fault)
     if isinstance(target, torch._ops.OpOverload):
         fault = _operator_fault(target)
         if fault:
@@ -464,7 +464,7 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
         op, name = str(entry["op"]), str(entry["name"])
         if op not in ("placeholder", "get_attr", "call_function", "call_method", "output"):
             raise _Malformed(f"node {name!r} has op {op!r}, which a loaded part may not have")
-        if not _is_plain_name(name) or (op == "placeholder" and not _placeholder_fits(entry["target"], name)):
+        if not _name_fits(op, name, entry["target"]):
             raise _Malformed(f"node name {name!r} (target {entry['target']!r}) is not a plain name of its own")
         if op == "get_attr" and entry["target"] not in attributes:
             raise _Malformed(f"node {name!r} reads attribute {entry['target']!r}, which the payload does not hold")
@@ -492,7 +492,7 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
         raise _Malformed(f"class name {class_name!r} is not an identifier")
     decoded = fx.GraphModule(attributes, graph, class_name=class_name)
     for target, value in attributes.items():  # each name reads what the payload put there, not the module's own
-        if _attribute(decoded, target) is not value:
+        if operator.attrgetter(target)(decoded) is not value:
             raise _Malformed(f"attribute {target!r} does not read the value the payload gives it")
     return decoded
 
@@ -500,13 +500,6 @@ def _decode_graph_module(module: dict[str, Any], storages: list[torch.Tensor], i
 def _is_attribute_name(target: str) -> bool:
     """A dotted name of identifiers, none a module's own (a method, ``training``, ``_forward_pre_hooks``)."""
     return all(_IDENTIFIER.fullmatch(atom) and not hasattr(_PROBE, atom) for atom in target.split("."))
-
-
-def _attribute(module: torch.nn.Module, target: str) -> Any:
-    value: Any = module
-    for atom in target.split("."):
-        value = getattr(value, atom)
-    return value
 
 
 def _decode_tensor(tensor: dict[str, Any], storages: list[torch.Tensor]) -> torch.Tensor:
