@@ -350,8 +350,10 @@ def test_steady_state_profiles_beside_the_other_ranks_computing(traced_two_layer
     steady = build_problem(
         graph, cluster, "measured", traced, cache_dir=tmp_path, repeats=2, progress=False, steady_state=True
     )
-    # The lone profile had no process beside it; the steady state's had one, on device 1's cores, gone after.
-    assert seen == [[], [set(cores[1])]]
+    # The lone profile had no process beside it (timed once, or twice when its parts did not add up to the whole:
+    # [Note: a cached profile checked]); the steady state's had one, on device 1's cores, gone after.
+    *lone, beside = seen
+    assert lone in ([[]], [[], []]) and beside == [set(cores[1])], seen
     assert not _children() - earlier
     assert steady.compute_s.shape == (3, 2) and np.all(steady.compute_s > 0)
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2  # cached apart

@@ -7,6 +7,8 @@ import textwrap
 import pytest
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
 
 from moirai.errors import InputError, TraceError
 from moirai.frontend.graph import build_op_graph
@@ -77,6 +79,37 @@ def test_op_graph_counts_flops_bytes_and_parameters() -> None:
     relu_edge = next(e for e in graph.edges if graph.nodes[e.src].targets == ("aten.relu.default",))
     assert relu_edge.bytes == 4 * 32 * 4
     assert graph.to_networkx().number_of_edges() == len(graph.edges)
+
+
+class RepeatedBlocks(torch.nn.Module):
+    """Three blocks of one shape, one wider, and two matmuls of different shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.wide = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        y = self.wide(x)
+        return torch.mm(y, y.t()) + torch.mm(y[:, :4], y[:, :4].t().contiguous()).sum()
+
+
+def test_an_op_counted_once_per_signature_counts_each_call_as_the_flop_counter_does() -> None:
+    traced = trace(RepeatedBlocks().eval(), (torch.randn(8, 16),))
+    graph = build_op_graph(traced)
+    fx_nodes = {n.name: n for n in traced.graph_module.graph.nodes}
+    for node in graph.nodes:
+        fx_node = fx_nodes[node.fx_names[0]]
+        args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (fx_node.args, fx_node.kwargs))
+        counter = FlopCounterMode(display=False)
+        with counter:
+            fx_node.target(*args, **kwargs)
+        assert node.flops == counter.get_total_flops(), node.name
+    linears = [n.flops for n in graph.nodes if n.targets == ("aten.linear.default",)]
+    assert linears == [2 * 8 * 16 * 16] * 3 + [2 * 8 * 16 * 48]
+    assert sorted(n.flops for n in graph.nodes if n.targets == ("aten.mm.default",)) == [2 * 8 * 4 * 8, 2 * 8 * 48 * 8]
 
 
 def test_merge_preserves_totals_and_sends_a_tensor_once_per_group() -> None:

@@ -154,6 +154,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
     for node in graph_module.graph.find_nodes(op="get_attr"):
         parameter_bytes[node.name] = _nbytes(node.meta.get("val", getattr(graph_module, str(node.target), None)))
 
+    count_flops = _FlopCounter()
     nodes: list[OpNode] = []
     node_of: dict[str, int] = {}
     edges: dict[tuple[int, int, str], OpEdge] = {}
@@ -175,7 +176,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
                 name=fx_node.name,
                 targets=(_target_name(fx_node),),
                 fx_names=(fx_node.name,),
-                flops=_flops(fx_node),
+                flops=count_flops(fx_node),
                 bytes_moved=_bytes_moved(fx_node, output_bytes),
                 output_bytes=float(allocated_bytes),
                 param_names=params,
@@ -248,17 +249,54 @@ def _nbytes(value: object) -> int:
     return sum(math.prod(example_int(size) for size in t.shape) * t.element_size() for t in tensors)
 
 
-def _flops(node: fx.Node) -> float:
-    """FLOPs of an aten op by torch's flop counter, run on meta tensors of the traced shapes."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return 0.0
-    counted = target.overloadpacket in flop_registry or torch._C._dispatch_has_kernel_for_dispatch_key(
-        target.name(), "CompositeImplicitAutograd"
-    )
-    if not counted:
-        return 0.0
+class _FlopCounter:
+    """FLOPs of aten ops by torch's flop counter, run on meta tensors of the traced shapes.
 
+    A model of repeated blocks calls the same op on the same shapes once per block, and running the counter costs
+    about a millisecond a call, so each op and argument signature is counted once.
+    """
+
+    def __init__(self) -> None:
+        self._flops_of: dict[object, float] = {}
+
+    def __call__(self, node: fx.Node) -> float:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            return 0.0
+        counted = target.overloadpacket in flop_registry or torch._C._dispatch_has_kernel_for_dispatch_key(
+            target.name(), "CompositeImplicitAutograd"
+        )
+        if not counted:
+            return 0.0
+        key = _signature(target, node)
+        if key is None:
+            return _count_flops(target, node)
+        if key not in self._flops_of:
+            self._flops_of[key] = _count_flops(target, node)
+        return self._flops_of[key]
+
+
+def _signature(target: torch._ops.OpOverload, node: fx.Node) -> tuple | None:
+    """What an op's FLOPs depend on: the op, each tensor argument's shape, strides and dtype, the other arguments;
+    ``None`` where an argument cannot be a key."""
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    described = []
+    for leaf in leaves:
+        value = leaf.meta.get("val") if isinstance(leaf, fx.Node) else leaf
+        if isinstance(value, torch.Tensor):
+            sizes, strides = ([example_int(size) for size in sizes] for sizes in (value.shape, value.stride()))
+            value = ("tensor", tuple(sizes), tuple(strides), value.dtype)
+        elif isinstance(value, torch.SymInt):
+            value = example_int(value)
+        try:
+            hash(value)
+        except TypeError:
+            return None
+        described.append(value)
+    return target, str(spec), tuple(described)
+
+
+def _count_flops(target: torch._ops.OpOverload, node: fx.Node) -> float:
     def as_meta(value: object) -> object:
         if isinstance(value, fx.Node):
             value = value.meta.get("val")
