@@ -61,7 +61,9 @@ def expected_output_shapes(name: str, config: object) -> list[tuple[int, ...]]:
 
 
 # Each small model takes seconds to trace and run; gpt3, the quickest, stays in the fast tier.
-SMALL_MODELS = [pytest.param(n, marks=[] if n == "gpt3" else [pytest.mark.slow]) for n in sorted(ZOO)]
+SMALL_MODELS = [
+    pytest.param(n, marks=[] if n == "gpt3" else [pytest.mark.slow, pytest.mark.in_process]) for n in sorted(ZOO)
+]
 
 
 @pytest.mark.parametrize("name", SMALL_MODELS)
@@ -110,7 +112,9 @@ def paper_graph(name: str, size: str) -> OpGraph:
 
 def _paper_size_params() -> list:
     return [
-        pytest.param(name, size, marks=[] if (name, size) in FAST_PAPER_SIZES else [pytest.mark.slow])
+        pytest.param(
+            name, size, marks=[] if (name, size) in FAST_PAPER_SIZES else [pytest.mark.slow, pytest.mark.in_process]
+        )
         for name, size in model_sizes(paper_sizes=True)
     ]
 
@@ -132,6 +136,7 @@ def test_paper_size_traces_on_meta_and_prints_op_counts_next_to_the_paper(name: 
 
 
 @pytest.mark.slow
+@pytest.mark.in_process
 def test_gpt3_op_count_is_affine_in_layer_count() -> None:
     """Every decoder layer adds the same ops, whatever its width: 330M (24 layers), 2.7B (32), 13B (40)."""
     counts = {size: len(paper_graph("gpt3", size).nodes) for size in ("330M", "2.7B", "13B")}
@@ -208,6 +213,7 @@ def test_runner_rows_show_results_misfits_and_errors_and_go_to_a_markdown_file(m
 
 
 @pytest.mark.slow
+@pytest.mark.in_process
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_every_zoo_model_coarsens_to_a_dag_of_at_most_the_target(name: str):
     model, args, kwargs = build(name, "small")

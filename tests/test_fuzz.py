@@ -82,6 +82,7 @@ def reproduce_hint(failures: list[str]) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.in_process
 @pytest.mark.parametrize("block", range(math.ceil(FUZZ_MODELS / BLOCK)))
 def test_random_models_split_exactly_locally(block):
     seeds = range(block * BLOCK, min(FUZZ_MODELS, (block + 1) * BLOCK))

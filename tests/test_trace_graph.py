@@ -137,6 +137,7 @@ def test_wrong_input_shape_and_structure_raise_input_error() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.in_process
 def test_meta_model_of_over_a_billion_parameters_traces_without_weight_memory() -> None:
     # A fresh interpreter so the peak RSS is this model's alone.
     script = textwrap.dedent(
