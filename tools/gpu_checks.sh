@@ -35,7 +35,7 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, its ou
 
 step env 60 bash -c "nvidia-smi -L; nproc; $python -c 'import torch, transformers, pyomo, highspy, moirai;
 print(torch.__version__, torch.cuda.is_available(), transformers.__version__); print(moirai.Cluster.detect())'"
-step tests 180 $python -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs --timeout 150
+step tests 180 $python -m pytest -q -p no:cacheprovider -o addopts= tests/test_cuda.py -rs --timeout 150  # one process: xdist may be absent
 step calibrate 90 $python -c "from moirai.cluster.calibration.cache import local_calibration, local_request_cost
 for kind, cost in local_calibration(['cuda:0', 'cpu']).items(): print(kind, cost)
 print(local_request_cost())"
