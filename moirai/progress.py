@@ -1,4 +1,4 @@
-"""What moirai is doing now: one line per long stage (trace, coarsen, cost, place, split, worker start-up).
+"""What moirai is doing now: one line per long stage (calibration, trace, coarsen, cost, place, split, workers).
 
 Stages mark themselves with :func:`stage`, as a decorator or a ``with`` block::
 

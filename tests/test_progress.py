@@ -9,10 +9,31 @@ from rich.console import Console
 
 import moirai
 from moirai import progress
+from moirai.cluster.calibration import cache as calibration_cache
+from moirai.cluster.calibration.fit import TransferCost, link_kind
+from moirai.cluster.calibration.request_cost import RequestCost
 
 
 def log_console() -> Console:
     return Console(file=io.StringIO(), force_terminal=False, force_jupyter=False)
+
+
+def fake_calibration(monkeypatch, tmp_path) -> list[str]:  # noqa: ANN001
+    """An empty calibration cache whose measurements return at once; the list names each measurement made."""
+    monkeypatch.setenv("MOIRAI_CACHE_DIR", str(tmp_path / "cache"))
+    made: list[str] = []
+
+    def links(pair: tuple[str, str]) -> dict[str, TransferCost]:
+        made.append("calibrate links")
+        return {link_kind(*pair): TransferCost(1e-4, 1e9, 1e-5, 1e-10, 1e-5, 1e-10)}
+
+    def requests(link: TransferCost) -> RequestCost:
+        made.append("calibrate requests")
+        return RequestCost(driver_cpu_s=3e-4, worker_cpu_s=2e-4)
+
+    monkeypatch.setattr(calibration_cache, "_measured_again_if_noise", links)
+    monkeypatch.setattr(calibration_cache, "measure_request_cost", requests)
+    return made
 
 
 def test_a_stage_reports_its_time_once_inside_shown_and_never_outside() -> None:
@@ -35,15 +56,21 @@ def test_a_terminal_gets_a_tick_and_the_time() -> None:
     assert "✓ trace" in console.file.getvalue()
 
 
-def test_compile_reports_every_stage_on_stderr_unless_progress_is_false(capfd) -> None:
+def test_compile_reports_every_stage_on_stderr_unless_progress_is_false(capfd, monkeypatch, tmp_path) -> None:
+    calibrations = fake_calibration(monkeypatch, tmp_path)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
     x = torch.randn(2, 8)
     moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft")
     stages = re.findall(r"^moirai: ([a-z ]+) \S+ \S+$", capfd.readouterr().err, re.MULTILINE)
-    assert stages == ["trace", "op graph", "coarsen", "cost", "place", "split"]
+    # This machine's first compile calibrates it (seconds, once): the log says so; the next reads the cache.
+    calibrating = ["calibrate links", "calibrate requests"]
+    assert stages == [*calibrating, "trace", "op graph", "coarsen", "cost", "place", "split"]
+    assert calibrations == calibrating
     moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft")
     # Tracing a large model takes seconds: a log says it has started before it ends.
-    assert re.search(r"^moirai: trace: torch.export", capfd.readouterr().err, re.MULTILINE)
+    again = capfd.readouterr().err
+    assert re.search(r"^moirai: trace: torch.export", again, re.MULTILINE)
+    assert "calibrate" not in again and calibrations == calibrating
     moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft", progress=False)
     assert "moirai:" not in capfd.readouterr().err
 

@@ -28,6 +28,7 @@ from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import CPU
 from moirai.errors import ClusterError, MoiraiWarning, user_stacklevel
 from moirai.files import own_lock_file, read_own_text, write_atomically
+from moirai.progress import stage
 
 try:
     import fcntl
@@ -74,7 +75,8 @@ def local_calibration(
         missing = {kind: pair for kind, pair in needed.items() if kind not in cached}
         for kind, pair in missing.items():
             if kind not in cached:  # measuring a -> b measures b -> a too
-                cached.update(_measured_again_if_noise(pair))
+                with stage("calibrate links", f"{pair[0]} <-> {pair[1]}, once for this machine (then cached)"):
+                    cached.update(_measured_again_if_noise(pair))
         if missing:
             write_calibration(
                 path, {**cached_links(path), **cached}, _read_cached_requests(path), cached_host_links(path)
@@ -99,7 +101,8 @@ def local_request_cost(calibration: str | Path = "auto", cache_dir: str | Path |
         links = cached_links(path)  # read first: a corrupt request cost sets the whole file aside
         requests = _read_cached_requests(path) if calibration == "auto" else None
         if requests is None:
-            requests = measure_request_cost(link)
+            with stage("calibrate requests", "the runtime's own work per request, once for this machine (then cached)"):
+                requests = measure_request_cost(link)
             write_calibration(path, links, requests, cached_host_links(path))
     return requests
 
