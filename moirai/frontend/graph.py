@@ -284,8 +284,7 @@ def _signature(target: torch._ops.OpOverload, node: fx.Node) -> tuple | None:
     for leaf in leaves:
         value = leaf.meta.get("val") if isinstance(leaf, fx.Node) else leaf
         if isinstance(value, torch.Tensor):
-            sizes, strides = ([example_int(size) for size in sizes] for sizes in (value.shape, value.stride()))
-            value = ("tensor", tuple(sizes), tuple(strides), value.dtype)
+            value = ("tensor", *_example_layout(value), value.dtype)
         elif isinstance(value, torch.SymInt):
             value = example_int(value)
         try:
@@ -296,13 +295,17 @@ def _signature(target: torch._ops.OpOverload, node: fx.Node) -> tuple | None:
     return target, str(spec), tuple(described)
 
 
+def _example_layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape and strides of ``tensor`` at the example sizes (a symbolic size takes its example value)."""
+    return tuple(example_int(size) for size in tensor.shape), tuple(example_int(size) for size in tensor.stride())
+
+
 def _count_flops(target: torch._ops.OpOverload, node: fx.Node) -> float:
     def as_meta(value: object) -> object:
         if isinstance(value, fx.Node):
             value = value.meta.get("val")
         if isinstance(value, torch.Tensor):
-            shape, stride = ([example_int(size) for size in sizes] for sizes in (value.shape, value.stride()))
-            return torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")
+            return torch.empty_strided(*_example_layout(value), dtype=value.dtype, device="meta")
         return example_int(value) if isinstance(value, torch.SymInt) else value
 
     args, kwargs = pytree.tree_map(as_meta, (node.args, node.kwargs))
