@@ -714,6 +714,47 @@ def test_a_killed_rank_is_restarted_in_the_background_and_a_later_request_is_ser
 
 
 @pytest.mark.slow
+def test_a_restart_kills_a_rank_nobody_heard_from_instead_of_waiting_for_it_to_exit(rows, monkeypatch) -> None:
+    _, _, compiled = rows
+    x = torch.randn(16, 8)
+    monkeypatch.setattr(runner_module, "_RANKS_EXIT_GRACE_S", 120.0)  # the wait a stopped rank would cost
+    with DistributedRunner(["cpu", "cpu"], timeout_s=_FAULT_TIMEOUT_S) as runner:
+        _assert_serves(runner, rows, x)
+        (stopped,) = _spawned_ranks()
+        stopped.suspend()
+        (error,) = _errors_of([runner.submit(compiled.program, [x])], time.monotonic())
+        assert error.startswith("rank 1 (cpu) hung or died"), error
+        _, alive = psutil.wait_procs([stopped], timeout=60.0)
+        assert not alive, "the restart waited for a stopped rank to exit"
+        _assert_serves(runner, rows, x)
+
+
+@pytest.mark.slow
+def test_closing_while_a_restart_starts_kills_its_new_ranks_instead_of_waiting_for_them(rows) -> None:
+    _, _, compiled = rows
+    x = torch.randn(16, 8)
+    start_timeout_s = 60.0
+    runner = DistributedRunner(["cpu", "cpu"], timeout_s=_FAULT_TIMEOUT_S, start_timeout_s=start_timeout_s)
+    try:
+        _assert_serves(runner, rows, x)
+        (rank_1,) = _spawned_ranks()
+        os.kill(rank_1.pid, signal.SIGKILL)
+        _errors_of([runner.submit(compiled.program, [x])], time.monotonic())
+        deadline = time.monotonic() + 120.0
+        while not (restarted := [rank for rank in _spawned_ranks() if rank.pid != rank_1.pid]):
+            assert time.monotonic() < deadline, "no rank was started after the failure"
+            time.sleep(0.01)
+        restarted[0].suspend()  # it can never report ready: the restart would wait out its start timeout
+    finally:
+        closing = time.monotonic()
+        runner.close()
+    closed_s = time.monotonic() - closing
+    assert closed_s < start_timeout_s / 2, f"close waited {closed_s:.1f} s for the restart's ranks"
+    assert not restarted[0].is_running() or restarted[0].status() == psutil.STATUS_ZOMBIE
+    assert not _spawned_ranks()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("size_mb", [16, 32], ids=["rings do not fit", "rings fit, a 67 MB part does not"])
 def test_a_134_mb_model_under_a_small_dev_shm_serves_through_gloo_with_a_warning_and_nothing_dies(
     tmp_path, size_mb, shared_memory_on

@@ -109,7 +109,8 @@ def test_hung_rank_is_named_by_the_driver_and_by_the_rank_waiting_for_it(chain, 
             elapsed_s = time.monotonic() - started
             time.sleep(5.0)  # rank 2 gives up on rank 1 a little after rank 0 does: let it name rank 1 first
         finally:
-            os.kill(hung, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # the restart after the failure kills the hung rank
+                os.kill(hung, signal.SIGCONT)
     assert all(error.startswith("rank 1 (cpu) hung or died") for error in errors), errors[0]
     assert elapsed_s < timeout_s + 15.0
     rank_2 = [line for line in capfd.readouterr().err.splitlines() if line.startswith("moirai rank 2:")]

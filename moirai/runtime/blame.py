@@ -34,6 +34,15 @@ class PeerFailure(DistributedError):
         self.peer = peer
 
 
+class RankSilent(DistributedError):
+    """The error naming a rank nobody heard from (``rank``, hung or dead): it will not end on its own, so whoever
+    stops the ranks kills it at once rather than waiting for it."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
 def report_failure(store: Any, rank: int, peer: int | None, message: str) -> None:
     """Tell the other ranks why this rank failed: on its own (``peer`` None) or waiting for ``peer``."""
     report = {"peer": peer, "message": message, "at": time.time()}
@@ -110,7 +119,7 @@ def _blamed(group: Group, error: BaseException, what: str) -> DistributedError:
         return DistributedError(f"rank {rank} ({group.devices[rank]}) failed during {what}: {own}")
     chain = [f"rank {rank}: {own.removeprefix(f'rank {rank}: ')}"]
     reports: dict[int, dict[str, Any]] = {rank: {"peer": peer, "at": time.time()}}
-    guilty, named_at = peer, reports[rank]["at"]
+    guilty, named_at, silent = peer, reports[rank]["at"], False
     while True:
         report = _read_report(group.store, guilty, group.world_size, _report_deadline(named_at))
         if report is None:
@@ -118,6 +127,7 @@ def _blamed(group: Group, error: BaseException, what: str) -> DistributedError:
                 f"rank {guilty} ({group.devices[guilty]}) hung or died during {what}: no rank heard from it within the "
                 f"time limit{group.describe_rank(guilty)}"
             )
+            silent = True
             break
         if report["peer"] is None:
             headline = f"rank {guilty} ({group.devices[guilty]}) failed during {what}: {report['message']}"
@@ -130,7 +140,8 @@ def _blamed(group: Group, error: BaseException, what: str) -> DistributedError:
             )
             break
         guilty, named_at = report["peer"], report.get("at", time.time())
-    return DistributedError(headline + "\nwhile " + "\nwhile ".join(chain))
+    message = headline + "\nwhile " + "\nwhile ".join(chain)
+    return RankSilent(message, guilty) if silent else DistributedError(message)
 
 
 def _report_deadline(named_at: float) -> float:

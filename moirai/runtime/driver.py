@@ -235,6 +235,14 @@ class Driver:
         self._dispatcher.join()
         self._completer.join()
 
+    def join_after_failure(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for a failed driver's threads to end (they wake on the failure; one in the middle
+        of a message ends when it fails): a process that exits while they still hold the ranks' groups can abort in
+        their teardown."""
+        deadline = time.monotonic() + timeout_s
+        for thread in (self._dispatcher, self._completer):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
     def _dispatch_loop(self) -> None:
         # Part 0 runs in this thread. A new thread computes with the OpenMP/MKL default team (every core) however
         # torch.get_num_threads() reads, until it sets the count itself: on rank 0's one core, that team spun
@@ -381,5 +389,6 @@ class Driver:
             if not future.done():
                 future.set_exception(failure)
         self._slots.release()
+        self._incoming.put(Stop("failed"))  # wakes a dispatcher idle until its next heartbeat, so that it ends now
         if self._on_failure is not None:
             self._on_failure(self)

@@ -29,7 +29,7 @@ from moirai.cluster.devices import Device
 from moirai.errors import DistributedError, InputError, SharedMemoryWarning, user_stacklevel
 from moirai.progress import stage
 from moirai.runtime import orphans, shm
-from moirai.runtime.blame import PeerFailure, blamed, describe_error, read_report, report_failure
+from moirai.runtime.blame import PeerFailure, RankSilent, blamed, describe_error, read_report, report_failure
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import local_group
 from moirai.runtime.local import check_inputs
@@ -52,6 +52,10 @@ _log = logging.getLogger(__name__)
 _START_POLL_S = 0.05
 # Exit code of a spawned rank that found the user's script re-imported without a __main__ guard.
 _NO_MAIN_GUARD_EXIT_CODE = 86
+# How long a stop waits for the ranks to exit on their own (after a failure, the time they have to report it).
+_RANKS_EXIT_GRACE_S = 5.0
+# The least a stop waits for a failed driver's threads to end, after its ranks' grace is spent.
+_FAILED_THREADS_GRACE_S = 1.0
 
 
 class DistributedRunner:
@@ -169,13 +173,18 @@ class DistributedRunner:
             _log.info("starting new ranks after: %s", failed.failure)
             self._stop()
             try:
-                self._start(failed.loaded)
+                self._start(failed.loaded, abandon_on_close=True)
+            except _StartAbandoned:
+                _log.info("the runner closed while new ranks started: they were stopped")
             except Exception as error:  # the next call starts again and raises its own error
                 _log.warning("restarting the ranks after a failure failed: %s", error)
 
     @stage("start workers", "one process per device but the first")
-    def _start(self, programs: Sequence[SplitProgram]) -> None:
-        """Spawn ranks 1..N-1 and make the driver; ``programs``: those the first calls will load (to check room)."""
+    def _start(self, programs: Sequence[SplitProgram], abandon_on_close: bool = False) -> None:
+        """Spawn ranks 1..N-1 and make the driver; ``programs``: those the first calls will load (to check room).
+
+        ``abandon_on_close``: a restart nobody waits for yet; if ``close()`` comes while the ranks start, they are
+        killed at once (raising :class:`_StartAbandoned`) instead of started only to be stopped."""
         if getattr(multiprocessing.current_process(), "_inheriting", False):
             # This is a spawned rank importing the user's script, which starts a runner at import: stop quietly
             # with a code the parent recognises, instead of three multiprocessing tracebacks.
@@ -207,7 +216,7 @@ class DistributedRunner:
         ]
         for worker in self._workers:
             worker.start()
-        self._await_ready()
+        self._await_ready(abandon_on_close)
         self._restore = apply_resources(resources[0], self._names()[0], own_process=False)
         group = local_group(0, self.torch_devices, self._store, self.start_timeout_s, self._shared_memory)
         pin_io_threads(resources[0])
@@ -220,10 +229,13 @@ class DistributedRunner:
             on_failure=self._restart_in_background,
         )
 
-    def _await_ready(self) -> None:
+    def _await_ready(self, abandon_on_close: bool) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         waiting = set(range(1, len(self._workers) + 1))
         while waiting:
+            if abandon_on_close and self._closing:
+                self._stop(grace_s=0.0)
+                raise _StartAbandoned
             for rank in sorted(waiting):
                 if self._store.check([f"moirai/ready/{rank}"]):
                     waiting.discard(rank)
@@ -265,9 +277,15 @@ class DistributedRunner:
     def _names(self) -> list[str]:
         return [d.name if isinstance(d, Device) else d for d in self.devices]
 
-    def _stop(self) -> None:
-        # After a failure the other ranks still name the guilty rank on their stderr (within the report grace).
-        deadline = time.monotonic() + 5.0
+    def _stop(self, grace_s: float | None = None) -> None:
+        """Stop the ranks, killing those still alive after ``grace_s`` (default: ``_RANKS_EXIT_GRACE_S``), and give
+        back what the driver held."""
+        # After a failure the other ranks still name the guilty rank on their stderr (within the report grace); a
+        # rank nobody heard from is not waited for.
+        failure = self._driver.failure if self._driver is not None else None
+        if isinstance(failure, RankSilent) and 1 <= failure.rank <= len(self._workers):
+            self._workers[failure.rank - 1].kill()
+        deadline = time.monotonic() + (_RANKS_EXIT_GRACE_S if grace_s is None else grace_s)
         for worker in self._workers:
             worker.join(timeout=max(0.0, deadline - time.monotonic()))
         for worker in self._workers:
@@ -275,10 +293,16 @@ class DistributedRunner:
                 worker.kill()
                 worker.join(timeout=5.0)
         if self._driver is not None:
+            if self._driver.failure is not None:
+                self._driver.join_after_failure(max(deadline - time.monotonic(), _FAILED_THREADS_GRACE_S))
             self._driver.group.close()
         if self._restore is not None:
             restore_resources(self._restore)
         self._workers, self._driver, self._store, self._restore = [], None, None, None
+
+
+class _StartAbandoned(Exception):
+    """A restart's ranks were killed while they started because the runner closed (never reaches a caller)."""
 
 
 def _room_for_shared_memory(world_size: int, programs: Sequence[SplitProgram]) -> bool:
