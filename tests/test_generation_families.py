@@ -175,6 +175,7 @@ def cache_devices(lm: moirai.CompiledLM) -> set[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.in_process
 def test_sliding_windows_change_what_the_windowed_families_generate():
     """Without this, the equality tests below could not catch a window left out of the mask."""
     for name, family in FAMILIES.items():
@@ -191,12 +192,14 @@ def test_sliding_windows_change_what_the_windowed_families_generate():
 
 
 @pytest.mark.slow
+@pytest.mark.in_process
 def test_the_families_generate_more_than_a_repeated_token():
     for name in FAMILIES:
         assert len(set(reference(name)[:, PROMPT_TOKENS:].flatten().tolist())) >= 8, name
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # the local runner: every part in this process
 @pytest.mark.filterwarnings("ignore::moirai.OversubscriptionWarning")
 @pytest.mark.parametrize("devices", [2, 3])
 @pytest.mark.parametrize("name", FAMILIES)
