@@ -713,6 +713,42 @@ def test_a_killed_rank_is_restarted_in_the_background_and_a_later_request_is_ser
         print(f"pending requests failed {failed_s:.1f} s after the kill, the first good answer came {answered_s:.1f} s")
 
 
+# A script whose server fails (rank 1 stopped), then exits at once, its server closed or not.
+_EXIT_AFTER_A_FAILURE = """
+import os, signal, sys
+import psutil, torch, moirai
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    x = torch.randn(4, 8)
+    compiled = moirai.compile(model, ["cpu", "cpu"], (x,), placer="round_robin", calibration="none", progress=False)
+    server = compiled.server(timeout_s=3.0)
+    server.submit(x).result()
+    (rank_1,) = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+    rank_1.suspend()
+    try:
+        server.submit(x).result()
+    except moirai.DistributedError as error:
+        print("failed:", str(error).splitlines()[0], flush=True)
+    if sys.argv[1] == "close":
+        server.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["close", "exit"])
+def test_a_script_exits_cleanly_right_after_its_server_failed(tmp_path, ending) -> None:
+    """The failed driver's threads and the restart's held the failed gloo groups; a process that finalized while they
+    dropped them aborted ("terminate called without an active exception", exit code 134)."""
+    (tmp_path / "script.py").write_text(_EXIT_AFTER_A_FAILURE)
+    done = subprocess.run(
+        [sys.executable, "script.py", ending], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.stdout.startswith("failed: rank 1 (cpu) hung or died"), (done.stdout, done.stderr[-2000:])
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_a_restart_kills_a_rank_nobody_heard_from_instead_of_waiting_for_it_to_exit(rows, monkeypatch) -> None:
     _, _, compiled = rows

@@ -11,6 +11,7 @@ pending requests with the error naming it, and new ranks start in the background
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import multiprocessing
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -90,6 +92,8 @@ class DistributedRunner:
         self._shared_memory = False  # whether the running ranks send through shared memory
         self._starting = threading.Lock()  # submit may be called from several threads, and a restart runs in one
         self._closing = False
+        self._restarting: threading.Thread | None = None
+        _LIVE_RUNNERS.add(self)
 
     def __enter__(self) -> DistributedRunner:
         return self
@@ -158,12 +162,17 @@ class DistributedRunner:
                 if self._driver is not None and self._driver.failure is None:
                     self._driver.close()
                 self._stop()
+            # [Note: no thread of ours outlives close]
+            restarting = self._restarting
+            if restarting is not None and restarting is not threading.current_thread():
+                restarting.join()
         finally:
             self._closing = False
 
     def _restart_in_background(self, failed: Driver) -> None:
         """Called by a driver once its failure has failed its pending requests."""
-        threading.Thread(target=self._restart, args=(failed,), name="moirai-restart", daemon=True).start()
+        self._restarting = threading.Thread(target=self._restart, args=(failed,), name="moirai-restart", daemon=True)
+        self._restarting.start()
 
     def _restart(self, failed: Driver) -> None:
         """New workers in place of a failed driver's, for the programs it had: a later call waits for what is left."""
@@ -299,6 +308,23 @@ class DistributedRunner:
         if self._restore is not None:
             restore_resources(self._restore)
         self._workers, self._driver, self._store, self._restore = [], None, None, None
+
+
+# [Note: no thread of ours outlives close]
+# A daemon thread that drops the last reference to a gloo process group while the interpreter finalizes aborts the
+# process ("terminate called without an active exception": the group's destructor gives up the GIL and cannot take
+# it back). So close() joins the restart thread and the failed driver's threads (which hold the failed groups), and
+# runners a script never closed are closed at its exit, while threads can still run.
+_LIVE_RUNNERS: weakref.WeakSet[DistributedRunner] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_runners() -> None:
+    for runner in list(_LIVE_RUNNERS):
+        try:
+            runner.close()
+        except Exception as error:  # the process is exiting: say what went wrong, do not raise
+            _log.warning("closing a runner at exit failed: %s", error)
 
 
 class _StartAbandoned(Exception):
