@@ -162,10 +162,8 @@ class DistributedRunner:
                 if self._driver is not None and self._driver.failure is None:
                     self._driver.close()
                 self._stop()
-            # [Note: no thread of ours outlives close]
-            restarting = self._restarting
-            if restarting is not None and restarting is not threading.current_thread():
-                restarting.join()
+            if self._restarting is not None:  # [Note: no thread of ours outlives close]
+                self._restarting.join()
         finally:
             self._closing = False
 
