@@ -52,6 +52,7 @@ def test_loads_and_priced_moves_are_what_the_simulator_counts(seed: int) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # each way it can stop has its own check: a slower core stops it elsewhere
 @pytest.mark.parametrize("seed", [0, 1])
 def test_throughput_milp_beyond_the_exact_size_beats_its_starts_and_says_why_it_stopped(seed: int) -> None:
     problem = random_layered_problem(120, 4, seed=seed, communication_ratio=2.0, cpu_ratio=0.5)
@@ -105,6 +106,7 @@ def test_a_gap_closed_at_the_start_stops_the_search_at_once() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # it stops where the kicks stall, long before its deadlines
 def test_kicks_shorten_the_period_from_a_local_optimum_and_stop_when_they_stall() -> None:
     # From the pipeline plan the descent stops where no single move helps; a kick (a run of tasks to another device)
     # and a descent from there reach shorter periods, and the search stops once its kicks find nothing more.

@@ -81,6 +81,7 @@ def test_milp_placer_at_scale_is_better_than_every_heuristic_within_its_budget()
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # the events it checks come in the budget's first seconds, in the same order on a slower core
 def test_window_search_descends_from_several_starts_then_grows_windows_from_the_best(monkeypatch):
     milp_placer = importlib.import_module("moirai.planning.placers.milp")
     real_search = milp_placer.improve_by_windows
@@ -113,6 +114,7 @@ def test_window_search_descends_from_several_starts_then_grows_windows_from_the_
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # it checks the order of the search's steps, which a slower core keeps
 def test_chain_moves_run_first_and_where_a_descent_stalls_and_a_kept_move_starts_a_new_descent(monkeypatch):
     milp_placer = importlib.import_module("moirai.planning.placers.milp")
     real_search, real_chains = milp_placer.improve_by_windows, milp_placer.improve_by_chains
