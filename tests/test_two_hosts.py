@@ -232,7 +232,8 @@ def test_readme_serve_script_runs_across_two_hosts(two_hosts: dict[str, str], tm
 
 
 # Rank 0 generates with a split Llama, its caches on both hosts, three sequences in flight; host b's rank serves.
-# The links between the hosts are measured first (calibration="auto", an empty cache), every rank taking part.
+# The links between the hosts are measured first (calibration="auto", a cache with host a's own calibration only),
+# every rank taking part.
 GENERATE_ACROSS_HOSTS = """
 import os
 import torch
@@ -257,12 +258,27 @@ else:
 """
 
 
+# Host a's calibration of its own CPU link and the runtime's work per request, as its cache would hold them: the
+# round-robin plan needs no true values, and test_compile_with_auto_calibration... measures them from nothing.
+SEED_HOST_CALIBRATION = """
+from moirai.cluster.calibration.cache import calibration_cache_path, write_calibration
+from moirai.cluster.calibration.fit import TransferCost, link_kind
+from moirai.cluster.calibration.request_cost import RequestCost
+
+link = TransferCost(20e-6, 2e9, 10e-6, 1e-10, 10e-6, 1e-10)
+write_calibration(calibration_cache_path(), {link_kind("cpu", "cpu"): link}, RequestCost(300e-6, 300e-6))
+"""
+
+
 @pytest.mark.slow
 def test_the_generation_server_runs_across_two_hosts(two_hosts: dict[str, str], tmp_path: Path) -> None:
     (tmp_path / "generate.py").write_text(GENERATE_ACROSS_HOSTS)
     environment = {**two_hosts, "MOIRAI_CACHE_DIR": str(tmp_path / "cache")}
+    seed = [str(TWO_HOSTS), "run", "a", sys.executable, "-c", SEED_HOST_CALIBRATION]
+    subprocess.run(seed, cwd=tmp_path, env=environment, check=True, capture_output=True, timeout=60)
     finished = run_on_both_hosts(environment, tmp_path, "generate.py", timeout_s=240)
     assert "moirai: measure links between hosts" in finished["a"][1], finished["a"][1][-3000:]
+    assert "moirai: calibrate" not in finished["a"][1]  # host a's own calibration came from its cache
     hosts = "['moirai-host-a', 'moirai-host-b']"
     assert f"hosts {hosts} devices [0, 1] EQUAL True" in finished["a"][0], finished["a"]
 
