@@ -6,8 +6,10 @@ judge no time, so two of them share two cores well. A slow test (``@pytest.mark.
 starts ranks pinned to the cores, waits on timeouts with a bounded slack, gives a search a wall-clock budget or
 compares timings, and a second test beside it would take half its cores. So slow tests run alone: after every
 other test (collection puts them last, and xdist hands tests out in collection order), each holding an exclusive
-lock that the other tests hold shared. A slow test that computes in its own process only and judges no time says
-so with ``@pytest.mark.in_process`` and runs beside the others.
+lock that the other tests hold shared. A slow test that computes in one process (its own, or one it starts that
+starts no ranks: a notebook's kernel) and whose checks hold however much of a core it gets (it judges no time; a
+search's budget may bound it where every way the search can stop has its check) says so with
+``@pytest.mark.in_process`` and runs beside the others.
 
 The lock prefers the test that runs alone: it queues on a turnstile that every test passes, so tests that keep
 arriving cannot hold it off.

@@ -7,10 +7,17 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+# Notebooks that plan models on the meta device for a preset cluster: their kernel computes alone, starting no
+# ranks and calibrating nothing, and what they show holds whatever a search's budget bought, so they run beside
+# other tests (conftest.py, [Note: tests that run alone]). The others run alone.
+PLAN_ONLY = {"cluster_tour.ipynb", "huggingface_meta.ipynb"}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def _marks(path: Path) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.slow, pytest.mark.in_process] if path.name in PLAN_ONLY else [pytest.mark.slow]
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=_marks(p), id=p.name) for p in NOTEBOOKS])
 def test_notebook_executes(path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
     resources = {"metadata": {"path": str(path.parent)}}
@@ -21,3 +28,13 @@ def test_notebook_executes(path: Path) -> None:
     texts = [output.get("data", {}).get("text/plain", "") for output in outputs]
     if "moirai.compile(" in "".join(cell.source for cell in notebook.cells):
         assert any(text.startswith("✓ trace") for text in texts), "compile's progress lines are missing"
+
+
+def test_the_notebooks_that_run_beside_other_tests_start_no_ranks() -> None:
+    for path in NOTEBOOKS:
+        if path.name in PLAN_ONLY:
+            source = "".join(cell.source for cell in nbformat.read(path, as_version=4).cells)
+            starts_ranks = [
+                call for call in ("run_distributed", ".server(", "serve_rank", "calibration") if call in source
+            ]
+            assert not starts_ranks, f"{path.name} calls {starts_ranks}: take it out of PLAN_ONLY"
