@@ -81,6 +81,33 @@ def test_milp_placer_at_scale_is_better_than_every_heuristic_within_its_budget()
 
 
 @pytest.mark.slow
+@pytest.mark.in_process  # every turn's length is checked against the time left when it began
+def test_every_turn_of_the_window_searches_is_long_enough_to_solve_a_window(monkeypatch):
+    """Equal shares of a budget's last second among the pending searches are too short to solve a window: each
+    search gets at least _MIN_TURN_S (or all that is left) instead of taking turns doing nothing until the
+    deadline (as they did: hundreds of turns in the last second)."""
+    milp_placer = importlib.import_module("moirai.planning.placers.milp")
+    real_search = milp_placer.improve_by_windows
+    turns: list[tuple[float, float]] = []  # (when the turn began, when it had to end), perf_counter seconds
+
+    def recording_search(problem, plan, timeline, until, *args, **kwargs):
+        turns.append((time.perf_counter(), until))
+        return real_search(problem, plan, timeline, until, *args, **kwargs)
+
+    monkeypatch.setattr(milp_placer, "improve_by_windows", recording_search)
+    problem = random_layered_problem(40, 4, seed=1)
+    place(problem, "milp", time_limit_s=6)
+    deadline = max(until for _, until in turns)
+    enough_s = 0.5  # a few windows of 40 tasks
+    short = [
+        (deadline - began, until - began)
+        for began, until in turns
+        if until - began < min(enough_s, deadline - began) - 1e-3  # a turn given all that is left is not short
+    ]
+    assert len(turns) >= 3 and not short, f"{len(short)} of {len(turns)} turns too short (time left, turn): {short[:5]}"
+
+
+@pytest.mark.slow
 @pytest.mark.in_process  # the events it checks come in the budget's first seconds, in the same order on a slower core
 def test_window_search_descends_from_several_starts_then_grows_windows_from_the_best(monkeypatch):
     milp_placer = importlib.import_module("moirai.planning.placers.milp")

@@ -70,6 +70,9 @@ _HEURISTIC_SHARE = 0.3  # of the budget, at most, for start plans on a large pro
 _LOOKAHEAD_SHARE = 0.9
 _SAFETY_S = 0.05
 _MIN_SEARCH_S = 0.3  # the window search needs more than this to solve a window
+# The least turn a window search gets while time is left: an equal share of a budget's last second among several
+# searches is too short to solve a window, and they would take turns doing nothing until the deadline.
+_MIN_TURN_S = 1.0
 _CONTIGUOUS_SHARE = 0.3  # of what the start plans left, at most, for the contiguous DP's predicted time
 _CONTIGUOUS_MEASURED_DEVICES = 4  # its measured time is for this many devices; it grows about as their square
 # Of what the lookahead left, at most, for chain moves before the first descent ([Note: chain moves] in docs/design.md).
@@ -351,8 +354,8 @@ def _search_large(
     it, and if they keep one a new descent starts from theirs; else the next start joins, ``contiguous``'s where
     its predicted time fits and then the next best heuristic plans, up to ``_WINDOW_STARTS`` distinct placements,
     and the stalled search goes on with growing windows. Each search not yet at a local optimum gets an equal share
-    of what is left, in turn, and resumes where it stopped (its plan, its window size); a search that stops early
-    leaves its time to the others. The shortest plan found wins.
+    of what is left (at least ``_MIN_TURN_S`` of it), in turn, and resumes where it stopped (its plan, its window
+    size); a search that stops early leaves its time to the others. The shortest plan found wins.
 
     Why several: neither the lookahead's nor the heuristic's start reaches the better local optimum on every
     graph ([Note: windows from both starts] in docs/design.md).
@@ -391,7 +394,8 @@ def _search_large(
             pending.append(later.pop(0))
         plan, start_timeline, resume_tasks = pending.pop(0)
         info.window_starts += resume_tasks is None
-        until = time.perf_counter() + (deadline - time.perf_counter()) / (len(pending) + 1)
+        left_s = deadline - time.perf_counter()
+        until = time.perf_counter() + max(left_s / (len(pending) + 1), min(left_s, _MIN_TURN_S))
         report("window search")
         search_started = time.perf_counter()
         search = improve_by_windows(
