@@ -9,7 +9,8 @@ other test (collection puts them last, and xdist hands tests out in collection o
 lock that the other tests hold shared. A slow test that computes in one process (its own, or one it starts that
 starts no ranks: a notebook's kernel) and whose checks hold however much of a core it gets (it judges no time; a
 search's budget may bound it where every way the search can stop has its check) says so with
-``@pytest.mark.in_process`` and runs beside the others.
+``@pytest.mark.in_process`` and runs beside the others, and first of all: the quick tests then fill in around
+the long ones, where a long one handed out last would run on alone while the tests that run alone wait for it.
 
 The lock prefers the test that runs alone: it queues on a turnstile that every test passes, so tests that keep
 arriving cannot hold it off.
@@ -31,8 +32,15 @@ def runs_alone(item: pytest.Item) -> bool:
     return item.get_closest_marker("slow") is not None and item.get_closest_marker("in_process") is None
 
 
+def _phase(item: pytest.Item) -> int:
+    """0: a slow test that runs beside others; 1: a quick test; 2: a test that runs alone."""
+    if runs_alone(item):
+        return 2
+    return 0 if item.get_closest_marker("slow") is not None else 1
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=runs_alone)  # stable: the others in their order, then the tests that run alone in theirs
+    items.sort(key=_phase)  # stable: each phase's tests in their order
 
 
 def _lock_path(run_id: str, name: str) -> Path:
