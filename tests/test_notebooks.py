@@ -14,7 +14,7 @@ PLAN_ONLY = {"cluster_tour.ipynb", "huggingface_meta.ipynb"}
 
 
 def _marks(path: Path) -> list[pytest.MarkDecorator]:
-    return [pytest.mark.slow, pytest.mark.in_process] if path.name in PLAN_ONLY else [pytest.mark.slow]
+    return [pytest.mark.slow, *([pytest.mark.in_process] if path.name in PLAN_ONLY else [])]
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=_marks(p), id=p.name) for p in NOTEBOOKS])

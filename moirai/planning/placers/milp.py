@@ -394,8 +394,8 @@ def _search_large(
             pending.append(later.pop(0))
         plan, start_timeline, resume_tasks = pending.pop(0)
         info.window_starts += resume_tasks is None
-        left_s = deadline - time.perf_counter()
-        until = time.perf_counter() + max(left_s / (len(pending) + 1), min(left_s, _MIN_TURN_S))
+        now = time.perf_counter()
+        until = now + max((deadline - now) / (len(pending) + 1), min(deadline - now, _MIN_TURN_S))
         report("window search")
         search_started = time.perf_counter()
         search = improve_by_windows(
