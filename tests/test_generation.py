@@ -103,6 +103,21 @@ def test_a_sampled_run_with_a_seed_is_reproducible_and_another_seed_differs(spli
     assert not torch.equal(first, split_lm.generate(prompt, seed=12, **options))
 
 
+def test_a_sampled_run_without_a_seed_follows_torch_manual_seed_as_hugging_faces_does(split_lm):
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    options = {"max_new_tokens": 16, "do_sample": True, "temperature": 1.5, "top_k": 0, "top_p": 1.0}
+    torch.manual_seed(5)
+    first, second = split_lm.generate(prompt, **options), split_lm.generate(prompt, **options)
+    assert not torch.equal(first, second)  # each call draws its own seed from the global generator
+    torch.manual_seed(5)
+    assert torch.equal(first, split_lm.generate(prompt, **options))
+    assert torch.equal(second, split_lm.generate(prompt, **options))
+    torch.manual_seed(5)
+    greedy = split_lm.generate(prompt, max_new_tokens=4)
+    assert torch.equal(first, split_lm.generate(prompt, **options))  # greedy draws nothing from it
+    assert greedy.shape == (2, 11)
+
+
 def test_sampling_follows_temperature_top_k_and_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0]])
     greedy = torch.tensor([[0.0, 0.0, 1.0, 0.5]])
@@ -212,6 +227,14 @@ def test_twenty_sequences_in_flight_each_equal_their_lone_run(llama, split_lm):
         assert list(server.stream(prompts[5], max_new_tokens=12)) == alone[5]
         batch = torch.stack([prompts[i][:3] for i in range(3)])
         assert torch.equal(server.generate(batch, max_new_tokens=6), split_lm.generate(batch, max_new_tokens=6))
+        # Sampled, seeded by torch's global generator: the server's rows draw the tokens the local run draws.
+        sampled = {"max_new_tokens": 6, "do_sample": True, "temperature": 1.5, "top_k": 0}
+        torch.manual_seed(9)
+        served = server.generate(batch, **sampled)
+        torch.manual_seed(9)
+        assert torch.equal(served, split_lm.generate(batch, **sampled))
+        torch.manual_seed(9)
+        assert server.submit(batch[0], **sampled).result(timeout=60) == served[0, 3:].tolist()
 
 
 @pytest.mark.slow

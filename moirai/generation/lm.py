@@ -162,7 +162,8 @@ class CompiledLM:
         Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it);
         rows that end early (``eos_token_id``) are padded with ``pad_token_id`` (default: the model's, else the end
         token). ``do_sample`` samples with ``temperature``, ``top_k`` (0: all) and ``top_p``, from ``seed`` (each row
-        from ``seed + row``; None: a fresh seed).
+        from ``seed + row``; None: a seed drawn from torch's global generator, so ``torch.manual_seed`` makes
+        a sampled call repeat as it does Hugging Face's).
         """
         engine = Engine(
             lambda inputs: done_future(lambda: self.compiled(*inputs)),
@@ -172,7 +173,7 @@ class CompiledLM:
             self.cache.slots,
             depth=1,
         )
-        sampling = sampling_params(do_sample, temperature, top_k, top_p)
+        sampling = sampling_params(do_sample, temperature, top_k, top_p, seed)
         return generate_rows(
             self,
             engine,
@@ -182,7 +183,6 @@ class CompiledLM:
             sampling,
             eos_token_id,
             pad_token_id,
-            seed,
             drive=engine.run_until_idle,
         )
 

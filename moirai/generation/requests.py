@@ -16,6 +16,9 @@ from moirai.generation.engine import Engine, SamplingParams, SequenceState
 if TYPE_CHECKING:
     from moirai.generation.lm import CompiledLM
 
+# Seeds drawn for sampled sequences: below 2**62, so that a row's (seed + row) still fits a generator's seed.
+_SEEDS = 2**62
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -62,12 +65,12 @@ class GenerateRequest:
             pad = min(eos) if eos else 0
         return cls(input_ids, prompts, max_new_tokens, eos, pad)
 
-    def submit(self, engine: Engine, sampling: SamplingParams, seed: int | None) -> list[Future]:
+    def submit(self, engine: Engine, sampling: SamplingParams) -> list[Future]:
         for prompt in self.prompts:
             engine.check(prompt, self.max_new_tokens)
         futures = []
         for row, prompt in enumerate(self.prompts):
-            row_sampling = sampling if seed is None else replace(sampling, seed=seed + row)
+            row_sampling = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + row)
             futures.append(engine.add(SequenceState(prompt, self.max_new_tokens, row_sampling, self.eos)))
         return futures
 
@@ -82,9 +85,15 @@ class GenerateRequest:
 def sampling_params(
     do_sample: bool, temperature: float, top_k: int | None, top_p: float | None, seed: int | None = None
 ) -> SamplingParams:
-    """Hugging Face's sampling arguments as :class:`SamplingParams` (greedy unless ``do_sample``)."""
+    """Hugging Face's sampling arguments as :class:`SamplingParams` (greedy unless ``do_sample``).
+
+    Sampling without a ``seed`` takes one from torch's global generator, in the caller's thread: as with
+    Hugging Face's ``generate``, ``torch.manual_seed`` before the call makes it draw the same tokens again.
+    """
     if not do_sample:
         return SamplingParams(seed=seed)
+    if seed is None:
+        seed = int(torch.randint(0, _SEEDS, ()))
     return SamplingParams(temperature, int(top_k or 0), float(top_p if top_p is not None else 1.0), seed)
 
 
@@ -103,13 +112,12 @@ def generate_rows(
     sampling: SamplingParams,
     eos_token_id: int | Sequence[int] | None,
     pad_token_id: int | None,
-    seed: int | None,
     drive: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """A ``generate`` call through ``engine`` (``drive``: what runs the engine until the rows are done, when no
     thread of its own serves it): its rows as sequences, their tokens as Hugging Face returns them."""
     request = GenerateRequest.of(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
-    futures = request.submit(engine, sampling, seed)
+    futures = request.submit(engine, sampling)
     if drive is not None:
         drive()
     return request.assemble([f.result() for f in futures])

@@ -105,7 +105,7 @@ class GenerationServer:
         seed: int | None = None,
     ) -> torch.Tensor:
         """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
-        sampling = sampling_params(do_sample, temperature, top_k, top_p)
+        sampling = sampling_params(do_sample, temperature, top_k, top_p, seed)
         return generate_rows(
             self._lm,
             self._engine,
@@ -115,7 +115,6 @@ class GenerationServer:
             sampling,
             eos_token_id,
             pad_token_id,
-            seed,
         )
 
     def close(self) -> None:
