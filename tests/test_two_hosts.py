@@ -224,8 +224,12 @@ def test_readme_serve_script_runs_across_two_hosts(two_hosts: dict[str, str], tm
     (script,) = re.findall(r"```python\n(# serve\.py.+?)\n```", readme, re.DOTALL)
     assert "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr" in script
     (tmp_path / "serve.py").write_text(script)
-    finished = run_on_both_hosts(two_hosts, tmp_path, "serve.py")
+    environment = {**two_hosts, "MOIRAI_CACHE_DIR": str(tmp_path / "cache")}
+    seed_host_a_calibration(environment, tmp_path)
+    finished = run_on_both_hosts(environment, tmp_path, "serve.py")
     assert "served 50 requests, all equal to the model's" in finished["a"][0]
+    assert "moirai: measure links between hosts" in finished["a"][1], finished["a"][1][-3000:]
+    assert "moirai: calibrate" not in finished["a"][1]  # host a's own calibration came from its cache
     for node_rank, host in enumerate("ab"):
         # Each rank found the veth end that routes to host a, and said so.
         assert re.search(rf"moirai rank {node_rank}: gloo uses interface mh{host}\w+ \(10\.77\.0\.", finished[host][1])
@@ -259,7 +263,7 @@ else:
 
 
 # Host a's calibration of its own CPU link and the runtime's work per request, as its cache would hold them: the
-# round-robin plan needs no true values, and test_compile_with_auto_calibration... measures them from nothing.
+# round-robin plans need no true values, and test_compile_with_auto_calibration... measures them from nothing.
 SEED_HOST_CALIBRATION = """
 from moirai.cluster.calibration.cache import calibration_cache_path, write_calibration
 from moirai.cluster.calibration.fit import TransferCost, link_kind
@@ -270,12 +274,16 @@ write_calibration(calibration_cache_path(), {link_kind("cpu", "cpu"): link}, Req
 """
 
 
+def seed_host_a_calibration(environment: dict[str, str], cwd: Path) -> None:
+    seed = [str(TWO_HOSTS), "run", "a", sys.executable, "-c", SEED_HOST_CALIBRATION]
+    subprocess.run(seed, cwd=cwd, env=environment, check=True, capture_output=True, timeout=60)
+
+
 @pytest.mark.slow
 def test_the_generation_server_runs_across_two_hosts(two_hosts: dict[str, str], tmp_path: Path) -> None:
     (tmp_path / "generate.py").write_text(GENERATE_ACROSS_HOSTS)
     environment = {**two_hosts, "MOIRAI_CACHE_DIR": str(tmp_path / "cache")}
-    seed = [str(TWO_HOSTS), "run", "a", sys.executable, "-c", SEED_HOST_CALIBRATION]
-    subprocess.run(seed, cwd=tmp_path, env=environment, check=True, capture_output=True, timeout=60)
+    seed_host_a_calibration(environment, tmp_path)
     finished = run_on_both_hosts(environment, tmp_path, "generate.py", timeout_s=240)
     assert "moirai: measure links between hosts" in finished["a"][1], finished["a"][1][-3000:]
     assert "moirai: calibrate" not in finished["a"][1]  # host a's own calibration came from its cache
