@@ -128,6 +128,37 @@ def test_untraceable_model_raises_trace_error_naming_model_and_line() -> None:
         trace(DataDependent(), (torch.randn(3),))
 
 
+def test_an_output_torch_cannot_flatten_is_a_trace_error_naming_its_class_and_the_fix() -> None:
+    class Box:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+
+    class ReturnsABox(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> Box:
+            return Box(x + 1)
+
+    with pytest.raises(TraceError, match=r"output holds a .*Box, which is not a tensor.*register_pytree_node"):
+        trace(ReturnsABox(), (torch.randn(3),))
+
+
+def test_a_hugging_face_decoder_with_its_cache_on_is_a_trace_error_saying_use_cache_false_or_compile_lm() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 5))
+    with pytest.raises(TraceError, match=r"DynamicCache \(past_key_values.*'use_cache': False.*compile_lm"):
+        trace(model, (ids,))
+    traced = trace(model, (ids,), {"use_cache": False})  # the fix the error names
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+    assert torch.equal(
+        traced.unflatten_outputs(traced.graph_module(*traced.flatten_inputs((ids,), {"use_cache": False}))).logits,
+        expected,
+    )
+
+
 def test_wrong_input_shape_and_structure_raise_input_error() -> None:
     traced = trace(TwoLayer().eval(), (torch.randn(4, 16),), {"bias": torch.randn(8)})
     with pytest.raises(InputError, match=r"shape \(5, 16\).*\(4, 16\)"):

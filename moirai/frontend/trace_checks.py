@@ -8,6 +8,7 @@ inputs that do not bind to ``forward``, value-dependent shapes, mixed operand dt
 from __future__ import annotations
 
 import inspect
+import re
 import traceback
 import warnings
 from pathlib import Path
@@ -32,6 +33,8 @@ _SAME_DTYPE_OPS = {
         "layer_norm group_norm batch_norm instance_norm"
     ).split()
 }
+# What torch.export says of an output it cannot flatten (a class that is not a registered pytree node).
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
 _NORMS = {torch.ops.aten.layer_norm, torch.ops.aten.group_norm, torch.ops.aten.batch_norm, torch.ops.aten.instance_norm}
 
 
@@ -151,6 +154,9 @@ def inputs_do_not_fit_error(
 
 
 def trace_error(model_name: str, error: Exception, args: tuple, kwargs: dict[str, Any]) -> TraceError:
+    unknown_output = _UNKNOWN_OUTPUT.search(str(error))
+    if unknown_output is not None:
+        return _unknown_output_error(model_name, unknown_output.group(1), args, kwargs)
     frames = [f for f in traceback.extract_tb(error.__traceback__) if not _is_library_file(f.filename)]
     where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
     return TraceError(
@@ -159,6 +165,23 @@ def trace_error(model_name: str, error: Exception, args: tuple, kwargs: dict[str
         "Try: data-dependent control flow on tensor values must become torch.cond or be removed; "
         "Hugging Face decoders need use_cache=False (and return_dict=False if outputs are not tensors); "
         "example inputs must be tensors of the shape you will serve."
+    )
+
+
+def _unknown_output_error(model_name: str, output_class: str, args: tuple, kwargs: dict[str, Any]) -> TraceError:
+    """The model returns an object torch cannot flatten into tensors; a Hugging Face KV cache (returned while
+    ``use_cache`` is on) has a fix of its own."""
+    where = f"could not trace {model_name} with example inputs {_describe_tensors(args, kwargs)}: its output holds a "
+    if output_class.startswith("transformers.cache_utils."):
+        return TraceError(
+            where + f"{output_class} (past_key_values: Hugging Face's KV cache, returned because use_cache is on), "
+            "which a split program cannot return. Compile it with example_kwargs={'use_cache': False} (and call it "
+            "with use_cache=False), or split it for generation, its KV cache kept on the devices, with "
+            "moirai.compile_lm"
+        )
+    return TraceError(
+        where + f"{output_class}, which is not a tensor or a tuple, list or dict of them: return tensors, or "
+        "register the class with torch.utils._pytree.register_pytree_node"
     )
 
 
