@@ -213,6 +213,14 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
         moirai.compile_lm(llama, ["cpu"], max_batch_sise=2, progress=False, calibration="none")
     with pytest.raises(moirai.InputError, match="sampling needs"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, top_p=0.0)
+    # A token id the embedding has no row for: named at once, before any step runs (it was an IndexError).
+    with pytest.raises(moirai.InputError, match=rf"token {VOCAB} \(position 1\).*ids 0 to {VOCAB - 1}"):
+        split_lm.generate(torch.tensor([[3, VOCAB, 4]]), max_new_tokens=2)
+    with pytest.raises(moirai.InputError, match=r"token -1 \(position 0\)"):
+        split_lm.generate(torch.tensor([[-1, 3]]), max_new_tokens=2)
+    # Left padding outside the vocabulary is not the prompt's: the mask leaves it out.
+    padded = split_lm.generate(torch.tensor([[-1, 3, 4]]), attention_mask=torch.tensor([[0, 1, 1]]), max_new_tokens=2)
+    assert padded[0, 3:].tolist() == split_lm.generate(torch.tensor([[3, 4]]), max_new_tokens=2)[0, 2:].tolist()
 
 
 @pytest.mark.slow
@@ -227,6 +235,12 @@ def test_twenty_sequences_in_flight_each_equal_their_lone_run(llama, split_lm):
         assert list(server.stream(prompts[5], max_new_tokens=12)) == alone[5]
         batch = torch.stack([prompts[i][:3] for i in range(3)])
         assert torch.equal(server.generate(batch, max_new_tokens=6), split_lm.generate(batch, max_new_tokens=6))
+        # A prompt of floats (token ids cut to integers before) or of an id outside the vocabulary: refused at
+        # submit, and the server serves on.
+        with pytest.raises(moirai.InputError, match="token ids \\(integers\\), got torch.float32"):
+            server.submit([1.5, 2.0], max_new_tokens=2)
+        with pytest.raises(moirai.InputError, match=f"token {VOCAB + 7} \\(position 0\\)"):
+            server.submit([VOCAB + 7], max_new_tokens=2)
         # Sampled, seeded by torch's global generator: the server's rows draw the tokens the local run draws.
         sampled = {"max_new_tokens": 6, "do_sample": True, "temperature": 1.5, "top_k": 0}
         torch.manual_seed(9)

@@ -112,10 +112,12 @@ class Engine:
         max_prefill: int,
         max_batch: int,
         depth: int,
+        vocab_size: int | None = None,
     ) -> None:
         self._submit = submit
         self._free_slots = list(range(slots))
         self.max_seq_len, self.max_prefill, self.max_batch, self.depth = max_seq_len, max_prefill, max_batch, depth
+        self.vocab_size = vocab_size  # None: token ids are not checked
         self._waiting: queue.Queue[SequenceState] = queue.Queue()  # added, not yet given a slot
         self._active: list[SequenceState] = []  # in a slot (the loop thread's only)
         self._in_flight: dict[Future, _Step] = {}
@@ -128,9 +130,18 @@ class Engine:
         self._cache_epoch = 0
 
     def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
-        """:class:`InputError` unless a sequence of this prompt and length fits a slot."""
+        """:class:`InputError` unless a sequence of this prompt and length fits a slot and its tokens are the
+        model's."""
         if len(prompt) == 0:
             raise InputError("the prompt is empty: give at least one token")
+        if self.vocab_size is not None:
+            outside = [(i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size]
+            if outside:
+                position, token = outside[0]
+                raise InputError(
+                    f"the prompt's token {token} (position {position}) is not a token id of the model, whose "
+                    f"vocabulary has ids 0 to {self.vocab_size - 1}: give ids from the model's tokenizer"
+                )
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if len(prompt) + max_new_tokens > self.max_seq_len:

@@ -39,7 +39,7 @@ from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import sizes_at
 from moirai.frontend.trace import TracedModel, trace
-from moirai.generation.engine import Engine, done_future
+from moirai.generation.engine import Engine, SubmitStep, done_future
 from moirai.generation.requests import generate_rows, sampling_params
 from moirai.generation.server import GenerationServer
 from moirai.generation.step import CacheShape, CausalLMStep, grouped_query_attention
@@ -76,6 +76,12 @@ class CompiledLM:
     eos_token_id: tuple[int, ...]
     pad_token_id: int | None
     model_name: str = "a causal LM"
+    vocab_size: int | None = None  # rows of the input embedding: the token ids a prompt may hold
+
+    def engine(self, submit: SubmitStep, depth: int) -> Engine:
+        """The loop that steps this LM's sequences through ``submit``, ``depth`` steps in flight."""
+        slots = self.cache.slots
+        return Engine(submit, slots, self.max_seq_len, self.max_prefill, slots, depth, self.vocab_size)
 
     @property
     def max_seq_len(self) -> int:
@@ -165,14 +171,7 @@ class CompiledLM:
         from ``seed + row``; None: a seed drawn from torch's global generator, so ``torch.manual_seed`` makes
         a sampled call repeat as it does Hugging Face's).
         """
-        engine = Engine(
-            lambda inputs: done_future(lambda: self.compiled(*inputs)),
-            self.cache.slots,
-            self.max_seq_len,
-            self.max_prefill,
-            self.cache.slots,
-            depth=1,
-        )
+        engine = self.engine(lambda inputs: done_future(lambda: self.compiled(*inputs)), depth=1)
         sampling = sampling_params(do_sample, temperature, top_k, top_p, seed)
         return generate_rows(
             self,
@@ -278,7 +277,14 @@ def compile_lm(
         eos_ids,
         pad,
         type(model).__name__,
+        _vocab_size(model),
     )
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    """The rows of the model's input embedding (what a token id indexes), where the model says which it is."""
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    return embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else None
 
 
 def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> TracedModel:

@@ -82,6 +82,14 @@ class GenerateRequest:
         return torch.cat([self.input_ids.cpu(), generated], dim=1).to(self.input_ids.device)
 
 
+def prompt_tokens(prompt_ids: torch.Tensor | Sequence[int]) -> list[int]:
+    """One sequence's prompt as token ids; :class:`InputError` for anything but integers (a float would be cut)."""
+    prompt = torch.as_tensor(prompt_ids)
+    if prompt.numel() > 0 and (prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool):
+        raise InputError(f"a prompt must be token ids (integers), got {prompt.dtype} of shape {tuple(prompt.shape)}")
+    return [int(t) for t in prompt.reshape(-1).tolist()]
+
+
 def sampling_params(
     do_sample: bool, temperature: float, top_k: int | None, top_p: float | None, seed: int | None = None
 ) -> SamplingParams:

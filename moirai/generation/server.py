@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moirai.errors import InputError
-from moirai.generation.engine import Engine, SequenceState
-from moirai.generation.requests import end_tokens, generate_rows, sampling_params
+from moirai.generation.engine import SequenceState
+from moirai.generation.requests import end_tokens, generate_rows, prompt_tokens, sampling_params
 
 if TYPE_CHECKING:
     from moirai.generation.lm import CompiledLM
@@ -34,9 +34,7 @@ class GenerationServer:
 
     def __init__(self, lm: CompiledLM, step_server: Any, depth: int) -> None:
         self._lm, self._step_server = lm, step_server
-        self._engine = Engine(
-            step_server.submit_flat, lm.cache.slots, lm.max_seq_len, lm.max_prefill, lm.cache.slots, depth
-        )
+        self._engine = lm.engine(step_server.submit_flat, depth)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="moirai-generation", daemon=True)
         self._thread.start()
@@ -63,7 +61,7 @@ class GenerationServer:
         ``on_token(token)`` is called with each token as it comes, from the server's thread."""
         if self._stopped.is_set():
             raise InputError("this generation server is closed; open a new one with lm.server()")
-        prompt = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
+        prompt = prompt_tokens(prompt_ids)
         sequence = SequenceState(
             prompt,
             max_new_tokens,
