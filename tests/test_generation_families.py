@@ -222,6 +222,30 @@ def test_greedy_tokens_equal_the_models_generate_through_the_server(name):
     assert torch.equal(tokens, reference(name))
 
 
+@pytest.mark.slow
+@pytest.mark.in_process
+def test_mpt_whose_attention_clamps_a_size_with_sym_max_generates_its_tokens_with_its_ops_dealt_across_devices():
+    """MPT slices its position bias at max(0, bias length - tokens): a shape scalar every part computes itself, so
+    a plan may put it and the slices that read it on different devices (round robin does; it was a PlanError)."""
+    torch.manual_seed(0)
+    config = transformers.MptConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
+    model = transformers.MptForCausalLM(config).eval()
+    lm = moirai.compile_lm(
+        model,
+        ["cpu", "cpu"],
+        max_batch_size=2,
+        max_seq_len=PROMPT_TOKENS + 12,
+        max_prefill=8,
+        placer="round_robin",
+        calibration="none",
+        progress=False,
+    )
+    ids, mask = prompts()
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), expected)
+
+
 def test_a_sliding_window_mask_keeps_the_last_window_positions():
     positions = torch.tensor([[0, 5, 9]])
     seen = attention_mask(positions, 12, torch.float32, window=4)[0, 0] == 0

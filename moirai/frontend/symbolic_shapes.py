@@ -23,7 +23,7 @@ import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.utils._sympy.functions import FloorDiv, PythonMod
+from torch.utils._sympy.functions import FloorDiv, Max, Min, PythonMod
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.printers import PythonPrinter
 
@@ -145,6 +145,11 @@ SHAPE_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
     sympy.LessThan: operator.le,
     sympy.StrictGreaterThan: operator.gt,
     sympy.GreaterThan: operator.ge,
+    # torch's own Max and Min (what torch.sym_max makes, as MPT's attention does) and sympy's
+    Max: torch.sym_max,
+    Min: torch.sym_min,
+    sympy.Max: torch.sym_max,
+    sympy.Min: torch.sym_min,
 }
 
 

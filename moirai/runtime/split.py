@@ -412,7 +412,7 @@ class _PartBuilder:
             )
         function = SHAPE_OPERATORS[type(expr)]
         result, *rest = (self._emit_shape_arithmetic(arg) for arg in expr.args)
-        for operand in rest:  # Add and Mul take any number of terms
+        for operand in rest:  # Add, Mul, Max and Min take any number of terms
             result = self.graph.create_node("call_function", function, (result, operand))
         return result
 
