@@ -1,7 +1,7 @@
 """Model families from configs with random weights generate across the split exactly as their own ``generate``:
 Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2, Gemma2 and Gemma3 (text), greedy, 32 new tokens for two rows (one
-left-padded), on 2 and 3 logical CPU devices, local and distributed; sliding windows (per kind of layer where they
-differ) are masked as the config says. Hugging Face's own export wrapper over a ``StaticCache`` compiles with plain
+left-padded), on 2 and 3 logical CPU devices, local and distributed, and MPT locally; sliding windows (per kind of
+layer where they differ) are masked as the config says; ALiBi from a 2D mask is refused. Hugging Face's own export wrapper over a ``StaticCache`` compiles with plain
 ``moirai.compile`` and runs stepwise."""
 
 from __future__ import annotations
@@ -244,6 +244,16 @@ def test_mpt_whose_attention_clamps_a_size_with_sym_max_generates_its_tokens_wit
     with torch.no_grad():
         expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), expected)
+
+
+def test_alibi_from_a_2d_mask_is_refused_saying_why():
+    falcon = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    falcon.alibi = True
+    with pytest.raises(InputError, match="FalconForCausalLM's config asks for ALiBi"):
+        moirai.compile_lm(transformers.FalconForCausalLM(falcon).eval(), ["cpu"], progress=False, calibration="none")
+    bloom = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)
+    with pytest.raises(moirai.TraceError, match="compile_lm calls the model with input_ids, position_ids, a 4D"):
+        moirai.compile_lm(transformers.BloomForCausalLM(bloom).eval(), ["cpu"], progress=False, calibration="none")
 
 
 def test_a_sliding_window_mask_keeps_the_last_window_positions():

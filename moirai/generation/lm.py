@@ -33,7 +33,7 @@ from moirai import viz
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
 from moirai.compile import CompiledModel, assemble, check_placer_options, from_plan_record, rank_cluster
-from moirai.errors import InfeasibleError, InputError
+from moirai.errors import InfeasibleError, InputError, TraceError
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
@@ -303,7 +303,15 @@ def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> Tra
     )
     shapes = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch})
     with grouped_query_attention():
-        return trace(step, example, dynamic_shapes=shapes)
+        try:
+            return trace(step, example, dynamic_shapes=shapes)
+        except TraceError as error:
+            # What the step hands the model is not what its own generate does: say so, as the cause may be there.
+            raise TraceError(
+                f"{error} (compile_lm calls the model with input_ids, position_ids, a 4D attention mask over each "
+                "sequence's KV cache slot and a cache object of its own; a model that needs a 2D attention mask, "
+                "as Bloom's ALiBi does, cannot generate through it)"
+            ) from error
 
 
 def _dim(name: str, upper: int) -> Any:

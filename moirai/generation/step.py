@@ -124,6 +124,7 @@ class CausalLMStep(torch.nn.Module):
                 buffer = torch.zeros(shape.slots, shape.kv_heads, shape.max_seq_len, shape.head_dim, dtype=dtype)
                 self.register_buffer(f"{kind}_cache_{layer}", buffer.to(device))
         parameters = inspect.signature(model.forward).parameters
+        _check_alibi(type(model).__name__, config)
         self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
         self._keep_last_logits = "logits_to_keep" in parameters
         self.windows = layer_windows(config)
@@ -145,6 +146,17 @@ class CausalLMStep(torch.nn.Module):
         output = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, **options)
         logits = output.logits if hasattr(output, "logits") else output[0]
         return sample_tokens(logits[:, -1, :], sampling)
+
+
+def _check_alibi(name: str, config: object) -> None:
+    """:class:`InputError` for a model whose config asks for ALiBi biases computed from a 2D attention mask
+    (Falcon's ``alibi``): the step's mask is 4D, over the whole slot. (MPT's ALiBi, a bias by key index over the
+    whole slot, needs no mask and generates as it should.)"""
+    if getattr(config, "alibi", False):
+        raise InputError(
+            f"{name}'s config asks for ALiBi position biases (alibi=True), which it computes from a 2D attention "
+            "mask; compile_lm masks with a 4D mask over each sequence's KV cache slot, so it cannot generate with it"
+        )
 
 
 # Hugging Face's sdpa attention reads this at each call: "1" passes grouped key-value heads to sdpa as they are.
