@@ -1,8 +1,8 @@
 """Model families from configs with random weights generate across the split exactly as their own ``generate``:
 Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2, Gemma2 and Gemma3 (text), greedy, 32 new tokens for two rows (one
 left-padded), on 2 and 3 logical CPU devices, local and distributed, and MPT locally; sliding windows (per kind of
-layer where they differ) are masked as the config says; ALiBi from a 2D mask is refused. Hugging Face's own export wrapper over a ``StaticCache`` compiles with plain
-``moirai.compile`` and runs stepwise."""
+layer where they differ) are masked as the config says; ALiBi from a 2D mask is refused. Hugging Face's own
+export wrapper over a ``StaticCache`` compiles with plain ``moirai.compile`` and runs stepwise."""
 
 from __future__ import annotations
 
