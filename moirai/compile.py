@@ -59,6 +59,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def describe_plan(plan: Plan) -> str:
+    """A plan in a few words: its placer, the devices it uses and what it predicts."""
+    used = sorted(set(plan.placement.tolist()))
+    names = ", ".join(plan.device_names[k] for k in used)
+    words = f"{plan.placer or 'a plan'}'s plan of {len(plan.placement)} op groups on {names}"
+    if plan.objective_s is not None:
+        value_ms = f"{plan.objective_s * 1e3:.3g} ms"
+        words += {"latency": f", {value_ms} a request", "throughput": f", a request every {value_ms}"}.get(
+            plan.objective, f", {plan.objective} {value_ms}"
+        )
+        words += " predicted"
+    return words
+
+
 @dataclass
 class CompiledModel:
     """A model split across a cluster. Call it like the original model."""
@@ -76,6 +90,11 @@ class CompiledModel:
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
         _check_devices_here(self.cluster, range(len(self.cluster)))
         return self.traced.unflatten_outputs(run_local(self.program, flat_inputs, self.torch_devices))
+
+    def __repr__(self) -> str:
+        """One line, not the dataclass's fields (a graph, a problem and a program: 100 kB on a small model), which a
+        notebook would print for a cell that ends in the compiled model."""
+        return f"<CompiledModel of {self.traced.model_name}: {describe_plan(self.plan)}; .summary() shows the plan>"
 
     @_progress.reports_progress
     def run_distributed(self, *args: Any, timeout_s: float = 120.0, progress: bool = True, **kwargs: Any) -> Any:

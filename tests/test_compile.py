@@ -42,6 +42,13 @@ def test_compiled_model_matches_original_locally_and_uses_every_device(compiled:
     assert set(compiled.node_device.values()) == {0, 1, 2}
 
 
+def test_a_compiled_model_prints_as_one_short_line_as_a_notebook_shows_it(compiled: moirai.CompiledModel) -> None:
+    text = repr(compiled)  # the dataclass's own repr was about 100 kB
+    assert "\n" not in text and len(text) < 300, text
+    assert text.startswith("<CompiledModel of Residual: round_robin's plan of ") and "cpu_2" in text, text
+    assert "ms a request predicted" in text, text
+
+
 def test_compiled_model_runs_distributed(compiled: moirai.CompiledModel) -> None:
     x = torch.randn(4, 32)
     with torch.no_grad():

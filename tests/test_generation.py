@@ -202,6 +202,11 @@ def test_the_generation_objective_adds_ttft_to_new_tokens_times_tpot(split_lm):
     assert objective.sequences == 1
 
 
+def test_a_compiled_lm_prints_as_one_short_line(split_lm):
+    text = repr(split_lm)
+    assert "\n" not in text and len(text) < 300 and text.startswith("<CompiledLM of LlamaForCausalLM: "), text
+
+
 def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
     with pytest.raises(moirai.InputError, match="over max_seq_len=64"):
         split_lm.generate(torch.zeros(1, 60, dtype=torch.long), max_new_tokens=10)

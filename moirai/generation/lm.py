@@ -32,7 +32,7 @@ from moirai import progress as _progress
 from moirai import viz
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
-from moirai.compile import CompiledModel, assemble, check_placer_options, from_plan_record, rank_cluster
+from moirai.compile import CompiledModel, assemble, check_placer_options, describe_plan, from_plan_record, rank_cluster
 from moirai.errors import InfeasibleError, InputError, TraceError
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
@@ -82,6 +82,13 @@ class CompiledLM:
         """The loop that steps this LM's sequences through ``submit``, ``depth`` steps in flight."""
         slots = self.cache.slots
         return Engine(submit, slots, self.max_seq_len, self.max_prefill, slots, depth, self.vocab_size)
+
+    def __repr__(self) -> str:
+        """One line (see :meth:`CompiledModel.__repr__`)."""
+        return (
+            f"<CompiledLM of {self.model_name}: {describe_plan(self.compiled.plan)}; {self.cache.slots} cache slots of "
+            f"{self.max_seq_len} tokens; .summary() shows the plan and its TTFT, TPOT and tokens/s>"
+        )
 
     @property
     def max_seq_len(self) -> int:
