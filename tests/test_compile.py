@@ -47,6 +47,11 @@ def test_a_compiled_model_prints_as_one_short_line_as_a_notebook_shows_it(compil
     assert "\n" not in text and len(text) < 300, text
     assert text.startswith("<CompiledModel of Residual: round_robin's plan of ") and "cpu_2" in text, text
     assert "ms a request predicted" in text, text
+    assert repr(
+        compiled.problem
+    ) == f"<Problem: {compiled.problem.num_tasks} tasks, {compiled.problem.num_tensors} " + (
+        "tensors, 3 devices (cpu_0, cpu_1, cpu_2)>"
+    )
 
 
 def test_compiled_model_runs_distributed(compiled: moirai.CompiledModel) -> None:

@@ -132,6 +132,14 @@ class Problem:
         """This problem with some per-request costs replaced (arrays by :class:`RequestCosts` field name)."""
         return replace(self, costs=self.costs.replace(**seconds))
 
+    def __repr__(self) -> str:
+        """Its sizes in one line: the dataclass's own lists every cost array (tens of kB for a small model)."""
+        colocated = f", {len(self.colocated)} colocated sets" if self.colocated else ""
+        return (
+            f"<Problem: {self.num_tasks} tasks, {self.num_tensors} tensors, {self.num_devices} devices "
+            f"({', '.join(self.device_names)}){colocated}>"
+        )
+
     @property
     def num_tasks(self) -> int:
         return len(self.task_names)
