@@ -3,11 +3,13 @@ flight through a server each equal their lone run, and what a user can get wrong
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import signal
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -200,6 +202,19 @@ def test_the_generation_objective_adds_ttft_to_new_tokens_times_tpot(split_lm):
     assert two.value_s(decode) == pytest.approx(max(decode.period_s, decode.makespan_s / 2))
     assert not Generation(split_lm.prefill_problem, 10, 1, max_ttft_s=prefill.makespan_s / 2).acceptable(decode)
     assert objective.sequences == 1
+
+
+def test_generation_settings_model_generate_applies_and_moirai_does_not_are_named_in_a_warning(llama):
+    model = copy.deepcopy(llama)
+    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.num_beams = 4
+    options = {"max_seq_len": 32, "max_prefill": 8, "placer": "heft", "progress": False, "calibration": "none"}
+    with pytest.warns(moirai.MoiraiWarning, match=r"sets repetition_penalty=1.3, num_beams=4, which model.generate"):
+        moirai.compile_lm(model, ["cpu"], **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", moirai.MoiraiWarning)
+        model.generation_config.repetition_penalty, model.generation_config.num_beams = 1.0, 1  # neutral: silent
+        moirai.compile_lm(model, ["cpu"], **options)
 
 
 def test_a_compiled_lm_prints_as_one_short_line(split_lm):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,7 +34,7 @@ from moirai import viz
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
 from moirai.compile import CompiledModel, assemble, check_placer_options, describe_plan, from_plan_record, rank_cluster
-from moirai.errors import InfeasibleError, InputError, TraceError
+from moirai.errors import InfeasibleError, InputError, MoiraiWarning, TraceError, user_stacklevel
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
@@ -271,6 +272,7 @@ def compile_lm(
             handover.send(compiled.plan_record())
     config = model.config
     generation_config = getattr(model, "generation_config", None)
+    _warn_of_unapplied_settings(type(model).__name__, generation_config)
     eos, pad = (_first_set(name, generation_config, config) for name in ("eos_token_id", "pad_token_id"))
     eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     return CompiledLM(
@@ -286,6 +288,49 @@ def compile_lm(
         type(model).__name__,
         _vocab_size(model),
     )
+
+
+# Settings of a Hugging Face generation_config that change model.generate's tokens and that moirai's generate does
+# not apply, with the values that leave the tokens alone (None: unset).
+_UNAPPLIED_SETTINGS = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "min_new_tokens": 0,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_p": None,
+    "num_beams": 1,
+    "guidance_scale": 1.0,
+    "num_return_sequences": 1,
+}
+
+
+def _warn_of_unapplied_settings(name: str, generation_config: object) -> None:
+    """A :class:`MoiraiWarning` naming what the model's generation_config sets that model.generate applies by
+    default and moirai's generate does not (a repetition penalty, beams, banned tokens...): its tokens would
+    differ, with nothing to say why."""
+    unapplied = []
+    for setting, neutral in _UNAPPLIED_SETTINGS.items():
+        value = getattr(generation_config, setting, None)
+        if value is not None and value != neutral and value != [] and value != {}:
+            unapplied.append(f"{setting}={value!r}")
+    if unapplied:
+        warnings.warn(
+            f"{name}'s generation_config sets {', '.join(unapplied)}, which model.generate applies and moirai's "
+            "generate does not (it applies temperature, top_k, top_p and the end tokens): their tokens can differ",
+            MoiraiWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
