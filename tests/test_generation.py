@@ -217,6 +217,22 @@ def test_generation_settings_model_generate_applies_and_moirai_does_not_are_name
         moirai.compile_lm(model, ["cpu"], **options)
 
 
+def test_arguments_left_out_are_the_generation_configs_as_model_generate_takes_them(llama):
+    model = copy.deepcopy(llama)
+    model.generation_config.update(do_sample=True, temperature=0.7, top_k=5, max_new_tokens=7)
+    options = {"max_seq_len": 32, "max_prefill": 8, "placer": "heft", "progress": False, "calibration": "none"}
+    lm = moirai.compile_lm(model, ["cpu"], **options)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(1)
+    implied = lm.generate(prompt)
+    torch.manual_seed(1)
+    assert torch.equal(implied, lm.generate(prompt, do_sample=True, temperature=0.7, top_k=5, max_new_tokens=7))
+    assert implied.shape == (1, 6 + 7)
+    greedy = lm.generate(prompt, do_sample=False)  # an argument given overrides the config
+    with torch.no_grad():
+        assert torch.equal(greedy, model.generate(prompt, do_sample=False, attention_mask=torch.ones_like(prompt)))
+
+
 def test_a_compiled_lm_prints_as_one_short_line(split_lm):
     text = repr(split_lm)
     assert "\n" not in text and len(text) < 300 and text.startswith("<CompiledLM of LlamaForCausalLM: "), text

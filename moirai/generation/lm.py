@@ -41,7 +41,7 @@ from moirai.frontend.state import colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import sizes_at
 from moirai.frontend.trace import TracedModel, trace
 from moirai.generation.engine import Engine, SubmitStep, done_future
-from moirai.generation.requests import generate_rows, sampling_params
+from moirai.generation.requests import GenerationDefaults, generate_rows
 from moirai.generation.server import GenerationServer
 from moirai.generation.step import CacheShape, CausalLMStep, grouped_query_attention
 from moirai.plan_records import PlanHandover
@@ -78,6 +78,7 @@ class CompiledLM:
     pad_token_id: int | None
     model_name: str = "a causal LM"
     vocab_size: int | None = None  # rows of the input embedding: the token ids a prompt may hold
+    defaults: GenerationDefaults = GenerationDefaults()  # for the arguments a generate call leaves out
 
     def engine(self, submit: SubmitStep, depth: int) -> Engine:
         """The loop that steps this LM's sequences through ``submit``, ``depth`` steps in flight."""
@@ -160,11 +161,11 @@ class CompiledLM:
     def generate(
         self,
         input_ids: torch.Tensor,
-        max_new_tokens: int = 20,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 50,
-        top_p: float = 1.0,
+        max_new_tokens: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         attention_mask: torch.Tensor | None = None,
         pad_token_id: int | None = None,
@@ -175,18 +176,20 @@ class CompiledLM:
 
         Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it);
         rows that end early (``eos_token_id``) are padded with ``pad_token_id`` (default: the model's, else the end
-        token). ``do_sample`` samples with ``temperature``, ``top_k`` (0: all) and ``top_p``, from ``seed`` (each row
+        token). ``do_sample`` samples with ``temperature``, ``top_k`` (0: all) and ``top_p``; each of these and
+        ``max_new_tokens``, left out, is the model's ``generation_config``'s where it sets it, else Hugging Face's
+        default (greedy; 1.0, 50, 1.0; 20 new tokens). Sampling draws from ``seed`` (each row
         from ``seed + row``; None: a seed drawn from torch's global generator, so ``torch.manual_seed`` makes
         a sampled call repeat as it does Hugging Face's).
         """
         engine = self.engine(lambda inputs: done_future(lambda: self.compiled(*inputs)), depth=1)
-        sampling = sampling_params(do_sample, temperature, top_k, top_p, seed)
+        sampling = self.defaults.sampling(do_sample, temperature, top_k, top_p, seed)
         return generate_rows(
             self,
             engine,
             input_ids,
             attention_mask,
-            max_new_tokens,
+            self.defaults.new_tokens(max_new_tokens),
             sampling,
             eos_token_id,
             pad_token_id,
@@ -287,6 +290,7 @@ def compile_lm(
         pad,
         type(model).__name__,
         _vocab_size(model),
+        GenerationDefaults.of(generation_config),
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -80,6 +80,42 @@ class GenerateRequest:
         padded = [tokens + [self.pad_token_id] * (longest - len(tokens)) for tokens in new_tokens]
         generated = torch.tensor(padded, dtype=self.input_ids.dtype).reshape(len(new_tokens), longest)
         return torch.cat([self.input_ids.cpu(), generated], dim=1).to(self.input_ids.device)
+
+
+class GenerationDefaults(NamedTuple):
+    """What ``generate`` and ``submit`` take for an argument left out (None), as ``model.generate`` does: the
+    model's ``generation_config`` where it sets it, else Hugging Face's defaults."""
+
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+
+    @classmethod
+    def of(cls, generation_config: object) -> GenerationDefaults:
+        given = {name: getattr(generation_config, name, None) for name in cls._fields}
+        return cls(**{name: value for name, value in given.items() if value is not None})
+
+    def new_tokens(self, max_new_tokens: int | None) -> int:
+        return self.max_new_tokens if max_new_tokens is None else max_new_tokens
+
+    def sampling(
+        self,
+        do_sample: bool | None,
+        temperature: float | None,
+        top_k: int | None,
+        top_p: float | None,
+        seed: int | None,
+    ) -> SamplingParams:
+        """The sampling of a call, each argument left out taken from these defaults (see :func:`sampling_params`)."""
+        return sampling_params(
+            self.do_sample if do_sample is None else do_sample,
+            self.temperature if temperature is None else temperature,
+            self.top_k if top_k is None else top_k,
+            self.top_p if top_p is None else top_p,
+            seed,
+        )
 
 
 def prompt_tokens(prompt_ids: torch.Tensor | Sequence[int]) -> list[int]:

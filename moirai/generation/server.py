@@ -21,7 +21,7 @@ import torch
 
 from moirai.errors import InputError
 from moirai.generation.engine import SequenceState
-from moirai.generation.requests import end_tokens, generate_rows, prompt_tokens, sampling_params
+from moirai.generation.requests import end_tokens, generate_rows, prompt_tokens
 
 if TYPE_CHECKING:
     from moirai.generation.lm import CompiledLM
@@ -48,31 +48,33 @@ class GenerationServer:
     def submit(
         self,
         prompt_ids: torch.Tensor | Sequence[int],
-        max_new_tokens: int = 20,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 50,
-        top_p: float = 1.0,
+        max_new_tokens: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         seed: int | None = None,
         on_token: Any = None,
     ) -> Future:
         """A future of the new token ids of one sequence (``InputError`` at once if it cannot fit a slot);
-        ``on_token(token)`` is called with each token as it comes, from the server's thread."""
+        ``on_token(token)`` is called with each token as it comes, from the server's thread. Arguments left out are
+        the model's ``generation_config``'s, as in :meth:`CompiledLM.generate`."""
         if self._stopped.is_set():
             raise InputError("this generation server is closed; open a new one with lm.server()")
         prompt = prompt_tokens(prompt_ids)
+        defaults = self._lm.defaults
         sequence = SequenceState(
             prompt,
-            max_new_tokens,
-            sampling_params(do_sample, temperature, top_k, top_p, seed),
+            defaults.new_tokens(max_new_tokens),
+            defaults.sampling(do_sample, temperature, top_k, top_p, seed),
             end_tokens(eos_token_id, self._lm.eos_token_id),
             on_token=on_token,
         )
         return self._engine.add(sequence)
 
     def stream(
-        self, prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int = 20, **options: Any
+        self, prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int | None = None, **options: Any
     ) -> Iterator[int]:
         """The new tokens of one sequence, each as soon as the last stage has sampled it."""
         tokens: queue.Queue[int] = queue.Queue()
@@ -92,24 +94,24 @@ class GenerationServer:
     def generate(
         self,
         input_ids: torch.Tensor,
-        max_new_tokens: int = 20,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 50,
-        top_p: float = 1.0,
+        max_new_tokens: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         attention_mask: torch.Tensor | None = None,
         pad_token_id: int | None = None,
         seed: int | None = None,
     ) -> torch.Tensor:
         """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
-        sampling = sampling_params(do_sample, temperature, top_k, top_p, seed)
+        sampling = self._lm.defaults.sampling(do_sample, temperature, top_k, top_p, seed)
         return generate_rows(
             self._lm,
             self._engine,
             input_ids,
             attention_mask,
-            max_new_tokens,
+            self._lm.defaults.new_tokens(max_new_tokens),
             sampling,
             eos_token_id,
             pad_token_id,
