@@ -114,6 +114,7 @@ class CompiledModel:
         """
         timeout_s = check_timeout(timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            _check_devices_here(self.cluster, [0])  # rank 0 runs device 0; each other rank checks its own
             driver = torchrun_driver(self.program, self.cluster.devices, timeout_s, max_in_flight)
 
             def submit(flat: list[torch.Tensor], finish: Any) -> Any:
@@ -122,6 +123,7 @@ class CompiledModel:
 
             close = driver.close
         else:
+            _check_devices_here(self.cluster, range(len(self.cluster)))  # every device's process starts here
             runner = DistributedRunner(self.cluster.devices, timeout_s=timeout_s, max_in_flight=max_in_flight)
             submit = lambda flat, finish: runner.submit_with(self.program, flat, finish)  # noqa: E731
             close = runner.close
@@ -424,6 +426,8 @@ def _unfused_lower_bound_s(
 
 def serve_rank(compiled: CompiledModel, timeout_s: float = 120.0) -> None:
     """Under torchrun, on every rank but 0: serve rank 0's ``compiled.server()`` until it closes."""
+    rank = int(os.environ.get("RANK", 0))
+    _check_devices_here(compiled.cluster, [rank] if rank < len(compiled.cluster) else [])
     distributed.serve_rank(compiled.program, compiled.cluster.devices, timeout_s=timeout_s)
 
 

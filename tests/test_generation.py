@@ -233,6 +233,32 @@ def test_arguments_left_out_are_the_generation_configs_as_model_generate_takes_t
         assert torch.equal(greedy, model.generate(prompt, do_sample=False, attention_mask=torch.ones_like(prompt)))
 
 
+def test_a_meta_model_plans_generation_for_a_cluster_it_is_not_on():
+    """Planning a model too large to load (its weights on meta) for a cluster elsewhere: the step traces (a mask
+    built with torch.tensor was a constant export wrote, a TraceError), the plan counts each device's cache."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).eval()
+    cluster = moirai.Cluster.preset("moirai-inter-server")
+    lm = moirai.compile_lm(
+        model, cluster, max_batch_size=2, max_seq_len=64, max_prefill=8, placer="heft", progress=False
+    )
+    prediction = lm.prediction()
+    assert 0 < prediction.tpot_s < prediction.ttft_s * 10 and prediction.tokens_per_s > 0
+    assert lm.cache.slots == 2 and lm.cache.max_seq_len == 64
+    if not torch.cuda.is_available():  # its devices are cuda:0 on four servers: named before anything starts
+        for run in (lambda: lm.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2), lm.server):
+            with pytest.raises(moirai.ClusterError, match=r"device 'A' of the plan runs on cuda:0, but this machine"):
+                run()
+
+
 def test_a_compiled_lm_prints_as_one_short_line(split_lm):
     text = repr(split_lm)
     assert "\n" not in text and len(text) < 300 and text.startswith("<CompiledLM of LlamaForCausalLM: "), text

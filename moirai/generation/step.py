@@ -208,7 +208,9 @@ def attention_mask(
     seen = slot_positions <= positions.unsqueeze(-1)
     if window is not None:
         seen = seen & (slot_positions > positions.unsqueeze(-1) - window)
-    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=positions.device)
+    # torch.full, not torch.tensor: on the meta device export lifts a torch.tensor as a constant it then writes
+    # (detach_), which reads as state outside the module's buffers.
+    blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=positions.device)
     return torch.where(seen, torch.zeros((), dtype=dtype, device=positions.device), blocked).unsqueeze(1)
 
 
