@@ -256,8 +256,10 @@ def test_bad_cluster_files(tmp_path: Path, text: str, message: str) -> None:
 
 
 def test_missing_file() -> None:
-    with pytest.raises(ClusterError, match="does not exist"):
+    with pytest.raises(ClusterError, match="does not exist$"):
         Cluster.from_file("/nonexistent/cluster.toml")
+    with pytest.raises(ClusterError, match=r"is a preset: Cluster.preset\('moirai-inter-server'\)"):
+        Cluster.from_file("moirai-inter-server")  # a preset's name given as a file
 
 
 def test_bad_matrices_given_directly() -> None:

@@ -328,7 +328,8 @@ def read_cluster_file(path: str | Path) -> dict[str, Any]:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise ClusterError(f"cluster file {str(path)!r} does not exist") from None
+        preset = f"; {str(path)!r} is a preset: Cluster.preset({str(path)!r})" if str(path) in preset_names() else ""
+        raise ClusterError(f"cluster file {str(path)!r} does not exist{preset}") from None
     except tomllib.TOMLDecodeError as error:
         raise ClusterError(f"cluster file {str(path)!r} is not valid TOML: {error}") from None
 
