@@ -140,6 +140,8 @@ def test_model_in_eval_mode_does_not_warn(recwarn):
 def test_devices_given_as_one_string():
     with raises(ClusterError, "devices='cpu' is not a list", "['cpu', 'cpu']"):
         moirai.compile(tiny(), "cpu", (X,), placer="heft")
+    with raises(ClusterError, "is not a list", "(a preset: moirai.Cluster.preset('moirai-intra-server'))"):
+        moirai.compile(tiny(), "moirai-intra-server", (X,), placer="heft")
 
 
 def test_devices_given_as_integers():

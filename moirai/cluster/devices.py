@@ -312,6 +312,7 @@ class Cluster:
             raise ClusterError(
                 f"devices={torch_devices!r} is not a list; give one torch device per part, e.g. ['cpu', 'cpu'] or "
                 "['cuda:0', 'cuda:1'], or a moirai.Cluster"
+                + (f" (a preset: moirai.Cluster.preset({torch_devices!r}))" if torch_devices in preset_names() else "")
             )
         torch_devices = [torch_device_name(spec, f"devices[{i}]") for i, spec in enumerate(torch_devices)]
         if not torch_devices:
