@@ -259,6 +259,25 @@ def test_a_meta_model_plans_generation_for_a_cluster_it_is_not_on():
                 run()
 
 
+def test_a_ttft_limit_no_plan_meets_is_named_by_milp_and_a_heuristic_that_misses_it_warns(split_lm):
+    problem = split_lm.compiled.problem
+    impossible = Generation(split_lm.prefill_problem, new_tokens=10, sequences=2, max_ttft_s=1e-12)
+    with pytest.raises(moirai.InfeasibleError, match=r"fits memory and meets max_ttft_s=1e-12 s; raise the limit"):
+        moirai.place(problem, "milp", objective=impossible, time_limit_s=2)
+    with pytest.warns(moirai.MoiraiWarning, match=r"'heft' plan does not meet max_ttft_s=1e-12 s"):
+        plan = moirai.place(problem, "heft", objective=impossible)
+    assert plan.report.notes["over_the_limit"] == "max_ttft_s=1e-12 s"
+
+
+def test_a_kv_cache_this_process_cannot_allocate_is_an_input_error_with_its_size(llama, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")  # as torch's allocator fails
+
+    monkeypatch.setattr(torch, "zeros", out_of_memory)
+    with pytest.raises(moirai.InputError, match=r"KV cache of 4 slots of 4096 tokens takes .* could not allocate"):
+        moirai.compile_lm(llama, ["cpu"], max_batch_size=4, max_seq_len=4096, progress=False, calibration="none")
+
+
 def test_a_compiled_lm_prints_as_one_short_line(split_lm):
     text = repr(split_lm)
     assert "\n" not in text and len(text) < 300 and text.startswith("<CompiledLM of LlamaForCausalLM: "), text

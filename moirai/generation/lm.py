@@ -268,7 +268,7 @@ def compile_lm(
                 plan = place(decode, placer=placer, objective=objective, **placer_options)
             except InfeasibleError as error:
                 raise InfeasibleError(
-                    _does_not_fit(type(model).__name__, graph, step.cache_shape, decode, error)
+                    _does_not_fit(type(model).__name__, graph, step.cache_shape, decode, objective, error)
                 ) from None
             compiled = assemble(traced, cluster, coarse, decode, plan)
         if handover is not None:
@@ -406,12 +406,22 @@ def phase_problem(
         )
 
 
-def _does_not_fit(name: str, graph: OpGraph, cache: CacheShape, problem: Problem, error: InfeasibleError) -> str:
+def _does_not_fit(
+    name: str, graph: OpGraph, cache: CacheShape, problem: Problem, objective: Generation, error: InfeasibleError
+) -> str:
+    """Why no plan was found, with the numbers: memory, and the objective's limit where it has one (either may be
+    the cause; the placer's own message, at the end, says which it could not meet)."""
     cache_bytes = cache.layers * cache.layer_bytes
     free = ", ".join(
         f"{device} {viz.format_bytes_compact(capacity)}"
         for device, capacity in zip(problem.device_names, problem.memory_capacity_bytes, strict=True)
     )
+    if objective.limit is not None:
+        return (
+            f"{name} has no plan for generation that fits the devices and meets {objective.limit}: raise the limit "
+            f"or add devices (weights {viz.format_bytes_compact(graph.total_param_bytes - cache_bytes)}, KV cache "
+            f"{viz.format_bytes_compact(cache_bytes)}, free: {free}; {error})"
+        )
     return (
         f"{name} does not fit the devices for generation: weights "
         f"{viz.format_bytes_compact(graph.total_param_bytes - cache_bytes)}, KV cache "

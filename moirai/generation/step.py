@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from moirai.errors import InputError
+from moirai.planning.bounds import format_bytes
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
 
@@ -119,10 +120,19 @@ class CausalLMStep(torch.nn.Module):
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.cache_shape = CacheShape.of(config, slots, max_seq_len, dtype)
         shape = self.cache_shape
-        for layer in range(shape.layers):
-            for kind in ("key", "value"):
-                buffer = torch.zeros(shape.slots, shape.kv_heads, shape.max_seq_len, shape.head_dim, dtype=dtype)
-                self.register_buffer(f"{kind}_cache_{layer}", buffer.to(device))
+        try:
+            for layer in range(shape.layers):
+                for kind in ("key", "value"):
+                    size = (shape.slots, shape.kv_heads, shape.max_seq_len, shape.head_dim)
+                    self.register_buffer(f"{kind}_cache_{layer}", torch.zeros(size, dtype=dtype, device=device))
+        except (RuntimeError, MemoryError) as error:  # torch's allocators raise RuntimeError (OutOfMemoryError)
+            total_bytes = shape.layers * shape.layer_bytes
+            raise InputError(
+                f"the KV cache of {shape.slots} slots of {max_seq_len} tokens takes {format_bytes(total_bytes)} in "
+                f"all, which this process could not allocate on {device} ({type(error).__name__}); give fewer slots "
+                "(max_batch_size) or a shorter max_seq_len, or build the model on the meta device to plan without "
+                "weights or caches"
+            ) from None
         parameters = inspect.signature(model.forward).parameters
         _check_alibi(type(model).__name__, config)
         self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"

@@ -49,6 +49,11 @@ class Objective(ABC):
         return None
 
     @property
+    def limit(self) -> str | None:
+        """What an acceptable plan must meet besides memory, as the user wrote it (None: memory alone)."""
+        return None if self.latency_limit_s is None else f"max_latency_s={self.latency_limit_s:g} s"
+
+    @property
     def plans_like(self) -> str:
         """The objective, by name, whose placers make the plans worth starting from for this one (the placer specs'
         ``objectives`` name it; the milp placer's start plans are theirs)."""
@@ -248,6 +253,10 @@ class Generation(Objective):
         if not timeline.fits_memory:
             return False
         return self.max_ttft_s is None or self.ttft_s(timeline) <= self.max_ttft_s * (1 + 1e-9)
+
+    @property
+    def limit(self) -> str | None:
+        return None if self.max_ttft_s is None else f"max_ttft_s={self.max_ttft_s:g} s"
 
     def milp_rows(self) -> MilpRows:
         return (LATENCY if self.sequences == 1 else Throughput()).milp_rows()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moirai.errors import MoiraiError, OverMemoryWarning, PlacerOptionError, user_stacklevel
+from moirai.errors import MoiraiError, MoiraiWarning, OverMemoryWarning, PlacerOptionError, user_stacklevel
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
@@ -187,6 +187,7 @@ def _place(problem: Problem, placer: str, objective: str | Objective, **options:
     # A placer may prove a stronger bound (the MILP's); keep the better of the two.
     plan.lower_bound_s = max(plan.lower_bound_s or 0.0, chosen.lower_bound_s(problem))
     _warn_if_over_memory(problem, plan, timeline)
+    _warn_if_over_the_limit(plan, timeline, chosen)
     return plan
 
 
@@ -354,6 +355,21 @@ def _warn_if_over_memory(problem: Problem, plan: Plan, timeline: Timeline) -> No
         OverMemoryWarning(
             f"the {plan.placer!r} plan puts more on a device than it can hold ({amounts}); {plan.placer!r} ignores "
             f"memory: use a placer that respects it ({respecting}) or add memory"
+        ),
+        stacklevel=user_stacklevel(),
+    )
+
+
+def _warn_if_over_the_limit(plan: Plan, timeline: Timeline, objective: Objective) -> None:
+    """A placer that does not take the objective's limit (heft for a TTFT limit) may miss it: say so, as over
+    memory is said, rather than hand back a plan the objective does not accept with nothing to say why."""
+    if objective.limit is None or not timeline.fits_memory or objective.acceptable(timeline):
+        return
+    plan.report.notes["over_the_limit"] = objective.limit
+    warnings.warn(
+        MoiraiWarning(
+            f"the {plan.placer!r} plan does not meet {objective.limit}; {plan.placer!r} does not take the limit "
+            "into account: use placer='milp', which keeps it, or raise the limit"
         ),
         stacklevel=user_stacklevel(),
     )

@@ -129,9 +129,10 @@ def place_milp(
             plan, timeline = _search_period(problem, starts, finish_by, settings, report, bound_s, info, objective)
         elif start_plan is None:
             raise InfeasibleError(
-                "no heuristic found a placement that fits memory and the graph is too large for one MILP "
+                f"no heuristic found a placement that {_acceptable_words(objective)} and the graph is too large "
+                "for one MILP "
                 f"(model needs {format_bytes(float(problem.memory_bytes.sum()))}, cluster has "
-                f"{format_bytes(float(problem.memory_capacity_bytes.sum()))}); add memory or devices"
+                f"{format_bytes(float(problem.memory_capacity_bytes.sum()))}); {_remedy(objective)}"
             )
         else:
             plan, timeline = _search_large(
@@ -285,7 +286,9 @@ def _search_period(
     equal share of the time left (a search that stops early leaves its time to the others). The best plan wins."""
     starts = _with_contiguous(problem, starts, deadline, report, info, objective)
     if not starts:
-        raise InfeasibleError("no heuristic found a placement that fits memory; add memory or devices")
+        raise InfeasibleError(
+            f"no heuristic found a placement that {_acceptable_words(objective)}; {_remedy(objective)}"
+        )
     pending = _distinct_best_first(list(starts.values()), objective)
     info.strategy, info.window_starts = "period search", len(pending)
     best = pending[0]
@@ -517,14 +520,24 @@ def _stop_reason(solution: MilpSolution) -> StopReason:
     return StopReason.SOLVER_STATUS
 
 
+def _acceptable_words(objective: Objective) -> str:
+    """What an acceptable plan must do, in words: fit memory, and meet the objective's limit where it has one."""
+    return "fits memory" if objective.limit is None else f"fits memory and meets {objective.limit}"
+
+
+def _remedy(objective: Objective) -> str:
+    if objective.limit is None:
+        return "add memory or devices"
+    return f"raise the limit ({objective.limit}; the objective without it finds the shortest), or add devices"
+
+
 def _fallback(
     problem: Problem, start_plan: Plan | None, timeline: Timeline | None, objective: Objective = LATENCY
 ) -> tuple[Plan, Timeline]:
-    limit = objective.latency_limit_s
-    if start_plan is None and limit is not None:
+    if start_plan is None and objective.limit is not None:
         raise InfeasibleError(
-            f"neither the heuristics nor the MILP found a plan within max_latency_s={limit:g} s that fits memory; "
-            "raise the latency limit (the 'latency' objective finds the shortest), or add devices"
+            f"neither the heuristics nor the MILP found a plan that {_acceptable_words(objective)}; "
+            f"{_remedy(objective)}"
         )
     if start_plan is None:
         raise InfeasibleError(
