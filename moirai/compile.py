@@ -138,7 +138,7 @@ class CompiledModel:
         """
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         flat_inputs = self.traced.flatten_inputs(args, kwargs) if rank == 0 else None
-        _check_devices_here(self.cluster, [rank] if rank < len(self.cluster) else [])
+        _check_devices_here(self.cluster, [rank])
         outputs = run_rank(self.program, rank, world_size, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
         return None if outputs is None else self.traced.unflatten_outputs(outputs)
 
@@ -426,8 +426,7 @@ def _unfused_lower_bound_s(
 
 def serve_rank(compiled: CompiledModel, timeout_s: float = 120.0) -> None:
     """Under torchrun, on every rank but 0: serve rank 0's ``compiled.server()`` until it closes."""
-    rank = int(os.environ.get("RANK", 0))
-    _check_devices_here(compiled.cluster, [rank] if rank < len(compiled.cluster) else [])
+    _check_devices_here(compiled.cluster, [int(os.environ.get("RANK", 0))])
     distributed.serve_rank(compiled.program, compiled.cluster.devices, timeout_s=timeout_s)
 
 
@@ -447,8 +446,11 @@ def check_placer_options(placer_options: dict[str, Any], caller: Callable[..., A
 
 
 def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:
-    """Fail before running a part on a device this machine does not have (torch would assert)."""
+    """Fail before running a part on a device this machine does not have (torch would assert). An index past the
+    plan's devices (a torchrun rank it has no part for) is left to the runtime, which names the mismatch."""
     for k in indices:
+        if k >= len(cluster):
+            continue
         device = cluster.devices[k]
         wanted = torch.device(device.torch_device)
         kind = kind_of(wanted)

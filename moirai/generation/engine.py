@@ -135,9 +135,9 @@ class Engine:
         if len(prompt) == 0:
             raise InputError("the prompt is empty: give at least one token")
         if self.vocab_size is not None:
-            outside = [(i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size]
-            if outside:
-                position, token = outside[0]
+            outside = next(((i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size), None)
+            if outside is not None:
+                position, token = outside
                 raise InputError(
                     f"the prompt's token {token} (position {position}) is not a token id of the model, whose "
                     f"vocabulary has ids 0 to {self.vocab_size - 1}: give ids from the model's tokenizer"

@@ -416,18 +416,19 @@ def _does_not_fit(
         f"{device} {viz.format_bytes_compact(capacity)}"
         for device, capacity in zip(problem.device_names, problem.memory_capacity_bytes, strict=True)
     )
+    sizes = (
+        f"weights {viz.format_bytes_compact(graph.total_param_bytes - cache_bytes)}, KV cache "
+        f"{viz.format_bytes_compact(cache.slot_bytes)} per sequence x {cache.slots} slots = "
+        f"{viz.format_bytes_compact(cache_bytes)}, free after the activation reserve: {free}"
+    )
     if objective.limit is not None:
         return (
             f"{name} has no plan for generation that fits the devices and meets {objective.limit}: raise the limit "
-            f"or add devices (weights {viz.format_bytes_compact(graph.total_param_bytes - cache_bytes)}, KV cache "
-            f"{viz.format_bytes_compact(cache_bytes)}, free: {free}; {error})"
+            f"or add devices ({sizes}; {error})"
         )
     return (
-        f"{name} does not fit the devices for generation: weights "
-        f"{viz.format_bytes_compact(graph.total_param_bytes - cache_bytes)}, KV cache "
-        f"{viz.format_bytes_compact(cache.slot_bytes)} per sequence x {cache.slots} slots = "
-        f"{viz.format_bytes_compact(cache_bytes)}, free after the activation reserve: {free}; give fewer slots "
-        f"(max_batch_size), a shorter max_seq_len, or more devices ({error})"
+        f"{name} does not fit the devices for generation: {sizes}; give fewer slots (max_batch_size), a shorter "
+        f"max_seq_len, or more devices ({error})"
     )
 
 

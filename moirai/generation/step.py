@@ -118,12 +118,18 @@ class CausalLMStep(torch.nn.Module):
         self.model = model
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        # What the model is checked for first: a model refused should not cost a cache allocation.
+        _check_alibi(type(model).__name__, config)
+        self.windows = layer_windows(config)
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
+        self._keep_last_logits = "logits_to_keep" in parameters
         self.cache_shape = CacheShape.of(config, slots, max_seq_len, dtype)
         shape = self.cache_shape
+        size = (shape.slots, shape.kv_heads, shape.max_seq_len, shape.head_dim)
         try:
             for layer in range(shape.layers):
                 for kind in ("key", "value"):
-                    size = (shape.slots, shape.kv_heads, shape.max_seq_len, shape.head_dim)
                     self.register_buffer(f"{kind}_cache_{layer}", torch.zeros(size, dtype=dtype, device=device))
         except (RuntimeError, MemoryError) as error:  # torch's allocators raise RuntimeError (OutOfMemoryError)
             total_bytes = shape.layers * shape.layer_bytes
@@ -133,11 +139,6 @@ class CausalLMStep(torch.nn.Module):
                 "(max_batch_size) or a shorter max_seq_len, or build the model on the meta device to plan without "
                 "weights or caches"
             ) from None
-        parameters = inspect.signature(model.forward).parameters
-        _check_alibi(type(model).__name__, config)
-        self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
-        self._keep_last_logits = "logits_to_keep" in parameters
-        self.windows = layer_windows(config)
 
     def cache_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"key_cache_{layer}"), getattr(self, f"value_cache_{layer}")
