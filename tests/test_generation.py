@@ -271,11 +271,29 @@ def test_a_ttft_limit_no_plan_meets_is_named_by_milp_and_a_heuristic_that_misses
 
 def test_a_kv_cache_this_process_cannot_allocate_is_an_input_error_with_its_size(llama, monkeypatch):
     def out_of_memory(*args, **kwargs):
-        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")  # as torch's allocator fails
+        raise OSError(12, "Cannot allocate memory")  # as the kernel refuses a map
 
-    monkeypatch.setattr(torch, "zeros", out_of_memory)
+    monkeypatch.setattr(moirai.generation.step, "zeros_on_demand", out_of_memory)
     with pytest.raises(moirai.InputError, match=r"KV cache of 4 slots of 4096 tokens takes .* could not allocate"):
         moirai.compile_lm(llama, ["cpu"], max_batch_size=4, max_seq_len=4096, progress=False, calibration="none")
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+def test_the_calling_process_commits_no_kv_cache_memory_until_sequences_write_it(llama):
+    before = _resident_bytes()
+    step = moirai.generation.step.CausalLMStep(llama, slots=16, max_seq_len=131072)  # 1 GiB of keys and values
+    cache_bytes = step.cache_shape.layers * step.cache_shape.layer_bytes
+    assert cache_bytes == 2**30
+    keys, values = step.cache_buffers(0)
+    assert not keys.any() and not values.any()  # zeros, read without committing them
+    assert _resident_bytes() - before < cache_bytes // 8
+    keys[3, :, :100] = 1.0  # written pages are this process's own, as any tensor's
+    assert keys[3, 0, 99, 0].item() == 1.0 and not keys[2].any()
 
 
 def test_a_compiled_lm_prints_as_one_short_line(split_lm):

@@ -84,6 +84,7 @@ def test_a_generation_programs_cache_buffers_load_writable_and_are_sent_with_the
         max_prefill=8, max_batch_size=2,
     )  # fmt: skip
     program = lm.compiled.program
+    caches_seen = 0
     for rank in range(2):
         restored = _round_trip(program_for_rank(program, rank))
         mine = restored.parts[rank].graph_module
@@ -92,10 +93,55 @@ def test_a_generation_programs_cache_buffers_load_writable_and_are_sent_with_the
         for name in names:
             value = _attribute(mine, name)
             assert torch.equal(value, _attribute(original, name)) and value.data_ptr() != 0
+            assert not value.any()  # no sequence has written it: zeros, which travel as their size
             value.add_(1)  # a cache is written in place: the loaded one must be writable memory of its own
             assert not torch.equal(value, _attribute(original, name))
         others = [part.graph_module for part in restored.parts if part.device != rank]
         assert all(not [n for n in m.graph.nodes if n.op == "get_attr"] for m in others)
+        cache_bytes = sum(_attribute(original, n).untyped_storage().nbytes() for n in names)
+        sent = encode_program(program_for_rank(program, rank)).sent_storages
+        assert sum(s.numel() for s in sent) == _weight_bytes(program.parts[rank]) - cache_bytes
+        caches_seen += len(names)
+    assert caches_seen == 4  # two layers' keys and values, wherever they are
+
+
+def _weight_bytes(part) -> int:
+    module = part.graph_module
+    storages = {_attribute(module, n).untyped_storage().data_ptr(): _attribute(module, n).untyped_storage().nbytes()
+                for n in part.attribute_names}  # fmt: skip
+    return sum(storages.values())
+
+
+class _Counter(torch.nn.Module):
+    """A buffer of zeros written in place, and one whose only nonzero byte is past the first block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4096))
+        offset = torch.zeros(4096)
+        offset[-1] = 1.0
+        self.register_buffer("offset", offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x.sum())
+        return self.total[:4] + self.offset[-4:] + x
+
+
+def test_a_buffer_of_zeros_travels_as_its_size_and_loads_as_zeros_and_written_state_travels_whole() -> None:
+    example = (torch.ones(4),)
+    traced, program = _split(_Counter(), example, 1)
+    module = program.parts[0].graph_module
+    weights = _weight_bytes(program.parts[0])
+    assert weights == 2 * 4096 * 4 and load_bytes(program, 0) < 4096 * 4 + 16384  # the zeros are not sent
+    restored = _round_trip(program)
+    loaded = {n: _attribute(restored.parts[0].graph_module, n) for n in program.parts[0].attribute_names}
+    for name, value in loaded.items():
+        assert torch.equal(value, _attribute(module, name)) and value.dtype == torch.float32
+    flat = traced.flatten_inputs(example, {})
+    for _ in range(2):  # state kept between calls, where it was loaded
+        assert torch.equal(run_local(restored, flat, ["cpu"])[0], run_local(program, flat, ["cpu"])[0])
+    assert load_bytes(program, 0) > weights  # written now: it travels whole
+    assert torch.equal(_attribute(_round_trip(program).parts[0].graph_module, "total"), _attribute(module, "total"))
 
 
 def _attribute(module: torch.nn.Module, target: str) -> torch.Tensor:
@@ -162,6 +208,7 @@ _UNCHECKED = (
         (_calls("_c10d_functional::all_reduce.default"), "namespace '_c10d_functional'"),
         (lambda d: _first_node(d, "call_function").update(kwargs={"dict": [["class", 1]]}), "keywords ['class']"),
         (lambda d: d["storages"][0].__setitem__(0, float("inf")), "OverflowError"),
+        (lambda d: d["storages"][0].__setitem__(1, "pickle"), "storage 0 travels as 'pickle'"),
         *[(_calls(f"aten::{name}"), "may not call") for name in _UNCHECKED],
         (_calls("prims::view_of.default"), "namespace 'prims'"),
         # A module's own state under an attribute's name: its hooks run on every call.

@@ -30,6 +30,7 @@ import torch
 
 from moirai.errors import InputError
 from moirai.planning.bounds import format_bytes
+from moirai.runtime.zero_pages import zeros_on_demand
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
 
@@ -130,8 +131,9 @@ class CausalLMStep(torch.nn.Module):
         try:
             for layer in range(shape.layers):
                 for kind in ("key", "value"):
-                    self.register_buffer(f"{kind}_cache_{layer}", torch.zeros(size, dtype=dtype, device=device))
-        except (RuntimeError, MemoryError) as error:  # torch's allocators raise RuntimeError (OutOfMemoryError)
+                    self.register_buffer(f"{kind}_cache_{layer}", _zeros(size, dtype, device))
+        # torch's allocators raise RuntimeError (OutOfMemoryError), a map the kernel refuses OSError
+        except (RuntimeError, MemoryError, OSError) as error:
             total_bytes = shape.layers * shape.layer_bytes
             raise InputError(
                 f"the KV cache of {shape.slots} slots of {max_seq_len} tokens takes {format_bytes(total_bytes)} in "
@@ -157,6 +159,14 @@ class CausalLMStep(torch.nn.Module):
         output = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, **options)
         logits = output.logits if hasattr(output, "logits") else output[0]
         return sample_tokens(logits[:, -1, :], sampling)
+
+
+def _zeros(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cache buffer of zeros; on the CPU one whose pages are committed as sequences write them, so this
+    process's copy costs nothing where the cache's layers run elsewhere ([Note: zeros where they are used])."""
+    if device.type == "cpu":
+        return zeros_on_demand(size, dtype)
+    return torch.zeros(size, dtype=dtype, device=device)
 
 
 def _check_alibi(name: str, config: object) -> None:

@@ -12,7 +12,9 @@ bytes name. So a program travels as data:
   ``sym_*`` functions (shape arithmetic), and the part's transport (:class:`moirai.runtime.split.Transport`): its
   methods and its ``symbol_values``, on the transport only;
 - the raw bytes of every tensor storage the parts hold, each once (tied weights stay tied), with each tensor's dtype,
-  shape, strides and offset into its storage; a rank gets them on the CPU and places its part itself.
+  shape, strides and offset into its storage; a rank gets them on the CPU and places its part itself. A storage of
+  zeros (a KV cache no sequence has written) travels as its size, and the rank maps zero pages of its own
+  (:mod:`moirai.runtime.zero_pages`); a meta one as its size too.
 
 Decoding builds each part with ``fx.Graph.create_node`` and :class:`torch.fx.GraphModule`, the way the splitter
 builds it. fx turns a graph into Python source, so every name of the payload that fx writes into that source (node
@@ -46,8 +48,9 @@ from moirai.errors import DistributedError, PlanError
 from moirai.frontend.symbolic_shapes import DynamicDim
 from moirai.frontend.trace import TensorSpec
 from moirai.runtime.split import DevicePart, OutputLocation, SplitProgram, TensorTransfer, Transport
+from moirai.runtime.zero_pages import is_all_zero, zero_storage
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _LENGTH = struct.Struct("<Q")
 _IDENTIFIER = re.compile(r"(?!__)[A-Za-z_][A-Za-z0-9_]*")  # always fullmatch: "$" would let a newline through
 _OPERATOR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -149,31 +152,34 @@ class EncodedProgram:
     """A program's description and the storages it carries; :meth:`to_bytes` joins them."""
 
     description: bytes
-    storages: tuple[torch.Tensor, ...]  # one-dimensional uint8 tensors over them (a meta one's bytes are not sent)
+    sent_storages: tuple[torch.Tensor, ...]  # one-dimensional uint8 tensors over those whose bytes are sent
 
     @property
     def num_bytes(self) -> int:
-        return _LENGTH.size + len(self.description) + sum(_sent_bytes(s) for s in self.storages)
+        return _LENGTH.size + len(self.description) + sum(s.numel() for s in self.sent_storages)
 
     def to_bytes(self) -> bytes:
         chunks = [_LENGTH.pack(len(self.description)), self.description]
-        chunks += [memoryview(s.cpu().numpy()) for s in self.storages if not s.is_meta]  # copied by the join
+        chunks += [memoryview(s.cpu().numpy()) for s in self.sent_storages]  # copied by the join
         return b"".join(chunks)
 
 
 def encode_program(program: SplitProgram) -> EncodedProgram:
     """``program`` as data (module doc); :class:`moirai.PlanError` if a part calls what a rank cannot look up."""
     storages = _Storages()
+    parts = [_encode_part(part, storages) for part in program.parts]
+    kinds = [_storage_kind(s) for s in storages.tensors]
     description = {
         "format": FORMAT_VERSION,
-        "parts": [_encode_part(part, storages) for part in program.parts],
+        "parts": parts,
         "transfers": [_encode_transfer(t) for t in program.transfers],
         "outputs": [[o.device, o.index] for o in program.outputs],
         "input_specs": [_encode_spec(s) for s in program.input_specs],
         "dynamic_dims": [[d.symbol, d.name, d.lower, d.upper, d.where] for d in program.dynamic_dims],
-        "storages": [[s.numel(), s.is_meta] for s in storages.tensors],
+        "storages": [[s.numel(), kind] for s, kind in zip(storages.tensors, kinds, strict=True)],
     }
-    return EncodedProgram(json.dumps(description, separators=(",", ":")).encode(), tuple(storages.tensors))
+    sent = tuple(s for s, kind in zip(storages.tensors, kinds, strict=True) if kind == _BYTES)
+    return EncodedProgram(json.dumps(description, separators=(",", ":")).encode(), sent)
 
 
 def decode_program(payload: bytes, where: str, max_parts: int | None = None) -> SplitProgram:
@@ -214,8 +220,14 @@ class _Storages:
         return self._index[key]
 
 
-def _sent_bytes(storage: torch.Tensor) -> int:
-    return 0 if storage.is_meta else storage.numel()
+# How a storage travels: its bytes, or its size alone (weights left on the meta device, a storage of zeros).
+_BYTES, _META, _ZEROS = "bytes", "meta", "zeros"
+
+
+def _storage_kind(storage: torch.Tensor) -> str:
+    if storage.is_meta:
+        return _META
+    return _ZEROS if is_all_zero(storage) else _BYTES
 
 
 def _encode_part(part: DevicePart, storages: _Storages) -> dict[str, Any]:
@@ -419,12 +431,17 @@ def _decode(payload: memoryview, max_parts: int | None) -> SplitProgram:
 
 def _decode_storages(payload: memoryview, start: int, sizes: list[Any]) -> list[torch.Tensor]:
     storages, offset = [], start
-    for size, is_meta in sizes:
+    for size, kind in sizes:
         size = int(size)
         if size < 0:
             raise _Malformed(f"storage {len(storages)} has {size} bytes")
-        if is_meta or size == 0:  # weights left on the meta device: a size and no bytes
-            storages.append(torch.empty(size, dtype=torch.uint8, device="meta" if is_meta else "cpu"))
+        if kind not in (_BYTES, _META, _ZEROS):
+            raise _Malformed(f"storage {len(storages)} travels as {kind!r}, not as one of {[_BYTES, _META, _ZEROS]}")
+        if kind == _META or size == 0:  # weights left on the meta device: a size and no bytes
+            storages.append(torch.empty(size, dtype=torch.uint8, device="meta" if kind == _META else "cpu"))
+            continue
+        if kind == _ZEROS:
+            storages.append(zero_storage(size))
             continue
         if offset + size > len(payload):
             raise _Malformed(f"storage {len(storages)} ({size} bytes) runs past the payload's {len(payload)} bytes")
