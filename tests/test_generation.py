@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import moirai
+import moirai.generation.requests
 from moirai.frontend.state import mutable_buffers
 from moirai.generation.step import sample_tokens
 from moirai.planning.objective import Generation
@@ -231,6 +232,37 @@ def test_arguments_left_out_are_the_generation_configs_as_model_generate_takes_t
     greedy = lm.generate(prompt, do_sample=False)  # an argument given overrides the config
     with torch.no_grad():
         assert torch.equal(greedy, model.generate(prompt, do_sample=False, attention_mask=torch.ones_like(prompt)))
+
+
+def test_a_call_that_leaves_out_max_new_tokens_gets_as_many_tokens_as_model_generate_gives(llama, split_lm):
+    """max_new_tokens, else max_length counting the prompt (the call's, else the generation_config's), else 20 new
+    tokens capped at max_position_embeddings in all: as the installed transformers' generate counts them."""
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    model = copy.deepcopy(llama)
+
+    def hf(**options):
+        with torch.no_grad():
+            return model.generate(prompt, do_sample=False, attention_mask=torch.ones_like(prompt), **options)
+
+    def ours(**options):
+        defaults = moirai.generation.requests.GenerationDefaults.of(model.generation_config, model.config)
+        return dataclasses.replace(split_lm, defaults=defaults).generate(prompt, **options)
+
+    for options in ({}, {"max_length": 10}, {"max_length": 10, "max_new_tokens": 3}):
+        expected = hf(**options)
+        assert torch.equal(ours(**options), expected), options
+    assert ours().shape[1] == 6 + 20 and ours(max_length=10).shape[1] == 10
+    model.generation_config.max_length = 9  # a checkpoint's generation_config may set it: prompt and new together
+    assert torch.equal(ours(), hf()) and hf().shape[1] == 9
+    model.generation_config.max_length = None
+    model.config.max_position_embeddings = 16  # caps the default 20 new tokens
+    assert torch.equal(ours(), hf()) and hf().shape[1] == 16
+    with pytest.raises(ValueError, match="Input length of input_ids is 6, but `max_length` is set to 6"):
+        hf(max_length=6)
+    with pytest.raises(moirai.InputError, match=r"prompt's 6 tokens reach max_length=6, .* give a max_length over 6"):
+        ours(max_length=6)
+    with split_lm.server() as server:
+        assert len(server.submit(prompt[0], max_length=9).result()) == 3
 
 
 def test_a_meta_model_plans_generation_for_a_cluster_it_is_not_on():

@@ -170,15 +170,18 @@ class CompiledLM:
         attention_mask: torch.Tensor | None = None,
         pad_token_id: int | None = None,
         seed: int | None = None,
+        max_length: int | None = None,
     ) -> torch.Tensor:
         """Token ids ``[batch, prompt + new]`` as Hugging Face's ``generate`` returns them, run by the local runner
         (every part from this process; :meth:`server` runs one process per device).
 
         Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it);
         rows that end early (``eos_token_id``) are padded with ``pad_token_id`` (default: the model's, else the end
-        token). ``do_sample`` samples with ``temperature``, ``top_k`` (0: all) and ``top_p``; each of these and
-        ``max_new_tokens``, left out, is the model's ``generation_config``'s where it sets it, else Hugging Face's
-        default (greedy; 1.0, 50, 1.0; 20 new tokens). Sampling draws from ``seed`` (each row
+        token). ``do_sample`` samples with ``temperature``, ``top_k`` (0: all) and ``top_p``; each of these,
+        left out, is the model's ``generation_config``'s where it sets it, else Hugging Face's default (greedy; 1.0,
+        50, 1.0). The new tokens are ``max_new_tokens``, else up to ``max_length`` in all (prompt included), each
+        the call's or else the ``generation_config``'s, else 20 (:meth:`GenerationDefaults.new_tokens`, as
+        ``model.generate`` counts them). Sampling draws from ``seed`` (each row
         from ``seed + row``; None: a seed drawn from torch's global generator, so ``torch.manual_seed`` makes
         a sampled call repeat as it does Hugging Face's).
         """
@@ -189,7 +192,8 @@ class CompiledLM:
             engine,
             input_ids,
             attention_mask,
-            self.defaults.new_tokens(max_new_tokens),
+            max_new_tokens,
+            max_length,
             sampling,
             eos_token_id,
             pad_token_id,
@@ -290,7 +294,7 @@ def compile_lm(
         pad,
         type(model).__name__,
         _vocab_size(model),
-        GenerationDefaults.of(generation_config),
+        GenerationDefaults.of(generation_config, config),
     )
 
 

@@ -16,6 +16,8 @@ from moirai.generation.engine import Engine, SamplingParams, SequenceState
 if TYPE_CHECKING:
     from moirai.generation.lm import CompiledLM
 
+# Hugging Face's new tokens when neither the call nor the generation_config says how many.
+_DEFAULT_NEW_TOKENS = 20
 # Seeds drawn for sampled sequences: below 2**62, so that a row's (seed + row) still fits a generator's seed.
 _SEEDS = 2**62
 
@@ -36,7 +38,8 @@ class GenerateRequest:
         lm: CompiledLM,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        max_new_tokens: int,
+        max_new_tokens: int | None,
+        max_length: int | None,
         eos_token_id: int | Sequence[int] | None,
         pad_token_id: int | None,
     ) -> GenerateRequest:
@@ -63,7 +66,8 @@ class GenerateRequest:
         pad = pad_token_id if pad_token_id is not None else lm.pad_token_id
         if pad is None:
             pad = min(eos) if eos else 0
-        return cls(input_ids, prompts, max_new_tokens, eos, pad)
+        new_tokens = lm.defaults.new_tokens(max_new_tokens, max_length, input_ids.shape[1])
+        return cls(input_ids, prompts, new_tokens, eos, pad)
 
     def submit(self, engine: Engine, sampling: SamplingParams) -> list[Future]:
         for prompt in self.prompts:
@@ -86,19 +90,42 @@ class GenerationDefaults(NamedTuple):
     """What ``generate`` and ``submit`` take for an argument left out (None), as ``model.generate`` does: the
     model's ``generation_config`` where it sets it, else Hugging Face's defaults."""
 
-    max_new_tokens: int = 20
+    max_new_tokens: int | None = None
+    max_length: int | None = None  # prompt and new tokens together
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 50
     top_p: float = 1.0
+    max_position_embeddings: int | None = None  # the model config's: caps Hugging Face's default length
 
     @classmethod
-    def of(cls, generation_config: object) -> GenerationDefaults:
-        given = {name: getattr(generation_config, name, None) for name in cls._fields}
+    def of(cls, generation_config: object, config: object = None) -> GenerationDefaults:
+        names = [name for name in cls._fields if name != "max_position_embeddings"]
+        given = {name: getattr(generation_config, name, None) for name in names}
+        given["max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
         return cls(**{name: value for name, value in given.items() if value is not None})
 
-    def new_tokens(self, max_new_tokens: int | None) -> int:
-        return self.max_new_tokens if max_new_tokens is None else max_new_tokens
+    def new_tokens(self, max_new_tokens: int | None, max_length: int | None, input_length: int) -> int:
+        """How many tokens a call generates after ``input_length`` prompt tokens (the padded width of a batch), as
+        ``model.generate`` counts them: ``max_new_tokens`` (the call's, else the config's); else up to
+        ``max_length`` tokens in all (the call's, else the config's: transformers 4 sets 20 there); else 20 new
+        tokens, at most ``max_position_embeddings`` in all (transformers 5's default). A prompt that already reaches
+        the length is an :class:`InputError`, as it is Hugging Face's ``ValueError``."""
+        for given in (max_new_tokens, self.max_new_tokens):
+            if given is not None:
+                return given
+        if max_length is None:
+            max_length = self.max_length
+        if max_length is None:
+            max_length = _DEFAULT_NEW_TOKENS + input_length
+            if self.max_position_embeddings is not None:
+                max_length = min(max_length, self.max_position_embeddings)
+        if input_length >= max_length:
+            raise InputError(
+                f"the prompt's {input_length} tokens reach max_length={max_length}, which counts the prompt and the "
+                f"new tokens together: give a max_length over {input_length}, or max_new_tokens"
+            )
+        return max_length - input_length
 
     def sampling(
         self,
@@ -152,7 +179,8 @@ def generate_rows(
     engine: Engine,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    max_new_tokens: int,
+    max_new_tokens: int | None,
+    max_length: int | None,
     sampling: SamplingParams,
     eos_token_id: int | Sequence[int] | None,
     pad_token_id: int | None,
@@ -160,7 +188,7 @@ def generate_rows(
 ) -> torch.Tensor:
     """A ``generate`` call through ``engine`` (``drive``: what runs the engine until the rows are done, when no
     thread of its own serves it): its rows as sequences, their tokens as Hugging Face returns them."""
-    request = GenerateRequest.of(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    request = GenerateRequest.of(lm, input_ids, attention_mask, max_new_tokens, max_length, eos_token_id, pad_token_id)
     futures = request.submit(engine, sampling)
     if drive is not None:
         drive()

@@ -56,17 +56,19 @@ class GenerationServer:
         eos_token_id: int | Sequence[int] | None = None,
         seed: int | None = None,
         on_token: Any = None,
+        max_length: int | None = None,
     ) -> Future:
         """A future of the new token ids of one sequence (``InputError`` at once if it cannot fit a slot);
         ``on_token(token)`` is called with each token as it comes, from the server's thread. Arguments left out are
-        the model's ``generation_config``'s, as in :meth:`CompiledLM.generate`."""
+        the model's ``generation_config``'s, as in :meth:`CompiledLM.generate` (``max_length`` counts the prompt
+        too)."""
         if self._stopped.is_set():
             raise InputError("this generation server is closed; open a new one with lm.server()")
         prompt = prompt_tokens(prompt_ids)
         defaults = self._lm.defaults
         sequence = SequenceState(
             prompt,
-            defaults.new_tokens(max_new_tokens),
+            defaults.new_tokens(max_new_tokens, max_length, len(prompt)),
             defaults.sampling(do_sample, temperature, top_k, top_p, seed),
             end_tokens(eos_token_id, self._lm.eos_token_id),
             on_token=on_token,
@@ -103,6 +105,7 @@ class GenerationServer:
         attention_mask: torch.Tensor | None = None,
         pad_token_id: int | None = None,
         seed: int | None = None,
+        max_length: int | None = None,
     ) -> torch.Tensor:
         """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
         sampling = self._lm.defaults.sampling(do_sample, temperature, top_k, top_p, seed)
@@ -111,7 +114,8 @@ class GenerationServer:
             self._engine,
             input_ids,
             attention_mask,
-            self._lm.defaults.new_tokens(max_new_tokens),
+            max_new_tokens,
+            max_length,
             sampling,
             eos_token_id,
             pad_token_id,
