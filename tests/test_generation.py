@@ -265,6 +265,38 @@ def test_a_call_that_leaves_out_max_new_tokens_gets_as_many_tokens_as_model_gene
         assert len(server.submit(prompt[0], max_length=9).result()) == 3
 
 
+def test_a_streamer_and_a_generation_config_are_taken_as_model_generate_takes_them(llama, split_lm):
+    class Collect(transformers.generation.streamers.BaseStreamer):
+        def __init__(self) -> None:
+            self.puts, self.ended = [], False
+
+        def put(self, value: torch.Tensor) -> None:
+            self.puts.append(value.tolist())
+
+        def end(self) -> None:
+            self.ended = True
+
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(6))
+    theirs, ours = Collect(), Collect()
+    with torch.no_grad():
+        expected = llama.generate(prompt, max_new_tokens=6, do_sample=False, streamer=theirs)
+    assert torch.equal(split_lm.generate(prompt, max_new_tokens=6, streamer=ours), expected)
+    assert ours.puts == theirs.puts and ours.ended and theirs.ended  # the prompt, then one token at a time
+    with pytest.raises(moirai.InputError, match="a streamer takes the tokens of one row"):
+        split_lm.generate(prompt.repeat(2, 1), max_new_tokens=2, streamer=Collect())
+    config = transformers.GenerationConfig(max_new_tokens=4, do_sample=True, top_k=3)
+    torch.manual_seed(5)
+    implied = split_lm.generate(prompt, generation_config=config)
+    torch.manual_seed(5)
+    assert torch.equal(implied, split_lm.generate(prompt, max_new_tokens=4, do_sample=True, top_k=3))
+    assert torch.equal(split_lm.generate(prompt, generation_config=config, do_sample=False), llama.generate(
+        prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt)))  # fmt: skip
+    with pytest.raises(moirai.InputError, match=r"repetition_penalty=1.2, which model.generate applies and moirai"):
+        split_lm.generate(prompt, generation_config=transformers.GenerationConfig(repetition_penalty=1.2))
+    with pytest.raises(moirai.InputError, match=r"does not take num_beams, output_scores; num_beams would change"):
+        split_lm.generate(prompt, num_beams=2, output_scores=True)
+
+
 def test_a_meta_model_plans_generation_for_a_cluster_it_is_not_on():
     """Planning a model too large to load (its weights on meta) for a cluster elsewhere: the step traces (a mask
     built with torch.tensor was a constant export wrote, a TraceError), the plan counts each device's cache."""

@@ -41,7 +41,7 @@ from moirai.frontend.state import colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import sizes_at
 from moirai.frontend.trace import TracedModel, trace
 from moirai.generation.engine import Engine, SubmitStep, done_future
-from moirai.generation.requests import GenerationDefaults, generate_rows
+from moirai.generation.requests import GenerateOptions, GenerationDefaults, generate_rows, unapplied_settings
 from moirai.generation.server import GenerationServer
 from moirai.generation.step import CacheShape, CausalLMStep, grouped_query_attention
 from moirai.plan_records import PlanHandover
@@ -171,6 +171,9 @@ class CompiledLM:
         pad_token_id: int | None = None,
         seed: int | None = None,
         max_length: int | None = None,
+        streamer: Any = None,
+        generation_config: Any = None,
+        **others: Any,
     ) -> torch.Tensor:
         """Token ids ``[batch, prompt + new]`` as Hugging Face's ``generate`` returns them, run by the local runner
         (every part from this process; :meth:`server` runs one process per device).
@@ -183,22 +186,14 @@ class CompiledLM:
         the call's or else the ``generation_config``'s, else 20 (:meth:`GenerationDefaults.new_tokens`, as
         ``model.generate`` counts them). Sampling draws from ``seed`` (each row
         from ``seed + row``; None: a seed drawn from torch's global generator, so ``torch.manual_seed`` makes
-        a sampled call repeat as it does Hugging Face's).
+        a sampled call repeat as it does Hugging Face's). A ``generation_config`` passed stands before the
+        model's; a ``streamer`` (Hugging Face's ``TextStreamer``, one row) gets the prompt, then each token as it
+        comes. Any other argument of ``model.generate`` is an :class:`InputError` naming it.
         """
+        given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
+        options = GenerateOptions.of(given, others)
         engine = self.engine(lambda inputs: done_future(lambda: self.compiled(*inputs)), depth=1)
-        sampling = self.defaults.sampling(do_sample, temperature, top_k, top_p, seed)
-        return generate_rows(
-            self,
-            engine,
-            input_ids,
-            attention_mask,
-            max_new_tokens,
-            max_length,
-            sampling,
-            eos_token_id,
-            pad_token_id,
-            drive=engine.run_until_idle,
-        )
+        return generate_rows(self, engine, input_ids, attention_mask, options, drive=engine.run_until_idle)
 
     def server(self, timeout_s: float = 120.0, max_in_flight: int | None = None) -> GenerationServer:
         """A server that generates for many sequences at once, one process per device (see
@@ -298,40 +293,11 @@ def compile_lm(
     )
 
 
-# Settings of a Hugging Face generation_config that change model.generate's tokens and that moirai's generate does
-# not apply, with the values that leave the tokens alone (None: unset).
-_UNAPPLIED_SETTINGS = {
-    "repetition_penalty": 1.0,
-    "encoder_repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "min_length": 0,
-    "min_new_tokens": 0,
-    "bad_words_ids": None,
-    "sequence_bias": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "exponential_decay_length_penalty": None,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "min_p": None,
-    "num_beams": 1,
-    "guidance_scale": 1.0,
-    "num_return_sequences": 1,
-}
-
-
 def _warn_of_unapplied_settings(name: str, generation_config: object) -> None:
     """A :class:`MoiraiWarning` naming what the model's generation_config sets that model.generate applies by
     default and moirai's generate does not (a repetition penalty, beams, banned tokens...): its tokens would
     differ, with nothing to say why."""
-    unapplied = []
-    for setting, neutral in _UNAPPLIED_SETTINGS.items():
-        value = getattr(generation_config, setting, None)
-        if value is not None and value != neutral and value != [] and value != {}:
-            unapplied.append(f"{setting}={value!r}")
+    unapplied = unapplied_settings(generation_config)
     if unapplied:
         warnings.warn(
             f"{name}'s generation_config sets {', '.join(unapplied)}, which model.generate applies and moirai's "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -34,14 +34,7 @@ class GenerateRequest:
 
     @classmethod
     def of(
-        cls,
-        lm: CompiledLM,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        max_new_tokens: int | None,
-        max_length: int | None,
-        eos_token_id: int | Sequence[int] | None,
-        pad_token_id: int | None,
+        cls, lm: CompiledLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, options: GenerateOptions
     ) -> GenerateRequest:
         input_ids = torch.as_tensor(input_ids)
         if input_ids.dim() == 1:
@@ -56,26 +49,39 @@ class GenerateRequest:
                 f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}: "
                 "give one mask value per token"
             )
+        if options.streamer is not None and input_ids.shape[0] != 1:
+            raise InputError(
+                f"a streamer takes the tokens of one row, as Hugging Face's TextStreamer does; input_ids has "
+                f"{input_ids.shape[0]} rows: generate them one at a time, or stream each with server().stream"
+            )
         rows = input_ids.cpu().tolist()
         keep = attention_mask.cpu().bool().tolist() if attention_mask is not None else None
         prompts = tuple(
             [t for t, kept in zip(row, keep[i], strict=True) if kept] if keep else list(row)
             for i, row in enumerate(rows)
         )
+        given = options.generation_config
+        eos_token_id = _first_given(options.eos_token_id, getattr(given, "eos_token_id", None))
         eos = end_tokens(eos_token_id, lm.eos_token_id)
-        pad = pad_token_id if pad_token_id is not None else lm.pad_token_id
+        pad = _first_given(options.pad_token_id, getattr(given, "pad_token_id", None), lm.pad_token_id)
         if pad is None:
             pad = min(eos) if eos else 0
-        new_tokens = lm.defaults.new_tokens(max_new_tokens, max_length, input_ids.shape[1])
+        defaults = lm.defaults.overridden_by(given)
+        new_tokens = defaults.new_tokens(options.max_new_tokens, options.max_length, input_ids.shape[1])
         return cls(input_ids, prompts, new_tokens, eos, pad)
 
-    def submit(self, engine: Engine, sampling: SamplingParams) -> list[Future]:
+    def submit(self, engine: Engine, sampling: SamplingParams, streamer: Any = None) -> list[Future]:
+        """Every row as a sequence of ``engine``; a ``streamer`` gets the prompt, then each token as it comes."""
         for prompt in self.prompts:
             engine.check(prompt, self.max_new_tokens)
+        if streamer is not None:
+            streamer.put(self.input_ids.cpu())  # as model.generate starts a streamer: the prompt first
         futures = []
         for row, prompt in enumerate(self.prompts):
             row_sampling = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + row)
-            futures.append(engine.add(SequenceState(prompt, self.max_new_tokens, row_sampling, self.eos)))
+            on_token = None if streamer is None else (lambda token: streamer.put(torch.tensor([token])))
+            state = SequenceState(prompt, self.max_new_tokens, row_sampling, self.eos, on_token=on_token)
+            futures.append(engine.add(state))
         return futures
 
     def assemble(self, new_tokens: list[list[int]]) -> torch.Tensor:
@@ -84,6 +90,85 @@ class GenerateRequest:
         padded = [tokens + [self.pad_token_id] * (longest - len(tokens)) for tokens in new_tokens]
         generated = torch.tensor(padded, dtype=self.input_ids.dtype).reshape(len(new_tokens), longest)
         return torch.cat([self.input_ids.cpu(), generated], dim=1).to(self.input_ids.device)
+
+
+class GenerateOptions(NamedTuple):
+    """The Hugging Face arguments of one ``generate`` call, as given (None: left out)."""
+
+    max_new_tokens: int | None = None
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    eos_token_id: int | Sequence[int] | None = None
+    pad_token_id: int | None = None
+    seed: int | None = None
+    max_length: int | None = None
+    streamer: Any = None  # Hugging Face's streamer protocol: put(token ids), end()
+    generation_config: Any = None  # a GenerationConfig whose values stand before the model's
+
+    @classmethod
+    def of(cls, given: dict[str, Any], others: dict[str, Any]) -> GenerateOptions:
+        """The options a call named; :class:`InputError` for ``others``, arguments moirai's generate does not take
+        (with those that change model.generate's tokens named as such)."""
+        if others:
+            changes = sorted(set(others) & set(UNAPPLIED_SETTINGS))
+            said = f"; {', '.join(changes)} would change the tokens model.generate gives" if changes else ""
+            raise InputError(
+                f"generate does not take {', '.join(sorted(others))}{said}: moirai's generate takes "
+                f"{', '.join(cls._fields)} and attention_mask"
+            )
+        options = cls(**given)
+        _refuse_unapplied(options.generation_config, "the generation_config passed to generate")
+        return options
+
+
+# Settings of a Hugging Face generation_config that change model.generate's tokens and that moirai's generate does
+# not apply, with the values that leave the tokens alone (None: unset).
+UNAPPLIED_SETTINGS = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "min_new_tokens": 0,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "min_p": None,
+    "num_beams": 1,
+    "guidance_scale": 1.0,
+    "num_return_sequences": 1,
+}
+
+
+def unapplied_settings(generation_config: object) -> list[str]:
+    """``name=value`` of each setting of ``generation_config`` that model.generate applies and moirai does not."""
+    unapplied = []
+    for setting, neutral in UNAPPLIED_SETTINGS.items():
+        value = getattr(generation_config, setting, None)
+        if value is not None and value != neutral and value != [] and value != {}:
+            unapplied.append(f"{setting}={value!r}")
+    return unapplied
+
+
+def _refuse_unapplied(generation_config: object, where: str) -> None:
+    unapplied = unapplied_settings(generation_config)
+    if unapplied:
+        raise InputError(
+            f"{where} sets {', '.join(unapplied)}, which model.generate applies and moirai's generate does not (it "
+            "applies max_new_tokens, max_length, temperature, top_k, top_p and the end tokens)"
+        )
+
+
+def _first_given(*values: Any) -> Any:
+    return next((value for value in values if value is not None), None)
 
 
 class GenerationDefaults(NamedTuple):
@@ -104,6 +189,13 @@ class GenerationDefaults(NamedTuple):
         given = {name: getattr(generation_config, name, None) for name in names}
         given["max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
         return cls(**{name: value for name, value in given.items() if value is not None})
+
+    def overridden_by(self, generation_config: object) -> GenerationDefaults:
+        """These defaults with the values ``generation_config`` (one a call passes) sets standing before them."""
+        if generation_config is None:
+            return self
+        given = {name: getattr(generation_config, name, None) for name in self._fields}
+        return self._replace(**{name: value for name, value in given.items() if value is not None})
 
     def new_tokens(self, max_new_tokens: int | None, max_length: int | None, input_length: int) -> int:
         """How many tokens a call generates after ``input_length`` prompt tokens (the padded width of a batch), as
@@ -179,17 +271,19 @@ def generate_rows(
     engine: Engine,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    max_new_tokens: int | None,
-    max_length: int | None,
-    sampling: SamplingParams,
-    eos_token_id: int | Sequence[int] | None,
-    pad_token_id: int | None,
+    options: GenerateOptions,
     drive: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """A ``generate`` call through ``engine`` (``drive``: what runs the engine until the rows are done, when no
     thread of its own serves it): its rows as sequences, their tokens as Hugging Face returns them."""
-    request = GenerateRequest.of(lm, input_ids, attention_mask, max_new_tokens, max_length, eos_token_id, pad_token_id)
-    futures = request.submit(engine, sampling)
+    request = GenerateRequest.of(lm, input_ids, attention_mask, options)
+    # in the caller's thread: a seed drawn from torch's global generator is drawn here
+    defaults = lm.defaults.overridden_by(options.generation_config)
+    sampling = defaults.sampling(options.do_sample, options.temperature, options.top_k, options.top_p, options.seed)
+    futures = request.submit(engine, sampling, options.streamer)
     if drive is not None:
         drive()
-    return request.assemble([f.result() for f in futures])
+    tokens = request.assemble([f.result() for f in futures])
+    if options.streamer is not None:
+        options.streamer.end()
+    return tokens

@@ -21,7 +21,7 @@ import torch
 
 from moirai.errors import InputError
 from moirai.generation.engine import SequenceState
-from moirai.generation.requests import end_tokens, generate_rows, prompt_tokens
+from moirai.generation.requests import GenerateOptions, end_tokens, generate_rows, prompt_tokens
 
 if TYPE_CHECKING:
     from moirai.generation.lm import CompiledLM
@@ -106,20 +106,13 @@ class GenerationServer:
         pad_token_id: int | None = None,
         seed: int | None = None,
         max_length: int | None = None,
+        streamer: Any = None,
+        generation_config: Any = None,
+        **others: Any,
     ) -> torch.Tensor:
         """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
-        sampling = self._lm.defaults.sampling(do_sample, temperature, top_k, top_p, seed)
-        return generate_rows(
-            self._lm,
-            self._engine,
-            input_ids,
-            attention_mask,
-            max_new_tokens,
-            max_length,
-            sampling,
-            eos_token_id,
-            pad_token_id,
-        )
+        given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
+        return generate_rows(self._lm, self._engine, input_ids, attention_mask, GenerateOptions.of(given, others))
 
     def close(self) -> None:
         """Finish the sequences in flight, then stop the other ranks."""
