@@ -261,8 +261,34 @@ def test_a_call_that_leaves_out_max_new_tokens_gets_as_many_tokens_as_model_gene
         hf(max_length=6)
     with pytest.raises(moirai.InputError, match=r"prompt's 6 tokens reach max_length=6, .* give a max_length over 6"):
         ours(max_length=6)
+
+
+def test_a_cancelled_or_abandoned_sequence_stops_generating_on_the_server(split_lm):
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
     with split_lm.server() as server:
-        assert len(server.submit(prompt[0], max_length=9).result()) == 3
+        assert len(server.submit(prompt, max_length=9).result()) == 3  # max_length counts the prompt there too
+        tokens, submitted, may_cancel = [], [], threading.Event()
+
+        def on_token(token: int) -> None:  # the caller gives up after two tokens
+            tokens.append(token)
+            may_cancel.wait(60)
+            if len(tokens) == 2:
+                submitted[0].cancel()
+
+        submitted.append(server.submit(prompt, max_new_tokens=50, on_token=on_token))
+        may_cancel.set()
+        streamed = []
+        real_submit = server.submit
+        server.submit = lambda *args, **kwargs: streamed.append(real_submit(*args, **kwargs)) or streamed[-1]
+        stream = server.stream(prompt, max_new_tokens=50)
+        next(stream)
+        stream.close()  # a client that leaves
+        deadline = time.monotonic() + 60
+        while server.unfinished:  # a bound on a hang, not a timing
+            assert time.monotonic() < deadline, "a cancelled sequence kept its slot"
+            time.sleep(0.01)
+        assert submitted[0].cancelled() and tokens == split_lm.generate(prompt[None], max_new_tokens=2)[0, 6:].tolist()
+        assert streamed[0].cancelled()
 
 
 def test_a_streamer_and_a_generation_config_are_taken_as_model_generate_takes_them(llama, split_lm):

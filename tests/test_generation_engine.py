@@ -111,6 +111,21 @@ def test_a_sequence_ends_at_its_end_token_and_its_slot_is_free_again() -> None:
     assert after.future.result() == [21, 22]
 
 
+def test_a_cancelled_sequence_stops_at_its_next_step_and_frees_its_slot() -> None:
+    steps = FakeSteps()
+    engine = Engine(steps.submit, slots=1, max_seq_len=128, max_prefill=8, max_batch=1, depth=1)
+    cancelled = sequence([1], 50)
+    cancelled.on_token = lambda token: token == 3 and cancelled.future.cancel()  # its caller gives up
+    after, never = sequence([100], 2), sequence([200], 2)
+    assert never.future.cancel()  # cancelled while it waits for a slot
+    run(engine, steps, [cancelled, after, never])
+    assert cancelled.future.cancelled() and never.future.cancelled()
+    assert after.future.result() == [101, 102]  # took the slot the cancelled sequence left
+    fed = [int(inputs[0][0, -1]) for inputs in steps.submitted]
+    assert fed == [1, 2, 100, 101]  # no step for the cancelled sequence after its caller gave up, none for `never`
+    assert engine.unfinished == 0
+
+
 def test_a_request_error_fails_its_step_alone_and_a_rank_failure_every_begun_sequence() -> None:
     steps = FakeSteps()
     engine = Engine(steps.submit, slots=4, max_seq_len=64, max_prefill=8, max_batch=1, depth=1)

@@ -11,9 +11,9 @@ distributed server (steps pipelined through the ranks). Every round it fills the
   time, so that as many steps as stages are in flight, each as large as its group: stage k decodes one group while
   stage k + 1 decodes another (steps cut from whoever was idle would stay as small as the first ones were);
 
-and it takes each step's tokens as they come back. Sequences join (a free slot) and leave (end of sequence, or
-``max_new_tokens``) between steps: continuous batching. A sequence's step reads only its own slot's positions up
-to its own, each written by that sequence before it is read, so slots need no clearing.
+and it takes each step's tokens as they come back. Sequences join (a free slot) and leave (end of sequence,
+``max_new_tokens``, or their future cancelled) between steps: continuous batching. A sequence's step reads only
+its own slot's positions up to its own, each written by that sequence before it is read, so slots need no clearing.
 """
 
 from __future__ import annotations
@@ -176,7 +176,13 @@ class Engine:
 
     # --- one round: admit, fill the pipeline, take what came back ---
 
+    @property
+    def unfinished(self) -> int:
+        """Sequences added and not yet ended: in a slot, or waiting for one."""
+        return len(self._active) + self._waiting.qsize()
+
     def _round(self) -> None:
+        self._end_cancelled()
         self._admit(block=False)
         self._fill_pipeline()
         if self._in_flight:
@@ -194,6 +200,8 @@ class Engine:
                 sequence = self._waiting.get(timeout=0.2) if block and not admitted else self._waiting.get_nowait()
             except queue.Empty:
                 break
+            if sequence.future.cancelled():  # cancelled while it waited: it never takes a slot
+                continue
             sequence.slot = self._free_slots.pop(0)
             sizes = [sum(1 for s in self._active if s.group == group) for group in range(self.depth)]
             sequence.group = sizes.index(min(sizes))  # the smallest decode group
@@ -272,7 +280,16 @@ class Engine:
             if gives_tokens:
                 self._take_token(sequence, int(token))
 
+    def _end_cancelled(self) -> None:
+        """End the sequences whose futures their callers cancelled (``Future.cancel``, a stream closed), freeing
+        their slots; one with a step in flight ends when that step comes back."""
+        for sequence in [s for s in self._active if not s.busy and s.future.cancelled()]:
+            self._end(sequence, None)
+
     def _take_token(self, sequence: SequenceState, token: int) -> None:
+        if sequence.future.cancelled():
+            self._end(sequence, None)
+            return
         sequence.tokens.append(token)
         if sequence.on_token is not None:
             try:

@@ -281,9 +281,14 @@ def generate_rows(
     defaults = lm.defaults.overridden_by(options.generation_config)
     sampling = defaults.sampling(options.do_sample, options.temperature, options.top_k, options.top_p, options.seed)
     futures = request.submit(engine, sampling, options.streamer)
-    if drive is not None:
-        drive()
-    tokens = request.assemble([f.result() for f in futures])
+    try:
+        if drive is not None:
+            drive()
+        tokens = request.assemble([f.result() for f in futures])
+    except BaseException:  # the caller interrupted (or a row failed): the other rows stop too, freeing their slots
+        for future in futures:
+            future.cancel()
+        raise
     if options.streamer is not None:
         options.streamer.end()
     return tokens

@@ -61,7 +61,7 @@ class GenerationServer:
         """A future of the new token ids of one sequence (``InputError`` at once if it cannot fit a slot);
         ``on_token(token)`` is called with each token as it comes, from the server's thread. Arguments left out are
         the model's ``generation_config``'s, as in :meth:`CompiledLM.generate` (``max_length`` counts the prompt
-        too)."""
+        too). ``future.cancel()`` ends the sequence after its step in flight and frees its slot."""
         if self._stopped.is_set():
             raise InputError("this generation server is closed; open a new one with lm.server()")
         prompt = prompt_tokens(prompt_ids)
@@ -81,17 +81,20 @@ class GenerationServer:
         """The new tokens of one sequence, each as soon as the last stage has sampled it."""
         tokens: queue.Queue[int] = queue.Queue()
         future = self.submit(prompt_ids, max_new_tokens, on_token=tokens.put, **options)
-        while True:
-            try:
-                yield tokens.get(timeout=0.05)
-                continue
-            except queue.Empty:
-                pass
-            if future.done():
-                future.result()  # a failed sequence raises here
-                while not tokens.empty():
-                    yield tokens.get()
-                return
+        try:
+            while True:
+                try:
+                    yield tokens.get(timeout=0.05)
+                    continue
+                except queue.Empty:
+                    pass
+                if future.done():
+                    future.result()  # a failed sequence raises here
+                    while not tokens.empty():
+                        yield tokens.get()
+                    return
+        finally:
+            future.cancel()  # a stream closed or left early frees its slot (a no-op once the sequence has ended)
 
     def generate(
         self,
@@ -113,6 +116,11 @@ class GenerationServer:
         """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
         given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
         return generate_rows(self._lm, self._engine, input_ids, attention_mask, GenerateOptions.of(given, others))
+
+    @property
+    def unfinished(self) -> int:
+        """Sequences submitted and not yet ended (generating, or waiting for a free slot)."""
+        return self._engine.unfinished
 
     def close(self) -> None:
         """Finish the sequences in flight, then stop the other ranks."""
