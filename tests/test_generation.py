@@ -321,6 +321,29 @@ def test_a_streamer_and_a_generation_config_are_taken_as_model_generate_takes_th
         split_lm.generate(prompt, generation_config=transformers.GenerationConfig(repetition_penalty=1.2))
     with pytest.raises(moirai.InputError, match=r"does not take num_beams, output_scores; num_beams would change"):
         split_lm.generate(prompt, num_beams=2, output_scores=True)
+    assert split_lm.generate(prompt, max_new_tokens=2, num_beams=1, repetition_penalty=1.0).shape == (1, 7)  # neutral
+    with pytest.raises(moirai.InputError, match="generation_config must be a transformers.GenerationConfig, got dict"):
+        split_lm.generate(prompt, generation_config={"max_new_tokens": 2})
+
+
+class _Transformers4Config:
+    """A generation config as transformers 4 makes one: every field has a value, max_length 20 among them."""
+
+    def __init__(self, **given: object) -> None:
+        self.max_length, self.max_new_tokens, self.do_sample = 20, None, False
+        self.temperature, self.top_k, self.top_p = 1.0, 50, 1.0
+        self.__dict__.update(given)
+
+
+def test_a_generation_configs_own_defaults_are_not_settings_as_transformers_4_tells_them_apart():
+    model_config = transformers.LlamaConfig(max_position_embeddings=40)
+    defaults = moirai.generation.requests.GenerationDefaults.of(_Transformers4Config(do_sample=True), model_config)
+    assert defaults.do_sample and defaults.max_length is None  # 20 is the class's own: 20 new tokens, not 20 in all
+    assert defaults.new_tokens(None, None, 25) == 15  # 20 new, at most max_position_embeddings = 40 in all
+    assert defaults.new_tokens(None, None, 5) == 20
+    passed = defaults.overridden_by(_Transformers4Config(max_new_tokens=5))  # its do_sample=False is a default
+    assert passed.do_sample and passed.new_tokens(None, None, 25) == 5
+    assert defaults.overridden_by(_Transformers4Config(max_length=30)).new_tokens(None, None, 25) == 5
 
 
 def test_a_meta_model_plans_generation_for_a_cluster_it_is_not_on():

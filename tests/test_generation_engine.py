@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moirai.errors import DistributedError, InputError, RequestError
-from moirai.generation.engine import Engine, SamplingParams, SequenceState
+from moirai.generation.engine import Engine, SamplingParams, SequenceState, done_future
 
 
 class FakeSteps:
@@ -123,6 +123,26 @@ def test_a_cancelled_sequence_stops_at_its_next_step_and_frees_its_slot() -> Non
     assert after.future.result() == [101, 102]  # took the slot the cancelled sequence left
     fed = [int(inputs[0][0, -1]) for inputs in steps.submitted]
     assert fed == [1, 2, 100, 101]  # no step for the cancelled sequence after its caller gave up, none for `never`
+    assert engine.unfinished == 0
+
+
+class _CancelledAsItEnds(Future):
+    """A future its caller cancels from another thread just as the engine settles it."""
+
+    def set_result(self, result: object) -> None:
+        self.cancel()
+        super().set_result(result)
+
+
+def test_a_future_cancelled_as_its_sequence_ends_leaves_the_loop_serving_the_others() -> None:
+    engine = Engine(lambda inputs: done_future(lambda: inputs[0][:, -1] + 1), 2, 64, 8, 2, 1)
+    first = SequenceState([1], 3, SamplingParams(), frozenset(), future=_CancelledAsItEnds())
+    second = sequence([10], 3)
+    engine.add(first)
+    engine.add(second)
+    assert engine.unfinished == 2
+    engine.run_until_idle()  # an InvalidStateError here ended the loop, and every other sequence with it
+    assert first.future.cancelled() and second.future.result() == [11, 12, 13]
     assert engine.unfinished == 0
 
 

@@ -209,6 +209,7 @@ _UNCHECKED = (
         (lambda d: _first_node(d, "call_function").update(kwargs={"dict": [["class", 1]]}), "keywords ['class']"),
         (lambda d: d["storages"][0].__setitem__(0, float("inf")), "OverflowError"),
         (lambda d: d["storages"][0].__setitem__(1, "pickle"), "storage 0 travels as 'pickle'"),
+        (lambda d: d["storages"][0].__setitem__(1, "zeros") or d["storages"][0].__setitem__(0, 1 << 62), "mapped"),
         *[(_calls(f"aten::{name}"), "may not call") for name in _UNCHECKED],
         (_calls("prims::view_of.default"), "namespace 'prims'"),
         # A module's own state under an attribute's name: its hooks run on every call.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +128,8 @@ class Engine:
         # before the last failure that fails late (its rank's other steps in flight) ends its own sequences only:
         # sequences begun since run on the restarted ranks.
         self._cache_epoch = 0
+        self._unsettled: set[Future] = set()  # futures of sequences added, until they settle (any thread)
+        self._unsettled_lock = threading.Lock()
 
     def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         """:class:`InputError` unless a sequence of this prompt and length fits a slot and its tokens are the
@@ -153,8 +155,21 @@ class Engine:
 
     def add(self, sequence: SequenceState) -> Future:
         self.check(sequence.prompt, sequence.max_new_tokens)
+        with self._unsettled_lock:
+            self._unsettled.add(sequence.future)
+        sequence.future.add_done_callback(self._settle)  # at its result, its failure or its cancelling
         self._waiting.put(sequence)
         return sequence.future
+
+    @property
+    def unfinished(self) -> int:
+        """Sequences added whose futures have not settled (generating, or waiting for a slot); any thread."""
+        with self._unsettled_lock:
+            return len(self._unsettled)
+
+    def _settle(self, future: Future) -> None:
+        with self._unsettled_lock:
+            self._unsettled.discard(future)
 
     def run_until_idle(self) -> None:
         """Serve every sequence added so far (and any added meanwhile) to its end."""
@@ -170,16 +185,10 @@ class Engine:
 
     def fail_all(self, error: BaseException) -> None:
         for sequence in [*self._active, *self._drain_waiting()]:
-            if not sequence.future.done():
-                sequence.future.set_exception(error)
+            _settle_future(sequence.future, None, error)
         self._active.clear()
 
     # --- one round: admit, fill the pipeline, take what came back ---
-
-    @property
-    def unfinished(self) -> int:
-        """Sequences added and not yet ended: in a slot, or waiting for one."""
-        return len(self._active) + self._waiting.qsize()
 
     def _round(self) -> None:
         self._end_cancelled()
@@ -309,12 +318,7 @@ class Engine:
         if sequence in self._active:
             self._active.remove(sequence)
             self._free_slots.append(sequence.slot)
-        if sequence.future.done():
-            return
-        if error is None:
-            sequence.future.set_result(list(sequence.tokens))
-        else:
-            sequence.future.set_exception(error)
+        _settle_future(sequence.future, list(sequence.tokens), error)
 
     def _drain_waiting(self) -> list[SequenceState]:
         drained = []
@@ -323,6 +327,18 @@ class Engine:
                 drained.append(self._waiting.get_nowait())
             except queue.Empty:
                 return drained
+
+
+def _settle_future(future: Future, result: object, error: BaseException | None) -> None:
+    """Set ``future``'s result (or ``error``) unless it has settled: its caller may cancel it from another thread at
+    any moment (the engine never marks it running), even between a check and the set."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass  # cancelled (or settled) first: nobody waits for this result
 
 
 def done_future(compute: Callable[[], torch.Tensor]) -> Future:

@@ -111,6 +111,8 @@ class GenerateOptions(NamedTuple):
     def of(cls, given: dict[str, Any], others: dict[str, Any]) -> GenerateOptions:
         """The options a call named; :class:`InputError` for ``others``, arguments moirai's generate does not take
         (with those that change model.generate's tokens named as such)."""
+        # A setting moirai does not apply, given at the value that leaves the tokens alone (num_beams=1), is taken.
+        others = {name: value for name, value in others.items() if UNAPPLIED_SETTINGS.get(name, ...) != value}
         if others:
             changes = sorted(set(others) & set(UNAPPLIED_SETTINGS))
             said = f"; {', '.join(changes)} would change the tokens model.generate gives" if changes else ""
@@ -119,7 +121,13 @@ class GenerateOptions(NamedTuple):
                 f"{', '.join(cls._fields)} and attention_mask"
             )
         options = cls(**given)
-        _refuse_unapplied(options.generation_config, "the generation_config passed to generate")
+        config = options.generation_config
+        if config is not None and not hasattr(config, "to_dict"):
+            raise InputError(
+                f"generation_config must be a transformers.GenerationConfig, got {type(config).__name__}; pass "
+                "GenerationConfig(**settings), or the settings as arguments"
+            )
+        _refuse_unapplied(config, "the generation_config passed to generate")
         return options
 
 
@@ -171,6 +179,22 @@ def _first_given(*values: Any) -> Any:
     return next((value for value in values if value is not None), None)
 
 
+def _set_in(generation_config: object, names: Sequence[str]) -> dict[str, Any]:
+    """The values among ``names`` that ``generation_config`` sets: not None and not its class's default, as
+    ``model.generate`` tells a setting from a default (transformers 4 gives every field a value, ``max_length``
+    20 among them, which means 20 new tokens where nothing else is set; transformers 5 leaves them None)."""
+    try:
+        library_defaults = type(generation_config)()
+    except Exception:  # noqa: BLE001 - not a GenerationConfig: every value it has is its own
+        library_defaults = None
+    given = {name: getattr(generation_config, name, None) for name in names}
+    return {
+        name: value
+        for name, value in given.items()
+        if value is not None and value != getattr(library_defaults, name, None)
+    }
+
+
 class GenerationDefaults(NamedTuple):
     """What ``generate`` and ``submit`` take for an argument left out (None), as ``model.generate`` does: the
     model's ``generation_config`` where it sets it, else Hugging Face's defaults."""
@@ -185,24 +209,22 @@ class GenerationDefaults(NamedTuple):
 
     @classmethod
     def of(cls, generation_config: object, config: object = None) -> GenerationDefaults:
-        names = [name for name in cls._fields if name != "max_position_embeddings"]
-        given = {name: getattr(generation_config, name, None) for name in names}
-        given["max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
-        return cls(**{name: value for name, value in given.items() if value is not None})
+        """The defaults of a model with this ``generation_config`` and model ``config``."""
+        defaults = cls(max_position_embeddings=getattr(config, "max_position_embeddings", None))
+        return defaults.overridden_by(generation_config)
 
     def overridden_by(self, generation_config: object) -> GenerationDefaults:
-        """These defaults with the values ``generation_config`` (one a call passes) sets standing before them."""
+        """These defaults with the values ``generation_config`` sets (:func:`_set_in`) standing before them."""
         if generation_config is None:
             return self
-        given = {name: getattr(generation_config, name, None) for name in self._fields}
-        return self._replace(**{name: value for name, value in given.items() if value is not None})
+        return self._replace(**_set_in(generation_config, [n for n in self._fields if n != "max_position_embeddings"]))
 
     def new_tokens(self, max_new_tokens: int | None, max_length: int | None, input_length: int) -> int:
         """How many tokens a call generates after ``input_length`` prompt tokens (the padded width of a batch), as
         ``model.generate`` counts them: ``max_new_tokens`` (the call's, else the config's); else up to
-        ``max_length`` tokens in all (the call's, else the config's: transformers 4 sets 20 there); else 20 new
-        tokens, at most ``max_position_embeddings`` in all (transformers 5's default). A prompt that already reaches
-        the length is an :class:`InputError`, as it is Hugging Face's ``ValueError``."""
+        ``max_length`` tokens in all (the call's, else one the config sets); else 20 new tokens, at most
+        ``max_position_embeddings`` in all. A prompt that already reaches the length is an :class:`InputError`, as
+        it is Hugging Face's ``ValueError``."""
         for given in (max_new_tokens, self.max_new_tokens):
             if given is not None:
                 return given

@@ -163,7 +163,7 @@ class CausalLMStep(torch.nn.Module):
 
 def _zeros(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A cache buffer of zeros; on the CPU one whose pages are committed as sequences write them, so this
-    process's copy costs nothing where the cache's layers run elsewhere ([Note: zeros where they are used])."""
+    process's copy takes no memory where the cache's layers run elsewhere ([Note: zeros where they are used])."""
     if device.type == "cpu":
         return zeros_on_demand(size, dtype)
     return torch.zeros(size, dtype=dtype, device=device)

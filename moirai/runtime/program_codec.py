@@ -441,7 +441,11 @@ def _decode_storages(payload: memoryview, start: int, sizes: list[Any]) -> list[
             storages.append(torch.empty(size, dtype=torch.uint8, device="meta" if kind == _META else "cpu"))
             continue
         if kind == _ZEROS:
-            storages.append(zero_storage(size))
+            try:
+                storages.append(zero_storage(size))
+            except (OSError, OverflowError) as error:  # a size the kernel will not map
+                where = f"storage {len(storages)}, {size} bytes of zeros,"
+                raise _Malformed(f"{where} cannot be mapped here: {error}") from None
             continue
         if offset + size > len(payload):
             raise _Malformed(f"storage {len(storages)} ({size} bytes) runs past the payload's {len(payload)} bytes")

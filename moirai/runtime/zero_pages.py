@@ -5,9 +5,11 @@ weights. [Note: zeros where they are used] A cache that ``torch.zeros`` allocate
 committed there whole (every page written by the fill), even though each rank uses only its own layers' share, and
 it was then copied byte for byte into every rank's load payload. Two things avoid both:
 
-- :func:`zeros_on_demand` maps anonymous memory, which the kernel gives as zero pages and commits one page at a
-  time as it is written: the calling process's copy of a cache costs nothing until a sequence writes it, and
-  moving it to a GPU reads zero pages without committing them.
+- :func:`zeros_on_demand` maps anonymous memory, which the kernel gives as zero pages and makes resident one page
+  at a time as it is written: the calling process's copy of a cache takes no memory until a sequence writes it,
+  and moving it to a GPU reads zero pages without making them resident. (The kernel may still count the whole
+  map against its commit limit: under ``vm.overcommit_memory=2`` it does, and a map larger than memory and swap
+  fails under the default heuristic, as an allocation of that size would.)
 - :func:`is_all_zero` lets the program codec send a storage of zeros as its size alone; the receiving rank maps
   its own zero pages (``moirai.runtime.program_codec``).
 """
