@@ -7,8 +7,9 @@ A Llama-style model from a config with random weights is compiled with ``compile
 (round robin, so each device holds half the layers and half the cache). The table gives the cache's bytes, the
 calling process's resident memory added by ``compile_lm`` (it traces the whole step, every layer's cache with it),
 rank 1's load payload (``load_bytes``) and the resident memory of rank 1's process after the server has generated
-(its peak too), then the calling process after a local ``generate``. The server runs first: a cache a local
-``generate`` has written is state and travels whole. [Note: zeros where they are used] in moirai/runtime/zero_pages.py.
+(its peak too), then the calling process after a local ``generate`` and rank 1's payload then (a cache a local
+``generate`` has written is state: the blocks it wrote travel). [Note: zeros where they are used] in
+moirai/runtime/zero_pages.py.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def main() -> None:
     rank_gb, rank_peak_gb = max(ranks) if ranks else (float("nan"), float("nan"))
     local = lm.generate(prompt, max_new_tokens=8)
     local_gb, _ = _resident_gb()
+    payload_after_local_gb = load_bytes(lm.compiled.program, 1) / 1e9  # the cache a local generate wrote
     table = Table(title=f"KV cache {cache_gb:.2f} GB ({options.layers} layers, {options.slots} slots x "
                   f"{options.max_seq_len} tokens), half of it on each of two CPU devices")  # fmt: skip
     for column in ("what", "GB"):
@@ -84,6 +86,7 @@ def main() -> None:
         "rank 1: resident after serving": rank_gb,
         "rank 1: peak resident": rank_peak_gb,
         "calling process: added after a local generate": local_gb - before_gb,
+        "rank 1: load payload after a local generate": payload_after_local_gb,
     }
     for what, value in rows.items():
         table.add_row(what, f"{value:.3f}")

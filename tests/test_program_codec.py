@@ -127,6 +127,34 @@ class _Counter(torch.nn.Module):
         return self.total[:4] + self.offset[-4:] + x
 
 
+class _Rows(torch.nn.Module):
+    """A 1 MiB buffer of which a call writes the first row (as a first sequence fills a cache's first slot)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("rows", torch.zeros(4, 65536))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.ops.aten.index_put_(self.rows, [torch.tensor([0])], x.view(1, -1).expand(1, 65536))
+        return self.rows.sum(dim=1) + x[:4]
+
+
+def test_a_buffer_written_in_part_sends_only_the_blocks_that_are_not_zero() -> None:
+    from moirai.runtime.zero_pages import BLOCK_BYTES, written_runs
+
+    example = (torch.ones(1),)
+    traced, program = _split(_Rows(), example, 1)
+    rows = _attribute(program.parts[0].graph_module, "rows")
+    assert written_runs(rows.view(-1).view(torch.uint8)) == []
+    run_local(program, traced.flatten_inputs(example, {}), ["cpu"])  # row 0 written: its first quarter
+    storage = rows.view(-1).view(torch.uint8)
+    assert written_runs(storage) == [(0, 65536 * 4)]
+    sent = encode_program(program).sent_storages
+    assert 65536 * 4 % BLOCK_BYTES == 0  # so that the written quarter is whole blocks
+    assert 65536 * 4 <= sum(s.numel() for s in sent) <= 65536 * 4 + 8  # that quarter, and the row's index
+    assert torch.equal(_attribute(_round_trip(program).parts[0].graph_module, "rows"), rows)
+
+
 def test_a_buffer_of_zeros_travels_as_its_size_and_loads_as_zeros_and_written_state_travels_whole() -> None:
     example = (torch.ones(4),)
     traced, program = _split(_Counter(), example, 1)
@@ -209,7 +237,10 @@ _UNCHECKED = (
         (lambda d: _first_node(d, "call_function").update(kwargs={"dict": [["class", 1]]}), "keywords ['class']"),
         (lambda d: d["storages"][0].__setitem__(0, float("inf")), "OverflowError"),
         (lambda d: d["storages"][0].__setitem__(1, "pickle"), "storage 0 travels as 'pickle'"),
-        (lambda d: d["storages"][0].__setitem__(1, "zeros") or d["storages"][0].__setitem__(0, 1 << 62), "mapped"),
+        (lambda d: d["storages"].__setitem__(0, [1 << 62, "runs", []]), "cannot be mapped"),
+        (lambda d: d["storages"].__setitem__(0, [64, "runs", [[0, 8], [4, 12]]]), "run [4, 12] is not within"),
+        (lambda d: d["storages"].__setitem__(0, [64, "runs", [[60, 72]]]), "run [60, 72] is not within its 64"),
+        (lambda d: d["storages"].__setitem__(0, [64, "runs"]), "travels as 'runs'"),
         *[(_calls(f"aten::{name}"), "may not call") for name in _UNCHECKED],
         (_calls("prims::view_of.default"), "namespace 'prims'"),
         # A module's own state under an attribute's name: its hooks run on every call.

@@ -13,8 +13,9 @@ bytes name. So a program travels as data:
   methods and its ``symbol_values``, on the transport only;
 - the raw bytes of every tensor storage the parts hold, each once (tied weights stay tied), with each tensor's dtype,
   shape, strides and offset into its storage; a rank gets them on the CPU and places its part itself. A storage of
-  zeros (a KV cache no sequence has written) travels as its size, and the rank maps zero pages of its own
-  (:mod:`moirai.runtime.zero_pages`); a meta one as its size too.
+  zeros (a KV cache no sequence has written) travels as its size, one written in part as its size and the blocks
+  that are not zero, and the rank maps zero pages of its own (:mod:`moirai.runtime.zero_pages`); a meta one
+  travels as its size too.
 
 Decoding builds each part with ``fx.Graph.create_node`` and :class:`torch.fx.GraphModule`, the way the splitter
 builds it. fx turns a graph into Python source, so every name of the payload that fx writes into that source (node
@@ -37,10 +38,11 @@ import math
 import operator
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 import torch.fx as fx
 
@@ -48,7 +50,7 @@ from moirai.errors import DistributedError, PlanError
 from moirai.frontend.symbolic_shapes import DynamicDim
 from moirai.frontend.trace import TensorSpec
 from moirai.runtime.split import DevicePart, OutputLocation, SplitProgram, TensorTransfer, Transport
-from moirai.runtime.zero_pages import is_all_zero, zero_storage
+from moirai.runtime.zero_pages import written_runs, zero_storage
 
 FORMAT_VERSION = 2
 _LENGTH = struct.Struct("<Q")
@@ -168,7 +170,7 @@ def encode_program(program: SplitProgram) -> EncodedProgram:
     """``program`` as data (module doc); :class:`moirai.PlanError` if a part calls what a rank cannot look up."""
     storages = _Storages()
     parts = [_encode_part(part, storages) for part in program.parts]
-    kinds = [_storage_kind(s) for s in storages.tensors]
+    travels = [_how_it_travels(s) for s in storages.tensors]
     description = {
         "format": FORMAT_VERSION,
         "parts": parts,
@@ -176,9 +178,9 @@ def encode_program(program: SplitProgram) -> EncodedProgram:
         "outputs": [[o.device, o.index] for o in program.outputs],
         "input_specs": [_encode_spec(s) for s in program.input_specs],
         "dynamic_dims": [[d.symbol, d.name, d.lower, d.upper, d.where] for d in program.dynamic_dims],
-        "storages": [[s.numel(), kind] for s, kind in zip(storages.tensors, kinds, strict=True)],
+        "storages": [[s.numel(), *how] for s, how in zip(storages.tensors, travels, strict=True)],
     }
-    sent = tuple(s for s, kind in zip(storages.tensors, kinds, strict=True) if kind == _BYTES)
+    sent = tuple(_sent_chunks(storages.tensors, travels))
     return EncodedProgram(json.dumps(description, separators=(",", ":")).encode(), sent)
 
 
@@ -220,14 +222,26 @@ class _Storages:
         return self._index[key]
 
 
-# How a storage travels: its bytes, or its size alone (weights left on the meta device, a storage of zeros).
-_BYTES, _META, _ZEROS = "bytes", "meta", "zeros"
+# How a storage travels: all its bytes; its size alone (weights left on the meta device); or its size and the runs
+# of it that are not zero, whose bytes alone are sent (a KV cache: none, or what a local generate wrote).
+_BYTES, _META, _RUNS = "bytes", "meta", "runs"
 
 
-def _storage_kind(storage: torch.Tensor) -> str:
+def _how_it_travels(storage: torch.Tensor) -> list[Any]:
     if storage.is_meta:
-        return _META
-    return _ZEROS if is_all_zero(storage) else _BYTES
+        return [_META]
+    runs = written_runs(storage)
+    if runs == [(0, storage.numel())]:
+        return [_BYTES]
+    return [_RUNS, [list(run) for run in runs]]
+
+
+def _sent_chunks(storages: list[torch.Tensor], travels: list[list[Any]]) -> Iterator[torch.Tensor]:
+    for storage, how in zip(storages, travels, strict=True):
+        if how[0] == _BYTES:
+            yield storage
+        elif how[0] == _RUNS:
+            yield from (storage[start:end] for start, end in how[1])
 
 
 def _encode_part(part: DevicePart, storages: _Storages) -> dict[str, Any]:
@@ -431,30 +445,55 @@ def _decode(payload: memoryview, max_parts: int | None) -> SplitProgram:
 
 def _decode_storages(payload: memoryview, start: int, sizes: list[Any]) -> list[torch.Tensor]:
     storages, offset = [], start
-    for size, kind in sizes:
-        size = int(size)
+    for size, kind, *rest in sizes:
+        size, where = int(size), f"storage {len(storages)}"
         if size < 0:
-            raise _Malformed(f"storage {len(storages)} has {size} bytes")
-        if kind not in (_BYTES, _META, _ZEROS):
-            raise _Malformed(f"storage {len(storages)} travels as {kind!r}, not as one of {[_BYTES, _META, _ZEROS]}")
+            raise _Malformed(f"{where} has {size} bytes")
+        if kind not in (_BYTES, _META, _RUNS) or len(rest) != (kind == _RUNS):
+            raise _Malformed(f"{where} travels as {kind!r}, not as one of {[_BYTES, _META, _RUNS]}")
         if kind == _META or size == 0:  # weights left on the meta device: a size and no bytes
             storages.append(torch.empty(size, dtype=torch.uint8, device="meta" if kind == _META else "cpu"))
             continue
-        if kind == _ZEROS:
-            try:
-                storages.append(zero_storage(size))
-            except (OSError, OverflowError) as error:  # a size the kernel will not map
-                where = f"storage {len(storages)}, {size} bytes of zeros,"
-                raise _Malformed(f"{where} cannot be mapped here: {error}") from None
+        if kind == _RUNS:
+            storage = _zero_storage(size, where)
+            pages = storage.numpy()  # the same memory: a run's bytes are written into it once, from the payload
+            for run_start, run_end in _checked_runs(rest[0], size, where):
+                length = run_end - run_start
+                offset = _take(payload, offset, length, where)
+                pages[run_start:run_end] = numpy.frombuffer(payload[offset - length : offset], numpy.uint8)
+            storages.append(storage)
             continue
-        if offset + size > len(payload):
-            raise _Malformed(f"storage {len(storages)} ({size} bytes) runs past the payload's {len(payload)} bytes")
+        offset = _take(payload, offset, size, where)
         # A copy: the tensors are written in place (a KV cache), and the payload is read-only.
-        storages.append(torch.frombuffer(bytearray(payload[offset : offset + size]), dtype=torch.uint8))
-        offset += size
+        storages.append(torch.frombuffer(bytearray(payload[offset - size : offset]), dtype=torch.uint8))
     if offset != len(payload):
         raise _Malformed(f"the payload holds {len(payload) - offset} bytes beyond its storages")
     return storages
+
+
+def _take(payload: memoryview, offset: int, size: int, where: str) -> int:
+    """The offset past ``size`` more bytes of ``payload``; :class:`_Malformed` if it has fewer."""
+    if offset + size > len(payload):
+        raise _Malformed(f"{where} ({size} bytes) runs past the payload's {len(payload)} bytes")
+    return offset + size
+
+
+def _zero_storage(size: int, where: str) -> torch.Tensor:
+    try:
+        return zero_storage(size)
+    except (OSError, OverflowError) as error:  # a size the kernel will not map
+        raise _Malformed(f"{where}, {size} bytes of zeros, cannot be mapped here: {error}") from None
+
+
+def _checked_runs(runs: Any, size: int, where: str) -> list[tuple[int, int]]:
+    """``runs`` as ``(start, end)`` pairs, each within the storage's ``size`` and after the one before."""
+    checked: list[tuple[int, int]] = []
+    for run in runs:
+        run_start, run_end = (int(bound) for bound in run)
+        if not (checked[-1][1] if checked else 0) <= run_start < run_end <= size:
+            raise _Malformed(f"{where}'s run {[run_start, run_end]} is not within its {size} bytes after the last")
+        checked.append((run_start, run_end))
+    return checked
 
 
 def _decode_part(part: dict[str, Any], storages: list[torch.Tensor], by_index: dict[int, TensorTransfer]) -> DevicePart:

@@ -1,4 +1,4 @@
-"""Zero-filled tensors that take memory only where they are written, and the test for a storage of zeros.
+"""Zero-filled tensors that take memory only where they are written, and the runs of a storage that are not zero.
 
 A KV cache is zeros until sequences fill it, and a model's cache for every slot and layer is often larger than its
 weights. [Note: zeros where they are used] A cache that ``torch.zeros`` allocated in the calling process was
@@ -10,8 +10,9 @@ it was then copied byte for byte into every rank's load payload. Two things avoi
   and moving it to a GPU reads zero pages without making them resident. (The kernel may still count the whole
   map against its commit limit: under ``vm.overcommit_memory=2`` it does, and a map larger than memory and swap
   fails under the default heuristic, as an allocation of that size would.)
-- :func:`is_all_zero` lets the program codec send a storage of zeros as its size alone; the receiving rank maps
-  its own zero pages (``moirai.runtime.program_codec``).
+- :func:`written_runs` lets the program codec send a storage of zeros as its size alone, and one that sequences
+  have written in part (a local ``generate`` before a server) as its size and the blocks that are not zero; the
+  receiving rank maps its own zero pages and copies those blocks in (``moirai.runtime.program_codec``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import mmap
 
 import torch
 
-# Weights are rarely zero in their first bytes: a storage whose first block is not all zero is decided at once.
-_FIRST_BLOCK_BYTES = 4096
+# What a storage is scanned in: a run of a cache that a sequence wrote travels in blocks of this size. Weights are
+# rarely zero anywhere: a storage whose first, middle and last blocks are all written travels whole, unscanned.
+BLOCK_BYTES = 65536
 
 
 def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -43,10 +45,29 @@ def zero_storage(num_bytes: int) -> torch.Tensor:
     return zeros_on_demand((num_bytes,), torch.uint8)
 
 
-def is_all_zero(storage: torch.Tensor) -> bool:
-    """Whether every byte of the one-dimensional uint8 ``storage`` is zero (False for a meta tensor)."""
-    if storage.is_meta or storage.numel() == 0:
-        return False
-    if storage[:_FIRST_BLOCK_BYTES].any():
-        return False
-    return not storage.any()
+def written_runs(storage: torch.Tensor) -> list[tuple[int, int]]:
+    """The byte ranges ``[start, end)`` of the one-dimensional uint8 ``storage`` that hold anything but zeros, in
+    blocks of :data:`BLOCK_BYTES` (adjacent blocks merged): ``[]`` for a storage of zeros, the whole storage at
+    once where its first, middle and last blocks are all written (weights: no scan), a few runs for a cache that a
+    few sequences have written (from its first slot on)."""
+    size = storage.numel()
+    if size == 0:
+        return []
+    middle = size // 2
+    samples = (storage[:BLOCK_BYTES], storage[middle : middle + BLOCK_BYTES], storage[-BLOCK_BYTES:])
+    if all(bool(sample.any()) for sample in samples):
+        return [(0, size)]
+    whole_blocks = size // BLOCK_BYTES
+    written = storage[: whole_blocks * BLOCK_BYTES].view(whole_blocks, BLOCK_BYTES).any(dim=1).tolist()
+    if size % BLOCK_BYTES:
+        written.append(bool(storage[whole_blocks * BLOCK_BYTES :].any()))
+    runs: list[tuple[int, int]] = []
+    for block, is_written in enumerate(written):
+        if not is_written:
+            continue
+        start, end = block * BLOCK_BYTES, min((block + 1) * BLOCK_BYTES, size)
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end)
+        else:
+            runs.append((start, end))
+    return runs
