@@ -265,7 +265,7 @@ def test_a_call_that_leaves_out_max_new_tokens_gets_as_many_tokens_as_model_gene
 
 def test_a_cancelled_or_abandoned_sequence_stops_generating_on_the_server(split_lm):
     prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
-    with split_lm.server() as server:
+    with pytest.raises(KeyboardInterrupt), split_lm.server() as server:
         assert len(server.submit(prompt, max_length=9).result()) == 3  # max_length counts the prompt there too
         tokens, submitted, may_cancel = [], [], threading.Event()
 
@@ -289,6 +289,9 @@ def test_a_cancelled_or_abandoned_sequence_stops_generating_on_the_server(split_
             time.sleep(0.01)
         assert submitted[0].cancelled() and tokens == split_lm.generate(prompt[None], max_new_tokens=2)[0, 6:].tolist()
         assert streamed[0].cancelled()
+        left = [real_submit(prompt, max_new_tokens=50) for _ in range(6)]  # 4 slots: two wait
+        raise KeyboardInterrupt  # the caller stops: the block's exit cancels rather than generating all 300 tokens
+    assert all(future.cancelled() for future in left)
 
 
 def test_a_streamer_and_a_generation_config_are_taken_as_model_generate_takes_them(llama, split_lm):

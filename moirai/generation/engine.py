@@ -167,6 +167,13 @@ class Engine:
         with self._unsettled_lock:
             return len(self._unsettled)
 
+    def cancel_all(self) -> None:
+        """Cancel every sequence added that has not settled; each ends after its step in flight (any thread)."""
+        with self._unsettled_lock:
+            unsettled = list(self._unsettled)
+        for future in unsettled:
+            future.cancel()  # its done callback takes the lock: called outside it
+
     def _settle(self, future: Future) -> None:
         with self._unsettled_lock:
             self._unsettled.discard(future)

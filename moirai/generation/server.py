@@ -42,8 +42,9 @@ class GenerationServer:
     def __enter__(self) -> GenerationServer:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        # A block that raised (a KeyboardInterrupt among them) does not wait for its sequences to finish.
+        self.close(cancel=exc_type is not None)
 
     def submit(
         self,
@@ -122,8 +123,11 @@ class GenerationServer:
         """Sequences submitted and not yet ended (generating, or waiting for a free slot)."""
         return self._engine.unfinished
 
-    def close(self) -> None:
-        """Finish the sequences in flight, then stop the other ranks."""
+    def close(self, cancel: bool = False) -> None:
+        """Finish the sequences submitted (``cancel``: cancel every one that has not finished, each ending after
+        its step in flight), then stop the other ranks. Leaving a ``with`` block by an exception cancels."""
+        if cancel:
+            self._engine.cancel_all()
         if not self._stopped.is_set():
             self._stopped.set()
             self._thread.join()
