@@ -34,7 +34,12 @@ class GenerateRequest:
 
     @classmethod
     def of(
-        cls, lm: CompiledLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, options: GenerateOptions
+        cls,
+        lm: CompiledLM,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        options: GenerateOptions,
+        defaults: GenerationDefaults,
     ) -> GenerateRequest:
         input_ids = torch.as_tensor(input_ids)
         if input_ids.dim() == 1:
@@ -66,7 +71,6 @@ class GenerateRequest:
         pad = _first_given(options.pad_token_id, getattr(given, "pad_token_id", None), lm.pad_token_id)
         if pad is None:
             pad = min(eos) if eos else 0
-        defaults = lm.defaults.overridden_by(given)
         new_tokens = defaults.new_tokens(options.max_new_tokens, options.max_length, input_ids.shape[1])
         return cls(input_ids, prompts, new_tokens, eos, pad)
 
@@ -112,7 +116,7 @@ class GenerateOptions(NamedTuple):
         """The options a call named; :class:`InputError` for ``others``, arguments moirai's generate does not take
         (with those that change model.generate's tokens named as such)."""
         # A setting moirai does not apply, given at the value that leaves the tokens alone (num_beams=1), is taken.
-        others = {name: value for name, value in others.items() if UNAPPLIED_SETTINGS.get(name, ...) != value}
+        others = {name: v for name, v in others.items() if name not in UNAPPLIED_SETTINGS or _changes(name, v)}
         if others:
             changes = sorted(set(others) & set(UNAPPLIED_SETTINGS))
             said = f"; {', '.join(changes)} would change the tokens model.generate gives" if changes else ""
@@ -158,12 +162,13 @@ UNAPPLIED_SETTINGS = {
 
 def unapplied_settings(generation_config: object) -> list[str]:
     """``name=value`` of each setting of ``generation_config`` that model.generate applies and moirai does not."""
-    unapplied = []
-    for setting, neutral in UNAPPLIED_SETTINGS.items():
-        value = getattr(generation_config, setting, None)
-        if value is not None and value != neutral and value != [] and value != {}:
-            unapplied.append(f"{setting}={value!r}")
-    return unapplied
+    given = {setting: getattr(generation_config, setting, None) for setting in UNAPPLIED_SETTINGS}
+    return [f"{setting}={value!r}" for setting, value in given.items() if _changes(setting, value)]
+
+
+def _changes(setting: str, value: object) -> bool:
+    """Whether ``value`` of an unapplied ``setting`` would change model.generate's tokens (unset or neutral: no)."""
+    return value is not None and value != UNAPPLIED_SETTINGS[setting] and value != [] and value != {}
 
 
 def _refuse_unapplied(generation_config: object, where: str) -> None:
@@ -298,9 +303,9 @@ def generate_rows(
 ) -> torch.Tensor:
     """A ``generate`` call through ``engine`` (``drive``: what runs the engine until the rows are done, when no
     thread of its own serves it): its rows as sequences, their tokens as Hugging Face returns them."""
-    request = GenerateRequest.of(lm, input_ids, attention_mask, options)
-    # in the caller's thread: a seed drawn from torch's global generator is drawn here
     defaults = lm.defaults.overridden_by(options.generation_config)
+    request = GenerateRequest.of(lm, input_ids, attention_mask, options, defaults)
+    # in the caller's thread: a seed drawn from torch's global generator is drawn here
     sampling = defaults.sampling(options.do_sample, options.temperature, options.top_k, options.top_p, options.seed)
     futures = request.submit(engine, sampling, options.streamer)
     try:

@@ -50,7 +50,7 @@ from moirai.errors import DistributedError, PlanError
 from moirai.frontend.symbolic_shapes import DynamicDim
 from moirai.frontend.trace import TensorSpec
 from moirai.runtime.split import DevicePart, OutputLocation, SplitProgram, TensorTransfer, Transport
-from moirai.runtime.zero_pages import written_runs, zero_storage
+from moirai.runtime.zero_pages import written_runs, zeros_on_demand
 
 FORMAT_VERSION = 2
 _LENGTH = struct.Struct("<Q")
@@ -480,7 +480,7 @@ def _take(payload: memoryview, offset: int, size: int, where: str) -> int:
 
 def _zero_storage(size: int, where: str) -> torch.Tensor:
     try:
-        return zero_storage(size)
+        return zeros_on_demand((size,), torch.uint8)
     except (OSError, OverflowError) as error:  # a size the kernel will not map
         raise _Malformed(f"{where}, {size} bytes of zeros, cannot be mapped here: {error}") from None
 

@@ -40,11 +40,6 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
-def zero_storage(num_bytes: int) -> torch.Tensor:
-    """A one-dimensional uint8 CPU tensor of ``num_bytes`` zeros, committed as written."""
-    return zeros_on_demand((num_bytes,), torch.uint8)
-
-
 def written_runs(storage: torch.Tensor) -> list[tuple[int, int]]:
     """The byte ranges ``[start, end)`` of the one-dimensional uint8 ``storage`` that hold anything but zeros, in
     blocks of :data:`BLOCK_BYTES` (adjacent blocks merged): ``[]`` for a storage of zeros, the whole storage at
