@@ -66,7 +66,7 @@ def main() -> None:
         progress=False,
     )  # fmt: skip
     compiled_gb, _ = _resident_gb()
-    cache_gb = lm.cache.layers * lm.cache.layer_bytes / 1e9
+    cache_gb = lm.cache.total_bytes / 1e9
     payload_gb = load_bytes(lm.compiled.program, 1) / 1e9
     prompt = torch.randint(0, config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
     with lm.server() as server:

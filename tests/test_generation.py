@@ -158,14 +158,15 @@ def test_the_cache_counts_in_the_memory_of_the_devices_that_hold_it(split_lm):
     cache = split_lm.cache
     problem = split_lm.compiled.problem
     timeline = simulate(problem, split_lm.compiled.plan)
-    assert cache.layer_bytes == 2 * 4 * 64 * 2 * 16 * 4  # keys and values, 4 slots x 64 tokens x 2 heads x 16 dims
+    # 2 layers' keys and values, 4 slots x 64 tokens x 2 heads x 16 dims of 4 bytes
+    assert cache.total_bytes == 2 * 2 * 4 * 64 * 2 * 16 * 4
     weights = sum(p.numel() * p.element_size() for p in split_lm.compiled.traced.graph_module.parameters())
-    assert timeline.memory_bytes.sum() >= weights + cache.layers * cache.layer_bytes
+    assert timeline.memory_bytes.sum() >= weights + cache.total_bytes
 
 
 def test_devices_too_small_for_the_cache_split_it_or_say_what_does_not_fit(llama):
     lm = compile_tiny(llama)
-    cache_bytes = lm.cache.layers * lm.cache.layer_bytes
+    cache_bytes = lm.cache.total_bytes
     cluster = moirai.Cluster.from_devices(["cpu", "cpu"])
     tight = lm.compiled.problem.memory_capacity_bytes  # what the plan's devices hold after the activation reserve
     assert np.all(tight > cache_bytes)
@@ -403,7 +404,7 @@ def _resident_bytes() -> int:
 def test_the_calling_process_commits_no_kv_cache_memory_until_sequences_write_it(llama):
     before = _resident_bytes()
     step = moirai.generation.step.CausalLMStep(llama, slots=16, max_seq_len=131072)  # 1 GiB of keys and values
-    cache_bytes = step.cache_shape.layers * step.cache_shape.layer_bytes
+    cache_bytes = step.cache_shape.total_bytes
     assert cache_bytes == 2**30
     keys, values = step.cache_buffers(0)
     assert not keys.any() and not values.any()  # zeros, read without committing them

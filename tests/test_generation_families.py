@@ -246,6 +246,59 @@ def test_mpt_whose_attention_clamps_a_size_with_sym_max_generates_its_tokens_wit
     assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), expected)
 
 
+@pytest.mark.slow
+@pytest.mark.in_process
+def test_deepseek_v3_whose_attention_caches_a_latent_generates_its_tokens_with_a_cache_of_the_latents_size():
+    """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite) caches one compressed latent and one
+    rotary key per token, not keys and values per head: the cache is sized by what the layers write (it was sized by
+    the config's heads, and tracing failed in the latent's projection)."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, n_group=1, topk_group=1,
+    )  # fmt: skip
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    lm = moirai.compile_lm(
+        model, ["cpu", "cpu"], max_batch_size=2, max_seq_len=PROMPT_TOKENS + 12, max_prefill=8,
+        placer="round_robin", calibration="none", progress=False,
+    )  # fmt: skip
+    assert len(cache_devices(lm)) == 2, "the test needs the layers' caches apart"
+    step = lm.compiled.traced.graph_module
+    slots, length = 2, PROMPT_TOKENS + 12
+    for layer in range(2):
+        assert tuple(getattr(step, f"key_cache_{layer}").shape) == (slots, 1, length, 16)  # the latent
+        assert tuple(getattr(step, f"value_cache_{layer}").shape) == (slots, 1, length, 8)  # the rotary key
+    assert lm.cache.total_bytes == 2 * slots * length * (16 + 8) * 4
+    ids, mask = prompts()
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert len(set(expected[:, PROMPT_TOKENS:].flatten().tolist())) >= 6
+    assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), expected)
+
+
+class _NoCacheLM(torch.nn.Module):
+    """A causal LM by its signature whose forward never writes to the cache it is given."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, num_attention_heads=2)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.fail = fail
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, use_cache=None):
+        if self.fail:
+            raise RuntimeError("this model's attention wants a 2D mask")
+        return (self.embed(input_ids) @ self.embed.weight.T,)
+
+
+def test_a_model_that_writes_nothing_to_its_cache_or_cannot_run_a_token_is_refused_saying_what_it_was_given():
+    with pytest.raises(InputError, match="_NoCacheLM ran a token without writing to the cache it was given"):
+        moirai.compile_lm(_NoCacheLM().eval(), ["cpu"], progress=False, calibration="none")
+    with pytest.raises(moirai.TraceError, match=r"_NoCacheLM did not run one token .*RuntimeError: this model's"):
+        moirai.compile_lm(_NoCacheLM(fail=True).eval(), ["cpu"], progress=False, calibration="none")
+
+
 def test_alibi_from_a_2d_mask_is_refused_saying_why():
     falcon = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
     falcon.alibi = True

@@ -43,7 +43,7 @@ from moirai.frontend.trace import TracedModel, trace
 from moirai.generation.engine import Engine, SubmitStep, done_future
 from moirai.generation.requests import GenerateOptions, GenerationDefaults, generate_rows, unapplied_settings
 from moirai.generation.server import GenerationServer
-from moirai.generation.step import CacheShape, CausalLMStep, grouped_query_attention
+from moirai.generation.step import STEP_CALL, CacheShape, CausalLMStep, grouped_query_attention
 from moirai.plan_records import PlanHandover
 from moirai.planning.objective import LATENCY, Generation
 from moirai.planning.placers import place
@@ -333,11 +333,7 @@ def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> Tra
             return trace(step, example, dynamic_shapes=shapes)
         except TraceError as error:
             # What the step hands the model is not what its own generate does: say so, as the cause may be there.
-            raise TraceError(
-                f"{error} (compile_lm calls the model with input_ids, position_ids, a 4D attention mask over each "
-                "sequence's KV cache slot and a cache object of its own; a model that needs a 2D attention mask, "
-                "as Bloom's ALiBi does, cannot generate through it)"
-            ) from error
+            raise TraceError(f"{error} ({STEP_CALL})") from error
 
 
 def _dim(name: str, upper: int) -> Any:
@@ -381,7 +377,7 @@ def _does_not_fit(
 ) -> str:
     """Why no plan was found, with the numbers: memory, and the objective's limit where it has one (either may be
     the cause; the placer's own message, at the end, says which it could not meet)."""
-    cache_bytes = cache.layers * cache.layer_bytes
+    cache_bytes = cache.total_bytes
     free = ", ".join(
         f"{device} {viz.format_bytes_compact(capacity)}"
         for device, capacity in zip(problem.device_names, problem.memory_capacity_bytes, strict=True)

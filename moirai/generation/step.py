@@ -1,10 +1,10 @@
 """One generation step of a causal LM as a module moirai can trace once and split: prefill and decode alike.
 
 :class:`CausalLMStep` wraps a Hugging Face-style causal LM. Its KV cache is registered buffers, one key and one
-value buffer per layer, each ``[slots, kv_heads, max_seq_len, head_dim]`` (the attention's own layout, so a batch's
-slots are gathered without a transpose): a sequence owns a slot for its life, and a step writes its new keys and
-values at ``(slot, :, position)`` in place (``index_put_``) and attends over its slot.
-The step's inputs are plain tensors, so torch.export traces it once with the batch and token dimensions dynamic::
+value buffer per attention layer, each ``[slots, heads, max_seq_len, dim]`` as that layer writes them (the
+attention's own layout, so a batch's slots are gathered without a transpose): a sequence owns a slot for its life,
+and a step writes its new keys and values at ``(slot, :, position)`` in place (``index_put_``) and attends over its
+slot. The step's inputs are plain tensors, so torch.export traces it once with the batch and token dimensions dynamic::
 
     step(input_ids[B, T], positions[B, T], slots[B], sampling[B, 4]) -> tokens[B]
 
@@ -12,10 +12,11 @@ A prefill chunk is ``B = 1, T = n``, a decode step ``B = sequences, T = 1``. Pos
 mask over the slot is built from them, so no cache length is read from the cache itself and nothing but the
 buffers is state. The last op samples (:func:`sample_tokens`), so the step's output is token ids, not logits.
 
-Nothing here names a model family: the cache's shape and the masks come from the Hugging Face config
-(:class:`CacheShape`, :func:`layer_windows`: a sliding window hides positions older than it, per kind of layer
-where the config's ``layer_types`` differ), and the wrapped model's own layers do the rest (fused projections,
-embedding scales, soft-capping), so every family whose attention calls ``cache.update`` and takes a 4D mask works.
+Nothing here names a model family: the cache's shape comes from what the layers write (:class:`CacheShape`), the
+masks from the Hugging Face config (:func:`layer_windows`: a sliding window hides positions older than it, per kind
+of layer where the config's ``layer_types`` differ), and the wrapped model's own layers do the rest (fused
+projections, embedding scales, soft-capping), so every family whose attention calls ``cache.update`` and takes a 4D
+mask works.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moirai.errors import InputError
+from moirai.errors import InputError, TraceError
 from moirai.planning.bounds import format_bytes
 from moirai.runtime.zero_pages import zeros_on_demand
 
@@ -36,43 +37,83 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
 
 
 @dataclass(frozen=True)
-class CacheShape:
-    """What one layer's key (or value) cache holds: ``[slots, kv_heads, max_seq_len, head_dim]`` of ``dtype``."""
+class LayerCache:
+    """What one attention layer writes to its cache for each token: keys of ``[key_heads, key_dim]`` and values of
+    ``[value_heads, value_dim]``, under the ``layer_idx`` its attention passes to ``cache.update``."""
 
-    layers: int
+    layer: int
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What the KV cache holds: for each attention layer a key buffer ``[slots, key_heads, max_seq_len, key_dim]``
+    and a value buffer ``[slots, value_heads, max_seq_len, value_dim]`` of ``dtype``.
+
+    [Note: the cache's shape from what the layers write]
+    The shapes are those the model's attention layers hand ``cache.update`` on a one-token probe
+    (:func:`probe_cache_layers`), not read from the config: a latent-attention model (DeepSeek-V2/V3's MLA) caches a
+    compressed latent and its rotary key, one "head" of ``kv_lora_rank`` and one of ``qk_rope_head_dim``, and a
+    config may name key-value heads its attention does not use, as Hugging Face's own static cache sizes a layer by
+    the first keys it is given.
+    """
+
+    layers: tuple[LayerCache, ...]
     slots: int
     max_seq_len: int
-    kv_heads: int
-    head_dim: int
     dtype: torch.dtype
 
     @property
-    def layer_bytes(self) -> int:
-        """Bytes of one layer's keys and values together, every slot."""
-        element_bytes = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.slots * self.max_seq_len * self.kv_heads * self.head_dim * element_bytes
+    def total_bytes(self) -> int:
+        """Bytes of every layer's keys and values together, every slot."""
+        return self.slots * self.slot_bytes
 
     @property
     def slot_bytes(self) -> int:
         """Bytes one sequence's cache takes over all layers."""
-        return self.layers * self.layer_bytes // self.slots
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        return self.max_seq_len * sum(layer.elements_per_token for layer in self.layers) * element_bytes
 
-    @classmethod
-    def of(cls, config: object, slots: int, max_seq_len: int, dtype: torch.dtype) -> CacheShape:
-        """The cache shape a model with Hugging Face ``config`` needs for ``slots`` sequences of ``max_seq_len``."""
-        heads = _config_int(config, "num_attention_heads", "n_head")
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or _config_int(config, "hidden_size", "n_embd") // heads
-        layers = _config_int(config, "num_hidden_layers", "n_layer")
-        return cls(layers, slots, max_seq_len, int(kv_heads), int(head_dim), dtype)
+    def buffer_sizes(self, layer: LayerCache) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The sizes of ``layer``'s key and value buffers."""
+        return (
+            (self.slots, layer.key_heads, self.max_seq_len, layer.key_dim),
+            (self.slots, layer.value_heads, self.max_seq_len, layer.value_dim),
+        )
 
 
-def _config_int(config: object, *names: str) -> int:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return int(value)
-    raise InputError(f"the model's config has none of {names}: moirai cannot size its KV cache")
+class _ShapeRecorder:
+    """A cache that keeps nothing: it notes what each layer writes and hands it back as the layer's whole cache."""
+
+    is_compileable = True
+
+    def __init__(self) -> None:
+        self.layers: dict[int, LayerCache] = {}
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.layers[int(layer_idx)] = LayerCache(
+            int(layer_idx),
+            int(key_states.shape[1]),
+            int(key_states.shape[-1]),
+            int(value_states.shape[1]),
+            int(value_states.shape[-1]),
+        )
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return 1
 
 
 class SlotCache:
@@ -92,7 +133,7 @@ class SlotCache:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self._step.cache_buffers(layer_idx)
-        # (slot [B, 1], every head, position [B, T]): the indexed entries come out as [B, T, kv_heads, head_dim]
+        # (slot [B, 1], every head, position [B, T]): the indexed entries come out as [B, T, heads, dim]
         where = [self._slots.view(-1, 1), None, self._positions]
         torch.ops.aten.index_put_(keys, where, key_states.transpose(1, 2).to(keys.dtype))
         torch.ops.aten.index_put_(values, where, value_states.transpose(1, 2).to(values.dtype))
@@ -125,21 +166,21 @@ class CausalLMStep(torch.nn.Module):
         parameters = inspect.signature(model.forward).parameters
         self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
         self._keep_last_logits = "logits_to_keep" in parameters
-        self.cache_shape = CacheShape.of(config, slots, max_seq_len, dtype)
+        self._dtype = dtype  # the masks' and the cache's
+        self.cache_shape = CacheShape(probe_cache_layers(self, device), slots, max_seq_len, dtype)
         shape = self.cache_shape
-        size = (shape.slots, shape.kv_heads, shape.max_seq_len, shape.head_dim)
         try:
-            for layer in range(shape.layers):
-                for kind in ("key", "value"):
-                    self.register_buffer(f"{kind}_cache_{layer}", _zeros(size, dtype, device))
+            for layer in shape.layers:
+                key_size, value_size = shape.buffer_sizes(layer)
+                self.register_buffer(f"key_cache_{layer.layer}", _zeros(key_size, dtype, device))
+                self.register_buffer(f"value_cache_{layer.layer}", _zeros(value_size, dtype, device))
         # torch's allocators raise RuntimeError (OutOfMemoryError), a map the kernel refuses OSError
         except (RuntimeError, MemoryError, OSError) as error:
-            total_bytes = shape.layers * shape.layer_bytes
             raise InputError(
-                f"the KV cache of {shape.slots} slots of {max_seq_len} tokens takes {format_bytes(total_bytes)} in "
-                f"all, which this process could not allocate on {device} ({type(error).__name__}); give fewer slots "
-                "(max_batch_size) or a shorter max_seq_len, or build the model on the meta device to plan without "
-                "weights or caches"
+                f"the KV cache of {shape.slots} slots of {max_seq_len} tokens takes {format_bytes(shape.total_bytes)} "
+                f"in all, which this process could not allocate on {device} ({type(error).__name__}); give fewer "
+                "slots (max_batch_size) or a shorter max_seq_len, or build the model on the meta device to plan "
+                "without weights or caches"
             ) from None
 
     def cache_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,9 +189,16 @@ class CausalLMStep(torch.nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, sampling: torch.Tensor
     ) -> torch.Tensor:
-        cache = SlotCache(self, slots, positions)
-        length, dtype = self.cache_shape.max_seq_len, self.cache_shape.dtype
-        masks = {kind: attention_mask(positions, length, dtype, window) for kind, window in self.windows.items()}
+        logits = self.last_logits(input_ids, positions, SlotCache(self, slots, positions), self.cache_shape.max_seq_len)
+        return sample_tokens(logits, sampling)
+
+    def last_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: object, cache_length: int
+    ) -> torch.Tensor:
+        """The model's logits at each row's last token, its attention reading and writing ``cache`` under masks
+        over ``cache_length`` positions."""
+        windows = self.windows.items()
+        masks = {kind: attention_mask(positions, cache_length, self._dtype, window) for kind, window in windows}
         # one mask per kind of layer, as models whose layers differ take it; else the one 4D mask every model takes
         mask = masks if len(masks) > 1 else next(iter(masks.values()))
         options = {self._cache_keyword: cache, "use_cache": True}
@@ -158,7 +206,37 @@ class CausalLMStep(torch.nn.Module):
             options["logits_to_keep"] = 1
         output = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, **options)
         logits = output.logits if hasattr(output, "logits") else output[0]
-        return sample_tokens(logits[:, -1, :], sampling)
+        return logits[:, -1, :]
+
+
+# What the step hands the model, said where a model cannot take it: the cause may be there.
+STEP_CALL = (
+    "compile_lm calls the model with input_ids, position_ids, a 4D attention mask over each sequence's KV cache slot "
+    "and a cache object of its own; a model that needs a 2D attention mask, as Bloom's ALiBi does, cannot generate "
+    "through it"
+)
+
+
+def probe_cache_layers(step: CausalLMStep, device: torch.device) -> tuple[LayerCache, ...]:
+    """What each attention layer of ``step.model`` writes to its cache, from one token run through it with a cache
+    that keeps nothing ([Note: the cache's shape from what the layers write]); on the meta device it costs nothing."""
+    recorder = _ShapeRecorder()
+    token = torch.zeros((1, 1), dtype=torch.long, device=device)
+    name = type(step.model).__name__
+    try:
+        with torch.no_grad():
+            step.last_logits(token, token, recorder, 1)
+    except Exception as error:  # whatever the model's own code raises: said with what it was called with
+        raise TraceError(
+            f"{name} did not run one token with compile_lm's cache, which sizes the KV cache by what each attention "
+            f"layer writes: {type(error).__name__}: {error} ({STEP_CALL})"
+        ) from error
+    if not recorder.layers:
+        raise InputError(
+            f"{name} ran a token without writing to the cache it was given ({STEP_CALL}): compile_lm needs attention "
+            "layers that call cache.update with their keys and values"
+        )
+    return tuple(recorder.layers[layer] for layer in sorted(recorder.layers))
 
 
 def _zeros(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
