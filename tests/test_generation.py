@@ -144,10 +144,25 @@ def test_sampling_follows_temperature_top_k_and_top_p():
     assert set(np.flatnonzero(drawn(1.0, 0, 0.5))) == {4}
 
 
+def test_a_repetition_penalty_gives_the_models_tokens_and_a_slot_used_before_starts_afresh(llama, split_lm):
+    """Left-padded rows, as transformers 5 counts them (its pads are not in the penalty); twice, so that the second
+    call's sequences take slots whose flags the first one's set."""
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(20 + n)) for n in (9, 5)]
+    padded = torch.zeros(2, 9, dtype=torch.long)
+    padded[0], padded[1, 4:] = prompts[0], prompts[1]
+    options = {"attention_mask": (padded != 0).long() | torch.tensor([[1], [0]]), "max_new_tokens": 16}
+    for penalty in (1.3, 0.8):
+        with torch.no_grad():
+            expected = llama.generate(padded, do_sample=False, repetition_penalty=penalty, **options)
+        assert not torch.equal(expected, split_lm.generate(padded, **options)), "the penalty changes no token"
+        for _ in range(2):
+            assert torch.equal(split_lm.generate(padded, repetition_penalty=penalty, **options), expected)
+
+
 def test_each_cache_buffer_stays_on_the_device_of_the_ops_that_write_and_read_it(split_lm):
     compiled = split_lm.compiled
     buffers = mutable_buffers(compiled.traced.graph_module)
-    assert len(buffers) == 2 * 2  # keys and values of two layers
+    assert len(buffers) == 2 * 2 + 1  # keys and values of two layers, and the seen-token flags
     for buffer in buffers:
         assert len({compiled.node_device[name] for name in buffer.op_names}) == 1, buffer
         holders = [part.device for part in compiled.program.parts if buffer.name in part.attribute_names]
@@ -158,8 +173,8 @@ def test_the_cache_counts_in_the_memory_of_the_devices_that_hold_it(split_lm):
     cache = split_lm.cache
     problem = split_lm.compiled.problem
     timeline = simulate(problem, split_lm.compiled.plan)
-    # 2 layers' keys and values, 4 slots x 64 tokens x 2 heads x 16 dims of 4 bytes
-    assert cache.total_bytes == 2 * 2 * 4 * 64 * 2 * 16 * 4
+    # 2 layers' keys and values, 4 slots x 64 tokens x 2 heads x 16 dims of 4 bytes; a seen flag a token a slot
+    assert cache.total_bytes == 2 * 2 * 4 * 64 * 2 * 16 * 4 + 4 * VOCAB
     weights = sum(p.numel() * p.element_size() for p in split_lm.compiled.traced.graph_module.parameters())
     assert timeline.memory_bytes.sum() >= weights + cache.total_bytes
 
@@ -175,7 +190,9 @@ def test_devices_too_small_for_the_cache_split_it_or_say_what_does_not_fit(llama
     # Room for a bit over half the model on each device: the plan must split the layers (and their caches).
     half = dataclasses.replace(
         cluster,
-        devices=[dataclasses.replace(d, memory_bytes=reserve + 0.6 * (weights + cache_bytes)) for d in cluster.devices],
+        devices=[
+            dataclasses.replace(d, memory_bytes=reserve + 0.65 * (weights + cache_bytes)) for d in cluster.devices
+        ],
     )
     split = moirai.compile_lm(
         llama, half, max_batch_size=4, max_seq_len=64, max_prefill=8, placer="heft", progress=False
@@ -208,20 +225,21 @@ def test_the_generation_objective_adds_ttft_to_new_tokens_times_tpot(split_lm):
 
 def test_generation_settings_model_generate_applies_and_moirai_does_not_are_named_in_a_warning(llama):
     model = copy.deepcopy(llama)
-    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.no_repeat_ngram_size = 3
     model.generation_config.num_beams = 4
     options = {"max_seq_len": 32, "max_prefill": 8, "placer": "heft", "progress": False, "calibration": "none"}
-    with pytest.warns(moirai.MoiraiWarning, match=r"sets repetition_penalty=1.3, num_beams=4, which model.generate"):
+    with pytest.warns(moirai.MoiraiWarning, match=r"sets no_repeat_ngram_size=3, num_beams=4, which model.generate"):
         moirai.compile_lm(model, ["cpu"], **options)
     with warnings.catch_warnings():
         warnings.simplefilter("error", moirai.MoiraiWarning)
-        model.generation_config.repetition_penalty, model.generation_config.num_beams = 1.0, 1  # neutral: silent
+        model.generation_config.no_repeat_ngram_size, model.generation_config.num_beams = 0, 1  # neutral: silent
+        model.generation_config.repetition_penalty = 1.3  # applied: silent
         moirai.compile_lm(model, ["cpu"], **options)
 
 
 def test_arguments_left_out_are_the_generation_configs_as_model_generate_takes_them(llama):
     model = copy.deepcopy(llama)
-    model.generation_config.update(do_sample=True, temperature=0.7, top_k=5, max_new_tokens=7)
+    model.generation_config.update(do_sample=True, temperature=0.7, top_k=5, max_new_tokens=7, repetition_penalty=0.5)
     options = {"max_seq_len": 32, "max_prefill": 8, "placer": "heft", "progress": False, "calibration": "none"}
     lm = moirai.compile_lm(model, ["cpu"], **options)
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
@@ -229,6 +247,9 @@ def test_arguments_left_out_are_the_generation_configs_as_model_generate_takes_t
     implied = lm.generate(prompt)
     torch.manual_seed(1)
     assert torch.equal(implied, lm.generate(prompt, do_sample=True, temperature=0.7, top_k=5, max_new_tokens=7))
+    assert not torch.equal(
+        lm.generate(prompt, do_sample=False), lm.generate(prompt, do_sample=False, repetition_penalty=1.0)
+    )
     assert implied.shape == (1, 6 + 7)
     greedy = lm.generate(prompt, do_sample=False)  # an argument given overrides the config
     with torch.no_grad():
@@ -321,11 +342,15 @@ def test_a_streamer_and_a_generation_config_are_taken_as_model_generate_takes_th
     assert torch.equal(implied, split_lm.generate(prompt, max_new_tokens=4, do_sample=True, top_k=3))
     assert torch.equal(split_lm.generate(prompt, generation_config=config, do_sample=False), llama.generate(
         prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt)))  # fmt: skip
-    with pytest.raises(moirai.InputError, match=r"repetition_penalty=1.2, which model.generate applies and moirai"):
-        split_lm.generate(prompt, generation_config=transformers.GenerationConfig(repetition_penalty=1.2))
+    penalized = transformers.GenerationConfig(max_new_tokens=8, repetition_penalty=0.5)
+    with torch.no_grad():
+        expected = llama.generate(prompt, generation_config=penalized, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(split_lm.generate(prompt, generation_config=penalized), expected)
+    with pytest.raises(moirai.InputError, match=r"no_repeat_ngram_size=2, which model.generate applies and moirai"):
+        split_lm.generate(prompt, generation_config=transformers.GenerationConfig(no_repeat_ngram_size=2))
     with pytest.raises(moirai.InputError, match=r"does not take num_beams, output_scores; num_beams would change"):
         split_lm.generate(prompt, num_beams=2, output_scores=True)
-    assert split_lm.generate(prompt, max_new_tokens=2, num_beams=1, repetition_penalty=1.0).shape == (1, 7)  # neutral
+    assert split_lm.generate(prompt, max_new_tokens=2, num_beams=1, no_repeat_ngram_size=0).shape == (1, 7)  # neutral
     with pytest.raises(moirai.InputError, match="generation_config must be a transformers.GenerationConfig, got dict"):
         split_lm.generate(prompt, generation_config={"max_new_tokens": 2})
 
@@ -405,7 +430,7 @@ def test_the_calling_process_commits_no_kv_cache_memory_until_sequences_write_it
     before = _resident_bytes()
     step = moirai.generation.step.CausalLMStep(llama, slots=16, max_seq_len=131072)  # 1 GiB of keys and values
     cache_bytes = step.cache_shape.total_bytes
-    assert cache_bytes == 2**30
+    assert cache_bytes == 2**30 + 16 * VOCAB  # and a seen flag a token a slot
     keys, values = step.cache_buffers(0)
     assert not keys.any() and not values.any()  # zeros, read without committing them
     assert _resident_bytes() - before < cache_bytes // 8
@@ -429,6 +454,8 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
         moirai.compile_lm(llama, ["cpu"], max_batch_sise=2, progress=False, calibration="none")
     with pytest.raises(moirai.InputError, match="sampling needs"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, top_p=0.0)
+    with pytest.raises(moirai.InputError, match="repetition_penalty > 0; got .*repetition_penalty=0.0"):
+        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), repetition_penalty=0.0)
     # A token id the embedding has no row for: named at once, before any step runs (it was an IndexError).
     with pytest.raises(moirai.InputError, match=rf"token {VOCAB} \(position 1\).*ids 0 to {VOCAB - 1}"):
         split_lm.generate(torch.tensor([[3, VOCAB, 4]]), max_new_tokens=2)
@@ -451,6 +478,8 @@ def test_twenty_sequences_in_flight_each_equal_their_lone_run(llama, split_lm):
         assert list(server.stream(prompts[5], max_new_tokens=12)) == alone[5]
         batch = torch.stack([prompts[i][:3] for i in range(3)])
         assert torch.equal(server.generate(batch, max_new_tokens=6), split_lm.generate(batch, max_new_tokens=6))
+        penalized = {"max_new_tokens": 12, "repetition_penalty": 1.5}
+        assert torch.equal(server.generate(batch, **penalized), split_lm.generate(batch, **penalized))
         # A prompt of floats (token ids cut to integers before) or of an id outside the vocabulary: refused at
         # submit, and the server serves on.
         with pytest.raises(moirai.InputError, match="token ids \\(integers\\), got torch.float32"):

@@ -131,9 +131,11 @@ def layers_apart(lm: moirai.CompiledLM, devices: int) -> Plan:
     rank = {task: position for position, task in enumerate(order)}
     layer_tasks: dict[int, set[int]] = {}
     for buffer in mutable_buffers(compiled.traced.graph_module):
+        if "_cache_" not in buffer.name:
+            continue  # the seen-token flags: with the sampler, wherever it is
         layer = int(buffer.name.rsplit("_", 1)[1])
         layer_tasks.setdefault(layer, set()).update(compiled.graph.nodes_of_fx_names(buffer.op_names))
-    first_end = max(rank[task] for task in layer_tasks[min(layer_tasks)])
+    first_end = min(rank[task] for task in layer_tasks[min(layer_tasks)])  # its set joins it below
     last_start = min(rank[task] for task in layer_tasks[max(layer_tasks)])
     middle = np.linspace(first_end + 1, last_start, devices - 1)[1:-1] if devices > 2 else []
     placement = np.zeros(problem.num_tasks, int)
@@ -144,6 +146,8 @@ def layers_apart(lm: moirai.CompiledLM, devices: int) -> Plan:
             placement[task] = devices - 1
         else:
             placement[task] = 1 + int((np.asarray(middle) <= position).sum())
+    for members in problem.colocated:  # a buffer's ops (its write-back among them, late in the order) on one device
+        placement[list(members)] = placement[min(members, key=rank.__getitem__)]
     return Plan(placement, problem.device_names, placer="layers apart")
 
 
@@ -269,7 +273,7 @@ def test_deepseek_v3_whose_attention_caches_a_latent_generates_its_tokens_with_a
     for layer in range(2):
         assert tuple(getattr(step, f"key_cache_{layer}").shape) == (slots, 1, length, 16)  # the latent
         assert tuple(getattr(step, f"value_cache_{layer}").shape) == (slots, 1, length, 8)  # the rotary key
-    assert lm.cache.total_bytes == 2 * slots * length * (16 + 8) * 4
+    assert lm.cache.total_bytes == 2 * slots * length * (16 + 8) * 4 + slots * 256  # and the seen-token flags
     ids, mask = prompts()
     with torch.no_grad():
         expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)

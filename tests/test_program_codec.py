@@ -89,12 +89,13 @@ def test_a_generation_programs_cache_buffers_load_writable_and_are_sent_with_the
         restored = _round_trip(program_for_rank(program, rank))
         mine = restored.parts[rank].graph_module
         original = program.parts[rank].graph_module
-        names = [name for name in program.parts[rank].attribute_names if "cache" in name]
+        # the KV cache and the seen-token flags: the state a step writes
+        names = [name for name in program.parts[rank].attribute_names if "cache" in name or name == "seen_tokens"]
         for name in names:
             value = _attribute(mine, name)
             assert torch.equal(value, _attribute(original, name)) and value.data_ptr() != 0
             assert not value.any()  # no sequence has written it: zeros, which travel as their size
-            value.add_(1)  # a cache is written in place: the loaded one must be writable memory of its own
+            value.fill_(1)  # a cache is written in place: the loaded one must be writable memory of its own
             assert not torch.equal(value, _attribute(original, name))
         others = [part.graph_module for part in restored.parts if part.device != rank]
         assert all(not [n for n in m.graph.nodes if n.op == "get_attr"] for m in others)
@@ -102,7 +103,7 @@ def test_a_generation_programs_cache_buffers_load_writable_and_are_sent_with_the
         sent = encode_program(program_for_rank(program, rank)).sent_storages
         assert sum(s.numel() for s in sent) == _weight_bytes(program.parts[rank]) - cache_bytes
         caches_seen += len(names)
-    assert caches_seen == 4  # two layers' keys and values, wherever they are
+    assert caches_seen == 5  # two layers' keys and values and the seen-token flags, wherever they are
 
 
 def _weight_bytes(part) -> int:

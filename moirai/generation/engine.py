@@ -34,18 +34,21 @@ SubmitStep = Callable[[tuple[torch.Tensor, ...]], "Future[torch.Tensor]"]
 @dataclass(frozen=True)
 class SamplingParams:
     """How a sequence picks its tokens: ``temperature`` 0 is greedy; else top-k (0: all) and top-p sampling
-    seeded by ``seed`` (a seeded sequence draws the same tokens on every run)."""
+    seeded by ``seed`` (a seeded sequence draws the same tokens on every run). Either way the logits of the tokens
+    it has seen are penalized by ``repetition_penalty`` first, as Hugging Face's (1: not at all)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not self.repetition_penalty > 0:
             raise InputError(
-                f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got temperature={self.temperature}, "
-                f"top_k={self.top_k}, top_p={self.top_p}"
+                f"sampling needs temperature >= 0, top_k >= 0, 0 < top_p <= 1 and repetition_penalty > 0; got "
+                f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
+                f"repetition_penalty={self.repetition_penalty}"
             )
 
 
@@ -266,7 +269,15 @@ class Engine:
                 ids.append([sequence.tokens[-1]])
                 positions.append([sequence.next_position])
             sampling = sequence.sampling
-            rows.append([sampling.temperature, float(sampling.top_k), sampling.top_p, sequence.uniform()])
+            rows.append(
+                [
+                    sampling.temperature,
+                    float(sampling.top_k),
+                    sampling.top_p,
+                    sequence.uniform(),
+                    sampling.repetition_penalty,
+                ]
+            )
         slots = [s.slot for s in step.sequences]
         # On the host: each part moves the inputs it reads to its own device.
         return (

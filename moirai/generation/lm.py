@@ -43,7 +43,7 @@ from moirai.frontend.trace import TracedModel, trace
 from moirai.generation.engine import Engine, SubmitStep, done_future
 from moirai.generation.requests import GenerateOptions, GenerationDefaults, generate_rows, unapplied_settings
 from moirai.generation.server import GenerationServer
-from moirai.generation.step import STEP_CALL, CacheShape, CausalLMStep, grouped_query_attention
+from moirai.generation.step import NEUTRAL_SAMPLING, STEP_CALL, CacheShape, CausalLMStep, grouped_query_attention
 from moirai.plan_records import PlanHandover
 from moirai.planning.objective import LATENCY, Generation
 from moirai.planning.placers import place
@@ -171,6 +171,7 @@ class CompiledLM:
         pad_token_id: int | None = None,
         seed: int | None = None,
         max_length: int | None = None,
+        repetition_penalty: float | None = None,
         streamer: Any = None,
         generation_config: Any = None,
         **others: Any,
@@ -180,9 +181,10 @@ class CompiledLM:
 
         Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it);
         rows that end early (``eos_token_id``) are padded with ``pad_token_id`` (default: the model's, else the end
-        token). ``do_sample`` samples with ``temperature``, ``top_k`` (0: all) and ``top_p``; each of these,
-        left out, is the model's ``generation_config``'s where it sets it, else Hugging Face's default (greedy; 1.0,
-        50, 1.0). The new tokens are ``max_new_tokens``, else up to ``max_length`` in all (prompt included), each
+        token). ``do_sample`` samples with ``temperature``, ``top_k`` (0: all) and ``top_p``, after the logits of
+        the tokens a row has seen are penalized by ``repetition_penalty`` (greedy or not); each of these, left out,
+        is the model's ``generation_config``'s where it sets it, else Hugging Face's default (greedy; 1.0, 50, 1.0;
+        1.0). The new tokens are ``max_new_tokens``, else up to ``max_length`` in all (prompt included), each
         the call's or else the ``generation_config``'s, else 20 (:meth:`GenerationDefaults.new_tokens`, as
         ``model.generate`` counts them). Sampling draws from ``seed`` (each row
         from ``seed + row``; None: a seed drawn from torch's global generator, so ``torch.manual_seed`` makes
@@ -295,7 +297,7 @@ def compile_lm(
 
 def _warn_of_unapplied_settings(name: str, generation_config: object) -> None:
     """A :class:`MoiraiWarning` naming what the model's generation_config sets that model.generate applies by
-    default and moirai's generate does not (a repetition penalty, beams, banned tokens...): its tokens would
+    default and moirai's generate does not (an n-gram ban, beams, banned tokens...): its tokens would
     differ, with nothing to say why."""
     unapplied = unapplied_settings(generation_config)
     if unapplied:
@@ -320,12 +322,12 @@ def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> Tra
     # torch.export takes an example size of 1 for a constant, and two dimensions of one example size for one
     # symbol: trace at sizes 2 and 3 where the ranges allow.
     b, t = min(2, max_batch_size), min(3, max_prefill)
-    device = step.key_cache_0.device
+    device = step.seen_tokens.device
     example = (
         torch.zeros(b, t, dtype=torch.long, device=device),
         torch.arange(t, device=device).repeat(b, 1),
         torch.arange(b, device=device),
-        torch.zeros(b, 4, device=device),
+        torch.tensor(NEUTRAL_SAMPLING, device=device).repeat(b, 1),
     )
     shapes = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch})
     with grouped_query_attention():

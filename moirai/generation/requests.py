@@ -108,6 +108,7 @@ class GenerateOptions(NamedTuple):
     pad_token_id: int | None = None
     seed: int | None = None
     max_length: int | None = None
+    repetition_penalty: float | None = None
     streamer: Any = None  # Hugging Face's streamer protocol: put(token ids), end()
     generation_config: Any = None  # a GenerationConfig whose values stand before the model's
 
@@ -138,7 +139,6 @@ class GenerateOptions(NamedTuple):
 # Settings of a Hugging Face generation_config that change model.generate's tokens and that moirai's generate does
 # not apply, with the values that leave the tokens alone (None: unset).
 UNAPPLIED_SETTINGS = {
-    "repetition_penalty": 1.0,
     "encoder_repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
     "min_length": 0,
@@ -176,7 +176,7 @@ def _refuse_unapplied(generation_config: object, where: str) -> None:
     if unapplied:
         raise InputError(
             f"{where} sets {', '.join(unapplied)}, which model.generate applies and moirai's generate does not (it "
-            "applies max_new_tokens, max_length, temperature, top_k, top_p and the end tokens)"
+            "applies max_new_tokens, max_length, temperature, top_k, top_p, repetition_penalty and the end tokens)"
         )
 
 
@@ -210,6 +210,7 @@ class GenerationDefaults(NamedTuple):
     temperature: float = 1.0
     top_k: int = 50
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
     max_position_embeddings: int | None = None  # the model config's: caps Hugging Face's default length
 
     @classmethod
@@ -253,6 +254,7 @@ class GenerationDefaults(NamedTuple):
         top_k: int | None,
         top_p: float | None,
         seed: int | None,
+        repetition_penalty: float | None = None,
     ) -> SamplingParams:
         """The sampling of a call, each argument left out taken from these defaults (see :func:`sampling_params`)."""
         return sampling_params(
@@ -261,6 +263,7 @@ class GenerationDefaults(NamedTuple):
             self.top_k if top_k is None else top_k,
             self.top_p if top_p is None else top_p,
             seed,
+            self.repetition_penalty if repetition_penalty is None else repetition_penalty,
         )
 
 
@@ -273,18 +276,28 @@ def prompt_tokens(prompt_ids: torch.Tensor | Sequence[int]) -> list[int]:
 
 
 def sampling_params(
-    do_sample: bool, temperature: float, top_k: int | None, top_p: float | None, seed: int | None = None
+    do_sample: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    seed: int | None = None,
+    repetition_penalty: float = 1.0,
 ) -> SamplingParams:
-    """Hugging Face's sampling arguments as :class:`SamplingParams` (greedy unless ``do_sample``).
+    """Hugging Face's sampling arguments as :class:`SamplingParams` (greedy unless ``do_sample``; the repetition
+    penalty either way).
 
     Sampling without a ``seed`` takes one from torch's global generator, in the caller's thread: as with
     Hugging Face's ``generate``, ``torch.manual_seed`` before the call makes it draw the same tokens again.
     """
+    try:
+        penalty = float(repetition_penalty)
+    except (TypeError, ValueError):
+        raise InputError(f"repetition_penalty must be a number, got {repetition_penalty!r}") from None
     if not do_sample:
-        return SamplingParams(seed=seed)
+        return SamplingParams(seed=seed, repetition_penalty=penalty)
     if seed is None:
         seed = int(torch.randint(0, _SEEDS, ()))
-    return SamplingParams(temperature, int(top_k or 0), float(top_p if top_p is not None else 1.0), seed)
+    return SamplingParams(temperature, int(top_k or 0), float(top_p if top_p is not None else 1.0), seed, penalty)
 
 
 def end_tokens(given: int | Sequence[int] | None, default: Sequence[int]) -> frozenset[int]:
@@ -306,7 +319,9 @@ def generate_rows(
     defaults = lm.defaults.overridden_by(options.generation_config)
     request = GenerateRequest.of(lm, input_ids, attention_mask, options, defaults)
     # in the caller's thread: a seed drawn from torch's global generator is drawn here
-    sampling = defaults.sampling(options.do_sample, options.temperature, options.top_k, options.top_p, options.seed)
+    sampling = defaults.sampling(
+        options.do_sample, options.temperature, options.top_k, options.top_p, options.seed, options.repetition_penalty
+    )
     futures = request.submit(engine, sampling, options.streamer)
     try:
         if drive is not None:

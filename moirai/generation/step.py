@@ -6,7 +6,7 @@ attention's own layout, so a batch's slots are gathered without a transpose): a 
 and a step writes its new keys and values at ``(slot, :, position)`` in place (``index_put_``) and attends over its
 slot. The step's inputs are plain tensors, so torch.export traces it once with the batch and token dimensions dynamic::
 
-    step(input_ids[B, T], positions[B, T], slots[B], sampling[B, 4]) -> tokens[B]
+    step(input_ids[B, T], positions[B, T], slots[B], sampling[B, 5]) -> tokens[B]
 
 A prefill chunk is ``B = 1, T = n``, a decode step ``B = sequences, T = 1``. Positions come in and an attention
 mask over the slot is built from them, so no cache length is read from the cache itself and nothing but the
@@ -33,7 +33,10 @@ from moirai.errors import InputError, TraceError
 from moirai.planning.bounds import format_bytes
 from moirai.runtime.zero_pages import zeros_on_demand
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform")
+# The columns of a step's ``sampling`` input, one row per sequence: the first four are :func:`sample_tokens`'s, then
+# a repetition penalty (1: none; [Note: seen tokens]).
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform", "repetition_penalty")
+NEUTRAL_SAMPLING = (0.0, 0.0, 1.0, 0.0, 1.0)  # greedy, no penalty
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class CacheShape:
 
     [Note: the cache's shape from what the layers write]
     The shapes are those the model's attention layers hand ``cache.update`` on a one-token probe
-    (:func:`probe_cache_layers`), not read from the config: a latent-attention model (DeepSeek-V2/V3's MLA) caches a
+    (:func:`probe_step`), not read from the config: a latent-attention model (DeepSeek-V2/V3's MLA) caches a
     compressed latent and its rotary key, one "head" of ``kv_lora_rank`` and one of ``qk_rope_head_dim``, and a
     config may name key-value heads its attention does not use, as Hugging Face's own static cache sizes a layer by
     the first keys it is given.
@@ -69,17 +72,19 @@ class CacheShape:
     slots: int
     max_seq_len: int
     dtype: torch.dtype
+    seen_width: int = 0  # one flag a slot per token id the logits (or the embedding) cover ([Note: seen tokens])
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of every layer's keys and values together, every slot."""
+        """Bytes of every slot's state: its keys and values over all layers and its seen-token flags."""
         return self.slots * self.slot_bytes
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes one sequence's cache takes over all layers."""
+        """Bytes one sequence's state takes: its keys and values over all layers, and its seen-token flags."""
         element_bytes = torch.empty((), dtype=self.dtype).element_size()
-        return self.max_seq_len * sum(layer.elements_per_token for layer in self.layers) * element_bytes
+        kv_bytes = self.max_seq_len * sum(layer.elements_per_token for layer in self.layers) * element_bytes
+        return kv_bytes + self.seen_width  # a bool flag is a byte
 
     def buffer_sizes(self, layer: LayerCache) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The sizes of ``layer``'s key and value buffers."""
@@ -167,13 +172,18 @@ class CausalLMStep(torch.nn.Module):
         self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
         self._keep_last_logits = "logits_to_keep" in parameters
         self._dtype = dtype  # the masks' and the cache's
-        self.cache_shape = CacheShape(probe_cache_layers(self, device), slots, max_seq_len, dtype)
+        layers, logits_width = probe_step(self, device)
+        embedding = getattr(model, "get_input_embeddings", lambda: None)()
+        embedding_rows = embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else 0
+        self._logits_width = logits_width
+        self.cache_shape = CacheShape(layers, slots, max_seq_len, dtype, max(logits_width, embedding_rows))
         shape = self.cache_shape
         try:
             for layer in shape.layers:
                 key_size, value_size = shape.buffer_sizes(layer)
                 self.register_buffer(f"key_cache_{layer.layer}", _zeros(key_size, dtype, device))
                 self.register_buffer(f"value_cache_{layer.layer}", _zeros(value_size, dtype, device))
+            self.register_buffer("seen_tokens", _zeros((slots, shape.seen_width), torch.bool, device))
         # torch's allocators raise RuntimeError (OutOfMemoryError), a map the kernel refuses OSError
         except (RuntimeError, MemoryError, OSError) as error:
             raise InputError(
@@ -190,7 +200,25 @@ class CausalLMStep(torch.nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, sampling: torch.Tensor
     ) -> torch.Tensor:
         logits = self.last_logits(input_ids, positions, SlotCache(self, slots, positions), self.cache_shape.max_seq_len)
-        return sample_tokens(logits, sampling)
+        seen = self.seen(input_ids, positions, slots)
+        penalized = penalize_repetitions(logits.float(), seen[:, : self._logits_width], sampling[:, 4])
+        return sample_tokens(penalized, sampling[:, :4])
+
+    def seen(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Each row's seen-token flags ``[B, seen_width]`` after this step's tokens, kept in the slot.
+
+        [Note: seen tokens]
+        Hugging Face's repetition penalty divides (or, where negative, multiplies) the logit of every token in its
+        ``input_ids``, the prompt and the tokens generated so far. The step keeps which tokens a slot's sequence
+        has fed in a buffer, ``seen_tokens[slots, seen_width]`` (a byte each): a sequence's first chunk (position
+        0) clears its slot's row, every step sets the flags of the tokens it feeds, and the penalty reads the row.
+        A prompt's left padding is never fed, and transformers 5 leaves it out of the penalty too
+        (``prompt_ignore_length``; transformers 4 counted the pad token).
+        """
+        flags = self.seen_tokens.index_select(0, slots) & (positions[:, :1] != 0)
+        flags = flags.scatter(1, input_ids, True)
+        torch.ops.aten.index_put_(self.seen_tokens, [slots], flags)
+        return flags
 
     def last_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: object, cache_length: int
@@ -217,15 +245,16 @@ STEP_CALL = (
 )
 
 
-def probe_cache_layers(step: CausalLMStep, device: torch.device) -> tuple[LayerCache, ...]:
-    """What each attention layer of ``step.model`` writes to its cache, from one token run through it with a cache
-    that keeps nothing ([Note: the cache's shape from what the layers write]); on the meta device it costs nothing."""
+def probe_step(step: CausalLMStep, device: torch.device) -> tuple[tuple[LayerCache, ...], int]:
+    """What each attention layer of ``step.model`` writes to its cache, and how many logits it gives a token, from
+    one token run through it with a cache that keeps nothing ([Note: the cache's shape from what the layers
+    write]); on the meta device it costs nothing."""
     recorder = _ShapeRecorder()
     token = torch.zeros((1, 1), dtype=torch.long, device=device)
     name = type(step.model).__name__
     try:
         with torch.no_grad():
-            step.last_logits(token, token, recorder, 1)
+            logits = step.last_logits(token, token, recorder, 1)
     except Exception as error:  # whatever the model's own code raises: said with what it was called with
         raise TraceError(
             f"{name} did not run one token with compile_lm's cache, which sizes the KV cache by what each attention "
@@ -236,7 +265,15 @@ def probe_cache_layers(step: CausalLMStep, device: torch.device) -> tuple[LayerC
             f"{name} ran a token without writing to the cache it was given ({STEP_CALL}): compile_lm needs attention "
             "layers that call cache.update with their keys and values"
         )
-    return tuple(recorder.layers[layer] for layer in sorted(recorder.layers))
+    return tuple(recorder.layers[layer] for layer in sorted(recorder.layers)), int(logits.shape[-1])
+
+
+def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """``logits [B, V]`` with each row's ``seen`` tokens penalized as Hugging Face's repetition penalty does: a
+    positive logit divided by the row's ``penalty``, a negative one multiplied (1: every logit as it was)."""
+    factor = penalty.float().unsqueeze(1)
+    penalized = torch.where(logits < 0, logits * factor, logits / factor)
+    return torch.where(seen, penalized, logits)
 
 
 def _zeros(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
