@@ -19,7 +19,7 @@ import torch
 import moirai
 from moirai.errors import InputError
 from moirai.frontend.state import mutable_buffers
-from moirai.generation.step import attention_mask, layer_windows
+from moirai.generation.step import AttentionSpan, attention_mask, layer_spans
 from moirai.planning.plan import Plan
 
 transformers = pytest.importorskip("transformers")
@@ -313,25 +313,64 @@ def test_alibi_from_a_2d_mask_is_refused_saying_why():
         moirai.compile_lm(transformers.BloomForCausalLM(bloom).eval(), ["cpu"], progress=False, calibration="none")
 
 
-def test_a_sliding_window_mask_keeps_the_last_window_positions():
+def test_a_sliding_window_mask_keeps_the_last_window_positions_and_a_chunked_one_its_chunk():
     positions = torch.tensor([[0, 5, 9]])
-    seen = attention_mask(positions, 12, torch.float32, window=4)[0, 0] == 0
+    seen = attention_mask(positions, 12, torch.float32, AttentionSpan(window=4))[0, 0] == 0
     assert [row.nonzero().flatten().tolist() for row in seen] == [[0], [2, 3, 4, 5], [6, 7, 8, 9]]
     assert (attention_mask(positions, 12, torch.float32)[0, 0, 2] == 0).sum() == 10
+    seen = attention_mask(positions, 12, torch.float32, AttentionSpan(chunk=4))[0, 0] == 0
+    assert [row.nonzero().flatten().tolist() for row in seen] == [[0], [4, 5], [8, 9]]
 
 
-def test_layer_windows_follow_the_config():
-    assert layer_windows(transformers.LlamaConfig(**COMMON)) == {"full_attention": None}
-    assert layer_windows(transformers.MistralConfig(**COMMON, sliding_window=7)) == {"sliding_attention": 7}
+def test_layer_spans_follow_the_config():
+    assert layer_spans(transformers.LlamaConfig(**COMMON)) == {"full_attention": AttentionSpan()}
+    mistral = transformers.MistralConfig(**COMMON, sliding_window=7)
+    assert layer_spans(mistral) == {"sliding_attention": AttentionSpan(window=7)}
     gemma2 = transformers.Gemma2Config(**COMMON, sliding_window=7)
-    assert layer_windows(gemma2) == {"full_attention": None, "sliding_attention": 7}
+    assert layer_spans(gemma2) == {"full_attention": AttentionSpan(), "sliding_attention": AttentionSpan(window=7)}
     chunked = transformers.LlamaConfig(**COMMON)
     chunked.layer_types = ["chunked_attention", "full_attention"]
-    with pytest.raises(InputError, match="chunked_attention"):
-        layer_windows(chunked)
+    with pytest.raises(InputError, match="chunked_attention layers and no attention_chunk_size"):
+        layer_spans(chunked)
+    chunked.attention_chunk_size = 8
+    assert layer_spans(chunked) == {"chunked_attention": AttentionSpan(chunk=8), "full_attention": AttentionSpan()}
+    hybrid = transformers.LlamaConfig(**COMMON)
+    hybrid.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(InputError, match="linear_attention layers keep a recurrent or convolution state"):
+        layer_spans(hybrid)
     bidirectional = transformers.Gemma3TextConfig(**COMMON, use_bidirectional_attention=True)
     with pytest.raises(InputError, match="bidirectional"):
-        layer_windows(bidirectional)
+        layer_spans(bidirectional)
+
+
+@pytest.mark.slow
+@pytest.mark.in_process
+@pytest.mark.filterwarnings("ignore::moirai.OversubscriptionWarning")
+def test_llama_4_whose_chunked_layers_see_their_own_chunk_generates_its_tokens():
+    """Llama 4's text model: chunked attention layers (a chunk of 4 under the 11-token prompt), layers without
+    rotary embeddings, a mixture of experts."""
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(
+        **COMMON, head_dim=16, num_local_experts=2, intermediate_size_mlp=128, attention_chunk_size=4
+    )
+    model = transformers.Llama4ForCausalLM(config).eval()
+    assert "chunked_attention" in config.layer_types
+    lm = moirai.compile_lm(
+        model, ["cpu", "cpu"], max_batch_size=2, max_seq_len=PROMPT_TOKENS + 12, max_prefill=8,
+        placer="round_robin", calibration="none", progress=False,
+    )  # fmt: skip
+    assert len(cache_devices(lm)) == 2, "the test needs the layers' caches apart"
+    ids, mask = prompts()
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        unchunked_model = transformers.Llama4ForCausalLM(copy.deepcopy(config)).eval()
+        unchunked_model.config.attention_chunk_size = 4096
+        unchunked_model.load_state_dict(model.state_dict())
+        unchunked = unchunked_model.generate(
+            ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0
+        )
+    assert not torch.equal(expected, unchunked), "the chunks change no token"
+    assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), expected)
 
 
 def test_hugging_faces_static_cache_export_wrapper_splits_and_runs_stepwise():

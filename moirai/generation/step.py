@@ -13,10 +13,10 @@ mask over the slot is built from them, so no cache length is read from the cache
 buffers is state. The last op samples (:func:`sample_tokens`), so the step's output is token ids, not logits.
 
 Nothing here names a model family: the cache's shape comes from what the layers write (:class:`CacheShape`), the
-masks from the Hugging Face config (:func:`layer_windows`: a sliding window hides positions older than it, per kind
-of layer where the config's ``layer_types`` differ), and the wrapped model's own layers do the rest (fused
-projections, embedding scales, soft-capping), so every family whose attention calls ``cache.update`` and takes a 4D
-mask works.
+masks from the Hugging Face config (:func:`layer_spans`: a sliding window hides positions older than it, a chunk
+those of earlier chunks, per kind of layer where the config's ``layer_types`` differ), and the wrapped model's own
+layers do the rest (fused projections, embedding scales, soft-capping), so every family whose attention calls
+``cache.update`` and takes a 4D mask works.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import inspect
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -167,7 +168,7 @@ class CausalLMStep(torch.nn.Module):
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         # What the model is checked for first: a model refused should not cost a cache allocation.
         _check_alibi(type(model).__name__, config)
-        self.windows = layer_windows(config)
+        self.spans = layer_spans(config)
         parameters = inspect.signature(model.forward).parameters
         self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
         self._keep_last_logits = "logits_to_keep" in parameters
@@ -225,8 +226,8 @@ class CausalLMStep(torch.nn.Module):
     ) -> torch.Tensor:
         """The model's logits at each row's last token, its attention reading and writing ``cache`` under masks
         over ``cache_length`` positions."""
-        windows = self.windows.items()
-        masks = {kind: attention_mask(positions, cache_length, self._dtype, window) for kind, window in windows}
+        spans = self.spans.items()
+        masks = {kind: attention_mask(positions, cache_length, self._dtype, span) for kind, span in spans}
         # one mask per kind of layer, as models whose layers differ take it; else the one 4D mask every model takes
         mask = masks if len(masks) > 1 else next(iter(masks.values()))
         options = {self._cache_keyword: cache, "use_cache": True}
@@ -315,35 +316,70 @@ def grouped_query_attention() -> Iterator[None]:
             os.environ[_FORCE_GQA_VARIABLE] = previous
 
 
-ATTENTION_KINDS = ("full_attention", "sliding_attention")  # the layer types of Hugging Face configs moirai masks
+class AttentionSpan(NamedTuple):
+    """The earlier positions a kind of attention layer sees: all (None), the last ``window`` of them, or those in
+    its own ``chunk`` of positions (Llama 4's chunked attention: positions 0..chunk-1, chunk..2 chunk-1, ...)."""
+
+    window: int | None = None
+    chunk: int | None = None
 
 
-def layer_windows(config: object) -> dict[str, int | None]:
-    """Each kind of attention layer in ``config`` with the sliding window its mask keeps (None: every earlier
-    position). A config without ``layer_types`` has one kind, windowed where it has a ``sliding_window``."""
+FULL_SPAN = AttentionSpan()  # every earlier position
+# The layer types of Hugging Face configs moirai masks, with the config field their span comes from.
+ATTENTION_KINDS = {
+    "full_attention": None,
+    "sliding_attention": "sliding_window",
+    "chunked_attention": "attention_chunk_size",
+}
+# Layer types that keep a state other than keys and values: said as such where a config has them.
+_RECURRENT_KINDS = ("linear_attention", "mamba", "conv", "recurrent")
+
+
+def layer_spans(config: object) -> dict[str, AttentionSpan]:
+    """Each kind of attention layer in ``config`` with what its mask keeps. A config without ``layer_types`` has
+    one kind, windowed where it has a ``sliding_window``."""
     if getattr(config, "use_bidirectional_attention", False):
         raise InputError("the model's config asks for bidirectional attention: compile_lm generates with causal LMs")
     window = getattr(config, "sliding_window", None)
     kinds = set(getattr(config, "layer_types", None) or ())
     if not kinds:
-        return {"full_attention" if window is None else "sliding_attention": window}
+        return {"full_attention" if window is None else "sliding_attention": AttentionSpan(window)}
     unknown = sorted(kinds - set(ATTENTION_KINDS))
     if unknown:
-        raise InputError(
-            f"the model's config has layers of type {unknown}: compile_lm masks only {list(ATTENTION_KINDS)} layers"
+        recurrent = [kind for kind in unknown if kind in _RECURRENT_KINDS]
+        why = (
+            f"; {', '.join(recurrent)} layers keep a recurrent or convolution state, not keys and values, which "
+            "compile_lm's step does not hold (moirai.compile splits one forward pass of such a model)"
+            if recurrent
+            else ""
         )
-    return {kind: window if kind == "sliding_attention" else None for kind in sorted(kinds)}
+        raise InputError(
+            f"the model's config has layers of type {unknown}: compile_lm masks only {list(ATTENTION_KINDS)} "
+            f"layers{why}"
+        )
+    spans = {}
+    for kind in sorted(kinds):
+        field = ATTENTION_KINDS[kind]
+        size = None if field is None else getattr(config, field, None)
+        if kind == "chunked_attention" and not size:
+            raise InputError(f"the model's config has {kind} layers and no {field}: compile_lm cannot mask them")
+        spans[kind] = AttentionSpan(chunk=size) if kind == "chunked_attention" else AttentionSpan(window=size)
+    return spans
 
 
 def attention_mask(
-    positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype, window: int | None = None
+    positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype, span: AttentionSpan = FULL_SPAN
 ) -> torch.Tensor:
     """The additive mask ``[B, 1, T, max_seq_len]``: a token at position p sees the slot's positions 0..p, or with
-    a sliding ``window`` only the last ``window`` of them (p - window + 1..p, as Hugging Face's sliding masks)."""
+    a sliding window only the last ``span.window`` of them (p - window + 1..p, as Hugging Face's sliding masks),
+    or with a chunk only those of its own chunk (as Hugging Face's chunked masks, counted from the sequence's first
+    token, which is a slot's position 0)."""
     slot_positions = torch.arange(max_seq_len, device=positions.device).view(1, 1, -1)
     seen = slot_positions <= positions.unsqueeze(-1)
-    if window is not None:
-        seen = seen & (slot_positions > positions.unsqueeze(-1) - window)
+    if span.window is not None:
+        seen = seen & (slot_positions > positions.unsqueeze(-1) - span.window)
+    if span.chunk is not None:
+        seen = seen & (slot_positions // span.chunk == positions.unsqueeze(-1) // span.chunk)
     # torch.full, not torch.tensor: on the meta device export lifts a torch.tensor as a constant it then writes
     # (detach_), which reads as state outside the module's buffers.
     blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=positions.device)
