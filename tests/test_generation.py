@@ -104,6 +104,10 @@ def test_a_sampled_run_with_a_seed_is_reproducible_and_another_seed_differs(spli
     first = split_lm.generate(prompt, seed=11, **options)
     assert torch.equal(first, split_lm.generate(prompt, seed=11, **options))
     assert not torch.equal(first, split_lm.generate(prompt, seed=12, **options))
+    # min_p 1 keeps only the likeliest token: the greedy one, whatever the seed
+    assert torch.equal(
+        split_lm.generate(prompt, seed=11, min_p=1.0, **options), split_lm.generate(prompt, max_new_tokens=16)
+    )
 
 
 def test_a_sampled_run_without_a_seed_follows_torch_manual_seed_as_hugging_faces_does(split_lm):
@@ -127,11 +131,11 @@ def test_sampling_follows_temperature_top_k_and_top_p():
     assert sample_tokens(logits, greedy).item() == 4
     grid = torch.linspace(0.0, 0.999, 1000)
 
-    def drawn(temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    def drawn(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:
         rows = torch.stack(
             [torch.full_like(grid, temperature), torch.full_like(grid, top_k), torch.full_like(grid, top_p), grid], 1
         )
-        tokens = sample_tokens(logits.expand(len(grid), -1), rows)
+        tokens = sample_tokens(logits.expand(len(grid), -1), rows, min_p=torch.full_like(grid, min_p))
         return np.bincount(tokens.numpy(), minlength=5) / len(grid)
 
     # Inverting the CDF at evenly spread uniforms draws each token in proportion to its probability.
@@ -142,6 +146,8 @@ def test_sampling_follows_temperature_top_k_and_top_p():
     assert top2[4] == pytest.approx(np.exp(3) / (np.exp(3) + np.exp(2)), abs=2e-3)
     # top_p 0.5: token 4 alone has 0.63 of the mass, so it is the smallest set reaching 0.5.
     assert set(np.flatnonzero(drawn(1.0, 0, 0.5))) == {4}
+    # min_p 0.3: tokens at least 0.3 as likely as token 4 (e^3): token 0 (e^2 = 0.37 of it) stays, token 1 goes.
+    assert np.array_equal(drawn(1.0, 0, 1.0, min_p=0.3), top2)
 
 
 def test_a_repetition_penalty_gives_the_models_tokens_and_a_slot_used_before_starts_afresh(llama, split_lm):
@@ -239,14 +245,19 @@ def test_generation_settings_model_generate_applies_and_moirai_does_not_are_name
 
 def test_arguments_left_out_are_the_generation_configs_as_model_generate_takes_them(llama):
     model = copy.deepcopy(llama)
-    model.generation_config.update(do_sample=True, temperature=0.7, top_k=5, max_new_tokens=7, repetition_penalty=0.5)
+    model.generation_config.update(
+        do_sample=True, temperature=0.7, top_k=5, max_new_tokens=7, repetition_penalty=0.5, min_p=0.9
+    )
     options = {"max_seq_len": 32, "max_prefill": 8, "placer": "heft", "progress": False, "calibration": "none"}
     lm = moirai.compile_lm(model, ["cpu"], **options)
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     torch.manual_seed(1)
     implied = lm.generate(prompt)
     torch.manual_seed(1)
-    assert torch.equal(implied, lm.generate(prompt, do_sample=True, temperature=0.7, top_k=5, max_new_tokens=7))
+    explicit = {"do_sample": True, "temperature": 0.7, "top_k": 5, "max_new_tokens": 7, "min_p": 0.9}
+    assert torch.equal(implied, lm.generate(prompt, **explicit))
+    torch.manual_seed(1)
+    assert not torch.equal(implied, lm.generate(prompt, **{**explicit, "min_p": 0.0}))
     assert not torch.equal(
         lm.generate(prompt, do_sample=False), lm.generate(prompt, do_sample=False, repetition_penalty=1.0)
     )
@@ -454,8 +465,10 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
         moirai.compile_lm(llama, ["cpu"], max_batch_sise=2, progress=False, calibration="none")
     with pytest.raises(moirai.InputError, match="sampling needs"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, top_p=0.0)
-    with pytest.raises(moirai.InputError, match="repetition_penalty > 0; got .*repetition_penalty=0.0"):
+    with pytest.raises(moirai.InputError, match="repetition_penalty > 0 .*; got .*repetition_penalty=0.0"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), repetition_penalty=0.0)
+    with pytest.raises(moirai.InputError, match="0 <= min_p <= 1; got .*min_p=1.5"):
+        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, min_p=1.5)
     # A token id the embedding has no row for: named at once, before any step runs (it was an IndexError).
     with pytest.raises(moirai.InputError, match=rf"token {VOCAB} \(position 1\).*ids 0 to {VOCAB - 1}"):
         split_lm.generate(torch.tensor([[3, VOCAB, 4]]), max_new_tokens=2)

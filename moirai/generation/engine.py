@@ -42,13 +42,20 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     repetition_penalty: float = 1.0
+    min_p: float = 0.0  # sampled tokens are at least this times as likely as the likeliest (0: any)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not self.repetition_penalty > 0:
+        if (
+            self.temperature < 0
+            or self.top_k < 0
+            or not 0 < self.top_p <= 1
+            or not self.repetition_penalty > 0
+            or not 0 <= self.min_p <= 1
+        ):
             raise InputError(
-                f"sampling needs temperature >= 0, top_k >= 0, 0 < top_p <= 1 and repetition_penalty > 0; got "
-                f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
-                f"repetition_penalty={self.repetition_penalty}"
+                f"sampling needs temperature >= 0, top_k >= 0, 0 < top_p <= 1, repetition_penalty > 0 and "
+                f"0 <= min_p <= 1; got temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
+                f"repetition_penalty={self.repetition_penalty}, min_p={self.min_p}"
             )
 
 
@@ -276,6 +283,7 @@ class Engine:
                     sampling.top_p,
                     sequence.uniform(),
                     sampling.repetition_penalty,
+                    sampling.min_p,
                 ]
             )
         slots = [s.slot for s in step.sequences]

@@ -172,6 +172,7 @@ class CompiledLM:
         seed: int | None = None,
         max_length: int | None = None,
         repetition_penalty: float | None = None,
+        min_p: float | None = None,
         streamer: Any = None,
         generation_config: Any = None,
         **others: Any,
@@ -179,18 +180,18 @@ class CompiledLM:
         """Token ids ``[batch, prompt + new]`` as Hugging Face's ``generate`` returns them, run by the local runner
         (every part from this process; :meth:`server` runs one process per device).
 
-        Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it);
-        rows that end early (``eos_token_id``) are padded with ``pad_token_id`` (default: the model's, else the end
-        token). ``do_sample`` samples with ``temperature``, ``top_k`` (0: all) and ``top_p``, after the logits of
-        the tokens a row has seen are penalized by ``repetition_penalty`` (greedy or not); each of these, left out,
-        is the model's ``generation_config``'s where it sets it, else Hugging Face's default (greedy; 1.0, 50, 1.0;
-        1.0). The new tokens are ``max_new_tokens``, else up to ``max_length`` in all (prompt included), each
-        the call's or else the ``generation_config``'s, else 20 (:meth:`GenerationDefaults.new_tokens`, as
-        ``model.generate`` counts them). Sampling draws from ``seed`` (each row
-        from ``seed + row``; None: a seed drawn from torch's global generator, so ``torch.manual_seed`` makes
-        a sampled call repeat as it does Hugging Face's). A ``generation_config`` passed stands before the
-        model's; a ``streamer`` (Hugging Face's ``TextStreamer``, one row) gets the prompt, then each token as it
-        comes. Any other argument of ``model.generate`` is an :class:`InputError` naming it.
+        Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it); rows
+        that end early (``eos_token_id``) are padded with ``pad_token_id`` (default: the model's, else the end token).
+        ``do_sample`` samples with ``temperature``, ``top_k`` (0: all), ``top_p`` and ``min_p``, after the logits of the
+        tokens a row has seen are penalized by ``repetition_penalty`` (greedy or not); each of these, left out, is the
+        model's ``generation_config``'s where it sets it, else Hugging Face's default (greedy; 1.0, 50, 1.0, none; 1.0).
+        The new tokens are ``max_new_tokens``, else up to ``max_length`` in all (prompt included), each the call's or
+        else the ``generation_config``'s, else 20 (:meth:`GenerationDefaults.new_tokens`, as ``model.generate`` counts
+        them). Sampling draws from ``seed`` (each row from ``seed + row``; None: a seed drawn from torch's global
+        generator, so ``torch.manual_seed`` makes a sampled call repeat as it does Hugging Face's). A
+        ``generation_config`` passed stands before the model's; a ``streamer`` (Hugging Face's ``TextStreamer``, one
+        row) gets the prompt, then each token as it comes. Any other argument of ``model.generate`` is an
+        :class:`InputError` naming it.
         """
         given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
         options = GenerateOptions.of(given, others)

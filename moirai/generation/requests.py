@@ -109,6 +109,7 @@ class GenerateOptions(NamedTuple):
     seed: int | None = None
     max_length: int | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = None
     streamer: Any = None  # Hugging Face's streamer protocol: put(token ids), end()
     generation_config: Any = None  # a GenerationConfig whose values stand before the model's
 
@@ -153,7 +154,6 @@ UNAPPLIED_SETTINGS = {
     "typical_p": 1.0,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
-    "min_p": None,
     "num_beams": 1,
     "guidance_scale": 1.0,
     "num_return_sequences": 1,
@@ -176,7 +176,8 @@ def _refuse_unapplied(generation_config: object, where: str) -> None:
     if unapplied:
         raise InputError(
             f"{where} sets {', '.join(unapplied)}, which model.generate applies and moirai's generate does not (it "
-            "applies max_new_tokens, max_length, temperature, top_k, top_p, repetition_penalty and the end tokens)"
+            "applies max_new_tokens, max_length, temperature, top_k, top_p, min_p, repetition_penalty and the end "
+            "tokens)"
         )
 
 
@@ -211,6 +212,7 @@ class GenerationDefaults(NamedTuple):
     top_k: int = 50
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
     max_position_embeddings: int | None = None  # the model config's: caps Hugging Face's default length
 
     @classmethod
@@ -255,6 +257,7 @@ class GenerationDefaults(NamedTuple):
         top_p: float | None,
         seed: int | None,
         repetition_penalty: float | None = None,
+        min_p: float | None = None,
     ) -> SamplingParams:
         """The sampling of a call, each argument left out taken from these defaults (see :func:`sampling_params`)."""
         return sampling_params(
@@ -264,6 +267,7 @@ class GenerationDefaults(NamedTuple):
             self.top_p if top_p is None else top_p,
             seed,
             self.repetition_penalty if repetition_penalty is None else repetition_penalty,
+            self.min_p if min_p is None else min_p,
         )
 
 
@@ -282,6 +286,7 @@ def sampling_params(
     top_p: float | None,
     seed: int | None = None,
     repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
 ) -> SamplingParams:
     """Hugging Face's sampling arguments as :class:`SamplingParams` (greedy unless ``do_sample``; the repetition
     penalty either way).
@@ -290,14 +295,17 @@ def sampling_params(
     Hugging Face's ``generate``, ``torch.manual_seed`` before the call makes it draw the same tokens again.
     """
     try:
-        penalty = float(repetition_penalty)
+        penalty, min_p = float(repetition_penalty), float(min_p)
     except (TypeError, ValueError):
-        raise InputError(f"repetition_penalty must be a number, got {repetition_penalty!r}") from None
+        raise InputError(
+            f"repetition_penalty and min_p must be numbers, got {repetition_penalty!r}, {min_p!r}"
+        ) from None
     if not do_sample:
         return SamplingParams(seed=seed, repetition_penalty=penalty)
     if seed is None:
         seed = int(torch.randint(0, _SEEDS, ()))
-    return SamplingParams(temperature, int(top_k or 0), float(top_p if top_p is not None else 1.0), seed, penalty)
+    top_p = float(top_p if top_p is not None else 1.0)
+    return SamplingParams(temperature, int(top_k or 0), top_p, seed, penalty, min_p)
 
 
 def end_tokens(given: int | Sequence[int] | None, default: Sequence[int]) -> frozenset[int]:
@@ -320,7 +328,13 @@ def generate_rows(
     request = GenerateRequest.of(lm, input_ids, attention_mask, options, defaults)
     # in the caller's thread: a seed drawn from torch's global generator is drawn here
     sampling = defaults.sampling(
-        options.do_sample, options.temperature, options.top_k, options.top_p, options.seed, options.repetition_penalty
+        options.do_sample,
+        options.temperature,
+        options.top_k,
+        options.top_p,
+        options.seed,
+        options.repetition_penalty,
+        options.min_p,
     )
     futures = request.submit(engine, sampling, options.streamer)
     try:

@@ -59,6 +59,7 @@ class GenerationServer:
         on_token: Any = None,
         max_length: int | None = None,
         repetition_penalty: float | None = None,
+        min_p: float | None = None,
     ) -> Future:
         """A future of the new token ids of one sequence (``InputError`` at once if it cannot fit a slot);
         ``on_token(token)`` is called with each token as it comes, from the server's thread. Arguments left out are
@@ -71,7 +72,7 @@ class GenerationServer:
         sequence = SequenceState(
             prompt,
             defaults.new_tokens(max_new_tokens, max_length, len(prompt)),
-            defaults.sampling(do_sample, temperature, top_k, top_p, seed, repetition_penalty),
+            defaults.sampling(do_sample, temperature, top_k, top_p, seed, repetition_penalty, min_p),
             end_tokens(eos_token_id, self._lm.eos_token_id),
             on_token=on_token,
         )
@@ -112,6 +113,7 @@ class GenerationServer:
         seed: int | None = None,
         max_length: int | None = None,
         repetition_penalty: float | None = None,
+        min_p: float | None = None,
         streamer: Any = None,
         generation_config: Any = None,
         **others: Any,

@@ -6,7 +6,7 @@ attention's own layout, so a batch's slots are gathered without a transpose): a 
 and a step writes its new keys and values at ``(slot, :, position)`` in place (``index_put_``) and attends over its
 slot. The step's inputs are plain tensors, so torch.export traces it once with the batch and token dimensions dynamic::
 
-    step(input_ids[B, T], positions[B, T], slots[B], sampling[B, 5]) -> tokens[B]
+    step(input_ids[B, T], positions[B, T], slots[B], sampling[B, 6]) -> tokens[B]
 
 A prefill chunk is ``B = 1, T = n``, a decode step ``B = sequences, T = 1``. Positions come in and an attention
 mask over the slot is built from them, so no cache length is read from the cache itself and nothing but the
@@ -35,9 +35,9 @@ from moirai.planning.bounds import format_bytes
 from moirai.runtime.zero_pages import zeros_on_demand
 
 # The columns of a step's ``sampling`` input, one row per sequence: the first four are :func:`sample_tokens`'s, then
-# a repetition penalty (1: none; [Note: seen tokens]).
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform", "repetition_penalty")
-NEUTRAL_SAMPLING = (0.0, 0.0, 1.0, 0.0, 1.0)  # greedy, no penalty
+# a repetition penalty (1: none; [Note: seen tokens]) and a min-p (0: none).
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform", "repetition_penalty", "min_p")
+NEUTRAL_SAMPLING = (0.0, 0.0, 1.0, 0.0, 1.0, 0.0)  # greedy, no penalty
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ class CausalLMStep(torch.nn.Module):
         logits = self.last_logits(input_ids, positions, SlotCache(self, slots, positions), self.cache_shape.max_seq_len)
         seen = self.seen(input_ids, positions, slots)
         penalized = penalize_repetitions(logits.float(), seen[:, : self._logits_width], sampling[:, 4])
-        return sample_tokens(penalized, sampling[:, :4])
+        return sample_tokens(penalized, sampling[:, :4], min_p=sampling[:, 5])
 
     def seen(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Each row's seen-token flags ``[B, seen_width]`` after this step's tokens, kept in the slot.
@@ -386,13 +386,14 @@ def attention_mask(
     return torch.where(seen, torch.zeros((), dtype=dtype, device=positions.device), blocked).unsqueeze(1)
 
 
-def sample_tokens(logits: torch.Tensor, sampling: torch.Tensor) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, sampling: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """The next token of every row of ``logits [B, V]``, chosen as ``sampling [B, 4]`` says.
 
     A row's ``(temperature, top_k, top_p, uniform)``: temperature 0 is greedy (the first largest logit, as
     ``argmax`` and Hugging Face's greedy search take it); otherwise the logits are divided by the temperature,
-    cut to the ``top_k`` largest (0: all) and to the smallest set whose probability reaches ``top_p`` (Hugging Face's
-    order: temperature, top-k, top-p), and the token is drawn by inverting the remaining distribution's CDF at
+    cut to the ``top_k`` largest (0: all), to the smallest set whose probability reaches ``top_p``, and to those at
+    least a row's ``min_p`` times as likely as its likeliest token (Hugging Face's order: temperature, top-k, top-p,
+    min-p), and the token is drawn by inverting the remaining distribution's CDF at
     ``uniform`` (a number in [0, 1) the caller draws, so a seeded run is reproducible wherever it runs).
     """
     logits = logits.float()
@@ -404,6 +405,8 @@ def sample_tokens(logits: torch.Tensor, sampling: torch.Tensor) -> torch.Tensor:
     keep = (top_k.unsqueeze(-1) <= 0) | (rank < top_k.unsqueeze(-1))
     probabilities = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
     keep = keep & ((probabilities.cumsum(dim=-1) - probabilities) < top_p.unsqueeze(-1))
+    if min_p is not None:  # then those under min_p times the likeliest token's probability (the first, sorted)
+        keep = keep & (probabilities >= min_p.float().unsqueeze(-1) * probabilities[:, :1])
     cdf = probabilities.masked_fill(~keep, 0.0).cumsum(dim=-1)
     pick = torch.searchsorted(cdf, (uniform.unsqueeze(-1) * cdf[:, -1:]).contiguous(), right=True)
     sampled = order.gather(-1, pick.clamp_max(logits.shape[-1] - 1)).squeeze(-1)
