@@ -19,7 +19,7 @@ import torch
 import moirai
 from moirai.errors import InputError
 from moirai.frontend.state import mutable_buffers
-from moirai.generation.step import AttentionSpan, attention_mask, layer_spans
+from moirai.generation.step import AttentionSpan, attention_mask, embedding_rows, layer_spans
 from moirai.planning.plan import Plan
 
 transformers = pytest.importorskip("transformers")
@@ -294,6 +294,20 @@ class _NoCacheLM(torch.nn.Module):
         if self.fail:
             raise RuntimeError("this model's attention wants a 2D mask")
         return (self.embed(input_ids) @ self.embed.weight.T,)
+
+
+def test_the_token_ids_a_model_takes_are_its_input_embeddings_rows_whatever_module_holds_them():
+    class ScaledEmbedding(torch.nn.Module):  # not a torch.nn.Embedding: a weight of rows, as many models' own
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(10, 4))
+
+    model = _NoCacheLM()
+    assert embedding_rows(model) is None
+    model.get_input_embeddings = lambda: torch.nn.Embedding(12, 4)
+    assert embedding_rows(model) == 12
+    model.get_input_embeddings = ScaledEmbedding
+    assert embedding_rows(model) == 10
 
 
 def test_a_model_that_writes_nothing_to_its_cache_or_cannot_run_a_token_is_refused_saying_what_it_was_given():

@@ -43,7 +43,14 @@ from moirai.frontend.trace import TracedModel, trace
 from moirai.generation.engine import Engine, SubmitStep, done_future
 from moirai.generation.requests import GenerateOptions, GenerationDefaults, generate_rows, unapplied_settings
 from moirai.generation.server import GenerationServer
-from moirai.generation.step import NEUTRAL_SAMPLING, STEP_CALL, CacheShape, CausalLMStep, grouped_query_attention
+from moirai.generation.step import (
+    NEUTRAL_SAMPLING,
+    STEP_CALL,
+    CacheShape,
+    CausalLMStep,
+    embedding_rows,
+    grouped_query_attention,
+)
 from moirai.plan_records import PlanHandover
 from moirai.planning.objective import LATENCY, Generation
 from moirai.planning.placers import place
@@ -291,7 +298,7 @@ def compile_lm(
         eos_ids,
         pad,
         type(model).__name__,
-        _vocab_size(model),
+        embedding_rows(model),
         GenerationDefaults.of(generation_config, config),
     )
 
@@ -304,16 +311,11 @@ def _warn_of_unapplied_settings(name: str, generation_config: object) -> None:
     if unapplied:
         warnings.warn(
             f"{name}'s generation_config sets {', '.join(unapplied)}, which model.generate applies and moirai's "
-            "generate does not (it applies temperature, top_k, top_p and the end tokens): their tokens can differ",
+            "generate does not (it applies temperature, top_k, top_p, min_p, repetition_penalty and the end tokens): "
+            "their tokens can differ",
             MoiraiWarning,
             stacklevel=user_stacklevel(),
         )
-
-
-def _vocab_size(model: torch.nn.Module) -> int | None:
-    """The rows of the model's input embedding (what a token id indexes), where the model says which it is."""
-    embedding = getattr(model, "get_input_embeddings", lambda: None)()
-    return embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else None
 
 
 def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> TracedModel:

@@ -174,10 +174,9 @@ class CausalLMStep(torch.nn.Module):
         self._keep_last_logits = "logits_to_keep" in parameters
         self._dtype = dtype  # the masks' and the cache's
         layers, logits_width = probe_step(self, device)
-        embedding = getattr(model, "get_input_embeddings", lambda: None)()
-        embedding_rows = embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else 0
         self._logits_width = logits_width
-        self.cache_shape = CacheShape(layers, slots, max_seq_len, dtype, max(logits_width, embedding_rows))
+        seen_width = max(logits_width, embedding_rows(model) or 0)  # every token id a prompt may feed
+        self.cache_shape = CacheShape(layers, slots, max_seq_len, dtype, seen_width)
         shape = self.cache_shape
         try:
             for layer in shape.layers:
@@ -214,7 +213,10 @@ class CausalLMStep(torch.nn.Module):
         has fed in a buffer, ``seen_tokens[slots, seen_width]`` (a byte each): a sequence's first chunk (position
         0) clears its slot's row, every step sets the flags of the tokens it feeds, and the penalty reads the row.
         A prompt's left padding is never fed, and transformers 5 leaves it out of the penalty too
-        (``prompt_ignore_length``; transformers 4 counted the pad token).
+        (``prompt_ignore_length``; transformers 4 counted the pad token). Other tokens a mask leaves out (a hole
+        after the first kept token), which Hugging Face still counts, are left out of the sequence, and so of
+        its flags. On CUDA Hugging Face divides by a number as a product with its reciprocal, which may round a
+        logit one unit in the last place from the division here.
         """
         flags = self.seen_tokens.index_select(0, slots) & (positions[:, :1] != 0)
         flags = flags.scatter(1, input_ids, True)
@@ -256,6 +258,11 @@ def probe_step(step: CausalLMStep, device: torch.device) -> tuple[tuple[LayerCac
     try:
         with torch.no_grad():
             logits = step.last_logits(token, token, recorder, 1)
+    except (torch.cuda.OutOfMemoryError, MemoryError) as error:
+        raise InputError(
+            f"{name} ran out of memory on {device} running one token to size its KV cache ({type(error).__name__}); "
+            "free memory there, or build the model on the meta device to plan without weights"
+        ) from None
     except Exception as error:  # whatever the model's own code raises: said with what it was called with
         raise TraceError(
             f"{name} did not run one token with compile_lm's cache, which sizes the KV cache by what each attention "
@@ -267,6 +274,15 @@ def probe_step(step: CausalLMStep, device: torch.device) -> tuple[tuple[LayerCac
             "layers that call cache.update with their keys and values"
         )
     return tuple(recorder.layers[layer] for layer in sorted(recorder.layers)), int(logits.shape[-1])
+
+
+def embedding_rows(model: torch.nn.Module) -> int | None:
+    """The rows of the model's input embedding (what a token id indexes), where the model says which it is."""
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    if isinstance(embedding, torch.nn.Embedding):
+        return embedding.num_embeddings
+    weight = getattr(embedding, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
 def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
