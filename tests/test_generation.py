@@ -125,6 +125,38 @@ def test_a_sampled_run_without_a_seed_follows_torch_manual_seed_as_hugging_faces
     assert greedy.shape == (2, 11)
 
 
+def _sorted_sampler(logits: torch.Tensor, rows: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The sampler as written over a sort of the whole vocabulary: the reference for the candidates' one."""
+    temperature, top_k, top_p, uniform = rows.unbind(dim=-1)
+    sorted_logits, order = (logits / temperature.unsqueeze(-1)).sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1]).unsqueeze(0)
+    keep = (top_k.unsqueeze(-1) <= 0) | (rank < top_k.unsqueeze(-1))
+    probabilities = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    keep = keep & ((probabilities.cumsum(dim=-1) - probabilities) < top_p.unsqueeze(-1))
+    keep = keep & (probabilities >= min_p.unsqueeze(-1) * probabilities[:, :1])
+    cdf = probabilities.masked_fill(~keep, 0.0).cumsum(dim=-1)
+    pick = torch.searchsorted(cdf, (uniform.unsqueeze(-1) * cdf[:, -1:]).contiguous(), right=True)
+    return order.gather(-1, pick.clamp_max(logits.shape[-1] - 1)).squeeze(-1)
+
+
+def test_the_sampler_cuts_among_its_candidates_exactly_as_over_the_sorted_vocabulary():
+    """[Note: sampling among candidates]: with a top_k within the candidates, or a top_p or min_p cut the
+    candidates hold, every uniform draws the token a sort of all 5,000 logits draws."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 5000, generator=generator) * 2.5  # the 1,024 likeliest hold 0.95 of the mass
+    uniforms = torch.rand(400, generator=generator)
+    settings = [(1.0, 50, 1.0, 0.0), (0.7, 20, 0.8, 0.0), (1.3, 1024, 0.95, 0.05), (1.0, 0, 0.9, 0.0),
+                (0.8, 0, 1.0, 0.02), (1.0, 6000, 0.5, 0.0)]  # fmt: skip
+    for temperature, top_k, top_p, min_p in settings:
+        rows = torch.tensor([[temperature, top_k, top_p, 0.0]]).repeat(len(uniforms), 1)
+        rows[:, 3] = uniforms
+        minimum = torch.full((len(uniforms),), min_p)
+        expected = _sorted_sampler(logits.expand(len(uniforms), -1), rows, minimum)
+        drawn = sample_tokens(logits.expand(len(uniforms), -1), rows, min_p=minimum)
+        assert torch.equal(drawn, expected), (temperature, top_k, top_p, min_p)
+        assert len(set(drawn.tolist())) > 3
+
+
 def test_sampling_follows_temperature_top_k_and_top_p():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0]])
     greedy = torch.tensor([[0.0, 0.0, 1.0, 0.5]])

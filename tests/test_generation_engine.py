@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 
 import pytest
 import torch
 
+import moirai
 from moirai.errors import DistributedError, InputError, RequestError
 from moirai.generation.engine import Engine, SamplingParams, SequenceState, done_future
 
@@ -244,3 +246,15 @@ def test_a_sequence_that_cannot_fit_a_slot_is_refused_at_once() -> None:
         engine.add(sequence(list(range(10)), 7))
     with pytest.raises(InputError, match="empty"):
         engine.add(sequence([], 2))
+
+
+def test_a_top_p_or_min_p_cut_the_samplers_candidates_may_not_hold_is_warned_of():
+    """[Note: sampling among candidates] in step.py: no top_k (or one over 1,024) over a larger vocabulary."""
+    big, small = (Engine(FakeSteps().submit, 2, 64, 8, 2, 1, vocab) for vocab in (32000, 512))
+    with pytest.warns(moirai.MoiraiWarning, match=r"top_p=0.9 and min_p=0.0 with top_k=0 are cut among the 1024"):
+        big.add(SequenceState([1, 2], 4, SamplingParams(1.0, 0, 0.9, seed=1), frozenset()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", moirai.MoiraiWarning)
+        big.add(SequenceState([1, 2], 4, SamplingParams(1.0, 50, 0.9, seed=1), frozenset()))  # top_k: exact
+        big.add(SequenceState([1, 2], 4, SamplingParams(1.0, 0, 1.0, seed=1), frozenset()))  # no cut: exact
+        small.add(SequenceState([1, 2], 4, SamplingParams(1.0, 0, 0.9, seed=1), frozenset()))  # all candidates

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
 
-from moirai.errors import DistributedError, InputError, MoiraiError
+from moirai.errors import DistributedError, InputError, MoiraiError, MoiraiWarning, user_stacklevel
+from moirai.generation.step import SAMPLING_CANDIDATES
 
 SubmitStep = Callable[[tuple[torch.Tensor, ...]], "Future[torch.Tensor]"]
 
@@ -165,11 +167,28 @@ class Engine:
 
     def add(self, sequence: SequenceState) -> Future:
         self.check(sequence.prompt, sequence.max_new_tokens)
+        self._warn_of_candidate_cuts(sequence.sampling)
         with self._unsettled_lock:
             self._unsettled.add(sequence.future)
         sequence.future.add_done_callback(self._settle)  # at its result, its failure or its cancelling
         self._waiting.put(sequence)
         return sequence.future
+
+    def _warn_of_candidate_cuts(self, sampling: SamplingParams) -> None:
+        """A :class:`MoiraiWarning` where the sampler's cuts may reach past its candidates ([Note: sampling among
+        candidates] in step.py): no top-k, or one over the candidates, with a top-p or min-p cut."""
+        if sampling.temperature == 0 or (sampling.top_p >= 1 and sampling.min_p <= 0):
+            return
+        small_vocabulary = self.vocab_size is not None and self.vocab_size <= SAMPLING_CANDIDATES
+        if 0 < sampling.top_k <= SAMPLING_CANDIDATES or small_vocabulary:
+            return
+        warnings.warn(
+            f"top_p={sampling.top_p} and min_p={sampling.min_p} with top_k={sampling.top_k} are cut among the "
+            f"{SAMPLING_CANDIDATES} likeliest tokens: where those hold less than top_p (or more tokens pass min_p), "
+            f"the token is drawn among them only; a top_k of at most {SAMPLING_CANDIDATES} cuts exactly",
+            MoiraiWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     @property
     def unfinished(self) -> int:
