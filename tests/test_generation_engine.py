@@ -248,13 +248,18 @@ def test_a_sequence_that_cannot_fit_a_slot_is_refused_at_once() -> None:
         engine.add(sequence([], 2))
 
 
-def test_a_top_p_or_min_p_cut_the_samplers_candidates_may_not_hold_is_warned_of():
-    """[Note: sampling among candidates] in step.py: no top_k (or one over 1,024) over a larger vocabulary."""
+def test_a_cut_the_samplers_candidates_may_not_hold_is_warned_of_and_a_top_k_they_cannot_hold_refused():
+    """[Note: sampling among candidates] in step.py: no top_k with a top-p cut, or a top_k over 1,024 and under the
+    vocabulary."""
     big, small = (Engine(FakeSteps().submit, 2, 64, 8, 2, 1, vocab) for vocab in (32000, 512))
-    with pytest.warns(moirai.MoiraiWarning, match=r"top_p=0.9 and min_p=0.0 with top_k=0 are cut among the 1024"):
-        big.add(SequenceState([1, 2], 4, SamplingParams(1.0, 0, 0.9, seed=1), frozenset()))
+    for every_token in (0, 40000):  # no top_k, or one over the vocabulary
+        with pytest.warns(moirai.MoiraiWarning, match=r"top_p=0.9 and min_p=0.0 with no top_k are cut among"):
+            big.add(SequenceState([1, 2], 4, SamplingParams(1.0, every_token, 0.9, seed=1), frozenset()))
+    with pytest.raises(InputError, match=r"top_k=1100 is over the 1024 likeliest tokens .* at most 1024, or 0"):
+        big.add(SequenceState([1, 2], 4, SamplingParams(1.0, 1100, 1.0, seed=1), frozenset()))
     with warnings.catch_warnings():
         warnings.simplefilter("error", moirai.MoiraiWarning)
         big.add(SequenceState([1, 2], 4, SamplingParams(1.0, 50, 0.9, seed=1), frozenset()))  # top_k: exact
         big.add(SequenceState([1, 2], 4, SamplingParams(1.0, 0, 1.0, seed=1), frozenset()))  # no cut: exact
         small.add(SequenceState([1, 2], 4, SamplingParams(1.0, 0, 0.9, seed=1), frozenset()))  # all candidates
+        small.add(SequenceState([1, 2], 4, SamplingParams(1.0, 1100, 0.9, seed=1), frozenset()))  # every token

@@ -175,20 +175,25 @@ class Engine:
         return sequence.future
 
     def _warn_of_candidate_cuts(self, sampling: SamplingParams) -> None:
-        """A :class:`MoiraiWarning` where the sampler's cuts may reach past its candidates ([Note: sampling among
-        candidates] in step.py): no top-k, or one over the candidates, with a top-p or min-p cut."""
-        if sampling.temperature == 0 or (sampling.top_p >= 1 and sampling.min_p <= 0):
+        """[Note: sampling among candidates] in step.py: :class:`InputError` for a top-k over the candidates (and
+        under the vocabulary), which they cannot hold; a :class:`MoiraiWarning` for a top-p or min-p cut with no
+        top-k, which may reach past them."""
+        vocabulary = self.vocab_size if self.vocab_size is not None else float("inf")
+        if sampling.temperature == 0 or vocabulary <= SAMPLING_CANDIDATES:
             return
-        small_vocabulary = self.vocab_size is not None and self.vocab_size <= SAMPLING_CANDIDATES
-        if 0 < sampling.top_k <= SAMPLING_CANDIDATES or small_vocabulary:
-            return
-        warnings.warn(
-            f"top_p={sampling.top_p} and min_p={sampling.min_p} with top_k={sampling.top_k} are cut among the "
-            f"{SAMPLING_CANDIDATES} likeliest tokens: where those hold less than top_p (or more tokens pass min_p), "
-            f"the token is drawn among them only; a top_k of at most {SAMPLING_CANDIDATES} cuts exactly",
-            MoiraiWarning,
-            stacklevel=user_stacklevel(),
-        )
+        if SAMPLING_CANDIDATES < sampling.top_k < vocabulary:
+            raise InputError(
+                f"top_k={sampling.top_k} is over the {SAMPLING_CANDIDATES} likeliest tokens the step's sampler cuts "
+                f"among: give a top_k of at most {SAMPLING_CANDIDATES}, or 0 for every token"
+            )
+        if (sampling.top_k == 0 or sampling.top_k >= vocabulary) and (sampling.top_p < 1 or sampling.min_p > 0):
+            warnings.warn(
+                f"top_p={sampling.top_p} and min_p={sampling.min_p} with no top_k are cut among the "
+                f"{SAMPLING_CANDIDATES} likeliest tokens: where those hold less than top_p (or more tokens pass "
+                f"min_p), the token is drawn among them only; a top_k of at most {SAMPLING_CANDIDATES} cuts exactly",
+                MoiraiWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     @property
     def unfinished(self) -> int:

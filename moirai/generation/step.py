@@ -419,8 +419,9 @@ def sample_tokens(logits: torch.Tensor, sampling: torch.Tensor, min_p: torch.Ten
     :data:`SAMPLING_CANDIDATES` likeliest tokens (``topk``), priced against the whole vocabulary's probabilities, so
     they are exact wherever what a row keeps is among them: always with ``top_k`` at most that many, and with no
     cut at all (``top_k`` 0, ``top_p`` 1, ``min_p`` 0), where the draw is over the whole vocabulary in token order.
-    A row with no ``top_k`` (or a larger one) and a ``top_p`` or ``min_p`` draws among the candidates only: the
-    engine warns of it (:func:`moirai.generation.engine.Engine.add`).
+    A row with no ``top_k`` and a ``top_p`` or ``min_p`` draws among the candidates only: the engine warns of it,
+    and refuses a ``top_k`` over the candidates and under the vocabulary (:func:`moirai.generation.engine.Engine.add`).
+    A logit tied with the ``top_k``-th is cut here, where Hugging Face keeps every tie.
     """
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
