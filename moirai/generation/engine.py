@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moirai.errors import DistributedError, InputError, MoiraiError, MoiraiWarning, user_stacklevel
-from moirai.generation.step import SAMPLING_CANDIDATES
+from moirai.generation.step import SAMPLING_CANDIDATES, SAMPLING_FIELDS
 
 SubmitStep = Callable[[tuple[torch.Tensor, ...]], "Future[torch.Tensor]"]
 
@@ -45,6 +45,11 @@ class SamplingParams:
     seed: int | None = None
     repetition_penalty: float = 1.0
     min_p: float = 0.0  # sampled tokens are at least this times as likely as the likeliest (0: any)
+
+    def row(self, uniform: float) -> list[float]:
+        """This sampling as a row of the step's ``sampling`` input (its columns: ``SAMPLING_FIELDS``), with the
+        ``uniform`` number a sampled step draws at."""
+        return [uniform if name == "uniform" else float(getattr(self, name)) for name in SAMPLING_FIELDS]
 
     def __post_init__(self) -> None:
         if (
@@ -167,14 +172,14 @@ class Engine:
 
     def add(self, sequence: SequenceState) -> Future:
         self.check(sequence.prompt, sequence.max_new_tokens)
-        self._warn_of_candidate_cuts(sequence.sampling)
+        self._check_candidate_cuts(sequence.sampling)
         with self._unsettled_lock:
             self._unsettled.add(sequence.future)
         sequence.future.add_done_callback(self._settle)  # at its result, its failure or its cancelling
         self._waiting.put(sequence)
         return sequence.future
 
-    def _warn_of_candidate_cuts(self, sampling: SamplingParams) -> None:
+    def _check_candidate_cuts(self, sampling: SamplingParams) -> None:
         """[Note: sampling among candidates] in step.py: :class:`InputError` for a top-k over the candidates (and
         under the vocabulary), which they cannot hold; a :class:`MoiraiWarning` for a top-p or min-p cut with no
         top-k, which may reach past them."""
@@ -299,17 +304,7 @@ class Engine:
             else:
                 ids.append([sequence.tokens[-1]])
                 positions.append([sequence.next_position])
-            sampling = sequence.sampling
-            rows.append(
-                [
-                    sampling.temperature,
-                    float(sampling.top_k),
-                    sampling.top_p,
-                    sequence.uniform(),
-                    sampling.repetition_penalty,
-                    sampling.min_p,
-                ]
-            )
+            rows.append(sequence.sampling.row(sequence.uniform()))
         slots = [s.slot for s in step.sequences]
         # On the host: each part moves the inputs it reads to its own device.
         return (

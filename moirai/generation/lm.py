@@ -40,11 +40,16 @@ from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import sizes_at
 from moirai.frontend.trace import TracedModel, trace
-from moirai.generation.engine import Engine, SubmitStep, done_future
-from moirai.generation.requests import GenerateOptions, GenerationDefaults, generate_rows, unapplied_settings
+from moirai.generation.engine import Engine, SamplingParams, SubmitStep, done_future
+from moirai.generation.requests import (
+    APPLIED_SETTINGS,
+    GenerateOptions,
+    GenerationDefaults,
+    generate_rows,
+    unapplied_settings,
+)
 from moirai.generation.server import GenerationServer
 from moirai.generation.step import (
-    NEUTRAL_SAMPLING,
     STEP_CALL,
     CacheShape,
     CausalLMStep,
@@ -311,8 +316,7 @@ def _warn_of_unapplied_settings(name: str, generation_config: object) -> None:
     if unapplied:
         warnings.warn(
             f"{name}'s generation_config sets {', '.join(unapplied)}, which model.generate applies and moirai's "
-            "generate does not (it applies temperature, top_k, top_p, min_p, repetition_penalty and the end tokens): "
-            "their tokens can differ",
+            f"generate does not (it applies {APPLIED_SETTINGS}): their tokens can differ",
             MoiraiWarning,
             stacklevel=user_stacklevel(),
         )
@@ -330,7 +334,7 @@ def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> Tra
         torch.zeros(b, t, dtype=torch.long, device=device),
         torch.arange(t, device=device).repeat(b, 1),
         torch.arange(b, device=device),
-        torch.tensor(NEUTRAL_SAMPLING, device=device).repeat(b, 1),
+        torch.tensor(SamplingParams().row(0.0), device=device).repeat(b, 1),  # greedy, no penalty
     )
     shapes = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch})
     with grouped_query_attention():

@@ -139,6 +139,7 @@ class GenerateOptions(NamedTuple):
 
 # Settings of a Hugging Face generation_config that change model.generate's tokens and that moirai's generate does
 # not apply, with the values that leave the tokens alone (None: unset).
+APPLIED_SETTINGS = "max_new_tokens, max_length, temperature, top_k, top_p, min_p, repetition_penalty and the end tokens"
 UNAPPLIED_SETTINGS = {
     "encoder_repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
@@ -176,8 +177,7 @@ def _refuse_unapplied(generation_config: object, where: str) -> None:
     if unapplied:
         raise InputError(
             f"{where} sets {', '.join(unapplied)}, which model.generate applies and moirai's generate does not (it "
-            "applies max_new_tokens, max_length, temperature, top_k, top_p, min_p, repetition_penalty and the end "
-            "tokens)"
+            f"applies {APPLIED_SETTINGS})"
         )
 
 

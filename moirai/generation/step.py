@@ -37,7 +37,6 @@ from moirai.runtime.zero_pages import zeros_on_demand
 # The columns of a step's ``sampling`` input, one row per sequence: the first four are :func:`sample_tokens`'s, then
 # a repetition penalty (1: none; [Note: seen tokens]) and a min-p (0: none).
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "uniform", "repetition_penalty", "min_p")
-NEUTRAL_SAMPLING = (0.0, 0.0, 1.0, 0.0, 1.0, 0.0)  # greedy, no penalty
 SAMPLING_CANDIDATES = 1024  # the likeliest tokens the sampler's cuts are made among ([Note: sampling among candidates])
 
 
@@ -201,9 +200,10 @@ class CausalLMStep(torch.nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, sampling: torch.Tensor
     ) -> torch.Tensor:
         logits = self.last_logits(input_ids, positions, SlotCache(self, slots, positions), self.cache_shape.max_seq_len)
+        column = dict(zip(SAMPLING_FIELDS, sampling.unbind(dim=-1), strict=True))
         seen = self.seen(input_ids, positions, slots)
-        penalized = penalize_repetitions(logits.float(), seen[:, : self._logits_width], sampling[:, 4])
-        return sample_tokens(penalized, sampling[:, :4], min_p=sampling[:, 5])
+        penalized = penalize_repetitions(logits.float(), seen[:, : self._logits_width], column["repetition_penalty"])
+        return sample_tokens(penalized, sampling[:, :4], min_p=column["min_p"])  # the first four are its own
 
     def seen(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Each row's seen-token flags ``[B, seen_width]`` after this step's tokens, kept in the slot.
@@ -342,11 +342,22 @@ class AttentionSpan(NamedTuple):
 
 
 FULL_SPAN = AttentionSpan()  # every earlier position
-# The layer types of Hugging Face configs moirai masks, with the config field their span comes from.
+
+
+def _chunk_span(config: object) -> AttentionSpan:
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not chunk:
+        raise InputError(
+            "the model's config has chunked_attention layers and no attention_chunk_size: compile_lm cannot mask them"
+        )
+    return AttentionSpan(chunk=chunk)
+
+
+# The layer types of Hugging Face configs moirai masks, each with its span as the config gives it.
 ATTENTION_KINDS = {
-    "full_attention": None,
-    "sliding_attention": "sliding_window",
-    "chunked_attention": "attention_chunk_size",
+    "full_attention": lambda config: FULL_SPAN,
+    "sliding_attention": lambda config: AttentionSpan(window=getattr(config, "sliding_window", None)),
+    "chunked_attention": _chunk_span,
 }
 # Layer types that keep a state other than keys and values: said as such where a config has them.
 _RECURRENT_KINDS = ("linear_attention", "mamba", "conv", "recurrent")
@@ -374,14 +385,7 @@ def layer_spans(config: object) -> dict[str, AttentionSpan]:
             f"the model's config has layers of type {unknown}: compile_lm masks only {list(ATTENTION_KINDS)} "
             f"layers{why}"
         )
-    spans = {}
-    for kind in sorted(kinds):
-        field = ATTENTION_KINDS[kind]
-        size = None if field is None else getattr(config, field, None)
-        if kind == "chunked_attention" and not size:
-            raise InputError(f"the model's config has {kind} layers and no {field}: compile_lm cannot mask them")
-        spans[kind] = AttentionSpan(chunk=size) if kind == "chunked_attention" else AttentionSpan(window=size)
-    return spans
+    return {kind: ATTENTION_KINDS[kind](config) for kind in sorted(kinds)}
 
 
 def attention_mask(
