@@ -18,7 +18,7 @@ import torch
 import moirai
 import moirai.generation.requests
 from moirai.frontend.state import mutable_buffers
-from moirai.generation.step import sample_tokens
+from moirai.generation.step import ban_tokens, sample_tokens
 from moirai.planning.objective import Generation
 from moirai.planning.plan import Plan
 from moirai.planning.simulate import simulate
@@ -197,6 +197,47 @@ def test_a_repetition_penalty_gives_the_models_tokens_and_a_slot_used_before_sta
             assert torch.equal(split_lm.generate(padded, repetition_penalty=penalty, **options), expected)
 
 
+def test_the_settings_that_ban_tokens_give_the_models_tokens(llama, split_lm):
+    """[Note: banned tokens]: each setting on left-padded rows, whose padding Hugging Face reads as part of the
+    row (its n-grams, min_length's count)."""
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(20 + n)) for n in (9, 5)]
+    padded = torch.zeros(2, 9, dtype=torch.long)
+    padded[0], padded[1, 4:] = prompts[0], prompts[1]
+    options = {"attention_mask": (padded != 0).long() | torch.tensor([[1], [0]]), "max_new_tokens": 16}
+    plain = split_lm.generate(padded, **options)
+    new = plain[:, 9:].tolist()
+    end = new[0][3]  # an end token row 0 takes as its 4th
+    cases = [
+        {"no_repeat_ngram_size": 1},
+        {"no_repeat_ngram_size": 2},
+        {"bad_words_ids": [[new[0][1]], [new[1][2], new[1][3]]]},  # one token, and a word of two
+        {"suppress_tokens": [new[0][0], new[1][4]]},
+        {"begin_suppress_tokens": [new[0][0], new[1][0]]},
+        {"min_new_tokens": 8, "eos_token_id": end},
+        {"min_length": 14, "eos_token_id": end},  # 9 (the padded width) + 5
+        {"min_new_tokens": 0, "min_length": 30, "eos_token_id": end},  # min_new_tokens stands before min_length
+    ]
+    for case in cases:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Hugging Face's on min_new_tokens and min_length both set
+            expected = llama.generate(padded, do_sample=False, **options, **case)
+        if "eos_token_id" not in case or "min_new_tokens" in case and case["min_new_tokens"] > 0:
+            assert not torch.equal(expected, plain), f"{case} bans no token the rows take"
+        assert torch.equal(split_lm.generate(padded, **options, **case), expected), case
+
+
+def test_a_banned_token_is_minus_infinity_and_a_tie_with_the_top_kth_is_kept():
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
+    banned = ban_tokens(logits, torch.tensor([[0, 3, -1, -1], [-1, -1, -1, -1]]))
+    assert banned[0, [0, 3]].tolist() == [float("-inf")] * 2
+    kept = torch.ones(2, 10, dtype=torch.bool)
+    kept[0, [0, 3]] = False
+    assert torch.equal(banned[kept], logits[kept])
+    tied = torch.tensor([[5.0, 1.0, 5.0, 5.0, 0.0]]).expand(8, -1)
+    rows = torch.tensor([[1.0, 1, 1.0, u / 8] for u in range(8)])  # top_k 1: Hugging Face keeps the three 5s
+    assert set(sample_tokens(tied, rows).tolist()) == {0, 2, 3}
+
+
 def test_each_cache_buffer_stays_on_the_device_of_the_ops_that_write_and_read_it(split_lm):
     compiled = split_lm.compiled
     buffers = mutable_buffers(compiled.traced.graph_module)
@@ -263,15 +304,16 @@ def test_the_generation_objective_adds_ttft_to_new_tokens_times_tpot(split_lm):
 
 def test_generation_settings_model_generate_applies_and_moirai_does_not_are_named_in_a_warning(llama):
     model = copy.deepcopy(llama)
-    model.generation_config.no_repeat_ngram_size = 3
+    model.generation_config.typical_p = 0.9
     model.generation_config.num_beams = 4
     options = {"max_seq_len": 32, "max_prefill": 8, "placer": "heft", "progress": False, "calibration": "none"}
-    with pytest.warns(moirai.MoiraiWarning, match=r"sets no_repeat_ngram_size=3, num_beams=4, which model.generate"):
+    with pytest.warns(moirai.MoiraiWarning, match=r"sets typical_p=0.9, num_beams=4, which model.generate"):
         moirai.compile_lm(model, ["cpu"], **options)
     with warnings.catch_warnings():
         warnings.simplefilter("error", moirai.MoiraiWarning)
-        model.generation_config.no_repeat_ngram_size, model.generation_config.num_beams = 0, 1  # neutral: silent
+        model.generation_config.typical_p, model.generation_config.num_beams = 1.0, 1  # neutral: silent
         model.generation_config.repetition_penalty = 1.3  # applied: silent
+        model.generation_config.no_repeat_ngram_size = 3
         moirai.compile_lm(model, ["cpu"], **options)
 
 
@@ -389,11 +431,15 @@ def test_a_streamer_and_a_generation_config_are_taken_as_model_generate_takes_th
     with torch.no_grad():
         expected = llama.generate(prompt, generation_config=penalized, attention_mask=torch.ones_like(prompt))
     assert torch.equal(split_lm.generate(prompt, generation_config=penalized), expected)
-    with pytest.raises(moirai.InputError, match=r"no_repeat_ngram_size=2, which model.generate applies and moirai"):
-        split_lm.generate(prompt, generation_config=transformers.GenerationConfig(no_repeat_ngram_size=2))
+    with pytest.raises(moirai.InputError, match=r"typical_p=0.5, which model.generate applies and moirai"):
+        split_lm.generate(prompt, generation_config=transformers.GenerationConfig(typical_p=0.5))
     with pytest.raises(moirai.InputError, match=r"does not take num_beams, output_scores; num_beams would change"):
         split_lm.generate(prompt, num_beams=2, output_scores=True)
-    assert split_lm.generate(prompt, max_new_tokens=2, num_beams=1, no_repeat_ngram_size=0).shape == (1, 7)  # neutral
+    assert split_lm.generate(prompt, max_new_tokens=2, num_beams=1, typical_p=1.0).shape == (1, 7)  # neutral
+    ngrams = transformers.GenerationConfig(max_new_tokens=10, no_repeat_ngram_size=1)
+    with torch.no_grad():
+        expected = llama.generate(prompt, generation_config=ngrams, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(split_lm.generate(prompt, generation_config=ngrams), expected)
     with pytest.raises(moirai.InputError, match="generation_config must be a transformers.GenerationConfig, got dict"):
         split_lm.generate(prompt, generation_config={"max_new_tokens": 2})
 
@@ -501,6 +547,10 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), repetition_penalty=0.0)
     with pytest.raises(moirai.InputError, match="0 <= min_p <= 1; got .*min_p=1.5"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, min_p=1.5)
+    with pytest.raises(moirai.InputError, match=rf"token ids \[{VOCAB}\] of the tokens banned"):
+        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), suppress_tokens=[3, VOCAB])
+    with pytest.raises(moirai.InputError, match="bad_words_ids in the generate call must be a non-empty list of"):
+        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), bad_words_ids=[3, 4])
     # A token id the embedding has no row for: named at once, before any step runs (it was an IndexError).
     with pytest.raises(moirai.InputError, match=rf"token {VOCAB} \(position 1\).*ids 0 to {VOCAB - 1}"):
         split_lm.generate(torch.tensor([[3, VOCAB, 4]]), max_new_tokens=2)
@@ -523,8 +573,10 @@ def test_twenty_sequences_in_flight_each_equal_their_lone_run(llama, split_lm):
         assert list(server.stream(prompts[5], max_new_tokens=12)) == alone[5]
         batch = torch.stack([prompts[i][:3] for i in range(3)])
         assert torch.equal(server.generate(batch, max_new_tokens=6), split_lm.generate(batch, max_new_tokens=6))
-        penalized = {"max_new_tokens": 12, "repetition_penalty": 1.5}
+        penalized = {"max_new_tokens": 12, "repetition_penalty": 1.5, "no_repeat_ngram_size": 2}
         assert torch.equal(server.generate(batch, **penalized), split_lm.generate(batch, **penalized))
+        banned = server.submit(batch[0], max_new_tokens=6, suppress_tokens=alone[0][:3]).result(timeout=60)
+        assert banned == split_lm.generate(batch[:1], max_new_tokens=6, suppress_tokens=alone[0][:3])[0, 3:].tolist()
         # A prompt of floats (token ids cut to integers before) or of an id outside the vocabulary: refused at
         # submit, and the server serves on.
         with pytest.raises(moirai.InputError, match="token ids \\(integers\\), got torch.float32"):

@@ -12,6 +12,7 @@ import torch
 
 import moirai
 from moirai.errors import DistributedError, InputError, RequestError
+from moirai.generation.bans import TokenBans
 from moirai.generation.engine import Engine, SamplingParams, SequenceState, done_future
 
 
@@ -25,8 +26,8 @@ class FakeSteps:
         self.fail_next: BaseException | None = None
 
     def submit(self, inputs: tuple[torch.Tensor, ...]) -> Future:
-        ids, positions, slots, sampling = inputs
-        assert ids.shape == positions.shape and ids.shape[0] == slots.shape[0] == sampling.shape[0]
+        ids, positions, slots, sampling, banned = inputs
+        assert ids.shape == positions.shape and ids.shape[0] == slots.shape[0] == sampling.shape[0] == banned.shape[0]
         self.submitted.append(inputs)
         future: Future = Future()
         self.pending.append((future, ids[:, -1] + 1))
@@ -81,6 +82,25 @@ def test_prompts_go_in_chunks_then_every_token_follows_the_last_one() -> None:
     positions = [inputs[1].tolist()[0] for inputs in steps.submitted]
     assert positions[:3] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert positions[3:] == [[10], [11], [12], [13]]  # each new token is written right after the one before
+
+
+def test_each_step_that_gives_a_token_bans_what_its_rows_may_not_take_next() -> None:
+    """[Note: banned tokens]: a prefill chunk that gives no token bans nothing; the others ban each row's own,
+    padded with -1 to the step's widest row."""
+    steps = FakeSteps()
+    engine = Engine(steps.submit, slots=2, max_seq_len=64, max_prefill=4, max_batch=2, depth=1)
+    bans = TokenBans(min_new_tokens=2, suppress_tokens=(40,), no_repeat_ngram_size=1)
+    banned = sequence([1, 2, 3, 4, 5], 3, eos=frozenset({30}))
+    banned.bans = bans.for_sequence(banned.prompt, banned.eos_token_ids)
+    other = sequence([7], 3)
+    run(engine, steps, [banned, other])
+    assert banned.future.result() == [6, 7, 8] and other.future.result() == [8, 9, 10]
+    rows = [(inputs[0].tolist(), inputs[4].tolist()) for inputs in steps.submitted]
+    assert rows[0] == ([[1, 2, 3, 4]], [[-1]])  # a chunk that gives no token
+    assert rows[1] == ([[5]], [[1, 2, 3, 4, 5, 30, 40]])  # the end token until 2 new ones, the prompt's own
+    assert rows[2] == ([[7]], [[-1]])
+    assert rows[3] == ([[6], [8]], [[1, 2, 3, 4, 5, 6, 30, 40], [-1] * 8])
+    assert rows[4] == ([[7], [9]], [[1, 2, 3, 4, 5, 6, 7, 40], [-1] * 8])
 
 
 def test_as_many_steps_as_the_depth_are_in_flight_and_sequences_share_them() -> None:

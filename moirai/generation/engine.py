@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moirai.errors import DistributedError, InputError, MoiraiError, MoiraiWarning, user_stacklevel
+from moirai.generation.bans import SequenceBans
 from moirai.generation.step import SAMPLING_CANDIDATES, SAMPLING_FIELDS
 
 SubmitStep = Callable[[tuple[torch.Tensor, ...]], "Future[torch.Tensor]"]
@@ -82,6 +83,7 @@ class SequenceState:
     busy: bool = False  # a step of it is in flight
     group: int = 0  # the decode group it steps with (Engine._next_step)
     generator: torch.Generator | None = None
+    bans: SequenceBans | None = None  # the tokens it may not take next ([Note: banned tokens]); None: none
 
     @property
     def next_position(self) -> int:
@@ -173,11 +175,20 @@ class Engine:
     def add(self, sequence: SequenceState) -> Future:
         self.check(sequence.prompt, sequence.max_new_tokens)
         self._check_candidate_cuts(sequence.sampling)
+        self._check_bans(sequence.bans)
         with self._unsettled_lock:
             self._unsettled.add(sequence.future)
         sequence.future.add_done_callback(self._settle)  # at its result, its failure or its cancelling
         self._waiting.put(sequence)
         return sequence.future
+
+    def _check_bans(self, bans: SequenceBans | None) -> None:
+        outside = sorted(t for t in (bans.tokens() if bans is not None else ()) if t >= (self.vocab_size or t + 1))
+        if outside:
+            raise InputError(
+                f"token ids {outside[:8]} of the tokens banned (bad_words_ids, suppress_tokens, "
+                f"begin_suppress_tokens) are not the model's, whose vocabulary has ids 0 to {self.vocab_size - 1}"
+            )
 
     def _check_candidate_cuts(self, sampling: SamplingParams) -> None:
         """[Note: sampling among candidates] in step.py: :class:`InputError` for a top-k over the candidates (and
@@ -295,7 +306,7 @@ class Engine:
         return None
 
     def _inputs(self, step: _Step) -> tuple[torch.Tensor, ...]:
-        ids, positions, rows = [], [], []
+        ids, positions, rows, banned = [], [], [], []
         for sequence in step.sequences:
             if step.prefill_tokens:
                 start = sequence.prefilled
@@ -305,13 +316,17 @@ class Engine:
                 ids.append([sequence.tokens[-1]])
                 positions.append([sequence.next_position])
             rows.append(sequence.sampling.row(sequence.uniform()))
+            gives_token = step.gives_tokens and sequence.bans is not None
+            banned.append(sequence.bans.banned(sequence.tokens) if gives_token else [])
         slots = [s.slot for s in step.sequences]
+        width = max(1, *map(len, banned))
         # On the host: each part moves the inputs it reads to its own device.
         return (
             torch.tensor(ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             torch.tensor(slots, dtype=torch.long),
             torch.tensor(rows, dtype=torch.float32),
+            torch.tensor([b + [-1] * (width - len(b)) for b in banned], dtype=torch.long),
         )
 
     def _finish_step(self, step: _Step, future: Future) -> None:

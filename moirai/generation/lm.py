@@ -326,8 +326,9 @@ def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> Tra
     """The step traced once, its batch and token dimensions dynamic (static where their range is one size)."""
     batch = _dim("batch", max_batch_size)
     tokens = _dim("tokens", max_prefill)
+    banned = _dim("banned", max(step.logits_width, 2))  # a row's banned token ids ([Note: banned tokens])
     # torch.export takes an example size of 1 for a constant, and two dimensions of one example size for one
-    # symbol: trace at sizes 2 and 3 where the ranges allow.
+    # symbol: trace at sizes 2, 3 and 4 where the ranges allow.
     b, t = min(2, max_batch_size), min(3, max_prefill)
     device = step.seen_tokens.device
     example = (
@@ -335,8 +336,9 @@ def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> Tra
         torch.arange(t, device=device).repeat(b, 1),
         torch.arange(b, device=device),
         torch.tensor(SamplingParams().row(0.0), device=device).repeat(b, 1),  # greedy, no penalty
+        torch.full((b, min(4, step.logits_width)), -1, device=device),  # nothing banned
     )
-    shapes = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch})
+    shapes = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch}, {0: batch, 1: banned})
     with grouped_query_attention():
         try:
             return trace(step, example, dynamic_shapes=shapes)
@@ -364,7 +366,7 @@ def phase_problem(
 ) -> Problem:
     """The placement problem of the step's coarse graph priced at ``batch`` sequences of ``tokens`` tokens
     (``remote_alike`` and ``steady_state`` as :func:`moirai.cluster.cost.build_problem`'s)."""
-    wanted = {"batch": batch, "tokens": tokens}
+    wanted = {"batch": batch, "tokens": tokens, "banned": 1}
     sizes = {dim.symbol: wanted[dim.name] for dim in traced.dynamic_dims if dim.name in wanted}
     with sizes_at(sizes):
         at_size = build_op_graph(traced)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from moirai.errors import InputError
+from moirai.generation.bans import TokenBans
 from moirai.generation.engine import Engine, SamplingParams, SequenceState
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class GenerateRequest:
     max_new_tokens: int
     eos: frozenset[int]
     pad_token_id: int
+    bans: TokenBans = TokenBans()
 
     @classmethod
     def of(
@@ -72,7 +74,8 @@ class GenerateRequest:
         if pad is None:
             pad = min(eos) if eos else 0
         new_tokens = defaults.new_tokens(options.max_new_tokens, options.max_length, input_ids.shape[1])
-        return cls(input_ids, prompts, new_tokens, eos, pad)
+        bans = defaults.bans.overridden_by(options.bans or {}, "the generate call")
+        return cls(input_ids, prompts, new_tokens, eos, pad, bans)
 
     def submit(self, engine: Engine, sampling: SamplingParams, streamer: Any = None) -> list[Future]:
         """Every row as a sequence of ``engine``; a ``streamer`` gets the prompt, then each token as it comes."""
@@ -81,10 +84,12 @@ class GenerateRequest:
         if streamer is not None:
             streamer.put(self.input_ids.cpu())  # as model.generate starts a streamer: the prompt first
         futures = []
+        rows = self.input_ids.cpu().tolist()
         for row, prompt in enumerate(self.prompts):
             row_sampling = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + row)
             on_token = None if streamer is None else (lambda token: streamer.put(torch.tensor([token])))
-            state = SequenceState(prompt, self.max_new_tokens, row_sampling, self.eos, on_token=on_token)
+            bans = self.bans.for_sequence(rows[row], self.eos)  # the row as given ([Note: banned tokens])
+            state = SequenceState(prompt, self.max_new_tokens, row_sampling, self.eos, on_token=on_token, bans=bans)
             futures.append(engine.add(state))
         return futures
 
@@ -112,11 +117,14 @@ class GenerateOptions(NamedTuple):
     min_p: float | None = None
     streamer: Any = None  # Hugging Face's streamer protocol: put(token ids), end()
     generation_config: Any = None  # a GenerationConfig whose values stand before the model's
+    bans: dict[str, Any] | None = None  # the settings of TokenBans the call names
 
     @classmethod
     def of(cls, given: dict[str, Any], others: dict[str, Any]) -> GenerateOptions:
-        """The options a call named; :class:`InputError` for ``others``, arguments moirai's generate does not take
-        (with those that change model.generate's tokens named as such)."""
+        """The options a call named, ``others`` among them where they ban tokens (:class:`TokenBans`);
+        :class:`InputError` for the rest of ``others``, arguments moirai's generate does not take (with those that
+        change model.generate's tokens named as such)."""
+        bans = {name: others.pop(name) for name in TokenBans.settings() if name in others}
         # A setting moirai does not apply, given at the value that leaves the tokens alone (num_beams=1), is taken.
         others = {name: v for name, v in others.items() if name not in UNAPPLIED_SETTINGS or _changes(name, v)}
         if others:
@@ -124,9 +132,10 @@ class GenerateOptions(NamedTuple):
             said = f"; {', '.join(changes)} would change the tokens model.generate gives" if changes else ""
             raise InputError(
                 f"generate does not take {', '.join(sorted(others))}{said}: moirai's generate takes "
-                f"{', '.join(cls._fields)} and attention_mask"
+                f"{', '.join(f for f in cls._fields if f != 'bans')}, {', '.join(TokenBans.settings())} and "
+                "attention_mask"
             )
-        options = cls(**given)
+        options = cls(**given, bans=bans)
         config = options.generation_config
         if config is not None and not hasattr(config, "to_dict"):
             raise InputError(
@@ -139,16 +148,13 @@ class GenerateOptions(NamedTuple):
 
 # Settings of a Hugging Face generation_config that change model.generate's tokens and that moirai's generate does
 # not apply, with the values that leave the tokens alone (None: unset).
-APPLIED_SETTINGS = "max_new_tokens, max_length, temperature, top_k, top_p, min_p, repetition_penalty and the end tokens"
+APPLIED_SETTINGS = (
+    "max_new_tokens, max_length, temperature, top_k, top_p, min_p, repetition_penalty, the end tokens and "
+    + ", ".join(TokenBans.settings())
+)
 UNAPPLIED_SETTINGS = {
     "encoder_repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "min_length": 0,
-    "min_new_tokens": 0,
-    "bad_words_ids": None,
     "sequence_bias": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
     "forced_bos_token_id": None,
     "forced_eos_token_id": None,
     "exponential_decay_length_penalty": None,
@@ -214,6 +220,7 @@ class GenerationDefaults(NamedTuple):
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     max_position_embeddings: int | None = None  # the model config's: caps Hugging Face's default length
+    bans: TokenBans = TokenBans()
 
     @classmethod
     def of(cls, generation_config: object, config: object = None) -> GenerationDefaults:
@@ -225,7 +232,9 @@ class GenerationDefaults(NamedTuple):
         """These defaults with the values ``generation_config`` sets (:func:`_set_in`) standing before them."""
         if generation_config is None:
             return self
-        return self._replace(**_set_in(generation_config, [n for n in self._fields if n != "max_position_embeddings"]))
+        values = _set_in(generation_config, [n for n in self._fields if n not in ("max_position_embeddings", "bans")])
+        bans = self.bans.overridden_by(_set_in(generation_config, TokenBans.settings()), "the generation_config")
+        return self._replace(**values, bans=bans)
 
     def new_tokens(self, max_new_tokens: int | None, max_length: int | None, input_length: int) -> int:
         """How many tokens a call generates after ``input_length`` prompt tokens (the padded width of a batch), as

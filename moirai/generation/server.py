@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moirai.errors import InputError
+from moirai.generation.bans import TokenBans
 from moirai.generation.engine import SequenceState
 from moirai.generation.requests import GenerateOptions, end_tokens, generate_rows, prompt_tokens
 
@@ -60,21 +61,32 @@ class GenerationServer:
         max_length: int | None = None,
         repetition_penalty: float | None = None,
         min_p: float | None = None,
+        **bans: Any,
     ) -> Future:
         """A future of the new token ids of one sequence (``InputError`` at once if it cannot fit a slot);
         ``on_token(token)`` is called with each token as it comes, from the server's thread. Arguments left out are
         the model's ``generation_config``'s, as in :meth:`CompiledLM.generate` (``max_length`` counts the prompt
-        too). ``future.cancel()`` ends the sequence after its step in flight and frees its slot."""
+        too), and ``bans`` are the settings that ban tokens (:class:`~moirai.generation.bans.TokenBans`:
+        ``min_new_tokens``, ``no_repeat_ngram_size``, ``bad_words_ids``...). ``future.cancel()`` ends the sequence
+        after its step in flight and frees its slot."""
         if self._stopped.is_set():
             raise InputError("this generation server is closed; open a new one with lm.server()")
+        unknown = sorted(set(bans) - set(TokenBans.settings()))
+        if unknown:
+            raise InputError(
+                f"submit does not take {', '.join(unknown)}; of model.generate's settings it takes the sampling "
+                f"arguments it names and {', '.join(TokenBans.settings())}"
+            )
         prompt = prompt_tokens(prompt_ids)
         defaults = self._lm.defaults
+        eos = end_tokens(eos_token_id, self._lm.eos_token_id)
         sequence = SequenceState(
             prompt,
             defaults.new_tokens(max_new_tokens, max_length, len(prompt)),
             defaults.sampling(do_sample, temperature, top_k, top_p, seed, repetition_penalty, min_p),
-            end_tokens(eos_token_id, self._lm.eos_token_id),
+            eos,
             on_token=on_token,
+            bans=defaults.bans.overridden_by(bans, "submit").for_sequence(prompt, eos),
         )
         return self._engine.add(sequence)
 

@@ -6,11 +6,13 @@ attention's own layout, so a batch's slots are gathered without a transpose): a 
 and a step writes its new keys and values at ``(slot, :, position)`` in place (``index_put_``) and attends over its
 slot. The step's inputs are plain tensors, so torch.export traces it once with the batch and token dimensions dynamic::
 
-    step(input_ids[B, T], positions[B, T], slots[B], sampling[B, 6]) -> tokens[B]
+    step(input_ids[B, T], positions[B, T], slots[B], sampling[B, 6], banned[B, K]) -> tokens[B]
 
 A prefill chunk is ``B = 1, T = n``, a decode step ``B = sequences, T = 1``. Positions come in and an attention
 mask over the slot is built from them, so no cache length is read from the cache itself and nothing but the
-buffers is state. The last op samples (:func:`sample_tokens`), so the step's output is token ids, not logits.
+buffers is state. The last op samples (:func:`sample_tokens`), so the step's output is token ids, not logits; the
+tokens a row may not take next come in as ``banned`` (:func:`ban_tokens`, [Note: banned tokens] in
+:mod:`moirai.generation.bans`).
 
 Nothing here names a model family: the cache's shape comes from what the layers write (:class:`CacheShape`), the
 masks from the Hugging Face config (:func:`layer_spans`: a sliding window hides positions older than it, a chunk
@@ -196,14 +198,24 @@ class CausalLMStep(torch.nn.Module):
     def cache_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"key_cache_{layer}"), getattr(self, f"value_cache_{layer}")
 
+    @property
+    def logits_width(self) -> int:
+        return self._logits_width
+
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, sampling: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        sampling: torch.Tensor,
+        banned: torch.Tensor,
     ) -> torch.Tensor:
         logits = self.last_logits(input_ids, positions, SlotCache(self, slots, positions), self.cache_shape.max_seq_len)
         column = dict(zip(SAMPLING_FIELDS, sampling.unbind(dim=-1), strict=True))
         seen = self.seen(input_ids, positions, slots)
         penalized = penalize_repetitions(logits.float(), seen[:, : self._logits_width], column["repetition_penalty"])
-        return sample_tokens(penalized, sampling[:, :4], min_p=column["min_p"])  # the first four are its own
+        allowed = ban_tokens(penalized, banned)
+        return sample_tokens(allowed, sampling[:, :4], min_p=column["min_p"])  # the first four are its own
 
     def seen(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Each row's seen-token flags ``[B, seen_width]`` after this step's tokens, kept in the slot.
@@ -292,6 +304,17 @@ def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: torc
     factor = penalty.float().unsqueeze(1)
     penalized = torch.where(logits < 0, logits * factor, logits / factor)
     return torch.where(seen, penalized, logits)
+
+
+def ban_tokens(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """``logits [B, V]`` with each row's ``banned [B, K]`` token ids at ``-inf`` ([Note: banned tokens]); a row
+    lists its ids first, then ``-1``s (all ``-1``: it bans nothing)."""
+    # Each -1 takes its row's first entry, so every write to one logit writes one value: the row's first banned
+    # id (-inf) or, in a row that bans nothing, logit 0 as it was.
+    banned = torch.where(banned >= 0, banned, banned[:, :1])
+    index = banned.clamp_min(0)
+    blocked = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
+    return logits.scatter(1, index, torch.where(banned >= 0, blocked, logits.gather(1, index)))
 
 
 def _zeros(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -425,7 +448,8 @@ def sample_tokens(logits: torch.Tensor, sampling: torch.Tensor, min_p: torch.Ten
     cut at all (``top_k`` 0, ``top_p`` 1, ``min_p`` 0), where the draw is over the whole vocabulary in token order.
     A row with no ``top_k`` and a ``top_p`` or ``min_p`` draws among the candidates only: the engine warns of it,
     and refuses a ``top_k`` over the candidates and under the vocabulary (:func:`moirai.generation.engine.Engine.add`).
-    A logit tied with the ``top_k``-th is cut here, where Hugging Face keeps every tie.
+    A candidate tied with the ``top_k``-th is kept, as Hugging Face keeps every tie (a half-precision model's
+    logits tie often).
     """
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
@@ -436,8 +460,8 @@ def sample_tokens(logits: torch.Tensor, sampling: torch.Tensor, min_p: torch.Ten
     candidates = min(vocab, SAMPLING_CANDIDATES)
     values, order = scaled.topk(candidates, dim=-1)  # the likeliest first
     every_token = (top_k <= 0) | (top_k >= vocab)
-    rank = torch.arange(candidates, device=logits.device).unsqueeze(0)
-    keep = every_token.unsqueeze(-1) | (rank < top_k.unsqueeze(-1))
+    kth = values.gather(-1, (top_k.long() - 1).clamp(0, candidates - 1).unsqueeze(-1))  # ties with it are kept
+    keep = every_token.unsqueeze(-1) | (values >= kth)
     # Probabilities over what top-k keeps: the row's top_k candidates, or the whole vocabulary.
     whole = torch.softmax(scaled, dim=-1)
     within = (~every_token & (top_k <= candidates)).unsqueeze(-1)
