@@ -108,6 +108,13 @@ def test_a_sampled_run_with_a_seed_is_reproducible_and_another_seed_differs(spli
     assert torch.equal(
         split_lm.generate(prompt, seed=11, min_p=1.0, **options), split_lm.generate(prompt, max_new_tokens=16)
     )
+    # num_return_sequences: each row's sequences one after another, as model.generate expands its batch
+    rows = torch.cat([prompt, prompt.flip(1)])
+    several = split_lm.generate(rows, seed=11, num_return_sequences=3, **options)
+    assert torch.equal(several, split_lm.generate(rows.repeat_interleave(3, dim=0), seed=11, **options))
+    assert torch.equal(several[:3, :7], prompt.expand(3, -1)) and len({tuple(r) for r in several.tolist()}) == 6
+    with pytest.raises(moirai.InputError, match="num_return_sequences=2 without do_sample=True"):
+        split_lm.generate(prompt, max_new_tokens=2, num_return_sequences=2)
 
 
 def test_a_sampled_run_without_a_seed_follows_torch_manual_seed_as_hugging_faces_does(split_lm):

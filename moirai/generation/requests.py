@@ -33,6 +33,7 @@ class GenerateRequest:
     eos: frozenset[int]
     pad_token_id: int
     bans: TokenBans = TokenBans()
+    copies: int = 1  # num_return_sequences: each row's sequences
 
     @classmethod
     def of(
@@ -56,6 +57,13 @@ class GenerateRequest:
                 f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}: "
                 "give one mask value per token"
             )
+        copies = _first_given(options.num_return_sequences, defaults.num_return_sequences)
+        if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+            raise InputError(f"num_return_sequences must be a whole number >= 1, got {copies!r}")
+        # Each row's copies one after another, as model.generate expands its batch (repeat_interleave).
+        input_ids = input_ids.repeat_interleave(copies, dim=0)
+        if attention_mask is not None:
+            attention_mask = attention_mask.repeat_interleave(copies, dim=0)
         if options.streamer is not None and input_ids.shape[0] != 1:
             raise InputError(
                 f"a streamer takes the tokens of one row, as Hugging Face's TextStreamer does; input_ids has "
@@ -75,10 +83,15 @@ class GenerateRequest:
             pad = min(eos) if eos else 0
         new_tokens = defaults.new_tokens(options.max_new_tokens, options.max_length, input_ids.shape[1])
         bans = defaults.bans.overridden_by(options.bans or {}, "the generate call")
-        return cls(input_ids, prompts, new_tokens, eos, pad, bans)
+        return cls(input_ids, prompts, new_tokens, eos, pad, bans, copies)
 
     def submit(self, engine: Engine, sampling: SamplingParams, streamer: Any = None) -> list[Future]:
         """Every row as a sequence of ``engine``; a ``streamer`` gets the prompt, then each token as it comes."""
+        if self.copies > 1 and sampling.temperature == 0:
+            raise InputError(
+                f"num_return_sequences={self.copies} without do_sample=True would give each row's one greedy "
+                "sequence that many times (model.generate refuses it too): sample, or ask for one sequence a row"
+            )
         for prompt in self.prompts:
             engine.check(prompt, self.max_new_tokens)
         if streamer is not None:
@@ -118,6 +131,7 @@ class GenerateOptions(NamedTuple):
     streamer: Any = None  # Hugging Face's streamer protocol: put(token ids), end()
     generation_config: Any = None  # a GenerationConfig whose values stand before the model's
     bans: dict[str, Any] | None = None  # the settings of TokenBans the call names
+    num_return_sequences: int | None = None  # sampled sequences of each row
 
     @classmethod
     def of(cls, given: dict[str, Any], others: dict[str, Any]) -> GenerateOptions:
@@ -125,6 +139,7 @@ class GenerateOptions(NamedTuple):
         :class:`InputError` for the rest of ``others``, arguments moirai's generate does not take (with those that
         change model.generate's tokens named as such)."""
         bans = {name: others.pop(name) for name in TokenBans.settings() if name in others}
+        given = {**given, "num_return_sequences": others.pop("num_return_sequences", None)}
         # A setting moirai does not apply, given at the value that leaves the tokens alone (num_beams=1), is taken.
         others = {name: v for name, v in others.items() if name not in UNAPPLIED_SETTINGS or _changes(name, v)}
         if others:
@@ -149,8 +164,8 @@ class GenerateOptions(NamedTuple):
 # Settings of a Hugging Face generation_config that change model.generate's tokens and that moirai's generate does
 # not apply, with the values that leave the tokens alone (None: unset).
 APPLIED_SETTINGS = (
-    "max_new_tokens, max_length, temperature, top_k, top_p, min_p, repetition_penalty, the end tokens and "
-    + ", ".join(TokenBans.settings())
+    "max_new_tokens, max_length, temperature, top_k, top_p, min_p, repetition_penalty, num_return_sequences, the end "
+    "tokens and " + ", ".join(TokenBans.settings())
 )
 UNAPPLIED_SETTINGS = {
     "encoder_repetition_penalty": 1.0,
@@ -163,7 +178,6 @@ UNAPPLIED_SETTINGS = {
     "eta_cutoff": 0.0,
     "num_beams": 1,
     "guidance_scale": 1.0,
-    "num_return_sequences": 1,
 }
 
 
@@ -221,6 +235,7 @@ class GenerationDefaults(NamedTuple):
     min_p: float = 0.0
     max_position_embeddings: int | None = None  # the model config's: caps Hugging Face's default length
     bans: TokenBans = TokenBans()
+    num_return_sequences: int = 1
 
     @classmethod
     def of(cls, generation_config: object, config: object = None) -> GenerationDefaults:
