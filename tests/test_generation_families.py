@@ -387,6 +387,33 @@ def test_llama_4_whose_chunked_layers_see_their_own_chunk_generates_its_tokens()
     assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), expected)
 
 
+@pytest.mark.slow
+@pytest.mark.in_process
+@pytest.mark.filterwarnings("ignore::moirai.OversubscriptionWarning")
+def test_gemma_4_whose_last_layers_reuse_earlier_layers_keys_and_values_generates_its_tokens():
+    """Gemma 4's text model: its last two layers attend over the keys and values of the last earlier layer of their
+    kind (no cache of their own), full layers of a wider head, a mixture of experts beside each MLP, and a
+    per-layer input embedding."""
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, enable_moe_block=True, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=32,
+    )  # fmt: skip
+    model = transformers.Gemma4ForCausalLM(config).eval()
+    lm = moirai.compile_lm(
+        model, ["cpu", "cpu"], max_batch_size=2, max_seq_len=PROMPT_TOKENS + 12, max_prefill=8,
+        placer="round_robin", calibration="none", progress=False,
+    )  # fmt: skip
+    assert [layer.layer for layer in lm.cache.layers] == [0, 1], "the reusing layers would have caches"
+    assert len(cache_devices(lm)) == 2, "the test needs the layers' caches apart"
+    ids, mask = prompts()
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), expected)
+
+
 def test_hugging_faces_static_cache_export_wrapper_splits_and_runs_stepwise():
     executorch = pytest.importorskip("transformers.integrations.executorch")
     model = family_model("llama")
