@@ -1,5 +1,6 @@
 """The generation step's sampler on one core: ``sample_tokens`` against the sort of the whole vocabulary it replaced
-([Note: sampling among candidates] in moirai/generation/step.py), greedy rows, at the bench's and Llama 3's sizes.
+([Note: sampling among candidates] in moirai/generation/step.py), greedy rows, at the bench's and Llama 3's sizes;
+and what ``ban_tokens`` adds to every step where no row bans a token ([Note: banned tokens]).
 
 Run: ``python -m bench.sampler_speed``. Medians after warm-up, both measured in the same run.
 """
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-from moirai.generation.step import sample_tokens
+from moirai.generation.step import ban_tokens, sample_tokens
 
 SIZES = ((1, 8192), (4, 8192), (1, 128256), (8, 128256))  # (rows, vocabulary): bench/generate.py's and Llama 3's
 
@@ -44,15 +45,17 @@ def _median_ms(sampler, logits: torch.Tensor, rows: torch.Tensor, repeats: int) 
 
 def main() -> None:
     torch.set_num_threads(1)
-    print("| rows x vocabulary | sort, ms | candidates, ms | ratio |")
-    print("|---|---|---|---|")
+    print("| rows x vocabulary | sort, ms | candidates, ms | ratio | bans (none), ms |")
+    print("|---|---|---|---|---|")
     for rows, vocabulary in SIZES:
         logits = torch.randn(rows, vocabulary, generator=torch.Generator().manual_seed(0))
         greedy = torch.tensor([[0.0, 0.0, 1.0, 0.0]]).repeat(rows, 1)
         repeats = 200 if vocabulary < 50_000 else 20
         before = _median_ms(_sorted_sampler, logits, greedy, repeats)
         now = _median_ms(sample_tokens, logits, greedy, repeats)
-        print(f"| {rows} x {vocabulary:,} | {before:.2f} | {now:.2f} | {before / now:.1f}x |")
+        nothing = torch.full((rows, 1), -1)
+        bans = _median_ms(lambda logits, _: ban_tokens(logits, nothing), logits, greedy, repeats)
+        print(f"| {rows} x {vocabulary:,} | {before:.2f} | {now:.2f} | {before / now:.1f}x | {bans:.3f} |")
 
 
 if __name__ == "__main__":
