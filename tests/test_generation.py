@@ -558,6 +558,11 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), suppress_tokens=[3, VOCAB])
     with pytest.raises(moirai.InputError, match="bad_words_ids in the generate call must be a non-empty list of"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), bad_words_ids=[3, 4])
+    # A tokenizer's output passed whole, or rows of different lengths (each was a ValueError from torch)
+    with pytest.raises(moirai.InputError, match=r"input_ids is a dict with input_ids, attention_mask: pass its fields"):
+        split_lm.generate({"input_ids": torch.zeros(1, 5, dtype=torch.long), "attention_mask": None})
+    with pytest.raises(moirai.InputError, match="lists of one length .*: pad rows to one length"):
+        split_lm.generate([[3, 4], [5]], max_new_tokens=2)
     # A token id the embedding has no row for: named at once, before any step runs (it was an IndexError).
     with pytest.raises(moirai.InputError, match=rf"token {VOCAB} \(position 1\).*ids 0 to {VOCAB - 1}"):
         split_lm.generate(torch.tensor([[3, VOCAB, 4]]), max_new_tokens=2)

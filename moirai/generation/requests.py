@@ -3,7 +3,7 @@ tokens put back as ``model.generate`` returns them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -44,7 +44,7 @@ class GenerateRequest:
         options: GenerateOptions,
         defaults: GenerationDefaults,
     ) -> GenerateRequest:
-        input_ids = torch.as_tensor(input_ids)
+        input_ids = token_tensor(input_ids, "input_ids")
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
@@ -297,10 +297,27 @@ class GenerationDefaults(NamedTuple):
 
 def prompt_tokens(prompt_ids: torch.Tensor | Sequence[int]) -> list[int]:
     """One sequence's prompt as token ids; :class:`InputError` for anything but integers (a float would be cut)."""
-    prompt = torch.as_tensor(prompt_ids)
+    prompt = token_tensor(prompt_ids, "a prompt")
     if prompt.numel() > 0 and (prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool):
         raise InputError(f"a prompt must be token ids (integers), got {prompt.dtype} of shape {tuple(prompt.shape)}")
     return [int(t) for t in prompt.reshape(-1).tolist()]
+
+
+def token_tensor(value: Any, what: str) -> torch.Tensor:
+    """``value`` (token ids: a tensor, or nested lists) as a tensor; :class:`InputError` for a tokenizer's output
+    passed whole, or rows of different lengths."""
+    if isinstance(value, Mapping):
+        raise InputError(
+            f"{what} is a {type(value).__name__} with {', '.join(map(str, value))}: pass its fields, "
+            "lm.generate(**inputs), as to model.generate"
+        )
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise InputError(
+            f"{what} must be token ids, a tensor or lists of one length ({error}): pad rows to one length and "
+            "pass attention_mask, or submit each prompt alone"
+        ) from None
 
 
 def sampling_params(
