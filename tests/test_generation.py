@@ -113,7 +113,7 @@ def test_a_sampled_run_with_a_seed_is_reproducible_and_another_seed_differs(spli
     several = split_lm.generate(rows, seed=11, num_return_sequences=3, **options)
     assert torch.equal(several, split_lm.generate(rows.repeat_interleave(3, dim=0), seed=11, **options))
     assert torch.equal(several[:3, :7], prompt.expand(3, -1)) and len({tuple(r) for r in several.tolist()}) == 6
-    with pytest.raises(moirai.InputError, match="num_return_sequences=2 without do_sample=True"):
+    with pytest.raises(moirai.InputError, match="num_return_sequences=2 without sampling"):
         split_lm.generate(prompt, max_new_tokens=2, num_return_sequences=2)
 
 
@@ -218,7 +218,7 @@ def test_the_settings_that_ban_tokens_give_the_models_tokens(llama, split_lm):
         {"no_repeat_ngram_size": 1},
         {"no_repeat_ngram_size": 2},
         {"bad_words_ids": [[new[0][1]], [new[1][2], new[1][3]]]},  # one token, and a word of two
-        {"suppress_tokens": [new[0][0], new[1][4]]},
+        {"suppress_tokens": torch.tensor([new[0][0], new[1][4]])},  # a tensor of ids, as Hugging Face takes it
         {"begin_suppress_tokens": [new[0][0], new[1][0]]},
         {"min_new_tokens": 8, "eos_token_id": end},
         {"min_length": 14, "eos_token_id": end},  # 9 (the padded width) + 5
@@ -554,8 +554,8 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), repetition_penalty=0.0)
     with pytest.raises(moirai.InputError, match="0 <= min_p <= 1; got .*min_p=1.5"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, min_p=1.5)
-    with pytest.raises(moirai.InputError, match=rf"token ids \[{VOCAB}\] of the tokens banned"):
-        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), suppress_tokens=[3, VOCAB])
+    with pytest.raises(moirai.InputError, match=rf"bad_words_ids holds token ids \[{VOCAB}\], past the model's"):
+        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), bad_words_ids=[[3, VOCAB]])
     with pytest.raises(moirai.InputError, match="bad_words_ids in the generate call must be a non-empty list of"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), bad_words_ids=[3, 4])
     # A tokenizer's output passed whole, or rows of different lengths (each was a ValueError from torch)

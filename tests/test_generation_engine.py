@@ -88,8 +88,8 @@ def test_each_step_that_gives_a_token_bans_what_its_rows_may_not_take_next() -> 
     """[Note: banned tokens]: a prefill chunk that gives no token bans nothing; the others ban each row's own,
     padded with -1 to the step's widest row."""
     steps = FakeSteps()
-    engine = Engine(steps.submit, slots=2, max_seq_len=64, max_prefill=4, max_batch=2, depth=1)
-    bans = TokenBans(min_new_tokens=2, suppress_tokens=(40,), no_repeat_ngram_size=1)
+    engine = Engine(steps.submit, slots=2, max_seq_len=64, max_prefill=4, max_batch=2, depth=1, logits_width=64)
+    bans = TokenBans(min_new_tokens=2, suppress_tokens=(40, 70), no_repeat_ngram_size=1)  # 70: past the logits
     banned = sequence([1, 2, 3, 4, 5], 3, eos=frozenset({30}))
     banned.bans = bans.for_sequence(banned.prompt, banned.eos_token_ids)
     other = sequence([7], 3)
@@ -101,6 +101,17 @@ def test_each_step_that_gives_a_token_bans_what_its_rows_may_not_take_next() -> 
     assert rows[2] == ([[7]], [[-1]])
     assert rows[3] == ([[6], [8]], [[1, 2, 3, 4, 5, 6, 30, 40], [-1] * 8])
     assert rows[4] == ([[7], [9]], [[1, 2, 3, 4, 5, 6, 7, 40], [-1] * 8])
+    # An end token of -1 bans nothing (it would come first and stand for the row's padding); a bad word past the
+    # logits is refused, as Hugging Face refuses it.
+    steps.submitted.clear()
+    negative = sequence([9], 1, eos=frozenset({-1}))
+    negative.bans = TokenBans(min_new_tokens=1, suppress_tokens=(0,)).for_sequence([9], {-1})
+    run(engine, steps, [negative])
+    assert steps.submitted[0][4].tolist() == [[0]]
+    past = sequence([9], 1)
+    past.bans = TokenBans(bad_words_ids=((3, 64),)).for_sequence([9], ())
+    with pytest.raises(InputError, match=r"bad_words_ids holds token ids \[64\], past the model's 64 logits"):
+        engine.add(past)
 
 
 def test_as_many_steps_as_the_depth_are_in_flight_and_sequences_share_them() -> None:

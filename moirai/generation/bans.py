@@ -15,6 +15,7 @@ sequence's history here starts with the row as given too, and ``min_length`` cou
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -62,6 +63,7 @@ class TokenBans:
             eos_until=min_new,
             eos=eos,
             words=tuple(word for word in words if len(word) > 1),
+            word_tokens=frozenset(t for word in words for t in word),
             ngram_size=self.no_repeat_ngram_size,
             history=list(row),
         )
@@ -76,6 +78,7 @@ class SequenceBans:
     eos_until: int  # the end tokens are banned while fewer new tokens than this have come
     eos: frozenset[int]
     words: tuple[tuple[int, ...], ...]  # bad words of two tokens or more
+    word_tokens: frozenset[int]  # every token of the bad words (the one-token ones are in ``always``)
     ngram_size: int
     history: list[int]  # the row as given, then each new token
     _row_length: int = -1
@@ -84,10 +87,6 @@ class SequenceBans:
 
     def __post_init__(self) -> None:
         self._row_length = len(self.history)
-
-    def tokens(self) -> set[int]:
-        """The token ids these bans name (the end tokens and the row's own aside), to check against a vocabulary."""
-        return set(self.always) | set(self.at_first) | {t for word in self.words for t in word}
 
     def banned(self, new_tokens: Sequence[int]) -> list[int]:
         """The tokens the next token may not be, after the sequence's ``new_tokens`` so far."""
@@ -119,23 +118,29 @@ class SequenceBans:
 
 
 def _checked(name: str, value: Any, where: str) -> Any:
-    """``value`` of the setting ``name`` in :class:`TokenBans`' form; :class:`InputError` where it is not one."""
+    """``value`` of the setting ``name`` in :class:`TokenBans`' form, as Hugging Face takes it (any integer type, a
+    tensor or array of ids; a size or length of 0 or less: none); :class:`InputError` where it takes none."""
     if name in ("min_length", "min_new_tokens", "no_repeat_ngram_size"):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InputError(f"{name} in {where} must be a whole number >= 0, got {value!r}")
-        return value
+        if not _is_integer(value):
+            raise InputError(f"{name} in {where} must be a whole number, got {value!r}")
+        return int(value) if name == "min_new_tokens" else max(int(value), 0)
+    value = value.tolist() if hasattr(value, "tolist") else value
     if name == "bad_words_ids":
         words = value if isinstance(value, (list, tuple)) else None
         if not words or any(not isinstance(w, (list, tuple)) or not w or not _token_ids(w) for w in words):
             raise InputError(
-                f"bad_words_ids in {where} must be a non-empty list of non-empty lists of token ids, as "
+                f"bad_words_ids in {where} must be a non-empty list of non-empty lists of token ids (>= 0), as "
                 f"model.generate takes it, got {value!r}"
             )
         return tuple(tuple(int(t) for t in word) for word in words)
-    if not isinstance(value, (list, tuple)) or not _token_ids(value):
+    if not isinstance(value, (list, tuple)) or not all(_is_integer(t) for t in value):
         raise InputError(f"{name} in {where} must be a list of token ids, got {value!r}")
-    return tuple(int(t) for t in value)
+    return tuple(int(t) for t in value)  # an id outside the logits bans nothing, as in Hugging Face's
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _token_ids(values: Sequence[Any]) -> bool:
-    return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in values)
+    return all(_is_integer(t) and t >= 0 for t in values)

@@ -132,11 +132,13 @@ class Engine:
         max_batch: int,
         depth: int,
         vocab_size: int | None = None,
+        logits_width: int | None = None,
     ) -> None:
         self._submit = submit
         self._free_slots = list(range(slots))
         self.max_seq_len, self.max_prefill, self.max_batch, self.depth = max_seq_len, max_prefill, max_batch, depth
         self.vocab_size = vocab_size  # None: token ids are not checked
+        self.logits_width = logits_width  # the token ids a step can ban (None: any)
         self._waiting: queue.Queue[SequenceState] = queue.Queue()  # added, not yet given a slot
         self._active: list[SequenceState] = []  # in a slot (the loop thread's only)
         self._in_flight: dict[Future, _Step] = {}
@@ -183,12 +185,23 @@ class Engine:
         return sequence.future
 
     def _check_bans(self, bans: SequenceBans | None) -> None:
-        outside = sorted(t for t in (bans.tokens() if bans is not None else ()) if t >= (self.vocab_size or t + 1))
+        """:class:`InputError` for a bad word past the logits, as Hugging Face's ``ValueError`` (a suppressed
+        token past them bans nothing there, nor here: :meth:`_banned`)."""
+        width = self.logits_width
+        outside = sorted(t for t in bans.word_tokens if t >= width) if bans and width else []
         if outside:
             raise InputError(
-                f"token ids {outside[:8]} of the tokens banned (bad_words_ids, suppress_tokens, "
-                f"begin_suppress_tokens) are not the model's, whose vocabulary has ids 0 to {self.vocab_size - 1}"
+                f"bad_words_ids holds token ids {outside[:8]}, past the model's {width} logits (ids 0 to "
+                f"{width - 1}): give ids from the model's tokenizer"
             )
+
+    def _banned(self, sequence: SequenceState, step: _Step) -> list[int]:
+        """The token ids ``sequence`` may not take next where ``step`` gives it one ([Note: banned tokens]); only
+        ids among the logits, as Hugging Face's processors ban none past them (an end token of -1 among them)."""
+        if sequence.bans is None or not step.gives_tokens:
+            return []
+        width = self.logits_width
+        return [t for t in sequence.bans.banned(sequence.tokens) if 0 <= t and (width is None or t < width)]
 
     def _check_candidate_cuts(self, sampling: SamplingParams) -> None:
         """[Note: sampling among candidates] in step.py: :class:`InputError` for a top-k over the candidates (and
@@ -316,8 +329,7 @@ class Engine:
                 ids.append([sequence.tokens[-1]])
                 positions.append([sequence.next_position])
             rows.append(sequence.sampling.row(sequence.uniform()))
-            gives_token = step.gives_tokens and sequence.bans is not None
-            banned.append(sequence.bans.banned(sequence.tokens) if gives_token else [])
+            banned.append(self._banned(sequence, step))
         slots = [s.slot for s in step.sequences]
         width = max(1, *map(len, banned))
         # On the host: each part moves the inputs it reads to its own device.

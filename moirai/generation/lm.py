@@ -91,11 +91,14 @@ class CompiledLM:
     model_name: str = "a causal LM"
     vocab_size: int | None = None  # rows of the input embedding: the token ids a prompt may hold
     defaults: GenerationDefaults = GenerationDefaults()  # for the arguments a generate call leaves out
+    logits_width: int | None = None  # the logits a step gives a token: the token ids it can sample or ban
 
     def engine(self, submit: SubmitStep, depth: int) -> Engine:
         """The loop that steps this LM's sequences through ``submit``, ``depth`` steps in flight."""
         slots = self.cache.slots
-        return Engine(submit, slots, self.max_seq_len, self.max_prefill, slots, depth, self.vocab_size)
+        return Engine(
+            submit, slots, self.max_seq_len, self.max_prefill, slots, depth, self.vocab_size, self.logits_width
+        )
 
     def __repr__(self) -> str:
         """One line (see :meth:`CompiledModel.__repr__`)."""
@@ -202,8 +205,10 @@ class CompiledLM:
         them). Sampling draws from ``seed`` (each row from ``seed + row``; None: a seed drawn from torch's global
         generator, so ``torch.manual_seed`` makes a sampled call repeat as it does Hugging Face's). A
         ``generation_config`` passed stands before the model's; a ``streamer`` (Hugging Face's ``TextStreamer``, one
-        row) gets the prompt, then each token as it comes. Any other argument of ``model.generate`` is an
-        :class:`InputError` naming it.
+        row) gets the prompt, then each token as it comes. ``others`` may be the settings that ban tokens
+        (``min_new_tokens``, ``min_length``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``suppress_tokens``,
+        ``begin_suppress_tokens``: :class:`~moirai.generation.bans.TokenBans`) and ``num_return_sequences`` (sampled
+        sequences of each row); any other argument of ``model.generate`` is an :class:`InputError` naming it.
         """
         given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
         options = GenerateOptions.of(given, others)
@@ -305,13 +310,14 @@ def compile_lm(
         type(model).__name__,
         embedding_rows(model),
         GenerationDefaults.of(generation_config, config),
+        step.logits_width,
     )
 
 
 def _warn_of_unapplied_settings(name: str, generation_config: object) -> None:
     """A :class:`MoiraiWarning` naming what the model's generation_config sets that model.generate applies by
-    default and moirai's generate does not (an n-gram ban, beams, banned tokens...): its tokens would
-    differ, with nothing to say why."""
+    default and moirai's generate does not (beams, forced tokens, typical-p...): its tokens would differ, with
+    nothing to say why."""
     unapplied = unapplied_settings(generation_config)
     if unapplied:
         warnings.warn(

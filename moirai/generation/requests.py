@@ -67,7 +67,8 @@ class GenerateRequest:
         if options.streamer is not None and input_ids.shape[0] != 1:
             raise InputError(
                 f"a streamer takes the tokens of one row, as Hugging Face's TextStreamer does; input_ids has "
-                f"{input_ids.shape[0]} rows: generate them one at a time, or stream each with server().stream"
+                f"{input_ids.shape[0] // copies} rows of {copies} sequences each (num_return_sequences): generate "
+                "one sequence at a time, or stream each with server().stream"
             )
         rows = input_ids.cpu().tolist()
         keep = attention_mask.cpu().bool().tolist() if attention_mask is not None else None
@@ -89,8 +90,9 @@ class GenerateRequest:
         """Every row as a sequence of ``engine``; a ``streamer`` gets the prompt, then each token as it comes."""
         if self.copies > 1 and sampling.temperature == 0:
             raise InputError(
-                f"num_return_sequences={self.copies} without do_sample=True would give each row's one greedy "
-                "sequence that many times (model.generate refuses it too): sample, or ask for one sequence a row"
+                f"num_return_sequences={self.copies} without sampling (do_sample=True and a temperature over 0) "
+                "would give each row's one greedy sequence that many times (model.generate refuses it too): "
+                "sample, or ask for one sequence a row"
             )
         for prompt in self.prompts:
             engine.check(prompt, self.max_new_tokens)
