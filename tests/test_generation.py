@@ -443,6 +443,14 @@ def test_a_streamer_and_a_generation_config_are_taken_as_model_generate_takes_th
     with pytest.raises(moirai.InputError, match=r"does not take num_beams, output_scores; num_beams would change"):
         split_lm.generate(prompt, num_beams=2, output_scores=True)
     assert split_lm.generate(prompt, max_new_tokens=2, num_beams=1, typical_p=1.0).shape == (1, 7)  # neutral
+    # Hugging Face's output object, and arguments of what it returns that ask for nothing beside the tokens
+    as_output = {"max_new_tokens": 3, "return_dict_in_generate": True, "use_cache": True, "output_scores": False}
+    with torch.no_grad():
+        theirs = llama.generate(prompt, do_sample=False, attention_mask=torch.ones_like(prompt), **as_output)
+    ours = split_lm.generate(prompt, **as_output)
+    assert type(ours) is type(theirs) and torch.equal(ours.sequences, theirs.sequences)
+    returned = transformers.GenerationConfig(max_new_tokens=3, return_dict_in_generate=True)
+    assert torch.equal(split_lm.generate(prompt, generation_config=returned).sequences, theirs.sequences)
     ngrams = transformers.GenerationConfig(max_new_tokens=10, no_repeat_ngram_size=1)
     with torch.no_grad():
         expected = llama.generate(prompt, generation_config=ngrams, attention_mask=torch.ones_like(prompt))

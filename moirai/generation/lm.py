@@ -191,8 +191,9 @@ class CompiledLM:
         streamer: Any = None,
         generation_config: Any = None,
         **others: Any,
-    ) -> torch.Tensor:
-        """Token ids ``[batch, prompt + new]`` as Hugging Face's ``generate`` returns them, run by the local runner
+    ) -> Any:
+        """Token ids ``[batch, prompt + new]`` as Hugging Face's ``generate`` returns them (with
+        ``return_dict_in_generate=True``, as its output's ``.sequences``), run by the local runner
         (every part from this process; :meth:`server` runs one process per device).
 
         Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it); rows

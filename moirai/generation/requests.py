@@ -134,6 +134,7 @@ class GenerateOptions(NamedTuple):
     generation_config: Any = None  # a GenerationConfig whose values stand before the model's
     bans: dict[str, Any] | None = None  # the settings of TokenBans the call names
     num_return_sequences: int | None = None  # sampled sequences of each row
+    return_dict_in_generate: bool = False  # Hugging Face's output with .sequences, not the tensor alone
 
     @classmethod
     def of(cls, given: dict[str, Any], others: dict[str, Any]) -> GenerateOptions:
@@ -141,12 +142,25 @@ class GenerateOptions(NamedTuple):
         :class:`InputError` for the rest of ``others``, arguments moirai's generate does not take (with those that
         change model.generate's tokens named as such)."""
         bans = {name: others.pop(name) for name in TokenBans.settings() if name in others}
-        given = {**given, "num_return_sequences": others.pop("num_return_sequences", None)}
-        # A setting moirai does not apply, given at the value that leaves the tokens alone (num_beams=1), is taken.
-        others = {name: v for name, v in others.items() if name not in UNAPPLIED_SETTINGS or _changes(name, v)}
+        given = {
+            **given,
+            "num_return_sequences": others.pop("num_return_sequences", None),
+            "return_dict_in_generate": bool(others.pop("return_dict_in_generate", False)),
+        }
+        # A setting moirai does not apply, given at the value that leaves the tokens alone (num_beams=1), is taken,
+        # and so is an argument of how model.generate runs or what it returns beside the tokens, at a value that
+        # asks for nothing moirai does not do (output_scores=False; use_cache either way: moirai always caches).
+        others = {
+            name: v
+            for name, v in others.items()
+            if not (name in UNAPPLIED_SETTINGS and not _changes(name, v))
+            and not (name in ASKING_NOTHING and _asks_nothing(name, v))
+        }
         if others:
             changes = sorted(set(others) & set(UNAPPLIED_SETTINGS))
             said = f"; {', '.join(changes)} would change the tokens model.generate gives" if changes else ""
+            if set(others) & set(ASKING_NOTHING):
+                said += "; it returns the tokens alone (as .sequences with return_dict_in_generate=True)"
             raise InputError(
                 f"generate does not take {', '.join(sorted(others))}{said}: moirai's generate takes "
                 f"{', '.join(f for f in cls._fields if f != 'bans')}, {', '.join(TokenBans.settings())} and "
@@ -160,6 +174,8 @@ class GenerateOptions(NamedTuple):
                 "GenerationConfig(**settings), or the settings as arguments"
             )
         _refuse_unapplied(config, "the generation_config passed to generate")
+        if getattr(config, "return_dict_in_generate", None) is True:  # as model.generate reads it from there too
+            options = options._replace(return_dict_in_generate=True)
         return options
 
 
@@ -181,6 +197,25 @@ UNAPPLIED_SETTINGS = {
     "num_beams": 1,
     "guidance_scale": 1.0,
 }
+
+
+# Arguments of model.generate that change how it runs or what it returns beside the tokens, with the values that
+# ask for nothing moirai's generate does not do.
+ASKING_NOTHING: dict[str, tuple[Any, ...]] = {
+    "use_cache": (True, False, None),
+    "output_attentions": (False, None),
+    "output_hidden_states": (False, None),
+    "output_scores": (False, None),
+    "output_logits": (False, None),
+    "synced_gpus": (False, None),
+    "logits_processor": (None, []),
+    "stopping_criteria": (None, []),
+    "assistant_model": (None,),
+}
+
+
+def _asks_nothing(name: str, value: Any) -> bool:
+    return any(value is n or (isinstance(value, (bool, list)) and value == n) for n in ASKING_NOTHING[name])
 
 
 def unapplied_settings(generation_config: object) -> list[str]:
@@ -364,7 +399,7 @@ def generate_rows(
     attention_mask: torch.Tensor | None,
     options: GenerateOptions,
     drive: Callable[[], None] | None = None,
-) -> torch.Tensor:
+) -> Any:
     """A ``generate`` call through ``engine`` (``drive``: what runs the engine until the rows are done, when no
     thread of its own serves it): its rows as sequences, their tokens as Hugging Face returns them."""
     defaults = lm.defaults.overridden_by(options.generation_config)
@@ -390,4 +425,8 @@ def generate_rows(
         raise
     if options.streamer is not None:
         options.streamer.end()
+    if options.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=tokens)
     return tokens

@@ -129,7 +129,7 @@ class GenerationServer:
         streamer: Any = None,
         generation_config: Any = None,
         **others: Any,
-    ) -> torch.Tensor:
+    ) -> Any:
         """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
         given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
         return generate_rows(self._lm, self._engine, input_ids, attention_mask, GenerateOptions.of(given, others))
