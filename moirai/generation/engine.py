@@ -207,7 +207,8 @@ class Engine:
         """[Note: sampling among candidates] in step.py: :class:`InputError` for a top-k over the candidates (and
         under the vocabulary), which they cannot hold; a :class:`MoiraiWarning` for a top-p or min-p cut with no
         top-k, which may reach past them."""
-        vocabulary = self.vocab_size if self.vocab_size is not None else float("inf")
+        width = self.logits_width if self.logits_width is not None else self.vocab_size  # what the sampler cuts
+        vocabulary = width if width is not None else float("inf")
         if sampling.temperature == 0 or vocabulary <= SAMPLING_CANDIDATES:
             return
         if SAMPLING_CANDIDATES < sampling.top_k < vocabulary:
