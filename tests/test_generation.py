@@ -566,6 +566,19 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), bad_words_ids=[[3, VOCAB]])
     with pytest.raises(moirai.InputError, match="bad_words_ids in the generate call must be a non-empty list of"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), bad_words_ids=[3, 4])
+    # Arguments of the wrong type (each was a raw TypeError, RuntimeError or ValueError, or cut silently)
+    prompt = torch.tensor([[3, 4]])
+    with pytest.raises(moirai.InputError, match="must be numbers, got temperature='0.7'"):
+        split_lm.generate(prompt, do_sample=True, temperature="0.7", max_new_tokens=2)
+    with pytest.raises(moirai.InputError, match="seed must be a whole number, got 1.5"):
+        split_lm.generate(prompt, do_sample=True, seed=1.5, max_new_tokens=2)
+    with pytest.raises(moirai.InputError, match="top_k must be a whole number, got 2.5"):
+        split_lm.generate(prompt, do_sample=True, top_k=2.5, max_new_tokens=2)
+    with pytest.raises(moirai.InputError, match="eos_token_id must be a token id or a list of them, got '</s>'"):
+        split_lm.generate(prompt, eos_token_id="</s>", max_new_tokens=2)
+    # The base model, without its head: its hidden states would have been sampled as if they were logits
+    with pytest.raises(moirai.InputError, match="LlamaModel returns hidden states, not logits"):
+        moirai.compile_lm(llama.model, ["cpu"], max_seq_len=16, max_prefill=8, progress=False, calibration="none")
     # A tokenizer's output passed whole, or rows of different lengths (each was a ValueError from torch)
     with pytest.raises(moirai.InputError, match=r"input_ids is a dict with input_ids, attention_mask: pass its fields"):
         split_lm.generate({"input_ids": torch.zeros(1, 5, dtype=torch.long), "attention_mask": None})

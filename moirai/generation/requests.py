@@ -3,6 +3,7 @@ tokens put back as ``model.generate`` returns them."""
 
 from __future__ import annotations
 
+import numbers as numbers_module
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -372,24 +373,40 @@ def sampling_params(
     Sampling without a ``seed`` takes one from torch's global generator, in the caller's thread: as with
     Hugging Face's ``generate``, ``torch.manual_seed`` before the call makes it draw the same tokens again.
     """
-    try:
-        penalty, min_p = float(repetition_penalty), float(min_p)
-    except (TypeError, ValueError):
-        raise InputError(
-            f"repetition_penalty and min_p must be numbers, got {repetition_penalty!r}, {min_p!r}"
-        ) from None
+    given = {"temperature": temperature, "top_p": 1.0 if top_p is None else top_p}
+    given.update(repetition_penalty=repetition_penalty, min_p=min_p)
+    if any(isinstance(v, (str, bytes)) or not _is_number(v) for v in given.values()):
+        said = ", ".join(f"{name}={value!r}" for name, value in given.items())
+        raise InputError(f"temperature, top_p, repetition_penalty and min_p must be numbers, got {said}")
+    for name, value in (("top_k", top_k), ("seed", seed)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers_module.Integral)):
+            raise InputError(f"{name} must be a whole number, got {value!r}")
+    temperature, top_p, penalty, min_p = (float(v) for v in given.values())
     if not do_sample:
         return SamplingParams(seed=seed, repetition_penalty=penalty)
     if seed is None:
         seed = int(torch.randint(0, _SEEDS, ()))
-    top_p = float(top_p if top_p is not None else 1.0)
-    return SamplingParams(temperature, int(top_k or 0), top_p, seed, penalty, min_p)
+    return SamplingParams(temperature, int(top_k or 0), top_p, int(seed), penalty, min_p)
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def end_tokens(given: int | Sequence[int] | None, default: Sequence[int]) -> frozenset[int]:
+    """The end tokens a call gives (one id, or several: a tensor or list), else ``default``; :class:`InputError`
+    for anything but token ids."""
     if given is None:
         return frozenset(default)
-    return frozenset([given] if isinstance(given, int) else [int(t) for t in given])
+    given = given.tolist() if hasattr(given, "tolist") else given
+    ids = [given] if not isinstance(given, (list, tuple, set, frozenset)) else list(given)
+    if not all(isinstance(t, numbers_module.Integral) and not isinstance(t, bool) for t in ids):
+        raise InputError(f"eos_token_id must be a token id or a list of them, got {given!r}")
+    return frozenset(int(t) for t in ids)
 
 
 def generate_rows(

@@ -249,6 +249,11 @@ class CausalLMStep(torch.nn.Module):
         if self._keep_last_logits:
             options["logits_to_keep"] = 1
         output = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, **options)
+        if not hasattr(output, "logits") and hasattr(output, "last_hidden_state"):
+            raise InputError(
+                f"{type(self.model).__name__} returns hidden states, not logits: compile_lm takes the causal LM with "
+                "its head (e.g. LlamaForCausalLM, AutoModelForCausalLM), whose tokens it samples from the logits"
+            )
         logits = output.logits if hasattr(output, "logits") else output[0]
         return logits[:, -1, :]
 
@@ -271,6 +276,8 @@ def probe_step(step: CausalLMStep, device: torch.device) -> tuple[tuple[LayerCac
     try:
         with torch.no_grad():
             logits = step.last_logits(token, token, recorder, 1)
+    except InputError:
+        raise
     except (torch.cuda.OutOfMemoryError, MemoryError) as error:
         raise InputError(
             f"{name} ran out of memory on {device} running one token to size its KV cache ({type(error).__name__}); "
