@@ -451,6 +451,14 @@ def test_a_streamer_and_a_generation_config_are_taken_as_model_generate_takes_th
     assert type(ours) is type(theirs) and torch.equal(ours.sequences, theirs.sequences)
     returned = transformers.GenerationConfig(max_new_tokens=3, return_dict_in_generate=True)
     assert torch.equal(split_lm.generate(prompt, generation_config=returned).sequences, theirs.sequences)
+    tensor = split_lm.generate(prompt, generation_config=returned, return_dict_in_generate=False)  # the call's first
+    assert isinstance(tensor, torch.Tensor)
+    scored = transformers.GenerationConfig(max_new_tokens=3, return_dict_in_generate=True, output_scores=True)
+    with pytest.raises(moirai.InputError, match="sets output_scores=True: moirai's generate returns the tokens alone"):
+        split_lm.generate(prompt, generation_config=scored)
+    # None is unset; greedy search reads no sampling setting (a config's top_k of 50.0 among them), as model.generate
+    neutral = {"tokenizer": None, "stop_strings": None, "top_k": 50.0, "temperature": "unread", "max_new_tokens": 3}
+    assert torch.equal(split_lm.generate(prompt, **neutral), theirs.sequences)
     ngrams = transformers.GenerationConfig(max_new_tokens=10, no_repeat_ngram_size=1)
     with torch.no_grad():
         expected = llama.generate(prompt, generation_config=ngrams, attention_mask=torch.ones_like(prompt))

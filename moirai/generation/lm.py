@@ -45,6 +45,7 @@ from moirai.generation.requests import (
     APPLIED_SETTINGS,
     GenerateOptions,
     GenerationDefaults,
+    end_tokens,
     generate_rows,
     unapplied_settings,
 )
@@ -297,7 +298,7 @@ def compile_lm(
     generation_config = getattr(model, "generation_config", None)
     _warn_of_unapplied_settings(type(model).__name__, generation_config)
     eos, pad = (_first_set(name, generation_config, config) for name in ("eos_token_id", "pad_token_id"))
-    eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+    eos_ids = tuple(sorted(end_tokens(eos, ())))  # one id or several, of any integer type
     return CompiledLM(
         compiled,
         prefill,

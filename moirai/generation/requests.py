@@ -3,7 +3,7 @@ tokens put back as ``model.generate`` returns them."""
 
 from __future__ import annotations
 
-import numbers as numbers_module
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -135,7 +135,7 @@ class GenerateOptions(NamedTuple):
     generation_config: Any = None  # a GenerationConfig whose values stand before the model's
     bans: dict[str, Any] | None = None  # the settings of TokenBans the call names
     num_return_sequences: int | None = None  # sampled sequences of each row
-    return_dict_in_generate: bool = False  # Hugging Face's output with .sequences, not the tensor alone
+    return_dict_in_generate: bool | None = None  # Hugging Face's output with .sequences, not the tensor alone
 
     @classmethod
     def of(cls, given: dict[str, Any], others: dict[str, Any]) -> GenerateOptions:
@@ -146,21 +146,23 @@ class GenerateOptions(NamedTuple):
         given = {
             **given,
             "num_return_sequences": others.pop("num_return_sequences", None),
-            "return_dict_in_generate": bool(others.pop("return_dict_in_generate", False)),
+            "return_dict_in_generate": others.pop("return_dict_in_generate", None),
         }
-        # A setting moirai does not apply, given at the value that leaves the tokens alone (num_beams=1), is taken,
-        # and so is an argument of how model.generate runs or what it returns beside the tokens, at a value that
-        # asks for nothing moirai does not do (output_scores=False; use_cache either way: moirai always caches).
+        # An argument given as None is unset, as in model.generate. A setting moirai does not apply, given at the
+        # value that leaves the tokens alone (num_beams=1), is taken, and so is an argument of how model.generate
+        # runs or what it returns beside the tokens, at a value that asks for nothing moirai does not do
+        # (output_scores=False; use_cache either way: moirai always caches).
         others = {
             name: v
             for name, v in others.items()
-            if not (name in UNAPPLIED_SETTINGS and not _changes(name, v))
+            if v is not None
+            and not (name in UNAPPLIED_SETTINGS and not _changes(name, v))
             and not (name in ASKING_NOTHING and _asks_nothing(name, v))
         }
         if others:
             changes = sorted(set(others) & set(UNAPPLIED_SETTINGS))
             said = f"; {', '.join(changes)} would change the tokens model.generate gives" if changes else ""
-            if set(others) & set(ASKING_NOTHING):
+            if set(others) & OUTPUT_ARGUMENTS:
                 said += "; it returns the tokens alone (as .sequences with return_dict_in_generate=True)"
             raise InputError(
                 f"generate does not take {', '.join(sorted(others))}{said}: moirai's generate takes "
@@ -175,8 +177,12 @@ class GenerateOptions(NamedTuple):
                 "GenerationConfig(**settings), or the settings as arguments"
             )
         _refuse_unapplied(config, "the generation_config passed to generate")
-        if getattr(config, "return_dict_in_generate", None) is True:  # as model.generate reads it from there too
-            options = options._replace(return_dict_in_generate=True)
+        asked = [f"{name}={getattr(config, name)!r}" for name in OUTPUT_ARGUMENTS if getattr(config, name, None)]
+        if asked:
+            raise InputError(
+                f"the generation_config passed to generate sets {', '.join(sorted(asked))}: moirai's generate returns "
+                "the tokens alone (as .sequences with return_dict_in_generate=True)"
+            )
         return options
 
 
@@ -197,26 +203,44 @@ UNAPPLIED_SETTINGS = {
     "eta_cutoff": 0.0,
     "num_beams": 1,
     "guidance_scale": 1.0,
+    "penalty_alpha": None,
+    "num_beam_groups": 1,
+    "diversity_penalty": 0.0,
+    "max_time": None,
+    "stop_strings": None,
 }
 
 
 # Arguments of model.generate that change how it runs or what it returns beside the tokens, with the values that
-# ask for nothing moirai's generate does not do.
-ASKING_NOTHING: dict[str, tuple[Any, ...]] = {
-    "use_cache": (True, False, None),
-    "output_attentions": (False, None),
-    "output_hidden_states": (False, None),
-    "output_scores": (False, None),
-    "output_logits": (False, None),
-    "synced_gpus": (False, None),
-    "logits_processor": (None, []),
-    "stopping_criteria": (None, []),
-    "assistant_model": (None,),
+# ask for nothing moirai's generate does not do (None: any value; None itself is always unset).
+OUTPUT_ARGUMENTS = {"output_attentions", "output_hidden_states", "output_scores", "output_logits"}
+ASKING_NOTHING: dict[str, tuple[Any, ...] | None] = {
+    "use_cache": None,  # moirai always caches; the tokens are the same either way
+    **dict.fromkeys(OUTPUT_ARGUMENTS, (False,)),
+    "synced_gpus": (False,),
+    "logits_processor": ([],),
+    "stopping_criteria": ([],),
+    "bos_token_id": None,  # read only where there is no prompt
+    "tokenizer": None,  # read only for stop_strings (refused)
+    "length_penalty": None,  # beam search's (refused)
+    "early_stopping": None,  # beam search's
+    "renormalize_logits": None,  # a log-softmax after the processors: the same argmax and distribution
 }
 
 
 def _asks_nothing(name: str, value: Any) -> bool:
-    return any(value is n or (isinstance(value, (bool, list)) and value == n) for n in ASKING_NOTHING[name])
+    neutral = ASKING_NOTHING[name]
+    if neutral is None:
+        return True
+    for n in neutral:
+        try:
+            if (isinstance(n, list) and isinstance(value, list) or not isinstance(value, (str, list))) and bool(
+                value == n
+            ):
+                return True
+        except (TypeError, ValueError, RuntimeError):  # a comparison that gives no truth value
+            continue
+    return False
 
 
 def unapplied_settings(generation_config: object) -> list[str]:
@@ -274,6 +298,7 @@ class GenerationDefaults(NamedTuple):
     max_position_embeddings: int | None = None  # the model config's: caps Hugging Face's default length
     bans: TokenBans = TokenBans()
     num_return_sequences: int = 1
+    return_dict_in_generate: bool = False
 
     @classmethod
     def of(cls, generation_config: object, config: object = None) -> GenerationDefaults:
@@ -373,20 +398,39 @@ def sampling_params(
     Sampling without a ``seed`` takes one from torch's global generator, in the caller's thread: as with
     Hugging Face's ``generate``, ``torch.manual_seed`` before the call makes it draw the same tokens again.
     """
-    given = {"temperature": temperature, "top_p": 1.0 if top_p is None else top_p}
-    given.update(repetition_penalty=repetition_penalty, min_p=min_p)
-    if any(isinstance(v, (str, bytes)) or not _is_number(v) for v in given.values()):
-        said = ", ".join(f"{name}={value!r}" for name, value in given.items())
-        raise InputError(f"temperature, top_p, repetition_penalty and min_p must be numbers, got {said}")
-    for name, value in (("top_k", top_k), ("seed", seed)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers_module.Integral)):
-            raise InputError(f"{name} must be a whole number, got {value!r}")
-    temperature, top_p, penalty, min_p = (float(v) for v in given.values())
+    # What greedy search reads is checked either way; the sampling settings only where it samples, as model.generate
+    # ignores them otherwise (a config's top_k of 50.0 among them).
+    (penalty,) = _numbers(repetition_penalty=repetition_penalty)
+    seed = _whole("seed", seed)
     if not do_sample:
         return SamplingParams(seed=seed, repetition_penalty=penalty)
+    temperature, top_p, min_p = _numbers(temperature=temperature, top_p=1.0 if top_p is None else top_p, min_p=min_p)
+    top_k = _whole("top_k", top_k)
     if seed is None:
         seed = int(torch.randint(0, _SEEDS, ()))
-    return SamplingParams(temperature, int(top_k or 0), top_p, int(seed), penalty, min_p)
+    return SamplingParams(temperature, top_k or 0, top_p, seed, penalty, min_p)
+
+
+def _numbers(**given: Any) -> list[float]:
+    """``given`` as floats; :class:`InputError` naming them unless each is a number."""
+    if any(isinstance(v, (str, bytes)) or not _is_number(v) for v in given.values()):
+        said = ", ".join(f"{name}={value!r}" for name, value in given.items())
+        raise InputError(f"{' and '.join(given)} must be numbers, got {said}")
+    return [float(v) for v in given.values()]
+
+
+def _whole(name: str, value: Any) -> int | None:
+    """``value`` as an int (None: None); :class:`InputError` unless it is a whole number (50.0 is)."""
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise InputError(f"{name} must be a whole number, got {value!r}") from None
 
 
 def _is_number(value: Any) -> bool:
@@ -404,9 +448,12 @@ def end_tokens(given: int | Sequence[int] | None, default: Sequence[int]) -> fro
         return frozenset(default)
     given = given.tolist() if hasattr(given, "tolist") else given
     ids = [given] if not isinstance(given, (list, tuple, set, frozenset)) else list(given)
-    if not all(isinstance(t, numbers_module.Integral) and not isinstance(t, bool) for t in ids):
-        raise InputError(f"eos_token_id must be a token id or a list of them, got {given!r}")
-    return frozenset(int(t) for t in ids)
+    try:
+        if any(isinstance(t, bool) for t in ids):
+            raise TypeError
+        return frozenset(operator.index(t) for t in ids)
+    except TypeError:
+        raise InputError(f"eos_token_id must be a token id or a list of them, got {given!r}") from None
 
 
 def generate_rows(
@@ -442,7 +489,7 @@ def generate_rows(
         raise
     if options.streamer is not None:
         options.streamer.end()
-    if options.return_dict_in_generate:
+    if _first_given(options.return_dict_in_generate, defaults.return_dict_in_generate):
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         return GenerateDecoderOnlyOutput(sequences=tokens)

@@ -250,13 +250,15 @@ class CausalLMStep(torch.nn.Module):
             options["logits_to_keep"] = 1
         output = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, **options)
         if not hasattr(output, "logits") and hasattr(output, "last_hidden_state"):
-            raise InputError(
-                f"{type(self.model).__name__} returns hidden states, not logits: compile_lm takes the causal LM with "
-                "its head (e.g. LlamaForCausalLM, AutoModelForCausalLM), whose tokens it samples from the logits"
-            )
+            raise InputError(_NO_LOGITS.format(name=type(self.model).__name__))
         logits = output.logits if hasattr(output, "logits") else output[0]
         return logits[:, -1, :]
 
+
+_NO_LOGITS = (
+    "{name} returns hidden states, not logits: compile_lm takes the causal LM with its head (e.g. LlamaForCausalLM, "
+    "AutoModelForCausalLM), whose tokens it samples from the logits"
+)
 
 # What the step hands the model, said where a model cannot take it: the cause may be there.
 STEP_CALL = (
@@ -293,7 +295,13 @@ def probe_step(step: CausalLMStep, device: torch.device) -> tuple[tuple[LayerCac
             f"{name} ran a token without writing to the cache it was given ({STEP_CALL}): compile_lm needs attention "
             "layers that call cache.update with their keys and values"
         )
-    return tuple(recorder.layers[layer] for layer in sorted(recorder.layers)), int(logits.shape[-1])
+    width = int(logits.shape[-1])
+    config = step.model.config
+    head = getattr(step.model, "get_output_embeddings", lambda: True)()
+    if head is None and width == getattr(config, "hidden_size", None) != getattr(config, "vocab_size", None):
+        # A base model that returns a tuple (return_dict=False): its hidden states came out where logits would.
+        raise InputError(_NO_LOGITS.format(name=name))
+    return tuple(recorder.layers[layer] for layer in sorted(recorder.layers)), width
 
 
 def embedding_rows(model: torch.nn.Module) -> int | None:
