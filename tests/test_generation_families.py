@@ -122,6 +122,14 @@ def family_lm(name: str, devices: int) -> moirai.CompiledLM:
     return dataclasses.replace(lm, compiled=lm.compiled.with_plan(layers_apart(lm, devices)))
 
 
+def two_device_lm(model: torch.nn.Module) -> moirai.CompiledLM:
+    """``model`` split over two logical CPU devices by round robin, for a prompt and 12 new tokens."""
+    return moirai.compile_lm(
+        model, ["cpu", "cpu"], max_batch_size=2, max_seq_len=PROMPT_TOKENS + 12, max_prefill=8,
+        placer="round_robin", calibration="none", progress=False,
+    )  # fmt: skip
+
+
 def layers_apart(lm: moirai.CompiledLM, devices: int) -> Plan:
     """A contiguous split with the first layer's cache and its ops on the first device, the last layer's on the last
     and what lies between on the others: every device works and the caches of two layers are apart (a placer's plan
@@ -263,10 +271,7 @@ def test_deepseek_v3_whose_attention_caches_a_latent_generates_its_tokens_with_a
         v_head_dim=16, n_group=1, topk_group=1,
     )  # fmt: skip
     model = transformers.DeepseekV3ForCausalLM(config).eval()
-    lm = moirai.compile_lm(
-        model, ["cpu", "cpu"], max_batch_size=2, max_seq_len=PROMPT_TOKENS + 12, max_prefill=8,
-        placer="round_robin", calibration="none", progress=False,
-    )  # fmt: skip
+    lm = two_device_lm(model)
     assert len(cache_devices(lm)) == 2, "the test needs the layers' caches apart"
     step = lm.compiled.traced.graph_module
     slots, length = 2, PROMPT_TOKENS + 12
@@ -369,10 +374,7 @@ def test_llama_4_whose_chunked_layers_see_their_own_chunk_generates_its_tokens()
     )
     model = transformers.Llama4ForCausalLM(config).eval()
     assert "chunked_attention" in config.layer_types
-    lm = moirai.compile_lm(
-        model, ["cpu", "cpu"], max_batch_size=2, max_seq_len=PROMPT_TOKENS + 12, max_prefill=8,
-        placer="round_robin", calibration="none", progress=False,
-    )  # fmt: skip
+    lm = two_device_lm(model)
     assert len(cache_devices(lm)) == 2, "the test needs the layers' caches apart"
     ids, mask = prompts()
     with torch.no_grad():
@@ -402,10 +404,7 @@ def test_gemma_4_whose_last_layers_reuse_earlier_layers_keys_and_values_generate
         top_k_experts=2, moe_intermediate_size=32,
     )  # fmt: skip
     model = transformers.Gemma4ForCausalLM(config).eval()
-    lm = moirai.compile_lm(
-        model, ["cpu", "cpu"], max_batch_size=2, max_seq_len=PROMPT_TOKENS + 12, max_prefill=8,
-        placer="round_robin", calibration="none", progress=False,
-    )  # fmt: skip
+    lm = two_device_lm(model)
     assert [layer.layer for layer in lm.cache.layers] == [0, 1], "the reusing layers would have caches"
     assert len(cache_devices(lm)) == 2, "the test needs the layers' caches apart"
     ids, mask = prompts()

@@ -29,6 +29,7 @@ class GenerateRequest:
     """A ``generate`` call's rows as sequences, and how to put their tokens back as Hugging Face returns them."""
 
     input_ids: torch.Tensor
+    rows: tuple[list[int], ...]  # each row as given, padding included (what Hugging Face's bans read)
     prompts: tuple[list[int], ...]
     max_new_tokens: int
     eos: frozenset[int]
@@ -71,7 +72,7 @@ class GenerateRequest:
                 f"{input_ids.shape[0] // copies} rows of {copies} sequences each (num_return_sequences): generate "
                 "one sequence at a time, or stream each with server().stream"
             )
-        rows = input_ids.cpu().tolist()
+        rows = tuple(input_ids.cpu().tolist())
         keep = attention_mask.cpu().bool().tolist() if attention_mask is not None else None
         prompts = tuple(
             [t for t, kept in zip(row, keep[i], strict=True) if kept] if keep else list(row)
@@ -85,7 +86,7 @@ class GenerateRequest:
             pad = min(eos) if eos else 0
         new_tokens = defaults.new_tokens(options.max_new_tokens, options.max_length, input_ids.shape[1])
         bans = defaults.bans.overridden_by(options.bans or {}, "the generate call")
-        return cls(input_ids, prompts, new_tokens, eos, pad, bans, copies)
+        return cls(input_ids, rows, prompts, new_tokens, eos, pad, bans, copies)
 
     def submit(self, engine: Engine, sampling: SamplingParams, streamer: Any = None) -> list[Future]:
         """Every row as a sequence of ``engine``; a ``streamer`` gets the prompt, then each token as it comes."""
@@ -100,11 +101,10 @@ class GenerateRequest:
         if streamer is not None:
             streamer.put(self.input_ids.cpu())  # as model.generate starts a streamer: the prompt first
         futures = []
-        rows = self.input_ids.cpu().tolist()
         for row, prompt in enumerate(self.prompts):
             row_sampling = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + row)
             on_token = None if streamer is None else (lambda token: streamer.put(torch.tensor([token])))
-            bans = self.bans.for_sequence(rows[row], self.eos)  # the row as given ([Note: banned tokens])
+            bans = self.bans.for_sequence(self.rows[row], self.eos)  # [Note: banned tokens]
             state = SequenceState(prompt, self.max_new_tokens, row_sampling, self.eos, on_token=on_token, bans=bans)
             futures.append(engine.add(state))
         return futures
@@ -230,17 +230,14 @@ ASKING_NOTHING: dict[str, tuple[Any, ...] | None] = {
 
 def _asks_nothing(name: str, value: Any) -> bool:
     neutral = ASKING_NOTHING[name]
-    if neutral is None:
-        return True
-    for n in neutral:
-        try:
-            if (isinstance(n, list) and isinstance(value, list) or not isinstance(value, (str, list))) and bool(
-                value == n
-            ):
-                return True
-        except (TypeError, ValueError, RuntimeError):  # a comparison that gives no truth value
-            continue
-    return False
+    return neutral is None or any(_equal(value, n) for n in neutral)
+
+
+def _equal(value: Any, neutral: Any) -> bool:
+    try:
+        return bool(value == neutral)
+    except (TypeError, ValueError, RuntimeError):  # a comparison that gives no truth value (an array's)
+        return False
 
 
 def unapplied_settings(generation_config: object) -> list[str]:
