@@ -18,6 +18,8 @@ import torch
 import moirai
 import moirai.generation.requests
 from moirai.frontend.state import mutable_buffers
+from moirai.generation.engine import done_future
+from moirai.generation.server import GenerationServer
 from moirai.generation.step import ban_tokens, sample_tokens
 from moirai.planning.objective import Generation
 from moirai.planning.plan import Plan
@@ -358,9 +360,10 @@ def test_a_call_that_leaves_out_max_new_tokens_gets_as_many_tokens_as_model_gene
         with torch.no_grad():
             return model.generate(prompt, do_sample=False, attention_mask=torch.ones_like(prompt), **options)
 
+    ours_lm = dataclasses.replace(split_lm, generation_config=model.generation_config, model_config=model.config)
+
     def ours(**options):
-        defaults = moirai.generation.requests.GenerationDefaults.of(model.generation_config, model.config)
-        return dataclasses.replace(split_lm, defaults=defaults).generate(prompt, **options)
+        return ours_lm.generate(prompt, **options)
 
     for options in ({}, {"max_length": 10}, {"max_length": 10, "max_new_tokens": 3}):
         expected = hf(**options)
@@ -406,6 +409,43 @@ def test_a_cancelled_or_abandoned_sequence_stops_generating_on_the_server(split_
         left = [real_submit(prompt, max_new_tokens=50) for _ in range(6)]  # 4 slots: two wait
         raise KeyboardInterrupt  # the caller stops: the block's exit cancels rather than generating all 300 tokens
     assert all(future.cancelled() for future in left)
+
+
+class _StepsInThisProcess:
+    """A step server that runs every step in the calling thread: a GenerationServer without ranks."""
+
+    def __init__(self, lm: moirai.CompiledLM) -> None:
+        self.lm = lm
+
+    def submit_flat(self, inputs):
+        return done_future(lambda: self.lm.compiled(*inputs))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_server_whose_loop_fails_fails_its_sequences_and_refuses_later_ones(split_lm, monkeypatch):
+    """A loop that died left later submits waiting for ever (a seed of 2**64 killed it)."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    with GenerationServer(split_lm, _StepsInThisProcess(split_lm), depth=2) as server:
+        assert server.submit(prompt, max_new_tokens=3).result(timeout=60) == hf_like(split_lm, prompt, 3)
+        with pytest.raises(moirai.InputError, match=r"one sequence's token ids, got shape \(2, 6\)"):
+            server.submit(torch.stack([prompt, prompt]), max_new_tokens=3)
+        with pytest.raises(moirai.InputError, match="seed must be between 0 and"):
+            server.submit(prompt, max_new_tokens=3, do_sample=True, seed=2**64)
+
+        def broken(step):  # a fault injected into the loop itself
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(server._engine, "_inputs", broken)
+        with pytest.raises(RuntimeError, match="injected"):
+            server.submit(prompt, max_new_tokens=3).result(timeout=60)
+        with pytest.raises(moirai.RequestError, match=r"loop failed \(RuntimeError\('injected'\)\).*lm.server\(\)"):
+            server.submit(prompt, max_new_tokens=3)
+
+
+def hf_like(lm: moirai.CompiledLM, prompt: torch.Tensor, new_tokens: int) -> list[int]:
+    return lm.generate(prompt[None], max_new_tokens=new_tokens)[0, len(prompt) :].tolist()
 
 
 def test_a_streamer_and_a_generation_config_are_taken_as_model_generate_takes_them(llama, split_lm):
@@ -584,6 +624,22 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
         split_lm.generate(prompt, do_sample=True, top_k=2.5, max_new_tokens=2)
     with pytest.raises(moirai.InputError, match="eos_token_id must be a token id or a list of them, got '</s>'"):
         split_lm.generate(prompt, eos_token_id="</s>", max_new_tokens=2)
+    with pytest.raises(moirai.InputError, match="max_new_tokens must be a whole number, got '5'"):
+        split_lm.generate(prompt, max_new_tokens="5")
+    with pytest.raises(moirai.InputError, match="pad_token_id must be a whole number, got 'x'"):
+        split_lm.generate(prompt, pad_token_id="x", max_new_tokens=2)
+    with pytest.raises(moirai.InputError, match=r"seed must be between 0 and 2\*\*63 - 1, got 18446744073709551616"):
+        split_lm.generate(prompt, do_sample=True, seed=2**64, max_new_tokens=2)
+    with pytest.raises(
+        moirai.InputError, match="do_sample=True samples with a temperature over 0, got temperature=0.0"
+    ):
+        split_lm.generate(prompt, do_sample=True, temperature=0.0, max_new_tokens=2)
+    with pytest.raises(moirai.InputError, match="attention_mask must be a tensor, or lists of 1"):
+        split_lm.generate(prompt, attention_mask=[[1, "a"]], max_new_tokens=2)
+    assert torch.equal(
+        split_lm.generate(prompt, attention_mask=[[1, 1]], max_new_tokens=2),
+        split_lm.generate(prompt, max_new_tokens=2),
+    )
     # The base model, without its head: its hidden states would have been sampled as if they were logits
     with pytest.raises(moirai.InputError, match="LlamaModel returns hidden states, not logits"):
         moirai.compile_lm(llama.model, ["cpu"], max_seq_len=16, max_prefill=8, progress=False, calibration="none")
@@ -741,12 +797,47 @@ def test_the_summary_and_the_gantt_show_the_predicted_ttft_tpot_and_tokens_per_s
         assert figure._suptitle.get_text().startswith(f"{phase}: TTFT")
 
 
-def test_token_id_0_in_the_generation_config_is_the_pad_and_end_token(llama):
-    config = llama.generation_config
-    saved = config.pad_token_id, config.eos_token_id
+def test_token_id_0_in_the_generation_config_is_the_pad_and_end_token(split_lm):
+    config = copy.deepcopy(split_lm.generation_config)
     config.pad_token_id, config.eos_token_id = 0, 0
-    try:
-        lm = compile_tiny(llama)
-    finally:
-        config.pad_token_id, config.eos_token_id = saved
+    lm = dataclasses.replace(split_lm, generation_config=config)
     assert lm.pad_token_id == 0 and lm.eos_token_id == (0,)
+
+
+def test_the_pad_token_and_the_models_generation_config_are_read_as_model_generate_reads_them(llama, split_lm):
+    """Each was a silent difference from model.generate: the smallest end token padded a row (not the first
+    listed), a pad token in the rows without a mask was read as a token, a generation_config changed after
+    compile_lm was not read, and a watermark in it was left out without a word."""
+    model = copy.deepcopy(llama)
+    lm = dataclasses.replace(split_lm, generation_config=model.generation_config, model_config=model.config)
+    prompt = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+
+    def hf(rows: torch.Tensor, **options) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(rows, do_sample=False, **options)
+
+    # The first end token listed pads a row that ends early, where no pad token is set.
+    first = lm.generate(prompt, max_new_tokens=6)[0, 7:].tolist()
+    ends = [VOCAB - 1, first[1]]  # row 0 ends at its second new token; the padding is the other, larger id
+    assert ends[0] > ends[1] and first[1] not in first[:1]
+    options = {"max_new_tokens": 6, "eos_token_id": ends, "attention_mask": torch.ones_like(prompt)}
+    expected = hf(prompt, **options)
+    assert expected[0, 9:].tolist() == [ends[0]] * 4
+    assert torch.equal(lm.generate(prompt, **options), expected)
+    # A pad token that is no end token marks the rows' padding where no mask is given, anywhere in the row.
+    padded = prompt.clone()
+    padded[0, :3], padded[1, 4] = 0, 0
+    assert not torch.equal(hf(padded, max_new_tokens=6, pad_token_id=0), hf(padded, max_new_tokens=6))
+    assert torch.equal(
+        lm.generate(padded, max_new_tokens=6, pad_token_id=0), hf(padded, max_new_tokens=6, pad_token_id=0)
+    )
+    # The model's generation_config as it is at the call: a pad token set there, and a length.
+    model.generation_config.pad_token_id, model.generation_config.max_new_tokens = 0, 4
+    assert torch.equal(lm.generate(padded), hf(padded)) and hf(padded).shape[1] == 7 + 4
+    # A watermark changes even greedy tokens: refused in a call's config, named in a warning in the model's.
+    watermark = transformers.WatermarkingConfig(bias=8.0)
+    with pytest.raises(moirai.InputError, match="sets watermarking_config=.*which model.generate applies"):
+        lm.generate(prompt, generation_config=transformers.GenerationConfig(watermarking_config=watermark))
+    model.generation_config.watermarking_config = watermark
+    with pytest.warns(moirai.MoiraiWarning, match="generation_config sets watermarking_config="):
+        lm.generate(prompt)

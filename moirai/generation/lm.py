@@ -87,12 +87,42 @@ class CompiledLM:
     max_prefill: int
     decode_batch: int  # sequences per decode step the plan was priced for
     prompt_tokens: int  # the typical prompt the plan was priced for
-    eos_token_id: tuple[int, ...]
-    pad_token_id: int | None
     model_name: str = "a causal LM"
     vocab_size: int | None = None  # rows of the input embedding: the token ids a prompt may hold
-    defaults: GenerationDefaults = GenerationDefaults()  # for the arguments a generate call leaves out
     logits_width: int | None = None  # the logits a step gives a token: the token ids it can sample or ban
+    # The model's own generation_config and config, read at every call as model.generate reads them: a setting
+    # changed after compile_lm (model.generation_config.max_new_tokens = 4) counts.
+    generation_config: Any = None
+    model_config: Any = None
+
+    @property
+    def defaults(self) -> GenerationDefaults:
+        """What a generate call leaves out takes (:class:`GenerationDefaults`), from the model's configs as they are."""
+        return GenerationDefaults.of(self.generation_config, self.model_config)
+
+    @property
+    def eos_token_id(self) -> tuple[int, ...]:
+        """The model's end tokens, in its config's order (the first pads rows that end early where no pad is set)."""
+        return end_tokens(_first_set("eos_token_id", self.generation_config, self.model_config), ())
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return _first_set("pad_token_id", self.generation_config, self.model_config)
+
+    def check_generation_config(self) -> None:
+        """:class:`InputError` unless the model's end tokens are token ids; a :class:`MoiraiWarning` naming what its
+        generation_config sets that model.generate applies by default and moirai's generate does not (beams, forced
+        tokens, typical-p...): their tokens would differ, with nothing to say why. At compile_lm and at every call,
+        as the config may change between them."""
+        self.eos_token_id  # noqa: B018 - raises for end tokens that are not token ids
+        unapplied = unapplied_settings(self.generation_config)
+        if unapplied:
+            warnings.warn(
+                f"{self.model_name}'s generation_config sets {', '.join(unapplied)}, which model.generate applies "
+                f"and moirai's generate does not (it applies {APPLIED_SETTINGS}): their tokens can differ",
+                MoiraiWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     def engine(self, submit: SubmitStep, depth: int) -> Engine:
         """The loop that steps this LM's sequences through ``submit``, ``depth`` steps in flight."""
@@ -294,12 +324,7 @@ def compile_lm(
             compiled = assemble(traced, cluster, coarse, decode, plan)
         if handover is not None:
             handover.send(compiled.plan_record())
-    config = model.config
-    generation_config = getattr(model, "generation_config", None)
-    _warn_of_unapplied_settings(type(model).__name__, generation_config)
-    eos, pad = (_first_set(name, generation_config, config) for name in ("eos_token_id", "pad_token_id"))
-    eos_ids = tuple(sorted(end_tokens(eos, ())))  # one id or several, of any integer type
-    return CompiledLM(
+    lm = CompiledLM(
         compiled,
         prefill,
         objective,
@@ -307,27 +332,14 @@ def compile_lm(
         max_prefill,
         decode_batch,
         prompt_tokens,
-        eos_ids,
-        pad,
         type(model).__name__,
         embedding_rows(model),
-        GenerationDefaults.of(generation_config, config),
         step.logits_width,
+        getattr(model, "generation_config", None),
+        model.config,
     )
-
-
-def _warn_of_unapplied_settings(name: str, generation_config: object) -> None:
-    """A :class:`MoiraiWarning` naming what the model's generation_config sets that model.generate applies by
-    default and moirai's generate does not (beams, forced tokens, typical-p...): its tokens would differ, with
-    nothing to say why."""
-    unapplied = unapplied_settings(generation_config)
-    if unapplied:
-        warnings.warn(
-            f"{name}'s generation_config sets {', '.join(unapplied)}, which model.generate applies and moirai's "
-            f"generate does not (it applies {APPLIED_SETTINGS}): their tokens can differ",
-            MoiraiWarning,
-            stacklevel=user_stacklevel(),
-        )
+    lm.check_generation_config()  # its end tokens are token ids; a warning for what it sets that moirai does not apply
+    return lm
 
 
 def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> TracedModel:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 _DEFAULT_NEW_TOKENS = 20
 # Seeds drawn for sampled sequences: below 2**62, so that a row's (seed + row) still fits a generator's seed.
 _SEEDS = 2**62
+_MAX_SEED = 2**63  # a seed a row adds its index to still fits a generator's (at most 2**64 - 1)
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class GenerateRequest:
     rows: tuple[list[int], ...]  # each row as given, padding included (what Hugging Face's bans read)
     prompts: tuple[list[int], ...]
     max_new_tokens: int
-    eos: frozenset[int]
+    eos: tuple[int, ...]
     pad_token_id: int
     bans: TokenBans = TokenBans()
     copies: int = 1  # num_return_sequences: each row's sequences
@@ -54,6 +55,14 @@ class GenerateRequest:
                 f"input_ids must be token ids [batch, tokens] (int64), got shape {tuple(input_ids.shape)} and dtype "
                 f"{input_ids.dtype}"
             )
+        given = options.generation_config
+        eos = end_tokens(_first_given(options.eos_token_id, getattr(given, "eos_token_id", None)), lm.eos_token_id)
+        pad = _first_given(options.pad_token_id, getattr(given, "pad_token_id", None), lm.pad_token_id)
+        pad = _whole("pad_token_id", pad)
+        if attention_mask is None and pad is not None and pad not in eos and bool((input_ids == pad).any()):
+            # Hugging Face's rule: a pad token that is no end token and stands in the rows marks their padding.
+            attention_mask = input_ids != pad
+        attention_mask = None if attention_mask is None else _mask_tensor(attention_mask)
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise InputError(
                 f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}: "
@@ -78,12 +87,8 @@ class GenerateRequest:
             [t for t, kept in zip(row, keep[i], strict=True) if kept] if keep else list(row)
             for i, row in enumerate(rows)
         )
-        given = options.generation_config
-        eos_token_id = _first_given(options.eos_token_id, getattr(given, "eos_token_id", None))
-        eos = end_tokens(eos_token_id, lm.eos_token_id)
-        pad = _first_given(options.pad_token_id, getattr(given, "pad_token_id", None), lm.pad_token_id)
         if pad is None:
-            pad = min(eos) if eos else 0
+            pad = eos[0] if eos else 0  # model.generate pads with the first end token where no pad is set
         new_tokens = defaults.new_tokens(options.max_new_tokens, options.max_length, input_ids.shape[1])
         bans = defaults.bans.overridden_by(options.bans or {}, "the generate call")
         return cls(input_ids, rows, prompts, new_tokens, eos, pad, bans, copies)
@@ -105,7 +110,8 @@ class GenerateRequest:
             row_sampling = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + row)
             on_token = None if streamer is None else (lambda token: streamer.put(torch.tensor([token])))
             bans = self.bans.for_sequence(self.rows[row], self.eos)  # [Note: banned tokens]
-            state = SequenceState(prompt, self.max_new_tokens, row_sampling, self.eos, on_token=on_token, bans=bans)
+            eos = frozenset(self.eos)
+            state = SequenceState(prompt, self.max_new_tokens, row_sampling, eos, on_token=on_token, bans=bans)
             futures.append(engine.add(state))
         return futures
 
@@ -208,6 +214,13 @@ UNAPPLIED_SETTINGS = {
     "diversity_penalty": 0.0,
     "max_time": None,
     "stop_strings": None,
+    "watermarking_config": None,
+    "top_h": None,
+    "dola_layers": None,
+    "constraints": None,
+    "force_words_ids": None,
+    "token_healing": False,
+    "remove_invalid_values": False,  # its processor replaces NaN and infinite logits
 }
 
 
@@ -319,9 +332,8 @@ class GenerationDefaults(NamedTuple):
         it is Hugging Face's ``ValueError``."""
         for given in (max_new_tokens, self.max_new_tokens):
             if given is not None:
-                return given
-        if max_length is None:
-            max_length = self.max_length
+                return _whole("max_new_tokens", given)
+        max_length = _whole("max_length", max_length if max_length is not None else self.max_length)
         if max_length is None:
             max_length = _DEFAULT_NEW_TOKENS + input_length
             if self.max_position_embeddings is not None:
@@ -360,6 +372,11 @@ def prompt_tokens(prompt_ids: torch.Tensor | Sequence[int]) -> list[int]:
     prompt = token_tensor(prompt_ids, "a prompt")
     if prompt.numel() > 0 and (prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool):
         raise InputError(f"a prompt must be token ids (integers), got {prompt.dtype} of shape {tuple(prompt.shape)}")
+    if prompt.dim() > 1 and prompt.shape[:-1].numel() > 1:
+        raise InputError(
+            f"a prompt is one sequence's token ids, got shape {tuple(prompt.shape)}: submit each row alone, or pass "
+            "the rows to server.generate"
+        )
     return [int(t) for t in prompt.reshape(-1).tolist()]
 
 
@@ -377,6 +394,17 @@ def token_tensor(value: Any, what: str) -> torch.Tensor:
         raise InputError(
             f"{what} must be token ids, a tensor or lists of one length ({error}): pad rows to one length and "
             "pass attention_mask, or submit each prompt alone"
+        ) from None
+
+
+def _mask_tensor(value: Any) -> torch.Tensor:
+    """An ``attention_mask`` as a tensor (it may be nested lists); :class:`InputError` for anything else."""
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise InputError(
+            f"attention_mask must be a tensor, or lists of 1 (a token) and 0 (padding), one per token of input_ids "
+            f"({error})"
         ) from None
 
 
@@ -399,9 +427,16 @@ def sampling_params(
     # ignores them otherwise (a config's top_k of 50.0 among them).
     (penalty,) = _numbers(repetition_penalty=repetition_penalty)
     seed = _whole("seed", seed)
+    if seed is not None and not 0 <= seed < _MAX_SEED:
+        raise InputError(f"seed must be between 0 and 2**63 - 1, got {seed}")
     if not do_sample:
         return SamplingParams(seed=seed, repetition_penalty=penalty)
     temperature, top_p, min_p = _numbers(temperature=temperature, top_p=1.0 if top_p is None else top_p, min_p=min_p)
+    if temperature <= 0:  # model.generate refuses it too: greedy search is do_sample=False
+        raise InputError(
+            f"do_sample=True samples with a temperature over 0, got temperature={temperature}: for the likeliest token "
+            "at every step, pass do_sample=False"
+        )
     top_k = _whole("top_k", top_k)
     if seed is None:
         seed = int(torch.randint(0, _SEEDS, ()))
@@ -438,17 +473,17 @@ def _is_number(value: Any) -> bool:
     return True
 
 
-def end_tokens(given: int | Sequence[int] | None, default: Sequence[int]) -> frozenset[int]:
-    """The end tokens a call gives (one id, or several: a tensor or list), else ``default``; :class:`InputError`
-    for anything but token ids."""
+def end_tokens(given: int | Sequence[int] | None, default: Sequence[int]) -> tuple[int, ...]:
+    """The end tokens a call gives (one id, or several: a tensor or list), else ``default``, in their order (the
+    first pads a row that ends early where no pad token is set); :class:`InputError` for anything but token ids."""
     if given is None:
-        return frozenset(default)
+        return tuple(default)
     given = given.tolist() if hasattr(given, "tolist") else given
     ids = [given] if not isinstance(given, (list, tuple, set, frozenset)) else list(given)
     try:
         if any(isinstance(t, bool) for t in ids):
             raise TypeError
-        return frozenset(operator.index(t) for t in ids)
+        return tuple(dict.fromkeys(operator.index(t) for t in ids))
     except TypeError:
         raise InputError(f"eos_token_id must be a token id or a list of them, got {given!r}") from None
 
@@ -463,6 +498,7 @@ def generate_rows(
 ) -> Any:
     """A ``generate`` call through ``engine`` (``drive``: what runs the engine until the rows are done, when no
     thread of its own serves it): its rows as sequences, their tokens as Hugging Face returns them."""
+    lm.check_generation_config()  # the model's generation_config as it is now, as model.generate reads it
     defaults = lm.defaults.overridden_by(options.generation_config)
     request = GenerateRequest.of(lm, input_ids, attention_mask, options, defaults)
     # in the caller's thread: a seed drawn from torch's global generator is drawn here

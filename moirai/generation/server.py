@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moirai.errors import InputError
+from moirai.errors import InputError, RequestError
 from moirai.generation.bans import TokenBans
 from moirai.generation.engine import SequenceState
 from moirai.generation.requests import GenerateOptions, end_tokens, generate_rows, prompt_tokens
@@ -37,6 +37,7 @@ class GenerationServer:
         self._lm, self._step_server = lm, step_server
         self._engine = lm.engine(step_server.submit_flat, depth)
         self._stopped = threading.Event()
+        self._failure: BaseException | None = None  # what ended the loop, if it failed: later submits say so
         self._thread = threading.Thread(target=self._serve, name="moirai-generation", daemon=True)
         self._thread.start()
 
@@ -71,6 +72,11 @@ class GenerationServer:
         after its step in flight and frees its slot."""
         if self._stopped.is_set():
             raise InputError("this generation server is closed; open a new one with lm.server()")
+        if self._failure is not None:
+            raise RequestError(
+                f"this generation server's loop failed ({self._failure!r}) and serves no more sequences; open a new "
+                "one with lm.server()"
+            )
         unknown = sorted(set(bans) - set(TokenBans.settings()))
         if unknown:
             raise InputError(
@@ -78,13 +84,14 @@ class GenerationServer:
                 f"arguments it names and {', '.join(TokenBans.settings())}"
             )
         prompt = prompt_tokens(prompt_ids)
+        self._lm.check_generation_config()
         defaults = self._lm.defaults
         eos = end_tokens(eos_token_id, self._lm.eos_token_id)
         sequence = SequenceState(
             prompt,
             defaults.new_tokens(max_new_tokens, max_length, len(prompt)),
             defaults.sampling(do_sample, temperature, top_k, top_p, seed, repetition_penalty, min_p),
-            eos,
+            frozenset(eos),
             on_token=on_token,
             bans=defaults.bans.overridden_by(bans, "submit").for_sequence(prompt, eos),
         )
@@ -152,6 +159,6 @@ class GenerationServer:
     def _serve(self) -> None:
         try:
             self._engine.serve_forever(self._stopped)
-        except BaseException as error:  # the loop itself failed: every sequence learns why
+        except BaseException as error:  # the loop itself failed: every sequence learns why, and every later submit
+            self._failure = error
             self._engine.fail_all(error)
-            raise
