@@ -8,7 +8,7 @@ from torch.export import Dim
 
 import moirai
 from moirai.errors import InputError, MoiraiError
-from moirai.frontend.graph import build_op_graph
+from moirai.frontend.graph import build_op_graph, model_output_bytes
 from moirai.frontend.symbolic_shapes import shape_scalars
 from moirai.frontend.trace import TensorSpec
 from moirai.runtime.distributed import DistributedRunner
@@ -193,6 +193,9 @@ def test_shape_scalar_outputs_come_from_part_0_wherever_their_ops_are_placed(sha
                 torch.testing.assert_close(outputs, model(x))
                 torch.testing.assert_close(compiled(x), model(x))
             assert type(outputs[1]) is type(outputs[2]) is int
+    # No model output message is priced for the scalars: device 0 computes them.
+    graph = build_op_graph(traced)
+    assert not {name for node in model_output_bytes(graph, traced) for name in graph.nodes[node].fx_names} & scalars
 
 
 @pytest.mark.slow
