@@ -8,11 +8,12 @@ from torch.export import Dim
 
 import moirai
 from moirai.errors import InputError, MoiraiError
-from moirai.frontend.graph import build_op_graph
+from moirai.frontend.graph import build_op_graph, model_output_bytes
 from moirai.frontend.symbolic_shapes import shape_scalars
 from moirai.frontend.trace import TensorSpec
 from moirai.runtime.distributed import DistributedRunner
-from moirai.runtime.split import concrete_shape, symbol_values
+from moirai.runtime.local import run_local
+from moirai.runtime.split import concrete_shape, split_module, symbol_values
 
 SHAPES = [(1, 1), (3, 5), (8, 32), (4, 6), (2, 17)]
 
@@ -143,6 +144,73 @@ def test_shared_and_derived_dims_are_checked_and_survive_save_and_load(tmp_path)
             split(torch.randn(6, 16), torch.rand(5), torch.randn(12, 16))
         with pytest.raises(InputError, match=r"input 2 has shape \(11, 16\).*\(2\*batch, 16\)"):
             split(torch.randn(6, 16), torch.rand(6), torch.randn(11, 16))
+
+
+class ShapeOutputs(torch.nn.Module):
+    """Returns, beside a tensor, scalars of the input shape: an int computed from it, the size itself, 0-d tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = self.b(torch.relu(self.a(x)))
+        return h, x.shape[0] * 2, x.shape[0], torch.tensor(x.shape[0]) * 2, h.new_full((), h.shape[0] * 3)
+
+
+@pytest.fixture(scope="module")
+def shape_outputs() -> tuple[torch.nn.Module, moirai.CompiledModel]:
+    torch.manual_seed(0)
+    model = ShapeOutputs().eval()
+    dynamic = ({0: Dim("batch", min=2, max=1024)},)
+    compiled = moirai.compile(
+        model,
+        ["cpu", "cpu"],
+        (torch.randn(8, 16),),
+        dynamic_shapes=dynamic,
+        placer="round_robin",
+        progress=False,
+        calibration="none",
+    )
+    return model, compiled
+
+
+def test_shape_scalar_outputs_come_from_part_0_wherever_their_ops_are_placed(shape_outputs) -> None:
+    # Placed on device 1, `x.shape[0] * 2` was a PlanError the user could not act on ("put its producer on device 0").
+    model, compiled = shape_outputs
+    traced = compiled.traced
+    ops = [node.name for node in traced.graph_module.graph.nodes if node.op == "call_function"]
+    scalars = {node.name for node in shape_scalars(traced)}
+    everything_on_1 = split_module(traced, dict.fromkeys(ops, 1), 2)
+    assert 1 in {compiled.plan_record()["node_device"][name] for name in scalars}  # where the PlanError was
+    for program in (compiled.program, everything_on_1):
+        assert all(program.outputs[i].device == 0 for i in (1, 2))
+        for rows in (3, 17):
+            x = torch.randn(rows, 16)
+            outputs = traced.unflatten_outputs(run_local(program, traced.flatten_inputs((x,), {}), ["cpu", "cpu"]))
+            with torch.no_grad():
+                torch.testing.assert_close(outputs, model(x))
+                torch.testing.assert_close(compiled(x), model(x))
+            assert type(outputs[1]) is type(outputs[2]) is int
+    # No model output message is priced for the scalars: device 0 computes them.
+    graph = build_op_graph(traced)
+    assert not {name for node in model_output_bytes(graph, traced) for name in graph.nodes[node].fx_names} & scalars
+
+
+@pytest.mark.slow
+def test_shape_scalar_outputs_distributed_and_through_the_server(shape_outputs) -> None:
+    model, compiled = shape_outputs
+    requests = [torch.randn(rows, 16) for rows in (3, 17)]
+    with DistributedRunner(compiled.torch_devices, timeout_s=60) as runner:
+        for x in requests:
+            flat = runner.run(compiled.program, compiled.traced.flatten_inputs((x,), {}))
+            with torch.no_grad():
+                torch.testing.assert_close(compiled.traced.unflatten_outputs(flat), model(x))
+    with compiled.server(timeout_s=60) as server:
+        for x in requests:
+            with torch.no_grad():
+                torch.testing.assert_close(server.submit(x).result(), model(x))
 
 
 def test_summary_says_costs_are_those_of_the_example_shape(compiled: moirai.CompiledModel) -> None:

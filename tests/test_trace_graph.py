@@ -10,6 +10,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+import moirai
 from moirai.errors import InputError, TraceError
 from moirai.frontend.graph import build_op_graph
 from moirai.frontend.state import mutable_buffers
@@ -188,6 +189,40 @@ def test_meta_model_of_over_a_billion_parameters_traces_without_weight_memory() 
     assert parameters > 1.07e9 and nodes == 16
     assert param_bytes == parameters * 4  # 4.3 GB of fp32 weights are counted...
     assert peak_rss < 1.5e9  # ...but never allocated: the bound is torch's import plus the graph
+
+
+class TwoInputs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, extra: tuple = ()) -> torch.Tensor:
+        return self.a(q) - self.b(k) + sum(extra, torch.zeros(()))
+
+
+def test_one_tensor_given_as_two_example_inputs_traces_as_two_inputs() -> None:
+    # torch.export gave the same tensor object one placeholder: the compiled model read k for q on every call.
+    torch.manual_seed(0)
+    model, x, y, z = TwoInputs().eval(), torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+    compiled = moirai.compile(model, ["cpu", "cpu"], (x, x), placer="heft", progress=False, calibration="none")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, y), model(x, y))
+    cases = [  # (example args, example kwargs), (call args, call kwargs): repeats by keyword and nested too
+        (((x,), {"k": x}), ((z,), {"k": y})),
+        (((x, y), {"extra": (x, y, x)}), ((z, y), {"extra": (y, z, x)})),
+    ]
+    for example, call in cases:
+        traced = trace(model, *example)
+        assert len(traced.graph_module.graph.find_nodes(op="placeholder")) == len(pytree.tree_leaves(example))
+        with torch.no_grad():
+            (out,) = traced.graph_module(*traced.flatten_inputs(*call))
+            torch.testing.assert_close(out, model(*call[0], **call[1]))
+    batch = torch.export.Dim("batch", max=16)
+    traced = trace(model, (x, x), dynamic_shapes=({0: batch}, {0: batch}))
+    a, b = torch.randn(6, 8), torch.randn(6, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(traced.graph_module(*traced.flatten_inputs((a, b), {}))[0], model(a, b))
 
 
 class Scaled(torch.nn.Module):

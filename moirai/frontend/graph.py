@@ -218,11 +218,12 @@ def _target_name(node: fx.Node) -> str:
 
 def model_output_bytes(graph: OpGraph, traced: TracedModel) -> dict[int, float]:
     """Node of ``graph`` -> bytes of the model outputs it makes (an output that is an input or a constant is
-    made by no node)."""
+    made by no node, nor is a scalar of the input shapes: device 0 computes it, :mod:`moirai.runtime.split`)."""
     made: dict[int, float] = {}
     output = next(n for n in traced.graph_module.graph.nodes if n.op == "output")
+    scalars = shape_scalars(traced)
     for value in pytree.tree_leaves(output.args[0]):
-        if isinstance(value, fx.Node) and value.name in graph.node_of_fx_name:
+        if isinstance(value, fx.Node) and value.name in graph.node_of_fx_name and value not in scalars:
             node = graph.node_of_fx_name[value.name]
             made[node] = made.get(node, 0.0) + float(_nbytes(value.meta.get("val")))
     return made

@@ -180,6 +180,7 @@ def trace(
     name = type(model).__name__
     dynamic_dims: tuple[DynamicDim, ...] = ()
     check_example_inputs(model, args, kwargs, name)
+    args, kwargs = _unshared_inputs(args, kwargs)
     warn_if_training(model, name)
     try:
         exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
@@ -226,6 +227,26 @@ def trace(
     else:
         input_specs = tuple(TensorSpec(tuple(t.shape), t.dtype) for t in flat_inputs if isinstance(t, torch.Tensor))
     return TracedModel(graph_module, in_spec, out_spec, input_specs, name, constant_inputs, dynamic_dims)
+
+
+def _unshared_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The example inputs with every repeat of a tensor object (``(x, x)``) replaced by a copy of its own.
+
+    Non-strict torch.export gives the same tensor object one placeholder, so a model traced with ``(x, x)`` would
+    read its first input for both on every call; copies keep each input its own (views of one tensor already do).
+    """
+    seen: set[int] = set()
+
+    def own(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) not in seen:
+            seen.add(id(value))
+            return value
+        with torch.no_grad():
+            return value.clone().requires_grad_(value.requires_grad)
+
+    return pytree.tree_map(own, (args, kwargs))
 
 
 def _symbolic_trace_fallback(model: torch.nn.Module, args: tuple, name: str, export_error: Exception) -> fx.GraphModule:

@@ -41,8 +41,9 @@ Placement rules:
   both: each part gets its own ``Parameter`` object sharing the original storage, so moving one
   part to its device never moves the other's copy. The copies are not kept in sync, which is
   right for inference (the use case) and wrong for training.
-- Every flat output is produced by one part (``outputs``); outputs that are graph inputs or
-  attributes are served by part 0. The runtimes return all outputs on device 0.
+- Every flat output is produced by one part (``outputs``); outputs that are graph inputs,
+  attributes or shape scalars (``x.shape[0] * 2``) are served by part 0. The runtimes return all outputs on
+  device 0.
 - Only tensors cross devices. A node whose value is a tuple or list (``split``) must sit on the
   same device as the ``getitem`` nodes that unpack it, as :func:`moirai.frontend.graph.build_op_graph`
   groups them. A scalar of the input shapes (``sym_size``, ``batch * seq``, in a model traced
@@ -193,7 +194,8 @@ def split_module(
     transfers = _transfers([node for node in global_order if node not in scalars], node_device)
     (output_node,) = graph.find_nodes(op="output")
     output_values = output_node.args[0]
-    output_device = [node_device[v.name] if _is_op(v) else 0 for v in output_values]
+    # A shape scalar's value is computed where it is read, so part 0 computes and returns it (as it does a constant).
+    output_device = [node_device[v.name] if _is_op(v) and v not in scalars else 0 for v in output_values]
     builders = [_PartBuilder(k, traced.graph_module, scalars) for k in range(num_devices)]
     placeholders = graph.find_nodes(op="placeholder")
     for builder in builders:
