@@ -338,7 +338,10 @@ def load(
     if len(cluster) != len(saved_devices):
         raise PlanError(f"{path} places the model on {len(saved_devices)} devices, {len(cluster)} were given")
     if dynamic_shapes is None and record.get("dynamic_dims"):
-        dynamic_shapes = dynamic_shapes_from_json(record["dynamic_dims"], model, example_inputs, example_kwargs)
+        try:
+            dynamic_shapes = dynamic_shapes_from_json(record["dynamic_dims"], model, example_inputs, example_kwargs)
+        except PlanError as error:
+            raise PlanError(f"{path}: 'dynamic_dims': {error}") from None
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     return from_plan_record(record, path, traced, cluster)
 

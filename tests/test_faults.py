@@ -89,10 +89,32 @@ def test_shape_expressions_other_than_arithmetic_are_plan_errors(expression) -> 
         evaluate_symbolic(expression, {"s0": 3})
 
 
+@pytest.mark.parametrize(
+    "expression",
+    ["(((((10**64)**64)**64)**64)**64)", "2**63", "s0**64", "(2**40)*(2**40)", "1e400", "s0 // 0", "0**-1", "max()"],
+)
+def test_shape_expressions_beyond_any_size_or_that_cannot_be_computed_are_plan_errors_naming_them(expression) -> None:
+    with pytest.raises(PlanError, match=re.escape(repr(expression))):
+        evaluate_symbolic(expression, {"s0": 3})
+
+
+@pytest.mark.timeout(60)  # the nested powers hung the load: fail here, not at the suite's limit
+def test_a_plan_whose_shape_expression_nests_powers_is_refused_at_once(rows, tmp_path) -> None:
+    model, example, compiled = rows
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    plan = json.loads(path.read_text())
+    plan["dynamic_dims"]["axes"][0][2] = "(((((10**64)**64)**64)**64)**64)"
+    path.write_text(json.dumps(plan))
+    with pytest.raises(PlanError, match=r"'dynamic_dims': symbolic shape '\(\(\(\(\(10\*\*64\).* at least 2\*\*63"):
+        moirai.load(path, model, example)
+
+
 def test_the_expressions_torch_prints_still_evaluate() -> None:
     values = {"s0": 7, "s1": 3}
     cases = {"s0*s1": 21, "s0 // 2": 3, "s0 % 3": 1, "(-1) + 2*s0": 13, "max(s0, s1)": 7, "min(4, s0)": 4}
     cases |= {"math.floor((1/2)*s0)": 3, "math.ceil((1/3)*s0)": 3, "s0*s0": 49, "s0 >= s1": True, "16": 16}
+    cases |= {"s1**39": 3**39, "2**62": 2**62}  # below 2**63, however close
     assert {expression: evaluate_symbolic(expression, values) for expression in cases} == cases
 
 
