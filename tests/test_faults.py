@@ -559,6 +559,51 @@ def test_plan_fields_of_the_wrong_type_are_plan_errors_naming_the_field(rows, tm
         moirai.load(path, model, example)
 
 
+@pytest.fixture(scope="module")
+def saved_plan(rows, tmp_path_factory) -> dict:
+    """The record CompiledModel.save wrote for ``rows``, for each test to edit a copy of."""
+    path = tmp_path_factory.mktemp("saved") / "plan.json"
+    rows[2].save(path)
+    return json.loads(path.read_text())
+
+
+# One field of a saved plan edited (keys to it, its new value or a function of the old), and words of the PlanError.
+_MALFORMED_PLANS = {
+    "plan not an object": (("plan",), 5, "'plan' is '5', not an object"),
+    "placement not a list": (("plan", "placement"), "abc", "'plan.placement' is 'abc', not a list of device indices"),
+    "device names not a list": (("plan", "device_names"), 3, "'plan.device_names' is '3', not a list of device names"),
+    "objective_s not a number": (("plan", "objective_s"), "abc", "'plan.objective_s' is 'abc', not null or a number"),
+    "report not an object": (("plan", "report"), 5, "'plan.report' is '5', not an object"),
+    "dynamic dims a list": (("dynamic_dims",), [{"foo": 1}], "'dynamic_dims' is \"[{'foo': 1}]\", not null or"),
+    "dynamic dims a string": (("dynamic_dims",), "abc", "'dynamic_dims' is 'abc', not null or"),
+    "dynamic dim of no range": (("dynamic_dims", "dims", 0, "min"), 99, "'dynamic_dims' is \"{'dims': [{'symbol'"),
+}
+
+
+def _edited(record: dict, keys: tuple, value) -> dict:
+    record = json.loads(json.dumps(record))
+    *outer, last = keys
+    container = record
+    for key in outer:
+        container = container[key]
+    container[last] = value(container[last]) if callable(value) else value
+    return record
+
+
+@pytest.mark.parametrize(("keys", "value", "words"), list(_MALFORMED_PLANS.values()), ids=list(_MALFORMED_PLANS))
+def test_a_malformed_plan_file_is_a_plan_error_naming_the_file_and_field(
+    rows, saved_plan, tmp_path, keys, value, words
+) -> None:
+    model, example, _ = rows
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_edited(saved_plan, keys, value)))
+    with pytest.raises(PlanError) as error:
+        moirai.load(path, model, example, progress=False)
+    message = str(error.value)
+    assert str(path) in message and words in message  # which file, which field, what is wrong
+    assert "save the plan again" in message and "compile" in message  # what to do
+
+
 def test_a_plan_from_another_torch_warns(rows, tmp_path) -> None:
     model, example, compiled = rows
     path = tmp_path / "plan.json"
