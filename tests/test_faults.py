@@ -577,6 +577,20 @@ _MALFORMED_PLANS = {
     "dynamic dims a list": (("dynamic_dims",), [{"foo": 1}], "'dynamic_dims' is \"[{'foo': 1}]\", not null or"),
     "dynamic dims a string": (("dynamic_dims",), "abc", "'dynamic_dims' is 'abc', not null or"),
     "dynamic dim of no range": (("dynamic_dims", "dims", 0, "min"), 99, "'dynamic_dims' is \"{'dims': [{'symbol'"),
+    # each field as save writes it, but not the traced model's, or not the other fields'
+    "unknown op in a group": (("groups", 0), ["nope"], "'groups' names ops ['nope']"),
+    "a group twice": (("groups",), lambda groups: [*groups, groups[0]], "are in more than one group"),
+    "a group missing": (("groups",), lambda groups: groups[:-1], "are in no group"),
+    "an empty group": (("groups",), lambda groups: [*groups, []], "group 2 is empty"),
+    "placement too short": (("plan", "placement"), [0], "plan places 1 tasks, problem has 2"),
+    "placement on device 7 of 2": (("plan", "placement"), lambda p: [7] * len(p), "on unknown device 7"),
+    "placement not node_device": (
+        ("plan",),
+        lambda plan: {**plan, "order": None, "placement": plan["placement"][::-1]},
+        "'node_device' puts op",
+    ),
+    "transfer order of device 5": (("plan", "transfer_order"), [[0, 5, [0]]], "names link (0, 5)"),
+    "report of no kind": (("plan", "report"), {"kind": "NoReport"}, "'plan' is not a saved plan (KeyError"),
 }
 
 
