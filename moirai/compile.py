@@ -11,7 +11,9 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import difflib
 import inspect
 import json
@@ -338,7 +340,10 @@ def load(
     if len(cluster) != len(saved_devices):
         raise PlanError(f"{path} places the model on {len(saved_devices)} devices, {len(cluster)} were given")
     if dynamic_shapes is None and record.get("dynamic_dims"):
-        dynamic_shapes = dynamic_shapes_from_json(record["dynamic_dims"], model, example_inputs, example_kwargs)
+        try:
+            dynamic_shapes = dynamic_shapes_from_json(record["dynamic_dims"], model, example_inputs, example_kwargs)
+        except PlanError as error:
+            raise PlanError(f"{path}: 'dynamic_dims': {error}") from None
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     return from_plan_record(record, path, traced, cluster)
 
@@ -351,12 +356,72 @@ def from_plan_record(
     _check_ops_known(traced, node_device, source=str(source))
     # Stages in compile's order (trace, op graph, ..., split), so that load's progress lines read as compile's.
     graph = build_op_graph(traced)
-    coarse = graph.merge([graph.nodes_of_fx_names(group) for group in record["groups"]])
+    coarse = graph.merge(_saved_groups(graph, record["groups"], source, traced.model_name))
     problem = _planned_problem(record, source, coarse, cluster, traced)
+    plan = _saved_plan(record, source, problem, cluster)
+    _check_placement_runs(plan, coarse, node_device, source)
     program = split_module(traced, node_device, len(cluster), record["device_order"])
-    plan = Plan.from_dict(record["plan"])
-    plan.device_names = cluster.names
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
+
+
+# What to do about a plan record whose fields do not hold together (each is as save writes it, the whole is not).
+_SAVE_AGAIN = "the file was edited or mixed: save the plan again with CompiledModel.save(path), or compile again"
+
+
+def _saved_groups(graph: OpGraph, groups: list[list[str]], source: str | Path, model_name: str) -> list[list[int]]:
+    """The op graph's nodes in each saved group, or a :class:`PlanError` unless the groups name every node of the
+    graph exactly once (as coarsening left them)."""
+    unknown = [name for group in groups for name in group if name not in graph.node_of_fx_name]
+    if unknown:
+        raise PlanError(
+            f"{source}: 'groups' names ops {unknown[:3]} that {model_name}'s op graph does not have; the model or its "
+            f"example inputs differ from the ones planned, or {_SAVE_AGAIN}"
+        )
+    members = [graph.nodes_of_fx_names(group) for group in groups]
+    empty = [g for g, nodes in enumerate(members) if not nodes]
+    counts = collections.Counter(i for nodes in members for i in nodes)
+    twice = [graph.nodes[i].fx_names[0] for i, count in counts.items() if count > 1]
+    absent = [node.fx_names[0] for i, node in enumerate(graph.nodes) if i not in counts]
+    if empty or twice or absent:
+        words = [f"group {empty[0]} is empty"] if empty else []
+        words += [f"ops {twice[:3]} are in more than one group"] if twice else []
+        words += [f"ops {absent[:3]} are in no group"] if absent else []
+        raise PlanError(
+            f"{source}: 'groups' must hold every op once, in groups of at least one, but {'; '.join(words)}; "
+            f"{_SAVE_AGAIN}"
+        )
+    return members
+
+
+def _saved_plan(record: dict[str, Any], source: str | Path, problem: Problem, cluster: Cluster) -> Plan:
+    """The record's plan, checked against the problem it was made for as the simulator checks a plan (a device of
+    every task, in range, orders of every task on its device and of the tensors each link carries, that do not
+    deadlock), so that what describes it (repr, summary, gantt) cannot fail later."""
+    try:
+        plan = Plan.from_dict(record["plan"])
+    except (KeyError, TypeError, ValueError) as error:  # a report's kind or stop reason moirai does not know
+        words = f"{type(error).__name__}: {error}"
+        raise PlanError(f"{source}: 'plan' is not a saved plan ({words}); {_SAVE_AGAIN}") from None
+    # The device names the plan was saved with may differ from the problem's where load was given other devices.
+    try:
+        simulate(problem, dataclasses.replace(plan, device_names=problem.device_names))
+    except PlanError as error:
+        raise PlanError(f"{source}: 'plan' does not fit its problem: {error}; {_SAVE_AGAIN}") from None
+    plan.device_names = cluster.names
+    return plan
+
+
+def _check_placement_runs(plan: Plan, coarse: OpGraph, node_device: dict[str, int], source: str | Path) -> None:
+    """The plan's placement is what summary() and gantt() describe, ``node_device`` what the split runs: a
+    :class:`PlanError` unless they are the same."""
+    for task, node in enumerate(coarse.nodes):
+        for name in node.fx_names:
+            if node_device.get(name) != plan.placement[task]:
+                raise PlanError(
+                    f"{source}: 'node_device' puts op {name!r} on device {node_device.get(name)}, but "
+                    f"'plan.placement' puts its group ({task}) on device {plan.placement[task]}; the two must agree: "
+                    f"{_SAVE_AGAIN}"
+                )
 
 
 def _planned_problem(
@@ -374,7 +439,7 @@ def _planned_problem(
     if not isinstance(saved, dict):
         raise PlanError(f"{path}: 'problem' must be an object (a saved Problem), got {type(saved).__name__}")
     # Sizes first: a problem of other sizes than its plan's fails its own checks with a less useful message.
-    tasks, devices = (len(saved.get(key) or ()) for key in ("tasks", "devices"))
+    tasks, devices = (len(value) if isinstance(value := saved.get(key), list) else 0 for key in ("tasks", "devices"))
     if tasks != len(coarse.nodes) or devices != len(cluster):
         raise PlanError(
             f"{path} holds a problem of {tasks} tasks on {devices} devices, but its plan has "

@@ -9,7 +9,7 @@ import itertools
 import json
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +115,8 @@ def read_plan_file(path: str | Path) -> dict[str, Any]:
     if record.get("format") != PLAN_FORMAT_VERSION:
         raise PlanError(f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION}; compile the model again")
     missing = [key for key in PLAN_KEYS if key not in record]
-    missing += [f"plan.{key}" for key in ("placement", "device_names") if key not in (record.get("plan") or {})]
+    if isinstance(record.get("plan"), dict):  # a plan of another type is named by _check_plan_fields
+        missing += [f"plan.{key}" for key in ("placement", "device_names") if key not in record["plan"]]
     if missing:
         raise PlanError(f"plan file {str(path)!r} lacks {missing}; it is not a whole moirai plan: save it again")
     _check_plan_fields(record, path)
@@ -124,35 +125,135 @@ def read_plan_file(path: str | Path) -> dict[str, Any]:
 
 
 def _check_plan_fields(record: dict[str, Any], path: str | Path) -> None:
-    """A :class:`PlanError` naming the first field of a plan file whose type or range is not what save writes."""
-    devices = record["devices"]
-    problems = {
-        "devices": isinstance(devices, list)
-        and all(isinstance(d, dict) and isinstance(d.get("torch_device"), str) for d in devices),
-        "node_device": isinstance(record["node_device"], dict)
-        and all(
-            type(k) is int and 0 <= k < (len(devices) if isinstance(devices, list) else 0)
-            for k in record["node_device"].values()
-        ),
-        "groups": _is_list_of_name_lists(record["groups"]),
-        "device_order": record["device_order"] is None or _is_list_of_name_lists(record["device_order"]),
-    }
-    wrong = [field for field, ok in problems.items() if not ok]
-    if wrong:
-        expected = {
-            "devices": "a list of {'name', 'torch_device'} objects",
-            "node_device": "an object mapping op names to device indices 0..len(devices)-1",
-            "groups": "a list of lists of op names",
-            "device_order": "null or a list of lists of op names",
-        }
-        raise PlanError(
-            f"plan file {str(path)!r}: {wrong[0]!r} is {str(record[wrong[0]])[:80]!r}, not {expected[wrong[0]]}; "
-            "save the plan again with CompiledModel.save(path)"
-        )
+    """A :class:`PlanError` naming the first field of a plan file whose type or range is not what save writes (what
+    the fields must say of the traced model, and of each other, ``from_plan_record`` checks)."""
+    for field, (holds, expected) in _PLAN_FIELDS.items():
+        value = _field(record, field)
+        if not holds(value, record):
+            raise PlanError(
+                f"plan file {str(path)!r}: {field!r} is {str(value)[:80]!r}, not {expected}; save the plan again "
+                "with CompiledModel.save(path), or compile the model again"
+            )
+
+
+_ABSENT = object()  # a key the file does not have (an optional one: from_dict's default)
+
+
+def _field(record: dict[str, Any], field: str) -> Any:
+    """``record``'s value at ``"key"`` or ``"plan.key"`` (``plan`` is an object by then: it is checked first)."""
+    outer, _, inner = field.partition(".")
+    value = record.get(outer, _ABSENT)
+    return value.get(inner, _ABSENT) if inner else value
+
+
+def _optional(holds: Callable[[Any], bool]) -> Callable[[Any, dict[str, Any]], bool]:
+    """Absent (from_dict's default), or what ``holds``."""
+    return lambda value, _: value is _ABSENT or holds(value)
+
+
+def _null_or(holds: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or holds(value)
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int  # not a bool, not a float a save never writes
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def _is_list_of(value: Any, holds: Callable[[Any], bool]) -> bool:
+    return isinstance(value, list) and all(holds(item) for item in value)
 
 
 def _is_list_of_name_lists(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g) for g in value)
+    return _is_list_of(value, lambda group: _is_list_of(group, lambda name: isinstance(name, str)))
+
+
+def _is_device_index(value: Any, record: dict[str, Any]) -> bool:
+    devices = record["devices"]  # checked before node_device
+    return _is_int(value) and 0 <= value < len(devices)
+
+
+def _is_transfer_order(value: Any) -> bool:
+    """``[[a, b, [tensor, ...]], ...]``: the tensors on link ``a -> b``, in order."""
+    return _is_list_of(
+        value,
+        lambda link: (
+            isinstance(link, list)
+            and len(link) == 3
+            and _is_int(link[0])
+            and _is_int(link[1])
+            and _is_list_of(link[2], _is_int)
+        ),
+    )
+
+
+def _is_dynamic_dims(value: Any) -> bool:
+    """What :func:`moirai.frontend.symbolic_shapes.dynamic_dims_to_json` writes: each dim's symbol, ``Dim`` name and
+    range, and every symbolic input axis as ``[flat input, axis, expression]``."""
+    return (
+        isinstance(value, dict)
+        and _is_list_of(value.get("dims"), _is_dim)
+        and _is_list_of(
+            value.get("axes"),
+            lambda axis: (
+                isinstance(axis, list)
+                and len(axis) == 3
+                and _is_int(axis[0])
+                and _is_int(axis[1])
+                and min(axis[0], axis[1]) >= 0
+                and isinstance(axis[2], str)
+            ),
+        )
+    )
+
+
+def _is_dim(dim: Any) -> bool:
+    return (
+        isinstance(dim, dict)
+        and isinstance(dim.get("symbol"), str)
+        and isinstance(dim.get("name"), str)
+        and dim["name"].isidentifier()  # torch.export.Dim asserts it
+        and _is_int(dim.get("min"))
+        and dim["min"] >= 0
+        and (dim.get("max") is None or (_is_int(dim["max"]) and dim["max"] >= dim["min"]))
+    )
+
+
+# Every field of a plan file a load reads, in the order checked (a field before those that read it), with what save
+# writes there.
+_PLAN_FIELDS: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
+    "devices": (
+        lambda v, _: _is_list_of(v, lambda d: isinstance(d, dict) and isinstance(d.get("torch_device"), str)),
+        "a list of {'name', 'torch_device'} objects",
+    ),
+    "node_device": (
+        lambda v, r: isinstance(v, dict) and all(_is_device_index(k, r) for k in v.values()),
+        "an object mapping op names to device indices 0..len(devices)-1",
+    ),
+    "groups": (lambda v, _: _is_list_of_name_lists(v), "a list of lists of op names"),
+    "device_order": (lambda v, _: _null_or(_is_list_of_name_lists)(v), "null or a list of lists of op names"),
+    "plan": (lambda v, _: isinstance(v, dict), "an object (a saved Plan)"),
+    "plan.placement": (lambda v, _: _is_list_of(v, _is_int), "a list of device indices, one per op group"),
+    "plan.device_names": (lambda v, _: _is_list_of(v, lambda n: isinstance(n, str)), "a list of device names"),
+    "plan.order": (
+        _optional(_null_or(lambda v: _is_list_of(v, lambda o: _is_list_of(o, _is_int)))),
+        "null or a list of lists of op group indices, one per device",
+    ),
+    "plan.transfer_order": (_optional(_null_or(_is_transfer_order)), "null or a list of [from, to, [tensor, ...]]"),
+    **{f"plan.{key}": (_optional(lambda v: isinstance(v, str)), "a string") for key in ("placer", "objective")},
+    **{
+        f"plan.{key}": (_optional(_null_or(_is_number)), "null or a number of seconds")
+        for key in ("makespan_s", "objective_s", "lower_bound_s", "placement_time_s")
+    },
+    "plan.report": (_optional(lambda v: isinstance(v, dict)), "an object (a placer's report)"),
+    "dynamic_dims": (
+        _optional(_null_or(_is_dynamic_dims)),
+        "null or {'dims': [{'symbol', 'name', 'min', 'max'}, ...], 'axes': [[input, axis, expression], ...]}",
+    ),
+}
 
 
 def versions() -> dict[str, str]:

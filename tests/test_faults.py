@@ -89,10 +89,32 @@ def test_shape_expressions_other_than_arithmetic_are_plan_errors(expression) -> 
         evaluate_symbolic(expression, {"s0": 3})
 
 
+@pytest.mark.parametrize(
+    "expression",
+    ["(((((10**64)**64)**64)**64)**64)", "2**63", "s0**64", "(2**40)*(2**40)", "1e400", "s0 // 0", "0**-1", "max()"],
+)
+def test_shape_expressions_beyond_any_size_or_that_cannot_be_computed_are_plan_errors_naming_them(expression) -> None:
+    with pytest.raises(PlanError, match=re.escape(repr(expression))):
+        evaluate_symbolic(expression, {"s0": 3})
+
+
+@pytest.mark.timeout(60)  # the nested powers hung the load: fail here, not at the suite's limit
+def test_a_plan_whose_shape_expression_nests_powers_is_refused_at_once(rows, tmp_path) -> None:
+    model, example, compiled = rows
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    plan = json.loads(path.read_text())
+    plan["dynamic_dims"]["axes"][0][2] = "(((((10**64)**64)**64)**64)**64)"
+    path.write_text(json.dumps(plan))
+    with pytest.raises(PlanError, match=r"'dynamic_dims': symbolic shape '\(\(\(\(\(10\*\*64\).* at least 2\*\*63"):
+        moirai.load(path, model, example)
+
+
 def test_the_expressions_torch_prints_still_evaluate() -> None:
     values = {"s0": 7, "s1": 3}
     cases = {"s0*s1": 21, "s0 // 2": 3, "s0 % 3": 1, "(-1) + 2*s0": 13, "max(s0, s1)": 7, "min(4, s0)": 4}
     cases |= {"math.floor((1/2)*s0)": 3, "math.ceil((1/3)*s0)": 3, "s0*s0": 49, "s0 >= s1": True, "16": 16}
+    cases |= {"s1**39": 3**39, "2**62": 2**62}  # below 2**63, however close
     assert {expression: evaluate_symbolic(expression, values) for expression in cases} == cases
 
 
@@ -535,6 +557,65 @@ def test_plan_fields_of_the_wrong_type_are_plan_errors_naming_the_field(rows, tm
     path.write_text(json.dumps(plan))
     with pytest.raises(PlanError, match=f"'{field}' is"):
         moirai.load(path, model, example)
+
+
+@pytest.fixture(scope="module")
+def saved_plan(rows, tmp_path_factory) -> dict:
+    """The record CompiledModel.save wrote for ``rows``, for each test to edit a copy of."""
+    path = tmp_path_factory.mktemp("saved") / "plan.json"
+    rows[2].save(path)
+    return json.loads(path.read_text())
+
+
+# One field of a saved plan edited (keys to it, its new value or a function of the old), and words of the PlanError.
+_MALFORMED_PLANS = {
+    "plan not an object": (("plan",), 5, "'plan' is '5', not an object"),
+    "placement not a list": (("plan", "placement"), "abc", "'plan.placement' is 'abc', not a list of device indices"),
+    "device names not a list": (("plan", "device_names"), 3, "'plan.device_names' is '3', not a list of device names"),
+    "objective_s not a number": (("plan", "objective_s"), "abc", "'plan.objective_s' is 'abc', not null or a number"),
+    "report not an object": (("plan", "report"), 5, "'plan.report' is '5', not an object"),
+    "dynamic dims a list": (("dynamic_dims",), [{"foo": 1}], "'dynamic_dims' is \"[{'foo': 1}]\", not null or"),
+    "dynamic dims a string": (("dynamic_dims",), "abc", "'dynamic_dims' is 'abc', not null or"),
+    "dynamic dim of no range": (("dynamic_dims", "dims", 0, "min"), 99, "'dynamic_dims' is \"{'dims': [{'symbol'"),
+    # each field as save writes it, but not the traced model's, or not the other fields'
+    "unknown op in a group": (("groups", 0), ["nope"], "'groups' names ops ['nope']"),
+    "a group twice": (("groups",), lambda groups: [*groups, groups[0]], "are in more than one group"),
+    "a group missing": (("groups",), lambda groups: groups[:-1], "are in no group"),
+    "an empty group": (("groups",), lambda groups: [*groups, []], "group 2 is empty"),
+    "placement too short": (("plan", "placement"), [0], "plan places 1 tasks, problem has 2"),
+    "placement on device 7 of 2": (("plan", "placement"), lambda p: [7] * len(p), "on unknown device 7"),
+    "placement not node_device": (
+        ("plan",),
+        lambda plan: {**plan, "order": None, "placement": plan["placement"][::-1]},
+        "'node_device' puts op",
+    ),
+    "transfer order of device 5": (("plan", "transfer_order"), [[0, 5, [0]]], "names link (0, 5)"),
+    "report of no kind": (("plan", "report"), {"kind": "NoReport"}, "'plan' is not a saved plan (KeyError"),
+}
+
+
+def _edited(record: dict, keys: tuple, value) -> dict:
+    record = json.loads(json.dumps(record))
+    *outer, last = keys
+    container = record
+    for key in outer:
+        container = container[key]
+    container[last] = value(container[last]) if callable(value) else value
+    return record
+
+
+@pytest.mark.parametrize(("keys", "value", "words"), list(_MALFORMED_PLANS.values()), ids=list(_MALFORMED_PLANS))
+def test_a_malformed_plan_file_is_a_plan_error_naming_the_file_and_field(
+    rows, saved_plan, tmp_path, keys, value, words
+) -> None:
+    model, example, _ = rows
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_edited(saved_plan, keys, value)))
+    with pytest.raises(PlanError) as error:
+        moirai.load(path, model, example, progress=False)
+    message = str(error.value)
+    assert str(path) in message and words in message  # which file, which field, what is wrong
+    assert "save the plan again" in message and "compile" in message  # what to do
 
 
 def test_a_plan_from_another_torch_warns(rows, tmp_path) -> None:

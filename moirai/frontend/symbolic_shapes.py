@@ -61,8 +61,14 @@ def symbolic_expression(value: int | torch.SymInt | torch.SymBool | torch.SymFlo
 
 
 def evaluate_symbolic(expression: str, symbol_values: Mapping[str, int]) -> Any:
-    """The value of a :func:`symbolic_expression` at the given symbol values."""
-    return _evaluate(_parsed_expression(expression), symbol_values, expression)
+    """The value of a :func:`symbolic_expression` at the given symbol values; :class:`moirai.PlanError` where an
+    expression accepted as arithmetic still cannot be computed (a division by zero, ``Dim`` arithmetic torch
+    refuses, a value beyond :data:`_MAX_MAGNITUDE`)."""
+    tree = _parsed_expression(expression)
+    try:
+        return _evaluate(tree, symbol_values, expression)
+    except (ArithmeticError, TypeError, ValueError, RuntimeError) as error:
+        raise PlanError(f"symbolic shape {expression!r:.80} cannot be evaluated ({error}); {_FORGED}") from None
 
 
 def concrete_shape(spec: TensorSpec, symbol_values: Mapping[str, int]) -> tuple[int, ...]:
@@ -99,10 +105,11 @@ def dynamic_shapes_from_json(
     dims = {d["symbol"]: torch.export.Dim(d["name"], min=d["min"], max=d["max"]) for d in saved["dims"]}
     axes_of: dict[int, dict[int, Any]] = {}
     for position, axis, expression in saved["axes"]:
-        if position >= len(tensors):
+        if position >= len(tensors) or axis >= tensors[position].dim():
             raise PlanError(
                 f"the plan makes dimension {axis} of flat input {position} dynamic ({expression}), but the example "
-                f"inputs have {len(tensors)} tensors; give example inputs structured as those the plan was made with"
+                f"inputs have {len(tensors)} tensors of {[t.dim() for t in tensors][:8]} dimensions; give example "
+                "inputs structured as those the plan was made with"
             )
         # A derived dim (2*batch) is the same arithmetic on torch.export.Dim objects.
         axes_of.setdefault(position, {})[axis] = evaluate_symbolic(expression, dims)
@@ -254,6 +261,12 @@ _COMPARISONS: dict[type, Callable[[Any, Any], Any]] = {
 }
 _MAX_EXPRESSION_CHARS = 2000
 _MAX_EXPONENT = 64  # a larger power of a size is no shape; it would only make the evaluation hang
+# No size or shape scalar reaches torch's int64 range: a larger value is a forged expression, and refusing it keeps
+# every operand small, so no operator (nested powers above all) can make the evaluation hang or fill memory.
+_MAX_MAGNITUDE_BITS = 63
+_MAX_MAGNITUDE = 2**_MAX_MAGNITUDE_BITS
+# Shape expressions come from torch's trace; one that fails to evaluate came from an edited plan file.
+_FORGED = "the plan file was edited or is not moirai's: save the plan again with moirai, or compile again"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -300,18 +313,19 @@ def _function_name(node: ast.expr) -> str | None:
 def _evaluate(node: ast.expr, values: Mapping[str, Any], expression: str) -> Any:
     """Walk a tree :func:`_parsed_expression` accepted (values may be ints or ``torch.export.Dim`` s)."""
     if isinstance(node, ast.Constant):
-        return node.value
+        return _bounded(node.value, expression)
     if isinstance(node, ast.Name):
         if node.id not in values:
             raise PlanError(f"symbolic shape {expression!r:.80} names {node.id!r}, which is not a dimension symbol")
-        return values[node.id]
+        return _bounded(values[node.id], expression)
     if isinstance(node, ast.UnaryOp):
         return _UNARY_OPERATORS[type(node.op)](_evaluate(node.operand, values, expression))
     if isinstance(node, ast.BinOp):
         left, right = _evaluate(node.left, values, expression), _evaluate(node.right, values, expression)
-        if isinstance(node.op, ast.Pow) and not (isinstance(right, int) and abs(right) <= _MAX_EXPONENT):
-            raise PlanError(f"symbolic shape {expression!r:.80} raises to a power other than an integer up to 64")
-        return _BINARY_OPERATORS[type(node.op)](left, right)
+        if isinstance(node.op, ast.Pow):
+            _check_power(left, right, expression)
+        # Operands below 2**63 keep every other operator's result below 2**126: cheap to compute, then refused.
+        return _bounded(_BINARY_OPERATORS[type(node.op)](left, right), expression)
     if isinstance(node, ast.Compare):
         left = _evaluate(node.left, values, expression)
         for op, comparator in zip(node.ops, node.comparators, strict=True):
@@ -323,7 +337,30 @@ def _evaluate(node: ast.expr, values: Mapping[str, Any], expression: str) -> Any
     if not isinstance(node, ast.Call):  # a function named but not called
         raise PlanError(f"symbolic shape {expression!r:.80} is not shape arithmetic")
     function = _EXPRESSION_FUNCTIONS[_function_name(node.func) or ""]
-    return function(*(_evaluate(argument, values, expression) for argument in node.args))
+    return _bounded(function(*(_evaluate(argument, values, expression) for argument in node.args)), expression)
+
+
+def _check_power(base: Any, exponent: Any, expression: str) -> None:
+    """Refuse a power before computing it where its result would pass :data:`_MAX_MAGNITUDE`: ``base ** exponent``
+    is at least ``2 ** ((base.bit_length() - 1) * exponent)``, and below it the result has fewer than 127 bits."""
+    if not (isinstance(exponent, int) and abs(exponent) <= _MAX_EXPONENT):
+        raise PlanError(f"symbolic shape {expression!r:.80} raises to a power other than an integer up to 64")
+    if isinstance(base, int) and exponent > 0 and (abs(base).bit_length() - 1) * exponent >= _MAX_MAGNITUDE_BITS:
+        raise PlanError(
+            f"symbolic shape {expression!r:.80} computes {base}**{exponent}, at least 2**{_MAX_MAGNITUDE_BITS}: no "
+            f"size is that large; {_FORGED}"
+        )
+
+
+def _bounded(value: Any, expression: str) -> Any:
+    """``value``, unless it is a number of magnitude 2**63 or more, or not finite (nan fails the comparison): no
+    size is."""
+    if isinstance(value, (int, float)) and not abs(value) < _MAX_MAGNITUDE:
+        raise PlanError(
+            f"symbolic shape {expression!r:.80} has a value of magnitude 2**{_MAX_MAGNITUDE_BITS} or more: no size "
+            f"is that large; {_FORGED}"
+        )
+    return value
 
 
 # Symbol name -> size, while costs are taken at sizes other than the example inputs' (sizes_at).

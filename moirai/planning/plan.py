@@ -64,6 +64,10 @@ class Plan:
             for k, tasks in enumerate(self.order):
                 if any(self.placement[i] != k for i in tasks):
                     raise PlanError(f"plan order lists a task on device {k} that is placed elsewhere")
+        devices = range(problem.num_devices)
+        unknown_links = [(a, b) for a, b in self.transfer_order or () if a not in devices or b not in devices]
+        if unknown_links:
+            raise PlanError(f"plan's transfer_order names link {unknown_links[0]}, between devices it does not have")
 
     def to_dict(self) -> dict[str, Any]:
         return {
