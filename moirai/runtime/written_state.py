@@ -8,6 +8,9 @@ buffers and receives its inputs as copies, which ``run_distributed`` loses with 
 buffer and flat input they write, as flat outputs after the model's, and :func:`write_back` copies them into the
 program's buffers and the caller's inputs: the next call, local or distributed, starts where eager would.
 
+A server (``compiled.server()``) keeps each rank's state from one request to the next, but does not bring it back:
+what ranks other than 0 wrote ends with their processes when it closes, which :func:`warning_at_close` says.
+
 Example::
 
     returning, states = returning_state(program)
@@ -19,17 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from moirai.errors import StateLeftBehindWarning, user_stacklevel
 from moirai.frontend.state import written_in_place
 from moirai.frontend.trace import TensorSpec, tensor_spec
 from moirai.runtime.split import DevicePart, OutputLocation, PartTracer, SplitProgram
 
-__all__ = ["WrittenState", "returning_state", "write_back", "written_states"]
+__all__ = ["WrittenState", "returning_state", "warning_at_close", "write_back", "written_states"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,29 @@ def write_back(
                 target = flat_inputs[state.input_index]
             target.copy_(value)
     return list(flat_outputs[:model_outputs])
+
+
+def warning_at_close(program: SplitProgram, close: Callable[[], None]) -> Callable[[], None]:
+    """``close``, followed by a :class:`moirai.errors.StateLeftBehindWarning` where ranks other than 0 write state
+    in place (``close`` itself where none does)."""
+    states = written_states(program)
+    if not states:
+        return close
+
+    def close_and_warn() -> None:
+        close()
+        named = ", ".join(map(str, states[:3])) + (f" and {len(states) - 3} more" if len(states) > 3 else "")
+        warnings.warn(
+            StateLeftBehindWarning(
+                f"the closed server's ranks other than 0 wrote {named} in place; that state ended with their "
+                "processes, so later calls of the compiled model (local or run_distributed) start from its values "
+                "before the server (but for rank 0's own). Run requests that must see each other's state in one "
+                "server, or with compiled(...) or compiled.run_distributed(...), which keep it"
+            ),
+            stacklevel=user_stacklevel(),
+        )
+
+    return close_and_warn
 
 
 def _part_states(part: DevicePart) -> tuple[list[fx.Node], list[WrittenState]]:
