@@ -35,6 +35,7 @@ _EXPORTS = {
     "ProblemError": "moirai.errors",
     "RequestError": "moirai.errors",
     "SharedMemoryWarning": "moirai.errors",
+    "StateLeftBehindWarning": "moirai.errors",
     "Timeline": "moirai.planning.simulate",
     "TraceError": "moirai.errors",
     "coarsen": "moirai.frontend.coarsen",

@@ -54,6 +54,7 @@ from moirai.runtime.distributed import DistributedRunner, check_timeout, run_dis
 from moirai.runtime.local import check_inputs, run_local
 from moirai.runtime.server import Server
 from moirai.runtime.split import SplitProgram, split_module
+from moirai.runtime.written_state import warning_at_close
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -106,13 +107,16 @@ class CompiledModel:
         outputs = run_distributed(self.program, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
         return self.traced.unflatten_outputs(outputs)
 
-    def server(self, timeout_s: float = 120.0, max_in_flight: int = 8) -> Server:
+    def server(self, timeout_s: float = 120.0, max_in_flight: int = 8, *, warn_state_left: bool = True) -> Server:
         """A server for many requests: ``submit(*args, **kwargs)`` -> Future, ``map(inputs)`` -> outputs in order.
 
         Requests are pipelined through the devices, at most ``max_in_flight`` unfinished. Outside
         torchrun it spawns one process per device but the first (this process runs device 0);
         under torchrun only rank 0 calls it, the other ranks call ``moirai.serve_rank(compiled)``.
-        ``timeout_s`` bounds every wait of a request, never idle time.
+        ``timeout_s`` bounds every wait of a request, never idle time. A buffer or input that a spawned rank writes
+        in place keeps its value from request to request but is not brought back: closing warns
+        (:class:`moirai.errors.StateLeftBehindWarning`) unless ``warn_state_left`` is False (state each request
+        sets afresh, as the generation engine's caches).
         """
         timeout_s = check_timeout(timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -128,7 +132,7 @@ class CompiledModel:
             _check_devices_here(self.cluster, range(len(self.cluster)))  # every device's process starts here
             runner = DistributedRunner(self.cluster.devices, timeout_s=timeout_s, max_in_flight=max_in_flight)
             submit = lambda flat, finish: runner.submit_with(self.program, flat, finish)  # noqa: E731
-            close = runner.close
+            close = warning_at_close(self.program, runner.close) if warn_state_left else runner.close
         # Both submits check the flat inputs against the program (Server.submit_flat's are not flattened here).
         return Server(submit, self.traced.flatten_inputs, self.traced.unflatten_outputs, close, max_in_flight)
 

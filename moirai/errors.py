@@ -69,6 +69,10 @@ class SharedMemoryWarning(MoiraiWarning):
     """The shared-memory directory cannot hold what a run sends through it: the run sends through gloo instead."""
 
 
+class StateLeftBehindWarning(MoiraiWarning):
+    """A closed server's ranks other than 0 wrote buffers or inputs in place: that state ended with their processes."""
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning given by the function calling this name the user's line: the first
     frame outside the moirai package (and Python's contextlib), however deep inside moirai the warning arises."""

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 import moirai
+from moirai.errors import StateLeftBehindWarning
 from moirai.frontend.state import mutable_buffers
 from moirai.planning.plan import Plan
+from moirai.runtime.local import run_local
+from moirai.runtime.written_state import WrittenState, returning_state, write_back
 
 
 class RunningMean(torch.nn.Module):
@@ -66,6 +69,82 @@ def test_a_rank_other_than_0_keeps_the_state_between_requests() -> None:
     state_tasks = {task for members in problem.colocated for task in members}
     placement = np.array([1 if task in state_tasks else 0 for task in range(problem.num_tasks)])
     on_rank_1 = compiled.with_plan(Plan(placement, problem.device_names))
-    with torch.no_grad(), on_rank_1.server() as server:
-        for x in inputs():
-            torch.testing.assert_close(server.submit(x).result(timeout=60), reference(x))
+    with pytest.warns(StateLeftBehindWarning, match="buffer .* on device 1"):  # closing loses rank 1's state
+        with torch.no_grad(), on_rank_1.server() as server:
+            for x in inputs():
+                torch.testing.assert_close(server.submit(x).result(timeout=60), reference(x))
+
+
+class Counts(torch.nn.Module):
+    """Counts its calls in a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n.add_(1)
+        return self.b(self.a(x)) * self.n
+
+
+class CountsAndShifts(Counts):
+    """Counts its calls in a buffer and adds 1 to its input in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        x.add_(1.0)
+        return y
+
+
+def counting_twins(
+    model_class: type[torch.nn.Module], placer: str
+) -> tuple[moirai.CompiledModel, torch.nn.Module, torch.Tensor]:
+    """The model compiled for two CPUs (placer "single": every op on device 1), its eager twin and an input."""
+    torch.manual_seed(0)
+    model, reference = model_class().eval(), model_class().eval()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 4)
+    compiled = moirai.compile(
+        model, ["cpu", "cpu"], example_inputs=(x.clone(),), placer=placer, calibration="none", progress=False
+    )
+    if placer == "single":  # every op on device 1, device 0 only drives
+        compiled = compiled.with_plan(Plan(np.ones(compiled.problem.num_tasks, int), compiled.problem.device_names))
+    return compiled, reference, x
+
+
+def test_the_state_a_part_but_0_writes_is_returned_and_written_back() -> None:
+    compiled, reference, x = counting_twins(CountsAndShifts, "single")
+    program = compiled.program
+    returning, states = returning_state(program)
+    assert set(states) == {WrittenState(1, attribute="n"), WrittenState(1, input_index=0)}
+    assert len(returning.outputs) == len(program.outputs) + 2 and returning.parts[0] is program.parts[0]
+    for _ in range(2):
+        mine, theirs = x.clone(), x.clone()
+        with torch.no_grad():
+            # The returning program run on copies of the state (as ranks do): only write_back keeps it.
+            flat = run_local(returning, [mine.clone()], ["cpu", "cpu"])
+            torch.testing.assert_close(write_back(program, states, flat, [mine])[0], reference(theirs))
+        torch.testing.assert_close(mine, theirs)
+
+
+@pytest.mark.slow
+def test_run_distributed_keeps_the_state_a_rank_other_than_0_writes() -> None:
+    compiled, reference, x = counting_twins(Counts, "round_robin")
+    (counter,) = mutable_buffers(compiled.traced.graph_module)
+    assert {compiled.node_device[op] for op in counter.op_names} == {1}  # the counter is written on rank 1
+    with torch.no_grad():
+        for _ in range(3):  # each call a new world: rank 1's count must come back to the model
+            mine, theirs = x.clone(), x.clone()
+            torch.testing.assert_close(compiled.run_distributed(mine, progress=False), reference(theirs))
+        torch.testing.assert_close(compiled(x.clone()), reference(x.clone()))  # the local runner goes on from it
+
+
+@pytest.mark.slow
+def test_run_distributed_writes_back_an_input_a_rank_other_than_0_writes() -> None:
+    compiled, reference, x = counting_twins(CountsAndShifts, "single")
+    mine, theirs = x.clone(), x.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.run_distributed(mine, progress=False), reference(theirs))
+    torch.testing.assert_close(mine, theirs)
+    torch.testing.assert_close(mine, x + 1)

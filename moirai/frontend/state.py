@@ -44,6 +44,16 @@ def mutable_buffers(graph_module: fx.GraphModule) -> tuple[MutableBuffer, ...]:
     return tuple(found)
 
 
+def written_in_place(graph: fx.Graph) -> list[fx.Node]:
+    """The placeholders and ``get_attr`` nodes of ``graph`` that an op writes in place (itself or a view of it), in
+    graph order: the state a part leaves behind (a buffer it updates, a flat input it writes)."""
+    return [
+        node
+        for node in graph.nodes
+        if node.op in ("placeholder", "get_attr") and any(_writes(op, touched) for op, touched in _ops_touching(node))
+    ]
+
+
 def colocated_groups(graph: OpGraph, buffers: Sequence[MutableBuffer]) -> tuple[tuple[int, ...], ...]:
     """The sets of ``graph``'s nodes that must share a device: those touching one buffer, sets that share a node
     merged (a layer's keys and values written by one group, say)."""

@@ -251,7 +251,9 @@ class CompiledLM:
         """A server that generates for many sequences at once, one process per device (see
         :class:`GenerationServer`); ``max_in_flight`` steps in flight (default: one per stage, at least 2)."""
         depth = max_in_flight or max(2, self.stages)
-        return GenerationServer(self, self.compiled.server(timeout_s=timeout_s, max_in_flight=depth), depth)
+        # The caches are each sequence's own, cleared by its first chunk: nothing of them need outlive the server.
+        server = self.compiled.server(timeout_s=timeout_s, max_in_flight=depth, warn_state_left=False)
+        return GenerationServer(self, server, depth)
 
 
 @_progress.reports_progress

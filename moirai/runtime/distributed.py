@@ -54,6 +54,7 @@ from moirai.runtime.resources import RankResources, apply_resources, pin_io_thre
 from moirai.runtime.runner import DistributedRunner, torch_device
 from moirai.runtime.split import SplitProgram
 from moirai.runtime.store import RUN_SECRET_ENV, RunStore
+from moirai.runtime.written_state import returning_state, write_back
 
 __all__ = [
     "DistributedRunner",
@@ -75,9 +76,15 @@ def run_distributed(
     torch_devices: Sequence[str | Device],
     timeout_s: float = 60.0,
 ) -> list[torch.Tensor]:
-    """Run ``program`` once on ``len(torch_devices)`` processes (this one is rank 0); outputs on device 0."""
+    """Run ``program`` once on ``len(torch_devices)`` processes (this one is rank 0); outputs on device 0.
+
+    As the local runner: a buffer or flat input that a rank other than 0 writes in place is copied back into the
+    program's buffer or the caller's tensor (:mod:`moirai.runtime.written_state`), so the next call starts from it.
+    """
+    returning, states = returning_state(program)
     with DistributedRunner(torch_devices, timeout_s=timeout_s) as runner:
-        return runner.run(program, flat_inputs)
+        outputs = runner.run(returning, flat_inputs)
+    return write_back(program, states, outputs, flat_inputs)
 
 
 def backend_for(torch_devices: Sequence[str]) -> str:
