@@ -158,9 +158,14 @@ class CompiledModel:
     def torch_devices(self) -> list[str]:
         return [d.torch_device for d in self.cluster.devices]
 
-    def summary(self, console: Console | None = None, objective: Objective | None = None) -> Table:
-        """Print (and return) the plan as a table, one row per device, with its caption unwrapped where the console
-        is wide enough (``objective``: the plan's, where its name alone does not make it)."""
+    def summary(self, console: Console | None = None, objective: Objective | None = None) -> None:
+        """Print the plan as a table, one row per device (:meth:`summary_table`; it returns nothing, so that a
+        notebook cell or a REPL ending in it shows the table once)."""
+        (console or Console()).print(self.summary_table(objective))
+
+    def summary_table(self, objective: Objective | None = None) -> Table:
+        """The plan as a rich table, one row per device, its caption unwrapped where the console is wide enough
+        (``objective``: the plan's, where its name alone does not make it)."""
         table = viz.summary_table(
             self.problem,
             self.plan,
@@ -175,7 +180,6 @@ class CompiledModel:
             shapes = ", ".join(str(spec.shape) for spec in self.traced.input_specs)
             table.caption += f"\ndynamic {dims}: costs and times are those of the example inputs {shapes}"
             viz.widen_to_caption(table)
-        (console or Console()).print(table)
         return table
 
     def gantt(
@@ -191,11 +195,11 @@ class CompiledModel:
         groups = self._task_groups(color_by) if requests == 1 else None
         return viz.gantt(self.problem, plan or self.plan, path, groups=groups, requests=requests)
 
-    def text_gantt(self, width: int = 60, color_by: str = "kind", console: Console | None = None) -> Table:
-        """Print (and return) the simulated schedule as coloured text, one row per device and link."""
+    def text_gantt(self, width: int = 60, color_by: str = "kind", console: Console | None = None) -> None:
+        """Print the simulated schedule as coloured text, one row per device and link (``viz.text_gantt`` gives
+        the table)."""
         table = viz.text_gantt(self.problem, self.plan, width, groups=self._task_groups(color_by))
         (console or Console()).print(table)
-        return table
 
     def _task_groups(self, color_by: str) -> list[str]:
         if color_by == "kind":

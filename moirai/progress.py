@@ -14,8 +14,8 @@ placer called in a loop stays quiet. Only the outermost stage reports: a stage t
 * Jupyter: a line that says ``… trace`` while it runs and becomes ``✓ trace  1.23 s`` (an
   IPython display that is updated, so no ipywidgets are needed);
 * anything else (a log, CI): one plain line per finished stage on stderr, ``moirai: trace 1.23 s``; a stage
-  that may take long (it says what it will do: ``stage("place", "milp, limit 60 s")``) also prints a start line,
-  ``moirai: place: milp, limit 60 s``, and what it reports with :func:`update` at most every few seconds.
+  that may take long (it says what it will do: ``stage("place", "milp, limit 1 min")``) also prints a start line,
+  ``moirai: place: milp, limit 1 min``, and what it reports with :func:`update` at most every few seconds.
 
 ``shown(False)`` (``progress=False``) silences the stages inside and tells placers with a status line of
 their own (milp) to keep quiet too (:func:`silenced`). Under torchrun only rank 0 reports.
@@ -99,7 +99,7 @@ def reports_progress(function: _Function) -> _Function:
 def stage(name: str, plan: str | None = None) -> Iterator[None]:
     """Report ``name`` while the block (or decorated function) runs and its time when it ends.
 
-    ``plan``: what a stage that may take longer than a couple of seconds will do (``"milp, limit 60 s"``); a
+    ``plan``: what a stage that may take longer than a couple of seconds will do (``"milp, limit 1 min"``); a
     log then gets a start line, so that a long silence has a reason.
     """
     console = _console.get()

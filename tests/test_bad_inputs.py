@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import re
 
 import numpy as np
@@ -129,6 +130,26 @@ def test_model_in_training_mode_warns_with_the_modules_and_eval():
         moirai.trace(model, (X,))
 
 
+def test_model_in_training_mode_warning_points_at_the_users_line():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    with pytest.warns(TrainingModeWarning) as caught:
+        moirai.compile(model, ["cpu"], (X,), placer="heft", progress=False)
+    assert [w.filename for w in caught if w.category is TrainingModeWarning] == [__file__]
+
+
+def test_a_function_or_keyword_inputs_given_as_a_dict_say_what_to_pass():
+    with raises(TraceError, "splits a torch.nn.Module, got function", "wrap the function in a module"):
+        moirai.compile(lambda x: x * 2, ["cpu"], (X,), placer="heft")
+    with raises(TraceError, "example_inputs is a dict of Sequential.forward's arguments ['input']", "example_kwargs"):
+        moirai.compile(tiny(), ["cpu"], {"input": X}, placer="heft")
+
+
+def test_an_example_input_of_the_wrong_shape_logs_nothing_beside_its_error(caplog):
+    with raises(TraceError, "mat1 and mat2 shapes"):
+        moirai.compile(tiny(), ["cpu", "cpu"], (torch.randn(3, 5),), placer="heft", progress=False)
+    assert not [r for r in caplog.records if r.name.startswith("torch") and r.levelno >= logging.ERROR]
+
+
 def test_model_in_eval_mode_does_not_warn(recwarn):
     moirai.trace(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval(), (X,))
     assert not [w for w in recwarn if issubclass(w.category, TrainingModeWarning)]
@@ -190,6 +211,11 @@ def test_call_with_the_wrong_shape(compiled):
 def test_call_with_the_wrong_number_of_inputs(compiled):
     with raises(InputError, "traced with 1 positional input(s)", "called with 2", "same arguments"):
         compiled(X, X)
+
+
+def test_call_with_the_inputs_in_a_tuple_shows_both_structures(compiled):
+    with raises(InputError, "structured as args (Tensor,), called with args ((Tensor,),)"):
+        compiled((X,))
 
 
 def test_call_with_a_non_tensor(compiled):
@@ -277,7 +303,8 @@ def test_summary_shows_devices_over_memory_in_red(compiled):
         cm = moirai.compile(tiny(), cluster, (X,), placer="round_robin")
     assert [w.filename for w in caught if w.category is OverMemoryWarning] == [__file__], "the user's line"
     output = io.StringIO()
-    table = cm.summary(Console(file=output, width=200))
+    cm.summary(Console(file=output, width=200))
+    table = cm.summary_table()
     assert [row.style for row in table.rows] == ["bold red", None]
     assert "OVER MEMORY" in output.getvalue()
     assert not devices_over_memory(cm.problem, moirai.place(cm.problem, "heft")), "memory-aware placers fit it"

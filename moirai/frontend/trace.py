@@ -11,10 +11,14 @@ inputs and of the traced graph, and the errors tracing raises, are :mod:`moirai.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
 import operator
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -143,7 +147,14 @@ class TracedModel:
                     f"called with {len(args)} and {sorted(kwargs)}"
                 )
             else:
-                difference = f"inputs structured as {self.in_spec}, called with {spec}"
+                traced = [
+                    "Tensor" if i not in self.constant_inputs else repr(self.constant_inputs[i])
+                    for i in range(self.in_spec.num_leaves)
+                ]
+                called = ["Tensor" if isinstance(v, torch.Tensor) else type(v).__name__ for v in flat]
+                difference = (
+                    f"inputs structured as {_structure(self.in_spec, traced)}, called with {_structure(spec, called)}"
+                )
             raise InputError(
                 f"{self.model_name} was traced with {difference}; call it with the same arguments as the example inputs"
             )
@@ -175,15 +186,22 @@ def trace(
     Weights may live on the ``meta`` device; example inputs should then be ``meta`` tensors too.
     Raises :class:`moirai.TraceError` naming the model, the failing line and what to try.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(
+            f"moirai splits a torch.nn.Module, got {type(model).__name__}: wrap the function in a module whose "
+            "forward calls it"
+        )
+    name = type(model).__name__
+    _refuse_keywords_as_positional(model, example_inputs, example_kwargs, name)
     kwargs = dict(example_kwargs or {})
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    name = type(model).__name__
     dynamic_dims: tuple[DynamicDim, ...] = ()
     check_example_inputs(model, args, kwargs, name)
     args, kwargs = _unshared_inputs(args, kwargs)
     warn_if_training(model, name)
     try:
-        exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        with _quiet_fake_tensors():
+            exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         if _writes_constants(exported):
             exported = _export_strict(model, args, kwargs, dynamic_shapes, name)
     except TraceError:
@@ -203,7 +221,10 @@ def trace(
         if _has_observable_mutation(exported.graph_module.graph):
             # The splitter follows data edges; an in-place op that other ops see is not one. torch's
             # functionalization rewrites it as data flow (graphs without one are left as traced).
-            exported = exported.run_decompositions({})
+            with warnings.catch_warnings():
+                # torch's own deprecated call inside the decomposition, nothing the user wrote or can change
+                warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+                exported = exported.run_decompositions({})
             _views_as_reshapes(exported.graph_module.graph)
         graph_module = exported.module()
         out_spec = exported.call_spec.out_spec
@@ -422,6 +443,51 @@ def _writes_constants(exported: torch.export.ExportedProgram) -> bool:
         if spec.kind == torch.export.graph_signature.InputKind.CONSTANT_TENSOR
     }
     return any(base.op == "placeholder" and base.name in constants for _, base in _written_bases(exported.graph))
+
+
+class _Leaf(NamedTuple):
+    name: str
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _structure(spec: pytree.TreeSpec, leaf_names: Sequence[str]) -> str:
+    """``args (Tensor, (Tensor,))`` (and ``kwargs {...}``): a call's input structure as Python writes it."""
+    args, kwargs = pytree.tree_unflatten([_Leaf(name) for name in leaf_names], spec)
+    return f"args {tuple(args)!r}" + (f" and kwargs {dict(kwargs)!r}" if kwargs else "")
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """torch.export with torch's fake-tensor log held back: an op that fails on fake tensors (a wrong input shape)
+    logs its whole traceback at ERROR before the export raises, which :func:`trace_error` then explains."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _refuse_keywords_as_positional(
+    model: torch.nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None, name: str
+) -> None:
+    """A dict given as ``example_inputs`` whose keys are all names of ``forward``'s parameters is keyword inputs
+    given in the wrong place (a dict the model takes as its one input is ``example_inputs=(inputs,)``)."""
+    if not isinstance(example_inputs, dict) or not example_inputs:
+        return
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if all(isinstance(key, str) and key in parameters for key in example_inputs):
+        raise TraceError(
+            f"example_inputs is a dict of {name}.forward's arguments {sorted(example_inputs)}: pass keyword inputs "
+            "as example_kwargs={...} (and call the compiled model with them as keywords), or their values as "
+            "example_inputs=(...) in forward's order"
+        )
 
 
 def _export_strict(

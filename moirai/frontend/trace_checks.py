@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from moirai.errors import TraceError, TrainingModeWarning
+from moirai.errors import TraceError, TrainingModeWarning, user_stacklevel
 
 _MOIRAI_DIRECTORY = str(Path(__file__).parent)
 # Ops whose first three tensor operands (input, weight, bias; q, k, v) must share one dtype. Fake
@@ -106,7 +106,7 @@ def warn_if_training(model: torch.nn.Module, name: str) -> None:
                 "will drop random activations or use batch statistics, so the split model's outputs differ from "
                 "call to call and from the model in eval mode; call model.eval() before moirai.compile"
             ),
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 

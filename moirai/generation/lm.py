@@ -161,9 +161,13 @@ class CompiledLM:
             decode_batch=self.decode_batch,
         )
 
-    def summary(self, console: Console | None = None) -> Table:
-        """Print (and return) the plan per device, priced at a decode step, with the predicted TTFT, TPOT and
-        tokens/s in its caption."""
+    def summary(self, console: Console | None = None) -> None:
+        """Print :meth:`summary_table` (and return nothing: a notebook cell ending in it shows it once)."""
+        (console or Console()).print(self.summary_table())
+
+    def summary_table(self) -> Table:
+        """The plan per device, priced at a decode step, with the predicted TTFT, TPOT and tokens/s in its
+        caption."""
         compiled = self.compiled
         table = viz.summary_table(
             compiled.problem,
@@ -182,7 +186,6 @@ class CompiledLM:
             f"{viz.format_bytes_compact(self.cache.slot_bytes)} per sequence, {self.cache.slots} slots"
         )
         viz.widen_to_caption(table)
-        (console or Console()).print(table)
         return table
 
     def gantt(self, path: str | Path | None = None, phase: str = "decode", **options: Any) -> Any:

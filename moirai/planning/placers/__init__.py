@@ -149,7 +149,7 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
 
 
 def _long_placement(placer: str, options: dict[str, Any]) -> str | None:
-    """``"milp, limit 60 s"`` for a placer whose time limit (given, or its default) may make the stage long."""
+    """``"milp, limit 1 min"`` for a placer whose time limit (given, or its default) may make the stage long."""
     parameter = inspect.signature(spec(placer).function).parameters.get("time_limit_s")
     limit_s = options.get("time_limit_s", parameter.default if parameter is not None else None)
     if not isinstance(limit_s, (int, float)) or limit_s < LONG_STAGE_S:

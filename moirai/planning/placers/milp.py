@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import sys
 import time
@@ -413,6 +414,7 @@ def _search_large(
             objective,
             resume_tasks,
             grow=resume_tasks is not None,
+            best_so_far_s=math.inf if best is None else objective.value_s(best[1]),
         )
         info.windows_tried += search.windows_tried
         info.windows_improved += search.windows_improved

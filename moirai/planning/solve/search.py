@@ -40,6 +40,7 @@ Windows of 8 tasks gave the largest gains in a fixed time on random layered grap
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -106,6 +107,7 @@ def improve_by_windows(
     objective: Objective = LATENCY,
     resume_tasks: int | None = None,
     grow: bool = True,
+    best_so_far_s: float = math.inf,
 ) -> SearchResult:
     """Improve ``plan`` (whose simulation is ``timeline``) until ``deadline`` (a ``time.perf_counter`` value).
 
@@ -115,7 +117,8 @@ def improve_by_windows(
     False they keep their first size, a quick descent to a local optimum of small windows). Stops earlier
     when the objective is within ``settings.mip_gap`` of ``lower_bound_s`` (a proven bound on it), or when every
     window of every size has been proven not to improve the plan since the last improvement: the plan is then a
-    local optimum of this neighbourhood.
+    local optimum of this neighbourhood. ``best_so_far_s``: the best a caller's earlier searches found, which the
+    status lines give as the incumbent where this search's plan is not yet as good.
     """
     started = time.perf_counter()
     result = SearchResult(plan, timeline, history=[(0.0, objective.value_s(timeline))])
@@ -189,8 +192,9 @@ def improve_by_windows(
                 schedule = _ScheduleIndex(problem, result.timeline, sizes[level])
                 tried.clear()
         if report is not None:
+            incumbent_s = min(objective.value_s(result.timeline), best_so_far_s)
             report(
-                f"{progress_text('window search', result.timeline.makespan_s, lower_bound_s)}; "
+                f"{progress_text('window search', incumbent_s, lower_bound_s)}; "
                 f"{result.windows_tried} windows of {sizes[level]} tasks, "
                 f"{max(0.0, deadline - time.perf_counter()):.0f} s left"
             )
