@@ -67,7 +67,12 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    """The public names and the package's submodules loaded so far, not the helpers this file imports."""
+    loaded = {name for name, value in globals().items() if isinstance(value, types.ModuleType) and name not in _HIDDEN}
+    return sorted({*__all__, *loaded})
+
+
+_HIDDEN = {"importlib", "sys", "types"}  # this file's own imports
 
 
 class _Package(types.ModuleType):

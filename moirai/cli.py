@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="plan a bundled model on a bundled cluster, run it split, check outputs")
-    demo.add_argument("--placer", default="milp")
+    demo.add_argument("--placer", default="milp", help="a registered placer (`moirai placers` lists them)")
     demo.add_argument("--time-limit", type=float, default=20.0, help="seconds the milp placer may take")
 
     compile_ = commands.add_parser("compile", help="compile a model from a factory, print the plan")
