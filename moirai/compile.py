@@ -45,7 +45,8 @@ from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes
 from moirai.frontend.trace import TracedModel, trace
 from moirai.plan_records import PLAN_FORMAT_VERSION, PlanHandover, read_plan_file, versions
 from moirai.planning.objective import Objective, as_objective
-from moirai.planning.placers import place
+from moirai.planning.placers import check_options, place
+from moirai.planning.placers import spec as placer_spec
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
@@ -274,7 +275,7 @@ def compile(
     again; a path reads a calibration file; ``"none"`` keeps the detected defaults (50 us, no CPU
     time). A :class:`moirai.Cluster` keeps the links it describes.
     """
-    check_placer_options(placer_options)
+    check_placer_options(placer_options, placer=placer)
     handover = PlanHandover.under_torchrun(devices)
     if handover is not None and not handover.plans:
         # Another rank plans: this one takes that rank's plan, problem included.
@@ -503,9 +504,11 @@ def serve_rank(compiled: CompiledModel, timeout_s: float = 120.0) -> None:
     distributed.serve_rank(compiled.program, compiled.cluster.devices, timeout_s=timeout_s)
 
 
-def check_placer_options(placer_options: dict[str, Any], caller: Callable[..., Any] | None = None) -> None:
+def check_placer_options(
+    placer_options: dict[str, Any], caller: Callable[..., Any] | None = None, placer: str | None = None
+) -> None:
     """A misspelt parameter of ``caller`` (compile's ``dynamic_shape=``) would reach the placer as an option; name it
-    here."""
+    here, and an unknown ``placer`` or an option it does not take, before the trace and the costs take their time."""
     caller = caller or compile
     own = [name for name in inspect.signature(caller).parameters if name != "placer_options"]
     name = f"moirai.{getattr(caller, '__name__', 'compile')}"
@@ -516,6 +519,8 @@ def check_placer_options(placer_options: dict[str, Any], caller: Callable[..., A
                 f"{name} has no parameter {option!r}; did you mean {close[0]!r}? Keywords other than "
                 f"its own ({', '.join(own)}) go to the placer as its options"
             )
+    if placer is not None:
+        check_options(placer, placer_spec(placer).function, placer_options)
 
 
 def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:

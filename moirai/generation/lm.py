@@ -287,7 +287,7 @@ def compile_lm(
     most ``max_ttft_s``. ``cost="measured"`` times both phases at their shapes on the local devices. ``devices``,
     ``placer``, ``calibration``, ``progress`` and ``placer_options`` as in :func:`moirai.compile`.
     """
-    check_placer_options(placer_options, compile_lm)
+    check_placer_options(placer_options, compile_lm, placer)
     limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_prefill": max_prefill}
     for name, value in limits.items():
         if not isinstance(value, int) or value < 1:
