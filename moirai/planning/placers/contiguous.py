@@ -16,7 +16,9 @@ driver's. For ``throughput`` the DP minimises the period, the busiest device's o
 (:attr:`moirai.planning.simulate.Timeline.period_s`). For ``latency`` it minimises the time of the chain of
 stages: a stage starts when the one before it has finished, its header has come, and its inputs have crossed
 (each source's sends and transfers one after another on its link); a request is done when the last stage has
-finished and every output is back on device 0. The simulator judges the returned plan either way.
+finished and every output is back on device 0. The simulator overlaps stages that do not read each other, so for
+latency over ideals, where the splits are few, the best split by the simulator is
+searched for ([Note: the chain model] in :func:`_best_simulated`). The simulator judges the returned plan either way.
 
 A partial split is a label: what its devices and links have been charged so far, and which device holds every
 tensor still to be read. Sends of a stage's tensors are charged when a later stage reads them, so a device's load
@@ -57,6 +59,10 @@ IDEAL_LABELS = 8  # Pareto labels kept per state and used devices over ideals, t
 CAP_FIRST = 1.02
 CAP_GROWTH = 1.25
 CAP_STEPS = 6
+# For latency over ideals ([Note: the chain model]): the most splits times tasks listed and bounded, and the most
+# simulations times tasks spent on them (a small graph's splits are all judged; a larger one keeps the DP's split).
+LISTED_SPLIT_TASKS = 50_000
+SIMULATED_SPLIT_TASKS = 20_000
 
 
 class _Label(NamedTuple):
@@ -178,7 +184,8 @@ def place_contiguous(problem: Problem, objective: Objective = LATENCY) -> Plan:
     for searches, cap_s in enumerate([*(floor_s * CAP_FIRST * CAP_GROWTH**k for k in range(CAP_STEPS)), math.inf], 1):
         best = _search(problem, p, space, devices, remaining, throughput, cap_s)
         if best is not None:
-            return _plan(problem, space, best, throughput, exact, searches)
+            plan = _plan(problem, space, best, throughput, exact, searches)
+            return plan if throughput or not exact else _best_simulated(problem, space, objective, plan)
     raise InfeasibleError(
         "contiguous finds no split into contiguous stages that fit the devices' memory and run every task "
         "where it can run; try 'heft' or 'milp'"
@@ -435,6 +442,67 @@ def _plan(problem: Problem, space: _Space, best: _Label, throughput: bool, exact
     return Plan(placement, problem.device_names, order=order, placer="contiguous", report=PlacerReport(notes=notes))
 
 
+def _best_simulated(problem: Problem, space: _Space, objective: Objective, dp_plan: Plan) -> Plan:
+    """[Note: the chain model] The latency DP prices a split as a chain, each stage after the one before; the
+    simulator runs a stage as soon as its own inputs are there, so stages that do not read each other overlap and
+    the best split by the simulator may be another. Where the splits are few (:data:`LISTED_SPLIT_TASKS`), the best
+    by the simulator is searched for: splits in the order of a lower bound on their simulated latency (their
+    longest path of compute and transfers), each simulated until the bound reaches the best found (the DP's split
+    first) or the simulations reach :data:`SIMULATED_SPLIT_TASKS` (then the best so far: ``exhausted`` in the
+    notes)."""
+    from moirai.planning.simulate import simulate
+
+    most = max(1, LISTED_SPLIT_TASKS // max(1, problem.num_tasks))
+    splits = list(itertools.islice(all_contiguous_splits(problem), most + 1))
+    if len(splits) > most:
+        return dp_plan
+    best_plan, best_s = dp_plan, objective.value_s(simulate(problem, dp_plan))
+    tasks = np.arange(problem.num_tasks)
+    runnable = [placement for placement in splits if problem.runs_on[tasks, placement].all()]
+    bounds_s = [_longest_path_s(problem, placement) for placement in runnable]
+    simulated, budget = 0, max(2, SIMULATED_SPLIT_TASKS // max(1, problem.num_tasks))
+    exhausted = False
+    for i in np.argsort(bounds_s, kind="stable"):
+        if bounds_s[i] >= best_s:
+            break
+        if simulated >= budget:
+            exhausted = True
+            break
+        # Each device's tasks in topological order, and in the order the simulator gives a plan without one.
+        for plan in (
+            _ordered_plan(problem, space, runnable[i], dp_plan.report),
+            Plan(runnable[i], problem.device_names, placer="contiguous", report=dp_plan.report),
+        ):
+            timeline = simulate(problem, plan)
+            simulated += 1
+            if timeline.fits_memory and objective.value_s(timeline) < best_s:
+                best_plan, best_s = plan, objective.value_s(timeline)
+    best_plan.report.notes.update(contiguous_splits=len(splits), simulated_splits=simulated, exhausted=exhausted)
+    return best_plan
+
+
+def _longest_path_s(problem: Problem, placement: np.ndarray) -> float:
+    """A lower bound on the simulated latency of ``placement``: its longest path of compute and of transfers
+    between devices (no device or link shared, no headers, sends or outputs)."""
+    finish = np.zeros(problem.num_tasks)
+    for v in problem.topological_order:
+        start = 0.0
+        for t in problem.input_tensors[v]:
+            u = int(problem.tensor_producer[t])
+            arrival = finish[u]
+            if placement[u] != placement[v]:
+                arrival += float(transfer_duration_s(problem, t, placement[u], placement[v]))
+            start = max(start, arrival)
+        finish[v] = start + problem.compute_s[v, placement[v]]
+    return float(finish.max(initial=0.0))
+
+
+def _ordered_plan(problem: Problem, space: _Space, placement: np.ndarray, report: PlacerReport) -> Plan:
+    """``placement`` with each device's tasks in the space's topological order, as the DP's plans are."""
+    order = tuple(tuple(i for i in space.order if placement[i] == d) for d in range(problem.num_devices))
+    return Plan(placement, problem.device_names, order=order, placer="contiguous", report=report)
+
+
 def all_contiguous_splits(problem: Problem) -> Iterator[np.ndarray]:
     """Every placement the DP over ideals searches (for checks on small graphs): chains of ideals, each difference
     on a device of its own."""
@@ -443,16 +511,19 @@ def all_contiguous_splits(problem: Problem) -> Iterator[np.ndarray]:
         raise InfeasibleError(f"more than {IDEAL_LIMIT} ideals: too many splits to list")
     masks, full = space.masks, len(space.masks) - 1
 
-    def chains(s: int) -> Iterator[list[int]]:
+    def chains(s: int, stages_left: int) -> Iterator[list[int]]:
+        """Chains of ideals from ``s`` to the full set in at most ``stages_left`` stages (one device each)."""
         if s == full:
             yield [s]
             return
+        if stages_left == 0:
+            return
         for target in range(s + 1, len(masks)):
             if not masks[s] & ~masks[target]:
-                for rest in chains(target):
+                for rest in chains(target, stages_left - 1):
                     yield [s, *rest]
 
-    for chain in chains(0):
+    for chain in chains(0, problem.num_devices):
         stages = [masks[b] & ~masks[a] for a, b in itertools.pairwise(chain)]
         for devices in itertools.permutations(range(problem.num_devices), len(stages)):
             placement = np.empty(problem.num_tasks, int)
