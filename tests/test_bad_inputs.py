@@ -262,6 +262,16 @@ def test_milp_option_out_of_range(problem, option, value, words):
         moirai.place(problem, "milp", **{option: value})
 
 
+@pytest.mark.parametrize(
+    "placer,option,value",
+    [("getf", "speed_ratio", 1.0), ("getf", "speed_ratio", float("nan")), ("m_sct", "threshold", -5.0)],
+)
+def test_a_heuristics_option_out_of_its_range_is_refused(problem, placer, option, value):
+    """getf's speed groups at a ratio of 1 or less looped for ever."""
+    with raises(PlacerOptionError, f"option {option}={value!r} must be"):
+        moirai.place(problem, placer, **{option: value})
+
+
 def test_option_of_the_wrong_type(problem):
     with raises(PlacerOptionError, "option seed='a'", "an integer"):
         moirai.place(problem, "hash", seed="a")

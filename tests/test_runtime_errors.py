@@ -49,12 +49,13 @@ def test_timeout_must_be_positive(chain, timeout_s) -> None:
             call()
 
 
-@pytest.mark.parametrize("max_in_flight", [0, -2, 1.5, True])
-def test_max_in_flight_must_be_a_positive_integer(chain, max_in_flight) -> None:
+@pytest.mark.parametrize("max_in_flight", [0, -2, 1.5, True, 2050])
+def test_max_in_flight_must_be_an_integer_the_message_tags_allow(chain, max_in_flight) -> None:
+    """Over the tags' window, requests in flight reused each other's tags (every one failed as if forged)."""
     _, compiled = chain
-    with pytest.raises(InputError, match="max_in_flight must be a positive integer"):
+    with pytest.raises(InputError, match="max_in_flight must be an integer from 1 to 2040"):
         DistributedRunner(["cpu"], max_in_flight=max_in_flight)
-    with pytest.raises(InputError, match="max_in_flight must be a positive integer"):
+    with pytest.raises(InputError, match="max_in_flight must be an integer from 1 to 2040"):
         compiled.server(max_in_flight=max_in_flight)
 
 

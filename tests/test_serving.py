@@ -160,9 +160,17 @@ def test_fifty_pipelined_requests_from_several_threads_equal_eager(chain) -> Non
         with ThreadPoolExecutor(4) as pool:
             futures = list(pool.map(server.submit, requests[:30]))
         mapped = list(server.map(requests[30:]))
+        # One tensor refilled for each next request: each request keeps the inputs it was submitted with (the
+        # ranks read them after submit returns, and had read the refilled ones).
+        buffer, refilled = torch.empty(4, 64), []
+        for request in requests[:10]:
+            buffer.copy_(request)
+            refilled.append(server.submit(buffer))
     outputs = [f.result() for f in futures] + mapped
     for request, output in zip(requests, outputs, strict=True):
         torch.testing.assert_close(output, _eager(model, request))
+    for request, future in zip(requests[:10], refilled, strict=True):
+        torch.testing.assert_close(future.result(), _eager(model, request))
 
 
 @pytest.mark.slow

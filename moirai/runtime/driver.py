@@ -30,6 +30,8 @@ from moirai.runtime.blame import blamed, describe_error, report_failure
 from moirai.runtime.groups import Group, placed_part
 from moirai.runtime.program_codec import encode_program
 from moirai.runtime.protocol import (
+    _TAG_WINDOW,
+    HEADERS_READ_AHEAD,
     Header,
     HeaderKind,
     Messages,
@@ -40,6 +42,10 @@ from moirai.runtime.protocol import (
     send_inputs,
 )
 from moirai.runtime.split import SplitProgram
+
+# Requests in flight at once: each holds its tags in the protocol's window while it runs, and a rank reads a few
+# headers ahead; more would reuse a tag still in use.
+MAX_IN_FLIGHT = _TAG_WINDOW - 2 * HEADERS_READ_AHEAD
 
 # A heartbeat goes to a rank that has had no header for this fraction of the timeout.
 _HEARTBEAT_FRACTION = 0.25
@@ -59,8 +65,11 @@ def check_timeout(timeout_s: float) -> float:
 
 
 def check_max_in_flight(max_in_flight: int) -> int:
-    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-        raise InputError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or not 1 <= max_in_flight <= MAX_IN_FLIGHT:
+        raise InputError(
+            f"max_in_flight must be an integer from 1 to {MAX_IN_FLIGHT} (requests in flight share {_TAG_WINDOW} "
+            f"message tags), got {max_in_flight!r}"
+        )
     return max_in_flight
 
 
@@ -185,7 +194,10 @@ class Driver:
                 future.set_exception(self.failure)
                 return future
             self._pending.add(future)
-        self._incoming.put(Submitted(program, list(flat_inputs), future, finish, check_timeout(timeout_s)))
+        # The request's own copy: its inputs are read when it runs, after submit has returned, and a caller may
+        # refill the same tensor for its next request meanwhile.
+        inputs = [value.clone() if isinstance(value, torch.Tensor) else value for value in flat_inputs]
+        self._incoming.put(Submitted(program, inputs, future, finish, check_timeout(timeout_s)))
         return future
 
     def run(

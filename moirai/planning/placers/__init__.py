@@ -308,6 +308,9 @@ _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "integral": (lambda v: isinstance(v, bool), "True or False"),
     "uniform": (lambda v: isinstance(v, bool), "True or False"),
     "progress": (lambda v: v is None or isinstance(v, bool), "None, True or False"),
+    # getf's speed groups: each holds the devices within this factor of its fastest (1 or less groups none)
+    "speed_ratio": (lambda v: _is_number(v) and v > 1, "a number above 1"),
+    "threshold": (lambda v: _is_number(v) and v >= 0, "a non-negative number"),
 }
 
 
