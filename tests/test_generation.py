@@ -442,6 +442,8 @@ def test_a_server_whose_loop_fails_fails_its_sequences_and_refuses_later_ones(sp
             server.submit(prompt, max_new_tokens=3).result(timeout=60)
         with pytest.raises(moirai.RequestError, match=r"loop failed \(RuntimeError\('injected'\)\).*lm.server\(\)"):
             server.submit(prompt, max_new_tokens=3)
+        with pytest.raises(moirai.RequestError, match="loop failed"):  # generate waited for ever there
+            server.generate(prompt[None], max_new_tokens=3)
 
 
 def hf_like(lm: moirai.CompiledLM, prompt: torch.Tensor, new_tokens: int) -> list[int]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moirai.errors import DistributedError, InputError, MoiraiError, MoiraiWarning, user_stacklevel
+from moirai.errors import DistributedError, InputError, MoiraiError, MoiraiWarning, RequestError, user_stacklevel
 from moirai.generation.bans import SequenceBans
 from moirai.generation.step import SAMPLING_CANDIDATES, SAMPLING_FIELDS
 
@@ -151,6 +151,7 @@ class Engine:
         self._cache_epoch = 0
         self._unsettled: set[Future] = set()  # futures of sequences added, until they settle (any thread)
         self._unsettled_lock = threading.Lock()
+        self.failure: BaseException | None = None  # what ended a serving loop: every later sequence fails with it
 
     def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         """:class:`InputError` unless a sequence of this prompt and length fits a slot and its tokens are the
@@ -179,9 +180,14 @@ class Engine:
         self._check_candidate_cuts(sequence.sampling)
         self._check_bans(sequence.bans)
         with self._unsettled_lock:
+            if self.failure is not None:  # no loop serves it any more (checked under the lock fail_all takes)
+                raise RequestError(
+                    f"the generation loop failed ({self.failure!r}) and serves no more sequences; open a new server "
+                    "with lm.server()"
+                ) from self.failure
             self._unsettled.add(sequence.future)
+            self._waiting.put(sequence)
         sequence.future.add_done_callback(self._settle)  # at its result, its failure or its cancelling
-        self._waiting.put(sequence)
         return sequence.future
 
     def _check_bans(self, bans: SequenceBans | None) -> None:
@@ -255,6 +261,9 @@ class Engine:
             self._round()
 
     def fail_all(self, error: BaseException) -> None:
+        """Fail every sequence added, and every one added from now on (the loop that served them has ended)."""
+        with self._unsettled_lock:
+            self.failure = error
         for sequence in [*self._active, *self._drain_waiting()]:
             _settle_future(sequence.future, None, error)
         self._active.clear()

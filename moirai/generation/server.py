@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moirai.errors import InputError, RequestError
+from moirai.errors import InputError
 from moirai.generation.bans import TokenBans
 from moirai.generation.engine import SequenceState
 from moirai.generation.requests import GenerateOptions, end_tokens, generate_rows, prompt_tokens
@@ -37,7 +37,6 @@ class GenerationServer:
         self._lm, self._step_server = lm, step_server
         self._engine = lm.engine(step_server.submit_flat, depth)
         self._stopped = threading.Event()
-        self._failure: BaseException | None = None  # what ended the loop, if it failed: later submits say so
         self._thread = threading.Thread(target=self._serve, name="moirai-generation", daemon=True)
         self._thread.start()
 
@@ -72,11 +71,6 @@ class GenerationServer:
         after its step in flight and frees its slot."""
         if self._stopped.is_set():
             raise InputError("this generation server is closed; open a new one with lm.server()")
-        if self._failure is not None:
-            raise RequestError(
-                f"this generation server's loop failed ({self._failure!r}) and serves no more sequences; open a new "
-                "one with lm.server()"
-            )
         unknown = sorted(set(bans) - set(TokenBans.settings()))
         if unknown:
             raise InputError(
@@ -159,6 +153,5 @@ class GenerationServer:
     def _serve(self) -> None:
         try:
             self._engine.serve_forever(self._stopped)
-        except BaseException as error:  # the loop itself failed: every sequence learns why, and every later submit
-            self._failure = error
+        except BaseException as error:  # the loop itself failed: every sequence learns why, and every later one
             self._engine.fail_all(error)

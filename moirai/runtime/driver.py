@@ -189,14 +189,14 @@ class Driver:
         timeout_s: float,
     ) -> Future:
         future: Future = Future()
+        # The request's own copy: its inputs are read when it runs, after submit has returned, and a caller may
+        # refill the same tensor for its next request meanwhile (copied first: a copy that fails leaves nothing).
+        inputs = [value.clone() if isinstance(value, torch.Tensor) else value for value in flat_inputs]
         with self._lock:
             if self.failure is not None:
                 future.set_exception(self.failure)
                 return future
             self._pending.add(future)
-        # The request's own copy: its inputs are read when it runs, after submit has returned, and a caller may
-        # refill the same tensor for its next request meanwhile.
-        inputs = [value.clone() if isinstance(value, torch.Tensor) else value for value in flat_inputs]
         self._incoming.put(Submitted(program, inputs, future, finish, check_timeout(timeout_s)))
         return future
 

@@ -62,7 +62,7 @@ CAP_STEPS = 6
 # For latency over ideals ([Note: the chain model]): the most splits times tasks listed and bounded, and the most
 # simulations times tasks spent on them (a small graph's splits are all judged; a larger one keeps the DP's split).
 LISTED_SPLIT_TASKS = 50_000
-SIMULATED_SPLIT_TASKS = 20_000
+SIMULATED_SPLIT_TASKS = 10_000
 
 
 class _Label(NamedTuple):
@@ -185,7 +185,9 @@ def place_contiguous(problem: Problem, objective: Objective = LATENCY) -> Plan:
         best = _search(problem, p, space, devices, remaining, throughput, cap_s)
         if best is not None:
             plan = _plan(problem, space, best, throughput, exact, searches)
-            return plan if throughput or not exact else _best_simulated(problem, space, objective, plan)
+            # Latency alone: another objective's value (a generation's TTFT and TPOT, a limit) is no makespan.
+            judged = not throughput and exact and objective.name == LATENCY.name
+            return _best_simulated(problem, space, objective, plan) if judged else plan
     raise InfeasibleError(
         "contiguous finds no split into contiguous stages that fit the devices' memory and run every task "
         "where it can run; try 'heft' or 'milp'"
@@ -477,7 +479,10 @@ def _best_simulated(problem: Problem, space: _Space, objective: Objective, dp_pl
             simulated += 1
             if timeline.fits_memory and objective.value_s(timeline) < best_s:
                 best_plan, best_s = plan, objective.value_s(timeline)
-    best_plan.report.notes.update(contiguous_splits=len(splits), simulated_splits=simulated, exhausted=exhausted)
+    stages = len(set(best_plan.placement.tolist()))
+    best_plan.report.notes.update(
+        contiguous_splits=len(splits), simulated_splits=simulated, exhausted=exhausted, stages=stages
+    )
     return best_plan
 
 
