@@ -185,8 +185,8 @@ def place_contiguous(problem: Problem, objective: Objective = LATENCY) -> Plan:
         best = _search(problem, p, space, devices, remaining, throughput, cap_s)
         if best is not None:
             plan = _plan(problem, space, best, throughput, exact, searches)
-            # Latency alone: another objective's value (a generation's TTFT and TPOT, a limit) is no makespan.
-            judged = not throughput and exact and objective.name == LATENCY.name
+            # Objectives whose value is one request's critical path (latency; a generation's TTFT and TPOT is not).
+            judged = not throughput and exact and objective.windows_apply
             return _best_simulated(problem, space, objective, plan) if judged else plan
     raise InfeasibleError(
         "contiguous finds no split into contiguous stages that fit the devices' memory and run every task "
