@@ -434,14 +434,13 @@ def _plan(problem: Problem, space: _Space, best: _Label, throughput: bool, exact
         placement[tasks] = label.device
         stages += 1
         label = label.parent
-    order = tuple(tuple(i for i in space.order if placement[i] == d) for d in range(problem.num_devices))
     notes = {
         "dp_period_s" if throughput else "dp_chain_latency_s": best.value_s,
         "stages": stages,
         "states": "ideals" if exact else "prefixes",
         "searches": searches,  # capped searches until one found a split
     }
-    return Plan(placement, problem.device_names, order=order, placer="contiguous", report=PlacerReport(notes=notes))
+    return _ordered_plan(problem, space, placement, PlacerReport(notes=notes))
 
 
 def _best_simulated(problem: Problem, space: _Space, objective: Objective, dp_plan: Plan) -> Plan:
