@@ -38,6 +38,7 @@ _EXPORTS = {
     "StateLeftBehindWarning": "moirai.errors",
     "Timeline": "moirai.planning.simulate",
     "TraceError": "moirai.errors",
+    "UsageError": "moirai.errors",
     "coarsen": "moirai.frontend.coarsen",
     "gantt": "moirai.viz",
     "compile": "moirai.compile",

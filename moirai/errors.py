@@ -45,6 +45,10 @@ class RequestError(MoiraiError):
     """One request raised inside a part (an op rejected its inputs): that request fails alone, the ranks serve on."""
 
 
+class UsageError(MoiraiError):
+    """An API was called where it cannot do its work (a server closed from its own thread)."""
+
+
 class MoiraiWarning(UserWarning):
     """Base class of every warning moirai gives on purpose."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import queue
 import signal
 import threading
 import time
@@ -444,6 +445,28 @@ def test_a_server_whose_loop_fails_fails_its_sequences_and_refuses_later_ones(sp
             server.submit(prompt, max_new_tokens=3)
         with pytest.raises(moirai.RequestError, match="loop failed"):  # generate waited for ever there
             server.generate(prompt[None], max_new_tokens=3)
+
+
+def test_done_callbacks_may_submit_and_are_told_not_to_close(split_lm):
+    """A sequence's done callbacks run in the server's loop: one that submits gets its tokens, one that closes the
+    server gets a UsageError (the join of its own thread was a RuntimeError), and the server closes after."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    follow_ups, refused = queue.SimpleQueue(), queue.SimpleQueue()
+
+    def close(_) -> None:
+        try:
+            server.close()
+        except moirai.UsageError as error:
+            refused.put(error)
+
+    with GenerationServer(split_lm, _StepsInThisProcess(split_lm), depth=2) as server:
+        server.submit(prompt, max_new_tokens=2).add_done_callback(
+            lambda _: follow_ups.put(server.submit(prompt, max_new_tokens=3))
+        )
+        assert follow_ups.get(timeout=60).result(timeout=60) == hf_like(split_lm, prompt, 3)
+        server.submit(prompt, max_new_tokens=2).add_done_callback(close)
+        assert "close the server from your own thread" in str(refused.get(timeout=60))
+        assert server.submit(prompt, max_new_tokens=3).result(timeout=60) == hf_like(split_lm, prompt, 3)
 
 
 def hf_like(lm: moirai.CompiledLM, prompt: torch.Tensor, new_tokens: int) -> list[int]:

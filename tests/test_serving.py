@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 import moirai
 from moirai.cluster.host import available_cores, split_cores
 from moirai.errors import ClusterError, DistributedError
-from moirai.runtime import DistributedRunner
+from moirai.runtime import DistributedRunner, orphans
 from moirai.runtime.resources import rank_resources
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,6 +205,40 @@ def test_killed_rank_fails_every_pending_request_naming_it(chain) -> None:
     assert "exited with code -9" in errors[0]
 
 
+@pytest.mark.slow
+def test_done_callbacks_may_submit_and_are_told_not_to_close(chain) -> None:
+    """A future's done callbacks run in the server's own threads: one that submits the next request gets its
+    outputs (after a success, and after a killed rank failed it: the ranks restart), one that closes the server is
+    refused with a UsageError, and the server still closes after."""
+    model, compiled = chain
+    x, y = torch.randn(4, 64), torch.randn(4, 64)
+    follow_ups: queue.SimpleQueue = queue.SimpleQueue()
+    refused: queue.SimpleQueue = queue.SimpleQueue()
+
+    def submit_follow_up(_: Future) -> None:
+        follow_ups.put(server.submit(y))
+
+    def close(_: Future) -> None:
+        try:
+            server.close()
+        except moirai.UsageError as error:
+            refused.put(error)
+
+    with compiled.server(timeout_s=10.0) as server:
+        server.submit(x).add_done_callback(submit_follow_up)
+        torch.testing.assert_close(follow_ups.get(timeout=60.0).result(timeout=60.0), _eager(model, y))
+        server.submit(x).add_done_callback(close)
+        assert "close the server from your own thread" in str(refused.get(timeout=60.0))
+        torch.testing.assert_close(server.submit(x).result(timeout=60.0), _eager(model, x))
+        (rank_2,) = [p for p in multiprocessing.active_children() if p.name == orphans.rank_process_name(2)]
+        os.kill(rank_2.pid, signal.SIGKILL)  # the next request fails, and its callback submits again
+        failed = server.submit(x)
+        failed.add_done_callback(submit_follow_up)
+        with pytest.raises(DistributedError):
+            failed.result(timeout=60.0)
+        torch.testing.assert_close(follow_ups.get(timeout=60.0).result(timeout=60.0), _eager(model, y))
+
+
 README = (ROOT / "README.md").read_text()
 
 
@@ -234,7 +270,10 @@ def _serve_with_rank_1_stopped(
         driver, rank_1 = runner._driver, runner._workers[0].pid
         os.kill(rank_1, signal.SIGSTOP)
         try:
-            futures = [runner.submit(compiled.program, [x]) for x in requests]
+            # Queued before the dispatcher sends the first (it sends under _dispatching): the driver promises to
+            # send every queued request before part 0 of the oldest runs, not to wait for requests still to come.
+            with driver._dispatching:
+                futures = [runner.submit(compiled.program, [x]) for x in requests]
             deadline = time.monotonic() + 30.0
             while driver.dispatched < 1 + len(requests) and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -22,7 +22,7 @@ import queue
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +30,7 @@ import torch
 from moirai.errors import DistributedError, InputError, MoiraiError, MoiraiWarning, RequestError, user_stacklevel
 from moirai.generation.bans import SequenceBans
 from moirai.generation.step import SAMPLING_CANDIDATES, SAMPLING_FIELDS
+from moirai.runtime.driver import settle_future
 
 SubmitStep = Callable[[tuple[torch.Tensor, ...]], "Future[torch.Tensor]"]
 
@@ -265,7 +266,7 @@ class Engine:
         with self._unsettled_lock:
             self.failure = error
         for sequence in [*self._active, *self._drain_waiting()]:
-            _settle_future(sequence.future, None, error)
+            settle_future(sequence.future, None, error)
         self._active.clear()
 
     # --- one round: admit, fill the pipeline, take what came back ---
@@ -400,7 +401,7 @@ class Engine:
         if sequence in self._active:
             self._active.remove(sequence)
             self._free_slots.append(sequence.slot)
-        _settle_future(sequence.future, list(sequence.tokens), error)
+        settle_future(sequence.future, list(sequence.tokens), error)
 
     def _drain_waiting(self) -> list[SequenceState]:
         drained = []
@@ -409,18 +410,6 @@ class Engine:
                 drained.append(self._waiting.get_nowait())
             except queue.Empty:
                 return drained
-
-
-def _settle_future(future: Future, result: object, error: BaseException | None) -> None:
-    """Set ``future``'s result (or ``error``) unless it has settled: its caller may cancel it from another thread at
-    any moment (the engine never marks it running), even between a check and the set."""
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except InvalidStateError:
-        pass  # cancelled (or settled) first: nobody waits for this result
 
 
 def done_future(compute: Callable[[], torch.Tensor]) -> Future:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moirai.errors import InputError
+from moirai.errors import InputError, UsageError
 from moirai.generation.bans import TokenBans
 from moirai.generation.engine import SequenceState
 from moirai.generation.requests import GenerateOptions, end_tokens, generate_rows, prompt_tokens
@@ -143,6 +143,13 @@ class GenerationServer:
     def close(self, cancel: bool = False) -> None:
         """Finish the sequences submitted (``cancel``: cancel every one that has not finished, each ending after
         its step in flight), then stop the other ranks. Leaving a ``with`` block by an exception cancels."""
+        if threading.current_thread() is self._thread:
+            raise UsageError(
+                "the server was closed from a done callback of a sequence's future (or a streamer): it runs in the "
+                "server's own thread, which must go on to serve the sequences left, so close cannot wait for them "
+                "there; close the server from your own thread (the callback can set a threading.Event that thread "
+                "waits for)"
+            )
         if cancel:
             self._engine.cancel_all()
         if not self._stopped.is_set():

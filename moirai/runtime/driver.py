@@ -20,12 +20,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, NamedTuple
 
 import torch
 
-from moirai.errors import DistributedError, InputError, PlanError, RequestError
+from moirai.errors import DistributedError, InputError, PlanError, RequestError, UsageError
 from moirai.runtime.blame import blamed, describe_error, report_failure
 from moirai.runtime.groups import Group, placed_part
 from moirai.runtime.program_codec import encode_program
@@ -243,6 +243,13 @@ class Driver:
 
     def close(self) -> None:
         """Finish every submitted request, then tell the ranks to stop."""
+        if self.in_own_thread():
+            raise UsageError(
+                "the server was closed from a done callback of one of its requests' futures: the callback runs in "
+                "the server's own thread, which must go on to finish the requests behind it, so close cannot wait "
+                "for them there; close the server from your own thread (the callback can set a threading.Event "
+                "that thread waits for)"
+            )
         self._incoming.put(Stop("closed"))
         self._dispatcher.join()
         self._completer.join()
@@ -253,7 +260,13 @@ class Driver:
         their teardown."""
         deadline = time.monotonic() + timeout_s
         for thread in (self._dispatcher, self._completer):
+            if thread is threading.current_thread():
+                continue  # a done callback of a request this failure failed (it ends when the callback returns)
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def in_own_thread(self) -> bool:
+        """Whether the caller runs in the driver's dispatcher or completer (a done callback of a request's future)."""
+        return threading.current_thread() in (self._dispatcher, self._completer)
 
     def _dispatch_loop(self) -> None:
         # Part 0 runs in this thread. A new thread computes with the OpenMP/MKL default team (every core) however
@@ -370,12 +383,10 @@ class Driver:
                 except RequestError as error:
                     result, failed = None, error  # this request's part raised: it fails alone
                 with self._lock:
+                    owned = item.future in self._pending  # else a failure took it, and fails it
                     self._pending.discard(item.future)
-                    if not item.future.done():
-                        if failed is None:
-                            item.future.set_result(result)
-                        else:
-                            item.future.set_exception(failed)
+                if owned:  # settled outside the lock: its done callbacks may submit the next request
+                    settle_future(item.future, result, failed)
                 self._slots.release()
         except BaseException as error:
             self._fail(error, f"request {request}" if request is not None else "sending control messages")
@@ -397,10 +408,22 @@ class Driver:
         with self._lock:
             self.failure = failure
             pending, self._pending = self._pending, set()
-        for future in pending:
-            if not future.done():
-                future.set_exception(failure)
         self._slots.release()
         self._incoming.put(Stop("failed"))  # wakes a dispatcher idle until its next heartbeat, so that it ends now
+        for future in pending:  # their done callbacks may submit again: this driver's threads are ending
+            settle_future(future, None, failure)
         if self._on_failure is not None:
             self._on_failure(self)
+
+
+def settle_future(future: Future, result: Any, error: BaseException | None) -> None:
+    """Set ``future``'s result (or ``error``) unless it has settled: its caller may cancel it from another thread at
+    any moment (nothing marks it running), even between a check and the set. Its done callbacks run here, so call
+    it holding no lock they might take."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass  # cancelled (or settled) first: nobody waits for this result

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from moirai.errors import InputError
+from moirai.errors import InputError, UsageError
 
 
 class Server:
@@ -83,7 +83,11 @@ class Server:
         """Wait for the requests in flight, then stop the other ranks."""
         if not self._closed:
             self._closed = True
-            self._close()
+            try:
+                self._close()
+            except UsageError:
+                self._closed = False  # closed from its own thread: nothing was stopped, a later close does it
+                raise
 
 
 def _arguments(item: Any) -> tuple[tuple, dict[str, Any]]:
