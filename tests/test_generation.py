@@ -467,6 +467,10 @@ def test_done_callbacks_may_submit_and_are_told_not_to_close(split_lm):
         server.submit(prompt, max_new_tokens=2).add_done_callback(close)
         assert "close the server from your own thread" in str(refused.get(timeout=60))
         assert server.submit(prompt, max_new_tokens=3).result(timeout=60) == hf_like(split_lm, prompt, 3)
+    with pytest.raises(moirai.InputError, match="this generation server is closed"):
+        server.generate(prompt[None], max_new_tokens=2)  # waited for ever: nothing serves it after close
+    with pytest.raises(moirai.InputError, match="this generation server is closed"):
+        server.submit(prompt, max_new_tokens=2)
 
 
 def hf_like(lm: moirai.CompiledLM, prompt: torch.Tensor, new_tokens: int) -> list[int]:

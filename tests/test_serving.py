@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -333,6 +334,36 @@ def test_map_items_take_every_form_submit_does() -> None:
     server = Server(submit_flat, lambda args, kwargs: [(args, kwargs)], lambda flat: flat[0], lambda: None, 2)
     items = ["t", ("a", "b"), {"mask": "m"}, (("a",), {"mask": "m"})]
     assert list(server.map(items)) == [(("t",), {}), (("a", "b"), {}), ((), {"mask": "m"}), (("a",), {"mask": "m"})]
+
+
+def test_a_submit_racing_close_is_queued_before_close_waits_or_refused() -> None:
+    """A submit that had passed its check when close began was queued after close had stopped the ranks, and its
+    runner started a fresh world nobody closed."""
+    from moirai.runtime.server import Server
+
+    events, entered, release = [], threading.Event(), threading.Event()
+
+    def submit_flat(flat: list, finish) -> Future:
+        entered.set()
+        release.wait(10)
+        events.append(f"queued {flat[0]}")
+        future: Future = Future()
+        future.set_result(finish(flat))
+        return future
+
+    server = Server(submit_flat, lambda args, kwargs: list(args), lambda flat: flat, lambda: events.append("closed"), 2)
+    submitter = threading.Thread(target=server.submit, args=("x",))
+    submitter.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=server.close)
+    closer.start()
+    time.sleep(0.2)  # close would run now, before the submit has queued, without the lock it waits for
+    release.set()
+    submitter.join(10)
+    closer.join(10)
+    assert events == ["queued x", "closed"]
+    with pytest.raises(moirai.InputError, match="this server is closed"):
+        server.submit("y")
 
 
 @pytest.mark.slow

@@ -153,6 +153,7 @@ class Engine:
         self._unsettled: set[Future] = set()  # futures of sequences added, until they settle (any thread)
         self._unsettled_lock = threading.Lock()
         self.failure: BaseException | None = None  # what ended a serving loop: every later sequence fails with it
+        self.closed = False  # its server is closing: sequences added so far are served, later ones refused
 
     def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         """:class:`InputError` unless a sequence of this prompt and length fits a slot and its tokens are the
@@ -181,6 +182,8 @@ class Engine:
         self._check_candidate_cuts(sequence.sampling)
         self._check_bans(sequence.bans)
         with self._unsettled_lock:
+            if self.closed:  # checked under the lock close takes: a sequence added after would wait for ever
+                raise InputError("this generation server is closed; open a new one with lm.server()")
             if self.failure is not None:  # no loop serves it any more (checked under the lock fail_all takes)
                 raise RequestError(
                     f"the generation loop failed ({self.failure!r}) and serves no more sequences; open a new server "
@@ -260,6 +263,11 @@ class Engine:
             if not self._active and not self._in_flight:
                 self._admit(block=True)
             self._round()
+
+    def close(self) -> None:
+        """Refuse every sequence added from now on (any thread); the loop serves those added before."""
+        with self._unsettled_lock:
+            self.closed = True
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every sequence added, and every one added from now on (the loop that served them has ended)."""

@@ -69,7 +69,7 @@ class GenerationServer:
         too), and ``bans`` are the settings that ban tokens (:class:`~moirai.generation.bans.TokenBans`:
         ``min_new_tokens``, ``no_repeat_ngram_size``, ``bad_words_ids``...). ``future.cancel()`` ends the sequence
         after its step in flight and frees its slot."""
-        if self._stopped.is_set():
+        if self._engine.closed:  # checked early too, before the work below (engine.add has the last word)
             raise InputError("this generation server is closed; open a new one with lm.server()")
         unknown = sorted(set(bans) - set(TokenBans.settings()))
         if unknown:
@@ -153,6 +153,7 @@ class GenerationServer:
         if cancel:
             self._engine.cancel_all()
         if not self._stopped.is_set():
+            self._engine.close()  # before the loop may end: a submit racing this close is served, or refused
             self._stopped.set()
             self._thread.join()
             self._step_server.close()

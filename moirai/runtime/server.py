@@ -16,6 +16,7 @@ rank 0 closes the server.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -42,6 +43,9 @@ class Server:
         self._close = close
         self._max_in_flight = max_in_flight
         self._closed = False
+        # A submit checks and queues under it, close marks the server closed under it: a submit racing close is
+        # queued before close waits for the requests, or refused, never left to start a fresh world after close.
+        self._closing = threading.Lock()
 
     def __enter__(self) -> Server:
         return self
@@ -51,17 +55,22 @@ class Server:
 
     def submit(self, *args: Any, **kwargs: Any) -> Future:
         """A future of the model's outputs for these inputs (raises InputError at once if they do not fit)."""
-        if self._closed:
-            raise InputError("this server is closed; open a new one with compiled.server()")
-        return self._submit_flat(self._flatten(args, kwargs), self._unflatten)
+        flat = self._flatten(args, kwargs)
+        with self._closing:
+            self._check_open()
+            return self._submit_flat(flat, self._unflatten)
 
     def submit_flat(self, flat_inputs: Sequence[torch.Tensor]) -> Future:
         """As :meth:`submit`, given the traced model's flat input tensors in order (a caller that builds them so, as
         the generation engine does every decode step, skips flattening its arguments; the runner still checks
         them against the traced shapes)."""
+        with self._closing:
+            self._check_open()
+            return self._submit_flat(list(flat_inputs), self._unflatten)
+
+    def _check_open(self) -> None:
         if self._closed:
             raise InputError("this server is closed; open a new one with compiled.server()")
-        return self._submit_flat(list(flat_inputs), self._unflatten)
 
     def map(self, inputs: Iterable[Any]) -> Iterator[Any]:
         """The outputs for each item of ``inputs``, in order.
@@ -81,13 +90,15 @@ class Server:
 
     def close(self) -> None:
         """Wait for the requests in flight, then stop the other ranks."""
-        if not self._closed:
+        with self._closing:  # not held while it waits: a done callback that submits meanwhile is refused, not stuck
+            if self._closed:
+                return
             self._closed = True
-            try:
-                self._close()
-            except UsageError:
-                self._closed = False  # closed from its own thread: nothing was stopped, a later close does it
-                raise
+        try:
+            self._close()
+        except UsageError:
+            self._closed = False  # closed from its own thread: nothing was stopped, a later close does it
+            raise
 
 
 def _arguments(item: Any) -> tuple[tuple, dict[str, Any]]:
