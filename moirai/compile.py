@@ -128,14 +128,17 @@ class CompiledModel:
                 check_inputs(self.program, flat)  # as the runner checks them on the other path
                 return driver.submit(self.program, flat, finish, timeout_s)
 
-            close = driver.close
+            close, check_close = driver.close, driver.check_close_allowed
         else:
             _check_devices_here(self.cluster, range(len(self.cluster)))  # every device's process starts here
             runner = DistributedRunner(self.cluster.devices, timeout_s=timeout_s, max_in_flight=max_in_flight)
             submit = lambda flat, finish: runner.submit_with(self.program, flat, finish)  # noqa: E731
             close = warning_at_close(self.program, runner.close) if warn_state_left else runner.close
+            check_close = runner.check_close_allowed
         # Both submits check the flat inputs against the program (Server.submit_flat's are not flattened here).
-        return Server(submit, self.traced.flatten_inputs, self.traced.unflatten_outputs, close, max_in_flight)
+        return Server(
+            submit, self.traced.flatten_inputs, self.traced.unflatten_outputs, close, max_in_flight, check_close
+        )
 
     def run_rank(self, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> Any:
         """Run this process's part under ``torchrun`` (rank and world size from its environment).

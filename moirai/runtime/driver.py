@@ -160,6 +160,7 @@ class Driver:
             group.describe_rank = describe_rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.failure: DistributedError | None = None
+        self._closed = False  # close() has begun: later submits are refused (nothing would serve them)
         self.dispatched = 0  # requests whose part 0 has run (the next request's index)
         self._heartbeat_s = timeout_s * _HEARTBEAT_FRACTION
         self._programs: dict[int, int] = {}  # id(program) -> program id on the ranks
@@ -193,12 +194,21 @@ class Driver:
         # refill the same tensor for its next request meanwhile (copied first: a copy that fails leaves nothing).
         inputs = [value.clone() if isinstance(value, torch.Tensor) else value for value in flat_inputs]
         with self._lock:
+            self._check_open()
             if self.failure is not None:
                 future.set_exception(self.failure)
                 return future
             self._pending.add(future)
-        self._incoming.put(Submitted(program, inputs, future, finish, check_timeout(timeout_s)))
+            # Queued under the lock close takes: a request is queued before close's Stop, or refused.
+            self._incoming.put(Submitted(program, inputs, future, finish, check_timeout(timeout_s)))
         return future
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InputError(
+                "this server (or runner) is closing: a request submitted after close() began is not served; submit "
+                "it before closing, or to a new one"
+            )
 
     def run(
         self,
@@ -211,6 +221,7 @@ class Driver:
         timeout_s = check_timeout(timeout_s)
         future: Future = Future()
         with self._lock:
+            self._check_open()
             inline = self.failure is None and not self._pending
             if inline:
                 self._pending.add(future)  # requests submitted meanwhile queue behind this one
@@ -243,14 +254,10 @@ class Driver:
 
     def close(self) -> None:
         """Finish every submitted request, then tell the ranks to stop."""
-        if self.in_own_thread():
-            raise UsageError(
-                "the server was closed from a done callback of one of its requests' futures: the callback runs in "
-                "the server's own thread, which must go on to finish the requests behind it, so close cannot wait "
-                "for them there; close the server from your own thread (the callback can set a threading.Event "
-                "that thread waits for)"
-            )
-        self._incoming.put(Stop("closed"))
+        self.check_close_allowed()
+        with self._lock:
+            self._closed = True
+            self._incoming.put(Stop("closed"))
         self._dispatcher.join()
         self._completer.join()
 
@@ -264,9 +271,15 @@ class Driver:
                 continue  # a done callback of a request this failure failed (it ends when the callback returns)
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
-    def in_own_thread(self) -> bool:
-        """Whether the caller runs in the driver's dispatcher or completer (a done callback of a request's future)."""
-        return threading.current_thread() in (self._dispatcher, self._completer)
+    def check_close_allowed(self) -> None:
+        """:class:`UsageError` where the caller runs in the driver's dispatcher or completer (a done callback of a
+        request's future): close would wait there for the thread it runs in."""
+        if threading.current_thread() in (self._dispatcher, self._completer):
+            raise UsageError(
+                "close() was called from a done callback of a request's future: the callback runs in the server's "
+                "own thread, which must go on to finish the requests behind it, so close cannot wait for them there; "
+                "close from your own thread (the callback can set a threading.Event that thread waits for)"
+            )
 
     def _dispatch_loop(self) -> None:
         # Part 0 runs in this thread. A new thread computes with the OpenMP/MKL default team (every core) however
@@ -392,7 +405,8 @@ class Driver:
             self._fail(error, f"request {request}" if request is not None else "sending control messages")
 
     def _fail(self, error: BaseException, what: str) -> None:
-        """Fail every pending request with one DistributedError naming the guilty rank."""
+        """Fail every pending request with one DistributedError naming the guilty rank (the first thread to fail
+        does; another failing meanwhile, its peer thread, returns)."""
         with self._lock:
             if self.failure is not None:
                 return
@@ -406,10 +420,15 @@ class Driver:
                 else DistributedError(f"rank 0 ({self.group.devices[0]}) failed during {what}: {describe_error(error)}")
             )
         with self._lock:
+            if self.failure is not None:
+                return  # the other thread failed first, while this one named its guilty rank
             self.failure = failure
             pending, self._pending = self._pending, set()
         self._slots.release()
-        self._incoming.put(Stop("failed"))  # wakes a dispatcher idle until its next heartbeat, so that it ends now
+        # Both threads end now: a dispatcher idle until its next heartbeat, and a completer waiting for its next
+        # request (a callback below may restart the ranks, which waits for them).
+        self._incoming.put(Stop("failed"))
+        self._outgoing.put(Stop("failed"))
         for future in pending:  # their done callbacks may submit again: this driver's threads are ending
             settle_future(future, None, failure)
         if self._on_failure is not None:

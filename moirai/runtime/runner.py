@@ -135,6 +135,11 @@ class DistributedRunner:
             )
         check_inputs(program, flat_inputs)
         with self._starting:
+            if self._closing:  # a submit from a done callback while close waits: a restart now would outlive it
+                raise InputError(
+                    "this runner is closing: a request submitted after close() began is not served; submit it "
+                    "before closing, or to a new runner"
+                )
             if self._driver is not None and self._driver.failure is not None:
                 self._stop()
             if self._driver is None:
@@ -156,16 +161,26 @@ class DistributedRunner:
 
     def close(self) -> None:
         """Finish the requests in flight, stop the workers and give this process its cores back."""
-        self._closing = True  # a restart not yet begun starts nothing
+        self.check_close_allowed()
+        self._closing = True  # a restart not yet begun starts nothing, and later submits are refused
         try:
             with self._starting:
-                if self._driver is not None and self._driver.failure is None:
-                    self._driver.close()
+                driver = self._driver if self._driver is not None and self._driver.failure is None else None
+            if driver is not None:
+                driver.close()  # not under _starting: a done callback's submit takes it (to be refused)
+            with self._starting:
                 self._stop()
             if self._restarting is not None:  # [Note: no thread of ours outlives close]
                 self._restarting.join()
         finally:
             self._closing = False
+
+    def check_close_allowed(self) -> None:
+        """:class:`UsageError` where the caller is a done callback in the running driver's threads
+        (:meth:`Driver.check_close_allowed`); a failed driver's threads may close, as they wait for nothing."""
+        driver = self._driver
+        if driver is not None and driver.failure is None:
+            driver.check_close_allowed()
 
     def _restart_in_background(self, failed: Driver) -> None:
         """Called by a driver once its failure has failed its pending requests."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from moirai.errors import InputError, UsageError
+from moirai.errors import InputError
 
 
 class Server:
@@ -36,11 +36,15 @@ class Server:
         unflatten: Callable[[list], Any],
         close: Callable[[], None],
         max_in_flight: int,
+        check_close: Callable[[], None] = lambda: None,
     ) -> None:
+        """``check_close``: raises :class:`UsageError` where ``close`` cannot run in the calling thread (a done
+        callback in the server's own threads), before the server is marked closed."""
         self._submit_flat = submit_flat
         self._flatten = flatten
         self._unflatten = unflatten
         self._close = close
+        self._check_close = check_close
         self._max_in_flight = max_in_flight
         self._closed = False
         # A submit checks and queues under it, close marks the server closed under it: a submit racing close is
@@ -90,15 +94,12 @@ class Server:
 
     def close(self) -> None:
         """Wait for the requests in flight, then stop the other ranks."""
+        self._check_close()
         with self._closing:  # not held while it waits: a done callback that submits meanwhile is refused, not stuck
             if self._closed:
                 return
             self._closed = True
-        try:
-            self._close()
-        except UsageError:
-            self._closed = False  # closed from its own thread: nothing was stopped, a later close does it
-            raise
+        self._close()
 
 
 def _arguments(item: Any) -> tuple[tuple, dict[str, Any]]:
