@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import tempfile
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moirai.cluster.devices import GBPS_IN_BYTES_PER_S, Cluster, Device, Link
 from moirai.errors import ClusterError
@@ -174,6 +177,27 @@ def test_round_trip_of_a_matrix_cluster(tmp_path: Path) -> None:
     again = Cluster.from_file(tmp_path / "c.toml")
     assert again.devices == cluster.devices
     assert again.transfer_time_s(1e6, 0, 1) == pytest.approx(cluster.transfer_time_s(1e6, 0, 1))
+
+
+@given(
+    st.lists(st.floats(1e-3, 1e15, allow_subnormal=False), min_size=7, max_size=7),
+)
+@settings(max_examples=60, deadline=None)
+def test_a_cluster_file_gives_back_every_number_exactly(numbers: list[float]) -> None:
+    """0.1344 TFLOPS scaled in floats is 134399999999.99998, and not every value in bytes has a float in GB that
+    scales back to it: a detected CPU (its peak from its clock) came back one ulp off, now and then."""
+    memory, flops, bandwidth, launch, bf16, link_bandwidth, latency = numbers
+    devices = [
+        Device("a", "cpu", memory, flops, bandwidth, launch * 1e-9, "cpu", peak_flops_bf16=bf16),
+        Device("b", "cpu", memory, 134399999999.99998, bandwidth, 1e-5, "cpu"),
+    ]
+    links = [Link("a", "b", link_bandwidth, latency * 1e-12), Link("b", "a", 1.25e8 * 3.3, 0.0)]
+    cluster = Cluster.from_links(devices, links, name="awkward")
+    with tempfile.TemporaryDirectory() as folder:
+        cluster.to_file(Path(folder) / "c.toml")
+        again = Cluster.from_file(Path(folder) / "c.toml")
+    assert again.devices == cluster.devices
+    assert again.links == cluster.links
 
 
 def test_custom_file_with_type_and_explicit_numbers(tmp_path: Path) -> None:

@@ -71,6 +71,7 @@ from moirai.cluster.files import (
     check_device_names,
     cluster_description,
     device_to_dict,
+    in_unit,
     preset_description,
     preset_names,
     read_cluster_file,
@@ -261,8 +262,8 @@ class Cluster:
                 {
                     "src": link.src,
                     "dst": link.dst,
-                    "bandwidth_gbps": link.bandwidth_bytes_per_s / GBPS_IN_BYTES_PER_S,
-                    "latency_us": link.latency_s / MICROSECOND,
+                    "bandwidth_gbps": in_unit(link.bandwidth_bytes_per_s, GBPS_IN_BYTES_PER_S),
+                    "latency_us": in_unit(link.latency_s, MICROSECOND),
                 }
                 for link in links
             ],

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
+from decimal import Decimal
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,39 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+
+
+class FloatLiteral(float):
+    """A number as a cluster file writes it: a float that keeps its decimal text, so that scaling it by its unit
+    (:func:`from_unit`) is exact: ``0.1344 * 1e12`` in floats is ``134399999999.99998``, not ``134400000000.0``, and a
+    value in base units does not always have a float in the file's unit that scales back to it."""
+
+    text: str
+
+    def __new__(cls, text: str) -> FloatLiteral:
+        digits = text.replace("_", "")  # TOML allows 1_000.5
+        literal = super().__new__(cls, digits)
+        literal.text = digits
+        return literal
+
+
+def from_unit(value: Any, unit: float) -> float:
+    """``value`` (a number in a file, in ``unit``s) in base units, rounded once, from its decimal text."""
+    if not math.isfinite(float(value)):
+        return float(value) * unit
+    text = value.text if isinstance(value, FloatLiteral) else repr(float(value))  # numpy's repr names its type
+    return float(Decimal(text) * Decimal(repr(unit)))
+
+
+def in_unit(value: float, unit: float) -> float:
+    """``value`` (base units) in ``unit``s, as a number :func:`from_unit` reads back as exactly ``value``: the
+    plain quotient where it does, else its exact decimal (the units are powers of ten, or 10**9 / 8)."""
+    value = float(value)
+    plain = value / unit
+    if not math.isfinite(value) or from_unit(plain, unit) == value:
+        return plain
+    return FloatLiteral(str(Decimal(repr(float(value))) / Decimal(repr(unit))))
+
 
 _DEVICE_KEYS = {
     "name",
@@ -197,14 +231,14 @@ def _device_from_dict(entry: Mapping[str, Any]) -> Device:
     return Device(
         name=str(name),
         torch_device=torch_device,
-        memory_bytes=float(numbers["memory_gb"]) * GB,
-        peak_flops=float(peaks["fp32"]) * TFLOPS,
-        memory_bandwidth_bytes_per_s=float(numbers["memory_bandwidth_gb_per_s"]) * GB,
-        launch_overhead_s=float(numbers.get("launch_overhead_us", 5.0)) * MICROSECOND,
+        memory_bytes=from_unit(numbers["memory_gb"], GB),
+        peak_flops=from_unit(peaks["fp32"], TFLOPS),
+        memory_bandwidth_bytes_per_s=from_unit(numbers["memory_bandwidth_gb_per_s"], GB),
+        launch_overhead_s=from_unit(numbers.get("launch_overhead_us", 5.0), MICROSECOND),
         kind=_kind_name(numbers, torch_device, str(name)),
         device_type=type_name,
-        peak_flops_fp16=float(peaks["fp16"]) * TFLOPS if "fp16" in peaks else None,
-        peak_flops_bf16=float(peaks["bf16"]) * TFLOPS if "bf16" in peaks else None,
+        peak_flops_fp16=from_unit(peaks["fp16"], TFLOPS) if "fp16" in peaks else None,
+        peak_flops_bf16=from_unit(peaks["bf16"], TFLOPS) if "bf16" in peaks else None,
         efficiency=float(numbers.get("efficiency", 0.5)),
         host=str(entry.get("host", "localhost")),
         rank=None if entry.get("rank") is None else int(entry["rank"]),
@@ -252,10 +286,10 @@ def device_to_dict(d: Device) -> dict[str, Any]:
     if d.device_type is not None:
         entry["type"] = d.device_type
     entry.update(
-        memory_gb=d.memory_bytes / GB,
-        peak_tflops={key: value / TFLOPS for key, value in peaks.items() if value is not None},
-        memory_bandwidth_gb_per_s=d.memory_bandwidth_bytes_per_s / GB,
-        launch_overhead_us=d.launch_overhead_s / MICROSECOND,
+        memory_gb=in_unit(d.memory_bytes, GB),
+        peak_tflops={key: in_unit(value, TFLOPS) for key, value in peaks.items() if value is not None},
+        memory_bandwidth_gb_per_s=in_unit(d.memory_bandwidth_bytes_per_s, GB),
+        launch_overhead_us=in_unit(d.launch_overhead_s, MICROSECOND),
         efficiency=d.efficiency,
     )
     return entry
@@ -275,7 +309,12 @@ def _links_from_dict(entry: Mapping[str, Any]) -> list[Link]:
     latency = float(entry.get("latency_us", 0.0))
     if not latency >= 0:
         raise ClusterError(f"link {src!r} -> {dst!r} has latency {latency} us; it must be non-negative")
-    forward = Link(str(src), str(dst), bandwidth * GBPS_IN_BYTES_PER_S, latency * MICROSECOND)
+    forward = Link(
+        str(src),
+        str(dst),
+        from_unit(entry["bandwidth_gbps"], GBPS_IN_BYTES_PER_S),
+        from_unit(entry.get("latency_us", 0.0), MICROSECOND),
+    )
     if entry.get("both_directions", False):
         return [forward, dataclasses.replace(forward, src=forward.dst, dst=forward.src)]
     return [forward]
@@ -326,7 +365,7 @@ def read_cluster_file(path: str | Path) -> dict[str, Any]:
     """The parsed contents of the cluster file at ``path``."""
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            return tomllib.load(f, parse_float=FloatLiteral)
     except FileNotFoundError:
         preset = f"; {str(path)!r} is a preset: Cluster.preset({str(path)!r})" if str(path) in preset_names() else ""
         raise ClusterError(f"cluster file {str(path)!r} does not exist{preset}") from None
@@ -343,7 +382,7 @@ def preset_names() -> tuple[str, ...]:
 
 def preset_description(name: str) -> dict[str, Any]:
     """The parsed contents of the built-in cluster file ``name``."""
-    return tomllib.loads(_preset_files().joinpath(f"{name}.toml").read_text())
+    return tomllib.loads(_preset_files().joinpath(f"{name}.toml").read_text(), parse_float=FloatLiteral)
 
 
 def _preset_files() -> Any:
@@ -370,6 +409,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, float):
         if math.isinf(value) or math.isnan(value):
             return {math.inf: "inf", -math.inf: "-inf"}.get(value, "nan")
+        if isinstance(value, FloatLiteral):
+            return value.text if any(c in value.text for c in ".eE") else f"{value.text}.0"
         return repr(float(value))
     if isinstance(value, Mapping):
         return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
