@@ -516,23 +516,26 @@ DEVICES = [{"name": "a"}, {"name": "b"}]
 @pytest.mark.parametrize(
     ("description", "words"),
     [
-        ({"devices": DEVICES}, ("lacks 'tasks'",)),
-        ([DEVICES], ("an object with 'devices' and 'tasks'", "list")),
+        ({"devices": DEVICES}, ("lacks ['tasks']",)),
+        ([DEVICES], ("the problem description must be an object", "'devices'", "'tasks'", "got a list")),
         ({"devices": DEVICES, "tasks": [{"name": "t"}]}, ("tasks[0] lacks ['compute_s']",)),
         ({"devices": [{"memory_bytes": 1}], "tasks": []}, ("devices[0] lacks ['name']",)),
         (
             {"devices": DEVICES, "tasks": [{"name": "t", "compute_s": [1.0]}]},
-            ("tasks[0] ('t')", "one time per device (2)"),
+            ("tasks[0].compute_s must be a list of 2 numbers (one time per device), got [1.0]",),
         ),
-        ({"devices": DEVICES, "tasks": [{"name": "t", "compute_s": ["1", "x"]}]}, ("compute_s must hold numbers",)),
-        ({"devices": DEVICES, "tasks": {"t": [1, 1]}}, ("'tasks' must be a list of objects", "dict")),
+        (
+            {"devices": DEVICES, "tasks": [{"name": "t", "compute_s": ["1", "x"]}]},
+            ('tasks[0].compute_s[0] is "1", not a number',),
+        ),
+        ({"devices": DEVICES, "tasks": {"t": [1, 1]}}, ("tasks must be a list of objects, got an object",)),
         (
             {"devices": DEVICES, "tasks": [{"name": "t", "compute_s": [1, 1]}], "edges": [{"src": "t"}]},
             ("edges[0] lacks ['dst']",),
         ),
         (
             {"devices": DEVICES, "tasks": [{"name": "t", "compute_s": [1, 1]}], "edges": [{"src": "t", "dst": "u"}]},
-            ("unknown task 'u'",),
+            ("edges[0].dst is 'u', which is no task's name",),
         ),
         (
             {
@@ -558,7 +561,11 @@ def test_problem_json_files(tmp_path):
         moirai.Problem.from_json(broken)
     short = tmp_path / "short.json"
     short.write_text(json.dumps({"devices": DEVICES, "tasks": [{"name": "t", "compute_s": [1, 2, 3]}]}))
-    with raises(ProblemError, "short.json", "compute_s must list one time per device (2), got 3"):
+    with raises(
+        ProblemError,
+        "short.json",
+        "tasks[0].compute_s must be a list of 2 numbers (one time per device), got [1, 2, 3]",
+    ):
         moirai.Problem.from_json(short)
 
 

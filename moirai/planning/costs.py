@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from moirai.errors import ProblemError
+from moirai.planning.description import SECONDS, checked_list, checked_numbers, checked_object, is_number, shown
 
 
 class Per(Enum):
@@ -102,7 +103,10 @@ class RequestCosts:
         for name, per in cls.names().items():
             shape = (*rows[per], num_devices)
             given = seconds.get(name)
-            value = np.zeros(shape) if given is None else np.asarray(given, float)
+            try:
+                value = np.zeros(shape) if given is None else np.asarray(given, float)
+            except (TypeError, ValueError):
+                raise ProblemError(f"{name} must hold numbers (seconds), got {shown(given)}") from None
             if value.size != int(np.prod(shape)):
                 raise ProblemError(f"{name} must hold {' x '.join(map(str, shape))} numbers, got shape {value.shape}")
             values[name] = value.reshape(shape)
@@ -139,8 +143,12 @@ class RequestCosts:
             shape = (*rows[per], k)
             if value.shape != shape:
                 raise ProblemError(f"{f.name} ({f.metadata['meaning']}) must have shape {shape}, got {value.shape}")
-            if not np.all(np.isfinite(value)) or np.any(value < 0):
-                raise ProblemError(f"{f.name} ({f.metadata['meaning']}) must be non-negative finite numbers")
+            wrong = np.argwhere(SECONDS.wrong(value))
+            if wrong.size:
+                index = tuple(int(i) for i in wrong[0])
+                raise ProblemError(
+                    f"{f.name}{list(index)} ({f.metadata['meaning']}) is {shown(value[index])}; give {SECONDS.rule()}"
+                )
         for j, readers in enumerate(self.input_readers):
             if not readers or readers[0] < 0 or readers[-1] >= n:
                 raise ProblemError(f"model input {j} must be read by one or more of the {n} tasks, got {readers}")
@@ -196,34 +204,59 @@ class RequestCosts:
         arrays: dict[str, list[Any]] = {name: value.tolist() for name, value in self.to_arrays().items()}
         return {**arrays, "input_readers": [list(r) for r in self.input_readers]}
 
+    @staticmethod
+    def keys() -> tuple[str, ...]:
+        """The keys of a ``request_costs`` object: every cost's name and ``input_readers``."""
+        return (*RequestCosts.names(), "input_readers")
+
     @classmethod
     def from_dict(
         cls, d: dict[str, Any] | None, devices: list[dict[str, Any]], tasks: list[dict[str, Any]]
     ) -> RequestCosts:
         """Costs from a problem description: its ``request_costs`` object (``d``, as :meth:`to_dict` writes it) or,
-        as older files give them, one key per cost in every device's or task's entry."""
+        as older files give them, one key per cost in every device's or task's entry; every number checked and
+        named by its place (``request_costs.header_s[1]``)."""
         n, k = len(tasks), len(devices)
-        if d is not None:
-            if not isinstance(d, dict):
-                raise ProblemError(f"'request_costs' must be an object of named arrays, got {type(d).__name__}")
-            readers = d.get("input_readers", [])
-            if not isinstance(readers, list) or not all(
-                isinstance(r, list) and all(isinstance(i, int) for i in r) for r in readers
-            ):
-                raise ProblemError("'input_readers' must be a list of lists of task indices, one per model input")
-            return cls.build(n, k, readers, **{name: d[name] for name in cls.names() if name in d})
+        if d is None:
+            return cls._from_entries(devices, tasks)
+        d = checked_object(d, "request_costs", cls.keys())
+        flat = [
+            f"{where}[{i}].{name}"
+            for where, entries in (("devices", devices), ("tasks", tasks))
+            for i, entry in enumerate(entries)
+            for name in cls.names()
+            if name in entry
+        ]
+        if flat:  # one of the two would be dropped
+            raise ProblemError(f"{flat[0]} is a per-request cost outside 'request_costs'; give every one in it")
+        readers = _input_readers(d.get("input_readers", []), n)
+        rows = {Per.DEVICE: (), Per.TASK: (n,), Per.INPUT: (len(readers),)}
+        values = {
+            name: checked_numbers(d[name], (*rows[per], k), f"request_costs.{name}", SECONDS, _MEANING[per])
+            for name, per in cls.names().items()
+            if name in d
+        }
+        return cls.build(n, k, readers, **values)
+
+    @classmethod
+    def _from_entries(cls, devices: list[dict[str, Any]], tasks: list[dict[str, Any]]) -> RequestCosts:
+        """Costs given as older files give them: one key per cost in every device's or task's entry (0 where an
+        entry has none)."""
+        k = len(devices)
         values = {}
         for name, per in cls.names().items():
             if per is Per.INPUT:
                 continue  # files written before model inputs were priced have none
-            entries = devices if per is Per.DEVICE else tasks
+            entries, where, shape = (devices, "devices", ()) if per is Per.DEVICE else (tasks, "tasks", (k,))
             if any(name in entry for entry in entries):
-                zero = 0.0 if per is Per.DEVICE else [0.0] * k
-                try:
-                    values[name] = np.array([entry.get(name, zero) for entry in entries], float)
-                except (TypeError, ValueError):
-                    raise ProblemError(f"{name} of every {per.value} must hold numbers ({k} per task)") from None
-        return cls.build(n, k, **values)
+                rows = [
+                    checked_numbers(
+                        entry.get(name, np.zeros(shape)), shape, f"{where}[{i}].{name}", SECONDS, _MEANING[per]
+                    )
+                    for i, entry in enumerate(entries)
+                ]
+                values[name] = np.array(rows, float).reshape(len(entries), *shape)
+        return cls.build(len(tasks), k, **values)
 
     def merge(self, groups: Sequence[Sequence[int]]) -> RequestCosts:
         """The costs of the tasks merged into ``groups`` (lists of task indices): a group's per-task costs are the
@@ -374,6 +407,30 @@ class InputReceive(PeriodTerm):
 
     def charges(self, costs: RequestCosts) -> Charges:
         return _zero_charges(costs)._replace(input_own_s=costs.input_recv_cpu_s)
+
+
+# What a cost's entries are for, by what it is given for: said when a file gives a list of another length.
+_MEANING = {
+    Per.DEVICE: "one per device",
+    Per.TASK: "a row per task, a column per device",
+    Per.INPUT: "a row per model input, a column per device",
+}
+
+
+def _input_readers(value: Any, num_tasks: int) -> list[list[int]]:
+    """``request_costs.input_readers``: for every model input, the indices of the tasks that read it (one or more)."""
+    readers = checked_list(value, "request_costs.input_readers", "lists of task indices, one per model input")
+    for j, tasks in enumerate(readers):
+        if not (
+            isinstance(tasks, list)
+            and tasks
+            and all(is_number(i) and int(i) == i and 0 <= i < num_tasks for i in tasks)
+        ):
+            raise ProblemError(
+                f"request_costs.input_readers[{j}] is {shown(tasks)}; give the indices (0..{num_tasks - 1}) of the "
+                f"tasks that read model input {j}, one or more"
+            )
+    return [[int(i) for i in tasks] for tasks in readers]
 
 
 def reader_devices(readers: Sequence[int], placement: np.ndarray) -> list[int]:

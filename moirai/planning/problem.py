@@ -19,6 +19,8 @@ Example::
 from __future__ import annotations
 
 import json
+import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -31,7 +33,20 @@ from networkx.utils import UnionFind
 
 from moirai.errors import ProblemError
 from moirai.files import write_atomically
-from moirai.planning.costs import RequestCosts
+from moirai.planning.costs import Per, RequestCosts
+from moirai.planning.description import (
+    SECONDS,
+    Quantity,
+    checked_list,
+    checked_name,
+    checked_number,
+    checked_numbers,
+    checked_object,
+    checked_objects,
+    known_name,
+    shown,
+    unique_names,
+)
 from moirai.planning.plan import Plan
 
 __all__ = ["Plan", "Problem"]
@@ -76,40 +91,40 @@ class Problem:
 
     def __post_init__(self) -> None:
         n, k, t = len(self.task_names), len(self.device_names), len(self.tensor_names)
-        object.__setattr__(self, "memory_capacity_bytes", np.asarray(self.memory_capacity_bytes, float))
-        object.__setattr__(self, "compute_s", np.asarray(self.compute_s, float).reshape(n, k))
-        object.__setattr__(self, "memory_bytes", np.asarray(self.memory_bytes, float).reshape(n))
+        object.__setattr__(
+            self, "memory_capacity_bytes", _array(self.memory_capacity_bytes, (k,), "memory_capacity_bytes")
+        )
+        object.__setattr__(self, "compute_s", _array(self.compute_s, (n, k), "compute_s"))
+        object.__setattr__(self, "memory_bytes", _array(self.memory_bytes, (n,), "memory_bytes"))
         object.__setattr__(self, "tensor_producer", np.asarray(self.tensor_producer, int).reshape(t))
-        object.__setattr__(self, "transfer_s", np.asarray(self.transfer_s, float).reshape(t, k, k))
-        tensor_bytes = np.zeros(t) if self.tensor_bytes is None else np.asarray(self.tensor_bytes, float)
-        object.__setattr__(self, "tensor_bytes", tensor_bytes.reshape(t))
+        object.__setattr__(self, "transfer_s", _array(self.transfer_s, (t, k, k), "transfer_s"))
+        tensor_bytes = np.zeros(t) if self.tensor_bytes is None else self.tensor_bytes
+        object.__setattr__(self, "tensor_bytes", _array(tensor_bytes, (t,), "tensor_bytes"))
         for label in ("send_cpu_s", "recv_cpu_s"):
             value = getattr(self, label)
-            object.__setattr__(
-                self, label, (np.zeros((t, k, k)) if value is None else np.asarray(value, float)).reshape(t, k, k)
-            )
+            object.__setattr__(self, label, _array(np.zeros((t, k, k)) if value is None else value, (t, k, k), label))
         if self.costs is None:
             object.__setattr__(self, "costs", RequestCosts.zeros(n, k))
         object.__setattr__(self, "colocated", _merged_sets(self.colocated, n))
         self._validate()
 
     def _validate(self) -> None:
-        if len(set(self.device_names)) != len(self.device_names):
-            raise ProblemError(f"duplicate device names in {list(self.device_names)}; give each device its own name")
-        if len(set(self.task_names)) != len(self.task_names):
-            raise ProblemError("duplicate task names; give each task its own name")
         if self.num_devices == 0:
             raise ProblemError("a problem needs at least one device")
-        if self.memory_capacity_bytes.shape != (self.num_devices,):
-            raise ProblemError("memory_capacity_bytes must have one entry per device")
-        if np.any(self.compute_s < 0) or np.any(np.isnan(self.compute_s)):
-            raise ProblemError("compute times must be non-negative numbers (inf: cannot run on that device)")
-        if np.any(self.transfer_s < 0) or np.any(np.isnan(self.transfer_s)):
-            raise ProblemError("transfer times must be non-negative numbers")
-        for label, whose in (("send_cpu_s", "a sender's"), ("recv_cpu_s", "a receiver's")):
-            value = getattr(self, label)
-            if not np.all(np.isfinite(value)) or np.any(value < 0):
-                raise ProblemError(f"{label} ({whose} time per transfer) must be non-negative finite numbers")
+        for what, names in (("device", self.device_names), ("task", self.task_names), ("tensor", self.tensor_names)):
+            repeated = [name for name, count in Counter(names).items() if count > 1]
+            if repeated:
+                # Problem files, plans and messages name them: two of one name would read as one.
+                raise ProblemError(f"duplicate {what} names {repeated[:5]}; give each {what} its own name")
+        for label, (quantity, axes) in _ARRAYS.items():
+            values = getattr(self, label)
+            wrong = np.argwhere(quantity.wrong(values))
+            if wrong.size:
+                index = tuple(int(i) for i in wrong[0])
+                raise ProblemError(
+                    f"{label}[{', '.join(map(str, index))}] ({self._named(axes, index)}) is {shown(values[index])}; "
+                    f"give {quantity.rule()}"
+                )
         if not isinstance(self.costs, RequestCosts):
             raise ProblemError(f"costs must be a RequestCosts, got {type(self.costs).__name__}")
         if (self.costs.num_tasks, self.costs.num_devices) != (self.num_tasks, self.num_devices):
@@ -127,6 +142,11 @@ class Problem:
             cycle = nx.find_cycle(self.graph)
             names = " -> ".join(self.task_names[u] for u, _ in cycle)
             raise ProblemError(f"the task graph has a cycle ({names}); placement needs a DAG")
+
+    def _named(self, axes: tuple[str, ...], index: tuple[int, ...]) -> str:
+        """The task, tensor and devices an entry of an array is for ("task 'head', device 'gpu1'")."""
+        names = {"task": self.task_names, "tensor": self.tensor_names, "device": self.device_names}
+        return ", ".join(f"{axis} {names[axis.split()[-1]][i]!r}" for axis, i in zip(axes, index, strict=True))
 
     def with_costs(self, **seconds: Any) -> Problem:
         """This problem with some per-request costs replaced (arrays by :class:`RequestCosts` field name)."""
@@ -305,84 +325,28 @@ class Problem:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Problem:
-        """Build a problem from the documented JSON-like format (see README, "Plan your own graph")."""
-        _check_description(d)
-        devices = d["devices"]
-        tasks = d["tasks"]
-        device_names = tuple(str(dev["name"]) for dev in devices)
-        k = len(device_names)
-        capacity = [float(dev.get("memory_bytes", np.inf)) for dev in devices]
-        task_names = tuple(str(task["name"]) for task in tasks)
-        index = {name: i for i, name in enumerate(task_names)}
-        compute = np.array([task["compute_s"] for task in tasks], float).reshape(len(tasks), k)
-        memory = [float(task.get("memory_bytes", 0.0)) for task in tasks]
-        links = _link_matrices(d.get("links"), k)
-
-        tensor_key_index: dict[tuple[str, str], int] = {}
-        names: list[str] = []
-        producers: list[int] = []
-        consumers: list[list[int]] = []
-        transfers: list[np.ndarray] = []
-        send_cpu: list[np.ndarray] = []
-        recv_cpu: list[np.ndarray] = []
-        sizes: list[float] = []
-        for edge in d.get("edges", []):
-            src, dst = str(edge["src"]), str(edge["dst"])
-            for end in (src, dst):
-                if end not in index:
-                    raise ProblemError(f"edge {src!r} -> {dst!r} names unknown task {end!r}")
-            tensor = str(edge.get("tensor", f"{src}->{dst}"))
-            size = float(edge.get("bytes", 0.0))
-            if "transfer_s" in edge:
-                transfer = np.array(edge["transfer_s"], float)
-                if transfer.shape != (k, k):
-                    raise ProblemError(f"edge {src!r} -> {dst!r}: transfer_s must be {k}x{k}, got {transfer.shape}")
-            elif "bytes" in edge and links is not None:
-                bandwidth, latency = links
-                transfer = latency + size / bandwidth
-                np.fill_diagonal(transfer, 0.0)
-            else:
-                raise ProblemError(
-                    f"edge {src!r} -> {dst!r} needs 'transfer_s', or 'bytes' with a top-level 'links' description"
-                )
-            sender = np.array(edge.get("send_cpu_s", np.zeros((k, k))), float)
-            receiver = np.array(edge.get("recv_cpu_s", np.zeros((k, k))), float)
-            for label, matrix in (("send_cpu_s", sender), ("recv_cpu_s", receiver)):
-                if matrix.shape != (k, k):
-                    raise ProblemError(f"edge {src!r} -> {dst!r}: {label} must be {k}x{k}, got {matrix.shape}")
-            key = (src, tensor)
-            if key in tensor_key_index:
-                t = tensor_key_index[key]
-                if not np.allclose(transfers[t], transfer):
-                    raise ProblemError(f"tensor {tensor!r} of {src!r} is given two different transfer times")
-                if not np.allclose(send_cpu[t], sender) or not np.allclose(recv_cpu[t], receiver):
-                    raise ProblemError(f"tensor {tensor!r} of {src!r} is given two different send_cpu_s or recv_cpu_s")
-                if index[dst] not in consumers[t]:
-                    consumers[t].append(index[dst])
-                continue
-            tensor_key_index[key] = len(names)
-            names.append(tensor if tensor not in names else f"{src}:{tensor}")
-            producers.append(index[src])
-            consumers.append([index[dst]])
-            transfers.append(transfer)
-            send_cpu.append(sender)
-            recv_cpu.append(receiver)
-            sizes.append(size)
+        """Build a problem from the documented JSON-like format (see README, "Plan your own graph"), every field
+        checked as it is read (:mod:`moirai.planning.description`)."""
+        d = checked_object(d, "the problem description", _TOP_KEYS, required=("devices", "tasks"))
+        devices = checked_objects(d["devices"], "devices", _DEVICE_KEYS, ("name",))
+        tasks = checked_objects(d["tasks"], "tasks", _TASK_KEYS, ("name", "compute_s"))
+        k = len(devices)
+        index = {name: i for i, name in enumerate(unique_names(tasks, "tasks"))}
+        edges = checked_objects(d.get("edges", []), "edges", _EDGE_KEYS, ("src", "dst"))
+        links = _link_matrices(d["links"], k) if "links" in d else None
+        # An explicit null is refused here: from_dict reads None as "no request_costs", so it would read as zeros.
+        costs = (
+            checked_object(d["request_costs"], "request_costs", RequestCosts.keys()) if "request_costs" in d else None
+        )
         return cls(
-            device_names=device_names,
-            memory_capacity_bytes=np.array(capacity),
-            task_names=task_names,
-            compute_s=compute,
-            memory_bytes=np.array(memory),
-            tensor_names=tuple(names),
-            tensor_producer=np.array(producers, int),
-            tensor_consumers=tuple(tuple(c) for c in consumers),
-            transfer_s=np.array(transfers).reshape(len(names), k, k),
-            tensor_bytes=np.array(sizes),
-            send_cpu_s=np.array(send_cpu).reshape(len(names), k, k),
-            recv_cpu_s=np.array(recv_cpu).reshape(len(names), k, k),
-            costs=RequestCosts.from_dict(d.get("request_costs"), devices, tasks),
-            colocated=tuple(tuple(index[str(name)] for name in names) for names in d.get("colocated", [])),
+            device_names=unique_names(devices, "devices"),
+            memory_capacity_bytes=_each(devices, "devices", "memory_bytes", np.inf, "memory_capacity_bytes"),
+            task_names=tuple(index),
+            compute_s=_each(tasks, "tasks", "compute_s", None, "compute_s", (k,), "one time per device"),
+            memory_bytes=_each(tasks, "tasks", "memory_bytes", 0.0, "memory_bytes"),
+            costs=RequestCosts.from_dict(costs, devices, tasks),
+            colocated=_colocated_sets(d.get("colocated", []), index),
+            **_edge_tensors(edges, index, k, links),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -414,13 +378,21 @@ class Problem:
 
     @classmethod
     def from_json(cls, path: str | Path) -> Problem:
+        """The problem a JSON file describes (:meth:`from_dict`); every fault of the file is a :class:`ProblemError`
+        naming it."""
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 description = json.load(f)
         except FileNotFoundError:
             raise ProblemError(f"problem file {str(path)!r} does not exist") from None
+        except OSError as error:  # a folder, a file we may not read
+            raise ProblemError(f"problem file {str(path)!r} cannot be read: {error.strerror or error}") from None
+        except UnicodeDecodeError as error:
+            raise ProblemError(f"problem file {str(path)!r} is not UTF-8 text, so not JSON: {error}") from None
         except json.JSONDecodeError as error:
             raise ProblemError(f"problem file {str(path)!r} is not valid JSON: {error}") from None
+        except RecursionError:
+            raise ProblemError(f"problem file {str(path)!r} nests lists or objects too deeply to read") from None
         try:
             return cls.from_dict(description)
         except ProblemError as error:
@@ -430,49 +402,187 @@ class Problem:
         write_atomically(path, json.dumps(self.to_dict(), allow_nan=True))
 
 
-def _check_description(d: Any) -> None:
-    """Every list, key and length ``from_dict`` reads, named by its place (``tasks[3].compute_s``)."""
-    if not isinstance(d, dict):
-        raise ProblemError(f"a problem description is an object with 'devices' and 'tasks', got {type(d).__name__}")
-    for key in ("devices", "tasks"):
-        if key not in d:
-            raise ProblemError(f"problem description lacks {key!r}; it needs 'devices' and 'tasks'")
-    for key, required in (("devices", ("name",)), ("tasks", ("name", "compute_s")), ("edges", ("src", "dst"))):
-        entries = d.get(key, [])
-        if not isinstance(entries, list):
-            raise ProblemError(f"{key!r} must be a list of objects, got {type(entries).__name__}")
-        for i, entry in enumerate(entries):
-            if not isinstance(entry, dict):
-                raise ProblemError(f"{key}[{i}] must be an object, got {entry!r}")
-            missing = [k for k in required if k not in entry]
-            if missing:
-                raise ProblemError(f"{key}[{i}] lacks {missing}; every entry of {key!r} needs {list(required)}")
-    _check_colocated_description(d)
-    k = len(d["devices"])
-    for i, task in enumerate(d["tasks"]):
-        try:
-            compute = np.asarray(task["compute_s"], float)
-        except (TypeError, ValueError):
-            got = task["compute_s"]
-            raise ProblemError(f"tasks[{i}] ({task['name']!r}): compute_s must hold numbers, got {got!r}") from None
-        if compute.shape != (k,):
+# What every array of a problem may hold and what its axes index, by field: the one rule that Problem(...) and the
+# JSON reader (whose fields are named alike) check.
+_ARRAYS: dict[str, tuple[Quantity, tuple[str, ...]]] = {
+    "memory_capacity_bytes": (Quantity("bytes", infinite="unlimited memory"), ("device",)),
+    "compute_s": (Quantity("seconds", infinite="the task cannot run on that device"), ("task", "device")),
+    "memory_bytes": (Quantity("bytes"), ("task",)),
+    "transfer_s": (
+        Quantity("seconds", infinite="no link between the two devices"),
+        ("tensor", "from device", "to device"),
+    ),
+    "tensor_bytes": (Quantity("bytes"), ("tensor",)),
+    "send_cpu_s": (SECONDS, ("tensor", "from device", "to device")),
+    "recv_cpu_s": (SECONDS, ("tensor", "from device", "to device")),
+}
+
+# The keys of a problem description and of its edges and links (devices and tasks: _DEVICE_KEYS, _TASK_KEYS).
+_TOP_KEYS = ("devices", "tasks", "edges", "links", "request_costs", "colocated")
+_EDGE_KEYS = ("src", "dst", "tensor", "bytes", "transfer_s", "send_cpu_s", "recv_cpu_s")
+_LINK_KEYS = ("bandwidth_bytes_per_s", "latency_s")
+_SQUARE = "a row per sending device, a column per receiving one"  # what a K x K matrix's rows and columns are
+_BANDWIDTH = Quantity("bytes per second")  # and not 0 between distinct devices: _link_matrices checks that
+_LATENCY = Quantity("seconds")
+
+
+def _quantity(label: str) -> Quantity:
+    return _ARRAYS[label][0]
+
+
+def _entry_keys(per: Per, *keys: str) -> tuple[str, ...]:
+    """The keys of a device's or task's entry: ``keys`` and, as older files give them, its per-request costs."""
+    return (*keys, *(name for name, given_per in RequestCosts.names().items() if given_per is per))
+
+
+_DEVICE_KEYS = _entry_keys(Per.DEVICE, "name", "memory_bytes")
+_TASK_KEYS = _entry_keys(Per.TASK, "name", "compute_s", "memory_bytes")
+
+
+def _each(
+    entries: list[dict[str, Any]],
+    where: str,
+    key: str,
+    default: Any,
+    label: str,
+    shape: tuple[int, ...] = (),
+    meaning: str = "",
+) -> np.ndarray:
+    """Every entry's ``key`` (``default`` where it has none), by the rule of the problem's array ``label``, stacked."""
+    rows = [
+        checked_numbers(entry.get(key, default), shape, f"{where}[{i}].{key}", _quantity(label), meaning)
+        for i, entry in enumerate(entries)
+    ]
+    return np.array(rows, float).reshape(len(entries), *shape)
+
+
+def _array(value: Any, shape: tuple[int, ...], label: str) -> np.ndarray:
+    """``value`` as a float array of ``shape``; a :class:`ProblemError` naming ``label`` where it is not one."""
+    try:
+        array = np.asarray(value, float)
+    except (TypeError, ValueError):
+        raise ProblemError(f"{label} must hold numbers, got {shown(value)}") from None
+    if array.size != math.prod(shape):
+        raise ProblemError(
+            f"{label} must hold {' x '.join(map(str, shape))} numbers, got an array of shape {array.shape}"
+        )
+    return array.reshape(shape)
+
+
+def _edge_tensors(
+    edges: list[dict[str, Any]], index: dict[str, int], k: int, links: tuple[np.ndarray, np.ndarray] | None
+) -> dict[str, Any]:
+    """The tensors ``edges`` carry, as :class:`Problem`'s fields. Edges of one ``src`` naming one ``tensor`` carry one
+    tensor to each of their ``dst``, and must give it the same numbers; a name a tensor of another task has already
+    becomes ``src:name``, so that every tensor has a name of its own."""
+    tensor_of: dict[tuple[str, str], int] = {}  # (src, tensor) -> its index
+    first_edge: list[int] = []  # for every tensor, the edge that gave it first
+    names: list[str] = []
+    taken: set[str] = set()
+    producers: list[int] = []
+    consumers: list[list[int]] = []
+    numbers: list[dict[str, Any]] = []
+    for e, edge in enumerate(edges):
+        where = f"edges[{e}]"
+        src = known_name(edge["src"], f"{where}.src", index, "task")
+        dst = known_name(edge["dst"], f"{where}.dst", index, "task")
+        src_name = edge["src"]
+        if src == dst:
+            raise ProblemError(f"{where} goes from task {src_name!r} to itself; an edge joins two tasks")
+        tensor = checked_name(edge["tensor"], f"{where}.tensor") if "tensor" in edge else f"{src_name}->{edge['dst']}"
+        given = _edge_numbers(edge, where, k, links)
+        key = (src_name, tensor)
+        if key in tensor_of:
+            t = tensor_of[key]
+            differ = [label for label, value in given.items() if not np.allclose(value, numbers[t][label])]
+            if differ:
+                raise ProblemError(
+                    f"{where} gives tensor {tensor!r} of {src_name!r} other {differ} than edges[{first_edge[t]}]; "
+                    "edges of one src naming one tensor carry that tensor: give them the same numbers, or name "
+                    "the tensors apart"
+                )
+            if dst not in consumers[t]:
+                consumers[t].append(dst)
+            continue
+        name = tensor if tensor not in taken else f"{src_name}:{tensor}"
+        if name in taken:
             raise ProblemError(
-                f"tasks[{i}] ({task['name']!r}): compute_s must list one time per device ({k}), got {compute.size}"
+                f"{where}.tensor is {tensor!r}, the name of another task's tensor, and {name!r}, which it would be "
+                "called, is taken too; give it a name of its own"
             )
+        tensor_of[key] = len(names)
+        first_edge.append(e)
+        names.append(name)
+        taken.add(name)
+        producers.append(src)
+        consumers.append([dst])
+        numbers.append(given)
+    shapes = {"tensor_bytes": (), "transfer_s": (k, k), "send_cpu_s": (k, k), "recv_cpu_s": (k, k)}
+    return {
+        "tensor_names": tuple(names),
+        "tensor_producer": np.array(producers, int),
+        "tensor_consumers": tuple(tuple(c) for c in consumers),
+        **{
+            label: np.array([n[label] for n in numbers], float).reshape(len(names), *shape)
+            for label, shape in shapes.items()
+        },
+    }
 
 
-def _check_colocated_description(d: dict[str, Any]) -> None:
-    """``colocated``: a list of lists of task names, each naming a task of ``tasks``."""
-    sets = d.get("colocated", [])
-    if not isinstance(sets, list):
-        raise ProblemError(f"'colocated' must be a list of lists of task names, got {type(sets).__name__}")
-    names = {str(task["name"]) for task in d["tasks"]}
+def _edge_numbers(
+    edge: dict[str, Any], where: str, k: int, links: tuple[np.ndarray, np.ndarray] | None
+) -> dict[str, Any]:
+    """An edge's tensor's size and times, as :class:`Problem`'s fields: ``transfer_s`` as given, else its ``bytes``
+    over the top-level ``links``."""
+    size = checked_number(edge.get("bytes", 0.0), f"{where}.bytes", _quantity("tensor_bytes"))
+    if "transfer_s" in edge:
+        transfer = checked_numbers(edge["transfer_s"], (k, k), f"{where}.transfer_s", _quantity("transfer_s"), _SQUARE)
+    elif "bytes" in edge and links is not None:
+        bandwidth, latency = links
+        transfer = latency + size / bandwidth
+        np.fill_diagonal(transfer, 0.0)
+    else:
+        raise ProblemError(
+            f"{where} ({edge['src']!r} -> {edge['dst']!r}) needs 'transfer_s', or 'bytes' with a top-level 'links' "
+            "description"
+        )
+    cpu = {
+        label: checked_numbers(edge.get(label, np.zeros((k, k))), (k, k), f"{where}.{label}", SECONDS, _SQUARE)
+        for label in ("send_cpu_s", "recv_cpu_s")
+    }
+    return {"tensor_bytes": size, "transfer_s": transfer, **cpu}
+
+
+def _link_matrices(links: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bandwidth (bytes/s, infinite on the diagonal) and latency (s) matrices from a ``links`` description."""
+    links = checked_object(links, "links", _LINK_KEYS, required=("bandwidth_bytes_per_s",))
+    where = "links.bandwidth_bytes_per_s"
+    bandwidth = checked_numbers(links["bandwidth_bytes_per_s"], (k, k), where, _BANDWIDTH, _SQUARE)
+    latency = checked_numbers(links.get("latency_s", np.zeros((k, k))), (k, k), "links.latency_s", _LATENCY, _SQUARE)
+    off_diagonal = ~np.eye(k, dtype=bool)
+    zero = np.argwhere(off_diagonal & (bandwidth == 0))
+    if zero.size:
+        a, b = zero[0]
+        raise ProblemError(
+            f"{where}[{a}][{b}] is 0; give a positive number of bytes per second between every two devices (for "
+            "devices without a link, give each edge its transfer_s, with Infinity between them)"
+        )
+    with np.errstate(divide="ignore"):
+        return np.where(off_diagonal, bandwidth, np.inf), latency
+
+
+def _colocated_sets(value: Any, index: dict[str, int]) -> tuple[tuple[int, ...], ...]:
+    """``colocated``: lists of task names, each naming a task of ``tasks``, as sets of task indices."""
+    sets = checked_list(value, "colocated", "lists of task names")
+    found = []
     for i, members in enumerate(sets):
         if not isinstance(members, list) or not all(isinstance(name, str) for name in members):
-            raise ProblemError(f"colocated[{i}] must be a list of task names, got {members!r}")
-        unknown = [name for name in members if name not in names]
+            raise ProblemError(f"colocated[{i}] must be a list of task names, got {shown(members)}")
+        unknown = [name for name in members if name not in index]
         if unknown:
             raise ProblemError(f"colocated[{i}] names unknown tasks {unknown}; name tasks listed in 'tasks'")
+        found.append(tuple(index[name] for name in members))
+    return tuple(found)
 
 
 def _merged_sets(sets: Any, num_tasks: int) -> tuple[tuple[int, ...], ...]:
@@ -501,21 +611,3 @@ def _is_index_list(members: Any) -> bool:
         return all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in members)
     except TypeError:
         return False
-
-
-def _link_matrices(links: dict[str, Any] | None, k: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Bandwidth (bytes/s) and latency (s) matrices from a ``links`` description, or None."""
-    if links is None:
-        return None
-    try:
-        bandwidth = np.array(links["bandwidth_bytes_per_s"], float)
-    except KeyError:
-        raise ProblemError("'links' needs 'bandwidth_bytes_per_s' (a KxK matrix) and optional 'latency_s'") from None
-    latency = np.array(links.get("latency_s", np.zeros((k, k))), float)
-    if bandwidth.shape != (k, k) or latency.shape != (k, k):
-        raise ProblemError(f"'links' matrices must be {k}x{k} (one row and column per device)")
-    off_diagonal = ~np.eye(k, dtype=bool)
-    if np.any(bandwidth[off_diagonal] <= 0):
-        raise ProblemError("'links' bandwidth must be positive between every pair of distinct devices")
-    with np.errstate(divide="ignore"):
-        return np.where(off_diagonal, bandwidth, np.inf), latency

@@ -1,0 +1,274 @@
+"""A problem file's every field is checked as it is read: a bad one is a ProblemError naming the file, the field and
+what to give (one red line from ``moirai plan``), never a Python error or a silently different problem."""
+
+import copy
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from moirai import Problem
+from moirai.cli import main
+from moirai.errors import ProblemError
+from moirai.testing import random_problem
+
+# Every kind of field a file can hold: links and bytes, transfer times, CPU times, per-request costs, a colocated set.
+VALID: dict[str, Any] = {
+    "devices": [{"name": "gpu0", "memory_bytes": 8e9}, {"name": "gpu1"}],
+    "tasks": [
+        {"name": "embed", "compute_s": [0.002, 0.004], "memory_bytes": 2e9},
+        {"name": "left", "compute_s": [0.010, 0.020], "memory_bytes": 3e9},
+        {"name": "right", "compute_s": [0.010, 0.020], "memory_bytes": 3e9},
+        {"name": "head", "compute_s": [0.001, math.inf], "memory_bytes": 1e9},
+    ],
+    "edges": [
+        {"src": "embed", "dst": "left", "tensor": "hidden", "bytes": 4e6},
+        {"src": "embed", "dst": "right", "tensor": "hidden", "bytes": 4e6},
+        {"src": "left", "dst": "head", "bytes": 4e6},
+        {"src": "right", "dst": "head", "bytes": 4e6, "send_cpu_s": [[0, 1e-4], [1e-4, 0]]},
+        {"src": "left", "dst": "right", "tensor": "mask", "transfer_s": [[0, 0.5], [0.5, 0]]},
+    ],
+    "links": {"bandwidth_bytes_per_s": [[0, 1e10], [1e10, 0]], "latency_s": [[0, 1e-5], [1e-5, 0]]},
+    "request_costs": {"header_s": [0.0, 1e-4], "output_s": [[0, 0], [0, 0], [0, 0], [0, 2e-4]], "input_readers": [[0]]},
+    "colocated": [["left", "head"]],
+}
+
+
+class Drop:
+    """An edit that removes the key (named in test ids alike on every pytest worker)."""
+
+    def __repr__(self) -> str:
+        return "DROP"
+
+
+DROP = Drop()
+
+
+def edited(path: tuple[Any, ...], value: Any) -> Any:
+    """VALID with the value at ``path`` (keys and indices) replaced by ``value``, or removed by DROP; the empty
+    path replaces the whole description."""
+    if not path:
+        return value
+    description = copy.deepcopy(VALID)
+    *outer, last = path
+    holder = description
+    for key in outer:
+        holder = holder[key]
+    if value is DROP:
+        del holder[last]
+    else:
+        holder[last] = value
+    return description
+
+
+NAN, INF = math.nan, math.inf
+
+# (path, value, words the message must hold): one field of VALID edited.
+EDITS = [
+    # a string, null, a list or a bool where a number goes
+    (("tasks", 3, "compute_s", 0), "fast", ['tasks[3].compute_s[0] is "fast", not a number', "seconds"]),
+    (("tasks", 1, "memory_bytes"), None, ["tasks[1].memory_bytes is null, not a number", "bytes"]),
+    (("tasks", 1, "memory_bytes"), True, ["tasks[1].memory_bytes is true, not a number"]),
+    (("tasks", 2, "compute_s"), [True, 1.0], ["tasks[2].compute_s[0] is true, not a number"]),
+    (("devices", 0, "memory_bytes"), "8GB", ['devices[0].memory_bytes is "8GB", not a number']),
+    (("edges", 2, "bytes"), [4e6], ["edges[2].bytes is [4000000.0], not a number"]),
+    (("edges", 4, "transfer_s", 0, 1), "x", ['edges[4].transfer_s[0][1] is "x", not a number']),
+    (("edges", 4, "transfer_s"), None, ["edges[4].transfer_s must be a list of 2 lists of 2 numbers", "got null"]),
+    (("edges", 4, "transfer_s", 1), [0.5], ["edges[4].transfer_s[1] must be a list of 2 numbers, got [0.5]"]),
+    (("tasks", 0, "compute_s"), [1.0], ["tasks[0].compute_s must be a list of 2 numbers (one time per device)"]),
+    (("links", "bandwidth_bytes_per_s"), "fast", ["links.bandwidth_bytes_per_s must be a list of 2 lists"]),
+    (("links", "latency_s", 1, 0), None, ["links.latency_s[1][0] is null, not a number"]),
+    (("request_costs", "header_s", 1), "a", ['request_costs.header_s[1] is "a", not a number']),
+    (("request_costs", "output_s", 3), [0.0], ["request_costs.output_s[3] must be a list of 2 numbers"]),
+    (("edges", 3, "send_cpu_s", 0), "x", ["edges[3].send_cpu_s[0] must be a list of 2 numbers"]),
+    # NaN, negative, infinite where that means nothing
+    (("tasks", 0, "compute_s", 1), NAN, ["tasks[0].compute_s[1] is NaN", "non-negative number of seconds"]),
+    (("tasks", 0, "compute_s", 1), -1, ["tasks[0].compute_s[1] is -1.0", "Infinity (the task cannot run"]),
+    (("tasks", 0, "memory_bytes"), -1, ["tasks[0].memory_bytes is -1.0", "finite non-negative number of bytes"]),
+    (("tasks", 0, "memory_bytes"), INF, ["tasks[0].memory_bytes is Infinity", "finite"]),
+    (("devices", 0, "memory_bytes"), NAN, ["devices[0].memory_bytes is NaN", "Infinity (unlimited memory)"]),
+    (("devices", 0, "memory_bytes"), -8e9, ["devices[0].memory_bytes is -8000000000.0"]),
+    (("edges", 2, "bytes"), -1, ["edges[2].bytes is -1.0", "bytes"]),
+    (("edges", 2, "bytes"), INF, ["edges[2].bytes is Infinity"]),
+    (("edges", 2, "bytes"), NAN, ["edges[2].bytes is NaN"]),
+    (("edges", 4, "transfer_s", 0, 1), -0.5, ["edges[4].transfer_s[0][1] is -0.5"]),
+    (("edges", 4, "transfer_s", 0, 1), NAN, ["edges[4].transfer_s[0][1] is NaN"]),
+    (("edges", 3, "send_cpu_s", 0, 1), INF, ["edges[3].send_cpu_s[0][1] is Infinity", "finite"]),
+    (("links", "bandwidth_bytes_per_s", 0, 1), NAN, ["links.bandwidth_bytes_per_s[0][1] is NaN", "bytes per second"]),
+    (("links", "bandwidth_bytes_per_s", 0, 1), -1e10, ["links.bandwidth_bytes_per_s[0][1] is -10000000000.0"]),
+    (("links", "bandwidth_bytes_per_s", 0, 1), 0, ["links.bandwidth_bytes_per_s[0][1] is 0", "positive"]),
+    (("links", "bandwidth_bytes_per_s", 0, 1), INF, ["links.bandwidth_bytes_per_s[0][1] is Infinity"]),
+    (("links", "latency_s", 1, 0), -1e-5, ["links.latency_s[1][0] is -1e-05"]),
+    (("request_costs", "header_s", 1), -1, ["request_costs.header_s[1] is -1.0", "seconds"]),
+    (("request_costs", "output_s", 3, 1), NAN, ["request_costs.output_s[3][1] is NaN"]),
+    # an unknown key, with the known one it is closest to
+    (("devices", 1, "memmory_bytes"), 4e9, ["devices[1] has unknown key 'memmory_bytes'", "'memory_bytes'?"]),
+    (("tasks", 2, "memory_byte"), 4e9, ["tasks[2] has unknown key 'memory_byte'", "'memory_bytes'?"]),
+    (("edges", 0, "tensr"), "x", ["edges[0] has unknown key 'tensr'", "'tensor'?"]),
+    (("links", "latency"), [[0, 0], [0, 0]], ["links has unknown key 'latency'", "'latency_s'?"]),
+    (("request_costs", "header"), [0, 0], ["request_costs has unknown key 'header'", "'header_s'?"]),
+    (("link",), {}, ["the problem description has unknown key 'link'", "'links'?"]),
+    (("edge",), [], ["the problem description has unknown key 'edge'", "'edges'?"]),
+    # a name twice, or a name that is not one
+    (("tasks", 2, "name"), "left", ["tasks[2].name is 'left', the name of tasks[1] too"]),
+    (("devices", 1, "name"), "gpu0", ["devices[1].name is 'gpu0', the name of devices[0] too"]),
+    (("tasks", 1, "name"), None, ["tasks[1].name must be a non-empty string, got null"]),
+    (("devices", 0, "name"), 0, ["devices[0].name must be a non-empty string, got 0"]),
+    (("edges", 0, "tensor"), 7, ["edges[0].tensor must be a non-empty string, got 7"]),
+    (("edges", 0, "src"), "embd", ["edges[0].src is 'embd', which is no task's name", "'embed'?"]),
+    (("edges", 1, "bytes"), 8e6, ["edges[1] gives tensor 'hidden' of 'embed' other", "than edges[0]"]),
+    (("edges", 2, "dst"), "left", ["edges[2] goes from task 'left' to itself"]),
+    (("colocated", 0, 1), "hed", ["colocated[0] names unknown tasks ['hed']"]),
+    # a required key missing
+    (("tasks", 0, "compute_s"), DROP, ["tasks[0] lacks ['compute_s']"]),
+    (("devices", 1, "name"), DROP, ["devices[1] lacks ['name']"]),
+    (("edges", 1, "dst"), DROP, ["edges[1] lacks ['dst']"]),
+    (("tasks",), DROP, ["the problem description lacks ['tasks']"]),
+    (("links", "bandwidth_bytes_per_s"), DROP, ["links lacks ['bandwidth_bytes_per_s']"]),
+    (("links",), DROP, ["edges[0] ('embed' -> 'left') needs 'transfer_s', or 'bytes' with a top-level 'links'"]),
+    # a value of the wrong type where a list or an object goes
+    ((), [], ["the problem description must be an object", "got a list"]),
+    ((), "problem", ["the problem description must be an object", 'got a string: "problem"']),
+    (("devices",), {"gpu0": 8e9}, ["devices must be a list of objects, got an object"]),
+    (("tasks", 0), "embed", ["tasks[0] must be an object", 'got a string: "embed"']),
+    (("edges",), None, ["edges must be a list of objects, got null"]),
+    (("links",), [1e10], ["links must be an object", "got a list"]),
+    (("request_costs",), None, ["request_costs must be an object", "got null"]),
+    (("request_costs", "input_readers", 0), [9], ["request_costs.input_readers[0] is [9]", "indices (0..3)"]),
+    (("colocated",), "left", ["colocated must be a list of lists of task names", 'got a string: "left"']),
+    (("colocated", 0), "left", ['colocated[0] must be a list of task names, got "left"']),
+    # per-request costs both in request_costs and, as older files give them, in an entry: one would be dropped
+    (("devices", 1, "header_s"), 0.5, ["devices[1].header_s is a per-request cost outside 'request_costs'"]),
+]
+
+
+def write(tmp_path: Path, description: Any, name: str = "problem.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(description))  # NaN and Infinity as Python's json writes and reads them
+    return path
+
+
+@pytest.mark.parametrize(("path", "value", "words"), EDITS, ids=[f"{'.'.join(map(str, p))}={v!r}" for p, v, _ in EDITS])
+def test_a_bad_field_is_a_problem_error_naming_the_file_and_the_field(tmp_path, path, value, words) -> None:
+    file = write(tmp_path, edited(path, value))
+    with pytest.raises(ProblemError) as raised:
+        Problem.from_json(file)
+    message = str(raised.value)
+    assert message.startswith(f"{file}: "), message
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        (("tasks", 3, "compute_s", 0), "fast", "tasks[3].compute_s[0]"),
+        (("devices", 1, "memory_bytes"), None, "devices[1].memory_bytes"),
+        (("links", "bandwidth_bytes_per_s"), "fast", "links.bandwidth_bytes_per_s"),
+        (("request_costs", "header_s", 1), "a", "request_costs.header_s[1]"),
+        (("tasks", 0, "memory_bytes"), -1, "tasks[0].memory_bytes"),
+        (("devices", 1, "memmory_bytes"), 4e9, "'memmory_bytes'"),
+        (("links",), [1], "links must be an object"),
+    ],
+)
+def test_moirai_plan_says_the_field_on_one_red_line(tmp_path, capsys, path, value, field) -> None:
+    file = write(tmp_path, edited(path, value))
+    assert main(["plan", str(file)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {file}: ") and field in lines[0], captured.err
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_what_is_not_a_json_text_is_a_problem_error_naming_the_file(tmp_path) -> None:
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00{")
+    with pytest.raises(ProblemError, match=r"binary\.json.*not UTF-8"):
+        Problem.from_json(binary)
+    with pytest.raises(ProblemError, match=r"cannot be read"):
+        Problem.from_json(tmp_path)  # a folder
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ProblemError, match=r"deep\.json.*too deeply"):
+        Problem.from_json(deep)
+
+
+def test_the_valid_file_loads_as_written_and_round_trips_exactly(tmp_path) -> None:
+    problem = Problem.from_json(write(tmp_path, VALID))
+    assert problem.device_names == ("gpu0", "gpu1") and problem.memory_capacity_bytes.tolist() == [8e9, math.inf]
+    assert problem.compute_s[3].tolist() == [0.001, math.inf]
+    assert problem.tensor_names == ("hidden", "left->head", "right->head", "mask")
+    assert problem.tensor_consumers[0] == (1, 2), "edges of one src naming one tensor carry one tensor"
+    assert problem.transfer_s[0, 0, 1] == pytest.approx(1e-5 + 4e6 / 1e10)
+    assert problem.send_cpu_s[2, 0, 1] == 1e-4 and problem.costs.header_s.tolist() == [0.0, 1e-4]
+    assert problem.colocated == ((1, 3),) and problem.costs.input_readers == ((0,),)
+    path = tmp_path / "again.json"
+    problem.to_json(path)
+    again = Problem.from_json(path)
+    assert again.to_dict() == problem.to_dict()
+    assert path.read_text() == json.dumps(again.to_dict(), allow_nan=True), "written alike, byte for byte"
+
+
+def test_tensors_of_two_tasks_named_alike_get_names_of_their_own_that_round_trip(tmp_path) -> None:
+    description = edited(("edges", 3, "tensor"), "hidden")
+    description["edges"][2]["tensor"] = "hidden"
+    problem = Problem.from_dict(description)
+    assert problem.tensor_names == ("hidden", "left:hidden", "right:hidden", "mask")
+    again = Problem.from_dict(json.loads(json.dumps(problem.to_dict())))
+    assert again.tensor_names == problem.tensor_names and again.to_dict() == problem.to_dict()
+
+
+def test_a_generated_problem_with_every_cost_round_trips_exactly(tmp_path) -> None:
+    problem = random_problem(3, 12, 3, send_cpu_s=0.1, recv_cpu_s=0.1, header_s=0.1, output_s=0.1, input_s=0.1)
+    problem.to_json(tmp_path / "random.json")
+    again = Problem.from_json(tmp_path / "random.json")
+    assert again.to_dict() == problem.to_dict()
+    for label in ("compute_s", "transfer_s", "send_cpu_s", "recv_cpu_s", "tensor_bytes", "memory_capacity_bytes"):
+        np.testing.assert_array_equal(getattr(again, label), getattr(problem, label))
+
+
+def python_problem(**changes: Any) -> Problem:
+    fields: dict[str, Any] = {
+        "device_names": ("a", "b"),
+        "memory_capacity_bytes": [10.0, math.inf],
+        "task_names": ("x", "y", "z"),
+        "compute_s": np.ones((3, 2)),
+        "memory_bytes": [1.0, 1.0, 1.0],
+        "tensor_names": ("t", "u"),
+        "tensor_producer": [0, 1],
+        "tensor_consumers": ((1,), (2,)),
+        "transfer_s": np.ones((2, 2, 2)),
+    }
+    return Problem(**{**fields, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"memory_bytes": [1.0, -1.0, 1.0]}, ["memory_bytes[1] (task 'y') is -1.0", "finite non-negative"]),
+        ({"memory_bytes": [1.0, 1.0, math.inf]}, ["memory_bytes[2] (task 'z') is Infinity"]),
+        ({"memory_capacity_bytes": [math.nan, 1.0]}, ["memory_capacity_bytes[0] (device 'a') is NaN"]),
+        ({"compute_s": [[1, 1], [1, -2], [1, 1]]}, ["compute_s[1, 1] (task 'y', device 'b') is -2.0"]),
+        ({"transfer_s": np.full((2, 2, 2), math.nan)}, ["transfer_s[0, 0, 0] (tensor 't', from device 'a'"]),
+        ({"tensor_bytes": [1.0, math.inf]}, ["tensor_bytes[1] (tensor 'u') is Infinity"]),
+        ({"tensor_names": ("t", "t")}, ["duplicate tensor names ['t']"]),
+        ({"task_names": ("x", "y", "x")}, ["duplicate task names ['x']"]),
+        ({"compute_s": np.ones((3, 3))}, ["compute_s must hold 3 x 2 numbers", "shape (3, 3)"]),
+        ({"memory_bytes": ["a", "b", "c"]}, ["memory_bytes must hold numbers"]),
+    ],
+)
+def test_a_problem_built_in_python_is_checked_by_the_same_rules(changes, words) -> None:
+    with pytest.raises(ProblemError, match="".join(f"(?=[\\s\\S]*{re.escape(word)})" for word in words)):
+        python_problem(**changes)
+
+
+def test_tensors_named_alike_would_merge_on_the_way_through_json() -> None:
+    """Why tensor names must differ: the JSON form knows a tensor by its task and name, so two of one name would
+    come back as one tensor, sent once instead of twice."""
+    assert python_problem().num_tensors == 2
+    with pytest.raises(ProblemError, match="duplicate tensor names"):
+        python_problem(tensor_names=("t", "t"), tensor_producer=[0, 0])
