@@ -17,6 +17,7 @@ import torch
 
 from moirai.cluster.devices import Cluster
 from moirai.errors import DistributedError, PlanError, PlanVersionWarning
+from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
 from moirai.runtime.hosts import rank_hosts
 from moirai.runtime.store import wait_for_key
@@ -243,7 +244,11 @@ _PLAN_FIELDS: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
         "null or a list of lists of op group indices, one per device",
     ),
     "plan.transfer_order": (_optional(_null_or(_is_transfer_order)), "null or a list of [from, to, [tensor, ...]]"),
-    **{f"plan.{key}": (_optional(lambda v: isinstance(v, str)), "a string") for key in ("placer", "objective")},
+    "plan.placer": (_optional(lambda v: isinstance(v, str)), "a string"),
+    "plan.objective": (
+        _optional(lambda v: v in OBJECTIVE_NAMES),
+        f"the name of an objective, one of {OBJECTIVE_NAMES}",
+    ),
     **{
         f"plan.{key}": (_optional(_null_or(_is_number)), "null or a number of seconds")
         for key in ("makespan_s", "objective_s", "lower_bound_s", "placement_time_s")

@@ -574,6 +574,8 @@ _MALFORMED_PLANS = {
     "device names not a list": (("plan", "device_names"), 3, "'plan.device_names' is '3', not a list of device names"),
     "objective_s not a number": (("plan", "objective_s"), "abc", "'plan.objective_s' is 'abc', not null or a number"),
     "report not an object": (("plan", "report"), 5, "'plan.report' is '5', not an object"),
+    # loaded, and then summary() raised "unknown objective 'foo'"
+    "objective unknown": (("plan", "objective"), "foo", "'plan.objective' is 'foo', not the name of an objective"),
     "dynamic dims a list": (("dynamic_dims",), [{"foo": 1}], "'dynamic_dims' is \"[{'foo': 1}]\", not null or"),
     "dynamic dims a string": (("dynamic_dims",), "abc", "'dynamic_dims' is 'abc', not null or"),
     "dynamic dim of no range": (("dynamic_dims", "dims", 0, "min"), 99, "'dynamic_dims' is \"{'dims': [{'symbol'"),

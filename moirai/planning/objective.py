@@ -273,6 +273,8 @@ class Generation(Objective):
 
 LATENCY = Latency()
 OBJECTIVES: dict[str, Objective] = {LATENCY.name: LATENCY, Throughput.name: Throughput()}
+# Every name a plan's objective can have: a generation objective has parameters, so no name alone makes it.
+OBJECTIVE_NAMES: tuple[str, ...] = (*OBJECTIVES, Generation.name)
 
 
 def as_objective(objective: str | Objective) -> Objective:
