@@ -389,3 +389,30 @@ def test_more_threads_than_cores_is_named() -> None:
     pinned = Device("busy", "cpu", 1e9, 1e11, 1e10, cores=(0,), threads=4)
     with pytest.warns(OversubscriptionWarning, match=r"'busy' runs 4 threads on 1 core\(s\) \[0\]"):
         rank_resources([pinned, "cpu"], cores=[0, 1])
+
+
+def test_matrix_links_read_as_listed_links_do_and_file_numbers_copy_exactly(tmp_path: Path) -> None:
+    """[matrix] scaled in floats (260.6407 Gbps was 32580087499.999996 bytes/s there, 32580087500.0 listed), and a
+    number that keeps its text could not be copied or pickled."""
+    import copy
+    import pickle
+
+    from moirai.cluster.hardware import GB, FloatLiteral, in_unit
+
+    devices = "".join(
+        f'[[devices]]\nname = "{n}"\npeak_tflops = {{ fp32 = 1.0 }}\nmemory_gb = 1.0\nmemory_bandwidth_gb_per_s = 1.0\n'
+        for n in "ab"
+    )
+    matrix = (
+        "[matrix]\nbandwidth_gbps = [[0.0, 260.6407], [260.6407, 0.0]]\nlatency_us = [[0.0, 31.551], [31.551, 0.0]]\n"
+    )
+    listed = "".join(
+        f'[[links]]\nsrc = "{s}"\ndst = "{d}"\nbandwidth_gbps = 260.6407\nlatency_us = 31.551\n'
+        for s, d in ("ab", "ba")
+    )
+    (tmp_path / "m.toml").write_text(devices + matrix)
+    (tmp_path / "l.toml").write_text(devices + listed)
+    assert Cluster.from_file(tmp_path / "m.toml").links == Cluster.from_file(tmp_path / "l.toml").links
+    literal = in_unit(4368887181967.4917, GB)
+    assert isinstance(literal, FloatLiteral)
+    assert copy.deepcopy(literal).text == pickle.loads(pickle.dumps(literal)).text == literal.text

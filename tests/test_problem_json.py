@@ -101,10 +101,11 @@ EDITS = [
     (("links", "bandwidth_bytes_per_s", 0, 1), NAN, ["links.bandwidth_bytes_per_s[0][1] is NaN", "bytes per second"]),
     (("links", "bandwidth_bytes_per_s", 0, 1), -1e10, ["links.bandwidth_bytes_per_s[0][1] is -10000000000.0"]),
     (("links", "bandwidth_bytes_per_s", 0, 1), 0, ["links.bandwidth_bytes_per_s[0][1] is 0", "positive"]),
-    (("links", "bandwidth_bytes_per_s", 0, 1), INF, ["links.bandwidth_bytes_per_s[0][1] is Infinity"]),
     (("links", "latency_s", 1, 0), -1e-5, ["links.latency_s[1][0] is -1e-05"]),
     (("request_costs", "header_s", 1), -1, ["request_costs.header_s[1] is -1.0", "seconds"]),
     (("request_costs", "output_s", 3, 1), NAN, ["request_costs.output_s[3][1] is NaN"]),
+    (("request_costs", "input_readers", 0), [INF], ["request_costs.input_readers[0] is [Infinity]"]),  # was raw
+    (("request_costs", "input_readers", 0), [NAN], ["request_costs.input_readers[0] is [NaN]"]),
     # an unknown key, with the known one it is closest to
     (("devices", 1, "memmory_bytes"), 4e9, ["devices[1] has unknown key 'memmory_bytes'", "'memory_bytes'?"]),
     (("tasks", 2, "memory_byte"), 4e9, ["tasks[2] has unknown key 'memory_byte'", "'memory_bytes'?"]),
@@ -272,3 +273,25 @@ def test_tensors_named_alike_would_merge_on_the_way_through_json() -> None:
     assert python_problem().num_tensors == 2
     with pytest.raises(ProblemError, match="duplicate tensor names"):
         python_problem(tensor_names=("t", "t"), tensor_producer=[0, 0])
+
+
+def test_infinite_numbers_load_where_they_mean_something(tmp_path: Path) -> None:
+    """A free link (Infinity bytes/s), no link (Infinity latency), and an integer too long for a float (infinite:
+    float() of it raised OverflowError)."""
+    description = edited(("links", "bandwidth_bytes_per_s", 0, 1), INF)
+    description["links"]["latency_s"][1][0] = INF
+    description["tasks"][1]["compute_s"][1] = 10**400
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(description))
+    problem = Problem.from_json(path)
+    assert problem.compute_s[1, 1] == INF
+
+
+def test_a_task_no_device_can_run_is_named_as_such(tmp_path: Path) -> None:
+    """It said the task needs 0 B and no device that can run it has that much (largest: inf GB)."""
+    from moirai.errors import InfeasibleError
+    from moirai.planning.placers import place
+
+    problem = Problem.from_dict(edited(("tasks", 3, "compute_s"), [INF, INF]))
+    with pytest.raises(InfeasibleError, match="task 'head' can run on no device"):
+        place(problem, "heft")

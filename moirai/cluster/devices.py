@@ -71,14 +71,13 @@ from moirai.cluster.files import (
     check_device_names,
     cluster_description,
     device_to_dict,
-    in_unit,
     preset_description,
     preset_names,
     read_cluster_file,
     to_toml,
     torch_device_name,
 )
-from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, MICROSECOND, Device, Link
+from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, MICROSECOND, Device, Link, in_unit
 from moirai.cluster.host import available_cores, core_shares, device_index
 from moirai.cluster.kinds import CPU, accelerator_kinds, detect_device, kind_of, local_link
 from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel

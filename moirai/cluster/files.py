@@ -10,7 +10,6 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
-from decimal import Decimal
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,11 @@ from moirai.cluster.hardware import (
     PRECISION_OF_DTYPE,
     TFLOPS,
     Device,
+    FloatLiteral,
     Link,
     device_types,
+    from_unit,
+    in_unit,
 )
 from moirai.cluster.kinds import CPU, device_spellings, kind_named, kind_of, torch_device_types
 from moirai.errors import ClusterError
@@ -35,38 +37,6 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
-
-
-class FloatLiteral(float):
-    """A number as a cluster file writes it: a float that keeps its decimal text, so that scaling it by its unit
-    (:func:`from_unit`) is exact: ``0.1344 * 1e12`` in floats is ``134399999999.99998``, not ``134400000000.0``, and a
-    value in base units does not always have a float in the file's unit that scales back to it."""
-
-    text: str
-
-    def __new__(cls, text: str) -> FloatLiteral:
-        digits = text.replace("_", "")  # TOML allows 1_000.5
-        literal = super().__new__(cls, digits)
-        literal.text = digits
-        return literal
-
-
-def from_unit(value: Any, unit: float) -> float:
-    """``value`` (a number in a file, in ``unit``s) in base units, rounded once, from its decimal text."""
-    if not math.isfinite(float(value)):
-        return float(value) * unit
-    text = value.text if isinstance(value, FloatLiteral) else repr(float(value))  # numpy's repr names its type
-    return float(Decimal(text) * Decimal(repr(unit)))
-
-
-def in_unit(value: float, unit: float) -> float:
-    """``value`` (base units) in ``unit``s, as a number :func:`from_unit` reads back as exactly ``value``: the
-    plain quotient where it does, else its exact decimal (the units are powers of ten, or 10**9 / 8)."""
-    value = float(value)
-    plain = value / unit
-    if not math.isfinite(value) or from_unit(plain, unit) == value:
-        return plain
-    return FloatLiteral(str(Decimal(repr(float(value))) / Decimal(repr(unit))))
 
 
 _DEVICE_KEYS = {
@@ -344,7 +314,15 @@ def _links_from_matrix(matrix: Mapping[str, Any], names: Sequence[str]) -> list[
                 )
             if not latency[a, b] >= 0:
                 raise ClusterError(f"[matrix] latency {names[a]!r} -> {names[b]!r} is negative")
-            links.append(Link(names[a], names[b], bandwidth[a, b] * GBPS_IN_BYTES_PER_S, latency[a, b] * MICROSECOND))
+            latency_us = latency_entry if np.isscalar(latency_entry) else latency_entry[a][b]
+            links.append(
+                Link(
+                    names[a],
+                    names[b],
+                    from_unit(matrix["bandwidth_gbps"][a][b], GBPS_IN_BYTES_PER_S),
+                    from_unit(latency_us, MICROSECOND),
+                )
+            )
     return links
 
 

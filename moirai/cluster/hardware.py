@@ -8,8 +8,10 @@ another in a cycle.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -23,6 +25,46 @@ GB = 1e9
 GBPS_IN_BYTES_PER_S = 1e9 / 8
 TFLOPS = 1e12
 MICROSECOND = 1e-6
+
+
+class FloatLiteral(float):
+    """A number as a cluster file writes it: a float that keeps its decimal text, so that scaling it by its unit
+    (:func:`from_unit`) is exact: ``0.1344 * 1e12`` in floats is ``134399999999.99998``, not ``134400000000.0``, and a
+    value in base units does not always have a float in the file's unit that scales back to it."""
+
+    text: str
+
+    def __new__(cls, text: str) -> FloatLiteral:
+        digits = text.replace("_", "")  # TOML allows 1_000.5
+        literal = super().__new__(cls, digits)
+        literal.text = digits
+        return literal
+
+    def __getnewargs__(self) -> tuple[str]:  # copy and pickle rebuild it from its text, not from the float
+        return (self.text,)
+
+
+def from_unit(value: Any, unit: float) -> float:
+    """``value`` (a number in a file, in ``unit``s) in base units, rounded once, from its decimal text."""
+    if isinstance(value, int):  # exact however long (float() of a 400-digit integer raises)
+        return float(Decimal(value) * Decimal(repr(unit)))
+    if not math.isfinite(float(value)):
+        return float(value) * unit
+    text = value.text if isinstance(value, FloatLiteral) else repr(float(value))  # numpy's repr names its type
+    return float(Decimal(text) * Decimal(repr(unit)))
+
+
+def in_unit(value: float, unit: float) -> float:
+    """``value`` (base units) in ``unit``s, as a number :func:`from_unit` reads back as exactly ``value``: the
+    plain quotient where it does, else its exact decimal (the units are powers of ten, or 10**9 / 8)."""
+    value = float(value)
+    plain = value / unit
+    if not math.isfinite(value) or from_unit(plain, unit) == value:
+        return plain
+    exact = Decimal(repr(value)) / Decimal(repr(unit))
+    # Plain digits where they are few (10.0, not 1E+1): the file is for people to read and edit too.
+    return FloatLiteral(format(exact, "f") if abs(exact.adjusted()) < 16 else str(exact))
+
 
 # torch dtype name -> the precision column of the device table.
 PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -76,7 +118,9 @@ class Link:
 @cache
 def device_types() -> dict[str, dict[str, Any]]:
     """The built-in device table (``moirai/data/device_types.toml``), by type name."""
-    return tomllib.loads(resources.files("moirai").joinpath("data/device_types.toml").read_text())
+    return tomllib.loads(
+        resources.files("moirai").joinpath("data/device_types.toml").read_text(), parse_float=FloatLiteral
+    )
 
 
 def device_type_named(kind_name: str, product_name: str) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from moirai.cluster.hardware import GB, MICROSECOND, TFLOPS, Device, device_type_named, device_types
+from moirai.cluster.hardware import GB, MICROSECOND, TFLOPS, Device, device_type_named, device_types, from_unit
 from moirai.cluster.host import available_cores, core_shares, cpu_flags_and_clock
 from moirai.errors import ClusterError
 
@@ -164,14 +164,14 @@ class DeviceKind:
         if known is None:
             return None
         row = device_types()[known]
-        peaks = {key: value * TFLOPS for key, value in row["peak_tflops"].items()}
+        peaks = {key: from_unit(value, TFLOPS) for key, value in row["peak_tflops"].items()}
         return Device(
             name,
             torch_device,
             memory_bytes / share,
             peaks["fp32"],
-            row["memory_bandwidth_gb_per_s"] * GB,
-            row["launch_overhead_us"] * MICROSECOND,
+            from_unit(row["memory_bandwidth_gb_per_s"], GB),
+            from_unit(row["launch_overhead_us"], MICROSECOND),
             self.name,
             known,
             peaks.get("fp16"),

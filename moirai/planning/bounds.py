@@ -102,6 +102,11 @@ def _fastest_holding_device_time(problem: Problem) -> np.ndarray:
     homeless = np.flatnonzero(~holds.any(axis=1))
     if homeless.size:
         i = int(homeless[0])
+        if np.isinf(problem.compute_s[i]).all():
+            raise InfeasibleError(
+                f"task {problem.task_names[i]!r} can run on no device (its compute_s is Infinity on every one); give "
+                "it a finite time on at least one device"
+            )
         raise InfeasibleError(
             f"task {problem.task_names[i]!r} needs {format_bytes(float(problem.memory_bytes[i]))}, but no device "
             f"that can run it has that much (largest: {format_bytes(float(problem.memory_capacity_bytes.max()))})"

@@ -21,6 +21,7 @@ is modelled) and its calibration (:mod:`moirai.cluster.cost`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -424,7 +425,7 @@ def _input_readers(value: Any, num_tasks: int) -> list[list[int]]:
         if not (
             isinstance(tasks, list)
             and tasks
-            and all(is_number(i) and int(i) == i and 0 <= i < num_tasks for i in tasks)
+            and all(is_number(i) and math.isfinite(i) and int(i) == i and 0 <= i < num_tasks for i in tasks)
         ):
             raise ProblemError(
                 f"request_costs.input_readers[{j}] is {shown(tasks)}; give the indices (0..{num_tasks - 1}) of the "

@@ -141,9 +141,12 @@ def _collect(
     if not isinstance(value, (list, tuple)) or len(value) != shape[0]:
         meant = f" ({meaning})" if meaning else ""
         raise ProblemError(f"{where} must be {_list_words(shape)}{meant}, got {shown(value)}")
-    if len(shape) == 1 and set(map(type, value)) <= {float}:  # what to_json writes, read in one step
-        out.extend(value)
-        return
+    if len(shape) == 1 and set(map(type, value)) <= {float, int}:  # what to_json writes (and zeros), in one step
+        try:
+            out.extend([float(v) for v in value])
+            return
+        except OverflowError:
+            pass  # an integer too long for a float: read one by one, as infinite
     for i, item in enumerate(value):
         _collect(item, shape[1:], f"{where}[{i}]", quantity, "", out)
 
@@ -157,7 +160,7 @@ def _float(value: Any) -> float:
     try:
         return float(value)
     except OverflowError:  # an integer too long for a float: as large as any, so infinite
-        return math.copysign(math.inf, value)
+        return math.inf if value > 0 else -math.inf
 
 
 def _list_words(shape: tuple[int, ...]) -> str:

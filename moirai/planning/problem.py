@@ -422,8 +422,10 @@ _TOP_KEYS = ("devices", "tasks", "edges", "links", "request_costs", "colocated")
 _EDGE_KEYS = ("src", "dst", "tensor", "bytes", "transfer_s", "send_cpu_s", "recv_cpu_s")
 _LINK_KEYS = ("bandwidth_bytes_per_s", "latency_s")
 _SQUARE = "a row per sending device, a column per receiving one"  # what a K x K matrix's rows and columns are
-_BANDWIDTH = Quantity("bytes per second")  # and not 0 between distinct devices: _link_matrices checks that
-_LATENCY = Quantity("seconds")
+_BANDWIDTH = Quantity(
+    "bytes per second", infinite="a link whose bytes take no time"
+)  # and not 0 between distinct devices: _link_matrices checks that
+_LATENCY = Quantity("seconds", infinite="no link between the two devices")
 
 
 def _quantity(label: str) -> Quantity:
