@@ -79,15 +79,23 @@ def test_a_receive_keeps_its_receiver_busy_once_per_tensor_and_device():
     assert [(t.start, t.finish) for t in timeline.transfers] == [(1.0, 1.5)]
     assert timeline.task_finish.tolist() == [1.0, 3.75, 4.75]
     assert timeline.busy_s.tolist() == [1.0, 3.25]
-    # The schedule builder charges the consumer that books the transfer.
+    # The schedule builder charges the same consumer.
     schedule = ScheduleBuilder(problem)
     schedule.book(0, 0)
     assert schedule.ready_and_busy_s(1, 1) == (1.5, 2.25)
     schedule.book(1, 1)
     assert schedule.ready_and_busy_s(2, 1) == (1.5, 1.0)
+    # Booked after c, b still takes the receive from it: c (booked first, 1.5-2.75) is re-timed to 1.5-2.5.
+    schedule = ScheduleBuilder(problem)
+    schedule.book(0, 0)
+    assert schedule.ready_and_busy_s(2, 1) == (1.5, 1.25)
+    schedule.book(2, 1)
+    assert schedule.book(1, 1) == 2.5
+    assert schedule.finish_s == [1.0, 4.75, 2.5]
+    assert simulate(problem, to_plan(schedule, "test")).task_finish.tolist() == schedule.finish_s
 
 
-def test_the_schedule_builder_books_a_send_on_its_sender_when_a_remote_consumer_asks_for_it():
+def test_the_schedule_builder_adds_a_send_to_its_producer_when_a_remote_consumer_asks_for_it():
     problem = two_devices(
         {"a": [1.0, 9.0], "b": [9.0, 2.0], "c": [1.0, 1.0]},
         [
@@ -98,12 +106,16 @@ def test_the_schedule_builder_books_a_send_on_its_sender_when_a_remote_consumer_
     schedule = ScheduleBuilder(problem)
     schedule.book(0, 0)
     schedule.book(2, 0)  # c runs 1-2 on gpu0
-    assert schedule.ready_and_busy_s(1, 1)[0] == 2.75  # the send is appended after c (2-2.25), then the link (0.5)
+    assert schedule.ready_and_busy_s(1, 1)[0] == 1.75  # a posts the send (1-1.25), then the link (0.5)
     assert schedule.devices[0].items == [0, 2]  # trying a device books nothing
-    assert schedule.book(1, 1) == 2.75
+    assert schedule.finish_s[2] == 2.0
+    assert schedule.book(1, 1) == 1.75
     assert schedule.order == [[0, 2], [1]]
-    # The simulator adds the send to a itself, so c waits for it: the replayed plan is what is judged.
-    assert simulate(problem, to_plan(schedule, "test")).task_finish.tolist() == [1.25, 3.75, 2.25]
+    # As in the simulator, a's send lengthens a itself, so c, after it on gpu0, is re-timed to 1.25-2.25.
+    assert schedule.finish_s == [1.25, 3.75, 2.25]
+    assert schedule.devices[0].finishes == [1.25, 2.25]
+    assert simulate(problem, to_plan(schedule, "test")).task_finish.tolist() == schedule.finish_s
+    assert schedule.makespan_s == 3.75
 
 
 def test_a_device_starts_a_request_when_its_header_has_come():
@@ -120,7 +132,7 @@ def test_a_device_starts_a_request_when_its_header_has_come():
     assert timeline.busy_s.tolist() == [1.0, 2.0]  # waiting for a header is not work
     assert simulate(problem, place(problem, {"a": 1, "b": 0})).task_start.tolist() == [0.75, 0.0]
     builder = ScheduleBuilder(problem)
-    assert builder.book_inputs(problem.task_index("b"), 1).ready_s == 0.75  # the list schedulers wait for it too
+    assert builder.ready_and_busy_s(problem.task_index("b"), 1)[0] == 0.75  # the list schedulers wait for it too
     assert Problem.from_dict(problem.to_dict()).costs.header_s.tolist() == [0.0, 0.75]
 
 

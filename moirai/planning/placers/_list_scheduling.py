@@ -3,12 +3,15 @@
 The schedule is a :class:`moirai.planning.schedule.ScheduleBuilder` without insertion: a task never goes
 before one already on its device (Baechi's and Hwang et al.'s ETF are non-insertion), with the
 project's communication rule (a tensor crosses to a device once, one transfer at a time per
-directed link with ``contention=True``) and static memory. Its transfer order per link is handed to
-the plan, so the simulator replays exactly the schedule the placer built.
+directed link with ``contention=True``), the devices' time for messages, and static memory. Its transfer order per
+link is handed to the plan, so the simulator replays exactly the schedule the placer built, and the plan's
+``report.predicted_makespan_s`` is the simulated makespan (m-SCT's waits for a favourite child left out: the
+simulator starts every task as soon as its device order and inputs allow).
 
 :class:`ReadyTasks` keeps the earliest start time of every ready task on every device.
-Committing a task to device ``d`` changes only ``d``'s free time, memory and incoming
-links, so only column ``d`` is recomputed.
+Committing a task to device ``d`` changes ``d``'s free time, memory and incoming links, and the re-timing its
+sends and receives cause moves some tasks and transfers: only column ``d``, the columns of the devices where
+something moved, and the rows of the tasks one of whose producers moved are recomputed.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from moirai.planning.schedule import ScheduleBuilder
 
 
 def to_plan(schedule: ScheduleBuilder, placer: str, **notes: object) -> Plan:
-    """The plan of a finished list schedule: its device orders and its link orders, which the simulator replays."""
+    """The plan of a finished list schedule: its device orders and its link orders, which the simulator replays,
+    and its makespan once every task starts as early as those orders allow, as the simulator starts them."""
+    schedule.drop_waits()
     return Plan(
         np.array(schedule.placement, int),
         schedule.problem.device_names,
@@ -56,11 +61,18 @@ class ReadyTasks:
         return bool(self.start_s)
 
     def commit(self, task: int, device: int, not_before_s: float = 0.0) -> None:
-        """Place ``task`` on ``device`` and bring the start times of the remaining ready tasks up to date."""
-        self.schedule.book(task, device, not_before_s)
+        """Place ``task`` on ``device`` and bring the start times of the remaining ready tasks up to date: on
+        the devices whose tasks or incoming transfers the booking moved (``device`` among them), and on every device
+        for a task whose producer it moved (a send added to it, a receive taken from it, or a wait behind them)."""
+        schedule = self.schedule
+        schedule.book(task, device, not_before_s)
         del self.start_s[task]
+        successors = schedule.problem.successors
+        moved = {s for x in schedule.changed_tasks for s in successors[x] if s in self.start_s}
+        columns = sorted(schedule.changed_devices | {device})
         for other, starts in self.start_s.items():
-            starts[device] = self.schedule.earliest_start_s(other, device)
+            for d in range(len(starts)) if other in moved else columns:
+                starts[d] = schedule.earliest_start_s(other, d)
         for successor in self.schedule.problem.successors[task]:
             self._missing_inputs[successor] -= 1
             if self._missing_inputs[successor] == 0:
@@ -75,11 +87,14 @@ def list_schedule(
     choose: Callable[[ReadyTasks], Choice],
     placer: str,
     contention: bool = True,
+    waits: bool = False,
 ) -> ScheduleBuilder:
     """Schedule every task, asking ``choose`` for the next (start, task, device) among the ready tasks.
 
     ``choose`` sees only tasks that still fit somewhere; a ready task that fits on no device
-    raises :class:`InfeasibleError` (memory only grows, so it never will).
+    raises :class:`InfeasibleError` (memory only grows, so it never will). ``waits``: the start ``choose`` gives
+    may be later than the task's earliest (m-SCT's device waiting for a favourite child), and the task waits for
+    it; otherwise the task starts as early as the schedule allows once booked.
     """
     ready = ReadyTasks(ScheduleBuilder(problem, insertion=False, contention=contention))
     while ready:
@@ -87,7 +102,7 @@ def list_schedule(
         if stuck:
             raise memory_error(problem, placer, stuck[0], np.array(ready.schedule.memory_used_bytes))
         start, task, device = choose(ready)
-        ready.commit(task, device, not_before_s=start)
+        ready.commit(task, device, not_before_s=start if waits else 0.0)
     return ready.schedule
 
 

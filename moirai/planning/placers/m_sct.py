@@ -17,7 +17,8 @@ child and one favourite parent.
 The schedule is then m-ETF's, except that a device that just ran a task whose favourite
 child is ready and starts earliest on this device waits for that child, unless another task
 becomes *urgent* first (it could start on every device by then): Baechi's "awake" state.
-That is how favourite children end up on their parent's device.
+That is how favourite children end up on their parent's device. The plan keeps the device orders; the
+simulator (and the reported makespan) starts each task as soon as they allow, without the waits.
 
 Interpretation for heterogeneous clusters (the LP has one time per task and per edge):
 ``p_u`` is the task's mean compute time over the devices that can run it and ``c_uv`` the
@@ -25,6 +26,8 @@ mean, over ordered device pairs, of the time to send the edge's tensors.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 
@@ -39,7 +42,8 @@ from moirai.planning.problem import Problem
 def place_m_sct(problem: Problem, threshold: float = 0.5, contention: bool = True) -> Plan:
     favourite = favourite_children(problem, threshold)
     priority = problem.topological_position
-    schedule = list_schedule(problem, lambda ready: _sct_choice(ready, favourite, priority), "m_sct", contention)
+    choose = partial(_sct_choice, favourite=favourite, priority=priority)
+    schedule = list_schedule(problem, choose, "m_sct", contention, waits=True)
     return to_plan(schedule, "m_sct", favourite_children=int((favourite >= 0).sum()))
 
 

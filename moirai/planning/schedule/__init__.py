@@ -9,19 +9,22 @@ The project's communication rule lives here and nowhere else:
   device 0, the driver, and a model output's message takes CPU time from its maker's device and from device 0
   (:func:`runtime_cpu_s`): they count towards the period, not the latency;
 * a tensor crosses to a device once: every consumer on that device reuses it
-  (:func:`implied_transfers` for a whole placement, :class:`ScheduleBuilder` task by task);
+  (:func:`implied_transfers` for a whole placement, :class:`ScheduleBuilder` task by task), and the first of them in
+  topological order holds the receive (:func:`receiving_task`);
 * one transfer at a time per directed link, first ready first sent (:func:`send_priority`).
 
-:class:`ScheduleBuilder` books a task on a device (appended, or inserted in the earliest idle slot),
-books the transfers its inputs need, and undoes a booking, so that a placer can try a device and
-take it back. Nothing here knows which task to schedule next: that is the placers' business.
+:class:`ScheduleBuilder` estimates what a task would take on a device, without booking anything, so that a placer
+can try every device, and books it there (appended, or inserted in the earliest idle slot) with the transfers its
+inputs need, re-timing what the booking moves, so that its times stay the simulator's. Nothing here knows which
+task to schedule next: that is the placers' business.
 """
 
-from moirai.planning.schedule.builder import Booking, BusyIntervals, ScheduleBuilder
+from moirai.planning.schedule.builder import BusyIntervals, Estimate, ScheduleBuilder
 from moirai.planning.schedule.transfers import (
     ImpliedTransfers,
     implied_transfers,
     output_arrival_s,
+    receiving_task,
     recv_cpu_s,
     runtime_cpu_s,
     send_cpu_s,
@@ -31,12 +34,13 @@ from moirai.planning.schedule.transfers import (
 )
 
 __all__ = [
-    "Booking",
     "BusyIntervals",
+    "Estimate",
     "ImpliedTransfers",
     "ScheduleBuilder",
     "implied_transfers",
     "output_arrival_s",
+    "receiving_task",
     "recv_cpu_s",
     "runtime_cpu_s",
     "send_cpu_s",

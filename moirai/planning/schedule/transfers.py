@@ -11,7 +11,7 @@ The cost rule, one place for it. A tensor ``t`` sent from device ``a`` to device
   device), :func:`task_duration_s`. Its transfers start when that extended task finishes.
 * occupies the *receiving device* ``b`` for :func:`recv_cpu_s` (posting the receive, waking up, taking the
   message in: time a receiver busy with other work loses). This time extends the task that receives the
-  tensor on ``b``: of the tensor's consumers on ``b``, the first in topological order (its
+  tensor on ``b``: of the tensor's consumers on ``b``, the first in topological order (:func:`receiving_task`, its
   :attr:`ImpliedTransfers.receiver`), where the runtime waits for it before the first use.
 
 The runtime's driver on device 0 adds two: a device other than 0 starts a request's first task only once the
@@ -32,6 +32,7 @@ measured delay already holds): tens of microseconds per transfer, erring towards
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -60,6 +61,14 @@ def recv_cpu_s(problem: Problem, tensor: int | np.ndarray, src: int | np.ndarray
     """Seconds receiving ``tensor`` over ``src -> dst`` keeps device ``dst`` busy (booked on the tensor's receiver,
     see the module's rule); the MILP's finish times (:mod:`moirai.planning.solve.model`) mirror it."""
     return problem.recv_cpu_s[tensor, src, dst]
+
+
+def receiving_task(problem: Problem, consumers: Iterable[int]) -> int:
+    """Of a transfer's consumers on its destination device, the one whose busy time holds the receive
+    (:func:`recv_cpu_s`): the first in topological order. The simulator (:func:`implied_transfers`) and the schedule
+    builder (as consumers are booked) both ask this function."""
+    position = problem.topological_position
+    return min(consumers, key=lambda c: position[c])
 
 
 def task_duration_s(problem: Problem, placement: np.ndarray, transfers: ImpliedTransfers) -> np.ndarray:
@@ -141,8 +150,7 @@ def implied_transfers(problem: Problem, placement: np.ndarray) -> ImpliedTransfe
     waiting: list[list[int]] = [[] for _ in range(unique_keys.size)]
     for q, c in zip(transfer_of_pair.tolist(), pair_consumer[remote].tolist(), strict=True):
         waiting[q].append(c)
-    position = problem.topological_position
-    receiver = [min(consumers, key=lambda c: position[c]) for consumers in waiting]
+    receiver = [receiving_task(problem, consumers) for consumers in waiting]
     by_producer: list[list[int]] = [[] for _ in range(n)]
     for q, u in enumerate(problem.tensor_producer[tensor].tolist()):
         by_producer[u].append(q)
