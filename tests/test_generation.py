@@ -25,6 +25,7 @@ from moirai.generation.step import ban_tokens, sample_tokens
 from moirai.planning.objective import Generation
 from moirai.planning.plan import Plan
 from moirai.planning.simulate import simulate
+from tests.test_serving import close_in_a_done_callback
 
 transformers = pytest.importorskip("transformers")
 
@@ -451,26 +452,14 @@ def test_done_callbacks_may_submit_and_are_told_not_to_close(split_lm):
     """A sequence's done callbacks run in the server's loop: one that submits gets its tokens, one that closes the
     server gets a UsageError (the join of its own thread was a RuntimeError), and the server closes after."""
     prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
-    follow_ups, refused = queue.SimpleQueue(), queue.SimpleQueue()
-
-    def close(_) -> None:
-        if threading.current_thread() is threading.main_thread():
-            refused.put(None)  # added after the sequence had finished: it ran here, where close may run
-            return
-        try:
-            server.close()
-        except moirai.UsageError as error:
-            refused.put(error)
+    follow_ups = queue.SimpleQueue()
 
     with GenerationServer(split_lm, _StepsInThisProcess(split_lm), depth=2) as server:
         server.submit(prompt, max_new_tokens=2).add_done_callback(
             lambda _: follow_ups.put(server.submit(prompt, max_new_tokens=3))
         )
         assert follow_ups.get(timeout=60).result(timeout=60) == hf_like(split_lm, prompt, 3)
-        while True:
-            server.submit(prompt, max_new_tokens=2).add_done_callback(close)
-            if (error := refused.get(timeout=60)) is not None:
-                break
+        error = close_in_a_done_callback(server, lambda: server.submit(prompt, max_new_tokens=2))
         assert "close the server from your own thread" in str(error)
         assert server.submit(prompt, max_new_tokens=3).result(timeout=60) == hf_like(split_lm, prompt, 3)
     with pytest.raises(moirai.InputError, match="this generation server is closed"):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -214,26 +215,14 @@ def test_done_callbacks_may_submit_and_are_told_not_to_close(chain) -> None:
     model, compiled = chain
     x, y = torch.randn(4, 64), torch.randn(4, 64)
     follow_ups: queue.SimpleQueue = queue.SimpleQueue()
-    refused: queue.SimpleQueue = queue.SimpleQueue()
 
     def submit_follow_up(_: Future) -> None:
         follow_ups.put(server.submit(y))
 
-    def close(_: Future) -> None:
-        if threading.current_thread() is threading.main_thread():
-            refused.put(None)  # added after the request had finished: it ran here, where close may run
-            return
-        try:
-            server.close()
-        except moirai.UsageError as error:
-            refused.put(error)
-
     with compiled.server(timeout_s=10.0) as server:
         server.submit(x).add_done_callback(submit_follow_up)
         torch.testing.assert_close(follow_ups.get(timeout=60.0).result(timeout=60.0), _eager(model, y))
-        while (error := _submit_with_callback(server, x, close, refused)) is None:
-            pass
-        assert "close from your own thread" in str(error)
+        assert "close from your own thread" in str(close_in_a_done_callback(server, lambda: server.submit(x)))
         torch.testing.assert_close(server.submit(x).result(timeout=60.0), _eager(model, x))
         (rank_2,) = [p for p in multiprocessing.active_children() if p.name == orphans.rank_process_name(2)]
         os.kill(rank_2.pid, signal.SIGKILL)  # the next request fails, and its callback submits again
@@ -264,10 +253,27 @@ def test_done_callbacks_may_submit_and_are_told_not_to_close(chain) -> None:
             torch.testing.assert_close(outcome.result(timeout=60.0)[0], _eager(model, y))
 
 
-def _submit_with_callback(server, x: torch.Tensor, callback, outcomes: queue.SimpleQueue):
-    """What ``callback`` put in ``outcomes`` for a request of ``x``."""
-    server.submit(x).add_done_callback(callback)
-    return outcomes.get(timeout=60.0)
+def close_in_a_done_callback(server, submit: Callable[[], Future]) -> object:
+    """What ``server.close()`` raised in a done callback of a request ``submit()`` made, run in the server's own
+    thread (a request that finished before its callback was added runs it here: it is submitted again), or
+    "closed" where close did not refuse."""
+    outcomes: queue.SimpleQueue = queue.SimpleQueue()
+    caller = threading.current_thread()
+
+    def close(_: Future) -> None:
+        if threading.current_thread() is caller:
+            outcomes.put(None)  # where close may run: not what is tested
+            return
+        try:
+            server.close()
+            outcomes.put("closed")
+        except moirai.UsageError as error:
+            outcomes.put(error)
+
+    while True:
+        submit().add_done_callback(close)
+        if (outcome := outcomes.get(timeout=60.0)) is not None:
+            return outcome
 
 
 README = (ROOT / "README.md").read_text()
