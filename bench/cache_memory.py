@@ -15,7 +15,6 @@ moirai/runtime/zero_pages.py.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -25,26 +24,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import moirai
 from moirai.runtime.protocol import load_bytes
+from moirai.runtime.rank_processes import started_ranks
 
 
 def _resident_gb(pid: int | str = "self") -> tuple[float, float]:
     """The process's resident memory now and at its peak, GB."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
     return int(fields["VmRSS"].split()[0]) / 1e6, int(fields["VmHWM"].split()[0]) / 1e6
-
-
-def _rank_processes() -> list[int]:
-    """This process's children that run a spawned interpreter's main (the ranks; not the resource tracker)."""
-    me, ranks = str(os.getpid()), []
-    for status in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = status.read_text().rsplit(")", 1)[1].split()[1]
-            command = (status.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if parent == me and b"spawn_main" in command:
-            ranks.append(int(status.parent.name))
-    return ranks
 
 
 def main() -> None:
@@ -71,7 +57,7 @@ def main() -> None:
     prompt = torch.randint(0, config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
     with lm.server() as server:
         served = server.generate(prompt, max_new_tokens=8)
-        ranks = [_resident_gb(pid) for pid in _rank_processes()]
+        ranks = [_resident_gb(pid) for pid in (rank.pid for rank in started_ranks())]
     rank_gb, rank_peak_gb = max(ranks) if ranks else (float("nan"), float("nan"))
     local = lm.generate(prompt, max_new_tokens=8)
     local_gb, _ = _resident_gb()

@@ -22,7 +22,6 @@ import statistics
 import time
 
 import numpy as np
-import psutil
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -31,6 +30,7 @@ import moirai
 from bench.serving import pinned
 from moirai.planning.plan import Plan
 from moirai.planning.simulate import simulate
+from moirai.runtime.rank_processes import started_ranks
 from moirai.runtime.resources import rank_resources
 
 DEVICES = ["cpu", "cpu"]
@@ -83,7 +83,7 @@ def main() -> None:
                     started = time.perf_counter()
                     server.submit(x).result()
                     alone.append(time.perf_counter() - started)
-                worker = psutil.Process().children()[-1]
+                (worker,) = started_ranks()
                 cpu_0, cpu_1 = time.process_time(), sum(worker.cpu_times()[:2])
                 started = time.perf_counter()
                 list(server.map([x] * options.requests))

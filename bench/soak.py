@@ -26,6 +26,7 @@ import psutil
 import torch
 
 import moirai
+from moirai.runtime.rank_processes import started_ranks
 from moirai.runtime.shm_files import shm_dir
 
 DEVICES = ["cpu", "cpu"]
@@ -40,13 +41,8 @@ def _model() -> torch.nn.Module:
 
 
 def _ranks() -> list[psutil.Process]:
-    """This process (rank 0), then the server's spawned ranks by pid (the order they were started in)."""
-    spawned = [
-        child
-        for child in psutil.Process().children()
-        if any("spawn_main" in part for part in child.cmdline())  # not multiprocessing's resource tracker
-    ]
-    return [psutil.Process(), *sorted(spawned, key=lambda process: process.pid)]
+    """This process (rank 0), then the server's ranks in rank order."""
+    return [psutil.Process(), *started_ranks()]
 
 
 def moirai_shm_bytes(directory: str | None = None) -> int:

@@ -32,6 +32,7 @@ from moirai.runtime.blame import PeerFailure, blamed
 from moirai.runtime.groups import Group
 from moirai.runtime.program_codec import decode_program, encode_program
 from moirai.runtime.protocol import Header, HeaderKind, load_bytes, program_for_rank, receive_header, send_header
+from moirai.runtime.rank_processes import started_ranks
 from moirai.runtime.resources import RankResources, apply_resources, restore_resources
 from moirai.runtime.store import RunStore, new_secret, start_store
 
@@ -757,18 +758,6 @@ def test_a_worker_killed_or_stopped_under_load_fails_the_pending_requests_naming
         _assert_serves(runner, rows, x)
 
 
-def _spawned_ranks() -> list[psutil.Process]:
-    """The live ranks this process spawned (not multiprocessing's resource tracker, nor a killed rank unreaped)."""
-    ranks = []
-    for child in psutil.Process().children():
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and any("spawn_main" in part for part in child.cmdline()):
-                ranks.append(child)
-        except psutil.Error:
-            pass  # it ended meanwhile
-    return ranks
-
-
 @pytest.mark.slow
 def test_a_killed_rank_is_restarted_in_the_background_and_a_later_request_is_served(rows) -> None:
     model, _, compiled = rows
@@ -777,7 +766,7 @@ def test_a_killed_rank_is_restarted_in_the_background_and_a_later_request_is_ser
         expected = model(x)
     with compiled.server(timeout_s=_FAULT_TIMEOUT_S) as server:
         torch.testing.assert_close(server.submit(x).result(), expected)
-        (rank_1,) = _spawned_ranks()
+        (rank_1,) = started_ranks()
         futures = [server.submit(x) for _ in range(400)]
         while sum(f.done() for f in futures) < 20:
             time.sleep(0.001)
@@ -787,7 +776,7 @@ def test_a_killed_rank_is_restarted_in_the_background_and_a_later_request_is_ser
         assert errors and all(re.match(r"rank 1 \(cpu\) hung or died", error) for error in errors), errors[:1]
         failed_s = time.monotonic() - killed
         deadline = time.monotonic() + 120.0
-        while not (started := [rank for rank in _spawned_ranks() if rank.pid != rank_1.pid]):
+        while not (started := [rank for rank in started_ranks() if rank.pid != rank_1.pid]):
             assert time.monotonic() < deadline, "no rank was started after the failure"
             time.sleep(0.01)
         assert len(started) == 1  # before any request asked for one
@@ -808,7 +797,7 @@ if __name__ == "__main__":
     compiled = moirai.compile(model, ["cpu", "cpu"], (x,), placer="round_robin", calibration="none", progress=False)
     server = compiled.server(timeout_s=3.0)
     server.submit(x).result()
-    (rank_1,) = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+    (rank_1,) = [p for p in psutil.Process().children(recursive=True) if p.name() == "moirai-rank1"]
     rank_1.suspend()
     try:
         server.submit(x).result()
@@ -839,7 +828,7 @@ def test_a_restart_kills_a_rank_nobody_heard_from_instead_of_waiting_for_it_to_e
     monkeypatch.setattr(runner_module, "_RANKS_EXIT_GRACE_S", 120.0)  # the wait a stopped rank would cost
     with DistributedRunner(["cpu", "cpu"], timeout_s=_FAULT_TIMEOUT_S) as runner:
         _assert_serves(runner, rows, x)
-        (stopped,) = _spawned_ranks()
+        (stopped,) = started_ranks()
         stopped.suspend()
         (error,) = _errors_of([runner.submit(compiled.program, [x])], time.monotonic())
         assert error.startswith("rank 1 (cpu) hung or died"), error
@@ -856,11 +845,11 @@ def test_closing_while_a_restart_starts_kills_its_new_ranks_instead_of_waiting_f
     runner = DistributedRunner(["cpu", "cpu"], timeout_s=_FAULT_TIMEOUT_S, start_timeout_s=start_timeout_s)
     try:
         _assert_serves(runner, rows, x)
-        (rank_1,) = _spawned_ranks()
+        (rank_1,) = started_ranks()
         os.kill(rank_1.pid, signal.SIGKILL)
         _errors_of([runner.submit(compiled.program, [x])], time.monotonic())
         deadline = time.monotonic() + 120.0
-        while not (restarted := [rank for rank in _spawned_ranks() if rank.pid != rank_1.pid]):
+        while not (restarted := [rank for rank in started_ranks() if rank.pid != rank_1.pid]):
             assert time.monotonic() < deadline, "no rank was started after the failure"
             time.sleep(0.01)
         restarted[0].suspend()  # it can never report ready: the restart would wait out its start timeout
@@ -870,7 +859,7 @@ def test_closing_while_a_restart_starts_kills_its_new_ranks_instead_of_waiting_f
     closed_s = time.monotonic() - closing
     assert closed_s < start_timeout_s / 2, f"close waited {closed_s:.1f} s for the restart's ranks"
     assert not restarted[0].is_running() or restarted[0].status() == psutil.STATUS_ZOMBIE
-    assert not _spawned_ranks()
+    assert not started_ranks()
 
 
 @pytest.mark.slow
@@ -1014,7 +1003,7 @@ def test_a_bad_request_fails_alone_among_twenty_good_ones_and_no_rank_restarts()
     assert any(n.target == torch.ops.aten.embedding.default for n in compiled.program.parts[1].graph_module.graph.nodes)
     with compiled.server() as server:
         server.submit(*good[0]).result()
-        pids = [child.pid for child in psutil.Process().children()]
+        pids = [rank.pid for rank in started_ranks()]
         futures = [server.submit(*inputs) for inputs in good[:10]]
         with pytest.raises(moirai.InputError, match="meta device"):
             server.submit(torch.empty(3, 8, device="meta"), torch.tensor([1, 2, 3]))
@@ -1027,7 +1016,7 @@ def test_a_bad_request_fails_alone_among_twenty_good_ones_and_no_rank_restarts()
         ):
             bad.result()
         assert torch.allclose(server.submit(*good[0]).result(), model(*good[0]), atol=1e-5)
-        assert [child.pid for child in psutil.Process().children()] == pids
+        assert [rank.pid for rank in started_ranks()] == pids
 
 
 def test_a_request_that_raises_on_rank_0_fails_alone_in_run_too(rows) -> None:
@@ -1092,12 +1081,6 @@ def _driver_process() -> subprocess.Popen:
     )
 
 
-def _ranks_of(driver: subprocess.Popen) -> list[psutil.Process]:
-    """The ranks the driver spawned (not multiprocessing's resource tracker)."""
-    children = psutil.Process(driver.pid).children()
-    return [child for child in children if any("spawn_main" in part for part in child.cmdline())]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["starting", "ready"])
 def test_workers_exit_at_once_when_their_driver_is_killed(stage) -> None:
@@ -1106,7 +1089,7 @@ def test_workers_exit_at_once_when_their_driver_is_killed(stage) -> None:
         while (line := driver.stdout.readline().strip()) != stage:
             assert line, "the driver script ended early"
         deadline = time.monotonic() + 60.0
-        while len(workers := _ranks_of(driver)) < 2 and time.monotonic() < deadline:
+        while len(workers := started_ranks(driver.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)  # at "starting" the workers are still importing torch and joining
         assert len(workers) == 2
     finally:

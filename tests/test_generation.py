@@ -729,13 +729,12 @@ def test_a_killed_rank_fails_every_pending_sequence_naming_it(split_lm):
 
 
 def _worker_pids(server) -> list[int]:
-    import psutil
+    from moirai.runtime.rank_processes import started_ranks
 
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # the server's ranks are this process's children (spawned)
-        children = [c.pid for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
-        if children:
-            return children
+    while time.monotonic() < deadline:
+        if ranks := started_ranks():
+            return [rank.pid for rank in ranks]
         time.sleep(0.05)
     raise AssertionError("the server started no worker process")
 

@@ -1,7 +1,8 @@
-"""The spawned world: this process as rank 0 (the driver) and one spawned process per other device.
+"""The spawned world: this process as rank 0 (the driver) and one started process per other device.
 
-:class:`DistributedRunner` (and :func:`moirai.runtime.distributed.run_distributed`, one call) spawns ranks
-1..N-1 with ``torch.multiprocessing`` (:func:`_worker_main`), connected on 127.0.0.1 with process groups of
+:class:`DistributedRunner` (and :func:`moirai.runtime.distributed.run_distributed`, one call) starts ranks
+1..N-1 with ``torch.multiprocessing``, forked from a server process that imported torch once
+(:mod:`moirai.runtime.rank_processes`; :func:`_worker_main`), connected on 127.0.0.1 with process groups of
 their own (the default process group is left alone). While the runner is open this process runs on rank
 0's share of the cores (see :mod:`moirai.runtime.resources`). Before it spawns, it checks that the
 shared-memory directory holds the rings and the parts' loads; where it does not, the ranks send through
@@ -36,6 +37,7 @@ from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import local_group
 from moirai.runtime.local import check_inputs
 from moirai.runtime.protocol import load_bytes, serve
+from moirai.runtime.rank_processes import RankInheritance, name_this_process, rank_context
 from moirai.runtime.resources import (
     RankResources,
     apply_resources,
@@ -216,7 +218,8 @@ class DistributedRunner:
         # Joining (store and groups) may take as long as start-up; each message waits with its request's timeout.
         self._shared_memory = shm.enabled() and _room_for_shared_memory(world_size, programs)
         self._store = start_store(world_size, self.start_timeout_s)
-        context = torch.multiprocessing.get_context("spawn")
+        context = rank_context()
+        inheritance = RankInheritance.of_this_process()
         self._workers = [
             context.Process(
                 target=_worker_main,
@@ -230,6 +233,7 @@ class DistributedRunner:
                     self.start_timeout_s,
                     resources[rank],
                     self._shared_memory,
+                    inheritance,
                 ),
                 daemon=True,
                 name=orphans.rank_process_name(rank),
@@ -402,12 +406,16 @@ def _worker_main(
     start_timeout_s: float,
     resources: RankResources,
     shared_memory: bool,
+    inheritance: RankInheritance,
 ) -> None:
-    """A spawned rank: take its share of the cores, join the groups on loopback, serve until rank 0 closes.
+    """A started rank: take its share of the cores, join the groups on loopback, serve until rank 0 closes.
 
     ``secret`` (the run's, from rank 0's arguments, never from the store) opens the store's values and
     authenticates rank 0's headers. The rank exits as soon as rank 0's process does (:mod:`moirai.runtime.orphans`).
     """
+    inheritance.apply()
+    name_this_process(orphans.RANK_PROCESS_PREFIX + str(rank))
+    orphans.watch_rank_0_if_started_rank()
     store = join_store(port, len(torch_devices), secret, start_timeout_s)
     group = None
     try:
