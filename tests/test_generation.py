@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -362,7 +363,7 @@ def test_a_call_that_leaves_out_max_new_tokens_gets_as_many_tokens_as_model_gene
         with torch.no_grad():
             return model.generate(prompt, do_sample=False, attention_mask=torch.ones_like(prompt), **options)
 
-    ours_lm = dataclasses.replace(split_lm, generation_config=model.generation_config, model_config=model.config)
+    ours_lm = dataclasses.replace(split_lm, model=weakref.ref(model))  # reads model's configs, as compile_lm's does
 
     def ours(**options):
         return ours_lm.generate(prompt, **options)
@@ -823,7 +824,7 @@ def test_the_summary_and_the_gantt_show_the_predicted_ttft_tpot_and_tokens_per_s
 def test_token_id_0_in_the_generation_config_is_the_pad_and_end_token(split_lm):
     config = copy.deepcopy(split_lm.generation_config)
     config.pad_token_id, config.eos_token_id = 0, 0
-    lm = dataclasses.replace(split_lm, generation_config=config)
+    lm = dataclasses.replace(split_lm, compiled_generation_config=config, model=None)
     assert lm.pad_token_id == 0 and lm.eos_token_id == (0,)
 
 
@@ -832,7 +833,7 @@ def test_the_pad_token_and_the_models_generation_config_are_read_as_model_genera
     listed), a pad token in the rows without a mask was read as a token, a generation_config changed after
     compile_lm was not read, and a watermark in it was left out without a word."""
     model = copy.deepcopy(llama)
-    lm = dataclasses.replace(split_lm, generation_config=model.generation_config, model_config=model.config)
+    lm = dataclasses.replace(split_lm, model=weakref.ref(model))  # reads model's configs, as compile_lm's does
     prompt = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
 
     def hf(rows: torch.Tensor, **options) -> torch.Tensor:
@@ -857,6 +858,9 @@ def test_the_pad_token_and_the_models_generation_config_are_read_as_model_genera
     # The model's generation_config as it is at the call: a pad token set there, and a length.
     model.generation_config.pad_token_id, model.generation_config.max_new_tokens = 0, 4
     assert torch.equal(lm.generate(padded), hf(padded)) and hf(padded).shape[1] == 7 + 4
+    # ... and a generation_config put in the old one's place.
+    model.generation_config = transformers.GenerationConfig(pad_token_id=0, max_new_tokens=3)
+    assert torch.equal(lm.generate(padded), hf(padded)) and hf(padded).shape[1] == 7 + 3
     # A watermark changes even greedy tokens: refused in a call's config, named in a warning in the model's.
     watermark = transformers.WatermarkingConfig(bias=8.0)
     with pytest.raises(moirai.InputError, match="sets watermarking_config=.*which model.generate applies"):

@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -90,10 +91,26 @@ class CompiledLM:
     model_name: str = "a causal LM"
     vocab_size: int | None = None  # rows of the input embedding: the token ids a prompt may hold
     logits_width: int | None = None  # the logits a step gives a token: the token ids it can sample or ban
-    # The model's own generation_config and config, read at every call as model.generate reads them: a setting
-    # changed after compile_lm (model.generation_config.max_new_tokens = 4) counts.
-    generation_config: Any = None
-    model_config: Any = None
+    # The model's own generation_config and config as compile_lm found them; while the model lives they are read
+    # from it at every call, as model.generate reads them: a setting changed after compile_lm
+    # (model.generation_config.max_new_tokens = 4) counts, and so does a config put in the old one's place.
+    compiled_generation_config: Any = None
+    compiled_model_config: Any = None
+    model: weakref.ReferenceType[torch.nn.Module] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def generation_config(self) -> Any:
+        """The model's generation_config now (as compile_lm found it once the model is gone)."""
+        return self._model_attribute("generation_config", self.compiled_generation_config)
+
+    @property
+    def model_config(self) -> Any:
+        """The model's config now (as compile_lm found it once the model is gone)."""
+        return self._model_attribute("config", self.compiled_model_config)
+
+    def _model_attribute(self, name: str, compiled: Any) -> Any:
+        model = self.model() if self.model is not None else None
+        return compiled if model is None else getattr(model, name, compiled)
 
     @property
     def defaults(self) -> GenerationDefaults:
@@ -342,6 +359,7 @@ def compile_lm(
         step.logits_width,
         getattr(model, "generation_config", None),
         model.config,
+        weakref.ref(model),
     )
     lm.check_generation_config()  # its end tokens are token ids; a warning for what it sets that moirai does not apply
     return lm
