@@ -242,7 +242,7 @@ def python_problem(**changes: Any) -> Problem:
         "tensor_names": ("t", "u"),
         "tensor_producer": [0, 1],
         "tensor_consumers": ((1,), (2,)),
-        "transfer_s": np.ones((2, 2, 2)),
+        "transfer_s": np.ones((2, 2, 2)) - np.eye(2),
     }
     return Problem(**{**fields, **changes})
 
@@ -260,6 +260,12 @@ def python_problem(**changes: Any) -> Problem:
         ({"task_names": ("x", "y", "x")}, ["duplicate task names ['x']"]),
         ({"compute_s": np.ones((3, 3))}, ["compute_s must hold 3 x 2 numbers", "shape (3, 3)"]),
         ({"memory_bytes": ["a", "b", "c"]}, ["memory_bytes must hold numbers"]),
+        # a task index that is no whole number was cut to one (1.5 read as task 1)
+        ({"tensor_producer": [0, 1.5]}, ["tensor_producer[1] is 1.5; give a task index"]),
+        ({"tensor_consumers": ((1,), (2.7,))}, ["tensor_consumers[1][0] is 2.7; give a task index"]),
+        # a time on the diagonal was read by no placer and no simulator: a value there meant nothing, silently
+        ({"transfer_s": np.ones((2, 2, 2))}, ["transfer_s[0, 0, 0] (tensor 't', device 'a') is 1.0", "give 0"]),
+        ({"send_cpu_s": np.eye(2)[None].repeat(2, 0)}, ["send_cpu_s[0, 0, 0] (tensor 't', device 'a') is 1.0"]),
     ],
 )
 def test_a_problem_built_in_python_is_checked_by_the_same_rules(changes, words) -> None:

@@ -96,7 +96,15 @@ class Problem:
         )
         object.__setattr__(self, "compute_s", _array(self.compute_s, (n, k), "compute_s"))
         object.__setattr__(self, "memory_bytes", _array(self.memory_bytes, (n,), "memory_bytes"))
-        object.__setattr__(self, "tensor_producer", np.asarray(self.tensor_producer, int).reshape(t))
+        object.__setattr__(self, "tensor_producer", _task_indices(self.tensor_producer, (t,), "tensor_producer"))
+        object.__setattr__(
+            self,
+            "tensor_consumers",
+            tuple(
+                tuple(_task_indices(c, (len(c),), f"tensor_consumers[{i}]").tolist())
+                for i, c in enumerate(self.tensor_consumers)
+            ),
+        )
         object.__setattr__(self, "transfer_s", _array(self.transfer_s, (t, k, k), "transfer_s"))
         tensor_bytes = np.zeros(t) if self.tensor_bytes is None else self.tensor_bytes
         object.__setattr__(self, "tensor_bytes", _array(tensor_bytes, (t,), "tensor_bytes"))
@@ -124,6 +132,15 @@ class Problem:
                 raise ProblemError(
                     f"{label}[{', '.join(map(str, index))}] ({self._named(axes, index)}) is {shown(values[index])}; "
                     f"give {quantity.rule()}"
+                )
+        for label in ("transfer_s", "send_cpu_s", "recv_cpu_s"):
+            values = getattr(self, label)
+            on_diagonal = np.argwhere(values[:, np.arange(self.num_devices), np.arange(self.num_devices)] != 0)
+            if on_diagonal.size:
+                t, d = (int(i) for i in on_diagonal[0])
+                raise ProblemError(
+                    f"{label}[{t}, {d}, {d}] ({self._named(('tensor', 'device'), (t, d))}) is "
+                    f"{shown(values[t, d, d])}; a tensor does not move to the device it is on: give 0"
                 )
         if not isinstance(self.costs, RequestCosts):
             raise ProblemError(f"costs must be a RequestCosts, got {type(self.costs).__name__}")
@@ -469,6 +486,17 @@ def _array(value: Any, shape: tuple[int, ...], label: str) -> np.ndarray:
             f"{label} must hold {' x '.join(map(str, shape))} numbers, got an array of shape {array.shape}"
         )
     return array.reshape(shape)
+
+
+def _task_indices(value: Any, shape: tuple[int, ...], label: str) -> np.ndarray:
+    """``value`` as an int array of ``shape``; a :class:`ProblemError` naming ``label`` where an entry is no whole
+    number (1.7 was read as task 1)."""
+    array = _array(value, shape, label)
+    wrong = np.argwhere(~np.isfinite(array) | (array != np.round(array)))
+    if wrong.size:
+        index = tuple(int(i) for i in wrong[0])
+        raise ProblemError(f"{label}[{', '.join(map(str, index))}] is {shown(array[index])}; give a task index")
+    return array.astype(int)
 
 
 def _edge_tensors(
