@@ -1090,7 +1090,7 @@ def test_workers_exit_at_once_when_their_driver_is_killed(stage) -> None:
             assert line, "the driver script ended early"
         deadline = time.monotonic() + 60.0
         while len(workers := started_ranks(driver.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)  # at "starting" the workers are still importing torch and joining
+            time.sleep(0.05)  # at "starting" the workers are still starting and joining
         assert len(workers) == 2
     finally:
         os.kill(driver.pid, 9)

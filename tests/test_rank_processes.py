@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 
 from moirai.runtime.rank_processes import RankInheritance, rank_context
@@ -68,3 +71,81 @@ def test_without_what_it_inherits_a_forked_rank_would_see_the_servers_environmen
     with _streams_to(tmp_path / "out", tmp_path / "err"):
         _run(None)
     assert (tmp_path / "out").read_text() == (tmp_path / "err").read_text() == ""
+
+
+# A script that does its slow work at top level, outside its __main__ guard (loading a model, say): a rank re-imports
+# it before it runs any of moirai's code.
+_SLOW_AT_TOP_LEVEL = """
+import os, sys, time
+from pathlib import Path
+import torch, moirai
+
+if __name__ == "__mp_main__":
+    Path(sys.argv[1]).write_text(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).eval()
+    compiled = moirai.compile(model, ["cpu", "cpu"], (torch.randn(2, 8),), placer="round_robin", progress=False)
+    compiled.run_distributed(torch.randn(2, 8))
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_still_importing_the_main_script_ends_with_rank_0(tmp_path) -> None:
+    (tmp_path / "script.py").write_text(_SLOW_AT_TOP_LEVEL)
+    pid_file = tmp_path / "rank.pid"
+    driver = subprocess.Popen([sys.executable, "script.py", str(pid_file)], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text():
+            assert driver.poll() is None and time.monotonic() < deadline, "no rank re-imported the script"
+            time.sleep(0.05)
+        rank = psutil.Process(int(pid_file.read_text()))
+    finally:
+        driver.kill()
+        driver.wait()
+    _, alive = psutil.wait_procs([rank], timeout=5.0)
+    assert not alive, "a rank outlived rank 0 while it re-imported the main script"
+
+
+def test_a_process_forked_from_one_whose_fork_server_runs_spawns_its_ranks() -> None:
+    """The server is the child of the process that started it; a forked copy of that process cannot use it."""
+    first = rank_context()
+    pid = os.fork()
+    if pid == 0:  # the child: as a server (gunicorn's workers, say) forked from an app that served already
+        os._exit(0 if rank_context().get_start_method() == "spawn" else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert rank_context().get_start_method() == first.get_start_method()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_whose_fork_server_died_is_killed_at_close_and_the_next_run_starts_a_server() -> None:
+    import torch
+
+    import moirai
+    from moirai.runtime import DistributedRunner
+    from moirai.runtime.rank_processes import started_ranks
+
+    if rank_context().get_start_method() != "forkserver":
+        pytest.skip("ranks are spawned here")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).eval()
+    x = torch.randn(2, 8)
+    compiled = moirai.compile(model, ["cpu", "cpu"], (x,), placer="round_robin", progress=False, calibration="none")
+    runner = DistributedRunner(["cpu", "cpu"], timeout_s=3.0)
+    try:
+        runner.run(compiled.program, [x])
+        (rank,) = started_ranks()
+        (server,) = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+        rank.suspend()
+        server.kill()
+        deadline = time.monotonic() + 10  # left unreaped, as by the kernel's OOM killer: multiprocessing reaps it
+        while server.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        runner.close()
+    _, alive = psutil.wait_procs([rank], timeout=10.0)
+    assert not alive, "a rank whose fork server died outlived its runner's close"
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.run_distributed(x), model(x))

@@ -79,6 +79,7 @@ def test_script_without_main_guard_gets_one_error_saying_to_add_it(tmp_path) -> 
     assert result.returncode != 0
     assert result.stderr.count("Traceback") == 1, result.stderr[-3000:]
     assert "moirai.errors.DistributedError" in result.stderr
+    assert "the worker processes re-import your script, and it starts a distributed run" in result.stderr
     assert 'if __name__ == "__main__":' in result.stderr
     assert "bootstrapping phase" not in result.stderr
 

@@ -4,16 +4,18 @@
 A spawned rank is a fresh interpreter that imports torch and moirai before it can join: 1-2 s of a core on every start
 and every restart after a failure, and a notebook or a test that starts many servers pays it each time. So ranks are
 started with multiprocessing's ``forkserver`` method: on first use rank 0's process starts one server process that
-imports torch and the runtime once (``set_forkserver_preload``) and computes nothing, so no thread pool exists to
-break in a fork; each rank is forked from it in a few milliseconds. The server listens on a Unix socket in a private
-(0700) directory, as multiprocessing makes it, and exits with rank 0's process.
+imports the runtime once (``set_forkserver_preload``: fork_server.py first, then torch) and computes nothing, so torch
+has started no thread pool to break in a fork; each rank is forked from it in a few milliseconds. The server listens
+on a Unix socket in a private (0700) directory, as multiprocessing makes it, and lives as long as rank 0 or a rank.
 
 A forked rank must still get what a spawned one got from rank 0 *at its start*, not what the server had when it
 started: multiprocessing hands it rank 0's working directory, ``sys.path`` and main script (re-imported, so a script
-without a ``__main__`` guard is still caught), and :class:`RankInheritance` hands it rank 0's environment and its
-standard output and error as they are now (a notebook or pytest redirects them between runs). The server, not rank 0,
-is the rank's parent, so a rank watches rank 0's pid to end with it (:mod:`moirai.runtime.orphans`), and names its
-process ``moirai-rank<k>`` (what ``ps`` and ``top`` show) since its command line is the server's.
+without a ``__main__`` guard is still caught), and :class:`RankInheritance` hands it rank 0's environment, standard
+output and error (a notebook or pytest redirects them between runs), cores and umask as they are now. The server,
+not rank 0, is the rank's parent, so a rank watches rank 0 through a pidfd the server opened on its parent
+(:mod:`moirai.runtime.orphans`), and names its process ``moirai-rank<k>`` (what ``ps`` and ``top`` show) since its
+command line is the server's. Where forking from a server is unsafe (:func:`rank_context`), or
+``MOIRAI_RANK_START=spawn`` asks for it, ranks are spawned.
 """
 
 from __future__ import annotations
@@ -29,23 +31,45 @@ from typing import Any
 import psutil
 import torch.multiprocessing
 
+from moirai.errors import InputError
 from moirai.runtime.orphans import RANK_PROCESS_PREFIX
 
 __all__ = ["RANK_PROCESS_PREFIX", "RankInheritance", "name_this_process", "rank_context", "started_ranks"]
 
-# Imported once by the fork server, so that a rank forked from it starts at once: everything a rank runs.
-_PRELOADED_MODULES = ("torch", "moirai.runtime.runner")
+# Imported once by the fork server, so that a rank forked from it starts at once: everything a rank runs, after
+# fork_server, which must see the server's parent (rank 0) first.
+_PRELOADED_MODULES = ("moirai.runtime.fork_server", "torch", "moirai.runtime.runner")
+START_METHOD_ENV = "MOIRAI_RANK_START"
+_server_owner: int | None = None  # the process that started ranks first: the fork server is its child
 _PR_SET_NAME = 15
 _STANDARD_STREAMS = (1, 2)
 
 
 def rank_context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context that starts ranks: forked from a server where the platform has one."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    """The multiprocessing context that starts ranks: forked from a server where that is safe, else spawned."""
+    global _server_owner
+    if _server_owner is None:
+        _server_owner = os.getpid()
+    if _start_method() == "spawn" or not _fork_server_is_safe() or _server_owner != os.getpid():
+        # A process forked from one whose server runs cannot use that server (it is not its child): spawn.
         return torch.multiprocessing.get_context("spawn")
     context = torch.multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(_PRELOADED_MODULES))  # used when the server starts: once per process
     return context
+
+
+def _start_method() -> str:
+    """``$MOIRAI_RANK_START``: ``fork-server`` (the default) or ``spawn`` (each rank a fresh interpreter)."""
+    method = os.environ.get(START_METHOD_ENV) or "fork-server"
+    if method not in ("fork-server", "spawn"):
+        raise InputError(f"{START_METHOD_ENV} is {method!r}; set it to 'fork-server' (the default) or 'spawn'")
+    return method
+
+
+def _fork_server_is_safe() -> bool:
+    """Linux (macOS forks unsafely), and not a Python whose fork server any local user could reach (before 3.10.9
+    its socket was in the abstract namespace: CVE-2022-42919)."""
+    return sys.platform.startswith("linux") and sys.version_info >= (3, 10, 9)
 
 
 class _InheritedStream:
@@ -65,18 +89,22 @@ def _received_descriptor(duplicate: Any, descriptor: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class RankInheritance:
-    """What a rank takes from rank 0 at its start: the environment and the standard output and error."""
+    """What a rank takes from rank 0 at its start as a spawned one would: the environment, the standard output and
+    error, the calling thread's cores and the file-creation mask."""
 
     environment: dict[str, str]
     streams: tuple[Any, ...]
+    cores: frozenset[int] | None
+    umask: int | None
 
     @classmethod
     def of_this_process(cls) -> RankInheritance:
         streams = tuple(_InheritedStream(d) for d in _STANDARD_STREAMS if _is_open(d))
-        return cls(dict(os.environ), streams)
+        cores = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return cls(dict(os.environ), streams, cores, _umask())
 
     def apply(self) -> None:
-        """In the rank, before anything else: rank 0's environment and streams in place of the fork server's."""
+        """In the rank, before anything else: rank 0's in place of the fork server's."""
         os.environ.clear()
         os.environ.update(self.environment)
         for duplicate, descriptor in self.streams:  # unpickled: (the descriptor received, the one it replaces)
@@ -86,6 +114,22 @@ class RankInheritance:
                         stream.flush()
                 os.dup2(duplicate, descriptor)
                 os.close(duplicate)
+        if self.cores is not None:
+            os.sched_setaffinity(0, self.cores)
+        if self.umask is not None:
+            os.umask(self.umask)
+
+
+def _umask() -> int | None:
+    """This process's file-creation mask, read without setting it (setting it to read it races other threads)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return None
 
 
 def name_this_process(name: str) -> None:
@@ -100,11 +144,12 @@ def started_ranks(rank_0_pid: int | None = None) -> list[psutil.Process]:
     ranks = []
     for process in psutil.Process(rank_0_pid).children(recursive=True):
         try:
-            if process.status() != psutil.STATUS_ZOMBIE and process.name().startswith(RANK_PROCESS_PREFIX):
-                ranks.append(process)
-        except psutil.Error:
-            pass  # it ended meanwhile
-    return sorted(ranks, key=lambda process: (int(process.name().removeprefix(RANK_PROCESS_PREFIX)), process.pid))
+            name = process.name()
+            if process.status() != psutil.STATUS_ZOMBIE and name.startswith(RANK_PROCESS_PREFIX):
+                ranks.append((int(name.removeprefix(RANK_PROCESS_PREFIX)), process.pid, process))
+        except (psutil.Error, ValueError):
+            pass  # it ended meanwhile, or another process of that name
+    return [process for _, _, process in sorted(ranks, key=lambda rank: rank[:2])]
 
 
 def _is_open(descriptor: int) -> bool:

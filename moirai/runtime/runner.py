@@ -13,6 +13,7 @@ pending requests with the error naming it, and new ranks start in the background
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import psutil
 import torch
 
 from moirai.cluster.devices import Device
@@ -56,6 +58,8 @@ _log = logging.getLogger(__name__)
 _START_POLL_S = 0.05
 # Exit code of a spawned rank that found the user's script re-imported without a __main__ guard.
 _NO_MAIN_GUARD_EXIT_CODE = 86
+# What multiprocessing reads as a forked rank's exit code when the fork server that forked it is gone.
+_FORK_SERVER_LOST_EXIT_CODE = 255
 # How long a stop waits for the ranks to exit on their own (after a failure, the time they have to report it).
 _RANKS_EXIT_GRACE_S = 5.0
 # The least a stop waits for a failed driver's threads to end, after its ranks' grace is spent.
@@ -88,6 +92,7 @@ class DistributedRunner:
         self.start_timeout_s = check_timeout(start_timeout_s)
         self.max_in_flight = check_max_in_flight(max_in_flight)
         self._workers: list[multiprocessing.Process] = []
+        self._started_at_s = 0.0  # when the ranks of this world were started (time.time)
         self._driver: Driver | None = None
         self._store: RunStore | None = None
         self._restore: RankResources | None = None
@@ -210,9 +215,13 @@ class DistributedRunner:
         ``abandon_on_close``: a restart nobody waits for yet; if ``close()`` comes while the ranks start, they are
         killed at once (raising :class:`_StartAbandoned`) instead of started only to be stopped."""
         if getattr(multiprocessing.current_process(), "_inheriting", False):
-            # This is a spawned rank importing the user's script, which starts a runner at import: stop quietly
-            # with a code the parent recognises, instead of three multiprocessing tracebacks.
-            raise SystemExit(_NO_MAIN_GUARD_EXIT_CODE)
+            # This is a rank importing the user's script, which starts a runner at import: stop quietly with a code
+            # the parent recognises, instead of three multiprocessing tracebacks (os._exit: a process forked from
+            # the fork server turns a SystemExit into exit code 1).
+            for stream in (sys.stdout, sys.stderr):
+                if stream is not None:
+                    stream.flush()
+            os._exit(_NO_MAIN_GUARD_EXIT_CODE)
         world_size = len(self.torch_devices)
         resources = rank_resources(self.devices)
         # Joining (store and groups) may take as long as start-up; each message waits with its request's timeout.
@@ -220,8 +229,10 @@ class DistributedRunner:
         self._store = start_store(world_size, self.start_timeout_s)
         context = rank_context()
         inheritance = RankInheritance.of_this_process()
-        self._workers = [
-            context.Process(
+        self._started_at_s = time.time()
+        self._workers = []
+        for rank in range(1, world_size):
+            worker = context.Process(
                 target=_worker_main,
                 args=(
                     rank,
@@ -238,10 +249,11 @@ class DistributedRunner:
                 daemon=True,
                 name=orphans.rank_process_name(rank),
             )
-            for rank in range(1, world_size)
-        ]
-        for worker in self._workers:
-            worker.start()
+            try:
+                worker.start()
+            except (OSError, EOFError) as error:  # ChildProcessError: something else reaped the fork server
+                self._fail_start(f"could not start rank {rank}'s process ({type(error).__name__}: {error})")
+            self._workers.append(worker)
         self._await_ready(abandon_on_close)
         self._restore = apply_resources(resources[0], self._names()[0], own_process=False)
         group = local_group(0, self.torch_devices, self._store, self.start_timeout_s, self._shared_memory)
@@ -318,6 +330,7 @@ class DistributedRunner:
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5.0)
+        _kill_orphaned_ranks(self._workers, self._started_at_s)
         if self._driver is not None:
             if self._driver.failure is not None:
                 self._driver.join_after_failure(max(deadline - time.monotonic(), _FAILED_THREADS_GRACE_S))
@@ -325,6 +338,20 @@ class DistributedRunner:
         if self._restore is not None:
             restore_resources(self._restore)
         self._workers, self._driver, self._store, self._restore = [], None, None, None
+
+
+def _kill_orphaned_ranks(workers: Sequence[multiprocessing.process.BaseProcess], started_at_s: float) -> None:
+    """Kill the ranks still running that multiprocessing counts as ended: a rank forked from a fork server that
+    died (killed, out of memory) reads as exited with 255, and ``kill()`` would signal nothing. A process is that
+    rank where it bears its name and started after the runner started it (so a reused pid is never killed)."""
+    for rank, worker in enumerate(workers, start=1):
+        if worker.exitcode != _FORK_SERVER_LOST_EXIT_CODE:
+            continue
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(worker.pid)
+            if process.name() == f"{orphans.RANK_PROCESS_PREFIX}{rank}" and process.create_time() >= started_at_s - 1:
+                _log.warning("killing rank %d (pid %d): its fork server ended while it ran", rank, worker.pid)
+                process.kill()
 
 
 # [Note: no thread of ours outlives close]
