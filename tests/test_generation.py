@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import os
 import queue
 import signal
@@ -861,6 +862,9 @@ def test_the_pad_token_and_the_models_generation_config_are_read_as_model_genera
     # ... and a generation_config put in the old one's place.
     model.generation_config = transformers.GenerationConfig(pad_token_id=0, max_new_tokens=3)
     assert torch.equal(lm.generate(padded), hf(padded)) and hf(padded).shape[1] == 7 + 3
+    alone = dataclasses.replace(lm, model=weakref.ref(copy.deepcopy(model)))  # a model collected at once ...
+    gc.collect()
+    assert alone.model() is None and alone.generate(padded).shape[1] == 7 + 3  # ... leaves the config last read
     # A watermark changes even greedy tokens: refused in a call's config, named in a warning in the model's.
     watermark = transformers.WatermarkingConfig(bias=8.0)
     with pytest.raises(moirai.InputError, match="sets watermarking_config=.*which model.generate applies"):

@@ -91,8 +91,8 @@ class CompiledLM:
     model_name: str = "a causal LM"
     vocab_size: int | None = None  # rows of the input embedding: the token ids a prompt may hold
     logits_width: int | None = None  # the logits a step gives a token: the token ids it can sample or ban
-    # The model's own generation_config and config as compile_lm found them; while the model lives they are read
-    # from it at every call, as model.generate reads them: a setting changed after compile_lm
+    # The model's own generation_config and config as last read; while the model lives they are read from it at
+    # every call, as model.generate reads them: a setting changed after compile_lm
     # (model.generation_config.max_new_tokens = 4) counts, and so does a config put in the old one's place.
     compiled_generation_config: Any = None
     compiled_model_config: Any = None
@@ -100,17 +100,21 @@ class CompiledLM:
 
     @property
     def generation_config(self) -> Any:
-        """The model's generation_config now (as compile_lm found it once the model is gone)."""
-        return self._model_attribute("generation_config", self.compiled_generation_config)
+        """The model's generation_config now (the last one read once the model is gone)."""
+        config = self._model_attribute("generation_config", self.compiled_generation_config)
+        self.compiled_generation_config = config  # kept when the model is collected, whenever the collector runs
+        return config
 
     @property
     def model_config(self) -> Any:
-        """The model's config now (as compile_lm found it once the model is gone)."""
-        return self._model_attribute("config", self.compiled_model_config)
+        """The model's config now (the last one read once the model is gone)."""
+        config = self._model_attribute("config", self.compiled_model_config)
+        self.compiled_model_config = config
+        return config
 
-    def _model_attribute(self, name: str, compiled: Any) -> Any:
+    def _model_attribute(self, name: str, last_read: Any) -> Any:
         model = self.model() if self.model is not None else None
-        return compiled if model is None else getattr(model, name, compiled)
+        return last_read if model is None else getattr(model, name, last_read)
 
     @property
     def defaults(self) -> GenerationDefaults:
