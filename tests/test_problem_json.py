@@ -106,6 +106,9 @@ EDITS = [
     (("request_costs", "output_s", 3, 1), NAN, ["request_costs.output_s[3][1] is NaN"]),
     (("request_costs", "input_readers", 0), [INF], ["request_costs.input_readers[0] is [Infinity]"]),  # was raw
     (("request_costs", "input_readers", 0), [NAN], ["request_costs.input_readers[0] is [NaN]"]),
+    # a time on the diagonal: a tensor does not move to the device it is on
+    (("edges", 4, "transfer_s", 0, 0), 0.5, ["edges[4].transfer_s[0][0] is 0.5", "give 0"]),
+    (("edges", 3, "send_cpu_s", 1, 1), 1e-4, ["edges[3].send_cpu_s[1][1] is 0.0001", "give 0"]),
     # an unknown key, with the known one it is closest to
     (("devices", 1, "memmory_bytes"), 4e9, ["devices[1] has unknown key 'memmory_bytes'", "'memory_bytes'?"]),
     (("tasks", 2, "memory_byte"), 4e9, ["tasks[2] has unknown key 'memory_byte'", "'memory_bytes'?"]),
@@ -301,3 +304,9 @@ def test_a_task_no_device_can_run_is_named_as_such(tmp_path: Path) -> None:
     problem = Problem.from_dict(edited(("tasks", 3, "compute_s"), [INF, INF]))
     with pytest.raises(InfeasibleError, match="task 'head' can run on no device"):
         place(problem, "heft")
+
+
+def test_a_task_that_reads_a_tensor_twice_is_its_consumer_once() -> None:
+    """Listed twice, the tensor was twice among the task's inputs (Problem.input_tensors), for every cost to count."""
+    twice = python_problem(tensor_consumers=((1, 1), (2,)))
+    assert twice.tensor_consumers == python_problem().tensor_consumers == ((1,), (2,))

@@ -97,14 +97,7 @@ class Problem:
         object.__setattr__(self, "compute_s", _array(self.compute_s, (n, k), "compute_s"))
         object.__setattr__(self, "memory_bytes", _array(self.memory_bytes, (n,), "memory_bytes"))
         object.__setattr__(self, "tensor_producer", _task_indices(self.tensor_producer, (t,), "tensor_producer"))
-        object.__setattr__(
-            self,
-            "tensor_consumers",
-            tuple(
-                tuple(_task_indices(c, (len(c),), f"tensor_consumers[{i}]").tolist())
-                for i, c in enumerate(self.tensor_consumers)
-            ),
-        )
+        object.__setattr__(self, "tensor_consumers", _consumer_indices(self.tensor_consumers))
         object.__setattr__(self, "transfer_s", _array(self.transfer_s, (t, k, k), "transfer_s"))
         tensor_bytes = np.zeros(t) if self.tensor_bytes is None else self.tensor_bytes
         object.__setattr__(self, "tensor_bytes", _array(tensor_bytes, (t,), "tensor_bytes"))
@@ -499,6 +492,21 @@ def _task_indices(value: Any, shape: tuple[int, ...], label: str) -> np.ndarray:
     return array.astype(int)
 
 
+def _consumer_indices(consumers: Any) -> tuple[tuple[int, ...], ...]:
+    """Every tensor's consumers as task indices, each once, checked in one pass (a problem of 20,000 tasks is rebuilt
+    often); a :class:`ProblemError` naming ``tensor_consumers[t][j]`` where one is no whole number."""
+    lists = [list(c) for c in consumers]
+    ends = np.cumsum([len(c) for c in lists], dtype=int)
+    flat = _array([i for c in lists for i in c], (int(ends[-1]) if lists else 0,), "tensor_consumers")
+    wrong = np.flatnonzero(~np.isfinite(flat) | (flat != np.round(flat)))
+    if wrong.size:
+        t = int(np.searchsorted(ends, wrong[0], side="right"))
+        j = int(wrong[0] - (ends[t - 1] if t else 0))
+        raise ProblemError(f"tensor_consumers[{t}][{j}] is {shown(flat[wrong[0]])}; give a task index")
+    # A task that reads a tensor twice receives it once: listed once, so that no cost can count its transfer twice.
+    return tuple(tuple(dict.fromkeys(part.tolist())) for part in np.split(flat.astype(int), ends[:-1])) if lists else ()
+
+
 def _edge_tensors(
     edges: list[dict[str, Any]], index: dict[str, int], k: int, links: tuple[np.ndarray, np.ndarray] | None
 ) -> dict[str, Any]:
@@ -580,7 +588,20 @@ def _edge_numbers(
         label: checked_numbers(edge.get(label, np.zeros((k, k))), (k, k), f"{where}.{label}", SECONDS, _SQUARE)
         for label in ("send_cpu_s", "recv_cpu_s")
     }
+    for label, matrix in (("transfer_s", transfer), *cpu.items()):
+        if label in edge:
+            _check_zero_diagonal(matrix, f"{where}.{label}")
     return {"tensor_bytes": size, "transfer_s": transfer, **cpu}
+
+
+def _check_zero_diagonal(matrix: np.ndarray, where: str) -> None:
+    """A :class:`ProblemError` naming ``where[d][d]`` unless a K x K matrix of times is 0 on its diagonal."""
+    on_diagonal = np.flatnonzero(np.diagonal(matrix))
+    if on_diagonal.size:
+        d = int(on_diagonal[0])
+        raise ProblemError(
+            f"{where}[{d}][{d}] is {shown(matrix[d, d])}; a tensor does not move to the device it is on: give 0"
+        )
 
 
 def _link_matrices(links: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
