@@ -149,3 +149,52 @@ def test_a_stopped_rank_whose_fork_server_died_is_killed_at_close_and_the_next_r
     assert not alive, "a rank whose fork server died outlived its runner's close"
     with torch.no_grad():
         torch.testing.assert_close(compiled.run_distributed(x), model(x))
+
+
+# A script whose process started a fork server of its own, then forked (a server that forks workers after loading):
+# the child's multiprocessing state names a server that is not its child.
+_FORKED_AFTER_ITS_OWN_FORK_SERVER = """
+import multiprocessing, os, sys
+import torch, moirai
+
+def nothing():
+    pass
+
+if __name__ == "__main__":
+    own = multiprocessing.get_context("forkserver").Process(target=nothing)
+    own.start()
+    own.join()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).eval()
+    x = torch.randn(2, 8)
+    compiled = moirai.compile(model, ["cpu", "cpu"], (x,), placer="round_robin", progress=False, calibration="none")
+    pid = os.fork()
+    if pid == 0:
+        with torch.no_grad():
+            same = torch.allclose(compiled.run_distributed(x), model(x), atol=1e-6)
+        sys.stdout.flush()
+        os._exit(0 if same else 3)
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.slow
+def test_a_process_forked_from_one_with_its_own_fork_server_still_starts_its_ranks(tmp_path) -> None:
+    (tmp_path / "script.py").write_text(_FORKED_AFTER_ITS_OWN_FORK_SERVER)
+    done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_an_unknown_start_method_is_an_input_error_before_anything_starts(monkeypatch) -> None:
+    import torch
+
+    import moirai
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).eval()
+    x = torch.randn(2, 8)
+    compiled = moirai.compile(model, ["cpu", "cpu"], (x,), placer="round_robin", progress=False, calibration="none")
+    monkeypatch.setenv("MOIRAI_RANK_START", "fork")
+    with pytest.raises(moirai.InputError, match="MOIRAI_RANK_START is 'fork'; set it to 'fork-server'"):
+        compiled.run_distributed(x)
+    monkeypatch.setenv("MOIRAI_RANK_START", "spawn")
+    assert rank_context().get_start_method() == "spawn"

@@ -29,6 +29,8 @@ RANK_PROCESS_PREFIX = "moirai-rank"
 _POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1
 _watching = False  # a watch runs in this process
+_UNNAMED = "MainProcess"  # the fork server's name, which a process forked from it has until multiprocessing names it
+_NAMING_WAIT_S = 5.0
 
 
 def rank_process_name(rank: int) -> str:
@@ -62,6 +64,9 @@ def watch_from_fork(rank_0: int, rank_0_pidfd: int) -> None:
 def _watch(rank_0: int, rank_0_pidfd: int | None) -> None:
     _wait_for_exit(rank_0, rank_0_pidfd)
     process = multiprocessing.current_process()
+    deadline = time.monotonic() + _NAMING_WAIT_S
+    while process.name == _UNNAMED and time.monotonic() < deadline:
+        time.sleep(0.01)  # forked a moment ago: multiprocessing has yet to give it the name it was started with
     if not process.name.startswith(RANK_PROCESS_PREFIX):
         return  # forked from the server for someone else's multiprocessing: theirs to end
     print(f"moirai {process.name}: rank 0's process (pid {rank_0}) ended; this rank stops", file=sys.stderr)

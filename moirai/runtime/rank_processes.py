@@ -45,11 +45,16 @@ _PR_SET_NAME = 15
 _STANDARD_STREAMS = (1, 2)
 
 
-def rank_context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context that starts ranks: forked from a server where that is safe, else spawned."""
+def rank_context(fork_server_usable: bool = True) -> multiprocessing.context.BaseContext:
+    """The multiprocessing context that starts ranks: forked from a server where that is safe, else spawned.
+
+    ``fork_server_usable=False``: the server failed to start a rank as one that this process did not start does
+    (``ChildProcessError``; this process was forked from one that started it): spawn from now on."""
     global _server_owner
     if _server_owner is None:
         _server_owner = os.getpid()
+    if not fork_server_usable:
+        _server_owner = -1
     if _start_method() == "spawn" or not _fork_server_is_safe() or _server_owner != os.getpid():
         # A process forked from one whose server runs cannot use that server (it is not its child): spawn.
         return torch.multiprocessing.get_context("spawn")

@@ -60,6 +60,7 @@ _START_POLL_S = 0.05
 _NO_MAIN_GUARD_EXIT_CODE = 86
 # What multiprocessing reads as a forked rank's exit code when the fork server that forked it is gone.
 _FORK_SERVER_LOST_EXIT_CODE = 255
+_FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"  # its command line, which its children keep
 # How long a stop waits for the ranks to exit on their own (after a failure, the time they have to report it).
 _RANKS_EXIT_GRACE_S = 5.0
 # The least a stop waits for a failed driver's threads to end, after its ranks' grace is spent.
@@ -226,12 +227,13 @@ class DistributedRunner:
         resources = rank_resources(self.devices)
         # Joining (store and groups) may take as long as start-up; each message waits with its request's timeout.
         self._shared_memory = shm.enabled() and _room_for_shared_memory(world_size, programs)
-        self._store = start_store(world_size, self.start_timeout_s)
-        context = rank_context()
+        context = rank_context()  # first: a bad MOIRAI_RANK_START leaves no store open
         inheritance = RankInheritance.of_this_process()
+        self._store = start_store(world_size, self.start_timeout_s)
         self._started_at_s = time.time()
         self._workers = []
-        for rank in range(1, world_size):
+
+        def started(rank: int, context: multiprocessing.context.BaseContext) -> multiprocessing.process.BaseProcess:
             worker = context.Process(
                 target=_worker_main,
                 args=(
@@ -249,10 +251,21 @@ class DistributedRunner:
                 daemon=True,
                 name=orphans.rank_process_name(rank),
             )
+            worker.start()
+            return worker
+
+        for rank in range(1, world_size):
             try:
-                worker.start()
-            except (OSError, EOFError) as error:  # ChildProcessError: something else reaped the fork server
-                self._fail_start(f"could not start rank {rank}'s process ({type(error).__name__}: {error})")
+                try:
+                    worker = started(rank, context)
+                except ChildProcessError:
+                    # A fork server this process did not start (it was forked from one that did): spawn from now on.
+                    context = rank_context(fork_server_usable=False)
+                    worker = started(rank, context)
+            except Exception as error:
+                self._fail_start(
+                    f"could not start rank {rank}'s process ({type(error).__name__}: {error})", grace_s=0.0
+                )
             self._workers.append(worker)
         self._await_ready(abandon_on_close)
         self._restore = apply_resources(resources[0], self._names()[0], own_process=False)
@@ -302,8 +315,8 @@ class DistributedRunner:
             'error (see its output above); if your script has no `if __name__ == "__main__":` guard, add one'
         )
 
-    def _fail_start(self, message: str) -> None:
-        self._stop()
+    def _fail_start(self, message: str, grace_s: float | None = None) -> None:
+        self._stop(grace_s)
         raise DistributedError(message)
 
     def _describe_process(self, rank: int) -> str:
@@ -343,13 +356,15 @@ class DistributedRunner:
 def _kill_orphaned_ranks(workers: Sequence[multiprocessing.process.BaseProcess], started_at_s: float) -> None:
     """Kill the ranks still running that multiprocessing counts as ended: a rank forked from a fork server that
     died (killed, out of memory) reads as exited with 255, and ``kill()`` would signal nothing. A process is that
-    rank where it bears its name and started after the runner started it (so a reused pid is never killed)."""
+    rank where it runs the server's command line (a forked rank keeps it, named or still re-importing the main
+    script) and started after the runner started it, so a reused pid is never killed."""
     for rank, worker in enumerate(workers, start=1):
         if worker.exitcode != _FORK_SERVER_LOST_EXIT_CODE:
             continue
         with contextlib.suppress(psutil.Error):
             process = psutil.Process(worker.pid)
-            if process.name() == f"{orphans.RANK_PROCESS_PREFIX}{rank}" and process.create_time() >= started_at_s - 1:
+            forked = _FORK_SERVER_COMMAND in " ".join(process.cmdline())
+            if forked and process.create_time() >= started_at_s - 1:
                 _log.warning("killing rank %d (pid %d): its fork server ended while it ran", rank, worker.pid)
                 process.kill()
 
