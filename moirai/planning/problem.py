@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections import Counter
@@ -504,7 +505,8 @@ def _consumer_indices(consumers: Any) -> tuple[tuple[int, ...], ...]:
         j = int(wrong[0] - (ends[t - 1] if t else 0))
         raise ProblemError(f"tensor_consumers[{t}][{j}] is {shown(flat[wrong[0]])}; give a task index")
     # A task that reads a tensor twice receives it once: listed once, so that no cost can count its transfer twice.
-    return tuple(tuple(dict.fromkeys(part.tolist())) for part in np.split(flat.astype(int), ends[:-1])) if lists else ()
+    values, bounds = flat.astype(int).tolist(), [0, *ends.tolist()]
+    return tuple(tuple(dict.fromkeys(values[start:end])) for start, end in itertools.pairwise(bounds))
 
 
 def _edge_tensors(
