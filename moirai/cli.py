@@ -25,7 +25,7 @@ from rich.markup import escape
 import moirai
 from moirai import progress, viz
 from moirai.cluster.calibration import cli as calibrate_command
-from moirai.errors import MoiraiError
+from moirai.errors import MoiraiError, did_you_mean
 from moirai.files import write_atomically
 
 
@@ -103,7 +103,10 @@ def _placement_arguments(parser: argparse.ArgumentParser, default_placer: str) -
 
 def _compile(args: argparse.Namespace, console: Console) -> int:
     if args.placer not in moirai.list_placers():  # before the model is imported and traced
-        raise MoiraiError(f"unknown placer {args.placer!r}; choose one of {', '.join(moirai.list_placers())}")
+        placers = moirai.list_placers()
+        raise MoiraiError(
+            f"unknown placer {args.placer!r}{did_you_mean(args.placer, placers)}; choose one of {', '.join(placers)}"
+        )
     if args.gantt:
         viz.check_picture_path(args.gantt)
     # A device list goes to compile as the API's users give it, so that both build the cluster one way.

@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import difflib
 import inspect
 import json
 import logging
@@ -36,7 +35,7 @@ from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem, unfused_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
-from moirai.errors import ClusterError, InfeasibleError, MoiraiError, PlanError, ProblemError
+from moirai.errors import ClusterError, InfeasibleError, MoiraiError, PlanError, ProblemError, closest_name
 from moirai.files import write_atomically
 from moirai.frontend.coarsen import CoarseningResult, coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
@@ -516,10 +515,10 @@ def check_placer_options(
     own = [name for name in inspect.signature(caller).parameters if name != "placer_options"]
     name = f"moirai.{getattr(caller, '__name__', 'compile')}"
     for option in placer_options:
-        close = difflib.get_close_matches(option, own, n=1, cutoff=0.8)
-        if close:
+        close = closest_name(option, own, cutoff=0.8)
+        if close is not None:
             raise MoiraiError(
-                f"{name} has no parameter {option!r}; did you mean {close[0]!r}? Keywords other than "
+                f"{name} has no parameter {option!r}; did you mean {close!r}? Keywords other than "
                 f"its own ({', '.join(own)}) go to the placer as its options"
             )
     if placer is not None:

@@ -1,5 +1,10 @@
 """Exceptions a user of moirai can cause; each message says what was wrong and what to do."""
 
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
 
 class MoiraiError(Exception):
     """Base class of every error moirai raises on purpose."""
@@ -75,6 +80,19 @@ class SharedMemoryWarning(MoiraiWarning):
 
 class StateLeftBehindWarning(MoiraiWarning):
     """A closed server's ranks other than 0 wrote buffers or inputs in place: that state ended with their processes."""
+
+
+def closest_name(word: object, names: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The name among ``names`` most like ``word`` (difflib's ratio at least ``cutoff``), or None: what a message
+    offers for a misspelt key, name or option."""
+    close = difflib.get_close_matches(str(word), list(names), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def did_you_mean(word: object, names: Iterable[str]) -> str:
+    """`` (did you mean 'name'?)`` for the name among ``names`` most like ``word``, or nothing."""
+    close = closest_name(word, names)
+    return f" (did you mean {close!r}?)" if close is not None else ""
 
 
 def user_stacklevel() -> int:

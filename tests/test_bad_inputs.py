@@ -227,8 +227,13 @@ def test_call_with_a_non_tensor(compiled):
 
 
 def test_unknown_placer():
-    with raises(MoiraiError, "unknown placer 'hef'", "heft"):
+    with raises(MoiraiError, "unknown placer 'hef' (did you mean 'heft'?); choose one of"):
         moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="hef")
+
+
+def test_unknown_objective_offers_the_closest():
+    with raises(MoiraiError, "unknown objective 'latncy' (did you mean 'latency'?); choose one of"):
+        moirai.compile(tiny(), ["cpu", "cpu"], (X,), objective="latncy")
 
 
 def test_misspelled_placer_option_suggests_the_right_one():

@@ -8,7 +8,6 @@ refused with the closest known key), names are strings of their own.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from collections.abc import Collection, Sequence
@@ -17,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from moirai.errors import ProblemError
+from moirai.errors import ProblemError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -51,9 +50,7 @@ def checked_object(value: Any, where: str, keys: Collection[str], required: Sequ
         raise ProblemError(f"{where} must be an object with keys {sorted(keys)}, got {kind(value)}: {shown(value)}")
     for key in value:
         if key not in keys:
-            close = difflib.get_close_matches(str(key), list(keys), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ProblemError(f"{where} has unknown key {key!r}{hint}; its keys are {sorted(keys)}")
+            raise ProblemError(f"{where} has unknown key {key!r}{did_you_mean(key, keys)}; its keys are {sorted(keys)}")
     missing = [key for key in required if key not in value]
     if missing:
         raise ProblemError(f"{where} lacks {missing}; it needs {list(required)}")
@@ -101,9 +98,9 @@ def known_name(value: Any, where: str, names: dict[str, int], what: str) -> int:
     """The index of the name ``value`` among ``names`` (of ``what``, in words: "task")."""
     name = checked_name(value, where)
     if name not in names:
-        close = difflib.get_close_matches(name, list(names), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ProblemError(f"{where} is {name!r}, which is no {what}'s name{hint}; name one of {list(names)[:20]}")
+        raise ProblemError(
+            f"{where} is {name!r}, which is no {what}'s name{did_you_mean(name, names)}; name one of {list(names)[:20]}"
+        )
     return names[name]
 
 

@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
-from moirai.errors import MoiraiError
+from moirai.errors import MoiraiError, did_you_mean
 
 if TYPE_CHECKING:
     from moirai.planning.colocation import Contraction
@@ -284,4 +284,6 @@ def as_objective(objective: str | Objective) -> Objective:
     try:
         return OBJECTIVES[objective]
     except KeyError:
-        raise MoiraiError(f"unknown objective {objective!r}; choose one of {sorted(OBJECTIVES)}") from None
+        raise MoiraiError(
+            f"unknown objective {objective!r}{did_you_mean(objective, OBJECTIVES)}; choose one of {sorted(OBJECTIVES)}"
+        ) from None

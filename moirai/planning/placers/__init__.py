@@ -8,7 +8,6 @@ respects_memory=..., ...)``: the registry imports every module of this package (
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import importlib
 import inspect
@@ -22,7 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moirai.errors import MoiraiError, MoiraiWarning, OverMemoryWarning, PlacerOptionError, user_stacklevel
+from moirai.errors import (
+    MoiraiError,
+    MoiraiWarning,
+    OverMemoryWarning,
+    PlacerOptionError,
+    did_you_mean,
+    user_stacklevel,
+)
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
@@ -112,7 +118,8 @@ def spec(name: str) -> PlacerSpec:
     try:
         return _SPECS[name]
     except KeyError:
-        raise MoiraiError(f"unknown placer {name!r}; choose one of {sorted(_SPECS)}") from None
+        hint = did_you_mean(name, _SPECS)
+        raise MoiraiError(f"unknown placer {name!r}{hint}; choose one of {sorted(_SPECS)}") from None
 
 
 def specs() -> list[PlacerSpec]:
@@ -322,10 +329,9 @@ def check_options(name: str, function: Placer, options: dict[str, Any]) -> None:
     valid = [p.name for p in parameters]
     for option, value in options.items():
         if option not in valid:
-            close = difflib.get_close_matches(option, valid, n=1)
             raise PlacerOptionError(
                 f"placer {name!r} has no option {option!r}"
-                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + did_you_mean(option, valid)
                 + (f"; its options are {', '.join(valid)}" if valid else "; it takes no options")
             )
         rule = _OPTION_RULES.get(option)
