@@ -486,11 +486,16 @@ def _task_indices(value: Any, shape: tuple[int, ...], label: str) -> np.ndarray:
     """``value`` as an int array of ``shape``; a :class:`ProblemError` naming ``label`` where an entry is no whole
     number (1.7 was read as task 1)."""
     array = _array(value, shape, label)
-    wrong = np.argwhere(~np.isfinite(array) | (array != np.round(array)))
+    wrong = np.argwhere(_not_whole(array))
     if wrong.size:
         index = tuple(int(i) for i in wrong[0])
         raise ProblemError(f"{label}[{', '.join(map(str, index))}] is {shown(array[index])}; give a task index")
     return array.astype(int)
+
+
+def _not_whole(array: np.ndarray) -> np.ndarray:
+    """Where ``array`` holds no whole number (NaN and infinities included)."""
+    return ~np.isfinite(array) | (array != np.round(array))
 
 
 def _consumer_indices(consumers: Any) -> tuple[tuple[int, ...], ...]:
@@ -499,7 +504,7 @@ def _consumer_indices(consumers: Any) -> tuple[tuple[int, ...], ...]:
     lists = [list(c) for c in consumers]
     ends = np.cumsum([len(c) for c in lists], dtype=int)
     flat = _array([i for c in lists for i in c], (int(ends[-1]) if lists else 0,), "tensor_consumers")
-    wrong = np.flatnonzero(~np.isfinite(flat) | (flat != np.round(flat)))
+    wrong = np.flatnonzero(_not_whole(flat))
     if wrong.size:
         t = int(np.searchsorted(ends, wrong[0], side="right"))
         j = int(wrong[0] - (ends[t - 1] if t else 0))

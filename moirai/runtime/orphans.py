@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+import psutil
+
 RANK_PROCESS_PREFIX = "moirai-rank"
 _POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1
@@ -41,21 +43,22 @@ def rank_process_name(rank: int) -> str:
 def watch_rank_0_if_started_rank() -> None:
     """In a process that multiprocessing is starting as a moirai rank, exit when rank 0's process ends (once)."""
     process = multiprocessing.current_process()
-    global _watching
     if not process.name.startswith(RANK_PROCESS_PREFIX) or _watching:
         return
     _, _, started_by = process.name.rpartition("@")
     if not started_by.isdigit():
         return
-    _watching = True
-    _death_signal(signal.SIGKILL)
-    rank_0 = int(started_by)
-    threading.Thread(target=_watch, args=(rank_0, None), name="moirai-rank-0-watch", daemon=True).start()
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    _start_watch(int(started_by), None)
 
 
 def watch_from_fork(rank_0: int, rank_0_pidfd: int) -> None:
     """In a process the fork server just forked (before it knows what it will run): if it is a moirai rank, it exits
     when rank 0's process ends."""
+    _start_watch(rank_0, rank_0_pidfd)
+
+
+def _start_watch(rank_0: int, rank_0_pidfd: int | None) -> None:
     global _watching
     _watching = True
     threading.Thread(target=_watch, args=(rank_0, rank_0_pidfd), name="moirai-rank-0-watch", daemon=True).start()
@@ -75,7 +78,7 @@ def _watch(rank_0: int, rank_0_pidfd: int | None) -> None:
 
 def started() -> None:
     """This rank started: from now on only the watch thread ends it with rank 0 (see the module docstring)."""
-    _death_signal(0)
+    prctl(_PR_SET_PDEATHSIG, 0)
 
 
 def _wait_for_exit(pid: int, pidfd: int | None) -> None:
@@ -96,21 +99,17 @@ def _wait_for_exit(pid: int, pidfd: int | None) -> None:
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs: not ended, and not a zombie its parent has yet to reap."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True  # no /proc here: kill's answer stands
+    except psutil.Error:
+        return True  # not ours to inspect: it runs
 
 
-def _death_signal(signal_number: int) -> None:
+def prctl(option: int, value: int | bytes) -> None:
+    """Linux's ``prctl(option, value)`` for this process (or its calling thread); nothing elsewhere."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal_number), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
 if getattr(multiprocessing.current_process(), "_inheriting", False):

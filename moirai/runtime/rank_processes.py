@@ -20,10 +20,13 @@ command line is the server's. Where forking from a server is unsafe (:func:`rank
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
+import logging
 import multiprocessing
 import os
 import sys
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import reduction
 from typing import Any
@@ -32,9 +35,11 @@ import psutil
 import torch.multiprocessing
 
 from moirai.errors import InputError
-from moirai.runtime.orphans import RANK_PROCESS_PREFIX
+from moirai.runtime.orphans import RANK_PROCESS_PREFIX, prctl, watch_rank_0_if_started_rank
 
-__all__ = ["RANK_PROCESS_PREFIX", "RankInheritance", "name_this_process", "rank_context", "started_ranks"]
+__all__ = ["RANK_PROCESS_PREFIX", "RankInheritance", "RankStarter", "become_rank", "rank_context", "started_ranks"]
+
+_log = logging.getLogger(__name__)
 
 # Imported once by the fork server, so that a rank forked from it starts at once: everything a rank runs, after
 # fork_server, which must see the server's parent (rank 0) first.
@@ -42,6 +47,9 @@ _PRELOADED_MODULES = ("moirai.runtime.fork_server", "torch", "moirai.runtime.run
 START_METHOD_ENV = "MOIRAI_RANK_START"
 _server_owner: int | None = None  # the process that started ranks first: the fork server is its child
 _PR_SET_NAME = 15
+# What multiprocessing reads as a forked rank's exit code when the fork server that forked it is gone.
+_FORK_SERVER_LOST_EXIT_CODE = 255
+_FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"  # its command line, which its children keep
 _STANDARD_STREAMS = (1, 2)
 
 
@@ -114,15 +122,56 @@ class RankInheritance:
         os.environ.update(self.environment)
         for duplicate, descriptor in self.streams:  # unpickled: (the descriptor received, the one it replaces)
             if duplicate != descriptor:  # equal where the rank was spawned: it has rank 0's descriptor already
-                for stream in (sys.stdout, sys.stderr):
-                    if stream is not None:
-                        stream.flush()
+                flush_standard_streams()
                 os.dup2(duplicate, descriptor)
                 os.close(duplicate)
         if self.cores is not None:
             os.sched_setaffinity(0, self.cores)
         if self.umask is not None:
             os.umask(self.umask)
+
+
+class RankStarter:
+    """How this process starts the rank processes of one world: the context (:func:`rank_context`), what each rank
+    inherits (:class:`RankInheritance`, as it is now), and when they were started (to tell them from reused pids)."""
+
+    def __init__(self) -> None:
+        self.context = rank_context()  # first: a bad MOIRAI_RANK_START raises before anything starts
+        self.inheritance = RankInheritance.of_this_process()
+        self.started_at_s = time.time()
+
+    def start(
+        self, rank: int, target: Callable[..., None], args: tuple[Any, ...], name: str
+    ) -> multiprocessing.process.BaseProcess:
+        """Start rank ``rank``'s process (daemonic), which runs ``target(rank, *args, inheritance)``."""
+        try:
+            return self._started(rank, target, args, name)
+        except ChildProcessError:
+            # A fork server this process did not start (it was forked from one that did): spawn from now on.
+            self.context = rank_context(fork_server_usable=False)
+            return self._started(rank, target, args, name)
+
+    def _started(
+        self, rank: int, target: Callable[..., None], args: tuple[Any, ...], name: str
+    ) -> multiprocessing.process.BaseProcess:
+        process = self.context.Process(target=target, args=(rank, *args, self.inheritance), daemon=True, name=name)
+        process.start()
+        return process
+
+    def kill_orphans(self, processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
+        """Kill the ranks still running that multiprocessing counts as ended: a rank forked from a fork server that
+        died (killed, out of memory) reads as exited with 255, and ``kill()`` would signal nothing. A process is that
+        rank where it runs the server's command line (a forked rank keeps it, named or still re-importing the main
+        script) and started after this starter was made, so a reused pid is never killed."""
+        for process in processes:
+            if process.exitcode != _FORK_SERVER_LOST_EXIT_CODE:
+                continue
+            with contextlib.suppress(psutil.Error):
+                running = psutil.Process(process.pid)
+                forked = _FORK_SERVER_COMMAND in " ".join(running.cmdline())
+                if forked and running.create_time() >= self.started_at_s - 1:
+                    _log.warning("killing %s (pid %d): its fork server ended while it ran", process.name, process.pid)
+                    running.kill()
 
 
 def _umask() -> int | None:
@@ -137,10 +186,19 @@ def _umask() -> int | None:
     return None
 
 
-def name_this_process(name: str) -> None:
-    """Name this process (Linux: what ``ps``, ``top`` and ``psutil.Process.name`` show; 15 bytes at most)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+def become_rank(rank: int, inheritance: RankInheritance) -> None:
+    """A rank's first steps, in its own process: rank 0's environment and streams, its name, the watch on rank 0."""
+    inheritance.apply()
+    # What ps, top and psutil.Process.name show (15 bytes at most), since the command line is the fork server's.
+    prctl(_PR_SET_NAME, f"{RANK_PROCESS_PREFIX}{rank}".encode()[:15])
+    watch_rank_0_if_started_rank()
+
+
+def flush_standard_streams() -> None:
+    """Flush Python's stdout and stderr: before their descriptors change, or the process ends by ``os._exit``."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
 
 
 def started_ranks(rank_0_pid: int | None = None) -> list[psutil.Process]:

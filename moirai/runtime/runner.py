@@ -13,7 +13,6 @@ pending requests with the error naming it, and new ranks start in the background
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import multiprocessing
@@ -27,7 +26,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import psutil
 import torch
 
 from moirai.cluster.devices import Device
@@ -39,7 +37,7 @@ from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import local_group
 from moirai.runtime.local import check_inputs
 from moirai.runtime.protocol import load_bytes, serve
-from moirai.runtime.rank_processes import RankInheritance, name_this_process, rank_context
+from moirai.runtime.rank_processes import RankInheritance, RankStarter, become_rank, flush_standard_streams
 from moirai.runtime.resources import (
     RankResources,
     apply_resources,
@@ -58,9 +56,6 @@ _log = logging.getLogger(__name__)
 _START_POLL_S = 0.05
 # Exit code of a spawned rank that found the user's script re-imported without a __main__ guard.
 _NO_MAIN_GUARD_EXIT_CODE = 86
-# What multiprocessing reads as a forked rank's exit code when the fork server that forked it is gone.
-_FORK_SERVER_LOST_EXIT_CODE = 255
-_FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"  # its command line, which its children keep
 # How long a stop waits for the ranks to exit on their own (after a failure, the time they have to report it).
 _RANKS_EXIT_GRACE_S = 5.0
 # The least a stop waits for a failed driver's threads to end, after its ranks' grace is spent.
@@ -93,7 +88,7 @@ class DistributedRunner:
         self.start_timeout_s = check_timeout(start_timeout_s)
         self.max_in_flight = check_max_in_flight(max_in_flight)
         self._workers: list[multiprocessing.Process] = []
-        self._started_at_s = 0.0  # when the ranks of this world were started (time.time)
+        self._starter: RankStarter | None = None  # what started this world's ranks
         self._driver: Driver | None = None
         self._store: RunStore | None = None
         self._restore: RankResources | None = None
@@ -219,49 +214,28 @@ class DistributedRunner:
             # This is a rank importing the user's script, which starts a runner at import: stop quietly with a code
             # the parent recognises, instead of three multiprocessing tracebacks (os._exit: a process forked from
             # the fork server turns a SystemExit into exit code 1).
-            for stream in (sys.stdout, sys.stderr):
-                if stream is not None:
-                    stream.flush()
+            flush_standard_streams()
             os._exit(_NO_MAIN_GUARD_EXIT_CODE)
         world_size = len(self.torch_devices)
         resources = rank_resources(self.devices)
         # Joining (store and groups) may take as long as start-up; each message waits with its request's timeout.
         self._shared_memory = shm.enabled() and _room_for_shared_memory(world_size, programs)
-        context = rank_context()  # first: a bad MOIRAI_RANK_START leaves no store open
-        inheritance = RankInheritance.of_this_process()
+        self._starter = RankStarter()  # first: a bad MOIRAI_RANK_START leaves no store open
         self._store = start_store(world_size, self.start_timeout_s)
-        self._started_at_s = time.time()
         self._workers = []
-
-        def started(rank: int, context: multiprocessing.context.BaseContext) -> multiprocessing.process.BaseProcess:
-            worker = context.Process(
-                target=_worker_main,
-                args=(
-                    rank,
-                    self.torch_devices,
-                    self._names(),
-                    self._store.port,
-                    self._store.secret,
-                    self.timeout_s,
-                    self.start_timeout_s,
-                    resources[rank],
-                    self._shared_memory,
-                    inheritance,
-                ),
-                daemon=True,
-                name=orphans.rank_process_name(rank),
-            )
-            worker.start()
-            return worker
-
         for rank in range(1, world_size):
+            arguments = (
+                self.torch_devices,
+                self._names(),
+                self._store.port,
+                self._store.secret,
+                self.timeout_s,
+                self.start_timeout_s,
+                resources[rank],
+                self._shared_memory,
+            )
             try:
-                try:
-                    worker = started(rank, context)
-                except ChildProcessError:
-                    # A fork server this process did not start (it was forked from one that did): spawn from now on.
-                    context = rank_context(fork_server_usable=False)
-                    worker = started(rank, context)
+                worker = self._starter.start(rank, _worker_main, arguments, orphans.rank_process_name(rank))
             except Exception as error:
                 self._fail_start(
                     f"could not start rank {rank}'s process ({type(error).__name__}: {error})", grace_s=0.0
@@ -343,7 +317,8 @@ class DistributedRunner:
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5.0)
-        _kill_orphaned_ranks(self._workers, self._started_at_s)
+        if self._starter is not None:
+            self._starter.kill_orphans(self._workers)
         if self._driver is not None:
             if self._driver.failure is not None:
                 self._driver.join_after_failure(max(deadline - time.monotonic(), _FAILED_THREADS_GRACE_S))
@@ -351,22 +326,6 @@ class DistributedRunner:
         if self._restore is not None:
             restore_resources(self._restore)
         self._workers, self._driver, self._store, self._restore = [], None, None, None
-
-
-def _kill_orphaned_ranks(workers: Sequence[multiprocessing.process.BaseProcess], started_at_s: float) -> None:
-    """Kill the ranks still running that multiprocessing counts as ended: a rank forked from a fork server that
-    died (killed, out of memory) reads as exited with 255, and ``kill()`` would signal nothing. A process is that
-    rank where it runs the server's command line (a forked rank keeps it, named or still re-importing the main
-    script) and started after the runner started it, so a reused pid is never killed."""
-    for rank, worker in enumerate(workers, start=1):
-        if worker.exitcode != _FORK_SERVER_LOST_EXIT_CODE:
-            continue
-        with contextlib.suppress(psutil.Error):
-            process = psutil.Process(worker.pid)
-            forked = _FORK_SERVER_COMMAND in " ".join(process.cmdline())
-            if forked and process.create_time() >= started_at_s - 1:
-                _log.warning("killing rank %d (pid %d): its fork server ended while it ran", rank, worker.pid)
-                process.kill()
 
 
 # [Note: no thread of ours outlives close]
@@ -455,9 +414,7 @@ def _worker_main(
     ``secret`` (the run's, from rank 0's arguments, never from the store) opens the store's values and
     authenticates rank 0's headers. The rank exits as soon as rank 0's process does (:mod:`moirai.runtime.orphans`).
     """
-    inheritance.apply()
-    name_this_process(orphans.RANK_PROCESS_PREFIX + str(rank))
-    orphans.watch_rank_0_if_started_rank()
+    become_rank(rank, inheritance)
     store = join_store(port, len(torch_devices), secret, start_timeout_s)
     group = None
     try:
