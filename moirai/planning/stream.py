@@ -34,12 +34,15 @@ class Stream(NamedTuple):
 
     @property
     def period_s(self) -> float:
-        """Seconds between consecutive requests' completions once the pipeline is full (the later half)."""
+        """Seconds between consecutive requests' completions once the pipeline is full: the later half's mean gap,
+        and never less than the busiest device's or link's time per request, which no stream beats (a few requests'
+        gaps can: the last may finish close behind the one before when the busiest device served it early)."""
         finish = np.sort(self.request_finish_s)
         if len(finish) < 2:
             return float(finish[-1]) if len(finish) else 0.0
         half = len(finish) // 2
-        return float((finish[-1] - finish[half - 1]) / (len(finish) - half))
+        observed_s = float((finish[-1] - finish[half - 1]) / (len(finish) - half))
+        return max(observed_s, self.timeline.period_s / self.num_requests)
 
     def request_of_task(self) -> np.ndarray:
         """The request every task of the unrolled problem belongs to."""
