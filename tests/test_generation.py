@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import math
 import os
 import queue
 import signal
@@ -21,7 +22,7 @@ import torch
 import moirai
 import moirai.generation.requests
 from moirai.frontend.state import mutable_buffers
-from moirai.generation.engine import done_future
+from moirai.generation.engine import SamplingParams, done_future
 from moirai.generation.server import GenerationServer
 from moirai.generation.step import ban_tokens, sample_tokens
 from moirai.planning.objective import Generation
@@ -438,16 +439,87 @@ def test_a_server_whose_loop_fails_fails_its_sequences_and_refuses_later_ones(sp
         with pytest.raises(moirai.InputError, match="seed must be between 0 and"):
             server.submit(prompt, max_new_tokens=3, do_sample=True, seed=2**64)
 
-        def broken(step):  # a fault injected into the loop itself
+        def broken(*args):  # a fault injected into the loop
             raise RuntimeError("injected")
 
-        monkeypatch.setattr(server._engine, "_inputs", broken)
-        with pytest.raises(RuntimeError, match="injected"):
+        # A step that cannot be built fails its own sequences, and the server serves on (a top_k of 10**400 was
+        # an OverflowError there that ended the loop, failing every user's sequence with it).
+        with monkeypatch.context() as patched:
+            patched.setattr(server._engine, "_inputs", broken)
+            with pytest.raises(moirai.RequestError, match=r"could not start \(RuntimeError\('injected'\)\)"):
+                server.submit(prompt, max_new_tokens=3).result(timeout=60)
+        assert server.submit(prompt, max_new_tokens=3).result(timeout=60) == hf_like(split_lm, prompt, 3)
+        assert server.submit(prompt, max_new_tokens=3, do_sample=True, top_k=10**400, seed=1).result(timeout=60)
+
+        monkeypatch.setattr(server._engine, "_next_step", broken)  # the loop itself fails
+        with pytest.raises(moirai.RequestError, match=r"loop failed \(RuntimeError\('injected'\)\)") as failed:
             server.submit(prompt, max_new_tokens=3).result(timeout=60)
+        assert isinstance(failed.value.__cause__, RuntimeError)
         with pytest.raises(moirai.RequestError, match=r"loop failed \(RuntimeError\('injected'\)\).*lm.server\(\)"):
             server.submit(prompt, max_new_tokens=3)
         with pytest.raises(moirai.RequestError, match="loop failed"):  # generate waited for ever there
             server.generate(prompt[None], max_new_tokens=3)
+
+
+def test_generate_calls_from_several_threads_and_beside_a_server_each_get_their_own_tokens(llama, split_lm):
+    """[Note: one user of the caches at a time] Every engine handed out cache slots from 0 of the one step program's
+    caches: two threads' generate calls, or a generate beside an open server, wrote each other's caches and got
+    wrong tokens, silently."""
+    prompts = torch.randint(0, VOCAB, (2, 2, 20), generator=torch.Generator().manual_seed(21))
+    expected = [split_lm.generate(rows, max_new_tokens=16) for rows in prompts]
+    with torch.no_grad():
+        assert torch.equal(expected[0], llama.generate(prompts[0], max_new_tokens=16, do_sample=False))
+    results: dict[int, torch.Tensor] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, split_lm.generate(prompts[i], max_new_tokens=16)))
+        for i in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert all(torch.equal(results[i], expected[i]) for i in range(2))
+
+    with split_lm.server() as server:
+        futures = [server.submit(row, max_new_tokens=16) for row in prompts[0]]
+        assert torch.equal(split_lm.generate(prompts[1], max_new_tokens=16), expected[1])  # through the server
+        assert [f.result(timeout=120) for f in futures] == expected[0][:, 20:].tolist()
+        with pytest.raises(moirai.UsageError, match="has a server open already"):
+            split_lm.server()
+    assert torch.equal(split_lm.generate(prompts[1], max_new_tokens=16), expected[1])  # the caches are free again
+    with pytest.raises(moirai.MoiraiError, match="max_in_flight"):  # 0 read as "the default" here alone
+        split_lm.server(max_in_flight=0)
+    assert torch.equal(split_lm.generate(prompts[1], max_new_tokens=16), expected[1])  # a failed open gave it back
+
+
+class _SlowStepsInThisProcess(_StepsInThisProcess):
+    """Steps of 20 ms at least: 50 tokens take a second, far longer than a test needs to act before they end."""
+
+    def submit_flat(self, inputs):
+        time.sleep(0.02)
+        return super().submit_flat(inputs)
+
+
+def test_a_stream_and_a_generate_cut_short_by_a_cancelling_close_say_so(split_lm):
+    """Each raised concurrent.futures' bare CancelledError."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    server = GenerationServer(split_lm, _SlowStepsInThisProcess(split_lm), depth=2)
+    stream = server.stream(prompt, max_new_tokens=50)
+    next(stream)
+    rows: list[BaseException] = []
+    generating = threading.Thread(
+        target=lambda: rows.append(pytest.raises(moirai.RequestError, server.generate, prompt[None], max_new_tokens=50))
+    )
+    generating.start()
+    deadline = time.monotonic() + 60
+    while server.unfinished < 2:  # a bound on a hang, not a timing
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    server.close(cancel=True)
+    generating.join(60)
+    with pytest.raises(moirai.RequestError, match="cancelled before it ended: its server was closed with cancel=True"):
+        list(stream)
+    assert "cancelled before it ended" in str(rows[0].value)
 
 
 def test_done_callbacks_may_submit_and_are_told_not_to_close(split_lm):
@@ -636,13 +708,22 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), repetition_penalty=0.0)
     with pytest.raises(moirai.InputError, match="0 <= min_p <= 1; got .*min_p=1.5"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, min_p=1.5)
+    # Values that fail every comparison or overflow a float (NaN sampled at random; 10**400 was an OverflowError)
+    with pytest.raises(moirai.InputError, match="temperature must be finite numbers, got temperature=nan"):
+        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, temperature=math.nan)
+    with pytest.raises(moirai.InputError, match="temperature must be finite numbers, got temperature=1000000"):
+        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, temperature=10**400)
+    with pytest.raises(moirai.InputError, match="repetition_penalty must be finite numbers"):
+        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), repetition_penalty=math.inf)
+    with pytest.raises(moirai.InputError, match="sampling needs a finite temperature"):
+        SamplingParams(temperature=math.nan)
     with pytest.raises(moirai.InputError, match=rf"bad_words_ids holds token ids \[{VOCAB}\], past the model's"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), bad_words_ids=[[3, VOCAB]])
     with pytest.raises(moirai.InputError, match="bad_words_ids in the generate call must be a non-empty list of"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), bad_words_ids=[3, 4])
     # Arguments of the wrong type (each was a raw TypeError, RuntimeError or ValueError, or cut silently)
     prompt = torch.tensor([[3, 4]])
-    with pytest.raises(moirai.InputError, match="must be numbers, got temperature='0.7'"):
+    with pytest.raises(moirai.InputError, match="must be finite numbers, got temperature='0.7'"):
         split_lm.generate(prompt, do_sample=True, temperature="0.7", max_new_tokens=2)
     with pytest.raises(moirai.InputError, match="seed must be a whole number, got 1.5"):
         split_lm.generate(prompt, do_sample=True, seed=1.5, max_new_tokens=2)

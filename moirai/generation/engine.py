@@ -18,6 +18,7 @@ its own slot's positions up to its own, each written by that sequence before it 
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import warnings
@@ -31,6 +32,9 @@ from moirai.errors import DistributedError, InputError, MoiraiError, MoiraiWarni
 from moirai.generation.bans import SequenceBans
 from moirai.generation.step import SAMPLING_CANDIDATES, SAMPLING_FIELDS
 from moirai.runtime.driver import settle_future
+
+# A top_k at least this large keeps every token of any vocabulary; float32 (the step's sampling input) holds it exactly.
+_TOP_K_ALL = 2**24
 
 SubmitStep = Callable[[tuple[torch.Tensor, ...]], "Future[torch.Tensor]"]
 
@@ -50,21 +54,23 @@ class SamplingParams:
 
     def row(self, uniform: float) -> list[float]:
         """This sampling as a row of the step's ``sampling`` input (its columns: ``SAMPLING_FIELDS``), with the
-        ``uniform`` number a sampled step draws at."""
-        return [uniform if name == "uniform" else float(getattr(self, name)) for name in SAMPLING_FIELDS]
+        ``uniform`` number a sampled step draws at; a ``top_k`` past any vocabulary reads as all tokens, as it does."""
+        values = {"uniform": uniform, "top_k": min(self.top_k, _TOP_K_ALL)}
+        return [float(values[name] if name in values else getattr(self, name)) for name in SAMPLING_FIELDS]
 
     def __post_init__(self) -> None:
-        if (
-            self.temperature < 0
-            or self.top_k < 0
-            or not 0 < self.top_p <= 1
-            or not self.repetition_penalty > 0
-            or not 0 <= self.min_p <= 1
+        # Written as "not ... ok" so that NaN, which fails every comparison, is refused too.
+        if not (
+            0 <= self.temperature < math.inf
+            and self.top_k >= 0
+            and 0 < self.top_p <= 1
+            and 0 < self.repetition_penalty < math.inf
+            and 0 <= self.min_p <= 1
         ):
             raise InputError(
-                f"sampling needs temperature >= 0, top_k >= 0, 0 < top_p <= 1, repetition_penalty > 0 and "
-                f"0 <= min_p <= 1; got temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
-                f"repetition_penalty={self.repetition_penalty}, min_p={self.min_p}"
+                f"sampling needs a finite temperature >= 0, top_k >= 0, 0 < top_p <= 1, a finite repetition_penalty "
+                f"> 0 and 0 <= min_p <= 1; got temperature={self.temperature}, top_k={self.top_k}, "
+                f"top_p={self.top_p}, repetition_penalty={self.repetition_penalty}, min_p={self.min_p}"
             )
 
 
@@ -273,6 +279,10 @@ class Engine:
         """Fail every sequence added, and every one added from now on (the loop that served them has ended)."""
         with self._unsettled_lock:
             self.failure = error
+        if not isinstance(error, MoiraiError):  # a fault of the loop's own: the sequences learn it as ours
+            stopped = RequestError(f"the generation loop failed ({error!r}) and serves no more sequences")
+            stopped.__cause__ = error
+            error = stopped
         for sequence in [*self._active, *self._drain_waiting()]:
             settle_future(sequence.future, None, error)
         self._active.clear()
@@ -318,6 +328,11 @@ class Engine:
                 future = self._submit(self._inputs(step))
             except MoiraiError as error:
                 self._fail_step(step, error)
+                continue
+            except Exception as error:  # a step that cannot be built fails its own sequences, not the server
+                failed = RequestError(f"a step of {len(step.sequences)} sequence(s) could not start ({error!r})")
+                failed.__cause__ = error
+                self._fail_step(step, failed)
                 continue
             self._in_flight[future] = step
             future.add_done_callback(self._settled.put)  # at once if already settled (the local runner's)

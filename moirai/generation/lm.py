@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -35,7 +36,7 @@ from moirai import viz
 from moirai.cluster.cost import activation_peak_bytes, build_problem
 from moirai.cluster.devices import Cluster
 from moirai.compile import CompiledModel, assemble, check_placer_options, describe_plan, from_plan_record, rank_cluster
-from moirai.errors import InfeasibleError, InputError, MoiraiWarning, TraceError, user_stacklevel
+from moirai.errors import InfeasibleError, InputError, MoiraiWarning, TraceError, UsageError, user_stacklevel
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
@@ -97,6 +98,12 @@ class CompiledLM:
     compiled_generation_config: Any = None
     compiled_model_config: Any = None
     model: weakref.ReferenceType[torch.nn.Module] | None = field(default=None, repr=False, compare=False)
+    # [Note: one user of the caches at a time] The KV caches are buffers of the one step program, and every local
+    # generate and the part an open server runs in this process write them, each engine handing out slots from 0.
+    # So they take turns: a generate waits for another thread's, or runs through the open server; a server holds
+    # the turn until it closes, and one is open at a time.
+    _cache_turn: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _open_server: GenerationServer | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def generation_config(self) -> Any:
@@ -268,16 +275,45 @@ class CompiledLM:
         """
         given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
         options = GenerateOptions.of(given, others)
-        engine = self.engine(lambda inputs: done_future(lambda: self.compiled(*inputs)), depth=1)
-        return generate_rows(self, engine, input_ids, attention_mask, options, drive=engine.run_until_idle)
+        server = self._open_server
+        if server is not None:  # [Note: one user of the caches at a time]
+            return server.generate_with(input_ids, attention_mask, options)
+        with self._cache_turn:
+            engine = self.engine(lambda inputs: done_future(lambda: self.compiled(*inputs)), depth=1)
+            return generate_rows(self, engine, input_ids, attention_mask, options, drive=engine.run_until_idle)
 
     def server(self, timeout_s: float = 120.0, max_in_flight: int | None = None) -> GenerationServer:
         """A server that generates for many sequences at once, one process per device (see
-        :class:`GenerationServer`); ``max_in_flight`` steps in flight (default: one per stage, at least 2)."""
-        depth = max_in_flight or max(2, self.stages)
-        # The caches are each sequence's own, cleared by its first chunk: nothing of them need outlive the server.
-        server = self.compiled.server(timeout_s=timeout_s, max_in_flight=depth, warn_state_left=False)
-        return GenerationServer(self, server, depth)
+        :class:`GenerationServer`); ``max_in_flight`` steps in flight (default: one per stage, at least 2). One is
+        open at a time, and :meth:`generate` runs through it while it is."""
+        if self._open_server is not None:  # [Note: one user of the caches at a time]
+            raise UsageError(
+                "this CompiledLM has a server open already, and its caches serve one at a time: submit to that "
+                "server (lm.generate runs through it too), or close it before opening another"
+            )
+        depth = max(2, self.stages) if max_in_flight is None else max_in_flight
+        with self._cache_turn_held_on_failure():
+            # The caches are each sequence's own, cleared by its first chunk: nothing of them need outlive the server.
+            step_server = self.compiled.server(timeout_s=timeout_s, max_in_flight=depth, warn_state_left=False)
+            self._open_server = GenerationServer(self, step_server, depth)
+        return self._open_server
+
+    @contextlib.contextmanager
+    def _cache_turn_held_on_failure(self) -> Iterator[None]:
+        """Take the caches' turn (waiting for a generate in another thread) and give it back should the block
+        raise; otherwise the server that opened in it holds the turn until :meth:`server_closed`."""
+        self._cache_turn.acquire()
+        try:
+            yield
+        except BaseException:
+            self._cache_turn.release()
+            raise
+
+    def server_closed(self, server: GenerationServer) -> None:
+        """``server`` (this LM's open one) has closed: the caches are free for the next user."""
+        if self._open_server is server:
+            self._open_server = None
+            self._cache_turn.release()
 
 
 @_progress.reports_progress

@@ -3,15 +3,17 @@ tokens put back as ``model.generate`` returns them."""
 
 from __future__ import annotations
 
+import math
 import operator
+import reprlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from moirai.errors import InputError
+from moirai.errors import InputError, RequestError
 from moirai.generation.bans import TokenBans
 from moirai.generation.engine import Engine, SamplingParams, SequenceState
 
@@ -443,11 +445,24 @@ def sampling_params(
     return SamplingParams(temperature, top_k or 0, top_p, seed, penalty, min_p)
 
 
+def sequence_tokens(future: Future) -> list[int]:
+    """A sequence's new tokens from its future; cancelled by the server (closed with ``cancel=True``, or left by an
+    exception), a :class:`RequestError` that says so rather than concurrent.futures' bare ``CancelledError``."""
+    try:
+        return future.result()
+    except CancelledError:
+        raise RequestError(
+            "the sequence was cancelled before it ended: its server was closed with cancel=True (a with block left "
+            "by an exception does that)"
+        ) from None
+
+
 def _numbers(**given: Any) -> list[float]:
-    """``given`` as floats; :class:`InputError` naming them unless each is a number."""
-    if any(isinstance(v, (str, bytes)) or not _is_number(v) for v in given.values()):
-        said = ", ".join(f"{name}={value!r}" for name, value in given.items())
-        raise InputError(f"{' and '.join(given)} must be numbers, got {said}")
+    """``given`` as floats; :class:`InputError` naming them unless each is a finite number."""
+    wrong = {name: v for name, v in given.items() if isinstance(v, (str, bytes)) or not _is_finite_number(v)}
+    if wrong:
+        said = ", ".join(f"{name}={reprlib.repr(value)}" for name, value in wrong.items())
+        raise InputError(f"{' and '.join(wrong)} must be finite numbers, got {said}")
     return [float(v) for v in given.values()]
 
 
@@ -465,12 +480,11 @@ def _whole(name: str, value: Any) -> int | None:
         raise InputError(f"{name} must be a whole number, got {value!r}") from None
 
 
-def _is_number(value: Any) -> bool:
+def _is_finite_number(value: Any) -> bool:
     try:
-        float(value)
-    except (TypeError, ValueError):
+        return math.isfinite(float(value))
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range (10**400)
         return False
-    return True
 
 
 def end_tokens(given: int | Sequence[int] | None, default: Sequence[int]) -> tuple[int, ...]:
@@ -515,7 +529,7 @@ def generate_rows(
     try:
         if drive is not None:
             drive()
-        tokens = request.assemble([f.result() for f in futures])
+        tokens = request.assemble([sequence_tokens(f) for f in futures])
     except BaseException:  # the caller interrupted (or a row failed): the other rows stop too, freeing their slots
         for future in futures:
             future.cancel()

@@ -22,7 +22,7 @@ import torch
 from moirai.errors import InputError, UsageError
 from moirai.generation.bans import TokenBans
 from moirai.generation.engine import SequenceState
-from moirai.generation.requests import GenerateOptions, end_tokens, generate_rows, prompt_tokens
+from moirai.generation.requests import GenerateOptions, end_tokens, generate_rows, prompt_tokens, sequence_tokens
 
 if TYPE_CHECKING:
     from moirai.generation.lm import CompiledLM
@@ -105,7 +105,7 @@ class GenerationServer:
                 except queue.Empty:
                     pass
                 if future.done():
-                    future.result()  # a failed sequence raises here
+                    sequence_tokens(future)  # a failed or cancelled sequence raises here
                     while not tokens.empty():
                         yield tokens.get()
                     return
@@ -133,7 +133,18 @@ class GenerationServer:
     ) -> Any:
         """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
         given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
-        return generate_rows(self._lm, self._engine, input_ids, attention_mask, GenerateOptions.of(given, others))
+        return self.generate_with(input_ids, attention_mask, GenerateOptions.of(given, others))
+
+    def generate_with(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, options: GenerateOptions
+    ) -> Any:
+        """:meth:`generate` with its options read (:meth:`CompiledLM.generate` calls it while this server is open)."""
+        if threading.current_thread() is self._thread:
+            raise UsageError(
+                "generate was called from a done callback of a sequence's future (or a streamer), in the server's "
+                "own thread, which would have to serve the call while waiting for it; call it from your own thread"
+            )
+        return generate_rows(self._lm, self._engine, input_ids, attention_mask, options)
 
     @property
     def unfinished(self) -> int:
@@ -156,7 +167,10 @@ class GenerationServer:
             self._engine.close()  # before the loop may end: a submit racing this close is served, or refused
             self._stopped.set()
             self._thread.join()
-            self._step_server.close()
+            try:
+                self._step_server.close()
+            finally:
+                self._lm.server_closed(self)
 
     def _serve(self) -> None:
         try:
