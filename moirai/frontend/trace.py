@@ -38,6 +38,7 @@ from moirai.frontend.trace_checks import (
     check_example_inputs,
     check_operand_dtypes,
     check_static_shapes,
+    in_place_write_error,
     inputs_do_not_fit_error,
     tensor_input_names,
     trace_error,
@@ -277,23 +278,40 @@ def _symbolic_trace_fallback(model: torch.nn.Module, args: tuple, name: str, exp
         raise trace_error(name, export_error, args, {}) from export_error
     recorder = _RecordValues(graph_module)
     try:
-        recorder.run(*args)
+        with torch.no_grad():  # not inference mode: its tensors keep no version counter
+            recorder.run(*args)
     except Exception as error:
         # The model ran eagerly on the example inputs and failed there: they do not fit it.
         raise inputs_do_not_fit_error(name, args, graph_module, recorder.current_node, error) from error
+    if recorder.writes_in_place is not None:
+        raise in_place_write_error(name, graph_module, recorder.writes_in_place, export_error) from export_error
     return graph_module
 
 
 class _RecordValues(fx.Interpreter):
-    """Runs the graph once and records ``meta["val"]`` (as exported graphs have) on every node."""
+    """Runs the graph once and records ``meta["val"]`` (as exported graphs have) on every node, and the first node
+    that writes a tensor it reads in place (its version counter, which views share, moves)."""
 
     current_node: fx.Node | None = None
+    writes_in_place: fx.Node | None = None
 
     def run_node(self, n: fx.Node) -> Any:
         self.current_node = n
+        read = [t for t in pytree.tree_leaves(self.fetch_args_kwargs_from_env(n)) if isinstance(t, torch.Tensor)]
+        if n.op == "call_module":  # a module may write its own state (a running mean, a cache)
+            module = self.module.get_submodule(str(n.target))
+            read += [*module.parameters(), *module.buffers()]
+        versions_before = [_version(t) for t in read]
         result = super().run_node(n)
+        if self.writes_in_place is None and versions_before != [_version(t) for t in read]:
+            self.writes_in_place = n
         n.meta["val"] = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), result)
         return result
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """How many times ``tensor`` (or a view of its storage) was written in place; None for an inference tensor."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def _flat_output_marker(graph_module: fx.GraphModule) -> Any:
@@ -318,12 +336,17 @@ def _flatten_output(graph_module: fx.GraphModule) -> None:
 
 
 def _flatten_attributes(graph_module: fx.GraphModule) -> fx.GraphModule:
-    """The module with every attribute its graph reads at top level, named after its get_attr node.
+    """The module with every attribute and submodule its graph reads at top level, named after its node.
 
     Generated code fetches a nested target through every module on its path, one slow
-    ``nn.Module.__getattr__`` each: inception_v4 made 6,180 such calls per run, a third of its time.
+    ``nn.Module.__getattr__`` each: inception_v4 made 6,180 such calls per run, a third of its time. The modules the
+    ``symbolic_trace`` fallback calls (``call_module``, a Linear kept whole) move too: left out, every model with a
+    submodule failed here with an AttributeError.
     """
     root = torch.nn.Module()
+    for node in graph_module.graph.find_nodes(op="call_module"):
+        root.add_module(node.name, graph_module.get_submodule(str(node.target)))
+        node.target = node.name
     for node in graph_module.graph.find_nodes(op="get_attr"):
         value = operator.attrgetter(str(node.target))(graph_module)
         if isinstance(value, torch.nn.Parameter):

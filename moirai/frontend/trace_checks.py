@@ -168,6 +168,19 @@ def trace_error(model_name: str, error: Exception, args: tuple, kwargs: dict[str
     )
 
 
+def in_place_write_error(model_name: str, graph_module: fx.GraphModule, node: fx.Node, error: Exception) -> TraceError:
+    """The ``symbolic_trace`` fallback's graph writes a tensor in place at ``node``: fx keeps such a write as a call
+    whose readers do not depend on it, so a plan could run them before or after it and a split read either value
+    (torch.export would have made it data flow; it failed with ``error``)."""
+    return TraceError(
+        f"could not trace {model_name}: torch.export failed ({_first_line(error)}), and the graph of the fallback "
+        f"tracer (torch.fx.symbolic_trace) writes a tensor in place at {_describe_node(graph_module, node)}, which "
+        "it keeps as a call that the tensor's readers do not depend on, so a split could read the tensor before or "
+        "after the write. Make the operation out of place (y = y.mul(2), not y.mul_(2); nn.ReLU() without "
+        "inplace=True; torch.where, not an assignment into a slice), or make the model export"
+    )
+
+
 def _unknown_output_error(model_name: str, output_class: str, args: tuple, kwargs: dict[str, Any]) -> TraceError:
     """The model returns an object torch cannot flatten into tensors; a Hugging Face KV cache (returned while
     ``use_cache`` is on) has a fix of its own."""
