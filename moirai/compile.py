@@ -347,7 +347,8 @@ def load(
     """
     record = read_plan_file(path)
     saved_devices = [d["torch_device"] for d in record["devices"]]
-    cluster = local_cluster(devices or saved_devices, calibration)
+    # Not `devices or ...`: an empty list is refused as compile refuses it, and an array has no truth value.
+    cluster = local_cluster(saved_devices if devices is None else devices, calibration)
     if len(cluster) != len(saved_devices):
         raise PlanError(f"{path} places the model on {len(saved_devices)} devices, {len(cluster)} were given")
     if dynamic_shapes is None and record.get("dynamic_dims"):

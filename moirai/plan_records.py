@@ -93,6 +93,11 @@ class PlanHandover:
 
 def read_plan_file(path: str | Path) -> dict[str, Any]:
     """The record ``CompiledModel.save`` wrote, or a :class:`PlanError` saying what is wrong with the file."""
+    if not isinstance(path, (str, os.PathLike)):  # an int would open a file descriptor, None a TypeError
+        raise PlanError(
+            f"the plan file's path is {repr(path)[:80]} ({type(path).__name__}); give the path (a str or "
+            "pathlib.Path) of the file CompiledModel.save(path) wrote"
+        )
     try:
         text = Path(path).read_text()
     except FileNotFoundError:

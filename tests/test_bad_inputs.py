@@ -506,6 +506,26 @@ def test_load_with_devices_as_one_string(compiled, tmp_path):
         moirai.load(path, tiny(), (X,), devices="cpu")
 
 
+@pytest.mark.parametrize("path", [None, 5])
+def test_load_of_a_path_that_is_no_path(path):
+    with raises(PlanError, f"path is {path!r} ({type(path).__name__})", "str or pathlib.Path", "CompiledModel.save"):
+        moirai.load(path, tiny(), (X,))
+
+
+def test_load_on_no_devices_is_refused_as_compile_refuses_it(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    with raises(ClusterError, "at least one device"):  # not the plan's own devices
+        moirai.load(path, tiny(), (X,), devices=[])
+
+
+def test_load_on_devices_given_as_an_array(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    loaded = moirai.load(path, tiny(), (X,), devices=np.array(["cpu", "cpu"]))  # compile takes one too
+    assert loaded.cluster.names == ("cpu_0", "cpu_1")
+
+
 def test_load_on_a_different_number_of_devices(compiled, tmp_path):
     path = tmp_path / "plan.json"
     compiled.save(path)
