@@ -177,6 +177,16 @@ def _is_list_of_name_lists(value: Any) -> bool:
     return _is_list_of(value, lambda group: _is_list_of(group, lambda name: isinstance(name, str)))
 
 
+def _is_device_list(value: Any) -> bool:
+    """What save writes of the devices: load calls them by these names where it is given no devices, as the plan's
+    problem and summary call them, so two of one name would be one."""
+    return _is_list_of(value, _is_device) and len(value) > 0 and len({device["name"] for device in value}) == len(value)
+
+
+def _is_device(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(value.get(key), str) for key in ("name", "torch_device"))
+
+
 def _is_device_index(value: Any, record: dict[str, Any]) -> bool:
     devices = record["devices"]  # checked before node_device
     return _is_int(value) and 0 <= value < len(devices)
@@ -232,8 +242,8 @@ def _is_dim(dim: Any) -> bool:
 # writes there.
 _PLAN_FIELDS: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
     "devices": (
-        lambda v, _: _is_list_of(v, lambda d: isinstance(d, dict) and isinstance(d.get("torch_device"), str)),
-        "a list of {'name', 'torch_device'} objects",
+        lambda v, _: _is_device_list(v),
+        "a non-empty list of {'name', 'torch_device'} objects of distinct names",
     ),
     "node_device": (
         lambda v, r: isinstance(v, dict) and all(_is_device_index(k, r) for k in v.values()),
