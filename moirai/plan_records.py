@@ -17,6 +17,7 @@ import torch
 
 from moirai.cluster.devices import Cluster
 from moirai.errors import DistributedError, PlanError, PlanVersionWarning
+from moirai.files import JsonBeyondLimits, parse_json
 from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
 from moirai.runtime.hosts import rank_hosts
@@ -107,11 +108,16 @@ def read_plan_file(path: str | Path) -> dict[str, Any]:
     if not text.strip():
         raise PlanError(f"plan file {str(path)!r} is empty; save the plan again with CompiledModel.save(path)")
     try:
-        record = json.loads(text)
+        record = parse_json(text)
     except json.JSONDecodeError as error:
         raise PlanError(
             f"plan file {str(path)!r} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); "
             "was it cut short? Save the plan again with CompiledModel.save(path)"
+        ) from None
+    except JsonBeyondLimits as error:
+        raise PlanError(
+            f"plan file {str(path)!r} {error}, which CompiledModel.save never writes; save the plan again with "
+            "CompiledModel.save(path)"
         ) from None
     if not isinstance(record, dict):
         raise PlanError(

@@ -472,6 +472,8 @@ def test_load_of_a_missing_plan_file(tmp_path):
         ('{"format": 1, "devices": [', ("not valid JSON", "line 1", "cut short")),
         ("[1, 2]", ("holds a JSON list", "not a moirai plan")),
         ('{"format": 7}', ("not a moirai plan of format 1",)),
+        ("[" * 100_000 + "]" * 100_000, ("nests lists or objects too deeply", "save the plan again")),
+        ('{"format": ' + "1" * 5000 + "}", ("an integer of more than 4300 digits", "save the plan again")),
     ],
 )
 def test_load_of_a_broken_plan_file(tmp_path, content, words):
