@@ -240,7 +240,8 @@ def _is_dim(dim: Any) -> bool:
         and dim["name"].isidentifier()  # torch.export.Dim asserts it
         and _is_int(dim.get("min"))
         and dim["min"] >= 0
-        and (dim.get("max") is None or (_is_int(dim["max"]) and dim["max"] >= dim["min"]))
+        # torch.export.Dim asserts max > min: a dim of one size is no dynamic dim
+        and (dim.get("max") is None or (_is_int(dim["max"]) and dim["max"] > dim["min"]))
     )
 
 
@@ -277,7 +278,8 @@ _PLAN_FIELDS: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
     "plan.report": (_optional(lambda v: isinstance(v, dict)), "an object (a placer's report)"),
     "dynamic_dims": (
         _optional(_null_or(_is_dynamic_dims)),
-        "null or {'dims': [{'symbol', 'name', 'min', 'max'}, ...], 'axes': [[input, axis, expression], ...]}",
+        "null or {'dims': [{'symbol', 'name', 'min', 'max'}, ...], 'axes': [[input, axis, expression], ...]} "
+        "with 0 <= min < max (or max null)",
     ),
 }
 

@@ -580,6 +580,8 @@ _MALFORMED_PLANS = {
     "dynamic dims a list": (("dynamic_dims",), [{"foo": 1}], "'dynamic_dims' is \"[{'foo': 1}]\", not null or"),
     "dynamic dims a string": (("dynamic_dims",), "abc", "'dynamic_dims' is 'abc', not null or"),
     "dynamic dim of no range": (("dynamic_dims", "dims", 0, "min"), 99, "'dynamic_dims' is \"{'dims': [{'symbol'"),
+    # torch.export.Dim asserted "Cannot create Dim with inconsistent min=1, max=1"
+    "dynamic dim of one size": (("dynamic_dims", "dims", 0), lambda dim: {**dim, "max": dim["min"]}, "0 <= min < max"),
     # each field as save writes it, but not the traced model's, or not the other fields'
     "unknown op in a group": (("groups", 0), ["nope"], "'groups' names ops ['nope']"),
     "a group twice": (("groups",), lambda groups: [*groups, groups[0]], "are in more than one group"),
