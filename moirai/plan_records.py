@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -124,8 +125,11 @@ def read_plan_file(path: str | Path) -> dict[str, Any]:
             f"plan file {str(path)!r} holds a JSON {type(record).__name__}, not a moirai plan (an object with keys "
             f"{list(PLAN_KEYS)}); give the file CompiledModel.save wrote"
         )
-    if record.get("format") != PLAN_FORMAT_VERSION:
-        raise PlanError(f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION}; compile the model again")
+    if not (_is_int(record.get("format")) and record["format"] == PLAN_FORMAT_VERSION):  # true and 1.0 equal 1
+        raise PlanError(
+            f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION} ('format' is "
+            f"{str(record.get('format'))[:20]!r}); compile the model again"
+        )
     missing = [key for key in PLAN_KEYS if key not in record]
     if isinstance(record.get("plan"), dict):  # a plan of another type is named by _check_plan_fields
         missing += [f"plan.{key}" for key in ("placement", "device_names") if key not in record["plan"]]
@@ -171,8 +175,10 @@ def _is_int(value: Any) -> bool:
     return type(value) is int  # not a bool, not a float a save never writes
 
 
-def _is_number(value: Any) -> bool:
-    return type(value) in (int, float)
+def _is_seconds(value: Any) -> bool:
+    """A time a plan's simulation or bound gives: never negative, NaN or infinite (a plan whose task cannot run is
+    refused before it has a time; a bound of no plan is null)."""
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
 
 
 def _is_list_of(value: Any, holds: Callable[[Any], bool]) -> bool:
@@ -272,7 +278,7 @@ _PLAN_FIELDS: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
         f"the name of an objective, one of {OBJECTIVE_NAMES}",
     ),
     **{
-        f"plan.{key}": (_optional(_null_or(_is_number)), "null or a number of seconds")
+        f"plan.{key}": (_optional(_null_or(_is_seconds)), "null or a finite number of seconds, 0 or more")
         for key in ("makespan_s", "objective_s", "lower_bound_s", "placement_time_s")
     },
     "plan.report": (_optional(lambda v: isinstance(v, dict)), "an object (a placer's report)"),

@@ -472,6 +472,8 @@ def test_load_of_a_missing_plan_file(tmp_path):
         ('{"format": 1, "devices": [', ("not valid JSON", "line 1", "cut short")),
         ("[1, 2]", ("holds a JSON list", "not a moirai plan")),
         ('{"format": 7}', ("not a moirai plan of format 1",)),
+        ('{"format": true}', ("not a moirai plan of format 1", "'format' is 'True'")),  # true == 1 passed
+        ('{"format": 1.0}', ("not a moirai plan of format 1", "'format' is '1.0'")),
         ("[" * 100_000 + "]" * 100_000, ("nests lists or objects too deeply", "save the plan again")),
         ('{"format": ' + "1" * 5000 + "}", ("an integer of more than 4300 digits", "save the plan again")),
     ],

@@ -573,7 +573,15 @@ _MALFORMED_PLANS = {
     "plan not an object": (("plan",), 5, "'plan' is '5', not an object"),
     "placement not a list": (("plan", "placement"), "abc", "'plan.placement' is 'abc', not a list of device indices"),
     "device names not a list": (("plan", "device_names"), 3, "'plan.device_names' is '3', not a list of device names"),
-    "objective_s not a number": (("plan", "objective_s"), "abc", "'plan.objective_s' is 'abc', not null or a number"),
+    "objective_s not a number": (
+        ("plan", "objective_s"),
+        "abc",
+        "'plan.objective_s' is 'abc', not null or a finite number of seconds",
+    ),
+    # loaded, and the repr said "-5e+03 ms a request predicted", or a bound of 16666667 min, or NaN ms
+    "makespan negative": (("plan", "makespan_s"), -5.0, "'plan.makespan_s' is '-5.0', not null or a finite number"),
+    "objective_s NaN": (("plan", "objective_s"), float("nan"), "'plan.objective_s' is 'nan', not null or a finite"),
+    "bound infinite": (("plan", "lower_bound_s"), float("inf"), "'plan.lower_bound_s' is 'inf', not null or a finite"),
     "report not an object": (("plan", "report"), 5, "'plan.report' is '5', not an object"),
     # loaded, and then summary() raised "unknown objective 'foo'"
     "objective unknown": (("plan", "objective"), "foo", "'plan.objective' is 'foo', not the name of an objective"),
