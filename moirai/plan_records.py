@@ -90,6 +90,9 @@ class PlanHandover:
             raise DistributedError(f"{self.planner} failed to plan, so this rank has no plan: {record['failed']}")
         if not isinstance(record, dict) or any(key not in record for key in PLAN_KEYS):
             raise DistributedError(f"store key {self.key!r} holds no plan: {str(record)[:80]!r}")
+        # As a plan file's: what fails them is a rank 0 of another moirai, which from_plan_record would meet as a
+        # raw ValueError or TypeError.
+        check_plan_record(record, f"{self.planner}'s plan", "run the same moirai and torch on every rank")
         return record
 
 
@@ -125,31 +128,33 @@ def read_plan_file(path: str | Path) -> dict[str, Any]:
             f"plan file {str(path)!r} holds a JSON {type(record).__name__}, not a moirai plan (an object with keys "
             f"{list(PLAN_KEYS)}); give the file CompiledModel.save wrote"
         )
-    if not (_is_int(record.get("format")) and record["format"] == PLAN_FORMAT_VERSION):  # true and 1.0 equal 1
-        raise PlanError(
-            f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION} ('format' is "
-            f"{str(record.get('format'))[:20]!r}); compile the model again"
-        )
-    missing = [key for key in PLAN_KEYS if key not in record]
-    if isinstance(record.get("plan"), dict):  # a plan of another type is named by _check_plan_fields
-        missing += [f"plan.{key}" for key in ("placement", "device_names") if key not in record["plan"]]
-    if missing:
-        raise PlanError(f"plan file {str(path)!r} lacks {missing}; it is not a whole moirai plan: save it again")
-    _check_plan_fields(record, path)
+    check_plan_record(
+        record,
+        f"plan file {str(path)!r}",
+        "save the plan again with CompiledModel.save(path), or compile the model again",
+    )
     _warn_on_other_versions(record.get("versions"), path)
     return record
 
 
-def _check_plan_fields(record: dict[str, Any], path: str | Path) -> None:
-    """A :class:`PlanError` naming the first field of a plan file whose type or range is not what save writes (what
-    the fields must say of the traced model, and of each other, ``from_plan_record`` checks)."""
+def check_plan_record(record: dict[str, Any], source: str, fix: str) -> None:
+    """A :class:`PlanError` naming ``source`` (a plan file, rank 0's plan), the first of its fields whose type or
+    range is not what save writes, and ``fix``, what to do (what the fields must say of the traced model, and of
+    each other, ``from_plan_record`` checks)."""
+    if not (_is_int(record.get("format")) and record["format"] == PLAN_FORMAT_VERSION):  # true and 1.0 equal 1
+        raise PlanError(
+            f"{source} is not a moirai plan of format {PLAN_FORMAT_VERSION} ('format' is "
+            f"{str(record.get('format'))[:20]!r}); {fix}"
+        )
+    missing = [key for key in PLAN_KEYS if key not in record]
+    if isinstance(record.get("plan"), dict):  # a plan of another type is named by its field's check
+        missing += [f"plan.{key}" for key in ("placement", "device_names") if key not in record["plan"]]
+    if missing:
+        raise PlanError(f"{source} lacks {missing}; it is not a whole moirai plan: {fix}")
     for field, (holds, expected) in _PLAN_FIELDS.items():
         value = _field(record, field)
         if not holds(value, record):
-            raise PlanError(
-                f"plan file {str(path)!r}: {field!r} is {str(value)[:80]!r}, not {expected}; save the plan again "
-                "with CompiledModel.save(path), or compile the model again"
-            )
+            raise PlanError(f"{source}: {field!r} is {str(value)[:80]!r}, not {expected}; {fix}")
 
 
 _ABSENT = object()  # a key the file does not have (an optional one: from_dict's default)

@@ -491,7 +491,7 @@ def test_load_of_a_plan_with_a_key_missing(compiled, tmp_path):
     record = json.loads(path.read_text())
     del record["node_device"], record["plan"]["placement"]
     path.write_text(json.dumps(record))
-    with raises(PlanError, "lacks ['node_device', 'plan.placement']", "save it again"):
+    with raises(PlanError, "lacks ['node_device', 'plan.placement']", "save the plan again"):
         moirai.load(path, tiny(), (X,))
 
 
