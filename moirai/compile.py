@@ -338,7 +338,8 @@ def load(
 ) -> CompiledModel:
     """Rebuild a compiled model from a saved plan and the model (with real weights); ``progress`` as in compile.
 
-    ``devices`` (default: the plan's) become a cluster as compile's do; the plan file holds the problem it was
+    ``devices`` (default: the plan's, under the names they were planned with) become a cluster as compile's do,
+    whose names the loaded problem and plan then use; the plan file holds the problem it was
     planned for, so ``calibration`` (as in compile, default ``"none"``: nothing is measured) matters only for a
     plan file too old to hold it.
 
@@ -346,10 +347,10 @@ def load(
     ranges from the plan file, applied to ``example_inputs``) unless ``dynamic_shapes`` is given.
     """
     record = read_plan_file(path)
-    saved_devices = [d["torch_device"] for d in record["devices"]]
-    cluster = local_cluster(devices or saved_devices, calibration)
-    if len(cluster) != len(saved_devices):
-        raise PlanError(f"{path} places the model on {len(saved_devices)} devices, {len(cluster)} were given")
+    # Not `devices or ...`: an empty list is refused as compile refuses it, and an array has no truth value.
+    cluster = _saved_cluster(record, calibration) if devices is None else local_cluster(devices, calibration)
+    if len(cluster) != len(record["devices"]):
+        raise PlanError(f"{path} places the model on {len(record['devices'])} devices, {len(cluster)} were given")
     if dynamic_shapes is None and record.get("dynamic_dims"):
         try:
             dynamic_shapes = dynamic_shapes_from_json(record["dynamic_dims"], model, example_inputs, example_kwargs)
@@ -357,6 +358,13 @@ def load(
             raise PlanError(f"{path}: 'dynamic_dims': {error}") from None
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     return from_plan_record(record, path, traced, cluster)
+
+
+def _saved_cluster(record: dict[str, Any], calibration: str | Path) -> Cluster:
+    """The plan's own devices, made a cluster as compile makes a list of devices, under the names they were planned
+    by (a cluster's own, where it was compiled on one), which its problem and summary give them."""
+    saved = record["devices"]
+    return local_cluster([d["torch_device"] for d in saved], calibration).renamed([d["name"] for d in saved])
 
 
 def from_plan_record(
@@ -369,7 +377,7 @@ def from_plan_record(
     graph = build_op_graph(traced)
     coarse = graph.merge(_saved_groups(graph, record["groups"], source, traced.model_name))
     problem = _planned_problem(record, source, coarse, cluster, traced)
-    plan = _saved_plan(record, source, problem, cluster)
+    plan = _saved_plan(record, source, problem)
     _check_placement_runs(plan, coarse, node_device, source)
     program = split_module(traced, node_device, len(cluster), record["device_order"])
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
@@ -404,7 +412,7 @@ def _saved_groups(graph: OpGraph, groups: list[list[str]], source: str | Path, m
     return members
 
 
-def _saved_plan(record: dict[str, Any], source: str | Path, problem: Problem, cluster: Cluster) -> Plan:
+def _saved_plan(record: dict[str, Any], source: str | Path, problem: Problem) -> Plan:
     """The record's plan, checked against the problem it was made for as the simulator checks a plan (a device of
     every task, in range, orders of every task on its device and of the tensors each link carries, that do not
     deadlock), so that what describes it (repr, summary, gantt) cannot fail later."""
@@ -413,12 +421,13 @@ def _saved_plan(record: dict[str, Any], source: str | Path, problem: Problem, cl
     except (KeyError, TypeError, ValueError) as error:  # a report's kind or stop reason moirai does not know
         words = f"{type(error).__name__}: {error}"
         raise PlanError(f"{source}: 'plan' is not a saved plan ({words}); {_SAVE_AGAIN}") from None
-    # The device names the plan was saved with may differ from the problem's where load was given other devices.
+    # Its devices are called what the problem calls them, the names of the devices it runs on (_planned_problem):
+    # those load was given may have others than the saved ones.
+    plan.device_names = problem.device_names
     try:
-        simulate(problem, dataclasses.replace(plan, device_names=problem.device_names))
+        simulate(problem, plan)
     except PlanError as error:
         raise PlanError(f"{source}: 'plan' does not fit its problem: {error}; {_SAVE_AGAIN}") from None
-    plan.device_names = cluster.names
     return plan
 
 
@@ -438,7 +447,8 @@ def _check_placement_runs(plan: Plan, coarse: OpGraph, node_device: dict[str, in
 def _planned_problem(
     record: dict[str, Any], path: str | Path, coarse: OpGraph, cluster: Cluster, traced: TracedModel
 ) -> Problem:
-    """The problem the plan was made for, as saved; a plan file older than that gets it rebuilt (analytic costs)."""
+    """The problem the plan was made for, as saved, its devices called as ``cluster``'s; a plan file older than that
+    gets it rebuilt (analytic costs)."""
     if "problem" not in record:
         warnings.warn(
             f"{path} does not hold the planned problem (saved by an older moirai); rebuilding it with analytic "
@@ -457,12 +467,15 @@ def _planned_problem(
             f"{len(coarse.nodes)} op groups on {len(cluster)} devices; the file was edited or mixed: save it again"
         )
     try:
-        return Problem.from_dict(saved)
+        problem = Problem.from_dict(saved)
     except ProblemError as error:
         raise PlanError(
             f"{path} holds a planned problem that does not hold together ({error}); the file was edited "
             "or mixed: save it again"
         ) from None
+    # Named as compile names them, by the devices it runs on: load may be given other devices (or other names of
+    # them) than those planned, and summary, gantt and with_plan check that plan and problem name them alike.
+    return dataclasses.replace(problem, device_names=cluster.names)
 
 
 def rank_cluster(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -17,6 +18,7 @@ import torch
 
 from moirai.cluster.devices import Cluster
 from moirai.errors import DistributedError, PlanError, PlanVersionWarning
+from moirai.files import JsonBeyondLimits, parse_json
 from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
 from moirai.runtime.hosts import rank_hosts
@@ -88,11 +90,19 @@ class PlanHandover:
             raise DistributedError(f"{self.planner} failed to plan, so this rank has no plan: {record['failed']}")
         if not isinstance(record, dict) or any(key not in record for key in PLAN_KEYS):
             raise DistributedError(f"store key {self.key!r} holds no plan: {str(record)[:80]!r}")
+        # As a plan file's: what fails them is a rank 0 of another moirai, which from_plan_record would meet as a
+        # raw ValueError or TypeError.
+        check_plan_record(record, f"{self.planner}'s plan", "run the same moirai and torch on every rank")
         return record
 
 
 def read_plan_file(path: str | Path) -> dict[str, Any]:
     """The record ``CompiledModel.save`` wrote, or a :class:`PlanError` saying what is wrong with the file."""
+    if not isinstance(path, (str, os.PathLike)):  # an int would open a file descriptor, None a TypeError
+        raise PlanError(
+            f"the plan file's path is {repr(path)[:80]} ({type(path).__name__}); give the path (a str or "
+            "pathlib.Path) of the file CompiledModel.save(path) wrote"
+        )
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
@@ -102,39 +112,49 @@ def read_plan_file(path: str | Path) -> dict[str, Any]:
     if not text.strip():
         raise PlanError(f"plan file {str(path)!r} is empty; save the plan again with CompiledModel.save(path)")
     try:
-        record = json.loads(text)
+        record = parse_json(text)
     except json.JSONDecodeError as error:
         raise PlanError(
             f"plan file {str(path)!r} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); "
             "was it cut short? Save the plan again with CompiledModel.save(path)"
+        ) from None
+    except JsonBeyondLimits as error:
+        raise PlanError(
+            f"plan file {str(path)!r} {error}, which CompiledModel.save never writes; save the plan again with "
+            "CompiledModel.save(path)"
         ) from None
     if not isinstance(record, dict):
         raise PlanError(
             f"plan file {str(path)!r} holds a JSON {type(record).__name__}, not a moirai plan (an object with keys "
             f"{list(PLAN_KEYS)}); give the file CompiledModel.save wrote"
         )
-    if record.get("format") != PLAN_FORMAT_VERSION:
-        raise PlanError(f"{path} is not a moirai plan of format {PLAN_FORMAT_VERSION}; compile the model again")
-    missing = [key for key in PLAN_KEYS if key not in record]
-    if isinstance(record.get("plan"), dict):  # a plan of another type is named by _check_plan_fields
-        missing += [f"plan.{key}" for key in ("placement", "device_names") if key not in record["plan"]]
-    if missing:
-        raise PlanError(f"plan file {str(path)!r} lacks {missing}; it is not a whole moirai plan: save it again")
-    _check_plan_fields(record, path)
+    check_plan_record(
+        record,
+        f"plan file {str(path)!r}",
+        "save the plan again with CompiledModel.save(path), or compile the model again",
+    )
     _warn_on_other_versions(record.get("versions"), path)
     return record
 
 
-def _check_plan_fields(record: dict[str, Any], path: str | Path) -> None:
-    """A :class:`PlanError` naming the first field of a plan file whose type or range is not what save writes (what
-    the fields must say of the traced model, and of each other, ``from_plan_record`` checks)."""
+def check_plan_record(record: dict[str, Any], source: str, fix: str) -> None:
+    """A :class:`PlanError` naming ``source`` (a plan file, rank 0's plan), the first of its fields whose type or
+    range is not what save writes, and ``fix``, what to do (what the fields must say of the traced model, and of
+    each other, ``from_plan_record`` checks)."""
+    if not (_is_int(record.get("format")) and record["format"] == PLAN_FORMAT_VERSION):  # true and 1.0 equal 1
+        raise PlanError(
+            f"{source} is not a moirai plan of format {PLAN_FORMAT_VERSION} ('format' is "
+            f"{str(record.get('format'))[:20]!r}); {fix}"
+        )
+    missing = [key for key in PLAN_KEYS if key not in record]
+    if isinstance(record.get("plan"), dict):  # a plan of another type is named by its field's check
+        missing += [f"plan.{key}" for key in ("placement", "device_names") if key not in record["plan"]]
+    if missing:
+        raise PlanError(f"{source} lacks {missing}; it is not a whole moirai plan: {fix}")
     for field, (holds, expected) in _PLAN_FIELDS.items():
         value = _field(record, field)
         if not holds(value, record):
-            raise PlanError(
-                f"plan file {str(path)!r}: {field!r} is {str(value)[:80]!r}, not {expected}; save the plan again "
-                "with CompiledModel.save(path), or compile the model again"
-            )
+            raise PlanError(f"{source}: {field!r} is {str(value)[:80]!r}, not {expected}; {fix}")
 
 
 _ABSENT = object()  # a key the file does not have (an optional one: from_dict's default)
@@ -160,8 +180,10 @@ def _is_int(value: Any) -> bool:
     return type(value) is int  # not a bool, not a float a save never writes
 
 
-def _is_number(value: Any) -> bool:
-    return type(value) in (int, float)
+def _is_seconds(value: Any) -> bool:
+    """A time a plan's simulation or bound gives: never negative, NaN or infinite (a plan whose task cannot run is
+    refused before it has a time; a bound of no plan is null)."""
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
 
 
 def _is_list_of(value: Any, holds: Callable[[Any], bool]) -> bool:
@@ -170,6 +192,16 @@ def _is_list_of(value: Any, holds: Callable[[Any], bool]) -> bool:
 
 def _is_list_of_name_lists(value: Any) -> bool:
     return _is_list_of(value, lambda group: _is_list_of(group, lambda name: isinstance(name, str)))
+
+
+def _is_device_list(value: Any) -> bool:
+    """What save writes of the devices: load calls them by these names where it is given no devices, as the plan's
+    problem and summary call them, so two of one name would be one."""
+    return _is_list_of(value, _is_device) and len(value) > 0 and len({device["name"] for device in value}) == len(value)
+
+
+def _is_device(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(value.get(key), str) for key in ("name", "torch_device"))
 
 
 def _is_device_index(value: Any, record: dict[str, Any]) -> bool:
@@ -219,7 +251,8 @@ def _is_dim(dim: Any) -> bool:
         and dim["name"].isidentifier()  # torch.export.Dim asserts it
         and _is_int(dim.get("min"))
         and dim["min"] >= 0
-        and (dim.get("max") is None or (_is_int(dim["max"]) and dim["max"] >= dim["min"]))
+        # torch.export.Dim asserts max > min: a dim of one size is no dynamic dim
+        and (dim.get("max") is None or (_is_int(dim["max"]) and dim["max"] > dim["min"]))
     )
 
 
@@ -227,8 +260,8 @@ def _is_dim(dim: Any) -> bool:
 # writes there.
 _PLAN_FIELDS: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
     "devices": (
-        lambda v, _: _is_list_of(v, lambda d: isinstance(d, dict) and isinstance(d.get("torch_device"), str)),
-        "a list of {'name', 'torch_device'} objects",
+        lambda v, _: _is_device_list(v),
+        "a non-empty list of {'name', 'torch_device'} objects of distinct names",
     ),
     "node_device": (
         lambda v, r: isinstance(v, dict) and all(_is_device_index(k, r) for k in v.values()),
@@ -250,13 +283,14 @@ _PLAN_FIELDS: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
         f"the name of an objective, one of {OBJECTIVE_NAMES}",
     ),
     **{
-        f"plan.{key}": (_optional(_null_or(_is_number)), "null or a number of seconds")
+        f"plan.{key}": (_optional(_null_or(_is_seconds)), "null or a finite number of seconds, 0 or more")
         for key in ("makespan_s", "objective_s", "lower_bound_s", "placement_time_s")
     },
     "plan.report": (_optional(lambda v: isinstance(v, dict)), "an object (a placer's report)"),
     "dynamic_dims": (
         _optional(_null_or(_is_dynamic_dims)),
-        "null or {'dims': [{'symbol', 'name', 'min', 'max'}, ...], 'axes': [[input, axis, expression], ...]}",
+        "null or {'dims': [{'symbol', 'name', 'min', 'max'}, ...], 'axes': [[input, axis, expression], ...]} "
+        "with 0 <= min < max (or max null)",
     ),
 }
 

@@ -472,6 +472,10 @@ def test_load_of_a_missing_plan_file(tmp_path):
         ('{"format": 1, "devices": [', ("not valid JSON", "line 1", "cut short")),
         ("[1, 2]", ("holds a JSON list", "not a moirai plan")),
         ('{"format": 7}', ("not a moirai plan of format 1",)),
+        ('{"format": true}', ("not a moirai plan of format 1", "'format' is 'True'")),  # true == 1 passed
+        ('{"format": 1.0}', ("not a moirai plan of format 1", "'format' is '1.0'")),
+        ("[" * 100_000 + "]" * 100_000, ("nests lists or objects too deeply", "save the plan again")),
+        ('{"format": ' + "1" * 5000 + "}", ("an integer of more than 4300 digits", "save the plan again")),
     ],
 )
 def test_load_of_a_broken_plan_file(tmp_path, content, words):
@@ -487,7 +491,7 @@ def test_load_of_a_plan_with_a_key_missing(compiled, tmp_path):
     record = json.loads(path.read_text())
     del record["node_device"], record["plan"]["placement"]
     path.write_text(json.dumps(record))
-    with raises(PlanError, "lacks ['node_device', 'plan.placement']", "save it again"):
+    with raises(PlanError, "lacks ['node_device', 'plan.placement']", "save the plan again"):
         moirai.load(path, tiny(), (X,))
 
 
@@ -504,6 +508,26 @@ def test_load_with_devices_as_one_string(compiled, tmp_path):
     compiled.save(path)
     with raises(ClusterError, "devices='cpu' is not a list"):
         moirai.load(path, tiny(), (X,), devices="cpu")
+
+
+@pytest.mark.parametrize("path", [None, 5])
+def test_load_of_a_path_that_is_no_path(path):
+    with raises(PlanError, f"path is {path!r} ({type(path).__name__})", "str or pathlib.Path", "CompiledModel.save"):
+        moirai.load(path, tiny(), (X,))
+
+
+def test_load_on_no_devices_is_refused_as_compile_refuses_it(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    with raises(ClusterError, "at least one device"):  # not the plan's own devices
+        moirai.load(path, tiny(), (X,), devices=[])
+
+
+def test_load_on_devices_given_as_an_array(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    loaded = moirai.load(path, tiny(), (X,), devices=np.array(["cpu", "cpu"]))  # compile takes one too
+    assert loaded.cluster.names == ("cpu_0", "cpu_1")
 
 
 def test_load_on_a_different_number_of_devices(compiled, tmp_path):

@@ -155,6 +155,35 @@ def test_load_keeps_the_planned_problem_and_its_summary(calibrated_cluster, tmp_
     np.testing.assert_array_equal(rebuilt.plan.placement, compiled.plan.placement)
 
 
+def _describes_itself(compiled: moirai.CompiledModel, names: tuple[str, ...]) -> None:
+    """Its cluster, problem and plan call the devices ``names``, and what describes it works."""
+    assert compiled.cluster.names == compiled.problem.device_names == compiled.plan.device_names == names
+    assert all(name in repr(compiled) for name in names)
+    assert all(name in summary_text(compiled) for name in names)
+    compiled.text_gantt(console=Console(file=io.StringIO()))
+    compiled.with_plan(compiled.plan)
+
+
+def test_load_calls_the_devices_as_planned_or_as_the_devices_given(calibrated_cluster, tmp_path) -> None:
+    # A plan compiled on a cluster keeps its names; devices given to load bring theirs (summary() was a PlanError:
+    # "plan is for devices ['cpu_0', 'cpu_1'], problem has ['a', 'b']").
+    x = torch.randn(4, 32)
+    compiled = moirai.compile(
+        Residual().eval(), calibrated_cluster.renamed(["a", "b"]), example_inputs=(x,), placer="round_robin"
+    )
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    loaded = moirai.load(path, Residual().eval(), example_inputs=(x,))
+    _describes_itself(loaded, ("a", "b"))
+    assert loaded.cluster.devices[0].torch_device == "cpu"
+    assert summary_text(loaded) == summary_text(compiled)
+    _describes_itself(
+        moirai.load(path, Residual().eval(), example_inputs=(x,), devices=["cpu", "cpu"]), ("cpu_0", "cpu_1")
+    )
+    others = moirai.Cluster.from_devices(["cpu", "cpu"]).renamed(["p", "q"])
+    _describes_itself(moirai.load(path, Residual().eval(), example_inputs=(x,), devices=others), ("p", "q"))
+
+
 def test_load_rejects_a_problem_that_does_not_match_the_plan(compiled: moirai.CompiledModel, tmp_path) -> None:
     path = tmp_path / "plan.json"
     compiled.save(path)

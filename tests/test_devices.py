@@ -98,6 +98,21 @@ def test_asymmetric_links_stay_asymmetric() -> None:
     assert cluster.transfer_time_s(10 * MB, 1, 0) == pytest.approx(5 + 3e-6)
 
 
+def test_a_renamed_cluster_keeps_its_devices_and_links_under_the_new_names() -> None:
+    cluster = Cluster.from_links([cpu("a"), cpu("b")], [Link("a", "b", 10 * MB, 1e-6), Link("b", "a", 2 * MB, 3e-6)])
+    renamed = cluster.renamed(["x", "y"])
+    assert renamed.names == ("x", "y") and renamed.route("x", "y") == ("x", "y")
+    assert [(link.src, link.dst, link.bandwidth_bytes_per_s) for link in renamed.links] == [
+        ("x", "y", 10 * MB),
+        ("y", "x", 2 * MB),
+    ]
+    np.testing.assert_array_equal(renamed.bandwidth_bytes_per_s, cluster.bandwidth_bytes_per_s)
+    with pytest.raises(ClusterError, match="duplicate device names"):
+        cluster.renamed(["x", "x"])
+    with pytest.raises(ClusterError, match="1 names given for 2 devices"):
+        cluster.renamed(["x"])
+
+
 def test_unreachable_device_is_named() -> None:
     with pytest.raises(ClusterError, match="'c' cannot be reached from 'a'"):
         Cluster.from_links([cpu("a"), cpu("b"), cpu("c")], [Link("a", "b", MB), Link("b", "a", MB), Link("c", "a", MB)])

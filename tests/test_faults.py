@@ -573,13 +573,23 @@ _MALFORMED_PLANS = {
     "plan not an object": (("plan",), 5, "'plan' is '5', not an object"),
     "placement not a list": (("plan", "placement"), "abc", "'plan.placement' is 'abc', not a list of device indices"),
     "device names not a list": (("plan", "device_names"), 3, "'plan.device_names' is '3', not a list of device names"),
-    "objective_s not a number": (("plan", "objective_s"), "abc", "'plan.objective_s' is 'abc', not null or a number"),
+    "objective_s not a number": (
+        ("plan", "objective_s"),
+        "abc",
+        "'plan.objective_s' is 'abc', not null or a finite number of seconds",
+    ),
+    # loaded, and the repr said "-5e+03 ms a request predicted", or a bound of 16666667 min, or NaN ms
+    "makespan negative": (("plan", "makespan_s"), -5.0, "'plan.makespan_s' is '-5.0', not null or a finite number"),
+    "objective_s NaN": (("plan", "objective_s"), float("nan"), "'plan.objective_s' is 'nan', not null or a finite"),
+    "bound infinite": (("plan", "lower_bound_s"), float("inf"), "'plan.lower_bound_s' is 'inf', not null or a finite"),
     "report not an object": (("plan", "report"), 5, "'plan.report' is '5', not an object"),
     # loaded, and then summary() raised "unknown objective 'foo'"
     "objective unknown": (("plan", "objective"), "foo", "'plan.objective' is 'foo', not the name of an objective"),
     "dynamic dims a list": (("dynamic_dims",), [{"foo": 1}], "'dynamic_dims' is \"[{'foo': 1}]\", not null or"),
     "dynamic dims a string": (("dynamic_dims",), "abc", "'dynamic_dims' is 'abc', not null or"),
     "dynamic dim of no range": (("dynamic_dims", "dims", 0, "min"), 99, "'dynamic_dims' is \"{'dims': [{'symbol'"),
+    # torch.export.Dim asserted "Cannot create Dim with inconsistent min=1, max=1"
+    "dynamic dim of one size": (("dynamic_dims", "dims", 0), lambda dim: {**dim, "max": dim["min"]}, "0 <= min < max"),
     # each field as save writes it, but not the traced model's, or not the other fields'
     "unknown op in a group": (("groups", 0), ["nope"], "'groups' names ops ['nope']"),
     "a group twice": (("groups",), lambda groups: [*groups, groups[0]], "are in more than one group"),

@@ -56,3 +56,43 @@ def test_every_rank_gets_rank_0s_plan_through_the_store(tmp_path: Path, secret: 
     reports = sorted(json.loads(line.removeprefix("PLANS ")) for line in lines)
     assert [report[0] for report in reports] == [0, 1]
     assert reports[0][1:] == reports[1][1:]
+
+
+@pytest.fixture(scope="module")
+def rank_0s_record() -> dict:
+    """What rank 0 hands over (``CompiledModel.plan_record``) for a small model on two CPUs."""
+    import torch
+
+    import moirai
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)]).eval()
+    compiled = moirai.compile(
+        model, ["cpu", "cpu"], (torch.randn(2, 8),), placer="round_robin", calibration="none", progress=False
+    )
+    return json.loads(json.dumps(compiled.plan_record()))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        # were a raw ValueError and TypeError inside from_plan_record
+        ("node_device", "x", "'node_device' is"),
+        ("groups", 5, "'groups' is '5', not a list of lists of op names"),
+        ("format", 2, "not a moirai plan of format 1"),
+    ],
+)
+def test_rank_0s_plan_is_checked_field_by_field_as_a_plan_file_is(rank_0s_record, key, value, words) -> None:
+    import torch.distributed as dist
+
+    from moirai.errors import PlanError
+    from moirai.plan_records import PlanHandover
+    from moirai.runtime.store import RunStore
+
+    record = json.loads(json.dumps(rank_0s_record))
+    record[key] = {name: value for name in record[key]} if key == "node_device" else value
+    handover = PlanHandover(RunStore(dist.HashStore(), None), 1, ["cpu", "cpu"], named_hosts=True)
+    handover.store.set(handover.key, json.dumps(record))
+    with pytest.raises(PlanError, match="rank 0's plan") as error:
+        handover.receive()
+    assert words in str(error.value) and "the same moirai and torch on every rank" in str(error.value)

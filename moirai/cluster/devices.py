@@ -190,6 +190,15 @@ class Cluster:
         except ValueError:
             raise ClusterError(f"no device named {name!r}; devices are {list(self.names)}") from None
 
+    def renamed(self, names: Sequence[str]) -> Cluster:
+        """This cluster with its devices called ``names``, in order (the links follow them); nothing else changes."""
+        if len(names) != len(self):
+            raise ClusterError(f"{len(names)} names given for {len(self)} devices; give one name per device")
+        new_name = dict(zip(self.names, names, strict=True))
+        devices = tuple(dataclasses.replace(d, name=n) for d, n in zip(self.devices, names, strict=True))
+        links = tuple(dataclasses.replace(link, src=new_name[link.src], dst=new_name[link.dst]) for link in self.links)
+        return dataclasses.replace(self, devices=devices, links=links)
+
     def transfer_time_s(self, num_bytes: float, src: int, dst: int) -> float:
         """Time to move ``num_bytes`` from device ``src`` to ``dst`` (0 on one device)."""
         if src == dst:
