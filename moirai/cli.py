@@ -224,7 +224,11 @@ def _import(module_name: str) -> Any:
             if not path.is_file():
                 raise MoiraiError(f"no Python file {module_name!r}")
             module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            assert module_spec is not None and module_spec.loader is not None  # a .py path always has a loader
+            if module_spec is None or module_spec.loader is None:  # Python imports files named .py (or .so...) only
+                raise MoiraiError(
+                    f"cannot import {module_name}: it is not a Python file (.py); name the .py file that defines "
+                    "the factory, or a module"
+                )
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[path.stem] = module  # so that pickling the model (run_distributed) finds its classes
             module_spec.loader.exec_module(module)

@@ -128,6 +128,15 @@ def test_errors_are_one_red_line_without_traceback(args, message, factory_file: 
     assert "Traceback" not in captured.err + captured.out
 
 
+def test_a_factory_in_a_file_that_is_not_python_says_so(tmp_path: Path, capsys) -> None:
+    """Fault injected: a JSON file named as the module, which gave "cannot import ...: AssertionError: "."""
+    problem = tmp_path / "good.json"
+    problem.write_text("{}")
+    assert main(["compile", f"{problem}:make", "--devices", "cpu", "--placer", "heft"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot import {problem}: it is not a Python file (.py)" in err and "AssertionError" not in err
+
+
 def test_missing_file_from_the_shell_is_one_line_and_debug_shows_the_traceback(tmp_path: Path) -> None:
     result = moirai_cli("plan", "missing.json", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.strip() == "error: problem file 'missing.json' does not exist"

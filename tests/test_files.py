@@ -56,7 +56,7 @@ def test_moirais_own_caches_are_not_read_through_a_link(tmp_path: Path) -> None:
     planted.symlink_to(elsewhere)
     with pytest.raises(OSError):
         read_own_text(planted)
-    with pytest.raises(ClusterError, match="cannot be read"):
-        read_calibration(planted)
+    with pytest.raises(ClusterError, match=r"cache\.json' is a symbolic link, which moirai does not follow.*elsewhere"):
+        read_calibration(planted)  # said so, and what to give instead: before, "Too many levels of symbolic links"
     assert cached_links(planted) == {}  # the cache measures again, and its write replaces the link
     assert os.path.islink(planted)

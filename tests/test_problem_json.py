@@ -199,6 +199,10 @@ def test_what_is_not_a_json_text_is_a_problem_error_naming_the_file(tmp_path) ->
     deep.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ProblemError, match=r"deep\.json.*too deeply"):
         Problem.from_json(deep)
+    digits = tmp_path / "digits.json"
+    digits.write_text('{"devices": ' + "7" * 5000 + "}")
+    with pytest.raises(ProblemError, match=r"digits\.json' holds an integer of more than 4300 digits.*fewer digits"):
+        Problem.from_json(digits)  # int()'s ValueError, about sys.set_int_max_str_digits, before
 
 
 def test_the_valid_file_loads_as_written_and_round_trips_exactly(tmp_path) -> None:

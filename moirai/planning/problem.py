@@ -49,6 +49,7 @@ from moirai.planning.description import (
     unique_names,
 )
 from moirai.planning.plan import Plan
+from moirai.user_files import parsing
 
 __all__ = ["Plan", "Problem"]
 
@@ -392,18 +393,12 @@ class Problem:
         """The problem a JSON file describes (:meth:`from_dict`); every fault of the file is a :class:`ProblemError`
         naming it."""
         try:
-            with open(path, encoding="utf-8") as f:
+            with parsing("JSON", f"problem file {str(path)!r}", ProblemError), open(path, encoding="utf-8") as f:
                 description = json.load(f)
         except FileNotFoundError:
             raise ProblemError(f"problem file {str(path)!r} does not exist") from None
         except OSError as error:  # a folder, a file we may not read
             raise ProblemError(f"problem file {str(path)!r} cannot be read: {error.strerror or error}") from None
-        except UnicodeDecodeError as error:
-            raise ProblemError(f"problem file {str(path)!r} is not UTF-8 text, so not JSON: {error}") from None
-        except json.JSONDecodeError as error:
-            raise ProblemError(f"problem file {str(path)!r} is not valid JSON: {error}") from None
-        except RecursionError:
-            raise ProblemError(f"problem file {str(path)!r} nests lists or objects too deeply to read") from None
         try:
             return cls.from_dict(description)
         except ProblemError as error:
