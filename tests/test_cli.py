@@ -117,6 +117,12 @@ def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factor
         (["compile", "{factory}:make", "--devices", "cpu", "--objective", "cheapest"], "--objective 'cheapest'"),
         (["compile", "{factory}:make", "--devices", "cpu", "--placer", "best"], "unknown placer 'best'"),
         (["compile", "{factory}:make", "--devices", "cpu", "--placer", "heft", "--gantt", "plan.xyz"], "plan.xyz"),
+        # Checked before the problem is read and placed; the temporary file's name was printed after.
+        (
+            ["plan", "no/such/problem.json", "--output", "no/such/plan.json"],
+            "cannot write the plan to 'no/such/plan.json': folder 'no/such' does not exist",
+        ),
+        (["plan", "no/such/problem.json", "--output", "."], "cannot write the plan to '.': it is a folder"),
     ],
 )
 def test_errors_are_one_red_line_without_traceback(args, message, factory_file: Path, capsys) -> None:

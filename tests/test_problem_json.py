@@ -205,6 +205,18 @@ def test_what_is_not_a_json_text_is_a_problem_error_naming_the_file(tmp_path) ->
         Problem.from_json(digits)  # int()'s ValueError, about sys.set_int_max_str_digits, before
 
 
+def test_a_problem_written_where_no_file_can_be_is_a_problem_error_naming_the_path(tmp_path) -> None:
+    """Fault injected: a missing folder and a folder for the file, where to_json raised the OSError of its
+    temporary file (FileNotFoundError: .../.problem.json.1f2e....tmp)."""
+    problem = Problem.from_json(write(tmp_path, VALID))
+    missing = tmp_path / "nowhere" / "problem.json"
+    with pytest.raises(ProblemError, match=r"to '.*nowhere/problem\.json': folder .* does not exist"):
+        problem.to_json(missing)
+    with pytest.raises(ProblemError, match=r"cannot write the problem to '.*': it is a folder"):
+        problem.to_json(tmp_path)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
 def test_the_valid_file_loads_as_written_and_round_trips_exactly(tmp_path) -> None:
     problem = Problem.from_json(write(tmp_path, VALID))
     assert problem.device_names == ("gpu0", "gpu1") and problem.memory_capacity_bytes.tolist() == [8e9, math.inf]

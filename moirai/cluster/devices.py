@@ -82,7 +82,7 @@ from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, MICROSECOND, Device, Li
 from moirai.cluster.host import available_cores, core_shares, device_index
 from moirai.cluster.kinds import CPU, accelerator_kinds, detect_device, kind_of, local_link
 from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
-from moirai.files import write_atomically
+from moirai.user_files import write_output
 
 # The CPU time a transfer takes from its two ends: fixed seconds and seconds per byte.
 _CPU_TIME_MATRICES = ("send_cpu_s", "send_cpu_s_per_byte", "recv_cpu_s", "recv_cpu_s_per_byte")
@@ -271,8 +271,8 @@ class Cluster:
         }
 
     def to_file(self, path: str | Path) -> None:
-        """Write this cluster as a cluster file (TOML)."""
-        write_atomically(path, to_toml(self.to_dict()))
+        """Write this cluster as a cluster file (TOML); a path that cannot take it is a :class:`ClusterError`."""
+        write_output(path, to_toml(self.to_dict()), "the cluster file", ClusterError)
 
     @classmethod
     def presets(cls) -> tuple[str, ...]:

@@ -33,7 +33,6 @@ import numpy as np
 from networkx.utils import UnionFind
 
 from moirai.errors import ProblemError
-from moirai.files import write_atomically
 from moirai.planning.costs import Per, RequestCosts
 from moirai.planning.description import (
     SECONDS,
@@ -49,7 +48,7 @@ from moirai.planning.description import (
     unique_names,
 )
 from moirai.planning.plan import Plan
-from moirai.user_files import parsing
+from moirai.user_files import parsing, write_output
 
 __all__ = ["Plan", "Problem"]
 
@@ -405,7 +404,9 @@ class Problem:
             raise ProblemError(f"{path}: {error}") from None
 
     def to_json(self, path: str | Path) -> None:
-        write_atomically(path, json.dumps(self.to_dict(), allow_nan=True))
+        """Write the problem as JSON (:meth:`from_json` reads it back); a path that cannot take it is a
+        :class:`ProblemError` naming it."""
+        write_output(path, json.dumps(self.to_dict(), allow_nan=True), "the problem", ProblemError)
 
 
 # What every array of a problem may hold and what its axes index, by field: the one rule that Problem(...) and the
