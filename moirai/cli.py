@@ -25,8 +25,8 @@ from rich.markup import escape
 import moirai
 from moirai import progress, viz
 from moirai.cluster.calibration import cli as calibrate_command
-from moirai.errors import MoiraiError, did_you_mean
-from moirai.files import write_atomically
+from moirai.errors import MoiraiError, PlanError, did_you_mean
+from moirai.user_files import check_output_path, write_output
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +146,8 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
+    if args.output:
+        check_output_path(args.output, "the plan", PlanError)  # before the placer's work
     problem = moirai.Problem.from_json(args.problem)
     with progress.shown():
         plan = moirai.place(problem, placer=args.placer, **_placer_options(args))
@@ -154,7 +156,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     if args.timeline:
         console.print(viz.text_gantt(problem, plan, timeline=timeline))
     if args.output:
-        write_atomically(args.output, json.dumps(plan.to_dict(), indent=1))
+        write_output(args.output, json.dumps(plan.to_dict(), indent=1), "the plan", PlanError)
         console.print(f"plan written to {args.output}", highlight=False)
     if args.gantt:
         viz.gantt(problem, plan, args.gantt, timeline=timeline)
@@ -224,7 +226,11 @@ def _import(module_name: str) -> Any:
             if not path.is_file():
                 raise MoiraiError(f"no Python file {module_name!r}")
             module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            assert module_spec is not None and module_spec.loader is not None  # a .py path always has a loader
+            if module_spec is None or module_spec.loader is None:  # Python imports files named .py (or .so...) only
+                raise MoiraiError(
+                    f"cannot import {module_name}: it is not a Python file (.py); name the .py file that defines "
+                    "the factory, or a module"
+                )
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[path.stem] = module  # so that pickling the model (run_distributed) finds its classes
             module_spec.loader.exec_module(module)

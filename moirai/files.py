@@ -26,25 +26,29 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def write_atomically(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` in one step, replacing any file or link of that name (OSError as ``open``)."""
+    """Write ``text`` to ``path`` in one step, replacing any file or link of that name (OSError as ``open``, naming
+    ``path``: never the temporary file, a name the user never gave)."""
     target = Path(path)
-    # Named beside the target through the same path (not made absolute, as mkstemp does): inside another mount
-    # namespace a cwd and an absolute path to it can be two mounts, and the rename would fail (EXDEV).
-    while True:
-        partial = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
-        try:
-            descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
-            break
-        except FileExistsError:
-            continue
     try:
-        with os.fdopen(descriptor, "w") as stream:
-            stream.write(text)
-        os.replace(partial, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(partial)
-        raise
+        # Named beside the target through the same path (not made absolute, as mkstemp does): inside another mount
+        # namespace a cwd and an absolute path to it can be two mounts, and the rename would fail (EXDEV).
+        while True:
+            partial = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
+            try:
+                descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+                break
+            except FileExistsError:
+                continue
+        try:
+            with os.fdopen(descriptor, "w") as stream:
+                stream.write(text)
+            os.replace(partial, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path)) from error
 
 
 def read_own_text(path: str | Path) -> str:

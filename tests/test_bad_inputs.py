@@ -6,6 +6,7 @@ key, device, input, option) and what to try. Models are tiny so the whole catalo
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -19,6 +20,7 @@ from torch import nn
 
 import moirai
 from moirai.cluster.cost import activation_peak_bytes
+from moirai.cluster.files import read_cluster_devices
 from moirai.errors import (
     ClusterError,
     FusionRuleError,
@@ -31,6 +33,7 @@ from moirai.errors import (
     TraceError,
     TrainingModeWarning,
 )
+from moirai.frontend.fusion_rules import load_rules
 from moirai.planning.placers import devices_over_memory
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -392,6 +395,12 @@ def test_valid_cluster_file_loads(tmp_path):
         (('dst = "B"', 'dst = "C"'), ("unknown device 'C'",)),
         (("memory_gb = 1", "memory_gb = -1"), ("device 'A'", "positive memory_gb")),
         (("bandwidth_gbps = 10", "bandwidth_gbps = 0"), ("bandwidth 0.0 Gbps", "positive")),
+        (("memory_gb = 1", 'memory_gb = 1\ntype = ["t4"]'), ("device 'A'", "type must be a string", "['t4']")),
+        (('name = "B"', "name = 5"), ("device 5", "name must be a string", "got 5")),
+        (('name = "B"', "name = true"), ("name must be a string", "got True")),
+        (('dst = "B"', "dst = 5"), ("dst must be a string", "got 5")),
+        (("memory_gb = 1", "memory_gb = 1\nhost = 7"), ("device 'A'", "host must be a string", "got 7")),
+        (("memory_gb = 1", "memory_gb = 1\nrank = -1"), ("device 'A' has rank -1", "whole number >= 0")),
     ],
     ids=lambda value: value[1][:24] if isinstance(value, tuple) and len(value) == 2 else None,
 )
@@ -424,6 +433,60 @@ def test_missing_and_malformed_cluster_files(tmp_path):
         moirai.Cluster.from_file(tmp_path / "nowhere.toml")
     with raises(ClusterError, "is not valid TOML"):
         moirai.Cluster.from_file(cluster_file(tmp_path, "name = \n"))
+    with raises(ClusterError, str(tmp_path), "cannot be read"):
+        moirai.Cluster.from_file(tmp_path)  # a folder
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ('name = "caf\xe9"\n'.encode("latin-1"), ("is not UTF-8 text, so not TOML", "save it as UTF-8")),
+        (b"x = " + b"[" * 100_000 + b"]" * 100_000 + b"\n", ("nests arrays or tables too deeply to read",)),
+        (b"x = " + b"7" * 5000 + b"\n", ("an integer of more than 4300 digits", "fewer digits")),
+    ],
+    ids=["latin-1", "deep", "5000 digits"],
+)
+def test_a_cluster_file_python_cannot_parse_is_a_cluster_error_naming_it(tmp_path, content, words):
+    """Fault injected: text the TOML parser raises a Python error for (UnicodeDecodeError, RecursionError, int's
+    ValueError), where ``moirai compile --cluster`` and ``calibrate --base`` printed a traceback."""
+    path = tmp_path / "cluster.toml"
+    path.write_bytes(content)
+    with raises(ClusterError, "cluster file", str(path), *words):
+        moirai.Cluster.from_file(path)
+    with raises(ClusterError, str(path), *words):
+        read_cluster_devices(path)
+
+
+def test_no_two_devices_share_a_rank_in_a_file_or_in_python(tmp_path):
+    """Fault injected: two devices on rank 0, where nothing reads a device's rank yet: the file was accepted."""
+    path = cluster_file(tmp_path, CLUSTER.replace("memory_gb = 1", "memory_gb = 1\nrank = 0"))
+    with raises(ClusterError, str(path), "devices ['A', 'B'] share rank 0", "its own rank, or none"):
+        moirai.Cluster.from_file(path)
+    with raises(ClusterError, str(path), "share rank 0"):
+        read_cluster_devices(path)
+    a, b = moirai.Cluster.from_file(cluster_file(tmp_path, CLUSTER)).devices
+    with raises(ClusterError, "devices ['A', 'B'] share rank 1"):
+        moirai.Cluster(
+            (dataclasses.replace(a, rank=1), dataclasses.replace(b, rank=1)), np.full((2, 2), 1e9), np.zeros((2, 2))
+        )
+    with raises(ClusterError, "device 'A' has rank -2"):
+        moirai.Cluster((dataclasses.replace(a, rank=-2),), np.full((1, 1), 1e9), np.zeros((1, 1)))
+
+
+@pytest.mark.parametrize(
+    ("matrix", "words"),
+    [
+        ('bandwidth_gbps = [[0, "100"], ["100", 0]]', ("[matrix] bandwidth_gbps must hold numbers", "'100'")),
+        ("bandwidth_gbps = [[0, true], [true, 0]]", ("[matrix] bandwidth_gbps must hold numbers", "True")),
+        ('bandwidth_gbps = [[0, 1], [1, 0]]\nlatency_us = [[0, "1"], ["1", 0]]', ("latency_us must hold numbers",)),
+        ("bandwidth_gbps = [[0, 1], [1, 0]]\nlatency_us = { a = 1 }", ("latency_us must be a number or a 2x2",)),
+    ],
+)
+def test_a_matrix_holds_numbers_as_links_do(tmp_path, matrix, words):
+    """Fault injected: numpy reads "100" as 100 and true as 1, which [[links]] refuse."""
+    path = cluster_file(tmp_path, CLUSTER.split("[[links]]")[0] + f"[matrix]\n{matrix}\n")
+    with raises(ClusterError, str(path), *words):
+        moirai.Cluster.from_file(path)
 
 
 def test_unknown_preset():
@@ -450,6 +513,23 @@ def test_bad_fusion_rule_file(tmp_path, text, words):
     path.write_text(text)
     with raises(FusionRuleError, *words):
         moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", fusion_rules=path)
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (b'[[rule]]\nname = "caf\xe9"\nops = ["conv"]\n', ("is not UTF-8 text, so not TOML",)),
+        (b"x = " + b"[" * 100_000 + b"]" * 100_000 + b"\n", ("nests arrays or tables too deeply",)),
+        (b"x = " + b"7" * 5000 + b"\n", ("an integer of more than 4300 digits",)),
+    ],
+    ids=["latin-1", "deep", "5000 digits"],
+)
+def test_a_fusion_rule_file_python_cannot_parse_is_a_fusion_rule_error_naming_it(tmp_path, content, words):
+    """Fault injected: a rule file read as UTF-8 raised UnicodeDecodeError, one nested deeply RecursionError."""
+    path = tmp_path / "rules.toml"
+    path.write_bytes(content)
+    with raises(FusionRuleError, str(path), *words):
+        load_rules(path)
 
 
 def test_fusion_rules_neither_bundled_nor_a_file():

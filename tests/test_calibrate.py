@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -338,6 +339,35 @@ def test_calibrate_two_gloo_ranks_writes_a_cluster_file(tmp_path: Path) -> None:
 def test_calibrate_needs_two_ranks() -> None:
     with pytest.raises(ClusterError, match="at least two ranks"):
         calibrate(world_size=1)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "words"),
+    [
+        (["--world-size", "0"], "at least two ranks"),  # was read as "not given": 2 ranks
+        (["--world-size", "1"], "at least two ranks"),
+        (["--output", "nowhere/cluster.toml"], "cannot write the cluster file to 'nowhere/cluster.toml': folder"),
+        (["--output", "."], "cannot write the cluster file to '.': it is a folder"),
+        (["--save", "."], "cannot write the calibration to '.': it is a folder"),
+    ],
+)
+def test_moirai_calibrate_refuses_what_it_cannot_do_before_measuring(monkeypatch, arguments, words) -> None:
+    """Fault injected: arguments that failed only after ~10 s of measuring (a missing folder, naming the temporary
+    file) or were taken for others (--world-size 0 for the default 2)."""
+    import io
+
+    from rich.console import Console
+
+    import moirai.cluster.calibration.cli as cli_module
+    from moirai.cli import _parser
+
+    def measure(*args: object) -> None:
+        raise AssertionError("measured before the arguments were checked")
+
+    monkeypatch.setattr(cli_module, "measure_transfer_costs", measure)
+    monkeypatch.setattr(cli_module, "measure_request_cost_spread", measure)
+    with pytest.raises(ClusterError, match=re.escape(words)):
+        cli_module.run(_parser().parse_args(["calibrate", *arguments]), Console(file=io.StringIO()))
 
 
 def test_moirai_calibrate_leaves_the_machines_calibration_alone_unless_asked(tmp_path: Path, monkeypatch) -> None:

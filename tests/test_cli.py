@@ -117,6 +117,12 @@ def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factor
         (["compile", "{factory}:make", "--devices", "cpu", "--objective", "cheapest"], "--objective 'cheapest'"),
         (["compile", "{factory}:make", "--devices", "cpu", "--placer", "best"], "unknown placer 'best'"),
         (["compile", "{factory}:make", "--devices", "cpu", "--placer", "heft", "--gantt", "plan.xyz"], "plan.xyz"),
+        # Checked before the problem is read and placed; the temporary file's name was printed after.
+        (
+            ["plan", "no/such/problem.json", "--output", "no/such/plan.json"],
+            "cannot write the plan to 'no/such/plan.json': folder 'no/such' does not exist",
+        ),
+        (["plan", "no/such/problem.json", "--output", "."], "cannot write the plan to '.': it is a folder"),
     ],
 )
 def test_errors_are_one_red_line_without_traceback(args, message, factory_file: Path, capsys) -> None:
@@ -126,6 +132,15 @@ def test_errors_are_one_red_line_without_traceback(args, message, factory_file: 
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], captured.err
     assert "Traceback" not in captured.err + captured.out
+
+
+def test_a_factory_in_a_file_that_is_not_python_says_so(tmp_path: Path, capsys) -> None:
+    """Fault injected: a JSON file named as the module, which gave "cannot import ...: AssertionError: "."""
+    problem = tmp_path / "good.json"
+    problem.write_text("{}")
+    assert main(["compile", f"{problem}:make", "--devices", "cpu", "--placer", "heft"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot import {problem}: it is not a Python file (.py)" in err and "AssertionError" not in err
 
 
 def test_missing_file_from_the_shell_is_one_line_and_debug_shows_the_traceback(tmp_path: Path) -> None:

@@ -928,6 +928,13 @@ def _with_format(content: str) -> str:
     return content.replace("FORMAT", str(CALIBRATION_FORMAT_VERSION))
 
 
+_COST = (
+    '{"format": FORMAT, "links": {"cpu->cpu": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9, "sender_cpu_s": 0, '
+    '"sender_cpu_s_per_byte": 0, "receiver_cpu_s": 0, "receiver_cpu_s_per_byte": 0}}}'
+)
+_NO_BANDWIDTH = _COST.replace('"bandwidth_bytes_per_s": 1e9', '"bandwidth_bytes_per_s": 0')
+
+
 @pytest.mark.parametrize(
     "content",
     [
@@ -937,6 +944,11 @@ def _with_format(content: str) -> str:
         _with_format('{"format": FORMAT, "links": {"cpu->cpu": [1, 2]}}'),
         _with_format('{"format": FORMAT, "links": {}, "requests": {"driver_cpu_s": 1e-4}}'),
         "{not json",
+        pytest.param("\udcff", id="not UTF-8"),
+        pytest.param("[" * 100_000 + "]" * 100_000, id="nested too deeply"),
+        pytest.param('{"format": ' + "7" * 5000 + "}", id="5000 digits"),
+        pytest.param(_with_format(_NO_BANDWIDTH), id="0 B/s"),
+        pytest.param(_with_format(_COST.replace('"latency_s": 1e-5', '"latency_s": -1e-5')), id="negative latency"),
     ],
 )
 def test_a_calibration_cache_of_the_wrong_structure_is_named_moved_aside_and_measured_again(
@@ -951,11 +963,11 @@ def test_a_calibration_cache_of_the_wrong_structure_is_named_moved_aside_and_mea
     monkeypatch.setattr(cache, "measure_request_cost", lambda cost: measured.append("requests") or requests)
     path = cache.calibration_cache_path(tmp_path)
     path.parent.mkdir(parents=True)
-    path.write_text(content)
+    path.write_bytes(content.encode(errors="surrogateescape"))
     with pytest.warns(moirai.MoiraiWarning, match=r"calibration cache .* was corrupt .*moved to .*\.corrupt"):
         assert local_calibration(["cpu", "cpu"], cache_dir=tmp_path) == {"cpu->cpu": link}
         assert local_request_cost(cache_dir=tmp_path) == requests
-    assert path.with_suffix(".corrupt").read_text() == content
+    assert path.with_suffix(".corrupt").read_bytes() == content.encode(errors="surrogateescape")
     assert measured == ["links", "requests"]
     assert local_calibration(["cpu", "cpu"], cache_dir=tmp_path) == {"cpu->cpu": link}  # read back, not measured
     assert local_request_cost(cache_dir=tmp_path) == requests and measured == ["links", "requests"]
@@ -969,6 +981,13 @@ def test_a_calibration_file_of_the_wrong_structure_given_by_the_user_is_a_cluste
     with pytest.raises(moirai.ClusterError, match=r"calibration file .*mine\.json.* is corrupt: links\['cpu->cpu'\]"):
         local_calibration(["cpu", "cpu"], path)
     assert path.exists()  # the user's own file is left where it is
+    # Fault injected: a bandwidth of 0, which was read, then refused by the cluster without naming the file.
+    path.write_text(_with_format(_NO_BANDWIDTH))
+    with pytest.raises(
+        moirai.ClusterError,
+        match=r"mine\.json.* is corrupt: links\['cpu->cpu'\]\.bandwidth_bytes_per_s is 0; it must be pos",
+    ):
+        local_calibration(["cpu", "cpu"], path)
 
 
 # --- 4 and 6. request isolation; prompt, exact blame (kill -9 and SIGSTOP injected with os.kill) -----------------

@@ -49,6 +49,15 @@ def test_a_write_that_fails_leaves_neither_a_half_file_nor_a_temporary(tmp_path:
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 
 
+def test_a_write_that_cannot_be_made_names_the_target_not_its_temporary_file(tmp_path: Path) -> None:
+    """Fault injected: a missing folder and a folder at the name, where the error named ``.plan.json.1f2e....tmp``."""
+    for target, error in ((tmp_path / "nowhere" / "plan.json", FileNotFoundError), (tmp_path, IsADirectoryError)):
+        with pytest.raises(error) as failure:
+            write_atomically(target, "{}")
+        assert failure.value.filename == str(target) and ".tmp" not in str(failure.value)
+    assert not list(tmp_path.parent.glob(f".{tmp_path.name}.*.tmp"))  # none left beside the folder either
+
+
 def test_moirais_own_caches_are_not_read_through_a_link(tmp_path: Path) -> None:
     """A link at the cache's name is not moirai's file: its content is never taken for measured numbers."""
     elsewhere = tmp_path / "elsewhere.json"
@@ -57,8 +66,8 @@ def test_moirais_own_caches_are_not_read_through_a_link(tmp_path: Path) -> None:
     planted.symlink_to(elsewhere)
     with pytest.raises(OSError):
         read_own_text(planted)
-    with pytest.raises(ClusterError, match="cannot be read"):
-        read_calibration(planted)
+    with pytest.raises(ClusterError, match=r"cache\.json' is a symbolic link, which moirai does not follow.*elsewhere"):
+        read_calibration(planted)  # said so, and what to give instead: before, "Too many levels of symbolic links"
     assert cached_links(planted) == {}  # the cache measures again, and its write replaces the link
     assert os.path.islink(planted)
 

@@ -199,6 +199,22 @@ def test_what_is_not_a_json_text_is_a_problem_error_naming_the_file(tmp_path) ->
     deep.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ProblemError, match=r"deep\.json.*too deeply"):
         Problem.from_json(deep)
+    digits = tmp_path / "digits.json"
+    digits.write_text('{"devices": ' + "7" * 5000 + "}")
+    with pytest.raises(ProblemError, match=r"digits\.json' holds an integer of more than 4300 digits.*fewer digits"):
+        Problem.from_json(digits)  # int()'s ValueError, about sys.set_int_max_str_digits, before
+
+
+def test_a_problem_written_where_no_file_can_be_is_a_problem_error_naming_the_path(tmp_path) -> None:
+    """Fault injected: a missing folder and a folder for the file, where to_json raised the OSError of its
+    temporary file (FileNotFoundError: .../.problem.json.1f2e....tmp)."""
+    problem = Problem.from_json(write(tmp_path, VALID))
+    missing = tmp_path / "nowhere" / "problem.json"
+    with pytest.raises(ProblemError, match=r"to '.*nowhere/problem\.json': folder .* does not exist"):
+        problem.to_json(missing)
+    with pytest.raises(ProblemError, match=r"cannot write the problem to '.*': it is a folder"):
+        problem.to_json(tmp_path)
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_the_valid_file_loads_as_written_and_round_trips_exactly(tmp_path) -> None:

@@ -14,7 +14,7 @@ import moirai
 from moirai import viz
 from moirai.errors import InfeasibleError
 from moirai.planning.bounds import lower_bounds
-from moirai.planning.objective import Throughput, as_objective
+from moirai.planning.objective import Generation, Throughput, as_objective
 from moirai.planning.placers import get_placer, list_placers, place
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
@@ -124,6 +124,26 @@ def test_a_latency_limit_is_met_and_an_impossible_one_is_refused_by_name():
     assert limited.objective_s >= free.objective_s - 1e-9
     with pytest.raises(InfeasibleError, match="max_latency_s"):
         place(problem, "milp", objective=Throughput(max_latency_s=0.5 * fastest.makespan_s), time_limit_s=30)
+
+
+@pytest.mark.parametrize("limit_s", [-1.0, 0.0, float("nan"), -float("inf"), "1"])
+def test_a_latency_limit_that_is_no_time_is_refused_by_name(limit_s):
+    """Fault injected: -1 and NaN made every plan unacceptable without a word."""
+    with pytest.raises(moirai.MoiraiError, match=r"Throughput\(max_latency_s=.*\): a limit is a positive number"):
+        Throughput(max_latency_s=limit_s)
+    with pytest.raises(moirai.MoiraiError, match=r"Generation\(max_ttft_s=.*\): a limit is a positive number"):
+        Generation(max_ttft_s=limit_s)
+
+
+def test_an_infinite_latency_limit_is_no_limit_and_the_milp_still_solves():
+    """Fault injected: max_latency_s=inf gave the MILP a NaN bound, so the solver failed and only the heuristics
+    answered (``the MILP solver failed (... non-finite upper bound (nan))``)."""
+    problem = random_problem(2)
+    plan = place(problem, "milp", objective=Throughput(max_latency_s=float("inf")), time_limit_s=30)
+    assert plan.objective_s == pytest.approx(
+        place(problem, "milp", objective="throughput", time_limit_s=30).objective_s
+    )
+    assert not str(plan.report.solver_status).startswith("error"), plan.report.solver_status
 
 
 def test_pipeline_stages_are_contiguous_and_balance_a_chain():

@@ -16,7 +16,7 @@ Cluster file (TOML; GB = 1e9 bytes, Gbps = 1e9 bits/s)::
     name = "A"
     torch_device = "cuda:0"
     host = "server-a"             # optional, default "localhost"
-    rank = 0                      # optional: the torch.distributed rank serving this device
+    rank = 0                      # optional: the torch.distributed rank serving this device (one per device)
     cores = [0, 1]                # optional: the host's CPU cores its rank runs on (default: an even split)
     threads = 2                   # optional: its rank's torch threads (default: its cores; 2 for a GPU)
     type = "t4"                   # a row of moirai/data/device_types.toml ...
@@ -69,6 +69,7 @@ import torch
 from moirai.cluster.files import (
     check_device,
     check_device_names,
+    check_device_ranks,
     cluster_description,
     device_to_dict,
     preset_description,
@@ -81,7 +82,7 @@ from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, MICROSECOND, Device, Li
 from moirai.cluster.host import available_cores, core_shares, device_index
 from moirai.cluster.kinds import CPU, accelerator_kinds, detect_device, kind_of, local_link
 from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
-from moirai.files import write_atomically
+from moirai.user_files import write_output
 
 # The CPU time a transfer takes from its two ends: fixed seconds and seconds per byte.
 _CPU_TIME_MATRICES = ("send_cpu_s", "send_cpu_s_per_byte", "recv_cpu_s", "recv_cpu_s_per_byte")
@@ -124,6 +125,7 @@ class Cluster:
         if k == 0:
             raise ClusterError("a cluster needs at least one device")
         check_device_names([d.name for d in self.devices])
+        check_device_ranks(self.devices)
         object.__setattr__(self, "bandwidth_bytes_per_s", np.asarray(self.bandwidth_bytes_per_s, float))
         object.__setattr__(self, "latency_s", np.asarray(self.latency_s, float))
         for label in _CPU_TIME_MATRICES:
@@ -278,8 +280,8 @@ class Cluster:
         }
 
     def to_file(self, path: str | Path) -> None:
-        """Write this cluster as a cluster file (TOML)."""
-        write_atomically(path, to_toml(self.to_dict()))
+        """Write this cluster as a cluster file (TOML); a path that cannot take it is a :class:`ClusterError`."""
+        write_output(path, to_toml(self.to_dict()), "the cluster file", ClusterError)
 
     @classmethod
     def presets(cls) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from moirai.cluster.hardware import (
 )
 from moirai.cluster.kinds import CPU, device_spellings, kind_named, kind_of, torch_device_types
 from moirai.errors import ClusterError
+from moirai.user_files import parsing
 
 try:
     import tomllib
@@ -62,12 +63,31 @@ _NUMBER_KEYS = set(
 )
 _INTEGER_KEYS = {"rank"}
 _BOOLEAN_KEYS = {"both_directions"}
+# Names and words: a device named 5 is not the device "5" a link names, and a type or kind is looked up as text.
+_STRING_KEYS = {"name", "host", "kind", "type", "src", "dst"}
+
+
+def _is_number(value: object) -> bool:
+    """An int or float a TOML file gave, not a bool (which Python counts as an int) nor text."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_device_names(names: Sequence[str]) -> None:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ClusterError(f"duplicate device names {duplicates}; give every device its own name")
+
+
+def check_device_ranks(devices: Sequence[Device]) -> None:
+    """Every rank given a whole number >= 0 and no two devices one rank (a rank serves one device)."""
+    for d in devices:
+        if d.rank is not None and (type(d.rank) is not int or d.rank < 0):
+            raise ClusterError(f"device {d.name!r} has rank {d.rank!r}; a rank is a whole number >= 0")
+    ranks = [d.rank for d in devices if d.rank is not None]
+    shared = sorted({r for r in ranks if ranks.count(r) > 1})
+    if shared:
+        names = [d.name for d in devices if d.rank in shared]
+        raise ClusterError(f"devices {names} share rank {shared[0]}; give every device its own rank, or none")
 
 
 def check_device(d: Device) -> None:
@@ -113,17 +133,15 @@ def _check_arrays_of_tables(description: Mapping[str, Any]) -> None:
 def _check_types(entry: Mapping[str, Any], where: str) -> None:
     """Every number a number, before any is read: ``memory_gb = "lots"`` names the device and key."""
     for key, value in entry.items():
-        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if key in _NUMBER_KEYS and not is_number:
+        if key in _NUMBER_KEYS and not _is_number(value):
             raise ClusterError(f"{where}: {key} must be a number, got {value!r}")
         if key in _INTEGER_KEYS and (not isinstance(value, int) or isinstance(value, bool)):
             raise ClusterError(f"{where}: {key} must be an integer, got {value!r}")
+        if key in _STRING_KEYS and not isinstance(value, str):
+            raise ClusterError(f"{where}: {key} must be a string (in quotes), got {value!r}")
         if key in _BOOLEAN_KEYS and not isinstance(value, bool):
             raise ClusterError(f"{where}: {key} must be true or false, got {value!r}")
-        if key == "peak_tflops" and (
-            not isinstance(value, Mapping)
-            or any(not isinstance(v, (int, float)) or isinstance(v, bool) for v in value.values())
-        ):
+        if key == "peak_tflops" and (not isinstance(value, Mapping) or not all(map(_is_number, value.values()))):
             raise ClusterError(f"{where}: peak_tflops must be a table of numbers like {{ fp32 = 10.0 }}, got {value!r}")
 
 
@@ -161,6 +179,7 @@ def devices_description(description: Mapping[str, Any]) -> tuple[tuple[Device, .
         raise ClusterError("a cluster file needs at least one [[devices]] entry")
     devices = tuple(_device_from_dict(entry) for entry in entries)
     check_device_names([d.name for d in devices])
+    check_device_ranks(devices)
     return devices, str(description.get("name", ""))
 
 
@@ -199,7 +218,7 @@ def _device_from_dict(entry: Mapping[str, Any]) -> Device:
         raise ClusterError(f"device {name!r}: unknown peak_tflops keys {unknown_precisions}; use fp32, fp16, bf16")
     torch_device = torch_device_name(entry.get("torch_device", CPU.name), f"device {name!r}: torch_device")
     return Device(
-        name=str(name),
+        name=name,
         torch_device=torch_device,
         memory_bytes=from_unit(numbers["memory_gb"], GB),
         peak_flops=from_unit(peaks["fp32"], TFLOPS),
@@ -210,8 +229,8 @@ def _device_from_dict(entry: Mapping[str, Any]) -> Device:
         peak_flops_fp16=from_unit(peaks["fp16"], TFLOPS) if "fp16" in peaks else None,
         peak_flops_bf16=from_unit(peaks["bf16"], TFLOPS) if "bf16" in peaks else None,
         efficiency=float(numbers.get("efficiency", 0.5)),
-        host=str(entry.get("host", "localhost")),
-        rank=None if entry.get("rank") is None else int(entry["rank"]),
+        host=entry.get("host", "localhost"),
+        rank=entry.get("rank"),
         **_cores_and_threads(entry, str(name)),
     )
 
@@ -297,10 +316,10 @@ def _links_from_matrix(matrix: Mapping[str, Any], names: Sequence[str]) -> list[
     k = len(names)
     bandwidth = _square(matrix["bandwidth_gbps"], k, "bandwidth_gbps")
     latency_entry = matrix.get("latency_us", 0.0)
-    if isinstance(latency_entry, (str, bool)):
+    if not _is_number(latency_entry) and not isinstance(latency_entry, list):
         raise ClusterError(f"[matrix] latency_us must be a number or a {k}x{k} matrix, got {latency_entry!r}")
     latency = (
-        np.full((k, k), float(latency_entry)) if np.isscalar(latency_entry) else _square(latency_entry, k, "latency_us")
+        np.full((k, k), float(latency_entry)) if _is_number(latency_entry) else _square(latency_entry, k, "latency_us")
     )
     links = []
     for a in range(k):
@@ -314,7 +333,7 @@ def _links_from_matrix(matrix: Mapping[str, Any], names: Sequence[str]) -> list[
                 )
             if not latency[a, b] >= 0:
                 raise ClusterError(f"[matrix] latency {names[a]!r} -> {names[b]!r} is negative")
-            latency_us = latency_entry if np.isscalar(latency_entry) else latency_entry[a][b]
+            latency_us = latency_entry if _is_number(latency_entry) else latency_entry[a][b]
             links.append(
                 Link(
                     names[a],
@@ -330,10 +349,9 @@ def _square(rows: Any, k: int, label: str) -> np.ndarray:
     if not isinstance(rows, list) or any(not isinstance(row, list) or len(row) != k for row in rows) or len(rows) != k:
         shape = [len(row) if isinstance(row, list) else 1 for row in rows] if isinstance(rows, list) else rows
         raise ClusterError(f"[matrix] {label} must be {k}x{k} (one row and column per device), got rows {shape}")
-    try:
-        return np.array(rows, float)
-    except (TypeError, ValueError):
-        raise ClusterError(f"[matrix] {label} must hold numbers, got {rows!r}") from None
+    if not all(_is_number(value) for row in rows for value in row):  # numpy would read "100" and true as numbers
+        raise ClusterError(f"[matrix] {label} must hold numbers, got {rows!r}")
+    return np.array(rows, float)
 
 
 # --- files ---------------------------------------------------------------------------------
@@ -342,13 +360,13 @@ def _square(rows: Any, k: int, label: str) -> np.ndarray:
 def read_cluster_file(path: str | Path) -> dict[str, Any]:
     """The parsed contents of the cluster file at ``path``."""
     try:
-        with open(path, "rb") as f:
+        with parsing("TOML", f"cluster file {str(path)!r}", ClusterError), open(path, "rb") as f:
             return tomllib.load(f, parse_float=FloatLiteral)
     except FileNotFoundError:
         preset = f"; {str(path)!r} is a preset: Cluster.preset({str(path)!r})" if str(path) in preset_names() else ""
         raise ClusterError(f"cluster file {str(path)!r} does not exist{preset}") from None
-    except tomllib.TOMLDecodeError as error:
-        raise ClusterError(f"cluster file {str(path)!r} is not valid TOML: {error}") from None
+    except OSError as error:  # a folder, a file we may not read
+        raise ClusterError(f"cluster file {str(path)!r} cannot be read: {error.strerror or error}") from None
 
 
 def preset_names() -> tuple[str, ...]:

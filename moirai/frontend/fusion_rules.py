@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from moirai.errors import FusionRuleError
+from moirai.user_files import parsing
 
 try:
     import tomllib
@@ -76,7 +77,12 @@ def load_rules(spec: str | Path | RuleSet | Sequence[str | Path | RuleSet]) -> R
                 f"{spec!s} is neither a bundled rule set nor a file; use 'default', one of "
                 f"{', '.join(BUNDLED_RULE_SETS)}, or the path of a .toml rule file"
             )
-        return parse_rules(path.read_text(), str(path))
+        try:
+            with parsing("TOML", str(path), FusionRuleError):
+                text = path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise FusionRuleError(f"{path} cannot be read: {error.strerror or error}") from None
+        return parse_rules(text, str(path))
     rule_sets = [load_rules(item) for item in spec]
     if not rule_sets:
         raise FusionRuleError("no rule sets given; pass 'default' for the bundled ones")
@@ -130,10 +136,8 @@ def _rule_element(word: str, classes: Mapping[str, frozenset[str]], where: str, 
 
 
 def _parse_toml(text: str, source: str) -> dict:
-    try:
+    with parsing("TOML", source, FusionRuleError):
         return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise FusionRuleError(f"{source}: not valid TOML: {error}") from error
 
 
 def _op_classes(data: dict, text: str, source: str) -> dict[str, frozenset[str]]:

@@ -18,6 +18,7 @@ Another objective is one more subclass here plus its rows in the MILP (:mod:`moi
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
@@ -143,6 +144,9 @@ class Throughput(Objective):
     bound_label: ClassVar[str] = "period bound"
     max_latency_s: float | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_latency_s", time_limit_s(self.max_latency_s, "Throughput", "max_latency_s"))
+
     @property
     def latency_limit_s(self) -> float | None:
         return self.max_latency_s
@@ -204,6 +208,7 @@ class Generation(Objective):
                 f"Generation needs new_tokens, sequences and prefill_chunks >= 1, got {self.new_tokens}, "
                 f"{self.sequences} and {self.prefill_chunks}"
             )
+        object.__setattr__(self, "max_ttft_s", time_limit_s(self.max_ttft_s, "Generation", "max_ttft_s"))
 
     @property
     def value_label(self) -> str:  # type: ignore[override]
@@ -269,6 +274,19 @@ class Generation(Objective):
             return Throughput().lower_bound_s(problem)
         prefill_s = 0.0 if self.prefill is None else self.prefill_chunks * LATENCY.lower_bound_s(self.prefill)
         return prefill_s + self.new_tokens * LATENCY.lower_bound_s(problem)
+
+
+def time_limit_s(value: float | None, owner: str, field: str) -> float | None:
+    """An objective's limit on a time as given (``max_latency_s``): None or infinity is no limit (None), else a
+    positive finite number of seconds; anything else (a negative, NaN, text) is a :class:`MoiraiError`, since a plan
+    judged against it would be silently unacceptable or the MILP's rows would lose their bound."""
+    if value is None or (isinstance(value, numbers.Real) and value == math.inf):
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        raise MoiraiError(
+            f"{owner}({field}={value!r}): a limit is a positive number of seconds; give None (or math.inf) for none"
+        )
+    return float(value)
 
 
 LATENCY = Latency()

@@ -33,7 +33,6 @@ import numpy as np
 from networkx.utils import UnionFind
 
 from moirai.errors import ProblemError
-from moirai.files import write_atomically
 from moirai.planning.costs import Per, RequestCosts
 from moirai.planning.description import (
     SECONDS,
@@ -49,6 +48,7 @@ from moirai.planning.description import (
     unique_names,
 )
 from moirai.planning.plan import Plan
+from moirai.user_files import parsing, write_output
 
 __all__ = ["Plan", "Problem"]
 
@@ -392,25 +392,21 @@ class Problem:
         """The problem a JSON file describes (:meth:`from_dict`); every fault of the file is a :class:`ProblemError`
         naming it."""
         try:
-            with open(path, encoding="utf-8") as f:
+            with parsing("JSON", f"problem file {str(path)!r}", ProblemError), open(path, encoding="utf-8") as f:
                 description = json.load(f)
         except FileNotFoundError:
             raise ProblemError(f"problem file {str(path)!r} does not exist") from None
         except OSError as error:  # a folder, a file we may not read
             raise ProblemError(f"problem file {str(path)!r} cannot be read: {error.strerror or error}") from None
-        except UnicodeDecodeError as error:
-            raise ProblemError(f"problem file {str(path)!r} is not UTF-8 text, so not JSON: {error}") from None
-        except json.JSONDecodeError as error:
-            raise ProblemError(f"problem file {str(path)!r} is not valid JSON: {error}") from None
-        except RecursionError:
-            raise ProblemError(f"problem file {str(path)!r} nests lists or objects too deeply to read") from None
         try:
             return cls.from_dict(description)
         except ProblemError as error:
             raise ProblemError(f"{path}: {error}") from None
 
     def to_json(self, path: str | Path) -> None:
-        write_atomically(path, json.dumps(self.to_dict(), allow_nan=True))
+        """Write the problem as JSON (:meth:`from_json` reads it back); a path that cannot take it is a
+        :class:`ProblemError` naming it."""
+        write_output(path, json.dumps(self.to_dict(), allow_nan=True), "the problem", ProblemError)
 
 
 # What every array of a problem may hold and what its axes index, by field: the one rule that Problem(...) and the

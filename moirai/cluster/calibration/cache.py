@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -29,6 +30,7 @@ from moirai.cluster.kinds import CPU
 from moirai.errors import ClusterError, MoiraiWarning, user_stacklevel
 from moirai.files import own_lock_file, read_own_text, write_atomically
 from moirai.progress import stage
+from moirai.user_files import parsing
 
 try:
     import fcntl
@@ -248,23 +250,33 @@ def read_request_cost(path: str | Path) -> RequestCost | None:
 
 
 def _fields_of(cls: type, fields: Any, path: str | Path, where: str) -> Any:
-    """``cls(**fields)`` when ``fields`` holds exactly ``cls``'s fields, each a finite number."""
+    """``cls(**fields)`` when ``fields`` holds exactly ``cls``'s fields, each a finite number >= 0 (a bandwidth > 0):
+    times and rates as measured, which no fit makes negative."""
     names = [field.name for field in dataclasses.fields(cls)]
     valid = isinstance(fields, dict) and sorted(fields) == sorted(names)
     if not valid or not all(type(value) in (int, float) and math.isfinite(value) for value in fields.values()):
         raise CorruptCalibrationError(path, f"{where} is not the numbers {', '.join(names)} ({str(fields)[:80]})")
+    for name, value in fields.items():
+        if value < 0 or (value == 0 and name.startswith("bandwidth")):
+            least = "positive" if name.startswith("bandwidth") else "non-negative"
+            raise CorruptCalibrationError(path, f"{where}.{name} is {value}; it must be {least}")
     return cls(**fields)
 
 
 def _calibration_record(path: str | Path) -> dict[str, Any]:
     try:
-        record = json.loads(read_own_text(path))
+        with parsing("JSON", "it", functools.partial(CorruptCalibrationError, path)):
+            record = json.loads(read_own_text(path))
     except FileNotFoundError:
         raise ClusterError(f"calibration file {str(path)!r} does not exist; run moirai calibrate --save") from None
     except OSError as error:  # a link (moirai reads its own files without following one), a directory, ...
+        if os.path.islink(path):
+            raise ClusterError(
+                f"calibration file {str(path)!r} is a symbolic link, which moirai does not follow (a link in a shared "
+                f"folder could hand it another file's numbers); give the file it points to, "
+                f"{os.path.realpath(path)!r}, instead"
+            ) from None
         raise ClusterError(f"calibration file {str(path)!r} cannot be read: {error.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CorruptCalibrationError(path, f"not JSON ({error})") from None
     if not isinstance(record, dict):
         raise CorruptCalibrationError(path, f"it holds a {type(record).__name__}, not a table")
     if record.get("format") != CALIBRATION_FORMAT_VERSION:

@@ -23,6 +23,7 @@ from moirai.cluster.files import read_cluster_devices
 from moirai.cluster.hardware import Device
 from moirai.cluster.kinds import CPU, backends, kind_for_backend
 from moirai.errors import ClusterError
+from moirai.user_files import check_output_path
 
 
 def _transport(backend: str) -> str:
@@ -76,12 +77,21 @@ class _Measured(NamedTuple):
 def run(args: argparse.Namespace, console: Console) -> int:
     """``moirai calibrate``: measure what transfers cost between local ranks, or under torchrun between and within
     its hosts; write a cluster file and the calibration compile reads."""
+    world = torchrun_world()
+    if world is None or world[0] == 0:  # where the results go, checked before a second is spent measuring them
+        check_output_path(args.output, "the cluster file", ClusterError)
+        if args.save:
+            check_output_path(args.save, "the calibration", ClusterError, folder_made=True)
     sizes = tuple(s for s in (1024 * 4**k for k in range(16)) if s <= args.max_size_mb * 2**20)
     base, base_name = read_cluster_devices(args.base) if args.base else (None, "")
-    world = torchrun_world()
     if world is not None and args.world_size not in (None, world[1]):
         raise ClusterError(f"--world-size {args.world_size}, but torchrun runs {world[1]} ranks: leave it out")
-    world_size = world[1] if world is not None else args.world_size or (len(base) if base is not None else 2)
+    if world is not None:
+        world_size = world[1]
+    elif args.world_size is not None:  # 0 too: rank_devices refuses fewer than two ranks
+        world_size = args.world_size
+    else:
+        world_size = len(base) if base is not None else 2
     devices = rank_devices(world_size, args.backend, base)
     transport = _transport(args.backend)
     measured = (

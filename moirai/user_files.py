@@ -1,0 +1,92 @@
+"""Files a user names: reading what they hold and checking where moirai is to write, each fault the reader's or
+writer's own moirai error naming the file and saying what to do, never a Python error.
+
+:func:`parsing` guards the reading and parsing of a JSON or TOML file (problems, cluster files, calibrations, fusion
+rules): text that is not UTF-8, arrays nested deeper than the parser recurses, an integer of more digits than Python
+converts and text that is not the language are each one error of the reader's type naming the file. Each reader
+still opens the file its own way (a calibration without following a link) and says what a missing file means.
+:func:`check_output_path` checks, before any work, that a file can be written where the user asked, and
+:func:`write_output` writes it there (:func:`moirai.files.write_atomically`) with the writer's error. Plain ``os``
+and the standard parsers: the planning core may use it (it imports no torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from moirai.errors import MoiraiError
+from moirai.files import write_atomically
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+# What a file of each language nests: what the message for one nested too deeply names.
+_CONTAINERS = {"JSON": "arrays or objects", "TOML": "arrays or tables"}
+
+
+@contextlib.contextmanager
+def parsing(language: str, subject: str, error: Callable[[str], MoiraiError]) -> Iterator[None]:
+    """Inside, read and parse a ``language`` file (``"JSON"`` or ``"TOML"``): whatever its text makes the decoder or
+    parser raise becomes ``error(f"{subject} {what was wrong}")``, ``subject`` naming the file (``"cluster file
+    'lab.toml'"``). Keep only the reading and parsing inside, so that no other ValueError is taken for the file's."""
+    try:
+        yield
+    except UnicodeDecodeError as fault:
+        raise error(
+            f"{subject} is not UTF-8 text, so not {language} ({fault.reason} at byte {fault.start}); save it as UTF-8"
+        ) from None
+    except RecursionError:
+        raise error(
+            f"{subject} nests {_CONTAINERS.get(language, 'values')} too deeply to read (a file moirai reads nests "
+            "them a few levels deep); check what wrote it"
+        ) from None
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as fault:
+        raise error(f"{subject} is not valid {language}: {fault}") from None
+    except ValueError as fault:  # what the parser's int() refuses: more digits than Python converts
+        if "digits" not in str(fault):
+            raise error(f"{subject} holds a value that cannot be read: {fault}") from None
+        raise error(
+            f"{subject} holds an integer of more than {_max_digits()} digits, more than Python "
+            "converts and more than any quantity needs; write it with fewer digits (as a float, 1.5e300)"
+        ) from None
+
+
+def check_output_path(
+    path: str | Path, what: str, error: Callable[[str], MoiraiError], *, folder_made: bool = False
+) -> None:
+    """``error(message)`` unless ``what`` (``"the plan"``) can be written to ``path``: its folder exists and may be
+    written (or, with ``folder_made``, is missing and will be made), and ``path`` is not a folder. Called before the
+    work whose result it is to hold."""
+    target = Path(path)
+    folder = target.parent
+    where = f"cannot write {what} to {str(path)!r}"
+    if folder_made and not folder.exists():
+        return
+    if not folder.is_dir():
+        raise error(f"{where}: folder {str(folder)!r} does not exist; create it or name a file in another folder")
+    if target.is_dir():
+        raise error(f"{where}: it is a folder; name a file instead (one inside it, say)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise error(f"{where}: folder {str(folder)!r} may not be written by this user; name a file in another folder")
+
+
+def write_output(path: str | Path, text: str, what: str, error: Callable[[str], MoiraiError]) -> None:
+    """Write ``text``, ``what`` it is (``"the plan"``), to ``path`` the user named, in one step; a path that cannot
+    take it is ``error(message)`` naming it, never an OSError."""
+    check_output_path(path, what, error)
+    try:
+        write_atomically(path, text)
+    except OSError as fault:
+        raise error(f"cannot write {what} to {str(path)!r}: {fault.strerror or fault}") from None
+
+
+def _max_digits() -> int:
+    """The most digits Python converts to an integer (``sys.get_int_max_str_digits``, from Python 3.10.7 on)."""
+    return getattr(sys, "get_int_max_str_digits", lambda: 4300)()
