@@ -6,20 +6,16 @@ Every file moirai writes (plans, problems, cluster files, the calibration and pr
 target's name is replaced, never followed, so a link another user planted in a shared directory (a
 ``MOIRAI_CACHE_DIR`` on ``/tmp``) cannot make moirai overwrite the file it points to; and a concurrent reader sees
 the old file or the new one, never half of one. The caches moirai reads back (:func:`read_own_text`) are opened
-without following a link, so none can hand moirai another file's content as its own numbers. JSON text is parsed by
-:func:`parse_json`, whose every failure is a ``ValueError`` saying what is wrong. Plain ``os``: the planning core
-may use it (it imports no torch).
+without following a link, so none can hand moirai another file's content as its own numbers. Files a user names are
+:mod:`moirai.user_files`'s. Plain ``os``: the planning core may use it (it imports no torch).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
-import sys
 from pathlib import Path
-from typing import Any
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -67,24 +63,3 @@ def own_lock_file(path: str | Path):  # noqa: ANN201 - a context manager of a de
         yield descriptor
     finally:
         os.close(descriptor)
-
-
-class JsonBeyondLimits(ValueError):
-    """JSON text Python's parser gives up on: nesting deeper than its recursion, or an integer of more digits than
-    Python converts. The message says which, in words that follow the file's name ("... nests lists ...")."""
-
-
-def parse_json(text: str) -> Any:
-    """``json.loads(text)``, where text that does not parse is a ``ValueError`` saying why: a
-    ``json.JSONDecodeError`` (with its line and column) for text that is not JSON, :class:`JsonBeyondLimits` for
-    JSON beyond the parser's limits (a RecursionError and a bare ValueError from ``json.loads``)."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise JsonBeyondLimits("nests lists or objects too deeply to read") from None
-    except json.JSONDecodeError:
-        raise
-    except ValueError:  # int() refuses the digits: "Exceeds the limit (4300 digits) for integer string conversion"
-        raise JsonBeyondLimits(
-            f"holds an integer of more than {sys.get_int_max_str_digits()} digits (Python reads none longer)"
-        ) from None

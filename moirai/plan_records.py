@@ -18,11 +18,11 @@ import torch
 
 from moirai.cluster.devices import Cluster
 from moirai.errors import DistributedError, PlanError, PlanVersionWarning
-from moirai.files import JsonBeyondLimits, parse_json
 from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
 from moirai.runtime.hosts import rank_hosts
 from moirai.runtime.store import wait_for_key
+from moirai.user_files import parsing
 
 PLAN_FORMAT_VERSION = 1
 # Long enough for rank 0's planning (a milp within its time limit); a rank 0 that fails says so sooner.
@@ -96,6 +96,11 @@ class PlanHandover:
         return record
 
 
+def _sentence(text: str) -> str:
+    """``text`` ending as a sentence does (a question keeps its mark)."""
+    return text if text.endswith((".", "?")) else text + "."
+
+
 def read_plan_file(path: str | Path) -> dict[str, Any]:
     """The record ``CompiledModel.save`` wrote, or a :class:`PlanError` saying what is wrong with the file."""
     if not isinstance(path, (str, os.PathLike)):  # an int would open a file descriptor, None a TypeError
@@ -103,26 +108,21 @@ def read_plan_file(path: str | Path) -> dict[str, Any]:
             f"the plan file's path is {repr(path)[:80]} ({type(path).__name__}); give the path (a str or "
             "pathlib.Path) of the file CompiledModel.save(path) wrote"
         )
+    subject, again = f"plan file {str(path)!r}", "save the plan again with CompiledModel.save(path)"
     try:
-        text = Path(path).read_text()
+        with parsing(
+            "JSON",
+            subject,
+            lambda message: PlanError(f"{_sentence(message)} Save the plan again with CompiledModel.save(path)"),
+        ):
+            text = Path(path).read_text()
+            if not text.strip():
+                raise PlanError(f"{subject} is empty; {again}")
+            record = json.loads(text)
     except FileNotFoundError:
-        raise PlanError(f"plan file {str(path)!r} does not exist; write one with CompiledModel.save(path)") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise PlanError(f"cannot read plan file {str(path)!r}: {error}") from None
-    if not text.strip():
-        raise PlanError(f"plan file {str(path)!r} is empty; save the plan again with CompiledModel.save(path)")
-    try:
-        record = parse_json(text)
-    except json.JSONDecodeError as error:
-        raise PlanError(
-            f"plan file {str(path)!r} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); "
-            "was it cut short? Save the plan again with CompiledModel.save(path)"
-        ) from None
-    except JsonBeyondLimits as error:
-        raise PlanError(
-            f"plan file {str(path)!r} {error}, which CompiledModel.save never writes; save the plan again with "
-            "CompiledModel.save(path)"
-        ) from None
+        raise PlanError(f"{subject} does not exist; write one with CompiledModel.save(path)") from None
+    except OSError as error:
+        raise PlanError(f"cannot read {subject}: {error}") from None
     if not isinstance(record, dict):
         raise PlanError(
             f"plan file {str(path)!r} holds a JSON {type(record).__name__}, not a moirai plan (an object with keys "

@@ -48,7 +48,7 @@ def parsing(language: str, subject: str, error: Callable[[str], MoiraiError]) ->
             "them a few levels deep); check what wrote it"
         ) from None
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as fault:
-        raise error(f"{subject} is not valid {language}: {fault}") from None
+        raise error(f"{subject} is not valid {language} ({fault}); was it cut short?") from None
     except ValueError as fault:  # what the parser's int() refuses: more digits than Python converts
         if "digits" not in str(fault):
             raise error(f"{subject} holds a value that cannot be read: {fault}") from None

@@ -554,8 +554,8 @@ def test_load_of_a_missing_plan_file(tmp_path):
         ('{"format": 7}', ("not a moirai plan of format 1",)),
         ('{"format": true}', ("not a moirai plan of format 1", "'format' is 'True'")),  # true == 1 passed
         ('{"format": 1.0}', ("not a moirai plan of format 1", "'format' is '1.0'")),
-        ("[" * 100_000 + "]" * 100_000, ("nests lists or objects too deeply", "save the plan again")),
-        ('{"format": ' + "1" * 5000 + "}", ("an integer of more than 4300 digits", "save the plan again")),
+        ("[" * 100_000 + "]" * 100_000, ("nests arrays or objects too deeply", "Save the plan again")),
+        ('{"format": ' + "1" * 5000 + "}", ("an integer of more than 4300 digits", "Save the plan again")),
     ],
 )
 def test_load_of_a_broken_plan_file(tmp_path, content, words):

@@ -11,8 +11,9 @@ import pytest
 
 from moirai.cluster.calibration import TransferCost, read_calibration, write_calibration
 from moirai.cluster.calibration.cache import cached_links
-from moirai.errors import ClusterError
-from moirai.files import JsonBeyondLimits, parse_json, read_own_text, write_atomically
+from moirai.errors import ClusterError, PlanError
+from moirai.files import read_own_text, write_atomically
+from moirai.user_files import parsing
 
 COST = TransferCost(1e-5, 1e9, 1e-6, 1e-12, 1e-6, 1e-12)
 
@@ -75,17 +76,17 @@ def test_moirais_own_caches_are_not_read_through_a_link(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "words"),
     [
-        ("[" * 100_000 + "]" * 100_000, "nests lists or objects too deeply"),  # was a RecursionError
-        ('{"a": {"b": ' * 50_000 + "1" + "}" * 100_000, "nests lists or objects too deeply"),
+        ("[" * 100_000 + "]" * 100_000, "nests arrays or objects too deeply"),  # was a RecursionError
+        ('{"a": {"b": ' * 50_000 + "1" + "}" * 100_000, "nests arrays or objects too deeply"),
         ("1" * 5000, "an integer of more than 4300 digits"),  # was int()'s ValueError, pointing at sys
+        ('{"a": 1,', r"is not valid JSON \(.*line 1 column 9.*\); was it cut short"),
     ],
 )
-def test_json_beyond_the_parsers_limits_is_a_value_error_saying_which(text: str, words: str) -> None:
-    with pytest.raises(JsonBeyondLimits, match=words):
-        parse_json(text)
-
-
-def test_json_that_is_no_json_is_json_s_own_error_and_json_is_json() -> None:
-    with pytest.raises(json.JSONDecodeError, match="line 1 column 9"):
-        parse_json('{"a": 1,')
-    assert parse_json('{"a": [1, 2.5, null, "x"]}') == {"a": [1, 2.5, None, "x"]}
+def test_json_a_user_hands_moirai_that_python_cannot_read_is_the_readers_error_naming_the_file(text, words) -> None:
+    with (
+        pytest.raises(PlanError, match=rf"^the file 'x.json' .*{words}"),
+        parsing("JSON", "the file 'x.json'", PlanError),
+    ):
+        json.loads(text)
+    with parsing("JSON", "the file 'x.json'", PlanError):
+        assert json.loads('{"a": [1, 2.5, null, "x"]}') == {"a": [1, 2.5, None, "x"]}
