@@ -32,6 +32,7 @@ from moirai.cluster.hardware import (
 )
 from moirai.cluster.kinds import CPU, device_spellings, kind_named, kind_of, torch_device_types
 from moirai.errors import ClusterError
+from moirai.planning.description import is_number
 from moirai.user_files import parsing
 
 try:
@@ -65,11 +66,6 @@ _INTEGER_KEYS = {"rank"}
 _BOOLEAN_KEYS = {"both_directions"}
 # Names and words: a device named 5 is not the device "5" a link names, and a type or kind is looked up as text.
 _STRING_KEYS = {"name", "host", "kind", "type", "src", "dst"}
-
-
-def _is_number(value: object) -> bool:
-    """An int or float a TOML file gave, not a bool (which Python counts as an int) nor text."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_device_names(names: Sequence[str]) -> None:
@@ -133,7 +129,7 @@ def _check_arrays_of_tables(description: Mapping[str, Any]) -> None:
 def _check_types(entry: Mapping[str, Any], where: str) -> None:
     """Every number a number, before any is read: ``memory_gb = "lots"`` names the device and key."""
     for key, value in entry.items():
-        if key in _NUMBER_KEYS and not _is_number(value):
+        if key in _NUMBER_KEYS and not is_number(value):
             raise ClusterError(f"{where}: {key} must be a number, got {value!r}")
         if key in _INTEGER_KEYS and (not isinstance(value, int) or isinstance(value, bool)):
             raise ClusterError(f"{where}: {key} must be an integer, got {value!r}")
@@ -141,7 +137,7 @@ def _check_types(entry: Mapping[str, Any], where: str) -> None:
             raise ClusterError(f"{where}: {key} must be a string (in quotes), got {value!r}")
         if key in _BOOLEAN_KEYS and not isinstance(value, bool):
             raise ClusterError(f"{where}: {key} must be true or false, got {value!r}")
-        if key == "peak_tflops" and (not isinstance(value, Mapping) or not all(map(_is_number, value.values()))):
+        if key == "peak_tflops" and (not isinstance(value, Mapping) or not all(map(is_number, value.values()))):
             raise ClusterError(f"{where}: peak_tflops must be a table of numbers like {{ fp32 = 10.0 }}, got {value!r}")
 
 
@@ -316,10 +312,10 @@ def _links_from_matrix(matrix: Mapping[str, Any], names: Sequence[str]) -> list[
     k = len(names)
     bandwidth = _square(matrix["bandwidth_gbps"], k, "bandwidth_gbps")
     latency_entry = matrix.get("latency_us", 0.0)
-    if not _is_number(latency_entry) and not isinstance(latency_entry, list):
+    if not is_number(latency_entry) and not isinstance(latency_entry, list):
         raise ClusterError(f"[matrix] latency_us must be a number or a {k}x{k} matrix, got {latency_entry!r}")
     latency = (
-        np.full((k, k), float(latency_entry)) if _is_number(latency_entry) else _square(latency_entry, k, "latency_us")
+        np.full((k, k), float(latency_entry)) if is_number(latency_entry) else _square(latency_entry, k, "latency_us")
     )
     links = []
     for a in range(k):
@@ -333,7 +329,7 @@ def _links_from_matrix(matrix: Mapping[str, Any], names: Sequence[str]) -> list[
                 )
             if not latency[a, b] >= 0:
                 raise ClusterError(f"[matrix] latency {names[a]!r} -> {names[b]!r} is negative")
-            latency_us = latency_entry if _is_number(latency_entry) else latency_entry[a][b]
+            latency_us = latency_entry if is_number(latency_entry) else latency_entry[a][b]
             links.append(
                 Link(
                     names[a],
@@ -349,7 +345,7 @@ def _square(rows: Any, k: int, label: str) -> np.ndarray:
     if not isinstance(rows, list) or any(not isinstance(row, list) or len(row) != k for row in rows) or len(rows) != k:
         shape = [len(row) if isinstance(row, list) else 1 for row in rows] if isinstance(rows, list) else rows
         raise ClusterError(f"[matrix] {label} must be {k}x{k} (one row and column per device), got rows {shape}")
-    if not all(_is_number(value) for row in rows for value in row):  # numpy would read "100" and true as numbers
+    if not all(is_number(value) for row in rows for value in row):  # numpy would read "100" and true as numbers
         raise ClusterError(f"[matrix] {label} must hold numbers, got {rows!r}")
     return np.array(rows, float)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -149,8 +150,8 @@ def _collect(
 
 
 def is_number(value: Any) -> bool:
-    """A JSON number (or a numpy one, from Python): not a bool, a string or null."""
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    """A real number (a JSON or TOML one, or a numpy one from Python): not a bool, a string or null."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def _float(value: Any) -> float:

@@ -29,6 +29,7 @@ from moirai.errors import (
     did_you_mean,
     user_stacklevel,
 )
+from moirai.planning.description import is_number
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
@@ -305,8 +306,8 @@ def no_worse_than_one_device(
 # What a value of an option, whichever placer takes it, must be.
 _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     # 0 is a real choice: no search, the placer's start plan.
-    "time_limit_s": (lambda v: _is_number(v) and v >= 0, "a non-negative number of seconds"),
-    "mip_gap": (lambda v: _is_number(v) and 0 <= v < 1, "a relative gap in [0, 1), e.g. 1e-4"),
+    "time_limit_s": (lambda v: is_number(v) and v >= 0, "a non-negative number of seconds"),
+    "mip_gap": (lambda v: is_number(v) and 0 <= v < 1, "a relative gap in [0, 1), e.g. 1e-4"),
     "threads": (lambda v: v is None or (_is_integer(v) and v >= 1), "None or an integer of at least 1"),
     "window_tasks": (lambda v: _is_integer(v) and v >= 1, "an integer of at least 1"),
     "target_tasks": (lambda v: _is_integer(v) and v >= 1, "an integer of at least 1"),
@@ -316,8 +317,8 @@ _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "uniform": (lambda v: isinstance(v, bool), "True or False"),
     "progress": (lambda v: v is None or isinstance(v, bool), "None, True or False"),
     # getf's speed groups: each holds the devices within this factor of its fastest (1 or less groups none)
-    "speed_ratio": (lambda v: _is_number(v) and v > 1, "a number above 1"),
-    "threshold": (lambda v: _is_number(v) and v >= 0, "a non-negative number"),
+    "speed_ratio": (lambda v: is_number(v) and v > 1, "a number above 1"),
+    "threshold": (lambda v: is_number(v) and v >= 0, "a non-negative number"),
 }
 
 
@@ -382,10 +383,6 @@ def _warn_if_over_the_limit(plan: Plan, timeline: Timeline, objective: Objective
         ),
         stacklevel=user_stacklevel(),
     )
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _is_integer(value: Any) -> bool:
