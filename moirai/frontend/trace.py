@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 import operator
+import os
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TextIO
 
 import torch
 import torch.fx as fx
@@ -201,7 +204,7 @@ def trace(
     args, kwargs = _unshared_inputs(args, kwargs)
     warn_if_training(model, name)
     try:
-        with _quiet_fake_tensors():
+        with _quiet_export():
             exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         if _writes_constants(exported):
             exported = _export_strict(model, args, kwargs, dynamic_shapes, name)
@@ -481,17 +484,61 @@ def _structure(spec: pytree.TreeSpec, leaf_names: Sequence[str]) -> str:
     return f"args {tuple(args)!r}" + (f" and kwargs {dict(kwargs)!r}" if kwargs else "")
 
 
+# Loggers torch.export writes to on its way to an error that :func:`trace` explains or falls back from: an op that
+# fails on fake tensors (a wrong input shape) logs its whole traceback; a branch on a tensor's value warns.
+_EXPORT_FAILURE_LOGS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")
+
+
 @contextlib.contextmanager
-def _quiet_fake_tensors() -> Iterator[None]:
-    """torch.export with torch's fake-tensor log held back: an op that fails on fake tensors (a wrong input shape)
-    logs its whole traceback at ERROR before the export raises, which :func:`trace_error` then explains."""
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
+def _quiet_export() -> Iterator[None]:
+    """torch.export without what it tells stderr of a failure that :func:`trace` then explains or falls back from:
+    the logs of ``_EXPORT_FAILURE_LOGS``, and the partial graph torch.export prints before it raises (twice for a
+    model that branches on a tensor: a screen of code above a fallback that then succeeded)."""
+    logs = [logging.getLogger(name) for name in _EXPORT_FAILURE_LOGS]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
+    stderr = sys.stderr
+    sys.stderr = _WithoutPrintsOf(stderr, _TORCH_EXPORT_TRACE)
     try:
         yield
     finally:
-        log.setLevel(level)
+        if isinstance(sys.stderr, _WithoutPrintsOf):  # unless the caller replaced it meanwhile
+            sys.stderr = stderr
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)
+
+
+_TORCH_EXPORT_TRACE = os.path.join("torch", "export", "_trace.py")
+
+
+class _WithoutPrintsOf(io.TextIOBase):
+    """``stream``, but for what code in the file ``source`` (a path's tail) writes to it directly (its ``print``
+    calls): every other writer, another thread's included, writes through."""
+
+    def __init__(self, stream: TextIO, source: str) -> None:
+        self._stream, self._source = stream, source
+
+    def write(self, text: str) -> int:
+        if sys._getframe(1).f_code.co_filename.endswith(self._source):
+            return len(text)
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._stream.encoding
+
+    def __getattr__(self, name: str) -> Any:  # what else a writer asks the stream (pytest's, a notebook's)
+        return getattr(self._stream, name)
 
 
 def _refuse_keywords_as_positional(
