@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -71,6 +72,29 @@ def test_without_what_it_inherits_a_forked_rank_would_see_the_servers_environmen
     with _streams_to(tmp_path / "out", tmp_path / "err"):
         _run(None)
     assert (tmp_path / "out").read_text() == (tmp_path / "err").read_text() == ""
+
+
+def _report_limit(inheritance: RankInheritance) -> None:
+    inheritance.apply()
+    print(f"nofile {resource.getrlimit(resource.RLIMIT_NOFILE)}", flush=True)
+
+
+def test_a_rank_takes_rank_0s_resource_limits_as_they_are_when_it_starts(tmp_path) -> None:
+    """A limit set after the fork server started (a script's open-files cap, a notebook's memory cap) held in
+    spawned ranks only: a forked one had the server's."""
+    _run(None)  # the fork server runs from here on, with this process's limits as they are now
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowered = (min(before[0], 512) - 1, before[1])
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, lowered)
+        with _streams_to(tmp_path / "out", tmp_path / "err"):
+            process = rank_context().Process(target=_report_limit, args=(RankInheritance.of_this_process(),))
+            process.start()
+            process.join(timeout=120)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
+    assert process.exitcode == 0
+    assert (tmp_path / "out").read_text() == f"nofile {lowered}\n"
 
 
 # A script that does its slow work at top level, outside its __main__ guard (loading a model, say): a rank re-imports

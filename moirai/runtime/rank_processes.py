@@ -24,10 +24,11 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import reduction
 from typing import Any
 
@@ -51,6 +52,13 @@ _PR_SET_NAME = 15
 _FORK_SERVER_LOST_EXIT_CODE = 255
 _FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"  # its command line, which its children keep
 _STANDARD_STREAMS = (1, 2)
+# Limits a user sets in their script (a memory cap, open files, core dumps) that a spawned rank inherits and the fork
+# server, started earlier, may not have.
+_INHERITED_LIMITS = tuple(
+    getattr(resource, name)
+    for name in ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_FSIZE", "RLIMIT_STACK")
+    if hasattr(resource, name)
+)
 
 
 def rank_context(fork_server_usable: bool = True) -> multiprocessing.context.BaseContext:
@@ -103,18 +111,20 @@ def _received_descriptor(duplicate: Any, descriptor: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class RankInheritance:
     """What a rank takes from rank 0 at its start as a spawned one would: the environment, the standard output and
-    error, the calling thread's cores and the file-creation mask."""
+    error, the calling thread's cores, the file-creation mask and the resource limits."""
 
     environment: dict[str, str]
     streams: tuple[Any, ...]
     cores: frozenset[int] | None
     umask: int | None
+    limits: dict[int, tuple[int, int]] = field(default_factory=dict)  # by resource.RLIMIT_*
 
     @classmethod
     def of_this_process(cls) -> RankInheritance:
         streams = tuple(_InheritedStream(d) for d in _STANDARD_STREAMS if _is_open(d))
         cores = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        return cls(dict(os.environ), streams, cores, _umask())
+        limits = {limit: resource.getrlimit(limit) for limit in _INHERITED_LIMITS}
+        return cls(dict(os.environ), streams, cores, _umask(), limits)
 
     def apply(self) -> None:
         """In the rank, before anything else: rank 0's in place of the fork server's."""
@@ -129,6 +139,25 @@ class RankInheritance:
             os.sched_setaffinity(0, self.cores)
         if self.umask is not None:
             os.umask(self.umask)
+        for limit, (soft, hard) in self.limits.items():
+            _set_limit(limit, soft, hard)
+
+
+def _set_limit(limit: int, soft: int, hard: int) -> None:
+    """Rank 0's ``limit``, as far as this process may take it: a hard limit rank 0 raised after the fork server
+    started (as root) stays the server's, and the soft one no higher (a lower limit is never refused)."""
+    try:
+        resource.setrlimit(limit, (soft, hard))
+    except (ValueError, OSError):
+        _, own_hard = resource.getrlimit(limit)
+        resource.setrlimit(limit, (_lower_limit(soft, own_hard), own_hard))
+
+
+def _lower_limit(a: int, b: int) -> int:
+    """The lower of two resource limits, where RLIM_INFINITY (-1 on Linux) is no limit."""
+    if a == resource.RLIM_INFINITY:
+        return b
+    return a if b == resource.RLIM_INFINITY else min(a, b)
 
 
 class RankStarter:
