@@ -344,6 +344,19 @@ def test_target_nodes_below_one():
         moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", target_nodes=0)
 
 
+@pytest.mark.parametrize("target_nodes", [2.5, 2.0, "3", True])
+def test_target_nodes_that_are_no_whole_number(target_nodes):
+    """2.5 coarsened to 2 groups and True to 1; "3" was a TypeError."""
+    words = (f"got {target_nodes!r} ({type(target_nodes).__name__})", "whole number of op groups")
+    with raises(MoiraiError, "target_nodes must be at least 1", *words):
+        moirai.compile(tiny(), ["cpu"], (X,), placer="heft", target_nodes=target_nodes)
+
+
+def test_target_nodes_as_a_numpy_integer_is_taken():
+    compiled = moirai.compile(tiny(), ["cpu"], (X,), placer="heft", target_nodes=np.int64(1))
+    assert len(compiled.graph.nodes) == 1
+
+
 # --- cluster files -------------------------------------------------------------------------------------
 
 CLUSTER = """name = "two"
