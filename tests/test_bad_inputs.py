@@ -287,6 +287,43 @@ def test_option_of_the_wrong_type(problem):
         moirai.place(problem, "heft", contention="yes")
 
 
+@pytest.mark.parametrize("given", [None, {"devices": [{"name": "a"}]}, "problem.json"])
+def test_place_simulate_and_lower_bound_of_no_problem_say_how_to_make_one(problem, given):
+    """Each was an AttributeError from deep inside."""
+    plan = moirai.Plan(np.array([0, 1, 0]), ("a", "b"))
+    calls = {
+        "moirai.place": lambda: moirai.place(given, "heft"),
+        "moirai.simulate": lambda: moirai.simulate(given, plan),
+        "moirai.lower_bound": lambda: moirai.lower_bound(given),
+        "moirai.gantt": lambda: moirai.gantt(given, plan),
+    }
+    for name, call in calls.items():
+        with raises(ProblemError, f"{name}'s problem must be a moirai.Problem, got {given!r}"[:70], "from_json(path)"):
+            call()
+
+
+@pytest.mark.parametrize("given", [None, {"placement": [0, 0, 0]}])
+def test_simulate_with_plan_and_gantt_of_no_plan_say_how_to_make_one(problem, compiled, given):
+    """simulate and with_plan were AttributeErrors from deep inside."""
+    calls = {
+        "moirai.simulate's plan": lambda: moirai.simulate(problem, given),
+        "moirai.gantt's plan": lambda: moirai.gantt(problem, given),
+        "CompiledModel.with_plan's plan": lambda: compiled.with_plan(given),
+    }
+    if given is not None:  # gantt's plan=None is its own plan
+        calls["CompiledModel.gantt's plan"] = lambda: compiled.gantt(plan=given)
+    for where, call in calls.items():
+        with raises(PlanError, f"{where} must be a moirai.Plan, got {given!r}"[:70], "moirai.place(problem"):
+            call()
+
+
+@pytest.mark.parametrize("requests", [0, -1, "2", 2.0, True])
+def test_gantt_of_no_whole_number_of_requests(compiled, requests):
+    """0 and -1 drew one request; "2" was a TypeError."""
+    with raises(MoiraiError, "requests must be a whole number, at least 1", f"got {requests!r}"):
+        compiled.gantt(requests=requests)
+
+
 def test_memory_ignoring_placer_over_memory_warns_with_the_numbers_and_marks_the_plan(problem):
     with pytest.warns(OverMemoryWarning, match=r"'round_robin' plan.*a holds 16 B of 10 B.*'heft'") as caught:
         plan = moirai.place(problem, "round_robin")

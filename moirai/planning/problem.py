@@ -435,6 +435,17 @@ _BANDWIDTH = Quantity(
 _LATENCY = Quantity("seconds", infinite="no link between the two devices")
 
 
+def check_problem(problem: object, where: str) -> None:
+    """A :class:`ProblemError` unless ``problem`` is a :class:`Problem`; ``where`` names the argument
+    (``"moirai.place's problem"``). A description or its file is read into one first, never taken for one."""
+    if not isinstance(problem, Problem):
+        raise ProblemError(
+            f"{where} must be a moirai.Problem, got {repr(problem)[:80]} ({type(problem).__name__}); read a "
+            "description with moirai.Problem.from_dict(description) or a file with moirai.Problem.from_json(path), "
+            "or take a compiled model's (compiled.problem)"
+        )
+
+
 def _quantity(label: str) -> Quantity:
     return _ARRAYS[label][0]
 

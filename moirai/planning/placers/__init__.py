@@ -31,7 +31,7 @@ from moirai.errors import (
 from moirai.planning.description import is_integer, is_number
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.plan import Plan
-from moirai.planning.problem import Problem
+from moirai.planning.problem import Problem, check_problem
 from moirai.progress import LONG_STAGE_S, format_seconds, stage
 
 if TYPE_CHECKING:
@@ -151,6 +151,7 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     (``plan.report.notes["replaced_by_single_device_s"]`` keeps the placer's own value). Every colocated set of
     tasks (:attr:`Problem.colocated`) ends on one device, whichever the placer (:attr:`PlacerSpec.checked`).
     """
+    check_problem(problem, "moirai.place's problem")
     with stage("place", _long_placement(placer, options)):
         return _place(problem, placer, objective, **options)
 
