@@ -31,7 +31,7 @@ from rich.table import Table
 from moirai import progress as _progress
 from moirai import viz
 from moirai.cluster.calibration.across_hosts import measure_host_links
-from moirai.cluster.calibration.cluster import local_cluster
+from moirai.cluster.calibration.cluster import check_calibration, local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem, unfused_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
@@ -488,6 +488,7 @@ def rank_cluster(
     None). Every rank of such a run first takes part in measuring the links between the hosts where they are to
     be measured (:func:`measure_host_links`); a rank that does not plan measures nothing else, as the plan it
     receives carries rank 0's costs."""
+    check_calibration(calibration)  # before the ranks measure links between hosts by it
     hosts = handover.hosts if handover is not None else None
     if handover is not None and hosts is not None:
         measure_host_links(

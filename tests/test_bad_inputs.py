@@ -376,6 +376,24 @@ def test_unknown_cost_mode():
         moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", cost="fast")
 
 
+@pytest.mark.parametrize("devices", [["cpu", "cpu"], ["cpu"]])
+@pytest.mark.parametrize("calibration", [None, 5])
+def test_calibration_that_is_no_word_or_path(devices, calibration):
+    """A TypeError inside the calibration cache with two devices; silently unread with one."""
+    words = (f"calibration={calibration!r} ({type(calibration).__name__}) is not a word or a path", "'auto'", "'none'")
+    with raises(ClusterError, *words):
+        moirai.compile(tiny(), devices, (X,), placer="heft", calibration=calibration)
+
+
+def test_load_and_compile_lm_check_calibration_as_compile_does(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    with raises(ClusterError, "calibration=5 (int) is not a word or a path"):
+        moirai.load(path, tiny(), (X,), devices=["cpu", "cpu"], calibration=5)
+    with raises(ClusterError, "calibration=5 (int) is not a word or a path"):  # refused before the model is read
+        moirai.compile_lm(tiny(), ["cpu", "cpu"], placer="heft", calibration=5, progress=False)
+
+
 def test_target_nodes_below_one():
     with raises(MoiraiError, "target_nodes must be at least 1"):
         moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", target_nodes=0)
