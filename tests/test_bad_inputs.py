@@ -605,6 +605,23 @@ def test_fusion_rules_neither_bundled_nor_a_file():
         moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", fusion_rules="cudnn_v9")
 
 
+@pytest.mark.parametrize("rules", [5, None, b"eigen", {"eigen": 1}, ["eigen", 5]])
+def test_fusion_rules_of_another_type_say_what_to_pass(rules):
+    """5 and None were TypeErrors; a dict was taken as its keys."""
+    wrong = rules[1] if isinstance(rules, list) else rules
+    with raises(FusionRuleError, f"fusion_rules={wrong!r} ({type(wrong).__name__}) names no rule set", "'default'"):
+        moirai.compile(tiny(), ["cpu"], (X,), placer="heft", fusion_rules=rules)
+
+
+def test_fusion_rules_at_any_path_like(tmp_path):
+    class RulePath:  # an os.PathLike that is no pathlib.Path: it was iterated, a TypeError
+        def __fspath__(self) -> str:
+            return str(tmp_path / "rules.toml")
+
+    (tmp_path / "rules.toml").write_text('[[rule]]\nname = "mm_relu"\nops = ["gemm", "relu"]\n')
+    assert [rule.name for rule in load_rules(RulePath()).rules] == ["rules:mm_relu"]
+
+
 # --- plan files (moirai.load) --------------------------------------------------------------------------
 
 
