@@ -147,6 +147,13 @@ def test_a_function_or_keyword_inputs_given_as_a_dict_say_what_to_pass():
         moirai.compile(tiny(), ["cpu"], {"input": X}, placer="heft")
 
 
+@pytest.mark.parametrize("kwargs", [[1], [("x", X)], "x"])
+def test_example_kwargs_that_are_no_dict_say_what_to_pass(kwargs):
+    """A list was a TypeError from dict(); a list of pairs was taken as a dict, which the compiled model is not."""
+    with raises(TraceError, f"example_kwargs={kwargs!r}"[:60], "is not a dict", "example_kwargs={'name': value}"):
+        moirai.compile(tiny(), ["cpu"], (X,), example_kwargs=kwargs, placer="heft")
+
+
 def test_an_example_input_of_the_wrong_shape_logs_nothing_beside_its_error(caplog):
     with raises(TraceError, "mat1 and mat2 shapes"):
         moirai.compile(tiny(), ["cpu", "cpu"], (torch.randn(3, 5),), placer="heft", progress=False)
