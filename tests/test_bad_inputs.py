@@ -175,6 +175,12 @@ def test_devices_given_as_one_string():
         moirai.compile(tiny(), "moirai-intra-server", (X,), placer="heft")
 
 
+def test_devices_given_as_a_dict():
+    """A dict was taken as its keys: {"cpu": 2} compiled for one CPU."""
+    with raises(ClusterError, "devices={'cpu': 2} is not a list", "['cpu', 'cpu']"):
+        moirai.compile(tiny(), {"cpu": 2}, (X,), placer="heft")
+
+
 def test_devices_given_as_integers():
     with raises(ClusterError, "devices[0] is 0", "int", "'cuda:0'"):
         moirai.compile(tiny(), [0, 1], (X,), placer="heft")
