@@ -776,6 +776,36 @@ def test_problem_json_files(tmp_path):
         moirai.Problem.from_json(short)
 
 
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        (None, ("path is None (NoneType)",)),
+        (b"problem.json", ("path is b'problem.json' (bytes)",)),
+        ({"devices": DEVICES}, ("(dict)", "Problem.from_dict")),
+        ("a\0b.json", ("holds a NUL character",)),
+    ],
+)
+def test_problem_json_of_no_path(path, words):
+    """None and a dict were TypeErrors; a NUL was said to be a value in the file."""
+    with raises(ProblemError, "the problem file's path", *words):
+        moirai.Problem.from_json(path)
+
+
+def test_a_file_descriptor_is_no_path_and_stays_the_callers(tmp_path):
+    """open() took an int for a descriptor: from_json and from_file read the caller's file and closed it."""
+    (tmp_path / "problem.json").write_text(json.dumps({"devices": DEVICES, "tasks": []}))
+    (tmp_path / "cluster.toml").write_text(CLUSTER)
+    readers = [
+        (moirai.Problem.from_json, "problem.json", ProblemError, "problem file"),
+        (moirai.Cluster.from_file, "cluster.toml", ClusterError, "cluster file"),
+    ]
+    for read, name, error, subject in readers:
+        with open(tmp_path / name) as held:
+            with raises(error, f"the {subject}'s path is {held.fileno()} (int)", "file descriptor", "pathlib.Path"):
+                read(held.fileno())
+            assert held.read(1) in "{n"  # still open, unread
+
+
 def test_plan_for_other_devices_or_other_tasks(problem):
     with raises(PlanError, "plan is for devices ['a', 'c']"):
         moirai.Plan(np.zeros(3, int), ("a", "c")).check(problem)

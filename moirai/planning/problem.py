@@ -48,7 +48,7 @@ from moirai.planning.description import (
     unique_names,
 )
 from moirai.planning.plan import Plan
-from moirai.user_files import parsing, write_output
+from moirai.user_files import check_input_path, parsing, write_output
 
 __all__ = ["Plan", "Problem"]
 
@@ -391,6 +391,12 @@ class Problem:
     def from_json(cls, path: str | Path) -> Problem:
         """The problem a JSON file describes (:meth:`from_dict`); every fault of the file is a :class:`ProblemError`
         naming it."""
+        check_input_path(
+            path,
+            "problem file",
+            "a problem's JSON (a description already read goes to Problem.from_dict)",
+            ProblemError,
+        )
         try:
             with parsing("JSON", f"problem file {str(path)!r}", ProblemError), open(path, encoding="utf-8") as f:
                 description = json.load(f)
