@@ -31,7 +31,7 @@ from rich.table import Table
 from moirai import progress as _progress
 from moirai import viz
 from moirai.cluster.calibration.across_hosts import measure_host_links
-from moirai.cluster.calibration.cluster import local_cluster
+from moirai.cluster.calibration.cluster import check_calibration, local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem, unfused_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
@@ -46,7 +46,7 @@ from moirai.plan_records import PLAN_FORMAT_VERSION, PlanHandover, read_plan_fil
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.placers import check_options, place
 from moirai.planning.placers import spec as placer_spec
-from moirai.planning.plan import Plan
+from moirai.planning.plan import Plan, check_plan
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.runtime import distributed
@@ -154,6 +154,7 @@ class CompiledModel:
     def with_plan(self, plan: Plan) -> CompiledModel:
         """The same model, trace and problem split by another plan of this problem (one placed for another
         objective, or one made by hand), without tracing or profiling again."""
+        check_plan(plan, "CompiledModel.with_plan's plan")
         plan.check(self.problem)
         return assemble(self.traced, self.cluster, self.graph, self.problem, plan)
 
@@ -195,6 +196,8 @@ class CompiledModel:
         ``requests > 1``: that many requests pipelined through the plan, as :meth:`server` runs them,
         coloured by request (the steady state of a throughput plan).
         """
+        if plan is not None:
+            check_plan(plan, "CompiledModel.gantt's plan")
         groups = self._task_groups(color_by) if requests == 1 else None
         return viz.gantt(self.problem, plan or self.plan, path, groups=groups, requests=requests)
 
@@ -485,6 +488,7 @@ def rank_cluster(
     None). Every rank of such a run first takes part in measuring the links between the hosts where they are to
     be measured (:func:`measure_host_links`); a rank that does not plan measures nothing else, as the plan it
     receives carries rank 0's costs."""
+    check_calibration(calibration)  # before the ranks measure links between hosts by it
     hosts = handover.hosts if handover is not None else None
     if handover is not None and hosts is not None:
         measure_host_links(

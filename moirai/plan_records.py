@@ -22,7 +22,7 @@ from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
 from moirai.runtime.hosts import rank_hosts
 from moirai.runtime.store import wait_for_key
-from moirai.user_files import parsing
+from moirai.user_files import check_input_path, parsing
 
 PLAN_FORMAT_VERSION = 1
 # Long enough for rank 0's planning (a milp within its time limit); a rank 0 that fails says so sooner.
@@ -103,11 +103,7 @@ def _sentence(text: str) -> str:
 
 def read_plan_file(path: str | Path) -> dict[str, Any]:
     """The record ``CompiledModel.save`` wrote, or a :class:`PlanError` saying what is wrong with the file."""
-    if not isinstance(path, (str, os.PathLike)):  # an int would open a file descriptor, None a TypeError
-        raise PlanError(
-            f"the plan file's path is {repr(path)[:80]} ({type(path).__name__}); give the path (a str or "
-            "pathlib.Path) of the file CompiledModel.save(path) wrote"
-        )
+    check_input_path(path, "plan file", "the file CompiledModel.save(path) wrote", PlanError)
     subject, again = f"plan file {str(path)!r}", "save the plan again with CompiledModel.save(path)"
     try:
         with parsing(

@@ -5,6 +5,7 @@ writer's own moirai error naming the file and saying what to do, never a Python 
 rules): text that is not UTF-8, arrays nested deeper than the parser recurses, an integer of more digits than Python
 converts and text that is not the language are each one error of the reader's type naming the file. Each reader
 still opens the file its own way (a calibration without following a link) and says what a missing file means.
+:func:`check_input_path` checks that a file to read is named by a path (not a file descriptor, bytes or None).
 :func:`check_output_path` checks, before any work, that a file can be written where the user asked, and
 :func:`write_output` writes it there (:func:`moirai.files.write_atomically`) with the writer's error. Plain ``os``
 and the standard parsers: the planning core may use it (it imports no torch).
@@ -56,6 +57,23 @@ def parsing(language: str, subject: str, error: Callable[[str], MoiraiError]) ->
             f"{subject} holds an integer of more than {_max_digits()} digits, more than Python "
             "converts and more than any quantity needs; write it with fewer digits (as a float, 1.5e300)"
         ) from None
+
+
+def check_input_path(path: object, subject: str, what: str, error: Callable[[str], MoiraiError]) -> None:
+    """``error(message)`` unless ``path``, naming the ``subject`` (``"plan file"``) that moirai is to read, is a path:
+    a str or an os.PathLike, without a NUL character. ``what`` says which file to give (``"the file
+    CompiledModel.save(path) wrote"``). An int is not one: open() takes it for a file descriptor, reads whatever the
+    caller holds open there, and closes it under them."""
+    if not isinstance(path, (str, os.PathLike)):
+        descriptor = " (open() would take an int for a file descriptor)" if isinstance(path, int) else ""
+        raise error(
+            f"the {subject}'s path is {repr(path)[:80]} ({type(path).__name__}){descriptor}; give the path (a str or "
+            f"pathlib.Path) of {what}"
+        )
+    if "\0" in os.fsdecode(os.fspath(path)):
+        raise error(
+            f"the {subject}'s path {str(path)!r} holds a NUL character, which no path can; give the path of {what}"
+        )
 
 
 def check_output_path(

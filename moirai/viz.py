@@ -25,9 +25,10 @@ from rich.table import Table
 from rich.text import Text
 
 from moirai.errors import InfeasibleError, MoiraiError
+from moirai.planning.description import is_integer
 from moirai.planning.objective import Objective, as_objective
-from moirai.planning.plan import Plan
-from moirai.planning.problem import Problem
+from moirai.planning.plan import Plan, check_plan
+from moirai.planning.problem import Problem, check_problem
 from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.stream import simulate_stream
 from moirai.progress import format_seconds
@@ -312,6 +313,13 @@ def gantt(
     with the steady-state period in the title. ``objective``: the one the title judges by, where the plan's name
     alone does not make it (generation's). Returns the matplotlib Figure, which Jupyter shows inline.
     """
+    check_problem(problem, "moirai.gantt's problem")
+    check_plan(plan, "moirai.gantt's plan")
+    if not is_integer(requests) or requests < 1:
+        raise MoiraiError(
+            f"requests must be a whole number, at least 1 (1: one request; more: that many pipelined), got "
+            f"{requests!r} ({type(requests).__name__})"
+        )
     if path is not None:
         check_picture_path(path)
     if requests > 1:

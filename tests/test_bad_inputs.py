@@ -147,6 +147,13 @@ def test_a_function_or_keyword_inputs_given_as_a_dict_say_what_to_pass():
         moirai.compile(tiny(), ["cpu"], {"input": X}, placer="heft")
 
 
+@pytest.mark.parametrize("kwargs", [[1], [("x", X)], "x"])
+def test_example_kwargs_that_are_no_dict_say_what_to_pass(kwargs):
+    """A list was a TypeError from dict(); a list of pairs was taken as a dict, which the compiled model is not."""
+    with raises(TraceError, f"example_kwargs={kwargs!r}"[:60], "is not a dict", "example_kwargs={'name': value}"):
+        moirai.compile(tiny(), ["cpu"], (X,), example_kwargs=kwargs, placer="heft")
+
+
 def test_an_example_input_of_the_wrong_shape_logs_nothing_beside_its_error(caplog):
     with raises(TraceError, "mat1 and mat2 shapes"):
         moirai.compile(tiny(), ["cpu", "cpu"], (torch.randn(3, 5),), placer="heft", progress=False)
@@ -166,6 +173,12 @@ def test_devices_given_as_one_string():
         moirai.compile(tiny(), "cpu", (X,), placer="heft")
     with raises(ClusterError, "is not a list", "(a preset: moirai.Cluster.preset('moirai-intra-server'))"):
         moirai.compile(tiny(), "moirai-intra-server", (X,), placer="heft")
+
+
+def test_devices_given_as_a_dict():
+    """A dict was taken as its keys: {"cpu": 2} compiled for one CPU."""
+    with raises(ClusterError, "devices={'cpu': 2} is not a list", "['cpu', 'cpu']"):
+        moirai.compile(tiny(), {"cpu": 2}, (X,), placer="heft")
 
 
 def test_devices_given_as_integers():
@@ -287,6 +300,43 @@ def test_option_of_the_wrong_type(problem):
         moirai.place(problem, "heft", contention="yes")
 
 
+@pytest.mark.parametrize("given", [None, {"devices": [{"name": "a"}]}, "problem.json"])
+def test_place_simulate_and_lower_bound_of_no_problem_say_how_to_make_one(problem, given):
+    """Each was an AttributeError from deep inside."""
+    plan = moirai.Plan(np.array([0, 1, 0]), ("a", "b"))
+    calls = {
+        "moirai.place": lambda: moirai.place(given, "heft"),
+        "moirai.simulate": lambda: moirai.simulate(given, plan),
+        "moirai.lower_bound": lambda: moirai.lower_bound(given),
+        "moirai.gantt": lambda: moirai.gantt(given, plan),
+    }
+    for name, call in calls.items():
+        with raises(ProblemError, f"{name}'s problem must be a moirai.Problem, got {given!r}"[:70], "from_json(path)"):
+            call()
+
+
+@pytest.mark.parametrize("given", [None, {"placement": [0, 0, 0]}])
+def test_simulate_with_plan_and_gantt_of_no_plan_say_how_to_make_one(problem, compiled, given):
+    """simulate and with_plan were AttributeErrors from deep inside."""
+    calls = {
+        "moirai.simulate's plan": lambda: moirai.simulate(problem, given),
+        "moirai.gantt's plan": lambda: moirai.gantt(problem, given),
+        "CompiledModel.with_plan's plan": lambda: compiled.with_plan(given),
+    }
+    if given is not None:  # gantt's plan=None is its own plan
+        calls["CompiledModel.gantt's plan"] = lambda: compiled.gantt(plan=given)
+    for where, call in calls.items():
+        with raises(PlanError, f"{where} must be a moirai.Plan, got {given!r}"[:70], "moirai.place(problem"):
+            call()
+
+
+@pytest.mark.parametrize("requests", [0, -1, "2", 2.0, True])
+def test_gantt_of_no_whole_number_of_requests(compiled, requests):
+    """0 and -1 drew one request; "2" was a TypeError."""
+    with raises(MoiraiError, "requests must be a whole number, at least 1", f"got {requests!r}"):
+        compiled.gantt(requests=requests)
+
+
 def test_memory_ignoring_placer_over_memory_warns_with_the_numbers_and_marks_the_plan(problem):
     with pytest.warns(OverMemoryWarning, match=r"'round_robin' plan.*a holds 16 B of 10 B.*'heft'") as caught:
         plan = moirai.place(problem, "round_robin")
@@ -339,9 +389,40 @@ def test_unknown_cost_mode():
         moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", cost="fast")
 
 
+@pytest.mark.parametrize("devices", [["cpu", "cpu"], ["cpu"]])
+@pytest.mark.parametrize("calibration", [None, 5])
+def test_calibration_that_is_no_word_or_path(devices, calibration):
+    """A TypeError inside the calibration cache with two devices; silently unread with one."""
+    words = (f"calibration={calibration!r} ({type(calibration).__name__}) is not a word or a path", "'auto'", "'none'")
+    with raises(ClusterError, *words):
+        moirai.compile(tiny(), devices, (X,), placer="heft", calibration=calibration)
+
+
+def test_load_and_compile_lm_check_calibration_as_compile_does(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    with raises(ClusterError, "calibration=5 (int) is not a word or a path"):
+        moirai.load(path, tiny(), (X,), devices=["cpu", "cpu"], calibration=5)
+    with raises(ClusterError, "calibration=5 (int) is not a word or a path"):  # refused before the model is read
+        moirai.compile_lm(tiny(), ["cpu", "cpu"], placer="heft", calibration=5, progress=False)
+
+
 def test_target_nodes_below_one():
     with raises(MoiraiError, "target_nodes must be at least 1"):
         moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", target_nodes=0)
+
+
+@pytest.mark.parametrize("target_nodes", [2.5, 2.0, "3", True])
+def test_target_nodes_that_are_no_whole_number(target_nodes):
+    """2.5 coarsened to 2 groups and True to 1; "3" was a TypeError."""
+    words = (f"got {target_nodes!r} ({type(target_nodes).__name__})", "whole number of op groups")
+    with raises(MoiraiError, "target_nodes must be at least 1", *words):
+        moirai.compile(tiny(), ["cpu"], (X,), placer="heft", target_nodes=target_nodes)
+
+
+def test_target_nodes_as_a_numpy_integer_is_taken():
+    compiled = moirai.compile(tiny(), ["cpu"], (X,), placer="heft", target_nodes=np.int64(1))
+    assert len(compiled.graph.nodes) == 1
 
 
 # --- cluster files -------------------------------------------------------------------------------------
@@ -537,6 +618,23 @@ def test_fusion_rules_neither_bundled_nor_a_file():
         moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", fusion_rules="cudnn_v9")
 
 
+@pytest.mark.parametrize("rules", [5, None, b"eigen", {"eigen": 1}, ["eigen", 5]])
+def test_fusion_rules_of_another_type_say_what_to_pass(rules):
+    """5 and None were TypeErrors; a dict was taken as its keys."""
+    wrong = rules[1] if isinstance(rules, list) else rules
+    with raises(FusionRuleError, f"fusion_rules={wrong!r} ({type(wrong).__name__}) names no rule set", "'default'"):
+        moirai.compile(tiny(), ["cpu"], (X,), placer="heft", fusion_rules=rules)
+
+
+def test_fusion_rules_at_any_path_like(tmp_path):
+    class RulePath:  # an os.PathLike that is no pathlib.Path: it was iterated, a TypeError
+        def __fspath__(self) -> str:
+            return str(tmp_path / "rules.toml")
+
+    (tmp_path / "rules.toml").write_text('[[rule]]\nname = "mm_relu"\nops = ["gemm", "relu"]\n')
+    assert [rule.name for rule in load_rules(RulePath()).rules] == ["rules:mm_relu"]
+
+
 # --- plan files (moirai.load) --------------------------------------------------------------------------
 
 
@@ -676,6 +774,36 @@ def test_problem_json_files(tmp_path):
         "tasks[0].compute_s must be a list of 2 numbers (one time per device), got [1, 2, 3]",
     ):
         moirai.Problem.from_json(short)
+
+
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        (None, ("path is None (NoneType)",)),
+        (b"problem.json", ("path is b'problem.json' (bytes)",)),
+        ({"devices": DEVICES}, ("(dict)", "Problem.from_dict")),
+        ("a\0b.json", ("holds a NUL character",)),
+    ],
+)
+def test_problem_json_of_no_path(path, words):
+    """None and a dict were TypeErrors; a NUL was said to be a value in the file."""
+    with raises(ProblemError, "the problem file's path", *words):
+        moirai.Problem.from_json(path)
+
+
+def test_a_file_descriptor_is_no_path_and_stays_the_callers(tmp_path):
+    """open() took an int for a descriptor: from_json and from_file read the caller's file and closed it."""
+    (tmp_path / "problem.json").write_text(json.dumps({"devices": DEVICES, "tasks": []}))
+    (tmp_path / "cluster.toml").write_text(CLUSTER)
+    readers = [
+        (moirai.Problem.from_json, "problem.json", ProblemError, "problem file"),
+        (moirai.Cluster.from_file, "cluster.toml", ClusterError, "cluster file"),
+    ]
+    for read, name, error, subject in readers:
+        with open(tmp_path / name) as held:
+            with raises(error, f"the {subject}'s path is {held.fileno()} (int)", "file descriptor", "pathlib.Path"):
+                read(held.fileno())
+            assert held.read(1) in "{n"  # still open, unread
 
 
 def test_plan_for_other_devices_or_other_tasks(problem):

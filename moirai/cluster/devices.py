@@ -319,7 +319,8 @@ class Cluster:
         ``hosts`` (one per device; torchrun's ranks across hosts) puts each device on its host: devices share a
         physical device only with those of their host, and a device on another host is described by this host's
         hardware (the hosts are assumed alike)."""
-        if isinstance(torch_devices, (str, torch.device)) or not isinstance(torch_devices, Iterable):
+        # A dict would give its keys, its counts unread ({"cpu": 2} as one CPU).
+        if isinstance(torch_devices, (str, torch.device, Mapping)) or not isinstance(torch_devices, Iterable):
             raise ClusterError(
                 f"devices={torch_devices!r} is not a list; give one torch device per part, e.g. ['cpu', 'cpu'] or "
                 "['cuda:0', 'cuda:1'], or a moirai.Cluster"

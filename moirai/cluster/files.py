@@ -33,7 +33,7 @@ from moirai.cluster.hardware import (
 from moirai.cluster.kinds import CPU, device_spellings, kind_named, kind_of, torch_device_types
 from moirai.errors import ClusterError
 from moirai.planning.description import is_number
-from moirai.user_files import parsing
+from moirai.user_files import check_input_path, parsing
 
 try:
     import tomllib
@@ -355,6 +355,9 @@ def _square(rows: Any, k: int, label: str) -> np.ndarray:
 
 def read_cluster_file(path: str | Path) -> dict[str, Any]:
     """The parsed contents of the cluster file at ``path``."""
+    check_input_path(
+        path, "cluster file", "a cluster file (TOML; a preset by name: Cluster.preset(name))", ClusterError
+    )
     try:
         with parsing("TOML", f"cluster file {str(path)!r}", ClusterError), open(path, "rb") as f:
             return tomllib.load(f, parse_float=FloatLiteral)

@@ -51,6 +51,7 @@ from moirai.frontend.fusion_rules import (  # re-exported: callers of coarsen() 
     parse_rules,
 )
 from moirai.frontend.graph import OpGraph
+from moirai.planning.description import is_integer
 from moirai.progress import stage
 
 __all__ = [
@@ -116,8 +117,11 @@ def coarsen(
     the path of a rule file, a :class:`RuleSet`, or a sequence of these (their rules are pooled).
     ``graph``'s nodes must be in topological order, as :func:`moirai.frontend.graph.build_op_graph` makes them.
     """
-    if target_nodes is not None and target_nodes < 1:
-        raise MoiraiError(f"target_nodes must be at least 1 (or None for no size target), got {target_nodes}")
+    if target_nodes is not None and (not is_integer(target_nodes) or target_nodes < 1):
+        raise MoiraiError(
+            f"target_nodes must be at least 1, a whole number of op groups (or None for no size target), got "
+            f"{target_nodes!r} ({type(target_nodes).__name__})"
+        )
     if any(e.src >= e.dst for e in graph.edges):
         raise MoiraiError("coarsen needs an OpGraph whose nodes are in topological order, as build_op_graph makes them")
     rule_set = load_rules(rules)

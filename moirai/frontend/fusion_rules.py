@@ -10,8 +10,9 @@ redefines op classes of the bundled ``op_classes.toml``. Every mistake in a file
 from __future__ import annotations
 
 import importlib.resources
+import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -70,7 +71,7 @@ def load_rules(spec: str | Path | RuleSet | Sequence[str | Path | RuleSet]) -> R
     if isinstance(spec, str) and spec in BUNDLED_RULE_SETS:
         text = _bundled_rule_file(f"{spec}.toml").read_text()
         return parse_rules(text, f"{spec}.toml")
-    if isinstance(spec, (str, Path)):
+    if isinstance(spec, (str, os.PathLike)):
         path = Path(spec)
         if not path.is_file():
             raise FusionRuleError(
@@ -83,6 +84,12 @@ def load_rules(spec: str | Path | RuleSet | Sequence[str | Path | RuleSet]) -> R
         except OSError as error:
             raise FusionRuleError(f"{path} cannot be read: {error.strerror or error}") from None
         return parse_rules(text, str(path))
+    if not isinstance(spec, Iterable) or isinstance(spec, (bytes, bytearray, Mapping)):
+        raise FusionRuleError(
+            f"fusion_rules={spec!r} ({type(spec).__name__}) names no rule set; pass 'default', one of "
+            f"{', '.join(BUNDLED_RULE_SETS)}, the path of a .toml rule file (a str or os.PathLike), a RuleSet, or a "
+            "list of these"
+        )
     rule_sets = [load_rules(item) for item in spec]
     if not rule_sets:
         raise FusionRuleError("no rule sets given; pass 'default' for the bundled ones")

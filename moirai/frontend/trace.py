@@ -19,7 +19,7 @@ import operator
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TextIO
 
@@ -196,6 +196,12 @@ def trace(
             "forward calls it"
         )
     name = type(model).__name__
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise TraceError(
+            f"example_kwargs={repr(example_kwargs)[:80]} ({type(example_kwargs).__name__}) is not a dict; pass "
+            f"{name}.forward's keyword inputs as example_kwargs={{'name': value}}, and positional ones as "
+            "example_inputs=(...)"
+        )
     _refuse_keywords_as_positional(model, example_inputs, example_kwargs, name)
     kwargs = dict(example_kwargs or {})
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)

@@ -15,12 +15,12 @@ sequence's history here starts with the row as given too, and ``min_length`` cou
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from moirai.errors import InputError
+from moirai.planning.description import is_integer
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _checked(name: str, value: Any, where: str) -> Any:
     """``value`` of the setting ``name`` in :class:`TokenBans`' form, as Hugging Face takes it (any integer type, a
     tensor or array of ids; a size or length of 0 or less: none); :class:`InputError` where it takes none."""
     if name in ("min_length", "min_new_tokens", "no_repeat_ngram_size"):
-        if not _is_integer(value):
+        if not is_integer(value):
             raise InputError(f"{name} in {where} must be a whole number, got {value!r}")
         return int(value) if name == "min_new_tokens" else max(int(value), 0)
     value = value.tolist() if hasattr(value, "tolist") else value
@@ -133,14 +133,10 @@ def _checked(name: str, value: Any, where: str) -> Any:
                 f"model.generate takes it, got {value!r}"
             )
         return tuple(tuple(int(t) for t in word) for word in words)
-    if not isinstance(value, (list, tuple)) or not all(_is_integer(t) for t in value):
+    if not isinstance(value, (list, tuple)) or not all(is_integer(t) for t in value):
         raise InputError(f"{name} in {where} must be a list of token ids, got {value!r}")
     return tuple(int(t) for t in value)  # an id outside the logits bans nothing, as in Hugging Face's
 
 
-def _is_integer(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _token_ids(values: Sequence[Any]) -> bool:
-    return all(_is_integer(t) and t >= 0 for t in values)
+    return all(is_integer(t) and t >= 0 for t in values)

@@ -30,7 +30,7 @@ import numpy as np
 from moirai.errors import InfeasibleError
 from moirai.planning.colocation import Contraction, contract
 from moirai.planning.highs import new_highs
-from moirai.planning.problem import Problem
+from moirai.planning.problem import Problem, check_problem
 from moirai.planning.schedule.transfers import transfer_duration_s
 
 
@@ -48,6 +48,7 @@ _CACHE: weakref.WeakKeyDictionary[Problem, LowerBounds] = weakref.WeakKeyDiction
 
 def lower_bound(problem: Problem) -> float:
     """A makespan no plan that respects memory can beat (seconds)."""
+    check_problem(problem, "moirai.lower_bound's problem")
     return lower_bounds(problem).best_s
 
 

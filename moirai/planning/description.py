@@ -154,6 +154,11 @@ def is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
+def is_integer(value: Any) -> bool:
+    """A whole number (a Python or numpy integer): not a bool, a float (2.0 included), a string or null."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def _float(value: Any) -> float:
     try:
         return float(value)

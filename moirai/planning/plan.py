@@ -105,3 +105,13 @@ class Plan:
             placement_time_s=d.get("placement_time_s"),
             report=PlacerReport.from_dict(d.get("report", {})),
         )
+
+
+def check_plan(plan: object, where: str) -> None:
+    """A :class:`PlanError` unless ``plan`` is a :class:`Plan`; ``where`` names the argument
+    (``"moirai.simulate's plan"``)."""
+    if not isinstance(plan, Plan):
+        raise PlanError(
+            f"{where} must be a moirai.Plan, got {repr(plan)[:80]} ({type(plan).__name__}); make one with "
+            "moirai.place(problem, placer=...), or take a compiled model's (compiled.plan)"
+        )

@@ -48,7 +48,7 @@ from moirai.planning.description import (
     unique_names,
 )
 from moirai.planning.plan import Plan
-from moirai.user_files import parsing, write_output
+from moirai.user_files import check_input_path, parsing, write_output
 
 __all__ = ["Plan", "Problem"]
 
@@ -391,6 +391,12 @@ class Problem:
     def from_json(cls, path: str | Path) -> Problem:
         """The problem a JSON file describes (:meth:`from_dict`); every fault of the file is a :class:`ProblemError`
         naming it."""
+        check_input_path(
+            path,
+            "problem file",
+            "a problem's JSON (a description already read goes to Problem.from_dict)",
+            ProblemError,
+        )
         try:
             with parsing("JSON", f"problem file {str(path)!r}", ProblemError), open(path, encoding="utf-8") as f:
                 description = json.load(f)
@@ -433,6 +439,17 @@ _BANDWIDTH = Quantity(
     "bytes per second", infinite="a link whose bytes take no time"
 )  # and not 0 between distinct devices: _link_matrices checks that
 _LATENCY = Quantity("seconds", infinite="no link between the two devices")
+
+
+def check_problem(problem: object, where: str) -> None:
+    """A :class:`ProblemError` unless ``problem`` is a :class:`Problem`; ``where`` names the argument
+    (``"moirai.place's problem"``). A description or its file is read into one first, never taken for one."""
+    if not isinstance(problem, Problem):
+        raise ProblemError(
+            f"{where} must be a moirai.Problem, got {repr(problem)[:80]} ({type(problem).__name__}); read a "
+            "description with moirai.Problem.from_dict(description) or a file with moirai.Problem.from_json(path), "
+            "or take a compiled model's (compiled.problem)"
+        )
 
 
 def _quantity(label: str) -> Quantity:

@@ -43,8 +43,8 @@ import numpy as np
 
 from moirai.errors import PlanError
 from moirai.planning.colocation import check_colocated
-from moirai.planning.plan import Plan
-from moirai.planning.problem import Problem
+from moirai.planning.plan import Plan, check_plan
+from moirai.planning.problem import Problem, check_problem
 from moirai.planning.schedule import (
     ImpliedTransfers,
     implied_transfers,
@@ -196,6 +196,8 @@ def _link_sequences(problem: Problem, plan: Plan, transfers: ImpliedTransfers) -
 def simulate(problem: Problem, plan: Plan, contention: bool = True) -> Timeline:
     """Simulate ``plan`` on ``problem``; raise :class:`PlanError` if its orders deadlock or it separates a colocated
     set of tasks."""
+    check_problem(problem, "moirai.simulate's problem")
+    check_plan(plan, "moirai.simulate's plan")
     plan.check(problem)
     check_colocated(problem, plan.placement)
     n, k = problem.num_tasks, problem.num_devices

@@ -6,6 +6,7 @@ devices into a cluster (:func:`local_cluster`)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import warnings
 from collections.abc import Mapping, Sequence
@@ -33,6 +34,7 @@ def local_cluster(
     ``hosts`` (one per device: torchrun's ranks on several hosts) puts the devices on their hosts; a link between
     two hosts gets the cost ``moirai calibrate`` measured under torchrun (:func:`~.cache.local_host_links`), and one
     never measured keeps the default with a warning (an error where ``calibration`` names a file)."""
+    check_calibration(calibration)
     if isinstance(devices, Cluster):
         warn_if_oversubscribed_here(devices)
         return devices
@@ -54,6 +56,17 @@ def local_cluster(
             raise ClusterError(f"calibration file {str(calibration)!r}: {what}; measure them with {measure}")
         warnings.warn(f"{what}; measure them with {measure}", MoiraiWarning, stacklevel=user_stacklevel())
     return calibrated_cluster(cluster, links, local_request_cost(calibration), host_links)
+
+
+def check_calibration(calibration: object) -> None:
+    """A :class:`ClusterError` unless ``calibration`` is a word or a path (a str or os.PathLike), whatever the devices:
+    compile's, load's and compile_lm's argument, checked where a list of one device would never read it."""
+    if not isinstance(calibration, (str, os.PathLike)):
+        raise ClusterError(
+            f"calibration={calibration!r} ({type(calibration).__name__}) is not a word or a path; pass 'auto' (this "
+            "machine's cached calibration), 'remeasure', 'none' (the detected defaults) or the path of a "
+            "calibration file (moirai calibrate --save PATH)"
+        )
 
 
 def _host_links_of(cluster: Cluster) -> set[HostLink]:

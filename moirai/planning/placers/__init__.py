@@ -12,7 +12,6 @@ import functools
 import importlib
 import inspect
 import logging
-import numbers
 import pkgutil
 import time
 import warnings
@@ -29,10 +28,10 @@ from moirai.errors import (
     did_you_mean,
     user_stacklevel,
 )
-from moirai.planning.description import is_number
+from moirai.planning.description import is_integer, is_number
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.plan import Plan
-from moirai.planning.problem import Problem
+from moirai.planning.problem import Problem, check_problem
 from moirai.progress import LONG_STAGE_S, format_seconds, stage
 
 if TYPE_CHECKING:
@@ -152,6 +151,7 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     (``plan.report.notes["replaced_by_single_device_s"]`` keeps the placer's own value). Every colocated set of
     tasks (:attr:`Problem.colocated`) ends on one device, whichever the placer (:attr:`PlacerSpec.checked`).
     """
+    check_problem(problem, "moirai.place's problem")
     with stage("place", _long_placement(placer, options)):
         return _place(problem, placer, objective, **options)
 
@@ -308,10 +308,10 @@ _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     # 0 is a real choice: no search, the placer's start plan.
     "time_limit_s": (lambda v: is_number(v) and v >= 0, "a non-negative number of seconds"),
     "mip_gap": (lambda v: is_number(v) and 0 <= v < 1, "a relative gap in [0, 1), e.g. 1e-4"),
-    "threads": (lambda v: v is None or (_is_integer(v) and v >= 1), "None or an integer of at least 1"),
-    "window_tasks": (lambda v: _is_integer(v) and v >= 1, "an integer of at least 1"),
-    "target_tasks": (lambda v: _is_integer(v) and v >= 1, "an integer of at least 1"),
-    "seed": (lambda v: _is_integer(v), "an integer"),
+    "threads": (lambda v: v is None or (is_integer(v) and v >= 1), "None or an integer of at least 1"),
+    "window_tasks": (lambda v: is_integer(v) and v >= 1, "an integer of at least 1"),
+    "target_tasks": (lambda v: is_integer(v) and v >= 1, "an integer of at least 1"),
+    "seed": (lambda v: is_integer(v), "an integer"),
     "contention": (lambda v: isinstance(v, bool), "True or False"),
     "integral": (lambda v: isinstance(v, bool), "True or False"),
     "uniform": (lambda v: isinstance(v, bool), "True or False"),
@@ -383,10 +383,6 @@ def _warn_if_over_the_limit(plan: Plan, timeline: Timeline, objective: Objective
         ),
         stacklevel=user_stacklevel(),
     )
-
-
-def _is_integer(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @functools.cache
