@@ -921,6 +921,58 @@ def test_a_134_mb_model_under_a_small_dev_shm_serves_through_gloo_with_a_warning
     assert not left, left
 
 
+_SPILLS_TOO_MUCH = """
+import torch, moirai
+from moirai.runtime.rank_processes import started_ranks
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)).eval()
+x = torch.randn(4, 1024)
+batch = torch.export.Dim("batch", min=1, max=8192)
+compiled = moirai.compile(
+    model, ["cpu", "cpu"], (x,), placer="round_robin", progress=False, calibration="none", dynamic_shapes=({0: batch},)
+)
+with compiled.server(timeout_s=30.0) as server, torch.no_grad():
+    assert torch.equal(server.submit(x).result(), model(x))
+    ranks = started_ranks()
+    pending = [server.submit(x) for _ in range(4)]
+    try:
+        server.submit(torch.randn(4096, 1024))  # 16 MiB messages, spilled into files the tmpfs cannot hold
+    except moirai.InputError as error:
+        print("refused:", error)
+    print("pending served:", all(torch.equal(future.result(), model(x)) for future in pending))
+    assert torch.equal(server.submit(x).result(), model(x))
+    print("the same ranks:", started_ranks() == ranks)
+"""
+
+
+@pytest.mark.slow
+def test_a_request_whose_messages_cannot_fit_dev_shm_is_refused_alone(tmp_path, shared_memory_on) -> None:
+    """The spill failed inside rank 0's send: the rank failed, every request in flight with it, and the ranks
+    restarted (onto gloo, as the rings then no longer fit beside the spill files left)."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    env = {**os.environ, shm.DIR_ENV: str(mount), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env["MOIRAI_CACHE_DIR"] = str(tmp_path / "cache")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _SPILLS_TOO_MUCH], capture_output=True, text=True, env=env, timeout=300
+        )
+        left = list(mount.iterdir())
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refusal = re.search(
+        r"refused: \S+ has (\d+) MB free, this request needs (\d+) MB \((\d+) MB for messages", done.stdout
+    )
+    assert refusal and int(refusal[1]) < int(refusal[2]) == int(refusal[3]) == 32, done.stdout
+    assert "the ranks serve on" in done.stdout and "MOIRAI_SHARED_MEMORY=0" in done.stdout
+    assert "pending served: True" in done.stdout and "the same ranks: True" in done.stdout, done.stdout
+    assert not left, left
+
+
 def _with_format(content: str) -> str:
     """A calibration record's text at the current format (a wrong structure is what these tests are about)."""
     from moirai.cluster.calibration.cache import CALIBRATION_FORMAT_VERSION

@@ -165,6 +165,8 @@ def serve_rank(program: SplitProgram, torch_devices: Sequence[str | Device], tim
         serve(group, {0: program}, timeout_s)
     except DistributedError as error:
         raise blamed(group, error, "serving") from error
+    finally:
+        group.close()  # its shared-memory links and spill owner, whose lock file would stay in /dev/shm
 
 
 def torchrun_driver(

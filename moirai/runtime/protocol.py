@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import itertools
 import json
+import math
 import queue
 import re
 import threading
@@ -240,6 +241,26 @@ def check_tags(program: SplitProgram) -> None:
     messages += program.num_devices  # each rank's status
     if messages >= 1 << _TAG_BITS:
         raise PlanError(f"the program sends {messages} messages per request; at most {(1 << _TAG_BITS) - 1} fit a tag")
+
+
+def request_message_bytes(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> list[int]:
+    """The bytes of every tensor message of one request at these flat inputs: the flat inputs rank 0 sends the
+    other parts (:func:`send_inputs`), the tensors between parts and the flat outputs the other parts send back."""
+    values = symbol_values(program, flat_inputs)
+
+    def message_bytes(spec: TensorSpec) -> int:
+        return math.prod(concrete_shape(spec, values)) * spec.dtype.itemsize
+
+    inputs = [
+        flat_inputs[i].numel() * flat_inputs[i].element_size() for p in program.parts[1:] for i in p.input_indices
+    ]
+    transfers = [message_bytes(transfer.spec) for transfer in program.transfers]
+    outputs = [
+        message_bytes(program.parts[location.device].output_specs[location.index])
+        for location in program.outputs
+        if location.device != 0
+    ]
+    return inputs + transfers + outputs
 
 
 def send_inputs(program: SplitProgram, messages: Messages, flat_inputs: Sequence[torch.Tensor]) -> None:

@@ -36,7 +36,7 @@ from moirai.runtime.blame import PeerFailure, RankSilent, blamed, describe_error
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import local_group
 from moirai.runtime.local import check_inputs
-from moirai.runtime.protocol import load_bytes, serve
+from moirai.runtime.protocol import load_bytes, request_message_bytes, serve
 from moirai.runtime.rank_processes import RankInheritance, RankStarter, become_rank, flush_standard_streams
 from moirai.runtime.resources import (
     RankResources,
@@ -149,6 +149,8 @@ class DistributedRunner:
                 self._start([program])
             elif self._shared_memory and not any(p is program for p in self._driver.loaded):
                 _check_room_to_load(program)
+            if self._shared_memory:
+                _check_room_for_messages(program, flat_inputs)
             return self._driver
 
     def resources_in_use(self) -> list[dict[str, Any]]:
@@ -375,6 +377,21 @@ def _check_room_to_load(program: SplitProgram) -> None:
         raise DistributedError(f"{shortfall}; set {shm.ENV_SWITCH}=0 or enlarge {shm_dir()}, e.g. docker --shm-size")
 
 
+def _check_room_for_messages(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> None:
+    """Before a request is sent: an :class:`InputError` where the messages it spills into files (too large for a
+    ring) do not fit in the shared-memory directory now. Refused here, the request fails alone; a spill that failed
+    inside a rank failed that rank, every request in flight with it, and restarted the ranks."""
+    shortfall = shm.room_shortfall(
+        request_message_bytes(program, flat_inputs), needing="this request", spilled="for messages too large for a ring"
+    )
+    if shortfall is not None:
+        raise InputError(
+            f"{shortfall}: the request is refused and the ranks serve on; send smaller requests, enlarge "
+            f"{shm_dir()} (e.g. docker --shm-size) or point {shm.DIR_ENV} at a larger tmpfs, or set "
+            f"{shm.ENV_SWITCH}=0 to send through gloo"
+        )
+
+
 def torch_device(device: str | Device) -> str:
     return str(torch.device(device.torch_device if isinstance(device, Device) else device))
 
@@ -425,6 +442,7 @@ def _worker_main(
         pin_io_threads(resources)
         store.set(f"moirai/resources/{rank}", json.dumps(_resources_in_use()))
         serve(group, {}, timeout_s)
+        group.close()  # its shared-memory links and spill owner: their lock file stayed in /dev/shm after each run
     except Exception as error:
         if group is None:
             report_failure(store, rank, None, describe_error(error))

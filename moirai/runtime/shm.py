@@ -102,18 +102,21 @@ def spills(nbytes: int) -> bool:
     return _aligned(_RECORD.size + nbytes) > RING_BYTES // 2
 
 
-def room_shortfall(message_bytes: Sequence[int], world_size: int = 0, needing: str = "the plan") -> str | None:
+def room_shortfall(
+    message_bytes: Sequence[int], world_size: int = 0, needing: str = "the plan", spilled: str = "to load the parts"
+) -> str | None:
     """Why the shared-memory directory cannot hold the rings of a world of ``world_size`` ranks (0: they exist) and
-    a spill file for each of ``message_bytes`` that spills, all at once (what ``needing`` needs); None where it can."""
+    a spill file for each of ``message_bytes`` that spills, all at once (what ``needing`` needs, the spill files
+    ``spilled``); None where it can."""
     directory = shm_files.shm_dir()
     rings = world_size * (world_size - 1) * ring_file_bytes()
-    spilled = sum(nbytes for nbytes in message_bytes if spills(nbytes))
+    spilled_bytes = sum(nbytes for nbytes in message_bytes if spills(nbytes))
     free = shm_files.free_bytes(directory)
-    if free >= rings + spilled:
+    if free >= rings + spilled_bytes:
         return None
-    free_mb, needed_mb = shm_files.free_and_needed_mb(free, rings + spilled)
+    free_mb, needed_mb = shm_files.free_and_needed_mb(free, rings + spilled_bytes)
     parts = [f"{-(-rings // 2**20)} MB for the rings of {world_size} ranks"] if rings else []
-    parts += [f"{-(-spilled // 2**20)} MB to load the parts"] if spilled else []
+    parts += [f"{-(-spilled_bytes // 2**20)} MB {spilled}"] if spilled_bytes else []
     return f"{directory} has {free_mb} MB free, {needing} needs {needed_mb} MB ({', '.join(parts)})"
 
 
