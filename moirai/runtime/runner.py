@@ -377,13 +377,21 @@ def _check_room_to_load(program: SplitProgram) -> None:
         raise DistributedError(f"{shortfall}; set {shm.ENV_SWITCH}=0 or enlarge {shm_dir()}, e.g. docker --shm-size")
 
 
+# Programs of fixed shapes none of whose messages spill: no request of theirs needs room in the directory.
+_SPILLS_NOTHING: weakref.WeakSet[SplitProgram] = weakref.WeakSet()
+
+
 def _check_room_for_messages(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> None:
     """Before a request is sent: an :class:`InputError` where the messages it spills into files (too large for a
     ring) do not fit in the shared-memory directory now. Refused here, the request fails alone; a spill that failed
     inside a rank failed that rank, every request in flight with it, and restarted the ranks."""
-    shortfall = shm.room_shortfall(
-        request_message_bytes(program, flat_inputs), needing="this request", spilled="for messages too large for a ring"
-    )
+    if not program.dynamic_dims and program in _SPILLS_NOTHING:  # the common case: nothing to count per request
+        return
+    message_bytes = request_message_bytes(program, flat_inputs)
+    if not program.dynamic_dims and not any(map(shm.spills, message_bytes)):
+        _SPILLS_NOTHING.add(program)
+        return
+    shortfall = shm.room_shortfall(message_bytes, needing="this request", spilled="for messages too large for a ring")
     if shortfall is not None:
         raise InputError(
             f"{shortfall}: the request is refused and the ranks serve on; send smaller requests, enlarge "
