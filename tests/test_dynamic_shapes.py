@@ -87,6 +87,28 @@ def test_call_outside_the_declared_range_names_the_dimension_and_range(compiled:
         compiled(torch.randn(2, 33, 16))
     with pytest.raises(InputError, match=r"shape \(2, 4, 15\).*\(batch, seq, 16\)"):
         compiled(torch.randn(2, 4, 15))
+    # Fewer dimensions than the dynamic one's axis: a PlanError that named a symbol ("'s77' ... not a dimension")
+    with pytest.raises(InputError, match=r"input 0 has shape \(\) .*\(batch, seq, 16\)"):
+        compiled(torch.tensor(1.0))
+    with pytest.raises(InputError, match=r"input 0 has shape \(4,\) .*\(batch, seq, 16\)"):
+        compiled(torch.randn(4))
+
+
+class Scaled(torch.nn.Module):
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x * scale
+
+
+def test_a_tensor_where_a_number_was_traced_is_an_input_error() -> None:
+    """A float traced as a constant, called with a tensor: comparing them was a RuntimeError (a tensor's truth)."""
+    compiled = moirai.compile(Scaled(), ["cpu"], (torch.randn(3, 8), 2.0), progress=False, calibration="none")
+    assert torch.equal(compiled(torch.ones(3, 8), 2.0), torch.full((3, 8), 2.0))
+    with pytest.raises(
+        InputError, match=r"traced with the non-tensor input 2.0 .* called with a tensor of shape \(3, 8\)"
+    ):
+        compiled(torch.ones(3, 8), torch.ones(3, 8))
+    with pytest.raises(InputError, match=r"non-tensor input 2.0 .* called with 3.0"):
+        compiled(torch.ones(3, 8), 3.0)
 
 
 def test_symbol_values_and_concrete_shapes(compiled: moirai.CompiledModel) -> None:

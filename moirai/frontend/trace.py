@@ -92,7 +92,9 @@ def check_flat_inputs(
                 f"{model_name}: input {position} is on the meta device, which holds shapes but no values; pass a "
                 "tensor with values (on any device: each part moves its inputs to its own device)"
             )
-        for axis, size in enumerate(value.shape[: len(spec.shape)]):
+        if value.dim() != len(spec.shape):  # before the dimensions' values: one left out would name no symbol
+            raise _wrong_shape_error(model_name, position, value, spec, dynamic_dims)
+        for axis, size in enumerate(value.shape):
             dim = dims.get(spec.symbolic_shape[axis]) if spec.symbolic_shape else None
             if dim is None:
                 continue
@@ -109,14 +111,31 @@ def check_flat_inputs(
     for position, (value, spec) in enumerate(zip(tensors, specs, strict=True)):
         expected_shape = concrete_shape(spec, values)
         if value.dtype != spec.dtype or tuple(value.shape) != expected_shape:
-            shown = spec.shape if spec.symbolic_shape is None else shape_with_dim_names(spec, dynamic_dims)
-            raise InputError(
-                f"{model_name}: input {position} has shape {tuple(value.shape)} and dtype {value.dtype}, "
-                f"the plan was made for shape {shown} and dtype {spec.dtype}; "
-                "compile again with example inputs of the shape you will serve"
-                + (" (or declare the dimension dynamic: dynamic_shapes=...)" if not dynamic_dims else "")
-            )
+            raise _wrong_shape_error(model_name, position, value, spec, dynamic_dims)
     return values
+
+
+def _wrong_shape_error(
+    model_name: str, position: int, value: torch.Tensor, spec: TensorSpec, dynamic_dims: Sequence[DynamicDim]
+) -> InputError:
+    shown = spec.shape if spec.symbolic_shape is None else shape_with_dim_names(spec, dynamic_dims)
+    return InputError(
+        f"{model_name}: input {position} has shape {tuple(value.shape)} and dtype {value.dtype}, "
+        f"the plan was made for shape {shown} and dtype {spec.dtype}; "
+        "compile again with example inputs of the shape you will serve"
+        + (" (or declare the dimension dynamic: dynamic_shapes=...)" if not dynamic_dims else "")
+    )
+
+
+def _same_constant(value: Any, constant: Any) -> bool:
+    """Whether a call's ``value`` is the non-tensor input the model was traced with (a tensor never is: comparing
+    one with a float gave a tensor, whose truth was a RuntimeError)."""
+    if isinstance(value, torch.Tensor):
+        return False
+    try:
+        return bool(value == constant)
+    except Exception:  # an array's comparison, a type without one
+        return False
 
 
 @dataclass
@@ -163,10 +182,12 @@ class TracedModel:
                 f"{self.model_name} was traced with {difference}; call it with the same arguments as the example inputs"
             )
         for position, constant in self.constant_inputs.items():
-            if flat[position] != constant:
+            if not _same_constant(flat[position], constant):
+                called = flat[position]
+                shown = f"a tensor of shape {tuple(called.shape)}" if isinstance(called, torch.Tensor) else repr(called)
                 raise InputError(
                     f"{self.model_name} was traced with the non-tensor input {constant!r} at flat position "
-                    f"{position}, called with {flat[position]!r}; compile again to plan for that value"
+                    f"{position}, called with {shown[:200]}; compile again to plan for that value"
                 )
         tensors = [value for position, value in enumerate(flat) if position not in self.constant_inputs]
         check_flat_inputs(self.input_specs, self.dynamic_dims, tensors, self.model_name)
