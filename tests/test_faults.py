@@ -1202,6 +1202,29 @@ def test_blame_in_a_loop_names_the_rank_the_first_to_give_up_waited_for(tmp_path
     assert verdict.startswith("rank 2 (cpu) stopped responding during serving: rank 3 gave up waiting for it first")
 
 
+@pytest.mark.parametrize(
+    ("rank_0_wait", "guilty"),
+    [
+        ("sending tensor relu_1 to rank 1 failed (BrokenPipeError: [Errno 32] Broken pipe)", "rank 0 (cpu"),
+        ("receiving tensor y from rank 1 failed (TimeoutError: Timed out after 0.5 s waiting)", "rank 1 (cpu"),
+    ],
+    ids=["rank 0 computed past the limit", "both waits timed out"],
+)
+def test_a_wait_that_timed_out_first_names_the_late_rank_whose_own_wait_did_not(rank_0_wait, guilty) -> None:
+    """Rank 0's part computed 0.8 s under a 0.5 s limit: rank 1 timed out waiting for it and hung up, then rank 0's
+    send failed 0.3 s later, within _STOPPED_GAP_S, so the loop read as two waits that timed out together and named
+    rank 1, which had only waited. A rank whose own wait did not time out was alive and late."""
+    store = RunStore(dist.HashStore(), None)
+    group = Group(0, [torch.device("cpu")] * 2, None, None, store)
+    message = "rank 1: receiving tensor relu_1 from rank 0 failed (TimeoutError: Timed out after 0.5 s waiting)"
+    store.set("moirai/failure/1", json.dumps({"peer": 0, "message": message, "at": time.time() - 0.3}))
+    verdict = str(blamed(group, PeerFailure(f"rank 0: {rank_0_wait}", 1), "serving"))
+    assert verdict.startswith(guilty), verdict
+    if guilty.startswith("rank 0"):
+        assert "stopped responding during serving: rank 1 gave up waiting for it first" in verdict
+        assert "compute for longer than the time limit (raise timeout_s" in verdict
+
+
 def test_a_request_error_names_first_the_failed_rank_no_other_failed_rank_fed() -> None:
     from types import SimpleNamespace
 

@@ -118,14 +118,15 @@ def _blamed(group: Group, error: BaseException, what: str) -> DistributedError:
     if peer is None:
         return DistributedError(f"rank {rank} ({group.devices[rank]}) failed during {what}: {own}")
     chain = [f"rank {rank}: {own.removeprefix(f'rank {rank}: ')}"]
-    reports: dict[int, dict[str, Any]] = {rank: {"peer": peer, "at": time.time()}}
+    reports: dict[int, dict[str, Any]] = {rank: {"peer": peer, "at": time.time(), "message": own}}
     guilty, named_at, silent = peer, reports[rank]["at"], False
     while True:
         report = _read_report(group.store, guilty, group.world_size, _report_deadline(named_at))
         if report is None:
             headline = (
                 f"rank {guilty} ({group.devices[guilty]}) hung or died during {what}: no rank heard from it within the "
-                f"time limit{group.describe_rank(guilty)}"
+                f"time limit{group.describe_rank(guilty)} (a part that computes for longer than the time limit, "
+                "timeout_s, looks the same: raise it for requests that take that long)"
             )
             silent = True
             break
@@ -156,8 +157,10 @@ def _report_deadline(named_at: float) -> float:
 def _loop_headline(group: Group, reports: dict[int, dict[str, Any]], start: int, what: str) -> str | None:
     """Ranks that waited for each other in a loop: the rank that gave up first waited for the one that stopped first
     (a suspended or starved process, this one included), which the others then waited for in turn. None where the
-    rank it waited for gave up too within ``_STOPPED_GAP_S``: then nobody stopped, the waits timed out together (a
-    message the program never sends), and the rank whose report closed the loop is named as failing."""
+    rank it waited for gave up too within ``_STOPPED_GAP_S``, its own wait timing out: then nobody stopped, the waits
+    timed out together (a message the program never sends), and the rank whose report closed the loop is named as
+    failing. A rank whose wait failed otherwise (its peer hung up) was alive but late: a part computing for longer
+    than the time limit, however soon after the other it failed."""
     loop, member = [start], reports[start]["peer"]
     while member != start:
         loop.append(member)
@@ -165,15 +168,26 @@ def _loop_headline(group: Group, reports: dict[int, dict[str, Any]], start: int,
     first = min(loop, key=lambda k: reports[k].get("at", float("inf")))
     stopped = reports[first]["peer"]
     first_at = reports[first].get("at")
-    if first_at is None or reports[stopped].get("at", first_at) - first_at < _STOPPED_GAP_S:
+    if first_at is None:
+        return None
+    # A rank whose own wait did not time out learnt of the failure from the first one's hang-up: it was alive, late.
+    together = reports[stopped].get("at", first_at) - first_at < _STOPPED_GAP_S and _timed_out(reports[stopped])
+    if together:
         return None
     late_s = reports[group.rank]["at"] - reports[first].get("at", reports[group.rank]["at"])
     this = ", this process" if stopped == group.rank else ""
     return (
         f"rank {stopped} ({group.devices[stopped]}{this}) stopped responding during {what}: rank {first} gave up "
-        f"waiting for it first, {late_s:.1f} s before this rank's error; was it suspended (SIGSTOP, a debugger) or "
-        "starved of CPU for longer than the time limit?"
+        f"waiting for it first, {late_s:.1f} s before this rank's error; did its part compute for longer than the "
+        "time limit (raise timeout_s for requests that take that long), or was it suspended (SIGSTOP, a debugger) "
+        "or starved of CPU for that long?"
     )
+
+
+def _timed_out(report: dict[str, Any]) -> bool:
+    """Whether a report's wait ended at its time limit (shared memory's TimeoutError, gloo's "Timed out ..."), not
+    because its peer closed the connection."""
+    return "timed out" in str(report.get("message", "")).lower()
 
 
 def describe_error(error: BaseException) -> str:
