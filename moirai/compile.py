@@ -36,7 +36,6 @@ from moirai.cluster.cost import activation_peak_bytes, build_problem, unfused_pr
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
 from moirai.errors import ClusterError, InfeasibleError, MoiraiError, PlanError, ProblemError, closest_name
-from moirai.files import write_atomically
 from moirai.frontend.coarsen import CoarseningResult, coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
@@ -55,6 +54,7 @@ from moirai.runtime.local import check_inputs, run_local
 from moirai.runtime.server import Server
 from moirai.runtime.split import SplitProgram, split_module
 from moirai.runtime.written_state import warning_at_close
+from moirai.user_files import check_output_path, write_output
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -219,14 +219,8 @@ class CompiledModel:
     def save(self, path: str | Path) -> None:
         """Write what each rank needs to rebuild its part (the op -> device map and the orders) and the planned
         problem, so that :func:`load` describes the problem this plan was made for."""
-        record = self.plan_record()
-        directory = Path(path).parent
-        if not directory.is_dir():
-            raise PlanError(f"cannot save the plan to {str(path)!r}: directory {str(directory)!r} does not exist")
-        try:
-            write_atomically(path, json.dumps(record, indent=1))
-        except OSError as error:
-            raise PlanError(f"cannot save the plan to {str(path)!r}: {error.strerror}") from None
+        check_output_path(path, "the plan", PlanError)  # before the record is made: a large problem takes a while
+        write_output(path, json.dumps(self.plan_record(), indent=1), "the plan", PlanError)
 
     def plan_record(self) -> dict[str, Any]:
         """What :meth:`save` writes (plain JSON values)."""

@@ -82,6 +82,8 @@ def check_output_path(
     """``error(message)`` unless ``what`` (``"the plan"``) can be written to ``path``: its folder exists and may be
     written (or, with ``folder_made``, is missing and will be made), and ``path`` is not a folder. Called before the
     work whose result it is to hold."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise error(f"cannot write {what} to {repr(path)[:80]} ({type(path).__name__}): give a path, a str or a Path")
     target = Path(path)
     folder = target.parent
     where = f"cannot write {what} to {str(path)!r}"

@@ -541,8 +541,12 @@ def test_an_unbounded_timeout_is_an_input_error_not_an_overflow(rows, timeout_s)
 
 def test_saving_into_a_missing_directory_is_a_plan_error(rows, tmp_path) -> None:
     _, _, compiled = rows
-    with pytest.raises(PlanError, match="directory .*nowhere.* does not exist"):
+    with pytest.raises(PlanError, match="folder .*nowhere.* does not exist"):
         compiled.save(tmp_path / "nowhere" / "plan.json")
+    with pytest.raises(PlanError, match=r"cannot write the plan to None \(NoneType\): give a path"):
+        compiled.save(None)  # was a TypeError
+    with pytest.raises(PlanError, match="it is a folder"):
+        compiled.save(tmp_path)
 
 
 @pytest.mark.parametrize(
