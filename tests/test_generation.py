@@ -700,6 +700,9 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
         split_lm.generate(torch.zeros(1, 5), max_new_tokens=2)
     with pytest.raises(moirai.InputError, match="max_prefill"):
         moirai.compile_lm(llama, ["cpu"], max_seq_len=16, max_prefill=32, progress=False, calibration="none")
+    for devices, words in ((5, "devices=5 is not a list"), ([], "at least one device"), (None, "is not a list")):
+        with pytest.raises(moirai.ClusterError, match=words):  # a TypeError and a ZeroDivisionError before
+            moirai.compile_lm(llama, devices, max_seq_len=16, max_prefill=8, progress=False, calibration="none")
     with pytest.raises(moirai.MoiraiError, match="did you mean 'max_batch_size'"):
         moirai.compile_lm(llama, ["cpu"], max_batch_sise=2, progress=False, calibration="none")
     with pytest.raises(moirai.InputError, match="sampling needs"):

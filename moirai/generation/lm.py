@@ -354,10 +354,10 @@ def compile_lm(
     if not 1 <= sequences <= max_batch_size:
         raise InputError(f"compile_lm: sequences={sequences} must be between 1 and max_batch_size={max_batch_size}")
     prompt_tokens = prompt_tokens or min(32, max_prefill)
-    steps_in_flight = min(sequences, len(devices))  # a server keeps about one decode step per stage in flight
-    decode_batch = math.ceil(sequences / steps_in_flight)
     handover = PlanHandover.under_torchrun(devices)  # under torchrun rank 0 plans, as compile does
-    cluster, hosts = rank_cluster(devices, calibration, handover)
+    cluster, hosts = rank_cluster(devices, calibration, handover)  # checks devices: none, or no list, is refused
+    steps_in_flight = min(sequences, len(cluster.devices))  # a server keeps about one decode step per stage in flight
+    decode_batch = math.ceil(sequences / steps_in_flight)
     step = CausalLMStep(model, max_batch_size, max_seq_len).eval()
     traced = trace_step(step, max_batch_size, max_prefill)
     graph = build_op_graph(traced)
