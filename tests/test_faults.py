@@ -647,7 +647,11 @@ def test_a_plan_from_another_torch_warns(rows, tmp_path) -> None:
         moirai.load(path, model, example)
 
 
-@pytest.mark.parametrize("content", ["{not json", '["a list"]', '{"times_s": {"op": "fast"}}', "\udcff"])
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", '["a list"]', '{"times_s": {"op": "fast"}}', "\udcff", "[" * 100_000 + "]" * 100_000],
+    ids=["not json", "a list", "a string time", "not utf-8", "nested past the parser (a RecursionError)"],
+)
 def test_a_corrupt_profile_cache_is_named_moved_aside_and_rebuilt(tmp_path, content) -> None:
     from moirai.cluster.cost import _ProfileCache
 

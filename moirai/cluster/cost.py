@@ -550,7 +550,7 @@ class _ProfileCache:
             times_s = json.loads(read_own_text(self.path)).get("times_s")
             if isinstance(times_s, dict) and all(isinstance(t, int | float) for t in times_s.values()):
                 return times_s
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):  # nested past the parser
             pass
         corrupt = self.path.with_suffix(".corrupt")
         os.replace(self.path, corrupt)
