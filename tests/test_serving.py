@@ -22,7 +22,8 @@ import moirai
 from moirai.cluster.host import available_cores, split_cores
 from moirai.errors import ClusterError, DistributedError
 from moirai.runtime import DistributedRunner, orphans
-from moirai.runtime.resources import rank_resources
+from moirai.runtime import driver as driver_module
+from moirai.runtime.resources import rank_resources, set_thread_count
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -413,3 +414,53 @@ def test_map_serves_a_model_traced_with_example_kwargs() -> None:
     for request, (output,) in zip(requests, outputs, strict=True):
         with torch.no_grad():
             torch.testing.assert_close(output, model(**request)[0])
+
+
+def _in_thread(function: Callable[[], object]) -> object:
+    """``function()`` in a thread of its own (a shutdown hook; a thread started now)."""
+    results: list[object] = []
+    thread = threading.Thread(target=lambda: results.append(function()))
+    thread.start()
+    thread.join(120.0)
+    return results[0]
+
+
+def test_set_thread_count_sets_the_calling_threads_count_and_no_other() -> None:
+    main, for_new_threads = torch.get_num_threads(), _in_thread(torch.get_num_threads)
+
+    def set_and_read() -> int:
+        set_thread_count(for_new_threads + 2)
+        return torch.get_num_threads()
+
+    assert _in_thread(set_and_read) == for_new_threads + 2
+    assert torch.get_num_threads() == main
+    assert _in_thread(torch.get_num_threads) == for_new_threads, "torch.set_num_threads alone sets it for new threads"
+
+
+@pytest.mark.slow
+def test_each_thread_keeps_its_torch_thread_count_while_part_0_computes_with_rank_0s(chain, monkeypatch) -> None:
+    """Serving code submits first from a request handler's thread and closes from a shutdown hook's: rank 0's count
+    (set where the ranks started) stayed in the handler's thread for good, and the hook's thread took the handler's."""
+    model, compiled = chain
+    seen_by_part_0 = []
+    run_part = driver_module.run_part
+    monkeypatch.setattr(
+        driver_module, "run_part", lambda *args: (seen_by_part_0.append(torch.get_num_threads()), run_part(*args))[1]
+    )
+    rank_0_threads = rank_resources(["cpu"] * 3)[0].threads
+    handler_threads = rank_0_threads + 2  # not rank 0's count, whatever the host
+    x = torch.randn(4, 64)
+    runner = DistributedRunner(["cpu"] * 3, timeout_s=60.0)
+    with ThreadPoolExecutor(1) as handler:
+        handler.submit(torch.set_num_threads, handler_threads).result()  # threads started later take it too
+        main_threads, new_threads = torch.get_num_threads(), _in_thread(torch.get_num_threads)
+        submitted = handler.submit(lambda: runner.submit(compiled.program, [x]).result(timeout=60.0)).result()
+        ran = handler.submit(lambda: runner.run(compiled.program, [x])).result()  # part 0 inline, in the handler
+        assert handler.submit(torch.get_num_threads).result() == handler_threads, "while the runner is open"
+        _in_thread(runner.close)
+        assert handler.submit(torch.get_num_threads).result() == handler_threads, "after a close in another thread"
+    assert seen_by_part_0 == [rank_0_threads, rank_0_threads], "the dispatcher's part 0, then the inline one"
+    assert torch.get_num_threads() == main_threads
+    assert _in_thread(torch.get_num_threads) == new_threads, "a thread started now computes as it did before"
+    for outputs in (submitted, ran):
+        torch.testing.assert_close(outputs[0], _eager(model, x))
