@@ -23,6 +23,8 @@ from moirai.cluster.host import available_cores, split_cores
 from moirai.errors import ClusterError, DistributedError
 from moirai.runtime import DistributedRunner, orphans
 from moirai.runtime import driver as driver_module
+from moirai.runtime.driver import Driver
+from moirai.runtime.rank_processes import started_ranks
 from moirai.runtime.resources import rank_resources, set_thread_count
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -464,3 +466,30 @@ def test_each_thread_keeps_its_torch_thread_count_while_part_0_computes_with_ran
     assert _in_thread(torch.get_num_threads) == new_threads, "a thread started now computes as it did before"
     for outputs in (submitted, ran):
         torch.testing.assert_close(outputs[0], _eager(model, x))
+
+
+@pytest.mark.slow
+def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(chain, monkeypatch) -> None:
+    """Ctrl-C in close() marked the server closed: every later close returned at once, and the ranks, the pinned
+    cores and the driver's threads stayed until the process exited."""
+    model, compiled = chain
+    cores = os.sched_getaffinity(0)
+    finish_requests = Driver.close
+
+    def interrupted(driver: Driver) -> None:
+        finish_requests(driver)
+        raise KeyboardInterrupt  # the requests finished, the ranks not yet stopped
+
+    x = torch.randn(4, 64)
+    server = compiled.server(timeout_s=60.0)
+    future = server.submit(x)
+    monkeypatch.setattr(Driver, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.close()
+    monkeypatch.undo()
+    assert len(started_ranks()) == 2, "the interrupted close left the ranks"
+    server.close()
+    assert started_ranks() == [] and os.sched_getaffinity(0) == cores
+    torch.testing.assert_close(future.result(timeout=0), _eager(model, x))
+    with pytest.raises(moirai.InputError, match="this server is closed"):
+        server.submit(x)

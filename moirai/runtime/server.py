@@ -46,7 +46,9 @@ class Server:
         self._close = close
         self._check_close = check_close
         self._max_in_flight = max_in_flight
-        self._closed = False
+        self._closed = False  # close() has begun: submits are refused
+        self._close_running = False  # a close() is under way: another returns at once (it may be its done callback)
+        self._close_finished = False
         # A submit checks and queues under it, close marks the server closed under it: a submit racing close is
         # queued before close waits for the requests, or refused, never left to start a fresh world after close.
         self._closing = threading.Lock()
@@ -93,13 +95,19 @@ class Server:
             yield ahead.popleft().result()
 
     def close(self) -> None:
-        """Wait for the requests in flight, then stop the other ranks."""
+        """Wait for the requests in flight, then stop the other ranks. A close cut short (Ctrl-C) is finished by the
+        next; one called while another runs returns at once."""
         self._check_close()
         with self._closing:  # not held while it waits: a done callback that submits meanwhile is refused, not stuck
-            if self._closed:
+            if self._close_running or self._close_finished:
                 return
-            self._closed = True
-        self._close()
+            self._closed = self._close_running = True
+        try:
+            self._close()
+            self._close_finished = True  # only now: an interrupted close leaves the next one its work
+        finally:
+            with self._closing:
+                self._close_running = False
 
 
 def _arguments(item: Any) -> tuple[tuple, dict[str, Any]]:
