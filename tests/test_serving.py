@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -373,6 +374,7 @@ def test_map_items_take_every_form_submit_does() -> None:
     server = Server(submit_flat, lambda args, kwargs: [(args, kwargs)], lambda flat: flat[0], lambda: None, 2)
     items = ["t", ("a", "b"), {"mask": "m"}, (("a",), {"mask": "m"})]
     assert list(server.map(items)) == [(("t",), {}), (("a", "b"), {}), ((), {"mask": "m"}), (("a",), {"mask": "m"})]
+    server.close()
 
 
 def test_a_submit_racing_close_is_queued_before_close_waits_or_refused() -> None:
@@ -493,3 +495,45 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(chain, monkeypatch)
     torch.testing.assert_close(future.result(timeout=0), _eager(model, x))
     with pytest.raises(moirai.InputError, match="this server is closed"):
         server.submit(x)
+
+
+def test_a_server_dropped_unclosed_is_closed_in_a_thread_of_its_own_with_a_resource_warning() -> None:
+    """A dropped server kept its ranks and pinned cores until the process exited, silently. It may be collected in
+    one of its own threads, which its close waits for: the close runs elsewhere."""
+    from moirai.runtime.server import Server
+
+    closed_in, done = [], threading.Event()
+
+    def close() -> None:
+        closed_in.append(threading.current_thread())
+        done.set()
+
+    server = Server(lambda flat, finish: Future(), lambda args, kwargs: list(args), lambda flat: flat, close, 2)
+    with pytest.warns(ResourceWarning, match="dropped without close"):
+        del server
+    assert done.wait(10.0)
+    assert closed_in[0] is not threading.current_thread()
+    closed = Server(lambda flat, finish: Future(), lambda args, kwargs: list(args), lambda flat: flat, close, 2)
+    closed.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del closed  # closed: nothing to say, nothing to close again
+    assert len(closed_in) == 2
+
+
+@pytest.mark.slow
+def test_a_dropped_server_gives_back_its_ranks_and_cores_and_still_answers_its_requests(chain) -> None:
+    model, compiled = chain
+    cores, x = os.sched_getaffinity(0), torch.randn(4, 64)
+    server = compiled.server(timeout_s=60.0)
+    future = server.submit(x)
+    with pytest.warns(ResourceWarning, match="dropped without close"):
+        del server
+    torch.testing.assert_close(future.result(timeout=60.0), _eager(model, x))
+    deadline = time.monotonic() + 60.0
+    while (started_ranks() or os.sched_getaffinity(0) != cores) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert started_ranks() == [] and os.sched_getaffinity(0) == cores
+    closers = [thread for thread in threading.enumerate() if thread.name == "moirai-close-dropped"]
+    for thread in closers:
+        thread.join(30.0)
