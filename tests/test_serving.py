@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +23,10 @@ import moirai
 from moirai.cluster.host import available_cores, split_cores
 from moirai.errors import ClusterError, DistributedError
 from moirai.runtime import DistributedRunner, orphans
-from moirai.runtime.resources import rank_resources
+from moirai.runtime import driver as driver_module
+from moirai.runtime.driver import Driver
+from moirai.runtime.rank_processes import started_ranks
+from moirai.runtime.resources import rank_resources, set_thread_count
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -370,6 +374,7 @@ def test_map_items_take_every_form_submit_does() -> None:
     server = Server(submit_flat, lambda args, kwargs: [(args, kwargs)], lambda flat: flat[0], lambda: None, 2)
     items = ["t", ("a", "b"), {"mask": "m"}, (("a",), {"mask": "m"})]
     assert list(server.map(items)) == [(("t",), {}), (("a", "b"), {}), ((), {"mask": "m"}), (("a",), {"mask": "m"})]
+    server.close()
 
 
 def test_a_submit_racing_close_is_queued_before_close_waits_or_refused() -> None:
@@ -413,3 +418,122 @@ def test_map_serves_a_model_traced_with_example_kwargs() -> None:
     for request, (output,) in zip(requests, outputs, strict=True):
         with torch.no_grad():
             torch.testing.assert_close(output, model(**request)[0])
+
+
+def _in_thread(function: Callable[[], object]) -> object:
+    """``function()`` in a thread of its own (a shutdown hook; a thread started now)."""
+    results: list[object] = []
+    thread = threading.Thread(target=lambda: results.append(function()))
+    thread.start()
+    thread.join(120.0)
+    return results[0]
+
+
+def test_set_thread_count_sets_the_calling_threads_count_and_no_other() -> None:
+    main, for_new_threads = torch.get_num_threads(), _in_thread(torch.get_num_threads)
+
+    def set_and_read() -> int:
+        set_thread_count(for_new_threads + 2)
+        return torch.get_num_threads()
+
+    assert _in_thread(set_and_read) == for_new_threads + 2
+    assert torch.get_num_threads() == main
+    assert _in_thread(torch.get_num_threads) == for_new_threads, "torch.set_num_threads alone sets it for new threads"
+
+
+@pytest.mark.slow
+def test_each_thread_keeps_its_torch_thread_count_while_part_0_computes_with_rank_0s(chain, monkeypatch) -> None:
+    """Serving code submits first from a request handler's thread and closes from a shutdown hook's: rank 0's count
+    (set where the ranks started) stayed in the handler's thread for good, and the hook's thread took the handler's."""
+    model, compiled = chain
+    seen_by_part_0 = []
+    run_part = driver_module.run_part
+    monkeypatch.setattr(
+        driver_module, "run_part", lambda *args: (seen_by_part_0.append(torch.get_num_threads()), run_part(*args))[1]
+    )
+    rank_0_threads = rank_resources(["cpu"] * 3)[0].threads
+    handler_threads = rank_0_threads + 2  # not rank 0's count, whatever the host
+    x = torch.randn(4, 64)
+    runner = DistributedRunner(["cpu"] * 3, timeout_s=60.0)
+    with ThreadPoolExecutor(1) as handler:
+        handler.submit(torch.set_num_threads, handler_threads).result()  # threads started later take it too
+        main_threads, new_threads = torch.get_num_threads(), _in_thread(torch.get_num_threads)
+        submitted = handler.submit(lambda: runner.submit(compiled.program, [x]).result(timeout=60.0)).result()
+        ran = handler.submit(lambda: runner.run(compiled.program, [x])).result()  # part 0 inline, in the handler
+        assert handler.submit(torch.get_num_threads).result() == handler_threads, "while the runner is open"
+        _in_thread(runner.close)
+        assert handler.submit(torch.get_num_threads).result() == handler_threads, "after a close in another thread"
+    assert seen_by_part_0 == [rank_0_threads, rank_0_threads], "the dispatcher's part 0, then the inline one"
+    assert torch.get_num_threads() == main_threads
+    assert _in_thread(torch.get_num_threads) == new_threads, "a thread started now computes as it did before"
+    for outputs in (submitted, ran):
+        torch.testing.assert_close(outputs[0], _eager(model, x))
+
+
+@pytest.mark.slow
+def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(chain, monkeypatch) -> None:
+    """Ctrl-C in close() marked the server closed: every later close returned at once, and the ranks, the pinned
+    cores and the driver's threads stayed until the process exited."""
+    model, compiled = chain
+    cores = os.sched_getaffinity(0)
+    finish_requests = Driver.close
+
+    def interrupted(driver: Driver) -> None:
+        finish_requests(driver)
+        raise KeyboardInterrupt  # the requests finished, the ranks not yet stopped
+
+    x = torch.randn(4, 64)
+    server = compiled.server(timeout_s=60.0)
+    future = server.submit(x)
+    monkeypatch.setattr(Driver, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.close()
+    monkeypatch.undo()
+    assert len(started_ranks()) == 2, "the interrupted close left the ranks"
+    server.close()
+    assert started_ranks() == [] and os.sched_getaffinity(0) == cores
+    torch.testing.assert_close(future.result(timeout=0), _eager(model, x))
+    with pytest.raises(moirai.InputError, match="this server is closed"):
+        server.submit(x)
+
+
+def test_a_server_dropped_unclosed_is_closed_in_a_thread_of_its_own_with_a_resource_warning() -> None:
+    """A dropped server kept its ranks and pinned cores until the process exited, silently. It may be collected in
+    one of its own threads, which its close waits for: the close runs elsewhere."""
+    from moirai.runtime.server import Server
+
+    closed_in, done = [], threading.Event()
+
+    def close() -> None:
+        closed_in.append(threading.current_thread())
+        done.set()
+
+    server = Server(lambda flat, finish: Future(), lambda args, kwargs: list(args), lambda flat: flat, close, 2)
+    with pytest.warns(ResourceWarning, match="dropped without close"):
+        del server
+    assert done.wait(10.0)
+    assert closed_in[0] is not threading.current_thread()
+    closed = Server(lambda flat, finish: Future(), lambda args, kwargs: list(args), lambda flat: flat, close, 2)
+    closed.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del closed  # closed: nothing to say, nothing to close again
+    assert len(closed_in) == 2
+
+
+@pytest.mark.slow
+def test_a_dropped_server_gives_back_its_ranks_and_cores_and_still_answers_its_requests(chain) -> None:
+    model, compiled = chain
+    cores, x = os.sched_getaffinity(0), torch.randn(4, 64)
+    server = compiled.server(timeout_s=60.0)
+    future = server.submit(x)
+    with pytest.warns(ResourceWarning, match="dropped without close"):
+        del server
+    torch.testing.assert_close(future.result(timeout=60.0), _eager(model, x))
+    deadline = time.monotonic() + 60.0
+    while (started_ranks() or os.sched_getaffinity(0) != cores) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert started_ranks() == [] and os.sched_getaffinity(0) == cores
+    closers = [thread for thread in threading.enumerate() if thread.name == "moirai-close-dropped"]
+    for thread in closers:
+        thread.join(30.0)

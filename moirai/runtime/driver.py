@@ -14,12 +14,13 @@ dispatcher, :class:`Ran` requests, :class:`ControlSent` headers and a :class:`St
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, NamedTuple
 
@@ -41,6 +42,7 @@ from moirai.runtime.protocol import (
     send_header,
     send_inputs,
 )
+from moirai.runtime.resources import set_thread_count
 from moirai.runtime.split import SplitProgram
 
 # Requests in flight at once: each holds its tags in the protocol's window while it runs, and a rank reads a few
@@ -151,7 +153,10 @@ class Driver:
         describe_rank: Callable[[int], str] | None = None,
         helper_cores: Sequence[int] | None = None,
         on_failure: Callable[[Driver], None] | None = None,
+        threads: int | None = None,
     ) -> None:
+        """``threads``: rank 0's torch thread count, which the threads that run part 0 set for themselves (default:
+        the calling thread's count, where it computes as rank 0 already)."""
         check_max_in_flight(max_in_flight)
         self._on_failure = on_failure
         self._helper_cores = helper_cores
@@ -176,7 +181,7 @@ class Driver:
         self._pending: set[Future] = set()
         self._incoming: queue.SimpleQueue[Submitted | Stop] = queue.SimpleQueue()
         self._outgoing: queue.SimpleQueue[Ran | ControlSent | Stop] = queue.SimpleQueue()
-        self._threads = torch.get_num_threads()  # rank 0's share, set by apply_resources in this thread
+        self.threads = torch.get_num_threads() if threads is None else threads
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="moirai-dispatch", daemon=True)
         self._completer = threading.Thread(target=self._complete_loop, name="moirai-complete", daemon=True)
         self._dispatcher.start()
@@ -229,7 +234,7 @@ class Driver:
             return self.submit(program, flat_inputs, finish, timeout_s).result()
         request = None
         try:
-            with self._dispatching:
+            with self._dispatching, _thread_count(self.threads):
                 request = self.dispatched
                 sent = self._send_request(Submitted(program, list(flat_inputs), future, finish, timeout_s))
                 ran = self._run_part_0(sent)
@@ -284,8 +289,8 @@ class Driver:
     def _dispatch_loop(self) -> None:
         # Part 0 runs in this thread. A new thread computes with the OpenMP/MKL default team (every core) however
         # torch.get_num_threads() reads, until it sets the count itself: on rank 0's one core, that team spun
-        # against itself and ran a part 25-100x slower.
-        torch.set_num_threads(self._threads)
+        # against itself and ran a part 25-100x slower. Set for this thread only: the caller's keep their own.
+        set_thread_count(self.threads)
         # Requests sent to the other ranks whose part 0 has not run. Every queued request is sent before part 0
         # of the oldest runs: part 0 may wait for another rank's work on its request (a plan whose first stage is
         # on rank 1), and that rank must have the next requests by then, or nothing is pipelined.
@@ -381,6 +386,7 @@ class Driver:
         # work to device 0 (the MLP chain's throughput plan served 9-17% below its prediction that way).
         if self._helper_cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, self._helper_cores)
+        set_thread_count(self.threads)  # its copies compute as rank 0's would, without a team of every core
         request = None
         try:
             while not isinstance(item := self._outgoing.get(), Stop):
@@ -433,6 +439,23 @@ class Driver:
             settle_future(future, None, failure)
         if self._on_failure is not None:
             self._on_failure(self)
+
+
+@contextlib.contextmanager
+def _thread_count(threads: int) -> Iterator[None]:
+    """The calling thread computes with ``threads`` torch threads inside, with its own count again after: part 0
+    run in a caller's thread ([Note: a torch thread count is a thread's]). Plain sets, as run() is the path without
+    hand-offs: threads started later take the caller's count after, as they take it from the caller's own
+    torch.set_num_threads (set_thread_count's threads would cost more than the hand-off run saves)."""
+    before = torch.get_num_threads()
+    if before == threads:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def settle_future(future: Future, result: Any, error: BaseException | None) -> None:

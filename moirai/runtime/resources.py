@@ -27,9 +27,10 @@ import functools
 import os
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -38,11 +39,15 @@ from moirai.cluster.host import available_cores, current_cores, note_pinning, sp
 from moirai.cluster.kinds import DeviceKind, kind_of
 from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
 
-# Every apply_resources not yet restored, oldest first: (what it returned, what it set), and what the process had
-# before the first of them. Runners open at once hold the process newest first, whatever order they close in.
-_APPLIED: list[tuple[RankResources, RankResources]] = []
+# Every apply_resources not yet restored, oldest first, and what the process had before the first of them. Runners
+# open at once hold the process's cores newest first, whatever order they close in.
+_APPLIED: list[_Applied] = []
 _ORIGINAL: list[RankResources] = []
 _APPLIED_LOCK = threading.Lock()
+# Held while a thread sets its own torch thread count and puts back the count new threads start with.
+_THREAD_COUNT_LOCK = threading.Lock()
+
+T = TypeVar("T")
 
 # The name (``/proc/<pid>/task/<tid>/comm``) of gloo's I/O threads starts with this.
 _IO_THREAD_NAME = "gloo_tcp"
@@ -159,20 +164,26 @@ def _io_thread_ids() -> list[int]:
     return found
 
 
-def apply_resources(resources: RankResources, device_name: str, own_process: bool = True) -> RankResources:
-    """Pin every thread of this process to ``resources.cores`` and set torch's thread counts; what was set before.
+def apply_resources(
+    resources: RankResources, device_name: str, own_process: bool = True, set_threads: bool = True
+) -> RankResources:
+    """Pin every thread of this process to ``resources.cores`` and set the calling thread's torch thread count
+    (``set_threads``); what was set before.
 
     In a process of its own (``own_process``) a rank also gets 1 interop thread where torch still
     allows it (only before any inter-op work; it cannot be undone, so a caller's process keeps its own).
     Every process that computes as a rank, the caller's included, keeps the memory it frees from then on
-    (:func:`keep_freed_memory`; nor can that be undone).
+    (:func:`keep_freed_memory`; nor can that be undone). A runner's rank 0 sets no thread's count here
+    (``set_threads=False``): its driver's threads set their own ([Note: a torch thread count is a thread's]).
     """
     before = RankResources(current_cores(), torch.get_num_threads())
-    _set_resources(resources, device_name)
+    _set_cores(resources, device_name)
+    if set_threads:
+        torch.set_num_threads(resources.threads)
     with _APPLIED_LOCK:
         if not _APPLIED:
             _ORIGINAL[:] = [before]
-        _APPLIED.append((before, resources))
+        _APPLIED.append(_Applied(before, resources, threading.get_ident() if set_threads else None, before.threads))
     keep_freed_memory()
     if own_process:
         try:
@@ -180,6 +191,18 @@ def apply_resources(resources: RankResources, device_name: str, own_process: boo
         except RuntimeError:
             pass  # already set, or inter-op work has started in this process: torch keeps its count
     return before
+
+
+@dataclass
+class _Applied:
+    """An :func:`apply_resources` not yet restored: ``before`` (what it returned), ``resources`` (what it set),
+    ``thread`` (the id of the thread whose torch count it set; None: it set none) and ``threads_before`` (that
+    thread's count to give back)."""
+
+    before: RankResources
+    resources: RankResources
+    thread: int | None
+    threads_before: int
 
 
 @functools.cache  # once a process: it cannot be undone, so setting it again changes nothing
@@ -200,22 +223,68 @@ def keep_freed_memory() -> bool:
 def restore_resources(before: RankResources) -> None:
     """Undo the :func:`apply_resources` that returned ``before`` (the interop thread count stays).
 
-    While others are still applied, the newest of them holds the process; the last one restores what
-    the process had before the first.
+    While others are still applied, the newest of them holds the process's cores; the last one restores what
+    the process had before the first. A thread count it set goes back in the thread it was set in (restored from
+    another thread, that thread keeps it: only a thread can set its own).
     """
     with _APPLIED_LOCK:
-        index = next((i for i, (b, _) in enumerate(_APPLIED) if b is before), None)
+        index = next((i for i, applied in enumerate(_APPLIED) if applied.before is before), None)
         if index is None:
-            _set_resources(before, "the process before moirai pinned it", restoring=True)
+            _set_cores(before, "the process before moirai pinned it", restoring=True)
             return
-        _APPLIED.pop(index)
+        applied = _APPLIED.pop(index)
+        _give_thread_count_back(applied, newer=_APPLIED[index:])
         if _APPLIED:
-            _set_resources(_APPLIED[-1][1], "a runner still open")
+            _set_cores(_APPLIED[-1].resources, "a runner still open")
         else:
-            _set_resources(_ORIGINAL.pop(), "the process before moirai pinned it", restoring=True)
+            _set_cores(_ORIGINAL.pop(), "the process before moirai pinned it", restoring=True)
 
 
-def _set_resources(resources: RankResources, device_name: str, restoring: bool = False) -> None:
+def _give_thread_count_back(applied: _Applied, newer: Sequence[_Applied]) -> None:
+    """The torch count of the thread ``applied`` set, as it was before; where a ``newer`` application set the same
+    thread's count, that one holds it and gives back what the thread had before both."""
+    if applied.thread is None:
+        return
+    holding = next((other for other in newer if other.thread == applied.thread), None)
+    if holding is not None:
+        holding.threads_before = applied.threads_before
+    elif applied.thread == threading.get_ident():
+        torch.set_num_threads(applied.threads_before)
+
+
+def set_thread_count(threads: int) -> None:
+    """Set the calling thread's torch intra-op thread count, and no other thread's ([Note: a torch thread count is a
+    thread's])."""
+    # Read first: a thread takes the count for new threads when it first reads or computes, over one it had set.
+    torch.get_num_threads()
+    with _THREAD_COUNT_LOCK:
+        for_new_threads = _in_new_thread(torch.get_num_threads)
+        torch.set_num_threads(threads)
+        if for_new_threads != threads:
+            _in_new_thread(lambda: torch.set_num_threads(for_new_threads))
+            if torch.get_num_threads() != threads:  # a torch whose count is the process's (no OpenMP): set it so
+                torch.set_num_threads(threads)
+
+
+# [Note: a torch thread count is a thread's]
+# Under OpenMP, torch.set_num_threads sets the calling thread's team size only; it also stores the count a thread
+# takes when it first computes, so it changes every thread started later too. A runner's rank 0 computes in its
+# driver's dispatcher (and, for run(), in the caller's thread while part 0 runs), so those set rank 0's count
+# themselves (set_thread_count, Driver.run) and the caller's threads keep theirs. Set once in the thread that made
+# the first submit and undone in the thread that closed, the count stayed 1 for good in the first (a request handler)
+# while the second (a shutdown hook) got the first one's count.
+
+
+def _in_new_thread(function: Callable[[], T]) -> T:
+    """``function()`` called in a thread of its own: what a thread started now sees, or sets for itself only."""
+    result: list[T] = []
+    thread = threading.Thread(target=lambda: result.append(function()), name="moirai-thread-count")
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _set_cores(resources: RankResources, device_name: str, restoring: bool = False) -> None:
     previous = current_cores()
     if resources.cores is not None and hasattr(os, "sched_setaffinity"):
         unknown = sorted(set(resources.cores) - set(range(os.cpu_count() or 1)))
@@ -226,7 +295,6 @@ def _set_resources(resources: RankResources, device_name: str, restoring: bool =
             )
         _set_affinity(resources.cores)
         note_pinning(tuple(resources.cores) if restoring else previous, pinned=not restoring)
-    torch.set_num_threads(resources.threads)
 
 
 def _set_affinity(cores: Sequence[int]) -> None:

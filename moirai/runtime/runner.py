@@ -154,13 +154,14 @@ class DistributedRunner:
             return self._driver
 
     def resources_in_use(self) -> list[dict[str, Any]]:
-        """Per rank, what it runs with, read back inside its process: ``cores`` (affinity), ``threads`` and
-        ``io_thread_cores`` (the affinity of each of gloo's I/O threads)."""
+        """Per rank, what it runs with, read back inside its process: ``cores`` (affinity), ``threads`` (rank 0's:
+        the count its driver's threads set for themselves) and ``io_thread_cores`` (the affinity of each of gloo's I/O
+        threads)."""
         with self._starting:
             if self._driver is None:
                 self._start([])
         return [
-            _resources_in_use(),
+            {**_resources_in_use(), "threads": self._driver.threads},
             *(_checked_resources(self._store, k) for k in range(1, len(self._workers) + 1)),
         ]
 
@@ -244,7 +245,8 @@ class DistributedRunner:
                 )
             self._workers.append(worker)
         self._await_ready(abandon_on_close)
-        self._restore = apply_resources(resources[0], self._names()[0], own_process=False)
+        # The process's cores only: rank 0 computes in the driver's threads, which set its thread count themselves.
+        self._restore = apply_resources(resources[0], self._names()[0], own_process=False, set_threads=False)
         group = local_group(0, self.torch_devices, self._store, self.start_timeout_s, self._shared_memory)
         pin_io_threads(resources[0])
         self._driver = Driver(
@@ -254,6 +256,7 @@ class DistributedRunner:
             describe_rank=self._describe_process,
             helper_cores=resources[0].helper_cores,
             on_failure=self._restart_in_background,
+            threads=resources[0].threads,
         )
 
     def _await_ready(self, abandon_on_close: bool) -> None:

@@ -10,13 +10,17 @@ Example::
 Outside torchrun the server starts one process per device but the first (this process is
 rank 0, see :class:`moirai.runtime.distributed.DistributedRunner`). Under torchrun, rank 0
 opens the server and every other rank calls ``moirai.serve_rank(compiled)``, which returns when
-rank 0 closes the server.
+rank 0 closes the server. A server dropped without ``close()`` is closed in a thread of its own, with a
+:class:`ResourceWarning` ([Note: a server dropped unclosed]).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -24,6 +28,8 @@ from typing import Any
 import torch
 
 from moirai.errors import InputError
+
+_log = logging.getLogger(__name__)
 
 
 class Server:
@@ -46,10 +52,15 @@ class Server:
         self._close = close
         self._check_close = check_close
         self._max_in_flight = max_in_flight
-        self._closed = False
+        self._closed = False  # close() has begun: submits are refused
+        self._close_running = False  # a close() is under way: another returns at once (it may be its done callback)
         # A submit checks and queues under it, close marks the server closed under it: a submit racing close is
         # queued before close waits for the requests, or refused, never left to start a fresh world after close.
         self._closing = threading.Lock()
+        # Alive until a close() has finished: closes a server dropped unclosed. Not at exit: the runners' own exit
+        # hook closes them (moirai.runtime.runner), and a server still referenced then was not dropped.
+        self._unclosed = weakref.finalize(self, _close_dropped, close)
+        self._unclosed.atexit = False
 
     def __enter__(self) -> Server:
         return self
@@ -93,13 +104,51 @@ class Server:
             yield ahead.popleft().result()
 
     def close(self) -> None:
-        """Wait for the requests in flight, then stop the other ranks."""
+        """Wait for the requests in flight, then stop the other ranks. A close cut short (Ctrl-C) is finished by the
+        next; one called while another runs returns at once."""
         self._check_close()
         with self._closing:  # not held while it waits: a done callback that submits meanwhile is refused, not stuck
-            if self._closed:
+            if self._close_running or not self._unclosed.alive:
                 return
-            self._closed = True
-        self._close()
+            self._closed = self._close_running = True
+        try:
+            self._close()
+            self._unclosed.detach()  # closed: only now, so that an interrupted close leaves the next one its work
+        finally:
+            with self._closing:
+                self._close_running = False
+
+
+# [Note: a server dropped unclosed]
+# A server's driver threads hold its runner, so a server dropped without close() kept its ranks, this process pinned to
+# rank 0's cores and the driver's threads until the process exited, silently. Collected, it is closed as a file is,
+# with a ResourceWarning (shown under `python -X dev` and pytest): its requests in flight finish first, so a future
+# still held gets its result. The close runs in a thread of its own, never where the server was collected: that may
+# be one of the server's own threads (which close would wait for) or any allocation of a thread holding the runner's
+# lock (the garbage collector runs there). The thread is not a daemon, so the interpreter waits for it at exit before
+# it tears anything down ([Note: no thread of ours outlives close]).
+
+
+def _close_dropped(close: Callable[[], None]) -> None:
+    """Close a server collected unclosed, in a thread of its own, and say so."""
+    try:
+        threading.Thread(target=_close_quietly, args=(close,), name="moirai-close-dropped").start()
+    except RuntimeError:  # the interpreter is exiting: the runners' exit hook closes them
+        return
+    warnings.warn(  # after the close started: a warning turned into an error must not leave the server open
+        "a moirai server was dropped without close(): it is closed now (its requests in flight finish first); close "
+        "it with `with compiled.server() as server:` or server.close() to give its processes and cores back when you "
+        "choose",
+        ResourceWarning,
+        stacklevel=1,  # collected, it has no caller to name: the warning names this line
+    )
+
+
+def _close_quietly(close: Callable[[], None]) -> None:
+    try:
+        close()
+    except Exception as error:  # nobody calls this thread: say what went wrong
+        _log.warning("closing a server dropped without close() failed: %s", error)
 
 
 def _arguments(item: Any) -> tuple[tuple, dict[str, Any]]:
