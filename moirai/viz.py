@@ -423,6 +423,10 @@ def text_gantt(
     A character shows the task (or transfer) that covers most of its time slice; ``·`` is idle;
     the critical path is bold and underlined.
     """
+    if not is_integer(width) or width < 1:
+        raise MoiraiError(
+            f"text_gantt's width is the characters of time per lane, a whole number of at least 1, got {width!r}"
+        )
     timeline = timeline or simulate(problem, plan)
     groups = list(groups) if groups is not None else [kind_of_name(name) for name in problem.task_names]
     colour_group = _groups_by_time(groups, timeline, _MAX_LEGEND_GROUPS)

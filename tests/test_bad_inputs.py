@@ -35,6 +35,7 @@ from moirai.errors import (
 )
 from moirai.frontend.fusion_rules import load_rules
 from moirai.planning.placers import devices_over_memory
+from moirai.viz import text_gantt
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
@@ -335,6 +336,30 @@ def test_gantt_of_no_whole_number_of_requests(compiled, requests):
     """0 and -1 drew one request; "2" was a TypeError."""
     with raises(MoiraiError, "requests must be a whole number, at least 1", f"got {requests!r}"):
         compiled.gantt(requests=requests)
+
+
+@pytest.mark.parametrize("width", [0, -5, 2.5, "60"])
+def test_text_gantt_of_no_width(compiled, width):
+    """0 and -5 drew a table of empty lanes without a word; 2.5 and "60" were TypeErrors."""
+    with raises(MoiraiError, "text_gantt's width is the characters of time per lane", f"got {width!r}"):
+        text_gantt(compiled.problem, compiled.plan, width)
+
+
+@pytest.mark.parametrize(("names", "words"), [("ab", "must be a list of names"), ((1, 2), "must be strings, got 1")])
+def test_device_names_that_are_no_list_of_strings(names, words):
+    """'ab' was read as devices a and b; (1, 2) as devices named 1 and 2."""
+    with raises(ProblemError, f"device_names {words}"):
+        moirai.Problem(
+            device_names=names,
+            memory_capacity_bytes=[1.0, 1.0],
+            task_names=("t",),
+            compute_s=[[1.0, 1.0]],
+            memory_bytes=[0.0],
+            tensor_names=(),
+            tensor_producer=[],
+            tensor_consumers=(),
+            transfer_s=np.zeros((0, 2, 2)),
+        )
 
 
 def test_memory_ignoring_placer_over_memory_warns_with_the_numbers_and_marks_the_plan(problem):

@@ -91,6 +91,8 @@ class Problem:
     colocated: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
+        for label in ("device_names", "task_names", "tensor_names"):
+            object.__setattr__(self, label, _names(getattr(self, label), label))
         n, k, t = len(self.task_names), len(self.device_names), len(self.tensor_names)
         object.__setattr__(
             self, "memory_capacity_bytes", _array(self.memory_capacity_bytes, (k,), "memory_capacity_bytes")
@@ -493,6 +495,17 @@ def _array(value: Any, shape: tuple[int, ...], label: str) -> np.ndarray:
             f"{label} must hold {' x '.join(map(str, shape))} numbers, got an array of shape {array.shape}"
         )
     return array.reshape(shape)
+
+
+def _names(names: Any, label: str) -> tuple[str, ...]:
+    """``names`` as a tuple of strings; :class:`ProblemError` for one string (``"ab"`` read as devices a and b) or
+    anything but a sequence of strings."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, (Sequence, np.ndarray)):
+        raise ProblemError(f"{label} must be a list of names, one per entry, got {repr(names)[:80]}")
+    wrong = [name for name in names if not isinstance(name, str)]
+    if wrong:
+        raise ProblemError(f"{label} must be strings, got {repr(wrong[0])[:80]} ({type(wrong[0]).__name__})")
+    return tuple(str(name) for name in names)  # numpy's strings as Python's
 
 
 def _task_indices(value: Any, shape: tuple[int, ...], label: str) -> np.ndarray:
