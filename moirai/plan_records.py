@@ -109,7 +109,7 @@ def read_plan_file(path: str | Path) -> dict[str, Any]:
         with parsing(
             "JSON",
             subject,
-            lambda message: PlanError(f"{_sentence(message)} Save the plan again with CompiledModel.save(path)"),
+            lambda message: PlanError(f"{_sentence(message)} {again[0].upper()}{again[1:]}"),
         ):
             text = Path(path).read_text()
             if not text.strip():
@@ -124,11 +124,7 @@ def read_plan_file(path: str | Path) -> dict[str, Any]:
             f"plan file {str(path)!r} holds a JSON {type(record).__name__}, not a moirai plan (an object with keys "
             f"{list(PLAN_KEYS)}); give the file CompiledModel.save wrote"
         )
-    check_plan_record(
-        record,
-        f"plan file {str(path)!r}",
-        "save the plan again with CompiledModel.save(path), or compile the model again",
-    )
+    check_plan_record(record, subject, f"{again}, or compile the model again")
     _warn_on_other_versions(record.get("versions"), path)
     return record
 
