@@ -247,3 +247,18 @@ def test_of_two_mirror_images_of_one_period_throughput_keeps_the_one_without_a_r
     assert simulate(problem, ending).served_period_s == pytest.approx(2.2)
     assert _as_the_runtime_prefers(problem, starting, Throughput()).placement.tolist() == [0, 1]
     assert _as_the_runtime_prefers(problem, starting, as_objective("latency")).placement.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("seed", [1, 5])
+def test_milp_throughput_is_not_stopped_by_an_absolute_gap_when_the_horizon_dwarfs_the_period(seed):
+    """A tensor that should never cross, written as a huge link time, makes the horizon 1e10 times the period: in
+    the model's units (horizon / 1000) the period is below HiGHS's default absolute gap, which once stopped the
+    solve at its start plan and called it optimal."""
+    problem = random_problem(seed, num_tasks=5, num_devices=2)
+    transfer_s = problem.transfer_s.copy()
+    transfer_s[0] *= 1e10
+    problem = dataclasses.replace(problem, transfer_s=transfer_s)
+    best_s = best_period_s(problem)
+    plan = place(problem, "milp", objective="throughput", time_limit_s=30)
+    assert plan.objective_s == pytest.approx(best_s, rel=1e-6)
+    assert plan.lower_bound_s <= best_s * (1 + 1e-6)

@@ -123,6 +123,7 @@ class SparseLinearProgram:
         point (or reports a numerical failure)."""
         highs = self._loaded(integer_vars, time_limit_s, "choose")
         highs.setOptionValue("mip_rel_gap", mip_gap)
+        highs.setOptionValue("mip_abs_gap", 0.0)  # the relative gap alone: no absolute one in the model's units
         if start:
             columns = np.fromiter(start, np.int32, len(start))
             highs.setSolution(len(columns), columns, np.fromiter(start.values(), float, len(start)))
@@ -212,6 +213,9 @@ def run_highs(
     for option, setting in (
         ("time_limit", max(time_limit_s - (time.perf_counter() - started), 0.01)),
         ("mip_rel_gap", mip_gap),
+        # HiGHS also stops at an absolute gap (1e-6 by default); in model units (horizon / 1000) a period can be far
+        # below it when the horizon dwarfs it, and HiGHS would call its start plan optimal. The relative gap only.
+        ("mip_abs_gap", 0.0),
         ("mip_feasibility_tolerance", 1e-9),
         ("primal_feasibility_tolerance", 1e-9),
     ):

@@ -185,6 +185,7 @@ def _run_gurobi(
         "tee": [log],
         "time_limit": max(settings.time_limit_s, 0.01),
         "rel_gap": settings.mip_gap,
+        "abs_gap": 0.0,  # the relative gap only, as for HiGHS: model units can make any absolute gap too coarse
         "load_solutions": False,
         "raise_exception_on_nonoptimal_result": False,
     }
