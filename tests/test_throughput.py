@@ -18,6 +18,7 @@ from moirai.planning.objective import Generation, Throughput, as_objective
 from moirai.planning.placers import get_placer, list_placers, place
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
+from moirai.planning.report import StopReason
 from moirai.planning.simulate import simulate
 from moirai.testing import EVERY_COST, random_layered_problem, random_problem
 from tests.test_placers import MEMORY_BLIND, OPTIONS
@@ -249,6 +250,18 @@ def test_of_two_mirror_images_of_one_period_throughput_keeps_the_one_without_a_r
     assert _as_the_runtime_prefers(problem, starting, as_objective("latency")).placement.tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("seed", [1, 4])
+def test_milp_throughput_with_a_slow_header_finds_the_best_period_and_never_bounds_above_it(seed):
+    """The MILP's horizon is a makespan every placement reaches: with device 1's header at 50 s it once left the
+    header out, dropped device 1 and proved a 'bound' twice the period it returned."""
+    problem = random_problem(seed, num_tasks=5, num_devices=2)
+    problem = dataclasses.replace(problem, costs=problem.costs.replace(header_s=np.array([0.0, 50.0])))
+    best_s = best_period_s(problem)
+    plan = place(problem, "milp", objective="throughput", time_limit_s=30)
+    assert plan.objective_s == pytest.approx(best_s, rel=1e-6)
+    assert plan.lower_bound_s <= best_s * (1 + 1e-6)
+
+
 @pytest.mark.parametrize("seed", [1, 5])
 def test_milp_throughput_is_not_stopped_by_an_absolute_gap_when_the_horizon_dwarfs_the_period(seed):
     """A tensor that should never cross, written as a huge link time, makes the horizon 1e10 times the period: in
@@ -262,3 +275,24 @@ def test_milp_throughput_is_not_stopped_by_an_absolute_gap_when_the_horizon_dwar
     plan = place(problem, "milp", objective="throughput", time_limit_s=30)
     assert plan.objective_s == pytest.approx(best_s, rel=1e-6)
     assert plan.lower_bound_s <= best_s * (1 + 1e-6)
+
+
+def test_milp_throughput_proves_a_period_above_its_latency_limit():
+    """The runtime's work per request counts in the period, not in the latency: device 1's 5 s make the best
+    period (6 s) longer than the 5 s latency limit its plan meets. The period once had the limit as upper bound,
+    so the MILP found it infeasible and kept the start plan unproven."""
+    problem = Problem(
+        ("d0", "d1"),
+        np.array([np.inf, np.inf]),
+        ("a", "b"),
+        np.array([[4.0, 1.0], [4.0, 1.0]]),
+        np.zeros(2),
+        (),
+        np.zeros(0, int),
+        (),
+        np.zeros((0, 2, 2)),
+    ).with_costs(request_cpu_s=np.array([0.0, 5.0]))
+    plan = place(problem, "milp", objective=Throughput(max_latency_s=5.0), time_limit_s=30)
+    assert plan.objective_s == pytest.approx(6.0)
+    assert plan.lower_bound_s == pytest.approx(6.0, rel=1e-6)
+    assert plan.report.stop_reason is StopReason.GAP_CLOSED

@@ -585,10 +585,34 @@ def _horizon_s(problem: Problem, timeline: Timeline | None, objective: Objective
 
 
 def _serial_upper_bound(problem: Problem) -> float:
-    """A makespan every placement beats: all work and every possible transfer one after another."""
-    compute = np.where(np.isfinite(problem.compute_s), problem.compute_s, 0.0).max(axis=1).sum()
-    transfers = np.where(np.isfinite(problem.transfer_s), problem.transfer_s, 0.0).max(axis=(1, 2))
-    return float(compute + transfers.sum() * problem.num_devices)
+    """A makespan and a period every placement reaches: every cost of a request one after another, from the latest
+    release (headers, model inputs, the driver's own work) to the slowest output's way back, with every possible
+    transfer (its send and receive included) and every per-request charge in between."""
+    return _serial_makespan_s(problem) + _charges_upper_bound_s(problem)
+
+
+def _serial_makespan_s(problem: Problem) -> float:
+    """All work and every possible transfer one after another, after the latest release and before the slowest
+    output: a schedule every placement has."""
+    per_transfer = problem.transfer_s + problem.send_cpu_s + problem.recv_cpu_s
+    transfers = _finite_max(per_transfer, axis=(1, 2)).sum() * problem.num_devices
+    costs = problem.costs
+    release_s = float(_finite_max(costs.release_s, axis=(0, 1))) if problem.num_tasks else 0.0
+    output_s = float(_finite_max(costs.output_s, axis=(0, 1))) if problem.num_tasks else 0.0
+    return release_s + float(_finite_max(problem.compute_s, axis=1).sum() + transfers) + output_s
+
+
+def _charges_upper_bound_s(problem: Problem) -> float:
+    """Every per-request charge (the runtime's work, the messages' CPU and link time) summed: more than any
+    placement adds to a device's or link's load per request."""
+    costs = problem.costs
+    arrays = (*costs.charges[:-1], costs.input_link_s, costs.output_link_s)
+    return float(sum(np.where(np.isfinite(a), a, 0.0).sum() for a in arrays))
+
+
+def _finite_max(values: np.ndarray, axis: int | tuple[int, ...]) -> np.ndarray:
+    """The largest finite value along ``axis`` (0 where there is none)."""
+    return np.where(np.isfinite(values), values, 0.0).max(axis=axis, initial=0.0)
 
 
 def _finishing_time(problem: Problem) -> float:

@@ -44,7 +44,9 @@ def _period_rows(c: ModelParts, objective: Objective) -> None:
     if len(c.free) != c.problem.num_tasks:
         raise MoiraiError("the throughput objective is modelled for the whole problem only, not windows")
     m = c.m
-    m.P = pyo.Var(bounds=(0.0, MODEL_TIME_SCALE))  # a period never exceeds the latency, nor that the horizon
+    # No upper bound: the runtime's work per request counts in a period, not in a latency, so a period may exceed
+    # a latency limit (the horizon then).
+    m.P = pyo.Var(domain=pyo.NonNegativeReals)
     problem = c.problem
     # The simulator's charges (RequestCosts.charges, the sum of every term of PERIOD_TERMS), linear in x and in
     # u[k] = 1 when device k has a task.
