@@ -326,3 +326,49 @@ def test_a_plan_over_memory_from_the_search_is_never_returned(monkeypatch):
     with pytest.warns(UserWarning, match="over memory"):
         plan = place(problem, placer="milp", time_limit_s=3, strategy="windows")
     assert simulate(problem, plan).fits_memory
+
+
+def unlinked(problem: Problem, a: int, b: int) -> Problem:
+    """``problem`` with no link between devices ``a`` and ``b`` (infinite transfer time both ways)."""
+    transfer_s = problem.transfer_s.copy()
+    transfer_s[:, a, b] = transfer_s[:, b, a] = np.inf
+    return replace(problem, transfer_s=transfer_s)
+
+
+@pytest.mark.parametrize("objective", ["latency", "throughput"])
+@pytest.mark.parametrize("strategy", ["full", "windows"])
+def test_milp_never_splits_a_producer_from_its_consumer_across_devices_without_a_link(objective, strategy):
+    """The MILP dropped transfers over infinite links but nothing kept a producer and its consumer off such a pair:
+    it split them for free and the simulator refused its plan with a PlanError."""
+    seeds = range(4) if strategy == "full" else range(2)
+    for seed in seeds:
+        problem = unlinked(random_problem(seed, num_tasks=5, num_devices=3), 0, 1)
+        plan = place(problem, "milp", objective=objective, strategy=strategy, time_limit_s=20)
+        timeline = simulate(problem, plan)
+        if objective == "latency" and strategy == "full":
+            assert plan.objective_s == pytest.approx(brute_force_optimum(problem), rel=1e-6), seed
+        simulated_s = timeline.makespan_s if objective == "latency" else timeline.period_s
+        assert plan.objective_s == pytest.approx(simulated_s)
+
+
+@pytest.mark.parametrize("objective", ["latency", "throughput"])
+@pytest.mark.parametrize("strategy", ["full", "windows"])
+def test_milp_keeps_a_tensors_readers_with_its_producer_where_no_link_joins_them(objective, strategy):
+    no_link = [[0, np.inf], [np.inf, 0]]
+    problem = Problem.from_dict(
+        {
+            "devices": [{"name": "d0"}, {"name": "d1"}],
+            "tasks": [
+                {"name": "a", "compute_s": [1, 1]},
+                {"name": "b", "compute_s": [5, 5]},
+                {"name": "c", "compute_s": [5, 5]},
+            ],
+            "edges": [
+                {"src": "a", "dst": "b", "tensor": "x", "transfer_s": no_link},
+                {"src": "a", "dst": "c", "tensor": "x", "transfer_s": no_link},
+            ],
+        }
+    )
+    plan = place(problem, "milp", objective=objective, strategy=strategy, time_limit_s=20)
+    assert plan.objective_s == pytest.approx(11.0) == brute_force_optimum(problem)
+    assert len(set(plan.placement.tolist())) == 1

@@ -94,6 +94,7 @@ def build_model(
     c = _bounded_model(problem, window, form)
     _transfer_variables(c)
     _assignment_and_memory_rows(c)
+    _no_link_rows(c)
     _precedence_rows(c)
     rows.before_transfers(c, objective)
     transfers = _transfer_rows(c, form)
@@ -222,6 +223,29 @@ def _assignment_and_memory_rows(c: ModelParts) -> None:
         if users and sum(problem.memory_bytes[i] for i in users) > capacity - held:
             share = {i: float(problem.memory_bytes[i] / capacity) for i in users}
             c.add(sum(share[i] * m.x[i, k] for i in users) <= (capacity - held) / capacity)
+
+
+def _no_link_rows(c: ModelParts) -> None:
+    """A tensor's producer and consumer never on two devices with no link between them (infinite transfer time):
+    :func:`_transfer_candidates` leaves such links out, so without these rows the split would cost nothing."""
+    problem, m, free_set = c.problem, c.m, set(c.free)
+
+    def devices(i: int) -> tuple[int, ...]:
+        return c.allowed[i] if i in free_set else (int(c.window.placement[i]),)
+
+    def on(i: int, k: int) -> Any:
+        return m.x[i, k] if i in free_set else 1
+
+    touching = {t for i in free_set for t in problem.output_tensors[i] + problem.input_tensors[i]}
+    for t in sorted(touching):
+        u = int(problem.tensor_producer[t])
+        for j in problem.tensor_consumers[t]:
+            if u not in free_set and j not in free_set:
+                continue
+            for a in devices(u):
+                for b in devices(j):
+                    if a != b and not np.isfinite(transfer_duration_s(problem, t, a, b)):
+                        c.add(on(u, a) + on(j, b) <= 1)
 
 
 def _precedence_rows(c: ModelParts) -> None:

@@ -409,7 +409,7 @@ def kicked_search(
 
 def _kicked(problem: Problem, placement: np.ndarray, rng: np.random.Generator) -> np.ndarray | None:
     """``placement`` with a random run of one device's tasks, in topological order, moved to another device (None:
-    that device has no tasks, or the other cannot run or hold them)."""
+    that device has no tasks, or the other cannot run or hold them, or a tensor would cross devices with no link)."""
     k = problem.num_devices
     if k < 2:
         return None
@@ -424,7 +424,8 @@ def _kicked(problem: Problem, placement: np.ndarray, rng: np.random.Generator) -
     target = int(rng.integers(k - 1))
     target += target >= source
     run = stage[first : first + length]
-    if loads.priced(run, target) is None:
+    priced = loads.priced(run, target)
+    if priced is None or math.isinf(Loads.key(*priced)[0]):  # it cannot hold them, or a tensor would cross no link
         return None
     kicked = placement.copy()
     kicked[run] = target
