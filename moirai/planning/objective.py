@@ -68,6 +68,12 @@ class Objective(ABC):
         """Its rows, minimised variable and warm-start value in the MILP."""
         raise MoiraiError(f"the MILP has no rows for objective {self.name!r}; it models 'latency' and 'throughput'")
 
+    @property
+    def milp_models_value(self) -> bool:
+        """Whether the variable the MILP minimises is this objective's value (else its bound and its optimality say
+        nothing of the value)."""
+        return True
+
     @abstractmethod
     def value_s(self, timeline: Timeline) -> float:
         """The plan's figure of merit, from its simulated timeline."""
@@ -265,6 +271,10 @@ class Generation(Objective):
 
     def milp_rows(self) -> MilpRows:
         return (LATENCY if self.sequences == 1 else Throughput()).milp_rows()
+
+    @property
+    def milp_models_value(self) -> bool:  # type: ignore[override]
+        return False  # the MILP models the decode step (its latency or period), not TTFT nor the steady state
 
     def makespan_horizon_s(self, start: Timeline | None) -> float | None:
         return LATENCY.makespan_horizon_s(start) if self.sequences == 1 else None

@@ -15,6 +15,9 @@ class StopReason(enum.Enum):
     NO_IMPROVING_MOVE = "no improving move"  # a full pass of the period search's moves kept none
     TIME_LIMIT = "time limit"
     SOLVER_STATUS = "solver status"  # the solver ended otherwise; ``solver_status`` says how
+    # The MILP of part of the objective (a generation's decode step) was solved within its gap; the objective's own
+    # gap to its bound is not closed.
+    PART_SOLVED = "modelled part solved"
 
 
 class BoundSource(enum.Enum):

@@ -156,8 +156,11 @@ def place_milp(
     final = _with_transfer_order(problem, plan, timeline)
     final.placer = "milp"
     final.lower_bound_s = bound_s
-    if info.solver_bound_s is not None and info.solver_bound_s > bound_s:
-        final.lower_bound_s, info.bound_source = info.solver_bound_s, BoundSource.SOLVER
+    solver_bound_s = info.solver_bound_s if objective.milp_models_value else None  # else not a bound of the value
+    if solver_bound_s is not None and solver_bound_s > bound_s:
+        final.lower_bound_s, info.bound_source = solver_bound_s, BoundSource.SOLVER
+    if info.stop_reason is StopReason.PART_SOLVED and gap_closed(objective.value_s(timeline), bound_s, mip_gap):
+        info.stop_reason = StopReason.GAP_CLOSED  # closed by the objective's own bound
     info.time_limit_s, info.elapsed_s = time_limit_s, time.perf_counter() - (deadline - time_limit_s)
     final.report = info
     logger.info(
@@ -495,7 +498,7 @@ def _solve_whole(
         return _fallback(problem, start_plan, timeline, objective)
     settings = replace(settings, time_limit_s=remaining)
     solution = solve_model(built, settings, timeline)
-    info.stop_reason = _stop_reason(solution)
+    info.stop_reason = _stop_reason(solution, objective)
     info.solver_status = solution.status
     info.solver = solution.solver
     info.solver_objective_s, info.solver_bound_s = solution.objective_s, solution.bound_s
@@ -513,8 +516,10 @@ def _solve_whole(
     return plan, solved
 
 
-def _stop_reason(solution: MilpSolution) -> StopReason:
+def _stop_reason(solution: MilpSolution, objective: Objective) -> StopReason:
     """Why the whole-model solve ended, in the terms the window search uses where they apply."""
+    if solution.optimal and not objective.milp_models_value:
+        return StopReason.PART_SOLVED  # optimal for the part the MILP models, which is not the objective's value
     if solution.optimal:
         return StopReason.GAP_CLOSED  # the solver proved the gap at most ``mip_gap``
     if "timelimit" in solution.status.lower().replace(" ", ""):  # HiGHS: "Time limit reached"; Gurobi: maxTimeLimit
