@@ -36,7 +36,7 @@ from networkx.utils import UnionFind
 from moirai.errors import InfeasibleError, PlanError, ProblemError
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
-from moirai.planning.report import BoundSource
+from moirai.planning.report import BoundSource, StopReason
 
 _SHOWN_NAMES = 6  # names listed in a message before "and N more"
 
@@ -79,7 +79,8 @@ class Contraction:
         order at the group's place in its device's order; links send the same tensors in the same order.
 
         The plan's lower bound and predicted makespan are the contracted problem's, which the original, where
-        members need not wait for each other's inputs, can beat: they move to ``report.notes["colocation"]``.
+        members need not wait for each other's inputs, can beat: they move to ``report.notes["colocation"]``, and a
+        gap closed is one of the contracted problem (:attr:`StopReason.GAP_CLOSED_GROUPED`).
         """
         plan.check(self.problem)
         order = None
@@ -100,6 +101,8 @@ class Contraction:
         report.predicted_makespan_s = None
         if getattr(report, "bound_source", None) is BoundSource.SOLVER:
             report.bound_source = BoundSource.BOUNDS  # type: ignore[attr-defined]
+        if getattr(report, "stop_reason", None) is StopReason.GAP_CLOSED:
+            report.stop_reason = StopReason.GAP_CLOSED_GROUPED  # type: ignore[attr-defined]
         return dataclasses.replace(
             plan,
             placement=plan.placement[self.task_of],

@@ -18,6 +18,9 @@ class StopReason(enum.Enum):
     # The MILP of part of the objective (a generation's decode step) was solved within its gap; the objective's own
     # gap to its bound is not closed.
     PART_SOLVED = "modelled part solved"
+    # The gap was closed for the problem with every colocation group merged into one task
+    # (:mod:`moirai.planning.colocation`), whose plans the original's can beat: no gap of the original is closed.
+    GAP_CLOSED_GROUPED = "gap closed with colocated tasks grouped"
 
 
 class BoundSource(enum.Enum):
