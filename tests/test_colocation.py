@@ -265,12 +265,67 @@ def test_the_milp_with_sets_lies_between_the_brute_force_optima_and_meets_them_w
 
 @pytest.mark.parametrize(("seed", "members"), [(4, (2, 3)), (7, (0, 2))])
 def test_the_milp_claims_no_closed_gap_of_the_original_problem_from_the_contracted_one(seed, members):
-    """The MILP closes the gap of the contracted problem, whose plans the original's beat (seed 4: 8.16 s against
-    6.79 s): its stop reason says so, and a plan that says 'gap closed' is within the gap of its own bound."""
+    """The window search places the contracted problem and closes its gap, whose plans the original's beat (seed 4:
+    8.16 s against 6.79 s): its stop reason says so, and a plan that says 'gap closed' is within the gap of its own
+    bound."""
     problem = dataclasses.replace(random_problem(seed), colocated=(members,))
-    plan = place(problem, "milp", time_limit_s=30.0)
+    plan = place(problem, "milp", time_limit_s=30.0, strategy="windows")
     assert plan.lower_bound_s <= brute_force_optimum(problem) + 1e-9
     if plan.report.stop_reason is StopReason.GAP_CLOSED:
         assert plan.objective_s <= plan.lower_bound_s * (1 + 1e-4)
     else:
         assert plan.report.stop_reason is StopReason.GAP_CLOSED_GROUPED
+
+
+def between_problem(**changes) -> Problem:
+    """a -> m -> b with a and b colocated: 1 B each, two devices of 2 B (the contraction groups all three)."""
+    return Problem.from_dict(
+        {
+            "devices": [{"name": "d0", "memory_bytes": 2}, {"name": "d1", "memory_bytes": 2}],
+            "tasks": [{"name": n, "compute_s": [1.0, 1.0], "memory_bytes": 1} for n in ("a", "m", "b")],
+            "edges": [
+                {"src": "a", "dst": "m", "transfer_s": [[0, 0.1], [0.1, 0]]},
+                {"src": "m", "dst": "b", "transfer_s": [[0, 0.1], [0.1, 0]]},
+            ],
+            "colocated": [["a", "b"]],
+            **changes,
+        }
+    )
+
+
+def test_the_milp_keeps_a_set_together_without_the_tasks_between_its_members():
+    """a and b fit d0 with m on d1 (3.2 s); grouped with m they fit no device, which once made every placer call
+    the problem infeasible, naming m as colocated."""
+    problem = between_problem()
+    plan = place(problem, "milp", time_limit_s=30.0)
+    assert plan.makespan_s == pytest.approx(brute_force_optimum(problem)) == pytest.approx(3.2)
+    assert plan.placement[0] == plan.placement[2] != plan.placement[1]
+
+
+def test_a_group_that_fits_no_device_names_the_tasks_colocated_and_those_only_between_them():
+    with pytest.raises(InfeasibleError) as refused:
+        place(between_problem(), "heft")
+    message = str(refused.value)
+    assert "colocated tasks 'a', 'b' (grouped with 'm', on a path between members" in message
+    assert "place it with milp" in message
+
+
+def test_a_set_that_fits_no_device_by_itself_is_refused_by_the_milp_too():
+    problem = dataclasses.replace(between_problem(), memory_capacity_bytes=np.array([1.5, 1.5]))
+    with pytest.raises(InfeasibleError, match=r"colocated tasks 'a', 'b' must share one device and need 2 B"):
+        place(problem, "milp", time_limit_s=5.0)
+
+
+def test_the_milp_with_sets_meets_the_brute_force_optimum():
+    """Solved whole, the MILP keeps each set on one device by its rows, members free to interleave with other
+    tasks: it meets brute force over placements that keep every set together (up to the 1% a split must gain)."""
+    for seed in range(16):
+        rng = np.random.default_rng(1000 + seed)
+        problem = with_sets(random_problem(seed), random_sets(rng, 4))
+        optimum = brute_force_optimum(problem)
+        plan = place(problem, "milp", time_limit_s=30.0)
+        assert all(len(set(plan.placement[list(s)].tolist())) == 1 for s in problem.colocated)
+        if "replaced_by_single_device_s" in plan.report.notes:
+            assert plan.makespan_s <= optimum * (1 + MIN_SPLIT_GAIN) + 1e-9, seed
+        else:
+            assert plan.makespan_s == pytest.approx(optimum, rel=1e-6), seed

@@ -28,7 +28,7 @@ import highspy
 import numpy as np
 
 from moirai.errors import InfeasibleError
-from moirai.planning.colocation import Contraction, contract
+from moirai.planning.colocation import Contraction, colocated_sets, contract, names_of
 from moirai.planning.highs import new_highs
 from moirai.planning.problem import Problem, check_problem
 from moirai.planning.schedule.transfers import transfer_duration_s
@@ -67,10 +67,11 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:g} B"
 
 
-def check_memory_feasible(problem: Problem) -> None:
+def check_memory_feasible(problem: Problem, grouped: bool = True) -> None:
     """Raise :class:`InfeasibleError` when no placement can fit the model's memory, saying by how much: in total,
-    for a task, or for a colocation group (a colocated set with the tasks :func:`moirai.planning.colocation.contract`
-    keeps with it), whose tasks must share one device."""
+    for a task, or for a colocation group (``grouped``: a colocated set with the tasks
+    :func:`moirai.planning.colocation.contract` keeps with it, as every placer but one that keeps sets itself places
+    it; else the set alone), whose tasks must share one device."""
     needed = float(problem.memory_bytes.sum())
     capacity = problem.memory_capacity_bytes
     if needed > capacity.sum():
@@ -79,8 +80,43 @@ def check_memory_feasible(problem: Problem) -> None:
             "add devices or memory, or use a smaller data type"
         )
     _fastest_holding_device_time(problem)
-    if problem.colocated:
+    if problem.colocated and grouped:
         _check_groups_fit(contract(problem))
+    elif problem.colocated:
+        _check_sets_fit(problem)
+
+
+def _check_sets_fit(problem: Problem) -> None:
+    """Raise :class:`InfeasibleError` when a colocated set (its members only) has no device that can run all of its
+    tasks and hold them together."""
+    for members in colocated_sets(problem):
+        runs_on = problem.runs_on[list(members)].all(axis=0)
+        if not runs_on.any():
+            raise InfeasibleError(
+                f"colocated tasks {names_of(problem, members)} have no device that can run them all (each has an "
+                "infinite compute time on some device); allow them a common device or drop the set"
+            )
+        needed = float(problem.memory_bytes[list(members)].sum())
+        if not (runs_on & (problem.memory_capacity_bytes >= needed)).any():
+            largest = float(problem.memory_capacity_bytes[runs_on].max())
+            raise InfeasibleError(
+                f"colocated tasks {names_of(problem, members)} must share one device and need {format_bytes(needed)} "
+                f"together, but no device that can run them all has that much (largest: {format_bytes(largest)}); "
+                "add memory or split the set"
+            )
+
+
+def _milp_remedy(contraction: Contraction, group: int) -> str:
+    """Where a group holds tasks no set names: the milp placer keeps sets without them, on a problem it solves whole."""
+    from moirai.planning.placers.milp import FULL_MODEL_MAX_TASKS
+
+    named = {i for members in contraction.original.colocated for i in members}
+    if named.issuperset(contraction.members[group]):
+        return ""
+    return (
+        ", or place it with milp, which keeps a set on one device without the tasks between its members on a problem "
+        f"of up to {FULL_MODEL_MAX_TASKS} tasks"
+    )
 
 
 def _check_groups_fit(contraction: Contraction) -> None:
@@ -93,7 +129,7 @@ def _check_groups_fit(contraction: Contraction) -> None:
         raise InfeasibleError(
             f"colocated tasks {contraction.describe(c)} must share one device and need "
             f"{format_bytes(float(contracted.memory_bytes[c]))} together, but no device that can run them all has "
-            f"that much (largest: {format_bytes(largest)}); add memory or split the set"
+            f"that much (largest: {format_bytes(largest)}); add memory or split the set{_milp_remedy(contraction, c)}"
         )
 
 

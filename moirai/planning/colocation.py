@@ -71,8 +71,9 @@ class Contraction:
         return _contract(other, tuple(group for group in self.members if len(group) > 1)).problem
 
     def describe(self, task: int) -> str:
-        """The original tasks of contracted ``task``, by name, for messages."""
-        return names_of(self.original, self.members[task])
+        """The original tasks of contracted ``task``, by name, for messages: those the problem colocates, and apart
+        those only grouped with them (:func:`group_words`)."""
+        return group_words(self.original, self.members[task])
 
     def expand(self, plan: Plan) -> Plan:
         """``plan`` (of :attr:`problem`) for :attr:`original`: members run on their group's device, in topological
@@ -126,6 +127,15 @@ def contract(problem: Problem) -> Contraction:
     return _CACHE[problem]
 
 
+def colocated_sets(problem: Problem) -> tuple[tuple[int, ...], ...]:
+    """The colocated sets, those that overlap merged, each sorted: the tasks that must share one device, and no
+    more (:func:`colocation_groups` adds the tasks between members)."""
+    merged = UnionFind(range(problem.num_tasks))
+    for members in problem.colocated:
+        merged.union(*members)
+    return tuple(sorted(tuple(sorted(g)) for g in merged.to_sets() if len(g) > 1))
+
+
 def colocation_groups(problem: Problem) -> tuple[tuple[int, ...], ...]:
     """The sets of tasks :func:`contract` merges: the colocated sets, each with the tasks on paths between its
     members, and sets that would wait for each other both ways merged, until the merged graph is a DAG. Each is
@@ -133,7 +143,7 @@ def colocation_groups(problem: Problem) -> tuple[tuple[int, ...], ...]:
     if not problem.colocated:
         return ()
     merged = UnionFind(range(problem.num_tasks))
-    for members in problem.colocated:
+    for members in colocated_sets(problem):
         merged.union(*members)
     while True:
         groups = sorted(tuple(sorted(g)) for g in merged.to_sets() if len(g) > 1)
@@ -186,7 +196,7 @@ def _contract(problem: Problem, groups: tuple[tuple[int, ...], ...]) -> Contract
     for c, tasks in enumerate(members):
         if len(tasks) > 1 and not np.isfinite(compute[c]).any():
             raise InfeasibleError(
-                f"colocated tasks {names_of(problem, tasks)} have no device that can run them all (each has an "
+                f"colocated tasks {group_words(problem, tasks)} have no device that can run them all (each has an "
                 "infinite compute time on some device); allow them a common device or drop the set"
             )
     kept, producers, consumers = [], [], []
@@ -228,6 +238,22 @@ def _unique_names(problem: Problem, members: tuple[tuple[int, ...], ...]) -> tup
             names[c] = f"{names[c]}#{suffix}"
         taken.add(names[c])
     return tuple(names)
+
+
+def group_words(problem: Problem, tasks: Iterable[int]) -> str:
+    """``'a', 'b' (grouped with 'm', ...)``: a group's tasks for messages, the ones the problem colocates first, then
+    those :func:`colocation_groups` only added because they lie on a path between members (or join sets that would
+    wait for each other), which the user never asked to share a device."""
+    tasks = list(tasks)
+    asked = {i for members in problem.colocated for i in members}
+    colocated = [i for i in tasks if i in asked]
+    added = [i for i in tasks if i not in asked]
+    if not added:
+        return names_of(problem, colocated)
+    return (
+        f"{names_of(problem, colocated)} (grouped with {names_of(problem, added)}, on a path between members: "
+        "moirai's placers place a colocated set and the tasks between its members as one task)"
+    )
 
 
 def names_of(problem: Problem, tasks: Iterable[int]) -> str:

@@ -50,7 +50,9 @@ class PlacerSpec:
     :class:`moirai.errors.InfeasibleError`; the registry refuses a model no placement can fit before calling it.
     ``objectives``: the objectives its plans are built for (None: every one); the milp placer starts from its
     plan only for these. ``start_plan``: its rank among the milp placer's start plans (lower first), None if
-    never one; how long it takes is measured, in ``moirai/data/start_plan_costs.toml``.
+    never one; how long it takes is measured, in ``moirai/data/start_plan_costs.toml``. ``keeps_sets``: where it
+    says so for a problem and the options, the placer keeps every colocated set on one device itself and is given the
+    problem as it is (None: always the contracted problem, :mod:`moirai.planning.colocation`).
     """
 
     name: str
@@ -59,6 +61,7 @@ class PlacerSpec:
     respects_memory: bool
     objectives: frozenset[str] | None = None
     start_plan: int | None = None
+    keeps_sets: Callable[[Problem, dict[str, Any]], bool] | None = None
 
     def serves(self, objective: str) -> bool:
         """Whether its plans are built for ``objective`` (a name)."""
@@ -73,9 +76,10 @@ class PlacerSpec:
 
         @functools.wraps(self.function)
         def placer(problem: Problem, **options: Any) -> Plan:
+            keeps_sets = bool(problem.colocated) and self.keeps_sets is not None and self.keeps_sets(problem, options)
             if self.respects_memory:
-                check_memory_feasible(problem)
-            if problem.colocated:
+                check_memory_feasible(problem, grouped=not keeps_sets)
+            if problem.colocated and not keeps_sets:
                 contraction = contract(problem)
                 if isinstance(options.get("objective"), Objective):
                     options = {**options, "objective": options["objective"].contracted(contraction)}
@@ -95,12 +99,13 @@ def register(
     respects_memory: bool,
     objectives: Iterable[str] | None = None,
     start_plan: int | None = None,
+    keeps_sets: Callable[[Problem, dict[str, Any]], bool] | None = None,
 ) -> Callable[[Placer], Placer]:
     """Register the decorated function as placer ``name`` with its traits (:class:`PlacerSpec`)."""
 
     def add(function: Placer) -> Placer:
         chosen = None if objectives is None else frozenset(objectives)
-        _SPECS[name] = PlacerSpec(name, function, minimises, respects_memory, chosen, start_plan)
+        _SPECS[name] = PlacerSpec(name, function, minimises, respects_memory, chosen, start_plan, keeps_sets)
         return function
 
     return add

@@ -81,7 +81,14 @@ _CHAIN_SHARE = 0.3
 _WINDOW_STARTS = 4  # the most start plans the latency window search starts from ([Note: window restarts])
 
 
-@register("milp", minimises=True, respects_memory=True)
+def _solves_whole(problem: Problem, options: dict[str, Any]) -> bool:
+    """Whether the milp placer solves ``problem`` as one model with these options: then its rows keep every
+    colocated set on one device, without grouping the tasks between members (the registry's contraction)."""
+    strategy = options.get("strategy", "auto")
+    return strategy == "full" or (strategy == "auto" and problem.num_tasks <= FULL_MODEL_MAX_TASKS)
+
+
+@register("milp", minimises=True, respects_memory=True, keeps_sets=_solves_whole)
 def place_milp(
     problem: Problem,
     solver: str = "highs",
@@ -119,7 +126,7 @@ def place_milp(
         start_plan, timeline, heuristics, starts = _best_heuristic(problem, deadline, report, objective)
         finish_by = deadline - _finishing_time(problem)
         bound_s = objective.lower_bound_s(problem)
-        whole = strategy == "full" or (strategy == "auto" and problem.num_tasks <= FULL_MODEL_MAX_TASKS)
+        whole = _solves_whole(problem, {"strategy": strategy})
         info = SolverReport(solver=solver, formulation=formulation, heuristics=heuristics)
         if whole and timeline is not None and gap_closed(objective.value_s(timeline), bound_s, mip_gap):
             plan, info.strategy, info.stop_reason = start_plan, "full", StopReason.GAP_CLOSED
@@ -219,7 +226,9 @@ def _best_heuristic(
             continue
         report(f"start plan: {name}")
         try:
-            plan = heuristic.function(problem)  # the registry's memory check has passed for the milp placer
+            # The registry's memory check has passed for the milp placer; colocated sets here (the milp keeps them
+            # itself) need the registry's contraction for a heuristic.
+            plan = (heuristic.checked if problem.colocated else heuristic.function)(problem)
             timeline = simulate(problem, plan)
         except MoiraiError as error:
             logger.debug("start plan %s skipped: %s", name, error)  # e.g. a heuristic that cannot respect memory here

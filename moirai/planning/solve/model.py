@@ -95,6 +95,7 @@ def build_model(
     _transfer_variables(c)
     _assignment_and_memory_rows(c)
     _no_link_rows(c)
+    _colocation_rows(c)
     _precedence_rows(c)
     rows.before_transfers(c, objective)
     transfers = _transfer_rows(c, form)
@@ -246,6 +247,25 @@ def _no_link_rows(c: ModelParts) -> None:
                 for b in devices(j):
                     if a != b and not np.isfinite(transfer_duration_s(problem, t, a, b)):
                         c.add(on(u, a) + on(j, b) <= 1)
+
+
+def _colocation_rows(c: ModelParts) -> None:
+    """Every colocated set on one device, on a device every member may use: the problem as it is, with tasks between
+    members free (the registry's contraction, which groups them, is for the placers that cannot keep sets)."""
+    from moirai.planning.colocation import colocated_sets
+
+    m, free_set = c.m, set(c.free)
+    for members in colocated_sets(c.problem):
+        free = [i for i in members if i in free_set]
+        if not free:
+            continue
+        common = set.intersection(*(set(c.allowed[i]) for i in free))
+        fixed = {int(c.window.placement[i]) for i in members if i not in free_set}
+        if fixed:
+            common &= fixed
+        for i in free:
+            for k in c.allowed[i]:
+                c.add(m.x[i, k] == 0 if k not in common else m.x[i, k] == m.x[free[0], k])
 
 
 def _precedence_rows(c: ModelParts) -> None:
