@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from moirai.errors import InfeasibleError
 from moirai.planning.placers import get_placer, list_placers, place, specs
 from moirai.planning.simulate import simulate
-from moirai.testing import random_problem
+from moirai.testing import brute_force_optimum, random_problem
 
 # Solver-based placers get a small budget here; their own tests give them more.
 OPTIONS = {"pesto": {"time_limit_s": 2.0, "target_tasks": 10}, "milp": {"time_limit_s": 2.0}}
@@ -75,3 +76,15 @@ def test_a_model_larger_than_the_cluster_is_refused_with_the_numbers(placer):
     problem = random_problem(0, 6, 2, task_memory_bytes=GB, capacity_bytes=2 * GB)  # 6 GB of tasks, 4 GB of devices
     with pytest.raises(InfeasibleError, match=r"needs 6\.0 GB"):
         place(problem, placer, **OPTIONS.get(placer, {}))
+
+
+def test_pesto_never_sends_a_tensor_between_devices_without_a_link():
+    """Infinite transfer times (no link) went into the Pesto ILP's coefficients, and HiGHS refused the model with a
+    raw RuntimeError; a row now forbids such a crossing."""
+    problem = random_problem(2, num_tasks=6, num_devices=3)
+    transfer_s = problem.transfer_s.copy()
+    transfer_s[:, 0, 1] = transfer_s[:, 1, 0] = np.inf
+    problem = dataclasses.replace(problem, transfer_s=transfer_s)
+    plan = place(problem, "pesto", **OPTIONS["pesto"])
+    assert plan.objective_s == pytest.approx(simulate(problem, plan).makespan_s)
+    assert plan.objective_s == pytest.approx(brute_force_optimum(problem))

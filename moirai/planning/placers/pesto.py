@@ -42,6 +42,7 @@ the order of their start times.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -263,6 +264,9 @@ def build_pesto_ilp(problem: Problem, horizon_s: float) -> PestoIlp:
         for e, (u, v) in enumerate(edges)
         for a, b in links
     }
+    # An edge over a pair of devices with no link (infinite transfer time) is forbidden by a row, not priced.
+    unlinked = [key for key, seconds in edge_s.items() if not math.isfinite(seconds)]
+    edge_s.update(dict.fromkeys(unlinked, 0.0))
     runnable = problem.fits
     compute = np.where(runnable, problem.compute_s, 0.0) / horizon
     reach = problem.reachable()
@@ -304,6 +308,9 @@ def build_pesto_ilp(problem: Problem, horizon_s: float) -> PestoIlp:
     m.crossing = pyo.Constraint(
         m.edges, m.links, rule=lambda m, e, a, b: m.crosses[e, a, b] >= m.x[edges[e][0], a] + m.x[edges[e][1], b] - 1
     )
+    m.no_link = pyo.ConstraintList()
+    for e, a, b in unlinked:
+        m.no_link.add(m.x[edges[e][0], a] + m.x[edges[e][1], b] <= 1)
     m.memory = pyo.ConstraintList()
     for d in range(k):
         if np.isfinite(problem.memory_capacity_bytes[d]):
