@@ -282,6 +282,9 @@ def python_problem(**changes: Any) -> Problem:
         # a task index that is no whole number was cut to one (1.5 read as task 1)
         ({"tensor_producer": [0, 1.5]}, ["tensor_producer[1] is 1.5; give a task index"]),
         ({"tensor_consumers": ((1,), (2.7,))}, ["tensor_consumers[1][0] is 2.7; give a task index"]),
+        # one tuple short or too many read past the tensors (a raw IndexError)
+        ({"tensor_consumers": ((1,), (2,), (2,))}, ["tensor_consumers has 3 entries for the 2 tensors"]),
+        ({"tensor_consumers": ((1,),)}, ["tensor_consumers has 1 entries for the 2 tensors"]),
         # a time on the diagonal was read by no placer and no simulator: a value there meant nothing, silently
         ({"transfer_s": np.ones((2, 2, 2))}, ["transfer_s[0, 0, 0] (tensor 't', device 'a') is 1.0", "give 0"]),
         ({"send_cpu_s": np.eye(2)[None].repeat(2, 0)}, ["send_cpu_s[0, 0, 0] (tensor 't', device 'a') is 1.0"]),

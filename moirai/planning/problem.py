@@ -101,6 +101,11 @@ class Problem:
         object.__setattr__(self, "memory_bytes", _array(self.memory_bytes, (n,), "memory_bytes"))
         object.__setattr__(self, "tensor_producer", _task_indices(self.tensor_producer, (t,), "tensor_producer"))
         object.__setattr__(self, "tensor_consumers", _consumer_indices(self.tensor_consumers))
+        if len(self.tensor_consumers) != t:
+            raise ProblemError(
+                f"tensor_consumers has {len(self.tensor_consumers)} entries for the {t} tensors of tensor_names; give "
+                "one tuple of consumer task indices per tensor, in the same order"
+            )
         object.__setattr__(self, "transfer_s", _array(self.transfer_s, (t, k, k), "transfer_s"))
         tensor_bytes = np.zeros(t) if self.tensor_bytes is None else self.tensor_bytes
         object.__setattr__(self, "tensor_bytes", _array(tensor_bytes, (t,), "tensor_bytes"))
