@@ -205,6 +205,19 @@ def test_what_is_not_a_json_text_is_a_problem_error_naming_the_file(tmp_path) ->
         Problem.from_json(digits)  # int()'s ValueError, about sys.set_int_max_str_digits, before
 
 
+def test_an_integer_too_large_for_a_float_is_refused_not_read_as_infinity(tmp_path) -> None:
+    """Infinity means something (compute_s: the task cannot run there); a 401-digit time was silently read as it."""
+    huge = tmp_path / "huge.json"
+    huge.write_text(
+        '{"devices": [{"name": "d0"}, {"name": "d1"}], "tasks": [{"name": "a", "compute_s": [1' + "0" * 400 + ", 1]}]}"
+    )
+    words = r"tasks\[0\]\.compute_s\[0\] is an integer of about 401 digits, too large for a number"
+    with pytest.raises(ProblemError, match=words):
+        Problem.from_json(huge)
+    with pytest.raises(ProblemError, match=words):
+        Problem.from_dict(json.loads(huge.read_text()))
+
+
 def test_a_problem_written_where_no_file_can_be_is_a_problem_error_naming_the_path(tmp_path) -> None:
     """Fault injected: a missing folder and a folder for the file, where to_json raised the OSError of its
     temporary file (FileNotFoundError: .../.problem.json.1f2e....tmp)."""

@@ -9,7 +9,6 @@ refused with the closest known key), names are strings of their own.
 from __future__ import annotations
 
 import json
-import math
 import numbers
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -134,7 +133,7 @@ def _collect(
     if not shape:
         if not is_number(value):
             raise ProblemError(f"{where} is {shown(value)}, not a number; give {quantity.rule()}")
-        out.append(_float(value))
+        out.append(_float(value, where, quantity))
         return
     if not isinstance(value, (list, tuple)) or len(value) != shape[0]:
         meant = f" ({meaning})" if meaning else ""
@@ -159,11 +158,16 @@ def is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
-def _float(value: Any) -> float:
+def _float(value: Any, where: str, quantity: Quantity) -> float:
+    """``value`` as a float; an integer too long for one is refused, not read as Infinity (which means something:
+    a task that cannot run there, no link)."""
     try:
         return float(value)
-    except OverflowError:  # an integer too long for a float: as large as any, so infinite
-        return math.inf if value > 0 else -math.inf
+    except OverflowError:
+        raise ProblemError(
+            f"{where} is an integer of about {int(int(value).bit_length() * 0.30103) + 1} digits, too large for a "
+            f"number moirai can hold (at most about 1.8e308); give {quantity.rule()}"
+        ) from None
 
 
 def _list_words(shape: tuple[int, ...]) -> str:
