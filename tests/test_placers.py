@@ -10,6 +10,7 @@ import pytest
 
 from moirai.errors import InfeasibleError
 from moirai.planning.placers import get_placer, list_placers, place, specs
+from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.testing import brute_force_optimum, random_problem
 
@@ -88,3 +89,12 @@ def test_pesto_never_sends_a_tensor_between_devices_without_a_link():
     plan = place(problem, "pesto", **OPTIONS["pesto"])
     assert plan.objective_s == pytest.approx(simulate(problem, plan).makespan_s)
     assert plan.objective_s == pytest.approx(brute_force_optimum(problem))
+
+
+@pytest.mark.parametrize("objective", ["latency", "throughput"])
+def test_every_placer_places_a_problem_of_no_tasks_as_the_empty_plan(objective):
+    """contiguous and pipeline called it infeasible, every other placer returned the empty plan."""
+    problem = Problem.from_dict({"devices": [{"name": "d0"}, {"name": "d1"}], "tasks": []})
+    for placer in list_placers():
+        plan = place(problem, placer, objective=objective, **OPTIONS.get(placer, {}))
+        assert plan.placement.size == 0 and plan.objective_s == 0.0, placer

@@ -173,6 +173,8 @@ class _Space(NamedTuple):
 @register("contiguous", minimises=True, respects_memory=True, start_plan=None)
 def place_contiguous(problem: Problem, objective: Objective = LATENCY) -> Plan:
     """The best split into contiguous stages, one device each, for ``objective`` (see the module docstring)."""
+    if problem.num_tasks == 0:
+        return Plan(np.zeros(0, int), problem.device_names)  # no stage to split, as every placer places no task
     throughput = objective.steady_state
     p = _Pricing(problem)
     space = _states(problem)

@@ -158,6 +158,8 @@ def _prices(problem: Problem) -> _Prices:
 @register("pipeline", minimises=True, respects_memory=True, objectives=("throughput",), start_plan=10)
 def place_pipeline(problem: Problem) -> Plan:
     n, k = problem.num_tasks, problem.num_devices
+    if n == 0:
+        return Plan(np.zeros(0, int), problem.device_names)  # no stage to cut, as every placer places no task
     p = _prices(problem)
     always = problem.costs.charges.always_s
     subsets = k <= SUBSET_DP_MAX_DEVICES
