@@ -317,15 +317,16 @@ def test_tensors_named_alike_would_merge_on_the_way_through_json() -> None:
 
 
 def test_infinite_numbers_load_where_they_mean_something(tmp_path: Path) -> None:
-    """A free link (Infinity bytes/s), no link (Infinity latency), and an integer too long for a float (infinite:
-    float() of it raised OverflowError)."""
+    """A free link (Infinity bytes/s) and no link (Infinity latency). An integer too long for a float is refused, not
+    read as Infinity (test_an_integer_too_large_for_a_float_is_refused_not_read_as_infinity)."""
     description = edited(("links", "bandwidth_bytes_per_s", 0, 1), INF)
     description["links"]["latency_s"][1][0] = INF
-    description["tasks"][1]["compute_s"][1] = 10**400
+    description["tasks"][1]["compute_s"][1] = INF
     path = tmp_path / "p.json"
     path.write_text(json.dumps(description))
     problem = Problem.from_json(path)
     assert problem.compute_s[1, 1] == INF
+    assert np.isinf(problem.transfer_s[:, 1, 0]).any()  # no link, where no edge gives its own time
 
 
 def test_a_task_no_device_can_run_is_named_as_such(tmp_path: Path) -> None:

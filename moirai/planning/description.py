@@ -143,7 +143,7 @@ def _collect(
             out.extend([float(v) for v in value])
             return
         except OverflowError:
-            pass  # an integer too long for a float: read one by one, as infinite
+            pass  # an integer too long for a float: read one by one, to say which
     for i, item in enumerate(value):
         _collect(item, shape[1:], f"{where}[{i}]", quantity, "", out)
 

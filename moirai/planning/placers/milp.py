@@ -611,8 +611,8 @@ def _serial_makespan_s(problem: Problem) -> float:
     per_transfer = problem.transfer_s + problem.send_cpu_s + problem.recv_cpu_s
     transfers = _finite_max(per_transfer, axis=(1, 2)).sum() * problem.num_devices
     costs = problem.costs
-    release_s = float(_finite_max(costs.release_s, axis=(0, 1))) if problem.num_tasks else 0.0
-    output_s = float(_finite_max(costs.output_s, axis=(0, 1))) if problem.num_tasks else 0.0
+    release_s = float(_finite_max(costs.release_s, axis=(0, 1)))
+    output_s = float(_finite_max(costs.output_s, axis=(0, 1)))
     return release_s + float(_finite_max(problem.compute_s, axis=1).sum() + transfers) + output_s
 
 
