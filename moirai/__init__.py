@@ -13,6 +13,7 @@ from typing import Any
 
 # Public name -> the module that defines it.
 _EXPORTS = {
+    "CacheError": "moirai.errors",
     "Cluster": "moirai.cluster.devices",
     "ClusterError": "moirai.errors",
     "CompiledLM": "moirai.generation.lm",

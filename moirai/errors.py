@@ -54,6 +54,10 @@ class UsageError(MoiraiError):
     """An API was called where it cannot do its work (a server closed from its own thread)."""
 
 
+class CacheError(MoiraiError):
+    """moirai's cache folder cannot be trusted (another user's, writable by others, a link) or its lock is held."""
+
+
 class MoiraiWarning(UserWarning):
     """Base class of every warning moirai gives on purpose."""
 

@@ -6,36 +6,53 @@ Every file moirai writes (plans, problems, cluster files, the calibration and pr
 target's name is replaced, never followed, so a link another user planted in a shared directory (a
 ``MOIRAI_CACHE_DIR`` on ``/tmp``) cannot make moirai overwrite the file it points to; and a concurrent reader sees
 the old file or the new one, never half of one. The caches moirai reads back (:func:`read_own_text`) are opened
-without following a link, so none can hand moirai another file's content as its own numbers. Files a user names are
-:mod:`moirai.user_files`'s. Plain ``os``: the planning core may use it (it imports no torch).
+without following a link, so none can hand moirai another file's content as its own numbers.
+
+The folders those caches live in (:func:`private_cache_folder`: ``$MOIRAI_CACHE_DIR`` and its ``calibration/`` and
+``profiles/``) are made with mode 0700 and used only where they are this user's and no other user can write to
+them (:func:`open_own_folder`, which the shared-memory folders use too): a folder another user made first (a name in
+``/tmp`` is easy to take) would let them plant numbers moirai plans with, or link the folder elsewhere. Files a user
+names are :mod:`moirai.user_files`'s. Plain ``os``: the planning core may use it (it imports no torch).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+import stat
+import time
 from pathlib import Path
+
+from moirai.errors import CacheError
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_WRITABLE_BY_OTHERS = 0o022
+CACHE_DIR_ENV = "MOIRAI_CACHE_DIR"
 
 
-def write_atomically(path: str | Path, text: str) -> None:
+def write_atomically(path: str | Path, text: str, private: bool = False) -> None:
     """Write ``text`` to ``path`` in one step, replacing any file or link of that name (OSError as ``open``, naming
-    ``path``: never the temporary file, a name the user never gave)."""
+    ``path``: never the temporary file, a name the user never gave). ``private`` (a cache): mode 0600; else the
+    mode of the file of this user's it replaces (a plan the user made private stays so), or 0644 less the umask."""
     target = Path(path)
+    kept_mode = None if private else _own_file_mode(target)
     try:
         # Named beside the target through the same path (not made absolute, as mkstemp does): inside another mount
         # namespace a cwd and an absolute path to it can be two mounts, and the rename would fail (EXDEV).
         while True:
             partial = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
             try:
-                descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+                descriptor = os.open(partial, flags, 0o600 if private else 0o644)
                 break
             except FileExistsError:
                 continue
         try:
+            if kept_mode is not None:
+                os.fchmod(descriptor, kept_mode)
             with os.fdopen(descriptor, "w") as stream:
                 stream.write(text)
             os.replace(partial, target)
@@ -45,6 +62,17 @@ def write_atomically(path: str | Path, text: str) -> None:
             raise
     except OSError as error:
         raise OSError(error.errno, error.strerror, str(path)) from error
+
+
+def _own_file_mode(path: Path) -> int | None:
+    """The permissions of the regular file of this user's at ``path`` (not a link's), or None."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        return None
+    return stat.S_IMODE(info.st_mode) & 0o777
 
 
 def read_own_text(path: str | Path) -> str:
@@ -63,3 +91,90 @@ def own_lock_file(path: str | Path):  # noqa: ANN201 - a context manager of a de
         yield descriptor
     finally:
         os.close(descriptor)
+
+
+def lock_exclusively(descriptor: int, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Take an exclusive ``flock`` on ``descriptor`` within ``timeout_s``; whether it was taken (POSIX)."""
+    import fcntl
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+
+
+def lock_holders(descriptor: int) -> list[int]:
+    """The processes holding a ``flock`` on the file of ``descriptor``, as Linux's /proc/locks names them (none
+    elsewhere, or where they run in another PID namespace)."""
+    info = os.fstat(descriptor)
+    file_id = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            lines = locks.read().splitlines()
+    except OSError:
+        return []
+    # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; a waiter's line has "->" after the number.
+    holders = [line.split() for line in lines if "->" not in line]
+    return [int(fields[4]) for fields in holders if len(fields) > 5 and fields[5] == file_id and fields[4] != "0"]
+
+
+def open_own_folder(path: str | Path, forbidden_bits: int = _WRITABLE_BY_OTHERS) -> int:
+    """A descriptor of the folder ``path``, opened without following a link, if it is this user's and its mode has
+    none of ``forbidden_bits`` (by default: no other user can write to it; 0o077: nor read it); else
+    PermissionError saying which."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+            raise PermissionError(f"{path} is a symbolic link, which moirai does not follow here") from None
+        raise
+    info = os.fstat(descriptor)
+    problem = _ownership_problem(info, forbidden_bits)
+    if problem:
+        os.close(descriptor)
+        raise PermissionError(f"{path} {problem}")
+    return descriptor
+
+
+def _ownership_problem(info: os.stat_result, forbidden_bits: int) -> str | None:
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != os.getuid():
+        return f"belongs to user {info.st_uid}, not to this user ({os.getuid()})"
+    if mode & forbidden_bits:
+        return f"has mode {mode:o}: other users can {'write to' if mode & 0o022 else 'read'} it"
+    return None
+
+
+def private_cache_folder(root: str | Path, name: str) -> Path:
+    """The cache folder ``root/name``: ``root`` and it made (mode 0700) where missing and checked, each this user's
+    and not writable by others (:func:`open_own_folder`); else :class:`moirai.CacheError` naming the folder."""
+    folder = Path(root) / name
+    Path(root).parent.mkdir(parents=True, exist_ok=True)
+    for path in (Path(root), folder):
+        try:
+            _make_folder(path)
+            os.close(open_own_folder(path))
+        except PermissionError as error:
+            raise CacheError(
+                f"the cache folder {error}; moirai keeps its measurements only in folders of yours that no other "
+                f"user can write to (another could plant the numbers it plans with): remove it (moirai makes it "
+                f"again, mode 0700), make it yours (chown, chmod go-w) or set {CACHE_DIR_ENV} to a folder of your own"
+            ) from None
+    return folder
+
+
+def _make_folder(path: Path) -> None:
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as error:
+        raise CacheError(
+            f"the cache folder {path} cannot be made ({error.strerror}); set {CACHE_DIR_ENV} to a folder you can "
+            "write to"
+        ) from None

@@ -559,6 +559,28 @@ def test_a_calibration_rank_past_its_timeout_is_named(tmp_path: Path, monkeypatc
         measure_module.run_ranks([str(tmp_path / "stop")], 2, 2.0, entry=fake_rank)
 
 
+# What another local user leaves in a shared working directory: a module named as one a rank imports.
+_PLANTED_TORCH = """
+from pathlib import Path
+Path({marker!r}).write_text("a planted torch.py ran")
+raise ImportError("planted")
+"""
+
+
+def test_a_calibration_rank_imports_nothing_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injected: a torch.py in the working directory. ``python -c`` put the directory first on sys.path, so
+    each calibration rank ran it as this user (and failed on its ImportError); safe-path mode leaves it alone."""
+    marker = tmp_path / "planted-torch-ran"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "torch.py").write_text(_PLANTED_TORCH.format(marker=str(marker)))
+    monkeypatch.chdir(shared)
+    measure_module.run_ranks([], 1, 120.0, entry=torch.manual_seed)  # a rank that imports torch and returns
+    assert not marker.exists(), "a calibration rank imported the torch.py of the current directory"
+
+
 def test_the_calibration_stores_port_is_held_from_the_moment_it_is_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
     """A port chosen by binding and closing a socket could be taken by any process before rank 0 listened on it;
     now the caller's listener holds it, and rank 0's store takes that very socket over."""

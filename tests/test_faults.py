@@ -273,7 +273,7 @@ def test_a_peers_shared_memory_files_are_opened_only_if_they_are_this_users_priv
     (directory / "ring-0").symlink_to(tmp_path / "elsewhere")
     spills = shm_files.SpillOwner(str(tmp_path))
     try:
-        with pytest.raises(PermissionError, match="private directory"):
+        with pytest.raises(PermissionError, match="has mode 755: other users can read it"):
             shm._open_outbound(str(directory), 0, spills)
         directory.chmod(0o700)
         with pytest.raises(OSError):  # a link is not followed
@@ -656,7 +656,7 @@ def test_a_corrupt_profile_cache_is_named_moved_aside_and_rebuilt(tmp_path, cont
     from moirai.cluster.cost import _ProfileCache
 
     cache = _ProfileCache(tmp_path, "cpu|test")
-    cache.path.parent.mkdir(parents=True)
+    cache.path.parent.mkdir(parents=True, exist_ok=True)  # made by the cache, mode 0700
     cache.path.write_bytes(content.encode(errors="surrogateescape"))
     with pytest.warns(moirai.MoiraiWarning, match=r"profile cache .* was corrupt.*measured again"):
         rebuilt = _ProfileCache(tmp_path, "cpu|test")
@@ -1022,7 +1022,7 @@ def test_a_calibration_cache_of_the_wrong_structure_is_named_moved_aside_and_mea
     monkeypatch.setattr(cache, "measure_link_kinds", lambda pair: measured.append("links") or {"cpu->cpu": link})
     monkeypatch.setattr(cache, "measure_request_cost", lambda cost: measured.append("requests") or requests)
     path = cache.calibration_cache_path(tmp_path)
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)  # made by the cache, mode 0700
     path.write_bytes(content.encode(errors="surrogateescape"))
     with pytest.warns(moirai.MoiraiWarning, match=r"calibration cache .* was corrupt .*moved to .*\.corrupt"):
         assert local_calibration(["cpu", "cpu"], cache_dir=tmp_path) == {"cpu->cpu": link}

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from moirai.cluster.calibration import TransferCost, read_calibration, write_calibration
-from moirai.cluster.calibration.cache import cached_links
-from moirai.errors import ClusterError, PlanError
-from moirai.files import read_own_text, write_atomically
+import moirai.cluster.calibration.cache as cache_module
+from moirai.cluster.calibration import TransferCost, local_calibration, read_calibration, write_calibration
+from moirai.cluster.calibration.cache import cached_links, calibration_cache_path
+from moirai.cluster.cost import _ProfileCache
+from moirai.errors import CacheError, ClusterError, PlanError
+from moirai.files import own_lock_file, read_own_text, write_atomically
 from moirai.user_files import parsing
 
 COST = TransferCost(1e-5, 1e9, 1e-6, 1e-12, 1e-6, 1e-12)
@@ -30,9 +32,7 @@ def test_a_write_replaces_a_link_at_its_name_and_leaves_what_the_link_pointed_to
     write_calibration(planted, {"cpu->cpu": COST})
     assert victim.read_text() == "the victim's own file"
     assert not planted.is_symlink() and read_calibration(planted) == {"cpu->cpu": COST}
-    umask = os.umask(0)
-    os.umask(umask)
-    assert stat.S_IMODE(planted.stat().st_mode) == 0o644 & ~umask  # as open() would have made it
+    assert stat.S_IMODE(planted.stat().st_mode) == 0o600  # a calibration file is the cache's unless said otherwise
     guessed.unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration.json", "victim.txt"]  # no temporary left
 
@@ -90,3 +90,107 @@ def test_json_a_user_hands_moirai_that_python_cannot_read_is_the_readers_error_n
         json.loads(text)
     with parsing("JSON", "the file 'x.json'", PlanError):
         assert json.loads('{"a": [1, 2.5, null, "x"]}') == {"a": [1, 2.5, None, "x"]}
+
+
+_ANOTHER_USER = 65534  # nobody
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+def test_the_cache_folders_moirai_makes_are_private_and_so_are_its_cache_files(tmp_path: Path) -> None:
+    """Before: folders 0755 and files 0644 (as the umask let them), so every local user could read the caches."""
+    root = tmp_path / "new" / "cache"
+    cached = calibration_cache_path(root)
+    write_calibration(cached, {"cpu->cpu": COST})
+    profiles = _ProfileCache(root, "cpu|a device")
+    profiles.times_s["group"] = 1e-3
+    profiles.save()
+    assert [_mode(p) for p in (root, cached.parent, profiles.path.parent)] == [0o700] * 3
+    assert _mode(cached) == _mode(profiles.path) == 0o600
+
+
+def _another_users(path: Path) -> Path:
+    path.mkdir(exist_ok=True)
+    os.chown(path, _ANOTHER_USER, _ANOTHER_USER)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("squat", "words"),
+    [
+        (lambda root: _another_users(root), "belongs to user 65534, not to this user"),
+        (lambda root: _another_users(root / "calibration"), "belongs to user 65534"),
+        (
+            lambda root: (root / "calibration").mkdir(mode=0o777) or os.chmod(root / "calibration", 0o777),
+            "has mode 777",
+        ),
+        (lambda root: (root / "calibration").symlink_to(root.parent / "victims"), "is a symbolic link"),
+    ],
+    ids=["another-users-root", "another-users-subfolder", "writable-by-all", "a-link"],
+)
+def test_a_cache_folder_another_user_could_have_filled_is_refused_naming_it(tmp_path: Path, squat, words) -> None:
+    """Fault injected: MOIRAI_CACHE_DIR's folder made first by another user (a name in /tmp), or a subfolder of it
+    theirs, writable by all, or a link to a folder of the victim's. Before, moirai read the numbers planted there
+    (3.1 s of 'measured' latency per message) and wrote through the link."""
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o755)
+    (tmp_path / "victims").mkdir(mode=0o700)
+    squat(root)
+    planted = root / "calibration" / calibration_cache_path(tmp_path / "fresh").name
+    if not planted.parent.is_symlink():
+        write_calibration(planted, {"cpu->cpu": TransferCost(5.0, 1.0, 0.0, 0.0, 0.0, 0.0)})
+    for reader in (lambda: local_calibration(["cpu", "cpu"], "auto", root), lambda: calibration_cache_path(root)):
+        with pytest.raises(CacheError, match=rf"the cache folder {tmp_path}/cache\S* {words}.*MOIRAI_CACHE_DIR"):
+            reader()
+    assert list((tmp_path / "victims").iterdir()) == []  # nothing written through the link
+
+
+def test_a_profile_cache_folder_of_another_user_is_refused(tmp_path: Path) -> None:
+    _another_users(tmp_path / "profiles")
+    with pytest.raises(CacheError, match=r"profiles belongs to user 65534"):
+        _ProfileCache(tmp_path, "cpu|a device")
+
+
+def test_a_calibration_lock_held_too_long_is_an_error_naming_the_lock_and_its_holder(tmp_path: Path, monkeypatch):
+    """Fault injected: a process holds the calibration cache's lock and never lets go. Before, compile waited for it
+    forever (no timeout on the flock)."""
+    import fcntl
+    import threading
+
+    monkeypatch.setattr(cache_module, "_LOCK_WAIT_S", 0.5, raising=False)
+    monkeypatch.setattr(cache_module, "measure_link_kinds", lambda pair: pytest.fail("measured under a held lock"))
+    lock_path = calibration_cache_path(tmp_path).with_suffix(".lock")
+    lock_path.parent.mkdir(exist_ok=True)
+    errors: list[BaseException] = []
+
+    def calibrate() -> None:
+        try:
+            local_calibration(["cpu", "cpu"], "auto", tmp_path)
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            errors.append(error)
+
+    with own_lock_file(lock_path) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=calibrate, daemon=True)
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive(), "compile still waits for the calibration lock"
+    assert len(errors) == 1 and isinstance(errors[0], CacheError), errors
+    assert f"lock {lock_path} is held by process {os.getpid()} (for 0.5 s" in str(errors[0])
+
+
+def test_a_file_the_user_names_keeps_the_mode_of_the_file_it_replaces(tmp_path: Path) -> None:
+    """Before: every write made a new file of mode 0644, so a plan the user had made private (chmod 600) became
+    readable by all when saved again."""
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    plan.chmod(0o600)
+    write_atomically(plan, '{"saved": "again"}')
+    assert _mode(plan) == 0o600
+    fresh = tmp_path / "fresh.json"
+    write_atomically(fresh, "{}")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert _mode(fresh) == 0o644 & ~umask  # as open() would have made it

@@ -222,3 +222,44 @@ def test_an_unknown_start_method_is_an_input_error_before_anything_starts(monkey
         compiled.run_distributed(x)
     monkeypatch.setenv("MOIRAI_RANK_START", "spawn")
     assert rank_context().get_start_method() == "spawn"
+
+
+# Rank 0's script, run from elsewhere: its own sys.path holds its folder, not the working directory.
+_STARTS_ONE_RANK = """
+import sys
+from moirai.runtime.rank_processes import RankStarter
+
+def nothing(rank, inheritance):
+    pass
+
+if __name__ == "__main__":
+    process = RankStarter().start(1, nothing, (), "moirai-rank1")
+    process.join(120)
+    sys.exit(process.exitcode)
+"""
+
+# What another local user leaves in a shared working directory: modules named as ones a started interpreter imports.
+_PLANTED = """
+from pathlib import Path
+Path({marker!r}).write_text("a planted {name} ran")
+raise ImportError("planted")
+"""
+
+
+@pytest.mark.parametrize("method", ["fork-server", "spawn"])
+def test_a_rank_process_imports_nothing_from_the_current_directory(tmp_path, method) -> None:
+    """Fault injected: a torch.py and a multiprocessing package in rank 0's working directory. multiprocessing starts
+    the fork server (which imports torch) and a spawned rank as ``python -c``, which put the directory first on
+    sys.path: the planted files ran as this user. Started in safe-path mode, they are never looked at."""
+    code, shared = tmp_path / "code", tmp_path / "shared"
+    code.mkdir(), (shared / "multiprocessing").mkdir(parents=True)
+    (code / "script.py").write_text(_STARTS_ONE_RANK)
+    marker = tmp_path / "planted-module-ran"
+    for name, path in (("torch", shared / "torch.py"), ("multiprocessing", shared / "multiprocessing" / "__init__.py")):
+        path.write_text(_PLANTED.format(marker=str(marker), name=name))
+    env = {**os.environ, "MOIRAI_RANK_START": method}
+    done = subprocess.run(
+        [sys.executable, str(code / "script.py")], cwd=shared, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert not marker.exists(), marker.read_text()
+    assert done.returncode == 0, done.stderr[-3000:]

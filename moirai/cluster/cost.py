@@ -74,7 +74,7 @@ from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import Spans, kind_of
 from moirai.cluster.messages import header_s, input_messages, output_messages, recv_cpu_s, send_cpu_s, transfer_s
 from moirai.errors import ClusterError, MoiraiWarning
-from moirai.files import read_own_text, write_atomically
+from moirai.files import CACHE_DIR_ENV, private_cache_folder, read_own_text, write_atomically
 from moirai.frontend.graph import OpGraph
 from moirai.frontend.symbolic_shapes import concrete_shape, example_int, sizes_at
 from moirai.frontend.trace import TracedModel, devices_mentioned, retarget_devices
@@ -530,7 +530,7 @@ def _compute_until_closed(
 
 def default_cache_dir() -> Path:
     """Where measured profiles live: ``$MOIRAI_CACHE_DIR``, else ``~/.cache/moirai``."""
-    return Path(os.environ.get("MOIRAI_CACHE_DIR") or Path.home() / ".cache" / "moirai")
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "moirai")
 
 
 class _ProfileCache:
@@ -538,7 +538,7 @@ class _ProfileCache:
 
     def __init__(self, cache_dir: Path, device_key: str) -> None:
         digest = hashlib.sha256(device_key.encode()).hexdigest()[:16]
-        self.path = cache_dir / "profiles" / f"{digest}.json"
+        self.path = private_cache_folder(cache_dir, "profiles") / f"{digest}.json"
         self.device_key = device_key
         self.times_s: dict[str, float] = {}
         if self.path.exists():
@@ -563,8 +563,9 @@ class _ProfileCache:
         return {}
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.path, json.dumps({"device": self.device_key, "times_s": self.times_s}, indent=0))
+        private_cache_folder(self.path.parent.parent, self.path.parent.name)  # made again if removed meanwhile
+        text = json.dumps({"device": self.device_key, "times_s": self.times_s}, indent=0)
+        write_atomically(self.path, text, private=True)
 
 
 def _check_local(device: Device) -> None:

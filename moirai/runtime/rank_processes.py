@@ -7,6 +7,8 @@ started with multiprocessing's ``forkserver`` method: on first use rank 0's proc
 imports the runtime once (``set_forkserver_preload``: fork_server.py first, then torch) and computes nothing, so torch
 has started no thread pool to break in a fork; each rank is forked from it in a few milliseconds. The server listens
 on a Unix socket in a private (0700) directory, as multiprocessing makes it, and lives as long as rank 0 or a rank.
+Multiprocessing starts the server (and a spawned rank) as ``python -c``, which would import a ``torch.py`` planted in
+the current directory: it starts in safe-path mode (:mod:`moirai.safe_path`).
 
 A forked rank must still get what a spawned one got from rank 0 *at its start*, not what the server had when it
 started: multiprocessing hands it rank 0's working directory, ``sys.path`` and main script (re-imported, so a script
@@ -37,6 +39,7 @@ import torch.multiprocessing
 
 from moirai.errors import InputError
 from moirai.runtime.orphans import RANK_PROCESS_PREFIX, prctl, watch_rank_0_if_started_rank
+from moirai.safe_path import safe_path_environment
 
 __all__ = ["RANK_PROCESS_PREFIX", "RankInheritance", "RankStarter", "become_rank", "rank_context", "started_ranks"]
 
@@ -184,7 +187,8 @@ class RankStarter:
         self, rank: int, target: Callable[..., None], args: tuple[Any, ...], name: str
     ) -> multiprocessing.process.BaseProcess:
         process = self.context.Process(target=target, args=(rank, *args, self.inheritance), daemon=True, name=name)
-        process.start()
+        with safe_path_environment():  # the fork server or a spawned rank: `python -c`, never the cwd's modules
+            process.start()
         return process
 
     def kill_orphans(self, processes: Sequence[multiprocessing.process.BaseProcess]) -> None:

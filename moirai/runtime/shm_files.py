@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from moirai.errors import DistributedError
+from moirai.files import open_own_folder
 
 ENV_SWITCH = "MOIRAI_SHARED_MEMORY"
 DIR_ENV = "MOIRAI_SHM_DIR"  # where rings and spill files live (default /dev/shm)
@@ -99,15 +100,9 @@ def open_checked(path: str, flags: int, kind: int, min_bytes: int = 0, dir_fd: i
 
 
 def open_private_directory(path: str) -> int:
-    """A peer's directory, if it is this user's with mode 0700 (no other user can have put files in it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    info = os.fstat(fd)
-    if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) != 0o700:
-        os.close(fd)
-        raise PermissionError(
-            f"{path} is not this user's private directory (owner {info.st_uid}, mode {info.st_mode:o})"
-        )
-    return fd
+    """A peer's directory, if it is this user's and no other user can read or write it (none can have put files in
+    it)."""
+    return open_own_folder(path, forbidden_bits=0o077)
 
 
 class SpillOwner:

@@ -27,8 +27,15 @@ from moirai.cluster.calibration.request_cost import RequestCost, measure_request
 from moirai.cluster.cost import default_cache_dir
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import CPU
-from moirai.errors import ClusterError, MoiraiWarning, user_stacklevel
-from moirai.files import own_lock_file, read_own_text, write_atomically
+from moirai.errors import CacheError, ClusterError, MoiraiWarning, user_stacklevel
+from moirai.files import (
+    lock_exclusively,
+    lock_holders,
+    own_lock_file,
+    private_cache_folder,
+    read_own_text,
+    write_atomically,
+)
 from moirai.progress import stage
 from moirai.user_files import parsing
 
@@ -41,6 +48,8 @@ except ImportError:  # not POSIX
 # own work per request (RequestCost); 5: that work measured between parts that compute as a model's do; 7: ranks
 # of several threads calibrate on one (measure.calibration_resources)
 CALIBRATION_FORMAT_VERSION = 7
+# How long a compile waits for another process measuring this machine's links: longer than measuring them takes.
+_LOCK_WAIT_S = 600.0
 
 
 def local_calibration(
@@ -125,11 +134,16 @@ def _measured_again_if_noise(pair: tuple[str, str]) -> dict[str, TransferCost]:
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``lock_path`` (POSIX; elsewhere nothing is locked)."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    """Hold an exclusive lock on ``lock_path`` (POSIX; elsewhere nothing is locked), waited for at most
+    ``_LOCK_WAIT_S``: a process of this user's that hangs holding it must not hang every later compile."""
     with own_lock_file(lock_path) as lock:
-        if fcntl is not None:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        if fcntl is not None and not lock_exclusively(lock, _LOCK_WAIT_S):
+            holders = ", ".join(f"process {pid}" for pid in lock_holders(lock)) or "another process"
+            raise CacheError(
+                f"the calibration cache's lock {lock_path} is held by {holders} (for {_LOCK_WAIT_S:g} s now), which "
+                "measures this machine's links one process at a time; end it if it hangs, or pass a calibration "
+                "file or calibration='none'"
+            )
         yield
 
 
@@ -205,11 +219,13 @@ def _set_aside(path: Path, error: CorruptCalibrationError) -> None:
 
 def calibration_cache_path(cache_dir: str | Path | None = None) -> Path:
     """Where this machine's calibration lives: one file per host, CPU, core count, torch version and calibration
-    format (two moirai versions on one machine keep their own rather than measuring again over each other's)."""
+    format (two moirai versions on one machine keep their own rather than measuring again over each other's), in a
+    folder of this user's that no other can write to (:func:`moirai.files.private_cache_folder`)."""
     machine = f"{socket.gethostname()}|{cpu_model()}|cores={os.cpu_count()}|torch {torch.__version__}"
     machine += f"|format {CALIBRATION_FORMAT_VERSION}"
     digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
-    return Path(cache_dir if cache_dir is not None else default_cache_dir()) / "calibration" / f"{digest}.json"
+    root = cache_dir if cache_dir is not None else default_cache_dir()
+    return private_cache_folder(root, "calibration") / f"{digest}.json"
 
 
 class CorruptCalibrationError(ClusterError):
@@ -289,7 +305,10 @@ def write_calibration(
     costs: Mapping[str, TransferCost],
     requests: RequestCost | None = None,
     host_links: Mapping[HostLink, TransferCost] | None = None,
+    private: bool = True,
 ) -> None:
+    """Write a calibration file: this machine's cache (mode 0600) unless ``private=False`` (a file the user names,
+    as :func:`moirai.files.write_atomically` writes one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {
@@ -300,4 +319,4 @@ def write_calibration(
         record["requests"] = dataclasses.asdict(requests)
     if host_links:
         record["host_links"] = [{**link._asdict(), "cost": dataclasses.asdict(c)} for link, c in host_links.items()]
-    write_atomically(path, json.dumps(record, indent=1))
+    write_atomically(path, json.dumps(record, indent=1), private=private)

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     requests = measured_requests.cost
     if saved is not None:
         host_links = {**cached_host_links(saved), **measured.host_links}  # host pairs measured before and not now
-        write_calibration(saved, links, requests, host_links)
+        write_calibration(saved, links, requests, host_links, private=not args.save)  # --update-cache: the cache
     table = Table(
         title=f"transfers measured in the runtime ({measured.transport}, ranks pinned to their share of the cores)",
         caption=f"cluster file: {args.output}; calibration: "

@@ -15,7 +15,6 @@ import os
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -28,6 +27,7 @@ import torch
 from moirai.cluster.calibration.fit import TransferCost, TransferTimings, costs_by_kind
 from moirai.cluster.kinds import CPU, kind_of
 from moirai.errors import ClusterError, DistributedError
+from moirai.safe_path import python_command
 
 if TYPE_CHECKING:
     from moirai.runtime.resources import RankResources
@@ -134,11 +134,12 @@ def run_ranks(
     environment: dict[str, str] | None = None,
 ) -> None:
     """Start the ranks as fresh interpreters that import only moirai (a spawned process would re-import the
-    caller's ``__main__``, and a script that compiles at top level would compile again in every rank); each
-    calls ``entry(rank, *settings)``, a function of a moirai module. ``store_listener`` (the caller's, listening
-    on the port the settings name) is handed to rank 0 for its store: the port is held from the moment it is
-    chosen, so no other process can take it before rank 0 listens (:func:`join_as_runtime_rank`). ``environment``:
-    variables set in every rank beyond this process's (:func:`transport_environment`)."""
+    caller's ``__main__``, and a script that compiles at top level would compile again in every rank), in safe-path
+    mode (:mod:`moirai.safe_path`); each calls ``entry(rank, *settings)``, a function of a moirai module.
+    ``store_listener`` (the caller's, listening on the port the settings name) is handed to rank 0 for its store:
+    the port is held from the moment it is chosen, so no other process can take it before rank 0 listens
+    (:func:`join_as_runtime_rank`). ``environment``: variables set in every rank beyond this process's
+    (:func:`transport_environment`)."""
     from moirai.runtime.distributed import RUN_SECRET_ENV
     from moirai.runtime.store import new_secret
 
@@ -151,12 +152,7 @@ def run_ranks(
         handed = {} if store_listener is None else {_STORE_FD_ENV: str(store_listener.fileno())}
         ranks = [
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    f"from {entry.__module__} import {entry.__name__}; "
-                    f"{entry.__name__}({rank}, *{json.dumps(settings)})",
-                ],
+                python_command(f"from {entry.__module__} import {entry.__name__}; {_call(entry, rank, settings)}"),
                 stdout=subprocess.DEVNULL,
                 stderr=stderrs[rank],
                 text=True,
@@ -174,6 +170,10 @@ def run_ranks(
                     process.wait()
     if failures:
         raise DistributedError(f"a calibration rank failed: {'; '.join(failures)}")
+
+
+def _call(entry: Callable[..., None], rank: int, settings: list) -> str:
+    return f"{entry.__name__}({rank}, *{json.dumps(settings)})"
 
 
 def _wait_for_ranks(ranks: list[subprocess.Popen], stderrs: list[Any], timeout_s: float) -> list[str]:
