@@ -141,6 +141,34 @@ def test_model_in_training_mode_warning_points_at_the_users_line():
     assert [w.filename for w in caught if w.category is TrainingModeWarning] == [__file__]
 
 
+class FunctionalDropout(nn.Module):
+    """Dropout as Hugging Face's attention writes it: a call, no nn.Dropout module to find."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        self.linear, self.p = nn.Linear(4, 4), p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.linear(x), self.p, training=self.training)
+
+
+def test_a_training_model_whose_dropout_is_a_function_warns_with_its_line():
+    """It gave no warning, and the compiled model dropped activations for ever, after model.eval() too."""
+    with pytest.warns(TrainingModeWarning, match=r"training mode: dropout at test_bad_inputs.py.*model\.eval\(\)"):
+        moirai.trace(FunctionalDropout(), (X,))
+
+
+def test_random_ops_that_draw_nothing_or_run_in_eval_mode_do_not_warn(recwarn):
+    class Noise(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.rand_like(x)  # randomness the model means, in eval mode
+
+    moirai.trace(FunctionalDropout(p=0.0), (X,))
+    moirai.trace(FunctionalDropout().eval(), (X,))
+    moirai.trace(Noise().eval(), (X,))
+    assert not [w for w in recwarn if issubclass(w.category, TrainingModeWarning)]
+
+
 def test_a_function_or_keyword_inputs_given_as_a_dict_say_what_to_pass():
     with raises(TraceError, "splits a torch.nn.Module, got function", "wrap the function in a module"):
         moirai.compile(lambda x: x * 2, ["cpu"], (X,), placer="heft")

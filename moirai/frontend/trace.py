@@ -229,7 +229,6 @@ def trace(
     dynamic_dims: tuple[DynamicDim, ...] = ()
     check_example_inputs(model, args, kwargs, name)
     args, kwargs = _unshared_inputs(args, kwargs)
-    warn_if_training(model, name)
     try:
         with _quiet_export():
             exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
@@ -273,6 +272,7 @@ def trace(
     _flatten_output(graph_module)
     graph_module.recompile()
     check_operand_dtypes(graph_module, name, tensor_input_names(args, kwargs))
+    warn_if_training(model, name, graph_module)
     if dynamic_dims:
         placeholders = graph_module.graph.find_nodes(op="placeholder")
         input_specs = tuple(tensor_spec(node.meta["val"]) for node in placeholders)
