@@ -169,6 +169,22 @@ def test_random_ops_that_draw_nothing_or_run_in_eval_mode_do_not_warn(recwarn):
     assert not [w for w in recwarn if issubclass(w.category, TrainingModeWarning)]
 
 
+class ReturnsABuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table
+
+
+@pytest.mark.parametrize("model", [nn.Identity(), ReturnsABuffer()], ids=["identity", "a buffer"])
+def test_a_model_that_computes_nothing_is_a_trace_error_not_a_numpy_one(model):
+    """It was "ValueError: cannot reshape array of size 0" from the cost model."""
+    with raises(TraceError, f"{type(model).__name__} computes nothing", "nothing to split", "call the model itself"):
+        moirai.compile(model, ["cpu", "cpu"], (X,), placer="heft", progress=False)
+
+
 def test_a_function_or_keyword_inputs_given_as_a_dict_say_what_to_pass():
     with raises(TraceError, "splits a torch.nn.Module, got function", "wrap the function in a module"):
         moirai.compile(lambda x: x * 2, ["cpu"], (X,), placer="heft")
