@@ -375,6 +375,14 @@ def test_simulate_with_plan_and_gantt_of_no_plan_say_how_to_make_one(problem, co
             call()
 
 
+def test_gantt_into_a_missing_folder_names_the_folder(compiled, tmp_path):
+    """It was PIL's FileNotFoundError, after the picture was drawn."""
+    picture = tmp_path / "nowhere" / "plan.png"
+    for call in (lambda: compiled.gantt(picture), lambda: moirai.gantt(compiled.problem, compiled.plan, picture)):
+        with raises(MoiraiError, "cannot write the Gantt picture", f"folder {str(picture.parent)!r} does not exist"):
+            call()
+
+
 @pytest.mark.parametrize("requests", [0, -1, "2", 2.0, True])
 def test_gantt_of_no_whole_number_of_requests(compiled, requests):
     """0 and -1 drew one request; "2" was a TypeError."""
