@@ -758,6 +758,32 @@ def test_load_of_a_plan_for_another_model(compiled, tmp_path):
         moirai.load(path, other, (X,))
 
 
+@pytest.mark.parametrize(
+    ("model", "example", "words"),
+    [
+        (tiny(), torch.randn(6, 4), "input 0 is (6, 4) float32, planned (3, 4) float32"),
+        (tiny().double(), X.double(), "input 0 is (3, 4) float64, planned (3, 4) float32"),
+        (nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2)).eval(), X, "is (16, 4) float32, planned (8, 4)"),
+    ],
+    ids=["other batch", "other dtype", "other widths"],
+)
+def test_load_of_a_plan_for_other_sizes_names_the_tensor(compiled, tmp_path, model, example, words):
+    """Same ops, other sizes: it loaded silently, its summary the new memory beside the planned times."""
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    with raises(PlanError, f"{path} was planned for Sequential with other tensors", words, "compile again"):
+        moirai.load(path, model, (example,), progress=False)
+
+
+def test_load_of_a_plan_saved_before_it_kept_its_tensors(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    record = json.loads(path.read_text())
+    del record["tensors"]
+    path.write_text(json.dumps(record))
+    assert moirai.load(path, tiny(), (X,), progress=False).node_device == compiled.node_device
+
+
 def test_load_with_devices_as_one_string(compiled, tmp_path):
     path = tmp_path / "plan.json"
     compiled.save(path)
