@@ -269,6 +269,24 @@ def test_call_with_the_wrong_shape(compiled):
         compiled(torch.randn(5, 4))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_call_with_the_wrong_dtype_says_dtype_not_dynamic_shapes(compiled, dtype):
+    """It said to compile for the shape served or declare the dimension dynamic: neither fixes a dtype."""
+    with raises(InputError, f"input 0 has dtype {dtype}, the plan was made for dtype torch.float32", ".to(") as error:
+        compiled(X.to(dtype))
+    assert "dynamic" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("example", "axis"), [(torch.randn(16, 4), 0), (X, 1)], ids=["example out of range", "a dim the model fixes"]
+)
+def test_dynamic_shapes_torch_refuses_name_the_declared_ranges(example, axis):
+    """Both were torch's 'ConstraintViolationError: 16 not in range [2, 8]' and tips on control flow and use_cache."""
+    batch = torch.export.Dim("batch", min=1, max=8)
+    with raises(TraceError, "dynamic_shapes given (declared: batch = 1..8)", "inside its declared range"):
+        moirai.trace(tiny(), (example,), dynamic_shapes=({axis: batch},))
+
+
 def test_call_with_the_wrong_number_of_inputs(compiled):
     with raises(InputError, "traced with 1 positional input(s)", "called with 2", "same arguments"):
         compiled(X, X)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, free_unbacked_symbols
 
 from moirai.errors import TraceError, TrainingModeWarning, user_stacklevel
 
@@ -201,6 +201,27 @@ def trace_error(model_name: str, error: Exception, args: tuple, kwargs: dict[str
         "Try: data-dependent control flow on tensor values must become torch.cond or be removed; "
         "Hugging Face decoders need use_cache=False (and return_dict=False if outputs are not tensors); "
         "example inputs must be tensors of the shape you will serve."
+    )
+
+
+def dynamic_shapes_error(
+    model_name: str, error: Exception, args: tuple, kwargs: dict[str, Any], dynamic_shapes: Any
+) -> TraceError | None:
+    """A :class:`TraceError` for torch.export's refusal of ``dynamic_shapes`` (an example size outside its ``Dim``'s
+    range, or a dimension the model fixes declared dynamic), naming the declared ranges; None for another error."""
+    from torch._dynamo.exc import UserError, UserErrorType
+
+    violated = isinstance(error, UserError) and error.error_type is UserErrorType.CONSTRAINT_VIOLATION
+    if not (violated or isinstance(error, ConstraintViolationError)):
+        return None
+    dims = [leaf for leaf in pytree.tree_leaves(dynamic_shapes) if isinstance(leaf, torch.export.Dim)]
+    declared = ", ".join(dict.fromkeys(f"{d.__name__} = {d.min}..{d.max}" for d in dims)) or "none by name"
+    return TraceError(
+        f"could not trace {model_name} with example inputs {_describe_tensors(args, kwargs)} and the dynamic_shapes "
+        f"given (declared: {declared}): torch.export refuses them ({_first_line(error)}; its ranges show a declared "
+        "lower end of 0 or 1 as 2). Give example inputs whose every dynamic dimension lies inside its declared "
+        "range, and declare dynamic only dimensions the model lets vary (a Linear fixes its input features, a "
+        "reshape may fix others)"
     )
 
 
