@@ -493,6 +493,21 @@ def test_calibration_that_is_no_word_or_path(devices, calibration):
         moirai.compile(tiny(), devices, (X,), placer="heft", calibration=calibration)
 
 
+@pytest.mark.parametrize("devices", [["cpu", "cpu"], ["cpu"]])
+@pytest.mark.parametrize(
+    ("calibration", "words"),
+    [
+        ("off", ("calibration='off' is not a calibration word nor a file", "'none' (the detected defaults)")),
+        ("remeasure ", ("calibration='remeasure ' is not a calibration word (did you mean 'remeasure'?)",)),
+        ("no/such/calibration.json", ("calibration file 'no/such/calibration.json' does not exist", "'none'")),
+    ],
+)
+def test_calibration_of_an_unknown_word_or_a_missing_file(devices, calibration, words):
+    """Silently unread on one device (and from the CLI's --devices cpu); on two the choices left out 'none'."""
+    with raises(ClusterError, *words):
+        moirai.compile(tiny(), devices, (X,), placer="heft", calibration=calibration, progress=False)
+
+
 def test_load_and_compile_lm_check_calibration_as_compile_does(compiled, tmp_path):
     path = tmp_path / "plan.json"
     compiled.save(path)
