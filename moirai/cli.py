@@ -109,6 +109,8 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
         )
     if args.gantt:
         viz.check_picture_path(args.gantt)
+    if args.output:
+        check_output_path(args.output, "the plan", PlanError)  # before the model is traced and placed
     # A device list goes to compile as the API's users give it, so that both build the cluster one way.
     devices = _device_list(args.devices) if args.devices else _cluster(args.cluster)
     model, example_inputs = _load_factory(args.factory)
@@ -148,6 +150,8 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
 def _plan(args: argparse.Namespace, console: Console) -> int:
     if args.output:
         check_output_path(args.output, "the plan", PlanError)  # before the placer's work
+    if args.gantt:
+        viz.check_picture_path(args.gantt)
     problem = moirai.Problem.from_json(args.problem)
     with progress.shown():
         plan = moirai.place(problem, placer=args.placer, **_placer_options(args))

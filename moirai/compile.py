@@ -41,7 +41,14 @@ from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
 from moirai.frontend.trace import TracedModel, trace
-from moirai.plan_records import PLAN_FORMAT_VERSION, PlanHandover, read_plan_file, versions
+from moirai.plan_records import (
+    PLAN_FORMAT_VERSION,
+    PlanHandover,
+    check_traced_tensors,
+    read_plan_file,
+    traced_tensors,
+    versions,
+)
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.placers import check_options, place
 from moirai.planning.placers import spec as placer_spec
@@ -234,6 +241,7 @@ class CompiledModel:
             "plan": self.plan.to_dict(),
             "problem": self.problem.to_dict(),
             "dynamic_dims": dynamic_dims_to_json(self.traced),
+            "tensors": traced_tensors(self.traced),
             "versions": versions(),
         }
 
@@ -370,6 +378,7 @@ def from_plan_record(
     """The compiled model a plan record (:meth:`CompiledModel.plan_record`) describes, for ``traced`` on ``cluster``."""
     node_device = {name: int(k) for name, k in record["node_device"].items()}
     _check_ops_known(traced, node_device, source=str(source))
+    check_traced_tensors(record, traced, source)
     # Stages in compile's order (trace, op graph, ..., split), so that load's progress lines read as compile's.
     graph = build_op_graph(traced)
     coarse = graph.merge(_saved_groups(graph, record["groups"], source, traced.model_name))

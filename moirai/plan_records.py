@@ -12,7 +12,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from moirai.runtime import distributed
 from moirai.runtime.hosts import rank_hosts
 from moirai.runtime.store import wait_for_key
 from moirai.user_files import check_input_path, parsing
+
+if TYPE_CHECKING:
+    from moirai.frontend.trace import TracedModel
 
 PLAN_FORMAT_VERSION = 1
 # Long enough for rank 0's planning (a milp within its time limit); a rank 0 that fails says so sooner.
@@ -248,6 +251,24 @@ def _is_dim(dim: Any) -> bool:
     )
 
 
+def _is_tensors(value: Any) -> bool:
+    """What :func:`traced_tensors` writes."""
+    return (
+        isinstance(value, dict)
+        and _is_list_of(value.get("inputs"), _is_tensor)
+        and isinstance(value.get("weights"), dict)
+        and all(_is_tensor(tensor) for tensor in value["weights"].values())
+    )
+
+
+def _is_tensor(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("dtype"), str)
+        and _is_list_of(value.get("shape"), lambda size: (_is_int(size) and size >= 0) or isinstance(size, str))
+    )
+
+
 # Every field of a plan file a load reads, in the order checked (a field before those that read it), with what save
 # writes there.
 _PLAN_FIELDS: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
@@ -284,7 +305,71 @@ _PLAN_FIELDS: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
         "null or {'dims': [{'symbol', 'name', 'min', 'max'}, ...], 'axes': [[input, axis, expression], ...]} "
         "with 0 <= min < max (or max null)",
     ),
+    "tensors": (
+        _optional(_null_or(_is_tensors)),
+        "null or {'inputs': [{'shape', 'dtype'}, ...], 'weights': {name: {'shape', 'dtype'}}}",
+    ),
 }
+
+
+def traced_tensors(traced: TracedModel) -> dict[str, Any]:
+    """The shape and dtype of every input and weight of ``traced``, as a plan file keeps them: a dynamic dimension
+    is its expression (``"s0"``), a static one its size."""
+    graph_module = traced.graph_module
+    names = [str(node.target) for node in graph_module.graph.find_nodes(op="get_attr")]
+    weights = {name: getattr(graph_module, name) for name in names}
+    return {
+        "inputs": [_tensor_json(spec.shape, spec.dtype, spec.symbolic_shape) for spec in traced.input_specs],
+        "weights": {
+            name: _tensor_json(tuple(value.shape), value.dtype)
+            for name, value in weights.items()
+            if isinstance(value, torch.Tensor)
+        },
+    }
+
+
+def _tensor_json(shape: tuple[int, ...], dtype: torch.dtype, symbolic: tuple[str, ...] | None = None) -> dict[str, Any]:
+    sizes = list(shape) if symbolic is None else [int(e) if e.isdecimal() else e for e in symbolic]
+    return {"shape": sizes, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def check_traced_tensors(record: dict[str, Any], traced: TracedModel, source: str | Path) -> None:
+    """A :class:`PlanError` unless ``traced`` has the inputs and weights the plan was made for (a record without
+    them, from an older moirai, is not checked): its costs and memory are those of the planned sizes."""
+    if record.get("tensors") is None:
+        return
+    planned, here = record["tensors"], traced_tensors(traced)
+    differences = [
+        f"input {position} is {_describe_tensor(now)}, planned {_describe_tensor(then)}"
+        for position, (then, now) in enumerate(zip(planned["inputs"], here["inputs"], strict=False))
+        if not _same_tensor(then, now)
+    ]
+    differences += [
+        f"weight {name!r} is {_describe_tensor(here['weights'][name])}, planned {_describe_tensor(then)}"
+        for name, then in planned["weights"].items()
+        if name in here["weights"] and not _same_tensor(then, here["weights"][name])
+    ]
+    if len(planned["inputs"]) != len(here["inputs"]):
+        differences.append(f"it takes {len(here['inputs'])} input tensors, planned {len(planned['inputs'])}")
+    if differences:
+        raise PlanError(
+            f"{source} was planned for {traced.model_name} with other tensors: {'; '.join(differences[:3])}"
+            f"{'; ...' if len(differences) > 3 else ''}; its costs and memory are those of the planned sizes: load "
+            "it with the model and example inputs it was planned for, or compile again for these"
+        )
+
+
+def _same_tensor(planned: dict[str, Any], here: dict[str, Any]) -> bool:
+    """Same dtype and rank, and the same size on every axis static in both (a dynamic one serves a range)."""
+    return (
+        planned["dtype"] == here["dtype"]
+        and len(planned["shape"]) == len(here["shape"])
+        and all(a == b for a, b in zip(planned["shape"], here["shape"], strict=True) if _is_int(a) and _is_int(b))
+    )
+
+
+def _describe_tensor(tensor: dict[str, Any]) -> str:
+    return f"({', '.join(str(size) for size in tensor['shape'])}) {tensor['dtype']}"
 
 
 def versions() -> dict[str, str]:

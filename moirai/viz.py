@@ -32,6 +32,7 @@ from moirai.planning.problem import Problem, check_problem
 from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.stream import simulate_stream
 from moirai.progress import format_seconds
+from moirai.user_files import check_output_path
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -286,10 +287,12 @@ def _pyplot() -> Any:
 
 
 def check_picture_path(path: str | Path) -> None:
-    """Raise :class:`MoiraiError` unless matplotlib is there and can write a picture of ``path``'s suffix."""
+    """Raise :class:`MoiraiError` unless matplotlib is there and can write a picture of ``path``'s suffix into
+    ``path``'s folder (checked before the work whose picture it is)."""
     _pyplot()
     from matplotlib.backend_bases import FigureCanvasBase
 
+    check_output_path(path, "the Gantt picture", MoiraiError)
     supported = FigureCanvasBase.get_supported_filetypes()
     if Path(path).suffix.lstrip(".").lower() not in supported:
         raise MoiraiError(f"cannot draw into {str(path)!r}: name a picture file, one of .{', .'.join(supported)}")
@@ -406,7 +409,10 @@ def gantt(
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
     ax.set_title(title or f"{plan.placer or 'plan'}: {headline(problem, plan, timeline, objective)}", loc="left")
     if path is not None:
-        fig.savefig(path, dpi=120)
+        try:
+            fig.savefig(path, dpi=120)
+        except OSError as fault:
+            raise MoiraiError(f"cannot write the Gantt picture to {str(path)!r}: {fault.strerror or fault}") from None
     return fig
 
 

@@ -141,6 +141,50 @@ def test_model_in_training_mode_warning_points_at_the_users_line():
     assert [w.filename for w in caught if w.category is TrainingModeWarning] == [__file__]
 
 
+class FunctionalDropout(nn.Module):
+    """Dropout as Hugging Face's attention writes it: a call, no nn.Dropout module to find."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        self.linear, self.p = nn.Linear(4, 4), p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.linear(x), self.p, training=self.training)
+
+
+def test_a_training_model_whose_dropout_is_a_function_warns_with_its_line():
+    """It gave no warning, and the compiled model dropped activations for ever, after model.eval() too."""
+    with pytest.warns(TrainingModeWarning, match=r"training mode: dropout at test_bad_inputs.py.*model\.eval\(\)"):
+        moirai.trace(FunctionalDropout(), (X,))
+
+
+def test_random_ops_that_draw_nothing_or_run_in_eval_mode_do_not_warn(recwarn):
+    class Noise(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.rand_like(x)  # randomness the model means, in eval mode
+
+    moirai.trace(FunctionalDropout(p=0.0), (X,))
+    moirai.trace(FunctionalDropout().eval(), (X,))
+    moirai.trace(Noise().eval(), (X,))
+    assert not [w for w in recwarn if issubclass(w.category, TrainingModeWarning)]
+
+
+class ReturnsABuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table
+
+
+@pytest.mark.parametrize("model", [nn.Identity(), ReturnsABuffer()], ids=["identity", "a buffer"])
+def test_a_model_that_computes_nothing_is_a_trace_error_not_a_numpy_one(model):
+    """It was "ValueError: cannot reshape array of size 0" from the cost model."""
+    with raises(TraceError, f"{type(model).__name__} computes nothing", "nothing to split", "call the model itself"):
+        moirai.compile(model, ["cpu", "cpu"], (X,), placer="heft", progress=False)
+
+
 def test_a_function_or_keyword_inputs_given_as_a_dict_say_what_to_pass():
     with raises(TraceError, "splits a torch.nn.Module, got function", "wrap the function in a module"):
         moirai.compile(lambda x: x * 2, ["cpu"], (X,), placer="heft")
@@ -223,6 +267,24 @@ def test_cuda_preset_plans_here_but_refuses_to_run_here():
 def test_call_with_the_wrong_shape(compiled):
     with raises(InputError, "input 0", "(5, 4)", "(3, 4)", "compile again"):
         compiled(torch.randn(5, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_call_with_the_wrong_dtype_says_dtype_not_dynamic_shapes(compiled, dtype):
+    """It said to compile for the shape served or declare the dimension dynamic: neither fixes a dtype."""
+    with raises(InputError, f"input 0 has dtype {dtype}, the plan was made for dtype torch.float32", ".to(") as error:
+        compiled(X.to(dtype))
+    assert "dynamic" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("example", "axis"), [(torch.randn(16, 4), 0), (X, 1)], ids=["example out of range", "a dim the model fixes"]
+)
+def test_dynamic_shapes_torch_refuses_name_the_declared_ranges(example, axis):
+    """Both were torch's 'ConstraintViolationError: 16 not in range [2, 8]' and tips on control flow and use_cache."""
+    batch = torch.export.Dim("batch", min=1, max=8)
+    with raises(TraceError, "dynamic_shapes given (declared: batch = 1..8)", "inside its declared range"):
+        moirai.trace(tiny(), (example,), dynamic_shapes=({axis: batch},))
 
 
 def test_call_with_the_wrong_number_of_inputs(compiled):
@@ -331,6 +393,14 @@ def test_simulate_with_plan_and_gantt_of_no_plan_say_how_to_make_one(problem, co
             call()
 
 
+def test_gantt_into_a_missing_folder_names_the_folder(compiled, tmp_path):
+    """It was PIL's FileNotFoundError, after the picture was drawn."""
+    picture = tmp_path / "nowhere" / "plan.png"
+    for call in (lambda: compiled.gantt(picture), lambda: moirai.gantt(compiled.problem, compiled.plan, picture)):
+        with raises(MoiraiError, "cannot write the Gantt picture", f"folder {str(picture.parent)!r} does not exist"):
+            call()
+
+
 @pytest.mark.parametrize("requests", [0, -1, "2", 2.0, True])
 def test_gantt_of_no_whole_number_of_requests(compiled, requests):
     """0 and -1 drew one request; "2" was a TypeError."""
@@ -421,6 +491,21 @@ def test_calibration_that_is_no_word_or_path(devices, calibration):
     words = (f"calibration={calibration!r} ({type(calibration).__name__}) is not a word or a path", "'auto'", "'none'")
     with raises(ClusterError, *words):
         moirai.compile(tiny(), devices, (X,), placer="heft", calibration=calibration)
+
+
+@pytest.mark.parametrize("devices", [["cpu", "cpu"], ["cpu"]])
+@pytest.mark.parametrize(
+    ("calibration", "words"),
+    [
+        ("off", ("calibration='off' is not a calibration word nor a file", "'none' (the detected defaults)")),
+        ("remeasure ", ("calibration='remeasure ' is not a calibration word (did you mean 'remeasure'?)",)),
+        ("no/such/calibration.json", ("calibration file 'no/such/calibration.json' does not exist", "'none'")),
+    ],
+)
+def test_calibration_of_an_unknown_word_or_a_missing_file(devices, calibration, words):
+    """Silently unread on one device (and from the CLI's --devices cpu); on two the choices left out 'none'."""
+    with raises(ClusterError, *words):
+        moirai.compile(tiny(), devices, (X,), placer="heft", calibration=calibration, progress=False)
 
 
 def test_load_and_compile_lm_check_calibration_as_compile_does(compiled, tmp_path):
@@ -704,6 +789,32 @@ def test_load_of_a_plan_for_another_model(compiled, tmp_path):
     other = nn.Sequential(nn.Linear(4, 2)).eval()
     with raises(PlanError, "does not have", "compile again"):
         moirai.load(path, other, (X,))
+
+
+@pytest.mark.parametrize(
+    ("model", "example", "words"),
+    [
+        (tiny(), torch.randn(6, 4), "input 0 is (6, 4) float32, planned (3, 4) float32"),
+        (tiny().double(), X.double(), "input 0 is (3, 4) float64, planned (3, 4) float32"),
+        (nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2)).eval(), X, "is (16, 4) float32, planned (8, 4)"),
+    ],
+    ids=["other batch", "other dtype", "other widths"],
+)
+def test_load_of_a_plan_for_other_sizes_names_the_tensor(compiled, tmp_path, model, example, words):
+    """Same ops, other sizes: it loaded silently, its summary the new memory beside the planned times."""
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    with raises(PlanError, f"{path} was planned for Sequential with other tensors", words, "compile again"):
+        moirai.load(path, model, (example,), progress=False)
+
+
+def test_load_of_a_plan_saved_before_it_kept_its_tensors(compiled, tmp_path):
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    record = json.loads(path.read_text())
+    del record["tensors"]
+    path.write_text(json.dumps(record))
+    assert moirai.load(path, tiny(), (X,), progress=False).node_device == compiled.node_device
 
 
 def test_load_with_devices_as_one_string(compiled, tmp_path):

@@ -123,6 +123,24 @@ def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factor
             "cannot write the plan to 'no/such/plan.json': folder 'no/such' does not exist",
         ),
         (["plan", "no/such/problem.json", "--output", "."], "cannot write the plan to '.': it is a folder"),
+        # Accepted, unread, on one device.
+        (
+            ["compile", "{factory}:make", "--devices", "cpu", "--placer", "heft", "--calibration", "off"],
+            "calibration='off' is not a calibration word nor a file",
+        ),
+        # Before the model is imported, traced and placed: the picture said "no such file" after a compile.
+        (
+            ["compile", "{factory}:missing", "--devices", "cpu", "--gantt", "no/such/plan.png"],
+            "cannot write the Gantt picture to 'no/such/plan.png': folder 'no/such' does not exist",
+        ),
+        (
+            ["compile", "{factory}:missing", "--devices", "cpu", "--output", "no/such/plan.json"],
+            "cannot write the plan to 'no/such/plan.json': folder 'no/such' does not exist",
+        ),
+        (
+            ["plan", "no/such/problem.json", "--gantt", "no/such/plan.png"],
+            "cannot write the Gantt picture to 'no/such/plan.png': folder 'no/such' does not exist",
+        ),
     ],
 )
 def test_errors_are_one_red_line_without_traceback(args, message, factory_file: Path, capsys) -> None:

@@ -594,6 +594,8 @@ _MALFORMED_PLANS = {
     "dynamic dim of no range": (("dynamic_dims", "dims", 0, "min"), 99, "'dynamic_dims' is \"{'dims': [{'symbol'"),
     # torch.export.Dim asserted "Cannot create Dim with inconsistent min=1, max=1"
     "dynamic dim of one size": (("dynamic_dims", "dims", 0), lambda dim: {**dim, "max": dim["min"]}, "0 <= min < max"),
+    "tensors a list": (("tensors",), [1], "'tensors' is '[1]', not null or {'inputs'"),
+    "a size not a number": (("tensors", "inputs", 0, "shape"), [1.5], "'tensors' is"),
     # each field as save writes it, but not the traced model's, or not the other fields'
     "unknown op in a group": (("groups", 0), ["nope"], "'groups' names ops ['nope']"),
     "a group twice": (("groups",), lambda groups: [*groups, groups[0]], "are in more than one group"),

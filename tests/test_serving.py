@@ -192,6 +192,23 @@ def test_server_idle_past_its_timeout_still_answers(chain) -> None:
 
 
 @pytest.mark.slow
+def test_ranks_started_inside_inference_mode_serve(chain) -> None:
+    """The first submit starts the ranks in the caller's thread: under torch.inference_mode its shared-memory rings
+    were inference tensors, which the driver's threads could not write, and the request failed as 'rank 1 hung or
+    died'. run's inline request, in the caller's thread too, must leave nothing the threads cannot use."""
+    model, compiled = chain
+    x = torch.randn(4, 64)
+    with torch.inference_mode(), compiled.server(timeout_s=30.0) as server:
+        outputs = [server.submit(x).result() for _ in range(2)]
+    with DistributedRunner(["cpu"] * 3, timeout_s=30.0) as runner:
+        with torch.inference_mode():
+            outputs.append(runner.run(compiled.program, [x])[0])
+        outputs.append(runner.submit(compiled.program, [x]).result()[0])
+    for output in outputs:
+        torch.testing.assert_close(output, _eager(model, x))
+
+
+@pytest.mark.slow
 def test_killed_rank_fails_every_pending_request_naming_it(chain) -> None:
     model, compiled = chain
     timeout_s = 5.0

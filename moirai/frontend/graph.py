@@ -32,6 +32,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from moirai.errors import TraceError
 from moirai.frontend.symbolic_shapes import example_int, shape_scalars
 from moirai.frontend.trace import TracedModel, is_view_node
 from moirai.progress import stage
@@ -188,6 +189,11 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
             if producer.name in node_of and node_of[producer.name] != index and producer not in scalars:
                 key = (node_of[producer.name], index, producer.name)
                 edges.setdefault(key, OpEdge(*key, float(_nbytes(producer.meta.get("val")))))
+    if not nodes:
+        raise TraceError(
+            f"{traced.model_name} computes nothing: its outputs are its inputs, weights or buffers as they are, so it "
+            "has no op to place on a device and nothing to split; call the model itself"
+        )
     return OpGraph(tuple(nodes), tuple(edges.values()), parameter_bytes)
 
 

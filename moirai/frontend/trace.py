@@ -41,6 +41,7 @@ from moirai.frontend.trace_checks import (
     check_example_inputs,
     check_operand_dtypes,
     check_static_shapes,
+    dynamic_shapes_error,
     in_place_write_error,
     inputs_do_not_fit_error,
     tensor_input_names,
@@ -111,14 +112,24 @@ def check_flat_inputs(
     for position, (value, spec) in enumerate(zip(tensors, specs, strict=True)):
         expected_shape = concrete_shape(spec, values)
         if value.dtype != spec.dtype or tuple(value.shape) != expected_shape:
-            raise _wrong_shape_error(model_name, position, value, spec, dynamic_dims)
+            raise _wrong_shape_error(model_name, position, value, spec, dynamic_dims, expected_shape)
     return values
 
 
 def _wrong_shape_error(
-    model_name: str, position: int, value: torch.Tensor, spec: TensorSpec, dynamic_dims: Sequence[DynamicDim]
+    model_name: str,
+    position: int,
+    value: torch.Tensor,
+    spec: TensorSpec,
+    dynamic_dims: Sequence[DynamicDim],
+    expected_shape: tuple[int, ...] | None = None,
 ) -> InputError:
     shown = spec.shape if spec.symbolic_shape is None else shape_with_dim_names(spec, dynamic_dims)
+    if tuple(value.shape) == expected_shape:  # only the dtype differs: no shape, dynamic or not, fits it
+        return InputError(
+            f"{model_name}: input {position} has dtype {value.dtype}, the plan was made for dtype {spec.dtype}; pass "
+            f"it as .to({spec.dtype}), or compile again with example inputs of the dtype you will serve"
+        )
     return InputError(
         f"{model_name}: input {position} has shape {tuple(value.shape)} and dtype {value.dtype}, "
         f"the plan was made for shape {shown} and dtype {spec.dtype}; "
@@ -229,7 +240,6 @@ def trace(
     dynamic_dims: tuple[DynamicDim, ...] = ()
     check_example_inputs(model, args, kwargs, name)
     args, kwargs = _unshared_inputs(args, kwargs)
-    warn_if_training(model, name)
     try:
         with _quiet_export():
             exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
@@ -244,6 +254,9 @@ def trace(
                 f"through **kwargs (here one of {sorted(kwargs)}); pass such options by a named parameter of forward "
                 "or leave them out (a Hugging Face model's ModelOutput needs no return_dict=False)"
             ) from export_error
+        dynamic_error = dynamic_shapes_error(name, export_error, args, kwargs, dynamic_shapes)
+        if dynamic_error is not None:
+            raise dynamic_error from export_error
         if kwargs or dynamic_shapes is not None:
             raise trace_error(name, export_error, args, kwargs) from export_error
         graph_module = _symbolic_trace_fallback(model, args, name, export_error)
@@ -273,6 +286,7 @@ def trace(
     _flatten_output(graph_module)
     graph_module.recompile()
     check_operand_dtypes(graph_module, name, tensor_input_names(args, kwargs))
+    warn_if_training(model, name, graph_module)
     if dynamic_dims:
         placeholders = graph_module.graph.find_nodes(op="placeholder")
         input_specs = tuple(tensor_spec(node.meta["val"]) for node in placeholders)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, free_unbacked_symbols
 
 from moirai.errors import TraceError, TrainingModeWarning, user_stacklevel
 
@@ -92,22 +92,58 @@ def check_example_inputs(model: torch.nn.Module, args: tuple, kwargs: dict[str, 
         ) from None
 
 
-def warn_if_training(model: torch.nn.Module, name: str) -> None:
+def warn_if_training(model: torch.nn.Module, name: str, graph_module: fx.GraphModule) -> None:
+    """Warn where ``model`` is in training mode and that changes what it computes: a dropout or batch-norm module
+    that is training, or an op of the traced graph that draws random numbers (``F.dropout(x, training=
+    self.training)``, as Hugging Face's attention does, leaves no module to find). The mode is fixed at tracing, so
+    the compiled program keeps it after ``model.eval()``."""
+    if not any(m.training for m in model.modules()):
+        return
     random_or_batch = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
-    training = [
-        f"{path or name} ({type(m).__name__})"
-        for path, m in model.named_modules()
-        if m.training and isinstance(m, random_or_batch)
+    modules = {path: m for path, m in model.named_modules() if m.training and isinstance(m, random_or_batch)}
+    training = [f"{path or name} ({type(m).__name__})" for path, m in modules.items()]
+    training += [
+        _describe_node(graph_module, node)
+        for node in graph_module.graph.nodes
+        if _draws_random_numbers(node)
+        and _innermost_module_path(node) not in modules
+        and _module_of(model, node).training
     ]
     if training:
         warnings.warn(
             TrainingModeWarning(
                 f"{name} is in training mode: {', '.join(training[:3])}{', ...' if len(training) > 3 else ''} "
                 "will drop random activations or use batch statistics, so the split model's outputs differ from "
-                "call to call and from the model in eval mode; call model.eval() before moirai.compile"
+                "call to call and from the model in eval mode, also after model.eval() (the mode is fixed when the "
+                "model is traced); call model.eval() before moirai.compile"
             ),
             stacklevel=user_stacklevel(),
         )
+
+
+def _draws_random_numbers(node: fx.Node) -> bool:
+    """Whether ``node`` is an aten op whose result is random (dropout, bernoulli, rand_like, ...)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    arguments = {a.name: a.default_value for a in target._schema.arguments if a.has_default_value()}
+    arguments.update({a.name: value for a, value in zip(target._schema.arguments, node.args, strict=False)})
+    arguments.update(node.kwargs)
+    # dropout(input, p, train), scaled_dot_product_attention(..., dropout_p=0.0): random only when they drop
+    return arguments.get("train", True) is not False and arguments.get("p", arguments.get("dropout_p", 1)) != 0
+
+
+def _innermost_module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def _module_of(model: torch.nn.Module, node: fx.Node) -> torch.nn.Module:
+    """The innermost module whose forward made ``node`` (``model`` where the trace does not say)."""
+    try:
+        return model.get_submodule(_innermost_module_path(node))
+    except AttributeError:
+        return model
 
 
 def _source_line(node: fx.Node) -> str:
@@ -165,6 +201,27 @@ def trace_error(model_name: str, error: Exception, args: tuple, kwargs: dict[str
         "Try: data-dependent control flow on tensor values must become torch.cond or be removed; "
         "Hugging Face decoders need use_cache=False (and return_dict=False if outputs are not tensors); "
         "example inputs must be tensors of the shape you will serve."
+    )
+
+
+def dynamic_shapes_error(
+    model_name: str, error: Exception, args: tuple, kwargs: dict[str, Any], dynamic_shapes: Any
+) -> TraceError | None:
+    """A :class:`TraceError` for torch.export's refusal of ``dynamic_shapes`` (an example size outside its ``Dim``'s
+    range, or a dimension the model fixes declared dynamic), naming the declared ranges; None for another error."""
+    from torch._dynamo.exc import UserError, UserErrorType
+
+    violated = isinstance(error, UserError) and error.error_type is UserErrorType.CONSTRAINT_VIOLATION
+    if not (violated or isinstance(error, ConstraintViolationError)):
+        return None
+    dims = [leaf for leaf in pytree.tree_leaves(dynamic_shapes) if isinstance(leaf, torch.export.Dim)]
+    declared = ", ".join(dict.fromkeys(f"{d.__name__} = {d.min}..{d.max}" for d in dims)) or "none by name"
+    return TraceError(
+        f"could not trace {model_name} with example inputs {_describe_tensors(args, kwargs)} and the dynamic_shapes "
+        f"given (declared: {declared}): torch.export refuses them ({_first_line(error)}; its ranges show a declared "
+        "lower end of 0 or 1 as 2). Give example inputs whose every dynamic dimension lies inside its declared "
+        "range, and declare dynamic only dimensions the model lets vary (a Linear fixes its input features, a "
+        "reshape may fix others)"
     )
 
 
