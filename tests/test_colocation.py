@@ -307,7 +307,7 @@ def test_a_group_that_fits_no_device_names_the_tasks_colocated_and_those_only_be
         place(between_problem(), "heft")
     message = str(refused.value)
     assert "colocated tasks 'a', 'b' (grouped with 'm', on a path between members" in message
-    assert "place it with milp" in message
+    assert "place it with milp's strategy='full'" in message
 
 
 def test_a_set_that_fits_no_device_by_itself_is_refused_by_the_milp_too():

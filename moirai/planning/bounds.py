@@ -107,15 +107,14 @@ def _check_sets_fit(problem: Problem) -> None:
 
 
 def _milp_remedy(contraction: Contraction, group: int) -> str:
-    """Where a group holds tasks no set names: the milp placer keeps sets without them, on a problem it solves whole."""
-    from moirai.planning.placers.milp import FULL_MODEL_MAX_TASKS
-
+    """Where a group holds tasks no set names: milp's ``strategy='full'`` keeps the set without them. (A placer that
+    keeps sets itself never gets here: the registry checks its sets alone, not their groups.)"""
     named = {i for members in contraction.original.colocated for i in members}
     if named.issuperset(contraction.members[group]):
         return ""
     return (
-        ", or place it with milp, which keeps a set on one device without the tasks between its members on a problem "
-        f"of up to {FULL_MODEL_MAX_TASKS} tasks"
+        ", or place it with milp's strategy='full', which keeps a set on one device without the tasks between its "
+        "members"
     )
 
 

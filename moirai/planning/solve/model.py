@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyomo.environ as pyo
 
+from moirai.planning.colocation import colocated_sets
 from moirai.planning.problem import Problem
 from moirai.planning.schedule.transfers import recv_cpu_s, send_cpu_s, transfer_duration_s
 from moirai.planning.solve.formulation import FORMULATIONS, Formulation, formulation_named
@@ -252,8 +253,6 @@ def _no_link_rows(c: ModelParts) -> None:
 def _colocation_rows(c: ModelParts) -> None:
     """Every colocated set on one device, on a device every member may use: the problem as it is, with tasks between
     members free (the registry's contraction, which groups them, is for the placers that cannot keep sets)."""
-    from moirai.planning.colocation import colocated_sets
-
     m, free_set = c.m, set(c.free)
     for members in colocated_sets(c.problem):
         free = [i for i in members if i in free_set]
