@@ -123,10 +123,11 @@ def lock_holders(descriptor: int) -> list[int]:
     return [int(fields[4]) for fields in holders if len(fields) > 5 and fields[5] == file_id and fields[4] != "0"]
 
 
-def open_own_folder(path: str | Path, forbidden_bits: int = _WRITABLE_BY_OTHERS) -> int:
+def open_own_folder(path: str | Path, forbidden_bits: int = _WRITABLE_BY_OTHERS, tighten: bool = False) -> int:
     """A descriptor of the folder ``path``, opened without following a link, if it is this user's and its mode has
     none of ``forbidden_bits`` (by default: no other user can write to it; 0o077: nor read it); else
-    PermissionError saying which."""
+    PermissionError saying which. ``tighten``: a folder of this user's with such bits loses them instead (``fchmod``
+    of the folder opened, so no other can be swapped in), as an older moirai made its caches under umask 002."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
     except OSError as error:
@@ -135,6 +136,12 @@ def open_own_folder(path: str | Path, forbidden_bits: int = _WRITABLE_BY_OTHERS)
         raise
     info = os.fstat(descriptor)
     problem = _ownership_problem(info, forbidden_bits)
+    if problem and tighten and info.st_uid == os.getuid():
+        try:
+            os.fchmod(descriptor, stat.S_IMODE(info.st_mode) & ~forbidden_bits)
+            problem = None
+        except OSError:
+            pass
     if problem:
         os.close(descriptor)
         raise PermissionError(f"{path} {problem}")
@@ -145,27 +152,45 @@ def _ownership_problem(info: os.stat_result, forbidden_bits: int) -> str | None:
     mode = stat.S_IMODE(info.st_mode)
     if info.st_uid != os.getuid():
         return f"belongs to user {info.st_uid}, not to this user ({os.getuid()})"
-    if mode & forbidden_bits:
-        return f"has mode {mode:o}: other users can {'write to' if mode & 0o022 else 'read'} it"
+    bits = mode & forbidden_bits
+    if bits:
+        who = " and ".join(w for w, mask in (("its group", 0o070), ("other users", 0o007)) if bits & mask)
+        can = "write to" if bits & 0o022 else "read" if bits & 0o044 else "enter"
+        return f"has mode {mode:o}: {who} can {can} it"
     return None
 
 
 def private_cache_folder(root: str | Path, name: str) -> Path:
     """The cache folder ``root/name``: ``root`` and it made (mode 0700) where missing and checked, each this user's
-    and not writable by others (:func:`open_own_folder`); else :class:`moirai.CacheError` naming the folder."""
+    and no link (:func:`open_own_folder`; one of this user's that others can write to, as an older moirai made them
+    under umask 002, loses those bits); else :class:`moirai.CacheError` naming the folder."""
     folder = Path(root) / name
-    Path(root).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        Path(root).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _unusable(Path(root).parent, "cannot be made", error) from None
     for path in (Path(root), folder):
+        _make_folder(path)
         try:
-            _make_folder(path)
-            os.close(open_own_folder(path))
+            os.close(open_own_folder(path, tighten=True))
         except PermissionError as error:
+            if error.errno is not None:  # the system's refusal (no access), not one of open_own_folder's
+                raise _unusable(path, "cannot be opened", error) from None
             raise CacheError(
                 f"the cache folder {error}; moirai keeps its measurements only in folders of yours that no other "
                 f"user can write to (another could plant the numbers it plans with): remove it (moirai makes it "
-                f"again, mode 0700), make it yours (chown, chmod go-w) or set {CACHE_DIR_ENV} to a folder of your own"
+                f"again, mode 0700), make it yours (chown) or set {CACHE_DIR_ENV} to a folder of your own"
             ) from None
+        except OSError as error:
+            words = "is not a folder" if error.errno == errno.ENOTDIR else "cannot be opened"
+            raise _unusable(path, words, error) from None
     return folder
+
+
+def _unusable(path: Path, words: str, error: OSError) -> CacheError:
+    return CacheError(
+        f"the cache folder {path} {words} ({error.strerror}); set {CACHE_DIR_ENV} to a folder you can write to"
+    )
 
 
 def _make_folder(path: Path) -> None:
@@ -174,7 +199,4 @@ def _make_folder(path: Path) -> None:
     except FileExistsError:
         pass
     except OSError as error:
-        raise CacheError(
-            f"the cache folder {path} cannot be made ({error.strerror}); set {CACHE_DIR_ENV} to a folder you can "
-            "write to"
-        ) from None
+        raise _unusable(path, "cannot be made", error) from None

@@ -273,7 +273,7 @@ def test_a_peers_shared_memory_files_are_opened_only_if_they_are_this_users_priv
     (directory / "ring-0").symlink_to(tmp_path / "elsewhere")
     spills = shm_files.SpillOwner(str(tmp_path))
     try:
-        with pytest.raises(PermissionError, match="has mode 755: other users can read it"):
+        with pytest.raises(PermissionError, match="has mode 755: its group and other users can read it"):
             shm._open_outbound(str(directory), 0, spills)
         directory.chmod(0o700)
         with pytest.raises(OSError):  # a link is not followed

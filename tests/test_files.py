@@ -117,23 +117,22 @@ def _another_users(path: Path) -> Path:
     return path
 
 
+_AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user (chown) needs root")
+
+
 @pytest.mark.parametrize(
     ("squat", "words"),
     [
-        (lambda root: _another_users(root), "belongs to user 65534, not to this user"),
-        (lambda root: _another_users(root / "calibration"), "belongs to user 65534"),
-        (
-            lambda root: (root / "calibration").mkdir(mode=0o777) or os.chmod(root / "calibration", 0o777),
-            "has mode 777",
-        ),
+        pytest.param(lambda root: _another_users(root), "belongs to user 65534, not to this user", marks=_AS_ROOT),
+        pytest.param(lambda root: _another_users(root / "calibration"), "belongs to user 65534", marks=_AS_ROOT),
         (lambda root: (root / "calibration").symlink_to(root.parent / "victims"), "is a symbolic link"),
     ],
-    ids=["another-users-root", "another-users-subfolder", "writable-by-all", "a-link"],
+    ids=["another-users-root", "another-users-subfolder", "a-link"],
 )
 def test_a_cache_folder_another_user_could_have_filled_is_refused_naming_it(tmp_path: Path, squat, words) -> None:
     """Fault injected: MOIRAI_CACHE_DIR's folder made first by another user (a name in /tmp), or a subfolder of it
-    theirs, writable by all, or a link to a folder of the victim's. Before, moirai read the numbers planted there
-    (3.1 s of 'measured' latency per message) and wrote through the link."""
+    theirs, or a link to a folder of the victim's. Before, moirai read the numbers planted there (3.1 s of
+    'measured' latency per message) and wrote through the link."""
     root = tmp_path / "cache"
     root.mkdir(mode=0o755)
     (tmp_path / "victims").mkdir(mode=0o700)
@@ -147,10 +146,44 @@ def test_a_cache_folder_another_user_could_have_filled_is_refused_naming_it(tmp_
     assert list((tmp_path / "victims").iterdir()) == []  # nothing written through the link
 
 
+@_AS_ROOT
 def test_a_profile_cache_folder_of_another_user_is_refused(tmp_path: Path) -> None:
     _another_users(tmp_path / "profiles")
     with pytest.raises(CacheError, match=r"profiles belongs to user 65534"):
         _ProfileCache(tmp_path, "cpu|a device")
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o777], ids=["umask-002", "writable-by-all"])
+def test_a_cache_folder_of_this_users_others_can_write_to_is_tightened_not_refused(tmp_path: Path, mode) -> None:
+    """An older moirai made its folders 0777 & ~umask: 0775 under the umask 002 of Fedora and RHEL. Before, every
+    compile of that user then failed with 'has mode 775: other users can write to it'."""
+    root = tmp_path / "cache"
+    umask = os.umask(0o777 & ~mode)
+    try:
+        (root / "calibration").mkdir(parents=True)
+        (root / "profiles").mkdir()
+    finally:
+        os.umask(umask)
+    assert _mode(root / "calibration") == mode
+    cached = calibration_cache_path(root)
+    _ProfileCache(root, "cpu|a device")
+    assert [_mode(p) for p in (root, cached.parent, root / "profiles")] == [mode & ~0o022] * 3
+
+
+@pytest.mark.parametrize(
+    ("root", "words"),
+    [
+        (lambda tmp: tmp / "a-file", r"a-file is not a folder \(Not a directory\)"),
+        (lambda tmp: tmp / "a-file" / "below" / "cache", r"a-file/below cannot be made \(Not a directory\)"),
+    ],
+    ids=["a-file", "below-a-file"],
+)
+def test_a_cache_folder_that_is_a_file_or_cannot_be_made_is_a_cache_error_naming_it(tmp_path: Path, root, words):
+    """Before: MOIRAI_CACHE_DIR naming a file, or a folder below one, reached compile as a raw NotADirectoryError."""
+    (tmp_path / "a-file").write_text("")
+    for reader in (lambda: calibration_cache_path(root(tmp_path)), lambda: _ProfileCache(root(tmp_path), "cpu|x")):
+        with pytest.raises(CacheError, match=rf"the cache folder {tmp_path}/{words}; set MOIRAI_CACHE_DIR"):
+            reader()
 
 
 def test_a_calibration_lock_held_too_long_is_an_error_naming_the_lock_and_its_holder(tmp_path: Path, monkeypatch):
