@@ -15,11 +15,17 @@ from moirai.runtime import shm, shm_files
 from moirai.runtime.groups import Group
 
 
-def connected_pair(world_size: int = 2) -> list[shm.SharedMemoryLinks]:
-    """Every rank's links, each rank connecting in a thread of this process (as processes do through a store)."""
+def connected_pair(world_size: int = 2, inference_mode: bool = False) -> list[shm.SharedMemoryLinks]:
+    """Every rank's links, each rank connecting in a thread of this process (as processes do through a store);
+    ``inference_mode``: each connecting inside ``torch.inference_mode``."""
     store = dist.HashStore()
+
+    def connect(rank: int) -> shm.SharedMemoryLinks | None:
+        with torch.inference_mode(inference_mode):
+            return shm.connect(rank, world_size, store, 10.0, "test")
+
     with ThreadPoolExecutor(world_size) as pool:
-        futures = [pool.submit(shm.connect, rank, world_size, store, 10.0, "test") for rank in range(world_size)]
+        futures = [pool.submit(connect, rank) for rank in range(world_size)]
         links = [future.result() for future in futures]
     assert all(link is not None for link in links)
     return links  # type: ignore[return-value]
@@ -39,6 +45,16 @@ def test_messages_arrive_by_tag_whatever_the_order_of_the_waits():
     for tag in reversed(sent):  # the first wait reads every message ahead of its own and keeps them
         torch.testing.assert_close(received(b, sent[tag], 0, tag), sent[tag])
     assert a.peers == {1} and b.peers == {0}
+
+
+def test_links_made_inside_inference_mode_carry_messages_sent_and_received_outside_it():
+    """Under torchrun, compiled.server() makes the rings in the caller's thread, maybe inside torch.inference_mode,
+    and the driver's threads use them. Before, the rings were inference tensors there and every send failed with
+    'Inplace update to inference tensor outside InferenceMode'."""
+    a, b = connected_pair(inference_mode=True)
+    sent = torch.randn(3, 5)
+    a.send([sent], 1, 7)
+    torch.testing.assert_close(received(b, sent, 0, 7), sent)
 
 
 def test_messages_both_ways_of_every_dtype_and_shape():

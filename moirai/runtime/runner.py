@@ -208,7 +208,6 @@ class DistributedRunner:
                 _log.warning("restarting the ranks after a failure failed: %s", error)
 
     @stage("start workers", "one process per device but the first")
-    @torch.inference_mode(False)  # the caller's, maybe inside inference mode: the rings are written by other threads
     def _start(self, programs: Sequence[SplitProgram], abandon_on_close: bool = False) -> None:
         """Spawn ranks 1..N-1 and make the driver; ``programs``: those the first calls will load (to check room).
 

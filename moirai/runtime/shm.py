@@ -134,7 +134,10 @@ class _Ring:
             self._map = mmap.mmap(fd, _CONTROL_BYTES + RING_BYTES)
         finally:
             os.close(fd)
-        self.data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_CONTROL_BYTES)
+        # Made in whichever thread connects (under torchrun the caller's, maybe inside torch.inference_mode) and
+        # written by the driver's threads: never an inference tensor, which those could not write.
+        with torch.inference_mode(False):
+            self.data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_CONTROL_BYTES)
 
     @property
     def consumed(self) -> int:
