@@ -287,6 +287,16 @@ def test_dynamic_shapes_torch_refuses_name_the_declared_ranges(example, axis):
         moirai.trace(tiny(), (example,), dynamic_shapes=({axis: batch},))
 
 
+def test_dynamic_shapes_refused_name_the_declared_ranges_where_dim_is_a_function(monkeypatch):
+    """Before torch 2.6 ``torch.export.Dim`` is a function (each dim a type of the ``_Dim`` metaclass): the check
+    ``isinstance(leaf, torch.export.Dim)`` raised TypeError there, hiding both the TraceError and torch's error."""
+    batch = torch.export.Dim("batch", min=1, max=8)
+    real = torch.export.Dim
+    monkeypatch.setattr(torch.export, "Dim", lambda *args, **kwargs: real(*args, **kwargs))
+    with raises(TraceError, "dynamic_shapes given (declared: batch = 1..8)"):
+        moirai.trace(tiny(), (torch.randn(16, 4),), dynamic_shapes=({0: batch},))
+
+
 def test_call_with_the_wrong_number_of_inputs(compiled):
     with raises(InputError, "traced with 1 positional input(s)", "called with 2", "same arguments"):
         compiled(X, X)

@@ -177,6 +177,17 @@ def shape_with_dim_names(spec: TensorSpec, dynamic_dims: Sequence[DynamicDim]) -
     return f"({', '.join(words)})"
 
 
+def is_export_dim(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.export.Dim`` (or one derived from it, ``2*batch``), told by what it has: before
+    torch 2.6 ``Dim`` is a function and each dim a type of its own, so ``isinstance(value, torch.export.Dim)`` is a
+    TypeError there. ``Dim.AUTO`` and ``Dim.DYNAMIC`` are hints, not dims."""
+    return (
+        isinstance(getattr(value, "__name__", None), str)
+        and isinstance(getattr(value, "min", None), int)
+        and isinstance(getattr(value, "max", None), int)
+    )
+
+
 def exported_dynamic_dims(
     exported: torch.export.ExportedProgram,
     graph_module: fx.GraphModule,

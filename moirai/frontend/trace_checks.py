@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, free_unbacked_symbols
 
 from moirai.errors import TraceError, TrainingModeWarning, user_stacklevel
+from moirai.frontend.symbolic_shapes import is_export_dim
 
 _MOIRAI_DIRECTORY = str(Path(__file__).parent)
 # Ops whose first three tensor operands (input, weight, bias; q, k, v) must share one dtype. Fake
@@ -214,7 +215,7 @@ def dynamic_shapes_error(
     violated = isinstance(error, UserError) and error.error_type is UserErrorType.CONSTRAINT_VIOLATION
     if not (violated or isinstance(error, ConstraintViolationError)):
         return None
-    dims = [leaf for leaf in pytree.tree_leaves(dynamic_shapes) if isinstance(leaf, torch.export.Dim)]
+    dims = [leaf for leaf in pytree.tree_leaves(dynamic_shapes) if is_export_dim(leaf)]
     declared = ", ".join(dict.fromkeys(f"{d.__name__} = {d.min}..{d.max}" for d in dims)) or "none by name"
     return TraceError(
         f"could not trace {model_name} with example inputs {_describe_tensors(args, kwargs)} and the dynamic_shapes "
