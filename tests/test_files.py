@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import moirai.cluster.calibration.cache as cache_module
-from moirai.cluster.calibration import TransferCost, local_calibration, read_calibration, write_calibration
-from moirai.cluster.calibration.cache import cached_links, calibration_cache_path
+from moirai.cluster.calibration import HostLink, TransferCost, local_calibration, read_calibration, write_calibration
+from moirai.cluster.calibration.cache import cache_host_links, cached_links, calibration_cache_path
 from moirai.cluster.cost import _ProfileCache
 from moirai.errors import CacheError, ClusterError, PlanError
 from moirai.files import own_lock_file, read_own_text, write_atomically
@@ -29,10 +29,10 @@ def test_a_write_replaces_a_link_at_its_name_and_leaves_what_the_link_pointed_to
     planted.symlink_to(victim)
     guessed = tmp_path / f"calibration.{os.getpid()}.tmp"  # the temporary name moirai used to write first
     guessed.symlink_to(victim)
-    write_calibration(planted, {"cpu->cpu": COST})
+    write_calibration(planted, {"cpu->cpu": COST}, private=True)
     assert victim.read_text() == "the victim's own file"
     assert not planted.is_symlink() and read_calibration(planted) == {"cpu->cpu": COST}
-    assert stat.S_IMODE(planted.stat().st_mode) == 0o600  # a calibration file is the cache's unless said otherwise
+    assert stat.S_IMODE(planted.stat().st_mode) == 0o600  # the cache's mode
     guessed.unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration.json", "victim.txt"]  # no temporary left
 
@@ -103,7 +103,7 @@ def test_the_cache_folders_moirai_makes_are_private_and_so_are_its_cache_files(t
     """Before: folders 0755 and files 0644 (as the umask let them), so every local user could read the caches."""
     root = tmp_path / "new" / "cache"
     cached = calibration_cache_path(root)
-    write_calibration(cached, {"cpu->cpu": COST})
+    cache_host_links({HostLink("a", "b", "cpu->cpu"): COST}, root)  # the cache written as moirai writes it
     profiles = _ProfileCache(root, "cpu|a device")
     profiles.times_s["group"] = 1e-3
     profiles.save()
@@ -227,3 +227,7 @@ def test_a_file_the_user_names_keeps_the_mode_of_the_file_it_replaces(tmp_path: 
     umask = os.umask(0)
     os.umask(umask)
     assert _mode(fresh) == 0o644 & ~umask  # as open() would have made it
+    # A calibration file the user names (write_calibration's default) follows the same rule, not the cache's 0600.
+    named = tmp_path / "calibration.json"
+    write_calibration(named, {"cpu->cpu": COST})
+    assert _mode(named) == 0o644 & ~umask

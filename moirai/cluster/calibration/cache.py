@@ -90,7 +90,11 @@ def local_calibration(
                     cached.update(_measured_again_if_noise(pair))
         if missing:
             write_calibration(
-                path, {**cached_links(path), **cached}, _read_cached_requests(path), cached_host_links(path)
+                path,
+                {**cached_links(path), **cached},
+                _read_cached_requests(path),
+                cached_host_links(path),
+                private=True,
             )
     return {kind: cached[kind] for kind in needed}
 
@@ -114,7 +118,7 @@ def local_request_cost(calibration: str | Path = "auto", cache_dir: str | Path |
         if requests is None:
             with stage("calibrate requests", "the runtime's own work per request, once for this machine (then cached)"):
                 requests = measure_request_cost(link)
-            write_calibration(path, links, requests, cached_host_links(path))
+            write_calibration(path, links, requests, cached_host_links(path), private=True)
     return requests
 
 
@@ -177,7 +181,7 @@ def cache_host_links(links: Mapping[HostLink, TransferCost], cache_dir: str | Pa
     path = calibration_cache_path(cache_dir)
     with _exclusive(path.with_suffix(".lock")):
         host_links = {**cached_host_links(path), **links}
-        write_calibration(path, cached_links(path), _read_cached_requests(path), host_links)
+        write_calibration(path, cached_links(path), _read_cached_requests(path), host_links, private=True)
 
 
 def cached_host_links(path: Path) -> dict[HostLink, TransferCost]:
@@ -305,10 +309,10 @@ def write_calibration(
     costs: Mapping[str, TransferCost],
     requests: RequestCost | None = None,
     host_links: Mapping[HostLink, TransferCost] | None = None,
-    private: bool = True,
+    private: bool = False,
 ) -> None:
-    """Write a calibration file: this machine's cache (mode 0600) unless ``private=False`` (a file the user names,
-    as :func:`moirai.files.write_atomically` writes one)."""
+    """Write a calibration file: one the user names keeps the mode of the file of theirs it replaces, else 0644 less
+    the umask (:func:`moirai.files.write_atomically`); ``private``: this machine's cache, mode 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {
