@@ -28,7 +28,7 @@ import highspy
 import numpy as np
 
 from moirai.errors import InfeasibleError
-from moirai.planning.colocation import Contraction, colocated_sets, contract, names_of
+from moirai.planning.colocation import Contraction, colocated_sets, contract, names_of, no_common_device
 from moirai.planning.highs import new_highs
 from moirai.planning.problem import Problem, check_problem
 from moirai.planning.schedule.transfers import transfer_duration_s
@@ -92,18 +92,20 @@ def _check_sets_fit(problem: Problem) -> None:
     for members in colocated_sets(problem):
         runs_on = problem.runs_on[list(members)].all(axis=0)
         if not runs_on.any():
-            raise InfeasibleError(
-                f"colocated tasks {names_of(problem, members)} have no device that can run them all (each has an "
-                "infinite compute time on some device); allow them a common device or drop the set"
-            )
+            raise no_common_device(names_of(problem, members))
         needed = float(problem.memory_bytes[list(members)].sum())
         if not (runs_on & (problem.memory_capacity_bytes >= needed)).any():
             largest = float(problem.memory_capacity_bytes[runs_on].max())
-            raise InfeasibleError(
-                f"colocated tasks {names_of(problem, members)} must share one device and need {format_bytes(needed)} "
-                f"together, but no device that can run them all has that much (largest: {format_bytes(largest)}); "
-                "add memory or split the set"
-            )
+            raise _too_large_together(names_of(problem, members), needed, largest)
+
+
+def _too_large_together(described: str, needed_bytes: float, largest_bytes: float, remedy: str = "") -> InfeasibleError:
+    """The refusal of colocated tasks (``described``) whose memory together no device that runs them all holds."""
+    return InfeasibleError(
+        f"colocated tasks {described} must share one device and need {format_bytes(needed_bytes)} together, but no "
+        f"device that can run them all has that much (largest: {format_bytes(largest_bytes)}); add memory or split "
+        f"the set{remedy}"
+    )
 
 
 def _milp_remedy(contraction: Contraction, group: int) -> str:
@@ -123,13 +125,9 @@ def _check_groups_fit(contraction: Contraction) -> None:
     for c in contraction.groups:
         if contracted.fits[c].any():
             continue
-        runs_on = contracted.runs_on[c]
-        largest = float(contracted.memory_capacity_bytes[runs_on].max())
-        raise InfeasibleError(
-            f"colocated tasks {contraction.describe(c)} must share one device and need "
-            f"{format_bytes(float(contracted.memory_bytes[c]))} together, but no device that can run them all has "
-            f"that much (largest: {format_bytes(largest)}); add memory or split the set{_milp_remedy(contraction, c)}"
-        )
+        largest = float(contracted.memory_capacity_bytes[contracted.runs_on[c]].max())
+        needed = float(contracted.memory_bytes[c])
+        raise _too_large_together(contraction.describe(c), needed, largest, _milp_remedy(contraction, c))
 
 
 def _fastest_holding_device_time(problem: Problem) -> np.ndarray:

@@ -116,6 +116,14 @@ class Contraction:
         )
 
 
+def no_common_device(described: str) -> InfeasibleError:
+    """The refusal of colocated tasks (``described``) that no one device can run."""
+    return InfeasibleError(
+        f"colocated tasks {described} have no device that can run them all (each has an infinite compute time on "
+        "some device); allow them a common device or drop the set"
+    )
+
+
 _CACHE: weakref.WeakKeyDictionary[Problem, Contraction] = weakref.WeakKeyDictionary()
 
 
@@ -195,10 +203,7 @@ def _contract(problem: Problem, groups: tuple[tuple[int, ...], ...]) -> Contract
     compute = np.array([problem.compute_s[list(tasks)].sum(axis=0) for tasks in members]).reshape(-1, k)
     for c, tasks in enumerate(members):
         if len(tasks) > 1 and not np.isfinite(compute[c]).any():
-            raise InfeasibleError(
-                f"colocated tasks {group_words(problem, tasks)} have no device that can run them all (each has an "
-                "infinite compute time on some device); allow them a common device or drop the set"
-            )
+            raise no_common_device(group_words(problem, tasks))
     kept, producers, consumers = [], [], []
     for t, tensor_consumers in enumerate(problem.tensor_consumers):
         source = int(task_of[problem.tensor_producer[t]])
