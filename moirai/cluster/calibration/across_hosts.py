@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moirai.cluster.calibration.cache import cache_host_links, local_host_links
+from moirai.cluster.calibration.cache import MEASURED_CALIBRATIONS, cache_host_links, local_host_links
 from moirai.cluster.calibration.fit import HostLink, TransferCost, TransferTimings, fit_between_hosts, link_kind
 from moirai.cluster.calibration.measure import DEFAULT_SIZES_BYTES, leave_together, measure_pairs
 from moirai.errors import DistributedError
@@ -147,7 +147,7 @@ def measure_host_links(
 
     decision, missing = f"{prefix}/measure", []
     if rank == 0:
-        cached = local_host_links(calibration, cache_dir) if calibration in ("auto", "remeasure") else {}
+        cached = local_host_links(calibration, cache_dir) if calibration in MEASURED_CALIBRATIONS else {}
         missing = sorted(str(link) for link in _links_measured(torch_devices, hosts) - set(cached))
         measure = calibration == "remeasure" or (calibration == "auto" and bool(missing))
         store.set(decision, "1" if measure else "0")

@@ -48,6 +48,8 @@ except ImportError:  # not POSIX
 # own work per request (RequestCost); 5: that work measured between parts that compute as a model's do; 7: ranks
 # of several threads calibrate on one (measure.calibration_resources)
 CALIBRATION_FORMAT_VERSION = 7
+# The words for a calibration measured (then cached) on this machine, not read from a file.
+MEASURED_CALIBRATIONS = ("auto", "remeasure")
 # How long a compile waits for another process measuring this machine's links: longer than measuring them takes.
 _LOCK_WAIT_S = 600.0
 
@@ -64,7 +66,7 @@ def local_calibration(
     """
     devices = [str(torch.device(d)) for d in torch_devices]
     needed = {link_kind(a, b): (a, b) for a in devices for b in devices if a != b or devices.count(a) > 1}
-    if calibration not in ("auto", "remeasure"):
+    if calibration not in MEASURED_CALIBRATIONS:
         if not Path(calibration).is_file():
             raise ClusterError(
                 f"calibration={str(calibration)!r} is neither 'auto', 'remeasure' nor an existing calibration file "
@@ -102,7 +104,7 @@ def local_calibration(
 def local_request_cost(calibration: str | Path = "auto", cache_dir: str | Path | None = None) -> RequestCost:
     """The runtime's own work per request on this machine (:class:`RequestCost`), read and measured as
     :func:`local_calibration` reads and measures links (measured once, a few seconds, then cached beside them)."""
-    if calibration not in ("auto", "remeasure"):
+    if calibration not in MEASURED_CALIBRATIONS:
         stored = read_request_cost(calibration)
         if stored is None:
             raise ClusterError(
@@ -171,7 +173,7 @@ def local_host_links(
     ``compile`` with ``"auto"``: :func:`~.across_hosts.measure_host_links`): a calibration file's, or with ``"auto"``
     and ``"remeasure"`` this machine's cached ones (measuring them needs every host's ranks, so nothing here measures
     them)."""
-    if calibration in ("auto", "remeasure"):
+    if calibration in MEASURED_CALIBRATIONS:
         return cached_host_links(calibration_cache_path(cache_dir))
     return read_host_links(calibration)
 

@@ -14,6 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from moirai.cluster.calibration.cache import (
+    MEASURED_CALIBRATIONS,
+    local_calibration,
+    local_host_links,
+    local_request_cost,
+)
 from moirai.cluster.calibration.fit import HostLink, TransferCost, link_kind
 from moirai.cluster.calibration.measure import DEFAULT_SIZES_BYTES, measure_transfer_costs
 from moirai.cluster.calibration.request_cost import RequestCost
@@ -41,8 +47,6 @@ def local_cluster(
     cluster = Cluster.from_devices(devices, hosts)
     if calibration == "none" or len(cluster) < 2:
         return cluster
-    from moirai.cluster.calibration.cache import local_calibration, local_host_links, local_request_cost
-
     links = local_calibration([d.torch_device for d in cluster.devices], calibration)
     host_links = local_host_links(calibration) if hosts is not None else {}
     unmeasured = sorted({str(link) for link in _host_links_of(cluster) if link not in host_links})
@@ -52,13 +56,13 @@ def local_cluster(
             "link between local devices for them"
         )
         measure = "torchrun (on every host) ... -m moirai calibrate --update-cache, or --save FILE and calibration=FILE"
-        if calibration not in ("auto", "remeasure"):
+        if calibration not in MEASURED_CALIBRATIONS:
             raise ClusterError(f"calibration file {str(calibration)!r}: {what}; measure them with {measure}")
         warnings.warn(f"{what}; measure them with {measure}", MoiraiWarning, stacklevel=user_stacklevel())
     return calibrated_cluster(cluster, links, local_request_cost(calibration), host_links)
 
 
-_CALIBRATION_WORDS = ("auto", "remeasure", "none")
+_CALIBRATION_WORDS = (*MEASURED_CALIBRATIONS, "none")
 _CALIBRATION_CHOICES = (
     "pass 'auto' (this machine's cached calibration), 'remeasure', 'none' (the detected defaults) or the path of a "
     "calibration file (moirai calibrate --save PATH)"
