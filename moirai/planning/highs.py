@@ -69,6 +69,14 @@ def new_highs(threads: int | None = None) -> highspy.Highs:
     return highs
 
 
+def set_gaps(highs: highspy.Highs, mip_gap: float) -> None:
+    """Stop at the relative ``mip_gap`` only. HiGHS also stops at an absolute gap (1e-6 by default); in model units
+    (horizon / 1000) a period can be far below it when the horizon dwarfs it, and HiGHS would call its start plan
+    optimal."""
+    highs.setOptionValue("mip_rel_gap", mip_gap)
+    highs.setOptionValue("mip_abs_gap", 0.0)
+
+
 class SparseLinearProgram:
     """``minimise cost @ x`` subject to ``lower <= A x <= upper`` and variable bounds."""
 
@@ -122,8 +130,7 @@ class SparseLinearProgram:
         them) and whether they are proved optimal within the relative ``mip_gap``; None when HiGHS found no feasible
         point (or reports a numerical failure)."""
         highs = self._loaded(integer_vars, time_limit_s, "choose")
-        highs.setOptionValue("mip_rel_gap", mip_gap)
-        highs.setOptionValue("mip_abs_gap", 0.0)  # the relative gap alone: no absolute one in the model's units
+        set_gaps(highs, mip_gap)
         if start:
             columns = np.fromiter(start, np.int32, len(start))
             highs.setSolution(len(columns), columns, np.fromiter(start.values(), float, len(start)))
@@ -212,14 +219,11 @@ def run_highs(
 
     for option, setting in (
         ("time_limit", max(time_limit_s - (time.perf_counter() - started), 0.01)),
-        ("mip_rel_gap", mip_gap),
-        # HiGHS also stops at an absolute gap (1e-6 by default); in model units (horizon / 1000) a period can be far
-        # below it when the horizon dwarfs it, and HiGHS would call its start plan optimal. The relative gap only.
-        ("mip_abs_gap", 0.0),
         ("mip_feasibility_tolerance", 1e-9),
         ("primal_feasibility_tolerance", 1e-9),
     ):
         highs.setOptionValue(option, setting)
+    set_gaps(highs, mip_gap)
     if start is not None:
         known = [(column_of(var), value) for var, value in start.items()]
         known = [(c, value) for c, value in known if c is not None]
