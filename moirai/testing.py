@@ -212,7 +212,7 @@ def brute_force_optimum(problem: Problem, contention: bool = True) -> float:
         if bound >= best - 1e-9:
             break
         orders = {tuple(tuple(i for i in order if placement[i] == d) for d in range(k)) for order in topological_orders}
-        links = _link_tensors(problem, placement) if contention else {}
+        links = link_tensors(problem, placement) if contention else {}
         for order in orders:
             for link_orders in itertools.product(*(itertools.permutations(ts) for ts in links.values())):
                 plan = Plan(placement, problem.device_names, order, dict(zip(links, link_orders, strict=True)))
@@ -237,7 +237,7 @@ def _placement_bound(problem: Problem, placement: np.ndarray) -> float:
     return float(max(finish.max(initial=0.0), load.max()))
 
 
-def _link_tensors(problem: Problem, placement: np.ndarray) -> dict[tuple[int, int], tuple[int, ...]]:
+def link_tensors(problem: Problem, placement: np.ndarray) -> dict[tuple[int, int], tuple[int, ...]]:
     links: dict[tuple[int, int], set[int]] = {}
     for t, consumers in enumerate(problem.tensor_consumers):
         a = int(placement[problem.tensor_producer[t]])
