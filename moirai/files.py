@@ -135,7 +135,7 @@ def open_own_folder(path: str | Path, forbidden_bits: int = _WRITABLE_BY_OTHERS,
             raise PermissionError(f"{path} is a symbolic link, which moirai does not follow here") from None
         raise
     info = os.fstat(descriptor)
-    problem = _ownership_problem(info, forbidden_bits)
+    problem = ownership_problem(info, forbidden_bits)
     if problem and tighten and info.st_uid == os.getuid():
         try:
             os.fchmod(descriptor, stat.S_IMODE(info.st_mode) & ~forbidden_bits)
@@ -148,8 +148,12 @@ def open_own_folder(path: str | Path, forbidden_bits: int = _WRITABLE_BY_OTHERS,
     return descriptor
 
 
-def _ownership_problem(info: os.stat_result, forbidden_bits: int) -> str | None:
+def ownership_problem(info: os.stat_result, forbidden_bits: int, kind: int = stat.S_IFDIR) -> str | None:
+    """What makes the file ``info`` describes unfit for moirai to trust (another user's, not of type ``kind``, a
+    mode with any of ``forbidden_bits``), or None: for its folders and the shared-memory files a peer names."""
     mode = stat.S_IMODE(info.st_mode)
+    if stat.S_IFMT(info.st_mode) != kind:
+        return f"is not a {'folder' if kind == stat.S_IFDIR else f'file of type {stat.filemode(kind)[0]}'}"
     if info.st_uid != os.getuid():
         return f"belongs to user {info.st_uid}, not to this user ({os.getuid()})"
     bits = mode & forbidden_bits

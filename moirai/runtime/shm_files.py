@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from moirai.errors import DistributedError
-from moirai.files import open_own_folder
+from moirai.files import open_own_folder, ownership_problem
 
 ENV_SWITCH = "MOIRAI_SHARED_MEMORY"
 DIR_ENV = "MOIRAI_SHM_DIR"  # where rings and spill files live (default /dev/shm)
@@ -89,8 +89,9 @@ def open_checked(path: str, flags: int, kind: int, min_bytes: int = 0, dir_fd: i
     fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         info = os.fstat(fd)
-        if info.st_uid != os.getuid() or stat.S_IFMT(info.st_mode) != kind or info.st_mode & 0o077:
-            raise PermissionError(f"{path} is not this user's private {stat.filemode(kind)[0]} file")
+        problem = ownership_problem(info, 0o077, kind)
+        if problem:
+            raise PermissionError(f"{path} {problem}")
         if info.st_size < min_bytes:
             raise OSError(f"{path} holds {info.st_size} bytes, fewer than the {min_bytes} announced")
     except BaseException:
