@@ -164,6 +164,12 @@ def ownership_problem(info: os.stat_result, forbidden_bits: int, kind: int = sta
     return None
 
 
+def default_cache_dir() -> Path:
+    """The root of moirai's caches (measured profiles, calibrations): ``$MOIRAI_CACHE_DIR``, else
+    ``~/.cache/moirai``."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "moirai")
+
+
 def private_cache_folder(root: str | Path, name: str) -> Path:
     """The cache folder ``root/name``: ``root`` and it made (mode 0700) where missing and checked, each this user's
     and no link (:func:`open_own_folder`; one of this user's that others can write to, as an older moirai made them

@@ -74,7 +74,7 @@ from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import Spans, kind_of
 from moirai.cluster.messages import header_s, input_messages, output_messages, recv_cpu_s, send_cpu_s, transfer_s
 from moirai.errors import ClusterError, MoiraiWarning
-from moirai.files import CACHE_DIR_ENV, private_cache_folder, read_own_text, write_atomically
+from moirai.files import default_cache_dir, private_cache_folder, read_own_text, write_atomically
 from moirai.frontend.graph import OpGraph
 from moirai.frontend.symbolic_shapes import concrete_shape, example_int, sizes_at
 from moirai.frontend.trace import TracedModel, devices_mentioned, retarget_devices
@@ -526,11 +526,6 @@ def _compute_until_closed(
         os.write(2, f"moirai: a process computing beside a steady-state profile failed: {error!r}\n".encode())
     finally:
         os._exit(code)
-
-
-def default_cache_dir() -> Path:
-    """Where measured profiles live: ``$MOIRAI_CACHE_DIR``, else ``~/.cache/moirai``."""
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "moirai")
 
 
 class _ProfileCache:

@@ -1,7 +1,7 @@
 """This machine's calibration, cached on disk: measured the first time a link kind is needed, then read.
 
 One file per host, CPU, core count and torch version, beside the measured profiles
-(:func:`moirai.cluster.cost.default_cache_dir`); one process of a host measures at a time.
+(:func:`moirai.files.default_cache_dir`); one process of a host measures at a time.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import torch
 from moirai.cluster.calibration.fit import HostLink, NoisyTimingsError, TransferCost, link_kind
 from moirai.cluster.calibration.measure import measure_link_kinds
 from moirai.cluster.calibration.request_cost import RequestCost, measure_request_cost
-from moirai.cluster.cost import default_cache_dir
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import CPU
 from moirai.errors import CacheError, ClusterError, MoiraiWarning, user_stacklevel
 from moirai.files import (
+    default_cache_dir,
     lock_exclusively,
     lock_holders,
     own_lock_file,
