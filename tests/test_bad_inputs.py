@@ -518,6 +518,22 @@ def test_calibration_of_an_unknown_word_or_a_missing_file(devices, calibration, 
         moirai.compile(tiny(), devices, (X,), placer="heft", calibration=calibration, progress=False)
 
 
+@pytest.mark.parametrize(
+    ("calibration", "words"),
+    [
+        ("remeasure ", "calibration='remeasure ' is not a calibration word (did you mean 'remeasure'?)"),
+        ("none", "calibration='none' (the detected defaults) measures and reads no links"),
+    ],
+)
+def test_local_calibration_checks_its_argument_as_compile_does(calibration, words):
+    """local_calibration, public, kept its own check: 'is neither 'auto', 'remeasure' nor an existing calibration
+    file', with no suggestion, and 'none' read as a missing file."""
+    from moirai.cluster.calibration import local_calibration
+
+    with raises(ClusterError, words):
+        local_calibration(["cpu", "cpu"], calibration)
+
+
 def test_load_and_compile_lm_check_calibration_as_compile_does(compiled, tmp_path):
     path = tmp_path / "plan.json"
     compiled.save(path)

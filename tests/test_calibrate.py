@@ -173,7 +173,7 @@ def test_calibration_file_is_used_as_given(fake_measurement: list, tmp_path: Pat
     assert fake_measurement == []
     with pytest.raises(ClusterError, match="has no"):
         local_calibration(["cpu", "cuda:0"], path)
-    with pytest.raises(ClusterError, match="neither 'auto', 'remeasure' nor an existing calibration file"):
+    with pytest.raises(ClusterError, match=r"calibration file '.*missing.json' does not exist; pass 'auto'"):
         local_calibration(["cpu", "cpu"], tmp_path / "missing.json")
 
 

@@ -26,7 +26,7 @@ from moirai.cluster.calibration.measure import measure_link_kinds
 from moirai.cluster.calibration.request_cost import RequestCost, measure_request_cost
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import CPU
-from moirai.errors import CacheError, ClusterError, MoiraiWarning, user_stacklevel
+from moirai.errors import CacheError, ClusterError, MoiraiWarning, did_you_mean, user_stacklevel
 from moirai.files import (
     default_cache_dir,
     lock_exclusively,
@@ -50,6 +50,31 @@ except ImportError:  # not POSIX
 CALIBRATION_FORMAT_VERSION = 7
 # The words for a calibration measured (then cached) on this machine, not read from a file.
 MEASURED_CALIBRATIONS = ("auto", "remeasure")
+_CALIBRATION_WORDS = (*MEASURED_CALIBRATIONS, "none")
+_CALIBRATION_CHOICES = (
+    "pass 'auto' (this machine's cached calibration), 'remeasure', 'none' (the detected defaults) or the path of a "
+    "calibration file (moirai calibrate --save PATH)"
+)
+
+
+def check_calibration(calibration: object) -> None:
+    """A :class:`ClusterError` unless ``calibration`` is one of its words or the path of a file, whatever the
+    devices: compile's, load's and compile_lm's argument, checked where a list of one device would never read it."""
+    if not isinstance(calibration, (str, os.PathLike)):
+        raise ClusterError(
+            f"calibration={calibration!r} ({type(calibration).__name__}) is not a word or a path; "
+            + _CALIBRATION_CHOICES
+        )
+    if calibration in _CALIBRATION_WORDS or Path(calibration).is_file():
+        return
+    if isinstance(calibration, str) and os.sep not in calibration and not Path(calibration).suffix:
+        close = did_you_mean(calibration.strip(), _CALIBRATION_WORDS)
+        raise ClusterError(
+            f"calibration={calibration!r} is not a calibration word{close} nor a file; {_CALIBRATION_CHOICES}"
+        )
+    raise ClusterError(f"calibration file {str(calibration)!r} does not exist; {_CALIBRATION_CHOICES}")
+
+
 # How long a compile waits for another process measuring this machine's links: longer than measuring them takes.
 _LOCK_WAIT_S = 600.0
 
@@ -66,12 +91,13 @@ def local_calibration(
     """
     devices = [str(torch.device(d)) for d in torch_devices]
     needed = {link_kind(a, b): (a, b) for a in devices for b in devices if a != b or devices.count(a) > 1}
+    check_calibration(calibration)
+    if calibration == "none":
+        raise ClusterError(
+            "calibration='none' (the detected defaults) measures and reads no links; local_calibration needs 'auto', "
+            "'remeasure' or a calibration file"
+        )
     if calibration not in MEASURED_CALIBRATIONS:
-        if not Path(calibration).is_file():
-            raise ClusterError(
-                f"calibration={str(calibration)!r} is neither 'auto', 'remeasure' nor an existing calibration file "
-                "(write one with moirai calibrate --save PATH)"
-            )
         stored = read_calibration(calibration)
         missing = sorted(set(needed) - set(stored))
         if missing:

@@ -6,7 +6,6 @@ devices into a cluster (:func:`local_cluster`)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 import warnings
 from collections.abc import Mapping, Sequence
@@ -16,6 +15,7 @@ import numpy as np
 
 from moirai.cluster.calibration.cache import (
     MEASURED_CALIBRATIONS,
+    check_calibration,
     local_calibration,
     local_host_links,
     local_request_cost,
@@ -25,7 +25,7 @@ from moirai.cluster.calibration.measure import DEFAULT_SIZES_BYTES, measure_tran
 from moirai.cluster.calibration.request_cost import RequestCost
 from moirai.cluster.devices import Cluster, Device, Link, warn_if_oversubscribed_here
 from moirai.cluster.kinds import kind_for_backend
-from moirai.errors import ClusterError, MoiraiWarning, did_you_mean, user_stacklevel
+from moirai.errors import ClusterError, MoiraiWarning, user_stacklevel
 
 
 def local_cluster(
@@ -60,31 +60,6 @@ def local_cluster(
             raise ClusterError(f"calibration file {str(calibration)!r}: {what}; measure them with {measure}")
         warnings.warn(f"{what}; measure them with {measure}", MoiraiWarning, stacklevel=user_stacklevel())
     return calibrated_cluster(cluster, links, local_request_cost(calibration), host_links)
-
-
-_CALIBRATION_WORDS = (*MEASURED_CALIBRATIONS, "none")
-_CALIBRATION_CHOICES = (
-    "pass 'auto' (this machine's cached calibration), 'remeasure', 'none' (the detected defaults) or the path of a "
-    "calibration file (moirai calibrate --save PATH)"
-)
-
-
-def check_calibration(calibration: object) -> None:
-    """A :class:`ClusterError` unless ``calibration`` is one of its words or the path of a file, whatever the
-    devices: compile's, load's and compile_lm's argument, checked where a list of one device would never read it."""
-    if not isinstance(calibration, (str, os.PathLike)):
-        raise ClusterError(
-            f"calibration={calibration!r} ({type(calibration).__name__}) is not a word or a path; "
-            + _CALIBRATION_CHOICES
-        )
-    if calibration in _CALIBRATION_WORDS or Path(calibration).is_file():
-        return
-    if isinstance(calibration, str) and os.sep not in calibration and not Path(calibration).suffix:
-        close = did_you_mean(calibration.strip(), _CALIBRATION_WORDS)
-        raise ClusterError(
-            f"calibration={calibration!r} is not a calibration word{close} nor a file; {_CALIBRATION_CHOICES}"
-        )
-    raise ClusterError(f"calibration file {str(calibration)!r} does not exist; {_CALIBRATION_CHOICES}")
 
 
 def _host_links_of(cluster: Cluster) -> set[HostLink]:
