@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,10 +20,12 @@ import torch
 import moirai
 from moirai.errors import InputError
 from moirai.frontend.state import mutable_buffers
+from moirai.frontend.trace import TracedModel
 from moirai.generation.step import AttentionSpan, attention_mask, embedding_rows, layer_spans
 from moirai.planning.plan import Plan
 
 transformers = pytest.importorskip("transformers")
+lm_module = importlib.import_module("moirai.generation.lm")
 
 NEW_TOKENS = 32
 PROMPT_TOKENS = 11  # over max_prefill, so prompts go in two chunks
@@ -107,18 +110,33 @@ def family_model(name: str) -> torch.nn.Module:
     return getattr(transformers, FAMILIES[name].model_class)(FAMILIES[name].make_config()).eval()
 
 
+_step_traces: dict[tuple[str, int, int], TracedModel] = {}
+
+
 @functools.cache
 def family_lm(name: str, devices: int) -> moirai.CompiledLM:
-    lm = moirai.compile_lm(
-        family_model(name),
-        ["cpu"] * devices,
-        max_batch_size=2,
-        max_seq_len=PROMPT_TOKENS + NEW_TOKENS,
-        max_prefill=8,
-        placer="round_robin",
-        calibration="none",
-        progress=False,
-    )
+    # The step's trace does not depend on the devices and takes most of a compile (torch.export, 5-8 s): a family is
+    # traced once and planned for 2 and 3 devices, as CompiledModel.with_plan reuses a trace for another plan.
+    trace_step = lm_module.trace_step
+
+    def trace_once(step: torch.nn.Module, *limits: int) -> TracedModel:
+        key = (name, *limits)
+        if key not in _step_traces:
+            _step_traces[key] = trace_step(step, *limits)
+        return _step_traces[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lm_module, "trace_step", trace_once)
+        lm = moirai.compile_lm(
+            family_model(name),
+            ["cpu"] * devices,
+            max_batch_size=2,
+            max_seq_len=PROMPT_TOKENS + NEW_TOKENS,
+            max_prefill=8,
+            placer="round_robin",
+            calibration="none",
+            progress=False,
+        )
     return dataclasses.replace(lm, compiled=lm.compiled.with_plan(layers_apart(lm, devices)))
 
 
