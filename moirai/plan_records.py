@@ -22,7 +22,7 @@ from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
 from moirai.runtime.hosts import rank_hosts
 from moirai.runtime.store import wait_for_key
-from moirai.user_files import check_input_path, parsing
+from moirai.user_files import check_input_path, load_json, parsing
 
 if TYPE_CHECKING:
     from moirai.frontend.trace import TracedModel
@@ -108,20 +108,20 @@ def read_plan_file(path: str | Path) -> dict[str, Any]:
     """The record ``CompiledModel.save`` wrote, or a :class:`PlanError` saying what is wrong with the file."""
     check_input_path(path, "plan file", "the file CompiledModel.save(path) wrote", PlanError)
     subject, again = f"plan file {str(path)!r}", "save the plan again with CompiledModel.save(path)"
+
+    def error(message: str) -> PlanError:
+        return PlanError(f"{_sentence(message)} {again[0].upper()}{again[1:]}")
+
     try:
-        with parsing(
-            "JSON",
-            subject,
-            lambda message: PlanError(f"{_sentence(message)} {again[0].upper()}{again[1:]}"),
-        ):
+        with parsing("JSON", subject, error):
             text = Path(path).read_text()
             if not text.strip():
                 raise PlanError(f"{subject} is empty; {again}")
-            record = json.loads(text)
+            record = load_json(text, subject, error)
     except FileNotFoundError:
         raise PlanError(f"{subject} does not exist; write one with CompiledModel.save(path)") from None
-    except OSError as error:
-        raise PlanError(f"cannot read {subject}: {error}") from None
+    except OSError as fault:
+        raise PlanError(f"cannot read {subject}: {fault}") from None
     if not isinstance(record, dict):
         raise PlanError(
             f"plan file {str(path)!r} holds a JSON {type(record).__name__}, not a moirai plan (an object with keys "

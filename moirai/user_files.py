@@ -3,7 +3,9 @@ writer's own moirai error naming the file and saying what to do, never a Python 
 
 :func:`parsing` guards the reading and parsing of a JSON or TOML file (problems, cluster files, calibrations, fusion
 rules): text that is not UTF-8, arrays nested deeper than the parser recurses, an integer of more digits than Python
-converts and text that is not the language are each one error of the reader's type naming the file. Each reader
+converts and text that is not the language are each one error of the reader's type naming the file;
+:func:`load_json` parses a JSON file's text, refusing a number literal too large for a float (Python's json reads
+``1e400`` as Infinity). Each reader
 still opens the file its own way (a calibration without following a link) and says what a missing file means.
 :func:`check_input_path` checks that a file to read is named by a path (not a file descriptor, bytes or None).
 :func:`check_output_path` checks, before any work, that a file can be written where the user asked, and
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -57,6 +60,39 @@ def parsing(language: str, subject: str, error: Callable[[str], MoiraiError]) ->
             f"{subject} holds an integer of more than {_max_digits()} digits, more than Python "
             "converts and more than any quantity needs; write it with fewer digits (as a float, 1.5e300)"
         ) from None
+
+
+def load_json(text: str, subject: str, error: Callable[[str], MoiraiError]) -> object:
+    """The value of the JSON ``text`` of the file ``subject`` names, read inside :func:`parsing`. A number literal
+    too large for a float (``1e400``) is ``error(message)`` naming its line and column: Python reads it as Infinity,
+    which in a file means something (a task that cannot run there, no link). The literal ``Infinity`` still reads
+    as Infinity, where the file's reader allows it."""
+
+    def finite(literal: str) -> float:
+        value = float(literal)
+        if math.isinf(value):
+            raise _TooLarge(literal)
+        return value
+
+    try:
+        return json.loads(text, parse_float=finite)
+    except _TooLarge as fault:
+        at = text.find(fault.literal)
+        line, column = text.count("\n", 0, at) + 1, at - text.rfind("\n", 0, at)
+        raise error(
+            f"{subject} holds the number {fault.literal[:40]} (line {line}, column {column}), too large for a float "
+            "(at most about 1.8e308), which would read as Infinity; write the number it means, or Infinity where "
+            "that is meant"
+        ) from None
+
+
+class _TooLarge(Exception):
+    """What :func:`load_json`'s float hook raises for a literal that overflows a float: not a ValueError, which
+    :func:`parsing` would take for the parser's own."""
+
+    def __init__(self, literal: str) -> None:
+        super().__init__(literal)
+        self.literal = literal
 
 
 def check_input_path(path: object, subject: str, what: str, error: Callable[[str], MoiraiError]) -> None:

@@ -790,6 +790,7 @@ def test_load_of_a_missing_plan_file(tmp_path):
         ('{"format": 1.0}', ("not a moirai plan of format 1", "'format' is '1.0'")),
         ("[" * 100_000 + "]" * 100_000, ("nests arrays or objects too deeply", "Save the plan again")),
         ('{"format": ' + "1" * 5000 + "}", ("an integer of more than 4300 digits", "Save the plan again")),
+        ('{"format": 1,\n "objective_s": 1e400}', ("the number 1e400 (line 2, column 17)", "too large for a float")),
     ],
 )
 def test_load_of_a_broken_plan_file(tmp_path, content, words):

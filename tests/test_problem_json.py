@@ -218,6 +218,19 @@ def test_an_integer_too_large_for_a_float_is_refused_not_read_as_infinity(tmp_pa
         Problem.from_dict(json.loads(huge.read_text()))
 
 
+def test_a_float_too_large_for_a_float_is_refused_not_read_as_infinity(tmp_path) -> None:
+    """Python's json reads 1e400 as Infinity, which means the task cannot run there; the literal Infinity still
+    does."""
+    devices = '{"devices": [{"name": "d0"}, {"name": "d1"}], '
+    huge = tmp_path / "huge.json"
+    huge.write_text(devices + '\n"tasks": [{"name": "a", "compute_s": [1e400, 1]}]}')
+    with pytest.raises(ProblemError, match=r"holds the number 1e400 \(line 2, column 39\), too large for a float"):
+        Problem.from_json(huge)
+    meant = tmp_path / "meant.json"
+    meant.write_text(devices + '"tasks": [{"name": "a", "compute_s": [Infinity, 1.5]}]}')
+    assert Problem.from_json(meant).compute_s.tolist() == [[math.inf, 1.5]]
+
+
 def test_a_problem_written_where_no_file_can_be_is_a_problem_error_naming_the_path(tmp_path) -> None:
     """Fault injected: a missing folder and a folder for the file, where to_json raised the OSError of its
     temporary file (FileNotFoundError: .../.problem.json.1f2e....tmp)."""
