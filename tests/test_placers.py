@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -89,6 +90,24 @@ def test_pesto_never_sends_a_tensor_between_devices_without_a_link():
     plan = place(problem, "pesto", **OPTIONS["pesto"])
     assert plan.objective_s == pytest.approx(simulate(problem, plan).makespan_s)
     assert plan.objective_s == pytest.approx(brute_force_optimum(problem))
+
+
+@pytest.mark.parametrize(("seed", "a", "b"), [(0, 0, 1), (3, 1, 2), (5, 0, 2)])
+def test_pipeline_prices_a_missing_link_without_nan_and_never_sends_across_it(seed, a, b):
+    """The running sum of cut prices subtracted Infinity (no link) from Infinity: numpy warned 'invalid value' and
+    the cuts' prices were NaN."""
+    problem = random_problem(seed, num_tasks=8, num_devices=3)
+    transfer_s = problem.transfer_s.copy()
+    transfer_s[:, a, b] = transfer_s[:, b, a] = np.inf
+    problem = dataclasses.replace(problem, transfer_s=transfer_s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = place(problem, "pipeline", objective="throughput")
+    for t, consumers in enumerate(problem.tensor_consumers):
+        for c in consumers:
+            ends = {int(plan.placement[problem.tensor_producer[t]]), int(plan.placement[c])}
+            assert ends != {a, b}, (t, c)
+    simulate(problem, plan)  # refuses a plan that sends across a missing link
 
 
 @pytest.mark.parametrize("objective", ["latency", "throughput"])

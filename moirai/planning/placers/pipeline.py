@@ -264,14 +264,19 @@ def _extend(
 
 def _cut_transfer_s(problem: Problem, order: np.ndarray, made_at: np.ndarray, read_at: list[list[int]]) -> np.ndarray:
     """``cut[b, a, d]``: PipeEdge's price of cut ``b``, the time to send from device ``a`` to ``d`` every tensor made
-    before position ``b`` of ``order`` and read at or after it."""
+    before position ``b`` of ``order`` and read at or after it: Infinity where one of them has no link from ``a`` to
+    ``d``. Infinite times are counted apart, as a running sum of them would subtract Infinity from Infinity (NaN)."""
     n, k = problem.num_tasks, problem.num_devices
-    change = np.zeros((n + 2, k, k))
+    change, unlinked = np.zeros((n + 2, k, k)), np.zeros((n + 2, k, k))
     devices = np.arange(k)
     for t, positions in enumerate(read_at):
         made, last_read = int(made_at[t]) + 1, positions[-1]
         if last_read >= made:
             seconds = transfer_duration_s(problem, t, devices[:, None], devices[None, :])
+            missing = np.isinf(seconds)
+            seconds = np.where(missing, 0.0, seconds)
             change[made] += seconds
             change[last_read + 1] -= seconds
-    return np.cumsum(change, axis=0)
+            unlinked[made] += missing
+            unlinked[last_read + 1] -= missing
+    return np.where(np.cumsum(unlinked, axis=0) > 0, np.inf, np.cumsum(change, axis=0))
