@@ -158,6 +158,20 @@ def test_a_training_model_whose_dropout_is_a_function_warns_with_its_line():
         moirai.trace(FunctionalDropout(), (X,))
 
 
+def test_noise_in_a_training_module_is_not_called_what_eval_removes():
+    """torch.rand_like in a module never eval()'d was said to differ 'from the model in eval mode', which draws too."""
+
+    class Noise(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.rand_like(x)
+
+    with pytest.warns(TrainingModeWarning) as caught:
+        moirai.trace(Noise(), (X,))
+    (message,) = [str(w.message) for w in caught if w.category is TrainingModeWarning]
+    assert "draw random numbers on every call, in training and eval mode alike" in message
+    assert "eval mode, also after model.eval()" not in message
+
+
 def test_random_ops_that_draw_nothing_or_run_in_eval_mode_do_not_warn(recwarn):
     class Noise(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -103,23 +103,46 @@ def warn_if_training(model: torch.nn.Module, name: str, graph_module: fx.GraphMo
     random_or_batch = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
     modules = {path: m for path, m in model.named_modules() if m.training and isinstance(m, random_or_batch)}
     training = [f"{path or name} ({type(m).__name__})" for path, m in modules.items()]
-    training += [
-        _describe_node(graph_module, node)
-        for node in graph_module.graph.nodes
-        if _draws_random_numbers(node)
-        and _innermost_module_path(node) not in modules
-        and _module_of(model, node).training
-    ]
+    drawing = []  # random ops that eval() does not change (torch.randn noise): they draw on every call either way
+    for node in graph_module.graph.nodes:
+        if (
+            _draws_random_numbers(node)
+            and _innermost_module_path(node) not in modules
+            and _module_of(model, node).training
+        ):
+            (training if _is_dropout(node) else drawing).append(_describe_node(graph_module, node))
+    if not training and not drawing:
+        return
+    message = f"{name} is in training mode: "
     if training:
-        warnings.warn(
-            TrainingModeWarning(
-                f"{name} is in training mode: {', '.join(training[:3])}{', ...' if len(training) > 3 else ''} "
-                "will drop random activations or use batch statistics, so the split model's outputs differ from "
-                "call to call and from the model in eval mode, also after model.eval() (the mode is fixed when the "
-                "model is traced); call model.eval() before moirai.compile"
-            ),
-            stacklevel=user_stacklevel(),
+        message += (
+            f"{_some(training)} will drop random activations or use batch statistics, so the split model's outputs "
+            "differ from call to call and from the model in eval mode, also after model.eval() (the mode is fixed "
+            "when the model is traced); call model.eval() before moirai.compile"
         )
+    if drawing:
+        message += (
+            f"{'; and ' if training else ''}{_some(drawing)} draw random numbers on every call, in training and eval "
+            "mode alike (model.eval() does not change them; nothing to do if that randomness is meant)"
+        )
+    warnings.warn(TrainingModeWarning(message), stacklevel=user_stacklevel())
+
+
+def _some(items: list[str]) -> str:
+    return f"{', '.join(items[:3])}{', ...' if len(items) > 3 else ''}"
+
+
+# Random ops whose randomness model.eval() turns off (the functional dropouts, and bernoulli, which they become).
+_DROPOUT_OPS = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "bernoulli"}
+
+
+def _is_dropout(node: fx.Node) -> bool:
+    """Whether random op ``node`` is a dropout, which a module's ``self.training`` turns on, not noise a model
+    draws in eval mode too (``torch.randn_like``)."""
+    schema = node.target._schema
+    return schema.name.split("::")[-1].rstrip("_") in _DROPOUT_OPS or any(
+        a.name in ("train", "dropout_p") for a in schema.arguments
+    )
 
 
 def _draws_random_numbers(node: fx.Node) -> bool:
