@@ -14,6 +14,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -250,6 +251,9 @@ def _import(module_name: str) -> Any:
 
 def _os_error_message(error: OSError) -> str:
     if isinstance(error, FileNotFoundError) and error.filename:
+        folder = Path(os.fsdecode(error.filename)).parent
+        if not folder.is_dir():  # what is missing is the folder of a path to write (or read), not the file
+            return f"no such folder: {folder} (for {error.filename})"
         return f"no such file: {error.filename}"
     return f"{error.strerror or error}" + (f": {error.filename}" if error.filename else "")
 

@@ -183,3 +183,14 @@ def test_plan_prints_the_summary_and_draws_the_schedule(tmp_path: Path, capsys) 
     out = capsys.readouterr().out
     assert "gpu0" in out and "gpu1" in out and "gap 0.0%" in out and "stopped: gap closed" in out
     assert picture.read_text().lstrip().startswith("<?xml")
+
+
+def test_a_missing_folder_is_named_as_the_folder_not_as_a_missing_file(tmp_path: Path) -> None:
+    """An output path in a folder that does not exist read 'no such file: .../missing/plan.json'."""
+    from moirai.cli import _os_error_message
+
+    into_missing = str(tmp_path / "missing" / "plan.json")
+    message = _os_error_message(FileNotFoundError(2, "No such file or directory", into_missing))
+    assert message == f"no such folder: {tmp_path / 'missing'} (for {into_missing})"
+    missing_file = str(tmp_path / "plan.json")
+    assert _os_error_message(FileNotFoundError(2, "No such file", missing_file)) == f"no such file: {missing_file}"
