@@ -674,8 +674,9 @@ def test_missing_and_malformed_cluster_files(tmp_path):
         ('name = "caf\xe9"\n'.encode("latin-1"), ("is not UTF-8 text, so not TOML", "save it as UTF-8")),
         (b"x = " + b"[" * 100_000 + b"]" * 100_000 + b"\n", ("nests arrays or tables too deeply to read",)),
         (b"x = " + b"7" * 5000 + b"\n", ("an integer of more than 4300 digits", "fewer digits")),
+        (b"x = 1e400\n", ("the number 1e400 is too large for a float", "write inf where that is meant")),
     ],
-    ids=["latin-1", "deep", "5000 digits"],
+    ids=["latin-1", "deep", "5000 digits", "1e400"],
 )
 def test_a_cluster_file_python_cannot_parse_is_a_cluster_error_naming_it(tmp_path, content, words):
     """Fault injected: text the TOML parser raises a Python error for (UnicodeDecodeError, RecursionError, int's

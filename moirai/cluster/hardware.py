@@ -37,6 +37,11 @@ class FloatLiteral(float):
     def __new__(cls, text: str) -> FloatLiteral:
         digits = text.replace("_", "")  # TOML allows 1_000.5
         literal = super().__new__(cls, digits)
+        if math.isinf(literal) and digits.lstrip("+-") != "inf":  # 1e400: infinity means no link, cannot run there
+            raise ValueError(
+                f"the number {digits[:40]} is too large for a float (at most about 1.8e308) and would read as "
+                "infinity; write the number it means, or write inf where that is meant"
+            )
         literal.text = digits
         return literal
 
