@@ -12,10 +12,11 @@ itself, and multiprocessing's interpreters there still look in the current direc
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 from collections.abc import Iterator
+
+from moirai.environment import variable_set
 
 SAFE_PATH_ENV = "PYTHONSAFEPATH"
 _HAS_SAFE_PATH = sys.version_info >= (3, 11)
@@ -36,13 +37,5 @@ def python_command(code: str) -> list[str]:
 def safe_path_environment() -> Iterator[None]:
     """While multiprocessing starts an interpreter (``python -c``, with this process's environment): safe-path mode,
     then the environment as it was. A rank takes rank 0's environment as its first step, so none keeps it."""
-    with _ENVIRONMENT_LOCK:
-        previous = os.environ.get(SAFE_PATH_ENV)
-        os.environ[SAFE_PATH_ENV] = "1"
-        try:
-            yield
-        finally:
-            if previous is None:
-                os.environ.pop(SAFE_PATH_ENV, None)
-            else:
-                os.environ[SAFE_PATH_ENV] = previous
+    with _ENVIRONMENT_LOCK, variable_set(SAFE_PATH_ENV, "1"):
+        yield

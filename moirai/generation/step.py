@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from moirai.environment import variable_set
 from moirai.errors import InputError, TraceError
 from moirai.planning.bounds import format_bytes
 from moirai.runtime.zero_pages import zeros_on_demand
@@ -360,15 +360,8 @@ def grouped_query_attention() -> Iterator[None]:
     """While tracing the step: Hugging Face's sdpa attention hands sdpa the grouped key-value heads
     (``enable_gqa``) instead of copying each of them per query head (``repeat_kv``), as it does whenever a mask is
     given and the token count is not known to be 1 (a decode step of batch 8 copied its whole cache twice a layer)."""
-    previous = os.environ.get(_FORCE_GQA_VARIABLE)
-    os.environ[_FORCE_GQA_VARIABLE] = "1"
-    try:
+    with variable_set(_FORCE_GQA_VARIABLE, "1"):
         yield
-    finally:
-        if previous is None:
-            os.environ.pop(_FORCE_GQA_VARIABLE, None)
-        else:
-            os.environ[_FORCE_GQA_VARIABLE] = previous
 
 
 class AttentionSpan(NamedTuple):
