@@ -15,10 +15,10 @@ Hugging Face's ``generate`` runs in this process with as many threads as the dev
   sequences as stages.
 
 Columns: decode tokens/s measured and predicted (the plan's decode step time with its steps in flight), decode alone
-as HF's batch row is timed (its one-token run subtracted): the tokens that came from when every sequence had its
-first token (the last prefill done) to when the first of them ended; TTFT measured for a sequence served alone
-(submit to first token) against the prefill's prediction; TPOT, each sequence's mean gap between its tokens in that
-window, against the steps in flight times the step time (a sequence's next step waits for its token).
+as HF's rows are timed (each step of one call stamped as its logits come out): the tokens that came from when every
+sequence had its first token (the last prefill done) to when the first of them ended; TTFT measured for a sequence
+served alone (submit to first token) against the prefill's prediction; TPOT, each sequence's mean gap between its
+tokens in that window, against the steps in flight times the step time (a sequence's next step waits for its token).
 ``cost="measured"`` profiles on the core and thread count a rank gets, and for several sequences in flight beside a
 process computing on the other rank's core (the steady state). Every moirai row's tokens are checked against
 HF's greedy tokens. Targets (printed, not asserted): as many sequences as stages >= 1.6x
@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import transformers
 from rich.console import Console
 from rich.table import Table
 
@@ -85,34 +86,55 @@ def prompts_for(count: int, vocab: int) -> list[torch.Tensor]:
 
 
 def hf_rows(model: torch.nn.Module, prompts: Sequence[torch.Tensor], new_tokens: int, threads: int) -> list[Row]:
+    """HF's ``generate`` on one sequence and on a batch, each timed step by step within one call (the median of
+    three calls): TTFT to the first token's logits, decode from there to the last token's."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.no_grad():
             one = prompts[0][None]
             model.generate(one, max_new_tokens=2, do_sample=False)  # warm-up
-            ttft_s = _median_time(lambda: model.generate(one, max_new_tokens=1, do_sample=False))
-            whole_s = _median_time(lambda: model.generate(one, max_new_tokens=new_tokens, do_sample=False))
-            tpot_s = (whole_s - ttft_s) / (new_tokens - 1)
+            ttft_s, decode_s = _hf_step_times(model, one, new_tokens)
             batch = torch.stack(list(prompts[:HF_BATCH]))
-            mask = torch.ones_like(batch)
-            first_s = _median_time(lambda: model.generate(batch, attention_mask=mask, max_new_tokens=1))
-            all_s = _median_time(lambda: model.generate(batch, attention_mask=mask, max_new_tokens=new_tokens))
+            _, batch_decode_s = _hf_step_times(model, batch, new_tokens)
     finally:
         torch.set_num_threads(previous)
+    tpot_s = decode_s / (new_tokens - 1)
     return [
         Row("HF generate, 1 sequence", 1 / tpot_s, ttft_s=ttft_s, tpot_s=tpot_s),
-        Row(f"HF generate, batch of {len(batch)}", len(batch) * (new_tokens - 1) / (all_s - first_s)),
+        Row(f"HF generate, batch of {len(batch)}", len(batch) * (new_tokens - 1) / batch_decode_s),
     ]
 
 
-def _median_time(call, repeats: int = 3) -> float:
-    times = []
+class _StepClock(transformers.LogitsProcessor):
+    """Stamps each step of ``generate`` as its logits come out (the forward done, before the token is picked)."""
+
+    def __init__(self) -> None:
+        self.stamps_s: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps_s.append(time.perf_counter())
+        return scores
+
+
+def _hf_step_times(model: torch.nn.Module, batch: torch.Tensor, new_tokens: int, repeats: int = 3):
+    """Medians over ``repeats`` greedy calls of ``generate`` on ``batch``: the time to the first token's logits,
+    and from there to the last token's (the decode steps alone: no subtraction of two noisy calls)."""
+    ttfts_s, decodes_s = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        clock = _StepClock()
+        start_s = time.perf_counter()
+        model.generate(
+            batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            logits_processor=transformers.LogitsProcessorList([clock]),
+        )
+        assert len(clock.stamps_s) == new_tokens, f"generate ran {len(clock.stamps_s)} steps, not {new_tokens}"
+        ttfts_s.append(clock.stamps_s[0] - start_s)
+        decodes_s.append(clock.stamps_s[-1] - clock.stamps_s[0])
+    return statistics.median(ttfts_s), statistics.median(decodes_s)
 
 
 def served_row(
