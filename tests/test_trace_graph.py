@@ -323,6 +323,25 @@ def test_a_non_tensor_input_traced_as_nan_accepts_nan_and_a_tuple_is_checked_ite
         traced.flatten_inputs((x, (2.0, 3)), {})
 
 
+def test_a_torch_size_the_model_returns_comes_back_a_torch_size() -> None:
+    """torch's pytree unflattens a Size to a tuple; code that called .numel() on the model's output broke."""
+
+    class Shapes(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> Any:
+            y = x * 2
+            return y, y.shape, {"n": y.size(0), "size": x[0].shape}
+
+    model, x = Shapes(), torch.randn(3, 4)
+    expected = model(x)
+    for dynamic_shapes in (None, ({0: torch.export.Dim("batch", max=16)},)):
+        traced = trace(model, (x,), dynamic_shapes=dynamic_shapes)
+        got = traced.unflatten_outputs(list(traced.graph_module(*traced.flatten_inputs((x,), {}))))
+        assert type(got[1]) is torch.Size and got[1] == expected[1] and got[1].numel() == 12
+        assert type(got[2]["size"]) is torch.Size and got[2] == expected[2]
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), progress=False, calibration="none")
+    assert type(compiled(x)[1]) is torch.Size
+
+
 def test_a_view_moves_no_bytes_and_a_lookup_reads_only_the_rows_it_gathers() -> None:
     """A tied head's transpose of a 4 MB table is a view, and the lookup of 3 tokens reads 3 rows, not the table
     (bench/view_and_lookup_costs.py compares the analytic times with measured profiles)."""

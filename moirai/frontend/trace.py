@@ -231,7 +231,25 @@ class TracedModel:
         return tensors
 
     def unflatten_outputs(self, flat_outputs: list[Any]) -> Any:
-        return pytree.tree_unflatten(list(flat_outputs), self.out_spec)
+        return _unflatten(list(flat_outputs), self.out_spec)
+
+
+_LEAF = pytree.tree_structure(0)
+
+
+def _unflatten(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
+    """``pytree.tree_unflatten``, but a ``torch.Size`` the model returned (``y.shape``) comes back a ``torch.Size``:
+    torch's unflattens one to a tuple, since while tracing its leaves may be proxies that ``torch.Size`` refuses."""
+    if spec.is_leaf():
+        return leaves[0]
+    children, start = [], 0
+    for index in range(spec.num_children):
+        child = spec.child(index)
+        children.append(_unflatten(leaves[start : start + child.num_leaves], child))
+        start += child.num_leaves
+    if spec.type is torch.Size and all(isinstance(size, int) for size in children):
+        return torch.Size(children)
+    return pytree.tree_unflatten(children, pytree.TreeSpec(spec.type, spec.context, [_LEAF] * spec.num_children))
 
 
 @stage("trace", "torch.export, then decompositions to aten")
