@@ -342,6 +342,34 @@ def test_a_torch_size_the_model_returns_comes_back_a_torch_size() -> None:
     assert type(compiled(x)[1]) is torch.Size
 
 
+def test_the_write_back_of_an_input_the_model_writes_and_returns_is_a_tensor_any_device_may_hold() -> None:
+    """exported.module() adds the copy_ without a val: a plan putting it on device 1 was a PlanError calling the
+    returned input 'not a tensor'."""
+
+    class WritesItsInput(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = self.linear(x).relu()
+            x.mul_(2)
+            return x, y + x
+
+    model, x = WritesItsInput().eval(), torch.randn(3, 4)
+    traced = trace(model, (x.clone(),))
+    (write_back,) = traced.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+    assert write_back.meta["val"].shape == (3, 4)
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x.clone(),), progress=False, calibration="none")
+    placement = [1 if "copy_" in node.name else 0 for node in compiled.graph.nodes]
+    compiled = compiled.with_plan(moirai.Plan(numpy.array(placement), compiled.plan.device_names))
+    called, expected_input = x.clone(), x.clone()
+    with torch.no_grad():
+        expected, got = model(expected_input), compiled(called)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(called, expected_input)
+
+
 def test_a_view_moves_no_bytes_and_a_lookup_reads_only_the_rows_it_gathers() -> None:
     """A tied head's transpose of a 4 MB table is a view, and the lookup of 3 tokens reads 3 rows, not the table
     (bench/view_and_lookup_costs.py compares the analytic times with measured profiles)."""

@@ -315,6 +315,7 @@ def trace(
                 exported = exported.run_decompositions({})
             _views_as_reshapes(exported.graph_module.graph)
         graph_module = exported.module()
+        _give_write_backs_values(graph_module)
         out_spec = exported.call_spec.out_spec
         _drop_guard_calls(graph_module)
         _drop_metadata_asserts(graph_module)
@@ -337,6 +338,16 @@ def trace(
     else:
         input_specs = tuple(TensorSpec(tuple(t.shape), t.dtype) for t in flat_inputs if isinstance(t, torch.Tensor))
     return TracedModel(graph_module, in_spec, out_spec, input_specs, name, constant_inputs, dynamic_dims)
+
+
+def _give_write_backs_values(graph_module: fx.GraphModule) -> None:
+    """Give ``meta["val"]`` to the ``copy_`` nodes ``exported.module()`` adds to write a mutated input or buffer back,
+    which it leaves without one: the value is the written tensor's. Without it the splitter took such a node for a
+    non-tensor ("flat output 0 (copy__default) is not a tensor") and the op graph for one of no bytes."""
+    for node in graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
+        written = node.args[0]
+        if "val" not in node.meta and isinstance(written, fx.Node) and "val" in written.meta:
+            node.meta["val"] = written.meta["val"]
 
 
 def _unshared_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
