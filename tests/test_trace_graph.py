@@ -1,9 +1,12 @@
 """trace and OpGraph: meta["val"] everywhere, costs that add up, meta-device models, clear errors."""
 
+import re
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
+import numpy
 import pytest
 import torch
 import torch.fx as fx
@@ -281,6 +284,90 @@ def test_non_tensor_inputs_are_baked_in_and_checked() -> None:
     torch.testing.assert_close(traced.graph_module(*flat)[0], x + 3.0)
     with pytest.raises(InputError, match="non-tensor input 3.0"):
         traced.flatten_inputs((x,), {"use_cache": False, "scale": 2.0})
+
+
+class Filled(torch.nn.Module):
+    def forward(self, x: torch.Tensor, fill: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * fill, torch.full((2,), fill)
+
+
+@pytest.mark.parametrize(
+    ("traced_value", "called_value"),
+    [(2, 2.0), (2.0, 2), (1, True), (0.0, -0.0), (complex(1, 0), 1.0), (2, numpy.int64(2))],
+)
+def test_a_non_tensor_input_equal_to_the_traced_one_but_another_value_to_torch_is_refused(
+    traced_value: Any, called_value: Any
+) -> None:
+    """2.0 == 2 and True == 1, but torch makes float and bool outputs of them where the graph holds the traced int."""
+    x = torch.arange(3)
+    traced = trace(Filled(), (x, traced_value))
+    with pytest.raises(InputError, match=rf"non-tensor input {re.escape(repr(traced_value))} .*called with"):
+        traced.flatten_inputs((x, called_value), {})
+    traced.flatten_inputs((x, traced_value), {})
+
+
+def test_a_non_tensor_input_traced_as_nan_accepts_nan_and_a_tuple_is_checked_item_by_item() -> None:
+    x = torch.randn(3)
+    traced = trace(Filled(), (x, float("nan")))
+    assert len(traced.flatten_inputs((x, float("nan")), {})) == 1
+    with pytest.raises(InputError, match=r"called with 1.0"):
+        traced.flatten_inputs((x, 1.0), {})
+
+    class Affine(torch.nn.Module):
+        def forward(self, x: torch.Tensor, pair: tuple[Any, Any]) -> torch.Tensor:
+            return x * pair[0] + pair[1]
+
+    traced = trace(Affine(), (x, (2, 3)))
+    traced.flatten_inputs((x, (2, 3)), {})
+    with pytest.raises(InputError, match=r"non-tensor input 2 .*called with 2.0 \(type float, traced type int\)"):
+        traced.flatten_inputs((x, (2.0, 3)), {})
+
+
+def test_a_torch_size_the_model_returns_comes_back_a_torch_size() -> None:
+    """torch's pytree unflattens a Size to a tuple; code that called .numel() on the model's output broke."""
+
+    class Shapes(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> Any:
+            y = x * 2
+            return y, y.shape, {"n": y.size(0), "size": x[0].shape}
+
+    model, x = Shapes(), torch.randn(3, 4)
+    expected = model(x)
+    for dynamic_shapes in (None, ({0: torch.export.Dim("batch", max=16)},)):
+        traced = trace(model, (x,), dynamic_shapes=dynamic_shapes)
+        got = traced.unflatten_outputs(list(traced.graph_module(*traced.flatten_inputs((x,), {}))))
+        assert type(got[1]) is torch.Size and got[1] == expected[1] and got[1].numel() == 12
+        assert type(got[2]["size"]) is torch.Size and got[2] == expected[2]
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), progress=False, calibration="none")
+    assert type(compiled(x)[1]) is torch.Size
+
+
+def test_the_write_back_of_an_input_the_model_writes_and_returns_is_a_tensor_any_device_may_hold() -> None:
+    """exported.module() adds the copy_ without a val: a plan putting it on device 1 was a PlanError calling the
+    returned input 'not a tensor'."""
+
+    class WritesItsInput(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = self.linear(x).relu()
+            x.mul_(2)
+            return x, y + x
+
+    model, x = WritesItsInput().eval(), torch.randn(3, 4)
+    traced = trace(model, (x.clone(),))
+    (write_back,) = traced.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+    assert write_back.meta["val"].shape == (3, 4)
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x.clone(),), progress=False, calibration="none")
+    placement = [1 if "copy_" in node.name else 0 for node in compiled.graph.nodes]
+    compiled = compiled.with_plan(moirai.Plan(numpy.array(placement), compiled.plan.device_names))
+    called, expected_input = x.clone(), x.clone()
+    with torch.no_grad():
+        expected, got = model(expected_input), compiled(called)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(called, expected_input)
 
 
 def test_a_view_moves_no_bytes_and_a_lookup_reads_only_the_rows_it_gathers() -> None:

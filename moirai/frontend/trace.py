@@ -15,6 +15,7 @@ import contextlib
 import inspect
 import io
 import logging
+import math
 import operator
 import os
 import sys
@@ -139,14 +140,32 @@ def _wrong_shape_error(
 
 
 def _same_constant(value: Any, constant: Any) -> bool:
-    """Whether a call's ``value`` is the non-tensor input the model was traced with (a tensor never is: comparing
-    one with a float gave a tensor, whose truth was a RuntimeError)."""
-    if isinstance(value, torch.Tensor):
+    """Whether a call's ``value`` is the non-tensor input the model was traced with, which the graph holds baked in.
+
+    Equal is not enough: torch computes with a value's type, so ``2.0`` where ``2`` was traced makes float outputs
+    where the graph makes int64 ones, and ``True`` for ``1`` a bool fill; so the type must be the same too (a
+    ``float`` and a numpy ``float64`` as well). A float must keep its sign (``-0.0`` divides to ``-inf``), and a NaN
+    is the same as a NaN, though the two do not compare equal. A tensor never is one: comparing one with a float gave
+    a tensor, whose truth was a RuntimeError.
+    """
+    if type(value) is not type(constant) or isinstance(value, torch.Tensor):
         return False
+    if isinstance(value, float):
+        return _same_float(value, constant)
+    if isinstance(value, complex):
+        return _same_float(value.real, constant.real) and _same_float(value.imag, constant.imag)
+    if isinstance(value, (tuple, list)):  # a sequence pytree keeps whole (a tuple subclass it does not know)
+        return len(value) == len(constant) and all(map(_same_constant, value, constant))
     try:
         return bool(value == constant)
     except Exception:  # an array's comparison, a type without one
         return False
+
+
+def _same_float(value: float, constant: float) -> bool:
+    if math.isnan(value) or math.isnan(constant):
+        return math.isnan(value) and math.isnan(constant)
+    return value == constant and math.copysign(1.0, value) == math.copysign(1.0, constant)
 
 
 @dataclass
@@ -156,7 +175,7 @@ class TracedModel:
     ``in_spec`` and ``out_spec`` turn a user's ``(args, kwargs)`` into the flat inputs and the
     flat outputs back into the model's (possibly nested) output structure. Non-tensor inputs
     (``use_cache=False``, a float scale) are baked into the graph: ``constant_inputs`` maps their
-    flat positions to the traced values, and a call must pass the same values.
+    flat positions to the traced values, and a call must pass the same values, of the same type (a NaN for a NaN).
     """
 
     graph_module: fx.GraphModule
@@ -195,17 +214,42 @@ class TracedModel:
         for position, constant in self.constant_inputs.items():
             if not _same_constant(flat[position], constant):
                 called = flat[position]
-                shown = f"a tensor of shape {tuple(called.shape)}" if isinstance(called, torch.Tensor) else repr(called)
+                if isinstance(called, torch.Tensor):
+                    shown = f"a tensor of shape {tuple(called.shape)}"
+                elif type(called) is not type(constant):  # 2.0 for 2: the reprs may not tell them apart
+                    shown = (
+                        f"{repr(called)[:200]} (type {type(called).__name__}, traced type {type(constant).__name__})"
+                    )
+                else:
+                    shown = repr(called)[:200]
                 raise InputError(
                     f"{self.model_name} was traced with the non-tensor input {constant!r} at flat position "
-                    f"{position}, called with {shown[:200]}; compile again to plan for that value"
+                    f"{position}, called with {shown}; compile again to plan for that value"
                 )
         tensors = [value for position, value in enumerate(flat) if position not in self.constant_inputs]
         check_flat_inputs(self.input_specs, self.dynamic_dims, tensors, self.model_name)
         return tensors
 
     def unflatten_outputs(self, flat_outputs: list[Any]) -> Any:
-        return pytree.tree_unflatten(list(flat_outputs), self.out_spec)
+        return _unflatten(list(flat_outputs), self.out_spec)
+
+
+_LEAF = pytree.tree_structure(0)
+
+
+def _unflatten(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
+    """``pytree.tree_unflatten``, but a ``torch.Size`` the model returned (``y.shape``) comes back a ``torch.Size``:
+    torch's unflattens one to a tuple, since while tracing its leaves may be proxies that ``torch.Size`` refuses."""
+    if spec.is_leaf():
+        return leaves[0]
+    children, start = [], 0
+    for index in range(spec.num_children):
+        child = spec.child(index)
+        children.append(_unflatten(leaves[start : start + child.num_leaves], child))
+        start += child.num_leaves
+    if spec.type is torch.Size and all(isinstance(size, int) for size in children):
+        return torch.Size(children)
+    return pytree.tree_unflatten(children, pytree.TreeSpec(spec.type, spec.context, [_LEAF] * spec.num_children))
 
 
 @stage("trace", "torch.export, then decompositions to aten")
@@ -271,6 +315,7 @@ def trace(
                 exported = exported.run_decompositions({})
             _views_as_reshapes(exported.graph_module.graph)
         graph_module = exported.module()
+        _give_write_backs_values(graph_module)
         out_spec = exported.call_spec.out_spec
         _drop_guard_calls(graph_module)
         _drop_metadata_asserts(graph_module)
@@ -293,6 +338,16 @@ def trace(
     else:
         input_specs = tuple(TensorSpec(tuple(t.shape), t.dtype) for t in flat_inputs if isinstance(t, torch.Tensor))
     return TracedModel(graph_module, in_spec, out_spec, input_specs, name, constant_inputs, dynamic_dims)
+
+
+def _give_write_backs_values(graph_module: fx.GraphModule) -> None:
+    """Give ``meta["val"]`` to the ``copy_`` nodes ``exported.module()`` adds to write a mutated input or buffer back,
+    which it leaves without one: the value is the written tensor's. Without it the splitter took such a node for a
+    non-tensor ("flat output 0 (copy__default) is not a tensor") and the op graph for one of no bytes."""
+    for node in graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
+        written = node.args[0]
+        if "val" not in node.meta and isinstance(written, fx.Node) and "val" in written.meta:
+            node.meta["val"] = written.meta["val"]
 
 
 def _unshared_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:

@@ -65,14 +65,16 @@ _RESERVED_NAMES = frozenset({"self", "torch", "device", "inf", "nan", "NoneType"
 _PROBE = fx.GraphModule(torch.nn.Module(), fx.Graph())  # what a module has of its own: methods, hooks, state
 _DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 # [Note: which operators a part may call] aten's forward operators, whose arguments torch checks. Refused: other
-# namespaces (prims skips checks aten makes); operators that open a file by name (aten::from_file read /etc/passwd);
-# and, since three reviews found ops that trust their sizes, strides, offsets or indices and so read and write the
-# rank's memory beyond their tensors (_reshape_alias read the run's secret; segment_reduce, _cummax_helper,
-# max_pool2d_with_indices_backward, _convert_indices_from_coo_to_csr, sparse_coo_tensor + to_dense and others
-# corrupted the heap or crashed), every class those came from: aten's private operators (an underscore name) but
-# the few an exported inference graph holds, backward operators, sparse, nested and quantized tensors, and out=
-# variants. A graph torch.export traces for inference calls none of them (bench's zoo, the test models and six
-# decoder families were scanned).
+# namespaces (prims skips checks aten makes); operators that open a file by name (a str argument named so:
+# aten::from_file read /etc/passwd; einsum's int[]? path is its contraction order); and, since three reviews found
+# ops that trust their sizes, strides, offsets or indices and so read and write the rank's memory beyond their
+# tensors (_reshape_alias read the run's secret; segment_reduce, _cummax_helper, max_pool2d_with_indices_backward,
+# _convert_indices_from_coo_to_csr, sparse_coo_tensor + to_dense and others corrupted the heap or crashed), every
+# class those came from: aten's private operators (an underscore name) but the few an exported inference graph holds
+# (each takes tensors whose sizes torch checks, or none: _conj, the conj-bit view Tensor.conj makes; not
+# _weight_norm, whose g smaller than v's first dimension crashed a process), backward operators, sparse, nested and
+# quantized tensors, and out= variants. A graph torch.export traces for inference calls none of them (bench's zoo,
+# the test models and six decoder families were scanned).
 _OPERATOR_NAMESPACES = frozenset({"aten"})
 _FILE_ARGUMENTS = frozenset({"filename", "path", "file"})
 _PRIVATE_OPERATORS_ALLOWED = frozenset(
@@ -81,7 +83,8 @@ _PRIVATE_OPERATORS_ALLOWED = frozenset(
         "_functional_assert_scalar _local_scalar_dense _softmax _log_softmax _safe_softmax _reshape_copy "
         "_native_batch_norm_legit _native_batch_norm_legit_no_training _native_batch_norm_legit_functional "
         "_scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_efficient_attention "
-        "_scaled_dot_product_flash_attention _scaled_dot_product_cudnn_attention _scaled_dot_product_attention_math"
+        "_scaled_dot_product_flash_attention _scaled_dot_product_cudnn_attention _scaled_dot_product_attention_math "
+        "_conj"
     ).split()
 )
 _REFUSED_WORDS = ("backward", "sparse", "nested", "dense", "quantize", "mkldnn", "_helper", "segment_reduce")
@@ -298,14 +301,15 @@ def _encode_attribute(module: fx.GraphModule, target: str, storages: _Storages, 
         body = _encode_graph_module(value, storages, f"{where}'s {target}", is_part=False)
         return {"target": target, "graph_module": body}
     if isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, torch.nn.Parameter):
+        stored = value.resolve_conj().resolve_neg()  # a conj (neg) view's bit is not in its storage: send the values
         return {
             "target": target,
             "tensor": {
-                "storage": storages.index_of(value),
-                "dtype": _dtype_name(value.dtype),
-                "shape": list(value.shape),
-                "stride": list(value.stride()),
-                "offset": value.storage_offset(),
+                "storage": storages.index_of(stored),
+                "dtype": _dtype_name(stored.dtype),
+                "shape": list(stored.shape),
+                "stride": list(stored.stride()),
+                "offset": stored.storage_offset(),
                 "parameter": isinstance(value, torch.nn.Parameter),
                 "requires_grad": value.requires_grad,
             },
@@ -627,7 +631,7 @@ def _operator_fault(op: torch._ops.OpOverload) -> str | None:
     """Why a part may not call ``op``, if it may not ([Note: which operators a part may call])."""
     if op.namespace not in _OPERATOR_NAMESPACES:
         return f"of namespace {op.namespace!r}, where a part calls {sorted(_OPERATOR_NAMESPACES)}'s operators only"
-    if any(argument.name in _FILE_ARGUMENTS for argument in op._schema.arguments):
+    if any(argument.name in _FILE_ARGUMENTS and _is_string(argument.type) for argument in op._schema.arguments):
         return "which opens a file by name"
     name = op._schema.name.partition("::")[2]
     private = name.startswith("_") and not name.startswith("__") and name not in _PRIVATE_OPERATORS_ALLOWED
@@ -643,6 +647,13 @@ def _operator_fault(op: torch._ops.OpOverload) -> str | None:
     ):
         return "which a part may not call: some operators of its kind trust their arguments to stay within memory"
     return None
+
+
+def _is_string(argument_type: Any) -> bool:
+    """Whether a schema argument's type is ``str`` or ``str?``: a file's name (einsum's ``int[]? path`` is not one)."""
+    if isinstance(argument_type, torch._C.OptionalType):
+        argument_type = argument_type.getElementType()
+    return isinstance(argument_type, torch._C.StringType)
 
 
 def _decode_value(value: Any, nodes: dict[str, fx.Node]) -> Any:

@@ -142,7 +142,7 @@ class Messages:
 
     def send(self, tensor: torch.Tensor, dst: int, index: int, what: str) -> None:
         wire = self._wire(dst)
-        staged = tensor.detach().to(wire).contiguous()
+        staged = tensor.detach().to(wire).resolve_conj().resolve_neg().contiguous()  # bytes that hold the values
         what = f"sending {what} to rank {dst}"
         with self._naming_peer(what, dst):
             work = self.group.link(wire, dst, self.control).send([staged], dst, self._tag_base | index)
