@@ -394,6 +394,29 @@ def test_a_view_moves_no_bytes_and_a_lookup_reads_only_the_rows_it_gathers() -> 
     assert matmul.bytes_moved == (3 * 1024 + 1000 * 1024 + 3 * 1000) * 4  # what reads through the view pays for it
 
 
+def test_an_op_that_writes_in_place_allocates_nothing_and_moves_its_inputs() -> None:
+    """Before: the write-back ``copy_`` of a cache buffer (given the written tensor's value so a plan may move it)
+    counted as a new tensor of the buffer's size, so a generation plan's memory held every KV cache twice and a
+    cluster it fits was called too small."""
+
+    class Cache(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(64, 256))
+
+        def forward(self, position: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+            self.cache.index_copy_(0, position, row)
+            return self.cache.sum(0)
+
+    graph = build_op_graph(trace(Cache(), (torch.tensor([3]), torch.ones(1, 256))))
+    writes = [node for node in graph.nodes if node.targets[0].endswith("copy_.default")]
+    assert writes, [node.targets for node in graph.nodes]
+    cache_bytes, row_bytes = 64 * 256 * 4, 256 * 4
+    assert all(node.output_bytes == 0 for node in writes)
+    copies = [node for node in writes if node.targets[0] == "aten.copy_.default"]
+    assert all(node.bytes_moved <= 2 * cache_bytes + row_bytes for node in copies)  # inputs, not inputs + output
+
+
 class _StateBehindAReference(torch.nn.Module):
     """Writes in place through a second reference to its state, as Hugging Face's StaticCache export wrapper does."""
 

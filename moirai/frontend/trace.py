@@ -517,6 +517,16 @@ def is_view_node(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
+def writes_in_place(node: fx.Node) -> bool:
+    """An op whose output is the tensor it wrote in place (``copy_``, ``index_copy_``), as its schema declares: it
+    allocates nothing, like a view."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return False
+    alias = target._schema.returns[0].alias_info
+    return alias is not None and alias.is_write
+
+
 def _written_bases(graph: fx.Graph) -> Iterator[tuple[fx.Node, fx.Node]]:
     """Each in-place op with each tensor it writes, followed back through views to the tensor they view."""
     for node in graph.nodes:
