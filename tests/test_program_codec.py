@@ -388,6 +388,38 @@ def test_einsum_conj_and_a_conj_buffer_load_on_a_rank_and_give_the_models_output
         torch.testing.assert_close(value, want)
 
 
+def test_a_weight_normed_model_loads_on_a_rank_in_a_checked_form_and_gives_the_models_outputs() -> None:
+    """Before: ``parametrizations.weight_norm`` (wav2vec2's positional conv, HiFi-GAN) traced to aten._weight_norm,
+    which a rank refuses (a g smaller than v crashed a process), so such a model ran locally but never distributed.
+    It travels as [Note: operators a part calls in a checked form]: the operator's own values, its arguments checked."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        weight_norm(torch.nn.Linear(8, 16)), torch.nn.ReLU(), weight_norm(torch.nn.Conv1d(16, 4, 3), dim=1)
+    )
+    example = (torch.randn(16, 8),)
+    traced, program = _split(model, example, 2)
+    called = {str(n.target) for part in program.parts for n in part.graph_module.graph.nodes}
+    assert "aten._weight_norm.default" in called
+    with torch.no_grad():
+        expected = model(*example)
+    (got,) = run_local(_round_trip(program), traced.flatten_inputs(example, {}), ["cpu", "cpu"])
+    assert torch.equal(got, expected)
+
+
+def test_the_checked_weight_norm_refuses_a_g_its_kernel_would_write_past() -> None:
+    from moirai.runtime.program_codec import _checked_weight_norm
+
+    v = torch.randn(64, 8)
+    with pytest.raises(ValueError, match="g has 1 values for v's 64 at dimension 0"):
+        _checked_weight_norm(v, torch.ones(1, 1), 0)
+    with pytest.raises(ValueError, match="g is torch.float64"):
+        _checked_weight_norm(v, torch.ones(64, 1, dtype=torch.float64), 0)
+    g = torch.rand(64, 1)
+    assert torch.equal(_checked_weight_norm(v, g, 0), torch._weight_norm(v, g, 0))
+
+
 @pytest.mark.slow
 def test_einsum_and_conj_placed_off_device_0_run_distributed_with_conj_tensors_crossing() -> None:
     model, example = _EinsumAndConj().eval(), (torch.randn(2, 3, 4),)

@@ -71,8 +71,9 @@ _DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isi
 # tensors (_reshape_alias read the run's secret; segment_reduce, _cummax_helper, max_pool2d_with_indices_backward,
 # _convert_indices_from_coo_to_csr, sparse_coo_tensor + to_dense and others corrupted the heap or crashed), every
 # class those came from: aten's private operators (an underscore name) but the few an exported inference graph holds
-# (each takes tensors whose sizes torch checks, or none: _conj, the conj-bit view Tensor.conj makes; not
-# _weight_norm, whose g smaller than v's first dimension crashed a process), backward operators, sparse, nested and
+# (each takes tensors whose sizes torch checks, or none: _conj, the conj-bit view Tensor.conj makes; _weight_norm,
+# whose g smaller than v's first dimension crashed a process, in a checked form only: [Note: operators a part calls
+# in a checked form]), backward operators, sparse, nested and
 # quantized tensors, and out= variants. A graph torch.export traces for inference calls none of them (bench's zoo,
 # the test models and six decoder families were scanned).
 _OPERATOR_NAMESPACES = frozenset({"aten"})
@@ -148,7 +149,25 @@ def _python_functions() -> dict[str, Callable[..., Any]]:
     return {name: function for name, function in functions.items() if callable(function)}
 
 
-_FUNCTIONS = _python_functions()
+def _checked_weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``aten._weight_norm`` (``parametrizations.weight_norm``: wav2vec2's positional conv, HiFi-GAN) once its
+    arguments are checked: its fused kernel reads ``g`` by ``v``'s size at ``dim`` and writes past a smaller one."""
+    if not (isinstance(v, torch.Tensor) and isinstance(g, torch.Tensor) and isinstance(dim, int)):
+        raise TypeError(f"_weight_norm takes two tensors and a dimension, got {type(v)}, {type(g)}, {type(dim)}")
+    if g.dtype != v.dtype or g.device != v.device:
+        raise ValueError(f"_weight_norm's g is {g.dtype} on {g.device}, its v {v.dtype} on {v.device}")
+    if 0 <= dim < v.dim() and g.numel() != v.shape[dim]:
+        raise ValueError(f"_weight_norm's g has {g.numel()} values for v's {v.shape[dim]} at dimension {dim}")
+    return torch._weight_norm(v, g, dim)
+
+
+# [Note: operators a part calls in a checked form] A private operator ordinary models call but whose kernel trusts
+# its arguments: the sender names the checked function in its place, the rank looks that up like the functions
+# above, and it checks the arguments before it calls the operator (the values are the operator's own).
+_CHECKED_OPERATORS: dict[torch._ops.OpOverload, tuple[str, Callable[..., Any]]] = {
+    torch.ops.aten._weight_norm.default: ("moirai.checked._weight_norm", _checked_weight_norm),
+}
+_FUNCTIONS = _python_functions() | dict(_CHECKED_OPERATORS.values())
 _FUNCTION_NAMES = {id(function): name for name, function in _FUNCTIONS.items()}
 
 
@@ -324,6 +343,8 @@ def _encode_target(node: fx.Node, where: str) -> Any:
     target = node.target
     if node.op in ("placeholder", "get_attr", "output", "call_method"):  # names; a method is the transport's
         return target
+    if target in _CHECKED_OPERATORS:
+        return {"function": _CHECKED_OPERATORS[target][0]}
     if isinstance(target, torch._ops.OpOverload):
         fault = _operator_fault(target)
         if fault:
