@@ -10,6 +10,7 @@ import torch
 import moirai
 from moirai.errors import StateLeftBehindWarning
 from moirai.frontend.state import mutable_buffers
+from moirai.frontend.trace import written_operands
 from moirai.planning.plan import Plan
 from moirai.runtime.local import run_local
 from moirai.runtime.written_state import WrittenState, returning_state, write_back
@@ -148,3 +149,60 @@ def test_run_distributed_writes_back_an_input_a_rank_other_than_0_writes() -> No
         torch.testing.assert_close(compiled.run_distributed(mine, progress=False), reference(theirs))
     torch.testing.assert_close(mine, theirs)
     torch.testing.assert_close(mine, x + 1)
+
+
+class WritesUnderNoGradAndAutocast(torch.nn.Module):
+    """State written in place inside blocks torch.export wraps in higher-order ops (``wrap_with_set_grad_enabled``,
+    ``wrap_with_autocast``): a running average read before its update, a step counter, a parameter, the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project, self.out = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.ones(4))
+        self.register_buffer("average", torch.zeros(4))
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.project(x)
+        y = self.out(h - self.average) * self.scale + self.steps
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(0.1 * h.mean(0))
+            self.scale.mul_(0.5)
+            x.clamp_(min=0)
+        with torch.autocast("cpu", enabled=False):
+            self.steps.add_(1)
+        return y
+
+
+def wrapped_writes_twins() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model, reference = WritesUnderNoGradAndAutocast().eval(), WritesUnderNoGradAndAutocast().eval()
+    reference.load_state_dict(model.state_dict())
+    return model, reference, torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+
+
+def test_what_a_block_under_no_grad_or_autocast_writes_is_found_where_export_wraps_it() -> None:
+    model, _, x = wrapped_writes_twins()
+    exported = torch.export.export(model, (x.clone(),), strict=False)
+    wrappers = [node for node in exported.graph.nodes if isinstance(node.target, torch._ops.HigherOrderOperator)]
+    assert wrappers  # the blocks are higher-order ops whose bodies hold the writes
+    written = {operand.name for node in wrappers for operand in written_operands(node)}
+    assert written == {"b_average", "p_scale", "x", "b_steps"}
+    compiled = moirai.compile(model, ["cpu"], example_inputs=(x.clone(),), placer="single", progress=False)
+    assert {state.name for state in mutable_buffers(compiled.traced.graph_module)} == {"average", "scale", "steps"}
+
+
+@pytest.mark.slow
+def test_run_distributed_brings_back_state_written_under_no_grad_on_rank_1() -> None:
+    model, reference, x = wrapped_writes_twins()
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x.clone(),), placer="single", progress=False)
+    # Rank 0 runs the input's projection only; rank 1 every read and write of the state.
+    placement = np.array([0 if node.fx_names == ("linear",) else 1 for node in compiled.graph.nodes])
+    on_rank_1 = compiled.with_plan(Plan(placement, compiled.problem.device_names))
+    for _ in range(3):  # each call a new world: rank 1's writes must come back to the model
+        mine, theirs = x.clone(), x.clone()
+        with torch.no_grad():
+            torch.testing.assert_close(on_rank_1.run_distributed(mine, progress=False), reference(theirs))
+        torch.testing.assert_close(mine, theirs)
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name], value, msg=name)
