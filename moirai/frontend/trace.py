@@ -319,6 +319,7 @@ def trace(
         out_spec = exported.call_spec.out_spec
         _drop_guard_calls(graph_module)
         _drop_metadata_asserts(graph_module)
+        _values_of_written_state(graph_module.graph)
         if dynamic_shapes is not None:
             dynamic_dims = exported_dynamic_dims(exported, graph_module, model, args, kwargs, dynamic_shapes)
         check_static_shapes(graph_module, name)
@@ -614,6 +615,17 @@ def _has_observable_mutation(graph: fx.Graph) -> bool:
                 aliases.add(user)
                 frontier.append(user)
     return False
+
+
+def _values_of_written_state(graph: fx.Graph) -> None:
+    """Give the writes that unlifting adds after a functionalized graph (``copy_`` of a new value into each buffer
+    and input it updates) ``meta["val"]``, which torch leaves out: an in-place op's value is the tensor it writes.
+    Without it a split took a written input the model returns for no tensor (a ``PlanError`` on any device but 0)
+    and priced it at no bytes."""
+    for node in graph.nodes:
+        written = written_operands(node)
+        if "val" not in node.meta and len(written) == 1 and "val" in written[0].meta:
+            node.meta["val"] = written[0].meta["val"]
 
 
 def _writes_constants(exported: torch.export.ExportedProgram) -> bool:
