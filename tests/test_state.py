@@ -264,6 +264,25 @@ def test_what_a_block_under_no_grad_or_autocast_writes_is_found_where_export_wra
     assert {state.name for state in mutable_buffers(compiled.traced.graph_module)} == {"average", "scale", "steps"}
 
 
+def test_state_written_under_no_grad_or_autocast_is_kept_by_every_placement() -> None:
+    model, reference, x = wrapped_writes_twins()
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x.clone(),), placer="single", progress=False)
+    assert compiled.problem.colocated  # the average's read, update and write on one device
+    plans = every_plan(compiled)
+    assert 1 < len(plans) < 2**compiled.problem.num_tasks
+    initial = {name: value.clone() for name, value in reference.state_dict().items()}
+    for split in plans:
+        model.load_state_dict(initial)
+        reference.load_state_dict(initial)
+        for _ in range(3):
+            mine, theirs = x.clone(), x.clone()
+            with torch.no_grad():
+                torch.testing.assert_close(split(mine), reference(theirs), rtol=0, atol=0)
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+            for name, value in reference.state_dict().items():
+                torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.slow
 def test_run_distributed_brings_back_state_written_under_no_grad_on_rank_1() -> None:
     model, reference, x = wrapped_writes_twins()
@@ -278,3 +297,31 @@ def test_run_distributed_brings_back_state_written_under_no_grad_on_rank_1() -> 
         torch.testing.assert_close(mine, theirs)
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(model.state_dict()[name], value, msg=name)
+
+
+class ReadsThenCounts(torch.nn.Module):
+    """Reads its counter, then adds 1 to it: the write must wait for the read, which no data edge says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project, self.out = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.out(self.project(x)) + self.steps
+        self.steps.add_(1)
+        return y
+
+
+def test_a_buffer_is_written_after_every_read_of_its_old_value_whatever_the_order_of_the_plan() -> None:
+    torch.manual_seed(0)
+    model, reference = ReadsThenCounts().eval(), ReadsThenCounts().eval()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="single", progress=False)
+    for split in every_plan(compiled):  # the read waits for the other device's linear where the write does not
+        model.steps.zero_()
+        reference.steps.zero_()
+        for _ in range(2):
+            with torch.no_grad():
+                torch.testing.assert_close(split(x), reference(x), msg=f"placement {split.plan.placement.tolist()}")
