@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from moirai.errors import TraceError
 from moirai.frontend.symbolic_shapes import example_int, shape_scalars
-from moirai.frontend.trace import TracedModel, is_view_node
+from moirai.frontend.trace import TracedModel, is_view_node, writes_its_output
 from moirai.progress import stage
 
 
@@ -171,7 +171,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
         index = len(nodes)
         params = frozenset(n.name for n in inputs if n.op == "get_attr")
         output_bytes = _nbytes(fx_node.meta.get("val"))
-        allocated_bytes = 0 if is_view_node(fx_node) else output_bytes
+        allocated_bytes = 0 if is_view_node(fx_node) or writes_its_output(fx_node) else output_bytes
         nodes.append(
             OpNode(
                 name=fx_node.name,
@@ -204,7 +204,8 @@ _ROW_GATHERS = frozenset({"aten::embedding", "aten::index_select"})
 def _bytes_moved(node: fx.Node, output_bytes: int) -> float:
     """What an op reads and writes in memory: nothing for a view (its output aliases its input, as the op's schema
     declares); for a lookup of rows (``embedding``, ``index_select``) the rows it gathers (its output's bytes), the
-    indices and its output, not the whole table; else every input and its output."""
+    indices and its output, not the whole table; else every input and its output (an in-place op's output is the
+    input it writes, counted once)."""
     if is_view_node(node):
         return 0.0
     target = node.target
@@ -212,7 +213,10 @@ def _bytes_moved(node: fx.Node, output_bytes: int) -> float:
         index = node.args[1] if target._schema.name == "aten::embedding" else node.args[2]
         index_bytes = _nbytes(index.meta.get("val")) if isinstance(index, fx.Node) else 0
         return float(2 * output_bytes + index_bytes)
-    return float(sum(_nbytes(n.meta.get("val")) for n in node.all_input_nodes) + output_bytes)
+    written_in_place = writes_its_output(node)  # its output is an input it writes: counted once, as that input
+    return float(
+        sum(_nbytes(n.meta.get("val")) for n in node.all_input_nodes) + (0 if written_in_place else output_bytes)
+    )
 
 
 def _target_name(node: fx.Node) -> str:

@@ -319,7 +319,6 @@ def trace(
         out_spec = exported.call_spec.out_spec
         _drop_guard_calls(graph_module)
         _drop_metadata_asserts(graph_module)
-        _values_of_written_state(graph_module.graph)
         if dynamic_shapes is not None:
             dynamic_dims = exported_dynamic_dims(exported, graph_module, model, args, kwargs, dynamic_shapes)
         check_static_shapes(graph_module, name)
@@ -518,6 +517,16 @@ def is_view_node(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
+def writes_its_output(node: fx.Node) -> bool:
+    """An in-place op whose output is the tensor it writes, as its schema declares (``add_``, ``copy_``,
+    ``index_put_``): it allocates nothing."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return False
+    alias = target._schema.returns[0].alias_info
+    return alias is not None and alias.is_write
+
+
 def written_operands(node: fx.Node) -> list[fx.Node]:
     """The arguments ``node`` writes in place: those its op's schema marks as written (``add_``'s self, ``copy_``'s
     destination), or, for a block torch.export wraps in a higher-order op with a body module (``with torch.no_grad():``
@@ -615,17 +624,6 @@ def _has_observable_mutation(graph: fx.Graph) -> bool:
                 aliases.add(user)
                 frontier.append(user)
     return False
-
-
-def _values_of_written_state(graph: fx.Graph) -> None:
-    """Give the writes that unlifting adds after a functionalized graph (``copy_`` of a new value into each buffer
-    and input it updates) ``meta["val"]``, which torch leaves out: an in-place op's value is the tensor it writes.
-    Without it a split took a written input the model returns for no tensor (a ``PlanError`` on any device but 0)
-    and priced it at no bytes."""
-    for node in graph.nodes:
-        written = written_operands(node)
-        if "val" not in node.meta and len(written) == 1 and "val" in written[0].meta:
-            node.meta["val"] = written[0].meta["val"]
 
 
 def _writes_constants(exported: torch.export.ExportedProgram) -> bool:
