@@ -10,6 +10,7 @@ import torch
 import moirai
 from moirai.errors import StateLeftBehindWarning
 from moirai.frontend.state import mutable_buffers
+from moirai.frontend.trace import written_operands
 from moirai.planning.plan import Plan
 from moirai.runtime.local import run_local
 from moirai.runtime.written_state import WrittenState, returning_state, write_back
@@ -148,3 +149,179 @@ def test_run_distributed_writes_back_an_input_a_rank_other_than_0_writes() -> No
         torch.testing.assert_close(compiled.run_distributed(mine, progress=False), reference(theirs))
     torch.testing.assert_close(mine, theirs)
     torch.testing.assert_close(mine, x + 1)
+
+
+class TwoTowersThenClamp(torch.nn.Module):
+    """Two towers read the input; then the input is clamped in place for the caller (its last op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.a(x) + self.b(x)
+        x.clamp_(min=0)
+        return out
+
+
+class DoublesAndReturns(torch.nn.Module):
+    """Reads its input, doubles it in place, returns it and a value computed from both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.linear(x).relu()
+        x.mul_(2)
+        return x, y + x
+
+
+def every_plan(compiled: moirai.CompiledModel) -> list[moirai.CompiledModel]:
+    """``compiled`` split by every placement of its tasks on its two devices that its colocated sets allow."""
+    problem = compiled.problem
+    allowed = []
+    for mask in range(2**problem.num_tasks):
+        placement = np.array([(mask >> task) & 1 for task in range(problem.num_tasks)])
+        if all(len(set(placement[list(members)].tolist())) == 1 for members in problem.colocated):
+            allowed.append(compiled.with_plan(Plan(placement, problem.device_names)))
+    return allowed
+
+
+@pytest.mark.parametrize("model_class", [TwoTowersThenClamp, DoublesAndReturns])
+def test_an_input_written_in_place_is_read_as_given_by_the_parts_that_read_it(model_class) -> None:
+    """The write is a ``copy_`` into the input; a part that runs it before another part reads the input (one
+    process, one tensor) made 24 of 128 placements of the towers wrong."""
+    torch.manual_seed(0)
+    model = model_class().eval()
+    x = torch.randn(4, 8 if model_class is TwoTowersThenClamp else 4, generator=torch.Generator().manual_seed(1))
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x.clone(),), placer="single", progress=False)
+    plans = every_plan(compiled)
+    assert len(plans) == 2**compiled.problem.num_tasks  # an input, unlike a buffer, keeps no task on one device
+    for split in plans:
+        mine, theirs = x.clone(), x.clone()
+        with torch.no_grad():
+            got, expected = split(mine), model(theirs)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=f"placement {split.plan.placement.tolist()}")
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+        if isinstance(got, tuple):  # the input written and returned is the caller's tensor, as in eager
+            assert got[0] is mine
+
+
+@pytest.mark.slow
+def test_run_distributed_reads_an_input_as_given_where_rank_0_writes_it() -> None:
+    torch.manual_seed(0)
+    model = TwoTowersThenClamp().eval()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x.clone(),), placer="single", progress=False)
+    writer = {task for task, node in enumerate(compiled.graph.nodes) if any("copy_" in n for n in node.fx_names)}
+    placement = np.array([0 if task in writer else 1 for task in range(compiled.problem.num_tasks)])
+    split = compiled.with_plan(Plan(placement, compiled.problem.device_names))
+    mine, theirs = x.clone(), x.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(split.run_distributed(mine, progress=False), model(theirs), rtol=0, atol=0)
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+class WritesUnderNoGradAndAutocast(torch.nn.Module):
+    """State written in place inside blocks torch.export wraps in higher-order ops (``wrap_with_set_grad_enabled``,
+    ``wrap_with_autocast``): a running average read before its update, a step counter, a parameter, the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project, self.out = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.ones(4))
+        self.register_buffer("average", torch.zeros(4))
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.project(x)
+        y = self.out(h - self.average) * self.scale + self.steps
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(0.1 * h.mean(0))
+            self.scale.mul_(0.5)
+            x.clamp_(min=0)
+        with torch.autocast("cpu", enabled=False):
+            self.steps.add_(1)
+        return y
+
+
+def wrapped_writes_twins() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model, reference = WritesUnderNoGradAndAutocast().eval(), WritesUnderNoGradAndAutocast().eval()
+    reference.load_state_dict(model.state_dict())
+    return model, reference, torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+
+
+def test_what_a_block_under_no_grad_or_autocast_writes_is_found_where_export_wraps_it() -> None:
+    model, _, x = wrapped_writes_twins()
+    exported = torch.export.export(model, (x.clone(),), strict=False)
+    wrappers = [node for node in exported.graph.nodes if isinstance(node.target, torch._ops.HigherOrderOperator)]
+    assert wrappers  # the blocks are higher-order ops whose bodies hold the writes
+    written = {operand.name for node in wrappers for operand in written_operands(node)}
+    assert written == {"b_average", "p_scale", "x", "b_steps"}
+    compiled = moirai.compile(model, ["cpu"], example_inputs=(x.clone(),), placer="single", progress=False)
+    assert {state.name for state in mutable_buffers(compiled.traced.graph_module)} == {"average", "scale", "steps"}
+
+
+def test_state_written_under_no_grad_or_autocast_is_kept_by_every_placement() -> None:
+    model, reference, x = wrapped_writes_twins()
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x.clone(),), placer="single", progress=False)
+    assert compiled.problem.colocated  # the average's read, update and write on one device
+    plans = every_plan(compiled)
+    assert 1 < len(plans) < 2**compiled.problem.num_tasks
+    initial = {name: value.clone() for name, value in reference.state_dict().items()}
+    for split in plans:
+        model.load_state_dict(initial)
+        reference.load_state_dict(initial)
+        for _ in range(3):
+            mine, theirs = x.clone(), x.clone()
+            with torch.no_grad():
+                torch.testing.assert_close(split(mine), reference(theirs), rtol=0, atol=0)
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+            for name, value in reference.state_dict().items():
+                torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_run_distributed_brings_back_state_written_under_no_grad_on_rank_1() -> None:
+    model, reference, x = wrapped_writes_twins()
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x.clone(),), placer="single", progress=False)
+    # Rank 0 runs the input's projection only; rank 1 every read and write of the state.
+    placement = np.array([0 if node.fx_names == ("linear",) else 1 for node in compiled.graph.nodes])
+    on_rank_1 = compiled.with_plan(Plan(placement, compiled.problem.device_names))
+    for _ in range(3):  # each call a new world: rank 1's writes must come back to the model
+        mine, theirs = x.clone(), x.clone()
+        with torch.no_grad():
+            torch.testing.assert_close(on_rank_1.run_distributed(mine, progress=False), reference(theirs))
+        torch.testing.assert_close(mine, theirs)
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name], value, msg=name)
+
+
+class ReadsThenCounts(torch.nn.Module):
+    """Reads its counter, then adds 1 to it: the write must wait for the read, which no data edge says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project, self.out = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.out(self.project(x)) + self.steps
+        self.steps.add_(1)
+        return y
+
+
+def test_a_buffer_is_written_after_every_read_of_its_old_value_whatever_the_order_of_the_plan() -> None:
+    torch.manual_seed(0)
+    model, reference = ReadsThenCounts().eval(), ReadsThenCounts().eval()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="single", progress=False)
+    for split in every_plan(compiled):  # the read waits for the other device's linear where the write does not
+        model.steps.zero_()
+        reference.steps.zero_()
+        for _ in range(2):
+            with torch.no_grad():
+                torch.testing.assert_close(split(x), reference(x), msg=f"placement {split.plan.placement.tolist()}")

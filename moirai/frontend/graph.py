@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from moirai.errors import TraceError
 from moirai.frontend.symbolic_shapes import example_int, shape_scalars
-from moirai.frontend.trace import TracedModel, is_view_node, writes_in_place
+from moirai.frontend.trace import TracedModel, is_view_node, writes_its_output
 from moirai.progress import stage
 
 
@@ -45,7 +45,7 @@ class OpNode:
     ``output_bytes`` is the memory its outputs allocate: a view (``transpose``, ``view``,
     ``expand``...) allocates none, nor does an op that writes in place (``copy_``: its output is the tensor it
     wrote). ``bytes_moved`` is what it reads and writes: a view nothing, an embedding lookup the rows it gathers
-    (not the table), an op that writes in place its inputs, any other op its inputs and outputs.
+    (not the table), any other op its inputs and outputs (an in-place op's output counted once, as its input).
     """
 
     name: str
@@ -172,7 +172,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
         index = len(nodes)
         params = frozenset(n.name for n in inputs if n.op == "get_attr")
         output_bytes = _nbytes(fx_node.meta.get("val"))
-        allocated_bytes = 0 if is_view_node(fx_node) or writes_in_place(fx_node) else output_bytes
+        allocated_bytes = 0 if is_view_node(fx_node) or writes_its_output(fx_node) else output_bytes
         nodes.append(
             OpNode(
                 name=fx_node.name,
@@ -205,18 +205,19 @@ _ROW_GATHERS = frozenset({"aten::embedding", "aten::index_select"})
 def _bytes_moved(node: fx.Node, output_bytes: int) -> float:
     """What an op reads and writes in memory: nothing for a view (its output aliases its input, as the op's schema
     declares); for a lookup of rows (``embedding``, ``index_select``) the rows it gathers (its output's bytes), the
-    indices and its output, not the whole table; for an op that writes in place, its inputs (the written one is its
-    output); else every input and its output."""
+    indices and its output, not the whole table; else every input and its output (an in-place op's output is the
+    input it writes, counted once)."""
     if is_view_node(node):
         return 0.0
-    if writes_in_place(node):
-        return float(sum(_nbytes(n.meta.get("val")) for n in node.all_input_nodes))
     target = node.target
     if isinstance(target, torch._ops.OpOverload) and target._schema.name in _ROW_GATHERS:
         index = node.args[1] if target._schema.name == "aten::embedding" else node.args[2]
         index_bytes = _nbytes(index.meta.get("val")) if isinstance(index, fx.Node) else 0
         return float(2 * output_bytes + index_bytes)
-    return float(sum(_nbytes(n.meta.get("val")) for n in node.all_input_nodes) + output_bytes)
+    written_in_place = writes_its_output(node)  # its output is an input it writes: counted once, as that input
+    return float(
+        sum(_nbytes(n.meta.get("val")) for n in node.all_input_nodes) + (0 if written_in_place else output_bytes)
+    )
 
 
 def _target_name(node: fx.Node) -> str:

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from moirai.frontend.graph import OpGraph
-from moirai.frontend.trace import is_view_node
+from moirai.frontend.trace import is_view_node, written_operands
 
 
 @dataclass(frozen=True)
@@ -87,12 +87,6 @@ def _ops_touching(attribute: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
 
 
 def _writes(op: fx.Node, value: fx.Node) -> bool:
-    """Whether ``op`` writes ``value`` in place (an argument its schema marks as written)."""
-    target = op.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    for position, argument in enumerate(target._schema.arguments):
-        given = op.args[position] if position < len(op.args) else op.kwargs.get(argument.name)
-        if given is value and argument.alias_info is not None and argument.alias_info.is_write:
-            return True
-    return False
+    """Whether ``op`` writes ``value`` in place (an argument its schema marks as written, or one a block wrapped in a
+    higher-order op writes: :func:`moirai.frontend.trace.written_operands`)."""
+    return any(written is value for written in written_operands(op))

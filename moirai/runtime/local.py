@@ -8,7 +8,8 @@ One thread runs the parts node by node in a fixed order: part 0 until it must wa
 tensor not yet sent, then part 1, and so on round the parts until all have finished. A sent
 tensor is moved to its receiving device with ``.to``. Outputs are returned on
 the first device. Each part is moved to its device in place (like ``Module.to``), so repeated
-calls do not copy weights again.
+calls do not copy weights again. A part that writes a flat input in place writes a copy of its own, copied into the
+caller's tensor once every part has run (:class:`_OwnCopies`), as every rank of a distributed run has its own.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.fx as fx
 from moirai.errors import InputError, PlanError
 from moirai.frontend.trace import retarget_devices
 from moirai.runtime.split import DevicePart, SplitProgram, TensorTransfer, symbol_values
+from moirai.runtime.written_state import written_inputs
 
 
 def run_local(
@@ -38,16 +40,21 @@ def run_local(
     values = check_inputs(program, flat_inputs)
     devices = [torch.device(d) for d in torch_devices]
     transport = _LocalTransport(program.transfers, devices, values)
-    runs = [
-        _PartRun(place_part(part, device), [transport, *(flat_inputs[i].to(device) for i in part.input_indices)])
-        for part, device in zip(program.parts, devices, strict=True)
-    ]
+    own_copies = _OwnCopies(flat_inputs)
     with torch.no_grad():
+        runs = [
+            _PartRun(
+                place_part(part, device),
+                [transport, *(own_copies.part_input(part, i, device) for i in part.input_indices)],
+            )
+            for part, device in zip(program.parts, devices, strict=True)
+        ]
         while not all(run.finished for run in runs):
             if not any([run.advance(transport) for run in runs]):
                 blocked = ", ".join(f"part {k} at {run.next_node}" for k, run in enumerate(runs) if not run.finished)
                 raise PlanError(f"the parts wait for each other's tensors ({blocked}); was a part's graph edited?")
-    return [_to(runs[location.device].outputs[location.index], devices[0]) for location in program.outputs]
+        own_copies.write_back()
+    return [_to(own_copies.as_given(runs[at.device].outputs[at.index]), devices[0]) for at in program.outputs]
 
 
 def check_inputs(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> dict[str, int]:
@@ -78,6 +85,41 @@ def place_part(part: DevicePart, device: torch.device) -> fx.GraphModule:
 
 
 _PLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _OwnCopies:
+    """The inputs of one call as each part takes them: a part that writes a flat input in place writes a copy of its
+    own, which :meth:`write_back` copies into the caller's tensor once every part has run.
+
+    The parts run interleaved in one process, and ``.to`` a tensor's own device is the tensor itself: a write into
+    the caller's tensor (functionalization's ``copy_`` into an input, the write's last step in the traced graph) could
+    run before another part's read of the input as the call gave it (``x.clamp_(min=0)`` after two towers read
+    ``x``). Each rank of a distributed run has its own copy anyway; this gives the local runner the same.
+    """
+
+    def __init__(self, flat_inputs: Sequence[torch.Tensor]) -> None:
+        self._flat_inputs = flat_inputs
+        self._copies: dict[int, tuple[int, torch.Tensor]] = {}  # id of a copy -> (flat input index, the copy)
+
+    def part_input(self, part: DevicePart, index: int, device: torch.device) -> torch.Tensor:
+        value = self._flat_inputs[index].to(device)
+        if index not in written_inputs(part):
+            return value
+        if value is self._flat_inputs[index]:
+            value = value.clone()
+        self._copies[id(value)] = (index, value)
+        return value
+
+    def write_back(self) -> None:
+        """Copy what the parts wrote into their copies into the caller's tensors."""
+        for index, copy in self._copies.values():
+            self._flat_inputs[index].copy_(copy)
+
+    def as_given(self, output: object) -> object:
+        """``output``, or the caller's tensor where ``output`` is a part's copy of it (an in-place write returns its
+        input: eager's output is the caller's tensor)."""
+        index, _ = self._copies.get(id(output), (None, None))
+        return output if index is None else self._flat_inputs[index]
 
 
 class _PartRun:

@@ -70,7 +70,14 @@ from moirai.frontend.symbolic_shapes import SHAPE_OPERATORS, DynamicDim, shape_s
 from moirai.frontend.symbolic_shapes import (
     concrete_shape as concrete_shape,  # part of this module's interface for the runtimes
 )
-from moirai.frontend.trace import TensorSpec, TracedModel, check_flat_inputs, is_view_node, tensor_spec
+from moirai.frontend.trace import (
+    TensorSpec,
+    TracedModel,
+    check_flat_inputs,
+    is_view_node,
+    tensor_spec,
+    written_operands,
+)
 from moirai.progress import stage
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -188,7 +195,9 @@ def split_module(
     graph = traced.graph_module.graph
     ops = [node for node in graph.nodes if node.op in _COMPUTE_OPS]
     _check_assignment(ops, node_device, num_devices, traced.model_name)
-    sequences = _device_sequences(ops, node_device, num_devices, device_order)
+    sequences = [
+        _writes_after_reads(sequence) for sequence in _device_sequences(ops, node_device, num_devices, device_order)
+    ]
     scalars = shape_scalars(traced)
     global_order = _merge_orders(sequences, node_device, {node: i for i, node in enumerate(graph.nodes)}, scalars)
     transfers = _transfers([node for node in global_order if node not in scalars], node_device)
@@ -274,6 +283,47 @@ def _device_sequences(
             )
         sequences.append([node_of[name] for name in names])
     return sequences
+
+
+def _writes_after_reads(sequence: list[fx.Node]) -> list[fx.Node]:
+    """One device's ops with each in-place write moved after every op of the device that reads the tensor it writes
+    as it was before the write.
+
+    A functionalized graph ends with a ``copy_`` of each updated buffer's or input's new value into it, and its
+    readers of the old value (``y - self.average`` before ``self.average.mul_(0.9)``) have no data edge to it: a
+    plan's order may put the write first (an op waiting for another device's tensor runs after it), and the reader
+    would see the new value. A write whose result an op of the device reads stays where it is.
+    """
+    order = list(sequence)
+    for writer in sequence:
+        if any(user in order for user in writer.users):
+            continue
+        readers = {reader for written in written_operands(writer) for reader in _readers_before(written, writer)}
+        last = max((i for i, node in enumerate(order) if node in readers), default=-1)
+        if last > order.index(writer):
+            order.remove(writer)
+            order.insert(last, writer)  # ``last`` moved up by one with the removal: just after the last reader
+    return order
+
+
+def _readers_before(written: fx.Node, writer: fx.Node) -> set[fx.Node]:
+    """The ops other than ``writer`` that read the tensor ``written`` views (itself, or any view of it), not
+    through an in-place op's result (which holds the written value)."""
+    base = written
+    while is_view_node(base) and isinstance(base.args[0], fx.Node):
+        base = base.args[0]
+    readers, seen, frontier = set(), {base}, [base]
+    while frontier:
+        alias = frontier.pop()
+        for user in alias.users:
+            if user is writer or user in seen or any(target is alias for target in written_operands(user)):
+                continue
+            seen.add(user)
+            if is_view_node(user):
+                frontier.append(user)
+            else:
+                readers.add(user)
+    return readers
 
 
 def _merge_orders(

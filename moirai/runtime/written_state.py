@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from moirai.frontend.state import written_in_place
 from moirai.frontend.trace import TensorSpec, tensor_spec
 from moirai.runtime.split import DevicePart, OutputLocation, PartTracer, SplitProgram
 
-__all__ = ["WrittenState", "returning_state", "warning_at_close", "write_back", "written_states"]
+__all__ = ["WrittenState", "returning_state", "warning_at_close", "write_back", "written_inputs", "written_states"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,19 @@ class WrittenState:
 def written_states(program: SplitProgram) -> tuple[WrittenState, ...]:
     """Every buffer and flat input that a part other than part 0 writes in place, part by part."""
     return tuple(state for part in program.parts[1:] for state in _part_states(part)[1])
+
+
+def written_inputs(part: DevicePart) -> frozenset[int]:
+    """The flat inputs ``part`` writes in place (their indices), found once per part graph."""
+    module = part.graph_module
+    cached = _WRITTEN_INPUTS.get(module)
+    if cached is None or cached[0] is not module.code:
+        indices = frozenset(state.input_index for state in _part_states(part)[1] if state.input_index is not None)
+        cached = _WRITTEN_INPUTS[module] = (module.code, indices)
+    return cached[1]
+
+
+_WRITTEN_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def returning_state(program: SplitProgram) -> tuple[SplitProgram, tuple[WrittenState, ...]]:
