@@ -956,3 +956,37 @@ def test_the_pad_token_and_the_models_generation_config_are_read_as_model_genera
     model.generation_config.watermarking_config = watermark
     with pytest.warns(moirai.MoiraiWarning, match="generation_config sets watermarking_config="):
         lm.generate(prompt)
+
+
+def test_the_end_and_pad_tokens_are_the_generation_configs_alone_as_model_generate_reads_them(llama, split_lm):
+    """The model's config was read where the generation_config sets None: a pad token set there alone dropped the
+    prompt's tokens equal to it as padding, and an end token set there alone stopped a model whose
+    generation_config sets none (to generate to the full length), where model.generate reads neither."""
+    model = copy.deepcopy(llama)
+    lm = dataclasses.replace(split_lm, model=weakref.ref(model))
+    prompt = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
+
+    def hf(**options) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=8, do_sample=False, **options)
+
+    model.generation_config.eos_token_id = None
+    free_run = hf()[0, 10:].tolist()  # the full length, no end token
+    model.config.pad_token_id, model.generation_config.pad_token_id = int(prompt[0, 4]), None
+    assert lm.pad_token_id is None
+    assert torch.equal(lm.generate(prompt, max_new_tokens=8), hf())  # the whole prompt, as model.generate reads it
+    model.config.pad_token_id = None
+    end = next(token for token in free_run[1:] if token not in free_run[:1])
+    model.config.eos_token_id, model.generation_config.eos_token_id = end, None
+    assert lm.eos_token_id == () and hf()[0, 10:].tolist() == free_run
+    assert torch.equal(lm.generate(prompt, max_new_tokens=8), hf())
+    with GenerationServer(lm, _StepsInThisProcess(lm), depth=2) as server:
+        assert server.submit(prompt[0], max_new_tokens=8).result(timeout=60) == free_run
+        assert list(server.stream(prompt[0], max_new_tokens=8)) == free_run
+    # Hugging Face builds a model's generation_config from its config, end token included: stopped there, as it is.
+    model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
+    assert lm.eos_token_id == (end,) and hf().shape[1] < 18
+    assert torch.equal(lm.generate(prompt, max_new_tokens=8), hf())
+    # A model without a generation_config: its config, as from_model_config would read it.
+    model.generation_config = None
+    assert lm.eos_token_id == (end,)

@@ -130,12 +130,25 @@ class CompiledLM:
 
     @property
     def eos_token_id(self) -> tuple[int, ...]:
-        """The model's end tokens, in its config's order (the first pads rows that end early where no pad is set)."""
-        return end_tokens(_first_set("eos_token_id", self.generation_config, self.model_config), ())
+        """The model's end tokens, in its config's order (the first pads rows that end early where no pad is set);
+        none where its generation_config sets none (see :meth:`special_tokens_config`)."""
+        return end_tokens(getattr(self.special_tokens_config, "eos_token_id", None), ())
 
     @property
     def pad_token_id(self) -> int | None:
-        return _first_set("pad_token_id", self.generation_config, self.model_config)
+        return getattr(self.special_tokens_config, "pad_token_id", None)
+
+    @property
+    def special_tokens_config(self) -> Any:
+        """The config the model's end and pad tokens are read from: its generation_config, the only one
+        model.generate reads them from (``_prepare_special_tokens``). Hugging Face copies them there from the model's
+        config when it builds the model (``GenerationConfig.from_model_config``), so a model stops at its config's
+        end token by default, and one whose generation_config sets ``eos_token_id = None`` generates to the full
+        length, whatever its config says (reading the config where the generation_config had None stopped it there,
+        and took the config's pad token for padding to strip). A model without a generation_config: its config, as
+        ``from_model_config`` would build one."""
+        generation_config = self.generation_config
+        return self.model_config if generation_config is None else generation_config
 
     def check_generation_config(self) -> None:
         """:class:`InputError` unless the model's end tokens are token ids; a :class:`MoiraiWarning` naming what its
@@ -490,8 +503,3 @@ def _does_not_fit(
         f"{name} does not fit the devices for generation: {sizes}; give fewer slots (max_batch_size), a shorter "
         f"max_seq_len, or more devices ({error})"
     )
-
-
-def _first_set(name: str, *configs: object) -> Any:
-    """The first of ``configs`` to set ``name`` (token id 0 is set: no ``or``)."""
-    return next((value for value in (getattr(c, name, None) for c in configs) if value is not None), None)
