@@ -990,3 +990,11 @@ def test_the_end_and_pad_tokens_are_the_generation_configs_alone_as_model_genera
     # A model without a generation_config: its config, as from_model_config would read it.
     model.generation_config = None
     assert lm.eos_token_id == (end,)
+
+
+def test_int32_prompts_give_int64_tokens_as_model_generate_returns_them(llama, split_lm):
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    with torch.no_grad():
+        expected = llama.generate(prompt, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt))
+    ours = split_lm.generate(prompt, max_new_tokens=3)
+    assert expected.dtype == ours.dtype == torch.int64 and torch.equal(ours, expected)

@@ -267,9 +267,9 @@ class CompiledLM:
         generation_config: Any = None,
         **others: Any,
     ) -> Any:
-        """Token ids ``[batch, prompt + new]`` as Hugging Face's ``generate`` returns them (with
-        ``return_dict_in_generate=True``, as its output's ``.sequences``), run by the local runner
-        (every part from this process; :meth:`server` runs one process per device).
+        """Token ids ``[batch, prompt + new]`` (int64, whatever the prompt's integer dtype) as Hugging Face's
+        ``generate`` returns them (with ``return_dict_in_generate=True``, as its output's ``.sequences``), run by the
+        local runner (every part from this process; :meth:`server` runs one process per device).
 
         Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it); rows
         that end early (``eos_token_id``) are padded with ``pad_token_id`` (default: the model's, else the end token).

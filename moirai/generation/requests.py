@@ -118,11 +118,12 @@ class GenerateRequest:
         return futures
 
     def assemble(self, new_tokens: list[list[int]]) -> torch.Tensor:
-        """The prompt rows as given, then each row's new tokens, padded to the longest with the pad token."""
+        """The prompt rows as given, then each row's new tokens, padded to the longest with the pad token: int64
+        whatever the prompt's dtype, as model.generate's concatenation with its int64 tokens promotes int32 rows."""
         longest = max((len(tokens) for tokens in new_tokens), default=0)
         padded = [tokens + [self.pad_token_id] * (longest - len(tokens)) for tokens in new_tokens]
-        generated = torch.tensor(padded, dtype=self.input_ids.dtype).reshape(len(new_tokens), longest)
-        return torch.cat([self.input_ids.cpu(), generated], dim=1).to(self.input_ids.device)
+        generated = torch.tensor(padded, dtype=torch.long).reshape(len(new_tokens), longest)
+        return torch.cat([self.input_ids.cpu().long(), generated], dim=1).to(self.input_ids.device)
 
 
 class GenerateOptions(NamedTuple):
