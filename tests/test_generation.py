@@ -998,3 +998,24 @@ def test_int32_prompts_give_int64_tokens_as_model_generate_returns_them(llama, s
         expected = llama.generate(prompt, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt))
     ours = split_lm.generate(prompt, max_new_tokens=3)
     assert expected.dtype == ours.dtype == torch.int64 and torch.equal(ours, expected)
+
+
+def test_the_prompt_as_inputs_and_a_generation_config_second_are_taken_as_model_generate_takes_them(llama, split_lm):
+    """model.generate's first parameter is ``inputs`` and its second ``generation_config``: generate(inputs=ids)
+    was a TypeError, and generate(ids, config) said max_new_tokens must be a whole number."""
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(9))
+    config = transformers.GenerationConfig(max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        expected = llama.generate(inputs=prompt, generation_config=config, attention_mask=torch.ones_like(prompt))
+        assert torch.equal(llama.generate(prompt, config, attention_mask=torch.ones_like(prompt)), expected)
+    assert torch.equal(split_lm.generate(inputs=prompt, max_new_tokens=3), expected)
+    assert torch.equal(split_lm.generate(prompt, config), expected)
+    with GenerationServer(split_lm, _StepsInThisProcess(split_lm), depth=2) as server:
+        assert torch.equal(server.generate(inputs=prompt, max_new_tokens=3), expected)
+        assert torch.equal(server.generate(prompt, config), expected)
+    with pytest.raises(moirai.InputError, match="both input_ids and inputs, two names for the prompt's token ids"):
+        split_lm.generate(prompt, inputs=prompt, max_new_tokens=3)
+    with pytest.raises(moirai.InputError, match="needs the prompt's token ids: pass input_ids"):
+        split_lm.generate(max_new_tokens=3)
+    with pytest.raises(moirai.InputError, match="two generation configs, one as its second argument"):
+        split_lm.generate(prompt, config, generation_config=config)

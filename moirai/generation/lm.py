@@ -49,6 +49,7 @@ from moirai.generation.requests import (
     GenerationDefaults,
     end_tokens,
     generate_rows,
+    prompt_rows,
     unapplied_settings,
 )
 from moirai.generation.server import GenerationServer
@@ -250,7 +251,7 @@ class CompiledLM:
 
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         max_new_tokens: int | None = None,
         do_sample: bool | None = None,
         temperature: float | None = None,
@@ -265,6 +266,7 @@ class CompiledLM:
         min_p: float | None = None,
         streamer: Any = None,
         generation_config: Any = None,
+        inputs: torch.Tensor | None = None,
         **others: Any,
     ) -> Any:
         """Token ids ``[batch, prompt + new]`` (int64, whatever the prompt's integer dtype) as Hugging Face's
@@ -284,10 +286,13 @@ class CompiledLM:
         row) gets the prompt, then each token as it comes. ``others`` may be the settings that ban tokens
         (``min_new_tokens``, ``min_length``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``suppress_tokens``,
         ``begin_suppress_tokens``: :class:`~moirai.generation.bans.TokenBans`) and ``num_return_sequences`` (sampled
-        sequences of each row); any other argument of ``model.generate`` is an :class:`InputError` naming it.
+        sequences of each row); any other argument of ``model.generate`` is an :class:`InputError` naming it. As
+        there, the prompt may be passed as ``inputs``, and a ``GenerationConfig`` as the second argument
+        (``generate(inputs, generation_config)``).
         """
         given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
         options = GenerateOptions.of(given, others)
+        input_ids = prompt_rows(input_ids, inputs)
         server = self._open_server
         if server is not None:  # [Note: one user of the caches at a time]
             return server.generate_with(input_ids, attention_mask, options)

@@ -178,6 +178,15 @@ class GenerateOptions(NamedTuple):
                 f"{', '.join(f for f in cls._fields if f != 'bans')}, {', '.join(TokenBans.settings())} and "
                 "attention_mask"
             )
+        if hasattr(given["max_new_tokens"], "to_dict"):
+            # model.generate(inputs, generation_config): Hugging Face's second parameter, moirai's max_new_tokens. A
+            # GenerationConfig is never a number of tokens, so it is taken as what model.generate takes it for.
+            if given["generation_config"] is not None:
+                raise InputError(
+                    "generate was given two generation configs, one as its second argument (model.generate's "
+                    "generation_config, moirai's max_new_tokens) and one as generation_config: pass one"
+                )
+            given = {**given, "max_new_tokens": None, "generation_config": given["max_new_tokens"]}
         options = cls(**given, bans=bans)
         config = options.generation_config
         if config is not None and not hasattr(config, "to_dict"):
@@ -368,6 +377,21 @@ class GenerationDefaults(NamedTuple):
             self.repetition_penalty if repetition_penalty is None else repetition_penalty,
             self.min_p if min_p is None else min_p,
         )
+
+
+def prompt_rows(input_ids: Any, inputs: Any) -> Any:
+    """The prompt rows of a ``generate`` call: ``input_ids``, or ``inputs``, model.generate's name for its first
+    parameter (which takes ``input_ids=`` too); :class:`InputError` for both or neither."""
+    if input_ids is not None and inputs is not None:
+        raise InputError(
+            "generate was given both input_ids and inputs, two names for the prompt's token ids (model.generate "
+            "refuses both too): pass one"
+        )
+    if input_ids is None and inputs is None:
+        raise InputError(
+            "generate needs the prompt's token ids: pass input_ids (or inputs, as model.generate names them)"
+        )
+    return input_ids if input_ids is not None else inputs
 
 
 def prompt_tokens(prompt_ids: torch.Tensor | Sequence[int]) -> list[int]:
