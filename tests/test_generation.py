@@ -192,6 +192,9 @@ def test_sampling_follows_temperature_top_k_and_top_p():
     assert top2[4] == pytest.approx(np.exp(3) / (np.exp(3) + np.exp(2)), abs=2e-3)
     # top_p 0.5: token 4 alone has 0.63 of the mass, so it is the smallest set reaching 0.5.
     assert set(np.flatnonzero(drawn(1.0, 0, 0.5))) == {4}
+    # top_p 0: the likeliest token alone, as Hugging Face keeps min_tokens_to_keep = 1 (nothing was kept, and every
+    # draw fell past the last candidate).
+    assert set(np.flatnonzero(drawn(1.0, 0, 0.0))) == set(np.flatnonzero(drawn(1.5, 3, 0.0, min_p=0.5))) == {4}
     # min_p 0.3: tokens at least 0.3 as likely as token 4 (e^3): token 0 (e^2 = 0.37 of it) stays, token 1 goes.
     assert np.array_equal(drawn(1.0, 0, 1.0, min_p=0.3), top2)
 
@@ -706,7 +709,7 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
     with pytest.raises(moirai.MoiraiError, match="did you mean 'max_batch_size'"):
         moirai.compile_lm(llama, ["cpu"], max_batch_sise=2, progress=False, calibration="none")
     with pytest.raises(moirai.InputError, match="sampling needs"):
-        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, top_p=0.0)
+        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, top_p=-0.5)
     with pytest.raises(moirai.InputError, match="repetition_penalty > 0 .*; got .*repetition_penalty=0.0"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), repetition_penalty=0.0)
     with pytest.raises(moirai.InputError, match="0 <= min_p <= 1; got .*min_p=1.5"):
@@ -1019,3 +1022,12 @@ def test_the_prompt_as_inputs_and_a_generation_config_second_are_taken_as_model_
         split_lm.generate(max_new_tokens=3)
     with pytest.raises(moirai.InputError, match="two generation configs, one as its second argument"):
         split_lm.generate(prompt, config, generation_config=config)
+
+
+def test_sampling_with_a_top_p_of_0_keeps_the_likeliest_token_as_model_generate_does(llama, split_lm):
+    """It was an InputError (0 < top_p), where model.generate's top-p keeps the likeliest token."""
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(12))
+    options = {"max_new_tokens": 6, "do_sample": True, "top_p": 0.0, "temperature": 1.3, "top_k": 0}
+    with torch.no_grad():
+        expected = llama.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
+    assert torch.equal(split_lm.generate(prompt, seed=3, **options), expected)
