@@ -1031,3 +1031,22 @@ def test_sampling_with_a_top_p_of_0_keeps_the_likeliest_token_as_model_generate_
     with torch.no_grad():
         expected = llama.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
     assert torch.equal(split_lm.generate(prompt, seed=3, **options), expected)
+
+
+def test_a_streamer_without_put_and_end_and_token_ids_on_meta_are_input_errors(split_lm):
+    """Each was a raw error from deep in the call: an AttributeError ('bool' object has no attribute 'put') and a
+    RuntimeError or NotImplementedError reading a meta tensor's values."""
+    prompt = torch.tensor([[3, 4, 5]])
+    for streamer in (True, print):
+        with pytest.raises(moirai.InputError, match="streamer must have put\\(token ids\\) and end\\(\\)"):
+            split_lm.generate(prompt, max_new_tokens=2, streamer=streamer)
+    meta = prompt.to("meta")
+    with pytest.raises(moirai.InputError, match="input_ids is on the meta device, which holds shapes and no values"):
+        split_lm.generate(meta, max_new_tokens=2)
+    with pytest.raises(moirai.InputError, match="attention_mask is on the meta device"):
+        split_lm.generate(prompt, attention_mask=torch.ones_like(meta), max_new_tokens=2)
+    with GenerationServer(split_lm, _StepsInThisProcess(split_lm), depth=2) as server:
+        with pytest.raises(moirai.InputError, match="a prompt is on the meta device"):
+            server.submit(meta[0], max_new_tokens=2)
+        with pytest.raises(moirai.InputError, match="streamer must have put"):
+            server.generate(prompt, max_new_tokens=2, streamer=object())

@@ -194,6 +194,13 @@ class GenerateOptions(NamedTuple):
                 f"generation_config must be a transformers.GenerationConfig, got {type(config).__name__}; pass "
                 "GenerationConfig(**settings), or the settings as arguments"
             )
+        streamer = options.streamer
+        if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
+            # Checked before any step runs: a put missing was an AttributeError once the prompt had been checked.
+            raise InputError(
+                f"streamer must have put(token ids) and end(), as transformers.TextStreamer has; got "
+                f"{reprlib.repr(streamer)}: pass TextStreamer(tokenizer), or take each token from server().stream"
+            )
         _refuse_unapplied(config, "the generation_config passed to generate")
         asked = [f"{name}={getattr(config, name)!r}" for name in OUTPUT_ARGUMENTS if getattr(config, name, None)]
         if asked:
@@ -416,23 +423,37 @@ def token_tensor(value: Any, what: str) -> torch.Tensor:
             "lm.generate(**inputs), as to model.generate"
         )
     try:
-        return torch.as_tensor(value)
+        tensor = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as error:
         raise InputError(
             f"{what} must be token ids, a tensor or lists of one length ({error}): pad rows to one length and "
             "pass attention_mask, or submit each prompt alone"
         ) from None
+    _refuse_meta(tensor, what)
+    return tensor
+
+
+def _refuse_meta(tensor: torch.Tensor, what: str) -> None:
+    """:class:`InputError` for a tensor on the meta device: it has a shape and no values to read (reading one was a
+    raw RuntimeError or NotImplementedError deep in the call)."""
+    if tensor.is_meta:
+        raise InputError(
+            f"{what} is on the meta device, which holds shapes and no values: pass the token ids on a real device "
+            "(torch.tensor(ids), or .to('cpu') of tensors made with values)"
+        )
 
 
 def _mask_tensor(value: Any) -> torch.Tensor:
     """An ``attention_mask`` as a tensor (it may be nested lists); :class:`InputError` for anything else."""
     try:
-        return torch.as_tensor(value)
+        mask = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as error:
         raise InputError(
             f"attention_mask must be a tensor, or lists of 1 (a token) and 0 (padding), one per token of input_ids "
             f"({error})"
         ) from None
+    _refuse_meta(mask, "attention_mask")
+    return mask
 
 
 def sampling_params(
