@@ -1050,3 +1050,25 @@ def test_a_streamer_without_put_and_end_and_token_ids_on_meta_are_input_errors(s
             server.submit(meta[0], max_new_tokens=2)
         with pytest.raises(moirai.InputError, match="streamer must have put"):
             server.generate(prompt, max_new_tokens=2, streamer=object())
+
+
+def test_right_padding_and_holes_in_the_mask_warn_that_model_generate_gives_other_tokens(llama, split_lm):
+    """moirai generates each row as its kept tokens alone; model.generate goes on after right padding and counts a
+    hole's tokens in a repetition penalty, so each gave other tokens, silently."""
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
+    right = torch.zeros(2, 9, dtype=torch.long)
+    right[0, :5], right[1] = prompts
+    mask = (right != 0).long()
+    said = r"attention_mask leaves out tokens after the first kept one in row 0 \(right padding, or holes\)"
+    with pytest.warns(moirai.PaddingWarning, match=said):
+        ours = split_lm.generate(right, attention_mask=mask, max_new_tokens=6)
+    assert [row[9:] for row in ours.tolist()] == [hf_new_tokens(llama, prompt, 6) for prompt in prompts]
+    hole = torch.cat([prompts[1][:4], torch.tensor([0]), prompts[1][4:]])[None]
+    with pytest.warns(moirai.PaddingWarning, match=r"the pad token 0 \(no attention_mask was given\) leaves out"):
+        split_lm.generate(hole, pad_token_id=0, max_new_tokens=2)
+    left = torch.zeros(2, 9, dtype=torch.long)
+    left[0, 4:], left[1] = prompts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", moirai.PaddingWarning)
+        split_lm.generate(left, attention_mask=(left != 0).long(), max_new_tokens=2)
+        split_lm.generate(left, pad_token_id=0, max_new_tokens=2)

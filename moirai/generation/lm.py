@@ -273,8 +273,10 @@ class CompiledLM:
         ``generate`` returns them (with ``return_dict_in_generate=True``, as its output's ``.sequences``), run by the
         local runner (every part from this process; :meth:`server` runs one process per device).
 
-        Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it); rows
-        that end early (``eos_token_id``) are padded with ``pad_token_id`` (default: the model's, else the end token).
+        Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it; a
+        mask that is not left padding alone gives a :class:`~moirai.errors.PaddingWarning`, as Hugging Face's tokens
+        differ there); rows that end early (``eos_token_id``) are padded with ``pad_token_id`` (default: the
+        model's, else the end token).
         ``do_sample`` samples with ``temperature``, ``top_k`` (0: all), ``top_p`` and ``min_p``, after the logits of the
         tokens a row has seen are penalized by ``repetition_penalty`` (greedy or not); each of these, left out, is the
         model's ``generation_config``'s where it sets it, else Hugging Face's default (greedy; 1.0, 50, 1.0, none; 1.0).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import operator
 import reprlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, replace
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from moirai.errors import InputError, RequestError
+from moirai.errors import InputError, PaddingWarning, RequestError, user_stacklevel
 from moirai.generation.bans import TokenBans
 from moirai.generation.engine import Engine, SamplingParams, SequenceState
 
@@ -61,15 +62,18 @@ class GenerateRequest:
         eos = end_tokens(_first_given(options.eos_token_id, getattr(given, "eos_token_id", None)), lm.eos_token_id)
         pad = _first_given(options.pad_token_id, getattr(given, "pad_token_id", None), lm.pad_token_id)
         pad = _whole("pad_token_id", pad)
+        masked_by = "attention_mask"
         if attention_mask is None and pad is not None and pad not in eos and bool((input_ids == pad).any()):
             # Hugging Face's rule: a pad token that is no end token and stands in the rows marks their padding.
-            attention_mask = input_ids != pad
+            attention_mask, masked_by = input_ids != pad, f"the pad token {pad} (no attention_mask was given)"
         attention_mask = None if attention_mask is None else _mask_tensor(attention_mask)
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise InputError(
                 f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}: "
                 "give one mask value per token"
             )
+        if attention_mask is not None:
+            _warn_unless_left_padding(attention_mask, masked_by)
         copies = _first_given(options.num_return_sequences, defaults.num_return_sequences)
         if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
             raise InputError(f"num_return_sequences must be a whole number >= 1, got {copies!r}")
@@ -124,6 +128,28 @@ class GenerateRequest:
         padded = [tokens + [self.pad_token_id] * (longest - len(tokens)) for tokens in new_tokens]
         generated = torch.tensor(padded, dtype=torch.long).reshape(len(new_tokens), longest)
         return torch.cat([self.input_ids.cpu().long(), generated], dim=1).to(self.input_ids.device)
+
+
+def _warn_unless_left_padding(attention_mask: torch.Tensor, masked_by: str) -> None:
+    """A :class:`PaddingWarning` where ``attention_mask`` leaves out a token after a row's first kept one.
+
+    Each row is generated as its kept tokens alone, which is what model.generate gives for left padding only: after
+    right padding it goes on from the padding (its positions and its last logits), and a hole's tokens stay in its
+    repetition penalty (they are left out of the sequence here, and so of its seen tokens; [Note: seen tokens]).
+    The tokens differ without an error, so say so; Hugging Face warns of right padding too."""
+    kept = attention_mask.cpu().bool()
+    after_first_kept = kept.int().cummax(dim=1).values.bool()
+    rows = (after_first_kept & ~kept).any(dim=1).nonzero().flatten().tolist()
+    if rows:
+        shown = ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
+        warnings.warn(
+            f"{masked_by} leaves out tokens after the first kept one in row {shown} (right padding, or holes): "
+            "moirai generates each row as if its masked tokens were absent, where model.generate, made for left "
+            "padding, goes on after right padding and counts masked tokens in a repetition penalty, so its tokens "
+            "can differ; pad on the left (padding_side='left' in the tokenizer) for model.generate's tokens",
+            PaddingWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 class GenerateOptions(NamedTuple):

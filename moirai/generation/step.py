@@ -228,8 +228,8 @@ class CausalLMStep(torch.nn.Module):
         A prompt's left padding is never fed, and transformers 5 leaves it out of the penalty too
         (``prompt_ignore_length``; transformers 4 counted the pad token). Other tokens a mask leaves out (a hole
         after the first kept token), which Hugging Face still counts, are left out of the sequence, and so of
-        its flags. On CUDA Hugging Face divides by a number as a product with its reciprocal, which may round a
-        logit one unit in the last place from the division here.
+        its flags (a ``PaddingWarning`` says so at the call). On CUDA Hugging Face divides by a number as a product
+        with its reciprocal, which may round a logit one unit in the last place from the division here.
         """
         flags = self.seen_tokens.index_select(0, slots) & (positions[:, :1] != 0)
         flags = flags.scatter(1, input_ids, True)
