@@ -27,6 +27,7 @@ _EXPORTS = {
     "MoiraiWarning": "moirai.errors",
     "OverMemoryWarning": "moirai.errors",
     "OversubscriptionWarning": "moirai.errors",
+    "PaddingWarning": "moirai.errors",
     "PlacerOptionError": "moirai.errors",
     "TrainingModeWarning": "moirai.errors",
     "Objective": "moirai.planning.objective",

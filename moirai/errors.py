@@ -86,6 +86,11 @@ class StateLeftBehindWarning(MoiraiWarning):
     """A closed server's ranks other than 0 wrote buffers or inputs in place: that state ended with their processes."""
 
 
+class PaddingWarning(MoiraiWarning):
+    """A generate call's mask leaves out tokens after a row's first kept one (right padding, holes): moirai
+    generates each row as if they were absent, where model.generate, made for left padding, can give other tokens."""
+
+
 def closest_name(word: object, names: Iterable[str], cutoff: float = 0.6) -> str | None:
     """The name among ``names`` most like ``word`` (difflib's ratio at least ``cutoff``), or None: what a message
     offers for a misspelt key, name or option."""

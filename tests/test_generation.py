@@ -192,6 +192,9 @@ def test_sampling_follows_temperature_top_k_and_top_p():
     assert top2[4] == pytest.approx(np.exp(3) / (np.exp(3) + np.exp(2)), abs=2e-3)
     # top_p 0.5: token 4 alone has 0.63 of the mass, so it is the smallest set reaching 0.5.
     assert set(np.flatnonzero(drawn(1.0, 0, 0.5))) == {4}
+    # top_p 0: the likeliest token alone, as Hugging Face keeps min_tokens_to_keep = 1 (nothing was kept, and every
+    # draw fell past the last candidate).
+    assert set(np.flatnonzero(drawn(1.0, 0, 0.0))) == set(np.flatnonzero(drawn(1.5, 3, 0.0, min_p=0.5))) == {4}
     # min_p 0.3: tokens at least 0.3 as likely as token 4 (e^3): token 0 (e^2 = 0.37 of it) stays, token 1 goes.
     assert np.array_equal(drawn(1.0, 0, 1.0, min_p=0.3), top2)
 
@@ -706,7 +709,7 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
     with pytest.raises(moirai.MoiraiError, match="did you mean 'max_batch_size'"):
         moirai.compile_lm(llama, ["cpu"], max_batch_sise=2, progress=False, calibration="none")
     with pytest.raises(moirai.InputError, match="sampling needs"):
-        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, top_p=0.0)
+        split_lm.generate(torch.zeros(1, 5, dtype=torch.long), do_sample=True, top_p=-0.5)
     with pytest.raises(moirai.InputError, match="repetition_penalty > 0 .*; got .*repetition_penalty=0.0"):
         split_lm.generate(torch.zeros(1, 5, dtype=torch.long), repetition_penalty=0.0)
     with pytest.raises(moirai.InputError, match="0 <= min_p <= 1; got .*min_p=1.5"):
@@ -913,6 +916,9 @@ def test_token_id_0_in_the_generation_config_is_the_pad_and_end_token(split_lm):
     assert lm.pad_token_id == 0 and lm.eos_token_id == (0,)
 
 
+# Its rows' padding includes a hole (a pad token inside a row), which model.generate, without a penalty, generates
+# as moirai does: the PaddingWarning that says it might not is not this test's.
+@pytest.mark.filterwarnings("ignore::moirai.errors.PaddingWarning")
 def test_the_pad_token_and_the_models_generation_config_are_read_as_model_generate_reads_them(llama, split_lm):
     """Each was a silent difference from model.generate: the smallest end token padded a row (not the first
     listed), a pad token in the rows without a mask was read as a token, a generation_config changed after
@@ -956,3 +962,116 @@ def test_the_pad_token_and_the_models_generation_config_are_read_as_model_genera
     model.generation_config.watermarking_config = watermark
     with pytest.warns(moirai.MoiraiWarning, match="generation_config sets watermarking_config="):
         lm.generate(prompt)
+
+
+def test_the_end_and_pad_tokens_are_the_generation_configs_alone_as_model_generate_reads_them(llama, split_lm):
+    """The model's config was read where the generation_config sets None: a pad token set there alone dropped the
+    prompt's tokens equal to it as padding, and an end token set there alone stopped a model whose
+    generation_config sets none (to generate to the full length), where model.generate reads neither."""
+    model = copy.deepcopy(llama)
+    lm = dataclasses.replace(split_lm, model=weakref.ref(model))
+    prompt = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
+
+    def hf(**options) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=8, do_sample=False, **options)
+
+    model.generation_config.eos_token_id = None
+    free_run = hf()[0, 10:].tolist()  # the full length, no end token
+    model.config.pad_token_id, model.generation_config.pad_token_id = int(prompt[0, 4]), None
+    assert lm.pad_token_id is None
+    assert torch.equal(lm.generate(prompt, max_new_tokens=8), hf())  # the whole prompt, as model.generate reads it
+    model.config.pad_token_id = None
+    end = next(token for token in free_run[1:] if token not in free_run[:1])
+    model.config.eos_token_id, model.generation_config.eos_token_id = end, None
+    assert lm.eos_token_id == () and hf()[0, 10:].tolist() == free_run
+    assert torch.equal(lm.generate(prompt, max_new_tokens=8), hf())
+    with GenerationServer(lm, _StepsInThisProcess(lm), depth=2) as server:
+        assert server.submit(prompt[0], max_new_tokens=8).result(timeout=60) == free_run
+        assert list(server.stream(prompt[0], max_new_tokens=8)) == free_run
+    # Hugging Face builds a model's generation_config from its config, end token included: stopped there, as it is.
+    model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
+    assert lm.eos_token_id == (end,) and hf().shape[1] < 18
+    assert torch.equal(lm.generate(prompt, max_new_tokens=8), hf())
+    # A model without a generation_config: its config, as from_model_config would read it.
+    model.generation_config = None
+    assert lm.eos_token_id == (end,)
+
+
+def test_int32_prompts_give_int64_tokens_as_model_generate_returns_them(llama, split_lm):
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    with torch.no_grad():
+        expected = llama.generate(prompt, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt))
+    ours = split_lm.generate(prompt, max_new_tokens=3)
+    assert expected.dtype == ours.dtype == torch.int64 and torch.equal(ours, expected)
+
+
+def test_the_prompt_as_inputs_and_a_generation_config_second_are_taken_as_model_generate_takes_them(llama, split_lm):
+    """model.generate's first parameter is ``inputs`` and its second ``generation_config``: generate(inputs=ids)
+    was a TypeError, and generate(ids, config) said max_new_tokens must be a whole number."""
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(9))
+    config = transformers.GenerationConfig(max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        expected = llama.generate(inputs=prompt, generation_config=config, attention_mask=torch.ones_like(prompt))
+        assert torch.equal(llama.generate(prompt, config, attention_mask=torch.ones_like(prompt)), expected)
+    assert torch.equal(split_lm.generate(inputs=prompt, max_new_tokens=3), expected)
+    assert torch.equal(split_lm.generate(prompt, config), expected)
+    with GenerationServer(split_lm, _StepsInThisProcess(split_lm), depth=2) as server:
+        assert torch.equal(server.generate(inputs=prompt, max_new_tokens=3), expected)
+        assert torch.equal(server.generate(prompt, config), expected)
+    with pytest.raises(moirai.InputError, match="both input_ids and inputs, two names for the prompt's token ids"):
+        split_lm.generate(prompt, inputs=prompt, max_new_tokens=3)
+    with pytest.raises(moirai.InputError, match="needs the prompt's token ids: pass input_ids"):
+        split_lm.generate(max_new_tokens=3)
+    with pytest.raises(moirai.InputError, match="two generation configs, one as its second argument"):
+        split_lm.generate(prompt, config, generation_config=config)
+
+
+def test_sampling_with_a_top_p_of_0_keeps_the_likeliest_token_as_model_generate_does(llama, split_lm):
+    """It was an InputError (0 < top_p), where model.generate's top-p keeps the likeliest token."""
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(12))
+    options = {"max_new_tokens": 6, "do_sample": True, "top_p": 0.0, "temperature": 1.3, "top_k": 0}
+    with torch.no_grad():
+        expected = llama.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
+    assert torch.equal(split_lm.generate(prompt, seed=3, **options), expected)
+
+
+def test_a_streamer_without_put_and_end_and_token_ids_on_meta_are_input_errors(split_lm):
+    """Each was a raw error from deep in the call: an AttributeError ('bool' object has no attribute 'put') and a
+    RuntimeError or NotImplementedError reading a meta tensor's values."""
+    prompt = torch.tensor([[3, 4, 5]])
+    for streamer in (True, print):
+        with pytest.raises(moirai.InputError, match="streamer must have put\\(token ids\\) and end\\(\\)"):
+            split_lm.generate(prompt, max_new_tokens=2, streamer=streamer)
+    meta = prompt.to("meta")
+    with pytest.raises(moirai.InputError, match="input_ids is on the meta device, which holds shapes and no values"):
+        split_lm.generate(meta, max_new_tokens=2)
+    with pytest.raises(moirai.InputError, match="attention_mask is on the meta device"):
+        split_lm.generate(prompt, attention_mask=torch.ones_like(meta), max_new_tokens=2)
+    with GenerationServer(split_lm, _StepsInThisProcess(split_lm), depth=2) as server:
+        with pytest.raises(moirai.InputError, match="a prompt is on the meta device"):
+            server.submit(meta[0], max_new_tokens=2)
+        with pytest.raises(moirai.InputError, match="streamer must have put"):
+            server.generate(prompt, max_new_tokens=2, streamer=object())
+
+
+def test_right_padding_and_holes_in_the_mask_warn_that_model_generate_gives_other_tokens(llama, split_lm):
+    """moirai generates each row as its kept tokens alone; model.generate goes on after right padding and counts a
+    hole's tokens in a repetition penalty, so each gave other tokens, silently."""
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
+    right = torch.zeros(2, 9, dtype=torch.long)
+    right[0, :5], right[1] = prompts
+    mask = (right != 0).long()
+    said = r"attention_mask leaves out tokens after the first kept one in row 0 \(right padding, or holes\)"
+    with pytest.warns(moirai.PaddingWarning, match=said):
+        ours = split_lm.generate(right, attention_mask=mask, max_new_tokens=6)
+    assert [row[9:] for row in ours.tolist()] == [hf_new_tokens(llama, prompt, 6) for prompt in prompts]
+    hole = torch.cat([prompts[1][:4], torch.tensor([0]), prompts[1][4:]])[None]
+    with pytest.warns(moirai.PaddingWarning, match=r"the pad token 0 \(no attention_mask was given\) leaves out"):
+        split_lm.generate(hole, pad_token_id=0, max_new_tokens=2)
+    left = torch.zeros(2, 9, dtype=torch.long)
+    left[0, 4:], left[1] = prompts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", moirai.PaddingWarning)
+        split_lm.generate(left, attention_mask=(left != 0).long(), max_new_tokens=2)
+        split_lm.generate(left, pad_token_id=0, max_new_tokens=2)

@@ -63,12 +63,12 @@ class SamplingParams:
         if not (
             0 <= self.temperature < math.inf
             and self.top_k >= 0
-            and 0 < self.top_p <= 1
+            and 0 <= self.top_p <= 1  # 0 keeps the likeliest token alone, as Hugging Face's min_tokens_to_keep
             and 0 < self.repetition_penalty < math.inf
             and 0 <= self.min_p <= 1
         ):
             raise InputError(
-                f"sampling needs a finite temperature >= 0, top_k >= 0, 0 < top_p <= 1, a finite repetition_penalty "
+                f"sampling needs a finite temperature >= 0, top_k >= 0, 0 <= top_p <= 1, a finite repetition_penalty "
                 f"> 0 and 0 <= min_p <= 1; got temperature={self.temperature}, top_k={self.top_k}, "
                 f"top_p={self.top_p}, repetition_penalty={self.repetition_penalty}, min_p={self.min_p}"
             )
@@ -232,7 +232,9 @@ class Engine:
                 f"top_k={sampling.top_k} is over the {SAMPLING_CANDIDATES} likeliest tokens the step's sampler cuts "
                 f"among: give a top_k of at most {SAMPLING_CANDIDATES}, or 0 for every token"
             )
-        if (sampling.top_k == 0 or sampling.top_k >= vocabulary) and (sampling.top_p < 1 or sampling.min_p > 0):
+        # A top_p of 0 keeps the likeliest token alone, always a candidate: that cut is exact.
+        cut = sampling.top_p > 0 and (sampling.top_p < 1 or sampling.min_p > 0)
+        if (sampling.top_k == 0 or sampling.top_k >= vocabulary) and cut:
             warnings.warn(
                 f"top_p={sampling.top_p} and min_p={sampling.min_p} with no top_k are cut among the "
                 f"{SAMPLING_CANDIDATES} likeliest tokens: where those hold less than top_p (or more tokens pass "

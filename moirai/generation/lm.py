@@ -49,6 +49,7 @@ from moirai.generation.requests import (
     GenerationDefaults,
     end_tokens,
     generate_rows,
+    prompt_rows,
     unapplied_settings,
 )
 from moirai.generation.server import GenerationServer
@@ -130,12 +131,25 @@ class CompiledLM:
 
     @property
     def eos_token_id(self) -> tuple[int, ...]:
-        """The model's end tokens, in its config's order (the first pads rows that end early where no pad is set)."""
-        return end_tokens(_first_set("eos_token_id", self.generation_config, self.model_config), ())
+        """The model's end tokens, in its config's order (the first pads rows that end early where no pad is set);
+        none where its generation_config sets none (see :meth:`special_tokens_config`)."""
+        return end_tokens(getattr(self.special_tokens_config, "eos_token_id", None), ())
 
     @property
     def pad_token_id(self) -> int | None:
-        return _first_set("pad_token_id", self.generation_config, self.model_config)
+        return getattr(self.special_tokens_config, "pad_token_id", None)
+
+    @property
+    def special_tokens_config(self) -> Any:
+        """The config the model's end and pad tokens are read from: its generation_config, the only one
+        model.generate reads them from (``_prepare_special_tokens``). Hugging Face copies them there from the model's
+        config when it builds the model (``GenerationConfig.from_model_config``), so a model stops at its config's
+        end token by default, and one whose generation_config sets ``eos_token_id = None`` generates to the full
+        length, whatever its config says (reading the config where the generation_config had None stopped it there,
+        and took the config's pad token for padding to strip). A model without a generation_config: its config, as
+        ``from_model_config`` would build one."""
+        generation_config = self.generation_config
+        return self.model_config if generation_config is None else generation_config
 
     def check_generation_config(self) -> None:
         """:class:`InputError` unless the model's end tokens are token ids; a :class:`MoiraiWarning` naming what its
@@ -237,7 +251,7 @@ class CompiledLM:
 
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         max_new_tokens: int | None = None,
         do_sample: bool | None = None,
         temperature: float | None = None,
@@ -252,14 +266,17 @@ class CompiledLM:
         min_p: float | None = None,
         streamer: Any = None,
         generation_config: Any = None,
+        inputs: torch.Tensor | None = None,
         **others: Any,
     ) -> Any:
-        """Token ids ``[batch, prompt + new]`` as Hugging Face's ``generate`` returns them (with
-        ``return_dict_in_generate=True``, as its output's ``.sequences``), run by the local runner
-        (every part from this process; :meth:`server` runs one process per device).
+        """Token ids ``[batch, prompt + new]`` (int64, whatever the prompt's integer dtype) as Hugging Face's
+        ``generate`` returns them (with ``return_dict_in_generate=True``, as its output's ``.sequences``), run by the
+        local runner (every part from this process; :meth:`server` runs one process per device).
 
-        Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it); rows
-        that end early (``eos_token_id``) are padded with ``pad_token_id`` (default: the model's, else the end token).
+        Each row is its own sequence (left or right padding, as ``attention_mask`` marks it, is left out of it; a
+        mask that is not left padding alone gives a :class:`~moirai.errors.PaddingWarning`, as Hugging Face's tokens
+        differ there); rows that end early (``eos_token_id``) are padded with ``pad_token_id`` (default: the
+        model's, else the end token).
         ``do_sample`` samples with ``temperature``, ``top_k`` (0: all), ``top_p`` and ``min_p``, after the logits of the
         tokens a row has seen are penalized by ``repetition_penalty`` (greedy or not); each of these, left out, is the
         model's ``generation_config``'s where it sets it, else Hugging Face's default (greedy; 1.0, 50, 1.0, none; 1.0).
@@ -271,10 +288,13 @@ class CompiledLM:
         row) gets the prompt, then each token as it comes. ``others`` may be the settings that ban tokens
         (``min_new_tokens``, ``min_length``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``suppress_tokens``,
         ``begin_suppress_tokens``: :class:`~moirai.generation.bans.TokenBans`) and ``num_return_sequences`` (sampled
-        sequences of each row); any other argument of ``model.generate`` is an :class:`InputError` naming it.
+        sequences of each row); any other argument of ``model.generate`` is an :class:`InputError` naming it. As
+        there, the prompt may be passed as ``inputs``, and a ``GenerationConfig`` as the second argument
+        (``generate(inputs, generation_config)``).
         """
         given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
         options = GenerateOptions.of(given, others)
+        input_ids = prompt_rows(input_ids, inputs)
         server = self._open_server
         if server is not None:  # [Note: one user of the caches at a time]
             return server.generate_with(input_ids, attention_mask, options)
@@ -490,8 +510,3 @@ def _does_not_fit(
         f"{name} does not fit the devices for generation: {sizes}; give fewer slots (max_batch_size), a shorter "
         f"max_seq_len, or more devices ({error})"
     )
-
-
-def _first_set(name: str, *configs: object) -> Any:
-    """The first of ``configs`` to set ``name`` (token id 0 is set: no ``or``)."""
-    return next((value for value in (getattr(c, name, None) for c in configs) if value is not None), None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import operator
 import reprlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, replace
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from moirai.errors import InputError, RequestError
+from moirai.errors import InputError, PaddingWarning, RequestError, user_stacklevel
 from moirai.generation.bans import TokenBans
 from moirai.generation.engine import Engine, SamplingParams, SequenceState
 
@@ -61,15 +62,18 @@ class GenerateRequest:
         eos = end_tokens(_first_given(options.eos_token_id, getattr(given, "eos_token_id", None)), lm.eos_token_id)
         pad = _first_given(options.pad_token_id, getattr(given, "pad_token_id", None), lm.pad_token_id)
         pad = _whole("pad_token_id", pad)
+        masked_by = "attention_mask"
         if attention_mask is None and pad is not None and pad not in eos and bool((input_ids == pad).any()):
             # Hugging Face's rule: a pad token that is no end token and stands in the rows marks their padding.
-            attention_mask = input_ids != pad
+            attention_mask, masked_by = input_ids != pad, f"the pad token {pad} (no attention_mask was given)"
         attention_mask = None if attention_mask is None else _mask_tensor(attention_mask)
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise InputError(
                 f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}: "
                 "give one mask value per token"
             )
+        if attention_mask is not None:
+            _warn_unless_left_padding(attention_mask, masked_by)
         copies = _first_given(options.num_return_sequences, defaults.num_return_sequences)
         if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
             raise InputError(f"num_return_sequences must be a whole number >= 1, got {copies!r}")
@@ -118,11 +122,34 @@ class GenerateRequest:
         return futures
 
     def assemble(self, new_tokens: list[list[int]]) -> torch.Tensor:
-        """The prompt rows as given, then each row's new tokens, padded to the longest with the pad token."""
+        """The prompt rows as given, then each row's new tokens, padded to the longest with the pad token: int64
+        whatever the prompt's dtype, as model.generate's concatenation with its int64 tokens promotes int32 rows."""
         longest = max((len(tokens) for tokens in new_tokens), default=0)
         padded = [tokens + [self.pad_token_id] * (longest - len(tokens)) for tokens in new_tokens]
-        generated = torch.tensor(padded, dtype=self.input_ids.dtype).reshape(len(new_tokens), longest)
-        return torch.cat([self.input_ids.cpu(), generated], dim=1).to(self.input_ids.device)
+        generated = torch.tensor(padded, dtype=torch.long).reshape(len(new_tokens), longest)
+        return torch.cat([self.input_ids.cpu().long(), generated], dim=1).to(self.input_ids.device)
+
+
+def _warn_unless_left_padding(attention_mask: torch.Tensor, masked_by: str) -> None:
+    """A :class:`PaddingWarning` where ``attention_mask`` leaves out a token after a row's first kept one.
+
+    Each row is generated as its kept tokens alone, which is what model.generate gives for left padding only: after
+    right padding it goes on from the padding (its positions and its last logits), and a hole's tokens stay in its
+    repetition penalty (they are left out of the sequence here, and so of its seen tokens; [Note: seen tokens]).
+    The tokens differ without an error, so say so; Hugging Face warns of right padding too."""
+    kept = attention_mask.cpu().bool()
+    after_first_kept = kept.int().cummax(dim=1).values.bool()
+    rows = (after_first_kept & ~kept).any(dim=1).nonzero().flatten().tolist()
+    if rows:
+        shown = ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
+        warnings.warn(
+            f"{masked_by} leaves out tokens after the first kept one in row {shown} (right padding, or holes): "
+            "moirai generates each row as if its masked tokens were absent, where model.generate, made for left "
+            "padding, goes on after right padding and counts masked tokens in a repetition penalty, so its tokens "
+            "can differ; pad on the left (padding_side='left' in the tokenizer) for model.generate's tokens",
+            PaddingWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 class GenerateOptions(NamedTuple):
@@ -177,12 +204,28 @@ class GenerateOptions(NamedTuple):
                 f"{', '.join(f for f in cls._fields if f != 'bans')}, {', '.join(TokenBans.settings())} and "
                 "attention_mask"
             )
+        if hasattr(given["max_new_tokens"], "to_dict"):
+            # model.generate(inputs, generation_config): Hugging Face's second parameter, moirai's max_new_tokens. A
+            # GenerationConfig is never a number of tokens, so it is taken as what model.generate takes it for.
+            if given["generation_config"] is not None:
+                raise InputError(
+                    "generate was given two generation configs, one as its second argument (model.generate's "
+                    "generation_config, moirai's max_new_tokens) and one as generation_config: pass one"
+                )
+            given = {**given, "max_new_tokens": None, "generation_config": given["max_new_tokens"]}
         options = cls(**given, bans=bans)
         config = options.generation_config
         if config is not None and not hasattr(config, "to_dict"):
             raise InputError(
                 f"generation_config must be a transformers.GenerationConfig, got {type(config).__name__}; pass "
                 "GenerationConfig(**settings), or the settings as arguments"
+            )
+        streamer = options.streamer
+        if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
+            # Checked before any step runs: a put missing was an AttributeError once the prompt had been checked.
+            raise InputError(
+                f"streamer must have put(token ids) and end(), as transformers.TextStreamer has; got "
+                f"{reprlib.repr(streamer)}: pass TextStreamer(tokenizer), or take each token from server().stream"
             )
         _refuse_unapplied(config, "the generation_config passed to generate")
         asked = [f"{name}={getattr(config, name)!r}" for name in OUTPUT_ARGUMENTS if getattr(config, name, None)]
@@ -369,6 +412,21 @@ class GenerationDefaults(NamedTuple):
         )
 
 
+def prompt_rows(input_ids: Any, inputs: Any) -> Any:
+    """The prompt rows of a ``generate`` call: ``input_ids``, or ``inputs``, model.generate's name for its first
+    parameter (which takes ``input_ids=`` too); :class:`InputError` for both or neither."""
+    if input_ids is not None and inputs is not None:
+        raise InputError(
+            "generate was given both input_ids and inputs, two names for the prompt's token ids (model.generate "
+            "refuses both too): pass one"
+        )
+    if input_ids is None and inputs is None:
+        raise InputError(
+            "generate needs the prompt's token ids: pass input_ids (or inputs, as model.generate names them)"
+        )
+    return input_ids if input_ids is not None else inputs
+
+
 def prompt_tokens(prompt_ids: torch.Tensor | Sequence[int]) -> list[int]:
     """One sequence's prompt as token ids; :class:`InputError` for anything but integers (a float would be cut)."""
     prompt = token_tensor(prompt_ids, "a prompt")
@@ -391,23 +449,37 @@ def token_tensor(value: Any, what: str) -> torch.Tensor:
             "lm.generate(**inputs), as to model.generate"
         )
     try:
-        return torch.as_tensor(value)
+        tensor = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as error:
         raise InputError(
             f"{what} must be token ids, a tensor or lists of one length ({error}): pad rows to one length and "
             "pass attention_mask, or submit each prompt alone"
         ) from None
+    _refuse_meta(tensor, what)
+    return tensor
+
+
+def _refuse_meta(tensor: torch.Tensor, what: str) -> None:
+    """:class:`InputError` for a tensor on the meta device: it has a shape and no values to read (reading one was a
+    raw RuntimeError or NotImplementedError deep in the call)."""
+    if tensor.is_meta:
+        raise InputError(
+            f"{what} is on the meta device, which holds shapes and no values: pass the token ids on a real device "
+            "(torch.tensor(ids), or .to('cpu') of tensors made with values)"
+        )
 
 
 def _mask_tensor(value: Any) -> torch.Tensor:
     """An ``attention_mask`` as a tensor (it may be nested lists); :class:`InputError` for anything else."""
     try:
-        return torch.as_tensor(value)
+        mask = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as error:
         raise InputError(
             f"attention_mask must be a tensor, or lists of 1 (a token) and 0 (padding), one per token of input_ids "
             f"({error})"
         ) from None
+    _refuse_meta(mask, "attention_mask")
+    return mask
 
 
 def sampling_params(

@@ -22,7 +22,14 @@ import torch
 from moirai.errors import InputError, UsageError
 from moirai.generation.bans import TokenBans
 from moirai.generation.engine import SequenceState
-from moirai.generation.requests import GenerateOptions, end_tokens, generate_rows, prompt_tokens, sequence_tokens
+from moirai.generation.requests import (
+    GenerateOptions,
+    end_tokens,
+    generate_rows,
+    prompt_rows,
+    prompt_tokens,
+    sequence_tokens,
+)
 
 if TYPE_CHECKING:
     from moirai.generation.lm import CompiledLM
@@ -114,7 +121,7 @@ class GenerationServer:
 
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         max_new_tokens: int | None = None,
         do_sample: bool | None = None,
         temperature: float | None = None,
@@ -129,11 +136,13 @@ class GenerationServer:
         min_p: float | None = None,
         streamer: Any = None,
         generation_config: Any = None,
+        inputs: torch.Tensor | None = None,
         **others: Any,
     ) -> Any:
         """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
         given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
-        return self.generate_with(input_ids, attention_mask, GenerateOptions.of(given, others))
+        options = GenerateOptions.of(given, others)
+        return self.generate_with(prompt_rows(input_ids, inputs), attention_mask, options)
 
     def generate_with(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, options: GenerateOptions

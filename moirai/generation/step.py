@@ -228,8 +228,8 @@ class CausalLMStep(torch.nn.Module):
         A prompt's left padding is never fed, and transformers 5 leaves it out of the penalty too
         (``prompt_ignore_length``; transformers 4 counted the pad token). Other tokens a mask leaves out (a hole
         after the first kept token), which Hugging Face still counts, are left out of the sequence, and so of
-        its flags. On CUDA Hugging Face divides by a number as a product with its reciprocal, which may round a
-        logit one unit in the last place from the division here.
+        its flags (a ``PaddingWarning`` says so at the call). On CUDA Hugging Face divides by a number as a product
+        with its reciprocal, which may round a logit one unit in the last place from the division here.
         """
         flags = self.seen_tokens.index_select(0, slots) & (positions[:, :1] != 0)
         flags = flags.scatter(1, input_ids, True)
@@ -443,10 +443,10 @@ def sample_tokens(logits: torch.Tensor, sampling: torch.Tensor, min_p: torch.Ten
 
     A row's ``(temperature, top_k, top_p, uniform)``: temperature 0 is greedy (the first largest logit, as
     ``argmax`` and Hugging Face's greedy search take it); otherwise the logits are divided by the temperature,
-    cut to the ``top_k`` largest (0: all), to the smallest set whose probability reaches ``top_p``, and to those at
-    least a row's ``min_p`` times as likely as its likeliest token (Hugging Face's order: temperature, top-k, top-p,
-    min-p), and the token is drawn by inverting the remaining distribution's CDF at ``uniform`` (a number in [0, 1)
-    the caller draws, so a seeded run is reproducible wherever it runs).
+    cut to the ``top_k`` largest (0: all), to the smallest set whose probability reaches ``top_p`` (0: the likeliest
+    token alone), and to those at least a row's ``min_p`` times as likely as its likeliest token (Hugging Face's
+    order: temperature, top-k, top-p, min-p), and the token is drawn by inverting the remaining distribution's CDF
+    at ``uniform`` (a number in [0, 1) the caller draws, so a seeded run is reproducible wherever it runs).
 
     [Note: sampling among candidates]
     Nothing sorts the vocabulary: a sort of Llama 3's 128,256 logits took 77 ms for 8 rows on one core, every step
@@ -475,7 +475,10 @@ def sample_tokens(logits: torch.Tensor, sampling: torch.Tensor, min_p: torch.Ten
     within = (~every_token & (top_k <= candidates)).unsqueeze(-1)
     kept = torch.softmax(values.masked_fill(~keep, float("-inf")), dim=-1)
     probabilities = torch.where(within, kept, whole.gather(-1, order).masked_fill(~keep, 0.0))
-    keep = keep & ((probabilities.cumsum(dim=-1) - probabilities) < top_p.unsqueeze(-1))
+    # Top-p keeps the likeliest token whatever its probability, as Hugging Face's keeps min_tokens_to_keep = 1: a
+    # top_p of 0 keeps it alone (where nothing was kept, the draw fell past the last candidate).
+    likeliest = torch.arange(candidates, device=logits.device) == 0
+    keep = keep & (((probabilities.cumsum(dim=-1) - probabilities) < top_p.unsqueeze(-1)) | likeliest)
     keep = keep & (probabilities >= min_p.unsqueeze(-1) * probabilities[:, :1])  # the first is the likeliest
     cdf = probabilities.masked_fill(~keep, 0.0).cumsum(dim=-1)
     pick = torch.searchsorted(cdf, (uniform.unsqueeze(-1) * cdf[:, -1:]).contiguous(), right=True)
