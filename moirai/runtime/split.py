@@ -55,9 +55,10 @@ Weights may be on ``meta``: the split program can then be inspected but not run.
 from __future__ import annotations
 
 import copy
+import heapq
 import numbers
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -198,6 +199,11 @@ def split_module(
     sequences = [
         _writes_after_reads(sequence) for sequence in _device_sequences(ops, node_device, num_devices, device_order)
     ]
+    # [Note: a view of written state crosses as a copy] A view of a buffer or input that its device later writes in
+    # place, sent to another device, is sent as a copy made when it is made: the local runner's transfer to the same
+    # device is the tensor itself, and a posted gloo send reads its bytes until it completes, so the other device
+    # could read the written value.
+    sent_as_copies = set().union(*(_views_of_written(sequence) for sequence in sequences))
     scalars = shape_scalars(traced)
     global_order = _merge_orders(sequences, node_device, {node: i for i, node in enumerate(graph.nodes)}, scalars)
     transfers = _transfers([node for node in global_order if node not in scalars], node_device)
@@ -220,7 +226,7 @@ def split_module(
         if node not in scalars:
             builders[node_device[node.name]].add_op(node)
         for transfer in transfers_after.get(node.name, ()):
-            builders[transfer.src].add_send(transfer)
+            builders[transfer.src].add_send(transfer, transfer.tensor in sent_as_copies)
             builders[transfer.dst].add_recv(transfer)
     locations = [
         OutputLocation(device, builders[device].add_output_value(value, position))
@@ -286,44 +292,84 @@ def _device_sequences(
 
 
 def _writes_after_reads(sequence: list[fx.Node]) -> list[fx.Node]:
-    """One device's ops with each in-place write moved after every op of the device that reads the tensor it writes
-    as it was before the write.
+    """One device's ops with each in-place write after every op of the device that reads the tensor it writes as it
+    was before the write (a view made of it included): the device's order, stably sorted by its data edges and those.
 
     A functionalized graph ends with a ``copy_`` of each updated buffer's or input's new value into it, and its
     readers of the old value (``y - self.average`` before ``self.average.mul_(0.9)``) have no data edge to it: a
     plan's order may put the write first (an op waiting for another device's tensor runs after it), and the reader
-    would see the new value. A write whose result an op of the device reads stays where it is.
+    would see the new value. A write whose result an op of the device reads stays where its data edges put it. One
+    sort rather than one move per write: a write that also reads (``self.prev.copy_(self.cur)``) may have to come
+    after another write's readers and before a third write.
     """
-    order = list(sequence)
+    on_device = set(sequence)
+    before: dict[fx.Node, set[fx.Node]] = {}
     for writer in sequence:
-        if any(user in order for user in writer.users):
+        written = written_operands(writer)
+        if not written or any(user in on_device for user in writer.users):
             continue
-        readers = {reader for written in written_operands(writer) for reader in _readers_before(written, writer)}
-        last = max((i for i, node in enumerate(order) if node in readers), default=-1)
-        if last > order.index(writer):
-            order.remove(writer)
-            order.insert(last, writer)  # ``last`` moved up by one with the removal: just after the last reader
+        readers = {reader for operand in written for reader in _readers_before(operand, writer)} & on_device
+        if readers:
+            before[writer] = readers
+    if not before:
+        return list(sequence)
+    position = {node: index for index, node in enumerate(sequence)}
+    waits_for = {
+        node: {p for p in node.all_input_nodes if p in on_device} | before.get(node, set()) for node in sequence
+    }
+    users: dict[fx.Node, list[fx.Node]] = {node: [] for node in sequence}
+    for node, predecessors in waits_for.items():
+        for predecessor in predecessors:
+            users[predecessor].append(node)
+    remaining = {node: len(predecessors) for node, predecessors in waits_for.items()}
+    ready = [position[node] for node in sequence if remaining[node] == 0]
+    heapq.heapify(ready)
+    order: list[fx.Node] = []
+    while ready:
+        node = sequence[heapq.heappop(ready)]
+        order.append(node)
+        for user in users[node]:
+            remaining[user] -= 1
+            if remaining[user] == 0:
+                heapq.heappush(ready, position[user])
+    if len(order) != len(sequence):  # a read of the old value that needs the write's result: the device's order
+        return list(sequence)
     return order
 
 
 def _readers_before(written: fx.Node, writer: fx.Node) -> set[fx.Node]:
-    """The ops other than ``writer`` that read the tensor ``written`` views (itself, or any view of it), not
-    through an in-place op's result (which holds the written value)."""
+    """The ops other than ``writer`` that read the tensor ``written`` views (itself, or any view of it, the views
+    included: one may be sent to another device), not through an in-place op's result (which holds the written
+    value)."""
+    return {user for user, _ in _aliases_of(written, writer)}
+
+
+def _aliases_of(written: fx.Node, writer: fx.Node) -> Iterator[tuple[fx.Node, bool]]:
+    """Each op other than ``writer`` that reads the tensor ``written`` views, with whether it is a view itself."""
     base = written
     while is_view_node(base) and isinstance(base.args[0], fx.Node):
         base = base.args[0]
-    readers, seen, frontier = set(), {base}, [base]
+    seen, frontier = {base}, [base]
     while frontier:
         alias = frontier.pop()
         for user in alias.users:
             if user is writer or user in seen or any(target is alias for target in written_operands(user)):
                 continue
             seen.add(user)
-            if is_view_node(user):
+            view = is_view_node(user)
+            if view:
                 frontier.append(user)
-            else:
-                readers.add(user)
-    return readers
+            yield user, view
+
+
+def _views_of_written(sequence: list[fx.Node]) -> set[str]:
+    """The views, made on this device, of a tensor an op of the device writes in place: one sent to another device
+    is sent as a copy ([Note: a view of written state crosses as a copy])."""
+    views = set()
+    for writer in sequence:
+        for operand in written_operands(writer):
+            views |= {user.name for user, view in _aliases_of(operand, writer) if view}
+    return views
 
 
 def _merge_orders(
@@ -476,8 +522,14 @@ class _PartBuilder:
         buffer.meta["val"] = restrided.meta["val"] = traced
         return restrided
 
-    def add_send(self, transfer: TensorTransfer) -> None:
-        args = (self.transport, self.env[transfer.tensor], transfer.index)
+    def add_send(self, transfer: TensorTransfer, as_copy: bool) -> None:
+        """Send the tensor; ``as_copy`` sends a copy of it ([Note: a view of written state crosses as a copy])."""
+        value = self.env[transfer.tensor]
+        if as_copy:
+            snapshot = self.graph.call_function(torch.ops.aten.clone.default, (value,))
+            snapshot.meta["val"] = value.meta.get("val")
+            value = snapshot
+        args = (self.transport, value, transfer.index)
         self.graph.create_node("call_method", "send", args, name=f"send_{transfer.tensor}_to_{transfer.dst}")
 
     def add_recv(self, transfer: TensorTransfer) -> None:
