@@ -418,6 +418,9 @@ def test_the_checked_weight_norm_refuses_a_g_its_kernel_would_write_past() -> No
         _checked_weight_norm(v, torch.ones(64, 1, dtype=torch.float64), 0)
     g = torch.rand(64, 1)
     assert torch.equal(_checked_weight_norm(v, g, 0), torch._weight_norm(v, g, 0))
+    for v, g, dim in ((torch.ones(3, 0), torch.ones(0), 1), (torch.ones(0, 3), torch.ones(0, 1), 0)):
+        with pytest.raises(ValueError, match="empty v"):  # torch's fused kernel divides by v's size at dim: SIGFPE
+            _checked_weight_norm(v, g, dim)
 
 
 @pytest.mark.slow

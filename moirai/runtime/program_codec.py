@@ -158,6 +158,8 @@ def _checked_weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torc
         raise ValueError(f"_weight_norm's g is {g.dtype} on {g.device}, its v {v.dtype} on {v.device}")
     if 0 <= dim < v.dim() and g.numel() != v.shape[dim]:
         raise ValueError(f"_weight_norm's g has {g.numel()} values for v's {v.shape[dim]} at dimension {dim}")
+    if v.numel() == 0:  # the fused kernel divides by v's size at dim: a SIGFPE at 0 (eager torch's too)
+        raise ValueError(f"_weight_norm of an empty v (shape {tuple(v.shape)}): its kernel would divide by zero")
     return torch._weight_norm(v, g, dim)
 
 
