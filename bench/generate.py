@@ -128,6 +128,7 @@ def _hf_step_times(model: torch.nn.Module, batch: torch.Tensor, new_tokens: int,
             batch,
             attention_mask=torch.ones_like(batch),
             max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,  # a random model may pick its end token: every row times the same steps
             do_sample=False,
             logits_processor=transformers.LogitsProcessorList([clock]),
         )

@@ -162,6 +162,13 @@ def _same_constant(value: Any, constant: Any) -> bool:
         return False
 
 
+def _type_name(value: Any) -> str:
+    """``int``, or ``numpy.int64``: a builtin's bare name, any other type's with its module (numpy's bool is named
+    ``bool`` too)."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def _same_float(value: float, constant: float) -> bool:
     if math.isnan(value) or math.isnan(constant):
         return math.isnan(value) and math.isnan(constant)
@@ -217,9 +224,7 @@ class TracedModel:
                 if isinstance(called, torch.Tensor):
                     shown = f"a tensor of shape {tuple(called.shape)}"
                 elif type(called) is not type(constant):  # 2.0 for 2: the reprs may not tell them apart
-                    shown = (
-                        f"{repr(called)[:200]} (type {type(called).__name__}, traced type {type(constant).__name__})"
-                    )
+                    shown = f"{repr(called)[:200]} (type {_type_name(called)}, traced type {_type_name(constant)})"
                 else:
                     shown = repr(called)[:200]
                 raise InputError(
