@@ -601,10 +601,15 @@ def _written_bases(graph: fx.Graph) -> Iterator[tuple[fx.Node, fx.Node]]:
     """Each op that writes in place (:func:`written_operands`) with each tensor it writes, followed back through
     views to the tensor they view."""
     for node in graph.nodes:
-        for base in written_operands(node):
-            while is_view_node(base) and isinstance(base.args[0], fx.Node):
-                base = base.args[0]
-            yield node, base
+        for written in written_operands(node):
+            yield node, view_base(written)
+
+
+def view_base(node: fx.Node) -> fx.Node:
+    """The tensor ``node`` views, followed back through views (``node`` itself if it is no view)."""
+    while is_view_node(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _has_observable_mutation(graph: fx.Graph) -> bool:

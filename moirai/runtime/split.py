@@ -77,6 +77,7 @@ from moirai.frontend.trace import (
     check_flat_inputs,
     is_view_node,
     tensor_spec,
+    view_base,
     written_operands,
 )
 from moirai.progress import stage
@@ -346,9 +347,7 @@ def _readers_before(written: fx.Node, writer: fx.Node) -> set[fx.Node]:
 
 def _aliases_of(written: fx.Node, writer: fx.Node) -> Iterator[tuple[fx.Node, bool]]:
     """Each op other than ``writer`` that reads the tensor ``written`` views, with whether it is a view itself."""
-    base = written
-    while is_view_node(base) and isinstance(base.args[0], fx.Node):
-        base = base.args[0]
+    base = view_base(written)
     seen, frontier = {base}, [base]
     while frontier:
         alias = frontier.pop()
