@@ -125,3 +125,16 @@ class FanOut(nn.Module):
         left = self.left(trunk) * trunk
         right = torch.tanh(self.right(trunk))
         return left + right + trunk
+
+
+class DoublesAndReturns(nn.Module):
+    """Reads its input, doubles it in place, returns it and a value computed from both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.linear(x).relu()
+        x.mul_(2)
+        return x, y + x

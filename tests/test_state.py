@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from models_for_tests import DoublesAndReturns
 
 import moirai
 from moirai.errors import StateLeftBehindWarning
@@ -162,19 +163,6 @@ class TwoTowersThenClamp(torch.nn.Module):
         out = self.a(x) + self.b(x)
         x.clamp_(min=0)
         return out
-
-
-class DoublesAndReturns(torch.nn.Module):
-    """Reads its input, doubles it in place, returns it and a value computed from both."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = self.linear(x).relu()
-        x.mul_(2)
-        return x, y + x
 
 
 def every_plan(compiled: moirai.CompiledModel) -> list[moirai.CompiledModel]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from models_for_tests import DoublesAndReturns
 from torch.utils.flop_counter import FlopCounterMode
 
 import moirai
@@ -348,18 +349,7 @@ def test_a_torch_size_the_model_returns_comes_back_a_torch_size() -> None:
 def test_the_write_back_of_an_input_the_model_writes_and_returns_is_a_tensor_any_device_may_hold() -> None:
     """exported.module() adds the copy_ without a val: a plan putting it on device 1 was a PlanError calling the
     returned input 'not a tensor'."""
-
-    class WritesItsInput(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = torch.nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            y = self.linear(x).relu()
-            x.mul_(2)
-            return x, y + x
-
-    model, x = WritesItsInput().eval(), torch.randn(3, 4)
+    model, x = DoublesAndReturns().eval(), torch.randn(3, 4)
     traced = trace(model, (x.clone(),))
     (write_back,) = traced.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
     assert write_back.meta["val"].shape == (3, 4)
