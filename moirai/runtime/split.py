@@ -307,16 +307,20 @@ def _writes_after_reads(sequence: list[fx.Node]) -> list[fx.Node]:
     before: dict[fx.Node, set[fx.Node]] = {}
     for writer in sequence:
         written = written_operands(writer)
-        if not written or any(user in on_device for user in writer.users):
-            continue
+        if not written or any(user.op != "output" for user in writer.users):
+            continue  # an op reads what it wrote: data edges order it, on this device or through another
         readers = {reader for operand in written for reader in _readers_before(operand, writer)} & on_device
         if readers:
             before[writer] = readers
     if not before:
         return list(sequence)
     position = {node: index for index, node in enumerate(sequence)}
+    # The data edges the device's order already keeps (a shape scalar it reads is computed where it is read, so may
+    # come later in the order), and the reads before each write.
     waits_for = {
-        node: {p for p in node.all_input_nodes if p in on_device} | before.get(node, set()) for node in sequence
+        node: {p for p in node.all_input_nodes if p in on_device and position[p] < position[node]}
+        | before.get(node, set())
+        for node in sequence
     }
     users: dict[fx.Node, list[fx.Node]] = {node: [] for node in sequence}
     for node, predecessors in waits_for.items():
