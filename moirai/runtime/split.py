@@ -299,7 +299,7 @@ def _writes_after_reads(sequence: list[fx.Node]) -> list[fx.Node]:
     A functionalized graph ends with a ``copy_`` of each updated buffer's or input's new value into it, and its
     readers of the old value (``y - self.average`` before ``self.average.mul_(0.9)``) have no data edge to it: a
     plan's order may put the write first (an op waiting for another device's tensor runs after it), and the reader
-    would see the new value. A write whose result an op of the device reads stays where its data edges put it. One
+    would see the new value. A write whose result an op reads, here or on another device, stays where it is. One
     sort rather than one move per write: a write that also reads (``self.prev.copy_(self.cur)``) may have to come
     after another write's readers and before a third write.
     """
@@ -309,7 +309,7 @@ def _writes_after_reads(sequence: list[fx.Node]) -> list[fx.Node]:
         written = written_operands(writer)
         if not written or any(user.op != "output" for user in writer.users):
             continue  # an op reads what it wrote: data edges order it, on this device or through another
-        readers = {reader for operand in written for reader in _readers_before(operand, writer)} & on_device
+        readers = {reader for operand in written for reader, _ in _aliases_of(operand, writer)} & on_device
         if readers:
             before[writer] = readers
     if not before:
@@ -337,20 +337,15 @@ def _writes_after_reads(sequence: list[fx.Node]) -> list[fx.Node]:
             remaining[user] -= 1
             if remaining[user] == 0:
                 heapq.heappush(ready, position[user])
-    if len(order) != len(sequence):  # a read of the old value that needs the write's result: the device's order
+    if len(order) != len(sequence):  # writes that each read what the other writes: the device's order as given
         return list(sequence)
     return order
 
 
-def _readers_before(written: fx.Node, writer: fx.Node) -> set[fx.Node]:
-    """The ops other than ``writer`` that read the tensor ``written`` views (itself, or any view of it, the views
-    included: one may be sent to another device), not through an in-place op's result (which holds the written
-    value)."""
-    return {user for user, _ in _aliases_of(written, writer)}
-
-
 def _aliases_of(written: fx.Node, writer: fx.Node) -> Iterator[tuple[fx.Node, bool]]:
-    """Each op other than ``writer`` that reads the tensor ``written`` views, with whether it is a view itself."""
+    """Each op other than ``writer`` that reads the tensor ``written`` views (itself, or any view of it, the views
+    included: one may be sent to another device), not through an in-place op's result (which holds the written
+    value); with whether it is a view itself."""
     base = view_base(written)
     seen, frontier = {base}, [base]
     while frontier:
