@@ -1087,6 +1087,23 @@ def test_a_meta_input_is_an_input_error_at_submit(rows) -> None:
     assert torch.allclose(compiled(*example), rows[0](*example), atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(lambda x: x.to_mkldnn(), id="mkldnn"),
+        pytest.param(lambda x: x.to_sparse(), id="sparse"),
+        pytest.param(lambda x: torch.nested.nested_tensor(list(x)), id="nested"),
+    ],
+)
+def test_an_input_that_is_not_dense_is_an_input_error_at_submit(rows, layout) -> None:
+    """An MKL-DNN input failed its send on rank 0 and took the requests in flight with it; a nested one raised a raw
+    RuntimeError reading its shape."""
+    _, example, compiled = rows
+    with pytest.raises(moirai.InputError, match="input 0 is a .* tensor; the plan was made for dense"):
+        compiled(layout(example[0]))
+    assert torch.allclose(compiled(*example), rows[0](*example), atol=1e-5)
+
+
 @pytest.mark.slow
 def test_a_bad_request_fails_alone_among_twenty_good_ones_and_no_rank_restarts() -> None:
     torch.manual_seed(0)
@@ -1100,6 +1117,8 @@ def test_a_bad_request_fails_alone_among_twenty_good_ones_and_no_rank_restarts()
         futures = [server.submit(*inputs) for inputs in good[:10]]
         with pytest.raises(moirai.InputError, match="meta device"):
             server.submit(torch.empty(3, 8, device="meta"), torch.tensor([1, 2, 3]))
+        with pytest.raises(moirai.InputError, match="_mkldnn tensor"):
+            server.submit(torch.randn(3, 8).to_mkldnn(), torch.tensor([1, 2, 3]))
         bad = server.submit(torch.randn(3, 8), torch.tensor([1, 99, 3]))
         futures += [server.submit(*inputs) for inputs in good[10:]]
         for inputs, future in zip(good, futures, strict=True):

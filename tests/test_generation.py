@@ -1048,6 +1048,8 @@ def test_a_streamer_without_put_and_end_and_token_ids_on_meta_are_input_errors(s
         split_lm.generate(meta, max_new_tokens=2)
     with pytest.raises(moirai.InputError, match="attention_mask is on the meta device"):
         split_lm.generate(prompt, attention_mask=torch.ones_like(meta), max_new_tokens=2)
+    with pytest.raises(moirai.InputError, match="input_ids is a sparse_coo tensor: pass it dense"):
+        split_lm.generate(prompt.to_sparse(), max_new_tokens=2)
     with GenerationServer(split_lm, _StepsInThisProcess(split_lm), depth=2) as server:
         with pytest.raises(moirai.InputError, match="a prompt is on the meta device"):
             server.submit(meta[0], max_new_tokens=2)

@@ -94,6 +94,13 @@ def check_flat_inputs(
                 f"{model_name}: input {position} is on the meta device, which holds shapes but no values; pass a "
                 "tensor with values (on any device: each part moves its inputs to its own device)"
             )
+        if value.is_nested or value.layout != torch.strided:
+            # The plan computes and sends dense tensors: a nested tensor has no shape to check, and a rank cannot
+            # send an MKL-DNN one (its storage is opaque), which took the whole server down with one request.
+            raise InputError(
+                f"{model_name}: input {position} is a {layout_name(value)} tensor; the plan was made for dense "
+                "(strided) tensors: pass value.to_dense() (torch.nested.to_padded_tensor for a nested tensor)"
+            )
         if value.dim() != len(spec.shape):  # before the dimensions' values: one left out would name no symbol
             raise _wrong_shape_error(model_name, position, value, spec, dynamic_dims)
         for axis, size in enumerate(value.shape):
@@ -115,6 +122,11 @@ def check_flat_inputs(
         if value.dtype != spec.dtype or tuple(value.shape) != expected_shape:
             raise _wrong_shape_error(model_name, position, value, spec, dynamic_dims, expected_shape)
     return values
+
+
+def layout_name(value: torch.Tensor) -> str:
+    """``nested``, or the layout's own name (``sparse_coo``, ``_mkldnn``)."""
+    return "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
 
 
 def _wrong_shape_error(

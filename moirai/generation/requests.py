@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from moirai.errors import InputError, PaddingWarning, RequestError, user_stacklevel
+from moirai.frontend.trace import layout_name
 from moirai.generation.bans import TokenBans
 from moirai.generation.engine import Engine, SamplingParams, SequenceState
 
@@ -461,12 +462,14 @@ def token_tensor(value: Any, what: str) -> torch.Tensor:
 
 def _refuse_meta(tensor: torch.Tensor, what: str) -> None:
     """:class:`InputError` for a tensor on the meta device: it has a shape and no values to read (reading one was a
-    raw RuntimeError or NotImplementedError deep in the call)."""
+    raw RuntimeError or NotImplementedError deep in the call); and for one that is not dense (sparse, nested)."""
     if tensor.is_meta:
         raise InputError(
             f"{what} is on the meta device, which holds shapes and no values: pass the token ids on a real device "
             "(torch.tensor(ids), or .to('cpu') of tensors made with values)"
         )
+    if tensor.is_nested or tensor.layout != torch.strided:  # their values are not read as a dense tensor's are
+        raise InputError(f"{what} is a {layout_name(tensor)} tensor: pass it dense (.to_dense(), or token lists)")
 
 
 def _mask_tensor(value: Any) -> torch.Tensor:
