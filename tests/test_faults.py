@@ -464,6 +464,91 @@ def test_spill_files_of_a_live_owner_in_another_process_stay_and_of_an_ended_one
     assert not path.exists() and not list(tmp_path.iterdir())
 
 
+def _shared_directory_and_victim(tmp_path: Path) -> tuple[Path, Path]:
+    """A directory anyone may write to, as /dev/shm (mode 1777), and a folder of files another user of it wants
+    deleted."""
+    shared = tmp_path / "shm"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in ("a", "b"):
+        (victim / name).write_text(name)
+    return shared, victim
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["close", "sweep of an ended owner"])
+def test_a_link_planted_under_an_owners_links_name_is_not_followed_when_its_files_are_removed(
+    tmp_path, monkeypatch, ended
+) -> None:
+    """Fault injected: another user of /dev/shm reads an owner's id off its lock file and plants a link named as the
+    owner's links folders; closing the owner (or sweeping it once its process ended) emptied the folder it points
+    to."""
+    shared, victim = _shared_directory_and_victim(tmp_path)
+    monkeypatch.setenv(shm.DIR_ENV, str(shared))
+    if ended:
+        owner_id = "ended"
+        (shared / f"moirai-spill-{owner_id}.lock").touch(mode=0o600)  # held by no process
+        own = shared / f"moirai-r1-{owner_id}"
+        own.mkdir(mode=0o700)
+    else:
+        owner = shm_files.SpillOwner(str(shared))
+        owner_id = owner.owner
+        own = Path(owner.links_directory(1))
+    (own / "ring-0").write_bytes(b"x")
+    planted = shared / f"moirai-r9-{owner_id}"
+    planted.symlink_to(victim)
+    if ended:
+        shm_files.remove_dead_spill_files()
+    else:
+        owner.close()
+    assert sorted(p.name for p in victim.iterdir()) == ["a", "b"]
+    assert planted.is_symlink() and not own.exists()  # the plant left alone, the owner's own folder removed
+
+
+@pytest.mark.parametrize("plant", ["file", "fifo", "folder others can enter", "another user's folder"])
+def test_anything_but_the_owners_private_folder_under_its_links_name_is_left_alone(tmp_path, plant) -> None:
+    if plant == "another user's folder" and os.getuid() != 0:
+        pytest.skip("only root can give a folder to another user")
+    shared, _ = _shared_directory_and_victim(tmp_path)
+    owner = shm_files.SpillOwner(str(shared))
+    planted = shared / f"moirai-r9-{owner.owner}"
+    kept = None if plant == "fifo" else planted if plant == "file" else planted / "kept"
+    if plant == "fifo":
+        os.mkfifo(planted, 0o600)  # opening it to read would wait for a writer
+    elif plant != "file":
+        planted.mkdir(mode=0o700)
+        if plant == "folder others can enter":
+            planted.chmod(0o755)
+        else:
+            os.chown(planted, 65534, 65534)
+    if kept is not None:
+        kept.write_text("kept")
+    owner.close()
+    assert planted.exists() and (kept is None or kept.read_text() == "kept")
+
+
+def test_a_links_name_another_user_takes_first_is_a_distributed_error_and_never_used(tmp_path, monkeypatch) -> None:
+    """Fault injected: another user of /dev/shm reads the owner's id off its lock file the moment it appears and
+    takes the rank's links name (a link to a folder of theirs) before the rank makes it: a raw FileExistsError
+    before, and the owner's lock stayed held."""
+    shared, victim = _shared_directory_and_victim(tmp_path)
+    monkeypatch.setenv(shm.DIR_ENV, str(shared))
+    real_init = shm_files.SpillOwner.__init__
+    squatted: list[Path] = []
+
+    def init_then_squat(self: shm_files.SpillOwner, directory: str) -> None:
+        real_init(self, directory)
+        squatted.append(shared / f"moirai-r0-{self.owner}")
+        squatted[0].symlink_to(victim)
+
+    monkeypatch.setattr(shm_files.SpillOwner, "__init__", init_then_squat)
+    with pytest.raises(DistributedError, match=r"moirai-r0-\w+ was there before rank 0's links could make it: another"):
+        shm.connect(0, 2, dist.HashStore(), 1.0, "t")
+    assert sorted(p.name for p in victim.iterdir()) == ["a", "b"]  # no ring or FIFO made in it
+    assert list(shared.iterdir()) == squatted  # the owner's lock file went, the plant stays
+
+
 def test_a_rank_killed_while_its_links_connect_leaves_its_rings_to_the_next_connect(tmp_path, monkeypatch) -> None:
     """Fault injected: a rank is killed (SIGKILL, as a calibration or a runner stops the peers of a failed rank)
     while it waits for its peers in shm.connect, holding its directory of rings (8 MiB each) and FIFOs; they went

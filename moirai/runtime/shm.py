@@ -399,7 +399,11 @@ def connect(
     shm_files.remove_dead_spill_files()
     host = shm_files.host_identity()
     spills = shm_files.SpillOwner(shm_files.shm_dir())
-    directory = spills.links_directory(rank)
+    try:
+        directory = spills.links_directory(rank)
+    except BaseException:
+        spills.close()  # its lock file goes, not left held until the process ends
+        raise
     peers = [k for k in range(world_size) if k != rank]
     rings: dict[int, _Ring] = {}
     fifos: dict[int, int] = {}

@@ -7,7 +7,9 @@ a peer names only as the peer's private files: the directory owned by this user 
 each file opened without following links and checked (owner, type, size) before it is mapped.
 Spill files belong to one set of links (:class:`SpillOwner`), which holds a lock file while it
 lives: closing removes its own spill files only, and a spill file is another owner's leftover
-only when that owner's lock can be taken (its process ended, in any PID namespace).
+only when that owner's lock can be taken (its process ended, in any PID namespace). A links directory is emptied
+and removed only where it is this user's 0700 folder, opened without following a link: the owner's id is on its
+lock file, so another user can plant anything of the name, and it is left alone.
 """
 
 from __future__ import annotations
@@ -149,7 +151,16 @@ class SpillOwner:
         named after this owner: a process killed before it removes the directory leaves it to the next
         :func:`remove_dead_spill_files`, as its spill files."""
         path = os.path.join(self.directory, f"{_LINKS_PREFIX}{rank}-{self.owner}")
-        os.mkdir(path, 0o700)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            # Another user of the directory can read the owner's id off its lock file and take the name first: what
+            # they made there (a folder, a link) is never used.
+            raise DistributedError(
+                f"{path} was there before rank {rank}'s links could make it: another user of {self.directory} took "
+                f"the name; have it removed, point {DIR_ENV} at a directory only you can write to, or set "
+                f"{ENV_SWITCH}=0 (send through gloo)"
+            ) from None
         return path
 
     def close(self) -> None:
@@ -185,12 +196,24 @@ def remove_dead_spill_files() -> None:
 
 
 def remove_links_directory(path: str) -> None:
-    """Remove a links directory (:meth:`SpillOwner.links_directory`) and its rings and FIFOs, if it is still there;
-    a link among them is removed, not followed."""
+    """Remove a links directory (:meth:`SpillOwner.links_directory`) and its rings and FIFOs, if it is still there
+    and this user's folder that no other user can enter; anything else of its name is left alone. A link among its
+    entries is removed, not followed."""
+    try:
+        # Opened without following a link and checked: in /dev/shm another user can plant a link of the name (the
+        # owner's id is on its lock file), and emptying what it points to would delete their choice of files.
+        dir_fd = open_private_directory(path)
+    except OSError:
+        return  # gone, or not this user's private folder
+    try:
+        with contextlib.suppress(OSError):
+            for name in os.listdir(dir_fd):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
     with contextlib.suppress(OSError):
-        for entry in os.scandir(path):
-            os.unlink(entry.path)
-        os.rmdir(path)
+        os.rmdir(path)  # an empty folder only; rmdir never follows a link
 
 
 def _remove_owner_files(directory: str, owner: str) -> None:
