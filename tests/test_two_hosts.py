@@ -132,12 +132,16 @@ def test_calibrate_measures_the_link_between_the_hosts_and_rank_0_plans_with_it(
 def test_compile_with_auto_calibration_measures_the_link_between_the_hosts_once(
     two_hosts: dict[str, str], tmp_path: Path
 ) -> None:
-    """No `moirai calibrate` first: compile measures the link between the hosts (every rank taking part), caches it
-    on rank 0's host and plans with it; a second run reads it."""
+    """No `moirai calibrate` first: compile measures the link between the hosts (every rank taking part) and host
+    a's own CPU link, caches them on rank 0's host and plans with them; a second run reads them. (The cache starts
+    with the runtime's work per request alone: measuring it takes half a minute, the same as on one host, which
+    tests/test_calibrate.py checks.)"""
     environment = {**two_hosts, "MOIRAI_CACHE_DIR": str(tmp_path / "cache")}
+    seed_host_a_calibration(environment, tmp_path, links=False)
     (tmp_path / "plan.py").write_text(PLAN_WITH_CALIBRATION.replace('"calibration.json"', '"auto"'))
     first = run_on_both_hosts(environment, tmp_path, "plan.py", timeout_s=240)
     assert "moirai: measure links between hosts" in first["a"][1], first["a"][1][-3000:]
+    assert "moirai: calibrate links" in first["a"][1] and "moirai: calibrate requests" not in first["a"][1]
     from moirai.cluster.calibration import read_host_links
 
     cached = [read_host_links(path) for path in (tmp_path / "cache" / "calibration").glob("*.json")]
@@ -262,20 +266,23 @@ else:
 """
 
 
-# Host a's calibration of its own CPU link and the runtime's work per request, as its cache would hold them: the
-# round-robin plans need no true values, and test_compile_with_auto_calibration... measures them from nothing.
+# Host a's calibration of its own CPU link (unless LINKS is False) and the runtime's work per request, as its cache
+# would hold them: the round-robin plans need no true values, and test_compile_with_auto_calibration... measures
+# the link from nothing.
 SEED_HOST_CALIBRATION = """
 from moirai.cluster.calibration.cache import calibration_cache_path, write_calibration
 from moirai.cluster.calibration.fit import TransferCost, link_kind
 from moirai.cluster.calibration.request_cost import RequestCost
 
 link = TransferCost(20e-6, 2e9, 10e-6, 1e-10, 10e-6, 1e-10)
-write_calibration(calibration_cache_path(), {link_kind("cpu", "cpu"): link}, RequestCost(300e-6, 300e-6))
+links = {link_kind("cpu", "cpu"): link} if LINKS else {}
+write_calibration(calibration_cache_path(), links, RequestCost(300e-6, 300e-6))
 """
 
 
-def seed_host_a_calibration(environment: dict[str, str], cwd: Path) -> None:
-    seed = [str(TWO_HOSTS), "run", "a", sys.executable, "-c", SEED_HOST_CALIBRATION]
+def seed_host_a_calibration(environment: dict[str, str], cwd: Path, links: bool = True) -> None:
+    code = SEED_HOST_CALIBRATION.replace("LINKS", str(links))
+    seed = [str(TWO_HOSTS), "run", "a", sys.executable, "-c", code]
     subprocess.run(seed, cwd=cwd, env=environment, check=True, capture_output=True, timeout=60)
 
 
