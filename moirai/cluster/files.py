@@ -32,7 +32,7 @@ from moirai.cluster.hardware import (
 )
 from moirai.cluster.kinds import CPU, device_spellings, kind_named, kind_of, torch_device_types
 from moirai.errors import ClusterError
-from moirai.planning.description import is_number
+from moirai.file_numbers import is_number
 from moirai.user_files import check_input_path, parsing
 
 try:
