@@ -257,6 +257,12 @@ def test_custom_file_with_type_and_explicit_numbers(tmp_path: Path) -> None:
 # --- bad input -------------------------------------------------------------------------------
 
 
+_MATRIX_FILE = (
+    '[[devices]]\nname = "a"\ntype = "t4"\n[[devices]]\nname = "b"\ntype = "t4"\n'
+    "[matrix]\nbandwidth_gbps = [[0, 1], [1, 0]]\n"
+)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -287,6 +293,18 @@ def test_custom_file_with_type_and_explicit_numbers(tmp_path: Path) -> None:
         ("[[devices]]\nname = \"a\"\ntype = \"t4\"\n[[links]]\nsrc = 'a'\ndst = 'a'\nbandwidth_gbps = 1\n", "itself"),
         ("name = [", "not valid TOML"),
         (two_device_file() + '[[links]]\nsrc = "b"\ndst = "a"\nbandwidth_gbps = 5\n', "more than once"),
+        # Fault injected: an integer no float holds was read as infinity (memory_gb: unlimited memory) or was a raw
+        # OverflowError ([matrix]), and a NaN latency was called negative.
+        (
+            two_device_file(device_b="memory_gb = 1" + "0" * 400 + "\n"),
+            "device 'b': memory_gb is an integer of about 401",
+        ),
+        (_MATRIX_FILE + "latency_us = 1" + "0" * 400 + "\n", r"\[matrix\] latency_us is an integer of about 401"),
+        (_MATRIX_FILE + "latency_us = [[0, 1" + "0" * 400 + "], [1, 0]]\n", r"latency_us\[0\]\[1\] is an integer of"),
+        (_MATRIX_FILE + "latency_us = nan\n", r"\[matrix\] latency_us is NaN"),
+        (_MATRIX_FILE + "latency_us = [[0, nan], [1, 0]]\n", r"latency_us\[0\]\[1\] is NaN"),
+        (_MATRIX_FILE.replace("[[0, 1], [1, 0]]", "[[0, 1e400], [1, 0]]"), "1e400 is too large for a float"),
+        (two_device_file(device_b="rank = " + str(2**63) + "\n"), "rank must be an integer"),
     ],
 )
 def test_bad_cluster_files(tmp_path: Path, text: str, message: str) -> None:
