@@ -53,7 +53,7 @@ def write_atomically(path: str | Path, text: str, private: bool = False) -> None
         try:
             if kept_mode is not None:
                 os.fchmod(descriptor, kept_mode)
-            with os.fdopen(descriptor, "w") as stream:
+            with os.fdopen(descriptor, "w", encoding="utf-8") as stream:  # as every reader reads it
                 stream.write(text)
             os.replace(partial, target)
         except BaseException:

@@ -215,6 +215,30 @@ def test_a_cluster_file_gives_back_every_number_exactly(numbers: list[float]) ->
     assert again.links == cluster.links
 
 
+# Names of any characters a TOML file holds (no lone surrogates, which no UTF-8 file can), emoji and controls included.
+_NAMES = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=8)
+
+
+@given(
+    names=st.lists(_NAMES, min_size=2, max_size=2, unique=True),
+    cores=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=4, unique=True),
+    threads=st.integers(1, 4),
+    cluster_name=st.text(st.characters(blacklist_categories=("Cs",)), max_size=8),
+)
+@settings(max_examples=60, deadline=None)
+def test_to_file_writes_what_from_file_reads_back_equal(names, cores, threads, cluster_name) -> None:
+    """Fault injected: a device with cores (cores = [0], a valid file) made to_file raise TypeError "no TOML form
+    for list", and a name outside the BMP (an emoji) was written as a JSON surrogate pair TOML refuses to read."""
+    threads = min(threads, len(cores))
+    devices = [Device(name, "cpu", 8e9, 1e12, 1e10, 5e-6, "cpu", cores=tuple(cores), threads=threads) for name in names]
+    links = [Link(names[0], names[1], 1e9, 1e-6), Link(names[1], names[0], 2e9, 0.0)]
+    cluster = Cluster.from_links(devices, links, name=cluster_name)
+    with tempfile.TemporaryDirectory() as folder:
+        cluster.to_file(Path(folder) / "c.toml")
+        again = Cluster.from_file(Path(folder) / "c.toml")
+    assert again.devices == cluster.devices and again.links == cluster.links and again.name == cluster.name
+
+
 def test_custom_file_with_type_and_explicit_numbers(tmp_path: Path) -> None:
     path = write(
         tmp_path,

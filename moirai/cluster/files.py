@@ -416,7 +416,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
+        # A JSON string is a TOML basic string where JSON escapes nothing TOML refuses: not ensure_ascii's surrogate
+        # pairs (a name outside the BMP, an emoji, was written as two escapes TOML cannot read back), and DEL escaped.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
@@ -427,4 +429,6 @@ def _toml_value(value: Any) -> str:
         return repr(float(value))
     if isinstance(value, Mapping):
         return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, (list, tuple)):  # a device's cores
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"no TOML form for {type(value).__name__}")
