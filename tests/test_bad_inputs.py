@@ -616,7 +616,7 @@ def test_valid_cluster_file_loads(tmp_path):
     ("edit", "words"),
     [
         (("bandwidth_gbps = 10", 'bandwidth_gbps = "fast"'), ("link 'A' -> 'B'", "bandwidth_gbps", "'fast'")),
-        (("memory_gb = 1", 'memory_gb = "lots"'), ("device 'A'", "memory_gb must be a number", "'lots'")),
+        (("memory_gb = 1", 'memory_gb = "lots"'), ("device 'A'", "memory_gb is 'lots', not a number")),
         (('torch_device = "cpu"', 'torch_device = "tpu:0"'), ("device 'A': torch_device", "'tpu:0'")),
         (("memory_gb = 1", 'memory_gb = 1\nrank = "zero"'), ("device 'A'", "rank must be an integer")),
         (("both_directions = true", 'both_directions = "yes"'), ("both_directions must be true or false",)),
