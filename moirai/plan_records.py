@@ -22,7 +22,7 @@ from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
 from moirai.runtime.hosts import rank_hosts
 from moirai.runtime.store import wait_for_key
-from moirai.user_files import check_input_path, load_json, parsing
+from moirai.user_files import check_input_path, load_json, parsing, read_text
 
 if TYPE_CHECKING:
     from moirai.frontend.trace import TracedModel
@@ -114,7 +114,7 @@ def read_plan_file(path: str | Path) -> dict[str, Any]:
 
     try:
         with parsing("JSON", subject, error):
-            text = Path(path).read_text()
+            text = read_text(path)
             if not text.strip():
                 raise PlanError(f"{subject} is empty; {again}")
             record = load_json(text, subject, error)

@@ -262,3 +262,33 @@ def test_numbers_a_field_allows_are_no_fault_and_ints_are_held_to_their_range() 
     assert int_fault(INT64_MAX) is None and int_fault(2**63) == f"is {2**63}, outside {-(2**63)}..{INT64_MAX}"
     assert int_fault(3, 0, 1) == "is 3, outside 0..1" and int_fault(1.0) == "is float '1.0', not a whole number"
     assert "about 401 digits" in int_fault(10**400)
+
+
+def _not_regular_files(tmp_path: Path) -> list[str]:
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    return [str(fifo), "/dev/zero"]
+
+
+@pytest.mark.timeout(60)
+def test_a_user_file_that_is_no_regular_file_is_the_readers_error_before_a_byte_is_read(tmp_path: Path) -> None:
+    """Fault injected: a FIFO hung the read (its open waits for a writer) and /dev/zero was read until memory ran
+    out, for plan, problem and cluster files alike (moirai.user_files.read_text)."""
+    import moirai
+    from moirai.plan_records import read_plan_file
+    from moirai.planning.problem import Problem
+
+    readers = [(read_plan_file, PlanError), (Problem.from_json, moirai.ProblemError)]
+    readers.append((moirai.Cluster.from_file, ClusterError))
+    for path in _not_regular_files(tmp_path):
+        for read, error in readers:
+            with pytest.raises(error, match=rf"{path}.*not a regular file.*give the path of a file"):
+                read(path)
+
+
+@pytest.mark.timeout(60)
+def test_a_cache_that_is_no_regular_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    fifo = tmp_path / "cache.json"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file"):
+        read_own_text(fifo)

@@ -33,7 +33,7 @@ from moirai.cluster.hardware import (
 from moirai.cluster.kinds import CPU, device_spellings, kind_named, kind_of, torch_device_types
 from moirai.errors import ClusterError
 from moirai.file_numbers import float_fault, int_fault, is_number
-from moirai.user_files import check_input_path, parsing
+from moirai.user_files import check_input_path, parsing, read_text
 
 try:
     import tomllib
@@ -377,8 +377,8 @@ def read_cluster_file(path: str | Path) -> dict[str, Any]:
         path, "cluster file", "a cluster file (TOML; a preset by name: Cluster.preset(name))", ClusterError
     )
     try:
-        with parsing("TOML", f"cluster file {str(path)!r}", ClusterError), open(path, "rb") as f:
-            return tomllib.load(f, parse_float=FloatLiteral)
+        with parsing("TOML", f"cluster file {str(path)!r}", ClusterError):
+            return tomllib.loads(read_text(path), parse_float=FloatLiteral)
     except FileNotFoundError:
         preset = f"; {str(path)!r} is a preset: Cluster.preset({str(path)!r})" if str(path) in preset_names() else ""
         raise ClusterError(f"cluster file {str(path)!r} does not exist{preset}") from None
