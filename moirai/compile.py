@@ -424,7 +424,9 @@ def _saved_plan(record: dict[str, Any], source: str | Path, problem: Problem) ->
     deadlock), so that what describes it (repr, summary, gantt) cannot fail later."""
     try:
         plan = Plan.from_dict(record["plan"])
-    except (KeyError, TypeError, ValueError) as error:  # a report's kind or stop reason moirai does not know
+    except PlanError as error:  # a report's field not of its type: PlacerReport.from_dict names it
+        raise PlanError(f"{source}: 'plan': {error}; {_SAVE_AGAIN}") from None
+    except (KeyError, TypeError, ValueError) as error:
         words = f"{type(error).__name__}: {error}"
         raise PlanError(f"{source}: 'plan' is not a saved plan ({words}); {_SAVE_AGAIN}") from None
     # Its devices are called what the problem calls them, the names of the devices it runs on (_planned_problem):

@@ -53,7 +53,7 @@ def write_atomically(path: str | Path, text: str, private: bool = False) -> None
         try:
             if kept_mode is not None:
                 os.fchmod(descriptor, kept_mode)
-            with os.fdopen(descriptor, "w") as stream:
+            with os.fdopen(descriptor, "w", encoding="utf-8") as stream:  # as every reader reads it
                 stream.write(text)
             os.replace(partial, target)
         except BaseException:
@@ -77,9 +77,17 @@ def _own_file_mode(path: Path) -> int | None:
 
 def read_own_text(path: str | Path) -> str:
     """The text of a file moirai wrote (a cache), opened without following a link: a link there is an OSError
-    (ELOOP), as a missing file is FileNotFoundError."""
-    descriptor = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-    with os.fdopen(descriptor, encoding="utf-8") as stream:
+    (ELOOP), as a missing file is FileNotFoundError and a file that is not a regular one (a FIFO) EINVAL."""
+    descriptor = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # a FIFO would hang, /dev/zero never end
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(descriptor, True)
+        stream = os.fdopen(descriptor, encoding="utf-8")
+    except BaseException:
+        os.close(descriptor)
+        raise
+    with stream:
         return stream.read()
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -18,11 +17,12 @@ import torch
 
 from moirai.cluster.devices import Cluster
 from moirai.errors import DistributedError, PlanError, PlanVersionWarning
+from moirai.file_numbers import float_fault, int_fault
 from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
 from moirai.runtime.hosts import rank_hosts
 from moirai.runtime.store import wait_for_key
-from moirai.user_files import check_input_path, load_json, parsing
+from moirai.user_files import check_input_path, load_json, parsing, read_text
 
 if TYPE_CHECKING:
     from moirai.frontend.trace import TracedModel
@@ -114,7 +114,7 @@ def read_plan_file(path: str | Path) -> dict[str, Any]:
 
     try:
         with parsing("JSON", subject, error):
-            text = Path(path).read_text()
+            text = read_text(path)
             if not text.strip():
                 raise PlanError(f"{subject} is empty; {again}")
             record = load_json(text, subject, error)
@@ -172,13 +172,14 @@ def _null_or(holds: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 
 def _is_int(value: Any) -> bool:
-    return type(value) is int  # not a bool, not a float a save never writes
+    """An int (not a bool, not a float a save never writes) an int64 holds: ``2**63`` was an OverflowError in numpy."""
+    return type(value) is int and int_fault(value) is None
 
 
 def _is_seconds(value: Any) -> bool:
     """A time a plan's simulation or bound gives: never negative, NaN or infinite (a plan whose task cannot run is
-    refused before it has a time; a bound of no plan is null)."""
-    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+    refused before it has a time; a bound of no plan is null), and a float (``10**400`` was an OverflowError)."""
+    return type(value) in (int, float) and float_fault(value) is None
 
 
 def _is_list_of(value: Any, holds: Callable[[Any], bool]) -> bool:
@@ -283,7 +284,10 @@ _PLAN_FIELDS: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
     "groups": (lambda v, _: _is_list_of_name_lists(v), "a list of lists of op names"),
     "device_order": (lambda v, _: _null_or(_is_list_of_name_lists)(v), "null or a list of lists of op names"),
     "plan": (lambda v, _: isinstance(v, dict), "an object (a saved Plan)"),
-    "plan.placement": (lambda v, _: _is_list_of(v, _is_int), "a list of device indices, one per op group"),
+    "plan.placement": (
+        lambda v, r: _is_list_of(v, lambda device: _is_device_index(device, r)),
+        "a list of device indices 0..len(devices)-1, one per op group",
+    ),
     "plan.device_names": (lambda v, _: _is_list_of(v, lambda n: isinstance(n, str)), "a list of device names"),
     "plan.order": (
         _optional(_null_or(lambda v: _is_list_of(v, lambda o: _is_list_of(o, _is_int)))),

@@ -5,8 +5,9 @@ writer's own moirai error naming the file and saying what to do, never a Python 
 rules): text that is not UTF-8, arrays nested deeper than the parser recurses, an integer of more digits than Python
 converts and text that is not the language are each one error of the reader's type naming the file;
 :func:`load_json` parses a JSON file's text, refusing a number literal too large for a float (Python's json reads
-``1e400`` as Infinity). Each reader
-still opens the file its own way (a calibration without following a link) and says what a missing file means.
+``1e400`` as Infinity). :func:`read_text` reads a file a user names, refusing one that is no regular file (a FIFO,
+``/dev/zero``) before reading it; each reader says what a missing file means (a calibration, read without following
+a link, is read as moirai's caches are: :func:`moirai.files.read_own_text`).
 :func:`check_input_path` checks that a file to read is named by a path (not a file descriptor, bytes or None).
 :func:`check_output_path` checks, before any work, that a file can be written where the user asked, and
 :func:`write_output` writes it there (:func:`moirai.files.write_atomically`) with the writer's error. Plain ``os``
@@ -16,9 +17,11 @@ and the standard parsers: the planning core may use it (it imports no torch).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -93,6 +96,32 @@ class _TooLarge(Exception):
     def __init__(self, literal: str) -> None:
         super().__init__(literal)
         self.literal = literal
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """The UTF-8 text of the file a user names at ``path``, checked to be a regular file (``fstat`` of the file
+    opened, without blocking: a FIFO would hang the open, and ``/dev/zero`` be read until memory runs out) before a
+    byte is read. Else an OSError as ``open`` raises them (a folder: IsADirectoryError), whose ``strerror`` says
+    what the path is and what to give, for the reader's own error naming the file."""
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(descriptor).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "it is a folder; give the path of a file", str(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(
+                errno.EINVAL,
+                "it is not a regular file (a device, a pipe or a socket, which would be read without end); give the "
+                "path of a file",
+                str(path),
+            )
+        os.set_blocking(descriptor, True)
+        stream = os.fdopen(descriptor, encoding="utf-8")
+    except BaseException:
+        os.close(descriptor)
+        raise
+    with stream:
+        return stream.read()
 
 
 def check_input_path(path: object, subject: str, what: str, error: Callable[[str], MoiraiError]) -> None:

@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moirai.errors import InfeasibleError, MoiraiError
-from moirai.planning.description import is_integer
+from moirai.file_numbers import is_integer
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.plan import Plan, check_plan
 from moirai.planning.problem import Problem, check_problem

@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import re
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -615,7 +616,7 @@ def test_valid_cluster_file_loads(tmp_path):
     ("edit", "words"),
     [
         (("bandwidth_gbps = 10", 'bandwidth_gbps = "fast"'), ("link 'A' -> 'B'", "bandwidth_gbps", "'fast'")),
-        (("memory_gb = 1", 'memory_gb = "lots"'), ("device 'A'", "memory_gb must be a number", "'lots'")),
+        (("memory_gb = 1", 'memory_gb = "lots"'), ("device 'A'", "memory_gb is 'lots', not a number")),
         (('torch_device = "cpu"', 'torch_device = "tpu:0"'), ("device 'A': torch_device", "'tpu:0'")),
         (("memory_gb = 1", 'memory_gb = 1\nrank = "zero"'), ("device 'A'", "rank must be an integer")),
         (("both_directions = true", 'both_directions = "yes"'), ("both_directions must be true or false",)),
@@ -823,6 +824,52 @@ def test_load_of_a_plan_with_a_key_missing(compiled, tmp_path):
     path.write_text(json.dumps(record))
     with raises(PlanError, "lacks ['node_device', 'plan.placement']", "save the plan again"):
         moirai.load(path, tiny(), (X,))
+
+
+def _set_report_field(key: str, value: object) -> Callable[[dict], None]:
+    return lambda plan: plan["report"].__setitem__(key, value)
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        # Fault injected: a JSON integer no float holds was a raw OverflowError (math.isfinite in the check).
+        (lambda plan: plan.__setitem__("objective_s", 10**400), ("'plan.objective_s'", "finite number of seconds")),
+        # ... and one no int64 holds an OverflowError in numpy (Plan.from_dict); a device index past the devices
+        # was named only by the simulator.
+        (lambda plan: plan["placement"].__setitem__(0, 2**63), ("'plan.placement'", "device indices 0..len(devices)")),
+        (lambda plan: plan["placement"].__setitem__(0, 2), ("'plan.placement'", "device indices 0..len(devices)")),
+        # A report's field not of its type loaded, then failed summary() with a TypeError.
+        (_set_report_field("unfused_lower_bound_s", "x"), ("report's 'unfused_lower_bound_s'", "null or a finite")),
+        (_set_report_field("predicted_makespan_s", 10**400), ("report's 'predicted_makespan_s'", "finite number")),
+        (_set_report_field("contention", 5), ("report's 'contention'", "null, true or false")),
+        (_set_report_field("kind", 5), ("report's 'kind' is '5'", "'SolverReport'")),
+        (
+            lambda plan: plan["report"].update(kind="SolverReport", solve_s="x"),
+            ("report's 'solve_s' is 'x'", "null or a finite number"),
+        ),
+    ],
+    ids=[
+        "objective 10**400",
+        "placement 2**63",
+        "placement past devices",
+        "report str",
+        "report 10**400",
+        "report contention",
+        "report kind",
+        "solver report",
+    ],
+)
+def test_load_of_a_plan_with_a_number_or_report_field_it_cannot_hold_names_the_field(compiled, tmp_path, edit, words):
+    """The plan file's rule: what it hands in is a PlanError naming the field, never a raw error, at load or
+    later (summary: _saved_plan's docstring)."""
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    record = json.loads(path.read_text())
+    edit(record["plan"])
+    path.write_text(json.dumps(record))
+    with raises(PlanError, str(path), *words, "save the plan again"):
+        moirai.load(path, tiny(), (X,), progress=False).summary()
 
 
 def test_load_of_a_plan_for_another_model(compiled, tmp_path):

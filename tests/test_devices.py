@@ -215,6 +215,30 @@ def test_a_cluster_file_gives_back_every_number_exactly(numbers: list[float]) ->
     assert again.links == cluster.links
 
 
+# Names of any characters a TOML file holds (no lone surrogates, which no UTF-8 file can), emoji and controls included.
+_NAMES = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=8)
+
+
+@given(
+    names=st.lists(_NAMES, min_size=2, max_size=2, unique=True),
+    cores=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=4, unique=True),
+    threads=st.integers(1, 4),
+    cluster_name=st.text(st.characters(blacklist_categories=("Cs",)), max_size=8),
+)
+@settings(max_examples=60, deadline=None)
+def test_to_file_writes_what_from_file_reads_back_equal(names, cores, threads, cluster_name) -> None:
+    """Fault injected: a device with cores (cores = [0], a valid file) made to_file raise TypeError "no TOML form
+    for list", and a name outside the BMP (an emoji) was written as a JSON surrogate pair TOML refuses to read."""
+    threads = min(threads, len(cores))
+    devices = [Device(name, "cpu", 8e9, 1e12, 1e10, 5e-6, "cpu", cores=tuple(cores), threads=threads) for name in names]
+    links = [Link(names[0], names[1], 1e9, 1e-6), Link(names[1], names[0], 2e9, 0.0)]
+    cluster = Cluster.from_links(devices, links, name=cluster_name)
+    with tempfile.TemporaryDirectory() as folder:
+        cluster.to_file(Path(folder) / "c.toml")
+        again = Cluster.from_file(Path(folder) / "c.toml")
+    assert again.devices == cluster.devices and again.links == cluster.links and again.name == cluster.name
+
+
 def test_custom_file_with_type_and_explicit_numbers(tmp_path: Path) -> None:
     path = write(
         tmp_path,
@@ -257,6 +281,12 @@ def test_custom_file_with_type_and_explicit_numbers(tmp_path: Path) -> None:
 # --- bad input -------------------------------------------------------------------------------
 
 
+_MATRIX_FILE = (
+    '[[devices]]\nname = "a"\ntype = "t4"\n[[devices]]\nname = "b"\ntype = "t4"\n'
+    "[matrix]\nbandwidth_gbps = [[0, 1], [1, 0]]\n"
+)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -287,6 +317,18 @@ def test_custom_file_with_type_and_explicit_numbers(tmp_path: Path) -> None:
         ("[[devices]]\nname = \"a\"\ntype = \"t4\"\n[[links]]\nsrc = 'a'\ndst = 'a'\nbandwidth_gbps = 1\n", "itself"),
         ("name = [", "not valid TOML"),
         (two_device_file() + '[[links]]\nsrc = "b"\ndst = "a"\nbandwidth_gbps = 5\n', "more than once"),
+        # Fault injected: an integer no float holds was read as infinity (memory_gb: unlimited memory) or was a raw
+        # OverflowError ([matrix]), and a NaN latency was called negative.
+        (
+            two_device_file(device_b="memory_gb = 1" + "0" * 400 + "\n"),
+            "device 'b': memory_gb is an integer of about 401",
+        ),
+        (_MATRIX_FILE + "latency_us = 1" + "0" * 400 + "\n", r"\[matrix\] latency_us is an integer of about 401"),
+        (_MATRIX_FILE + "latency_us = [[0, 1" + "0" * 400 + "], [1, 0]]\n", r"latency_us\[0\]\[1\] is an integer of"),
+        (_MATRIX_FILE + "latency_us = nan\n", r"\[matrix\] latency_us is NaN"),
+        (_MATRIX_FILE + "latency_us = [[0, nan], [1, 0]]\n", r"latency_us\[0\]\[1\] is NaN"),
+        (_MATRIX_FILE.replace("[[0, 1], [1, 0]]", "[[0, 1e400], [1, 0]]"), "1e400 is too large for a float"),
+        (two_device_file(device_b="rank = " + str(2**63) + "\n"), "rank must be an integer"),
     ],
 )
 def test_bad_cluster_files(tmp_path: Path, text: str, message: str) -> None:

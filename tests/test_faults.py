@@ -736,8 +736,32 @@ def test_a_plan_from_another_torch_warns(rows, tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "content",
-    ["{not json", '["a list"]', '{"times_s": {"op": "fast"}}', "\udcff", "[" * 100_000 + "]" * 100_000],
-    ids=["not json", "a list", "a string time", "not utf-8", "nested past the parser (a RecursionError)"],
+    [
+        "{not json",
+        '["a list"]',
+        '{"times_s": {"op": "fast"}}',
+        "\udcff",
+        "[" * 100_000 + "]" * 100_000,
+        # Fault injected: 10**400 was a raw OverflowError in the cost model, -1.0 a ProblemError naming no cache,
+        # NaN and true were read as times; each on every compile after, the cache never set aside.
+        '{"times_s": {"op": 1' + "0" * 400 + "}}",
+        '{"times_s": {"op": -1.0}}',
+        '{"times_s": {"op": NaN}}',
+        '{"times_s": {"op": Infinity}}',
+        '{"times_s": {"op": true}}',
+    ],
+    ids=[
+        "not json",
+        "a list",
+        "a string time",
+        "not utf-8",
+        "nested past the parser (a RecursionError)",
+        "10**400",
+        "negative",
+        "NaN",
+        "Infinity",
+        "true",
+    ],
 )
 def test_a_corrupt_profile_cache_is_named_moved_aside_and_rebuilt(tmp_path, content) -> None:
     from moirai.cluster.cost import _ProfileCache
@@ -1098,6 +1122,10 @@ _NO_BANDWIDTH = _COST.replace('"bandwidth_bytes_per_s": 1e9', '"bandwidth_bytes_
         pytest.param('{"format": ' + "7" * 5000 + "}", id="5000 digits"),
         pytest.param(_with_format(_NO_BANDWIDTH), id="0 B/s"),
         pytest.param(_with_format(_COST.replace('"latency_s": 1e-5', '"latency_s": -1e-5')), id="negative latency"),
+        # Fault injected: an integer no float holds was an OverflowError (math.isfinite) that no reader caught, so
+        # every compile with calibration="auto" failed on it; true was read as 1.
+        pytest.param(_with_format(_COST.replace('"latency_s": 1e-5', '"latency_s": 1' + "0" * 400)), id="10**400"),
+        pytest.param(_with_format(_COST.replace('"latency_s": 1e-5', '"latency_s": true')), id="true"),
     ],
 )
 def test_a_calibration_cache_of_the_wrong_structure_is_named_moved_aside_and_measured_again(
@@ -1137,6 +1165,21 @@ def test_a_calibration_file_of_the_wrong_structure_given_by_the_user_is_a_cluste
         match=r"mine\.json.* is corrupt: links\['cpu->cpu'\]\.bandwidth_bytes_per_s is 0; it must be pos",
     ):
         local_calibration(["cpu", "cpu"], path)
+
+
+@pytest.mark.parametrize(("number", "words"), [("1" + "0" * 400, "an integer of about 401 digits"), ("NaN", "NaN")])
+def test_a_calibration_file_with_a_number_no_float_holds_is_a_cluster_error_naming_the_field(
+    tmp_path, number, words
+) -> None:
+    """Fault injected: a JSON integer of 401 digits was a raw OverflowError from read_calibration and compile."""
+    from moirai.cluster.calibration import read_calibration
+
+    path = tmp_path / "mine.json"
+    path.write_text(_with_format(_COST.replace('"latency_s": 1e-5', f'"latency_s": {number}')))
+    with pytest.raises(
+        moirai.ClusterError, match=rf"mine\.json.* is corrupt: links\['cpu->cpu'\]\.latency_s is {words}.*non-neg"
+    ):
+        read_calibration(path)
 
 
 # --- 4 and 6. request isolation; prompt, exact blame (kill -9 and SIGSTOP injected with os.kill) -----------------

@@ -231,3 +231,64 @@ def test_a_file_the_user_names_keeps_the_mode_of_the_file_it_replaces(tmp_path: 
     named = tmp_path / "calibration.json"
     write_calibration(named, {"cpu->cpu": COST})
     assert _mode(named) == 0o644 & ~umask
+
+
+@pytest.mark.parametrize(
+    ("value", "options", "words"),
+    [
+        (10**400, {}, "is an integer of about 401 digits, too large for a float"),
+        (-(10**400), {"negative": True}, "is an integer of about 401 digits"),
+        (float("nan"), {"negative": True, "infinite": True}, "is NaN"),
+        (float("inf"), {}, "is infinite"),
+        (-1.0, {}, "is negative (-1)"),
+        (True, {}, "is true, not a number"),
+        ("1", {}, "is '1', not a number"),
+        (None, {}, "is null, not a number"),
+    ],
+)
+def test_a_number_no_float_of_its_field_holds_is_named_in_words(value, options, words) -> None:
+    """moirai.file_numbers: the one rule every reader of a file's or a cache's numbers applies (10**400 was an
+    OverflowError wherever float(), math.isfinite or numpy met it)."""
+    from moirai.file_numbers import float_fault
+
+    assert words in float_fault(value, **options)
+
+
+def test_numbers_a_field_allows_are_no_fault_and_ints_are_held_to_their_range() -> None:
+    from moirai.file_numbers import INT64_MAX, float_fault, int_fault
+
+    assert [float_fault(v) for v in (0, 1.5, 10**300, 1e308)] == [None] * 4
+    assert float_fault(float("inf"), infinite=True) is None and float_fault(-2, negative=True) is None
+    assert int_fault(INT64_MAX) is None and int_fault(2**63) == f"is {2**63}, outside {-(2**63)}..{INT64_MAX}"
+    assert int_fault(3, 0, 1) == "is 3, outside 0..1" and int_fault(1.0) == "is float '1.0', not a whole number"
+    assert "about 401 digits" in int_fault(10**400)
+
+
+def _not_regular_files(tmp_path: Path) -> list[str]:
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    return [str(fifo), "/dev/zero"]
+
+
+@pytest.mark.timeout(60)
+def test_a_user_file_that_is_no_regular_file_is_the_readers_error_before_a_byte_is_read(tmp_path: Path) -> None:
+    """Fault injected: a FIFO hung the read (its open waits for a writer) and /dev/zero was read until memory ran
+    out, for plan, problem and cluster files alike (moirai.user_files.read_text)."""
+    import moirai
+    from moirai.plan_records import read_plan_file
+    from moirai.planning.problem import Problem
+
+    readers = [(read_plan_file, PlanError), (Problem.from_json, moirai.ProblemError)]
+    readers.append((moirai.Cluster.from_file, ClusterError))
+    for path in _not_regular_files(tmp_path):
+        for read, error in readers:
+            with pytest.raises(error, match=rf"{path}.*not a regular file.*give the path of a file"):
+                read(path)
+
+
+@pytest.mark.timeout(60)
+def test_a_cache_that_is_no_regular_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    fifo = tmp_path / "cache.json"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file"):
+        read_own_text(fifo)

@@ -211,7 +211,7 @@ def test_an_integer_too_large_for_a_float_is_refused_not_read_as_infinity(tmp_pa
     huge.write_text(
         '{"devices": [{"name": "d0"}, {"name": "d1"}], "tasks": [{"name": "a", "compute_s": [1' + "0" * 400 + ", 1]}]}"
     )
-    words = r"tasks\[0\]\.compute_s\[0\] is an integer of about 401 digits, too large for a number"
+    words = r"tasks\[0\]\.compute_s\[0\] is an integer of about 401 digits, too large for a float"
     with pytest.raises(ProblemError, match=words):
         Problem.from_json(huge)
     with pytest.raises(ProblemError, match=words):

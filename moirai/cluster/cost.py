@@ -74,6 +74,7 @@ from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import Spans, kind_of
 from moirai.cluster.messages import header_s, input_messages, output_messages, recv_cpu_s, send_cpu_s, transfer_s
 from moirai.errors import ClusterError, MoiraiWarning
+from moirai.file_numbers import float_fault
 from moirai.files import default_cache_dir, private_cache_folder, read_own_text, write_atomically
 from moirai.frontend.graph import OpGraph
 from moirai.frontend.symbolic_shapes import concrete_shape, example_int, sizes_at
@@ -540,17 +541,25 @@ class _ProfileCache:
             self.times_s = self._read()
 
     def _read(self) -> dict[str, float]:
-        """The cached times, or none (the file renamed ``.corrupt`` with a warning, so it is measured again)."""
+        """The cached times, or none (the file renamed ``.corrupt`` with a warning, so it is measured again): a time
+        must be what a measurement gives, a finite number of seconds >= 0 a float holds
+        (:func:`moirai.file_numbers.float_fault`; ``10**400`` was an OverflowError, ``-1.0`` a problem error naming
+        no cache, on every compile after)."""
+        what = "not the JSON moirai writes"
         try:
             times_s = json.loads(read_own_text(self.path)).get("times_s")
-            if isinstance(times_s, dict) and all(isinstance(t, int | float) for t in times_s.values()):
-                return times_s
+            if isinstance(times_s, dict):
+                faults = ((op, float_fault(t)) for op, t in times_s.items())
+                wrong = next(((op, fault) for op, fault in faults if fault is not None), None)
+                if wrong is None:
+                    return {op: float(t) for op, t in times_s.items()}
+                what = f"the time of op group {wrong[0][:16]} {wrong[1]}"
         except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):  # nested past the parser
             pass
         corrupt = self.path.with_suffix(".corrupt")
         os.replace(self.path, corrupt)
         warnings.warn(
-            f"the profile cache {self.path} was corrupt (not the JSON moirai writes); it was moved to {corrupt} and "
+            f"the profile cache {self.path} was corrupt ({what}); it was moved to {corrupt} and "
             "the ops are measured again",
             MoiraiWarning,
             stacklevel=4,

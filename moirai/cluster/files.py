@@ -32,8 +32,8 @@ from moirai.cluster.hardware import (
 )
 from moirai.cluster.kinds import CPU, device_spellings, kind_named, kind_of, torch_device_types
 from moirai.errors import ClusterError
-from moirai.planning.description import is_number
-from moirai.user_files import check_input_path, parsing
+from moirai.file_numbers import float_fault, int_fault, is_number
+from moirai.user_files import check_input_path, parsing, read_text
 
 try:
     import tomllib
@@ -129,16 +129,29 @@ def _check_arrays_of_tables(description: Mapping[str, Any]) -> None:
 def _check_types(entry: Mapping[str, Any], where: str) -> None:
     """Every number a number, before any is read: ``memory_gb = "lots"`` names the device and key."""
     for key, value in entry.items():
-        if key in _NUMBER_KEYS and not is_number(value):
-            raise ClusterError(f"{where}: {key} must be a number, got {value!r}")
-        if key in _INTEGER_KEYS and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ClusterError(f"{where}: {key} must be an integer, got {value!r}")
+        if key in _NUMBER_KEYS:
+            _check_number(value, f"{where}: {key}")
+        if key in _INTEGER_KEYS and int_fault(value) is not None:
+            raise ClusterError(f"{where}: {key} must be an integer, got {value!r:.60}")
         if key in _STRING_KEYS and not isinstance(value, str):
             raise ClusterError(f"{where}: {key} must be a string (in quotes), got {value!r}")
         if key in _BOOLEAN_KEYS and not isinstance(value, bool):
             raise ClusterError(f"{where}: {key} must be true or false, got {value!r}")
-        if key == "peak_tflops" and (not isinstance(value, Mapping) or not all(map(is_number, value.values()))):
-            raise ClusterError(f"{where}: peak_tflops must be a table of numbers like {{ fp32 = 10.0 }}, got {value!r}")
+        if key == "peak_tflops":
+            if not isinstance(value, Mapping):
+                raise ClusterError(
+                    f"{where}: peak_tflops must be a table of numbers like {{ fp32 = 10.0 }}, got {value!r}"
+                )
+            for precision, number in value.items():
+                _check_number(number, f"{where}: peak_tflops.{precision}")
+
+
+def _check_number(value: Any, where: str) -> None:
+    """A number a float holds (:func:`moirai.file_numbers.float_fault`: ``10**400`` was read as infinity, or an
+    OverflowError), not NaN; its sign and infinity are its key's check, which says what they mean there."""
+    fault = float_fault(value, negative=True, infinite=True)
+    if fault is not None:
+        raise ClusterError(f"{where} {fault}; give a number in the key's unit")
 
 
 def _check_keys(entry: Mapping[str, Any], allowed: set[str], where: str) -> None:
@@ -242,12 +255,12 @@ def _cores_and_threads(entry: Mapping[str, Any], name: str) -> dict[str, Any]:
     """The optional ``cores`` and ``threads`` keys of a device entry, checked."""
     cores, threads = entry.get("cores"), entry.get("threads")
     if cores is not None:
-        if not isinstance(cores, list) or not cores or any(type(c) is not int or c < 0 for c in cores):
+        if not isinstance(cores, list) or not cores or any(type(c) is not int or int_fault(c, 0) for c in cores):
             raise ClusterError(f"device {name!r}: cores must be a non-empty list of core numbers, got {cores!r}")
         if len(set(cores)) != len(cores):
             raise ClusterError(f"device {name!r}: cores {cores} lists a core twice")
         cores = tuple(cores)
-    if threads is not None and (type(threads) is not int or threads < 1):
+    if threads is not None and (type(threads) is not int or int_fault(threads, 1) is not None):
         raise ClusterError(f"device {name!r}: threads must be a positive integer, got {threads!r}")
     if cores is not None and threads is not None and threads > len(cores):
         raise ClusterError(
@@ -314,6 +327,8 @@ def _links_from_matrix(matrix: Mapping[str, Any], names: Sequence[str]) -> list[
     latency_entry = matrix.get("latency_us", 0.0)
     if not is_number(latency_entry) and not isinstance(latency_entry, list):
         raise ClusterError(f"[matrix] latency_us must be a number or a {k}x{k} matrix, got {latency_entry!r}")
+    if is_number(latency_entry):
+        _check_number(latency_entry, "[matrix] latency_us")
     latency = (
         np.full((k, k), float(latency_entry)) if is_number(latency_entry) else _square(latency_entry, k, "latency_us")
     )
@@ -327,7 +342,7 @@ def _links_from_matrix(matrix: Mapping[str, Any], names: Sequence[str]) -> list[
                     f"[matrix] bandwidth {names[a]!r} -> {names[b]!r} is {bandwidth[a, b]} Gbps; every off-diagonal "
                     "entry must be positive (describe a partial topology with [[links]] instead)"
                 )
-            if not latency[a, b] >= 0:
+            if not latency[a, b] >= 0:  # NaN is refused as it is read
                 raise ClusterError(f"[matrix] latency {names[a]!r} -> {names[b]!r} is negative")
             latency_us = latency_entry if is_number(latency_entry) else latency_entry[a][b]
             links.append(
@@ -346,7 +361,10 @@ def _square(rows: Any, k: int, label: str) -> np.ndarray:
         shape = [len(row) if isinstance(row, list) else 1 for row in rows] if isinstance(rows, list) else rows
         raise ClusterError(f"[matrix] {label} must be {k}x{k} (one row and column per device), got rows {shape}")
     if not all(is_number(value) for row in rows for value in row):  # numpy would read "100" and true as numbers
-        raise ClusterError(f"[matrix] {label} must hold numbers, got {rows!r}")
+        raise ClusterError(f"[matrix] {label} must hold numbers, got {str(rows)[:80]}")
+    for a, row in enumerate(rows):
+        for b, value in enumerate(row):
+            _check_number(value, f"[matrix] {label}[{a}][{b}]")
     return np.array(rows, float)
 
 
@@ -359,8 +377,8 @@ def read_cluster_file(path: str | Path) -> dict[str, Any]:
         path, "cluster file", "a cluster file (TOML; a preset by name: Cluster.preset(name))", ClusterError
     )
     try:
-        with parsing("TOML", f"cluster file {str(path)!r}", ClusterError), open(path, "rb") as f:
-            return tomllib.load(f, parse_float=FloatLiteral)
+        with parsing("TOML", f"cluster file {str(path)!r}", ClusterError):
+            return tomllib.loads(read_text(path), parse_float=FloatLiteral)
     except FileNotFoundError:
         preset = f"; {str(path)!r} is a preset: Cluster.preset({str(path)!r})" if str(path) in preset_names() else ""
         raise ClusterError(f"cluster file {str(path)!r} does not exist{preset}") from None
@@ -398,7 +416,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
+        # A JSON string is a TOML basic string where JSON escapes nothing TOML refuses: not ensure_ascii's surrogate
+        # pairs (a name outside the BMP, an emoji, was written as two escapes TOML cannot read back), and DEL escaped.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
@@ -409,4 +429,6 @@ def _toml_value(value: Any) -> str:
         return repr(float(value))
     if isinstance(value, Mapping):
         return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, (list, tuple)):  # a device's cores
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"no TOML form for {type(value).__name__}")

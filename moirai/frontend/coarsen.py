@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moirai.errors import MoiraiError
+from moirai.file_numbers import is_integer
 from moirai.frontend.fusion_rules import (  # re-exported: callers of coarsen() name its rules from here too
     BUNDLED_RULE_SETS,
     DEFAULT_RULE_SETS,
@@ -51,7 +52,6 @@ from moirai.frontend.fusion_rules import (  # re-exported: callers of coarsen() 
     parse_rules,
 )
 from moirai.frontend.graph import OpGraph
-from moirai.planning.description import is_integer
 from moirai.progress import stage
 
 __all__ = [

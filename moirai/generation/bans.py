@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from moirai.errors import InputError
-from moirai.planning.description import is_integer
+from moirai.file_numbers import is_integer
 
 
 @dataclass(frozen=True)

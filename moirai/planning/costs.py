@@ -32,7 +32,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from moirai.errors import ProblemError
-from moirai.planning.description import SECONDS, checked_list, checked_numbers, checked_object, is_number, shown
+from moirai.file_numbers import is_number
+from moirai.planning.description import SECONDS, checked_list, checked_numbers, checked_object, shown
 
 
 class Per(Enum):

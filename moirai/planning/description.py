@@ -9,7 +9,6 @@ refused with the closest known key), names are strings of their own.
 from __future__ import annotations
 
 import json
-import numbers
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from moirai.errors import ProblemError, did_you_mean
+from moirai.file_numbers import checked_float, is_number
 
 
 @dataclass(frozen=True)
@@ -148,26 +148,11 @@ def _collect(
         _collect(item, shape[1:], f"{where}[{i}]", quantity, "", out)
 
 
-def is_number(value: Any) -> bool:
-    """A real number (a JSON or TOML one, or a numpy one from Python): not a bool, a string or null."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
-def is_integer(value: Any) -> bool:
-    """A whole number (a Python or numpy integer): not a bool, a float (2.0 included), a string or null."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
 def _float(value: Any, where: str, quantity: Quantity) -> float:
-    """``value`` as a float; an integer too long for one is refused, not read as Infinity (which means something:
-    a task that cannot run there, no link)."""
-    try:
-        return float(value)
-    except OverflowError:
-        raise ProblemError(
-            f"{where} is an integer of about {int(int(value).bit_length() * 0.30103) + 1} digits, too large for a "
-            f"number moirai can hold (at most about 1.8e308); give {quantity.rule()}"
-        ) from None
+    """``value`` as a float; an integer too long for one is refused (:func:`moirai.file_numbers.float_fault`), not
+    read as Infinity (which means something: a task that cannot run there, no link). The quantity's own rule is
+    checked on the whole array."""
+    return checked_float(value, where, ProblemError, quantity.rule(), negative=True, infinite=True)
 
 
 def _list_words(shape: tuple[int, ...]) -> str:

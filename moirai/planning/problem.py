@@ -48,7 +48,7 @@ from moirai.planning.description import (
     unique_names,
 )
 from moirai.planning.plan import Plan
-from moirai.user_files import check_input_path, load_json, parsing, write_output
+from moirai.user_files import check_input_path, load_json, parsing, read_text, write_output
 
 __all__ = ["Plan", "Problem"]
 
@@ -406,8 +406,8 @@ class Problem:
         )
         try:
             subject = f"problem file {str(path)!r}"
-            with parsing("JSON", subject, ProblemError), open(path, encoding="utf-8") as f:
-                description = load_json(f.read(), subject, ProblemError)
+            with parsing("JSON", subject, ProblemError):
+                description = load_json(read_text(path), subject, ProblemError)
         except FileNotFoundError:
             raise ProblemError(f"problem file {str(path)!r} does not exist") from None
         except OSError as error:  # a folder, a file we may not read

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from moirai.errors import PlanError
+from moirai.file_numbers import float_fault, int_fault
 
 
 class StopReason(enum.Enum):
@@ -51,8 +55,18 @@ class PlacerReport:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> PlacerReport:
-        kind = {cls.__name__: cls for cls in (PlacerReport, SolverReport)}[d.get("kind", "PlacerReport")]
+        """The report ``to_dict`` wrote, every field of the type it declares (a plan file's ``"x"`` for a number was
+        read, then failed the summary); else a :class:`PlanError` naming the field."""
+        kinds = {cls.__name__: cls for cls in (PlacerReport, SolverReport)}
+        kind_name = d.get("kind", "PlacerReport")
+        kind = kinds.get(kind_name) if isinstance(kind_name, str) else None
+        if kind is None:
+            raise PlanError(f"the report's 'kind' is {str(kind_name)[:40]!r}, not one of {sorted(kinds)}")
         values = {f.name: d[f.name] for f in fields(kind) if f.name in d}
+        for f in fields(kind):
+            holds, expected = _FIELD_TYPES[f.type]
+            if f.name in values and not holds(values[f.name]):
+                raise PlanError(f"the report's {f.name!r} is {str(values[f.name])[:60]!r}, not {expected}")
         if values.get("stop_reason") is not None:
             values["stop_reason"] = StopReason(values["stop_reason"])
         if "bound_source" in values:
@@ -95,3 +109,45 @@ class SolverReport(PlacerReport):
     windows: int = 0  # the period search's window programs (moirai.planning.solve.period_windows), and those kept
     windows_kept: int = 0
     history: list[tuple[float, float]] = field(default_factory=list)  # (seconds, objective) of the winning search
+
+
+def _is_float(value: Any, infinite: bool = False) -> bool:
+    return type(value) in (int, float) and float_fault(value, negative=True, infinite=infinite) is None
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int and int_fault(value) is None
+
+
+def _is_pair_of_floats(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(map(_is_float, value))
+
+
+def _is_enum_value(enum_type: type[enum.Enum]) -> Callable[[Any], bool]:
+    return lambda value: value in {member.value for member in enum_type}
+
+
+# What each field's declared type (its annotation, as text) holds in JSON, and that in words for a PlanError.
+_FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "float | None": (lambda v: v is None or _is_float(v), "null or a finite number"),
+    "bool | None": (lambda v: v is None or isinstance(v, bool), "null, true or false"),
+    "int | None": (lambda v: v is None or _is_int(v), "null or a whole number"),
+    "int": (_is_int, "a whole number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "dict[str, Any]": (lambda v: isinstance(v, dict), "an object"),
+    # A start plan's objective: Infinity where a heuristic's plan could not run.
+    "dict[str, float]": (
+        lambda v: isinstance(v, dict) and all(_is_float(x, infinite=True) for x in v.values()),
+        "an object of numbers",
+    ),
+    "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "list[tuple[float, float]]": (
+        lambda v: isinstance(v, list) and all(_is_pair_of_floats(x) for x in v),
+        "a list of [seconds, objective] pairs",
+    ),
+    "StopReason | None": (
+        lambda v: v is None or _is_enum_value(StopReason)(v),
+        f"null or one of {[r.value for r in StopReason]}",
+    ),
+    "BoundSource": (_is_enum_value(BoundSource), f"one of {[b.value for b in BoundSource]}"),
+}

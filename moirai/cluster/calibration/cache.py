@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 import os
 import socket
 import warnings
@@ -27,6 +26,7 @@ from moirai.cluster.calibration.request_cost import RequestCost, measure_request
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import CPU
 from moirai.errors import CacheError, ClusterError, MoiraiWarning, did_you_mean, user_stacklevel
+from moirai.file_numbers import float_fault
 from moirai.files import (
     default_cache_dir,
     lock_exclusively,
@@ -298,17 +298,21 @@ def read_request_cost(path: str | Path) -> RequestCost | None:
 
 
 def _fields_of(cls: type, fields: Any, path: str | Path, where: str) -> Any:
-    """``cls(**fields)`` when ``fields`` holds exactly ``cls``'s fields, each a finite number >= 0 (a bandwidth > 0):
-    times and rates as measured, which no fit makes negative."""
+    """``cls(**fields)`` when ``fields`` holds exactly ``cls``'s fields, each a finite number >= 0 (a bandwidth > 0)
+    that a float holds (:func:`moirai.file_numbers.float_fault`: ``10**400`` was an OverflowError that no reader
+    caught): times and rates as measured, which no fit makes negative."""
     names = [field.name for field in dataclasses.fields(cls)]
-    valid = isinstance(fields, dict) and sorted(fields) == sorted(names)
-    if not valid or not all(type(value) in (int, float) and math.isfinite(value) for value in fields.values()):
+    if not isinstance(fields, dict) or sorted(fields) != sorted(names):
         raise CorruptCalibrationError(path, f"{where} is not the numbers {', '.join(names)} ({str(fields)[:80]})")
     for name, value in fields.items():
-        if value < 0 or (value == 0 and name.startswith("bandwidth")):
-            least = "positive" if name.startswith("bandwidth") else "non-negative"
-            raise CorruptCalibrationError(path, f"{where}.{name} is {value}; it must be {least}")
-    return cls(**fields)
+        rate = name.startswith("bandwidth")
+        fault = float_fault(value)
+        if fault is None and rate and value == 0:
+            fault = "is 0"
+        if fault is not None:
+            least = "positive" if rate else "non-negative"
+            raise CorruptCalibrationError(path, f"{where}.{name} {fault}; it must be {least}")
+    return cls(**{name: float(value) for name, value in fields.items()})
 
 
 def _calibration_record(path: str | Path) -> dict[str, Any]:

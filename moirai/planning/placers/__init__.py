@@ -28,7 +28,7 @@ from moirai.errors import (
     did_you_mean,
     user_stacklevel,
 )
-from moirai.planning.description import is_integer, is_number
+from moirai.file_numbers import is_integer, is_number
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem, check_problem
