@@ -687,14 +687,14 @@ _MALFORMED_PLANS = {
     "a group missing": (("groups",), lambda groups: groups[:-1], "are in no group"),
     "an empty group": (("groups",), lambda groups: [*groups, []], "group 2 is empty"),
     "placement too short": (("plan", "placement"), [0], "plan places 1 tasks, problem has 2"),
-    "placement on device 7 of 2": (("plan", "placement"), lambda p: [7] * len(p), "on unknown device 7"),
+    "placement on device 7 of 2": (("plan", "placement"), lambda p: [7] * len(p), "'plan.placement' is '[7, 7]'"),
     "placement not node_device": (
         ("plan",),
         lambda plan: {**plan, "order": None, "placement": plan["placement"][::-1]},
         "'node_device' puts op",
     ),
     "transfer order of device 5": (("plan", "transfer_order"), [[0, 5, [0]]], "names link (0, 5)"),
-    "report of no kind": (("plan", "report"), {"kind": "NoReport"}, "'plan' is not a saved plan (KeyError"),
+    "report of no kind": (("plan", "report"), {"kind": "NoReport"}, "the report's 'kind' is 'NoReport'"),
 }
 
 
