@@ -60,7 +60,7 @@ from moirai.runtime.distributed import DistributedRunner, check_timeout, run_dis
 from moirai.runtime.local import check_inputs, run_local
 from moirai.runtime.server import Server
 from moirai.runtime.split import SplitProgram, split_module
-from moirai.runtime.written_state import warning_at_close
+from moirai.runtime.written_state import kept_on_ranks, warning_at_close
 from moirai.user_files import check_output_path, write_output
 
 if TYPE_CHECKING:
@@ -135,15 +135,21 @@ class CompiledModel:
                 return driver.submit(self.program, flat, finish, timeout_s)
 
             close, check_close = driver.close, driver.check_close_allowed
+            worlds = None  # torchrun restarts no rank: its world is the one it started with
         else:
             _check_devices_here(self.cluster, range(len(self.cluster)))  # every device's process starts here
-            runner = DistributedRunner(self.cluster.devices, timeout_s=timeout_s, max_in_flight=max_in_flight)
+            # A server that warns of state left behind keeps that state: refused after a restart would lose it.
+            kept = kept_on_ranks(self.program) if warn_state_left else None
+            runner = DistributedRunner(
+                self.cluster.devices, timeout_s=timeout_s, max_in_flight=max_in_flight, state_on_ranks=kept
+            )
+            worlds = runner.worlds
             submit = lambda flat, finish: runner.submit_with(self.program, flat, finish)  # noqa: E731
             close = warning_at_close(self.program, runner.close) if warn_state_left else runner.close
             check_close = runner.check_close_allowed
         # Both submits check the flat inputs against the program (Server.submit_flat's are not flattened here).
         return Server(
-            submit, self.traced.flatten_inputs, self.traced.unflatten_outputs, close, max_in_flight, check_close
+            submit, self.traced.flatten_inputs, self.traced.unflatten_outputs, close, max_in_flight, check_close, worlds
         )
 
     def run_rank(self, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> Any:

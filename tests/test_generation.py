@@ -10,6 +10,7 @@ import math
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -422,6 +423,8 @@ def test_a_cancelled_or_abandoned_sequence_stops_generating_on_the_server(split_
 class _StepsInThisProcess:
     """A step server that runs every step in the calling thread: a GenerationServer without ranks."""
 
+    worlds = None  # no ranks to restart
+
     def __init__(self, lm: moirai.CompiledLM) -> None:
         self.lm = lm
 
@@ -543,6 +546,95 @@ def test_done_callbacks_may_submit_and_are_told_not_to_close(split_lm):
         server.generate(prompt[None], max_new_tokens=2)  # waited for ever: nothing serves it after close
     with pytest.raises(moirai.InputError, match="this generation server is closed"):
         server.submit(prompt, max_new_tokens=2)
+
+
+class _StepsClosedOnce(_SlowStepsInThisProcess):
+    """Slow steps whose server's close is cut short by a Ctrl-C the first time it stops them."""
+
+    def __init__(self, lm: moirai.CompiledLM) -> None:
+        super().__init__(lm)
+        self.closes = 0
+
+    def close(self) -> None:
+        self.closes += 1
+        if self.closes == 1:
+            raise KeyboardInterrupt
+
+
+def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(split_lm, monkeypatch):
+    """The next close returned at once and left the loop's thread, the ranks and the caches' turn held for good
+    (lm.server() was a UsageError)."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    expected = hf_like(split_lm, prompt, 20)
+    steps = _StepsClosedOnce(split_lm)
+    monkeypatch.setattr(split_lm.compiled, "server", lambda **options: steps)
+    server = split_lm.server()
+    future = server.submit(prompt, max_new_tokens=20)  # 20 steps of 20 ms at least: in flight at close
+    loop = server._serving._thread
+
+    def interrupted_join(timeout: float | None = None) -> None:
+        del loop.join  # the next close joins the loop
+        raise KeyboardInterrupt  # as Ctrl-C in close while it waits for the sequences
+
+    loop.join = interrupted_join
+    with pytest.raises(KeyboardInterrupt):
+        server.close()
+    with pytest.raises(KeyboardInterrupt):
+        server.close()  # waits for the sequence, then Ctrl-C while it stops the ranks
+    server.close()
+    assert not loop.is_alive() and steps.closes == 2 and future.result() == expected
+    split_lm.server().close()  # the caches' turn was given back
+
+
+class _StepsThatSayClosed(_StepsInThisProcess):
+    def __init__(self, lm: moirai.CompiledLM) -> None:
+        super().__init__(lm)
+        self.closed = threading.Event()
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_a_server_dropped_unclosed_is_closed_with_a_resource_warning(split_lm, monkeypatch):
+    """The loop's thread and the LM held it: it was never collected, its ranks and threads ran on, and every later
+    lm.server() was a UsageError."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    expected = hf_like(split_lm, prompt, 3)
+    steps = _StepsThatSayClosed(split_lm)
+    monkeypatch.setattr(split_lm.compiled, "server", lambda **options: steps)
+    server = split_lm.server()
+    future = server.submit(prompt, max_new_tokens=3)
+    with pytest.warns(ResourceWarning, match=r"dropped without close\(\).*with lm.server\(\) as server"):
+        del server
+        gc.collect()
+    assert steps.closed.wait(60) and future.result(timeout=60) == expected  # its sequence finished first
+    deadline = time.monotonic() + 60  # a bound on a hang: the close's thread gives the caches back after
+    while split_lm._open_server is not None:
+        assert time.monotonic() < deadline, "the dropped server's close did not give the caches back"
+        time.sleep(0.01)
+    split_lm.server().close()
+
+
+def test_a_callback_that_raises_fails_its_own_sequence_alone_even_with_system_exit(split_lm, caplog):
+    """A SystemExit from on_token ended the loop (every sequence failed, and every later submit), and one from a done
+    callback left concurrent.futures' set_result and did the same; on_token=5 was a TypeError in the loop."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    expected = hf_like(split_lm, prompt, 5)
+    callback_added = threading.Event()
+    with GenerationServer(split_lm, _StepsInThisProcess(split_lm), depth=2) as server:
+        with pytest.raises(moirai.InputError, match="on_token must be a function called with each new token"):
+            server.submit(prompt, max_new_tokens=5, on_token=5)
+        exits = server.submit(prompt, max_new_tokens=5, on_token=lambda _: sys.exit("on_token's exit"))
+        others = [server.submit(prompt, max_new_tokens=5, on_token=lambda _: callback_added.wait(60))]
+        others[0].add_done_callback(lambda _: sys.exit("a done callback's exit"))
+        callback_added.set()
+        others.append(server.submit(prompt, max_new_tokens=5))
+        with pytest.raises(moirai.RequestError, match="on_token callback raised SystemExit") as failed:
+            exits.result(timeout=60)
+        assert isinstance(failed.value.__cause__, SystemExit)
+        assert [future.result(timeout=60) for future in others] == [expected, expected]
+        assert server.submit(prompt, max_new_tokens=5).result(timeout=60) == expected
+    assert "exception calling callback" in caplog.text and "a done callback's exit" in caplog.text
 
 
 def hf_like(lm: moirai.CompiledLM, prompt: torch.Tensor, new_tokens: int) -> list[int]:
@@ -815,6 +907,25 @@ def test_a_killed_rank_fails_every_pending_sequence_naming_it(split_lm):
         for future in futures:
             with pytest.raises(moirai.DistributedError, match="rank 1"):
                 future.result(timeout=60)
+        # Rank 1 dies with no step in flight (the loop sits in a callback): no step fails, the ranks restart, and
+        # the sequence went on from an empty cache, its tokens silently wrong.
+        alone = hf_like(split_lm, prompts[1], 12)
+        idle = server.submit(prompts[1], max_new_tokens=12, on_token=lambda _: kill_rank_1_once(server))
+        with pytest.raises(moirai.DistributedError, match="rank 1"):
+            idle.result(timeout=60)
+        assert server.submit(prompts[1], max_new_tokens=12).result(timeout=60) == alone  # begun on the new ranks
+
+
+def kill_rank_1_once(server) -> None:
+    """In a sequence's callback (the loop waits meanwhile): kill rank 1, and return once new ranks have started."""
+    worlds = server._serving.engine._worlds
+    if worlds.current > 2:  # killed once already (world 2 started after the first kill)
+        return
+    os.kill(_worker_pids(server)[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30  # a bound on a hang: the idle driver's heartbeat finds it within seconds
+    while worlds.current == 2:
+        assert time.monotonic() < deadline, "the ranks were not restarted after rank 1 died"
+        time.sleep(0.05)
 
 
 def _worker_pids(server) -> list[int]:

@@ -3,6 +3,10 @@ the rank that holds it from call to call."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +18,8 @@ from moirai.frontend.state import mutable_buffers
 from moirai.frontend.trace import written_operands
 from moirai.planning.plan import Plan
 from moirai.runtime.local import run_local
+from moirai.runtime.rank_processes import started_ranks
+from moirai.runtime.server import Server
 from moirai.runtime.written_state import WrittenState, returning_state, write_back
 
 
@@ -72,9 +78,23 @@ def test_a_rank_other_than_0_keeps_the_state_between_requests() -> None:
     placement = np.array([1 if task in state_tasks else 0 for task in range(problem.num_tasks)])
     on_rank_1 = compiled.with_plan(Plan(placement, problem.device_names))
     with pytest.warns(StateLeftBehindWarning, match="buffer .* on device 1"):  # closing loses rank 1's state
-        with torch.no_grad(), on_rank_1.server() as server:
+        with torch.no_grad(), on_rank_1.server(timeout_s=4) as server:
             for x in inputs():
                 torch.testing.assert_close(server.submit(x).result(timeout=60), reference(x))
+            # Rank 1 dies while the server is idle: the heartbeat finds it, no request fails, new ranks start from
+            # the state's values before the server, and the next request ran from them, silently wrong.
+            kill_rank_1_and_wait_for_the_restart(server)
+            with pytest.raises(moirai.DistributedError, match=r"rank 1 .*state .*buffer .* on device 1.*new one"):
+                server.submit(inputs()[0])
+
+
+def kill_rank_1_and_wait_for_the_restart(server: Server) -> None:
+    world = server.worlds.current
+    os.kill(started_ranks()[0].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30  # a bound on a hang: the heartbeat finds it within a second or two
+    while server.worlds.current == world:
+        assert time.monotonic() < deadline, "the ranks were not restarted after rank 1 died"
+        time.sleep(0.05)
 
 
 class Counts(torch.nn.Module):

@@ -24,7 +24,8 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from moirai.errors import DistributedError, InputError, MoiraiError, MoiraiWarni
 from moirai.generation.bans import SequenceBans
 from moirai.generation.step import SAMPLING_CANDIDATES, SAMPLING_FIELDS
 from moirai.runtime.driver import settle_future
+
+if TYPE_CHECKING:
+    from moirai.runtime.runner import Worlds
 
 # A top_k at least this large keeps every token of any vocabulary; float32 (the step's sampling input) holds it exactly.
 _TOP_K_ALL = 2**24
@@ -91,6 +95,7 @@ class SequenceState:
     group: int = 0  # the decode group it steps with (Engine._next_step)
     generator: torch.Generator | None = None
     bans: SequenceBans | None = None  # the tokens it may not take next ([Note: banned tokens]); None: none
+    world: int = 0  # the ranks' world its first chunk ran in, where its cache is (Engine's worlds; 0: not begun)
 
     @property
     def next_position(self) -> int:
@@ -120,6 +125,7 @@ class _Step:
     sequences: tuple[SequenceState, ...]
     prefill_tokens: int = 0
     cache_epoch: int = 0  # the ranks' caches it ran on: Engine's count of rank failures when it was submitted
+    world: int = 0  # the ranks' world it was submitted to (Engine's worlds)
 
     @property
     def gives_tokens(self) -> bool:
@@ -140,8 +146,11 @@ class Engine:
         depth: int,
         vocab_size: int | None = None,
         logits_width: int | None = None,
+        worlds: Worlds | None = None,
     ) -> None:
+        """``worlds``: the ranks' restarts, where ``submit`` runs steps on ranks that restart after a failure."""
         self._submit = submit
+        self._worlds = worlds
         self._free_slots = list(range(slots))
         self.max_seq_len, self.max_prefill, self.max_batch, self.depth = max_seq_len, max_prefill, max_batch, depth
         self.vocab_size = vocab_size  # None: token ids are not checked
@@ -293,6 +302,7 @@ class Engine:
 
     def _round(self) -> None:
         self._end_cancelled()
+        self._end_lost_caches()
         self._admit(block=False)
         self._fill_pipeline()
         if self._in_flight:
@@ -336,8 +346,39 @@ class Engine:
                 failed.__cause__ = error
                 self._fail_step(step, failed)
                 continue
+            step = self._begin(step)
             self._in_flight[future] = step
             future.add_done_callback(self._settled.put)  # at once if already settled (the local runner's)
+
+    def _world(self) -> int:
+        return self._worlds.current if self._worlds is not None else 0
+
+    def _begin(self, step: _Step) -> _Step:
+        """``step``, submitted, with the world it went to (read after the submit, which may start the ranks); a
+        sequence's first step puts its cache there."""
+        step = replace(step, world=self._world())
+        for sequence in step.sequences:
+            sequence.world = sequence.world or step.world
+        return step
+
+    def _end_lost_caches(self) -> None:
+        """End the sequences whose cache was on ranks that have restarted since their last step: a rank can die
+        while no step is in flight (its death then fails no step), and the next step would read an empty cache."""
+        world = self._world()
+        for sequence in [s for s in self._active if not s.busy and s.world not in (0, world)]:
+            self._end(sequence, self._lost_cache(sequence))
+
+    def _lost_cache(self, sequence: SequenceState) -> DistributedError:
+        """Why ``sequence``'s cache is gone: the failure that ended its world, which names the rank."""
+        failure = self._worlds.ended_by(sequence.world) if self._worlds is not None else None
+        if isinstance(failure, DistributedError):
+            return failure  # as a sequence failed with its step is told
+        lost = DistributedError(
+            f"the ranks that held this sequence's cache were restarted ({failure or 'after a failure'}): it cannot go "
+            "on; submit it again"
+        )
+        lost.__cause__ = failure
+        return lost
 
     def _next_step(self) -> _Step | None:
         idle = [s for s in self._active if not s.busy]
@@ -392,6 +433,9 @@ class Engine:
         tokens = future.result().tolist()
         gives_tokens = step.gives_tokens
         for sequence, token in zip(step.sequences, tokens, strict=True):
+            if sequence.world != step.world:  # its cache was on ranks that restarted before this step went out
+                self._end(sequence, self._lost_cache(sequence))
+                continue
             sequence.busy = False
             sequence.prefilled += step.prefill_tokens
             if gives_tokens:
@@ -411,8 +455,10 @@ class Engine:
         if sequence.on_token is not None:
             try:
                 sequence.on_token(token)
-            except Exception as error:  # a caller's callback failing ends its own sequence only
-                self._end(sequence, error)
+            except KeyboardInterrupt:
+                raise  # the user's Ctrl-C, where the loop runs in their thread (a local generate)
+            except BaseException as error:  # a caller's callback failing ends its own sequence only
+                self._end(sequence, _callback_failure(error))
                 return
         if sequence.finished:
             self._end(sequence, None)
@@ -435,6 +481,17 @@ class Engine:
                 drained.append(self._waiting.get_nowait())
             except queue.Empty:
                 return drained
+
+
+def _callback_failure(error: BaseException) -> BaseException:
+    """What a sequence whose ``on_token`` raised ``error`` fails with: the error itself, but a BaseException that
+    is no Exception (a ``sys.exit()``) as the cause of a :class:`RequestError`, as ``future.result()`` would raise it
+    in the waiting thread (exiting it) and it ended the server's loop, every sequence with it."""
+    if isinstance(error, Exception):
+        return error
+    failed = RequestError(f"the sequence's on_token callback raised {error!r}")
+    failed.__cause__ = error
+    return failed
 
 
 def done_future(compute: Callable[[], torch.Tensor]) -> Future:

@@ -52,7 +52,7 @@ from moirai.generation.requests import (
     prompt_rows,
     unapplied_settings,
 )
-from moirai.generation.server import GenerationServer
+from moirai.generation.server import GenerationServer, Serving
 from moirai.generation.step import (
     STEP_CALL,
     CacheShape,
@@ -65,6 +65,7 @@ from moirai.planning.objective import LATENCY, Generation
 from moirai.planning.placers import place
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
+from moirai.runtime.runner import Worlds
 
 
 class Prediction(NamedTuple):
@@ -104,7 +105,7 @@ class CompiledLM:
     # So they take turns: a generate waits for another thread's, or runs through the open server; a server holds
     # the turn until it closes, and one is open at a time.
     _cache_turn: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
-    _open_server: GenerationServer | None = field(default=None, init=False, repr=False, compare=False)
+    _open_server: Serving | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def generation_config(self) -> Any:
@@ -166,11 +167,12 @@ class CompiledLM:
                 stacklevel=user_stacklevel(),
             )
 
-    def engine(self, submit: SubmitStep, depth: int) -> Engine:
-        """The loop that steps this LM's sequences through ``submit``, ``depth`` steps in flight."""
+    def engine(self, submit: SubmitStep, depth: int, worlds: Worlds | None = None) -> Engine:
+        """The loop that steps this LM's sequences through ``submit``, ``depth`` steps in flight (``worlds``: the
+        restarts of the ranks that hold the caches, as :class:`Engine` takes them)."""
         slots = self.cache.slots
         return Engine(
-            submit, slots, self.max_seq_len, self.max_prefill, slots, depth, self.vocab_size, self.logits_width
+            submit, slots, self.max_seq_len, self.max_prefill, slots, depth, self.vocab_size, self.logits_width, worlds
         )
 
     def __repr__(self) -> str:
@@ -315,8 +317,10 @@ class CompiledLM:
         with self._cache_turn_held_on_failure():
             # The caches are each sequence's own, cleared by its first chunk: nothing of them need outlive the server.
             step_server = self.compiled.server(timeout_s=timeout_s, max_in_flight=depth, warn_state_left=False)
-            self._open_server = GenerationServer(self, step_server, depth)
-        return self._open_server
+            server = GenerationServer(self, step_server, depth)
+            # What it runs, not the server itself: a server dropped unclosed must be collected to be closed.
+            self._open_server = server._serving
+        return server
 
     @contextlib.contextmanager
     def _cache_turn_held_on_failure(self) -> Iterator[None]:
@@ -329,8 +333,8 @@ class CompiledLM:
             self._cache_turn.release()
             raise
 
-    def server_closed(self, server: GenerationServer) -> None:
-        """``server`` (this LM's open one) has closed: the caches are free for the next user."""
+    def server_closed(self, server: Serving) -> None:
+        """``server`` (what this LM's open server runs) has closed: the caches are free for the next user."""
         if self._open_server is server:
             self._open_server = None
             self._cache_turn.release()

@@ -30,6 +30,7 @@ from moirai.generation.requests import (
     prompt_tokens,
     sequence_tokens,
 )
+from moirai.runtime.server import close_when_dropped
 
 if TYPE_CHECKING:
     from moirai.generation.lm import CompiledLM
@@ -41,11 +42,11 @@ class GenerationServer:
     join and leave between steps, up to ``max_batch_size`` at once (more wait for a free slot)."""
 
     def __init__(self, lm: CompiledLM, step_server: Any, depth: int) -> None:
-        self._lm, self._step_server = lm, step_server
-        self._engine = lm.engine(step_server.submit_flat, depth)
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="moirai-generation", daemon=True)
-        self._thread.start()
+        self._lm = lm
+        self._serving = Serving(lm, step_server, depth)
+        self._engine = self._serving.engine
+        # Alive until a close() has finished: closes a server dropped unclosed ([Note: a server dropped unclosed]).
+        self._unclosed = close_when_dropped(self, self._serving.close, "lm.server()")
 
     def __enter__(self) -> GenerationServer:
         return self
@@ -76,6 +77,8 @@ class GenerationServer:
         too), and ``bans`` are the settings that ban tokens (:class:`~moirai.generation.bans.TokenBans`:
         ``min_new_tokens``, ``no_repeat_ngram_size``, ``bad_words_ids``...). ``future.cancel()`` ends the sequence
         after its step in flight and frees its slot."""
+        if on_token is not None and not callable(on_token):  # else a TypeError in the server's thread, tokens later
+            raise InputError(f"on_token must be a function called with each new token, or None; got {on_token!r}")
         if self._engine.closed:  # checked early too, before the work below (engine.add has the last word)
             raise InputError("this generation server is closed; open a new one with lm.server()")
         unknown = sorted(set(bans) - set(TokenBans.settings()))
@@ -147,13 +150,8 @@ class GenerationServer:
     def generate_with(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, options: GenerateOptions
     ) -> Any:
-        """:meth:`generate` with its options read (:meth:`CompiledLM.generate` calls it while this server is open)."""
-        if threading.current_thread() is self._thread:
-            raise UsageError(
-                "generate was called from a done callback of a sequence's future (or a streamer), in the server's "
-                "own thread, which would have to serve the call while waiting for it; call it from your own thread"
-            )
-        return generate_rows(self._lm, self._engine, input_ids, attention_mask, options)
+        """:meth:`generate` with its options read."""
+        return self._serving.generate_with(input_ids, attention_mask, options)
 
     @property
     def unfinished(self) -> int:
@@ -162,7 +160,39 @@ class GenerationServer:
 
     def close(self, cancel: bool = False) -> None:
         """Finish the sequences submitted (``cancel``: cancel every one that has not finished, each ending after
-        its step in flight), then stop the other ranks. Leaving a ``with`` block by an exception cancels."""
+        its step in flight), then stop the other ranks. Leaving a ``with`` block by an exception cancels. A close
+        cut short (Ctrl-C) is finished by the next."""
+        self._serving.close(cancel)
+        self._unclosed.detach()  # closed: only now, so that an interrupted close leaves the next one its work
+
+
+class Serving:
+    """What a :class:`GenerationServer` runs: its engine, the loop's thread and the step server. Nothing here holds
+    the server, so that one dropped unclosed is collected and closed (the loop's thread and the CompiledLM hold
+    this); :meth:`CompiledLM.generate` runs through it while it is open."""
+
+    def __init__(self, lm: CompiledLM, step_server: Any, depth: int) -> None:
+        self._lm, self._step_server = lm, step_server
+        self.engine = lm.engine(step_server.submit_flat, depth, step_server.worlds)
+        self._stopped = threading.Event()
+        self._closed = False  # a close has finished: the ranks are stopped and the caches given back
+        self._thread = threading.Thread(target=self._serve, name="moirai-generation", daemon=True)
+        self._thread.start()
+
+    def generate_with(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, options: GenerateOptions
+    ) -> Any:
+        """:meth:`GenerationServer.generate` with its options read."""
+        if threading.current_thread() is self._thread:
+            raise UsageError(
+                "generate was called from a done callback of a sequence's future (or a streamer), in the server's "
+                "own thread, which would have to serve the call while waiting for it; call it from your own thread"
+            )
+        return generate_rows(self._lm, self.engine, input_ids, attention_mask, options)
+
+    def close(self, cancel: bool = False) -> None:
+        """:meth:`GenerationServer.close`. Each step below may run again: a close cut short (Ctrl-C while it waits
+        for the sequences) is finished by the next, which joins the loop if it still runs and closes what is left."""
         if threading.current_thread() is self._thread:
             raise UsageError(
                 "the server was closed from a done callback of a sequence's future (or a streamer): it runs in the "
@@ -171,18 +201,18 @@ class GenerationServer:
                 "waits for)"
             )
         if cancel:
-            self._engine.cancel_all()
-        if not self._stopped.is_set():
-            self._engine.close()  # before the loop may end: a submit racing this close is served, or refused
-            self._stopped.set()
-            self._thread.join()
-            try:
-                self._step_server.close()
-            finally:
-                self._lm.server_closed(self)
+            self.engine.cancel_all()
+        if self._closed:
+            return
+        self.engine.close()  # before the loop may end: a submit racing this close is served, or refused
+        self._stopped.set()
+        self._thread.join()
+        self._step_server.close()  # finishes a close of its own that was cut short
+        self._lm.server_closed(self)
+        self._closed = True
 
     def _serve(self) -> None:
         try:
-            self._engine.serve_forever(self._stopped)
+            self.engine.serve_forever(self._stopped)
         except BaseException as error:  # the loop itself failed: every sequence learns why, and every later one
-            self._engine.fail_all(error)
+            self.engine.fail_all(error)

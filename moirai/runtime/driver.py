@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import logging
 import os
 import queue
 import threading
@@ -44,6 +45,9 @@ from moirai.runtime.protocol import (
 )
 from moirai.runtime.resources import set_thread_count
 from moirai.runtime.split import SplitProgram
+
+# The logger concurrent.futures reports a done callback's exception to: a BaseException is reported there too.
+_futures_log = logging.getLogger("concurrent.futures")
 
 # Requests in flight at once: each holds its tags in the protocol's window while it runs, and a rank reads a few
 # headers ahead; more would reuse a tag still in use.
@@ -461,7 +465,10 @@ def _thread_count(threads: int) -> Iterator[None]:
 def settle_future(future: Future, result: Any, error: BaseException | None) -> None:
     """Set ``future``'s result (or ``error``) unless it has settled: its caller may cancel it from another thread at
     any moment (nothing marks it running), even between a check and the set. Its done callbacks run here, so call
-    it holding no lock they might take."""
+    it holding no lock they might take. A callback that raises is logged, as concurrent.futures logs an Exception,
+    also where it raises a BaseException (a ``sys.exit()``), which concurrent.futures lets out: here it ended the
+    server's thread and failed every other request; the future's callbacks after it do not run. A
+    KeyboardInterrupt goes on: where this runs in the caller's thread (a local generate), it is the user's Ctrl-C."""
     try:
         if error is None:
             future.set_result(result)
@@ -469,3 +476,7 @@ def settle_future(future: Future, result: Any, error: BaseException | None) -> N
             future.set_exception(error)
     except InvalidStateError:
         pass  # cancelled (or settled) first: nobody waits for this result
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        _futures_log.exception("exception calling callback for %r", future)

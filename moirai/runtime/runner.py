@@ -50,7 +50,7 @@ from moirai.runtime.shm_files import shm_dir
 from moirai.runtime.split import SplitProgram
 from moirai.runtime.store import RunStore, join_store, start_store
 
-__all__ = ["DistributedRunner", "torch_device"]
+__all__ = ["DistributedRunner", "Worlds", "torch_device"]
 
 _log = logging.getLogger(__name__)
 _START_POLL_S = 0.05
@@ -81,7 +81,11 @@ class DistributedRunner:
         timeout_s: float = 60.0,
         start_timeout_s: float = 180.0,
         max_in_flight: int = 8,
+        state_on_ranks: str | None = None,
     ) -> None:
+        """``state_on_ranks``: what ranks other than 0 keep from request to request (buffers written in place), if
+        anything; once a failure has ended a world that ran requests, every later request is refused, as new ranks
+        would start from that state's values before the runner and compute silently wrong outputs."""
         self.devices = list(torch_devices)
         self.torch_devices = [torch_device(d) for d in self.devices]
         self.timeout_s = check_timeout(timeout_s)
@@ -96,6 +100,9 @@ class DistributedRunner:
         self._starting = threading.Lock()  # submit may be called from several threads, and a restart runs in one
         self._closing = False
         self._restarting: threading.Thread | None = None
+        self.worlds = Worlds()
+        self._state_on_ranks = state_on_ranks
+        self._state_lost: BaseException | None = None  # the failure that ended the ranks' state (state_on_ranks)
         _LIVE_RUNNERS.add(self)
 
     def __enter__(self) -> DistributedRunner:
@@ -149,9 +156,20 @@ class DistributedRunner:
                 self._start([program])
             elif self._shared_memory and not any(p is program for p in self._driver.loaded):
                 _check_room_to_load(program)
+            self._refuse_lost_state()
             if self._shared_memory:
                 _check_room_for_messages(program, flat_inputs)
             return self._driver
+
+    def _refuse_lost_state(self) -> None:
+        """A :class:`DistributedError` where the state the ranks kept ended with a failed world (``state_on_ranks``)."""
+        if self._state_lost is not None:
+            raise DistributedError(
+                f"{self._state_lost}; the ranks that failed held state this runner's requests write in place "
+                f"({self._state_on_ranks}), which ended with them, and new ranks would start from its values before "
+                "the server: later requests would compute from the wrong state, so they are refused. Close this "
+                "server and open a new one to start from that state, or run with compiled(...), which keeps it"
+            ) from self._state_lost
 
     def resources_in_use(self) -> list[dict[str, Any]]:
         """Per rank, what it runs with, read back inside its process: ``cores`` (affinity), ``threads`` (rank 0's:
@@ -258,6 +276,7 @@ class DistributedRunner:
             on_failure=self._restart_in_background,
             threads=resources[0].threads,
         )
+        self.worlds.started()
 
     def _await_ready(self, abandon_on_close: bool) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -313,6 +332,10 @@ class DistributedRunner:
         # After a failure the other ranks still name the guilty rank on their stderr (within the report grace); a
         # rank nobody heard from is not waited for.
         failure = self._driver.failure if self._driver is not None else None
+        if failure is not None:
+            self.worlds.ended(failure)
+            if self._state_on_ranks is not None and self._driver.dispatched and self._state_lost is None:
+                self._state_lost = failure
         if isinstance(failure, RankSilent) and 1 <= failure.rank <= len(self._workers):
             self._workers[failure.rank - 1].kill()
         deadline = time.monotonic() + (_RANKS_EXIT_GRACE_S if grace_s is None else grace_s)
@@ -331,6 +354,28 @@ class DistributedRunner:
         if self._restore is not None:
             restore_resources(self._restore)
         self._workers, self._driver, self._store, self._restore = [], None, None, None
+
+
+class Worlds:
+    """The worlds (sets of ranks) a runner has started, counted from 1, and the failure that ended each. What a rank
+    keeps between requests (a KV cache, a buffer written in place) lives as long as its world: a reader that notes
+    the world its state began in learns here that the state is gone, even where the ranks died and restarted while
+    it had no request in flight (no request failed to tell it)."""
+
+    def __init__(self) -> None:
+        self.current = 0  # the running (or last) world; 0: none started yet
+        self._ended_by: dict[int, BaseException] = {}
+
+    def started(self) -> None:
+        self.current += 1
+
+    def ended(self, failure: BaseException) -> None:
+        """The current world ended with ``failure`` (a rank died or hung): its ranks' state is gone."""
+        self._ended_by.setdefault(self.current, failure)
+
+    def ended_by(self, world: int) -> BaseException | None:
+        """The failure that ended ``world``; None while it runs (or once it ended by a close)."""
+        return self._ended_by.get(world)
 
 
 # [Note: no thread of ours outlives close]

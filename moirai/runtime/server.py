@@ -23,11 +23,14 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moirai.errors import InputError
+
+if TYPE_CHECKING:
+    from moirai.runtime.runner import Worlds
 
 _log = logging.getLogger(__name__)
 
@@ -43,9 +46,12 @@ class Server:
         close: Callable[[], None],
         max_in_flight: int,
         check_close: Callable[[], None] = lambda: None,
+        worlds: Worlds | None = None,
     ) -> None:
         """``check_close``: raises :class:`UsageError` where ``close`` cannot run in the calling thread (a done
-        callback in the server's own threads), before the server is marked closed."""
+        callback in the server's own threads), before the server is marked closed. ``worlds``: the ranks' restarts
+        (None: ranks that never restart, under torchrun), which a caller keeping state on the ranks reads."""
+        self.worlds = worlds
         self._submit_flat = submit_flat
         self._flatten = flatten
         self._unflatten = unflatten
@@ -57,10 +63,8 @@ class Server:
         # A submit checks and queues under it, close marks the server closed under it: a submit racing close is
         # queued before close waits for the requests, or refused, never left to start a fresh world after close.
         self._closing = threading.Lock()
-        # Alive until a close() has finished: closes a server dropped unclosed. Not at exit: the runners' own exit
-        # hook closes them (moirai.runtime.runner), and a server still referenced then was not dropped.
-        self._unclosed = weakref.finalize(self, _close_dropped, close)
-        self._unclosed.atexit = False
+        # Alive until a close() has finished: closes a server dropped unclosed.
+        self._unclosed = close_when_dropped(self, close, "compiled.server()")
 
     def __enter__(self) -> Server:
         return self
@@ -129,15 +133,24 @@ class Server:
 # it tears anything down ([Note: no thread of ours outlives close]).
 
 
-def _close_dropped(close: Callable[[], None]) -> None:
+def close_when_dropped(server: object, close: Callable[[], None], opened_by: str) -> weakref.finalize:
+    """Call ``close`` (which must not hold ``server``) once ``server``, opened by ``opened_by``, is collected unclosed,
+    with a :class:`ResourceWarning`; the server detaches it when its own close has finished. Not at exit: the
+    runners' own exit hook closes them (moirai.runtime.runner), and a server still referenced then was not dropped."""
+    unclosed = weakref.finalize(server, _close_dropped, close, opened_by)
+    unclosed.atexit = False
+    return unclosed
+
+
+def _close_dropped(close: Callable[[], None], opened_by: str) -> None:
     """Close a server collected unclosed, in a thread of its own, and say so."""
     try:
         threading.Thread(target=_close_quietly, args=(close,), name="moirai-close-dropped").start()
     except RuntimeError:  # the interpreter is exiting: the runners' exit hook closes them
         return
     warnings.warn(  # after the close started: a warning turned into an error must not leave the server open
-        "a moirai server was dropped without close(): it is closed now (its requests in flight finish first); close "
-        "it with `with compiled.server() as server:` or server.close() to give its processes and cores back when you "
+        f"a moirai server was dropped without close(): it is closed now (its requests in flight finish first); close "
+        f"it with `with {opened_by} as server:` or server.close() to give its processes and cores back when you "
         "choose",
         ResourceWarning,
         stacklevel=1,  # collected, it has no caller to name: the warning names this line

@@ -35,7 +35,15 @@ from moirai.frontend.state import written_in_place
 from moirai.frontend.trace import TensorSpec, tensor_spec
 from moirai.runtime.split import DevicePart, OutputLocation, PartTracer, SplitProgram
 
-__all__ = ["WrittenState", "returning_state", "warning_at_close", "write_back", "written_inputs", "written_states"]
+__all__ = [
+    "WrittenState",
+    "kept_on_ranks",
+    "returning_state",
+    "warning_at_close",
+    "write_back",
+    "written_inputs",
+    "written_states",
+]
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,15 @@ def write_back(
                 target = flat_inputs[state.input_index]
             target.copy_(value)
     return list(flat_outputs[:model_outputs])
+
+
+def kept_on_ranks(program: SplitProgram) -> str | None:
+    """The buffers parts other than part 0 write in place, named (None: none): a server's ranks keep them from one
+    request to the next (an input written in place is given anew with every request)."""
+    kept = [state for state in written_states(program) if state.attribute is not None]
+    if not kept:
+        return None
+    return ", ".join(map(str, kept[:3])) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
 
 
 def warning_at_close(program: SplitProgram, close: Callable[[], None]) -> Callable[[], None]:
