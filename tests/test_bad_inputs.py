@@ -1038,3 +1038,14 @@ def test_plan_for_other_devices_or_other_tasks(problem):
         moirai.Plan(np.zeros(2, int), ("a", "b")).check(problem)
     with raises(PlanError, "unknown device 5"):
         moirai.Plan(np.array([0, 5, 1]), ("a", "b")).check(problem)
+
+
+def test_every_report_field_has_a_json_type_that_load_checks() -> None:
+    """A field added to a report with a type load does not know would be a KeyError at every load of its plans."""
+    from moirai.planning.report import _FIELD_TYPES, PlacerReport, SolverReport
+
+    for kind in (PlacerReport, SolverReport):
+        unknown = [f"{f.name}: {f.type}" for f in dataclasses.fields(kind) if f.type not in _FIELD_TYPES]
+        assert not unknown, f"add these types to moirai.planning.report._FIELD_TYPES: {unknown}"
+        round_trip = PlacerReport.from_dict(kind().to_dict())
+        assert type(round_trip) is kind
