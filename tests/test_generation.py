@@ -788,6 +788,15 @@ def test_a_compiled_lm_prints_as_one_short_line(split_lm):
     assert "\n" not in text and len(text) < 300 and text.startswith("<CompiledLM of LlamaForCausalLM: "), text
 
 
+def test_max_prefill_left_out_fits_a_max_seq_len_under_64(llama):
+    """A max_seq_len of 32 alone was refused: "max_prefill=64 is over max_seq_len=32", a value nobody gave."""
+    lm = moirai.compile_lm(llama, ["cpu"], max_batch_size=1, max_seq_len=32, progress=False, calibration="none")
+    assert lm.max_prefill == 32
+    prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(2))
+    assert lm.generate(prompt[None], max_new_tokens=4)[0, 20:].tolist() == hf_new_tokens(llama, prompt, 4)
+    assert compile_tiny(llama, ["cpu"], max_prefill=None, max_seq_len=128).max_prefill == 64
+
+
 def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
     with pytest.raises(moirai.InputError, match="over max_seq_len=64"):
         split_lm.generate(torch.zeros(1, 60, dtype=torch.long), max_new_tokens=10)
