@@ -421,7 +421,7 @@ def compile_lm(
         if handover is not None:
             handover.send(compiled.plan_record())
     lm = CompiledLM(
-        compiled,
+        replace(compiled, progress=progress),  # its server's start reports as compile_lm did
         prefill,
         objective,
         step.cache_shape,
