@@ -406,7 +406,7 @@ def from_plan_record(
     check_traced_tensors(record, traced, source)
     # Stages in compile's order (trace, op graph, ..., split), so that load's progress lines read as compile's.
     graph = build_op_graph(traced)
-    coarse = graph.merge(_saved_groups(graph, record["groups"], source, traced.model_name))
+    coarse = graph.merge(_saved_groups(graph, record["groups"], source, traced.model_name, set(node_device)))
     problem = _planned_problem(record, source, coarse, cluster, traced)
     plan = _saved_plan(record, source, problem)
     _check_placement_runs(plan, coarse, node_device, source)
@@ -418,9 +418,11 @@ def from_plan_record(
 _SAVE_AGAIN = "the file was edited or mixed: save the plan again with CompiledModel.save(path), or compile again"
 
 
-def _saved_groups(graph: OpGraph, groups: list[list[str]], source: str | Path, model_name: str) -> list[list[int]]:
+def _saved_groups(
+    graph: OpGraph, groups: list[list[str]], source: str | Path, model_name: str, placed: set[str]
+) -> list[list[int]]:
     """The op graph's nodes in each saved group, or a :class:`PlanError` unless the groups name every node of the
-    graph exactly once (as coarsening left them)."""
+    graph exactly once (as coarsening left them); ``placed``: the ops the record's ``node_device`` names."""
     unknown = [name for group in groups for name in group if name not in graph.node_of_fx_name]
     if unknown:
         raise PlanError(
@@ -432,6 +434,13 @@ def _saved_groups(graph: OpGraph, groups: list[list[str]], source: str | Path, m
     counts = collections.Counter(i for nodes in members for i in nodes)
     twice = [graph.nodes[i].fx_names[0] for i, count in counts.items() if count > 1]
     absent = [node.fx_names[0] for i, node in enumerate(graph.nodes) if i not in counts]
+    unplanned = [name for name in absent if name not in placed]
+    if unplanned and not (empty or twice):
+        # Ops the model has that no part of the file names: the model grew since the plan was made, not the file.
+        raise PlanError(
+            f"{source}: {model_name} has ops {unplanned[:3]} that the plan never saw (it was made for a model or "
+            "example inputs without them): compile again, or load with the model the plan was saved for"
+        )
     if empty or twice or absent:
         words = [f"group {empty[0]} is empty"] if empty else []
         words += [f"ops {twice[:3]} are in more than one group"] if twice else []
