@@ -144,10 +144,10 @@ def stage(name: str, plan: str | None = None) -> Iterator[None]:
             console.print(f"[green]✓[/] {name}  {format_seconds(time.perf_counter() - start)}", highlight=False)
         else:
             if plan is not None:
-                console.print(f"moirai: {name}: {plan}", highlight=False)
+                _log_line(console, f"moirai: {name}: {plan}")
             with _updating(_log_lines(console, name)):
                 yield
-            console.print(f"moirai: {name} {format_seconds(time.perf_counter() - start)}", highlight=False)
+            _log_line(console, f"moirai: {name} {format_seconds(time.perf_counter() - start)}")
     finally:
         _in_stage.reset(token)
 
@@ -169,9 +169,15 @@ def _log_lines(console: Console, name: str) -> Callable[[str], None]:
         now = time.perf_counter()
         if now - last[0] >= LOG_EVERY_S:
             last[0] = now
-            console.print(f"moirai: {name}: {text}", highlight=False)
+            _log_line(console, f"moirai: {name}: {text}")
 
     return show
+
+
+def _log_line(console: Console, text: str) -> None:
+    """``text`` as one line of a log, however long: rich wraps at its width (80 where stderr is no terminal), and a
+    continuation without the ``moirai:`` prefix reads as another program's line to a reader or a grep."""
+    console.print(text, highlight=False, soft_wrap=True, markup=False)
 
 
 @contextmanager

@@ -183,3 +183,14 @@ def test_a_compiled_models_workers_report_as_it_was_compiled_unless_a_call_says(
         assert "moirai: start workers" in capfd.readouterr().err
         loud.run_distributed(x, progress=False)
         assert "moirai:" not in capfd.readouterr().err
+
+
+def test_a_log_gets_each_line_whole_however_long() -> None:
+    """A log's lines were cut at 80 columns, the rest on a line of its own without the moirai: prefix."""
+    console = log_console()
+    long_plan = "the runtime's own work per request, once for this machine (then cached) " + "x" * 60
+    with progress.shown(console=console), progress.stage("calibrate requests", long_plan):
+        pass
+    lines = console.file.getvalue().splitlines()
+    assert len(lines) == 2 and all(line.startswith("moirai: calibrate requests") for line in lines), lines
+    assert lines[0] == f"moirai: calibrate requests: {long_plan}"
