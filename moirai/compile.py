@@ -300,10 +300,11 @@ def compile(
     ``server`` and ``run_rank`` (each may say otherwise with its own ``progress``).
     ``calibration`` says what the links between local devices (a list of device strings) cost:
     ``"auto"`` (the default, with either cost mode) this machine's calibration, measured the first
-    time a kind of link is needed (a few seconds, in processes that do not import the caller's
-    script) and cached (:func:`moirai.cluster.calibration.local_calibration`); ``"remeasure"`` measures it
-    again; a path reads a calibration file; ``"none"`` keeps the detected defaults (50 us, no CPU
-    time). A :class:`moirai.Cluster` keeps the links it describes.
+    time a kind of link is needed (in processes that do not import the caller's script; on a first compile
+    about half a minute to a minute: a kind of link 10-20 s, the runtime's own work per request 20-40 s, on a
+    loaded two-core machine) and cached, so once per machine (:func:`moirai.cluster.calibration.local_calibration`);
+    ``"remeasure"`` measures it again; a path reads a calibration file; ``"none"`` skips it and keeps the detected
+    defaults (50 us, no CPU time). A :class:`moirai.Cluster` keeps the links it describes.
     """
     check_placer_options(placer_options, placer=placer)
     handover = PlanHandover.under_torchrun(devices)
