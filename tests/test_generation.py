@@ -783,6 +783,14 @@ def test_the_calling_process_commits_no_kv_cache_memory_until_sequences_write_it
     assert keys[3, 0, 99, 0].item() == 1.0 and not keys[2].any()
 
 
+def test_a_generation_plans_summary_counts_decode_steps_not_requests(split_lm):
+    """Its plan line said "91.7 req/s" where the next line called the same number tokens/s."""
+    caption = split_lm.summary_table().caption
+    one_sequence_s = split_lm.prediction().tpot_s  # the plan's objective: one sequence, a step per token
+    assert f", {moirai.viz.format_rate(1 / one_sequence_s)} decode steps/s" in caption.splitlines()[0], caption
+    assert "req/s" not in caption, caption
+
+
 def test_a_compiled_lm_prints_as_one_short_line(split_lm):
     text = repr(split_lm)
     assert "\n" not in text and len(text) < 300 and text.startswith("<CompiledLM of LlamaForCausalLM: "), text
