@@ -9,6 +9,7 @@ import gc
 import math
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -803,6 +804,13 @@ def test_max_prefill_left_out_fits_a_max_seq_len_under_64(llama):
     prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(2))
     assert lm.generate(prompt[None], max_new_tokens=4)[0, 20:].tolist() == hf_new_tokens(llama, prompt, 4)
     assert compile_tiny(llama, ["cpu"], max_prefill=None, max_seq_len=128).max_prefill == 64
+
+
+def test_compile_lm_names_each_phase_on_its_progress_lines(llama, capfd):
+    """It printed "op graph" three times and "cost" twice, the phase unnamed."""
+    moirai.compile_lm(llama, ["cpu", "cpu"], max_seq_len=32, placer="heft", calibration="none")
+    stages = re.findall(r"^moirai: ([^:]+?) \S+ \S+$", capfd.readouterr().err, re.MULTILINE)
+    assert stages == ["trace", "op graph", "coarsen", "cost (prefill)", "cost (decode)", "place", "split"], stages
 
 
 def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):

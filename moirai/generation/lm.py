@@ -402,8 +402,12 @@ def compile_lm(
     # Several steps in flight: the stages compute at once, so each is profiled beside the others computing
     # (Generation.steady_state; [Note: steady-state profile]).
     steady_state = steps_in_flight > 1
-    prefill = phase_problem(traced, coarse, cluster, colocated, cost, 1, prompt_chunk, remote_alike, steady_state)
-    decode = phase_problem(traced, coarse, cluster, colocated, cost, decode_batch, 1, remote_alike, steady_state)
+    prefill = phase_problem(
+        traced, coarse, cluster, colocated, cost, 1, prompt_chunk, remote_alike, steady_state, phase="prefill"
+    )
+    decode = phase_problem(
+        traced, coarse, cluster, colocated, cost, decode_batch, 1, remote_alike, steady_state, phase="decode"
+    )
     # A chunk's cost depends on its tokens only (attention spans the whole slot): a long prompt is whole chunks.
     objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s, math.ceil(prompt_tokens / prompt_chunk))
     if handover is not None and not handover.plans:
@@ -480,12 +484,15 @@ def phase_problem(
     tokens: int,
     remote_alike: bool = False,
     steady_state: bool = False,
+    phase: str = "decode",
 ) -> Problem:
     """The placement problem of the step's coarse graph priced at ``batch`` sequences of ``tokens`` tokens
-    (``remote_alike`` and ``steady_state`` as :func:`moirai.cluster.cost.build_problem`'s)."""
+    (``remote_alike`` and ``steady_state`` as :func:`moirai.cluster.cost.build_problem`'s); ``phase`` names it on
+    the progress line."""
     wanted = {"batch": batch, "tokens": tokens, "banned": 1}
     sizes = {dim.symbol: wanted[dim.name] for dim in traced.dynamic_dims if dim.name in wanted}
-    with sizes_at(sizes):
+    # One line per phase: its op graph and costs inside showed as a second and third "op graph" and "cost".
+    with _progress.stage(f"cost ({phase})"), sizes_at(sizes):
         at_size = build_op_graph(traced)
         coarse_at_size = at_size.merge([at_size.nodes_of_fx_names(node.fx_names) for node in coarse.nodes])
         return build_problem(
