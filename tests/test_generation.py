@@ -813,6 +813,18 @@ def test_compile_lm_names_each_phase_on_its_progress_lines(llama, capfd):
     assert stages == ["trace", "op graph", "coarsen", "cost (prefill)", "cost (decode)", "place", "split"], stages
 
 
+def test_a_misspelt_generate_argument_offers_the_one_meant(split_lm):
+    """generate listed what it takes, but unlike a placer's options named none as the one meant."""
+    prompt = torch.tensor([[3, 4]])
+    with pytest.raises(moirai.InputError, match=r"does not take max_new_token \(did you mean 'max_new_tokens'\?\)"):
+        split_lm.generate(prompt, max_new_token=3)
+    with pytest.raises(moirai.InputError, match=r"does not take num_beams; num_beams would change"):
+        split_lm.generate(prompt, num_beams=2)  # model.generate's own argument, not a misspelling
+    with split_lm.server() as server:  # refused before any worker starts
+        with pytest.raises(moirai.InputError, match=r"does not take max_new_token \(did you mean 'max_new_tokens'"):
+            server.submit(prompt[0], max_new_token=3)
+
+
 def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
     with pytest.raises(moirai.InputError, match="over max_seq_len=64"):
         split_lm.generate(torch.zeros(1, 60, dtype=torch.long), max_new_tokens=10)
