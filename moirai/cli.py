@@ -26,7 +26,7 @@ from rich.markup import escape
 import moirai
 from moirai import progress, viz
 from moirai.cluster.calibration import cli as calibrate_command
-from moirai.errors import MoiraiError, PlanError, did_you_mean
+from moirai.errors import ClusterError, MoiraiError, PlanError, did_you_mean
 from moirai.user_files import check_output_path, write_output
 
 
@@ -113,7 +113,8 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
     if args.output:
         check_output_path(args.output, "the plan", PlanError)  # before the model is traced and placed
     # A device list goes to compile as the API's users give it, so that both build the cluster one way.
-    devices = _device_list(args.devices) if args.devices else _cluster(args.cluster)
+    # `is not None`: --devices "" is a list of no devices (refused as such), not --cluster left out.
+    devices = _device_list(args.devices) if args.devices is not None else _cluster(args.cluster)
     model, example_inputs = _load_factory(args.factory)
     options = _placer_options(args)
     compiled = moirai.compile(
@@ -182,7 +183,7 @@ def _placer_options(args: argparse.Namespace) -> dict[str, Any]:
 def _device_list(devices: str) -> list[str]:
     names = [name.strip() for name in devices.split(",") if name.strip()]
     if not names:
-        raise MoiraiError("--devices needs at least one torch device, e.g. --devices cpu,cpu")
+        raise ClusterError(f"--devices {devices!r}: give at least one device, e.g. --devices cpu,cpu")
     return names
 
 

@@ -95,6 +95,8 @@ class CompiledModel:
     node_device: dict[str, int]
     device_order: list[list[str]]
     program: SplitProgram
+    # Whether its methods that start workers report their stages (compile's or load's progress; each call may say).
+    progress: bool = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
@@ -107,14 +109,23 @@ class CompiledModel:
         return f"<CompiledModel of {self.traced.model_name}: {describe_plan(self.plan)}; .summary() shows the plan>"
 
     @_progress.reports_progress
-    def run_distributed(self, *args: Any, timeout_s: float = 120.0, progress: bool = True, **kwargs: Any) -> Any:
-        """Run with one process per device (torch.distributed send/recv); returns the outputs here."""
+    def run_distributed(self, *args: Any, timeout_s: float = 120.0, progress: bool | None = None, **kwargs: Any) -> Any:
+        """Run with one process per device (torch.distributed send/recv); returns the outputs here. ``progress``:
+        whether starting the workers reports, by default as the model was compiled (``compile(progress=...)``)."""
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
         _check_devices_here(self.cluster, range(len(self.cluster)))
         outputs = run_distributed(self.program, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
         return self.traced.unflatten_outputs(outputs)
 
-    def server(self, timeout_s: float = 120.0, max_in_flight: int = 8, *, warn_state_left: bool = True) -> Server:
+    @_progress.reports_progress
+    def server(
+        self,
+        timeout_s: float = 120.0,
+        max_in_flight: int = 8,
+        *,
+        warn_state_left: bool = True,
+        progress: bool | None = None,
+    ) -> Server:
         """A server for many requests: ``submit(*args, **kwargs)`` -> Future, ``map(inputs)`` -> outputs in order.
 
         Requests are pipelined through the devices, at most ``max_in_flight`` unfinished. Outside
@@ -123,7 +134,8 @@ class CompiledModel:
         ``timeout_s`` bounds every wait of a request, never idle time. A buffer or input that a spawned rank writes
         in place keeps its value from request to request but is not brought back: closing warns
         (:class:`moirai.errors.StateLeftBehindWarning`) unless ``warn_state_left`` is False (state each request
-        sets afresh, as the generation engine's caches).
+        sets afresh, as the generation engine's caches). ``progress``: whether starting the workers (at the first
+        request) reports, by default as the model was compiled.
         """
         timeout_s = check_timeout(timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -152,11 +164,13 @@ class CompiledModel:
             submit, self.traced.flatten_inputs, self.traced.unflatten_outputs, close, max_in_flight, check_close, worlds
         )
 
-    def run_rank(self, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> Any:
+    @_progress.reports_progress
+    def run_rank(self, *args: Any, timeout_s: float = 120.0, progress: bool | None = None, **kwargs: Any) -> Any:
         """Run this process's part under ``torchrun`` (rank and world size from its environment).
 
         Rank 0 passes the inputs and gets the outputs; the other ranks may call it without
-        arguments and get ``None``. Every rank must have loaded the same plan (``moirai.load``).
+        arguments and get ``None``. Every rank must have loaded the same plan (``moirai.load``). ``progress`` as in
+        :meth:`run_distributed`.
         """
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         flat_inputs = self.traced.flatten_inputs(args, kwargs) if rank == 0 else None
@@ -169,7 +183,9 @@ class CompiledModel:
         objective, or one made by hand), without tracing or profiling again."""
         check_plan(plan, "CompiledModel.with_plan's plan")
         plan.check(self.problem)
-        return assemble(self.traced, self.cluster, self.graph, self.problem, plan)
+        return dataclasses.replace(
+            assemble(self.traced, self.cluster, self.graph, self.problem, plan), progress=self.progress
+        )
 
     @property
     def torch_devices(self) -> list[str]:
@@ -280,13 +296,15 @@ def compile(
     op group on the local devices, cached on disk). ``dynamic_shapes`` (torch.export's convention,
     ``torch.export.Dim``) declares input dimensions that vary: one plan and one split program then
     serve every size in the declared ranges, with costs taken at the example inputs' shapes.
-    ``progress=False`` silences the line per stage.
+    ``progress=False`` silences the line per stage, here and in the compiled model's ``run_distributed``,
+    ``server`` and ``run_rank`` (each may say otherwise with its own ``progress``).
     ``calibration`` says what the links between local devices (a list of device strings) cost:
     ``"auto"`` (the default, with either cost mode) this machine's calibration, measured the first
-    time a kind of link is needed (a few seconds, in processes that do not import the caller's
-    script) and cached (:func:`moirai.cluster.calibration.local_calibration`); ``"remeasure"`` measures it
-    again; a path reads a calibration file; ``"none"`` keeps the detected defaults (50 us, no CPU
-    time). A :class:`moirai.Cluster` keeps the links it describes.
+    time a kind of link is needed (in processes that do not import the caller's script; on a first compile
+    about half a minute to a minute: a kind of link 10-20 s, the runtime's own work per request 20-40 s, on a
+    loaded two-core machine) and cached, so once per machine (:func:`moirai.cluster.calibration.local_calibration`);
+    ``"remeasure"`` measures it again; a path reads a calibration file; ``"none"`` skips it and keeps the detected
+    defaults (50 us, no CPU time). A :class:`moirai.Cluster` keeps the links it describes.
     """
     check_placer_options(placer_options, placer=placer)
     handover = PlanHandover.under_torchrun(devices)
@@ -294,7 +312,9 @@ def compile(
         # Another rank plans: this one takes that rank's plan, problem included.
         cluster, _ = rank_cluster(devices, calibration, handover)
         traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
-        return from_plan_record(handover.receive(), "rank 0's plan", traced, cluster)
+        return dataclasses.replace(
+            from_plan_record(handover.receive(), "rank 0's plan", traced, cluster), progress=progress
+        )
     with handover.planning() if handover is not None else contextlib.nullcontext():
         cluster, hosts = rank_cluster(devices, calibration, handover)
         traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
@@ -330,7 +350,7 @@ def compile(
             plan.objective,
             plan.objective_s,
         )
-        compiled = assemble(traced, cluster, coarse, problem, plan)
+        compiled = dataclasses.replace(assemble(traced, cluster, coarse, problem, plan), progress=progress)
     if handover is not None:
         handover.send(compiled.plan_record())
     return compiled
@@ -368,7 +388,7 @@ def load(
         except PlanError as error:
             raise PlanError(f"{path}: 'dynamic_dims': {error}") from None
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
-    return from_plan_record(record, path, traced, cluster)
+    return dataclasses.replace(from_plan_record(record, path, traced, cluster), progress=progress)
 
 
 def _saved_cluster(record: dict[str, Any], calibration: str | Path) -> Cluster:
@@ -387,7 +407,7 @@ def from_plan_record(
     check_traced_tensors(record, traced, source)
     # Stages in compile's order (trace, op graph, ..., split), so that load's progress lines read as compile's.
     graph = build_op_graph(traced)
-    coarse = graph.merge(_saved_groups(graph, record["groups"], source, traced.model_name))
+    coarse = graph.merge(_saved_groups(graph, record["groups"], source, traced.model_name, set(node_device)))
     problem = _planned_problem(record, source, coarse, cluster, traced)
     plan = _saved_plan(record, source, problem)
     _check_placement_runs(plan, coarse, node_device, source)
@@ -399,9 +419,11 @@ def from_plan_record(
 _SAVE_AGAIN = "the file was edited or mixed: save the plan again with CompiledModel.save(path), or compile again"
 
 
-def _saved_groups(graph: OpGraph, groups: list[list[str]], source: str | Path, model_name: str) -> list[list[int]]:
+def _saved_groups(
+    graph: OpGraph, groups: list[list[str]], source: str | Path, model_name: str, placed: set[str]
+) -> list[list[int]]:
     """The op graph's nodes in each saved group, or a :class:`PlanError` unless the groups name every node of the
-    graph exactly once (as coarsening left them)."""
+    graph exactly once (as coarsening left them); ``placed``: the ops the record's ``node_device`` names."""
     unknown = [name for group in groups for name in group if name not in graph.node_of_fx_name]
     if unknown:
         raise PlanError(
@@ -413,6 +435,13 @@ def _saved_groups(graph: OpGraph, groups: list[list[str]], source: str | Path, m
     counts = collections.Counter(i for nodes in members for i in nodes)
     twice = [graph.nodes[i].fx_names[0] for i, count in counts.items() if count > 1]
     absent = [node.fx_names[0] for i, node in enumerate(graph.nodes) if i not in counts]
+    unplanned = [name for name in absent if name not in placed]
+    if unplanned and not (empty or twice):
+        # Ops the model has that no part of the file names: the model grew since the plan was made, not the file.
+        raise PlanError(
+            f"{source}: {model_name} has ops {unplanned[:3]} that the plan never saw (it was made for a model or "
+            "example inputs without them): compile again, or load with the model the plan was saved for"
+        )
     if empty or twice or absent:
         words = [f"group {empty[0]} is empty"] if empty else []
         words += [f"ops {twice[:3]} are in more than one group"] if twice else []

@@ -5,8 +5,8 @@ Stages mark themselves with :func:`stage`, as a decorator or a ``with`` block::
     @progress.stage("trace")
     def trace(...): ...
 
-A stage reports only inside :func:`shown` (``moirai.compile``, ``moirai.load`` and
-``run_distributed`` open it with :func:`reports_progress` unless ``progress=False``), so a
+A stage reports only inside :func:`shown` (``moirai.compile``, ``moirai.load``, ``run_distributed`` and ``server``
+open it with :func:`reports_progress` unless ``progress=False``, a compiled model's methods as it was compiled), so a
 placer called in a loop stays quiet. Only the outermost stage reports: a stage that runs another
 (a placer placing with a heuristic) shows as one. Where it reports:
 
@@ -28,7 +28,7 @@ import inspect
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
@@ -83,16 +83,42 @@ def update(text: str) -> None:
 
 
 def reports_progress(function: _Function) -> _Function:
-    """Run ``function`` inside :func:`shown`, enabled by its own ``progress: bool = True`` argument."""
+    """Run ``function`` inside :func:`shown`, enabled by its own ``progress`` argument (:func:`progress_wanted`)."""
     signature = inspect.signature(function)
 
     @functools.wraps(function)
     def with_progress(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        with shown(bool(bound.get("progress", True))):
+        with shown(progress_wanted(signature.bind_partial(*args, **kwargs).arguments)):
             return function(*args, **kwargs)
 
     return with_progress  # type: ignore[return-value]
+
+
+def progress_wanted(arguments: dict[str, Any]) -> bool:
+    """Whether a call with these bound ``arguments`` reports: its ``progress`` where given (not None), else, for a
+    method, its object's ``progress`` setting (a compiled model keeps compile's, so that ``progress=False`` there
+    also quiets its ``run_distributed`` and its server's start), else True."""
+    given = arguments.get("progress")
+    if given is not None:
+        return bool(given)
+    return bool(getattr(arguments.get("self"), "progress", True))
+
+
+def carried() -> Callable[[], AbstractContextManager[None]]:
+    """This block's reporting (where to, or silenced), to re-enter later: a server starts its workers at its first
+    request, in a call or thread of its own, after the call that opened it and its :func:`shown` have returned."""
+    console, silent = _console.get(), _silenced.get()
+
+    @contextmanager
+    def again() -> Iterator[None]:
+        console_token, silent_token = _console.set(console), _silenced.set(silent)
+        try:
+            yield
+        finally:
+            _silenced.reset(silent_token)
+            _console.reset(console_token)
+
+    return again
 
 
 @contextmanager
@@ -118,10 +144,10 @@ def stage(name: str, plan: str | None = None) -> Iterator[None]:
             console.print(f"[green]✓[/] {name}  {format_seconds(time.perf_counter() - start)}", highlight=False)
         else:
             if plan is not None:
-                console.print(f"moirai: {name}: {plan}", highlight=False)
+                _log_line(console, f"moirai: {name}: {plan}")
             with _updating(_log_lines(console, name)):
                 yield
-            console.print(f"moirai: {name} {format_seconds(time.perf_counter() - start)}", highlight=False)
+            _log_line(console, f"moirai: {name} {format_seconds(time.perf_counter() - start)}")
     finally:
         _in_stage.reset(token)
 
@@ -143,9 +169,15 @@ def _log_lines(console: Console, name: str) -> Callable[[str], None]:
         now = time.perf_counter()
         if now - last[0] >= LOG_EVERY_S:
             last[0] = now
-            console.print(f"moirai: {name}: {text}", highlight=False)
+            _log_line(console, f"moirai: {name}: {text}")
 
     return show
+
+
+def _log_line(console: Console, text: str) -> None:
+    """``text`` as one line of a log, however long: rich wraps at its width (80 where stderr is no terminal), and a
+    continuation without the ``moirai:`` prefix reads as another program's line to a reader or a grep."""
+    console.print(text, highlight=False, soft_wrap=True, markup=False)
 
 
 @contextmanager

@@ -86,7 +86,8 @@ def best_lower_bound_s(problem: Problem, plan: Plan, objective: Objective | None
 
 def headline(problem: Problem, plan: Plan, timeline: Timeline, objective: Objective | None = None) -> str:
     """``predicted 1.23 ms · 812 req/s · bound 1.10 ms · gap 10.6%``: what a plan promises (one request's latency,
-    and requests per second when pipelined) and how far from optimal on its objective.
+    and requests per second when pipelined: the objective's rate, decode steps per second for generation) and how
+    far from optimal on its objective.
 
     A plan for another objective than latency shows its value next to its bound (``predicted 3.10 ms · period
     1.23 ms, 812 req/s · period bound 1.10 ms · gap 10.6%``). The bound holds for plans that fit memory only, so a
@@ -96,7 +97,8 @@ def headline(problem: Problem, plan: Plan, timeline: Timeline, objective: Object
     objective = objective or as_objective(plan.objective)
     value = objective.value_s(timeline)
     words = [f"predicted {format_seconds(latency)}"]
-    rate = f"{format_rate(1 / timeline.period_s)} req/s" if timeline.period_s > 0 else None
+    rate_per_s = objective.rate_per_s(timeline)
+    rate = f"{format_rate(rate_per_s)} {objective.rate_unit}" if rate_per_s > 0 else None
     if objective.value_label is not None:
         words.append(f"{objective.value_label} {format_seconds(value)}" + (f", {rate}" if rate else ""))
     elif rate:

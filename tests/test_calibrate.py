@@ -403,6 +403,25 @@ def test_moirai_calibrate_leaves_the_machines_calibration_alone_unless_asked(tmp
     assert read_request_cost(mine) == FAKE_REQUESTS
 
 
+def test_moirai_calibrate_says_what_it_measures_while_it_does(tmp_path: Path, monkeypatch, capfd) -> None:
+    """It printed nothing for a minute, then the table; compile's calibration shows a line per stage."""
+    import io
+
+    from rich.console import Console
+
+    import moirai.cluster.calibration.cli as cli_module
+    from moirai.cli import _parser
+
+    monkeypatch.setattr(
+        cli_module, "measure_transfer_costs", lambda devices, sizes, repeats: {(0, 1): FAKE_COST, (1, 0): FAKE_COST}
+    )
+    monkeypatch.setattr(cli_module, "measure_request_cost_spread", lambda link: FAKE_MEASURED_REQUESTS)
+    arguments = _parser().parse_args(["calibrate", "--world-size", "2", "--output", str(tmp_path / "c.toml")])
+    assert cli_module.run(arguments, Console(file=io.StringIO(), width=200)) == 0
+    stages = re.findall(r"^moirai: ([a-z ]+)(?::| \S+ \S+$)", capfd.readouterr().err, re.MULTILINE)
+    assert stages == ["measure transfers", "measure transfers", "measure requests", "measure requests"], stages
+
+
 def test_moirai_calibrate_measures_the_links_of_a_base_file_that_has_none(tmp_path: Path, monkeypatch) -> None:
     import io
 

@@ -114,6 +114,9 @@ def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factor
         (["compile", "{factory}:missing", "--devices", "cpu"], "has no function 'missing'"),
         (["compile", "no_such_module_xyz:make", "--devices", "cpu"], "cannot import no_such_module_xyz"),
         (["compile", "{factory}:make", "--cluster", "nowhere"], "neither a cluster file nor a preset"),
+        # An empty list was taken for --cluster left out: a raw TypeError from the preset lookup.
+        (["compile", "{factory}:make", "--devices", ""], "--devices '': give at least one device"),
+        (["compile", "{factory}:make", "--devices", " , "], "give at least one device"),
         (["compile", "{factory}:make", "--devices", "cpu", "--objective", "cheapest"], "--objective 'cheapest'"),
         (["compile", "{factory}:make", "--devices", "cpu", "--placer", "best"], "unknown placer 'best'"),
         (["compile", "{factory}:make", "--devices", "cpu", "--placer", "heft", "--gantt", "plan.xyz"], "plan.xyz"),

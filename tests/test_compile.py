@@ -208,6 +208,19 @@ def test_load_rejects_a_plan_for_another_model(compiled: moirai.CompiledModel, t
         moirai.load(path, other, example_inputs=(torch.randn(4, 32),))
 
 
+def test_loading_with_a_model_that_has_more_ops_blames_the_model_not_the_file(tmp_path) -> None:
+    """A ReLU more than the plan's model was said to be a plan file "edited or mixed"."""
+    layers = [torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)]
+    x = torch.randn(4, 16)
+    path = tmp_path / "plan.json"
+    compiled = moirai.compile(torch.nn.Sequential(*layers).eval(), ["cpu", "cpu"], (x,), placer="heft", progress=False)
+    compiled.save(path)
+    longer = torch.nn.Sequential(*layers, torch.nn.ReLU()).eval()
+    with pytest.raises(PlanError, match=r"has ops \['relu_1'\] that the plan never saw.*compile again") as error:
+        moirai.load(path, longer, example_inputs=(x,), progress=False)
+    assert "edited" not in str(error.value)
+
+
 def test_with_plan_splits_the_same_problem_by_another_plan(compiled: moirai.CompiledModel) -> None:
     problem = compiled.problem
     stages = moirai.Plan(np.arange(problem.num_tasks) * 3 // problem.num_tasks, problem.device_names)

@@ -9,6 +9,7 @@ import gc
 import math
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -783,9 +784,45 @@ def test_the_calling_process_commits_no_kv_cache_memory_until_sequences_write_it
     assert keys[3, 0, 99, 0].item() == 1.0 and not keys[2].any()
 
 
+def test_a_generation_plans_summary_counts_decode_steps_not_requests(split_lm):
+    """Its plan line said "91.7 req/s" where the next line called the same number tokens/s."""
+    caption = split_lm.summary_table().caption
+    one_sequence_s = split_lm.prediction().tpot_s  # the plan's objective: one sequence, a step per token
+    assert f", {moirai.viz.format_rate(1 / one_sequence_s)} decode steps/s" in caption.splitlines()[0], caption
+    assert "req/s" not in caption, caption
+
+
 def test_a_compiled_lm_prints_as_one_short_line(split_lm):
     text = repr(split_lm)
     assert "\n" not in text and len(text) < 300 and text.startswith("<CompiledLM of LlamaForCausalLM: "), text
+
+
+def test_max_prefill_left_out_fits_a_max_seq_len_under_64(llama):
+    """A max_seq_len of 32 alone was refused: "max_prefill=64 is over max_seq_len=32", a value nobody gave."""
+    lm = moirai.compile_lm(llama, ["cpu"], max_batch_size=1, max_seq_len=32, progress=False, calibration="none")
+    assert lm.max_prefill == 32
+    prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(2))
+    assert lm.generate(prompt[None], max_new_tokens=4)[0, 20:].tolist() == hf_new_tokens(llama, prompt, 4)
+    assert compile_tiny(llama, ["cpu"], max_prefill=None, max_seq_len=128).max_prefill == 64
+
+
+def test_compile_lm_names_each_phase_on_its_progress_lines(llama, capfd):
+    """It printed "op graph" three times and "cost" twice, the phase unnamed."""
+    moirai.compile_lm(llama, ["cpu", "cpu"], max_seq_len=32, placer="heft", calibration="none")
+    stages = re.findall(r"^moirai: ([^:]+?) \S+ \S+$", capfd.readouterr().err, re.MULTILINE)
+    assert stages == ["trace", "op graph", "coarsen", "cost (prefill)", "cost (decode)", "place", "split"], stages
+
+
+def test_a_misspelt_generate_argument_offers_the_one_meant(split_lm):
+    """generate listed what it takes, but unlike a placer's options named none as the one meant."""
+    prompt = torch.tensor([[3, 4]])
+    with pytest.raises(moirai.InputError, match=r"does not take max_new_token \(did you mean 'max_new_tokens'\?\)"):
+        split_lm.generate(prompt, max_new_token=3)
+    with pytest.raises(moirai.InputError, match=r"does not take num_beams; num_beams would change"):
+        split_lm.generate(prompt, num_beams=2)  # model.generate's own argument, not a misspelling
+    with split_lm.server() as server:  # refused before any worker starts
+        with pytest.raises(moirai.InputError, match=r"does not take max_new_token \(did you mean 'max_new_tokens'"):
+            server.submit(prompt[0], max_new_token=3)
 
 
 def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):

@@ -4,6 +4,7 @@ import contextlib
 import io
 import re
 
+import pytest
 import torch
 from rich.console import Console
 
@@ -161,3 +162,35 @@ def test_only_rank_0_reports_under_torchrun(capfd, monkeypatch) -> None:
     monkeypatch.setenv("RANK", "0")
     moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="heft")
     assert "moirai: place" in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_compiled_models_workers_report_as_it_was_compiled_unless_a_call_says(capfd) -> None:
+    """progress=False at compile left run_distributed printing "moirai: start workers" to a log."""
+    model, x = _small_model()
+    quiet = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="round_robin", progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(quiet.run_distributed(x), model(x))
+        with quiet.server() as server:
+            server.submit(x).result()
+        assert "moirai:" not in capfd.readouterr().err
+        quiet.run_distributed(x, progress=True)  # the call's own argument wins
+        assert "moirai: start workers" in capfd.readouterr().err
+        loud = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="round_robin")
+        capfd.readouterr()
+        with loud.server() as server:  # its workers start at the first request, after server() returned
+            server.submit(x).result()
+        assert "moirai: start workers" in capfd.readouterr().err
+        loud.run_distributed(x, progress=False)
+        assert "moirai:" not in capfd.readouterr().err
+
+
+def test_a_log_gets_each_line_whole_however_long() -> None:
+    """A log's lines were cut at 80 columns, the rest on a line of its own without the moirai: prefix."""
+    console = log_console()
+    long_plan = "the runtime's own work per request, once for this machine (then cached) " + "x" * 60
+    with progress.shown(console=console), progress.stage("calibrate requests", long_plan):
+        pass
+    lines = console.file.getvalue().splitlines()
+    assert len(lines) == 2 and all(line.startswith("moirai: calibrate requests") for line in lines), lines
+    assert lines[0] == f"moirai: calibrate requests: {long_plan}"

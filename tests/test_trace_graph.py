@@ -469,3 +469,18 @@ def test_retargeting_devices_reaches_the_graphs_nested_in_a_module():
     retarget_devices(module, torch.device("meta"))
     assert devices_mentioned(module) == {torch.device("meta")}
     assert module(torch.ones(2, 3, device="meta")).device.type == "meta"
+
+
+def test_meta_weights_with_real_example_inputs_say_to_pass_meta_inputs() -> None:
+    """The message said the inputs did not fit and to give other shapes, though the shapes were right."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    for dynamic_shapes in (None, ({0: batch},)):  # the fallback tracer's error, and torch.export's alone
+        with pytest.raises(
+            TraceError, match=r"weights are on the meta device .*\(example_inputs\[0\] on cpu\)"
+        ) as error:
+            trace(model, (torch.randn(4, 16),), dynamic_shapes=dynamic_shapes)
+        assert 'device="meta"' in str(error.value) and "of the shapes" not in str(error.value)
+    graph = build_op_graph(trace(model, (torch.randn(4, 16).to("meta"),)))  # as the message says
+    assert graph.total_param_bytes == (16 * 32 + 32 + 32 * 8 + 8) * 4

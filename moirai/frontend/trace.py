@@ -45,6 +45,7 @@ from moirai.frontend.trace_checks import (
     dynamic_shapes_error,
     in_place_write_error,
     inputs_do_not_fit_error,
+    meta_weights_error,
     tensor_input_names,
     trace_error,
     warn_if_training,
@@ -309,6 +310,9 @@ def trace(
     except TraceError:
         raise
     except Exception as export_error:
+        meta_error = meta_weights_error(model, name, args, kwargs, export_error)
+        if meta_error is not None:
+            raise meta_error from export_error
         if dynamic_shapes is not None and "tree_name" in str(export_error):
             raise TraceError(
                 f"could not trace {name} with dynamic_shapes: torch.export fails when an input goes to the model "

@@ -213,6 +213,30 @@ def inputs_do_not_fit_error(
     )
 
 
+def meta_weights_error(
+    model: torch.nn.Module, name: str, args: tuple, kwargs: dict[str, Any], error: Exception
+) -> TraceError | None:
+    """A :class:`TraceError` saying to pass example inputs on the meta device, where the model's weights are there
+    and an input is not (torch refuses an op across the two, and the generic message blamed the inputs' shapes);
+    None otherwise."""
+    on_meta = any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+    if not on_meta:
+        return None
+    real = [
+        f"{_input_path(path)} on {value.device}"
+        for path, value in pytree.tree_flatten_with_path((args, kwargs))[0]
+        if isinstance(value, torch.Tensor) and value.device.type != "meta"
+    ]
+    if not real:
+        return None
+    return TraceError(
+        f"could not trace {name}: its weights are on the meta device and its example inputs are not "
+        f"({', '.join(real[:3])}), and torch runs no op across the two ({_first_line(error)}). Pass example inputs on "
+        'the meta device too, e.g. torch.empty(shape, dtype=..., device="meta") or x.to("meta"): planning reads only '
+        "their shapes and dtypes (running the split model needs the real weights)"
+    )
+
+
 def trace_error(model_name: str, error: Exception, args: tuple, kwargs: dict[str, Any]) -> TraceError:
     unknown_output = _UNKNOWN_OUTPUT.search(str(error))
     if unknown_output is not None:

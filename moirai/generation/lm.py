@@ -67,6 +67,8 @@ from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.runtime.runner import Worlds
 
+DEFAULT_MAX_PREFILL = 64  # tokens of a prompt's chunk where max_prefill is left out (and max_seq_len allows)
+
 
 class Prediction(NamedTuple):
     """What the plan predicts for generation: time to the first token of a typical prompt, time per output token
@@ -346,7 +348,7 @@ def compile_lm(
     devices: Cluster | Sequence[str],
     max_batch_size: int = 4,
     max_seq_len: int = 256,
-    max_prefill: int = 64,
+    max_prefill: int | None = None,
     prompt_tokens: int | None = None,
     new_tokens: int = 64,
     sequences: int = 1,
@@ -361,7 +363,8 @@ def compile_lm(
     """Split a Hugging Face-style causal LM across ``devices`` for generation (see the module doc).
 
     ``max_batch_size`` sequences are held at once (each its own KV-cache slot of ``max_seq_len`` tokens, on the
-    devices of its layers); prompts go in chunks of at most ``max_prefill`` tokens. The plan is chosen for
+    devices of its layers); prompts go in chunks of at most ``max_prefill`` tokens (default
+    ``min(64, max_seq_len)``; one over ``max_seq_len`` is an error). The plan is chosen for
     ``sequences`` sequences generated at once: 1, a prompt of ``prompt_tokens`` tokens (default
     ``min(32, max_prefill)``) answered with ``new_tokens`` tokens soonest; more, the most decode tokens/s with one
     decode step per device in flight, each of ``sequences / devices`` sequences, and the time to the first token at
@@ -369,12 +372,19 @@ def compile_lm(
     ``placer``, ``calibration``, ``progress`` and ``placer_options`` as in :func:`moirai.compile`.
     """
     check_placer_options(placer_options, compile_lm, placer)
-    limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_prefill": max_prefill}
+    limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len}
+    limits |= {} if max_prefill is None else {"max_prefill": max_prefill}
     for name, value in limits.items():
         if not isinstance(value, int) or value < 1:
             raise InputError(f"compile_lm: {name} must be a positive integer, got {value!r}")
-    if max_prefill > max_seq_len:
-        raise InputError(f"compile_lm: max_prefill={max_prefill} is over max_seq_len={max_seq_len}")
+    if max_prefill is None:
+        # Left out, it fits any max_seq_len: a short one (32) was refused for a chunk size the caller never gave.
+        max_prefill = min(DEFAULT_MAX_PREFILL, max_seq_len)
+    elif max_prefill > max_seq_len:
+        raise InputError(
+            f"compile_lm: max_prefill={max_prefill} is over max_seq_len={max_seq_len}: a prompt's chunk is at most a "
+            "whole sequence; give max_prefill <= max_seq_len, or leave it out for min(64, max_seq_len)"
+        )
     if not 1 <= sequences <= max_batch_size:
         raise InputError(f"compile_lm: sequences={sequences} must be between 1 and max_batch_size={max_batch_size}")
     prompt_tokens = prompt_tokens or min(32, max_prefill)
@@ -392,8 +402,12 @@ def compile_lm(
     # Several steps in flight: the stages compute at once, so each is profiled beside the others computing
     # (Generation.steady_state; [Note: steady-state profile]).
     steady_state = steps_in_flight > 1
-    prefill = phase_problem(traced, coarse, cluster, colocated, cost, 1, prompt_chunk, remote_alike, steady_state)
-    decode = phase_problem(traced, coarse, cluster, colocated, cost, decode_batch, 1, remote_alike, steady_state)
+    prefill = phase_problem(
+        traced, coarse, cluster, colocated, cost, 1, prompt_chunk, remote_alike, steady_state, phase="prefill"
+    )
+    decode = phase_problem(
+        traced, coarse, cluster, colocated, cost, decode_batch, 1, remote_alike, steady_state, phase="decode"
+    )
     # A chunk's cost depends on its tokens only (attention spans the whole slot): a long prompt is whole chunks.
     objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s, math.ceil(prompt_tokens / prompt_chunk))
     if handover is not None and not handover.plans:
@@ -411,7 +425,7 @@ def compile_lm(
         if handover is not None:
             handover.send(compiled.plan_record())
     lm = CompiledLM(
-        compiled,
+        replace(compiled, progress=progress),  # its server's start reports as compile_lm did
         prefill,
         objective,
         step.cache_shape,
@@ -470,12 +484,15 @@ def phase_problem(
     tokens: int,
     remote_alike: bool = False,
     steady_state: bool = False,
+    phase: str = "decode",
 ) -> Problem:
     """The placement problem of the step's coarse graph priced at ``batch`` sequences of ``tokens`` tokens
-    (``remote_alike`` and ``steady_state`` as :func:`moirai.cluster.cost.build_problem`'s)."""
+    (``remote_alike`` and ``steady_state`` as :func:`moirai.cluster.cost.build_problem`'s); ``phase`` names it on
+    the progress line."""
     wanted = {"batch": batch, "tokens": tokens, "banned": 1}
     sizes = {dim.symbol: wanted[dim.name] for dim in traced.dynamic_dims if dim.name in wanted}
-    with sizes_at(sizes):
+    # One line per phase: its op graph and costs inside showed as a second and third "op graph" and "cost".
+    with _progress.stage(f"cost ({phase})"), sizes_at(sizes):
         at_size = build_op_graph(traced)
         coarse_at_size = at_size.merge([at_size.nodes_of_fx_names(node.fx_names) for node in coarse.nodes])
         return build_problem(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from moirai.errors import InputError, PaddingWarning, RequestError, user_stacklevel
+from moirai.errors import InputError, PaddingWarning, RequestError, did_you_mean, user_stacklevel
 from moirai.frontend.trace import layout_name
 from moirai.generation.bans import TokenBans
 from moirai.generation.engine import Engine, SamplingParams, SequenceState
@@ -200,10 +200,17 @@ class GenerateOptions(NamedTuple):
             said = f"; {', '.join(changes)} would change the tokens model.generate gives" if changes else ""
             if set(others) & OUTPUT_ARGUMENTS:
                 said += "; it returns the tokens alone (as .sequences with return_dict_in_generate=True)"
+            taken = [f for f in cls._fields if f != "bans"]
+            # A misspelt argument (max_new_token) offers the one meant, as a placer's options do; model.generate's
+            # own arguments (num_beams) are no misspelling.
+            known = set(UNAPPLIED_SETTINGS) | OUTPUT_ARGUMENTS
+            unknown = ", ".join(
+                name + ("" if name in known else did_you_mean(name, [*taken, *TokenBans.settings(), "attention_mask"]))
+                for name in sorted(others)
+            )
             raise InputError(
-                f"generate does not take {', '.join(sorted(others))}{said}: moirai's generate takes "
-                f"{', '.join(f for f in cls._fields if f != 'bans')}, {', '.join(TokenBans.settings())} and "
-                "attention_mask"
+                f"generate does not take {unknown}{said}: moirai's generate takes {', '.join(taken)}, "
+                f"{', '.join(TokenBans.settings())} and attention_mask"
             )
         if hasattr(given["max_new_tokens"], "to_dict"):
             # model.generate(inputs, generation_config): Hugging Face's second parameter, moirai's max_new_tokens. A

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moirai.errors import InputError, UsageError
+from moirai.errors import InputError, UsageError, did_you_mean
 from moirai.generation.bans import TokenBans
 from moirai.generation.engine import SequenceState
 from moirai.generation.requests import (
@@ -83,8 +84,10 @@ class GenerationServer:
             raise InputError("this generation server is closed; open a new one with lm.server()")
         unknown = sorted(set(bans) - set(TokenBans.settings()))
         if unknown:
+            taken = [*inspect.signature(self.submit).parameters, *TokenBans.settings()]
+            words = ", ".join(name + did_you_mean(name, taken) for name in unknown)
             raise InputError(
-                f"submit does not take {', '.join(unknown)}; of model.generate's settings it takes the sampling "
+                f"submit does not take {words}; of model.generate's settings it takes the sampling "
                 f"arguments it names and {', '.join(TokenBans.settings())}"
             )
         prompt = prompt_tokens(prompt_ids)

@@ -43,6 +43,12 @@ class Objective(ABC):
     windows_apply: ClassVar[bool] = False
     # Whether it judges the steady state of pipelined requests (a period) rather than one request's time.
     steady_state: ClassVar[bool] = False
+    # What a report's rate counts (rate_per_s): requests, or for generation decode steps, each its own thing.
+    rate_unit: ClassVar[str] = "req/s"
+
+    def rate_per_s(self, timeline: Timeline) -> float:
+        """What the plan serves per second, in :attr:`rate_unit`: requests pipelined, one per period (0: none)."""
+        return 1 / timeline.period_s if timeline.period_s > 0 else 0.0
 
     @property
     def latency_limit_s(self) -> float | None:
@@ -199,6 +205,7 @@ class Generation(Objective):
     """
 
     name: ClassVar[str] = "generation"
+    rate_unit: ClassVar[str] = "decode steps/s"  # a step is not a request: one token for each sequence in it
     prefill: Problem | None = None
     new_tokens: int = 64
     sequences: int = 1
@@ -259,6 +266,10 @@ class Generation(Objective):
         if self.sequences == 1:
             return self.ttft_s(timeline) + self.new_tokens * timeline.makespan_s
         return self.step_s(timeline)
+
+    def rate_per_s(self, timeline: Timeline) -> float:
+        step_s = self.step_s(timeline)
+        return 1 / step_s if step_s > 0 else 0.0
 
     def acceptable(self, timeline: Timeline) -> bool:
         if not timeline.fits_memory:

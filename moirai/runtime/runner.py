@@ -30,7 +30,7 @@ import torch
 
 from moirai.cluster.devices import Device
 from moirai.errors import DistributedError, InputError, SharedMemoryWarning, user_stacklevel
-from moirai.progress import stage
+from moirai.progress import carried, stage
 from moirai.runtime import orphans, shm
 from moirai.runtime.blame import PeerFailure, RankSilent, blamed, describe_error, read_report, report_failure
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
@@ -103,6 +103,9 @@ class DistributedRunner:
         self.worlds = Worlds()
         self._state_on_ranks = state_on_ranks
         self._state_lost: BaseException | None = None  # the failure that ended the ranks' state (state_on_ranks)
+        # The workers start at the first request, after the call that made this runner (run_distributed, server)
+        # has returned: they report as it would have (its progress).
+        self._reporting = carried()
         _LIVE_RUNNERS.add(self)
 
     def __enter__(self) -> DistributedRunner:
@@ -153,7 +156,8 @@ class DistributedRunner:
             if self._driver is not None and self._driver.failure is not None:
                 self._stop()
             if self._driver is None:
-                self._start([program])
+                with self._reporting():
+                    self._start([program])
             elif self._shared_memory and not any(p is program for p in self._driver.loaded):
                 _check_room_to_load(program)
             self._refuse_lost_state()

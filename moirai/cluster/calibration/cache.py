@@ -129,7 +129,8 @@ def local_calibration(
 
 def local_request_cost(calibration: str | Path = "auto", cache_dir: str | Path | None = None) -> RequestCost:
     """The runtime's own work per request on this machine (:class:`RequestCost`), read and measured as
-    :func:`local_calibration` reads and measures links (measured once, a few seconds, then cached beside them)."""
+    :func:`local_calibration` reads and measures links (measured once per machine, 20-40 s, then cached beside
+    them)."""
     if calibration not in MEASURED_CALIBRATIONS:
         stored = read_request_cost(calibration)
         if stored is None:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 from rich.console import Console
 from rich.table import Table
 
+from moirai import progress
 from moirai.cluster.calibration.across_hosts import measure_across_hosts, torchrun_world
 from moirai.cluster.calibration.cache import cached_host_links, cached_links, calibration_cache_path, write_calibration
 from moirai.cluster.calibration.cluster import measured_cluster, rank_devices
@@ -77,6 +78,12 @@ class _Measured(NamedTuple):
 def run(args: argparse.Namespace, console: Console) -> int:
     """``moirai calibrate``: measure what transfers cost between local ranks, or under torchrun between and within
     its hosts; write a cluster file and the calibration compile reads."""
+    # A minute of measuring says what it does, as compile's calibration does: a line per stage on stderr.
+    with progress.shown():
+        return _calibrate(args, console)
+
+
+def _calibrate(args: argparse.Namespace, console: Console) -> int:
     world = torchrun_world()
     if world is None or world[0] == 0:  # where the results go, checked before a second is spent measuring them
         check_output_path(args.output, "the cluster file", ClusterError)
@@ -94,11 +101,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
         world_size = len(base) if base is not None else 2
     devices = rank_devices(world_size, args.backend, base)
     transport = _transport(args.backend)
-    measured = (
-        _measure_local(devices, sizes, args.repeats, transport)
-        if world is None
-        else _measure_hosts(devices, sizes, args.repeats, transport)
-    )
+    with progress.stage("measure transfers", f"{len(devices)} ranks, every directed pair, {len(sizes)} sizes"):
+        measured = (
+            _measure_local(devices, sizes, args.repeats, transport)
+            if world is None
+            else _measure_hosts(devices, sizes, args.repeats, transport)
+        )
     if measured is None:
         return 0  # a torchrun rank other than 0: rank 0 writes and prints what every rank measured
     name = base_name or f"calibrated-{transport}"  # the base's, else what carried the messages, e.g. shm
@@ -108,8 +116,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     links = {**previous, **measured.by_kind}
     host_link = link_kind(CPU.name, CPU.name)
     if host_link not in links:  # the request cost's program runs on two CPU ranks
-        links.update(measure_link_kinds((CPU.name, CPU.name)))
-    measured_requests = measure_request_cost_spread(links[host_link])
+        with progress.stage("measure links", "cpu <-> cpu, which the request cost's ranks use"):
+            links.update(measure_link_kinds((CPU.name, CPU.name)))
+    with progress.stage("measure requests", "the runtime's own work per request, through its server"):
+        measured_requests = measure_request_cost_spread(links[host_link])
     requests = measured_requests.cost
     if saved is not None:
         host_links = {**cached_host_links(saved), **measured.host_links}  # host pairs measured before and not now
