@@ -118,6 +118,17 @@ def report_setup_failure(store: Any, rank: int, error: BaseException) -> None:
 _JOIN_POLL_S = 0.05
 
 
+def _setup_message(raw: bytes) -> str:
+    """The error in a setup failure report, or what the key holds where it is none (written by no rank of ours)."""
+    try:
+        report = json.loads(raw)
+    except ValueError:
+        report = None
+    if isinstance(report, dict) and isinstance(report.get("message"), str):
+        return report["message"][:2000]
+    return f"(its failure report, {bytes(raw)[:80]!r}, is none: a process that is no rank of this run wrote it)"
+
+
 def wait_for_ranks(store: Any, keys: Mapping[int, str], doing: str, timeout_s: float) -> None:
     """Wait up to ``timeout_s`` for every rank of ``keys`` to set its key (``doing`` it, e.g. "joining the process
     group"); a :class:`moirai.DistributedError` naming the rank that reported failing before it got there, with its
@@ -132,9 +143,9 @@ def wait_for_ranks(store: Any, keys: Mapping[int, str], doing: str, timeout_s: f
             if store_call(lambda key=key: store.check([key]), f"rank {rank}", doing):
                 del pending[rank]
             elif store_call(lambda rank=rank: store.check([setup_failure_key(rank)]), f"rank {rank}", doing):
-                report = json.loads(store_call(lambda rank=rank: store.get(setup_failure_key(rank)), who, doing))
+                report = store_call(lambda rank=rank: store.get(setup_failure_key(rank)), who, doing)
                 raise DistributedError(
-                    f"rank {rank} failed before {doing}, so this rank stops too: {str(report.get('message'))[:2000]}; "
+                    f"rank {rank} failed before {doing}, so this rank stops too: {_setup_message(report)}; "
                     f"fix rank {rank}'s error (see its output) and start every rank again"
                 )
         if pending and time.monotonic() > deadline:
