@@ -310,11 +310,12 @@ def compile(
     handover = PlanHandover.under_torchrun(devices)
     if handover is not None and not handover.plans:
         # Another rank plans: this one takes that rank's plan, problem included.
-        cluster, _ = rank_cluster(devices, calibration, handover)
-        traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
-        return dataclasses.replace(
-            from_plan_record(handover.receive(), "rank 0's plan", traced, cluster), progress=progress
-        )
+        with handover.receiving():
+            cluster, _ = rank_cluster(devices, calibration, handover)
+            traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
+            return dataclasses.replace(
+                from_plan_record(handover.receive(), "rank 0's plan", traced, cluster), progress=progress
+            )
     with handover.planning() if handover is not None else contextlib.nullcontext():
         cluster, hosts = rank_cluster(devices, calibration, handover)
         traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)

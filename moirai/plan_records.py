@@ -20,6 +20,7 @@ from moirai.errors import DistributedError, PlanError, PlanVersionWarning
 from moirai.file_numbers import float_fault, int_fault
 from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
+from moirai.runtime.blame import report_setup_failure
 from moirai.runtime.hosts import rank_hosts
 from moirai.runtime.store import wait_for_key
 from moirai.user_files import check_input_path, load_json, parsing, read_text
@@ -84,6 +85,17 @@ class PlanHandover:
                 self.store.set(self.key, json.dumps({"failed": f"{type(error).__name__}: {error}"}))
             except Exception:
                 pass  # the store is gone: the others learn it from the store
+            raise
+
+    @contextlib.contextmanager
+    def receiving(self) -> Iterator[None]:
+        """Another rank's taking of rank 0's plan: an error in it (a plan that does not fit this rank's model) is
+        reported in the store, so rank 0, waiting for this rank to join its requests, names this rank and its error
+        (:func:`moirai.runtime.blame.wait_for_ranks`) instead of timing out."""
+        try:
+            yield
+        except BaseException as error:
+            report_setup_failure(self.store, self.rank, error)
             raise
 
     def receive(self) -> dict[str, Any]:

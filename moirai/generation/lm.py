@@ -412,7 +412,8 @@ def compile_lm(
     objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s, math.ceil(prompt_tokens / prompt_chunk))
     if handover is not None and not handover.plans:
         # This rank takes rank 0's plan and serves it with moirai.serve_rank(lm.compiled).
-        compiled = from_plan_record(handover.receive(), "rank 0's plan", traced, cluster)
+        with handover.receiving():
+            compiled = from_plan_record(handover.receive(), "rank 0's plan", traced, cluster)
     else:
         with handover.planning() if handover is not None else contextlib.nullcontext():
             try:

@@ -13,11 +13,12 @@ import datetime
 import json
 import time
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 from moirai.errors import DistributedError
 from moirai.runtime.groups import Group
-from moirai.runtime.store import StoreSilent, answered_within
+from moirai.runtime.store import StoreSilent, answered_within, store_call
 
 # How long a failed rank waits for the other ranks' reports before naming a rank nobody heard from.
 # A rank that gave up this much later than the one waiting for it was stopped meanwhile (SIGSTOP, starved).
@@ -95,6 +96,67 @@ def _read_report(store: Any, rank: int, world_size: int, deadline: float) -> dic
         if time.monotonic() > deadline:
             return None
         time.sleep(_REPORT_POLL_S)
+
+
+def setup_failure_key(rank: int) -> str:
+    return f"moirai/failure/setup/{rank}"
+
+
+def report_setup_failure(store: Any, rank: int, error: BaseException) -> None:
+    """Tell the ranks waiting for this one to join them why it never will (:func:`wait_for_ranks` names it)."""
+    message = f"{type(error).__name__}: {error}"
+
+    def write() -> None:
+        store.set(setup_failure_key(rank), json.dumps({"message": message, "at": time.time()}))
+
+    try:
+        answered_within(write, _REPORT_GRACE_S)
+    except Exception:
+        pass  # the store is gone: the waiting ranks say that instead
+
+
+_JOIN_POLL_S = 0.05
+
+
+def _setup_message(raw: bytes) -> str:
+    """The error in a setup failure report, or what the key holds where it is none (written by no rank of ours)."""
+    try:
+        report = json.loads(raw)
+    except ValueError:
+        report = None
+    if isinstance(report, dict) and isinstance(report.get("message"), str):
+        return report["message"][:2000]
+    return f"(its failure report, {bytes(raw)[:80]!r}, is none: a process that is no rank of this run wrote it)"
+
+
+def wait_for_ranks(store: Any, keys: Mapping[int, str], doing: str, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for every rank of ``keys`` to set its key (``doing`` it, e.g. "joining the process
+    group"); a :class:`moirai.DistributedError` naming the rank that reported failing before it got there, with its
+    error (:func:`report_setup_failure`), or the ranks that did not within ``timeout_s``, and what to do."""
+    deadline = time.monotonic() + timeout_s
+    pending = dict(keys)
+    while pending:
+        who = f"rank {min(pending)}"
+        if store_call(lambda: store.check(list(pending.values())), who, doing):
+            return
+        for rank, key in sorted(pending.items()):
+            if store_call(lambda key=key: store.check([key]), f"rank {rank}", doing):
+                del pending[rank]
+            elif store_call(lambda rank=rank: store.check([setup_failure_key(rank)]), f"rank {rank}", doing):
+                report = store_call(lambda rank=rank: store.get(setup_failure_key(rank)), who, doing)
+                raise DistributedError(
+                    f"rank {rank} failed before {doing}, so this rank stops too: {_setup_message(report)}; "
+                    f"fix rank {rank}'s error (see its output) and start every rank again"
+                )
+        if pending and time.monotonic() > deadline:
+            late = ", ".join(str(k) for k in sorted(pending))
+            raise DistributedError(
+                f"rank{'s' if len(pending) > 1 else ''} {late} did not get to {doing} within {timeout_s:g} s: "
+                f"{'they' if len(pending) > 1 else 'it'} failed or stopped before (see its output), or its script "
+                "does not call what this rank's does (every rank but 0 calls moirai.serve_rank(compiled), or every "
+                "rank run_rank, in the same order); start every rank again"
+            )
+        time.sleep(_JOIN_POLL_S)
 
 
 def blamed(group: Group, error: BaseException, what: str) -> DistributedError:

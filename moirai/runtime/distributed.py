@@ -43,7 +43,8 @@ from moirai.cluster.devices import Device
 from moirai.cluster.kinds import kind_of
 from moirai.errors import DistributedError, InputError
 from moirai.runtime import shm
-from moirai.runtime.blame import blamed
+from moirai.runtime.agreement import check_same_program
+from moirai.runtime.blame import blamed, wait_for_ranks
 from moirai.runtime.driver import Driver, check_timeout
 from moirai.runtime.groups import Group, gloo_links, placed_part
 from moirai.runtime.hosts import host_ranks, rank_hosts, torchrun_layout
@@ -104,13 +105,28 @@ def init_rank(
     device = torch.device(torch_devices[rank])
     kind_of(device).set_current(device)
     choose_gloo_interface(rank=rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    raw, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+    raw.set_timeout(timeout)
+    store = dist.PrefixStore("default_pg", raw)  # as init_process_group names the default group's keys
+    _wait_until_joined(RunStore(store, torchrun_secret()), rank, world_size, timeout_s)
     dist.init_process_group(
         device_kinds.default_group_backend(torch_devices),
-        init_method=init_method,
+        store=store,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
+
+
+def _wait_until_joined(store: RunStore, rank: int, world_size: int, timeout_s: float) -> None:
+    """Every rank says it is here before the process group connects them: a rank that never joins (or failed before,
+    :func:`moirai.runtime.blame.report_setup_failure`) is named, where the group's own connecting would raise a
+    timeout naming a key."""
+    store.set(f"moirai/joined/{rank}", b"1")
+    if rank == 0:
+        others = {k: f"moirai/joined/{k}" for k in range(1, world_size)}
+        wait_for_ranks(store, others, "joining the process group", timeout_s)
 
 
 def run_rank(
@@ -131,6 +147,7 @@ def run_rank(
     group = _torchrun_group(program, rank, world_size, torch_devices, timeout_s)
     if flat_inputs is not None:
         check_inputs(program, flat_inputs)
+    check_same_program(group, program, timeout_s)
     request = next(group.requests)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
@@ -162,6 +179,7 @@ def serve_rank(program: SplitProgram, torch_devices: Sequence[str | Device], tim
         raise InputError("rank 0 is the driver: serve requests there with compiled.server(), not serve_rank")
     group = _torchrun_group(program, rank, world_size, torch_devices, timeout_s)
     try:
+        check_same_program(group, program, timeout_s)
         serve(group, {0: program}, timeout_s)
     except DistributedError as error:
         raise blamed(group, error, "serving") from error
@@ -179,6 +197,7 @@ def torchrun_driver(
             f"this is rank {rank}: only rank 0 serves requests; call moirai.serve_rank(compiled) on the other ranks"
         )
     group = _torchrun_group(program, rank, world_size, torch_devices, timeout_s)
+    check_same_program(group, program, timeout_s)
     helper_cores = _torchrun_resources(torch_devices, rank)[0].helper_cores
     return Driver(group, timeout_s, max_in_flight, preloaded=program, helper_cores=helper_cores)
 
@@ -251,10 +270,11 @@ def torchrun_group(
     pin_io_threads(resources)
     default = dist.distributed_c10d._get_default_group()
     store = RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
+    # Before the links: every rank says it got here, so one that failed before (its compile) is named.
+    hosts = rank_hosts(store, rank, world_size, f"{shm_prefix}/host", timeout_s)
     links = shm.connect(rank, world_size, store, timeout_s, shm_prefix, neighbours)
     gloo = gloo_links(rank, lambda name: _gloo_group(timeout_s))
     group = Group(rank, [torch.device(d) for d in torch_devices], gloo, default, store, shared_memory=links)
-    hosts = rank_hosts(store, rank, world_size, f"{shm_prefix}/host", timeout_s)
     if len(set(hosts)) > 1:  # a rank that went silent is named with its host: a host may have gone away
         group.describe_rank = lambda peer: f"; it ran on host {hosts[peer]}"
     return group

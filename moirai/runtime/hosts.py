@@ -10,7 +10,6 @@ store (:func:`rank_hosts`), to plan and to calibrate with the links between host
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import socket
@@ -115,14 +114,13 @@ def rank_hosts(store: Any, rank: int, world_size: int, prefix: str, timeout_s: f
     """The host of every rank (a collective: every rank calls it with one ``prefix``): its hostname, and where two
     hosts share a name but not their identity (:func:`moirai.runtime.shm_files.host_identity`: boot, /dev/shm) the
     name with ``#n``, ``n`` counting those hosts in rank order."""
+    from moirai.runtime.blame import wait_for_ranks
     from moirai.runtime.shm_files import host_identity
 
     store.set(f"{prefix}/{rank}", json.dumps({"hostname": socket.gethostname(), "identity": host_identity()}))
     keys = [f"{prefix}/{k}" for k in range(world_size)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except (RuntimeError, DistributedError) as error:
-        raise DistributedError(f"not every rank said which host it is on within {timeout_s:g} s ({error})") from None
+    others = {k: key for k, key in enumerate(keys) if k != rank}
+    wait_for_ranks(store, others, f"saying which host it is on ({prefix})", timeout_s)
     return host_labels([_host_entry(store, key) for key in keys])
 
 

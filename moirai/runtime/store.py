@@ -221,20 +221,26 @@ def wait_for_key(
     lives in the launcher of node 0, which exits when its rank fails), stopped answering (its host or the network to
     it went away), or the time ran out."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if answered_within(lambda: store.check([key]), answer_s):
-                return
-        except StoreSilent:
-            raise DistributedError(
-                f"the store stopped answering (for {answer_s:g} s) while {who} was {doing}: its host, or the network "
-                f"to it, went away; check that host and start the run again"
-            ) from None
-        except (RuntimeError, dist.DistStoreError) as error:
-            raise DistributedError(
-                f"the store closed while {who} was {doing} ({str(error).splitlines()[0][:160]}): under torchrun it "
-                f"closes when the launcher of node 0 exits, so {who} failed or was stopped; see its output for why"
-            ) from None
+    while not store_call(lambda: store.check([key]), who, doing, answer_s):
         if time.monotonic() > deadline:
             raise DistributedError(f"{who} was still {doing} after {timeout_s:g} s; see its output for why")
         time.sleep(_KEY_POLL_S)
+
+
+def store_call(call: Callable[[], Any], who: str, doing: str, answer_s: float = STORE_ANSWER_S) -> Any:
+    """``call()`` on the store, bounded by ``answer_s``, while ``who`` is ``doing`` something: a
+    :class:`moirai.DistributedError` saying what happened where the store closed (under torchrun it lives in the
+    launcher of node 0, which exits when its rank fails) or stopped answering (its host or the network to it went
+    away)."""
+    try:
+        return answered_within(call, answer_s)
+    except StoreSilent:
+        raise DistributedError(
+            f"the store stopped answering (for {answer_s:g} s) while {who} was {doing}: its host, or the network "
+            f"to it, went away; check that host and start the run again"
+        ) from None
+    except (RuntimeError, dist.DistStoreError) as error:
+        raise DistributedError(
+            f"the store closed while {who} was {doing} ({str(error).splitlines()[0][:160]}): under torchrun it "
+            f"closes when the launcher of node 0 exits, so {who} failed or was stopped; see its output for why"
+        ) from None
