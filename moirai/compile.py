@@ -39,7 +39,7 @@ from moirai.cluster.kinds import kind_of
 from moirai.errors import ClusterError, InfeasibleError, MoiraiError, PlanError, ProblemError, closest_name
 from moirai.frontend.coarsen import CoarseningResult, coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
-from moirai.frontend.state import colocated_groups, mutable_buffers
+from moirai.frontend.state import MutableBuffer, colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
 from moirai.frontend.trace import TracedModel, trace
 from moirai.plan_records import (
@@ -391,6 +391,10 @@ def from_plan_record(
     graph = build_op_graph(traced)
     coarse = graph.merge(_saved_groups(graph, record["groups"], source, traced.model_name))
     problem = _planned_problem(record, source, coarse, cluster, traced)
+    # The model's buffers, not the file, say which ops share a device: a file that drops a set would split its state.
+    buffers = mutable_buffers(traced.graph_module)
+    _check_buffers_kept_together(buffers, node_device, source)
+    problem = dataclasses.replace(problem, colocated=colocated_groups(coarse, buffers))
     plan = _saved_plan(record, source, problem)
     _check_placement_runs(plan, coarse, node_device, source)
     program = split_module(traced, node_device, len(cluster), record["device_order"])
@@ -445,6 +449,22 @@ def _saved_plan(record: dict[str, Any], source: str | Path, problem: Problem) ->
     except PlanError as error:
         raise PlanError(f"{source}: 'plan' does not fit its problem: {error}; {_SAVE_AGAIN}") from None
     return plan
+
+
+def _check_buffers_kept_together(
+    buffers: Sequence[MutableBuffer], node_device: dict[str, int], source: str | Path
+) -> None:
+    """A :class:`PlanError` unless every op that reads or writes a buffer the model writes in place runs on one device:
+    one part keeps the buffer, and another would read a stale copy of it."""
+    for buffer in buffers:
+        devices = {name: node_device[name] for name in buffer.op_names if name in node_device}
+        if len(set(devices.values())) > 1:
+            shown = ", ".join(f"{name} on device {k}" for name, k in list(devices.items())[:6])
+            raise PlanError(
+                f"{source}: 'node_device' puts the ops of buffer {buffer.name!r}, which the model writes in place, on "
+                f"more than one device ({shown}); they must share one, as compile plans them, whatever the file's "
+                f"'colocated' says: {_SAVE_AGAIN}"
+            )
 
 
 def _check_placement_runs(plan: Plan, coarse: OpGraph, node_device: dict[str, int], source: str | Path) -> None:
