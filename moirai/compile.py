@@ -397,8 +397,26 @@ def from_plan_record(
     problem = dataclasses.replace(problem, colocated=colocated_groups(coarse, buffers))
     plan = _saved_plan(record, source, problem)
     _check_placement_runs(plan, coarse, node_device, source)
-    program = split_module(traced, node_device, len(cluster), record["device_order"])
+    program = _saved_split(traced, node_device, len(cluster), record["device_order"], source)
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
+
+
+def _saved_split(
+    traced: TracedModel,
+    node_device: dict[str, int],
+    num_devices: int,
+    device_order: list[list[str]] | None,
+    source: str | Path,
+) -> SplitProgram:
+    """The split the record's ``node_device`` and ``device_order`` describe, or a :class:`PlanError` that names the
+    file and what to do, as the other load errors do (the splitter's alone names neither)."""
+    try:
+        return split_module(traced, node_device, num_devices, device_order)
+    except PlanError as error:
+        raise PlanError(
+            f"{source}: 'node_device' and 'device_order' do not split {traced.model_name}: "
+            f"{str(error).rstrip('.')}; {_SAVE_AGAIN}"
+        ) from None
 
 
 # What to do about a plan record whose fields do not hold together (each is as save writes it, the whole is not).
