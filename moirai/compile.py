@@ -18,6 +18,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from moirai.cluster.kinds import kind_of
 from moirai.errors import ClusterError, InfeasibleError, MoiraiError, PlanError, ProblemError, closest_name
 from moirai.frontend.coarsen import CoarseningResult, coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
-from moirai.frontend.state import colocated_groups, mutable_buffers
+from moirai.frontend.state import MutableBuffer, colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
 from moirai.frontend.trace import TracedModel, trace
 from moirai.plan_records import (
@@ -403,6 +404,7 @@ def from_plan_record(
     record: dict[str, Any], source: str | Path, traced: TracedModel, cluster: Cluster
 ) -> CompiledModel:
     """The compiled model a plan record (:meth:`CompiledModel.plan_record`) describes, for ``traced`` on ``cluster``."""
+    record = _matched_layout_ops(record, traced, source)
     node_device = {name: int(k) for name, k in record["node_device"].items()}
     _check_ops_known(traced, node_device, source=str(source))
     check_traced_tensors(record, traced, source)
@@ -410,10 +412,32 @@ def from_plan_record(
     graph = build_op_graph(traced)
     coarse = graph.merge(_saved_groups(graph, record["groups"], source, traced.model_name, set(node_device)))
     problem = _planned_problem(record, source, coarse, cluster, traced)
+    # The model's buffers, not the file, say which ops share a device: a file that drops a set would split its state.
+    buffers = mutable_buffers(traced.graph_module)
+    _check_buffers_kept_together(buffers, node_device, source)
+    problem = dataclasses.replace(problem, colocated=colocated_groups(coarse, buffers))
     plan = _saved_plan(record, source, problem)
     _check_placement_runs(plan, coarse, node_device, source)
-    program = split_module(traced, node_device, len(cluster), record["device_order"])
+    program = _saved_split(traced, node_device, len(cluster), record["device_order"], source)
     return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
+
+
+def _saved_split(
+    traced: TracedModel,
+    node_device: dict[str, int],
+    num_devices: int,
+    device_order: list[list[str]] | None,
+    source: str | Path,
+) -> SplitProgram:
+    """The split the record's ``node_device`` and ``device_order`` describe, or a :class:`PlanError` that names the
+    file and what to do, as the other load errors do (the splitter's alone names neither)."""
+    try:
+        return split_module(traced, node_device, num_devices, device_order)
+    except PlanError as error:
+        raise PlanError(
+            f"{source}: 'node_device' and 'device_order' do not split {traced.model_name}: "
+            f"{str(error).rstrip('.')}; {_SAVE_AGAIN}"
+        ) from None
 
 
 # What to do about a plan record whose fields do not hold together (each is as save writes it, the whole is not).
@@ -473,6 +497,22 @@ def _saved_plan(record: dict[str, Any], source: str | Path, problem: Problem) ->
     except PlanError as error:
         raise PlanError(f"{source}: 'plan' does not fit its problem: {error}; {_SAVE_AGAIN}") from None
     return plan
+
+
+def _check_buffers_kept_together(
+    buffers: Sequence[MutableBuffer], node_device: dict[str, int], source: str | Path
+) -> None:
+    """A :class:`PlanError` unless every op that reads or writes a buffer the model writes in place runs on one device:
+    one part keeps the buffer, and another would read a stale copy of it."""
+    for buffer in buffers:
+        devices = {name: node_device[name] for name in buffer.op_names if name in node_device}
+        if len(set(devices.values())) > 1:
+            shown = ", ".join(f"{name} on device {k}" for name, k in list(devices.items())[:6])
+            raise PlanError(
+                f"{source}: 'node_device' puts the ops of buffer {buffer.name!r}, which the model writes in place, on "
+                f"more than one device ({shown}); they must share one, as compile plans them, whatever the file's "
+                f"'colocated' says: {_SAVE_AGAIN}"
+            )
 
 
 def _check_placement_runs(plan: Plan, coarse: OpGraph, node_device: dict[str, int], source: str | Path) -> None:
@@ -617,3 +657,95 @@ def _check_ops_known(traced: TracedModel, node_device: dict[str, int], source: s
             f"{source} names ops {unknown[:3]} that {traced.model_name} does not have; "
             "the model or its example inputs differ from the ones planned: compile again"
         )
+
+
+# Ops that only copy their one input or lay it out anew, which one trace of a model may have where another has none: a
+# model on `meta` weights traces a `contiguous` after attention that the real one does not (the meta kernel of
+# scaled_dot_product_attention gives other strides than the CPU one), and torch names such ops by a counter per name.
+_LAYOUT_TARGETS = {
+    torch.ops.aten.contiguous.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+}
+_LAYOUT_NAMES = frozenset(str(target.overloadpacket.__name__) for target in _LAYOUT_TARGETS)
+
+
+def _base_name(op_name: str) -> str:
+    """The name torch gives the op's kind: ``contiguous_1`` -> ``contiguous``."""
+    return re.sub(r"_\d+$", "", op_name)
+
+
+def _matched_layout_ops(record: dict[str, Any], traced: TracedModel, source: str | Path) -> dict[str, Any]:
+    """``record`` with its layout ops matched to ``traced``'s, where the two traces differ in them (a plan made on
+    ``meta`` weights, loaded with the real ones): every op of such a kind in the file is dropped, and every one in the
+    trace goes with the op whose value it copies (its device, group and place in that device's order), or, where it
+    reads an input or a weight, with the op that reads it. Any other difference is left to the checks that follow."""
+    traced_ops = [node for node in traced.graph_module.graph.nodes if _is_op_node(node)]
+    here = {node.name for node in traced_ops}
+    planned = set(record["node_device"])
+    kinds = {_base_name(name) for name in here ^ planned} & _LAYOUT_NAMES
+    moved = [node for node in traced_ops if _base_name(node.name) in kinds and node.target in _LAYOUT_TARGETS]
+    dropped = {name for name in planned if _base_name(name) in kinds}
+    if not moved and not dropped:
+        return record
+    # Every op of a differing kind moves, not just the unmatched ones: the names after the first difference shift.
+    node_device = {name: k for name, k in record["node_device"].items() if name not in dropped}
+    groups = [[name for name in group if name not in dropped] for group in record["groups"]]
+    if any(group and not kept for group, kept in zip(record["groups"], groups, strict=True)):
+        raise PlanError(
+            f"{source}: an op group of only {sorted(kinds)} ops has no counterpart in {traced.model_name}'s trace, "
+            "which lays out tensors differently from the one planned (meta weights, another device); compile the "
+            "model again as it is loaded"
+        )
+    orders = record["device_order"]
+    orders = None if orders is None else [[name for name in order if name not in dropped] for order in orders]
+    group_of = {name: g for g, group in enumerate(groups) for name in group}
+    before: dict[str, list[str]] = collections.defaultdict(list)
+    after: dict[str, list[str]] = collections.defaultdict(list)
+    # Graph order meets the op a layout op copies first; reverse order the op that reads one copying an input.
+    for node in moved:
+        if producers := [p.name for p in node.all_input_nodes if p.name in node_device]:
+            _join(node.name, producers[0], after, node_device, group_of, groups)
+    for node in reversed(moved):
+        if node.name not in node_device:
+            readers = [user.name for user in node.users if user.name in node_device]
+            if not readers:
+                raise PlanError(
+                    f"{source}: {traced.model_name}'s trace has {node.name}, which copies a tensor no op of the plan "
+                    "makes or reads, so it has no place in the plan; compile the model again as it is loaded"
+                )
+            _join(node.name, readers[0], before, node_device, group_of, groups)
+    if orders is not None:
+        orders = [[placed for name in order for placed in _with_moved(name, before, after)] for order in orders]
+    return {**record, "node_device": node_device, "groups": groups, "device_order": orders}
+
+
+def _is_op_node(node: torch.fx.Node) -> bool:
+    return node.op in ("call_function", "call_method", "call_module")
+
+
+def _join(
+    name: str,
+    anchor: str,
+    beside: dict[str, list[str]],
+    node_device: dict[str, int],
+    group_of: dict[str, int],
+    groups: list[list[str]],
+) -> None:
+    """Put op ``name`` on ``anchor``'s device, in its group, and next to it in that device's order (``beside``: the ops
+    run just before or just after ``anchor``)."""
+    node_device[name] = node_device[anchor]
+    group_of[name] = group_of[anchor]
+    groups[group_of[anchor]].append(name)
+    beside[anchor].append(name)
+
+
+def _with_moved(name: str, before: dict[str, list[str]], after: dict[str, list[str]]) -> list[str]:
+    """``name`` in a device's order, with the layout ops placed before and after it (and theirs)."""
+    placed = [op for early in before.get(name, []) for op in _with_moved(early, before, after)]
+    placed.append(name)
+    return placed + [op for late in after.get(name, []) for op in _with_moved(late, before, after)]

@@ -355,6 +355,7 @@ def check_traced_tensors(record: dict[str, Any], traced: TracedModel, source: st
     if record.get("tensors") is None:
         return
     planned, here = record["tensors"], traced_tensors(traced)
+    _check_no_new_dynamic_axes(planned["inputs"], here["inputs"], traced, source)
     differences = [
         f"input {position} is {_describe_tensor(now)}, planned {_describe_tensor(then)}"
         for position, (then, now) in enumerate(zip(planned["inputs"], here["inputs"], strict=False))
@@ -372,6 +373,25 @@ def check_traced_tensors(record: dict[str, Any], traced: TracedModel, source: st
             f"{source} was planned for {traced.model_name} with other tensors: {'; '.join(differences[:3])}"
             f"{'; ...' if len(differences) > 3 else ''}; its costs and memory are those of the planned sizes: load "
             "it with the model and example inputs it was planned for, or compile again for these"
+        )
+
+
+def _check_no_new_dynamic_axes(
+    planned: list[dict[str, Any]], here: list[dict[str, Any]], traced: TracedModel, source: str | Path
+) -> None:
+    """A :class:`PlanError` for an input axis of one size in the plan but dynamic here: the plan's costs, memory and
+    split program are those of that size, so it does not serve a range."""
+    axes = [
+        f"input {position} axis {axis} (planned {then}, here {now})"
+        for position, (before, after) in enumerate(zip(planned, here, strict=False))
+        for axis, (then, now) in enumerate(zip(before["shape"], after["shape"], strict=False))
+        if _is_int(then) and not _is_int(now)
+    ]
+    if axes:
+        raise PlanError(
+            f"{source} plans {traced.model_name} for one size of axes that the dynamic_shapes given make dynamic: "
+            f"{'; '.join(axes[:3])}; a plan serves only the sizes it was planned for: compile the model again with "
+            "these dynamic_shapes to plan for their range, or load the plan without them"
         )
 
 

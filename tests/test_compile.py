@@ -195,6 +195,24 @@ def test_load_rejects_a_problem_that_does_not_match_the_plan(compiled: moirai.Co
         moirai.load(path, Residual().eval(), example_inputs=(torch.randn(4, 32),))
 
 
+def test_load_names_the_file_where_its_device_order_contradicts_the_data(
+    compiled: moirai.CompiledModel, tmp_path
+) -> None:
+    """An edited device_order that runs an op before one it reads was the splitter's error, naming no file."""
+    path = tmp_path / "plan.json"
+    compiled.save(path)
+    record = json.loads(path.read_text())
+    busiest = max(record["device_order"], key=len)
+    busiest.reverse()  # a device's ops run in data order: reversed, the first reads one run after it
+    path.write_text(json.dumps(record))
+    with pytest.raises(
+        PlanError,
+        match=r"plan.json: 'node_device' and 'device_order' do not split Residual: device_order "
+        r"contradicts the data dependencies.*; the file was edited or mixed: save the plan again",
+    ):
+        moirai.load(path, Residual().eval(), example_inputs=(torch.randn(4, 32),))
+
+
 def test_wrong_input_shape_is_a_clear_error(compiled: moirai.CompiledModel) -> None:
     with pytest.raises(InputError, match="compile again with example inputs"):
         compiled(torch.randn(5, 32))

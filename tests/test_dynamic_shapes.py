@@ -7,7 +7,7 @@ import torch
 from torch.export import Dim
 
 import moirai
-from moirai.errors import InputError, MoiraiError
+from moirai.errors import InputError, MoiraiError, PlanError
 from moirai.frontend.graph import build_op_graph, model_output_bytes
 from moirai.frontend.symbolic_shapes import shape_scalars
 from moirai.frontend.trace import TensorSpec
@@ -133,6 +133,20 @@ def test_save_and_load_keep_the_dynamic_dimensions(compiled: moirai.CompiledMode
             torch.testing.assert_close(loaded(x), fresh(x))
     with pytest.raises(InputError, match="seq"):
         loaded(torch.randn(2, 40, 16))
+
+
+def test_a_static_plan_loaded_with_dynamic_shapes_is_a_plan_error(tmp_path) -> None:
+    """A plan serves the sizes it was planned for: loaded with dynamic_shapes it served every batch without a word."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).eval()
+    x = torch.randn(4, 16)
+    static = moirai.compile(model, ["cpu", "cpu"], (x,), placer="round_robin", progress=False, calibration="none")
+    path = tmp_path / "plan.json"
+    static.save(path)
+    with pytest.raises(
+        PlanError, match=r"one size .*input 0 axis 0 \(planned 4, here .*again with these dynamic_shapes"
+    ):
+        moirai.load(path, model, (x,), dynamic_shapes=({0: Dim("batch", min=1, max=8)},), progress=False)
 
 
 class PairedInputs(torch.nn.Module):

@@ -75,3 +75,50 @@ def test_rotary_decoder_plan_loads_and_matches_the_model(family: str, tmp_path) 
     _round_trip(
         lambda seed: _tiny_decoder(family, seed), (tokens,), {"use_cache": False, "return_dict": False}, tmp_path
     )
+
+
+def _tiny_gpt2(device: str = "cpu") -> torch.nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _contiguous_ops(compiled: moirai.CompiledModel) -> list[str]:
+    return [name for name in compiled.node_device if name.startswith("contiguous")]
+
+
+def test_a_plan_made_on_meta_weights_loads_with_the_real_ones(tmp_path) -> None:
+    """The meta trace has a `contiguous` after attention that the real one does not (other strides of the meta
+    attention kernel): load drops it, and the real model's outputs come out equal."""
+    kwargs = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)), "use_cache": False}
+    planned = moirai.compile(_tiny_gpt2("meta"), ["cpu", "cpu"], (), kwargs, placer="round_robin", calibration="none")
+    assert _contiguous_ops(planned), "the meta trace must have the layout op the real one lacks"
+    path = tmp_path / "plan.json"
+    planned.save(path)
+    model = _tiny_gpt2()
+    loaded = moirai.load(path, model, (), kwargs)
+    assert not _contiguous_ops(loaded)
+    assert loaded.plan.placement.tolist() == planned.plan.placement.tolist()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**kwargs).logits, model(**kwargs).logits, rtol=0, atol=0)
+
+
+def test_a_layout_op_the_plan_lacks_goes_with_the_op_it_copies(tmp_path) -> None:
+    """The other way round: a plan made on the real weights, loaded on meta ones, places each `contiguous` with the
+    op it copies, in the same group and just after it in that device's order."""
+    kwargs = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)), "use_cache": False}
+    planned = moirai.compile(_tiny_gpt2(), ["cpu", "cpu"], (), kwargs, placer="round_robin", calibration="none")
+    path = tmp_path / "plan.json"
+    planned.save(path)
+    loaded = moirai.load(path, _tiny_gpt2("meta"), (), kwargs)
+    nodes = {node.name: node for node in loaded.traced.graph_module.graph.nodes}
+    assert _contiguous_ops(loaded), "the meta trace must have the layout op the plan lacks"
+    for name in _contiguous_ops(loaded):
+        producer = nodes[name].all_input_nodes[0].name
+        assert loaded.node_device[name] == loaded.node_device[producer]
+        order = loaded.device_order[loaded.node_device[name]]
+        assert order.index(name) == order.index(producer) + 1
+        assert any({name, producer} <= set(node.fx_names) for node in loaded.graph.nodes)

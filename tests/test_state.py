@@ -3,6 +3,7 @@ the rank that holds it from call to call."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -13,7 +14,7 @@ import torch
 from models_for_tests import DoublesAndReturns
 
 import moirai
-from moirai.errors import StateLeftBehindWarning
+from moirai.errors import PlanError, StateLeftBehindWarning
 from moirai.frontend.state import mutable_buffers
 from moirai.frontend.trace import written_operands
 from moirai.planning.plan import Plan
@@ -400,3 +401,32 @@ def test_chained_writes_keep_every_read_of_an_old_value_whatever_the_order_given
             assert torch.equal(run_local(program, [x], ["cpu", "cpu"])[0], reference(x)), call
         prev = program.parts[0].graph_module.prev
         assert torch.equal(prev, reference.prev), (call, prev, reference.prev)
+
+
+def _state_split_by_hand(record: dict, buffer_ops: set[str]) -> str:
+    """``record`` (a plan on device 0 alone) edited as by hand, consistently in every field, to run one op group that
+    touches a buffer on device 1, away from the buffer's other ops, with the file's colocated sets dropped; the name
+    of a buffer op moved."""
+    group = next(g for g, names in enumerate(record["groups"]) if buffer_ops & set(names) and buffer_ops - set(names))
+    moved = record["groups"][group]
+    record["node_device"].update(dict.fromkeys(moved, 1))
+    record["device_order"] = [[name for name in record["device_order"][0] if name not in moved], list(moved)]
+    record["plan"]["placement"][group] = 1
+    record["plan"]["order"] = [[g for g in record["plan"]["order"][0] if g != group], [group]]
+    record["plan"]["transfer_order"] = None
+    record["problem"]["colocated"] = []
+    return sorted(buffer_ops & set(moved))[0]
+
+
+def test_load_keeps_a_buffer_with_its_ops_whatever_the_file_says_of_colocation(tmp_path) -> None:
+    """Colocation comes from the model's buffers, not the file: a file that drops it would split the state (the
+    local runner then gave wrong outputs from the first call)."""
+    model, _ = twins()
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=inputs()[:1], placer="single", progress=False)
+    total = next(buffer for buffer in mutable_buffers(compiled.traced.graph_module) if buffer.name == "total")
+    record = compiled.plan_record()
+    moved = _state_split_by_hand(record, set(total.op_names))
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(record))
+    with pytest.raises(PlanError, match=rf"plan.json: .*buffer 'total'.*{moved} on device 1.*save the plan again"):
+        moirai.load(path, twins()[0], example_inputs=inputs()[:1], progress=False)
