@@ -78,10 +78,27 @@ def _own_file_mode(path: Path) -> int | None:
 def read_own_text(path: str | Path) -> str:
     """The text of a file moirai wrote (a cache), opened without following a link: a link there is an OSError
     (ELOOP), as a missing file is FileNotFoundError and a file that is not a regular one (a FIFO) EINVAL."""
-    descriptor = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    return read_regular_text(path, follow_links=False)
+
+
+def read_regular_text(path: str | os.PathLike[str], *, follow_links: bool) -> str:
+    """The UTF-8 text of the file at ``path``, checked to be a regular file (``fstat`` of the file opened, without
+    blocking: a FIFO would hang the open, and ``/dev/zero`` be read until memory runs out) before a byte is read.
+    Else an OSError as ``open`` raises them (a folder: IsADirectoryError, a FIFO: EINVAL), whose ``strerror`` says
+    what the path is and what to give."""
+    flags = os.O_RDONLY | _CLOEXEC | getattr(os, "O_NONBLOCK", 0) | (0 if follow_links else _NOFOLLOW)
+    descriptor = os.open(path, flags)
     try:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # a FIFO would hang, /dev/zero never end
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        mode = os.fstat(descriptor).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "it is a folder; give the path of a file", str(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(
+                errno.EINVAL,
+                "it is not a regular file (a device, a pipe or a socket, which would be read without end); give the "
+                "path of a file",
+                str(path),
+            )
         os.set_blocking(descriptor, True)
         stream = os.fdopen(descriptor, encoding="utf-8")
     except BaseException:

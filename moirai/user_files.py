@@ -17,17 +17,15 @@ and the standard parsers: the planning core may use it (it imports no torch).
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
-import stat
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from moirai.errors import MoiraiError
-from moirai.files import write_atomically
+from moirai.files import read_regular_text, write_atomically
 
 try:
     import tomllib
@@ -99,29 +97,10 @@ class _TooLarge(Exception):
 
 
 def read_text(path: str | os.PathLike[str]) -> str:
-    """The UTF-8 text of the file a user names at ``path``, checked to be a regular file (``fstat`` of the file
-    opened, without blocking: a FIFO would hang the open, and ``/dev/zero`` be read until memory runs out) before a
-    byte is read. Else an OSError as ``open`` raises them (a folder: IsADirectoryError), whose ``strerror`` says
+    """The UTF-8 text of the file a user names at ``path`` (a link followed: the user may point at their file), read
+    only if it is a regular file (:func:`moirai.files.read_regular_text`); else an OSError whose ``strerror`` says
     what the path is and what to give, for the reader's own error naming the file."""
-    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        mode = os.fstat(descriptor).st_mode
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(errno.EISDIR, "it is a folder; give the path of a file", str(path))
-        if not stat.S_ISREG(mode):
-            raise OSError(
-                errno.EINVAL,
-                "it is not a regular file (a device, a pipe or a socket, which would be read without end); give the "
-                "path of a file",
-                str(path),
-            )
-        os.set_blocking(descriptor, True)
-        stream = os.fdopen(descriptor, encoding="utf-8")
-    except BaseException:
-        os.close(descriptor)
-        raise
-    with stream:
-        return stream.read()
+    return read_regular_text(path, follow_links=True)
 
 
 def check_input_path(path: object, subject: str, what: str, error: Callable[[str], MoiraiError]) -> None:
