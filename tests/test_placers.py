@@ -117,3 +117,38 @@ def test_every_placer_places_a_problem_of_no_tasks_as_the_empty_plan(objective):
     for placer in list_placers():
         plan = place(problem, placer, objective=objective, **OPTIONS.get(placer, {}))
         assert plan.placement.size == 0 and plan.objective_s == 0.0, placer
+
+
+@pytest.mark.parametrize("placer", list_placers())
+@pytest.mark.parametrize("problem_of", ["a missing link", "tasks each on one device"])
+def test_a_placer_that_finds_no_plan_the_problem_allows_raises_infeasible_not_a_plan_error(placer, problem_of):
+    """round_robin, hash, expert and pieces put a tensor between devices with no link (a plan milp finds exists),
+    and seven placers a task where it cannot run where no plan exists: each was a PlanError, as if the user's plan
+    were wrong. Every placer gives a plan the simulator accepts or an InfeasibleError."""
+    no_link = [[0.0, math.inf, 0.1], [math.inf, 0.0, 0.1], [0.1, 0.1, 0.0]]
+    no_way = [[0.0, math.inf], [math.inf, 0.0]]
+    description = {
+        "a missing link": {
+            "devices": [{"name": d} for d in "abc"],
+            "tasks": [
+                {"name": "x", "compute_s": [1, 2, 2]},
+                {"name": "y", "compute_s": [3, 1, 3]},
+                {"name": "z", "compute_s": [3, 3, 1]},
+            ],
+            "edges": [{"src": "x", "dst": "y", "transfer_s": no_link}, {"src": "y", "dst": "z", "transfer_s": no_link}],
+        },
+        "tasks each on one device": {
+            "devices": [{"name": d} for d in "ab"],
+            "tasks": [{"name": "x", "compute_s": [1, math.inf]}, {"name": "y", "compute_s": [math.inf, 1]}],
+            "edges": [{"src": "x", "dst": "y", "transfer_s": no_way}],
+        },
+    }[problem_of]
+    problem = Problem.from_dict(description)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            plan = place(problem, placer, **OPTIONS.get(placer, {}))
+        except InfeasibleError:
+            return
+    simulate(problem, plan)  # the plan is one the problem allows
+    assert problem_of == "a missing link", f"{placer} placed a problem no plan fits"

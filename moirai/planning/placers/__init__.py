@@ -7,6 +7,7 @@ respects_memory=..., ...)``: the registry imports every module of this package (
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -15,16 +16,18 @@ import logging
 import pkgutil
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from moirai.errors import (
+    InfeasibleError,
     MoiraiError,
     MoiraiWarning,
     OverMemoryWarning,
     PlacerOptionError,
+    PlanError,
     did_you_mean,
     user_stacklevel,
 )
@@ -184,15 +187,16 @@ def _place(problem: Problem, placer: str, objective: str | Objective, **options:
     if "objective" in inspect.signature(traits.function).parameters:
         options = {**options, "objective": chosen}
     start = time.perf_counter()
-    plan = function(problem, **options)
-    plan.placement_time_s = time.perf_counter() - start
-    plan.placer = plan.placer or placer
-    plan.check(problem)
-    if traits.minimises and problem.colocated:
-        plan = _groups_unbundled(problem, plan, chosen)
-    if traits.minimises:
-        plan = _as_the_runtime_prefers(problem, plan, chosen)
-    timeline = simulate(problem, plan)
+    with _placers_plan_refused(placer):
+        plan = function(problem, **options)
+        plan.placement_time_s = time.perf_counter() - start
+        plan.placer = plan.placer or placer
+        plan.check(problem)
+        if traits.minimises and problem.colocated:
+            plan = _groups_unbundled(problem, plan, chosen)
+        if traits.minimises:
+            plan = _as_the_runtime_prefers(problem, plan, chosen)
+        timeline = simulate(problem, plan)
     if traits.minimises:
         plan, timeline = no_worse_than_one_device(problem, plan, timeline, chosen)
     plan.makespan_s = timeline.makespan_s
@@ -202,6 +206,21 @@ def _place(problem: Problem, placer: str, objective: str | Objective, **options:
     _warn_if_over_memory(problem, plan, timeline)
     _warn_if_over_the_limit(plan, timeline, chosen)
     return plan
+
+
+@contextlib.contextmanager
+def _placers_plan_refused(placer: str) -> Iterator[None]:
+    """A :class:`PlanError` of the plan a placer made (a task on a device where it cannot run, a tensor between two
+    devices with no link: placers such as round_robin, hash and expert do not look) as an :class:`InfeasibleError`
+    saying that this placer found no plan the problem allows: the user chose the placer, and the problem was valid."""
+    try:
+        yield
+    except PlanError as error:
+        raise InfeasibleError(
+            f"placer {placer!r} found no plan this problem allows: {error}; use a placer that keeps every task to "
+            "the devices it runs on and every tensor to the links there are ('milp' does, or 'heft'), or give the "
+            "problem the missing links"
+        ) from None
 
 
 def _groups_unbundled(problem: Problem, plan: Plan, objective: Objective) -> Plan:
