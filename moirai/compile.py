@@ -184,9 +184,7 @@ class CompiledModel:
         objective, or one made by hand), without tracing or profiling again."""
         check_plan(plan, "CompiledModel.with_plan's plan")
         plan.check(self.problem)
-        return dataclasses.replace(
-            assemble(self.traced, self.cluster, self.graph, self.problem, plan), progress=self.progress
-        )
+        return assemble(self.traced, self.cluster, self.graph, self.problem, plan, self.progress)
 
     @property
     def torch_devices(self) -> list[str]:
@@ -314,9 +312,7 @@ def compile(
         with handover.receiving():
             cluster, _ = rank_cluster(devices, calibration, handover)
             traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
-            return dataclasses.replace(
-                from_plan_record(handover.receive(), "rank 0's plan", traced, cluster), progress=progress
-            )
+            return from_plan_record(handover.receive(), "rank 0's plan", traced, cluster, progress)
     with handover.planning() if handover is not None else contextlib.nullcontext():
         cluster, hosts = rank_cluster(devices, calibration, handover)
         traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
@@ -352,7 +348,7 @@ def compile(
             plan.objective,
             plan.objective_s,
         )
-        compiled = dataclasses.replace(assemble(traced, cluster, coarse, problem, plan), progress=progress)
+        compiled = assemble(traced, cluster, coarse, problem, plan, progress)
     if handover is not None:
         handover.send(compiled.plan_record())
     return compiled
@@ -390,7 +386,7 @@ def load(
         except PlanError as error:
             raise PlanError(f"{path}: 'dynamic_dims': {error}") from None
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
-    return dataclasses.replace(from_plan_record(record, path, traced, cluster), progress=progress)
+    return from_plan_record(record, path, traced, cluster, progress)
 
 
 def _saved_cluster(record: dict[str, Any], calibration: str | Path) -> Cluster:
@@ -401,9 +397,10 @@ def _saved_cluster(record: dict[str, Any], calibration: str | Path) -> Cluster:
 
 
 def from_plan_record(
-    record: dict[str, Any], source: str | Path, traced: TracedModel, cluster: Cluster
+    record: dict[str, Any], source: str | Path, traced: TracedModel, cluster: Cluster, progress: bool = True
 ) -> CompiledModel:
-    """The compiled model a plan record (:meth:`CompiledModel.plan_record`) describes, for ``traced`` on ``cluster``."""
+    """The compiled model a plan record (:meth:`CompiledModel.plan_record`) describes, for ``traced`` on ``cluster``
+    (``progress``: :attr:`CompiledModel.progress`)."""
     record = _matched_layout_ops(record, traced, source)
     node_device = {name: int(k) for name, k in record["node_device"].items()}
     _check_ops_known(traced, node_device, source=str(source))
@@ -419,7 +416,7 @@ def from_plan_record(
     plan = _saved_plan(record, source, problem)
     _check_placement_runs(plan, coarse, node_device, source)
     program = _saved_split(traced, node_device, len(cluster), record["device_order"], source)
-    return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program)
+    return CompiledModel(traced, cluster, coarse, problem, plan, node_device, record["device_order"], program, progress)
 
 
 def _saved_split(
@@ -641,12 +638,15 @@ def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:
             )
 
 
-def assemble(traced: TracedModel, cluster: Cluster, coarse: OpGraph, problem: Problem, plan: Plan) -> CompiledModel:
+def assemble(
+    traced: TracedModel, cluster: Cluster, coarse: OpGraph, problem: Problem, plan: Plan, progress: bool = True
+) -> CompiledModel:
+    """The compiled model of ``plan`` (``progress``: :attr:`CompiledModel.progress`)."""
     node_device = {name: int(plan.placement[i]) for i, node in enumerate(coarse.nodes) for name in node.fx_names}
     task_order = simulate(problem, plan).device_order()
     device_order = [[name for i in tasks for name in coarse.nodes[i].fx_names] for tasks in task_order]
     program = split_module(traced, node_device, len(cluster), device_order)
-    return CompiledModel(traced, cluster, coarse, problem, plan, node_device, device_order, program)
+    return CompiledModel(traced, cluster, coarse, problem, plan, node_device, device_order, program, progress)
 
 
 def _check_ops_known(traced: TracedModel, node_device: dict[str, int], source: str) -> None:

@@ -413,7 +413,7 @@ def compile_lm(
     if handover is not None and not handover.plans:
         # This rank takes rank 0's plan and serves it with moirai.serve_rank(lm.compiled).
         with handover.receiving():
-            compiled = from_plan_record(handover.receive(), "rank 0's plan", traced, cluster)
+            compiled = from_plan_record(handover.receive(), "rank 0's plan", traced, cluster, progress)
     else:
         with handover.planning() if handover is not None else contextlib.nullcontext():
             try:
@@ -422,11 +422,11 @@ def compile_lm(
                 raise InfeasibleError(
                     _does_not_fit(type(model).__name__, graph, step.cache_shape, decode, objective, error)
                 ) from None
-            compiled = assemble(traced, cluster, coarse, decode, plan)
+            compiled = assemble(traced, cluster, coarse, decode, plan, progress)
         if handover is not None:
             handover.send(compiled.plan_record())
     lm = CompiledLM(
-        replace(compiled, progress=progress),  # its server's start reports as compile_lm did
+        compiled,  # its server's start reports as compile_lm did (its progress)
         prefill,
         objective,
         step.cache_shape,
