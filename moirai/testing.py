@@ -11,6 +11,7 @@ import networkx as nx
 import numpy as np
 
 from moirai.errors import PlanError
+from moirai.planning.bounds import placement_bound_s
 from moirai.planning.costs import RequestCosts
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
@@ -195,7 +196,7 @@ def brute_force_optimum(problem: Problem, contention: bool = True) -> float:
     """The true optimum: the best simulated makespan over every placement that fits memory and keeps every colocated
     set on one device, every device order and (with contention) every order on every link; ``inf`` when no placement
     fits. Placements are visited by
-    a lower bound (longest path with their transfers, busiest device) and the search stops when that bound
+    a lower bound (:func:`moirai.planning.bounds.placement_bound_s`) and the search stops when that bound
     reaches the best found."""
     k = problem.num_devices
     topological_orders = list(nx.all_topological_sorts(problem.graph))
@@ -208,7 +209,7 @@ def brute_force_optimum(problem: Problem, contention: bool = True) -> float:
         and all(len(set(p[list(members)].tolist())) == 1 for members in problem.colocated)
     ]
     best = math.inf
-    for bound, placement in sorted(((_placement_bound(problem, p), p) for p in placements), key=lambda bp: bp[0]):
+    for bound, placement in sorted(((placement_bound_s(problem, p), p) for p in placements), key=lambda bp: bp[0]):
         if bound >= best - 1e-9:
             break
         orders = {tuple(tuple(i for i in order if placement[i] == d) for d in range(k)) for order in topological_orders}
@@ -221,20 +222,6 @@ def brute_force_optimum(problem: Problem, contention: bool = True) -> float:
                 except PlanError:
                     continue  # link orders that contradict the device orders deadlock
     return best
-
-
-def _placement_bound(problem: Problem, placement: np.ndarray) -> float:
-    """Longest path with this placement's compute and transfer times, and the busiest device's work."""
-    duration = problem.compute_s[np.arange(problem.num_tasks), placement]
-    finish = np.zeros(problem.num_tasks)
-    for v in problem.topological_order:
-        ready = 0.0
-        for t in problem.input_tensors[v]:
-            u = int(problem.tensor_producer[t])
-            ready = max(ready, finish[u] + problem.transfer_s[t, placement[u], placement[v]])
-        finish[v] = ready + duration[v]
-    load = np.bincount(placement, weights=duration, minlength=problem.num_devices)
-    return float(max(finish.max(initial=0.0), load.max()))
 
 
 def link_tensors(problem: Problem, placement: np.ndarray) -> dict[tuple[int, int], tuple[int, ...]]:

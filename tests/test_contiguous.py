@@ -128,3 +128,45 @@ def test_single_picks_the_device_fastest_once_the_output_is_back_on_device_0() -
     placed = moirai.place(problem, placer="heft")
     assert placed.makespan_s <= 4.0 + 1e-9
     assert np.all(placed.placement == 0)
+
+
+@pytest.mark.parametrize("seed, num_tasks", [(3, None), (7, 9)])
+def test_latency_finds_the_best_of_thousands_of_splits_with_message_costs(seed: int, num_tasks: int | None) -> None:
+    """Sends, receives, headers and outputs put the splits' simulated latency far above their compute: the bound
+    that orders the splits counts them (:func:`moirai.planning.bounds.placement_bound_s`), so the best is found
+    among thousands without running out of simulations, and graphs of nine tasks are searched, not left to the
+    chain model."""
+    problem = random_problem(
+        seed,
+        num_tasks,
+        3,
+        forbid_fraction=0.2,
+        task_memory_bytes=1.0,
+        capacity_bytes=[3.0, 4.0, 5.0] if num_tasks is None else float(num_tasks),
+        send_cpu_s=0.5,
+        recv_cpu_s=0.5,
+        header_s=0.5,
+        output_s=0.5,
+    )
+    plan = place_contiguous(problem, objective=OBJECTIVES["latency"])
+    splits = list(all_contiguous_splits(problem))
+    assert len(splits) > 5000 and plan.report.notes["contiguous_splits"] == len(splits)
+    assert not plan.report.notes["exhausted"]
+    tasks = np.arange(problem.num_tasks)
+    timelines = (simulate(problem, Plan(p, problem.device_names)) for p in splits if problem.runs_on[tasks, p].all())
+    brute_force_s = min(t.makespan_s for t in timelines if t.fits_memory)
+    assert simulate(problem, plan).makespan_s == pytest.approx(brute_force_s, rel=1e-9)
+
+
+def test_placement_bound_is_below_every_order_of_the_placement() -> None:
+    """The bound that orders the splits (and brute force's placements) never exceeds a simulated makespan."""
+    from moirai.planning.bounds import placement_bound_s
+
+    for seed in range(12):
+        problem = random_problem(seed, 6, 3, send_cpu_s=0.3, recv_cpu_s=0.2, header_s=0.4, output_s=0.6)
+        rng = np.random.default_rng(seed)
+        for _ in range(10):
+            placement = rng.integers(0, 3, problem.num_tasks)
+            if problem.runs_on[np.arange(problem.num_tasks), placement].all():
+                timeline = simulate(problem, Plan(placement, problem.device_names))
+                assert placement_bound_s(problem, placement) <= timeline.makespan_s * (1 + 1e-12)

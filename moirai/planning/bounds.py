@@ -31,7 +31,7 @@ from moirai.errors import InfeasibleError
 from moirai.planning.colocation import Contraction, colocated_sets, contract, names_of, no_common_device
 from moirai.planning.highs import new_highs
 from moirai.planning.problem import Problem, check_problem
-from moirai.planning.schedule.transfers import transfer_duration_s
+from moirai.planning.schedule.transfers import implied_transfers, task_duration_s, transfer_duration_s
 
 
 class LowerBounds(NamedTuple):
@@ -57,6 +57,33 @@ def lower_bounds(problem: Problem) -> LowerBounds:
     if problem not in _CACHE:
         _CACHE[problem] = LowerBounds(_critical_path_bound(problem), _load_bound(problem))
     return _CACHE[problem]
+
+
+def placement_bound_s(problem: Problem, placement: np.ndarray) -> float:
+    """A makespan no order of ``placement``'s tasks and transfers can beat (seconds): the longest path of its tasks'
+    busy times (compute, sends and receives) and its transfers, each task after its header, plus its outputs' way to
+    device 0; and every device's busy time after its first header, plus its cheapest output."""
+    n = problem.num_tasks
+    if n == 0:
+        return 0.0
+    duration = task_duration_s(problem, placement, implied_transfers(problem, placement))
+    release = problem.costs.release_s[np.arange(n), placement]
+    output = problem.costs.output_s[np.arange(n), placement]
+    finish = np.zeros(n)
+    for v in problem.topological_order:
+        start = float(release[v])
+        for t in problem.input_tensors[v]:
+            u = int(problem.tensor_producer[t])
+            arrival = finish[u]
+            if placement[u] != placement[v]:
+                arrival += float(transfer_duration_s(problem, t, placement[u], placement[v]))
+            start = max(start, arrival)
+        finish[v] = start + duration[v]
+    device_bound = max(
+        float(release[on].min() + duration[on].sum() + output[on].min())
+        for on in (placement == d for d in np.unique(placement))
+    )
+    return max(float((finish + output).max()), device_bound)
 
 
 def format_bytes(num_bytes: float) -> str:

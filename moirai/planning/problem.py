@@ -233,6 +233,15 @@ class Problem:
             outputs[int(producer)].append(t)
         return tuple(tuple(x) for x in outputs)
 
+    @cached_property
+    def reading_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every distinct (tensor, task reading it) pair, as two arrays sorted by tensor then task: what a placement
+        turns into transfers (:func:`moirai.planning.schedule.transfers.implied_transfers`)."""
+        pairs = sorted({(t, c) for t, consumers in enumerate(self.tensor_consumers) for c in consumers})
+        tensors = np.fromiter((t for t, _ in pairs), int, count=len(pairs))
+        readers = np.fromiter((c for _, c in pairs), int, count=len(pairs))
+        return tensors, readers
+
     def tensors_among(self, tasks: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
         """The tensors one of ``tasks`` makes and another reads, by index, each with the positions in ``tasks`` of
         those that read it (a piece of the graph as a problem of its own)."""

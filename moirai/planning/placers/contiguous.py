@@ -61,7 +61,7 @@ CAP_GROWTH = 1.25
 CAP_STEPS = 6
 # For latency over ideals ([Note: the chain model]): the most splits times tasks listed and bounded, and the most
 # simulations times tasks spent on them (a small graph's splits are all judged; a larger one keeps the DP's split).
-LISTED_SPLIT_TASKS = 50_000
+LISTED_SPLIT_TASKS = 100_000
 SIMULATED_SPLIT_TASKS = 10_000
 
 
@@ -449,10 +449,11 @@ def _best_simulated(problem: Problem, space: _Space, objective: Objective, dp_pl
     """[Note: the chain model] The latency DP prices a split as a chain, each stage after the one before; the
     simulator runs a stage as soon as its own inputs are there, so stages that do not read each other overlap and
     the best split by the simulator may be another. Where the splits are few (:data:`LISTED_SPLIT_TASKS`), the best
-    by the simulator is searched for: splits in the order of a lower bound on their simulated latency (their
-    longest path of compute and transfers), each simulated until the bound reaches the best found (the DP's split
-    first) or the simulations reach :data:`SIMULATED_SPLIT_TASKS` (then the best so far: ``exhausted`` in the
-    notes)."""
+    by the simulator is searched for: splits in the order of a lower bound on their simulated latency
+    (:func:`moirai.planning.bounds.placement_bound_s`), each simulated until the bound reaches the best found (the
+    DP's split first) or the simulations reach :data:`SIMULATED_SPLIT_TASKS` (then the best so far: ``exhausted``
+    in the notes)."""
+    from moirai.planning.bounds import placement_bound_s
     from moirai.planning.simulate import simulate
 
     most = max(1, LISTED_SPLIT_TASKS // max(1, problem.num_tasks))
@@ -462,7 +463,7 @@ def _best_simulated(problem: Problem, space: _Space, objective: Objective, dp_pl
     best_plan, best_s = dp_plan, objective.value_s(simulate(problem, dp_plan))
     tasks = np.arange(problem.num_tasks)
     runnable = [placement for placement in splits if problem.runs_on[tasks, placement].all()]
-    bounds_s = [_longest_path_s(problem, placement) for placement in runnable]
+    bounds_s = [placement_bound_s(problem, placement) for placement in runnable]
     simulated, budget = 0, max(2, SIMULATED_SPLIT_TASKS // max(1, problem.num_tasks))
     exhausted = False
     for i in np.argsort(bounds_s, kind="stable"):
@@ -485,22 +486,6 @@ def _best_simulated(problem: Problem, space: _Space, objective: Objective, dp_pl
         contiguous_splits=len(splits), simulated_splits=simulated, exhausted=exhausted, stages=stages
     )
     return best_plan
-
-
-def _longest_path_s(problem: Problem, placement: np.ndarray) -> float:
-    """A lower bound on the simulated latency of ``placement``: its longest path of compute and of transfers
-    between devices (no device or link shared, no headers, sends or outputs)."""
-    finish = np.zeros(problem.num_tasks)
-    for v in problem.topological_order:
-        start = 0.0
-        for t in problem.input_tensors[v]:
-            u = int(problem.tensor_producer[t])
-            arrival = finish[u]
-            if placement[u] != placement[v]:
-                arrival += float(transfer_duration_s(problem, t, placement[u], placement[v]))
-            start = max(start, arrival)
-        finish[v] = start + problem.compute_s[v, placement[v]]
-    return float(finish.max(initial=0.0))
 
 
 def _ordered_plan(problem: Problem, space: _Space, placement: np.ndarray, report: PlacerReport) -> Plan:

@@ -122,11 +122,7 @@ class ImpliedTransfers(NamedTuple):
 def implied_transfers(problem: Problem, placement: np.ndarray) -> ImpliedTransfers:
     """Every transfer ``placement`` needs: a tensor crosses to a device once, whatever its consumers there."""
     n = problem.num_tasks
-    pair_tensor = np.fromiter((t for t, cs in enumerate(problem.tensor_consumers) for _ in cs), int, count=-1)
-    pair_consumer = np.fromiter((c for cs in problem.tensor_consumers for c in cs), int, count=-1)
-    if pair_tensor.size:
-        unique_pairs = np.unique(np.stack([pair_tensor, pair_consumer], axis=1), axis=0)
-        pair_tensor, pair_consumer = unique_pairs[:, 0], unique_pairs[:, 1]
+    pair_tensor, pair_consumer = problem.reading_pairs
     producer = problem.tensor_producer[pair_tensor]
     src = placement[producer]
     dst = placement[pair_consumer]
