@@ -27,6 +27,7 @@ from rich.text import Text
 from moirai.errors import InfeasibleError, MoiraiError
 from moirai.file_numbers import is_integer
 from moirai.planning.objective import Objective, as_objective
+from moirai.planning.placers import MIN_SPLIT_GAIN
 from moirai.planning.plan import Plan, check_plan
 from moirai.planning.problem import Problem, check_problem
 from moirai.planning.simulate import Timeline, simulate
@@ -528,6 +529,9 @@ def summary_table(
     reason = stop_reason(plan)
     if reason:
         details.append(f"stopped: {reason}")
+    replaced_s = plan.report.notes.get("replaced_by_single_device_s")
+    if replaced_s is not None:
+        details.append(f"one device kept: a split ({format_seconds(replaced_s)}) gains under {MIN_SPLIT_GAIN:.0%}")
     details.append(f"{len(timeline.transfers)} transfer{'' if len(timeline.transfers) == 1 else 's'}")
     if plan.placement_time_s is not None:
         details.append(f"placed in {format_seconds(plan.placement_time_s)}")

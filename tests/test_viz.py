@@ -230,3 +230,20 @@ def test_summary_shows_the_gap_to_the_unfused_bound_where_it_differs(problem) ->
     gap = (timeline.makespan_s - bound_s / 2) / timeline.makespan_s
     assert caption[1] == f"unfused bound {viz.format_seconds(bound_s / 2)} · gap vs unfused {gap:.1%}"
     assert all(len(line) <= 80 for line in render(viz.summary_table(problem, plan)))
+
+
+def test_summary_says_a_split_was_dropped_for_one_device() -> None:
+    """A split 0.5% faster than one device is not made (placers.MIN_SPLIT_GAIN): the summary's gap then compares the
+    single-device plan with a bound the split nearly reaches, so it says why the plan is on one device."""
+    from moirai.planning.problem import Problem
+
+    problem = Problem(
+        ("a", "b"), np.full(2, np.inf), ("x", "y"), np.array([[1.0, 1.0], [0.005, 0.005]]), np.zeros(2), (),
+        np.zeros(0, int), (), np.zeros((0, 2, 2)),
+    )  # fmt: skip
+    plan = moirai.place(problem, placer="milp", time_limit_s=5)
+    assert len(set(plan.placement.tolist())) == 1
+    caption = str(viz.summary_table(problem, plan).caption)
+    assert "gap 0.5%" in caption and "one device kept: a split (1 s) gains under 1%" in caption
+    split = moirai.Plan(np.array([0, 1]), problem.device_names)
+    assert "one device kept" not in str(viz.summary_table(problem, split).caption)
