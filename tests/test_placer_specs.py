@@ -3,6 +3,7 @@ and the demo's baselines read them, and the registry applies the memory precondi
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import numpy as np
@@ -101,3 +102,33 @@ def test_moirai_adds_no_log_handler():
     assert not logging.getLogger("moirai").handlers
     for name in ("moirai.planning.placers", "moirai.planning.placers.milp", "moirai.planning.solve.search"):
         assert not logging.getLogger(name).handlers
+
+
+def _linked_chain(runs_on: list[list[bool]], linked: list[tuple[int, int]]) -> Problem:
+    """A chain of tasks, each on the devices ``runs_on`` allows, whose tensors cross only the ``linked`` pairs."""
+    n, k = len(runs_on), len(runs_on[0])
+    transfer = np.full((n - 1, k, k), np.inf)
+    transfer[:, range(k), range(k)] = 0.0
+    for a, b in linked:
+        transfer[:, a, b] = 0.1
+    return Problem(
+        tuple(f"d{d}" for d in range(k)), np.full(k, 10.0), tuple(f"x{i}" for i in range(n)),
+        np.where(np.array(runs_on), 1.0, np.inf), np.ones(n), tuple(f"t{i}" for i in range(n - 1)),
+        np.arange(n - 1), tuple((i + 1,) for i in range(n - 1)), transfer,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list_placers())
+def test_every_placer_names_the_tensor_no_link_can_carry_where_no_plan_exists(name):
+    """x0 runs on d0 only, x2 on d2 only, and x1 anywhere, but the only links are d0->d1 and d2->d1: x1 can go
+    nowhere. Every placer says so, naming the tensor, not memory (which has room) or its own search."""
+    problem = _linked_chain([[True, False, False], [True, True, True], [False, False, True]], [(0, 1), (2, 1)])
+    with pytest.raises(InfeasibleError, match=r"no plan exists: tensor 't\d' goes from task 'x\d'"):
+        takes_limit = "time_limit_s" in inspect.signature(spec(name).function).parameters
+        place(problem, placer=name, **({"time_limit_s": 2} if takes_limit else {}))
+
+
+def test_links_that_leave_one_way_through_are_no_refusal():
+    problem = _linked_chain([[True, False, False], [True, True, True], [False, False, True]], [(0, 1), (1, 2)])
+    plan = place(problem, placer="heft")
+    assert plan.placement[0] == 0 and plan.placement[2] == 2 and plan.placement[1] in (0, 1, 2)

@@ -21,6 +21,7 @@ Two bounds, each valid for every plan that respects memory, with or without link
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import NamedTuple
 
@@ -111,6 +112,64 @@ def check_memory_feasible(problem: Problem, grouped: bool = True) -> None:
         _check_groups_fit(contract(problem))
     elif problem.colocated:
         _check_sets_fit(problem)
+
+
+def without_unlinked_devices(problem: Problem) -> Problem:
+    """``problem`` with every task kept off the devices no plan can put it on for want of links, or ``problem`` itself
+    where that is none; :class:`InfeasibleError` where a task is left no device. Each task's devices are narrowed to
+    those a tensor it makes or reads can cross to or from (arc consistency), colocated tasks sharing theirs, until
+    none changes: a greedy placer then never takes a device from which the graph cannot go on (a task that reads
+    from one device and feeds another, with links only through a third)."""
+    linked = np.isfinite(problem.transfer_s)  # [tensor, source, destination]; the diagonal is 0
+    if linked.all():
+        return problem
+    representative = np.arange(problem.num_tasks)
+    allowed = problem.runs_on.copy()
+    for members in colocated_sets(problem):
+        representative[list(members)] = members[0]
+        allowed[members[0]] = problem.runs_on[list(members)].all(axis=0)
+    if not allowed[representative].any(axis=1).all():
+        return problem  # a task or a set that can run nowhere: the memory check and the simulator say which
+    crossings = [
+        (t, int(representative[problem.tensor_producer[t]]), int(representative[c]))
+        for t, consumers in enumerate(problem.tensor_consumers)
+        for c in consumers
+        if not linked[t].all()
+    ]
+    crossings = [(t, u, c) for t, u, c in crossings if u != c]
+    changed = True
+    while changed:
+        changed = False
+        for t, u, c in crossings:
+            link = linked[t].astype(int)
+            consumer = allowed[c] & (allowed[u].astype(int) @ link > 0)
+            producer = allowed[u] & (link @ allowed[c].astype(int) > 0)
+            if not consumer.any() or not producer.any():
+                raise _no_link_between(problem, t, c, allowed[u], allowed[c])
+            if (consumer != allowed[c]).any() or (producer != allowed[u]).any():
+                allowed[c], allowed[u], changed = consumer, producer, True
+    allowed = allowed[representative] & problem.runs_on
+    if (allowed == problem.runs_on).all():
+        return problem
+    return dataclasses.replace(problem, compute_s=np.where(allowed, problem.compute_s, np.inf))
+
+
+def _no_link_between(
+    problem: Problem, tensor: int, consumer: int, producer_devices: np.ndarray, consumer_devices: np.ndarray
+) -> InfeasibleError:
+    """The refusal of a problem whose ``tensor`` can cross from no device its producer may use to none ``consumer``
+    may use."""
+
+    def names(devices: np.ndarray) -> str:
+        return ", ".join(repr(problem.device_names[d]) for d in np.flatnonzero(devices)) or "none"
+
+    producer = int(problem.tensor_producer[tensor])
+    return InfeasibleError(
+        f"no plan exists: tensor {problem.tensor_names[tensor]!r} goes from task {problem.task_names[producer]!r} "
+        f"(which can run on {names(producer_devices)}) to task {problem.task_names[consumer]!r} (on "
+        f"{names(consumer_devices)}), and no link joins those devices (infinite transfer time) nor do they share "
+        "one; give the problem the missing link, or let the tasks run on a common device"
+    )
 
 
 def _check_sets_fit(problem: Problem) -> None:

@@ -72,13 +72,15 @@ class PlacerSpec:
 
     @functools.cached_property
     def checked(self) -> Placer:
-        """The function behind the registry's preconditions: memory first, for a placer that respects it; a problem
-        with colocated tasks is contracted, placed and its plan expanded (:mod:`moirai.planning.colocation`)."""
-        from moirai.planning.bounds import check_memory_feasible
+        """The function behind the registry's preconditions: tasks kept off the devices no link lets them use (and a
+        refusal where that leaves a task none); memory fits, for a placer that respects it; a problem with colocated
+        tasks is contracted, placed and its plan expanded (:mod:`moirai.planning.colocation`)."""
+        from moirai.planning.bounds import check_memory_feasible, without_unlinked_devices
         from moirai.planning.colocation import contract
 
         @functools.wraps(self.function)
         def placer(problem: Problem, **options: Any) -> Plan:
+            problem = without_unlinked_devices(problem)
             keeps_sets = bool(problem.colocated) and self.keeps_sets is not None and self.keeps_sets(problem, options)
             if self.respects_memory:
                 check_memory_feasible(problem, grouped=not keeps_sets)
