@@ -303,7 +303,8 @@ def compile(
     about half a minute to a minute: a kind of link 10-20 s, the runtime's own work per request 20-40 s, on a
     loaded two-core machine) and cached, so once per machine (:func:`moirai.cluster.calibration.local_calibration`);
     ``"remeasure"`` measures it again; a path reads a calibration file; ``"none"`` skips it and keeps the detected
-    defaults (50 us, no CPU time). A :class:`moirai.Cluster` keeps the links it describes.
+    defaults (each kind's local link: 50 us between CPUs, an accelerator's own where one is at an end; no CPU
+    time). A :class:`moirai.Cluster` keeps the links it describes.
     """
     check_placer_options(placer_options, placer=placer)
     handover = PlanHandover.under_torchrun(devices)
