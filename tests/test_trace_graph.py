@@ -325,6 +325,11 @@ def test_a_non_tensor_input_traced_as_nan_accepts_nan_and_a_tuple_is_checked_ite
     traced = trace(Filled(), (x, True))
     with pytest.raises(InputError, match=r"\(type numpy.bool, traced type bool\)"):  # numpy names its bool 'bool'
         traced.flatten_inputs((x, numpy.True_), {})
+    traced = trace(Affine(), (x, (2, 3)))
+    with pytest.raises(InputError, match=r"called with np.int64\(2\) .*; pass it as int, the type it was traced with"):
+        traced.flatten_inputs((x, (numpy.int64(2), 3)), {})  # a value from a numpy array: right, its type not
+    with pytest.raises(InputError, match=r"called with np.int64\(5\) .*; compile again to plan for that value"):
+        traced.flatten_inputs((x, (numpy.int64(5), 3)), {})
 
 
 def test_a_torch_size_the_model_returns_comes_back_a_torch_size() -> None:

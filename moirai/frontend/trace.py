@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TextIO
 
+import numpy as np
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -152,6 +153,15 @@ def _wrong_shape_error(
     )
 
 
+def _equal_value(value: Any, constant: Any) -> bool:
+    """Whether ``value == constant`` is plainly true (a numpy bool too; an array's or a tensor's answer is not)."""
+    try:
+        equal = value == constant
+        return isinstance(equal, (bool, np.bool_)) and bool(equal)
+    except Exception:  # a type without a comparison
+        return False
+
+
 def _same_constant(value: Any, constant: Any) -> bool:
     """Whether a call's ``value`` is the non-tensor input the model was traced with, which the graph holds baked in.
 
@@ -234,15 +244,19 @@ class TracedModel:
         for position, constant in self.constant_inputs.items():
             if not _same_constant(flat[position], constant):
                 called = flat[position]
+                remedy = "compile again to plan for that value"
                 if isinstance(called, torch.Tensor):
                     shown = f"a tensor of shape {tuple(called.shape)}"
                 elif type(called) is not type(constant):  # 2.0 for 2: the reprs may not tell them apart
                     shown = f"{repr(called)[:200]} (type {_type_name(called)}, traced type {_type_name(constant)})"
+                    if _equal_value(called, constant):  # numpy's int64(3) for 3: the value is right, its type not
+                        traced_type = _type_name(constant)
+                        remedy = f"pass it as {traced_type}, the type it was traced with, or compile again for its type"
                 else:
                     shown = repr(called)[:200]
                 raise InputError(
                     f"{self.model_name} was traced with the non-tensor input {constant!r} at flat position "
-                    f"{position}, called with {shown}; compile again to plan for that value"
+                    f"{position}, called with {shown}; {remedy}"
                 )
         tensors = [value for position, value in enumerate(flat) if position not in self.constant_inputs]
         check_flat_inputs(self.input_specs, self.dynamic_dims, tensors, self.model_name)
