@@ -22,7 +22,7 @@ from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
 from moirai.runtime.blame import report_setup_failure
 from moirai.runtime.hosts import rank_hosts
-from moirai.runtime.store import wait_for_key
+from moirai.runtime.store import get_json, wait_for_key
 from moirai.user_files import check_input_path, load_json, parsing, read_text
 
 if TYPE_CHECKING:
@@ -100,11 +100,15 @@ class PlanHandover:
 
     def receive(self) -> dict[str, Any]:
         wait_for_key(self.store, self.key, self.planner, "planning", _PLAN_HANDOVER_TIMEOUT_S)
-        record = json.loads(self.store.get(self.key))
-        if isinstance(record, dict) and isinstance(record.get("failed"), str):
+
+        def plan_or_failure(record: Any) -> bool:  # a plan record (every field of one), or rank 0's planning error
+            return isinstance(record, dict) and (
+                isinstance(record.get("failed"), str) or all(key in record for key in PLAN_KEYS)
+            )
+
+        record = get_json(self.store, self.key, "plan", plan_or_failure, 'a plan record, or {"failed": a string}')
+        if isinstance(record.get("failed"), str):
             raise DistributedError(f"{self.planner} failed to plan, so this rank has no plan: {record['failed']}")
-        if not isinstance(record, dict) or any(key not in record for key in PLAN_KEYS):
-            raise DistributedError(f"store key {self.key!r} holds no plan: {str(record)[:80]!r}")
         # As a plan file's: what fails them is a rank 0 of another moirai, which from_plan_record would meet as a
         # raw ValueError or TypeError.
         check_plan_record(record, f"{self.planner}'s plan", "run the same moirai and torch on every rank")

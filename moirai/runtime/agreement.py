@@ -23,6 +23,7 @@ import operator
 import re
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ from moirai.frontend.state import written_in_place
 from moirai.runtime.blame import wait_for_ranks
 from moirai.runtime.groups import Group
 from moirai.runtime.split import DevicePart, SplitProgram
-from moirai.runtime.store import wait_for_key
+from moirai.runtime.store import get_json, wait_for_key
 
 SAMPLE_BYTES = 64 * 1024  # from each of a tensor's start, middle and end ([Note: weights are compared by sample])
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a default repr's address differs between processes
@@ -50,9 +51,28 @@ class ProgramDigest:
         return json.dumps({"structure": self.structure, "op_counts": list(self.op_counts), "weights": self.weights})
 
     @classmethod
-    def from_json(cls, text: bytes | str) -> ProgramDigest:
-        record = json.loads(text)
-        return cls(dict(record["structure"]), tuple(record["op_counts"]), dict(record["weights"]))
+    def read(cls, store: Any, key: str) -> ProgramDigest:
+        """The digest a rank set under ``key`` (:meth:`to_json`), checked: a :class:`moirai.DistributedError` naming
+        the key unless it is one."""
+
+        def valid(record: Any) -> bool:
+            return (
+                isinstance(record, dict)
+                and _strings(record.get("structure"))
+                and isinstance(record.get("op_counts"), list)
+                and all(type(count) is int for count in record["op_counts"])
+                and _strings(record.get("weights"))
+                and all(digest.count(":") == 1 for digest in record["weights"].values())
+            )
+
+        expected = '{"structure": {name: hash}, "op_counts": [int, ...], "weights": {name: "shape:values"}}'
+        record = get_json(store, key, "program digest", valid, expected)
+        return cls(record["structure"], tuple(record["op_counts"]), record["weights"])
+
+
+def _strings(value: Any) -> bool:
+    """Whether ``value`` maps strings to strings."""
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
 def program_digest(program: SplitProgram, part: int) -> ProgramDigest:
@@ -120,7 +140,7 @@ def _compare(group: Group, program: SplitProgram, own: ProgramDigest, key: str, 
     others = range(1, group.world_size)
     wait_for_ranks(group.store, {k: f"{key}/{k}" for k in others}, "saying which program it runs", timeout_s)
     for rank in others:
-        theirs = ProgramDigest.from_json(group.store.get(f"{key}/{rank}"))
+        theirs = ProgramDigest.read(group.store, f"{key}/{rank}")
         difference = plan_difference(own, theirs, rank) or weights_difference(
             part_weights(program.parts[rank]), theirs.weights, rank
         )

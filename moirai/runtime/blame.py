@@ -18,7 +18,7 @@ from typing import Any
 
 from moirai.errors import DistributedError
 from moirai.runtime.groups import Group
-from moirai.runtime.store import StoreSilent, answered_within, store_call
+from moirai.runtime.store import StoreSilent, answered_within, get_json, json_value, store_call
 
 # How long a failed rank waits for the other ranks' reports before naming a rank nobody heard from.
 # A rank that gave up this much later than the one waiting for it was stopped meanwhile (SIGSTOP, starved).
@@ -44,13 +44,18 @@ class RankSilent(DistributedError):
         self.rank = rank
 
 
+def failure_key(rank: int) -> str:
+    """Where rank ``rank`` says why it failed (:func:`report_failure`)."""
+    return f"moirai/failure/{rank}"
+
+
 def report_failure(store: Any, rank: int, peer: int | None, message: str) -> None:
     """Tell the other ranks why this rank failed: on its own (``peer`` None) or waiting for ``peer``."""
     report = {"peer": peer, "message": message, "at": time.time()}
 
     def write() -> None:
         store.set_timeout(datetime.timedelta(seconds=_REPORT_GRACE_S))
-        store.set(f"moirai/failure/{rank}", json.dumps(report))
+        store.set(failure_key(rank), json.dumps(report))
 
     try:
         answered_within(write, _REPORT_GRACE_S)
@@ -60,29 +65,22 @@ def report_failure(store: Any, rank: int, peer: int | None, message: str) -> Non
 
 def read_report(store: Any, rank: int, world_size: int) -> dict[str, Any]:
     """Rank ``rank``'s failure report, checked: :class:`moirai.DistributedError` naming the key unless it is one."""
-    key = f"moirai/failure/{rank}"
-    raw = answered_within(lambda: store.get(key), _REPORT_GRACE_S)
-    try:
-        report = json.loads(raw)
-    except ValueError:
-        report = None
-    peer = report.get("peer", ...) if isinstance(report, dict) else ...
-    if not (
-        isinstance(report, dict)
-        and isinstance(report.get("message"), str)
-        and (peer is None or (type(peer) is int and 0 <= peer < world_size and peer != rank))
-        and isinstance(report.get("at", 0.0), int | float)
-    ):
-        raise DistributedError(
-            f"store key {key!r} holds no failure report ({bytes(raw)[:80]!r}): expected "
-            f'{{"peer": null or a rank 0..{world_size - 1} other than {rank}, "message": a string}}; a process '
-            "that is no rank of this run wrote it"
+
+    def valid(report: Any) -> bool:
+        peer = report.get("peer", ...) if isinstance(report, dict) else ...
+        return (
+            isinstance(report, dict)
+            and isinstance(report.get("message"), str)
+            and (peer is None or (type(peer) is int and 0 <= peer < world_size and peer != rank))
+            and isinstance(report.get("at", 0.0), int | float)
         )
-    return report
+
+    expected = f'{{"peer": null or a rank 0..{world_size - 1} other than {rank}, "message": a string}}'
+    return get_json(store, failure_key(rank), "failure report", valid, expected, answer_s=_REPORT_GRACE_S)
 
 
 def _read_report(store: Any, rank: int, world_size: int, deadline: float) -> dict[str, Any] | None:
-    key = f"moirai/failure/{rank}"
+    key = failure_key(rank)
     while True:
         try:
             if answered_within(lambda: store.check([key]), _REPORT_GRACE_S):
@@ -118,15 +116,16 @@ def report_setup_failure(store: Any, rank: int, error: BaseException) -> None:
 _JOIN_POLL_S = 0.05
 
 
-def _setup_message(raw: bytes) -> str:
-    """The error in a setup failure report, or what the key holds where it is none (written by no rank of ours)."""
+def _setup_message(rank: int, raw: bytes) -> str:
+    """The error in rank ``rank``'s setup failure report ``raw``, or why it is none (written by no rank of ours)."""
+
+    def valid(report: Any) -> bool:
+        return isinstance(report, dict) and isinstance(report.get("message"), str)
+
     try:
-        report = json.loads(raw)
-    except ValueError:
-        report = None
-    if isinstance(report, dict) and isinstance(report.get("message"), str):
-        return report["message"][:2000]
-    return f"(its failure report, {bytes(raw)[:80]!r}, is none: a process that is no rank of this run wrote it)"
+        return json_value(setup_failure_key(rank), raw, "setup failure report", valid)["message"][:2000]
+    except DistributedError as forged:
+        return f"({forged})"
 
 
 def wait_for_ranks(store: Any, keys: Mapping[int, str], doing: str, timeout_s: float) -> None:
@@ -145,7 +144,7 @@ def wait_for_ranks(store: Any, keys: Mapping[int, str], doing: str, timeout_s: f
             elif store_call(lambda rank=rank: store.check([setup_failure_key(rank)]), f"rank {rank}", doing):
                 report = store_call(lambda rank=rank: store.get(setup_failure_key(rank)), who, doing)
                 raise DistributedError(
-                    f"rank {rank} failed before {doing}, so this rank stops too: {_setup_message(report)}; "
+                    f"rank {rank} failed before {doing}, so this rank stops too: {_setup_message(rank, report)}; "
                     f"fix rank {rank}'s error (see its output) and start every rank again"
                 )
         if pending and time.monotonic() > deadline:

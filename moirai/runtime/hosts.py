@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from moirai.errors import DistributedError, InputError
+from moirai.errors import InputError
 
 _LAYOUT_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -125,12 +125,12 @@ def rank_hosts(store: Any, rank: int, world_size: int, prefix: str, timeout_s: f
 
 
 def _host_entry(store: Any, key: str) -> tuple[str, str]:
-    try:
-        entry = json.loads(store.get(key))
-    except ValueError:
-        entry = None
-    if not (isinstance(entry, dict) and all(isinstance(entry.get(f), str) for f in ("hostname", "identity"))):
-        raise DistributedError(f"store key {key!r} holds no host: {entry!r:.120}")
+    from moirai.runtime.store import get_json
+
+    def valid(entry: Any) -> bool:
+        return isinstance(entry, dict) and all(isinstance(entry.get(f), str) for f in ("hostname", "identity"))
+
+    entry = get_json(store, key, "host", valid, '{"hostname": a string, "identity": a string}')
     return entry["hostname"], entry["identity"]
 
 

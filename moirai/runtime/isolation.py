@@ -24,9 +24,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 
-from moirai.errors import DistributedError, RequestError
+from moirai.errors import RequestError
 from moirai.frontend.trace import TensorSpec
 from moirai.runtime.split import SplitProgram, TensorTransfer, concrete_shape
+from moirai.runtime.store import get_json
 
 STATUS_OK, STATUS_FAILED = 0, 1
 _CAUSE_CHARS = 600
@@ -105,16 +106,11 @@ def report_part_failure(store: Any, request: int, failure: PartFailure) -> None:
 def read_part_failure(store: Any, request: int, rank: int) -> PartFailure:
     """Rank ``rank``'s report on ``request``, checked: :class:`moirai.DistributedError` naming the key unless one."""
     key = _key(request, rank)
-    raw = store.get(key)
-    try:
-        report = json.loads(raw)
-    except ValueError:
-        report = None
-    if not (isinstance(report, dict) and isinstance(report.get("op"), str) and isinstance(report.get("cause"), str)):
-        raise DistributedError(
-            f"store key {key!r} holds no part failure ({bytes(raw)[:80]!r}): expected "
-            '{"op": a string, "cause": a string}; a process that is no rank of this run wrote it'
-        )
+
+    def valid(report: Any) -> bool:
+        return isinstance(report, dict) and isinstance(report.get("op"), str) and isinstance(report.get("cause"), str)
+
+    report = get_json(store, key, "part failure", valid, '{"op": a string, "cause": a string}')
     _forget(store, key)
     return PartFailure(rank, report["op"], report["cause"])
 

@@ -32,7 +32,15 @@ from moirai.cluster.devices import Device
 from moirai.errors import DistributedError, InputError, SharedMemoryWarning, user_stacklevel
 from moirai.progress import carried, stage
 from moirai.runtime import orphans, shm
-from moirai.runtime.blame import PeerFailure, RankSilent, blamed, describe_error, read_report, report_failure
+from moirai.runtime.blame import (
+    PeerFailure,
+    RankSilent,
+    blamed,
+    describe_error,
+    failure_key,
+    read_report,
+    report_failure,
+)
 from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
 from moirai.runtime.groups import local_group
 from moirai.runtime.local import check_inputs
@@ -48,7 +56,7 @@ from moirai.runtime.resources import (
 )
 from moirai.runtime.shm_files import shm_dir
 from moirai.runtime.split import SplitProgram
-from moirai.runtime.store import RunStore, join_store, start_store
+from moirai.runtime.store import RunStore, get_json, join_store, start_store
 
 __all__ = ["DistributedRunner", "Worlds", "torch_device"]
 
@@ -292,7 +300,7 @@ class DistributedRunner:
             for rank in sorted(waiting):
                 if self._store.check([f"moirai/ready/{rank}"]):
                     waiting.discard(rank)
-                elif self._store.check([f"moirai/failure/{rank}"]):
+                elif self._store.check([failure_key(rank)]):
                     try:
                         message = read_report(self._store, rank, len(self.torch_devices))["message"]
                     except DistributedError as forged:
@@ -467,11 +475,10 @@ def _resources_in_use() -> dict[str, Any]:
 
 
 def _checked_resources(store: RunStore, rank: int) -> dict[str, Any]:
-    key = f"moirai/resources/{rank}"
-    resources = json.loads(store.get(key))
-    if not isinstance(resources, dict) or not isinstance(resources.get("threads"), int):
-        raise DistributedError(f"store key {key!r} holds no resources report: {resources!r:.80}")
-    return resources
+    def valid(resources: Any) -> bool:
+        return isinstance(resources, dict) and isinstance(resources.get("threads"), int)
+
+    return get_json(store, f"moirai/resources/{rank}", "resources report", valid, '{"threads": an int, ...}')
 
 
 def _worker_main(

@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from moirai.errors import DistributedError
 from moirai.runtime import shm_files
 from moirai.runtime.shm_files import DIR_ENV, ENV_SWITCH  # noqa: F401  (DIR_ENV: named as shm's by its users)
+from moirai.runtime.store import get_json
 
 RING_BYTES = 8 << 20  # per ordered pair of ranks; larger messages go in files of their own
 _CONTROL_BYTES = 64  # the ring file's head: the receiver's consumed count (int64)
@@ -438,11 +438,6 @@ def connect(
         shm_files.remove_links_directory(directory)
 
 
-def _get(store: Any, key: str, timeout_s: float) -> str:
-    store.wait([key], datetime.timedelta(seconds=timeout_s))
-    return store.get(key).decode()
-
-
 def _open_outbound(directory: str, rank: int, spills: shm_files.SpillOwner) -> _Outbound:
     """This rank's end of the ring and FIFO a peer made for it in ``directory`` (checked: the peer's own files)."""
     dir_fd = shm_files.open_private_directory(directory)
@@ -456,26 +451,21 @@ def _open_outbound(directory: str, rank: int, spills: shm_files.SpillOwner) -> _
 
 
 def _where(store: Any, key: str, timeout_s: float) -> dict[str, str]:
-    where = _json(store, key, timeout_s)
-    if not (
-        isinstance(where, dict)
-        and isinstance(where.get("host"), str)
-        and isinstance(where.get("directory"), str)
-        and os.path.isabs(where["directory"])
-    ):
-        raise DistributedError(f"store key {key!r} holds no shared-memory address: {where!r:.120}")
-    return where
+    def valid(where: Any) -> bool:
+        return (
+            isinstance(where, dict)
+            and isinstance(where.get("host"), str)
+            and isinstance(where.get("directory"), str)
+            and os.path.isabs(where["directory"])
+        )
+
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    return get_json(store, key, "shared-memory address", valid, '{"host": a string, "directory": an absolute path}')
 
 
 def _opened(store: Any, key: str, world_size: int, timeout_s: float) -> list[int]:
-    opened = _json(store, key, timeout_s)
-    if not (isinstance(opened, list) and all(type(k) is int and 0 <= k < world_size for k in opened)):
-        raise DistributedError(f"store key {key!r} holds no list of ranks 0..{world_size - 1}: {opened!r:.120}")
-    return opened
+    def valid(opened: Any) -> bool:
+        return isinstance(opened, list) and all(type(k) is int and 0 <= k < world_size for k in opened)
 
-
-def _json(store: Any, key: str, timeout_s: float) -> Any:
-    try:
-        return json.loads(_get(store, key, timeout_s))
-    except ValueError:
-        raise DistributedError(f"store key {key!r} holds no JSON") from None
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    return get_json(store, key, f"list of ranks 0..{world_size - 1}", valid)

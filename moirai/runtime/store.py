@@ -9,6 +9,9 @@ store (:class:`RunStore`): a client without the secret reads noise, and a value 
 the check with a :class:`moirai.DistributedError` naming the key. Keys live under a namespace
 derived from the secret, so two runs never read each other's keys. Under torchrun the store is
 torchrun's: a :class:`RunStore` without a secret passes values through as they are.
+
+A JSON value read from the store (a peer's report, address, timings, plan) is read through :func:`get_json`,
+which checks its shape and names the key where it is none: under torchrun the store is the network's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import json
 import os
 import secrets
 import socket
@@ -244,3 +248,44 @@ def store_call(call: Callable[[], Any], who: str, doing: str, answer_s: float = 
             f"the store closed while {who} was {doing} ({str(error).splitlines()[0][:160]}): under torchrun it "
             f"closes when the launcher of node 0 exits, so {who} failed or was stopped; see its output for why"
         ) from None
+
+
+# How much of a value that is none of what its key should hold an error shows.
+SHOWN_CHARS = 120
+
+
+def get_json(
+    store: Any,
+    key: str,
+    what: str,
+    valid: Callable[[Any], bool],
+    expected: str = "",
+    answer_s: float | None = None,
+) -> Any:
+    """The JSON value under ``key`` (UTF-8), where ``valid(value)`` says it is ``what`` the key should hold (``"host"``,
+    ``"failure report"``); else a :class:`moirai.DistributedError` naming the key and showing what it holds
+    (:func:`json_value`). ``expected`` describes the shape for that message; ``answer_s``: bound the read as
+    :func:`answered_within` does (a store across a network that went away)."""
+    raw = store.get(key) if answer_s is None else answered_within(lambda: store.get(key), answer_s)
+    return json_value(key, raw, what, valid, expected)
+
+
+def json_value(key: str, raw: bytes, what: str, valid: Callable[[Any], bool], expected: str = "") -> Any:
+    """:func:`get_json` on the bytes ``raw`` already read from ``key``. ``valid`` sees only a decoded value, and
+    must return False, not raise, for one of the wrong shape."""
+    raw = bytes(raw)
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):  # not UTF-8 (UnicodeDecodeError), not JSON, or nested past the parser
+        pass
+    else:
+        if valid(value):
+            return value
+    shown = repr(raw)
+    if len(shown) > SHOWN_CHARS:
+        shown = f"{shown[:SHOWN_CHARS]}, cut to {SHOWN_CHARS} characters"
+    raise DistributedError(
+        f"store key {key!r} holds no {what} (got {shown}){f'; expected {expected}' if expected else ''}: a process "
+        "that is no rank of this run wrote it, or a rank runs another version of moirai; run the same moirai on "
+        "every rank, and start them again"
+    )

@@ -174,21 +174,17 @@ def _links_measured(torch_devices: Sequence[str], hosts: Sequence[str]) -> set[H
 
 def _medians(store: object, key: str, pair: tuple[int, int], num_sizes: int) -> dict[str, list[float]]:
     """A pair's medians as its sender set them, checked (the store is the network's)."""
-    try:
-        medians = json.loads(store.get(key))  # type: ignore[attr-defined]
-    except ValueError:
-        medians = None
-    valid = isinstance(medians, dict) and [medians.get("src"), medians.get("dst")] == list(pair)
-    stream = medians.get("stream_bytes_per_s") if isinstance(medians, dict) else None
-    if (
-        not valid
-        or not all(
+    from moirai.runtime.store import get_json
+
+    def valid(medians: Any) -> bool:
+        if not (isinstance(medians, dict) and [medians.get("src"), medians.get("dst")] == list(pair)):
+            return False
+        stream = medians.get("stream_bytes_per_s")
+        return all(
             isinstance(medians.get(k), list)
             and len(medians[k]) == num_sizes
             and all(type(v) in (int, float) for v in medians[k])
             for k in _MEDIANS
-        )
-        or not (stream is None or (type(stream) in (int, float) and 0 < stream < float("inf")))
-    ):
-        raise DistributedError(f"store key {key!r} holds no timings of ranks {pair[0]} -> {pair[1]}: {medians!r:.120}")
-    return medians
+        ) and (stream is None or (type(stream) in (int, float) and 0 < stream < float("inf")))
+
+    return get_json(store, key, f"timings of ranks {pair[0]} -> {pair[1]}", valid)

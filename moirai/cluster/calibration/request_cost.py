@@ -37,7 +37,7 @@ from moirai.planning.costs import RequestCosts
 from moirai.runtime.local import check_inputs
 from moirai.runtime.server import Server
 from moirai.runtime.split import SplitProgram, split_module
-from moirai.runtime.store import loopback_listener
+from moirai.runtime.store import get_json, loopback_listener
 
 # Requests of each timed round of each way; rounds, after one that warms up (their median resists a round that
 # other processes slowed); calls of a half timed alone.
@@ -207,6 +207,24 @@ def _half_alone_s(half: torch.nn.Module) -> float:
         return (time.process_time() - cpu_before) / _PART_CALLS
 
 
+def _worker_pid(store: Any) -> int:
+    """Rank 1's process id, as it set it (``_request_rank_main``), checked."""
+    return get_json(store, "moirai/pid/1", "process id", lambda pid: type(pid) is int and pid > 0)
+
+
+def _worker_halves_s(store: Any) -> list[float]:
+    """Rank 1's time of each half of the chain alone, as it set them (``_request_rank_main``), checked."""
+
+    def valid(times: Any) -> bool:
+        return (
+            isinstance(times, list)
+            and len(times) == 2
+            and all(type(t) in (int, float) and 0 <= t < float("inf") for t in times)
+        )
+
+    return get_json(store, "moirai/halves_s/1", "time of each half", valid, "[seconds, seconds]")
+
+
 def _process_cpu_s(process: Any) -> float:
     """Another process's CPU time, every thread: to the nanosecond from Linux's schedstat (psutil's counts clock
     ticks of 10 ms, a tenth of a millisecond per request of a round), else psutil's."""
@@ -237,7 +255,7 @@ def _time_requests(
     halves = _halves(model)
     x = torch.randn(1, _WIDTH)
     chain = _TwoWayChain.of(model, x)
-    worker = psutil.Process(int(store.get("moirai/pid/1")))
+    worker = psutil.Process(_worker_pid(store))
     driver = Driver(group, timeout_s, max_in_flight=_IN_FLIGHT, helper_cores=helper_cores)
     servers = [chain.server(program, driver, timeout_s) for program in chain.programs]
     # Per way (first part on rank 0, on rank 1, all on rank 0): each rank's CPU, rank 0's share computed alone.
@@ -254,7 +272,7 @@ def _time_requests(
                 cpu_s = [(after - before) / requests for before, after in zip(cpu_before, cpu_after, strict=True)]
                 rounds[way].append((cpu_s, half_s))
     driver.close()
-    worker_halves_s = json.loads(store.get("moirai/halves_s/1"))
+    worker_halves_s = _worker_halves_s(store)
     with torch.no_grad():
         output_bytes = float(model(x).numel() * x.element_size())
     ways = []
