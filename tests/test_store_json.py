@@ -16,7 +16,7 @@ from moirai.cluster.calibration import request_cost
 from moirai.errors import DistributedError
 from moirai.plan_records import PlanHandover
 from moirai.runtime import runner
-from moirai.runtime.agreement import ProgramDigest
+from moirai.runtime.agreement import ProgramDigest, read_verdict
 from moirai.runtime.blame import wait_for_ranks
 from moirai.runtime.store import SHOWN_CHARS, RunStore, get_json
 
@@ -58,6 +58,9 @@ READERS = {
     "moirai/pid/1": _under("moirai/pid/1", request_cost._worker_pid),
     "moirai/halves_s/1": _under("moirai/halves_s/1", request_cost._worker_halves_s),
     "moirai/agreement/0/1": _digest,
+    "moirai/agreement/0/verdict": _under(
+        "moirai/agreement/0/verdict", lambda store: read_verdict(store, "moirai/agreement/0/verdict")
+    ),
 }
 
 

@@ -125,14 +125,19 @@ def check_same_program(group: Group, program: SplitProgram, timeout_s: float) ->
     digest = program_digest(program, group.rank)
     if group.rank == 0:
         verdict = _compare(group, program, digest, key, timeout_s)
-        group.store.set(f"{key}/verdict", verdict)
+        group.store.set(f"{key}/verdict", json.dumps(verdict))
     else:
         group.store.set(f"{key}/{group.rank}", digest.to_json())
         wait_for_key(group.store, f"{key}/verdict", "rank 0", "comparing the ranks' programs", timeout_s)
-        verdict = group.store.get(f"{key}/verdict").decode()
+        verdict = read_verdict(group.store, f"{key}/verdict")
     if verdict != _AGREED:
         raise PlanError(verdict)
     _CHECKED[program] = True
+
+
+def read_verdict(store: Any, key: str) -> str:
+    """Rank 0's verdict as it set it under ``key`` (a JSON string)."""
+    return get_json(store, key, "verdict of rank 0", lambda v: isinstance(v, str), "a JSON string")
 
 
 def _compare(group: Group, program: SplitProgram, own: ProgramDigest, key: str, timeout_s: float) -> str:
