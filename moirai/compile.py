@@ -58,6 +58,7 @@ from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.runtime import distributed
 from moirai.runtime.distributed import DistributedRunner, check_timeout, run_distributed, run_rank, torchrun_driver
+from moirai.runtime.driver import DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT_S
 from moirai.runtime.local import check_inputs, run_local
 from moirai.runtime.server import Server
 from moirai.runtime.split import SplitProgram, split_module
@@ -110,7 +111,9 @@ class CompiledModel:
         return f"<CompiledModel of {self.traced.model_name}: {describe_plan(self.plan)}; .summary() shows the plan>"
 
     @_progress.reports_progress
-    def run_distributed(self, *args: Any, timeout_s: float = 120.0, progress: bool | None = None, **kwargs: Any) -> Any:
+    def run_distributed(
+        self, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, progress: bool | None = None, **kwargs: Any
+    ) -> Any:
         """Run with one process per device (torch.distributed send/recv); returns the outputs here. ``progress``:
         whether starting the workers reports, by default as the model was compiled (``compile(progress=...)``)."""
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
@@ -121,8 +124,8 @@ class CompiledModel:
     @_progress.reports_progress
     def server(
         self,
-        timeout_s: float = 120.0,
-        max_in_flight: int = 8,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         *,
         warn_state_left: bool = True,
         progress: bool | None = None,
@@ -166,7 +169,9 @@ class CompiledModel:
         )
 
     @_progress.reports_progress
-    def run_rank(self, *args: Any, timeout_s: float = 120.0, progress: bool | None = None, **kwargs: Any) -> Any:
+    def run_rank(
+        self, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, progress: bool | None = None, **kwargs: Any
+    ) -> Any:
         """Run this process's part under ``torchrun`` (rank and world size from its environment).
 
         Rank 0 passes the inputs and gets the outputs; the other ranks may call it without
@@ -595,7 +600,7 @@ def _unfused_lower_bound_s(
         return None  # no plan fits memory; the coarsened problem's own bound is then absent too
 
 
-def serve_rank(compiled: CompiledModel, timeout_s: float = 120.0) -> None:
+def serve_rank(compiled: CompiledModel, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Under torchrun, on every rank but 0: serve rank 0's ``compiled.server()`` until it closes."""
     _check_devices_here(compiled.cluster, [int(os.environ.get("RANK", 0))])
     distributed.serve_rank(compiled.program, compiled.cluster.devices, timeout_s=timeout_s)

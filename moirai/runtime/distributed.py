@@ -45,7 +45,7 @@ from moirai.errors import DistributedError, InputError
 from moirai.runtime import shm
 from moirai.runtime.agreement import check_same_program
 from moirai.runtime.blame import blamed, wait_for_ranks
-from moirai.runtime.driver import Driver, check_timeout
+from moirai.runtime.driver import DEFAULT_TIMEOUT_S, Driver, check_timeout
 from moirai.runtime.groups import Group, gloo_links, placed_part
 from moirai.runtime.hosts import host_ranks, rank_hosts, torchrun_layout
 from moirai.runtime.local import check_inputs
@@ -75,7 +75,7 @@ def run_distributed(
     program: SplitProgram,
     flat_inputs: Sequence[torch.Tensor],
     torch_devices: Sequence[str | Device],
-    timeout_s: float = 60.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[torch.Tensor]:
     """Run ``program`` once on ``len(torch_devices)`` processes (this one is rank 0); outputs on device 0.
 
@@ -135,7 +135,7 @@ def run_rank(
     world_size: int,
     flat_inputs: Sequence[torch.Tensor] | None,
     torch_devices: Sequence[str | Device],
-    timeout_s: float = 60.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[torch.Tensor] | None:
     """Run this rank's part of one request under torchrun; every rank calls it for every request, in the same order.
 
@@ -168,7 +168,9 @@ def run_rank(
         raise blamed(group, error, f"request {request}") from error
 
 
-def serve_rank(program: SplitProgram, torch_devices: Sequence[str | Device], timeout_s: float = 120.0) -> None:
+def serve_rank(
+    program: SplitProgram, torch_devices: Sequence[str | Device], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> None:
     """Under torchrun, on every rank but 0: run this rank's part of each request rank 0's server sends, until it closes.
 
     Raises :class:`moirai.DistributedError` naming the guilty rank if a rank fails or hangs.
@@ -223,7 +225,7 @@ def torchrun_secret() -> bytes | None:
         raise InputError(f"{RUN_SECRET_ENV} must be hexadecimal (e.g. from `openssl rand -hex 32`)") from None
 
 
-def torchrun_store(torch_devices: Sequence[str], timeout_s: float = 120.0) -> RunStore | None:
+def torchrun_store(torch_devices: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> RunStore | None:
     """Under torchrun with one rank per device of ``torch_devices``, the run's store (joining the default process
     group, as the first request would, if not yet joined); None otherwise."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
