@@ -47,7 +47,7 @@ from moirai.runtime.agreement import check_same_program
 from moirai.runtime.blame import blamed, wait_for_ranks
 from moirai.runtime.driver import DEFAULT_TIMEOUT_S, Driver, check_timeout
 from moirai.runtime.groups import Group, gloo_links, placed_part
-from moirai.runtime.hosts import host_ranks, rank_hosts, torchrun_layout
+from moirai.runtime.hosts import TorchrunWorld, host_ranks, rank_hosts, require_torchrun_world, torchrun_layout
 from moirai.runtime.local import check_inputs
 from moirai.runtime.network import choose_gloo_interface
 from moirai.runtime.protocol import Header, Messages, receive_header, run_part, send_header, send_inputs, serve
@@ -176,7 +176,8 @@ def serve_rank(
     Raises :class:`moirai.DistributedError` naming the guilty rank if a rank fails or hangs.
     """
     timeout_s = check_timeout(timeout_s)
-    rank, world_size = _torchrun_rank()
+    world = require_torchrun_world("serve_rank")
+    rank, world_size = world.rank, world.world_size
     if rank == 0:
         raise InputError("rank 0 is the driver: serve requests there with compiled.server(), not serve_rank")
     group = _torchrun_group(program, rank, world_size, torch_devices, timeout_s)
@@ -193,7 +194,8 @@ def torchrun_driver(
     program: SplitProgram, torch_devices: Sequence[str | Device], timeout_s: float, max_in_flight: int
 ) -> Driver:
     """Rank 0's driver under torchrun (the others call :func:`serve_rank` with the same program)."""
-    rank, world_size = _torchrun_rank()
+    world = require_torchrun_world("a server for torchrun's ranks")
+    rank, world_size = world.rank, world.world_size
     if rank != 0:
         raise InputError(
             f"this is rank {rank}: only rank 0 serves requests; call moirai.serve_rank(compiled) on the other ranks"
@@ -202,12 +204,6 @@ def torchrun_driver(
     check_same_program(group, program, timeout_s)
     helper_cores = _torchrun_resources(torch_devices, rank)[0].helper_cores
     return Driver(group, timeout_s, max_in_flight, preloaded=program, helper_cores=helper_cores)
-
-
-def _torchrun_rank() -> tuple[int, int]:
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise InputError("RANK and WORLD_SIZE are not set: run the script with torchrun (or use compiled.server())")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def torchrun_secret() -> bytes | None:
@@ -225,16 +221,15 @@ def torchrun_secret() -> bytes | None:
         raise InputError(f"{RUN_SECRET_ENV} must be hexadecimal (e.g. from `openssl rand -hex 32`)") from None
 
 
-def torchrun_store(torch_devices: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> RunStore | None:
-    """Under torchrun with one rank per device of ``torch_devices``, the run's store (joining the default process
-    group, as the first request would, if not yet joined); None otherwise."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    rank, world_size = _torchrun_rank()
-    if world_size < 2 or world_size != len(torch_devices):
+def torchrun_store(
+    world: TorchrunWorld, torch_devices: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> RunStore | None:
+    """In ``world`` (:func:`hosts.torchrun_world`) with one rank per device of ``torch_devices``, the run's store
+    (joining the default process group, as the first request would, if not yet joined); None otherwise."""
+    if world.world_size != len(torch_devices):
         return None
     if not dist.is_initialized():
-        init_rank(rank, world_size, torch_devices, check_timeout(timeout_s))
+        init_rank(world.rank, world.world_size, torch_devices, check_timeout(timeout_s))
     return RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
 
 
