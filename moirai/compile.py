@@ -17,7 +17,6 @@ import dataclasses
 import inspect
 import json
 import logging
-import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -58,6 +57,8 @@ from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.runtime import distributed
 from moirai.runtime.distributed import DistributedRunner, check_timeout, run_distributed, run_rank, torchrun_driver
+from moirai.runtime.driver import DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT_S
+from moirai.runtime.hosts import require_torchrun_world, torchrun_world
 from moirai.runtime.local import check_inputs, run_local
 from moirai.runtime.server import Server
 from moirai.runtime.split import SplitProgram, split_module
@@ -110,7 +111,9 @@ class CompiledModel:
         return f"<CompiledModel of {self.traced.model_name}: {describe_plan(self.plan)}; .summary() shows the plan>"
 
     @_progress.reports_progress
-    def run_distributed(self, *args: Any, timeout_s: float = 120.0, progress: bool | None = None, **kwargs: Any) -> Any:
+    def run_distributed(
+        self, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, progress: bool | None = None, **kwargs: Any
+    ) -> Any:
         """Run with one process per device (torch.distributed send/recv); returns the outputs here. ``progress``:
         whether starting the workers reports, by default as the model was compiled (``compile(progress=...)``)."""
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
@@ -121,8 +124,8 @@ class CompiledModel:
     @_progress.reports_progress
     def server(
         self,
-        timeout_s: float = 120.0,
-        max_in_flight: int = 8,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         *,
         warn_state_left: bool = True,
         progress: bool | None = None,
@@ -139,7 +142,7 @@ class CompiledModel:
         request) reports, by default as the model was compiled.
         """
         timeout_s = check_timeout(timeout_s)
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if torchrun_world() is not None:  # a world of one rank is a local run
             _check_devices_here(self.cluster, [0])  # rank 0 runs device 0; each other rank checks its own
             driver = torchrun_driver(self.program, self.cluster.devices, timeout_s, max_in_flight)
 
@@ -166,17 +169,26 @@ class CompiledModel:
         )
 
     @_progress.reports_progress
-    def run_rank(self, *args: Any, timeout_s: float = 120.0, progress: bool | None = None, **kwargs: Any) -> Any:
+    def run_rank(
+        self, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, progress: bool | None = None, **kwargs: Any
+    ) -> Any:
         """Run this process's part under ``torchrun`` (rank and world size from its environment).
 
         Rank 0 passes the inputs and gets the outputs; the other ranks may call it without
-        arguments and get ``None``. Every rank must have loaded the same plan (``moirai.load``). ``progress`` as in
-        :meth:`run_distributed`.
+        arguments and get ``None``. Every rank must have loaded the same plan (``moirai.load``). Outside torchrun,
+        or in a world of one rank, this process is the only rank: it runs the whole model as :meth:`run_distributed`
+        does. ``progress`` as in :meth:`run_distributed`.
         """
-        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        world = torchrun_world()
+        if world is None:  # a local run, as compile and server() take it
+            flat_inputs = self.traced.flatten_inputs(args, kwargs)
+            _check_devices_here(self.cluster, range(len(self.cluster)))
+            outputs = run_distributed(self.program, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
+            return self.traced.unflatten_outputs(outputs)
+        rank = world.rank
         flat_inputs = self.traced.flatten_inputs(args, kwargs) if rank == 0 else None
         _check_devices_here(self.cluster, [rank])
-        outputs = run_rank(self.program, rank, world_size, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
+        outputs = run_rank(self.program, rank, world.world_size, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
         return None if outputs is None else self.traced.unflatten_outputs(outputs)
 
     def with_plan(self, plan: Plan) -> CompiledModel:
@@ -596,9 +608,9 @@ def _unfused_lower_bound_s(
         return None  # no plan fits memory; the coarsened problem's own bound is then absent too
 
 
-def serve_rank(compiled: CompiledModel, timeout_s: float = 120.0) -> None:
+def serve_rank(compiled: CompiledModel, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Under torchrun, on every rank but 0: serve rank 0's ``compiled.server()`` until it closes."""
-    _check_devices_here(compiled.cluster, [int(os.environ.get("RANK", 0))])
+    _check_devices_here(compiled.cluster, [require_torchrun_world("serve_rank").rank])
     distributed.serve_rank(compiled.program, compiled.cluster.devices, timeout_s=timeout_s)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ from moirai.file_numbers import float_fault, int_fault
 from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
 from moirai.runtime.blame import report_setup_failure
-from moirai.runtime.hosts import rank_hosts
+from moirai.runtime.hosts import rank_hosts, torchrun_world
 from moirai.runtime.store import get_json, wait_for_key
 from moirai.user_files import check_input_path, load_json, parsing, read_text
 
@@ -57,14 +56,15 @@ class PlanHandover:
     @classmethod
     def under_torchrun(cls, devices: Cluster | Sequence[str]) -> PlanHandover | None:
         """None outside torchrun, or where the devices are not one per rank of this world."""
-        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        world = torchrun_world()  # None for a world of one rank: that compile plans here, as outside torchrun
+        if world is None:
             return None  # before reading devices: a malformed list is local_cluster's to name
         given = [d.torch_device for d in devices.devices] if isinstance(devices, Cluster) else list(devices)
         torch_devices = [str(torch.device(d)) for d in given]
-        store = distributed.torchrun_store(torch_devices)
+        store = distributed.torchrun_store(world, torch_devices)
         if store is None:
             return None
-        return cls(store, int(os.environ["RANK"]), torch_devices, isinstance(devices, Cluster))
+        return cls(store, world.rank, torch_devices, isinstance(devices, Cluster))
 
     @property
     def planner(self) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -51,7 +50,7 @@ def shown(enabled: bool = True, console: Console | None = None) -> Iterator[None
     if _console.get() is not None or _silenced.get():
         yield
         return
-    if not enabled or os.environ.get("RANK", "0") != "0":
+    if not enabled or not _reports_here():
         token = _silenced.set(True)
         try:
             yield
@@ -63,6 +62,14 @@ def shown(enabled: bool = True, console: Console | None = None) -> Iterator[None
         yield
     finally:
         _console.reset(token)
+
+
+def _reports_here() -> bool:
+    """Whether this process reports: rank 0 of a torchrun world, or a local run (:func:`hosts.torchrun_world`)."""
+    from moirai.runtime.hosts import torchrun_world  # moirai.runtime's modules report progress themselves
+
+    world = torchrun_world()
+    return world is None or world.rank == 0
 
 
 def silenced() -> bool:

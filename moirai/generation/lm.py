@@ -65,6 +65,7 @@ from moirai.planning.objective import LATENCY, Generation
 from moirai.planning.placers import place
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
+from moirai.runtime.driver import DEFAULT_TIMEOUT_S
 from moirai.runtime.runner import Worlds
 
 DEFAULT_MAX_PREFILL = 64  # tokens of a prompt's chunk where max_prefill is left out (and max_seq_len allows)
@@ -306,7 +307,7 @@ class CompiledLM:
             engine = self.engine(lambda inputs: done_future(lambda: self.compiled(*inputs)), depth=1)
             return generate_rows(self, engine, input_ids, attention_mask, options, drive=engine.run_until_idle)
 
-    def server(self, timeout_s: float = 120.0, max_in_flight: int | None = None) -> GenerationServer:
+    def server(self, timeout_s: float = DEFAULT_TIMEOUT_S, max_in_flight: int | None = None) -> GenerationServer:
         """A server that generates for many sequences at once, one process per device (see
         :class:`GenerationServer`); ``max_in_flight`` steps in flight (default: one per stage, at least 2). One is
         open at a time, and :meth:`generate` runs through it while it is."""

@@ -45,9 +45,9 @@ from moirai.errors import DistributedError, InputError
 from moirai.runtime import shm
 from moirai.runtime.agreement import check_same_program
 from moirai.runtime.blame import blamed, wait_for_ranks
-from moirai.runtime.driver import Driver, check_timeout
+from moirai.runtime.driver import DEFAULT_TIMEOUT_S, Driver, check_timeout
 from moirai.runtime.groups import Group, gloo_links, placed_part
-from moirai.runtime.hosts import host_ranks, rank_hosts, torchrun_layout
+from moirai.runtime.hosts import TorchrunWorld, host_ranks, rank_hosts, require_torchrun_world, torchrun_layout
 from moirai.runtime.local import check_inputs
 from moirai.runtime.network import choose_gloo_interface
 from moirai.runtime.protocol import Header, Messages, receive_header, run_part, send_header, send_inputs, serve
@@ -75,7 +75,7 @@ def run_distributed(
     program: SplitProgram,
     flat_inputs: Sequence[torch.Tensor],
     torch_devices: Sequence[str | Device],
-    timeout_s: float = 60.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[torch.Tensor]:
     """Run ``program`` once on ``len(torch_devices)`` processes (this one is rank 0); outputs on device 0.
 
@@ -135,7 +135,7 @@ def run_rank(
     world_size: int,
     flat_inputs: Sequence[torch.Tensor] | None,
     torch_devices: Sequence[str | Device],
-    timeout_s: float = 60.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[torch.Tensor] | None:
     """Run this rank's part of one request under torchrun; every rank calls it for every request, in the same order.
 
@@ -168,13 +168,16 @@ def run_rank(
         raise blamed(group, error, f"request {request}") from error
 
 
-def serve_rank(program: SplitProgram, torch_devices: Sequence[str | Device], timeout_s: float = 120.0) -> None:
+def serve_rank(
+    program: SplitProgram, torch_devices: Sequence[str | Device], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> None:
     """Under torchrun, on every rank but 0: run this rank's part of each request rank 0's server sends, until it closes.
 
     Raises :class:`moirai.DistributedError` naming the guilty rank if a rank fails or hangs.
     """
     timeout_s = check_timeout(timeout_s)
-    rank, world_size = _torchrun_rank()
+    world = require_torchrun_world("serve_rank")
+    rank, world_size = world.rank, world.world_size
     if rank == 0:
         raise InputError("rank 0 is the driver: serve requests there with compiled.server(), not serve_rank")
     group = _torchrun_group(program, rank, world_size, torch_devices, timeout_s)
@@ -191,7 +194,8 @@ def torchrun_driver(
     program: SplitProgram, torch_devices: Sequence[str | Device], timeout_s: float, max_in_flight: int
 ) -> Driver:
     """Rank 0's driver under torchrun (the others call :func:`serve_rank` with the same program)."""
-    rank, world_size = _torchrun_rank()
+    world = require_torchrun_world("a server for torchrun's ranks")
+    rank, world_size = world.rank, world.world_size
     if rank != 0:
         raise InputError(
             f"this is rank {rank}: only rank 0 serves requests; call moirai.serve_rank(compiled) on the other ranks"
@@ -200,12 +204,6 @@ def torchrun_driver(
     check_same_program(group, program, timeout_s)
     helper_cores = _torchrun_resources(torch_devices, rank)[0].helper_cores
     return Driver(group, timeout_s, max_in_flight, preloaded=program, helper_cores=helper_cores)
-
-
-def _torchrun_rank() -> tuple[int, int]:
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise InputError("RANK and WORLD_SIZE are not set: run the script with torchrun (or use compiled.server())")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def torchrun_secret() -> bytes | None:
@@ -223,16 +221,15 @@ def torchrun_secret() -> bytes | None:
         raise InputError(f"{RUN_SECRET_ENV} must be hexadecimal (e.g. from `openssl rand -hex 32`)") from None
 
 
-def torchrun_store(torch_devices: Sequence[str], timeout_s: float = 120.0) -> RunStore | None:
-    """Under torchrun with one rank per device of ``torch_devices``, the run's store (joining the default process
-    group, as the first request would, if not yet joined); None otherwise."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    rank, world_size = _torchrun_rank()
-    if world_size < 2 or world_size != len(torch_devices):
+def torchrun_store(
+    world: TorchrunWorld, torch_devices: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> RunStore | None:
+    """In ``world`` (:func:`hosts.torchrun_world`) with one rank per device of ``torch_devices``, the run's store
+    (joining the default process group, as the first request would, if not yet joined); None otherwise."""
+    if world.world_size != len(torch_devices):
         return None
     if not dist.is_initialized():
-        init_rank(rank, world_size, torch_devices, check_timeout(timeout_s))
+        init_rank(world.rank, world.world_size, torch_devices, check_timeout(timeout_s))
     return RunStore(dist.distributed_c10d._get_default_store(), torchrun_secret())
 
 

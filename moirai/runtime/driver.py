@@ -53,6 +53,11 @@ _futures_log = logging.getLogger("concurrent.futures")
 # headers ahead; more would reuse a tag still in use.
 MAX_IN_FLIGHT = _TAG_WINDOW - 2 * HEADERS_READ_AHEAD
 
+# The defaults of every entry point's ``timeout_s`` (the longest wait of a request: a receive, a send, a rank's start
+# of it) and ``max_in_flight``, the same for the runtime's functions and the compiled model's methods of one name.
+DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_MAX_IN_FLIGHT = 8
+
 # A heartbeat goes to a rank that has had no header for this fraction of the timeout.
 _HEARTBEAT_FRACTION = 0.25
 # The longest time limit: a timedelta holds ~2.7e14 s and torch's waits take milliseconds in a signed 64-bit count.

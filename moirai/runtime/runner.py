@@ -41,7 +41,13 @@ from moirai.runtime.blame import (
     read_report,
     report_failure,
 )
-from moirai.runtime.driver import Driver, check_max_in_flight, check_timeout
+from moirai.runtime.driver import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_TIMEOUT_S,
+    Driver,
+    check_max_in_flight,
+    check_timeout,
+)
 from moirai.runtime.groups import local_group
 from moirai.runtime.local import check_inputs
 from moirai.runtime.protocol import load_bytes, request_message_bytes, serve
@@ -86,9 +92,9 @@ class DistributedRunner:
     def __init__(
         self,
         torch_devices: Sequence[str | Device],
-        timeout_s: float = 60.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         start_timeout_s: float = 180.0,
-        max_in_flight: int = 8,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         state_on_ranks: str | None = None,
     ) -> None:
         """``state_on_ranks``: what ranks other than 0 keep from request to request (buffers written in place), if

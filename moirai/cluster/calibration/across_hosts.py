@@ -1,21 +1,19 @@
 """Calibration under torchrun: what a message costs between the ranks of every pair of hosts, and within each host.
 
-``moirai calibrate`` started by torchrun on every host (:func:`torchrun_world`) measures in the ranks torchrun started,
-set up as the runtime sets up its ranks under torchrun (:func:`moirai.runtime.distributed.torchrun_group`: gloo over
-TCP between hosts, shared memory within one): for every ordered pair of hosts, the first rank of one to the first of
-the other, and within a host of two ranks or more, its first two both ways. Two hosts' clocks differ, so a pair of
-hosts times its messages after estimating the offset between them
-(:func:`moirai.cluster.calibration.measure.measure_pairs`). Rank 0 collects the medians through the store and fits
+``moirai calibrate`` started by torchrun on every host, two ranks or more (:func:`moirai.runtime.hosts.torchrun_world`),
+measures in the ranks torchrun started, set up as the runtime sets up its ranks under torchrun
+(:func:`moirai.runtime.distributed.torchrun_group`: gloo over TCP between hosts, shared memory within one): for every
+ordered pair of hosts, the first rank of one to the first of the other, and within a host of two ranks or more, its
+first two both ways. Two hosts' clocks differ, so a pair of hosts times its messages after estimating the offset between
+them (:func:`moirai.cluster.calibration.measure.measure_pairs`). Rank 0 collects the medians through the store and fits
 them (:class:`HostsCalibration`); ``compile`` on rank 0 prices the links between the hosts with them
-(:func:`moirai.cluster.calibration.cluster.local_cluster`). ``compile`` with ``calibration="auto"`` measures them
-itself where rank 0's cached calibration lacks them, every rank taking part before rank 0 plans
-(:func:`measure_host_links`).
+(:func:`moirai.cluster.calibration.cluster.local_cluster`). ``compile`` with ``calibration="auto"`` measures them itself
+where rank 0's cached calibration lacks them, every rank taking part before rank 0 plans (:func:`measure_host_links`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,14 +61,6 @@ class HostsCalibration:
         return {link.kind: cost for link, cost in self.host_links().items() if link.src_host == link.dst_host}
 
 
-def torchrun_world() -> tuple[int, int] | None:
-    """``(rank, world size)`` where torchrun started this process in a world of two or more, else None."""
-    if not all(os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        return None
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return (rank, world_size) if world_size >= 2 else None
-
-
 def host_pairs(hosts: Sequence[str]) -> list[tuple[int, int]]:
     """The pairs of ranks measured (every rank computes the same): the first ranks of every ordered pair of hosts,
     then within each host of two ranks or more its first two, both ways."""
@@ -97,12 +87,10 @@ def measure_across_hosts(
     the result, the others None. Rank ``r`` runs on ``torch_devices[r]``; ``prefix`` names the store keys, one per
     measurement of a run."""
     from moirai.runtime.distributed import torchrun_group
-    from moirai.runtime.hosts import rank_hosts
+    from moirai.runtime.hosts import rank_hosts, require_torchrun_world
 
-    world = torchrun_world()
-    if world is None:
-        raise DistributedError("measuring the links between hosts needs torchrun's ranks (RANK, WORLD_SIZE unset)")
-    rank, world_size = world
+    world = require_torchrun_world("measuring the links between hosts")
+    rank, world_size = world.rank, world.world_size
     if len(torch_devices) != world_size:
         raise DistributedError(
             f"torchrun runs {world_size} ranks but {len(torch_devices)} devices were given; give one device per rank"

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moirai import progress
-from moirai.cluster.calibration.across_hosts import measure_across_hosts, torchrun_world
+from moirai.cluster.calibration.across_hosts import measure_across_hosts
 from moirai.cluster.calibration.cache import cached_host_links, cached_links, calibration_cache_path, write_calibration
 from moirai.cluster.calibration.cluster import measured_cluster, rank_devices
 from moirai.cluster.calibration.fit import HostLink, TransferCost, costs_by_kind, link_kind
@@ -24,6 +24,7 @@ from moirai.cluster.files import read_cluster_devices
 from moirai.cluster.hardware import Device
 from moirai.cluster.kinds import CPU, backends, kind_for_backend
 from moirai.errors import ClusterError
+from moirai.runtime.hosts import torchrun_world
 from moirai.user_files import check_output_path
 
 
@@ -85,16 +86,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 def _calibrate(args: argparse.Namespace, console: Console) -> int:
     world = torchrun_world()
-    if world is None or world[0] == 0:  # where the results go, checked before a second is spent measuring them
+    if world is None or world.rank == 0:  # where the results go, checked before a second is spent measuring them
         check_output_path(args.output, "the cluster file", ClusterError)
         if args.save:
             check_output_path(args.save, "the calibration", ClusterError, folder_made=True)
     sizes = tuple(s for s in (1024 * 4**k for k in range(16)) if s <= args.max_size_mb * 2**20)
     base, base_name = read_cluster_devices(args.base) if args.base else (None, "")
-    if world is not None and args.world_size not in (None, world[1]):
-        raise ClusterError(f"--world-size {args.world_size}, but torchrun runs {world[1]} ranks: leave it out")
+    if world is not None and args.world_size not in (None, world.world_size):
+        raise ClusterError(f"--world-size {args.world_size}, but torchrun runs {world.world_size} ranks: leave it out")
     if world is not None:
-        world_size = world[1]
+        world_size = world.world_size
     elif args.world_size is not None:  # 0 too: rank_devices refuses fewer than two ranks
         world_size = args.world_size
     else:

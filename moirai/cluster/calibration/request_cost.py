@@ -341,5 +341,8 @@ class _TwoWayChain(NamedTuple):
             check_inputs(program, flat_inputs)
             return flat_inputs
 
+        from moirai.runtime.driver import DEFAULT_MAX_IN_FLIGHT
+
         submit = lambda flat, finish: driver.submit(program, flat, finish, timeout_s)  # noqa: E731
-        return Server(submit, checked_flat_inputs, self.traced.unflatten_outputs, lambda: None, max_in_flight=8)
+        unflatten = self.traced.unflatten_outputs
+        return Server(submit, checked_flat_inputs, unflatten, lambda: None, max_in_flight=DEFAULT_MAX_IN_FLIGHT)

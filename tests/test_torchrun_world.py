@@ -1,0 +1,99 @@
+"""One answer to "is this a run of several ranks, and which rank am I?" (:func:`moirai.runtime.hosts.torchrun_world`)
+everywhere: compile, server(), run_rank, serve_rank, the progress lines and ``moirai calibrate`` read the same
+environment alike. A world of one rank is a local run; a malformed variable is an InputError naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moirai
+from moirai import progress
+from moirai.cli import main
+from moirai.errors import InputError
+from moirai.runtime import distributed
+from moirai.runtime.hosts import TorchrunWorld, torchrun_layout, torchrun_world
+
+# What `torchrun --nproc-per-node 1` sets.
+ONE_RANK = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}
+
+
+@pytest.mark.parametrize(
+    ("environment", "world"),
+    [
+        ({}, None),
+        (ONE_RANK, None),  # a world of one rank: a local run
+        ({"RANK": "0", "WORLD_SIZE": "1"}, None),
+        ({"RANK": "1"}, None),  # no WORLD_SIZE: no world
+        ({"RANK": "", "WORLD_SIZE": "2"}, None),  # an empty variable is an unset one, as torchrun_layout reads it
+        ({"RANK": "1", "WORLD_SIZE": "2"}, TorchrunWorld(1, 2)),  # a group the user set up
+        ({**ONE_RANK, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "3"}, TorchrunWorld(3, 4)),
+    ],
+)
+def test_the_world_is_read_from_rank_and_world_size(environment: dict[str, str], world: TorchrunWorld | None) -> None:
+    assert torchrun_world(environment) == world
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [("RANK", "abc", "RANK='abc' is not an integer"), ("WORLD_SIZE", "2.0", "WORLD_SIZE='2.0' is not an integer")],
+)
+def test_a_variable_that_is_no_integer_is_named(variable: str, value: str, words: str) -> None:
+    environment = {**ONE_RANK, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", variable: value}
+    with pytest.raises(InputError, match=words):
+        torchrun_world(environment)
+    with pytest.raises(InputError, match=words):
+        torchrun_layout(environment)
+    with pytest.raises(InputError, match="LOCAL_RANK='x' is not an integer"):
+        torchrun_layout({**ONE_RANK, "LOCAL_RANK": "x"})
+    with pytest.raises(InputError, match="RANK=2 and WORLD_SIZE=2 do not fit"):
+        torchrun_world({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+@pytest.fixture(scope="module")
+def model_on_two_cpus() -> tuple[torch.nn.Module, torch.Tensor, moirai.CompiledModel]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).eval()
+    x = torch.randn(2, 8)
+    compiled = moirai.compile(model, ["cpu", "cpu"], (x,), placer="round_robin", calibration="none", progress=False)
+    return model, x, compiled
+
+
+def test_a_world_of_one_rank_is_a_local_run_everywhere(monkeypatch, model_on_two_cpus) -> None:
+    """Under `torchrun --nproc-per-node 1` compile planned here and run_distributed ran, but server() and run_rank
+    took the world of one rank as torchrun's and refused a plan of two devices."""
+    model, x, _ = model_on_two_cpus
+    for variable, value in ONE_RANK.items():
+        monkeypatch.setenv(variable, value)
+    compiled = moirai.compile(model, ["cpu", "cpu"], (x,), placer="round_robin", calibration="none", progress=False)
+    assert len(set(compiled.node_device.values())) == 2  # planned here, on both devices
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(compiled.run_rank(x, progress=False), expected)
+        with compiled.server(progress=False) as server:
+            torch.testing.assert_close(server.submit(x).result(timeout=60), expected)
+    with pytest.raises(InputError, match="serve_rank runs under torchrun with two ranks or more"):
+        moirai.serve_rank(compiled)
+
+
+def test_a_rank_that_is_no_integer_is_named_by_every_entry_point(monkeypatch, model_on_two_cpus, capsys) -> None:
+    model, x, compiled = model_on_two_cpus
+    monkeypatch.setenv("RANK", "abc")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    named = pytest.raises(InputError, match="RANK='abc' is not an integer")
+    with named:
+        moirai.compile(model, ["cpu", "cpu"], (x,), placer="round_robin", calibration="none", progress=False)
+    with named:
+        moirai.compile(model, ["cpu", "cpu"], (x,), placer="round_robin", calibration="none")
+    with named:
+        compiled.server(progress=False)
+    with named:
+        compiled.run_rank(x, progress=False)
+    with named:
+        moirai.serve_rank(compiled)
+    with named:
+        distributed.serve_rank(compiled.program, compiled.cluster.devices)
+    with named, progress.shown():
+        pass
+    assert main(["calibrate", "--output", "never.json"]) == 2
+    assert "RANK='abc' is not an integer" in capsys.readouterr().err
