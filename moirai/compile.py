@@ -35,6 +35,7 @@ from moirai.cluster.calibration.cluster import check_calibration, local_cluster
 from moirai.cluster.cost import activation_peak_bytes, build_problem, unfused_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
+from moirai.environment import require_torchrun_world, torchrun_world
 from moirai.errors import ClusterError, InfeasibleError, MoiraiError, PlanError, ProblemError, closest_name
 from moirai.frontend.coarsen import CoarseningResult, coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
@@ -58,7 +59,6 @@ from moirai.planning.simulate import simulate
 from moirai.runtime import distributed
 from moirai.runtime.distributed import DistributedRunner, check_timeout, run_distributed, run_rank, torchrun_driver
 from moirai.runtime.driver import DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT_S
-from moirai.runtime.hosts import require_torchrun_world, torchrun_world
 from moirai.runtime.local import check_inputs, run_local
 from moirai.runtime.server import Server
 from moirai.runtime.split import SplitProgram, split_module

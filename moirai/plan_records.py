@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moirai.cluster.devices import Cluster
+from moirai.environment import torchrun_world
 from moirai.errors import DistributedError, PlanError, PlanVersionWarning
 from moirai.file_numbers import float_fault, int_fault
 from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
 from moirai.runtime.blame import report_setup_failure
-from moirai.runtime.hosts import rank_hosts, torchrun_world
+from moirai.runtime.hosts import rank_hosts
 from moirai.runtime.store import get_json, wait_for_key
 from moirai.user_files import check_input_path, load_json, parsing, read_text
 

@@ -33,6 +33,8 @@ from typing import Any, TypeVar
 
 from rich.console import Console
 
+from moirai.environment import torchrun_world
+
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 _console: ContextVar[Console | None] = ContextVar("moirai_progress_console", default=None)
 _in_stage: ContextVar[bool] = ContextVar("moirai_progress_in_stage", default=False)
@@ -65,8 +67,8 @@ def shown(enabled: bool = True, console: Console | None = None) -> Iterator[None
 
 
 def _reports_here() -> bool:
-    """Whether this process reports: rank 0 of a torchrun world, or a local run (:func:`hosts.torchrun_world`)."""
-    from moirai.runtime.hosts import torchrun_world  # moirai.runtime's modules report progress themselves
+    """Whether this process reports: rank 0 of a torchrun world, or a local run
+    (:func:`moirai.environment.torchrun_world`)."""
 
     world = torchrun_world()
     return world is None or world.rank == 0

@@ -1,4 +1,4 @@
-"""One answer to "is this a run of several ranks, and which rank am I?" (:func:`moirai.runtime.hosts.torchrun_world`)
+"""One answer to "is this a run of several ranks, and which rank am I?" (:func:`moirai.environment.torchrun_world`)
 everywhere: compile, server(), run_rank, serve_rank, the progress lines and ``moirai calibrate`` read the same
 environment alike. A world of one rank is a local run; a malformed variable is an InputError naming it."""
 
@@ -10,9 +10,10 @@ import torch
 import moirai
 from moirai import progress
 from moirai.cli import main
+from moirai.environment import TorchrunWorld, torchrun_world
 from moirai.errors import InputError
 from moirai.runtime import distributed
-from moirai.runtime.hosts import TorchrunWorld, torchrun_layout, torchrun_world
+from moirai.runtime.hosts import torchrun_layout
 
 # What `torchrun --nproc-per-node 1` sets.
 ONE_RANK = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}

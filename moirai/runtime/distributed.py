@@ -41,13 +41,14 @@ import torch.distributed as dist
 from moirai.cluster import kinds as device_kinds
 from moirai.cluster.devices import Device
 from moirai.cluster.kinds import kind_of
+from moirai.environment import TorchrunWorld, require_torchrun_world
 from moirai.errors import DistributedError, InputError
 from moirai.runtime import shm
 from moirai.runtime.agreement import check_same_program
 from moirai.runtime.blame import blamed, wait_for_ranks
 from moirai.runtime.driver import DEFAULT_TIMEOUT_S, Driver, check_timeout
 from moirai.runtime.groups import Group, gloo_links, placed_part
-from moirai.runtime.hosts import TorchrunWorld, host_ranks, rank_hosts, require_torchrun_world, torchrun_layout
+from moirai.runtime.hosts import host_ranks, rank_hosts, torchrun_layout
 from moirai.runtime.local import check_inputs
 from moirai.runtime.network import choose_gloo_interface
 from moirai.runtime.protocol import Header, Messages, receive_header, run_part, send_header, send_inputs, serve
@@ -224,8 +225,8 @@ def torchrun_secret() -> bytes | None:
 def torchrun_store(
     world: TorchrunWorld, torch_devices: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> RunStore | None:
-    """In ``world`` (:func:`hosts.torchrun_world`) with one rank per device of ``torch_devices``, the run's store
-    (joining the default process group, as the first request would, if not yet joined); None otherwise."""
+    """In ``world`` (:func:`moirai.environment.torchrun_world`) with one rank per device of ``torch_devices``, the
+    run's store (joining the default process group, as the first request would, if not yet joined); None otherwise."""
     if world.world_size != len(torch_devices):
         return None
     if not dist.is_initialized():

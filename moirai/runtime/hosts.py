@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from moirai.environment import integer_variable
 from moirai.errors import InputError
 
 _LAYOUT_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -44,61 +45,13 @@ class TorchrunLayout:
         )
 
 
-@dataclass(frozen=True)
-class TorchrunWorld:
-    """This process's place in a run of two ranks or more: torchrun's, or a group the user set up with ``RANK`` and
-    ``WORLD_SIZE`` (and ``MASTER_ADDR``/``MASTER_PORT``)."""
-
-    rank: int
-    world_size: int
-
-
-def torchrun_world(environment: Mapping[str, str] | None = None) -> TorchrunWorld | None:
-    """This process's rank and world where ``RANK`` and ``WORLD_SIZE`` say it is one of two ranks or more; None where
-    either is unset (or empty), or the world is of one rank (``torchrun --nproc-per-node 1``): such a run is a local
-    run everywhere (compile plans here, a server spawns its ranks, ``run_rank`` runs the whole model). A value that
-    is not an integer, or a rank outside its world, is an :class:`InputError` naming the variable."""
-    environment = os.environ if environment is None else environment
-    if not (environment.get("RANK") and environment.get("WORLD_SIZE")):
-        return None
-    rank, world_size = _integer(environment, "RANK"), _integer(environment, "WORLD_SIZE")
-    if not 0 <= rank < world_size:
-        raise InputError(
-            f"RANK={rank} and WORLD_SIZE={world_size} do not fit: a rank is from 0 to WORLD_SIZE - 1 (torchrun sets "
-            "both; where you set them yourself, set them so, or unset both for a local run)"
-        )
-    return TorchrunWorld(rank, world_size) if world_size >= 2 else None
-
-
-def require_torchrun_world(caller: str) -> TorchrunWorld:
-    """:func:`torchrun_world`, or an :class:`InputError` saying that ``caller`` needs two ranks or more."""
-    world = torchrun_world()
-    if world is None:
-        raise InputError(
-            f"{caller} runs under torchrun with two ranks or more, but RANK and WORLD_SIZE are unset or the world is "
-            "of one rank, a local run: run the script with torchrun --nproc-per-node 2 or more (or use "
-            "compiled.server() or compiled(...) here)"
-        )
-    return world
-
-
-def _integer(environment: Mapping[str, str], name: str) -> int:
-    value = environment[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise InputError(
-            f"{name}={value!r} is not an integer: torchrun sets {name}; where you set it yourself, make it a whole "
-            "number (or unset RANK and WORLD_SIZE for a local run)"
-        ) from None
-
-
 def torchrun_layout(environment: Mapping[str, str] | None = None) -> TorchrunLayout | None:
     """This rank's layout from torchrun's variables; None where one is missing (a group the user set up)."""
     environment = os.environ if environment is None else environment
     if not all(environment.get(name) for name in _LAYOUT_VARIABLES):
         return None
-    rank, world_size, local_rank, local_world_size, node_rank = (_integer(environment, n) for n in _LAYOUT_VARIABLES)
+    numbers = (integer_variable(environment, n) for n in _LAYOUT_VARIABLES)
+    rank, world_size, local_rank, local_world_size, node_rank = numbers
     layout = TorchrunLayout(rank, world_size, local_rank, local_world_size, node_rank)
     ranks = layout.host_ranks
     if not (0 <= local_rank < local_world_size and 0 <= ranks.start and ranks.stop <= world_size):

@@ -1,6 +1,6 @@
 """Calibration under torchrun: what a message costs between the ranks of every pair of hosts, and within each host.
 
-``moirai calibrate`` started by torchrun on every host, two ranks or more (:func:`moirai.runtime.hosts.torchrun_world`),
+``moirai calibrate`` started by torchrun on every host, two ranks or more (:func:`moirai.environment.torchrun_world`),
 measures in the ranks torchrun started, set up as the runtime sets up its ranks under torchrun
 (:func:`moirai.runtime.distributed.torchrun_group`: gloo over TCP between hosts, shared memory within one): for every
 ordered pair of hosts, the first rank of one to the first of the other, and within a host of two ranks or more, its
@@ -86,8 +86,9 @@ def measure_across_hosts(
     """Under torchrun, on every rank (a collective): measure the links between and within the hosts; rank 0 gets
     the result, the others None. Rank ``r`` runs on ``torch_devices[r]``; ``prefix`` names the store keys, one per
     measurement of a run."""
+    from moirai.environment import require_torchrun_world
     from moirai.runtime.distributed import torchrun_group
-    from moirai.runtime.hosts import rank_hosts, require_torchrun_world
+    from moirai.runtime.hosts import rank_hosts
 
     world = require_torchrun_world("measuring the links between hosts")
     rank, world_size = world.rank, world.world_size

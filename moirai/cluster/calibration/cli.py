@@ -23,8 +23,8 @@ from moirai.cluster.calibration.request_cost import measure_request_cost_spread
 from moirai.cluster.files import read_cluster_devices
 from moirai.cluster.hardware import Device
 from moirai.cluster.kinds import CPU, backends, kind_for_backend
+from moirai.environment import torchrun_world
 from moirai.errors import ClusterError
-from moirai.runtime.hosts import torchrun_world
 from moirai.user_files import check_output_path
 
 
