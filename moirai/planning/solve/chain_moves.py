@@ -27,11 +27,10 @@ from moirai.planning.objective import Objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import Timeline, simulate
-from moirai.planning.solve.search import latest_starts
+from moirai.planning.solve.search import IMPROVEMENT, latest_starts
 from moirai.planning.solve.warm_start import plan_from_times, transfer_starts
 
 logger = logging.getLogger(__name__)
-_IMPROVEMENT = 1e-9  # relative gain that counts as progress, as the window search's
 
 
 @dataclass
@@ -64,7 +63,7 @@ def improve_by_chains(
             candidate_timeline = _simulated(problem, candidate)
         except PlanError:  # a colocated set split: not a move this problem allows
             continue
-        if objective.improves(candidate_timeline, result.timeline, _IMPROVEMENT):
+        if objective.improves(candidate_timeline, result.timeline, IMPROVEMENT):
             result.plan, result.timeline = candidate, candidate_timeline
             result.moves_kept += 1
             # The critical path moved: the moves are taken again, going on from the same place in the list.
@@ -87,7 +86,7 @@ def _simulated(problem: Problem, plan: Plan) -> Timeline:
 def _moves(problem: Problem, timeline: Timeline) -> list[tuple[np.ndarray, int]]:
     """The chain moves from ``timeline``'s placement, ``(tasks, device)``, shortest runs first."""
     slack = latest_starts(problem, timeline) - timeline.task_start
-    critical = slack <= _IMPROVEMENT * timeline.makespan_s
+    critical = slack <= IMPROVEMENT * timeline.makespan_s
     by_start = np.lexsort((problem.topological_position, timeline.task_finish, timeline.task_start))
     on_path = by_start[critical[by_start]]
     orders = [np.array(sequence, int) for sequence in timeline.device_order()]

@@ -64,7 +64,7 @@ DEFAULT_WINDOW_TASKS = 8
 MAX_WINDOW_TASKS = 48  # windows beyond this seldom solve within seconds ([Note: growing windows] in docs/design.md)
 WINDOW_GROWTH = 1.5
 _WINDOW_TIME_LIMIT_S = 1.0  # for a window of the first size; a larger one gets as much more as it has tasks
-_IMPROVEMENT = 1e-9  # relative makespan gain that counts as progress
+IMPROVEMENT = 1e-9  # relative makespan gain that counts as progress (the chain moves' too)
 _MAX_BATCH = 16
 
 
@@ -166,7 +166,7 @@ def improve_by_windows(
             result.windows_tried += 1
             build_s = max(build_s, built.size.build_s)
             window_s = 0.8 * window_s + 0.2 * (time.perf_counter() - window_started)
-            if solution.has_solution and solution.objective_s < window.horizon_s * (1 - _IMPROVEMENT):
+            if solution.has_solution and solution.objective_s < window.horizon_s * (1 - IMPROVEMENT):
                 improved.append((window.horizon_s - solution.objective_s, built, solution))
             else:
                 if not solution.optimal:
@@ -230,7 +230,7 @@ def _keep_confirmed(
             candidate = replace(candidate, transfer_order=None)
             candidate_timeline = simulate(problem, candidate)
         # Each window respects memory against the current plan; windows merged together may not.
-        if objective.improves(candidate_timeline, result.timeline, _IMPROVEMENT):
+        if objective.improves(candidate_timeline, result.timeline, IMPROVEMENT):
             result.plan, result.timeline = candidate, candidate_timeline
             result.windows_improved += len(attempt)
             return True, count
@@ -277,7 +277,7 @@ class _ScheduleIndex:
         self.latest_start = latest_starts(problem, timeline)
         self.remaining = timeline.makespan_s - self.latest_start  # how long the plan runs on from each task
         slack = self.latest_start - timeline.task_start
-        self.critical = np.flatnonzero(slack <= _IMPROVEMENT * timeline.makespan_s)
+        self.critical = np.flatnonzero(slack <= IMPROVEMENT * timeline.makespan_s)
         self.critical = self.critical[np.argsort(self.position[self.critical])]
         self.device_positions = [np.sort(self.position[list(seq)]) for seq in timeline.device_order()]
         links: dict[tuple[int, int], list] = {}
