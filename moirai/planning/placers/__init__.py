@@ -218,10 +218,11 @@ def _placers_plan_refused(placer: str) -> Iterator[None]:
     try:
         yield
     except PlanError as error:
+        others = " or ".join(repr(p) for p in ("milp", "heft") if p != placer)
         raise InfeasibleError(
             f"placer {placer!r} found no plan this problem allows: {error}; use a placer that keeps every task to "
-            "the devices it runs on and every tensor to the links there are ('milp' does, or 'heft'), or give the "
-            "problem the missing links"
+            f"the devices it runs on and every tensor to the links there are ({others}), or give the problem the "
+            "missing links"
         ) from None
 
 
