@@ -104,10 +104,22 @@ FAMILIES = {
 }
 
 
+def sharpen(model: torch.nn.Module, factor: float = 6.0) -> torch.nn.Module:
+    """``model`` with its query and key projections scaled by ``factor``: a random tiny model's attention is near
+    uniform, so its tokens barely depend on positions (switching rope factors moved its logits by 0.004) and a
+    position or rope bug would pass unseen. (Fused projections, Phi-3's qkv and GPT-2's c_attn, scale their values
+    too, which changes no attention pattern; query and key norms, Gemma 3's, undo the scale.)"""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight", "c_attn.weight")):
+                parameter.mul_(factor)
+    return model
+
+
 @functools.cache
 def family_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return getattr(transformers, FAMILIES[name].model_class)(FAMILIES[name].make_config()).eval()
+    return sharpen(getattr(transformers, FAMILIES[name].model_class)(FAMILIES[name].make_config()).eval())
 
 
 _step_traces: dict[tuple[str, int, int], TracedModel] = {}
