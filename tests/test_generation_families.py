@@ -21,7 +21,7 @@ import moirai
 from moirai.errors import InputError
 from moirai.frontend.state import mutable_buffers
 from moirai.frontend.trace import TracedModel
-from moirai.generation.step import AttentionSpan, attention_mask, embedding_rows, layer_spans
+from moirai.generation.step import AttentionSpan, attention_mask, check_positions, embedding_rows, layer_spans
 from moirai.planning.plan import Plan
 
 transformers = pytest.importorskip("transformers")
@@ -104,10 +104,22 @@ FAMILIES = {
 }
 
 
+def sharpen(model: torch.nn.Module, factor: float = 6.0) -> torch.nn.Module:
+    """``model`` with its query and key projections scaled by ``factor``: a random tiny model's attention is near
+    uniform, so its tokens barely depend on positions (switching rope factors moved its logits by 0.004) and a
+    position or rope bug would pass unseen. (Fused projections, Phi-3's qkv and GPT-2's c_attn, scale their values
+    too, which changes no attention pattern; query and key norms, Gemma 3's, undo the scale.)"""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight", "c_attn.weight")):
+                parameter.mul_(factor)
+    return model
+
+
 @functools.cache
 def family_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return getattr(transformers, FAMILIES[name].model_class)(FAMILIES[name].make_config()).eval()
+    return sharpen(getattr(transformers, FAMILIES[name].model_class)(FAMILIES[name].make_config()).eval())
 
 
 _step_traces: dict[tuple[str, int, int], TracedModel] = {}
@@ -348,6 +360,63 @@ def test_alibi_from_a_2d_mask_is_refused_saying_why():
     bloom = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)
     with pytest.raises(moirai.TraceError, match="compile_lm calls the model with input_ids, position_ids, a 4D"):
         moirai.compile_lm(transformers.BloomForCausalLM(bloom).eval(), ["cpu"], progress=False, calibration="none")
+
+
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0] * 8,
+    "long_factor": [1.0 + 3 * i for i in range(8)],
+    "original_max_position_embeddings": 16,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.in_process
+def test_longrope_is_refused_past_its_original_length_and_generates_its_tokens_within_it():
+    """Longrope (Phi-3-mini-128k, Phi-3.5) switches every position to its long factors once a forward passes
+    original_max_position_embeddings, and Hugging Face re-encodes the whole sequence then: chunked prefill and batched
+    decode rows gave other tokens, silently. Within it only the short factors are used, on both sides."""
+    config = transformers.Phi3Config(
+        **COMMON, pad_token_id=0, max_position_embeddings=64, original_max_position_embeddings=16, rope_scaling=LONGROPE
+    )
+    torch.manual_seed(0)
+    model = sharpen(transformers.Phi3ForCausalLM(config).eval())
+    with pytest.raises(InputError, match=r"longrope .* Give max_seq_len <= 16 \(got 17\)"):
+        moirai.compile_lm(model, ["cpu"], max_seq_len=17, max_prefill=8, progress=False, calibration="none")
+    lm = moirai.compile_lm(
+        model, ["cpu", "cpu"], max_batch_size=2, max_seq_len=16, max_prefill=4, placer="round_robin",
+        calibration="none", progress=False,
+    )  # fmt: skip
+    ids, mask = prompts()
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0), expected)
+
+
+def test_a_max_seq_len_past_a_tabled_position_limit_is_refused_naming_it_and_rope_has_no_limit():
+    gpt2 = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16)
+    with pytest.raises(InputError, match=r"positions 0 to 15 only \(n_positions=16.*give max_seq_len <= 16"):
+        moirai.compile_lm(
+            transformers.GPT2LMHeadModel(gpt2).eval(), ["cpu"], max_seq_len=17, progress=False, calibration="none"
+        )
+    check_positions("OPT", transformers.OPTConfig(max_position_embeddings=16), 16)
+    with pytest.raises(InputError, match="max_position_embeddings=16"):
+        check_positions("OPT", transformers.OPTConfig(max_position_embeddings=16), 17)
+    with pytest.raises(InputError, match="max_seq_len=16"):
+        check_positions("MPT", transformers.MptConfig(max_seq_len=16), 17)
+    check_positions("Llama", transformers.LlamaConfig(**COMMON, max_position_embeddings=16), 4096)
+    gemma3 = transformers.Gemma3TextConfig(**COMMON, max_position_embeddings=16)
+    check_positions("Gemma3", gemma3, 4096)
+
+
+def test_dynamic_rope_is_refused_saying_why_and_what_gives_the_same_tokens():
+    config = transformers.LlamaConfig(
+        **COMMON, max_position_embeddings=16, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+    )
+    with pytest.raises(InputError, match=r"'dynamic' rotary .* static rope type .* max_seq_len <= 16 .* 'default'"):
+        moirai.compile_lm(
+            transformers.LlamaForCausalLM(config).eval(), ["cpu"], max_seq_len=16, progress=False, calibration="none"
+        )
 
 
 def test_a_sliding_window_mask_keeps_the_last_window_positions_and_a_chunked_one_its_chunk():

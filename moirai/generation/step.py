@@ -170,6 +170,7 @@ class CausalLMStep(torch.nn.Module):
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         # What the model is checked for first: a model refused should not cost a cache allocation.
         _check_alibi(type(model).__name__, config)
+        check_positions(type(model).__name__, config, max_seq_len)
         self.spans = layer_spans(config)
         parameters = inspect.signature(model.forward).parameters
         self._cache_keyword = "cache" if "cache" in parameters else "past_key_values"
@@ -349,6 +350,88 @@ def _check_alibi(name: str, config: object) -> None:
             f"{name}'s config asks for ALiBi position biases (alibi=True), which it computes from a 2D attention "
             "mask; compile_lm masks with a 4D mask over each sequence's KV cache slot, so it cannot generate with it"
         )
+
+
+def check_positions(name: str, config: object, max_seq_len: int) -> None:
+    """:class:`InputError` for a ``max_seq_len`` the model's positions cannot take as one traced step encodes them.
+
+    [Note: positions the step cannot encode]
+    The step is traced once and runs every prefill chunk and every batched decode row through the same ops, so a
+    position's encoding may depend on nothing but the position. Three kinds of config break that, or have no
+    encoding for a position at all:
+
+    - Learned or tabled absolute positions (GPT-2, GPT-J, OPT, GPT-Neo: a config without rotary parameters; its
+      ``max_position_embeddings``, GPT-2's ``n_positions``; MPT's ALiBi bias, ``max_seq_len``) have no row past the
+      table: a longer ``max_seq_len`` failed inside a step with an IndexError.
+    - Longrope (Phi-3-mini-128k, Phi-3.5, Phi-4-mini, PhiMoE) picks short or long factors for a whole forward from its
+      largest position, and Hugging Face's ``generate`` re-encodes the whole sequence with the long ones once it
+      passes ``original_max_position_embeddings``: chunked prefill and batched decode rows give other tokens. Up to
+      that length only the short factors are used, on both sides.
+    - Dynamic rope recomputes its frequencies in Python from each forward's largest position, a branch the one traced
+      step cannot hold (up to ``max_position_embeddings`` its frequencies are the unscaled ones).
+    """
+    for rope in _rope_parameter_sets(config):
+        rope_type = str(rope.get("rope_type", rope.get("type", "default")))
+        if rope_type == "longrope":
+            original = rope.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None
+            )
+            if original is not None and max_seq_len > original:
+                raise InputError(
+                    f"{name}'s config uses longrope rotary embeddings, which switch to their long factors for a whole "
+                    f"forward once it passes {original} positions (original_max_position_embeddings), and Hugging "
+                    "Face's generate then re-encodes the whole sequence; compile_lm's one traced step encodes prefill "
+                    f"chunks and batched decode rows apart, so past {original} tokens it would generate other tokens. "
+                    f"Give max_seq_len <= {original} (got {max_seq_len}), where only the short factors are used"
+                )
+        elif "dynamic" in rope_type:
+            limit = getattr(config, "max_position_embeddings", None)
+            unscaled = (
+                f"; up to max_position_embeddings={limit} its frequencies are the unscaled ones, so with max_seq_len "
+                f"<= {limit} the same weights under rope_type 'default' (same rope_theta) give the same tokens"
+                if limit is not None
+                else ""
+            )
+            raise InputError(
+                f"{name}'s config uses {rope_type!r} rotary embeddings, which recompute their frequencies from each "
+                "forward's longest position in Python, a branch compile_lm's one traced step (every chunk and decode "
+                "step alike) cannot hold. Give the config a static rope type (default, linear, yarn, llama3)" + unscaled
+            )
+    limit_field = _position_limit_field(config)
+    if limit_field is not None:
+        field, limit = limit_field
+        if max_seq_len > limit:
+            raise InputError(
+                f"{name} has positions 0 to {limit - 1} only ({field}={limit}: a table of learned or fixed "
+                f"position encodings), so a sequence cannot reach max_seq_len={max_seq_len}: give max_seq_len <= "
+                f"{limit}"
+            )
+
+
+def _rope_parameter_sets(config: object) -> list[dict]:
+    """The config's rotary parameters, one dict per kind of layer where they differ (Gemma 3); none without rope."""
+    parameters = getattr(config, "rope_parameters", None)
+    if parameters is None:
+        parameters = getattr(config, "rope_scaling", None)  # transformers 4's name
+    if not isinstance(parameters, dict):
+        return []
+    if all(isinstance(value, dict) for value in parameters.values()) and parameters:
+        return list(parameters.values())
+    return [parameters]
+
+
+def _position_limit_field(config: object) -> tuple[str, int] | None:
+    """The config field that bounds the model's positions, and its value, for a model without rotary parameters
+    ([Note: positions the step cannot encode]); None for a rotary model, whose positions have no hard limit."""
+    if getattr(config, "rope_parameters", None) is not None or getattr(config, "rope_scaling", None) is not None:
+        return None
+    if any(getattr(config, marker, None) is not None for marker in ("rope_theta", "rotary_emb_base", "rotary_pct")):
+        return None  # transformers 4's rotary configs (GPT-NeoX's among them) may have no rope_scaling
+    for field in ("n_positions", "max_position_embeddings", "max_seq_len"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return field, value
+    return None
 
 
 # Hugging Face's sdpa attention reads this at each call: "1" passes grouped key-value heads to sdpa as they are.
