@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import functools
 import importlib
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -407,6 +408,11 @@ def test_a_max_seq_len_past_a_tabled_position_limit_is_refused_naming_it_and_rop
     check_positions("Llama", transformers.LlamaConfig(**COMMON, max_position_embeddings=16), 4096)
     gemma3 = transformers.Gemma3TextConfig(**COMMON, max_position_embeddings=16)
     check_positions("Gemma3", gemma3, 4096)
+    # transformers 4's Phi-3 configs call longrope "su" (a config as a checkpoint of then holds it).
+    old_phi3 = types.SimpleNamespace(rope_scaling={"type": "su", "original_max_position_embeddings": 16})
+    check_positions("Phi3", old_phi3, 16)
+    with pytest.raises(InputError, match="longrope .* max_seq_len <= 16"):
+        check_positions("Phi3", old_phi3, 17)
 
 
 def test_dynamic_rope_is_refused_saying_why_and_what_gives_the_same_tokens():

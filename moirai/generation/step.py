@@ -372,7 +372,7 @@ def check_positions(name: str, config: object, max_seq_len: int) -> None:
     """
     for rope in _rope_parameter_sets(config):
         rope_type = str(rope.get("rope_type", rope.get("type", "default")))
-        if rope_type == "longrope":
+        if rope_type in ("longrope", "su"):  # "su": the name transformers 4's Phi-3 configs give it
             original = rope.get("original_max_position_embeddings") or getattr(
                 config, "original_max_position_embeddings", None
             )
