@@ -33,7 +33,7 @@ from moirai import progress as _progress
 from moirai import viz
 from moirai.cluster.calibration.across_hosts import measure_host_links
 from moirai.cluster.calibration.cluster import check_calibration, local_cluster
-from moirai.cluster.cost import activation_peak_bytes, build_problem, unfused_problem
+from moirai.cluster.cost import activation_peak_bytes, build_problem, check_cost_mode, unfused_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
 from moirai.errors import ClusterError, InfeasibleError, MoiraiError, PlanError, ProblemError, closest_name
@@ -306,6 +306,7 @@ def compile(
     defaults (50 us, no CPU time). A :class:`moirai.Cluster` keeps the links it describes.
     """
     check_placer_options(placer_options, placer=placer)
+    check_cost_mode(cost)
     handover = PlanHandover.under_torchrun(devices)
     if handover is not None and not handover.plans:
         # Another rank plans: this one takes that rank's plan, problem included.

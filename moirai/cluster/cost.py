@@ -73,7 +73,7 @@ from moirai.cluster.devices import Cluster, Device
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import Spans, kind_of
 from moirai.cluster.messages import header_s, input_messages, output_messages, recv_cpu_s, send_cpu_s, transfer_s
-from moirai.errors import ClusterError, MoiraiWarning
+from moirai.errors import ClusterError, MoiraiWarning, did_you_mean
 from moirai.file_numbers import float_fault
 from moirai.files import default_cache_dir, private_cache_folder, read_own_text, write_atomically
 from moirai.frontend.graph import OpGraph
@@ -85,6 +85,9 @@ from moirai.progress import stage
 from moirai.runtime.resources import apply_resources, rank_resources, restore_resources
 
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
+CostMode = Literal["analytic", "measured"]
+# The cost modes build_problem prices with: compile's, compile_lm's and the command line's choices.
+COST_MODES: tuple[CostMode, ...] = ("analytic", "measured")
 _EMPTY_SPANS = 4  # spans with no op in profiling runs, to time the clock itself
 # A cached profile whose groups add up to more than 25% off a run of the whole graph is measured again.
 _STALE_PROFILE = 0.25
@@ -92,11 +95,23 @@ _STALE_PROFILE_FLOOR_S = 0.2e-3  # and more than this apart: a graph of microsec
 _STALE_CHECK_RUNS = 3
 
 
+def check_cost_mode(mode: object) -> CostMode:
+    """``mode`` if it is one of :data:`COST_MODES`, else a :class:`ClusterError` naming the closest one.
+
+    compile and compile_lm ask it before tracing, so a misspelt mode is refused at once rather than after the
+    trace (and a first calibration's link measurement)."""
+    if mode not in COST_MODES:
+        raise ClusterError(
+            f"unknown cost mode {mode!r}{did_you_mean(mode, COST_MODES)}; use one of {', '.join(map(repr, COST_MODES))}"
+        )
+    return mode  # type: ignore[return-value]
+
+
 @stage("cost")
 def build_problem(
     graph: OpGraph,
     cluster: Cluster,
-    mode: Literal["analytic", "measured"] = "analytic",
+    mode: CostMode = "analytic",
     traced: TracedModel | None = None,
     *,
     cache_dir: str | Path | None = None,
@@ -119,10 +134,10 @@ def build_problem(
     host is measured here, as its kind of device of this host (torchrun's hosts, which compile assumes alike); else it
     is an error. ``steady_state``: measured with the devices computing at once (:func:`measured_compute_s`).
     """
-    if mode == "analytic":
+    if check_cost_mode(mode) == "analytic":
         dtypes = None if traced is None else node_dtypes(graph, traced)
         compute = analytic_compute_s(graph, cluster, dtypes)
-    elif mode == "measured":
+    else:
         if traced is None:
             raise ClusterError("mode='measured' runs the model's ops: pass traced=, the TracedModel of the graph")
         compute = measured_compute_s(
@@ -138,8 +153,6 @@ def build_problem(
             remote_alike=remote_alike,
             steady_state=steady_state,
         )
-    else:
-        raise ClusterError(f"unknown cost mode {mode!r}; use 'analytic' or 'measured'")
 
     reserve = activation_peak_bytes(graph)
     return _problem_of(
