@@ -623,7 +623,11 @@ def check_placer_options(
 
 def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:
     """Fail before running a part on a device this machine does not have (torch would assert). An index past the
-    plan's devices (a torchrun rank it has no part for) is left to the runtime, which names the mismatch."""
+    plan's devices (a torchrun rank it has no part for) is left to the runtime, which names the mismatch.
+
+    The device's host is not asked (:attr:`Device.on_this_host`): under torchrun a rank runs its own device, whose
+    host is a name in the plan (a cluster file's, or ``name#1`` from :func:`moirai.runtime.hosts.rank_hosts`) that
+    need not be this machine's hostname; torchrun's layout is checked against the plan's hosts by the runtime."""
     for k in indices:
         if k >= len(cluster):
             continue

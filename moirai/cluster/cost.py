@@ -54,7 +54,6 @@ import json
 import math
 import os
 import select
-import socket
 import statistics
 import time
 import warnings
@@ -70,6 +69,7 @@ import torch.utils._pytree as pytree
 from rich.progress import Progress
 
 from moirai.cluster.devices import Cluster, Device
+from moirai.cluster.hardware import LOCAL_HOST
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import Spans, kind_of
 from moirai.cluster.messages import header_s, input_messages, output_messages, recv_cpu_s, send_cpu_s, transfer_s
@@ -84,7 +84,6 @@ from moirai.planning.problem import Problem
 from moirai.progress import stage
 from moirai.runtime.resources import apply_resources, rank_resources, restore_resources
 
-_LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
 CostMode = Literal["analytic", "measured"]
 # The cost modes build_problem prices with: compile's, compile_lm's and the command line's choices.
 COST_MODES: tuple[CostMode, ...] = ("analytic", "measured")
@@ -342,7 +341,7 @@ def measured_compute_s(
     prefill was predicted 1.5x faster than it ran). ``steady_state``: while the others of those devices with cores of
     their own run the model on them, as their ranks compute while this one does when requests are pipelined
     ([Note: steady-state profile])."""
-    local = [dataclasses.replace(d, host="localhost") if remote_alike else d for d in cluster.devices]
+    local = [dataclasses.replace(d, host=LOCAL_HOST) if remote_alike else d for d in cluster.devices]
     for device in local:
         _check_local(device)
     resources = rank_resources(local)
@@ -586,10 +585,9 @@ class _ProfileCache:
 
 
 def _check_local(device: Device) -> None:
-    on_this_host = device.host in _LOCAL_HOSTS
     torch_device = torch.device(device.torch_device)
     available = kind_of(torch_device).available(torch_device)
-    if not (on_this_host and available):
+    if not (device.on_this_host and available):
         raise ClusterError(
             f"device {device.name!r} ({device.torch_device} on host {device.host!r}) is not on this machine, "
             "so it cannot be measured; use mode='analytic', or profile on that host"
