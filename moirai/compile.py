@@ -33,7 +33,7 @@ from moirai import progress as _progress
 from moirai import viz
 from moirai.cluster.calibration.across_hosts import measure_host_links
 from moirai.cluster.calibration.cluster import check_calibration, local_cluster
-from moirai.cluster.cost import activation_peak_bytes, build_problem, check_cost_mode, unfused_problem
+from moirai.cluster.cost import build_problem, check_cost_mode, unfused_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
 from moirai.errors import ClusterError, InfeasibleError, MoiraiError, PlanError, ProblemError, closest_name
@@ -203,7 +203,6 @@ class CompiledModel:
             self.plan,
             torch_devices=self.torch_devices,
             ops_per_task=[len(node.targets) for node in self.graph.nodes],
-            reserve_bytes=activation_peak_bytes(self.graph),
             title=f"moirai plan for {self.traced.model_name} ({self.plan.placer})",
             objective=objective,
         )

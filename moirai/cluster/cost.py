@@ -153,14 +153,18 @@ def build_problem(
             steady_state=steady_state,
         )
 
-    reserve = activation_peak_bytes(graph)
+    # Reserved at the sizes priced here, and kept with the problem: a summary adds back this reserve, not one
+    # derived again from another graph (compile_lm's decode is priced at other sizes than it was traced).
+    memory = np.array([d.memory_bytes for d in cluster.devices], float)
+    reserve = np.minimum(activation_peak_bytes(graph), memory)
     return _problem_of(
         graph,
         cluster,
         traced,
         compute_s=compute,
         memory_bytes=np.array([n.param_bytes for n in graph.nodes]),
-        memory_capacity_bytes=np.array([max(d.memory_bytes - reserve, 0.0) for d in cluster.devices]),
+        memory_capacity_bytes=memory - reserve,
+        memory_reserve_bytes=reserve,
         colocated=colocated,
     )
 
@@ -197,6 +201,7 @@ def unfused_problem(
         compute_s=compute,
         memory_bytes=memory,
         memory_capacity_bytes=problem.memory_capacity_bytes,
+        memory_reserve_bytes=problem.memory_reserve_bytes,
     )
 
 
@@ -216,6 +221,7 @@ def _problem_of(
     compute_s: np.ndarray,
     memory_bytes: np.ndarray,
     memory_capacity_bytes: np.ndarray,
+    memory_reserve_bytes: np.ndarray,
     colocated: Sequence[Sequence[int]] = (),
 ) -> Problem:
     """The problem of ``graph`` on ``cluster`` with these tasks' costs: its tensors and what they and a request cost
@@ -237,6 +243,7 @@ def _problem_of(
     return Problem(
         device_names=cluster.names,
         memory_capacity_bytes=memory_capacity_bytes,
+        memory_reserve_bytes=memory_reserve_bytes,
         task_names=tuple(n.name for n in graph.nodes),
         compute_s=compute_s,
         memory_bytes=memory_bytes,
