@@ -56,7 +56,6 @@ import os
 import select
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -73,9 +72,9 @@ from moirai.cluster.hardware import LOCAL_HOST
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import Spans, kind_of
 from moirai.cluster.messages import header_s, input_messages, output_messages, recv_cpu_s, send_cpu_s, transfer_s
-from moirai.errors import ClusterError, MoiraiWarning, did_you_mean
+from moirai.errors import ClusterError, did_you_mean
 from moirai.file_numbers import float_fault
-from moirai.files import default_cache_dir, private_cache_folder, read_own_text, write_atomically
+from moirai.files import default_cache_dir, private_cache_folder, read_own_text, set_aside_corrupt, write_atomically
 from moirai.frontend.graph import OpGraph
 from moirai.frontend.symbolic_shapes import concrete_shape, example_int, sizes_at
 from moirai.frontend.trace import TracedModel, devices_mentioned, retarget_devices
@@ -575,14 +574,7 @@ class _ProfileCache:
                 what = f"the time of op group {wrong[0][:16]} {wrong[1]}"
         except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):  # nested past the parser
             pass
-        corrupt = self.path.with_suffix(".corrupt")
-        os.replace(self.path, corrupt)
-        warnings.warn(
-            f"the profile cache {self.path} was corrupt ({what}); it was moved to {corrupt} and "
-            "the ops are measured again",
-            MoiraiWarning,
-            stacklevel=4,
-        )
+        set_aside_corrupt(self.path, "the profile cache", what)
         return {}
 
     def save(self) -> None:
