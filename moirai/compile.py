@@ -32,7 +32,7 @@ from moirai import progress as _progress
 from moirai import viz
 from moirai.cluster.calibration.across_hosts import measure_host_links
 from moirai.cluster.calibration.cluster import check_calibration, local_cluster
-from moirai.cluster.cost import activation_peak_bytes, build_problem, unfused_problem
+from moirai.cluster.cost import build_problem, check_cost_mode, unfused_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
 from moirai.environment import require_torchrun_world, torchrun_world
@@ -215,7 +215,6 @@ class CompiledModel:
             self.plan,
             torch_devices=self.torch_devices,
             ops_per_task=[len(node.targets) for node in self.graph.nodes],
-            reserve_bytes=activation_peak_bytes(self.graph),
             title=f"moirai plan for {self.traced.model_name} ({self.plan.placer})",
             objective=objective,
         )
@@ -319,6 +318,7 @@ def compile(
     time). A :class:`moirai.Cluster` keeps the links it describes.
     """
     check_placer_options(placer_options, placer=placer)
+    check_cost_mode(cost)
     handover = PlanHandover.under_torchrun(devices)
     if handover is not None and not handover.plans:
         # Another rank plans: this one takes that rank's plan, problem included.
@@ -635,7 +635,11 @@ def check_placer_options(
 
 def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:
     """Fail before running a part on a device this machine does not have (torch would assert). An index past the
-    plan's devices (a torchrun rank it has no part for) is left to the runtime, which names the mismatch."""
+    plan's devices (a torchrun rank it has no part for) is left to the runtime, which names the mismatch.
+
+    The device's host is not asked (:attr:`Device.on_this_host`): under torchrun a rank runs its own device, whose
+    host is a name in the plan (a cluster file's, or ``name#1`` from :func:`moirai.runtime.hosts.rank_hosts`) that
+    need not be this machine's hostname; torchrun's layout is checked against the plan's hosts by the runtime."""
     for k in indices:
         if k >= len(cluster):
             continue

@@ -23,9 +23,10 @@ import os
 import secrets
 import stat
 import time
+import warnings
 from pathlib import Path
 
-from moirai.errors import CacheError
+from moirai.errors import CacheError, MoiraiWarning, user_stacklevel
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -73,6 +74,20 @@ def _own_file_mode(path: Path) -> int | None:
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
         return None
     return stat.S_IMODE(info.st_mode) & 0o777
+
+
+def set_aside_corrupt(path: Path, cache: str, fault: str) -> Path:
+    """Rename the corrupt cache file ``path`` to ``.corrupt``, with a warning naming ``cache`` (what it is: "the
+    profile cache") and its ``fault``, so that what it held is measured again and the file can still be read; the
+    new path. The one way every cache of measurements sets a corrupt file aside."""
+    corrupt = path.with_suffix(".corrupt")
+    os.replace(path, corrupt)
+    warnings.warn(
+        f"{cache} {path} was corrupt ({fault}); it was moved to {corrupt} and what it held is measured again",
+        MoiraiWarning,
+        stacklevel=user_stacklevel(),
+    )
+    return corrupt
 
 
 def read_own_text(path: str | Path) -> str:

@@ -488,14 +488,14 @@ def summary_table(
     timeline: Timeline | None = None,
     torch_devices: Sequence[str] | None = None,
     ops_per_task: Sequence[int] | None = None,
-    reserve_bytes: float = 0.0,
     title: str | None = None,
     objective: Objective | None = None,
 ) -> Table:
     """One row per device: groups (and ops), memory in use / capacity (red when over), busy time.
 
-    ``reserve_bytes`` is memory every device keeps free besides its tasks' (the activation peak
-    of a compiled model); the capacity shown is the device's, the problem's plus the reserve.
+    The memory each device keeps free besides its tasks' (``problem.memory_reserve_bytes``, the activation peak
+    a compiled model's problem was priced with) is added to its memory in use and its capacity: the capacity shown is
+    the device's.
     Its columns fit an 80-column terminal for device names up to 16 characters (``format_bytes_compact``,
     ``format_seconds``); the table is as wide as its caption's longest line, up to the console's width.
     """
@@ -514,8 +514,9 @@ def summary_table(
         table.add_column(column, justify="left" if column in ("device", "torch") else "right", no_wrap=True)
     for k, name in enumerate(problem.device_names):
         tasks = np.flatnonzero(plan.placement == k)
-        used = float(timeline.memory_bytes[k]) + reserve_bytes
-        capacity = float(timeline.memory_capacity_bytes[k]) + reserve_bytes
+        reserve = float(problem.memory_reserve_bytes[k])
+        used = float(timeline.memory_bytes[k]) + reserve
+        capacity = float(timeline.memory_capacity_bytes[k]) + reserve
         over = timeline.memory_bytes[k] > timeline.memory_capacity_bytes[k]
         memory = f"{format_bytes_compact(used)} / {format_bytes_compact(capacity) if np.isfinite(capacity) else '∞'}"
         row: list[Any] = [name, *([torch_devices[k]] if torch_devices is not None else []), str(len(tasks))]

@@ -505,8 +505,23 @@ def test_measured_cost_on_devices_of_another_machine():
 
 
 def test_unknown_cost_mode():
-    with raises(ClusterError, "unknown cost mode 'fast'", "'analytic' or 'measured'"):
+    with raises(ClusterError, "unknown cost mode 'fast'", "'analytic', 'measured'"):
         moirai.compile(tiny(), ["cpu", "cpu"], (X,), placer="heft", cost="fast")
+
+
+class _Untraceable(nn.Module):
+    def forward(self, x):
+        raise AssertionError("traced: the cost mode was not checked first")
+
+
+@pytest.mark.parametrize("compiler", ["compile", "compile_lm"])
+def test_misspelt_cost_mode_is_refused_before_tracing_with_did_you_mean(compiler):
+    """Checked up front, as the placer's options are: not after the trace (and a first calibration's minute)."""
+    with raises(ClusterError, "unknown cost mode 'measure'", "did you mean 'measured'?"):
+        if compiler == "compile":
+            moirai.compile(_Untraceable(), ["cpu", "cpu"], (X,), placer="heft", cost="measure", calibration="none")
+        else:
+            moirai.compile_lm(_Untraceable(), ["cpu", "cpu"], placer="heft", cost="measure", calibration="none")
 
 
 @pytest.mark.parametrize("devices", [["cpu", "cpu"], ["cpu"]])

@@ -701,3 +701,34 @@ def test_timings_that_are_noise_are_measured_once_more_then_an_error(monkeypatch
     answers[:] = [noise, noise]
     with pytest.raises(ClusterError, match="does not grow with size"), pytest.warns(moirai.MoiraiWarning):
         local_calibration(["cpu", "cpu"], "remeasure")
+
+
+def test_moirai_calibrate_sweeps_and_repeats_as_every_other_calibration(monkeypatch, tmp_path) -> None:
+    """Its own sweep (range(16) cut at --max-size-mb) and repeats were written apart from measure's defaults."""
+    import io
+
+    from rich.console import Console
+
+    import moirai.cluster.calibration.cli as cli_module
+    from moirai.cli import _parser
+
+    seen = {}
+
+    def measure(devices, sizes, repeats):  # noqa: ANN001, ANN202
+        seen.update(sizes=sizes, repeats=repeats)
+        return {(0, 1): FAKE_COST, (1, 0): FAKE_COST}
+
+    monkeypatch.setattr(cli_module, "DEFAULT_REPEATS", 7, raising=False)  # the parser's defaults are measure's
+    monkeypatch.setattr(cli_module, "DEFAULT_MAX_SIZE_BYTES", 4 * 2**20, raising=False)
+    monkeypatch.setattr(cli_module, "measure_transfer_costs", measure)
+    monkeypatch.setattr(cli_module, "measure_request_cost_spread", lambda link: FAKE_MEASURED_REQUESTS)
+    monkeypatch.setattr(cli_module, "measure_link_kinds", lambda pair: {"cpu->cpu": FAKE_COST})
+    monkeypatch.setattr(cli_module, "_transport", lambda backend: "shm")
+    args = _parser().parse_args(["calibrate", "--output", str(tmp_path / "cluster.toml")])
+    assert cli_module.run(args, Console(file=io.StringIO())) == 0
+    assert seen == {"sizes": measure_module.sizes_up_to(4 * 2**20), "repeats": 7}
+    assert (
+        measure_module.sizes_up_to(16 * 2**20)
+        == measure_module.DEFAULT_SIZES_BYTES
+        == tuple(1024 * 4**k for k in range(8))
+    )

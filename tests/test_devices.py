@@ -439,6 +439,29 @@ def test_a_cluster_file_with_more_cpu_devices_than_cores_here_is_named_when_comp
         local_cluster(cpus(2))
 
 
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "this machine's hostname"])
+def test_every_name_of_this_host_is_this_host_to_the_warning_and_the_measured_costs(monkeypatch, host) -> None:
+    """One answer (hardware.is_this_host): the measured costs counted 127.0.0.1 as here, the warning did not."""
+    import socket
+
+    import moirai.cluster.devices
+    from moirai.cluster.calibration.cluster import local_cluster
+    from moirai.cluster.cost import _check_local
+    from moirai.errors import OversubscriptionWarning
+
+    host = socket.gethostname() if host.startswith("this") else host
+    monkeypatch.setattr(moirai.cluster.devices, "available_cores", lambda: (0, 1))
+    devices = [{"name": f"c{k}", "type": "cpu", "host": host} for k in range(3)]
+    cluster = Cluster.from_dict(
+        {"devices": devices, "matrix": {"bandwidth_gbps": [[0, 10, 10], [10, 0, 10], [10, 10, 0]]}}
+    )
+    assert all(d.on_this_host for d in cluster.devices)
+    with pytest.warns(OversubscriptionWarning, match="3 logical CPU devices on 2 cores"):
+        local_cluster(cluster)
+    _check_local(cluster.devices[0])  # measurable here
+    assert not Device("far", "cpu", 1e9, 1e11, 1e10, host="server").on_this_host
+
+
 def test_more_threads_than_cores_is_named() -> None:
     from moirai.errors import OversubscriptionWarning
     from moirai.runtime.resources import rank_resources

@@ -769,8 +769,9 @@ def test_a_corrupt_profile_cache_is_named_moved_aside_and_rebuilt(tmp_path, cont
     cache = _ProfileCache(tmp_path, "cpu|test")
     cache.path.parent.mkdir(parents=True, exist_ok=True)  # made by the cache, mode 0700
     cache.path.write_bytes(content.encode(errors="surrogateescape"))
-    with pytest.warns(moirai.MoiraiWarning, match=r"profile cache .* was corrupt.*measured again"):
+    with pytest.warns(moirai.MoiraiWarning, match=r"profile cache .* was corrupt.*measured again") as caught:
         rebuilt = _ProfileCache(tmp_path, "cpu|test")
+    assert [w.filename for w in caught] == [__file__], "the caller's line (files.set_aside_corrupt), not moirai's"
     assert rebuilt.times_s == {} and cache.path.with_suffix(".corrupt").exists()
     rebuilt.times_s["op"] = 1e-3
     rebuilt.save()
@@ -1141,9 +1142,10 @@ def test_a_calibration_cache_of_the_wrong_structure_is_named_moved_aside_and_mea
     path = cache.calibration_cache_path(tmp_path)
     path.parent.mkdir(parents=True, exist_ok=True)  # made by the cache, mode 0700
     path.write_bytes(content.encode(errors="surrogateescape"))
-    with pytest.warns(moirai.MoiraiWarning, match=r"calibration cache .* was corrupt .*moved to .*\.corrupt"):
+    with pytest.warns(moirai.MoiraiWarning, match=r"calibration cache .* was corrupt .*moved to .*\.corrupt") as caught:
         assert local_calibration(["cpu", "cpu"], cache_dir=tmp_path) == {"cpu->cpu": link}
         assert local_request_cost(cache_dir=tmp_path) == requests
+    assert {w.filename for w in caught if "corrupt" in str(w.message)} == {__file__}, "the caller's line"
     assert path.with_suffix(".corrupt").read_bytes() == content.encode(errors="surrogateescape")
     assert measured == ["links", "requests"]
     assert local_calibration(["cpu", "cpu"], cache_dir=tmp_path) == {"cpu->cpu": link}  # read back, not measured

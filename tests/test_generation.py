@@ -54,7 +54,8 @@ def tiny_llama(layers: int = 2, seed: int = 0) -> torch.nn.Module:
 def compile_tiny(model: torch.nn.Module, devices=("cpu", "cpu"), **options) -> moirai.CompiledLM:
     settings = {"max_batch_size": 4, "max_seq_len": 64, "max_prefill": 8, "placer": "round_robin"}
     settings.update(options)
-    return moirai.compile_lm(model, list(devices), calibration="none", progress=False, **settings)
+    devices = devices if isinstance(devices, moirai.Cluster) else list(devices)
+    return moirai.compile_lm(model, devices, calibration="none", progress=False, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -790,6 +791,18 @@ def test_a_generation_plans_summary_counts_decode_steps_not_requests(split_lm):
     one_sequence_s = split_lm.prediction().tpot_s  # the plan's objective: one sequence, a step per token
     assert f", {moirai.viz.format_rate(1 / one_sequence_s)} decode steps/s" in caption.splitlines()[0], caption
     assert "req/s" not in caption, caption
+
+
+def test_a_generation_plans_summary_shows_each_devices_memory_as_its_capacity(llama):
+    """The decode problem reserves the activation peak at a step of decode_batch sequences of one token; the summary
+    added back the peak of the graph traced at 2 sequences of 3 tokens, so the capacity shown was no device's."""
+    local = moirai.Cluster.from_devices(["cpu", "cpu"])
+    small = tuple(dataclasses.replace(d, memory_bytes=5e6) for d in local.devices)  # 115 kB apart shows in 5 MB
+    cluster = dataclasses.replace(local, devices=small)
+    lm = compile_tiny(llama, devices=cluster, max_batch_size=8, sequences=8)
+    shown = [moirai.viz.format_bytes_compact(d.memory_bytes) for d in small]
+    column = next(c for c in lm.summary_table().columns if c.header == "memory / capacity")
+    assert [str(cell).split(" / ")[1] for cell in column._cells] == shown
 
 
 def test_a_compiled_lm_prints_as_one_short_line(split_lm):

@@ -247,3 +247,30 @@ def test_summary_says_a_split_was_dropped_for_one_device() -> None:
     assert "gap 0.5%" in caption and "one device kept: a split (1 s) gains under 1%" in caption
     split = moirai.Plan(np.array([0, 1]), problem.device_names)
     assert "one device kept" not in str(viz.summary_table(problem, split).caption)
+
+
+def capacity_column(table) -> list[str]:
+    """The capacity half of each row's "memory / capacity" cell."""
+    column = next(c for c in table.columns if c.header == "memory / capacity")
+    return [str(cell).split(" / ")[1] for cell in column._cells]
+
+
+def test_a_compiled_models_summary_shows_each_devices_memory_as_its_capacity(tmp_path) -> None:
+    """Also a device smaller than the activation reserve (its capacity for the tasks clipped at 0): the summary added
+    the whole reserve back and showed the reserve as the device's memory. And so after save and load."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+    memory_bytes = (100, 10_000_000)  # A: under the activation peak of a few kB
+    devices = [
+        {"name": n, "memory_gb": m / 1e9, "peak_tflops": {"fp32": 1.0}, "memory_bandwidth_gb_per_s": 10}
+        for n, m in zip("AB", memory_bytes, strict=True)
+    ]
+    links = [{"src": "A", "dst": "B", "bandwidth_gbps": 10, "both_directions": True}]
+    cluster = moirai.Cluster.from_dict({"devices": devices, "links": links})
+    with pytest.warns(moirai.errors.OverMemoryWarning):
+        compiled = moirai.compile(model, cluster, (torch.randn(2, 16),), placer="round_robin", progress=False)
+    shown = [viz.format_bytes_compact(m) for m in memory_bytes]
+    assert capacity_column(compiled.summary_table()) == shown
+    compiled.save(tmp_path / "plan.json")
+    loaded = moirai.load(tmp_path / "plan.json", model, (torch.randn(2, 16),), devices=cluster, progress=False)
+    assert capacity_column(loaded.summary_table()) == shown

@@ -54,10 +54,8 @@ import json
 import math
 import os
 import select
-import socket
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -70,12 +68,13 @@ import torch.utils._pytree as pytree
 from rich.progress import Progress
 
 from moirai.cluster.devices import Cluster, Device
+from moirai.cluster.hardware import LOCAL_HOST
 from moirai.cluster.host import cpu_model
 from moirai.cluster.kinds import Spans, kind_of
 from moirai.cluster.messages import header_s, input_messages, output_messages, recv_cpu_s, send_cpu_s, transfer_s
-from moirai.errors import ClusterError, MoiraiWarning
+from moirai.errors import ClusterError, did_you_mean
 from moirai.file_numbers import float_fault
-from moirai.files import default_cache_dir, private_cache_folder, read_own_text, write_atomically
+from moirai.files import default_cache_dir, private_cache_folder, read_own_text, set_aside_corrupt, write_atomically
 from moirai.frontend.graph import OpGraph
 from moirai.frontend.symbolic_shapes import concrete_shape, example_int, sizes_at
 from moirai.frontend.trace import TracedModel, devices_mentioned, retarget_devices
@@ -84,7 +83,9 @@ from moirai.planning.problem import Problem
 from moirai.progress import stage
 from moirai.runtime.resources import apply_resources, rank_resources, restore_resources
 
-_LOCAL_HOSTS = {"localhost", "127.0.0.1", socket.gethostname()}
+CostMode = Literal["analytic", "measured"]
+# The cost modes build_problem prices with: compile's, compile_lm's and the command line's choices.
+COST_MODES: tuple[CostMode, ...] = ("analytic", "measured")
 _EMPTY_SPANS = 4  # spans with no op in profiling runs, to time the clock itself
 # A cached profile whose groups add up to more than 25% off a run of the whole graph is measured again.
 _STALE_PROFILE = 0.25
@@ -92,11 +93,23 @@ _STALE_PROFILE_FLOOR_S = 0.2e-3  # and more than this apart: a graph of microsec
 _STALE_CHECK_RUNS = 3
 
 
+def check_cost_mode(mode: object) -> CostMode:
+    """``mode`` if it is one of :data:`COST_MODES`, else a :class:`ClusterError` naming the closest one.
+
+    compile and compile_lm ask it before tracing, so a misspelt mode is refused at once rather than after the
+    trace (and a first calibration's link measurement)."""
+    if mode not in COST_MODES:
+        raise ClusterError(
+            f"unknown cost mode {mode!r}{did_you_mean(mode, COST_MODES)}; use one of {', '.join(map(repr, COST_MODES))}"
+        )
+    return mode  # type: ignore[return-value]
+
+
 @stage("cost")
 def build_problem(
     graph: OpGraph,
     cluster: Cluster,
-    mode: Literal["analytic", "measured"] = "analytic",
+    mode: CostMode = "analytic",
     traced: TracedModel | None = None,
     *,
     cache_dir: str | Path | None = None,
@@ -119,10 +132,10 @@ def build_problem(
     host is measured here, as its kind of device of this host (torchrun's hosts, which compile assumes alike); else it
     is an error. ``steady_state``: measured with the devices computing at once (:func:`measured_compute_s`).
     """
-    if mode == "analytic":
+    if check_cost_mode(mode) == "analytic":
         dtypes = None if traced is None else node_dtypes(graph, traced)
         compute = analytic_compute_s(graph, cluster, dtypes)
-    elif mode == "measured":
+    else:
         if traced is None:
             raise ClusterError("mode='measured' runs the model's ops: pass traced=, the TracedModel of the graph")
         compute = measured_compute_s(
@@ -138,17 +151,19 @@ def build_problem(
             remote_alike=remote_alike,
             steady_state=steady_state,
         )
-    else:
-        raise ClusterError(f"unknown cost mode {mode!r}; use 'analytic' or 'measured'")
 
-    reserve = activation_peak_bytes(graph)
+    # Reserved at the sizes priced here, and kept with the problem: a summary adds back this reserve, not one
+    # derived again from another graph (compile_lm's decode is priced at other sizes than it was traced).
+    memory = np.array([d.memory_bytes for d in cluster.devices], float)
+    reserve = np.minimum(activation_peak_bytes(graph), memory)
     return _problem_of(
         graph,
         cluster,
         traced,
         compute_s=compute,
         memory_bytes=np.array([n.param_bytes for n in graph.nodes]),
-        memory_capacity_bytes=np.array([max(d.memory_bytes - reserve, 0.0) for d in cluster.devices]),
+        memory_capacity_bytes=memory - reserve,
+        memory_reserve_bytes=reserve,
         colocated=colocated,
     )
 
@@ -185,6 +200,7 @@ def unfused_problem(
         compute_s=compute,
         memory_bytes=memory,
         memory_capacity_bytes=problem.memory_capacity_bytes,
+        memory_reserve_bytes=problem.memory_reserve_bytes,
     )
 
 
@@ -204,6 +220,7 @@ def _problem_of(
     compute_s: np.ndarray,
     memory_bytes: np.ndarray,
     memory_capacity_bytes: np.ndarray,
+    memory_reserve_bytes: np.ndarray,
     colocated: Sequence[Sequence[int]] = (),
 ) -> Problem:
     """The problem of ``graph`` on ``cluster`` with these tasks' costs: its tensors and what they and a request cost
@@ -225,6 +242,7 @@ def _problem_of(
     return Problem(
         device_names=cluster.names,
         memory_capacity_bytes=memory_capacity_bytes,
+        memory_reserve_bytes=memory_reserve_bytes,
         task_names=tuple(n.name for n in graph.nodes),
         compute_s=compute_s,
         memory_bytes=memory_bytes,
@@ -329,7 +347,7 @@ def measured_compute_s(
     prefill was predicted 1.5x faster than it ran). ``steady_state``: while the others of those devices with cores of
     their own run the model on them, as their ranks compute while this one does when requests are pipelined
     ([Note: steady-state profile])."""
-    local = [dataclasses.replace(d, host="localhost") if remote_alike else d for d in cluster.devices]
+    local = [dataclasses.replace(d, host=LOCAL_HOST) if remote_alike else d for d in cluster.devices]
     for device in local:
         _check_local(device)
     resources = rank_resources(local)
@@ -556,14 +574,7 @@ class _ProfileCache:
                 what = f"the time of op group {wrong[0][:16]} {wrong[1]}"
         except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):  # nested past the parser
             pass
-        corrupt = self.path.with_suffix(".corrupt")
-        os.replace(self.path, corrupt)
-        warnings.warn(
-            f"the profile cache {self.path} was corrupt ({what}); it was moved to {corrupt} and "
-            "the ops are measured again",
-            MoiraiWarning,
-            stacklevel=4,
-        )
+        set_aside_corrupt(self.path, "the profile cache", what)
         return {}
 
     def save(self) -> None:
@@ -573,10 +584,9 @@ class _ProfileCache:
 
 
 def _check_local(device: Device) -> None:
-    on_this_host = device.host in _LOCAL_HOSTS
     torch_device = torch.device(device.torch_device)
     available = kind_of(torch_device).available(torch_device)
-    if not (on_this_host and available):
+    if not (device.on_this_host and available):
         raise ClusterError(
             f"device {device.name!r} ({device.torch_device} on host {device.host!r}) is not on this machine, "
             "so it cannot be measured; use mode='analytic', or profile on that host"

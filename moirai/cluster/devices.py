@@ -55,7 +55,6 @@ so an asymmetric cluster keeps different numbers per direction.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -78,7 +77,7 @@ from moirai.cluster.files import (
     to_toml,
     torch_device_name,
 )
-from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, MICROSECOND, Device, Link, in_unit
+from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, LOCAL_HOST, MICROSECOND, Device, Link, in_unit
 from moirai.cluster.host import available_cores, core_shares, device_index
 from moirai.cluster.kinds import CPU, accelerator_kinds, detect_device, kind_of, local_link
 from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
@@ -173,7 +172,7 @@ class Cluster:
 
         lines = [f"Cluster {self.name or '(unnamed)'}: {len(self)} device(s)"]
         for d in self.devices:
-            where = "" if d.host == "localhost" else f" on {d.host}"
+            where = "" if d.host == LOCAL_HOST else f" on {d.host}"
             lines.append(
                 f"  {d.name}: {d.torch_device}{where}, {d.peak_flops / 1e9:.1f} GFLOP/s, {format_bytes(d.memory_bytes)}"
             )
@@ -329,7 +328,7 @@ class Cluster:
         torch_devices = [torch_device_name(spec, f"devices[{i}]") for i, spec in enumerate(torch_devices)]
         if not torch_devices:
             raise ClusterError("give at least one device, e.g. ['cpu', 'cpu'] or ['cuda:0', 'cuda:1']")
-        hosts = ["localhost"] * len(torch_devices) if hosts is None else [str(h) for h in hosts]
+        hosts = [LOCAL_HOST] * len(torch_devices) if hosts is None else [str(h) for h in hosts]
         if len(hosts) != len(torch_devices):
             raise ClusterError(f"{len(hosts)} hosts given for {len(torch_devices)} devices; give one host per device")
         on_host = list(zip(hosts, torch_devices, strict=True))
@@ -344,7 +343,7 @@ class Cluster:
             # Logical devices split a physical one only on their own host.
             share, share_index = on_host.count((host, spec)), on_host[: len(devices)].count((host, spec))
             device = detect_device(torch_device, name, share=share, index=share_index)
-            devices.append(device if host == "localhost" else dataclasses.replace(device, host=host))
+            devices.append(device if host == LOCAL_HOST else dataclasses.replace(device, host=host))
         for host in dict.fromkeys(hosts):
             _warn_if_oversubscribed([d for d, h in zip(devices, hosts, strict=True) if h == host])
         k = len(devices)
@@ -379,7 +378,7 @@ def _warn_if_oversubscribed(devices: Sequence[Device], why: str = "the plan coun
 def warn_if_oversubscribed_here(cluster: Cluster) -> None:
     """The warning :meth:`Cluster.from_devices` gives, for a cluster (a file, a preset) about to be compiled or
     loaded to run here: one whose devices are all on this host (no ``host``, or this host's name)."""
-    if all(d.host in ("localhost", socket.gethostname()) for d in cluster.devices):
+    if all(d.on_this_host for d in cluster.devices):
         why = "when run on this host; a CPU device's speed from a cluster file is used as given"
         _warn_if_oversubscribed(cluster.devices, why)
 

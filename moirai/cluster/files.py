@@ -20,6 +20,7 @@ import torch
 from moirai.cluster.hardware import (
     GB,
     GBPS_IN_BYTES_PER_S,
+    LOCAL_HOST,
     MICROSECOND,
     PRECISION_OF_DTYPE,
     TFLOPS,
@@ -238,7 +239,7 @@ def _device_from_dict(entry: Mapping[str, Any]) -> Device:
         peak_flops_fp16=from_unit(peaks["fp16"], TFLOPS) if "fp16" in peaks else None,
         peak_flops_bf16=from_unit(peaks["bf16"], TFLOPS) if "bf16" in peaks else None,
         efficiency=float(numbers.get("efficiency", 0.5)),
-        host=entry.get("host", "localhost"),
+        host=entry.get("host", LOCAL_HOST),
         rank=entry.get("rank"),
         **_cores_and_threads(entry, str(name)),
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import socket
 from dataclasses import dataclass
 from decimal import Decimal
 from functools import cache
@@ -75,6 +76,16 @@ def in_unit(value: float, unit: float) -> float:
 PRECISION_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
+# The host of a device that names none: this machine, whichever it is (a plan of ["cpu", "cpu"] runs where loaded).
+LOCAL_HOST = "localhost"
+
+
+def is_this_host(host: str) -> bool:
+    """Whether a device's ``host`` names the machine this process runs on: :data:`LOCAL_HOST`, the loopback address or
+    this machine's hostname. The one answer the measured costs, the oversubscription warning and the rest ask."""
+    return host in (LOCAL_HOST, "127.0.0.1", socket.gethostname())
+
+
 @dataclass(frozen=True)
 class Device:
     """One device a part of the model runs on.
@@ -98,10 +109,15 @@ class Device:
     peak_flops_fp16: float | None = None
     peak_flops_bf16: float | None = None
     efficiency: float = 0.5
-    host: str = "localhost"
+    host: str = LOCAL_HOST
     rank: int | None = None
     cores: tuple[int, ...] | None = None
     threads: int | None = None
+
+    @property
+    def on_this_host(self) -> bool:
+        """Whether ``host`` names the machine this process runs on (:func:`is_this_host`)."""
+        return is_this_host(self.host)
 
     def peak_flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for a torch dtype name (``"float16"``); other dtypes use the fp32 peak."""

@@ -33,7 +33,7 @@ from rich.table import Table
 
 from moirai import progress as _progress
 from moirai import viz
-from moirai.cluster.cost import activation_peak_bytes, build_problem
+from moirai.cluster.cost import build_problem, check_cost_mode
 from moirai.cluster.devices import Cluster
 from moirai.compile import CompiledModel, assemble, check_placer_options, describe_plan, from_plan_record, rank_cluster
 from moirai.errors import InfeasibleError, InputError, MoiraiWarning, TraceError, UsageError, user_stacklevel
@@ -221,7 +221,6 @@ class CompiledLM:
             compiled.plan,
             torch_devices=compiled.torch_devices,
             ops_per_task=[len(node.targets) for node in compiled.graph.nodes],
-            reserve_bytes=activation_peak_bytes(compiled.graph),
             title=f"moirai plan for generating with {self.model_name} ({compiled.plan.placer})",
             objective=self.objective,
         )
@@ -373,6 +372,7 @@ def compile_lm(
     ``placer``, ``calibration``, ``progress`` and ``placer_options`` as in :func:`moirai.compile`.
     """
     check_placer_options(placer_options, compile_lm, placer)
+    check_cost_mode(cost)
     limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len}
     limits |= {} if max_prefill is None else {"max_prefill": max_prefill}
     for name, value in limits.items():

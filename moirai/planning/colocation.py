@@ -216,6 +216,7 @@ def _contract(problem: Problem, groups: tuple[tuple[int, ...], ...]) -> Contract
     contracted = Problem(
         device_names=problem.device_names,
         memory_capacity_bytes=problem.memory_capacity_bytes,
+        memory_reserve_bytes=problem.memory_reserve_bytes,
         task_names=_unique_names(problem, members),
         compute_s=compute,
         memory_bytes=np.array([problem.memory_bytes[list(tasks)].sum() for tasks in members]),

@@ -73,6 +73,10 @@ class Problem:
     and every task that reads or writes it). Sets that overlap are merged, as colocation is transitive, and sets of
     fewer than two tasks dropped; each is kept sorted. :func:`moirai.place` enforces them for every placer and the
     simulator refuses a plan that separates one (:mod:`moirai.planning.colocation`).
+    ``memory_reserve_bytes[k]``: memory device ``k`` keeps free besides its tasks', already taken off its
+    ``memory_capacity_bytes`` (default 0; :func:`moirai.cluster.cost.build_problem` reserves the activation peak at
+    the sizes it priced, so capacity plus reserve is the device's memory). Placers do not read it; a summary adds it
+    to the memory in use and the capacity it shows.
     """
 
     device_names: tuple[str, ...]
@@ -89,6 +93,7 @@ class Problem:
     recv_cpu_s: np.ndarray = field(default=None)  # type: ignore[assignment]
     costs: RequestCosts = field(default=None)  # type: ignore[assignment]
     colocated: tuple[tuple[int, ...], ...] = ()
+    memory_reserve_bytes: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         for label in ("device_names", "task_names", "tensor_names"):
@@ -97,6 +102,8 @@ class Problem:
         object.__setattr__(
             self, "memory_capacity_bytes", _array(self.memory_capacity_bytes, (k,), "memory_capacity_bytes")
         )
+        reserve = np.zeros(k) if self.memory_reserve_bytes is None else self.memory_reserve_bytes
+        object.__setattr__(self, "memory_reserve_bytes", _array(reserve, (k,), "memory_reserve_bytes"))
         object.__setattr__(self, "compute_s", _array(self.compute_s, (n, k), "compute_s"))
         object.__setattr__(self, "memory_bytes", _array(self.memory_bytes, (n,), "memory_bytes"))
         object.__setattr__(self, "tensor_producer", _task_indices(self.tensor_producer, (t,), "tensor_producer"))
@@ -368,6 +375,7 @@ class Problem:
         return cls(
             device_names=unique_names(devices, "devices"),
             memory_capacity_bytes=_each(devices, "devices", "memory_bytes", np.inf, "memory_capacity_bytes"),
+            memory_reserve_bytes=_each(devices, "devices", "reserve_bytes", 0.0, "memory_reserve_bytes"),
             task_names=tuple(index),
             compute_s=_each(tasks, "tasks", "compute_s", None, "compute_s", (k,), "one time per device"),
             memory_bytes=_each(tasks, "tasks", "memory_bytes", 0.0, "memory_bytes"),
@@ -379,8 +387,10 @@ class Problem:
     def to_dict(self) -> dict[str, Any]:
         return {
             "devices": [
-                {"name": name, "memory_bytes": float(cap)}
-                for name, cap in zip(self.device_names, self.memory_capacity_bytes, strict=True)
+                {"name": name, "memory_bytes": float(cap)} | ({"reserve_bytes": float(reserve)} if reserve else {})
+                for name, cap, reserve in zip(
+                    self.device_names, self.memory_capacity_bytes, self.memory_reserve_bytes, strict=True
+                )
             ],
             "tasks": [
                 {"name": name, "compute_s": self.compute_s[i].tolist(), "memory_bytes": float(self.memory_bytes[i])}
@@ -436,6 +446,7 @@ class Problem:
 # JSON reader (whose fields are named alike) check.
 _ARRAYS: dict[str, tuple[Quantity, tuple[str, ...]]] = {
     "memory_capacity_bytes": (Quantity("bytes", infinite="unlimited memory"), ("device",)),
+    "memory_reserve_bytes": (Quantity("bytes"), ("device",)),
     "compute_s": (Quantity("seconds", infinite="the task cannot run on that device"), ("task", "device")),
     "memory_bytes": (Quantity("bytes"), ("task",)),
     "transfer_s": (
@@ -478,7 +489,7 @@ def _entry_keys(per: Per, *keys: str) -> tuple[str, ...]:
     return (*keys, *(name for name, given_per in RequestCosts.names().items() if given_per is per))
 
 
-_DEVICE_KEYS = _entry_keys(Per.DEVICE, "name", "memory_bytes")
+_DEVICE_KEYS = _entry_keys(Per.DEVICE, "name", "memory_bytes", "reserve_bytes")
 _TASK_KEYS = _entry_keys(Per.TASK, "name", "compute_s", "memory_bytes")
 
 

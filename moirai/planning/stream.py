@@ -72,6 +72,7 @@ def unroll(problem: Problem, plan: Plan, num_requests: int) -> tuple[Problem, Pl
     unrolled = Problem(
         device_names=problem.device_names,
         memory_capacity_bytes=problem.memory_capacity_bytes,
+        memory_reserve_bytes=problem.memory_reserve_bytes,
         task_names=tuple(f"{name}#{r}" for r in copies for name in problem.task_names),
         compute_s=np.tile(compute, (num_requests, 1)),
         memory_bytes=np.concatenate([problem.memory_bytes, np.zeros(n * (num_requests - 1))]),

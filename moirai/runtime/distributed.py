@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from moirai.cluster import kinds as device_kinds
-from moirai.cluster.devices import Device
+from moirai.cluster.hardware import LOCAL_HOST, Device
 from moirai.cluster.kinds import kind_of
 from moirai.environment import TorchrunWorld, require_torchrun_world
 from moirai.errors import DistributedError, InputError
@@ -286,6 +286,6 @@ def _gloo_group(timeout_s: float) -> dist.ProcessGroup:
 def _torchrun_resources(devices: Sequence[str | Device], rank: int) -> tuple[RankResources, range]:
     """This rank's share of its host, split among its host's devices only, and the ranks on its host
     (:mod:`moirai.runtime.hosts`: torchrun's layout, checked against the plan's hosts)."""
-    plan_hosts = [d.host if isinstance(d, Device) else "localhost" for d in devices]
+    plan_hosts = [d.host if isinstance(d, Device) else LOCAL_HOST for d in devices]
     neighbours = host_ranks(plan_hosts, rank, torchrun_layout())
     return rank_resources([devices[k] for k in neighbours])[rank - neighbours.start], neighbours

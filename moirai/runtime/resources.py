@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import torch
 
-from moirai.cluster.devices import Device
+from moirai.cluster.hardware import LOCAL_HOST, Device
 from moirai.cluster.host import available_cores, current_cores, note_pinning, split_cores
 from moirai.cluster.kinds import DeviceKind, kind_of
 from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
@@ -312,7 +312,7 @@ def _as_device(device: str | Device) -> tuple[str, DeviceKind, tuple[int, ...] |
     """(host, kind, cores, threads)."""
     if isinstance(device, Device):
         return device.host, kind_of(device), device.cores, device.threads
-    return "localhost", kind_of(device), None, None
+    return LOCAL_HOST, kind_of(device), None, None
 
 
 def _name(device: str | Device) -> str:

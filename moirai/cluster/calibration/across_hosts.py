@@ -21,13 +21,17 @@ from typing import Any
 
 from moirai.cluster.calibration.cache import MEASURED_CALIBRATIONS, cache_host_links, local_host_links
 from moirai.cluster.calibration.fit import HostLink, TransferCost, TransferTimings, fit_between_hosts, link_kind
-from moirai.cluster.calibration.measure import DEFAULT_SIZES_BYTES, leave_together, measure_pairs
+from moirai.cluster.calibration.measure import (
+    DEFAULT_REPEATS,
+    DEFAULT_SIZES_BYTES,
+    DEFAULT_WARMUP,
+    leave_together,
+    measure_pairs,
+)
 from moirai.errors import DistributedError
 from moirai.progress import stage
 
 _PREFIX = "moirai/calibration"
-# What compile measures between hosts: the sweep and repeats a local calibration takes (and `moirai calibrate`).
-_AUTO_REPEATS = 15
 _TIMEOUT_S = 300.0
 
 
@@ -79,7 +83,7 @@ def measure_across_hosts(
     torch_devices: Sequence[str],
     sizes_bytes: Sequence[int],
     repeats: int,
-    warmup: int = 3,
+    warmup: int = DEFAULT_WARMUP,
     timeout_s: float = _TIMEOUT_S,
     prefix: str = _PREFIX,
 ) -> HostsCalibration | None:
@@ -147,7 +151,7 @@ def measure_host_links(
         return
     why = f"{', '.join(missing)}: not in this machine's calibration" if missing else f"calibration={calibration!r}"
     with stage("measure links between hosts", why):
-        measured = measure_across_hosts(torch_devices, DEFAULT_SIZES_BYTES, _AUTO_REPEATS, prefix=prefix)
+        measured = measure_across_hosts(torch_devices, DEFAULT_SIZES_BYTES, DEFAULT_REPEATS, prefix=prefix)
     if measured is not None:
         cache_host_links(measured.host_links(), cache_dir)
 

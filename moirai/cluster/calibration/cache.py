@@ -34,6 +34,7 @@ from moirai.files import (
     own_lock_file,
     private_cache_folder,
     read_own_text,
+    set_aside_corrupt,
     write_atomically,
 )
 from moirai.progress import stage
@@ -187,7 +188,7 @@ def cached_links(path: Path) -> dict[str, TransferCost]:
     try:
         return read_calibration(path)
     except CorruptCalibrationError as error:
-        _set_aside(path, error)
+        set_aside_corrupt(path, "the calibration cache", error.what)
     except ClusterError:
         pass
     return {}
@@ -220,7 +221,7 @@ def cached_host_links(path: Path) -> dict[HostLink, TransferCost]:
     try:
         return read_host_links(path)
     except CorruptCalibrationError as error:
-        _set_aside(path, error)
+        set_aside_corrupt(path, "the calibration cache", error.what)
     except ClusterError:
         pass
     return {}
@@ -233,21 +234,10 @@ def _read_cached_requests(path: Path) -> RequestCost | None:
     try:
         return read_request_cost(path)
     except CorruptCalibrationError as error:
-        _set_aside(path, error)
+        set_aside_corrupt(path, "the calibration cache", error.what)
     except ClusterError:
         pass
     return None
-
-
-def _set_aside(path: Path, error: CorruptCalibrationError) -> None:
-    """Rename a corrupt cache ``.corrupt`` with a warning, so what it held is measured again and it can be read."""
-    corrupt = path.with_suffix(".corrupt")
-    os.replace(path, corrupt)
-    warnings.warn(
-        f"the calibration cache {path} was corrupt ({error.what}); it was moved to {corrupt} and is measured again",
-        MoiraiWarning,
-        stacklevel=4,
-    )
 
 
 def calibration_cache_path(cache_dir: str | Path | None = None) -> Path:

@@ -18,7 +18,13 @@ from moirai.cluster.calibration.across_hosts import measure_across_hosts
 from moirai.cluster.calibration.cache import cached_host_links, cached_links, calibration_cache_path, write_calibration
 from moirai.cluster.calibration.cluster import measured_cluster, rank_devices
 from moirai.cluster.calibration.fit import HostLink, TransferCost, costs_by_kind, link_kind
-from moirai.cluster.calibration.measure import measure_link_kinds, measure_transfer_costs
+from moirai.cluster.calibration.measure import (
+    DEFAULT_MAX_SIZE_BYTES,
+    DEFAULT_REPEATS,
+    measure_link_kinds,
+    measure_transfer_costs,
+    sizes_up_to,
+)
 from moirai.cluster.calibration.request_cost import measure_request_cost_spread
 from moirai.cluster.files import read_cluster_devices
 from moirai.cluster.hardware import Device
@@ -46,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "host)",
     )
     parser.add_argument("--backend", choices=backends(), default=CPU.backend)
-    parser.add_argument("--max-size-mb", type=float, default=16.0, help="largest message of the sweep (MiB)")
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--max-size-mb", type=float, default=DEFAULT_MAX_SIZE_BYTES / 2**20, help="largest message of the sweep (MiB)"
+    )
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     parser.add_argument(
         "--base",
         help="cluster file whose devices (one per rank, in rank order) to keep; its links, if any, are replaced by "
@@ -90,7 +98,7 @@ def _calibrate(args: argparse.Namespace, console: Console) -> int:
         check_output_path(args.output, "the cluster file", ClusterError)
         if args.save:
             check_output_path(args.save, "the calibration", ClusterError, folder_made=True)
-    sizes = tuple(s for s in (1024 * 4**k for k in range(16)) if s <= args.max_size_mb * 2**20)
+    sizes = sizes_up_to(args.max_size_mb * 2**20)
     base, base_name = read_cluster_devices(args.base) if args.base else (None, "")
     if world is not None and args.world_size not in (None, world.world_size):
         raise ClusterError(f"--world-size {args.world_size}, but torchrun runs {world.world_size} ranks: leave it out")

@@ -21,7 +21,7 @@ from moirai.cluster.calibration.cache import (
     local_request_cost,
 )
 from moirai.cluster.calibration.fit import HostLink, TransferCost, link_kind
-from moirai.cluster.calibration.measure import DEFAULT_SIZES_BYTES, measure_transfer_costs
+from moirai.cluster.calibration.measure import DEFAULT_REPEATS, DEFAULT_SIZES_BYTES, measure_transfer_costs
 from moirai.cluster.calibration.request_cost import RequestCost
 from moirai.cluster.devices import Cluster, Device, Link, warn_if_oversubscribed_here
 from moirai.cluster.kinds import kind_for_backend
@@ -77,7 +77,7 @@ def calibrate(
     world_size: int = 2,
     backend: str = "gloo",
     sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
-    repeats: int = 15,
+    repeats: int = DEFAULT_REPEATS,
     base: Cluster | None = None,
     output: str | Path | None = None,
 ) -> Cluster:

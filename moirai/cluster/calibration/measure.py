@@ -32,8 +32,21 @@ from moirai.safe_path import python_command
 if TYPE_CHECKING:
     from moirai.runtime.resources import RankResources
 
-# 1 KiB .. 16 MiB: small sizes pin the latency, large ones the bandwidth.
-DEFAULT_SIZES_BYTES = tuple(1024 * 4**k for k in range(8))
+# The sweep, repeats and warm-up every calibration takes unless told otherwise: a local one, `moirai calibrate`'s
+# options' defaults and compile's measurement between torchrun's hosts.
+DEFAULT_MAX_SIZE_BYTES = 16 * 2**20
+DEFAULT_REPEATS = 15
+DEFAULT_WARMUP = 3
+
+
+def sizes_up_to(max_bytes: float) -> tuple[int, ...]:
+    """The sweep's message sizes, 1 KiB times powers of 4, up to ``max_bytes`` (and at most 1 TiB): small sizes pin
+    the latency, large ones the bandwidth."""
+    return tuple(size for size in (1024 * 4**k for k in range(16)) if size <= max_bytes)
+
+
+# 1 KiB .. 16 MiB.
+DEFAULT_SIZES_BYTES = sizes_up_to(DEFAULT_MAX_SIZE_BYTES)
 # Long enough for the receiver to be blocked in its wait before the message leaves; the sender computes
 # meanwhile, and goes on computing after its send call, as a part does.
 _SENDER_PAUSE_S = 2e-3
@@ -48,8 +61,8 @@ STREAM_MESSAGES = 4
 def measure_transfers(
     torch_devices: Sequence[str] = (CPU.name, CPU.name),
     sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
-    repeats: int = 15,
-    warmup: int = 3,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = DEFAULT_WARMUP,
     timeout_s: float = 300.0,
 ) -> dict[tuple[int, int], TransferTimings]:
     """Time every directed pair of ranks (rank r on ``torch_devices[r]``), one pair at a time."""
@@ -81,8 +94,8 @@ def measure_transfers(
 def measure_transfer_costs(
     torch_devices: Sequence[str] = (CPU.name, CPU.name),
     sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
-    repeats: int = 15,
-    warmup: int = 3,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = DEFAULT_WARMUP,
 ) -> dict[tuple[int, int], TransferCost]:
     """The fitted :class:`TransferCost` of every directed pair of ranks (rank r on ``torch_devices[r]``)."""
     timings = measure_transfers(torch_devices, sizes_bytes, repeats, warmup)

@@ -197,6 +197,7 @@ def merge_tasks(problem: Problem, groups: Sequence[Sequence[int]]) -> Problem:
     return Problem(
         device_names=problem.device_names,
         memory_capacity_bytes=problem.memory_capacity_bytes,
+        memory_reserve_bytes=problem.memory_reserve_bytes,
         task_names=tuple(problem.task_names[m[0]] + (f"+{len(m) - 1}" if len(m) > 1 else "") for m in groups),
         compute_s=np.array([problem.compute_s[list(m)].sum(axis=0) for m in groups]),
         memory_bytes=np.array([problem.memory_bytes[list(m)].sum() for m in groups]),
