@@ -10,6 +10,7 @@ code (``--debug`` shows the traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console()
     try:
-        with warnings.catch_warnings():  # restores Python's way of showing warnings when the command ends
+        # catch_warnings restores Python's way of showing warnings when the command ends; --quiet: no progress lines
+        with warnings.catch_warnings(), progress.shown(False) if args.quiet else contextlib.nullcontext():
             if not args.debug:
                 warnings.showwarning = _show_warning
             return _run(args, console)
@@ -114,6 +116,10 @@ def _parser() -> argparse.ArgumentParser:
     calibrate_command.add_arguments(
         commands.add_parser("calibrate", help="measure links between local ranks, write a cluster file")
     )
+    for command in commands.choices.values():
+        command.add_argument(
+            "--quiet", action="store_true", help="no progress lines on stderr (results and errors only)"
+        )
     return parser
 
 

@@ -246,6 +246,16 @@ def test_a_warning_is_one_moirai_line_and_the_api_user_sees_their_own_line(tmp_p
     assert record[0].filename == __file__
 
 
+@pytest.mark.parametrize("command", ["plan", "compile"])
+def test_quiet_leaves_out_the_progress_lines(command: str, factory_file: Path, tmp_path: Path, capsys) -> None:
+    args = [str(_readme_problem(tmp_path))] if command == "plan" else [f"{factory_file}:make", "--devices", "cpu"]
+    assert main([command, *args, "--placer", "heft"]) == 0
+    assert "moirai: place" in capsys.readouterr().err
+    assert main([command, *args, "--placer", "heft", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "predicted" in captured.out
+
+
 def test_outputs_that_differ_go_to_stderr(factory_file: Path, monkeypatch, capsys) -> None:
     def differ(actual: object, expected: object) -> None:
         raise AssertionError("Tensor-likes are not close!")
