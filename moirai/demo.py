@@ -19,7 +19,7 @@ from rich.table import Table
 
 import moirai
 from moirai.cluster.devices import Cluster, Device
-from moirai.planning.placers import start_plans
+from moirai.planning.placers import check_options, spec, start_plans
 from moirai.runtime import shm
 from moirai.runtime.resources import apply_resources, rank_resources, restore_resources
 
@@ -106,8 +106,20 @@ def compare_placers(problem: moirai.Problem, plan: moirai.Plan, console: Console
     console.print(table)
 
 
-def run_demo(placer: str = "milp", console: Console | None = None, time_limit_s: float = 20.0) -> bool:
+# The milp placer's limit in the demo, where none is given: a demo that shows a plan in seconds, not a minute.
+DEMO_TIME_LIMIT_S = 20.0
+
+
+def run_demo(placer: str = "milp", console: Console | None = None, time_limit_s: float | None = None) -> bool:
+    """Plan, run and check the demo with ``placer``; ``time_limit_s`` for a placer that takes a limit (None: the
+    milp placer's :data:`DEMO_TIME_LIMIT_S`, another's default). Placer and limit are checked before anything is
+    printed."""
     console = console or Console()
+    traits = spec(placer)  # an unknown placer is the registry's error
+    if time_limit_s is None and placer == "milp":
+        time_limit_s = DEMO_TIME_LIMIT_S
+    options = {} if time_limit_s is None else {"time_limit_s": time_limit_s}
+    check_options(placer, traits.function, options)  # a limit the placer does not take is refused, not dropped
     torch.manual_seed(0)
     model = TinyDecoder().eval()
     tokens = torch.randint(0, 4096, (2, 64))
@@ -120,7 +132,6 @@ def run_demo(placer: str = "milp", console: Console | None = None, time_limit_s:
         )
     )
     start = time.perf_counter()
-    options = {"time_limit_s": time_limit_s} if placer == "milp" else {}
     with warnings.catch_warnings():
         # Its speeds are described, not this host's, and it checks outputs, not times: on a host with fewer cores
         # than its three devices, their sharing cores changes nothing the demo shows.

@@ -131,6 +131,10 @@ def check_output_path(
     target = Path(path)
     folder = target.parent
     where = f"cannot write {what} to {str(path)!r}"
+    if not os.fspath(path):  # Path("") is ".", the current folder
+        raise error(f"{where}: the path is empty; name a file")
+    if folder.exists() and not folder.is_dir():
+        raise error(f"{where}: {str(folder)!r} is a file, not a folder; name a file in a folder")
     if folder_made and not folder.exists():
         return
     if not folder.is_dir():

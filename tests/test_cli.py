@@ -30,6 +30,11 @@ class WithInputs(torch.nn.Module):
 
 def broken():
     raise ValueError("no weights here")
+
+NOT_CALLABLE = 5
+
+def gives_text():
+    return torch.nn.Linear(2, 2), "abc"
 """
 
 
@@ -144,15 +149,121 @@ def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factor
             ["plan", "no/such/problem.json", "--gantt", "no/such/plan.png"],
             "cannot write the Gantt picture to 'no/such/plan.png': folder 'no/such' does not exist",
         ),
+        # The picture replaced the plan, and the plan the problem or the factory's file, with exit code 0.
+        (
+            ["plan", "{factory}", "--output", "{tmp}/same.png", "--gantt", "{tmp}/./same.png"],
+            "--gantt '{tmp}/./same.png' name one file: the picture would replace the plan",
+        ),
+        (["plan", "{factory}", "--output", "{factory}"], "is the problem file this command reads"),
+        (["plan", "{factory}", "--output", "{tmp}/../{tmp_name}/my_models.py"], "is the problem file"),
+        (["compile", "{factory}:make", "--devices", "cpu", "--output", "{factory}"], "is the factory's file"),
+        # Options that were dropped: an empty path wrote nothing, an empty device name was left out, a limit unused.
+        (["plan", "{factory}", "--output", ""], "cannot write the plan to '': the path is empty"),
+        (["compile", "{factory}:make", "--devices", "cpu", "--gantt", ""], "Gantt picture to '': the path is empty"),
+        (["compile", "{factory}:make", "--devices", "cpu,,cpu"], "--devices 'cpu,,cpu': device 2 of the list is empty"),
+        (["compile", "{factory}:make", "--devices", "cpu,"], "device 2 of the list is empty"),
+        (
+            ["plan", "{factory}", "--placer", "heft", "--time-limit", "5"],
+            "--time-limit: placer 'heft' takes no time limit; leave --time-limit out, or choose a placer that takes "
+            "one (getf, milp, pesto)",
+        ),
+        (["demo", "--placer", "heft", "--time-limit", "-5"], "--time-limit: placer 'heft' takes no time limit"),
+        (["demo", "--placer", "pesto", "--time-limit", "-5"], "--time-limit -5.0: give a non-negative number"),
+        # One line: the placement's progress line came first.
+        (["plan", "{factory}", "--placer", "milp", "--time-limit", "nan"], "--time-limit nan: give a non-negative"),
+        # Nothing printed before: the demo's banner came first.
+        (["demo", "--placer", "nope"], "unknown placer 'nope'; choose one of contiguous, cp_pct, "),
+        (["plan", "{factory}", "--placer", "nope"], "unknown placer 'nope'; choose one of contiguous, cp_pct, "),
+        (["plan", "{factory}", "--objective", "x"], "--objective 'x': unknown objective 'x'; choose one of latency, "),
+        (["plan", "{factory}", "--output", "{factory}/x.json"], "'{factory}' is a file, not a folder"),
+        (["compile", "{factory}:NOT_CALLABLE", "--devices", "cpu"], ":NOT_CALLABLE is not callable (it is int 5)"),
+        (["compile", "{factory}:gives_text", "--devices", "cpu"], "gave example inputs of type str; give a tensor"),
+        (["compile", "{tmp}:make", "--devices", "cpu"], "cannot import {tmp}: it is a folder; name the .py file"),
+        (["compile", "{tmp}/tiny.txt:make", "--devices", "cpu"], "there is no file '{tmp}/tiny.txt'"),
+        # A minute of measuring, then nothing saved; a world of 100000 ranks hung.
+        (["calibrate", "--save", "", "--output", "{tmp}/c.toml"], "cannot write the calibration to '': the path is"),
+        (["calibrate", "--world-size", "100000", "--output", "{tmp}/c.toml"], "--world-size 100000: this machine"),
     ],
 )
 def test_errors_are_one_red_line_without_traceback(args, message, factory_file: Path, capsys) -> None:
-    code = main([a.replace("{factory}", str(factory_file)) for a in args])
+    tmp = factory_file.parent
+    fill = {"{factory}": str(factory_file), "{tmp_name}": tmp.name, "{tmp}": str(tmp)}
+    args, message = [_filled(a, fill) for a in args], _filled(message, fill)
+    code = main(args)
     captured = capsys.readouterr()
     assert code == 2
+    assert captured.out == ""  # no banner, summary or table before the error
+    assert factory_file.read_text() == textwrap.dedent(FACTORY)  # nothing written over an input
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], captured.err
     assert "Traceback" not in captured.err + captured.out
+
+
+def _filled(text: str, fill: dict[str, str]) -> str:
+    for key, value in fill.items():
+        text = text.replace(key, value)
+    return text
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys) -> None:
+    """Ctrl-C printed a traceback of 16 to 28 frames."""
+    import moirai.cli
+
+    def interrupted(*args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(moirai.cli, "_plan", interrupted)
+    assert main(["plan", "p.json"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "moirai: interrupted\n" and captured.out == ""
+    with pytest.raises(KeyboardInterrupt):
+        main(["--debug", "plan", "p.json"])
+
+
+def _readme_problem(tmp_path: Path) -> Path:
+    root = Path(__file__).resolve().parent.parent
+    (example,) = re.findall(r"```json\n(.+?)\n```", (root / "README.md").read_text(), re.DOTALL)
+    problem = tmp_path / "problem.json"
+    problem.write_text(example)
+    return problem
+
+
+def test_a_warning_is_one_moirai_line_and_the_api_user_sees_their_own_line(tmp_path: Path, capsys) -> None:
+    """The milp placer's warning showed moirai's source file and line, a UserWarning of Python's form."""
+    import warnings
+
+    import moirai
+
+    problem = _readme_problem(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["plan", str(problem), "--placer", "milp", "--time-limit", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "moirai: warning: the time budget ran out building the MILP" in err
+    assert "UserWarning" not in err and ".py:" not in err
+    with pytest.warns(moirai.MoiraiWarning, match="time budget ran out") as record:
+        moirai.place(moirai.Problem.from_json(problem), placer="milp", time_limit_s=0)
+    assert record[0].filename == __file__
+
+
+@pytest.mark.parametrize("command", ["plan", "compile"])
+def test_quiet_leaves_out_the_progress_lines(command: str, factory_file: Path, tmp_path: Path, capsys) -> None:
+    args = [str(_readme_problem(tmp_path))] if command == "plan" else [f"{factory_file}:make", "--devices", "cpu"]
+    assert main([command, *args, "--placer", "heft"]) == 0
+    assert "moirai: place" in capsys.readouterr().err
+    assert main([command, *args, "--placer", "heft", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "predicted" in captured.out
+
+
+def test_outputs_that_differ_go_to_stderr(factory_file: Path, monkeypatch, capsys) -> None:
+    def differ(actual: object, expected: object) -> None:
+        raise AssertionError("Tensor-likes are not close!")
+
+    monkeypatch.setattr("torch.testing.assert_close", differ)
+    assert main(["compile", f"{factory_file}:make", "--devices", "cpu", "--placer", "heft", "--check"]) == 1
+    captured = capsys.readouterr()
+    assert "outputs differ" in captured.err and "not close" in captured.err and "differ" not in captured.out
 
 
 def test_a_factory_in_a_file_that_is_not_python_says_so(tmp_path: Path, capsys) -> None:

@@ -86,6 +86,8 @@ def test_format_seconds_is_compact() -> None:
         "1.25 min",
         "120 min",
     ]
+    # Beyond 999 min, larger units: --time-limit 1e308 printed a limit of some 300 digits of minutes.
+    assert [progress.format_seconds(s) for s in (6e4, 3.6e6, 1e308)] == ["16.7 h", "41.7 d", "3.17e+300 years"]
 
 
 def test_load_reports_its_stages_unless_progress_is_false(tmp_path, capfd) -> None:

@@ -324,5 +324,6 @@ def as_objective(objective: str | Objective) -> Objective:
         return OBJECTIVES[objective]
     except KeyError:
         raise MoiraiError(
-            f"unknown objective {objective!r}{did_you_mean(objective, OBJECTIVES)}; choose one of {sorted(OBJECTIVES)}"
+            f"unknown objective {objective!r}{did_you_mean(objective, OBJECTIVES)}; "
+            f"choose one of {', '.join(sorted(OBJECTIVES))}"
         ) from None

@@ -66,6 +66,11 @@ class PlacerSpec:
     start_plan: int | None = None
     keeps_sets: Callable[[Problem, dict[str, Any]], bool] | None = None
 
+    def takes(self, option: str) -> bool:
+        """Whether its function takes the option ``option`` (``"time_limit_s"``)."""
+        parameters = list(inspect.signature(self.function).parameters.values())[1:]  # the first is the problem
+        return any(p.name == option or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
     def serves(self, objective: str) -> bool:
         """Whether its plans are built for ``objective`` (a name)."""
         return self.objectives is None or objective in self.objectives
@@ -129,7 +134,7 @@ def spec(name: str) -> PlacerSpec:
         return _SPECS[name]
     except KeyError:
         hint = did_you_mean(name, _SPECS)
-        raise MoiraiError(f"unknown placer {name!r}{hint}; choose one of {sorted(_SPECS)}") from None
+        raise MoiraiError(f"unknown placer {name!r}{hint}; choose one of {', '.join(sorted(_SPECS))}") from None
 
 
 def specs() -> list[PlacerSpec]:
@@ -162,6 +167,9 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     tasks (:attr:`Problem.colocated`) ends on one device, whichever the placer (:attr:`PlacerSpec.checked`).
     """
     check_problem(problem, "moirai.place's problem")
+    traits = spec(placer)
+    check_options(placer, traits.function, options)  # before the stage opens: no progress line before the error
+    as_objective(objective)  # likewise
     with stage("place", _long_placement(placer, options)):
         return _place(problem, placer, objective, **options)
 
@@ -180,7 +188,6 @@ def _place(problem: Problem, placer: str, objective: str | Objective, **options:
 
     traits = spec(placer)
     function = traits.checked
-    check_options(placer, traits.function, options)
     chosen = as_objective(objective)
     if not traits.serves(chosen.plans_like):
         logger.debug(

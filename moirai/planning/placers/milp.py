@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from moirai import progress as progress_lines
-from moirai.errors import InfeasibleError, MoiraiError
+from moirai.errors import InfeasibleError, MoiraiError, MoiraiWarning, user_stacklevel
 from moirai.planning.bounds import format_bytes
 from moirai.planning.objective import LATENCY, Objective
 from moirai.planning.placers import register, start_plans
@@ -158,7 +158,10 @@ def place_milp(
             )
     if not timeline.fits_memory:
         # The model and the search enforce memory; this guards the promise, never a silent overflow.
-        warnings.warn("the MILP search produced a plan over memory; using the best heuristic plan", stacklevel=2)
+        warnings.warn(
+            MoiraiWarning("the MILP search produced a plan over memory; using the best heuristic plan"),
+            stacklevel=user_stacklevel(),
+        )
         plan, timeline = _fallback(problem, start_plan, start_plan and simulate(problem, start_plan))
     final = _with_transfer_order(problem, plan, timeline)
     final.placer = "milp"
@@ -234,7 +237,10 @@ def _best_heuristic(
             logger.debug("start plan %s skipped: %s", name, error)  # e.g. a heuristic that cannot respect memory here
             continue
         except Exception as error:  # noqa: BLE001 - one broken heuristic must not stop the MILP
-            warnings.warn(f"heuristic {name!r} failed ({type(error).__name__}: {error}); skipping it", stacklevel=3)
+            warnings.warn(
+                MoiraiWarning(f"heuristic {name!r} failed ({type(error).__name__}: {error}); skipping it"),
+                stacklevel=user_stacklevel(),
+            )
             continue
         if not objective.acceptable(timeline):
             logger.debug("start plan %s skipped: not acceptable to the %s objective", name, objective.name)
@@ -502,7 +508,10 @@ def _solve_whole(
     info.strategy = "full"
     info.binaries, info.constraints, info.build_s = built.size.binaries, built.size.constraints, built.size.build_s
     if remaining <= 0.05:
-        warnings.warn("the time budget ran out building the MILP; returning the best heuristic plan", stacklevel=3)
+        warnings.warn(
+            MoiraiWarning("the time budget ran out building the MILP; returning the best heuristic plan"),
+            stacklevel=user_stacklevel(),
+        )
         info.stop_reason = StopReason.TIME_LIMIT
         return _fallback(problem, start_plan, timeline, objective)
     settings = replace(settings, time_limit_s=remaining)
@@ -514,7 +523,10 @@ def _solve_whole(
     info.solve_s, info.solver_log_tail = solution.solve_s, solution.log_tail[-8:]
     if not solution.has_solution:
         if solution.status.startswith(("error", "unavailable")):
-            warnings.warn(f"the MILP solver failed ({solution.status}); using the best heuristic plan", stacklevel=3)
+            warnings.warn(
+                MoiraiWarning(f"the MILP solver failed ({solution.status}); using the best heuristic plan"),
+                stacklevel=user_stacklevel(),
+            )
         return _fallback(problem, start_plan, timeline, objective)
     placement = np.array([solution.placement[i] for i in range(problem.num_tasks)])
     start = np.array([solution.start_s[i] for i in range(problem.num_tasks)])

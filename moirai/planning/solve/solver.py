@@ -13,6 +13,7 @@ from typing import Any
 from pyomo.common.collections import ComponentMap
 from pyomo.contrib.solver.common.results import SolutionStatus, TerminationCondition
 
+from moirai.errors import MoiraiWarning, user_stacklevel
 from moirai.planning.highs import SolverOutcome, run_highs
 from moirai.planning.simulate import Timeline
 from moirai.planning.solve.model import MilpModel
@@ -114,7 +115,10 @@ def solve_model(built: MilpModel, settings: SolverSettings, warm_start: Timeline
     if settings.solver == "gurobi":
         solution = _solve_with(built, settings, values, "gurobi")
         if solution.status.startswith("unavailable"):
-            warnings.warn(f"Gurobi cannot solve this model ({solution.status}); using HiGHS", stacklevel=2)
+            warnings.warn(
+                MoiraiWarning(f"Gurobi cannot solve this model ({solution.status}); using HiGHS"),
+                stacklevel=user_stacklevel(),
+            )
         else:
             return solution
     return _solve_with(built, settings, values, "highs")
