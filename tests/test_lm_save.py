@@ -121,7 +121,7 @@ def test_load_lm_of_a_plain_plan_file_says_to_use_load(llama, saved, tmp_path):
         ("max_seq_len", "x", "is 'x', not a whole number"),
         ("max_seq_len", -3, "is -3, outside 1.."),
         ("max_batch_size", 2.5, "not a whole number"),
-        ("new_tokens", 10**400, "outside 1.."),
+        pytest.param("new_tokens", 10**400, "outside 1..", id="new_tokens-401 digits"),
         ("max_ttft_s", "soon", "not a number"),
         ("max_ttft_s", -1.0, "is negative"),
         ("prefill_problem", [], "not an object"),
@@ -150,3 +150,17 @@ def test_a_model_of_another_class_is_refused_before_it_is_traced(saved, tmp_path
     path = edited(saved[1], tmp_path, lambda record: record["lm"].__setitem__("model", "MistralForCausalLM"))
     with pytest.raises(moirai.PlanError, match="planned for a MistralForCausalLM, not a LlamaForCausalLM"):
         moirai.load_lm(path, tiny_llama(), progress=False)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "traced"), [("max_seq_len", 16, "32"), ("max_batch_size", 1, "2"), ("max_prefill", 4, "8")]
+)
+def test_a_limit_edited_to_another_than_the_plans_trace_is_refused_before_the_step_is_built(
+    llama, saved, tmp_path, field, value, traced
+):
+    """A max_seq_len of 10**9 would allocate its cache before the trace could differ from the plan's."""
+    path = edited(saved[1], tmp_path, lambda record: record["lm"].__setitem__(field, value))
+    with pytest.raises(
+        moirai.PlanError, match=rf"'lm\.{field}' is {value}, but the plan's step was traced for {traced}"
+    ):
+        moirai.load_lm(path, llama, progress=False)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import threading
 import warnings
 import weakref
@@ -631,7 +632,33 @@ def _saved_lm(record: dict[str, Any], path: str | Path) -> dict[str, Any]:
     ]
     if over:
         raise PlanError(f"{subject}: {over[0][0]} is over {over[0][1]}, which compile_lm never saves; {again}")
+    for name, traced in _traced_limits(record).items():
+        if traced and saved[name] not in traced:
+            raise PlanError(
+                f"{subject}: '{LM_KEY}.{name}' is {saved[name]}, but the plan's step was traced for "
+                f"{' or '.join(map(str, sorted(traced)))}; {again}"
+            )
     return saved
+
+
+def _traced_limits(record: dict[str, Any]) -> dict[str, set[int]]:
+    """The limits the record's own trace was made for: its cache buffers' slots and positions
+    (``[slots, heads, max_seq_len, dim]``, ``seen_tokens`` ``[slots, width]``) and its batch and token dimensions'
+    ranges. Checked before the step is built: a ``max_seq_len`` edited to 10**9 would allocate its cache first."""
+    limits: dict[str, set[int]] = {"max_batch_size": set(), "max_seq_len": set(), "max_prefill": set()}
+    weights = (record.get("tensors") or {}).get("weights", {})
+    for name, tensor in weights.items():
+        shape = tensor["shape"]
+        if re.fullmatch(r"(key|value)_cache_\d+", name) and len(shape) == 4:
+            limits["max_batch_size"].add(shape[0])
+            limits["max_seq_len"].add(shape[2])
+        elif name == "seen_tokens" and len(shape) == 2:
+            limits["max_batch_size"].add(shape[0])
+    for dim in (record.get("dynamic_dims") or {}).get("dims", []):
+        limit = {"batch": "max_batch_size", "tokens": "max_prefill"}.get(dim["name"])
+        if limit is not None and dim.get("max") is not None:
+            limits[limit].add(dim["max"])
+    return limits
 
 
 def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> TracedModel:
