@@ -47,6 +47,7 @@ _EXPORTS = {
     "compile_lm": "moirai.generation.lm",
     "list_placers": "moirai.planning.placers",
     "load": "moirai.compile",
+    "load_lm": "moirai.generation.lm",
     "lower_bound": "moirai.planning.bounds",
     "place": "moirai.planning.placers",
     "serve_rank": "moirai.compile",

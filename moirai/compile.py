@@ -43,6 +43,7 @@ from moirai.frontend.state import MutableBuffer, colocated_groups, mutable_buffe
 from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
 from moirai.frontend.trace import TracedModel, trace
 from moirai.plan_records import (
+    LM_KEY,
     PLAN_FORMAT_VERSION,
     PlanHandover,
     check_traced_tensors,
@@ -389,8 +390,13 @@ def load(
     ranges from the plan file, applied to ``example_inputs``) unless ``dynamic_shapes`` is given.
     """
     record = read_plan_file(path)
+    if LM_KEY in record:
+        raise PlanError(
+            f"plan file {str(path)!r} is a plan of moirai.compile_lm (CompiledLM.save wrote it): load it with "
+            "moirai.load_lm(path, model), which rebuilds the generation step it splits"
+        )
     # Not `devices or ...`: an empty list is refused as compile refuses it, and an array has no truth value.
-    cluster = _saved_cluster(record, calibration) if devices is None else local_cluster(devices, calibration)
+    cluster = saved_cluster(record, calibration) if devices is None else local_cluster(devices, calibration)
     if len(cluster) != len(record["devices"]):
         raise PlanError(f"{path} places the model on {len(record['devices'])} devices, {len(cluster)} were given")
     if dynamic_shapes is None and record.get("dynamic_dims"):
@@ -402,7 +408,7 @@ def load(
     return from_plan_record(record, path, traced, cluster, progress)
 
 
-def _saved_cluster(record: dict[str, Any], calibration: str | Path) -> Cluster:
+def saved_cluster(record: dict[str, Any], calibration: str | Path) -> Cluster:
     """The plan's own devices, made a cluster as compile makes a list of devices, under the names they were planned
     by (a cluster's own, where it was compiled on one), which its problem and summary give them."""
     saved = record["devices"]
@@ -421,7 +427,7 @@ def from_plan_record(
     # Stages in compile's order (trace, op graph, ..., split), so that load's progress lines read as compile's.
     graph = build_op_graph(traced)
     coarse = graph.merge(_saved_groups(graph, record["groups"], source, traced.model_name, set(node_device)))
-    problem = _planned_problem(record, source, coarse, cluster, traced)
+    problem = planned_problem(record, source, coarse, cluster, traced)
     # The model's buffers, not the file, say which ops share a device: a file that drops a set would split its state.
     buffers = mutable_buffers(traced.graph_module)
     _check_buffers_kept_together(buffers, node_device, source)
@@ -499,7 +505,7 @@ def _saved_plan(record: dict[str, Any], source: str | Path, problem: Problem) ->
     except (KeyError, TypeError, ValueError) as error:
         words = f"{type(error).__name__}: {error}"
         raise PlanError(f"{source}: 'plan' is not a saved plan ({words}); {_SAVE_AGAIN}") from None
-    # Its devices are called what the problem calls them, the names of the devices it runs on (_planned_problem):
+    # Its devices are called what the problem calls them, the names of the devices it runs on (planned_problem):
     # those load was given may have others than the saved ones.
     plan.device_names = problem.device_names
     try:
@@ -538,7 +544,7 @@ def _check_placement_runs(plan: Plan, coarse: OpGraph, node_device: dict[str, in
                 )
 
 
-def _planned_problem(
+def planned_problem(
     record: dict[str, Any], path: str | Path, coarse: OpGraph, cluster: Cluster, traced: TracedModel
 ) -> Problem:
     """The problem the plan was made for, as saved, its devices called as ``cluster``'s; a plan file older than that

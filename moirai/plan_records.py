@@ -32,6 +32,8 @@ PLAN_FORMAT_VERSION = 1
 # Long enough for rank 0's planning (a milp within its time limit); a rank 0 that fails says so sooner.
 _PLAN_HANDOVER_TIMEOUT_S = 1800.0
 PLAN_KEYS = ("format", "devices", "node_device", "groups", "device_order", "plan")
+# The section CompiledLM.save adds to its step's plan record (what moirai.load_lm rebuilds the CompiledLM from).
+LM_KEY = "lm"
 
 
 class PlanHandover:

@@ -8,6 +8,7 @@ Example::
     with lm.server() as server:                             # one process per device, sequences in flight
         future = server.submit(prompt_ids, max_new_tokens=32)
         for token in server.stream(prompt_ids, max_new_tokens=32): ...
+    lm.save("lm-plan.json")                                 # later: moirai.load_lm("lm-plan.json", model)
 
 One step graph serves prefill and decode (:mod:`moirai.generation.step`): traced once with the batch and token
 dimensions dynamic, priced at both phases' shapes, placed once for the generation workload
@@ -18,7 +19,9 @@ with the ops that write and read it on one device (``Problem.colocated``), where
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import re
 import threading
 import warnings
 import weakref
@@ -33,10 +36,29 @@ from rich.table import Table
 
 from moirai import progress as _progress
 from moirai import viz
+from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.cost import build_problem, check_cost_mode
 from moirai.cluster.devices import Cluster
-from moirai.compile import CompiledModel, assemble, check_placer_options, describe_plan, from_plan_record, rank_cluster
-from moirai.errors import InfeasibleError, InputError, MoiraiWarning, TraceError, UsageError, user_stacklevel
+from moirai.compile import (
+    CompiledModel,
+    assemble,
+    check_placer_options,
+    describe_plan,
+    from_plan_record,
+    planned_problem,
+    rank_cluster,
+    saved_cluster,
+)
+from moirai.errors import (
+    InfeasibleError,
+    InputError,
+    MoiraiWarning,
+    PlanError,
+    TraceError,
+    UsageError,
+    user_stacklevel,
+)
+from moirai.file_numbers import float_fault, int_fault
 from moirai.frontend.coarsen import coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import colocated_groups, mutable_buffers
@@ -60,13 +82,14 @@ from moirai.generation.step import (
     embedding_rows,
     grouped_query_attention,
 )
-from moirai.plan_records import PlanHandover
+from moirai.plan_records import LM_KEY, PlanHandover, read_plan_file
 from moirai.planning.objective import LATENCY, Generation
 from moirai.planning.placers import place
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.runtime.driver import DEFAULT_TIMEOUT_S
 from moirai.runtime.runner import Worlds
+from moirai.user_files import check_output_path, write_output
 
 DEFAULT_MAX_PREFILL = 64  # tokens of a prompt's chunk where max_prefill is left out (and max_seq_len allows)
 
@@ -341,6 +364,29 @@ class CompiledLM:
             self._open_server = None
             self._cache_turn.release()
 
+    def save(self, path: str | Path) -> None:
+        """Write :meth:`plan_record` to ``path``, from which :func:`load_lm` rebuilds this LM without planning again."""
+        check_output_path(path, "the plan", PlanError)  # before the record is made: a large problem takes a while
+        write_output(path, json.dumps(self.plan_record(), indent=1), "the plan", PlanError)
+
+    def plan_record(self) -> dict[str, Any]:
+        """The step's plan record (:meth:`CompiledModel.plan_record`, whose problem is the decode step's) and an
+        ``"lm"`` section: the limits the step was traced for and what the plan was made for, with the prefill's
+        problem (plain JSON values)."""
+        section = {
+            "model": self.model_name,
+            "max_batch_size": self.cache.slots,
+            "max_seq_len": self.max_seq_len,
+            "max_prefill": self.max_prefill,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.objective.new_tokens,
+            "steps_in_flight": self.objective.sequences,
+            "decode_batch": self.decode_batch,
+            "max_ttft_s": self.objective.max_ttft_s,
+            "prefill_problem": self.prefill_problem.to_dict(),
+        }
+        return {**self.compiled.plan_record(), LM_KEY: section}
+
 
 @_progress.reports_progress
 def compile_lm(
@@ -373,28 +419,12 @@ def compile_lm(
     """
     check_placer_options(placer_options, compile_lm, placer)
     check_cost_mode(cost)
-    limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len}
-    limits |= {} if max_prefill is None else {"max_prefill": max_prefill}
-    for name, value in limits.items():
-        if not isinstance(value, int) or value < 1:
-            raise InputError(f"compile_lm: {name} must be a positive integer, got {value!r}")
-    if max_prefill is None:
-        # Left out, it fits any max_seq_len: a short one (32) was refused for a chunk size the caller never gave.
-        max_prefill = min(DEFAULT_MAX_PREFILL, max_seq_len)
-    elif max_prefill > max_seq_len:
-        raise InputError(
-            f"compile_lm: max_prefill={max_prefill} is over max_seq_len={max_seq_len}: a prompt's chunk is at most a "
-            "whole sequence; give max_prefill <= max_seq_len, or leave it out for min(64, max_seq_len)"
-        )
-    if not 1 <= sequences <= max_batch_size:
-        raise InputError(f"compile_lm: sequences={sequences} must be between 1 and max_batch_size={max_batch_size}")
-    prompt_tokens = prompt_tokens or min(32, max_prefill)
+    max_prefill, prompt_tokens = _checked_limits(max_batch_size, max_seq_len, max_prefill, prompt_tokens, sequences)
     handover = PlanHandover.under_torchrun(devices)  # under torchrun rank 0 plans, as compile does
     cluster, hosts = rank_cluster(devices, calibration, handover)  # checks devices: none, or no list, is refused
     steps_in_flight = min(sequences, len(cluster.devices))  # a server keeps about one decode step per stage in flight
     decode_batch = math.ceil(sequences / steps_in_flight)
-    step = CausalLMStep(model, max_batch_size, max_seq_len).eval()
-    traced = trace_step(step, max_batch_size, max_prefill)
+    step, traced = _traced_step(model, max_batch_size, max_seq_len, max_prefill)
     graph = build_op_graph(traced)
     coarse = coarsen(graph, rules=fusion_rules).graph
     colocated = colocated_groups(coarse, mutable_buffers(traced.graph_module))
@@ -409,8 +439,7 @@ def compile_lm(
     decode = phase_problem(
         traced, coarse, cluster, colocated, cost, decode_batch, 1, remote_alike, steady_state, phase="decode"
     )
-    # A chunk's cost depends on its tokens only (attention spans the whole slot): a long prompt is whole chunks.
-    objective = Generation(prefill, new_tokens, steps_in_flight, max_ttft_s, math.ceil(prompt_tokens / prompt_chunk))
+    objective = _generation(prefill, new_tokens, steps_in_flight, max_ttft_s, prompt_tokens, max_prefill)
     if handover is not None and not handover.plans:
         # This rank takes rank 0's plan and serves it with moirai.serve_rank(lm.compiled).
         with handover.receiving():
@@ -426,8 +455,69 @@ def compile_lm(
             compiled = assemble(traced, cluster, coarse, decode, plan, progress)
         if handover is not None:
             handover.send(compiled.plan_record())
+    return _compiled_lm(model, step, compiled, prefill, objective, max_prefill, decode_batch, prompt_tokens)
+
+
+def _checked_limits(
+    max_batch_size: Any, max_seq_len: Any, max_prefill: Any, prompt_tokens: Any, sequences: Any
+) -> tuple[int, int]:
+    """compile_lm's ``max_prefill`` and ``prompt_tokens`` as their defaults fill them, or an :class:`InputError`
+    naming a limit that is no positive integer or does not fit the others."""
+    limits = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len}
+    limits |= {} if max_prefill is None else {"max_prefill": max_prefill}
+    for name, value in limits.items():
+        if not isinstance(value, int) or value < 1:
+            raise InputError(f"compile_lm: {name} must be a positive integer, got {value!r}")
+    if max_prefill is None:
+        # Left out, it fits any max_seq_len: a short one (32) was refused for a chunk size the caller never gave.
+        max_prefill = min(DEFAULT_MAX_PREFILL, max_seq_len)
+    elif max_prefill > max_seq_len:
+        raise InputError(
+            f"compile_lm: max_prefill={max_prefill} is over max_seq_len={max_seq_len}: a prompt's chunk is at most a "
+            "whole sequence; give max_prefill <= max_seq_len, or leave it out for min(64, max_seq_len)"
+        )
+    if not 1 <= sequences <= max_batch_size:
+        raise InputError(f"compile_lm: sequences={sequences} must be between 1 and max_batch_size={max_batch_size}")
+    return max_prefill, prompt_tokens or min(32, max_prefill)
+
+
+def _traced_step(
+    model: torch.nn.Module, max_batch_size: int, max_seq_len: int, max_prefill: int
+) -> tuple[CausalLMStep, TracedModel]:
+    """The model's generation step for these limits, and its trace (compile_lm's and load_lm's alike, so that a saved
+    plan's op names are the trace's)."""
+    step = CausalLMStep(model, max_batch_size, max_seq_len).eval()
+    return step, trace_step(step, max_batch_size, max_prefill)
+
+
+def _generation(
+    prefill: Problem,
+    new_tokens: int,
+    steps_in_flight: int,
+    max_ttft_s: float | None,
+    prompt_tokens: int,
+    max_prefill: int,
+) -> Generation:
+    """The objective the plan is made for (and judged by: summary's TTFT and TPOT)."""
+    # A chunk's cost depends on its tokens only (attention spans the whole slot): a long prompt is whole chunks.
+    prompt_chunk = min(prompt_tokens, max_prefill)
+    return Generation(prefill, new_tokens, steps_in_flight, max_ttft_s, math.ceil(prompt_tokens / prompt_chunk))
+
+
+def _compiled_lm(
+    model: torch.nn.Module,
+    step: CausalLMStep,
+    compiled: CompiledModel,
+    prefill: Problem,
+    objective: Generation,
+    max_prefill: int,
+    decode_batch: int,
+    prompt_tokens: int,
+) -> CompiledLM:
+    """The CompiledLM of ``model`` split as ``compiled``, its generation config checked (end tokens that are token
+    ids; a warning for what it sets that moirai does not apply)."""
     lm = CompiledLM(
-        compiled,  # its server's start reports as compile_lm did (its progress)
+        compiled,  # its server's start reports as compile_lm (or load_lm) did (its progress)
         prefill,
         objective,
         step.cache_shape,
@@ -441,8 +531,134 @@ def compile_lm(
         model.config,
         weakref.ref(model),
     )
-    lm.check_generation_config()  # its end tokens are token ids; a warning for what it sets that moirai does not apply
+    lm.check_generation_config()
     return lm
+
+
+@_progress.reports_progress
+def load_lm(
+    path: str | Path,
+    model: torch.nn.Module,
+    devices: Cluster | Sequence[str] | None = None,
+    progress: bool = True,
+) -> CompiledLM:
+    """The CompiledLM that :meth:`CompiledLM.save` wrote to ``path``, for ``model`` (with real weights), without
+    planning again: the step is built and traced with the saved limits as :func:`compile_lm` does, and split by the
+    saved plan (a model whose step has other ops or tensors is a :class:`PlanError`). ``devices`` (default: the
+    plan's, under the names they were planned with) must be as many as the plan's; ``progress`` as in compile_lm."""
+    record = read_plan_file(path)
+    saved = _saved_lm(record, path)
+    name = type(model).__name__
+    if name != saved["model"]:
+        raise PlanError(
+            f"plan file {str(path)!r} was planned for a {saved['model']}, not a {name}: load it with the model it was "
+            "saved for, or compile this one with moirai.compile_lm"
+        )
+    # Not `devices or ...`: an empty list is refused as compile refuses it, and an array has no truth value.
+    cluster = saved_cluster(record, "none") if devices is None else local_cluster(devices, "none")
+    if len(cluster) != len(record["devices"]):
+        raise PlanError(f"{path} places the model on {len(record['devices'])} devices, {len(cluster)} were given")
+    max_prefill, prompt_tokens = saved["max_prefill"], saved["prompt_tokens"]
+    step, traced = _traced_step(model, saved["max_batch_size"], saved["max_seq_len"], max_prefill)
+    compiled = from_plan_record(record, path, traced, cluster, progress)
+    prefill = planned_problem(
+        {"problem": saved["prefill_problem"]}, f"{path} ({LM_KEY}.prefill_problem)", compiled.graph, cluster, traced
+    )
+    prefill = replace(prefill, colocated=compiled.problem.colocated)  # the model's buffers say, as the decode's
+    objective = _generation(
+        prefill, saved["new_tokens"], saved["steps_in_flight"], saved["max_ttft_s"], prompt_tokens, max_prefill
+    )
+    return _compiled_lm(model, step, compiled, prefill, objective, max_prefill, saved["decode_batch"], prompt_tokens)
+
+
+def _positive_int(value: Any) -> str | None:
+    return int_fault(value, low=1)
+
+
+def _seconds_or_null(value: Any) -> str | None:
+    if value is None:
+        return None
+    fault = float_fault(value)
+    return fault if fault is not None or value > 0 else "is 0, not a positive number of seconds"
+
+
+# The "lm" section's fields, each with what makes a value no value of it (None: it is one).
+_LM_FIELDS: dict[str, Any] = {
+    "model": lambda v: None if isinstance(v, str) else f"is {str(v)[:40]!r}, not the model's class name",
+    **{
+        name: _positive_int
+        for name in (
+            "max_batch_size",
+            "max_seq_len",
+            "max_prefill",
+            "prompt_tokens",
+            "new_tokens",
+            "steps_in_flight",
+            "decode_batch",
+        )
+    },
+    "max_ttft_s": _seconds_or_null,
+    "prefill_problem": lambda v: None if isinstance(v, dict) else f"is a {type(v).__name__}, not an object",
+}
+
+
+def _saved_lm(record: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The record's ``"lm"`` section, each field checked as :meth:`CompiledLM.plan_record` writes it, or a
+    :class:`PlanError` naming the file and the field."""
+    subject = f"plan file {str(path)!r}"
+    if LM_KEY not in record:
+        raise PlanError(
+            f"{subject} is a plan of moirai.compile (CompiledModel.save wrote it), not of moirai.compile_lm: load it "
+            "with moirai.load(path, model, example_inputs)"
+        )
+    again = "save the LM again with CompiledLM.save(path), or compile it again with moirai.compile_lm"
+    saved = record[LM_KEY]
+    if not isinstance(saved, dict):
+        raise PlanError(f"{subject}: {LM_KEY!r} is a {type(saved).__name__}, not an object; {again}")
+    for name, fault_of in _LM_FIELDS.items():
+        if name not in saved:
+            raise PlanError(f"{subject}: {LM_KEY!r} lacks {name!r}; {again}")
+        fault = fault_of(saved[name])
+        if fault is not None:
+            raise PlanError(f"{subject}: '{LM_KEY}.{name}' {fault}; {again}")
+    over = [
+        (f"'{LM_KEY}.{small}' ({saved[small]})", f"'{LM_KEY}.{large}' ({bound})")
+        for small, large, bound in (
+            ("max_prefill", "max_seq_len", saved["max_seq_len"]),
+            ("decode_batch", "max_batch_size", saved["max_batch_size"]),
+            ("steps_in_flight", "devices", len(record["devices"])),
+        )
+        if saved[small] > bound
+    ]
+    if over:
+        raise PlanError(f"{subject}: {over[0][0]} is over {over[0][1]}, which compile_lm never saves; {again}")
+    for name, traced in _traced_limits(record).items():
+        if traced and saved[name] not in traced:
+            raise PlanError(
+                f"{subject}: '{LM_KEY}.{name}' is {saved[name]}, but the plan's step was traced for "
+                f"{' or '.join(map(str, sorted(traced)))}; {again}"
+            )
+    return saved
+
+
+def _traced_limits(record: dict[str, Any]) -> dict[str, set[int]]:
+    """The limits the record's own trace was made for: its cache buffers' slots and positions
+    (``[slots, heads, max_seq_len, dim]``, ``seen_tokens`` ``[slots, width]``) and its batch and token dimensions'
+    ranges. Checked before the step is built: a ``max_seq_len`` edited to 10**9 would allocate its cache first."""
+    limits: dict[str, set[int]] = {"max_batch_size": set(), "max_seq_len": set(), "max_prefill": set()}
+    weights = (record.get("tensors") or {}).get("weights", {})
+    for name, tensor in weights.items():
+        shape = tensor["shape"]
+        if re.fullmatch(r"(key|value)_cache_\d+", name) and len(shape) == 4:
+            limits["max_batch_size"].add(shape[0])
+            limits["max_seq_len"].add(shape[2])
+        elif name == "seen_tokens" and len(shape) == 2:
+            limits["max_batch_size"].add(shape[0])
+    for dim in (record.get("dynamic_dims") or {}).get("dims", []):
+        limit = {"batch": "max_batch_size", "tokens": "max_prefill"}.get(dim["name"])
+        if limit is not None and dim.get("max") is not None:
+            limits[limit].add(dim["max"])
+    return limits
 
 
 def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> TracedModel:
