@@ -258,12 +258,27 @@ def _compile_inputs(args: argparse.Namespace) -> dict[str, str]:
     """The files ``moirai compile`` reads, by what they are: the factory's .py file, the cluster file, the
     calibration file."""
     module = args.factory.rpartition(":")[0]
-    inputs = {"the factory's file": module} if module and Path(module).is_file() else {}
+    factory_file = module if module and Path(module).is_file() else _module_file(module)
+    inputs = {"the factory's file": factory_file} if factory_file else {}
     if args.cluster is not None and Path(args.cluster).is_file():
         inputs["the cluster file"] = args.cluster
     if args.calibration not in ("auto", "none", "remeasure") and Path(args.calibration).is_file():
         inputs["the calibration file"] = args.calibration
     return inputs
+
+
+def _module_file(module_name: str) -> str | None:
+    """The file a module name (``my_models``, ``pkg.models``) imports from the current directory or the path, where
+    it finds one (a dotted name's packages are imported to look)."""
+    if not module_name:
+        return None
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # as _import looks
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):  # no such module, or a name that is none: _import says so
+        return None
+    return found.origin if found is not None and found.has_location else None
 
 
 def _device_list(devices: str) -> list[str]:

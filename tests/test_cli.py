@@ -199,6 +199,16 @@ def test_errors_are_one_red_line_without_traceback(args, message, factory_file: 
     assert "Traceback" not in captured.err + captured.out
 
 
+def test_output_over_a_factory_named_as_a_module_is_refused(factory_file: Path, monkeypatch, capsys) -> None:
+    """``my_models:make`` (the README's form) names the factory's file by module: --output my_models.py replaced it
+    with the plan, exit code 0."""
+    monkeypatch.chdir(factory_file.parent)
+    monkeypatch.delitem(sys.modules, "my_models", raising=False)  # another test's file of that name, imported
+    code = main(["compile", "my_models:make", "--devices", "cpu", "--output", "my_models.py", "--calibration", "none"])
+    assert code == 2 and "is the factory's file this command reads" in capsys.readouterr().err
+    assert factory_file.read_text() == textwrap.dedent(FACTORY)
+
+
 def _filled(text: str, fill: dict[str, str]) -> str:
     for key, value in fill.items():
         text = text.replace(key, value)
