@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from rich.console import Console
 
 from moirai.environment import torchrun_world
+from moirai.errors import InputError
 
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 _console: ContextVar[Console | None] = ContextVar("moirai_progress_console", default=None)
@@ -68,9 +69,12 @@ def shown(enabled: bool = True, console: Console | None = None) -> Iterator[None
 
 def _reports_here() -> bool:
     """Whether this process reports: rank 0 of a torchrun world, or a local run
-    (:func:`moirai.environment.torchrun_world`)."""
-
-    world = torchrun_world()
+    (:func:`moirai.environment.torchrun_world`). A malformed ``RANK`` or ``WORLD_SIZE`` reports too: what uses ranks
+    refuses it itself, and planning a problem file, which uses none, is not stopped by a variable left in a shell."""
+    try:
+        world = torchrun_world()
+    except InputError:
+        return True
     return world is None or world.rank == 0
 
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import moirai
-from moirai import progress
 from moirai.cli import main
 from moirai.environment import TorchrunWorld, torchrun_world
 from moirai.errors import InputError
@@ -94,7 +93,24 @@ def test_a_rank_that_is_no_integer_is_named_by_every_entry_point(monkeypatch, mo
         moirai.serve_rank(compiled)
     with named:
         distributed.serve_rank(compiled.program, compiled.cluster.devices)
-    with named, progress.shown():
-        pass
     assert main(["calibrate", "--output", "never.json"]) == 2
     assert "RANK='abc' is not an integer" in capsys.readouterr().err
+
+
+def test_a_stray_rank_does_not_stop_what_uses_no_ranks(monkeypatch, tmp_path, capsys) -> None:
+    """Planning a problem file uses no ranks: a RANK left over in the shell (malformed, or outside its world) failed
+    `moirai plan` in its progress lines; they report, as outside torchrun."""
+    problem = tmp_path / "p.json"
+    moirai.Problem.from_dict(_TINY_PROBLEM).to_json(problem)
+    for rank, world_size in (("abc", "2"), ("3", "2")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+        assert main(["plan", str(problem), "--placer", "heft"]) == 0
+        assert "moirai: place" in capsys.readouterr().err
+
+
+_TINY_PROBLEM = {
+    "devices": [{"name": "a"}, {"name": "b"}],
+    "tasks": [{"name": "x", "compute_s": [1.0, 2.0]}, {"name": "y", "compute_s": [1.0, 1.0]}],
+    "edges": [{"src": "x", "dst": "y", "tensor": "t", "transfer_s": [[0, 0.1], [0.1, 0]]}],
+}
