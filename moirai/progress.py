@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -210,14 +211,19 @@ def _jupyter_line(name: str, start: float) -> Iterator[None]:
 def format_seconds(seconds: float) -> str:
     """Compact time for tables and progress lines: ``850 ns``, ``12.3 us``, ``4.56 ms``, ``7.89 s``, ``12.0 min``;
     beyond 999 min in hours, days, then years (``3.17e+300 years``, not a number of 300 digits)."""
-    if seconds >= 1000 * 60:
+    if math.isinf(seconds):
+        return "inf"
+    if seconds >= _ROUNDS_TO_1000 * 60:
         value, unit = seconds / 3600, "h"
         for larger, scale in (("d", 86400.0), ("years", 365.25 * 86400)):
-            if value >= 1000:
+            if value >= _ROUNDS_TO_1000:
                 value, unit = seconds / scale, larger
-        return f"{value:.3g} {unit}" if value < 100 or value >= 1000 else f"{value:.0f} {unit}"
+        return f"{value:.3g} {unit}" if value < 99.95 or value >= _ROUNDS_TO_1000 else f"{value:.0f} {unit}"
     for unit, scale in (("min", 60.0), ("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
+        if seconds >= scale * _ROUNDS_TO_1000 / 1000:  # 0.9996 s is 1.00 s, not 1000 ms
             value = seconds / scale
-            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+            return f"{value:.3g} {unit}" if value < 99.95 else f"{value:.0f} {unit}"
     return f"{seconds * 1e9:.0f} ns"
+
+
+_ROUNDS_TO_1000 = 999.5  # a value this large prints as 1000 of its unit: the next unit shows it

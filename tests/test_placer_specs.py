@@ -131,4 +131,4 @@ def test_every_placer_names_the_tensor_no_link_can_carry_where_no_plan_exists(na
 def test_links_that_leave_one_way_through_are_no_refusal():
     problem = _linked_chain([[True, False, False], [True, True, True], [False, False, True]], [(0, 1), (1, 2)])
     plan = place(problem, placer="heft")
-    assert plan.placement[0] == 0 and plan.placement[2] == 2 and plan.placement[1] in (0, 1, 2)
+    assert plan.placement.tolist() == [0, 1, 2]  # x1 reads from d0 and feeds d2: d1 is the one way through

@@ -88,6 +88,9 @@ def test_format_seconds_is_compact() -> None:
     ]
     # Beyond 999 min, larger units: --time-limit 1e308 printed a limit of some 300 digits of minutes.
     assert [progress.format_seconds(s) for s in (6e4, 3.6e6, 1e308)] == ["16.7 h", "41.7 d", "3.17e+300 years"]
+    # A value that rounds to 1000 of its unit shows in the next: "1000 min", "1000 h", "1e+03 ms" before.
+    near = (59990.0, 3.5998e6, 86400 * 999.9, 0.9996, float("inf"))
+    assert [progress.format_seconds(s) for s in near] == ["16.7 h", "41.7 d", "2.74 years", "1 s", "inf"]
 
 
 def test_load_reports_its_stages_unless_progress_is_false(tmp_path, capfd) -> None:
