@@ -3,7 +3,6 @@ and the demo's baselines read them, and the registry applies the memory precondi
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import numpy as np
@@ -124,8 +123,7 @@ def test_every_placer_names_the_tensor_no_link_can_carry_where_no_plan_exists(na
     nowhere. Every placer says so, naming the tensor, not memory (which has room) or its own search."""
     problem = _linked_chain([[True, False, False], [True, True, True], [False, False, True]], [(0, 1), (2, 1)])
     with pytest.raises(InfeasibleError, match=r"no plan exists: tensor 't\d' goes from task 'x\d'"):
-        takes_limit = "time_limit_s" in inspect.signature(spec(name).function).parameters
-        place(problem, placer=name, **({"time_limit_s": 2} if takes_limit else {}))
+        place(problem, placer=name, **({"time_limit_s": 2} if spec(name).takes("time_limit_s") else {}))
 
 
 def test_links_that_leave_one_way_through_are_no_refusal():

@@ -58,7 +58,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, get_args
 
 import networkx as nx
 import numpy as np
@@ -85,7 +85,7 @@ from moirai.runtime.resources import apply_resources, rank_resources, restore_re
 
 CostMode = Literal["analytic", "measured"]
 # The cost modes build_problem prices with: compile's, compile_lm's and the command line's choices.
-COST_MODES: tuple[CostMode, ...] = ("analytic", "measured")
+COST_MODES: tuple[CostMode, ...] = get_args(CostMode)
 _EMPTY_SPANS = 4  # spans with no op in profiling runs, to time the clock itself
 # A cached profile whose groups add up to more than 25% off a run of the whole graph is measured again.
 _STALE_PROFILE = 0.25

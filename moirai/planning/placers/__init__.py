@@ -68,8 +68,8 @@ class PlacerSpec:
 
     def takes(self, option: str) -> bool:
         """Whether its function takes the option ``option`` (``"time_limit_s"``)."""
-        parameters = list(inspect.signature(self.function).parameters.values())[1:]  # the first is the problem
-        return any(p.name == option or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        names, any_option = option_names(self.function)
+        return any_option or option in names
 
     def serves(self, objective: str) -> bool:
         """Whether its plans are built for ``objective`` (a name)."""
@@ -356,12 +356,19 @@ _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def option_names(function: Placer) -> tuple[list[str], bool]:
+    """The options a placer function takes by name (every parameter after the problem), and whether it takes any
+    other (``**options``)."""
+    parameters = list(inspect.signature(function).parameters.values())[1:]  # the first is the problem
+    named = [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return named, len(named) < len(parameters)
+
+
 def check_options(name: str, function: Placer, options: dict[str, Any]) -> None:
     """Raise :class:`PlacerOptionError` for an option ``function`` does not take or a value out of its range."""
-    parameters = list(inspect.signature(function).parameters.values())[1:]  # the first is the problem
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    valid, any_option = option_names(function)
+    if any_option:
         return
-    valid = [p.name for p in parameters]
     for option, value in options.items():
         if option not in valid:
             raise PlacerOptionError(
