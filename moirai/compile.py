@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -573,6 +574,13 @@ def planned_problem(
             f"{path} holds a planned problem that does not hold together ({error}); the file was edited "
             "or mixed: save it again"
         ) from None
+    if not any(isinstance(d, dict) and "reserve_bytes" in d for d in saved["devices"]):
+        # Saved before problems kept their reserve: the capacity is the device's memory less it, so the summary
+        # would show the capacity as the device's memory. What the loading devices hold beyond it is the reserve.
+        memory = np.array([d.memory_bytes for d in cluster.devices], float)
+        known = np.isfinite(memory) & np.isfinite(problem.memory_capacity_bytes)
+        reserve = np.where(known, np.maximum(memory - problem.memory_capacity_bytes, 0.0), 0.0)
+        problem = dataclasses.replace(problem, memory_reserve_bytes=reserve)
     # Named as compile names them, by the devices it runs on: load may be given other devices (or other names of
     # them) than those planned, and summary, gantt and with_plan check that plan and problem name them alike.
     return dataclasses.replace(problem, device_names=cluster.names)

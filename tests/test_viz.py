@@ -1,6 +1,7 @@
 """Seeing a plan: the Gantt picture, the text timeline, the critical path and the 80-column summary."""
 
 import io
+import json
 import sys
 
 import numpy as np
@@ -274,3 +275,10 @@ def test_a_compiled_models_summary_shows_each_devices_memory_as_its_capacity(tmp
     compiled.save(tmp_path / "plan.json")
     loaded = moirai.load(tmp_path / "plan.json", model, (torch.randn(2, 16),), devices=cluster, progress=False)
     assert capacity_column(loaded.summary_table()) == shown
+    # A file saved before problems kept their reserve: the loading devices' memory beyond the saved capacity is it.
+    record = json.loads((tmp_path / "plan.json").read_text())
+    for device in record["problem"]["devices"]:
+        device.pop("reserve_bytes", None)
+    (tmp_path / "old.json").write_text(json.dumps(record))
+    old = moirai.load(tmp_path / "old.json", model, (torch.randn(2, 16),), devices=cluster, progress=False)
+    assert capacity_column(old.summary_table()) == shown
