@@ -98,3 +98,20 @@ def test_a_rank_that_is_no_integer_is_named_by_every_entry_point(monkeypatch, mo
         pass
     assert main(["calibrate", "--output", "never.json"]) == 2
     assert "RANK='abc' is not an integer" in capsys.readouterr().err
+
+
+def test_a_plan_on_other_hosts_is_refused_by_a_local_run(monkeypatch, model_on_two_cpus) -> None:
+    """run_rank outside torchrun (and server()) runs every device's part here: a plan of server-a and server-b ran
+    both hosts' parts on this machine, silently, where it is meant for torchrun on those hosts."""
+    model, x, _ = model_on_two_cpus
+    for variable in ONE_RANK:
+        monkeypatch.delenv(variable, raising=False)
+    devices = [{"name": n, "type": "cpu", "host": h} for n, h in (("a", "server-a"), ("b", "server-b"))]
+    links = [{"src": "a", "dst": "b", "bandwidth_gbps": 10, "both_directions": True}]
+    cluster = moirai.Cluster.from_dict({"devices": devices, "links": links})
+    compiled = moirai.compile(model, cluster, (x,), placer="round_robin", progress=False)
+    elsewhere = "this plan's devices are on hosts server-a, server-b: run it under torchrun on those hosts"
+    with pytest.raises(InputError, match=elsewhere):
+        compiled.run_rank(x, progress=False)
+    with pytest.raises(InputError, match=elsewhere):
+        compiled.server(progress=False)
