@@ -46,7 +46,7 @@ def test_a_variable_that_is_no_integer_is_named(variable: str, value: str, words
     with pytest.raises(InputError, match=words):
         torchrun_layout(environment)
     with pytest.raises(InputError, match="LOCAL_RANK='x' is not an integer"):
-        torchrun_layout({**ONE_RANK, "LOCAL_RANK": "x"})
+        torchrun_layout({**ONE_RANK, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "x"})
     with pytest.raises(InputError, match="RANK=2 and WORLD_SIZE=2 do not fit"):
         torchrun_world({"RANK": "2", "WORLD_SIZE": "2"})
 
