@@ -37,7 +37,15 @@ from moirai.cluster.cost import build_problem, check_cost_mode, unfused_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
 from moirai.environment import require_torchrun_world, torchrun_world
-from moirai.errors import ClusterError, InfeasibleError, MoiraiError, PlanError, ProblemError, closest_name
+from moirai.errors import (
+    ClusterError,
+    InfeasibleError,
+    InputError,
+    MoiraiError,
+    PlanError,
+    ProblemError,
+    closest_name,
+)
 from moirai.frontend.coarsen import CoarseningResult, coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import MutableBuffer, colocated_groups, mutable_buffers
@@ -155,7 +163,7 @@ class CompiledModel:
             close, check_close = driver.close, driver.check_close_allowed
             worlds = None  # torchrun restarts no rank: its world is the one it started with
         else:
-            _check_devices_here(self.cluster, range(len(self.cluster)))  # every device's process starts here
+            _check_local_run(self.cluster, "server()")  # every device's process starts here
             # A server that warns of state left behind keeps that state: refused after a restart would lose it.
             kept = kept_on_ranks(self.program) if warn_state_left else None
             runner = DistributedRunner(
@@ -179,12 +187,13 @@ class CompiledModel:
         Rank 0 passes the inputs and gets the outputs; the other ranks may call it without
         arguments and get ``None``. Every rank must have loaded the same plan (``moirai.load``). Outside torchrun,
         or in a world of one rank, this process is the only rank: it runs the whole model as :meth:`run_distributed`
-        does. ``progress`` as in :meth:`run_distributed`.
+        does, where the plan's devices are all on this host (one naming another host is an :class:`InputError`: run
+        it under torchrun there). ``progress`` as in :meth:`run_distributed`.
         """
         world = torchrun_world()
         if world is None:  # a local run, as compile and server() take it
             flat_inputs = self.traced.flatten_inputs(args, kwargs)
-            _check_devices_here(self.cluster, range(len(self.cluster)))
+            _check_local_run(self.cluster, "run_rank")
             outputs = run_distributed(self.program, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
             return self.traced.unflatten_outputs(outputs)
         rank = world.rank
@@ -667,6 +676,19 @@ def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:
                 "(CompiledModel.save, then moirai.load there), or compile for this machine's devices "
                 "(moirai.Cluster.detect(), ['cpu', 'cpu'])"
             )
+
+
+def _check_local_run(cluster: Cluster, call: str) -> None:
+    """``run_rank`` or ``server()`` outside torchrun (or in a world of one rank) starts every device's process on this
+    machine: a plan whose devices name other hosts (a cluster file's ``host``) is meant for torchrun on them, and run
+    here it would silently stand in for them. Then every device as :func:`_check_devices_here` checks it."""
+    if not all(d.on_this_host for d in cluster.devices):
+        hosts = ", ".join(dict.fromkeys(d.host for d in cluster.devices))
+        raise InputError(
+            f"this plan's devices are on hosts {hosts}: run it under torchrun on those hosts, one rank per device "
+            f"(host i with --node-rank i); {call} outside torchrun would run every host's part on this machine"
+        )
+    _check_devices_here(cluster, range(len(cluster)))
 
 
 def assemble(

@@ -341,6 +341,35 @@ def test_calibrate_needs_two_ranks() -> None:
         calibrate(world_size=1)
 
 
+def test_local_ranks_are_at_most_the_cores_however_their_number_is_given(monkeypatch, tmp_path: Path, capsys) -> None:
+    """The limit lived in the CLI's --world-size alone: a --base file of 3 devices on 2 cores, and the API's
+    calibrate(world_size=3), started 3 ranks; and it counted os.cpu_count(), not the cores this process may use."""
+    import moirai.cluster.calibration.cli as cli_module
+    from moirai.cli import main
+
+    def measure(*args: object) -> None:
+        raise AssertionError("ranks started for a world larger than the cores")
+
+    monkeypatch.setattr(moirai.cluster.calibration.cluster, "measure_transfer_costs", measure)
+    monkeypatch.setattr(cli_module, "measure_transfer_costs", measure)
+    monkeypatch.setattr(moirai.cluster.calibration.cluster, "available_cores", lambda: (0, 1), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine's, not this process's
+    too_many = "calibration runs 3 local gloo ranks, one a core, but this machine hosts at most 2"
+    with pytest.raises(ClusterError, match=too_many):
+        calibrate(world_size=3)
+    devices = [{"name": f"c{k}", "type": "cpu"} for k in range(3)]
+    bandwidth = [[0 if a == b else 10 for b in range(3)] for a in range(3)]
+    base = tmp_path / "three.toml"
+    Cluster.from_dict({"devices": devices, "matrix": {"bandwidth_gbps": bandwidth}}).to_file(base)
+    with pytest.raises(ClusterError, match=too_many):
+        calibrate(world_size=3, base=Cluster.from_file(base))
+    output = str(tmp_path / "out.toml")
+    for arguments in (["--world-size", "3"], ["--base", str(base)], ["--base", str(base), "--world-size", "3"]):
+        assert main(["calibrate", "--output", output, *arguments]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and too_many in error[0], error
+
+
 @pytest.mark.parametrize(
     ("arguments", "words"),
     [
@@ -439,6 +468,7 @@ def test_moirai_calibrate_measures_the_links_of_a_base_file_that_has_none(tmp_pa
     monkeypatch.setattr(cli_module, "measure_transfer_costs", measure)
     monkeypatch.setattr(cli_module, "measure_request_cost_spread", lambda link: FAKE_MEASURED_REQUESTS)
     monkeypatch.setattr(cli_module, "measure_link_kinds", lambda pair: {"cpu->cpu": FAKE_COST})
+    monkeypatch.setattr(moirai.cluster.calibration.cluster, "available_cores", lambda: (0, 1, 2, 3))  # 3 ranks fit
     base = tmp_path / "base.toml"
     base.write_text(
         'name = "lab"\n'

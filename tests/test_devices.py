@@ -462,6 +462,34 @@ def test_every_name_of_this_host_is_this_host_to_the_warning_and_the_measured_co
     assert not Device("far", "cpu", 1e9, 1e11, 1e10, host="server").on_this_host
 
 
+def test_devices_on_every_name_of_this_host_share_its_cores(monkeypatch) -> None:
+    """One host key (hardware.host_key): rank_resources and from_devices grouped by the host string, so a device on
+    localhost and one on 127.0.0.1 each got both cores of a 2-core machine and no warning of a third."""
+    import socket
+    import warnings
+
+    import moirai.cluster.devices
+    import moirai.cluster.kinds
+    from moirai.errors import OversubscriptionWarning
+    from moirai.runtime.resources import rank_resources
+
+    names = ["localhost", "127.0.0.1", socket.gethostname()]
+    devices = [Device(f"c{k}", "cpu", 1e9, 1e11, 1e10, host=host) for k, host in enumerate(names[:2])]
+    assert [r.cores for r in rank_resources(devices, cores=[0, 1])] == [(0,), (1,)]
+    far = [devices[0], Device("far", "cpu", 1e9, 1e11, 1e10, host="server")]
+    assert [r.cores for r in rank_resources(far, cores=[0, 1])] == [(0, 1), (0, 1)]  # another machine's cores
+
+    monkeypatch.setattr(moirai.cluster.devices, "available_cores", lambda: (0, 1))
+    monkeypatch.setattr(moirai.cluster.kinds, "available_cores", lambda: (0, 1))
+    with pytest.warns(OversubscriptionWarning, match="3 logical CPU devices on 2 cores"):
+        cluster = Cluster.from_devices(["cpu"] * 3, hosts=names)
+    assert [d.host for d in cluster.devices] == names  # the names are kept; only their grouping is one
+    assert cluster.devices[0].peak_flops == cluster.devices[2].peak_flops < cluster.devices[1].peak_flops
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OversubscriptionWarning)
+        Cluster.from_devices(["cpu"] * 3, hosts=["localhost", "localhost", "server"])
+
+
 def test_more_threads_than_cores_is_named() -> None:
     from moirai.errors import OversubscriptionWarning
     from moirai.runtime.resources import rank_resources

@@ -28,6 +28,11 @@ def test_torchruns_layout_is_read_from_its_variables() -> None:
     assert torchrun_layout({"RANK": "0", "WORLD_SIZE": "2"}) is None  # a group the user set up: no layout
     with pytest.raises(InputError, match="does not add up"):
         torchrun_layout({**environment, "LOCAL_WORLD_SIZE": "3"})
+    # RANK and WORLD_SIZE are torchrun_world's to read: its answers, not a second reading's.
+    with pytest.raises(InputError, match="RANK=4 and WORLD_SIZE=4 do not fit"):
+        torchrun_layout({**environment, "RANK": "4"})
+    one_rank = {**environment, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    assert torchrun_layout(one_rank) is None  # a world of one rank is a local run
 
 
 def test_a_plan_on_several_hosts_puts_ranks_host_by_host() -> None:

@@ -45,7 +45,7 @@ def test_a_variable_that_is_no_integer_is_named(variable: str, value: str, words
     with pytest.raises(InputError, match=words):
         torchrun_layout(environment)
     with pytest.raises(InputError, match="LOCAL_RANK='x' is not an integer"):
-        torchrun_layout({**ONE_RANK, "LOCAL_RANK": "x"})
+        torchrun_layout({**ONE_RANK, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "x"})
     with pytest.raises(InputError, match="RANK=2 and WORLD_SIZE=2 do not fit"):
         torchrun_world({"RANK": "2", "WORLD_SIZE": "2"})
 
@@ -114,3 +114,20 @@ _TINY_PROBLEM = {
     "tasks": [{"name": "x", "compute_s": [1.0, 2.0]}, {"name": "y", "compute_s": [1.0, 1.0]}],
     "edges": [{"src": "x", "dst": "y", "tensor": "t", "transfer_s": [[0, 0.1], [0.1, 0]]}],
 }
+
+
+def test_a_plan_on_other_hosts_is_refused_by_a_local_run(monkeypatch, model_on_two_cpus) -> None:
+    """run_rank outside torchrun (and server()) runs every device's part here: a plan of server-a and server-b ran
+    both hosts' parts on this machine, silently, where it is meant for torchrun on those hosts."""
+    model, x, _ = model_on_two_cpus
+    for variable in ONE_RANK:
+        monkeypatch.delenv(variable, raising=False)
+    devices = [{"name": n, "type": "cpu", "host": h} for n, h in (("a", "server-a"), ("b", "server-b"))]
+    links = [{"src": "a", "dst": "b", "bandwidth_gbps": 10, "both_directions": True}]
+    cluster = moirai.Cluster.from_dict({"devices": devices, "links": links})
+    compiled = moirai.compile(model, cluster, (x,), placer="round_robin", progress=False)
+    elsewhere = "this plan's devices are on hosts server-a, server-b: run it under torchrun on those hosts"
+    with pytest.raises(InputError, match=elsewhere):
+        compiled.run_rank(x, progress=False)
+    with pytest.raises(InputError, match=elsewhere):
+        compiled.server(progress=False)

@@ -77,7 +77,7 @@ from moirai.cluster.files import (
     to_toml,
     torch_device_name,
 )
-from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, LOCAL_HOST, MICROSECOND, Device, Link, in_unit
+from moirai.cluster.hardware import GBPS_IN_BYTES_PER_S, LOCAL_HOST, MICROSECOND, Device, Link, host_key, in_unit
 from moirai.cluster.host import available_cores, core_shares, device_index
 from moirai.cluster.kinds import CPU, accelerator_kinds, detect_device, kind_of, local_link
 from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
@@ -331,21 +331,22 @@ class Cluster:
         hosts = [LOCAL_HOST] * len(torch_devices) if hosts is None else [str(h) for h in hosts]
         if len(hosts) != len(torch_devices):
             raise ClusterError(f"{len(hosts)} hosts given for {len(torch_devices)} devices; give one host per device")
-        on_host = list(zip(hosts, torch_devices, strict=True))
+        keys = [host_key(h) for h in hosts]  # localhost, 127.0.0.1 and the hostname are one machine
+        on_host = list(zip(keys, torch_devices, strict=True))
         counts = {d: torch_devices.count(d) for d in torch_devices}
         seen: dict[str, int] = {}
         devices = []
-        for host, spec in on_host:
+        for host, (key, spec) in zip(hosts, on_host, strict=True):
             torch_device = str(torch.device(spec))
             index = seen.get(spec, 0)
             seen[spec] = index + 1
             name = torch_device.replace(":", "") + (f"_{index}" if counts[spec] > 1 else "")
             # Logical devices split a physical one only on their own host.
-            share, share_index = on_host.count((host, spec)), on_host[: len(devices)].count((host, spec))
+            share, share_index = on_host.count((key, spec)), on_host[: len(devices)].count((key, spec))
             device = detect_device(torch_device, name, share=share, index=share_index)
             devices.append(device if host == LOCAL_HOST else dataclasses.replace(device, host=host))
-        for host in dict.fromkeys(hosts):
-            _warn_if_oversubscribed([d for d, h in zip(devices, hosts, strict=True) if h == host])
+        for key in dict.fromkeys(keys):
+            _warn_if_oversubscribed([d for d, k in zip(devices, keys, strict=True) if k == key])
         k = len(devices)
         bandwidth, latency = np.zeros((k, k)), np.zeros((k, k))
         for a in range(k):

@@ -86,6 +86,13 @@ def is_this_host(host: str) -> bool:
     return host in (LOCAL_HOST, "127.0.0.1", socket.gethostname())
 
 
+def host_key(host: str) -> str:
+    """The machine a device's ``host`` names, as devices are grouped by host (their cores shared, their number
+    weighed against the cores): :data:`LOCAL_HOST` for every name of this machine (:func:`is_this_host`), else the
+    name itself."""
+    return LOCAL_HOST if is_this_host(host) else host
+
+
 @dataclass(frozen=True)
 class Device:
     """One device a part of the model runs on.

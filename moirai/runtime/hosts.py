@@ -17,10 +17,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from moirai.environment import integer_variable
+from moirai.environment import integer_variable, torchrun_world
 from moirai.errors import InputError
 
-_LAYOUT_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+# torchrun's variables of where a rank is on its host; RANK and WORLD_SIZE are torchrun_world's to read.
+_LAYOUT_VARIABLES = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
 @dataclass(frozen=True)
@@ -46,16 +47,19 @@ class TorchrunLayout:
 
 
 def torchrun_layout(environment: Mapping[str, str] | None = None) -> TorchrunLayout | None:
-    """This rank's layout from torchrun's variables; None where one is missing (a group the user set up)."""
+    """This rank's layout: its rank and world from :func:`moirai.environment.torchrun_world` (the one reading of
+    ``RANK`` and ``WORLD_SIZE``), its place on its host from torchrun's ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
+    ``GROUP_RANK``; None outside a world of two ranks or more, or where one of those is missing (a group the user
+    set up)."""
     environment = os.environ if environment is None else environment
-    if not all(environment.get(name) for name in _LAYOUT_VARIABLES):
+    world = torchrun_world(environment)
+    if world is None or not all(environment.get(name) for name in _LAYOUT_VARIABLES):
         return None
-    numbers = (integer_variable(environment, n) for n in _LAYOUT_VARIABLES)
-    rank, world_size, local_rank, local_world_size, node_rank = numbers
-    layout = TorchrunLayout(rank, world_size, local_rank, local_world_size, node_rank)
+    local_rank, local_world_size, node_rank = (integer_variable(environment, n) for n in _LAYOUT_VARIABLES)
+    layout = TorchrunLayout(world.rank, world.world_size, local_rank, local_world_size, node_rank)
     ranks = layout.host_ranks
-    if not (0 <= local_rank < local_world_size and 0 <= ranks.start and ranks.stop <= world_size):
-        raise InputError(f"torchrun's layout does not add up: {layout} in a world of {world_size}")
+    if not (0 <= local_rank < local_world_size and 0 <= ranks.start and ranks.stop <= world.world_size):
+        raise InputError(f"torchrun's layout does not add up: {layout} in a world of {world.world_size}")
     return layout
 
 

@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import torch
 
-from moirai.cluster.hardware import LOCAL_HOST, Device
+from moirai.cluster.hardware import LOCAL_HOST, Device, host_key
 from moirai.cluster.host import available_cores, current_cores, note_pinning, split_cores
 from moirai.cluster.kinds import DeviceKind, kind_of
 from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
@@ -309,9 +309,9 @@ def _set_affinity(cores: Sequence[int]) -> None:
 
 
 def _as_device(device: str | Device) -> tuple[str, DeviceKind, tuple[int, ...] | None, int | None]:
-    """(host, kind, cores, threads)."""
+    """(host, kind, cores, threads): the host as :func:`host_key` gives it, one for every name of this machine."""
     if isinstance(device, Device):
-        return device.host, kind_of(device), device.cores, device.threads
+        return host_key(device.host), kind_of(device), device.cores, device.threads
     return LOCAL_HOST, kind_of(device), None, None
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -99,13 +98,6 @@ def _calibrate(args: argparse.Namespace, console: Console) -> int:
         check_output_path(args.output, "the cluster file", ClusterError)
         if args.save is not None:  # --save "" too: refused, not a calibration measured and dropped
             check_output_path(args.save, "the calibration", ClusterError, folder_made=True)
-    kind = kind_for_backend(args.backend)  # local ranks: one an accelerator, else one a core (at least two)
-    most = kind.count() if kind.accelerator else max(2, os.cpu_count() or 1)
-    if world is None and args.world_size is not None and args.world_size > most:
-        raise ClusterError(
-            f"--world-size {args.world_size}: this machine hosts at most {most} local {args.backend} ranks (one a "
-            f"{'device' if kind.accelerator else 'core'}); give --world-size {most} or fewer"
-        )
     sizes = sizes_up_to(args.max_size_mb * 2**20)
     base, base_name = read_cluster_devices(args.base) if args.base else (None, "")
     if world is not None and args.world_size not in (None, world.world_size):
@@ -116,7 +108,7 @@ def _calibrate(args: argparse.Namespace, console: Console) -> int:
         world_size = args.world_size
     else:
         world_size = len(base) if base is not None else 2
-    devices = rank_devices(world_size, args.backend, base)
+    devices = rank_devices(world_size, args.backend, base, local=world is None)  # local: no more than it hosts
     transport = _transport(args.backend)
     with progress.stage("measure transfers", f"{len(devices)} ranks, every directed pair, {len(sizes)} sizes"):
         measured = (

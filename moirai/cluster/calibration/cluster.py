@@ -24,6 +24,7 @@ from moirai.cluster.calibration.fit import HostLink, TransferCost, link_kind
 from moirai.cluster.calibration.measure import DEFAULT_REPEATS, DEFAULT_SIZES_BYTES, measure_transfer_costs
 from moirai.cluster.calibration.request_cost import RequestCost
 from moirai.cluster.devices import Cluster, Device, Link, warn_if_oversubscribed_here
+from moirai.cluster.host import available_cores
 from moirai.cluster.kinds import kind_for_backend
 from moirai.errors import ClusterError, MoiraiWarning, user_stacklevel
 
@@ -91,18 +92,31 @@ def calibrate(
     return measured_cluster(devices, costs, base.name if base is not None else f"calibrated-{backend}", output)
 
 
-def rank_devices(world_size: int, backend: str, base: Sequence[Device] | None) -> tuple[Device, ...]:
-    """The device of each rank: ``base``'s (a cluster file's devices, in rank order), else detected ones."""
+def rank_devices(
+    world_size: int, backend: str, base: Sequence[Device] | None, *, local: bool = True
+) -> tuple[Device, ...]:
+    """The device of each rank: ``base``'s (a cluster file's devices, in rank order), else detected ones.
+
+    ``local``: the ranks are this machine's processes (not torchrun's across hosts), so at most as many as it hosts:
+    one an accelerator of ``backend``'s kind, else one a core (:func:`moirai.cluster.host.available_cores`), and
+    two at least (a world of 100000 ranks hung)."""
     if world_size < 2:
         raise ClusterError("calibration needs at least two ranks (world_size >= 2)")
-    if base is not None:
-        if len(base) != world_size:
-            raise ClusterError(
-                f"the base cluster has {len(base)} devices, calibration runs {world_size} ranks; give --world-size "
-                f"{len(base)} (or leave it out)"
-            )
-        return tuple(base)
+    if base is not None and len(base) != world_size:
+        raise ClusterError(
+            f"the base cluster has {len(base)} devices, calibration runs {world_size} ranks; give --world-size "
+            f"{len(base)} (or leave it out)"
+        )
     kind = kind_for_backend(backend)
+    most = kind.count() if kind.accelerator else max(2, len(available_cores()))
+    if local and world_size > most:
+        unit = f"{kind.name} device" if kind.accelerator else "core"
+        raise ClusterError(
+            f"calibration runs {world_size} local {backend} ranks, one a {unit}, but this machine hosts at most "
+            f"{most}; give a world size (--world-size, or the base cluster's devices) of {most} or fewer"
+        )
+    if base is not None:
+        return tuple(base)
     local = [f"{kind.name}:{r}" if kind.accelerator else kind.name for r in range(world_size)]
     host = socket.gethostname()
     return tuple(
