@@ -465,6 +465,14 @@ def test_memory_ignoring_placer_over_memory_warns_with_the_numbers_and_marks_the
     assert devices_over_memory(problem, plan) == [0]
 
 
+def test_a_device_filled_exactly_to_its_capacity_is_not_over_memory_and_one_byte_more_is(problem):
+    plan = moirai.Plan(np.array([0, 1, 1]), problem.device_names)
+    full = dataclasses.replace(problem, memory_bytes=np.array([10.0, 4.0, 6.0]))
+    assert devices_over_memory(full, plan) == []
+    assert devices_over_memory(dataclasses.replace(full, memory_bytes=np.array([11.0, 4.0, 6.0])), plan) == [0]
+    assert devices_over_memory(dataclasses.replace(full, memory_bytes=np.array([10.0, 4.0, 7.0])), plan) == [1]
+
+
 def test_memory_aware_placer_refuses_what_cannot_fit(problem):
     with raises(moirai.InfeasibleError, "needs 24 B", "20 B in total", "add devices or memory"):
         moirai.place(problem, "heft")

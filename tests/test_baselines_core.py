@@ -15,6 +15,7 @@ from moirai.planning.bounds import lower_bound, lower_bounds, split_start_s
 from moirai.planning.placers import get_placer, place
 from moirai.planning.placers.cp_pct import critical_path
 from moirai.planning.placers.heft import upward_rank_mean_costs
+from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.simulate import simulate
 from moirai.testing import brute_force_optimum, random_problem
@@ -86,6 +87,42 @@ def test_load_bound_is_total_work_over_total_speed_on_related_devices():
 def test_critical_path_bound_uses_each_tasks_fastest_device():
     problem = problem_of({"a": ([1.0, 4.0], 0.0), "b": ([4.0, 2.0], 0.0), "c": ([3.0, 3.0], 0.0)}, [("a", "b", 0.0)])
     assert lower_bounds(problem).critical_path_s == 3.0
+
+
+def test_critical_path_bound_counts_the_header_before_and_the_model_output_after_a_task():
+    """A task that runs on device 1 only, whose header comes after 0.25 s and whose output takes 0.5 s back to the
+    driver: no plan finishes before 0.25 + 2 + 0.5 s, and the one plan does then."""
+    problem = Problem.from_dict(
+        {
+            "devices": [{"name": "driver"}, {"name": "worker", "header_s": 0.25}],
+            "tasks": [{"name": "a", "compute_s": [float("inf"), 2.0], "output_s": [0.0, 0.5]}],
+            "edges": [],
+        }
+    )
+    makespan_s = simulate(problem, Plan(np.array([1]), problem.device_names)).makespan_s
+    assert makespan_s == 2.75
+    assert lower_bounds(problem).critical_path_s == makespan_s
+
+
+def test_placement_bound_counts_a_devices_first_header_and_its_last_output():
+    """Independent tasks all on device 1: it starts after its header (0.5 s), runs them in turn and the last
+    one's output (0.25 s) comes back to the driver after them, as the simulator has it."""
+    from moirai.planning.bounds import placement_bound_s
+
+    problem = Problem.from_dict(
+        {
+            "devices": [{"name": "driver"}, {"name": "worker", "header_s": 0.5}],
+            "tasks": [
+                {"name": "a", "compute_s": [1.0, 2.0], "output_s": [0.0, 0.25]},
+                {"name": "b", "compute_s": [1.0, 3.0], "output_s": [0.0, 0.25]},
+            ],
+            "edges": [],
+        }
+    )
+    placement = np.array([1, 1])
+    makespan_s = simulate(problem, Plan(placement, problem.device_names)).makespan_s
+    assert makespan_s == 0.5 + 2.0 + 3.0 + 0.25
+    assert placement_bound_s(problem, placement) == makespan_s
 
 
 def test_critical_path_bound_pays_for_a_transfer_or_for_running_producers_one_at_a_time():
@@ -233,6 +270,14 @@ def test_single_picks_the_fastest_device_that_fits():
     small = [{**d, "memory_bytes": 3.0} for d in devices]
     with pytest.raises(InfeasibleError, match="needs 4 B, the largest device has 3 B"):
         place(problem_of({"a": ([1.0, 2.0, 3.0], 2.0), "b": ([1.0, 2.0, 3.0], 2.0)}, [], small), "single")
+
+
+def test_single_places_a_model_that_exactly_fills_a_device_there():
+    devices = [{"name": "fast_exact", "memory_bytes": 4.0}, {"name": "slow_roomy", "memory_bytes": 100.0}]
+    problem = problem_of({"a": ([1.0, 5.0], 2.0), "b": ([1.0, 5.0], 2.0)}, [("a", "b")], devices=devices)
+    plan = place(problem, "single")
+    assert plan.placement.tolist() == [0, 0]
+    assert plan.makespan_s == 2.0
 
 
 def chain(n: int, times: list[float], memory: float = 0.0, capacity: list[float] | None = None) -> Problem:

@@ -26,7 +26,7 @@ import moirai.generation.requests
 from moirai.frontend.state import mutable_buffers
 from moirai.generation.engine import SamplingParams, done_future
 from moirai.generation.server import GenerationServer
-from moirai.generation.step import ban_tokens, sample_tokens
+from moirai.generation.step import ban_tokens, penalize_repetitions, sample_tokens
 from moirai.planning.objective import Generation
 from moirai.planning.plan import Plan
 from moirai.planning.simulate import simulate
@@ -172,6 +172,32 @@ def test_the_sampler_cuts_among_its_candidates_exactly_as_over_the_sorted_vocabu
         drawn = sample_tokens(logits.expand(len(uniforms), -1), rows, min_p=minimum)
         assert torch.equal(drawn, expected), (temperature, top_k, top_p, min_p)
         assert len(set(drawn.tolist())) > 3
+
+
+@pytest.mark.parametrize("probabilities", [[0.5, 0.25, 0.25], [0.25, 0.5, 0.25], [0.25, 0.25, 0.5]])
+def test_top_p_drops_a_token_whose_predecessors_already_reach_it_as_hugging_face_does(probabilities):
+    """Probabilities exact in binary: the likeliest token alone reaches top_p 0.5, so the next one, whose
+    predecessors' mass equals top_p exactly, is cut, as transformers' TopPLogitsWarper cuts it."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.tensor([probabilities]).log()
+    assert torch.softmax(logits, dim=-1).tolist() == [probabilities]
+    hugging_face = TopPLogitsWarper(0.5)(torch.zeros(1, 1, dtype=torch.long), logits.clone())
+    kept = set(torch.isfinite(hugging_face[0]).nonzero().flatten().tolist())
+    assert kept == {probabilities.index(0.5)}
+    grid = torch.linspace(0.0, 0.999, 1000)
+    rows = torch.stack([torch.ones_like(grid), torch.zeros_like(grid), torch.full_like(grid, 0.5), grid], 1)
+    assert set(sample_tokens(logits.expand(len(grid), -1), rows).tolist()) == kept
+
+
+def test_the_repetition_penalty_divides_positive_logits_and_multiplies_negative_ones_as_hugging_face_does():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.tensor([[2.0, -2.0, 1.0]])
+    penalized = penalize_repetitions(logits, torch.tensor([[True, True, False]]), torch.tensor([2.0]))
+    assert penalized.tolist() == [[1.0, -4.0, 1.0]]
+    hugging_face = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[0, 1, 0]]), logits.clone())
+    assert torch.equal(penalized, hugging_face)
 
 
 def test_sampling_follows_temperature_top_k_and_top_p():

@@ -84,6 +84,24 @@ def test_prompts_go_in_chunks_then_every_token_follows_the_last_one() -> None:
     assert positions[3:] == [[10], [11], [12], [13]]  # each new token is written right after the one before
 
 
+@pytest.mark.parametrize("min_length", [0, 2, 3, 4, 6])
+def test_min_length_bans_the_end_token_until_the_step_hugging_face_stops_banning_it(min_length: int) -> None:
+    """min_length counts the prompt as given and the new tokens: the end token is banned while fewer than
+    min_length tokens are in the row, as transformers' MinLengthLogitsProcessor bans it."""
+    logits_process = pytest.importorskip("transformers.generation.logits_process")
+
+    prompt, eos, vocab = [5, 6, 7], 2, 10
+    bans = TokenBans(min_length=min_length).for_sequence(prompt, {eos})
+    processor = logits_process.MinLengthLogitsProcessor(min_length, eos)
+    for generated in range(8):
+        new_tokens = [8] * generated
+        row = torch.tensor([prompt + new_tokens])
+        hugging_face_bans = bool(torch.isinf(processor(row, torch.zeros(1, vocab))[0, eos]))
+        moirai_bans = bans is not None and eos in bans.banned(new_tokens)
+        assert moirai_bans == hugging_face_bans, generated
+        assert moirai_bans == (len(prompt) + generated < min_length)
+
+
 def test_each_step_that_gives_a_token_bans_what_its_rows_may_not_take_next() -> None:
     """[Note: banned tokens]: a prefill chunk that gives no token bans nothing; the others ban each row's own,
     padded with -1 to the step's widest row."""

@@ -372,3 +372,52 @@ def test_milp_keeps_a_tensors_readers_with_its_producer_where_no_link_joins_them
     plan = place(problem, "milp", objective=objective, strategy=strategy, time_limit_s=20)
     assert plan.objective_s == pytest.approx(11.0) == brute_force_optimum(problem)
     assert len(set(plan.placement.tolist())) == 1
+
+
+def test_the_solvers_bound_replaces_a_weaker_bound_of_the_bounds_module():
+    """Here the heuristic bound (critical path, load) is 5.67 s; the MILP proves the optimum, 6.67 s: the plan
+    carries the stronger bound and says it is the solver's."""
+    from moirai.planning.bounds import lower_bounds
+    from moirai.planning.report import BoundSource
+
+    problem = random_problem(2)
+    plan = place(problem, "milp", time_limit_s=10)
+    solver_bound_s = plan.report.solver_bound_s
+    assert solver_bound_s is not None and solver_bound_s > lower_bounds(problem).best_s + 0.5
+    assert plan.lower_bound_s == solver_bound_s
+    assert plan.report.bound_source is BoundSource.SOLVER
+
+
+def test_a_period_search_result_is_kept_only_where_it_is_better_than_the_best_so_far():
+    from moirai.planning.objective import Throughput
+    from moirai.planning.placers.milp import _shorter_of
+    from moirai.planning.report import SolverReport
+    from moirai.planning.solve.period_search import PeriodSearchResult
+
+    problem = Problem.from_dict(
+        {
+            "devices": [{"name": "d0"}, {"name": "d1"}],
+            "tasks": [{"name": "a", "compute_s": [1.0, 1.0]}, {"name": "b", "compute_s": [1.0, 1.0]}],
+            "edges": [],
+        }
+    )
+    one_device, split = (Plan(np.array(p), problem.device_names) for p in ([0, 0], [0, 1]))
+    slow, fast = ((plan, simulate(problem, plan)) for plan in (one_device, split))
+    assert (slow[1].period_s, fast[1].period_s) == (2.0, 1.0)
+
+    def result(kept: tuple) -> PeriodSearchResult:
+        return PeriodSearchResult(*kept, StopReason.NO_IMPROVING_MOVE, moves_tried=3, history=[(0.5, 9.0)])
+
+    info = SolverReport(history=[(0.0, 2.0)])
+    kept = _shorter_of(result(fast), slow, info, Throughput())
+    assert kept[0] is split and kept[1] is fast[1]
+    assert info.history == [(0.5, 9.0)] and info.moves_tried == 3  # the search's history, as it kept its plan
+    info = SolverReport(history=[(0.0, 1.0)])
+    kept = _shorter_of(result(slow), fast, info, Throughput())
+    assert kept[0] is split and kept[1] is fast[1]
+    assert info.history == [(0.0, 1.0)] and info.moves_tried == 3
+    same = (
+        Plan(np.array([1, 0]), problem.device_names),
+        simulate(problem, Plan(np.array([1, 0]), problem.device_names)),
+    )
+    assert _shorter_of(result(same), fast, info, Throughput())[1] is fast[1]  # a tie keeps the best so far

@@ -406,3 +406,31 @@ def test_part_0_holds_the_driver_from_the_request_start_to_its_last_finish():
     last_on_driver = simulate(problem, place(problem, {"a": 1, "b": 0}))
     assert first_on_driver.round_trip_s.tolist() == [0.0, 0.0]  # the first stage waits for nothing
     assert last_on_driver.round_trip_s[0] == last_on_driver.makespan_s == 2.5
+
+
+def test_a_links_busy_time_counts_the_drivers_input_and_output_messages_with_the_transfers():
+    """The driver's messages over a link (a model input to device 1, an output back) hold it as tensors do: here
+    they make the link, not a device, the bottleneck of the period."""
+    from dataclasses import replace
+
+    from moirai.planning.costs import RequestCosts
+
+    problem = two_devices({"a": [1.0, 1.0], "b": [1.0, 1.0]}, [{"src": "a", "dst": "b", "transfer_s": link(0.5)}])
+    costs = RequestCosts.build(
+        2, 2, [[1]], input_s=[[0.0, 3.0]], input_link_s=[[0.0, 3.0]], output_link_s=[[0.0, 0.0], [0.0, 2.0]]
+    )
+    problem = replace(problem, costs=costs)
+    timeline = simulate(problem, place(problem, {"a": 0, "b": 1}))
+    assert [(t.src, t.dst, t.finish - t.start) for t in timeline.transfers] == [(0, 1, 0.5)]
+    messages_s = problem.costs.link_s(timeline.placement)
+    assert messages_s[0, 1] == 3.0 and messages_s[1, 0] == 2.0
+    assert timeline.link_busy_s == {(0, 1): 0.5 + 3.0, (1, 0): 2.0}
+    assert timeline.busy_s.tolist() == [1.0, 1.0]
+    assert timeline.period_s == 3.5
+
+
+def test_an_order_that_lists_a_task_on_a_device_it_is_not_placed_on_is_refused():
+    problem = two_devices({"a": [1.0, 1.0], "b": [1.0, 1.0]}, [])
+    plan = Plan(np.array([0, 1]), problem.device_names, order=((0, 1), ()))
+    with pytest.raises(PlanError, match="plan order lists a task on device 0 that is placed elsewhere"):
+        simulate(problem, plan)

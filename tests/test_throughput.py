@@ -335,3 +335,16 @@ def test_milp_for_generation_claims_no_closed_gap_for_the_decode_step_alone(seed
         assert plan.objective_s <= plan.lower_bound_s * (1 + 1e-4)
     if plan.objective_s > best_s * (1 + 1e-4):  # the case it was about: the decode step's optimum is not the best
         assert plan.report.stop_reason is StopReason.PART_SOLVED  # (a MILP that models the prefill may reach it)
+
+
+def test_a_plan_over_memory_is_not_acceptable_and_ranks_after_a_slower_plan_that_fits():
+    problem = dataclasses.replace(
+        chain([[1.0, 1.0], [1.0, 1.0]]), memory_bytes=np.array([1.0, 1.0]), memory_capacity_bytes=np.array([2.0, 0.5])
+    )
+    fits, over = (simulate(problem, Plan(np.array(p), problem.device_names)) for p in ([0, 0], [0, 1]))
+    assert fits.fits_memory and not over.fits_memory
+    assert over.period_s < fits.period_s and over.makespan_s <= fits.makespan_s
+    for objective in (Throughput(), Throughput(max_latency_s=100.0)):
+        assert objective.acceptable(fits) and not objective.acceptable(over)
+        assert sorted([over, fits], key=objective.rank) == [fits, over]
+        assert not objective.improves(over, fits)
