@@ -768,10 +768,13 @@ def test_a_meta_model_plans_generation_for_a_cluster_it_is_not_on():
     prediction = lm.prediction()
     assert 0 < prediction.tpot_s < prediction.ttft_s * 10 and prediction.tokens_per_s > 0
     assert lm.cache.slots == 2 and lm.cache.max_seq_len == 64
-    if not torch.cuda.is_available():  # its devices are cuda:0 on four servers: named before anything starts
-        for run in (lambda: lm.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2), lm.server):
-            with pytest.raises(moirai.ClusterError, match=r"device 'A' of the plan runs on cuda:0, but this machine"):
-                run()
+    # Its devices are cuda:0 on four servers: named before anything starts. A server here would run every host's
+    # part on this machine (torchrun on those hosts runs it); generate runs the parts in this process.
+    with pytest.raises(moirai.InputError, match=r"devices are on hosts server-a, server-b, server-c, server-d: run"):
+        lm.server()
+    if not torch.cuda.is_available():
+        with pytest.raises(moirai.ClusterError, match=r"device 'A' of the plan runs on cuda:0, but this machine"):
+            lm.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
 
 
 def test_a_ttft_limit_no_plan_meets_is_named_by_milp_and_a_heuristic_that_misses_it_warns(split_lm):
