@@ -126,3 +126,28 @@ def test_control_messages_stay_in_host_memory_between_cuda_ranks():
     received = control.wait_recv(control.post_recv((3,), torch.uint8, 0, 0, "a payload"))
     control.send(torch.zeros(2), 0, 1, "a reply")
     assert received.device.type == "cpu" and posted == [("recv", "cpu", 0), ("send", "cpu", 0)]
+
+
+def test_waits_that_time_out_together_in_a_loop_name_no_rank_as_stopped() -> None:
+    """A message never sent (rank 0 leaves out a send): rank 1 waits for rank 0, rank 0 for rank 2's output and rank 2
+    for rank 1, each with the same time limit, started together. Rank 0's and rank 1's waits time out at once, and
+    when rank 0's report is first by a hair, rank 2 (which only heard rank 1 hang up) was called "stopped
+    responding", a suspended process: no rank stopped (test_split_runtime's missing message, seen once in CI)."""
+    from types import SimpleNamespace
+
+    from moirai.runtime.blame import _loop_headline
+
+    group = SimpleNamespace(rank=0, devices=["cpu", "cpu", "cpu"])
+    timed_out = "TimeoutError: Timed out after 3 s waiting for the message"
+    reports = {
+        0: {"peer": 2, "at": 100.0, "message": f"rank 0: receiving flat output 0 from rank 2 failed ({timed_out})"},
+        1: {"peer": 0, "at": 100.01, "message": f"rank 1: receiving tensor relu from rank 0 failed ({timed_out})"},
+        2: {"peer": 1, "at": 100.05, "message": "rank 2: receiving from rank 1 failed (ConnectionError: closed)"},
+    }
+    assert _loop_headline(group, reports, 0, "request 11") is None
+    # A rank that stopped (its own wait ends long after the others', once it is resumed) is still named.
+    reports[1]["at"] = 100.0
+    reports[0] = {**reports[0], "at": 130.0}
+    reports[2] = {**reports[2], "peer": 0, "message": "rank 2: receiving from rank 0 failed (ConnectionError: closed)"}
+    stopped = {0: {**reports[0], "peer": 1}, 1: reports[1]}
+    assert "rank 0 (cpu, this process) stopped responding" in (_loop_headline(group, stopped, 0, "request 11") or "")

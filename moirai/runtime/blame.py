@@ -218,10 +218,11 @@ def _report_deadline(named_at: float) -> float:
 def _loop_headline(group: Group, reports: dict[int, dict[str, Any]], start: int, what: str) -> str | None:
     """Ranks that waited for each other in a loop: the rank that gave up first waited for the one that stopped first
     (a suspended or starved process, this one included), which the others then waited for in turn. None where the
-    rank it waited for gave up too within ``_STOPPED_GAP_S``, its own wait timing out: then nobody stopped, the waits
-    timed out together (a message the program never sends), and the rank whose report closed the loop is named as
-    failing. A rank whose wait failed otherwise (its peer hung up) was alive but late: a part computing for longer
-    than the time limit, however soon after the other it failed."""
+    rank it waited for gave up too within ``_STOPPED_GAP_S``, its own wait timing out, or any two ranks of the loop,
+    one waiting for the other, did: then nobody stopped, the waits timed out together (a message the program never
+    sends), and the rank whose report closed the loop is named as failing. A rank whose wait failed otherwise (its
+    peer hung up) was alive but late: a part computing for longer than the time limit, however soon after the other
+    it failed."""
     loop, member = [start], reports[start]["peer"]
     while member != start:
         loop.append(member)
@@ -233,7 +234,9 @@ def _loop_headline(group: Group, reports: dict[int, dict[str, Any]], start: int,
         return None
     # A rank whose own wait did not time out learnt of the failure from the first one's hang-up: it was alive, late.
     together = reports[stopped].get("at", first_at) - first_at < _STOPPED_GAP_S and _timed_out(reports[stopped])
-    if together:
+    # Nor did anyone stop where two ranks of the loop, one waiting for the other, both timed out together: the waits
+    # of one request ran out alike (equal limits started together), and which rank wrote first is a coin toss.
+    if together or any(_timed_out_together(reports[m], reports[reports[m]["peer"]]) for m in loop):
         return None
     late_s = reports[group.rank]["at"] - reports[first].get("at", reports[group.rank]["at"])
     this = ", this process" if stopped == group.rank else ""
@@ -243,6 +246,14 @@ def _loop_headline(group: Group, reports: dict[int, dict[str, Any]], start: int,
         "time limit (raise timeout_s for requests that take that long), or was it suspended (SIGSTOP, a debugger) "
         "or starved of CPU for that long?"
     )
+
+
+def _timed_out_together(waiting: dict[str, Any], waited_for: dict[str, Any]) -> bool:
+    """Whether a rank's wait and the wait of the rank it waited for both timed out, within ``_STOPPED_GAP_S``."""
+    at, other_at = waiting.get("at"), waited_for.get("at")
+    if at is None or other_at is None:
+        return False
+    return abs(other_at - at) < _STOPPED_GAP_S and _timed_out(waiting) and _timed_out(waited_for)
 
 
 def _timed_out(report: dict[str, Any]) -> bool:
