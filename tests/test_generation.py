@@ -37,11 +37,11 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 512
 
 
-def tiny_llama(layers: int = 2, seed: int = 0) -> torch.nn.Module:
+def tiny_llama(layers: int = 2, seed: int = 0, hidden_size: int = 64) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=64,
+        hidden_size=hidden_size,
         intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=4,
