@@ -127,7 +127,7 @@ class CompiledModel:
         """Run with one process per device (torch.distributed send/recv); returns the outputs here. ``progress``:
         whether starting the workers reports, by default as the model was compiled (``compile(progress=...)``)."""
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
-        _check_devices_here(self.cluster, range(len(self.cluster)))
+        _check_local_run(self.cluster, "run_distributed")
         outputs = run_distributed(self.program, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
         return self.traced.unflatten_outputs(outputs)
 
@@ -679,14 +679,16 @@ def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:
 
 
 def _check_local_run(cluster: Cluster, call: str) -> None:
-    """``run_rank`` or ``server()`` outside torchrun (or in a world of one rank) starts every device's process on this
-    machine: a plan whose devices name other hosts (a cluster file's ``host``) is meant for torchrun on them, and run
-    here it would silently stand in for them. Then every device as :func:`_check_devices_here` checks it."""
+    """``run_distributed``, and ``run_rank`` or ``server()`` outside torchrun (or in a world of one rank), start every
+    device's process on this machine: a plan whose devices name other hosts (a cluster file's ``host``) is meant for
+    torchrun on them, and run here it would silently stand in for them (its measured times would not be the plan's).
+    Then every device as :func:`_check_devices_here` checks it. Calling the model runs its parts in one process, to
+    check its outputs anywhere: that is not asked."""
     if not all(d.on_this_host for d in cluster.devices):
         hosts = ", ".join(dict.fromkeys(d.host for d in cluster.devices))
         raise InputError(
             f"this plan's devices are on hosts {hosts}: run it under torchrun on those hosts, one rank per device "
-            f"(host i with --node-rank i); {call} outside torchrun would run every host's part on this machine"
+            f"(host i with --node-rank i); {call} would run every host's part on this machine"
         )
     _check_devices_here(cluster, range(len(cluster)))
 

@@ -117,8 +117,8 @@ _TINY_PROBLEM = {
 
 
 def test_a_plan_on_other_hosts_is_refused_by_a_local_run(monkeypatch, model_on_two_cpus) -> None:
-    """run_rank outside torchrun (and server()) runs every device's part here: a plan of server-a and server-b ran
-    both hosts' parts on this machine, silently, where it is meant for torchrun on those hosts."""
+    """run_rank outside torchrun (and server(), run_distributed) runs every device's part here: a plan of server-a
+    and server-b ran both hosts' parts on this machine, silently, where it is meant for torchrun on those hosts."""
     model, x, _ = model_on_two_cpus
     for variable in ONE_RANK:
         monkeypatch.delenv(variable, raising=False)
@@ -131,3 +131,6 @@ def test_a_plan_on_other_hosts_is_refused_by_a_local_run(monkeypatch, model_on_t
         compiled.run_rank(x, progress=False)
     with pytest.raises(InputError, match=elsewhere):
         compiled.server(progress=False)
+    with pytest.raises(InputError, match=elsewhere):
+        compiled.run_distributed(x, progress=False)
+    assert torch.equal(compiled(x), model(x))  # one process checks the outputs anywhere
