@@ -28,6 +28,7 @@ from rich.markup import escape
 import moirai
 from moirai import progress, viz
 from moirai.cluster.calibration import cli as calibrate_command
+from moirai.cluster.calibration.cache import check_calibration
 from moirai.cluster.cost import COST_MODES
 from moirai.errors import ClusterError, MoiraiError, MoiraiWarning, PlacerOptionError, PlanError
 from moirai.planning.placers import check_options, spec, specs
@@ -140,6 +141,7 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
     # A device list goes to compile as the API's users give it, so that both build the cluster one way.
     # `is not None`: --devices "" is a list of no devices (refused as such), not --cluster left out.
     devices = _device_list(args.devices) if args.devices is not None else _cluster(args.cluster)
+    check_calibration(args.calibration)  # before the factory builds the model, which may take minutes
     model, example_inputs = _load_factory(args.factory)
     compiled = moirai.compile(
         model,

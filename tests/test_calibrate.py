@@ -175,6 +175,8 @@ def test_calibration_file_is_used_as_given(fake_measurement: list, tmp_path: Pat
         local_calibration(["cpu", "cuda:0"], path)
     with pytest.raises(ClusterError, match=r"calibration file '.*missing.json' does not exist; pass 'auto'"):
         local_calibration(["cpu", "cpu"], tmp_path / "missing.json")
+    with pytest.raises(ClusterError, match=r"calibration='.*' is a folder, not a calibration file; pass 'auto'"):
+        local_calibration(["cpu", "cpu"], tmp_path)
 
 
 def test_compile_on_local_devices_uses_this_machines_calibration_by_default(fake_measurement: list) -> None:

@@ -136,6 +136,11 @@ def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factor
             ["compile", "{factory}:make", "--devices", "cpu", "--placer", "heft", "--calibration", "off"],
             "calibration='off' is not a calibration word nor a file",
         ),
+        # Before the factory builds the model; a folder was a file that "does not exist".
+        (
+            ["compile", "{factory}:missing", "--devices", "cpu,cpu", "--calibration", "{tmp}"],
+            "is a folder, not a calibration file",
+        ),
         # Before the model is imported, traced and placed: the picture said "no such file" after a compile.
         (
             ["compile", "{factory}:missing", "--devices", "cpu", "--gantt", "no/such/plan.png"],

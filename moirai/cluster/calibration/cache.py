@@ -73,6 +73,10 @@ def check_calibration(calibration: object) -> None:
         raise ClusterError(
             f"calibration={calibration!r} is not a calibration word{close} nor a file; {_CALIBRATION_CHOICES}"
         )
+    if Path(calibration).is_dir():  # a folder exists: "does not exist" sent the user looking for a typo
+        raise ClusterError(
+            f"calibration={str(calibration)!r} is a folder, not a calibration file; {_CALIBRATION_CHOICES}"
+        )
     raise ClusterError(f"calibration file {str(calibration)!r} does not exist; {_CALIBRATION_CHOICES}")
 
 
