@@ -24,7 +24,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -331,7 +331,7 @@ class DistributedRunner:
             'error (see its output above); if your script has no `if __name__ == "__main__":` guard, add one'
         )
 
-    def _fail_start(self, message: str, grace_s: float | None = None) -> None:
+    def _fail_start(self, message: str, grace_s: float | None = None) -> NoReturn:
         self._stop(grace_s)
         raise DistributedError(message)
 

@@ -162,7 +162,7 @@ def place_milp(
             MoiraiWarning("the MILP search produced a plan over memory; using the best heuristic plan"),
             stacklevel=user_stacklevel(),
         )
-        plan, timeline = _fallback(problem, start_plan, start_plan and simulate(problem, start_plan))
+        plan, timeline = _fallback(problem, start_plan, start_plan and simulate(problem, start_plan), objective)
     final = _with_transfer_order(problem, plan, timeline)
     final.placer = "milp"
     final.lower_bound_s = bound_s
