@@ -272,7 +272,8 @@ def test_cuda_preset_plans_here_but_refuses_to_run_here():
     cm = moirai.compile(tiny(), moirai.Cluster.preset("moirai-inter-server"), (X,), placer="heft")
     with raises(ClusterError, "runs on cuda:", "0 CUDA device", "moirai.load there"):
         cm(X)
-    with raises(ClusterError, "runs on cuda:", "0 CUDA device"):
+    # Its devices are on four servers: one process per device here would stand in for them.
+    with raises(InputError, "devices are on hosts server-a, server-b, server-c, server-d", "under torchrun"):
         cm.run_distributed(X)
 
 
