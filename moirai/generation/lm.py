@@ -69,6 +69,7 @@ from moirai.generation.requests import (
     APPLIED_SETTINGS,
     GenerateOptions,
     GenerationDefaults,
+    check_generate_signatures,
     end_tokens,
     generate_rows,
     prompt_rows,
@@ -319,8 +320,7 @@ class CompiledLM:
         there, the prompt may be passed as ``inputs``, and a ``GenerationConfig`` as the second argument
         (``generate(inputs, generation_config)``).
         """
-        given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
-        options = GenerateOptions.of(given, others)
+        options = GenerateOptions.of(locals(), others)  # first: locals() is the parameters alone
         input_ids = prompt_rows(input_ids, inputs)
         server = self._open_server
         if server is not None:  # [Note: one user of the caches at a time]
@@ -386,6 +386,10 @@ class CompiledLM:
             "prefill_problem": self.prefill_problem.to_dict(),
         }
         return {**self.compiled.plan_record(), LM_KEY: section}
+
+
+# At import, so that a generate parameter GenerateOptions.of would drop fails before any call does.
+check_generate_signatures(CompiledLM.generate, GenerationServer.generate, GenerationServer.submit)
 
 
 @_progress.reports_progress
