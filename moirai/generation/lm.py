@@ -37,7 +37,7 @@ from rich.table import Table
 from moirai import progress as _progress
 from moirai import viz
 from moirai.cluster.calibration.cluster import local_cluster
-from moirai.cluster.cost import build_problem, check_cost_mode
+from moirai.cluster.cost import DEFAULT_COST_MODE, build_problem, check_cost_mode
 from moirai.cluster.devices import Cluster
 from moirai.compile import (
     CompiledModel,
@@ -405,7 +405,7 @@ def compile_lm(
     max_ttft_s: float | None = None,
     placer: str = "milp",
     fusion_rules: str | Path = "default",
-    cost: str = "analytic",
+    cost: str = DEFAULT_COST_MODE,
     progress: bool = True,
     calibration: str | Path = "auto",
     **placer_options: Any,
