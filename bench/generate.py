@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 import moirai
+from moirai.cluster.cost import COST_MODES
 from moirai.frontend.state import mutable_buffers
 from moirai.generation.lm import CompiledLM
 from moirai.planning.plan import Plan
@@ -262,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--devices", nargs="+", default=["cpu", "cpu"])
     parser.add_argument("--placer", default="milp")
-    parser.add_argument("--cost", default="measured", choices=["analytic", "measured"])
+    parser.add_argument("--cost", default="measured", choices=COST_MODES)
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.vocab, args.new_tokens = 2, 128, 512, 6

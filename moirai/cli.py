@@ -29,7 +29,7 @@ import moirai
 from moirai import progress, viz
 from moirai.cluster.calibration import cli as calibrate_command
 from moirai.cluster.calibration.cache import check_calibration
-from moirai.cluster.cost import COST_MODES
+from moirai.cluster.cost import COST_MODES, DEFAULT_COST_MODE
 from moirai.errors import ClusterError, MoiraiError, MoiraiWarning, PlacerOptionError, PlanError
 from moirai.planning.placers import check_options, spec, specs
 from moirai.user_files import check_output_path, write_output
@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     where = compile_.add_mutually_exclusive_group(required=True)
     where.add_argument("--devices", help="comma-separated torch devices, e.g. cpu,cpu or cuda:0,cuda:1,cpu")
     where.add_argument("--cluster", help="a cluster file (TOML) or a preset name (see moirai.Cluster.presets())")
-    compile_.add_argument("--cost", choices=COST_MODES, default="analytic")
+    compile_.add_argument("--cost", choices=COST_MODES, default=DEFAULT_COST_MODE)
     compile_.add_argument(
         "--calibration",
         default="auto",

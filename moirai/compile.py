@@ -33,7 +33,7 @@ from moirai import progress as _progress
 from moirai import viz
 from moirai.cluster.calibration.across_hosts import measure_host_links
 from moirai.cluster.calibration.cluster import check_calibration, local_cluster
-from moirai.cluster.cost import build_problem, check_cost_mode, unfused_problem
+from moirai.cluster.cost import DEFAULT_COST_MODE, build_problem, check_cost_mode, unfused_problem
 from moirai.cluster.devices import Cluster
 from moirai.cluster.kinds import kind_of
 from moirai.environment import require_torchrun_world, torchrun_world
@@ -298,7 +298,7 @@ def compile(
     placer: str = "milp",
     fusion_rules: str | Path = "default",
     target_nodes: int | None = None,
-    cost: str = "analytic",
+    cost: str = DEFAULT_COST_MODE,
     objective: str | Objective = "latency",
     dynamic_shapes: Any = None,
     progress: bool = True,
@@ -565,7 +565,7 @@ def planned_problem(
             "costs, so summary() and gantt() may differ from the compiled model's: save the plan again to keep them",
             stacklevel=4,  # the caller of load, past its progress wrapper
         )
-        return build_problem(coarse, cluster, traced=traced)
+        return build_problem(coarse, cluster, "analytic", traced=traced)  # as the warning says, whatever the default
     saved = record["problem"]
     if not isinstance(saved, dict):
         raise PlanError(f"{path}: 'problem' must be an object (a saved Problem), got {type(saved).__name__}")

@@ -86,6 +86,8 @@ from moirai.runtime.resources import apply_resources, rank_resources, restore_re
 CostMode = Literal["analytic", "measured"]
 # The cost modes build_problem prices with: compile's, compile_lm's and the command line's choices.
 COST_MODES: tuple[CostMode, ...] = get_args(CostMode)
+# The mode where none is given (build_problem, compile, compile_lm, the command line): it needs no local devices.
+DEFAULT_COST_MODE: CostMode = "analytic"
 _EMPTY_SPANS = 4  # spans with no op in profiling runs, to time the clock itself
 # A cached profile whose groups add up to more than 25% off a run of the whole graph is measured again.
 _STALE_PROFILE = 0.25
@@ -109,7 +111,7 @@ def check_cost_mode(mode: object) -> CostMode:
 def build_problem(
     graph: OpGraph,
     cluster: Cluster,
-    mode: CostMode = "analytic",
+    mode: CostMode = DEFAULT_COST_MODE,
     traced: TracedModel | None = None,
     *,
     cache_dir: str | Path | None = None,

@@ -37,7 +37,7 @@ from rich.table import Table
 from moirai import progress as _progress
 from moirai import viz
 from moirai.cluster.calibration.cluster import local_cluster
-from moirai.cluster.cost import build_problem, check_cost_mode
+from moirai.cluster.cost import DEFAULT_COST_MODE, build_problem, check_cost_mode
 from moirai.cluster.devices import Cluster
 from moirai.compile import (
     CompiledModel,
@@ -69,6 +69,7 @@ from moirai.generation.requests import (
     APPLIED_SETTINGS,
     GenerateOptions,
     GenerationDefaults,
+    check_generate_signatures,
     end_tokens,
     generate_rows,
     prompt_rows,
@@ -319,8 +320,7 @@ class CompiledLM:
         there, the prompt may be passed as ``inputs``, and a ``GenerationConfig`` as the second argument
         (``generate(inputs, generation_config)``).
         """
-        given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
-        options = GenerateOptions.of(given, others)
+        options = GenerateOptions.of(locals(), others)  # first: locals() is the parameters alone
         input_ids = prompt_rows(input_ids, inputs)
         server = self._open_server
         if server is not None:  # [Note: one user of the caches at a time]
@@ -388,6 +388,10 @@ class CompiledLM:
         return {**self.compiled.plan_record(), LM_KEY: section}
 
 
+# At import, so that a generate parameter GenerateOptions.of would drop fails before any call does.
+check_generate_signatures(CompiledLM.generate, GenerationServer.generate, GenerationServer.submit)
+
+
 @_progress.reports_progress
 def compile_lm(
     model: torch.nn.Module,
@@ -401,7 +405,7 @@ def compile_lm(
     max_ttft_s: float | None = None,
     placer: str = "milp",
     fusion_rules: str | Path = "default",
-    cost: str = "analytic",
+    cost: str = DEFAULT_COST_MODE,
     progress: bool = True,
     calibration: str | Path = "auto",
     **placer_options: Any,

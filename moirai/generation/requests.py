@@ -3,6 +3,7 @@ tokens put back as ``model.generate`` returns them."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 import reprlib
@@ -174,16 +175,15 @@ class GenerateOptions(NamedTuple):
     return_dict_in_generate: bool | None = None  # Hugging Face's output with .sequences, not the tensor alone
 
     @classmethod
-    def of(cls, given: dict[str, Any], others: dict[str, Any]) -> GenerateOptions:
-        """The options a call named, ``others`` among them where they ban tokens (:class:`TokenBans`);
+    def of(cls, call: dict[str, Any], others: dict[str, Any]) -> GenerateOptions:
+        """The options of a generate call, from its ``locals()`` (the parameters it names, which
+        :func:`check_generate_signatures` keeps to these fields and :data:`PROMPT_PARAMETERS`) and ``others``,
+        its ``**others``: those that ban tokens (:class:`TokenBans`) and :data:`OPTIONS_IN_OTHERS`;
         :class:`InputError` for the rest of ``others``, arguments moirai's generate does not take (with those that
         change model.generate's tokens named as such)."""
         bans = {name: others.pop(name) for name in TokenBans.settings() if name in others}
-        given = {
-            **given,
-            "num_return_sequences": others.pop("num_return_sequences", None),
-            "return_dict_in_generate": others.pop("return_dict_in_generate", None),
-        }
+        given = {name: value for name, value in call.items() if name in cls._fields}
+        given.update({name: others.pop(name, None) for name in OPTIONS_IN_OTHERS})
         # An argument given as None is unset, as in model.generate. A setting moirai does not apply, given at the
         # value that leaves the tokens alone (num_beams=1), is taken, and so is an argument of how model.generate
         # runs or what it returns beside the tokens, at a value that asks for nothing moirai does not do
@@ -243,6 +243,59 @@ class GenerateOptions(NamedTuple):
                 "the tokens alone (as .sequences with return_dict_in_generate=True)"
             )
         return options
+
+
+# The options a generate takes in **others, not as parameters: model.generate's rarer arguments.
+OPTIONS_IN_OTHERS = ("num_return_sequences", "return_dict_in_generate")
+# A generate's parameters that are no GenerateOptions field: the prompt and its mask, which the call reads itself.
+PROMPT_PARAMETERS = ("input_ids", "inputs", "attention_mask")
+# submit's parameters that no generate has: its one prompt, and the function called with each token.
+SUBMIT_PARAMETERS = ("prompt_ids", "on_token")
+
+
+def check_generate_signatures(generate: Callable, server_generate: Callable, submit: Callable) -> None:
+    """A ``TypeError`` unless ``CompiledLM.generate`` and ``GenerationServer.generate`` have one signature whose named
+    parameters are the :class:`GenerateOptions` fields (less ``bans`` and :data:`OPTIONS_IN_OTHERS`, read from
+    ``**others``) and :data:`PROMPT_PARAMETERS`, and ``GenerationServer.submit``'s, :data:`SUBMIT_PARAMETERS` aside,
+    are among them with the same defaults and types.
+
+    Run at import (moirai/generation/lm.py): each generate hands ``GenerateOptions.of`` its ``locals()``, which
+    keeps the fields alone, so a parameter added to one generate only, or to no ``GenerateOptions`` field, would
+    otherwise be dropped without a word."""
+    signature, server_signature = inspect.signature(generate), inspect.signature(server_generate)
+    if signature != server_signature:
+        either = [set(map(str, s.parameters.values())) for s in (signature, server_signature)]
+        only = ", ".join(sorted(either[0] ^ either[1])) or "in their order or return type"
+        raise TypeError(
+            f"CompiledLM.generate and GenerationServer.generate differ ({only}): give both the same parameters"
+        )
+    named = {
+        name: parameter
+        for name, parameter in signature.parameters.items()
+        if name != "self" and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+    }
+    taken = set(GenerateOptions._fields) - {"bans", *OPTIONS_IN_OTHERS}
+    stray = sorted(set(named) - taken - set(PROMPT_PARAMETERS))
+    if stray:
+        raise TypeError(
+            f"generate names {', '.join(stray)}, which is no GenerateOptions field and would be dropped: add it "
+            "there (or to PROMPT_PARAMETERS, where the call reads it itself)"
+        )
+    unnamed = sorted(taken - set(named))
+    if unnamed:  # else generate would refuse it as an argument it does not take
+        raise TypeError(
+            f"GenerateOptions has {', '.join(unnamed)}, which generate does not name: add it to both generates (or "
+            "to OPTIONS_IN_OTHERS, read from **others)"
+        )
+    for name, parameter in inspect.signature(submit).parameters.items():
+        if name == "self" or name in SUBMIT_PARAMETERS or parameter.kind is parameter.VAR_KEYWORD:
+            continue
+        own = named.get(name)
+        if own is None or (own.default, own.annotation) != (parameter.default, parameter.annotation):
+            raise TypeError(
+                f"GenerationServer.submit's {parameter} is not generate's {own}: give it generate's name, default "
+                "and type"
+            )
 
 
 # Settings of a Hugging Face generation_config that change model.generate's tokens and that moirai's generate does

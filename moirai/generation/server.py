@@ -146,8 +146,7 @@ class GenerationServer:
         **others: Any,
     ) -> Any:
         """As :meth:`CompiledLM.generate`, through this server: the rows are sequences in flight together."""
-        given = {name: value for name, value in locals().items() if name in GenerateOptions._fields}
-        options = GenerateOptions.of(given, others)
+        options = GenerateOptions.of(locals(), others)  # first: locals() is the parameters alone
         return self.generate_with(prompt_rows(input_ids, inputs), attention_mask, options)
 
     def generate_with(
