@@ -50,7 +50,7 @@ from moirai.runtime.blame import PeerFailure
 from moirai.runtime.groups import Group, Work, placed_part
 from moirai.runtime.header import DIGEST_WORDS, HEADER_DTYPE, HEADER_FIELDS, HEADER_WORDS
 from moirai.runtime.program_codec import decode_program, encode_program
-from moirai.runtime.split import SplitProgram, TensorTransfer, concrete_shape, symbol_values
+from moirai.runtime.split import SplitProgram, TensorTransfer, concrete_shape, symbol_values, with_strides
 from moirai.runtime.store import derived_key
 
 _HEADER_DTYPE = getattr(torch, HEADER_DTYPE)
@@ -98,6 +98,7 @@ class PendingReceive:
     buffer: torch.Tensor
     what: str
     src: int
+    stride: tuple[int, ...] | None = None  # the strides the received tensor gets back (TensorSpec.stride)
 
     def __repr__(self) -> str:
         return f"PendingReceive({self.what})"
@@ -151,21 +152,34 @@ class Messages:
         if not getattr(work, "complete_when_posted", False):
             self._sends.append(_PostedSend(work, staged, what, dst))
 
-    def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, index: int, what: str) -> PendingReceive:
+    def post_recv(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        src: int,
+        index: int,
+        what: str,
+        stride: tuple[int, ...] | None = None,
+    ) -> PendingReceive:
         wire = self._wire(src)
         buffer = torch.empty(shape, dtype=dtype, device=wire)
         what = f"receiving {what} from rank {src}"
         with self._naming_peer(what, src):
             work = self.group.link(wire, src, self.control).recv([buffer], src, self._tag_base | index)
-        return PendingReceive(work, buffer, what, src)
+        return PendingReceive(work, buffer, what, src, stride)
 
     def post_recv_spec(self, spec: TensorSpec, src: int, index: int, what: str) -> PendingReceive:
-        return self.post_recv(concrete_shape(spec, self.values), spec.dtype, src, index, what)
+        """A receive of a tensor of ``spec`` that gets the traced strides back when waited for
+        ([Note: a received tensor keeps its traced strides])."""
+        return self.post_recv(concrete_shape(spec, self.values), spec.dtype, src, index, what, spec.stride)
 
     def wait_recv(self, pending: PendingReceive) -> torch.Tensor:
-        """The received tensor: on this rank's device, or on the host for a control message (:meth:`_wire`)."""
+        """The received tensor: on this rank's device with its traced strides, or on the host for a control message
+        (:meth:`_wire`)."""
         self._wait(pending.work, pending.what, pending.buffer.device, pending.src)
-        return pending.buffer if self.control else pending.buffer.to(self.group.devices[self.group.rank])
+        if self.control:
+            return pending.buffer
+        return with_strides(pending.buffer.to(self.group.devices[self.group.rank]), pending.stride)
 
     def wait_sends(self) -> None:
         for work, staged, what, dst in self._sends:
@@ -303,7 +317,11 @@ class Preposted(NamedTuple):
 
 
 def _post_input_recv(messages: Messages, program: SplitProgram, index: int) -> PendingReceive:
-    return messages.post_recv_spec(program.input_specs[index], 0, _FIRST_DATA_TAG + index, f"flat input {index}")
+    """A flat input arrives contiguous: its strides are the caller's, not the traced ones ([Note: a received tensor
+    keeps its traced strides])."""
+    spec = program.input_specs[index]
+    shape = concrete_shape(spec, messages.values)
+    return messages.post_recv(shape, spec.dtype, 0, _FIRST_DATA_TAG + index, f"flat input {index}")
 
 
 def _post_transfer_recv(messages: Messages, transfer: TensorTransfer, first_tag: int) -> PendingReceive:

@@ -476,9 +476,7 @@ class _PartBuilder:
             pending = self.pending_receives.pop(producer.name, None)
             if pending is not None:
                 wait = self.graph.create_node("call_method", "wait_recv", (self.transport, pending), name=producer.name)
-                wait.meta["val"] = producer.meta.get("val")
-                if _needs_traced_strides(producer):
-                    wait = self._with_traced_strides(wait, producer.meta["val"])
+                wait.meta["val"] = producer.meta.get("val")  # strides included: [Note: a received tensor keeps ...]
                 self.env[producer.name] = wait
         self.env[node.name] = self.graph.node_copy(node, self.local_value)
 
@@ -511,14 +509,6 @@ class _PartBuilder:
         for operand in rest:  # Add, Mul, Max and Min take any number of terms
             result = self.graph.create_node("call_function", function, (result, operand))
         return result
-
-    def _with_traced_strides(self, received: fx.Node, traced: torch.Tensor) -> fx.Node:
-        """A copy of ``received`` laid out with the traced strides (plain aten ops: the part stays picklable)."""
-        shape, stride = [int(s) for s in traced.shape], [int(s) for s in traced.stride()]
-        buffer = self.graph.call_function(torch.ops.aten.new_empty_strided.default, (received, shape, stride))
-        restrided = self.graph.call_function(torch.ops.aten.copy_.default, (buffer, received))
-        buffer.meta["val"] = restrided.meta["val"] = traced
-        return restrided
 
     def add_send(self, transfer: TensorTransfer, as_copy: bool) -> None:
         """Send the tensor; ``as_copy`` sends a copy of it ([Note: a view of written state crosses as a copy])."""
@@ -561,19 +551,48 @@ class _PartBuilder:
         )
 
 
-def _needs_traced_strides(producer: fx.Node) -> bool:
-    """Whether a received tensor must get its traced layout back: it was not contiguous and a view reads it.
+# [Note: a received tensor keeps its traced strides] A message carries a tensor's bytes contiguous, so a tensor that was
+# not (a transpose, a slice, an expand) arrived contiguous: an op on it could round differently from the model (a
+# linear on a transposed input takes another kernel, 1 ulp off) and a view traced on the strided original could fail
+# or read other elements (fuzz seed 63). So every receive of a tensor whose traced layout is static gives it its traced
+# strides back (TensorSpec.stride; the transfers between parts and the outputs rank 0 gathers, in
+# moirai.runtime.protocol), and the local runner, whose ``.to`` keeps a tensor on its own device as it is, gives one
+# moved to another device the strides it had. Done by the transports rather than by nodes in the part's graph, so that
+# the local runner copies nothing it passes as it is; a contiguous tensor, nearly all, costs nothing. A layout with a
+# symbolic size or stride, and a flat input (its strides are the caller's, which the header does not carry), cross
+# contiguous.
+def with_strides(tensor: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """``tensor``'s values laid out with ``stride`` (a spec's, or the sent tensor's), or ``tensor`` itself where it
+    has them already or ``stride`` is None ([Note: a received tensor keeps its traced strides]).
 
-    A transfer delivers a contiguous tensor; a view traced on the strided original (``view`` after a
-    ``transpose``) can fail on it or, for ``as_strided``, read other elements (fuzz seed 63 found it).
+    A dimension of stride 0 (``expand``) holds one element in memory, written once; a layout whose elements overlap
+    otherwise (``as_strided``) cannot be written into and stays as received.
     """
-    value = producer.meta.get("val")
-    return (
-        isinstance(value, torch.Tensor)
-        and all(isinstance(size, int) for size in (*value.shape, *value.stride()))  # static layouts only
-        and not value.is_contiguous()
-        and any(is_view_node(user) for user in producer.users)
-    )
+    if stride is None or tensor.stride() == stride:
+        return tensor
+    laid_out = tensor.new_empty_strided(tensor.shape, stride)
+    target, source = laid_out, tensor
+    for dim, step in enumerate(stride):
+        if step == 0:
+            target, source = (
+                target.narrow(dim, 0, min(1, tensor.shape[dim])),
+                source.narrow(dim, 0, min(1, tensor.shape[dim])),
+            )
+    if _overlaps(target.shape, target.stride()):
+        return tensor
+    target.copy_(source)
+    return laid_out
+
+
+def _overlaps(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether two elements of a layout share memory: each dimension's stride, smallest first, must step past the
+    extent of those before it."""
+    extent = 1
+    for step, size in sorted((step, size) for step, size in zip(stride, shape, strict=True) if size > 1):
+        if step < extent:
+            return True
+        extent = step * (size - 1) + extent
+    return False
 
 
 def _spec_of(value: object) -> TensorSpec | None:
