@@ -464,3 +464,42 @@ def test_run_distributed_and_server_give_a_strided_tensor_its_strides_bitwise():
     with split.server(timeout_s=60.0) as server:
         results = [server.submit(x).result(60.0) for x in inputs]
     assert all(torch.equal(got, want) for got, want in zip(results, expected, strict=True))
+
+
+class _OddOutputs(torch.nn.Module):
+    """Returns one tensor twice and tensors of other layouts than contiguous, all made on the last device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.linear(x) * 2
+        return h, h.t(), h, h[::2, 1:], h[None].expand(3, 4, 4), x.t() + 0
+
+
+def _odd_outputs() -> tuple[torch.nn.Module, SplitProgram, torch.Tensor]:
+    torch.manual_seed(0)
+    model, x = _OddOutputs().eval(), torch.randn(4, 4)
+    traced = trace(model, (x,))
+    ops = [node.name for node in traced.graph_module.graph.nodes if node.op == "call_function"]
+    linear = max(i for i, name in enumerate(ops) if "addmm" in name or "linear" in name)
+    return model, split_module(traced, {name: int(i > linear) for i, name in enumerate(ops)}, 2), x
+
+
+def _assert_outputs_as_the_model_returns_them(outputs: tuple, expected: tuple) -> None:
+    assert outputs[0] is outputs[2], "one tensor returned twice is one tensor"
+    for got, want in zip(outputs, expected, strict=True):
+        assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+def test_outputs_gathered_keep_their_identity_and_strides(runner):
+    """A tensor returned twice came back as two copies, and every output from another rank came back contiguous
+    (an expand materialised)."""
+    model, program, x = _odd_outputs()
+    assert {at.device for at in program.outputs} == {1}
+    assert program.outputs[0] == program.outputs[2], "returned once by its part, gathered once"
+    with torch.no_grad():
+        expected = model(x)
+    for outputs in (runner.run(program, [x]), run_local(program, [x], ["cpu", "cpu"])):
+        _assert_outputs_as_the_model_returns_them(tuple(outputs), expected)

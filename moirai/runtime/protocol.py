@@ -50,7 +50,14 @@ from moirai.runtime.blame import PeerFailure
 from moirai.runtime.groups import Group, Work, placed_part
 from moirai.runtime.header import DIGEST_WORDS, HEADER_DTYPE, HEADER_FIELDS, HEADER_WORDS
 from moirai.runtime.program_codec import decode_program, encode_program
-from moirai.runtime.split import SplitProgram, TensorTransfer, concrete_shape, symbol_values, with_strides
+from moirai.runtime.split import (
+    OutputLocation,
+    SplitProgram,
+    TensorTransfer,
+    concrete_shape,
+    symbol_values,
+    with_strides,
+)
 from moirai.runtime.store import derived_key
 
 _HEADER_DTYPE = getattr(torch, HEADER_DTYPE)
@@ -269,12 +276,18 @@ def request_message_bytes(program: SplitProgram, flat_inputs: Sequence[torch.Ten
         flat_inputs[i].numel() * flat_inputs[i].element_size() for p in program.parts[1:] for i in p.input_indices
     ]
     transfers = [message_bytes(transfer.spec) for transfer in program.transfers]
-    outputs = [
-        message_bytes(program.parts[location.device].output_specs[location.index])
-        for location in program.outputs
-        if location.device != 0
-    ]
+    outputs = [message_bytes(program.parts[at.device].output_specs[at.index]) for at in _sent_outputs(program)]
     return inputs + transfers + outputs
+
+
+def _sent_outputs(program: SplitProgram) -> dict[OutputLocation, int]:
+    """The flat outputs other parts send rank 0, each once however often the model returns it (one tensor, which
+    the caller gets as often), with the position of its first return: its message's tag."""
+    first: dict[OutputLocation, int] = {}
+    for position, location in enumerate(program.outputs):
+        if location.device != 0:
+            first.setdefault(location, position)
+    return first
 
 
 def send_inputs(program: SplitProgram, messages: Messages, flat_inputs: Sequence[torch.Tensor]) -> None:
@@ -297,8 +310,8 @@ def _post_outputs(
     first_tag = _FIRST_DATA_TAG + len(program.input_specs) + len(program.transfers)
     status_tag = first_tag + len(program.outputs)
     group = messages.group
-    for position, location in enumerate(program.outputs):
-        if location.device != 0 and matches_by_order(group, location.device) == by_order:
+    for location, position in _sent_outputs(program).items():
+        if matches_by_order(group, location.device) == by_order:
             spec = program.parts[location.device].output_specs[location.index]
             pending[position] = messages.post_recv_spec(
                 spec, location.device, first_tag + position, f"flat output {position}"
@@ -371,7 +384,7 @@ def run_part(
     first_tag = _FIRST_DATA_TAG + len(program.input_specs) + len(program.transfers)
     status_tag = first_tag + len(program.outputs)
     if rank != 0:
-        for position, location in enumerate(program.outputs):
+        for location, position in _sent_outputs(program).items():
             if location.device == rank:
                 messages.send(part_outputs[location.index], 0, first_tag + position, f"flat output {position}")
         if failure is not None:
@@ -387,9 +400,11 @@ def run_part(
     _post_outputs(program, messages, pending, statuses, by_order=True)
 
     def finish_outputs() -> list[torch.Tensor]:
+        sent = _sent_outputs(program)
+        received = {position: messages.wait_recv(pending[position]) for position in sorted(pending)}
         outputs = [
-            messages.wait_recv(pending[position]) if position in pending else part_outputs[location.index]
-            for position, location in enumerate(program.outputs)
+            received[sent[location]] if location.device != 0 else part_outputs[location.index]
+            for location in program.outputs
         ]
         failed = [k for k in sorted(statuses) if int(messages.wait_recv(statuses[k])[0]) != isolation.STATUS_OK]
         messages.wait_sends()

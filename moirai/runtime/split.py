@@ -451,6 +451,7 @@ class _PartBuilder:
         self.input_indices: list[int] = []
         self.attributes: dict[str, torch.Tensor | torch.nn.Module] = {}
         self.output_values: list[fx.Node] = []
+        self.output_index: dict[fx.Node, int] = {}  # where a node this part returns is in its outputs
 
     def add_inputs_and_attributes(
         self, placeholders: list[fx.Node], ops: Sequence[fx.Node], outputs: Iterable[object]
@@ -526,14 +527,23 @@ class _PartBuilder:
         self.pending_receives[transfer.tensor] = post
 
     def add_output_value(self, value: object, position: int) -> int:
-        """Return ``value`` from this part; the runtimes gather non-tensor outputs from part 0 only."""
+        """Return ``value`` from this part; the runtimes gather non-tensor outputs from part 0 only.
+
+        A node the model returns twice is returned once, and both flat outputs name that place: the runtimes gather
+        it once and give the caller one tensor twice, as the model did.
+        """
         if self.device != 0 and not isinstance(_spec_of(value), TensorSpec):
             raise PlanError(
                 f"flat output {position} ({value}) is not a tensor but is produced on device {self.device}; "
                 "only tensors cross devices: put its producer on device 0"
             )
-        self.output_values.append(self.local_value(value) if isinstance(value, fx.Node) else value)
-        return len(self.output_values) - 1
+        if not isinstance(value, fx.Node):
+            self.output_values.append(value)
+            return len(self.output_values) - 1
+        if value not in self.output_index:
+            self.output_index[value] = len(self.output_values)
+            self.output_values.append(self.local_value(value))
+        return self.output_index[value]
 
     def part(self, transfers: Sequence[TensorTransfer]) -> DevicePart:
         self.graph.output(tuple(self.output_values))
