@@ -125,7 +125,13 @@ class CompiledModel:
         self, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, progress: bool | None = None, **kwargs: Any
     ) -> Any:
         """Run with one process per device (torch.distributed send/recv); returns the outputs here. ``progress``:
-        whether starting the workers reports, by default as the model was compiled (``compile(progress=...)``)."""
+        whether starting the workers reports, by default as the model was compiled (``compile(progress=...)``).
+
+        Outputs are the model's values with its strides, and a tensor it returns twice is one tensor twice. An output
+        made on another device than the first arrives as a tensor of its own: where the model returned a view of an
+        input, of a buffer or of another output (``x.t()``, ``h[0]`` beside ``h``), it has the view's strides and
+        values but shares no memory with them, so a write into it changes nothing else (calling the model keeps the
+        views where the parts ran on one device)."""
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
         _check_local_run(self.cluster, "run_distributed")
         outputs = run_distributed(self.program, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
@@ -145,8 +151,10 @@ class CompiledModel:
         Requests are pipelined through the devices, at most ``max_in_flight`` unfinished. Outside
         torchrun it spawns one process per device but the first (this process runs device 0);
         under torchrun only rank 0 calls it, the other ranks call ``moirai.serve_rank(compiled)``.
-        ``timeout_s`` bounds every wait of a request, never idle time. A buffer or input that a spawned rank writes
-        in place keeps its value from request to request but is not brought back: closing warns
+        ``timeout_s`` bounds every wait of a request, never idle time. A result's outputs are as
+        :meth:`run_distributed`'s: the model's strides, one tensor returned twice one tensor, and an output made on
+        another device than the first sharing no memory with what it viewed. A buffer or input that a spawned rank
+        writes in place keeps its value from request to request but is not brought back: closing warns
         (:class:`moirai.errors.StateLeftBehindWarning`) unless ``warn_state_left`` is False (state each request
         sets afresh, as the generation engine's caches). ``progress``: whether starting the workers (at the first
         request) reports, by default as the model was compiled.

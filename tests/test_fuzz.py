@@ -23,7 +23,7 @@ from models_for_tests import random_assignment
 import moirai
 from moirai.frontend.trace import TracedModel, trace
 from moirai.runtime import DistributedRunner, run_local
-from moirai.runtime.split import SplitProgram, split_module
+from moirai.runtime.split import SplitProgram, split_module, with_strides
 
 FUZZ_MODELS = int(os.environ.get("MOIRAI_FUZZ_MODELS", "500"))
 BLOCK = 50
@@ -145,10 +145,25 @@ def transposed_across_devices() -> tuple[TracedModel, SplitProgram, list[torch.T
 
 
 def test_received_tensor_gets_its_traced_strides_back_before_a_view():
+    """The receive restores them ([Note: a received tensor keeps its traced strides]): the transfer's spec has them."""
     traced, program, flat_inputs, expected = transposed_across_devices()
-    targets = [n.target for n in program.parts[1].graph_module.graph.nodes if n.op == "call_function"]
-    assert targets[:2] == [torch.ops.aten.new_empty_strided.default, torch.ops.aten.copy_.default]
+    (transfer,) = program.transfers
+    assert transfer.spec.stride == (18, 1, 6)
     torch.testing.assert_close(run_local(program, flat_inputs, ["cpu", "cpu"])[0], expected)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda y: y.t(), lambda y: y[:, None, :].expand(4, 3, 4), lambda y: y[1::2, ::2]],
+    ids=["transposed", "expanded", "sliced"],
+)
+def test_with_strides_lays_a_contiguous_tensor_out_as_the_original(make):
+    original = make(torch.randn(4, 4))
+    laid_out = with_strides(original.contiguous(), original.stride())
+    assert laid_out.stride() == original.stride()
+    assert torch.equal(laid_out, original)
+    assert with_strides(original, original.stride()) is original
+    assert with_strides(original, None) is original
 
 
 def test_in_place_ops_nothing_else_reads_are_left_as_traced():

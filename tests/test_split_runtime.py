@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -28,6 +29,7 @@ from models_for_tests import (
     random_assignment,
 )
 
+import moirai
 from moirai.errors import DistributedError, InputError, PlanError, RequestError
 from moirai.frontend.trace import TracedModel, trace
 from moirai.runtime import DistributedRunner, run_distributed, run_local
@@ -382,3 +384,122 @@ def test_missing_message_times_out_instead_of_hanging(runner):
     # torch's message may span lines (gloo appends where it was raised): match across them.
     message = str(failure.value)
     assert re.search(f"rank 1: receiving tensor {never_sent} from rank 0 failed .*Timed out", message, re.DOTALL)
+
+
+class _TransposedIntoLinear(torch.nn.Module):
+    """``x.t() * 2`` has strides (1, 2): a linear on it rounds differently than on a contiguous copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.t() * 2)
+
+
+class _StridedIntoLinear(torch.nn.Module):
+    """A linear whose input is ``layout``'s view of another linear's output: transposed, expanded or sliced."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        self.first, self.second, self.layout = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6), layout
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.first(x)
+        strided = {"transposed": y.t(), "expanded": y[:, None, :].expand(6, 3, 6), "sliced": y[1::2, :]}[self.layout]
+        return self.second(strided), strided
+
+
+def _split_after_the_last_strided_op(traced: TracedModel) -> SplitProgram:
+    """Device 0 up to the last op whose value is not contiguous, device 1 after: that tensor crosses."""
+    ops = [node for node in traced.graph_module.graph.nodes if node.op == "call_function"]
+    last = max(i for i, node in enumerate(ops) if not node.meta["val"].is_contiguous())
+    return split_module(traced, {node.name: int(i > last) for i, node in enumerate(ops)}, 2)
+
+
+STRIDED_MODELS = {
+    "transposed_into_linear": lambda: (_TransposedIntoLinear(), torch.randn(4, 2)),
+    **{
+        layout: functools.partial(lambda lay: (_StridedIntoLinear(lay), torch.randn(6, 6)), layout)
+        for layout in ("transposed", "expanded", "sliced")
+    },
+}
+
+
+@pytest.mark.parametrize("name", STRIDED_MODELS)
+def test_a_strided_tensor_crosses_devices_with_its_strides_bitwise(name, runner):
+    """[Note: a received tensor keeps its traced strides]: it arrived contiguous, and the linear after it was 1 ulp
+    off the model's."""
+    torch.manual_seed(0)
+    model, x = STRIDED_MODELS[name]()
+    model.eval()
+    traced = trace(model, (x,))
+    program = _split_after_the_last_strided_op(traced)
+    (transfer,) = {t.tensor: t for t in program.transfers}.values()
+    assert transfer.spec.stride is not None, "a tensor that is not contiguous crosses"
+    for seed in range(4):
+        torch.manual_seed(seed)
+        x = torch.randn(x.shape)
+        with torch.no_grad():
+            expected = pytree.tree_leaves(model(x))
+        for outputs in (runner.run(program, [x]), run_local(program, [x], ["cpu", "cpu"])):
+            assert all(torch.equal(got, want) for got, want in zip(outputs, expected, strict=True))
+
+
+@pytest.mark.slow
+def test_run_distributed_and_server_give_a_strided_tensor_its_strides_bitwise():
+    """The user's entry points, which start ranks of their own, on a plan that sends ``x.t() * 2`` across."""
+    torch.manual_seed(0)
+    model, x = _TransposedIntoLinear().eval(), torch.randn(4, 2)
+    compiled = moirai.compile(model, ["cpu", "cpu"], example_inputs=(x,), placer="hash", calibration="none")
+    problem = compiled.problem
+    placement = np.zeros(problem.num_tasks, dtype=int)
+    placement[problem.topological_order[-1]] = 1  # the linear's task on device 1, what feeds it on device 0
+    split = compiled.with_plan(moirai.Plan(placement, problem.device_names))
+    assert [t.spec.stride for t in split.program.transfers] == [(1, 2)]
+    inputs = [torch.randn(4, 2) for _ in range(3)]
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+    assert all(torch.equal(split.run_distributed(x), want) for x, want in zip(inputs, expected, strict=True))
+    with split.server(timeout_s=60.0) as server:
+        results = [server.submit(x).result(60.0) for x in inputs]
+    assert all(torch.equal(got, want) for got, want in zip(results, expected, strict=True))
+
+
+class _OddOutputs(torch.nn.Module):
+    """Returns one tensor twice and tensors of other layouts than contiguous, all made on the last device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.linear(x) * 2
+        return h, h.t(), h, h[::2, 1:], h[None].expand(3, 4, 4), x.t() + 0
+
+
+def _odd_outputs() -> tuple[torch.nn.Module, SplitProgram, torch.Tensor]:
+    torch.manual_seed(0)
+    model, x = _OddOutputs().eval(), torch.randn(4, 4)
+    traced = trace(model, (x,))
+    ops = [node.name for node in traced.graph_module.graph.nodes if node.op == "call_function"]
+    linear = max(i for i, name in enumerate(ops) if "addmm" in name or "linear" in name)
+    return model, split_module(traced, {name: int(i > linear) for i, name in enumerate(ops)}, 2), x
+
+
+def _assert_outputs_as_the_model_returns_them(outputs: tuple, expected: tuple) -> None:
+    assert outputs[0] is outputs[2], "one tensor returned twice is one tensor"
+    for got, want in zip(outputs, expected, strict=True):
+        assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+def test_outputs_gathered_keep_their_identity_and_strides(runner):
+    """A tensor returned twice came back as two copies, and every output from another rank came back contiguous
+    (an expand materialised)."""
+    model, program, x = _odd_outputs()
+    assert {at.device for at in program.outputs} == {1}
+    assert program.outputs[0] == program.outputs[2], "returned once by its part, gathered once"
+    with torch.no_grad():
+        expected = model(x)
+    for outputs in (runner.run(program, [x]), run_local(program, [x], ["cpu", "cpu"])):
+        _assert_outputs_as_the_model_returns_them(tuple(outputs), expected)

@@ -61,19 +61,31 @@ class TensorSpec:
     ``shape`` is the shape at the example inputs. In a model traced with dynamic shapes,
     ``symbolic_shape`` holds every dimension as a Python expression over the symbols of the
     dynamic input dimensions (``"s0"``, ``"s0*s1"``, ``"16"``); :func:`concrete_shape` evaluates it.
+    ``stride`` is the traced strides of a tensor that is not contiguous and whose sizes and strides are all static;
+    None for a contiguous tensor or a symbolic layout: a tensor that crosses devices gets its strides back
+    ([Note: a received tensor keeps its traced strides], moirai.runtime.split).
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     symbolic_shape: tuple[str, ...] | None = None
+    stride: tuple[int, ...] | None = None
 
 
 def tensor_spec(value: torch.Tensor) -> TensorSpec:
     """The spec of a traced tensor: example shape, and symbolic shape when a dimension is symbolic."""
     shape = tuple(example_int(size) for size in value.shape)
     if all(isinstance(size, int) for size in value.shape):
-        return TensorSpec(shape, value.dtype)
+        return TensorSpec(shape, value.dtype, stride=_static_stride(value))
     return TensorSpec(shape, value.dtype, tuple(symbolic_expression(size) for size in value.shape))
+
+
+def _static_stride(value: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of a tensor of static shape where they are static and not contiguous; else None."""
+    stride = value.stride()
+    if not all(isinstance(step, int) for step in stride) or value.is_contiguous():
+        return None
+    return tuple(stride)
 
 
 def check_flat_inputs(

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from moirai.errors import InputError, PlanError
 from moirai.frontend.trace import retarget_devices
-from moirai.runtime.split import DevicePart, SplitProgram, TensorTransfer, symbol_values
+from moirai.runtime.split import DevicePart, SplitProgram, TensorTransfer, symbol_values, with_strides
 from moirai.runtime.written_state import written_inputs
 
 
@@ -205,7 +205,10 @@ class _LocalTransport:
         self._delivered: dict[int, torch.Tensor] = {}
 
     def send(self, tensor: torch.Tensor, transfer_index: int) -> None:
-        self._delivered[transfer_index] = tensor.to(self._devices[self._transfers[transfer_index].dst])
+        """``.to`` keeps a tensor on its own device as it is; one moved to another device keeps its strides
+        ([Note: a received tensor keeps its traced strides], split.py)."""
+        moved = tensor.to(self._devices[self._transfers[transfer_index].dst])
+        self._delivered[transfer_index] = moved if moved is tensor else with_strides(moved, tensor.stride())
 
     def post_recv(self, transfer_index: int) -> int:
         return transfer_index

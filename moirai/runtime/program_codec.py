@@ -52,7 +52,7 @@ from moirai.frontend.trace import TensorSpec
 from moirai.runtime.split import DevicePart, OutputLocation, SplitProgram, TensorTransfer, Transport
 from moirai.runtime.zero_pages import written_runs, zeros_on_demand
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: a tensor spec holds its strides
 _LENGTH = struct.Struct("<Q")
 _IDENTIFIER = re.compile(r"(?!__)[A-Za-z_][A-Za-z0-9_]*")  # always fullmatch: "$" would let a newline through
 _OPERATOR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -428,7 +428,8 @@ def _encode_value(value: Any, where: str) -> Any:
 
 def _encode_spec(spec: TensorSpec) -> list[Any]:
     symbolic = None if spec.symbolic_shape is None else list(spec.symbolic_shape)
-    return [list(spec.shape), _dtype_name(spec.dtype), symbolic]
+    stride = None if spec.stride is None else list(spec.stride)
+    return [list(spec.shape), _dtype_name(spec.dtype), symbolic, stride]
 
 
 def _encode_transfer(transfer: TensorTransfer) -> list[Any]:
@@ -725,9 +726,10 @@ def _decode_dtype(name: Any) -> torch.dtype:
 
 
 def _decode_spec(spec: list[Any]) -> TensorSpec:
-    shape, dtype, symbolic = spec
+    shape, dtype, symbolic, stride = spec
     symbolic_shape = None if symbolic is None else tuple(str(s) for s in symbolic)
-    return TensorSpec(tuple(int(s) for s in shape), _decode_dtype(dtype), symbolic_shape)
+    strides = None if stride is None else tuple(int(s) for s in stride)
+    return TensorSpec(tuple(int(s) for s in shape), _decode_dtype(dtype), symbolic_shape, strides)
 
 
 def _decode_transfer(transfer: list[Any]) -> TensorTransfer:

@@ -50,7 +50,14 @@ from moirai.runtime.blame import PeerFailure
 from moirai.runtime.groups import Group, Work, placed_part
 from moirai.runtime.header import DIGEST_WORDS, HEADER_DTYPE, HEADER_FIELDS, HEADER_WORDS
 from moirai.runtime.program_codec import decode_program, encode_program
-from moirai.runtime.split import SplitProgram, TensorTransfer, concrete_shape, symbol_values
+from moirai.runtime.split import (
+    OutputLocation,
+    SplitProgram,
+    TensorTransfer,
+    concrete_shape,
+    symbol_values,
+    with_strides,
+)
 from moirai.runtime.store import derived_key
 
 _HEADER_DTYPE = getattr(torch, HEADER_DTYPE)
@@ -98,6 +105,7 @@ class PendingReceive:
     buffer: torch.Tensor
     what: str
     src: int
+    stride: tuple[int, ...] | None = None  # the strides the received tensor gets back (TensorSpec.stride)
 
     def __repr__(self) -> str:
         return f"PendingReceive({self.what})"
@@ -151,21 +159,34 @@ class Messages:
         if not getattr(work, "complete_when_posted", False):
             self._sends.append(_PostedSend(work, staged, what, dst))
 
-    def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, index: int, what: str) -> PendingReceive:
+    def post_recv(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        src: int,
+        index: int,
+        what: str,
+        stride: tuple[int, ...] | None = None,
+    ) -> PendingReceive:
         wire = self._wire(src)
         buffer = torch.empty(shape, dtype=dtype, device=wire)
         what = f"receiving {what} from rank {src}"
         with self._naming_peer(what, src):
             work = self.group.link(wire, src, self.control).recv([buffer], src, self._tag_base | index)
-        return PendingReceive(work, buffer, what, src)
+        return PendingReceive(work, buffer, what, src, stride)
 
     def post_recv_spec(self, spec: TensorSpec, src: int, index: int, what: str) -> PendingReceive:
-        return self.post_recv(concrete_shape(spec, self.values), spec.dtype, src, index, what)
+        """A receive of a tensor of ``spec`` that gets the traced strides back when waited for
+        ([Note: a received tensor keeps its traced strides])."""
+        return self.post_recv(concrete_shape(spec, self.values), spec.dtype, src, index, what, spec.stride)
 
     def wait_recv(self, pending: PendingReceive) -> torch.Tensor:
-        """The received tensor: on this rank's device, or on the host for a control message (:meth:`_wire`)."""
+        """The received tensor: on this rank's device with its traced strides, or on the host for a control message
+        (:meth:`_wire`)."""
         self._wait(pending.work, pending.what, pending.buffer.device, pending.src)
-        return pending.buffer if self.control else pending.buffer.to(self.group.devices[self.group.rank])
+        if self.control:
+            return pending.buffer
+        return with_strides(pending.buffer.to(self.group.devices[self.group.rank]), pending.stride)
 
     def wait_sends(self) -> None:
         for work, staged, what, dst in self._sends:
@@ -255,12 +276,18 @@ def request_message_bytes(program: SplitProgram, flat_inputs: Sequence[torch.Ten
         flat_inputs[i].numel() * flat_inputs[i].element_size() for p in program.parts[1:] for i in p.input_indices
     ]
     transfers = [message_bytes(transfer.spec) for transfer in program.transfers]
-    outputs = [
-        message_bytes(program.parts[location.device].output_specs[location.index])
-        for location in program.outputs
-        if location.device != 0
-    ]
+    outputs = [message_bytes(program.parts[at.device].output_specs[at.index]) for at in _sent_outputs(program)]
     return inputs + transfers + outputs
+
+
+def _sent_outputs(program: SplitProgram) -> dict[OutputLocation, int]:
+    """The flat outputs other parts send rank 0, each once however often the model returns it (one tensor, which
+    the caller gets as often), with the position of its first return: its message's tag."""
+    first: dict[OutputLocation, int] = {}
+    for position, location in enumerate(program.outputs):
+        if location.device != 0:
+            first.setdefault(location, position)
+    return first
 
 
 def send_inputs(program: SplitProgram, messages: Messages, flat_inputs: Sequence[torch.Tensor]) -> None:
@@ -283,8 +310,8 @@ def _post_outputs(
     first_tag = _FIRST_DATA_TAG + len(program.input_specs) + len(program.transfers)
     status_tag = first_tag + len(program.outputs)
     group = messages.group
-    for position, location in enumerate(program.outputs):
-        if location.device != 0 and matches_by_order(group, location.device) == by_order:
+    for location, position in _sent_outputs(program).items():
+        if matches_by_order(group, location.device) == by_order:
             spec = program.parts[location.device].output_specs[location.index]
             pending[position] = messages.post_recv_spec(
                 spec, location.device, first_tag + position, f"flat output {position}"
@@ -303,7 +330,11 @@ class Preposted(NamedTuple):
 
 
 def _post_input_recv(messages: Messages, program: SplitProgram, index: int) -> PendingReceive:
-    return messages.post_recv_spec(program.input_specs[index], 0, _FIRST_DATA_TAG + index, f"flat input {index}")
+    """A flat input arrives contiguous: its strides are the caller's, not the traced ones ([Note: a received tensor
+    keeps its traced strides])."""
+    spec = program.input_specs[index]
+    shape = concrete_shape(spec, messages.values)
+    return messages.post_recv(shape, spec.dtype, 0, _FIRST_DATA_TAG + index, f"flat input {index}")
 
 
 def _post_transfer_recv(messages: Messages, transfer: TensorTransfer, first_tag: int) -> PendingReceive:
@@ -353,7 +384,7 @@ def run_part(
     first_tag = _FIRST_DATA_TAG + len(program.input_specs) + len(program.transfers)
     status_tag = first_tag + len(program.outputs)
     if rank != 0:
-        for position, location in enumerate(program.outputs):
+        for location, position in _sent_outputs(program).items():
             if location.device == rank:
                 messages.send(part_outputs[location.index], 0, first_tag + position, f"flat output {position}")
         if failure is not None:
@@ -369,9 +400,11 @@ def run_part(
     _post_outputs(program, messages, pending, statuses, by_order=True)
 
     def finish_outputs() -> list[torch.Tensor]:
+        sent = _sent_outputs(program)
+        received = {position: messages.wait_recv(pending[position]) for position in sorted(pending)}
         outputs = [
-            messages.wait_recv(pending[position]) if position in pending else part_outputs[location.index]
-            for position, location in enumerate(program.outputs)
+            received[sent[location]] if location.device != 0 else part_outputs[location.index]
+            for location in program.outputs
         ]
         failed = [k for k in sorted(statuses) if int(messages.wait_recv(statuses[k])[0]) != isolation.STATUS_OK]
         messages.wait_sends()

@@ -451,6 +451,7 @@ class _PartBuilder:
         self.input_indices: list[int] = []
         self.attributes: dict[str, torch.Tensor | torch.nn.Module] = {}
         self.output_values: list[fx.Node] = []
+        self.output_index: dict[fx.Node, int] = {}  # where a node this part returns is in its outputs
 
     def add_inputs_and_attributes(
         self, placeholders: list[fx.Node], ops: Sequence[fx.Node], outputs: Iterable[object]
@@ -476,9 +477,7 @@ class _PartBuilder:
             pending = self.pending_receives.pop(producer.name, None)
             if pending is not None:
                 wait = self.graph.create_node("call_method", "wait_recv", (self.transport, pending), name=producer.name)
-                wait.meta["val"] = producer.meta.get("val")
-                if _needs_traced_strides(producer):
-                    wait = self._with_traced_strides(wait, producer.meta["val"])
+                wait.meta["val"] = producer.meta.get("val")  # strides included: [Note: a received tensor keeps ...]
                 self.env[producer.name] = wait
         self.env[node.name] = self.graph.node_copy(node, self.local_value)
 
@@ -512,14 +511,6 @@ class _PartBuilder:
             result = self.graph.create_node("call_function", function, (result, operand))
         return result
 
-    def _with_traced_strides(self, received: fx.Node, traced: torch.Tensor) -> fx.Node:
-        """A copy of ``received`` laid out with the traced strides (plain aten ops: the part stays picklable)."""
-        shape, stride = [int(s) for s in traced.shape], [int(s) for s in traced.stride()]
-        buffer = self.graph.call_function(torch.ops.aten.new_empty_strided.default, (received, shape, stride))
-        restrided = self.graph.call_function(torch.ops.aten.copy_.default, (buffer, received))
-        buffer.meta["val"] = restrided.meta["val"] = traced
-        return restrided
-
     def add_send(self, transfer: TensorTransfer, as_copy: bool) -> None:
         """Send the tensor; ``as_copy`` sends a copy of it ([Note: a view of written state crosses as a copy])."""
         value = self.env[transfer.tensor]
@@ -536,14 +527,23 @@ class _PartBuilder:
         self.pending_receives[transfer.tensor] = post
 
     def add_output_value(self, value: object, position: int) -> int:
-        """Return ``value`` from this part; the runtimes gather non-tensor outputs from part 0 only."""
+        """Return ``value`` from this part; the runtimes gather non-tensor outputs from part 0 only.
+
+        A node the model returns twice is returned once, and both flat outputs name that place: the runtimes gather
+        it once and give the caller one tensor twice, as the model did.
+        """
         if self.device != 0 and not isinstance(_spec_of(value), TensorSpec):
             raise PlanError(
                 f"flat output {position} ({value}) is not a tensor but is produced on device {self.device}; "
                 "only tensors cross devices: put its producer on device 0"
             )
-        self.output_values.append(self.local_value(value) if isinstance(value, fx.Node) else value)
-        return len(self.output_values) - 1
+        if not isinstance(value, fx.Node):
+            self.output_values.append(value)
+            return len(self.output_values) - 1
+        if value not in self.output_index:
+            self.output_index[value] = len(self.output_values)
+            self.output_values.append(self.local_value(value))
+        return self.output_index[value]
 
     def part(self, transfers: Sequence[TensorTransfer]) -> DevicePart:
         self.graph.output(tuple(self.output_values))
@@ -561,19 +561,48 @@ class _PartBuilder:
         )
 
 
-def _needs_traced_strides(producer: fx.Node) -> bool:
-    """Whether a received tensor must get its traced layout back: it was not contiguous and a view reads it.
+# [Note: a received tensor keeps its traced strides] A message carries a tensor's bytes contiguous, so a tensor that was
+# not (a transpose, a slice, an expand) arrived contiguous: an op on it could round differently from the model (a
+# linear on a transposed input takes another kernel, 1 ulp off) and a view traced on the strided original could fail
+# or read other elements (fuzz seed 63). So every receive of a tensor whose traced layout is static gives it its traced
+# strides back (TensorSpec.stride; the transfers between parts and the outputs rank 0 gathers, in
+# moirai.runtime.protocol), and the local runner, whose ``.to`` keeps a tensor on its own device as it is, gives one
+# moved to another device the strides it had. Done by the transports rather than by nodes in the part's graph, so that
+# the local runner copies nothing it passes as it is; a contiguous tensor, nearly all, costs nothing. A layout with a
+# symbolic size or stride, and a flat input (its strides are the caller's, which the header does not carry), cross
+# contiguous.
+def with_strides(tensor: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """``tensor``'s values laid out with ``stride`` (a spec's, or the sent tensor's), or ``tensor`` itself where it
+    has them already or ``stride`` is None ([Note: a received tensor keeps its traced strides]).
 
-    A transfer delivers a contiguous tensor; a view traced on the strided original (``view`` after a
-    ``transpose``) can fail on it or, for ``as_strided``, read other elements (fuzz seed 63 found it).
+    A dimension of stride 0 (``expand``) holds one element in memory, written once; a layout whose elements overlap
+    otherwise (``as_strided``) cannot be written into and stays as received.
     """
-    value = producer.meta.get("val")
-    return (
-        isinstance(value, torch.Tensor)
-        and all(isinstance(size, int) for size in (*value.shape, *value.stride()))  # static layouts only
-        and not value.is_contiguous()
-        and any(is_view_node(user) for user in producer.users)
-    )
+    if stride is None or tensor.stride() == stride:
+        return tensor
+    laid_out = tensor.new_empty_strided(tensor.shape, stride)
+    target, source = laid_out, tensor
+    for dim, step in enumerate(stride):
+        if step == 0:
+            target, source = (
+                target.narrow(dim, 0, min(1, tensor.shape[dim])),
+                source.narrow(dim, 0, min(1, tensor.shape[dim])),
+            )
+    if _overlaps(target.shape, target.stride()):
+        return tensor
+    target.copy_(source)
+    return laid_out
+
+
+def _overlaps(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether two elements of a layout share memory: each dimension's stride, smallest first, must step past the
+    extent of those before it."""
+    extent = 1
+    for step, size in sorted((step, size) for step, size in zip(stride, shape, strict=True) if size > 1):
+        if step < extent:
+            return True
+        extent = step * (size - 1) + extent
+    return False
 
 
 def _spec_of(value: object) -> TensorSpec | None:
