@@ -48,16 +48,20 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-def _input_path(path: tuple) -> str:
-    """``example_inputs[0]`` or ``example_kwargs['mask']`` for a key path into ``(args, kwargs)``."""
-    root = "example_inputs" if path[0].idx == 0 else "example_kwargs"
-    return root + pytree.keystr(path[1:])
+_EXAMPLE_ROOTS = ("example_inputs", "example_kwargs")
 
 
-def tensor_input_names(args: tuple, kwargs: dict[str, Any]) -> list[str]:
-    """Where every flat tensor input came from, in flat order (the placeholders of the traced graph)."""
+def _input_path(path: tuple, roots: tuple[str, str] = _EXAMPLE_ROOTS) -> str:
+    """``example_inputs[0]`` or ``example_kwargs['mask']`` for a key path into ``(args, kwargs)`` (other names of the
+    two with ``roots``)."""
+    return roots[path[0].idx] + pytree.keystr(path[1:])
+
+
+def tensor_input_names(args: tuple, kwargs: dict[str, Any], roots: tuple[str, str] = _EXAMPLE_ROOTS) -> list[str]:
+    """Where every flat tensor input came from, in flat order (the placeholders of the traced graph): of the example
+    inputs, or with ``roots=("args", "kwargs")`` of a call."""
     leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
-    return [_input_path(path) for path, value in leaves if isinstance(value, torch.Tensor)]
+    return [_input_path(path, roots) for path, value in leaves if isinstance(value, torch.Tensor)]
 
 
 def _describe_tensors(args: tuple, kwargs: dict[str, Any]) -> str:
