@@ -51,6 +51,7 @@ from moirai.frontend.trace_checks import (
     tensor_input_names,
     trace_error,
     warn_if_training,
+    warn_of_random_ops,
 )
 from moirai.progress import stage
 
@@ -385,6 +386,7 @@ def trace(
     graph_module.recompile()
     check_operand_dtypes(graph_module, name, tensor_input_names(args, kwargs))
     warn_if_training(model, name, graph_module)
+    warn_of_random_ops(model, name, graph_module)
     if dynamic_dims:
         placeholders = graph_module.graph.find_nodes(op="placeholder")
         input_specs = tuple(tensor_spec(node.meta["val"]) for node in placeholders)
