@@ -28,6 +28,7 @@ _EXPORTS = {
     "OverMemoryWarning": "moirai.errors",
     "OversubscriptionWarning": "moirai.errors",
     "PaddingWarning": "moirai.errors",
+    "RandomOpsWarning": "moirai.errors",
     "PlacerOptionError": "moirai.errors",
     "TrainingModeWarning": "moirai.errors",
     "Objective": "moirai.planning.objective",

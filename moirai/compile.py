@@ -111,6 +111,9 @@ class CompiledModel:
     progress: bool = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's outputs for these inputs, every part run from this process. For inference: the parts run
+        under ``torch.no_grad()``, so with grad mode on the outputs do not require grad, where the model's do, and
+        ``backward()`` through them fails; call the model itself to train or take gradients."""
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
         _check_devices_here(self.cluster, range(len(self.cluster)))
         return self.traced.unflatten_outputs(run_local(self.program, flat_inputs, self.torch_devices))

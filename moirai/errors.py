@@ -66,6 +66,11 @@ class TrainingModeWarning(MoiraiWarning):
     """The model is in training mode: dropout and batch norm make the split outputs differ from call to call."""
 
 
+class RandomOpsWarning(MoiraiWarning):
+    """The model draws random numbers (``torch.randn_like`` noise, ``torch.rand``, ``multinomial``) in eval mode too:
+    the split model's draws differ from the model's under one seed, by plan and by process."""
+
+
 class OverMemoryWarning(MoiraiWarning):
     """A placer that ignores memory returned a plan that puts more on a device than it holds."""
 

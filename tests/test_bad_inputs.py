@@ -31,6 +31,7 @@ from moirai.errors import (
     PlacerOptionError,
     PlanError,
     ProblemError,
+    RandomOpsWarning,
     TraceError,
     TrainingModeWarning,
 )
@@ -159,29 +160,52 @@ def test_a_training_model_whose_dropout_is_a_function_warns_with_its_line():
         moirai.trace(FunctionalDropout(), (X,))
 
 
+class Noise(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand_like(x)
+
+
 def test_noise_in_a_training_module_is_not_called_what_eval_removes():
     """torch.rand_like in a module never eval()'d was said to differ 'from the model in eval mode', which draws too."""
-
-    class Noise(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + torch.rand_like(x)
-
-    with pytest.warns(TrainingModeWarning) as caught:
+    with pytest.warns(RandomOpsWarning, match=r"Noise: rand_like at test_bad_inputs.py:\d+ .*draw random numbers"):
         moirai.trace(Noise(), (X,))
-    (message,) = [str(w.message) for w in caught if w.category is TrainingModeWarning]
-    assert "draw random numbers on every call, in training and eval mode alike" in message
-    assert "eval mode, also after model.eval()" not in message
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda x: x + torch.rand_like(x),
+        lambda x: x * torch.bernoulli(torch.full_like(x, 0.5)),
+        lambda x: x + torch.randint(0, 3, x.shape).float(),
+        lambda x: x + torch.multinomial(x.abs() + 0.1, 1).float(),
+        lambda x: x + torch.empty_like(x).normal_(),
+    ],
+    ids=["rand_like", "bernoulli", "randint", "multinomial", "normal_"],
+)
+def test_random_ops_in_eval_mode_warn_that_the_split_draws_other_numbers(draw):
+    """They said nothing in eval mode, though the split model's draws never equal the model's under one seed."""
+
+    class Draws(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return draw(x)
+
+    with pytest.warns(RandomOpsWarning, match=r"draw random numbers.*not equal the model's.*plan.*process") as caught:
+        moirai.compile(Draws().eval(), ["cpu", "cpu"], (X,), placer="heft", progress=False)
+    assert [w.filename for w in caught if w.category is RandomOpsWarning] == [__file__]
+    assert not [w for w in caught if w.category is TrainingModeWarning]
 
 
 def test_random_ops_that_draw_nothing_or_run_in_eval_mode_do_not_warn(recwarn):
-    class Noise(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + torch.rand_like(x)  # randomness the model means, in eval mode
-
     moirai.trace(FunctionalDropout(p=0.0), (X,))
     moirai.trace(FunctionalDropout().eval(), (X,))
-    moirai.trace(Noise().eval(), (X,))
-    assert not [w for w in recwarn if issubclass(w.category, TrainingModeWarning)]
+    moirai.trace(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval(), (X,))
+    assert not [w for w in recwarn if issubclass(w.category, (TrainingModeWarning, RandomOpsWarning))]
+
+
+def test_a_training_dropout_is_a_training_mode_warning_alone():
+    with pytest.warns(TrainingModeWarning) as caught:
+        moirai.trace(FunctionalDropout(), (X,))
+    assert not [w for w in caught if w.category is RandomOpsWarning]
 
 
 class ReturnsABuffer(nn.Module):

@@ -14,7 +14,7 @@ import torch
 from models_for_tests import DoublesAndReturns
 
 import moirai
-from moirai.errors import PlanError, StateLeftBehindWarning
+from moirai.errors import InputError, PlanError, StateLeftBehindWarning
 from moirai.frontend.state import mutable_buffers
 from moirai.frontend.trace import written_operands
 from moirai.planning.plan import Plan
@@ -430,3 +430,71 @@ def test_load_keeps_a_buffer_with_its_ops_whatever_the_file_says_of_colocation(t
     path.write_text(json.dumps(record))
     with pytest.raises(PlanError, match=rf"plan.json: .*buffer 'total'.*{moved} on device 1.*save the plan again"):
         moirai.load(path, twins()[0], example_inputs=inputs()[:1], progress=False)
+
+
+class ShiftsOneOfTwo(torch.nn.Module):
+    """Reads ``y`` on both sides of an in-place write to ``x``: passed the same tensor twice, eager sees the write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(y)
+        x.add_(1)
+        return h + self.b(y), y * 2
+
+
+def shifts_one_of_two() -> tuple[moirai.CompiledModel, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = ShiftsOneOfTwo().eval()
+    example = (torch.randn(2, 4), torch.randn(2, 4))
+    return moirai.compile(model, ["cpu", "cpu"], example_inputs=example, placer="hash", progress=False), model
+
+
+def _same_and_overlapping(base: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs of (2, 4) tensors that share memory: one tensor twice, a tensor and a view of it, overlapping rows."""
+    x = base[:2]
+    return [(x, x), (x, x.view(2, 4)), (x, base[1:3]), (x[0].expand(2, 4), x)]
+
+
+def test_inputs_that_share_memory_with_an_input_written_in_place_are_refused() -> None:
+    """Eager writes ``x`` and reads the write as ``y``; the split program took them as two tensors: a wrong answer
+    (out[0] off by 1.37, out[1] by 2.0), locally and distributed."""
+    compiled, _ = shifts_one_of_two()
+    for x, y in _same_and_overlapping(torch.randn(3, 4)):
+        for call in (compiled, compiled.run_distributed):
+            with pytest.raises(InputError, match=r"input 0 \(args\[0\]\) and input 1 \(args\[1\]\) share .*clone"):
+                call(x, y)
+
+
+def test_inputs_that_share_memory_but_are_not_written_are_served() -> None:
+    """Only a write makes sharing matter: one tensor passed twice to a model that reads both, or two halves of one
+    tensor (disjoint) to a model that writes one, equal the model."""
+    compiled, model = shifts_one_of_two()
+    base = torch.randn(4, 4)
+    mine, theirs = base.clone(), base.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(mine[:2], mine[2:]), model(theirs[:2], theirs[2:]), rtol=0, atol=0)
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    reads = moirai.compile(ReadsTwo(), ["cpu", "cpu"], example_inputs=(base, base), placer="hash", progress=False)
+    torch.testing.assert_close(reads(base, base), 2 * base)
+
+
+class ReadsTwo(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+
+def test_an_input_that_shares_memory_with_a_weight_is_refused_where_one_of_them_is_written() -> None:
+    """An input written in place that is a parameter the model reads (the split read it before or after the write,
+    off by 20), and an input that is a buffer the model writes, are the same fault."""
+    compiled, model = shifts_one_of_two()
+    weight = compiled.traced.graph_module.get_parameter("a_weight")
+    with pytest.raises(InputError, match=r"input 0 \(args\[0\]\) and the model's parameter 'a_weight' share"):
+        compiled(weight[:2], torch.randn(2, 4))
+    counter, _, x = counting_twins(Counts, "round_robin")
+    with pytest.raises(InputError, match=r"the model's buffer 'n' and input 0 \(args\[0\]\) share memory"):
+        counter(counter.traced.graph_module.get_buffer("n").expand(2, 4))
+    with torch.no_grad():
+        counter(x)  # a program that writes a buffer serves inputs that share no memory with it

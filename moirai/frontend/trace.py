@@ -30,6 +30,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from moirai.errors import InputError, TraceError
+from moirai.frontend.shared_memory import check_no_written_aliases
 from moirai.frontend.symbolic_shapes import (
     DynamicDim,
     concrete_shape,
@@ -50,6 +51,7 @@ from moirai.frontend.trace_checks import (
     tensor_input_names,
     trace_error,
     warn_if_training,
+    warn_of_random_ops,
 )
 from moirai.progress import stage
 
@@ -218,6 +220,8 @@ class TracedModel:
     flat outputs back into the model's (possibly nested) output structure. Non-tensor inputs
     (``use_cache=False``, a float scale) are baked into the graph: ``constant_inputs`` maps their
     flat positions to the traced values, and a call must pass the same values, of the same type (a NaN for a NaN).
+    ``written_inputs`` (positions among the flat tensor inputs) and ``written_attributes`` (the graph module's
+    parameters and buffers) are what the program writes in place: a call's inputs must not share memory with them.
     """
 
     graph_module: fx.GraphModule
@@ -227,6 +231,8 @@ class TracedModel:
     model_name: str
     constant_inputs: dict[int, Any]
     dynamic_dims: tuple[DynamicDim, ...] = ()
+    written_inputs: tuple[int, ...] = ()
+    written_attributes: tuple[str, ...] = ()
 
     def flatten_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The flat input tensors of a call, checked against the traced example inputs."""
@@ -272,7 +278,20 @@ class TracedModel:
                 )
         tensors = [value for position, value in enumerate(flat) if position not in self.constant_inputs]
         check_flat_inputs(self.input_specs, self.dynamic_dims, tensors, self.model_name)
+        self._check_no_written_aliases(args, kwargs, tensors)
         return tensors
+
+    def _check_no_written_aliases(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        """:class:`moirai.InputError` where a call's inputs share memory with a tensor the program writes in place."""
+        if not self.written_inputs and not self.written_attributes:
+            return
+        module = self.graph_module
+        if self.written_inputs:  # a written input against every weight; else only written buffers against inputs
+            weights = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        else:
+            weights = {name: operator.attrgetter(name)(module) for name in self.written_attributes}
+        names = tensor_input_names(args, kwargs, roots=("args", "kwargs"))
+        check_no_written_aliases(tensors, names, self.written_inputs, weights, self.written_attributes, self.model_name)
 
     def unflatten_outputs(self, flat_outputs: list[Any]) -> Any:
         return _unflatten(list(flat_outputs), self.out_spec)
@@ -379,12 +398,34 @@ def trace(
     graph_module.recompile()
     check_operand_dtypes(graph_module, name, tensor_input_names(args, kwargs))
     warn_if_training(model, name, graph_module)
+    warn_of_random_ops(model, name, graph_module)
     if dynamic_dims:
         placeholders = graph_module.graph.find_nodes(op="placeholder")
         input_specs = tuple(tensor_spec(node.meta["val"]) for node in placeholders)
     else:
         input_specs = tuple(TensorSpec(tuple(t.shape), t.dtype) for t in flat_inputs if isinstance(t, torch.Tensor))
-    return TracedModel(graph_module, in_spec, out_spec, input_specs, name, constant_inputs, dynamic_dims)
+    written_inputs, written_attributes = _written_state(graph_module)
+    return TracedModel(
+        graph_module,
+        in_spec,
+        out_spec,
+        input_specs,
+        name,
+        constant_inputs,
+        dynamic_dims,
+        written_inputs,
+        written_attributes,
+    )
+
+
+def _written_state(graph_module: fx.GraphModule) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The flat input positions and the attribute names whose tensors ``graph_module`` writes in place (itself or a
+    view of it)."""
+    written = {base for _, base in _written_bases(graph_module.graph)}
+    placeholders = graph_module.graph.find_nodes(op="placeholder")
+    inputs = tuple(position for position, node in enumerate(placeholders) if node in written)
+    attributes = tuple(dict.fromkeys(str(node.target) for node in written if node.op == "get_attr"))
+    return inputs, attributes
 
 
 def _give_write_backs_values(graph_module: fx.GraphModule) -> None:

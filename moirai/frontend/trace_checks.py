@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, free_unbacked_symbols
 
-from moirai.errors import TraceError, TrainingModeWarning, user_stacklevel
+from moirai.errors import RandomOpsWarning, TraceError, TrainingModeWarning, user_stacklevel
 from moirai.frontend.symbolic_shapes import is_export_dim
 
 _MOIRAI_DIRECTORY = str(Path(__file__).parent)
@@ -48,16 +48,20 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-def _input_path(path: tuple) -> str:
-    """``example_inputs[0]`` or ``example_kwargs['mask']`` for a key path into ``(args, kwargs)``."""
-    root = "example_inputs" if path[0].idx == 0 else "example_kwargs"
-    return root + pytree.keystr(path[1:])
+_EXAMPLE_ROOTS = ("example_inputs", "example_kwargs")
 
 
-def tensor_input_names(args: tuple, kwargs: dict[str, Any]) -> list[str]:
-    """Where every flat tensor input came from, in flat order (the placeholders of the traced graph)."""
+def _input_path(path: tuple, roots: tuple[str, str] = _EXAMPLE_ROOTS) -> str:
+    """``example_inputs[0]`` or ``example_kwargs['mask']`` for a key path into ``(args, kwargs)`` (other names of the
+    two with ``roots``)."""
+    return roots[path[0].idx] + pytree.keystr(path[1:])
+
+
+def tensor_input_names(args: tuple, kwargs: dict[str, Any], roots: tuple[str, str] = _EXAMPLE_ROOTS) -> list[str]:
+    """Where every flat tensor input came from, in flat order (the placeholders of the traced graph): of the example
+    inputs, or with ``roots=("args", "kwargs")`` of a call."""
     leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
-    return [_input_path(path) for path, value in leaves if isinstance(value, torch.Tensor)]
+    return [_input_path(path, roots) for path, value in leaves if isinstance(value, torch.Tensor)]
 
 
 def _describe_tensors(args: tuple, kwargs: dict[str, Any]) -> str:
@@ -95,7 +99,7 @@ def check_example_inputs(model: torch.nn.Module, args: tuple, kwargs: dict[str, 
 
 def warn_if_training(model: torch.nn.Module, name: str, graph_module: fx.GraphModule) -> None:
     """Warn where ``model`` is in training mode and that changes what it computes: a dropout or batch-norm module
-    that is training, or an op of the traced graph that draws random numbers (``F.dropout(x, training=
+    that is training, or a dropout op of the traced graph in a training module (``F.dropout(x, training=
     self.training)``, as Hugging Face's attention does, leaves no module to find). The mode is fixed at tracing, so
     the compiled program keeps it after ``model.eval()``."""
     if not any(m.training for m in model.modules()):
@@ -103,29 +107,48 @@ def warn_if_training(model: torch.nn.Module, name: str, graph_module: fx.GraphMo
     random_or_batch = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
     modules = {path: m for path, m in model.named_modules() if m.training and isinstance(m, random_or_batch)}
     training = [f"{path or name} ({type(m).__name__})" for path, m in modules.items()]
-    drawing = []  # random ops that eval() does not change (torch.randn noise): they draw on every call either way
-    for node in graph_module.graph.nodes:
-        if (
-            _draws_random_numbers(node)
-            and _innermost_module_path(node) not in modules
-            and _module_of(model, node).training
-        ):
-            (training if _is_dropout(node) else drawing).append(_describe_node(graph_module, node))
-    if not training and not drawing:
-        return
-    message = f"{name} is in training mode: "
+    training += [
+        _describe_node(graph_module, node)
+        for node in graph_module.graph.nodes
+        if _training_dropout(model, node) and _innermost_module_path(node) not in modules
+    ]
     if training:
-        message += (
-            f"{_some(training)} will drop random activations or use batch statistics, so the split model's outputs "
-            "differ from call to call and from the model in eval mode, also after model.eval() (the mode is fixed "
-            "when the model is traced); call model.eval() before moirai.compile"
+        warnings.warn(
+            TrainingModeWarning(
+                f"{name} is in training mode: {_some(training)} will drop random activations or use batch "
+                "statistics, so the split model's outputs differ from call to call and from the model in eval mode, "
+                "also after model.eval() (the mode is fixed when the model is traced); call model.eval() before "
+                "moirai.compile"
+            ),
+            stacklevel=user_stacklevel(),
         )
+
+
+def warn_of_random_ops(model: torch.nn.Module, name: str, graph_module: fx.GraphModule) -> None:
+    """Warn where the traced graph draws random numbers that ``model.eval()`` does not turn off (``torch.randn_like``
+    noise, ``torch.rand``, ``bernoulli_``, ``multinomial``, a dropout in eval mode; a training dropout is
+    :func:`warn_if_training`'s): the split program draws in the plan's order, on each part's process, so its draws
+    never equal the model's under one seed, and differ by plan and by process."""
+    drawing = [
+        _describe_node(graph_module, node)
+        for node in graph_module.graph.nodes
+        if _draws_random_numbers(node) and not _training_dropout(model, node)
+    ]
     if drawing:
-        message += (
-            f"{'; and ' if training else ''}{_some(drawing)} draw random numbers on every call, in training and eval "
-            "mode alike (model.eval() does not change them; nothing to do if that randomness is meant)"
+        warnings.warn(
+            RandomOpsWarning(
+                f"{name}: {_some(drawing)} draw random numbers on every call, so the split model's outputs will not "
+                "equal the model's, even after torch.manual_seed: its parts draw in the plan's order (another plan "
+                "draws otherwise) and each in its own process (run_distributed's new processes draw the same numbers "
+                "on every call); nothing to do if that randomness is meant, else take the random ops out of forward"
+            ),
+            stacklevel=user_stacklevel(),
         )
-    warnings.warn(TrainingModeWarning(message), stacklevel=user_stacklevel())
+
+
+def _training_dropout(model: torch.nn.Module, node: fx.Node) -> bool:
+    """Whether ``node`` is a dropout that draws because its module is training (what ``model.eval()`` turns off)."""
+    return _draws_random_numbers(node) and _is_dropout(node) and _module_of(model, node).training
 
 
 def _some(items: list[str]) -> str:
