@@ -351,6 +351,37 @@ def test_cp_pct_divides_a_critical_path_that_fits_no_device_among_the_fastest():
     assert simulate(problem, plan).fits_memory
 
 
+def test_cp_pct_keeps_a_task_off_devices_its_placed_neighbours_have_no_link_with():
+    # a runs only on gpu1; nothing crosses gpu0 -> gpu1. By load alone b went to gpu0, and b -> c (c on gpu1 with the
+    # path a, c) then crossed the missing link; every placement with b on gpu1 is a plan.
+    problem = problem_of({"a": ([np.inf, 1.0], 0.0), "b": ([1.0, 1.0], 0.0), "c": ([1.0, 1.0], 0.0)}, [])
+    missing = [[0.0, np.inf], [1.0, 0.0]]
+    problem = Problem.from_dict(
+        problem.to_dict() | {"edges": [{"src": u, "dst": "c", "transfer_s": missing} for u in "ab"]}
+    )
+    plan = place(problem, "cp_pct")
+    assert plan.placement.tolist() == [1, 1, 1]
+    assert np.isfinite(simulate(problem, plan).makespan_s)
+
+
+def test_cp_pct_divides_a_critical_path_only_over_links_there_are():
+    # As above, the path a, b, c, d fits no device; gpu1 takes a, b, but b -> c cannot reach gpu0, so c goes to gpu2;
+    # d, linked from there, to gpu0 again.
+    devices = [
+        {"name": "gpu0", "memory_bytes": 3.0},
+        {"name": "gpu1", "memory_bytes": 2.0},
+        {"name": "gpu2", "memory_bytes": 2.0},
+    ]
+    d = side_branch_graph(devices).to_dict()
+    for edge in d["edges"]:
+        if (edge["src"], edge["dst"]) == ("b", "c"):
+            edge["transfer_s"][1][0] = np.inf
+    problem = Problem.from_dict(d)
+    plan = place(problem, "cp_pct")
+    assert plan.placement[[problem.task_index(n) for n in "abcd"]].tolist() == [1, 1, 2, 0]
+    assert np.isfinite(simulate(problem, plan).makespan_s)
+
+
 def test_critical_path_follows_the_longest_chain():
     problem = side_branch_graph()
     assert critical_path(problem, np.array([6.0, 6.0, 6.0, 6.0, 2.0, 2.0])) == [0, 1, 2, 3]
