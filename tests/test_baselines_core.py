@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moirai.errors import InfeasibleError
-from moirai.planning.bounds import lower_bound, lower_bounds, split_start_s
+from moirai.planning.bounds import lower_bound, lower_bounds, memory_error, split_start_s
 from moirai.planning.placers import get_placer, place
 from moirai.planning.placers.cp_pct import critical_path
 from moirai.planning.placers.heft import upward_rank_mean_costs
@@ -252,6 +252,22 @@ def test_heft_out_of_memory_midway_names_the_task():
     problem = problem_of({"a": ([1.0, 1.0], 0.8e9), "b": ([1.0, 1.0], 0.8e9), "c": ([1.0, 1.0], 0.8e9)}, [], devices)
     with pytest.raises(InfeasibleError, match="heft cannot fit the model.*no device with room for task 'c'"):
         place(problem, "heft")
+
+
+def test_out_of_memory_lists_only_the_devices_the_task_can_run_on_and_unlimited_memory_as_such():
+    # It listed d0's 8 GB free for a task that cannot run there, and d2's and the cluster's memory as "inf GB".
+    devices = [
+        {"name": "d0", "memory_bytes": 8e9},
+        {"name": "d1", "memory_bytes": 1e9},
+        {"name": "d2", "memory_bytes": np.inf},
+    ]
+    problem = problem_of({"t": ([np.inf, 1.0, np.inf], 1e9), "u": ([1.0, 1.0, 1.0], 1e9)}, [], devices)
+    message = str(memory_error(problem, "heft", 0, np.array([0.0, 1e9, 0.0])))
+    assert "task 't' (1.0 GB; d1: 0 B free, the only devices it can run on)" in message
+    assert "the cluster has unlimited in total" in message
+    assert "d0" not in message and "inf" not in message
+    unpinned = str(memory_error(problem, "heft", 1, np.array([8e9, 1e9, 0.0])))
+    assert "(1.0 GB; d0: 0 B free, d1: 0 B free, d2: unlimited free)" in unpinned
 
 
 # --- single, expert, hash, cp_pct -----------------------------------------------------------
