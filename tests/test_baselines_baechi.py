@@ -169,6 +169,35 @@ def test_pesto_finds_the_optimum_of_a_tiny_two_device_instance():
     assert simulate(problem, plan).makespan_s == pytest.approx(brute_force_optimum(problem), abs=1e-6)
 
 
+def test_pesto_falls_back_to_heft_where_its_m_etf_warm_start_finds_no_room():
+    # m-ETF puts t0 (3 GB) on d0 (3 GB), and then t2, which runs only on d0, fits nowhere; HEFT keeps d0 for t2. Pesto
+    # passed on m-ETF's "cannot fit" though a plan exists.
+    gb = 1e9
+    tasks = [
+        ("t0", [2.95, 1.61], 3 * gb),
+        ("t1", [2.03, 0.0], gb),
+        ("t2", [2.30, np.inf], 2 * gb),
+        ("t3", [2.88, 0.0], 3 * gb),
+    ]
+    links = {
+        ("t0", "t1"): [[0.0, 1.01], [0.16, 0.0]],
+        ("t0", "t3"): [[0.0, 0.04], [1.62, 0.0]],
+        ("t1", "t3"): [[0.0, 1.2], [0.71, 0.0]],
+    }
+    problem = Problem.from_dict(
+        {
+            "devices": [{"name": "d0", "memory_bytes": 3 * gb}, {"name": "d1"}],
+            "tasks": [{"name": n, "compute_s": c, "memory_bytes": m} for n, c, m in tasks],
+            "edges": [{"src": u, "dst": v, "transfer_s": t} for (u, v), t in links.items()],
+        }
+    )
+    with pytest.raises(InfeasibleError, match="m_etf cannot fit"):
+        m_etf_schedule(problem)
+    plan = get_placer("pesto")(problem, **FAST_PESTO)
+    assert plan.report.notes["fallback"].startswith("heft: m_etf found no warm start")
+    assert simulate(problem, plan).fits_memory
+
+
 def test_pesto_coarsening_merges_the_heaviest_edge_and_keeps_a_dag():
     problem = gigabyte_tasks(40, 2, seed=5)
     groups = coarsen(problem, target_tasks=12)

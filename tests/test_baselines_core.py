@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moirai.errors import InfeasibleError
-from moirai.planning.bounds import lower_bound, lower_bounds, split_start_s
+from moirai.planning.bounds import lower_bound, lower_bounds, memory_error, split_start_s
 from moirai.planning.placers import get_placer, place
 from moirai.planning.placers.cp_pct import critical_path
 from moirai.planning.placers.heft import upward_rank_mean_costs
@@ -254,6 +254,22 @@ def test_heft_out_of_memory_midway_names_the_task():
         place(problem, "heft")
 
 
+def test_out_of_memory_lists_only_the_devices_the_task_can_run_on_and_unlimited_memory_as_such():
+    # It listed d0's 8 GB free for a task that cannot run there, and d2's and the cluster's memory as "inf GB".
+    devices = [
+        {"name": "d0", "memory_bytes": 8e9},
+        {"name": "d1", "memory_bytes": 1e9},
+        {"name": "d2", "memory_bytes": np.inf},
+    ]
+    problem = problem_of({"t": ([np.inf, 1.0, np.inf], 1e9), "u": ([1.0, 1.0, 1.0], 1e9)}, [], devices)
+    message = str(memory_error(problem, "heft", 0, np.array([0.0, 1e9, 0.0])))
+    assert "task 't' (1.0 GB; d1: 0 B free, the only devices it can run on)" in message
+    assert "the cluster has unlimited in total" in message
+    assert "d0" not in message and "inf" not in message
+    unpinned = str(memory_error(problem, "heft", 1, np.array([8e9, 1e9, 0.0])))
+    assert "(1.0 GB; d0: 0 B free, d1: 0 B free, d2: unlimited free)" in unpinned
+
+
 # --- single, expert, hash, cp_pct -----------------------------------------------------------
 
 
@@ -349,6 +365,37 @@ def test_cp_pct_divides_a_critical_path_that_fits_no_device_among_the_fastest():
     # No device holds all of a, b, c, d: gpu1 (fastest) takes a, b; gpu0 and gpu2 are equally fast, gpu0 comes first.
     assert plan.placement[[problem.task_index(n) for n in "abcd"]].tolist() == [1, 1, 0, 0]
     assert simulate(problem, plan).fits_memory
+
+
+def test_cp_pct_keeps_a_task_off_devices_its_placed_neighbours_have_no_link_with():
+    # a runs only on gpu1; nothing crosses gpu0 -> gpu1. By load alone b went to gpu0, and b -> c (c on gpu1 with the
+    # path a, c) then crossed the missing link; every placement with b on gpu1 is a plan.
+    problem = problem_of({"a": ([np.inf, 1.0], 0.0), "b": ([1.0, 1.0], 0.0), "c": ([1.0, 1.0], 0.0)}, [])
+    missing = [[0.0, np.inf], [1.0, 0.0]]
+    problem = Problem.from_dict(
+        problem.to_dict() | {"edges": [{"src": u, "dst": "c", "transfer_s": missing} for u in "ab"]}
+    )
+    plan = place(problem, "cp_pct")
+    assert plan.placement.tolist() == [1, 1, 1]
+    assert np.isfinite(simulate(problem, plan).makespan_s)
+
+
+def test_cp_pct_divides_a_critical_path_only_over_links_there_are():
+    # As above, the path a, b, c, d fits no device; gpu1 takes a, b, but b -> c cannot reach gpu0, so c goes to gpu2;
+    # d, linked from there, to gpu0 again.
+    devices = [
+        {"name": "gpu0", "memory_bytes": 3.0},
+        {"name": "gpu1", "memory_bytes": 2.0},
+        {"name": "gpu2", "memory_bytes": 2.0},
+    ]
+    d = side_branch_graph(devices).to_dict()
+    for edge in d["edges"]:
+        if (edge["src"], edge["dst"]) == ("b", "c"):
+            edge["transfer_s"][1][0] = np.inf
+    problem = Problem.from_dict(d)
+    plan = place(problem, "cp_pct")
+    assert plan.placement[[problem.task_index(n) for n in "abcd"]].tolist() == [1, 1, 2, 0]
+    assert np.isfinite(simulate(problem, plan).makespan_s)
 
 
 def test_critical_path_follows_the_longest_chain():

@@ -3,6 +3,7 @@ memory binds a stack of blocks."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -104,3 +105,36 @@ def test_a_graph_without_cut_tasks_gets_heft_and_says_so():
     plan = place(problem, "pieces")
     assert plan.report.notes["fallback"].startswith("heft")
     assert plan.objective_s == pytest.approx(place(problem, "heft").objective_s)
+
+
+def test_a_pattern_over_a_missing_link_is_priced_out_not_raised():
+    # A chain whose tensors cross no link: a pattern splitting it cannot run, so it must be priced as never chosen
+    # (the simulator refused it, and pieces passed that on though every task on d0 is a plan).
+    k = 2
+    problem = Problem(
+        device_names=("d0", "d1"),
+        memory_capacity_bytes=np.full(k, np.inf),
+        task_names=("t0", "t1", "t2"),
+        compute_s=np.tile([1.0, 2.0], (3, 1)),
+        memory_bytes=np.zeros(3),
+        tensor_names=("a", "b"),
+        tensor_producer=np.array([0, 1]),
+        tensor_consumers=((1,), (2,)),
+        transfer_s=np.where(np.eye(k) > 0, 0.0, np.inf)[None].repeat(2, axis=0),
+    )
+    plan = place(problem, "pieces")
+    assert "fallback" not in plan.report.notes
+    assert plan.placement.tolist() == [0, 0, 0]
+    assert plan.objective_s == pytest.approx(3.0)
+
+
+def test_a_tensor_between_pieces_over_a_missing_link_falls_back_to_heft():
+    # The rotary table is read by every block but priced only in the first block's piece; where it crosses no link,
+    # the pieces' choice can still send it to a later block elsewhere, and HEFT stands in instead of a refusal.
+    problem = block_stack(2, np.random.default_rng(4), weight_bytes=1.0, capacity_bytes=[3.0, 4.0, 40.0])
+    transfer = problem.transfer_s.copy()
+    transfer[-1] = np.where(np.eye(problem.num_devices) > 0, 0.0, np.inf)  # the table's tensor
+    problem = dataclasses.replace(problem, transfer_s=transfer)
+    plan = place(problem, "pieces")
+    assert plan.report.notes["fallback"] == "heft: the pieces' patterns send a tensor over a missing link"
+    assert np.isfinite(simulate(problem, plan).makespan_s)

@@ -14,6 +14,8 @@ import pytest
 from moirai import Problem
 from moirai.cli import main
 from moirai.errors import ProblemError
+from moirai.planning.plan import Plan
+from moirai.planning.simulate import simulate
 from moirai.testing import random_problem
 
 # Every kind of field a file can hold: links and bytes, transfer times, CPU times, per-request costs, a colocated set.
@@ -277,6 +279,22 @@ def test_a_generated_problem_with_every_cost_round_trips_exactly(tmp_path) -> No
         np.testing.assert_array_equal(getattr(again, label), getattr(problem, label))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_every_plan_keeps_its_value_through_json(seed) -> None:
+    # A plan names tensors by index in its transfer_order: the problem read back must hold the same tensors in the
+    # same order for the plan to mean the same thing.
+    problem = random_problem(seed, 12, 3, send_cpu_s=0.1, recv_cpu_s=0.1, header_s=0.1, output_s=0.1)
+    again = Problem.from_dict(json.loads(json.dumps(problem.to_dict())))
+    rng = np.random.default_rng(seed)
+    for _ in range(5):
+        placement = rng.integers(0, problem.num_devices, problem.num_tasks)
+        timeline = simulate(problem, Plan(placement, problem.device_names))
+        plan = Plan(
+            placement, problem.device_names, order=timeline.device_order(), transfer_order=timeline.transfer_order()
+        )
+        assert simulate(again, plan).makespan_s == simulate(problem, plan).makespan_s
+
+
 def python_problem(**changes: Any) -> Problem:
     fields: dict[str, Any] = {
         "device_names": ("a", "b"),
@@ -311,6 +329,8 @@ def python_problem(**changes: Any) -> Problem:
         # one tuple short or too many read past the tensors (a raw IndexError)
         ({"tensor_consumers": ((1,), (2,), (2,))}, ["tensor_consumers has 3 entries for the 2 tensors"]),
         ({"tensor_consumers": ((1,),)}, ["tensor_consumers has 1 entries for the 2 tensors"]),
+        # the JSON form, an edge per consumer, dropped it, and a plan's transfer_order then named other tensors
+        ({"tensor_consumers": ((), (2,))}, ["tensor 't' (tensor_consumers[0]) has no consumers", "leave it out"]),
         # a time on the diagonal was read by no placer and no simulator: a value there meant nothing, silently
         ({"transfer_s": np.ones((2, 2, 2))}, ["transfer_s[0, 0, 0] (tensor 't', device 'a') is 1.0", "give 0"]),
         ({"send_cpu_s": np.eye(2)[None].repeat(2, 0)}, ["send_cpu_s[0, 0, 0] (tensor 't', device 'a') is 1.0"]),

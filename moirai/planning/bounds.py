@@ -88,7 +88,9 @@ def placement_bound_s(problem: Problem, placement: np.ndarray) -> float:
 
 
 def format_bytes(num_bytes: float) -> str:
-    """``31.2 GB``, ``512.0 MB``: memory sizes for messages."""
+    """``31.2 GB``, ``512.0 MB``, ``unlimited`` (an infinite capacity): memory sizes for messages."""
+    if num_bytes == np.inf:
+        return "unlimited"
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if num_bytes >= scale:
             return f"{num_bytes / scale:.1f} {unit}"
@@ -468,14 +470,16 @@ def memory_error(problem: Problem, placer: str, task: int, used_bytes: np.ndarra
 
     Models that cannot fit at all are refused before placing, by :func:`check_memory_feasible`.
     """
+    runs_on = problem.runs_on[task]
     free = ", ".join(
-        f"{name}: {format_bytes(max(cap - used, 0.0))} free"
-        for name, cap, used in zip(problem.device_names, problem.memory_capacity_bytes, used_bytes, strict=True)
+        f"{problem.device_names[d]}: {format_bytes(max(problem.memory_capacity_bytes[d] - used_bytes[d], 0.0))} free"
+        for d in np.flatnonzero(runs_on)
     )
+    pinned = "" if runs_on.all() else ", the only devices it can run on"
     return InfeasibleError(
         f"{placer} cannot fit the model: it needs {format_bytes(float(problem.memory_bytes.sum()))} and the cluster "
         f"has {format_bytes(float(problem.memory_capacity_bytes.sum()))} in total, but {placer}'s greedy placement "
         f"left no device with room for task {problem.task_names[task]!r} "
-        f"({format_bytes(float(problem.memory_bytes[task]))}; {free}); try the 'milp' placer or another baseline, "
-        "or add memory"
+        f"({format_bytes(float(problem.memory_bytes[task]))}; {free}{pinned}); try the 'milp' placer or another "
+        "baseline, or add memory"
     )

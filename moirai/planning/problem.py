@@ -59,6 +59,9 @@ class Problem:
 
     ``compute_s[i, k]``: time of task ``i`` on device ``k`` (``inf``: cannot run there).
     ``transfer_s[t, a, b]``: time to send tensor ``t`` from device ``a`` to ``b`` (0 on the diagonal).
+    ``tensor_consumers[t]``: the tasks that read tensor ``t``, at least one (a tensor no task reads moves nowhere;
+    model outputs are ``costs``' ``output_s``), so that the JSON form, one edge per consumer, keeps every tensor and
+    a plan's ``transfer_order`` names the same tensors after a round trip.
     ``memory_bytes[i]``: memory task ``i`` holds on its device for the whole run
     (its parameters and buffers plus the activations it produces).
     ``send_cpu_s[t, a, b]``: time sending tensor ``t`` to ``b`` keeps device ``a`` itself busy, and
@@ -163,6 +166,11 @@ class Problem:
                 raise ProblemError(f"tensor {self.tensor_names[t]!r} names a task index out of range")
             if producer in consumers:
                 raise ProblemError(f"tensor {self.tensor_names[t]!r} is consumed by its own producer")
+            if not consumers:
+                raise ProblemError(
+                    f"tensor {self.tensor_names[t]!r} (tensor_consumers[{t}]) has no consumers; a tensor no task "
+                    "reads moves nowhere: leave it out (a model output's way to the driver is costs' output_s)"
+                )
         if not nx.is_directed_acyclic_graph(self.graph):
             cycle = nx.find_cycle(self.graph)
             names = " -> ".join(self.task_names[u] for u, _ in cycle)

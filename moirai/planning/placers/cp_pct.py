@@ -6,7 +6,10 @@ sink with the largest downward rank and follow, at every task, the predecessor w
 downward rank back to a source. The whole path goes to the fastest device that can hold it; if
 none can, it is divided among the fastest devices in path order. Every other task, in
 topological order, goes to the device with the least sum of compute time already assigned
-plus its own (eq. 7) among those with room for it.
+plus its own (eq. 7) among those with room for it. A task only goes where its tensors can
+cross from and to the neighbours placed before it (no infinite ``transfer_s``): the registry's
+pruning (:func:`moirai.planning.bounds.without_unlinked_devices`) keeps every device some
+plan may use, not one that a choice made already rules out.
 
 Scheduling: PCT, the simulator's list schedule (longest remaining path first, eq. 12).
 Option ``contention`` (default True) is the link model that list schedule assumes.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moirai.errors import InfeasibleError
 from moirai.planning.bounds import memory_error
 from moirai.planning.placers import register
 from moirai.planning.plan import Plan
@@ -35,6 +39,34 @@ def critical_path(problem: Problem, weight: np.ndarray) -> list[int]:
     while problem.predecessors[path[-1]]:
         path.append(max(problem.predecessors[path[-1]], key=lambda u: (down_rank[u], -u)))
     return path[::-1]
+
+
+def linked_devices(problem: Problem, placement: np.ndarray, v: int) -> np.ndarray:
+    """Per device, whether task ``v`` there could get every input from its placed producers and send every output
+    to its placed consumers (``placement`` -1 where not placed): no tensor over a missing link."""
+    linked = np.ones(problem.num_devices, bool)
+    for t in problem.input_tensors[v]:
+        source = placement[problem.tensor_producer[t]]
+        if source >= 0:
+            linked &= np.isfinite(problem.transfer_s[t, source])
+    for t in problem.output_tensors[v]:
+        for c in problem.tensor_consumers[t]:
+            if placement[c] >= 0:
+                linked &= np.isfinite(problem.transfer_s[t, :, placement[c]])
+    return linked
+
+
+def _no_device(problem: Problem, v: int, placement: np.ndarray, used_bytes: np.ndarray) -> InfeasibleError:
+    """Why task ``v`` has no device: memory (:func:`memory_error`) where a device it can run on and reach its placed
+    neighbours from is left, else the links."""
+    reachable = problem.runs_on[v] & linked_devices(problem, placement, v)
+    if reachable.any():
+        return memory_error(problem, "cp_pct", v, used_bytes)
+    return InfeasibleError(
+        f"cp_pct cannot place task {problem.task_names[v]!r}: no device it can run on has links (finite transfer_s) "
+        "from its producers and to its consumers where cp_pct's greedy placement put them; try the 'milp' or "
+        "'heft' placer, or give the problem the missing links"
+    )
 
 
 @register("cp_pct", minimises=True, respects_memory=True, start_plan=5)
@@ -58,9 +90,14 @@ def place_cp_pct(problem: Problem, contention: bool = True) -> Plan:
 
     whole = next((int(d) for d in fastest_first if can_take(int(d), path)), None)
     for v in path:
-        device = whole if whole is not None else next((int(d) for d in fastest_first if can_take(int(d), [v])), None)
+        linked = linked_devices(problem, placement, v)
+        device = (
+            whole
+            if whole is not None
+            else next((int(d) for d in fastest_first if can_take(int(d), [v]) and linked[d]), None)
+        )
         if device is None:
-            raise memory_error(problem, "cp_pct", v, used)
+            raise _no_device(problem, v, placement, used)
         placement[v] = device
         used[device] += problem.memory_bytes[v]
 
@@ -73,14 +110,16 @@ def place_cp_pct(problem: Problem, contention: bool = True) -> Plan:
     for v in problem.topological_order:
         if placement[v] >= 0:
             continue
-        # Eq. 7: the device whose assigned compute plus this task's is least, among those with room.
+        # Eq. 7: the device whose assigned compute plus this task's is least, among those with room and links to
+        # the neighbours placed so far.
+        linked = linked_devices(problem, placement, v).tolist()
         finish_load = [
-            load + seconds if room >= memory[v] else np.inf
-            for load, seconds, room in zip(load_s, compute[v], free, strict=True)
+            load + seconds if room >= memory[v] and link else np.inf
+            for load, seconds, room, link in zip(load_s, compute[v], free, linked, strict=True)
         ]
         device = min(range(len(finish_load)), key=finish_load.__getitem__)
         if not np.isfinite(finish_load[device]):
-            raise memory_error(problem, "cp_pct", v, capacity - np.array(free))
+            raise _no_device(problem, v, placement, capacity - np.array(free))
         placement[v] = device
         free[device] -= memory[v]
         load_s[device] = finish_load[device]

@@ -35,7 +35,8 @@ HiGHS (through Pyomo) starts from the m-ETF schedule of the coarse graph, which 
 for the ILP (the coarse graph has one tensor per edge, like the augmented graph); its
 makespan is the horizon and so the big-M. The solver stops at the placer's wall-clock
 budget ``time_limit_s`` (building the model counts) and its best incumbent is used; if it
-returns none, the warm start stands in. Members of a group run on its device, groups in
+returns none, the warm start stands in; where m-ETF's greedy placement finds no room for a task, HEFT's
+plan of the whole graph stands in for pesto's (the report says so). Members of a group run on its device, groups in
 the order of their start times.
 """
 
@@ -52,6 +53,7 @@ import numpy as np
 import pyomo.environ as pyo
 from pyomo.common.collections import ComponentMap
 
+from moirai.errors import InfeasibleError
 from moirai.planning.highs import run_highs
 from moirai.planning.placers import register
 from moirai.planning.placers.m_etf import m_etf_schedule
@@ -59,6 +61,7 @@ from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.report import SolverReport
 from moirai.planning.schedule import ScheduleBuilder, transfer_duration_s
+from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
 
 
 @register("pesto", minimises=True, respects_memory=True)
@@ -68,7 +71,10 @@ def place_pesto(problem: Problem, target_tasks: int = 200, time_limit_s: float =
     groups = coarsen(problem, target_tasks)
     coarse = merge_tasks(problem, groups)
     # m-ETF's schedule of the coarse graph is feasible for the ILP: its makespan bounds the optimum (big-M).
-    heuristic = m_etf_schedule(coarse)
+    try:
+        heuristic = m_etf_schedule(coarse)
+    except InfeasibleError as error:  # its greedy choices left a task no room, where another placer may find one
+        return _heft_fallback(problem, f"m_etf found no warm start: {error}")
     solution = solve_pesto_ilp(coarse, heuristic, deadline)
     report = SolverReport(solver="highs", notes={"coarse_tasks": coarse.num_tasks, "time_limit_s": time_limit_s})
     if solution is None:
@@ -89,6 +95,14 @@ def place_pesto(problem: Problem, target_tasks: int = 200, time_limit_s: float =
     for task in order:
         per_device[placement[task]].append(task)
     return Plan(placement, problem.device_names, order=tuple(map(tuple, per_device)), placer="pesto", report=report)
+
+
+def _heft_fallback(problem: Problem, reason: str) -> Plan:
+    """HEFT's plan of ``problem``, as pesto's, the report saying why."""
+    plan = heft_schedule(problem, upward_rank_mean_costs(problem))
+    plan.placer = "pesto"
+    plan.report.notes["fallback"] = f"heft: {reason}"
+    return plan
 
 
 # --- coarsening (§3.3) -------------------------------------------------------------

@@ -13,8 +13,8 @@ a graph has many shapes, :data:`SIMULATIONS_PER_TASK`) on a device; every other 
 with its first consumer in it (the cut task after it last), else with its first producer in it, else where the
 piece starts. A pattern is priced by simulating the piece alone (:func:`moirai.planning.simulate.simulate`, its
 tensors' CPU time on both ends included, tensors from other pieces as there already) for every device of the cut
-task before it and after it; pieces of one shape (same costs, same edges: a model's identical layers) are priced
-once.
+task before it and after it (never chosen where it sends a tensor over a missing link); pieces of one shape (same
+costs, same edges: a model's identical layers) are priced once.
 
 The DP over the cut tasks' devices then picks a pattern per piece minimising the pieces' summed time plus memory's
 price, ``lambda[d]`` seconds per byte on device ``d``: the pieces run one after another, so their times add up, and
@@ -25,7 +25,8 @@ plan that fits is kept; if none does, the one that overflows least is repaired, 
 lost per byte freed first. The simulator judges the plan, list-scheduled; the milp placer starts from it for latency
 ([Note: pieces for memory-bound stacks] in docs/design.md).
 
-A graph without two cut tasks, or a plan that cannot be made to fit, falls back to HEFT (the report says so).
+A graph without two cut tasks, a plan that cannot be made to fit, or one that sends a tensor between pieces (which no
+piece priced) over a missing link falls back to HEFT (the report says so).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from moirai.planning.placers import register
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
+from moirai.planning.schedule.transfers import implied_transfers
 from moirai.planning.simulate import simulate
 from moirai.planning.solve.segment_bound import cut_tasks
 
@@ -98,6 +100,8 @@ def place_pieces(problem: Problem) -> Plan:
     placement = np.full(n, -1)
     for piece, priced, (p, d, e) in zip(pieces, prices, chosen, strict=True):
         placement[list(piece.tasks)] = _piece_placement(problem, piece, priced.heavy, priced.patterns[p], d, e)
+    if _crosses_missing_link(problem, placement):  # a tensor between pieces, which no piece priced
+        return _fallback(problem, "the pieces' patterns send a tensor over a missing link")
     plan = Plan(placement, problem.device_names, placer="pieces")
     plan.report.notes.update(cut_tasks=len(cuts), shapes=len(shapes))
     return plan
@@ -108,6 +112,11 @@ def _fallback(problem: Problem, reason: str) -> Plan:
     plan.placer = "pieces"
     plan.report.notes["fallback"] = f"heft: {reason}"
     return plan
+
+
+def _crosses_missing_link(problem: Problem, placement: np.ndarray) -> bool:
+    """Whether ``placement`` sends a tensor between devices no link joins (infinite transfer time)."""
+    return not np.isfinite(implied_transfers(problem, placement).duration).all()
 
 
 def _pieces(problem: Problem, reach: np.ndarray, cuts: list[int]) -> list[_Piece]:
@@ -254,6 +263,8 @@ def _price(problem: Problem, piece: _Piece, simulations: int) -> _Prices:
             if (piece.entry and not problem.fits[tasks[0], d]) or (piece.exit and not problem.fits[tasks[-1], e]):
                 continue
             device = _piece_placement(problem, piece, heavy, pattern, d, e)
+            if _crosses_missing_link(sub, device):
+                continue  # a tensor would cross devices no link joins: no plan takes this pattern
             value = simulate(sub, Plan(device, problem.device_names)).makespan_s
             memory[p, d, e] = np.bincount(device[own], weights=problem.memory_bytes[tasks][own], minlength=k)
             time_s[p, d, e] = value
