@@ -264,7 +264,7 @@ def test_out_of_memory_lists_only_the_devices_the_task_can_run_on_and_unlimited_
     problem = problem_of({"t": ([np.inf, 1.0, np.inf], 1e9), "u": ([1.0, 1.0, 1.0], 1e9)}, [], devices)
     message = str(memory_error(problem, "heft", 0, np.array([0.0, 1e9, 0.0])))
     assert "task 't' (1.0 GB; d1: 0 B free, the only devices it can run on)" in message
-    assert "the cluster has unlimited in total" in message
+    assert "the cluster has unlimited memory, but" in message
     assert "d0" not in message and "inf" not in message
     unpinned = str(memory_error(problem, "heft", 1, np.array([8e9, 1e9, 0.0])))
     assert "(1.0 GB; d0: 0 B free, d1: 0 B free, d2: unlimited free)" in unpinned

@@ -22,6 +22,7 @@ Two bounds, each valid for every plan that respects memory, with or without link
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from typing import NamedTuple
 
@@ -478,8 +479,14 @@ def memory_error(problem: Problem, placer: str, task: int, used_bytes: np.ndarra
     pinned = "" if runs_on.all() else ", the only devices it can run on"
     return InfeasibleError(
         f"{placer} cannot fit the model: it needs {format_bytes(float(problem.memory_bytes.sum()))} and the cluster "
-        f"has {format_bytes(float(problem.memory_capacity_bytes.sum()))} in total, but {placer}'s greedy placement "
+        f"has {_total_memory(problem)}, but {placer}'s greedy placement "
         f"left no device with room for task {problem.task_names[task]!r} "
         f"({format_bytes(float(problem.memory_bytes[task]))}; {free}{pinned}); try the 'milp' placer or another "
         "baseline, or add memory"
     )
+
+
+def _total_memory(problem: Problem) -> str:
+    """``31.2 GB in total``, or ``unlimited memory`` (a device without a limit), for messages."""
+    total = float(problem.memory_capacity_bytes.sum())
+    return "unlimited memory" if math.isinf(total) else f"{format_bytes(total)} in total"
