@@ -952,6 +952,8 @@ def test_twenty_sequences_in_flight_each_equal_their_lone_run(llama, split_lm):
         futures = [server.submit(prompt, max_new_tokens=12) for prompt in prompts]  # 20 sequences, 4 slots
         assert [future.result(timeout=120) for future in futures] == alone
         assert list(server.stream(prompts[5], max_new_tokens=12)) == alone[5]
+        with pytest.raises(moirai.InputError, match="stream yields each token itself and takes no on_token"):
+            next(server.stream(prompts[5], max_new_tokens=12, on_token=print))  # a TypeError of Python's before
         batch = torch.stack([prompts[i][:3] for i in range(3)])
         assert torch.equal(server.generate(batch, max_new_tokens=6), split_lm.generate(batch, max_new_tokens=6))
         penalized = {"max_new_tokens": 12, "repetition_penalty": 1.5, "no_repeat_ngram_size": 2}

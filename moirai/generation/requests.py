@@ -453,6 +453,7 @@ class GenerationDefaults(NamedTuple):
 
     def sampling(
         self,
+        *,  # by name: seven settings of like types, where a swapped pair would sample silently otherwise
         do_sample: bool | None,
         temperature: float | None,
         top_k: int | None,
@@ -652,13 +653,13 @@ def generate_rows(
     request = GenerateRequest.of(lm, input_ids, attention_mask, options, defaults)
     # in the caller's thread: a seed drawn from torch's global generator is drawn here
     sampling = defaults.sampling(
-        options.do_sample,
-        options.temperature,
-        options.top_k,
-        options.top_p,
-        options.seed,
-        options.repetition_penalty,
-        options.min_p,
+        do_sample=options.do_sample,
+        temperature=options.temperature,
+        top_k=options.top_k,
+        top_p=options.top_p,
+        seed=options.seed,
+        repetition_penalty=options.repetition_penalty,
+        min_p=options.min_p,
     )
     futures = request.submit(engine, sampling, options.streamer)
     try:

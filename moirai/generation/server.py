@@ -97,7 +97,15 @@ class GenerationServer:
         sequence = SequenceState(
             prompt,
             defaults.new_tokens(max_new_tokens, max_length, len(prompt)),
-            defaults.sampling(do_sample, temperature, top_k, top_p, seed, repetition_penalty, min_p),
+            defaults.sampling(
+                do_sample=do_sample,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                repetition_penalty=repetition_penalty,
+                min_p=min_p,
+            ),
             frozenset(eos),
             on_token=on_token,
             bans=defaults.bans.overridden_by(bans, "submit").for_sequence(prompt, eos),
@@ -107,7 +115,10 @@ class GenerationServer:
     def stream(
         self, prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int | None = None, **options: Any
     ) -> Iterator[int]:
-        """The new tokens of one sequence, each as soon as the last stage has sampled it."""
+        """The new tokens of one sequence, each as soon as the last stage has sampled it; ``options`` as
+        :meth:`submit` takes them, but ``on_token``, which is this iterator's."""
+        if "on_token" in options:  # else Python's "got multiple values for keyword argument 'on_token'"
+            raise InputError("stream yields each token itself and takes no on_token; use submit(..., on_token=f)")
         tokens: queue.Queue[int] = queue.Queue()
         future = self.submit(prompt_ids, max_new_tokens, on_token=tokens.put, **options)
         try:
