@@ -270,8 +270,9 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
       ending on rank 0 saves the driver a receive ([Note: end on rank 0] in docs/design.md), unless the objective
       breaks the tie the other way (throughput: a part 0 that waits for another device holds rank 0 for a round
       trip, :attr:`moirai.planning.simulate.Timeline.served_period_s`).
-    * A plan that puts every task on one device runs them in the graph's own order: on one device the order
-      changes no prediction, and the traced order is the one eager runs ([Note: one device, traced order]).
+    * A plan that puts every task on one device runs them in the graph's own order, the one eager runs ([Note:
+      one device, traced order]), unless the model predicts that order worse: the driver's messages (an output's
+      way to rank 0, a model input's or a header's) make the order count on one device too.
     """
     from moirai.planning.placers.single import one_device_plan
     from moirai.planning.simulate import simulate
@@ -298,7 +299,9 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
             plan = relabelled
     used = np.unique(plan.placement)
     if used.size == 1:
-        plan = dataclasses.replace(plan, order=one_device_plan(problem, int(used[0])).order, transfer_order=None)
+        traced = dataclasses.replace(plan, order=one_device_plan(problem, int(used[0])).order, transfer_order=None)
+        if not objective.improves(simulate(problem, plan), simulate(problem, traced)):
+            plan = traced
     return plan
 
 
