@@ -183,10 +183,11 @@ def _incumbent_within_gap(highs: highspy.Highs, mip_gap: float) -> bool:
     """Whether the incumbent HiGHS hands back, priced from its own columns, agrees with what HiGHS says of it: an
     optimal run's within ``mip_gap`` of the dual bound, any run's no lower than that bound (True without an
     incumbent or a finite bound). [Note: HiGHS's presolve and a start]."""
-    info = highs.getInfo()
+    info, lp = highs.getInfo(), highs.getLp()
+    if not any(kind != highspy.HighsVarType.kContinuous for kind in lp.integrality_):
+        return True  # an LP (a relaxation) has no MIP bound to contradict
     if info.primal_solution_status != 2 or info.mip_dual_bound is None or not np.isfinite(info.mip_dual_bound):
         return True
-    lp = highs.getLp()
     value = float(np.dot(lp.col_cost_, highs.getSolution().col_value)) + float(lp.offset_)
     if lp.sense_ == highspy.ObjSense.kMaximize:
         value, bound = -value, -float(info.mip_dual_bound)
