@@ -210,7 +210,7 @@ def brute_force_optimum(problem: Problem, contention: bool = True) -> float:
     ]
     best = math.inf
     for bound, placement in sorted(((placement_bound_s(problem, p), p) for p in placements), key=lambda bp: bp[0]):
-        if bound >= best - 1e-9:
+        if bound >= best * (1 - 1e-12):  # relative: problems in nanoseconds are below any absolute tolerance
             break
         orders = {tuple(tuple(i for i in order if placement[i] == d) for d in range(k)) for order in topological_orders}
         links = link_tensors(problem, placement) if contention else {}

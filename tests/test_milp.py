@@ -14,7 +14,7 @@ from moirai.planning.bounds import lower_bound
 from moirai.planning.placers import place
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
-from moirai.planning.report import StopReason
+from moirai.planning.report import SolverReport, StopReason
 from moirai.planning.simulate import simulate
 from moirai.planning.solve.model import build_model
 from moirai.planning.solve.solver import SolverSettings, solve_model
@@ -421,3 +421,14 @@ def test_a_period_search_result_is_kept_only_where_it_is_better_than_the_best_so
         simulate(problem, Plan(np.array([1, 0]), problem.device_names)),
     )
     assert _shorter_of(result(same), fast, info, Throughput())[1] is fast[1]  # a tie keeps the best so far
+
+
+def test_a_gap_closed_claim_the_plan_returned_does_not_meet_is_withdrawn_with_the_numbers():
+    """HiGHS once called a start it priced wrongly optimal, and a plan may change after the claim: the report then
+    says the solver's status, not 'gap closed'."""
+    report = SolverReport(stop_reason=StopReason.GAP_CLOSED, solver_status="Optimal")
+    report.keep_gap_claim_true(4.5, 4.5 * (1 - 1e-5), mip_gap=1e-4)
+    assert report.stop_reason is StopReason.GAP_CLOSED
+    report.keep_gap_claim_true(5.95, 1.99, mip_gap=1e-4)
+    assert report.stop_reason is StopReason.SOLVER_STATUS
+    assert "5.95 s" in report.solver_status and "1.99 s" in report.solver_status

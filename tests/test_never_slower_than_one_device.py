@@ -16,8 +16,10 @@ from moirai.planning.objective import LATENCY
 from moirai.planning.placers import MIN_SPLIT_GAIN, no_worse_than_one_device, place, specs
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
+from moirai.planning.report import StopReason
 from moirai.planning.simulate import simulate
 from moirai.runtime.header import HEADER_BYTES, HEADER_WORDS
+from moirai.testing import brute_force_optimum
 
 LATENCY_PLACERS = [s.name for s in specs() if s.minimises]
 
@@ -221,3 +223,29 @@ def test_the_driver_messages_cost_what_the_calibration_says_a_message_costs(tmp_
     assert problem.costs.output_send_cpu_s[last].tolist() == pytest.approx([0.0, 2e-4])
     assert problem.costs.output_recv_cpu_s[last].tolist() == pytest.approx([0.0, 3e-4])
     assert HEADER_BYTES == 8 * HEADER_WORDS  # the runtime's header: that many int64
+
+
+def _two_tasks_with_an_output(output_s: float) -> Problem:
+    """Two independent tasks, 10x faster on device 1; ``b``'s output takes ``output_s`` back to device 0."""
+    return Problem.from_dict(
+        {
+            "devices": [{"name": "d0"}, {"name": "d1"}],
+            "tasks": [{"name": "a", "compute_s": [10.0, 1.0]}, {"name": "b", "compute_s": [10.0, 1.0]}],
+            "request_costs": {"output_s": [[0, 0], [0, output_s]]},
+        }
+    )
+
+
+def test_a_one_device_plan_keeps_its_own_order_where_the_traced_one_is_slower() -> None:
+    """On device 1, b first sends its output on its way while a runs (6 s); the traced order a, b took 7 s and was
+    kept as 'gap closed'."""
+    problem = _two_tasks_with_an_output(5.0)
+    plan = place(problem, "milp", time_limit_s=5)
+    assert plan.objective_s == pytest.approx(brute_force_optimum(problem)) == 6.0
+    assert plan.order == ((), (1, 0))
+    assert plan.report.stop_reason is StopReason.GAP_CLOSED
+
+
+def test_a_one_device_plan_runs_in_the_traced_order_where_the_model_cannot_tell() -> None:
+    plan = place(_two_tasks_with_an_output(0.0), "milp", time_limit_s=5)
+    assert plan.order == ((), (0, 1)) and plan.objective_s == 2.0

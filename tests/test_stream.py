@@ -98,3 +98,24 @@ def test_a_part_holds_its_device_for_a_round_trip_through_another_and_a_stage_fo
     # a's part runs layer0, waits for b's layer1 and layer2, then runs layer3: it holds a for the whole request.
     assert held[0] == pytest.approx(timeline.task_finish[3] - timeline.task_start[0])
     assert held[0] > timeline.period_s and held[1] == 0.0
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [{"output_link_s": [[0, 0], [0, 5.0]]}, {"input_readers": [[1]], "input_link_s": [[0, 5.0]]}],
+    ids=["output", "input"],
+)
+def test_a_stream_holds_the_link_for_the_driver_messages_of_every_request(messages) -> None:
+    """b's output back to device 0 (or b's model input from it, beside a's 0.1 s tensor) holds a link 5 s per
+    request: the stream's period is the link's, as the plan's own period says, not the 1 s of a device."""
+    problem = moirai.Problem.from_dict(
+        {
+            "devices": [{"name": "d0"}, {"name": "d1"}],
+            "tasks": [{"name": "a", "compute_s": [1.0, np.inf]}, {"name": "b", "compute_s": [np.inf, 1.0]}],
+            "edges": [{"src": "a", "dst": "b", "transfer_s": [[0, 0.1], [0.1, 0]]}],
+            "request_costs": messages,
+        }
+    )
+    plan = moirai.place(problem, placer="heft", objective="throughput")
+    assert plan.objective_s >= 5.0
+    assert simulate_stream(problem, plan, 8).period_s == pytest.approx(plan.objective_s)

@@ -41,9 +41,84 @@ def chain(compute_s: list[list[float]], transfer_s: float = 0.0) -> Problem:
 
 
 def best_period_s(problem: Problem) -> float:
-    """The true best period: it depends on the placement only, so every placement is tried."""
-    placements = itertools.product(range(problem.num_devices), repeat=problem.num_tasks)
-    return min(simulate(problem, Plan(np.array(p), problem.device_names)).period_s for p in placements)
+    """The true best period: it depends on the placement only, so every placement that runs and fits is tried."""
+    best = math.inf
+    for placement in itertools.product(range(problem.num_devices), repeat=problem.num_tasks):
+        try:
+            timeline = simulate(problem, Plan(np.array(placement), problem.device_names))
+        except PlanError:
+            continue  # a task where it cannot run, or a tensor with no link
+        if timeline.fits_memory:
+            best = min(best, timeline.period_s)
+    return best
+
+
+def _edge(src: str, dst: str, transfer_s: list, send_cpu_s: list, recv_cpu_s: list) -> dict:
+    return {"src": src, "dst": dst, "transfer_s": transfer_s, "send_cpu_s": send_cpu_s, "recv_cpu_s": recv_cpu_s}
+
+
+# HiGHS 1.16, warm-started from the best heuristic's plan [0, 0, 1, 0, 0] (period 5.95), called it optimal with a
+# bound of 1.99 and returned it; [1, 0, 1, 0, 0] has period 4.5 ([Note: HiGHS's presolve and a start]).
+SENDS_AND_RECEIVES = {
+    "devices": [{"name": "d0"}, {"name": "d1"}],
+    "tasks": [
+        {"name": "t0", "compute_s": [2.07, 2.21]},
+        {"name": "t1", "compute_s": [1.74, 2.08]},
+        {"name": "t2", "compute_s": [math.inf, 1.99]},
+        {"name": "t3", "compute_s": [0.5, 2.44]},
+        {"name": "t4", "compute_s": [1.5, 1.76]},
+    ],
+    "edges": [
+        _edge("t0", "t1", [[0, 1.71], [0.77, 0]], [[0, 0.43], [0.3, 0]], [[0, 0.15], [0.37, 0]]),
+        _edge("t1", "t3", [[0, 1.98], [1.81, 0]], [[0, 0.03], [0.08, 0]], [[0, 0.42], [0.34, 0]]),
+        _edge("t3", "t4", [[0, 1.96], [1.86, 0]], [[0, 0.45], [0.37, 0]], [[0, 0.1], [0.04, 0]]),
+        _edge("t2", "t4", [[0, 1.05], [1.93, 0]], [[0, 0.48], [0, 0]], [[0, 0.46], [0.14, 0]]),
+    ],
+}
+
+
+def _every_cost_problem(seed: int) -> Problem:
+    """A fuzz review's random problem with sends, receives and the driver's messages (seeds 347 and 367 failed as
+    SENDS_AND_RECEIVES did)."""
+    rng = np.random.default_rng(seed)
+    num_tasks, num_devices = int(rng.integers(3, 6)), int(rng.integers(2, 4))
+    drawn = {
+        name: scale * int(rng.integers(0, 2))
+        for name, scale in (
+            ("header_s", 0.5),
+            ("output_s", 0.5),
+            ("request_cpu_s", 0.3),
+            ("output_cpu_s", 0.3),
+            ("input_s", 0.4),
+            ("driver_part_cpu_s", 0.3),
+        )
+    }
+    rng.choice([2.0, 3.0, 9.0], 3)  # drawn and unused by the review's generator: kept for its seeds' problems
+    capacity_bytes = float(rng.choice([2.0, 3.0, 9.0]))
+    return random_problem(
+        seed,
+        num_tasks,
+        num_devices,
+        send_cpu_s=0.5,
+        recv_cpu_s=0.5,
+        task_memory_bytes=1.0,
+        capacity_bytes=capacity_bytes,
+        forbid_fraction=0.3,
+        **drawn,
+    )
+
+
+@pytest.mark.parametrize(
+    "problem",
+    [Problem.from_dict(SENDS_AND_RECEIVES), _every_cost_problem(347), _every_cost_problem(367)],
+    ids=["sends_and_receives", "seed347", "seed367"],
+)
+def test_milp_throughput_with_sends_and_receives_is_the_best_period_and_claims_no_false_gap(problem):
+    plan = place(problem, "milp", objective="throughput", time_limit_s=10)
+    best_s = best_period_s(problem)
+    assert plan.objective_s == pytest.approx(best_s, rel=1e-6)
+    assert plan.report.stop_reason is StopReason.GAP_CLOSED
+    assert plan.report.solver_bound_s <= best_s * (1 + 1e-9)
 
 
 def test_period_is_the_busiest_device_or_link_per_request():

@@ -275,15 +275,22 @@ class RequestCosts:
 
     def for_stream(self, num_requests: int) -> RequestCosts:
         """The costs of ``num_requests`` copies of the task graph (:func:`moirai.planning.stream.unroll`): the
-        outputs' delays repeat per request; only the first request waits for its header and inputs (the driver
-        sends later ones ahead); the CPU time, which the stream folds into each device's tasks, is 0."""
+        outputs' delays and the input and output messages' link times repeat per request (each request's copy of
+        every model input is read by that request's copies of its readers); only the first request waits for its
+        header and inputs (the driver sends later ones ahead); the CPU time, which the stream folds into each
+        device's tasks, is 0."""
+        n, copies = self.num_tasks, range(num_requests)
+        readers = [tuple(i + r * n for i in reader) for r in copies for reader in self.input_readers]
+        sent_ahead = np.zeros(((num_requests - 1) * self.num_inputs, self.num_devices))
         return RequestCosts.build(
-            self.num_tasks * num_requests,
+            n * num_requests,
             self.num_devices,
-            self.input_readers,
+            readers,
             header_s=self.header_s,
             output_s=np.tile(self.output_s, (num_requests, 1)),
-            input_s=self.input_s,
+            output_link_s=np.tile(self.output_link_s, (num_requests, 1)),
+            input_s=np.concatenate([self.input_s, sent_ahead]),
+            input_link_s=np.tile(self.input_link_s, (num_requests, 1)),
         )
 
     @cached_property

@@ -170,6 +170,35 @@ class SparseLinearProgram:
         return highs
 
 
+def _run_from(highs: highspy.Highs, known: Sequence[tuple[int, float]], time_limit_s: float) -> None:
+    """Run ``highs`` for at most ``time_limit_s`` (at least 0.01 s) from the start values ``known`` (column,
+    value)."""
+    highs.setOptionValue("time_limit", max(time_limit_s, 0.01))
+    if known:
+        highs.setSolution(len(known), np.array([c for c, _ in known], np.int32), np.array([v for _, v in known]))
+    highs.run()
+
+
+def _incumbent_within_gap(highs: highspy.Highs, mip_gap: float) -> bool:
+    """Whether the incumbent HiGHS hands back, priced from its own columns, agrees with what HiGHS says of it: an
+    optimal run's within ``mip_gap`` of the dual bound, any run's no lower than that bound (True without an
+    incumbent or a finite bound). [Note: HiGHS's presolve and a start]."""
+    info, lp = highs.getInfo(), highs.getLp()
+    if not any(kind != highspy.HighsVarType.kContinuous for kind in lp.integrality_):
+        return True  # an LP (a relaxation) has no MIP bound to contradict
+    if info.primal_solution_status != 2 or info.mip_dual_bound is None or not np.isfinite(info.mip_dual_bound):
+        return True
+    value = float(np.dot(lp.col_cost_, highs.getSolution().col_value)) + float(lp.offset_)
+    if lp.sense_ == highspy.ObjSense.kMaximize:
+        value, bound = -value, -float(info.mip_dual_bound)
+    else:
+        bound = float(info.mip_dual_bound)
+    slack = 1e-9 * max(1.0, abs(value))  # the rounding of a sum over the columns
+    if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return value >= bound - slack
+    return bound - slack <= value <= bound + mip_gap * abs(value) + slack
+
+
 class SolverOutcome(NamedTuple):
     status: str
     optimal: bool  # proven optimal within the gap asked for
@@ -217,22 +246,24 @@ def run_highs(
     def column_of(var: Any) -> int | None:
         return column.get(symbols.byObject.get(id(var)))
 
-    for option, setting in (
-        ("time_limit", max(time_limit_s - (time.perf_counter() - started), 0.01)),
-        ("mip_feasibility_tolerance", 1e-9),
-        ("primal_feasibility_tolerance", 1e-9),
-    ):
+    for option, setting in (("mip_feasibility_tolerance", 1e-9), ("primal_feasibility_tolerance", 1e-9)):
         highs.setOptionValue(option, setting)
     set_gaps(highs, mip_gap)
+    known: list[tuple[int, float]] = []
     if start is not None:
-        known = [(column_of(var), value) for var, value in start.items()]
-        known = [(c, value) for c, value in known if c is not None]
-        highs.setSolution(len(known), np.array([c for c, _ in known], np.int32), np.array([v for _, v in known]))
-    highs.run()
+        known = [(c, value) for var, value in start.items() if (c := column_of(var)) is not None]
+    _run_from(highs, known, time_limit_s - (time.perf_counter() - started))
+    if known and not _incumbent_within_gap(highs, mip_gap):
+        # [Note: HiGHS's presolve and a start] in docs/design.md: solved again without presolve, from the start.
+        highs.clearSolver()
+        highs.setOptionValue("presolve", "off")
+        _run_from(highs, known, time_limit_s - (time.perf_counter() - started))
     info = highs.getInfo()
     status = highs.modelStatusToString(highs.getModelStatus())
-    optimal = highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
-    bound = float(info.mip_dual_bound) if info.mip_dual_bound is not None else None
+    consistent = _incumbent_within_gap(highs, mip_gap)
+    optimal = highs.getModelStatus() == highspy.HighsModelStatus.kOptimal and consistent
+    # A bound that its own incumbent contradicts proves nothing.
+    bound = float(info.mip_dual_bound) if info.mip_dual_bound is not None and consistent else None
     if info.primal_solution_status != 2:  # 2: a feasible incumbent exists
         return SolverOutcome(status, optimal, bound, None)
     solution = np.asarray(highs.getSolution().col_value)

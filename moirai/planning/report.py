@@ -27,6 +27,11 @@ class StopReason(enum.Enum):
     GAP_CLOSED_GROUPED = "gap closed with colocated tasks grouped"
 
 
+def gap_closed(value_s: float, lower_bound_s: float, mip_gap: float) -> bool:
+    """The objective is within the relative gap ``mip_gap`` of a proven lower bound: nothing worth finding is left."""
+    return value_s - lower_bound_s <= mip_gap * value_s
+
+
 class BoundSource(enum.Enum):
     """Where a plan's ``lower_bound_s`` comes from."""
 
@@ -109,6 +114,19 @@ class SolverReport(PlacerReport):
     windows: int = 0  # the period search's window programs (moirai.planning.solve.period_windows), and those kept
     windows_kept: int = 0
     history: list[tuple[float, float]] = field(default_factory=list)  # (seconds, objective) of the winning search
+
+    def keep_gap_claim_true(self, value_s: float, lower_bound_s: float, mip_gap: float) -> None:
+        """Say "gap closed" only of a plan within ``mip_gap`` of its bound: a claim that the plan returned (its
+        objective ``value_s``) does not meet becomes :attr:`StopReason.SOLVER_STATUS`, with the numbers. A solver
+        can call a start optimal that it priced wrongly ([Note: HiGHS's presolve and a start] in docs/design.md),
+        and a plan may be changed after the claim was made."""
+        if self.stop_reason is not StopReason.GAP_CLOSED or gap_closed(value_s, lower_bound_s, mip_gap):
+            return
+        self.stop_reason = StopReason.SOLVER_STATUS
+        self.solver_status = (
+            f"{self.solver_status or 'gap closed'}, but the plan returned ({value_s:.6g} s) is not within "
+            f"{mip_gap:g} of its bound ({lower_bound_s:.6g} s)"
+        )
 
 
 def _is_float(value: Any, infinite: bool = False) -> bool:

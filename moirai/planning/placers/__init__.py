@@ -35,6 +35,7 @@ from moirai.file_numbers import is_integer, is_number
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem, check_problem
+from moirai.planning.report import SolverReport
 from moirai.progress import LONG_STAGE_S, format_seconds, stage
 
 if TYPE_CHECKING:
@@ -176,11 +177,16 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
 
 def _long_placement(placer: str, options: dict[str, Any]) -> str | None:
     """``"milp, limit 1 min"`` for a placer whose time limit (given, or its default) may make the stage long."""
-    parameter = inspect.signature(spec(placer).function).parameters.get("time_limit_s")
-    limit_s = options.get("time_limit_s", parameter.default if parameter is not None else None)
+    limit_s = _option_value(spec(placer).function, options, "time_limit_s")
     if not isinstance(limit_s, (int, float)) or limit_s < LONG_STAGE_S:
         return None
     return f"{placer}, limit {format_seconds(limit_s)}"
+
+
+def _option_value(function: Placer, options: dict[str, Any], name: str) -> Any:
+    """The value option ``name`` has in this call: given, else ``function``'s default (None if it takes none)."""
+    parameter = inspect.signature(function).parameters.get(name)
+    return options.get(name, parameter.default if parameter is not None else None)
 
 
 def _place(problem: Problem, placer: str, objective: str | Objective, **options: Any) -> Plan:
@@ -212,6 +218,9 @@ def _place(problem: Problem, placer: str, objective: str | Objective, **options:
     plan.objective, plan.objective_s = chosen.name, chosen.value_s(timeline)
     # A placer may prove a stronger bound (the MILP's); keep the better of the two.
     plan.lower_bound_s = max(plan.lower_bound_s or 0.0, chosen.lower_bound_s(problem))
+    mip_gap = _option_value(traits.function, options, "mip_gap")
+    if isinstance(plan.report, SolverReport) and is_number(mip_gap):
+        plan.report.keep_gap_claim_true(plan.objective_s, plan.lower_bound_s, mip_gap)
     _warn_if_over_memory(problem, plan, timeline)
     _warn_if_over_the_limit(plan, timeline, chosen)
     return plan
@@ -261,8 +270,9 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
       ending on rank 0 saves the driver a receive ([Note: end on rank 0] in docs/design.md), unless the objective
       breaks the tie the other way (throughput: a part 0 that waits for another device holds rank 0 for a round
       trip, :attr:`moirai.planning.simulate.Timeline.served_period_s`).
-    * A plan that puts every task on one device runs them in the graph's own order: on one device the order
-      changes no prediction, and the traced order is the one eager runs ([Note: one device, traced order]).
+    * A plan that puts every task on one device runs them in the graph's own order, the one eager runs ([Note:
+      one device, traced order]), unless the model predicts that order worse: the driver's messages (an output's
+      way to rank 0, a model input's or a header's) make the order count on one device too.
     """
     from moirai.planning.placers.single import one_device_plan
     from moirai.planning.simulate import simulate
@@ -289,7 +299,9 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
             plan = relabelled
     used = np.unique(plan.placement)
     if used.size == 1:
-        plan = dataclasses.replace(plan, order=one_device_plan(problem, int(used[0])).order, transfer_order=None)
+        traced = dataclasses.replace(plan, order=one_device_plan(problem, int(used[0])).order, transfer_order=None)
+        if not objective.improves(simulate(problem, plan), simulate(problem, traced)):
+            plan = traced
     return plan
 
 

@@ -171,6 +171,7 @@ def place_milp(
         final.lower_bound_s, info.bound_source = solver_bound_s, BoundSource.SOLVER
     if info.stop_reason is StopReason.PART_SOLVED and gap_closed(objective.value_s(timeline), bound_s, mip_gap):
         info.stop_reason = StopReason.GAP_CLOSED  # closed by the objective's own bound
+    info.keep_gap_claim_true(objective.value_s(timeline), final.lower_bound_s, mip_gap)
     info.time_limit_s, info.elapsed_s = time_limit_s, time.perf_counter() - (deadline - time_limit_s)
     final.report = info
     logger.info(

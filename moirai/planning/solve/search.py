@@ -51,7 +51,7 @@ from moirai.errors import PlanError
 from moirai.planning.objective import LATENCY, Objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
-from moirai.planning.report import StopReason
+from moirai.planning.report import StopReason, gap_closed
 from moirai.planning.schedule.transfers import transfer_duration_s
 from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.solve.model import MilpModel, build_model
@@ -78,11 +78,6 @@ class SearchResult:
     windows_unproven: int = 0  # solves stopped by their time limit before finding or ruling out a gain
     window_tasks: int = DEFAULT_WINDOW_TASKS  # the window size it reached, where a resumed search goes on
     history: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, objective)
-
-
-def gap_closed(value_s: float, lower_bound_s: float, mip_gap: float) -> bool:
-    """The objective is within the relative gap ``mip_gap`` of a proven lower bound: nothing worth finding is left."""
-    return value_s - lower_bound_s <= mip_gap * value_s
 
 
 def window_sizes(first_tasks: int, num_tasks: int) -> tuple[int, ...]:
