@@ -18,6 +18,7 @@ from moirai.planning.report import SolverReport, StopReason
 from moirai.planning.simulate import simulate
 from moirai.planning.solve.model import build_model
 from moirai.planning.solve.solver import SolverSettings, solve_model
+from moirai.planning.solve.start_plans import StartPlanResult
 from moirai.planning.solve.warm_start import plan_from_times
 from moirai.planning.solve.window import identical_device_groups, whole_problem
 from moirai.testing import brute_force_optimum, random_layered_problem, random_problem
@@ -323,6 +324,11 @@ def test_a_plan_over_memory_from_the_search_is_never_returned(monkeypatch):
         return replace(result, plan=crowded, timeline=simulate(problem, crowded))
 
     monkeypatch.setattr(milp_placer, "improve_by_windows", overflowing_search)
+    # The window search must run: on a loaded machine the lookahead and the chain moves took the whole budget.
+    monkeypatch.setattr(
+        milp_placer, "improve_start_plan", lambda problem, plan, timeline, *_: StartPlanResult(plan, timeline)
+    )
+    monkeypatch.setattr(milp_placer, "_CHAIN_SHARE", 0.0)
     with pytest.warns(UserWarning, match="over memory"):
         plan = place(problem, placer="milp", time_limit_s=3, strategy="windows")
     assert simulate(problem, plan).fits_memory
