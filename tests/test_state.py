@@ -462,20 +462,26 @@ def test_inputs_that_share_memory_with_an_input_written_in_place_are_refused() -
     """Eager writes ``x`` and reads the write as ``y``; the split program took them as two tensors: a wrong answer
     (out[0] off by 1.37, out[1] by 2.0), locally and distributed."""
     compiled, _ = shifts_one_of_two()
-    for x, y in _same_and_overlapping(torch.randn(3, 4)):
+    array = np.zeros((3, 4), np.float32)  # two storages over one memory: views of one numpy array
+    for x, y in [*_same_and_overlapping(torch.randn(3, 4)), (torch.from_numpy(array[:2]), torch.from_numpy(array[1:]))]:
         for call in (compiled, compiled.run_distributed):
             with pytest.raises(InputError, match=r"input 0 \(args\[0\]\) and input 1 \(args\[1\]\) share .*clone"):
                 call(x, y)
 
 
 def test_inputs_that_share_memory_but_are_not_written_are_served() -> None:
-    """Only a write makes sharing matter: one tensor passed twice to a model that reads both, or two halves of one
-    tensor (disjoint) to a model that writes one, equal the model."""
+    """Only a write makes sharing matter: one tensor passed twice to a model that reads both, or two halves or two
+    interleaved columns of one tensor (disjoint) to a model that writes one, equal the model."""
     compiled, model = shifts_one_of_two()
     base = torch.randn(4, 4)
     mine, theirs = base.clone(), base.clone()
     with torch.no_grad():
         torch.testing.assert_close(compiled(mine[:2], mine[2:]), model(theirs[:2], theirs[2:]), rtol=0, atol=0)
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    batch = torch.randn(2, 2, 4)  # interleaved columns of one tensor share a span, not an element
+    mine, theirs = batch.clone(), batch.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(mine[:, 0], mine[:, 1]), model(theirs[:, 0], theirs[:, 1]), rtol=0, atol=0)
     torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
     reads = moirai.compile(ReadsTwo(), ["cpu", "cpu"], example_inputs=(base, base), placer="hash", progress=False)
     torch.testing.assert_close(reads(base, base), 2 * base)

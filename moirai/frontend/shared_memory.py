@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from moirai.errors import InputError
@@ -57,23 +58,39 @@ def _refuse_overlap(
 
 
 def overlaps(first: torch.Tensor, second: torch.Tensor) -> bool:
-    """Whether two tensors share bytes of one storage (identical tensors too; a view within the other's span, even
-    one that skips the other's elements, counts: the check is by byte range)."""
+    """Whether two tensors share a byte of memory (identical tensors too), whatever storage objects hold them (two
+    ``torch.from_numpy`` views of one array are two storages over one memory). Views that interleave without a
+    common byte (``b[:, 0]`` and ``b[:, 1]``) do not overlap; where the two span over
+    :data:`_EXACT_CHECK_ELEMENTS` elements between them and their spans meet, they are taken to overlap."""
     if first.device != second.device or first.device.type == "meta" or not _has_bytes(first) or not _has_bytes(second):
         return False
-    if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
+    (first_start, first_end), (second_start, second_end) = _address_range(first), _address_range(second)
+    if not (first_start < second_end and second_start < first_end):
         return False
-    (first_start, first_end), (second_start, second_end) = _byte_range(first), _byte_range(second)
-    return first_start < second_end and second_start < first_end
+    if first.numel() + second.numel() > _EXACT_CHECK_ELEMENTS:
+        return True  # erring on the side of a refusal, which a .clone() answers
+    return bool(np.intersect1d(_byte_addresses(first), _byte_addresses(second)).size)
+
+
+# The most elements two tensors whose spans meet may hold for their bytes to be compared one by one (a few MB).
+_EXACT_CHECK_ELEMENTS = 1 << 20
 
 
 def _has_bytes(tensor: torch.Tensor) -> bool:
     return tensor.layout == torch.strided and not tensor.is_nested and tensor.numel() > 0
 
 
-def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
-    """The half-open range of storage bytes a non-empty strided tensor spans."""
+def _address_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The half-open range of memory addresses a non-empty strided tensor spans."""
     size = tensor.element_size()
-    start = tensor.storage_offset() * size
-    last = sum((n - 1) * abs(stride) for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    return start, start + (last + 1) * size
+    last = sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * size
+
+
+def _byte_addresses(tensor: torch.Tensor) -> np.ndarray:
+    """Every memory address a non-empty strided tensor's elements occupy."""
+    offsets = np.zeros(1, np.int64)
+    for n, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).ravel()
+    size = tensor.element_size()
+    return np.unique((offsets[:, None] * size + np.arange(size, dtype=np.int64)).ravel()) + tensor.data_ptr()
