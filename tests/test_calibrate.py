@@ -34,7 +34,7 @@ from moirai.cluster.calibration import (
     read_request_cost,
     write_calibration,
 )
-from moirai.cluster.calibration.cache import calibration_cache_path
+from moirai.cluster.calibration.cache import calibration_cache_path, check_calibration
 from moirai.cluster.calibration.cluster import local_cluster
 from moirai.cluster.calibration.request_cost import MeasuredRequestCost, request_cost_of
 from moirai.cluster.devices import Cluster
@@ -177,6 +177,14 @@ def test_calibration_file_is_used_as_given(fake_measurement: list, tmp_path: Pat
         local_calibration(["cpu", "cpu"], tmp_path / "missing.json")
     with pytest.raises(ClusterError, match=r"calibration='.*' is a folder, not a calibration file; pass 'auto'"):
         local_calibration(["cpu", "cpu"], tmp_path)
+
+
+def test_a_folder_named_as_the_calibration_is_called_a_folder(tmp_path: Path, monkeypatch) -> None:
+    """A bare name (``--calibration results``) was taken for a misspelt word, not the folder it is."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").mkdir()
+    with pytest.raises(ClusterError, match=r"calibration='results' is a folder, not a calibration file"):
+        check_calibration("results")
 
 
 def test_compile_on_local_devices_uses_this_machines_calibration_by_default(fake_measurement: list) -> None:

@@ -68,14 +68,14 @@ def check_calibration(calibration: object) -> None:
         )
     if calibration in _CALIBRATION_WORDS or Path(calibration).is_file():
         return
+    if Path(calibration).is_dir():  # a folder exists: "does not exist" sent the user looking for a typo
+        raise ClusterError(
+            f"calibration={str(calibration)!r} is a folder, not a calibration file; {_CALIBRATION_CHOICES}"
+        )
     if isinstance(calibration, str) and os.sep not in calibration and not Path(calibration).suffix:
         close = did_you_mean(calibration.strip(), _CALIBRATION_WORDS)
         raise ClusterError(
             f"calibration={calibration!r} is not a calibration word{close} nor a file; {_CALIBRATION_CHOICES}"
-        )
-    if Path(calibration).is_dir():  # a folder exists: "does not exist" sent the user looking for a typo
-        raise ClusterError(
-            f"calibration={str(calibration)!r} is a folder, not a calibration file; {_CALIBRATION_CHOICES}"
         )
     raise ClusterError(f"calibration file {str(calibration)!r} does not exist; {_CALIBRATION_CHOICES}")
 
