@@ -23,6 +23,7 @@ from models_for_tests import random_assignment
 import moirai
 from moirai.frontend.trace import TracedModel, trace
 from moirai.runtime import DistributedRunner, run_local
+from moirai.runtime.local import _to as local_runner_to
 from moirai.runtime.split import SplitProgram, split_module, with_strides
 
 FUZZ_MODELS = int(os.environ.get("MOIRAI_FUZZ_MODELS", "500"))
@@ -164,6 +165,10 @@ def test_with_strides_lays_a_contiguous_tensor_out_as_the_original(make):
     assert torch.equal(laid_out, original)
     assert with_strides(original, original.stride()) is original
     assert with_strides(original, None) is original
+    # The local runner's move of an output to device 0 keeps them too (.to another device lays it out contiguous).
+    moved = local_runner_to(original, torch.device("meta"))
+    assert moved.device.type == "meta" and moved.stride() == original.stride()
+    assert local_runner_to(original, original.device) is original
 
 
 def test_in_place_ops_nothing_else_reads_are_left_as_traced():

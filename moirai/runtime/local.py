@@ -54,7 +54,9 @@ def run_local(
                 blocked = ", ".join(f"part {k} at {run.next_node}" for k, run in enumerate(runs) if not run.finished)
                 raise PlanError(f"the parts wait for each other's tensors ({blocked}); was a part's graph edited?")
         own_copies.write_back()
-    return [_to(own_copies.as_given(runs[at.device].outputs[at.index]), devices[0]) for at in program.outputs]
+    # Each place once: a tensor the model returns twice is one tensor twice, as it is from the other runners.
+    gathered = {at: _to(own_copies.as_given(runs[at.device].outputs[at.index]), devices[0]) for at in program.outputs}
+    return [gathered[at] for at in program.outputs]
 
 
 def check_inputs(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> dict[str, int]:
@@ -221,4 +223,9 @@ class _LocalTransport:
 
 
 def _to(value: object, device: torch.device) -> object:
-    return value.to(device) if isinstance(value, torch.Tensor) else value
+    """``value`` on ``device``; a tensor moved there keeps its strides, as a message's does ([Note: a received tensor
+    keeps its traced strides], split.py)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    moved = value.to(device)
+    return moved if moved is value else with_strides(moved, value.stride())
