@@ -665,6 +665,44 @@ def test_a_callback_that_raises_fails_its_own_sequence_alone_even_with_system_ex
     assert "exception calling callback" in caplog.text and "a done callback's exit" in caplog.text
 
 
+def test_a_keyboard_interrupt_from_a_callback_fails_its_own_sequence_alone_in_the_servers_thread(split_lm, caplog):
+    """[Note: whose KeyboardInterrupt] One from an on_token, a done callback or a streamer in the server's thread (no
+    Ctrl-C reaches it) ended the loop: every sequence failed with it, and every later submit was refused. Where the
+    loop runs in the caller's thread (a local generate), it stops the call, as the user's Ctrl-C must."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    expected = hf_like(split_lm, prompt, 5)
+    callback_added = threading.Event()
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    class InterruptingStreamer:
+        def put(self, value: torch.Tensor) -> None:
+            if value.dim() == 1:  # a token, not the prompt
+                interrupt()
+
+        def end(self) -> None:
+            pass
+
+    with GenerationServer(split_lm, _StepsInThisProcess(split_lm), depth=2) as server:
+        interrupted = server.submit(prompt, max_new_tokens=5, on_token=interrupt)
+        others = [server.submit(prompt, max_new_tokens=5, on_token=lambda _: callback_added.wait(60))]
+        others[0].add_done_callback(interrupt)
+        callback_added.set()
+        others.append(server.submit(prompt, max_new_tokens=5))
+        with pytest.raises(moirai.RequestError, match="on_token callback raised KeyboardInterrupt") as failed:
+            interrupted.result(timeout=60)
+        assert isinstance(failed.value.__cause__, KeyboardInterrupt)
+        assert [future.result(timeout=60) for future in others] == [expected, expected]
+        with pytest.raises(moirai.RequestError, match="on_token callback raised KeyboardInterrupt"):
+            server.generate(prompt[None], max_new_tokens=5, streamer=InterruptingStreamer())
+        assert server.submit(prompt, max_new_tokens=5).result(timeout=60) == expected
+    assert "exception calling callback" in caplog.text and "KeyboardInterrupt" in caplog.text
+    with pytest.raises(KeyboardInterrupt):
+        split_lm.generate(prompt[None], max_new_tokens=5, streamer=InterruptingStreamer())
+    assert split_lm.generate(prompt[None], max_new_tokens=5)[0, 6:].tolist() == expected
+
+
 def hf_like(lm: moirai.CompiledLM, prompt: torch.Tensor, new_tokens: int) -> list[int]:
     return lm.generate(prompt[None], max_new_tokens=new_tokens)[0, len(prompt) :].tolist()
 
