@@ -576,6 +576,29 @@ def test_done_callbacks_may_submit_and_are_told_not_to_close(split_lm):
         server.submit(prompt, max_new_tokens=2)
 
 
+def test_a_callback_that_streams_or_generates_is_told_to_call_from_its_own_thread(split_lm, monkeypatch):
+    """A stream read in on_token waited for ever, in the server's thread, for tokens only that thread makes: the
+    server hung, and a plain close with it."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    expected = hf_like(split_lm, prompt, 3)
+    monkeypatch.setattr(split_lm.compiled, "server", lambda **options: _StepsInThisProcess(split_lm))
+    server = split_lm.server()
+    try:  # a failure below closes with cancel=True, which ends a callback stuck in the stream it reads
+        made_here = server.stream(prompt, max_new_tokens=2)
+        callbacks = [
+            ("stream", lambda _: list(server.stream(prompt, max_new_tokens=2))),
+            ("stream", lambda _: next(made_here)),  # a stream made elsewhere, read in the callback
+            ("generate", lambda _: server.generate(prompt[None], max_new_tokens=2)),
+            ("generate", lambda _: split_lm.generate(prompt[None], max_new_tokens=2)),  # through the server
+        ]
+        for call, on_token in callbacks:
+            with pytest.raises(moirai.UsageError, match=f"{call} .*from a callback of a sequence.*your own thread"):
+                server.submit(prompt, max_new_tokens=3, on_token=on_token).result(timeout=60)
+        assert server.submit(prompt, max_new_tokens=3).result(timeout=60) == expected
+    finally:
+        server.close(cancel=True)
+
+
 class _StepsClosedOnce(_SlowStepsInThisProcess):
     """Slow steps whose server's close is cut short by a Ctrl-C the first time it stops them."""
 

@@ -77,7 +77,10 @@ class GenerationServer:
         the model's ``generation_config``'s, as in :meth:`CompiledLM.generate` (``max_length`` counts the prompt
         too), and ``bans`` are the settings that ban tokens (:class:`~moirai.generation.bans.TokenBans`:
         ``min_new_tokens``, ``no_repeat_ngram_size``, ``bad_words_ids``...). ``future.cancel()`` ends the sequence
-        after its step in flight and frees its slot."""
+        after its step in flight and frees its slot. ``on_token`` and the future's done callbacks run in the
+        server's thread, which makes every sequence's tokens: they may submit, but must not wait for a sequence
+        (``other_future.result()`` there waits for ever; ``stream`` and ``generate`` there are a
+        :class:`UsageError`)."""
         if on_token is not None and not callable(on_token):  # else a TypeError in the server's thread, tokens later
             raise InputError(f"on_token must be a function called with each new token, or None; got {on_token!r}")
         if self._engine.closed:  # checked early too, before the work below (engine.add has the last word)
@@ -116,9 +119,17 @@ class GenerationServer:
         self, prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int | None = None, **options: Any
     ) -> Iterator[int]:
         """The new tokens of one sequence, each as soon as the last stage has sampled it; ``options`` as
-        :meth:`submit` takes them, but ``on_token``, which is this iterator's."""
+        :meth:`submit` takes them, but ``on_token``, which is this iterator's. Not from a callback of a sequence (in
+        the server's thread, which must go on to make the tokens): a :class:`UsageError`."""
         if "on_token" in options:  # else Python's "got multiple values for keyword argument 'on_token'"
             raise InputError("stream yields each token itself and takes no on_token; use submit(..., on_token=f)")
+        self._serving.check_outside_loop("stream")  # at the call: what follows runs at the first next()
+        return self._streamed(prompt_ids, max_new_tokens, options)
+
+    def _streamed(
+        self, prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int | None, options: dict[str, Any]
+    ) -> Iterator[int]:
+        """:meth:`stream`'s tokens, its arguments checked."""
         tokens: queue.Queue[int] = queue.Queue()
         future = self.submit(prompt_ids, max_new_tokens, on_token=tokens.put, **options)
         try:
@@ -127,7 +138,7 @@ class GenerationServer:
                     yield tokens.get(timeout=0.05)
                     continue
                 except queue.Empty:
-                    pass
+                    self._serving.check_outside_loop("stream")  # one made elsewhere may be read in a callback
                 if future.done():
                     sequence_tokens(future)  # a failed or cancelled sequence raises here
                     while not tokens.empty():
@@ -196,12 +207,18 @@ class Serving:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, options: GenerateOptions
     ) -> Any:
         """:meth:`GenerationServer.generate` with its options read."""
+        self.check_outside_loop("generate")
+        return generate_rows(self._lm, self.engine, input_ids, attention_mask, options)
+
+    def check_outside_loop(self, call: str) -> None:
+        """A :class:`UsageError` where ``call``, which waits for tokens, runs in the loop's own thread (a callback
+        of a sequence): it would wait for ever for tokens only that thread makes."""
         if threading.current_thread() is self._thread:
             raise UsageError(
-                "generate was called from a done callback of a sequence's future (or a streamer), in the server's "
-                "own thread, which would have to serve the call while waiting for it; call it from your own thread"
+                f"{call} was called from a callback of a sequence (an on_token, a done callback of its future or a "
+                "streamer), in the server's own thread, which would have to serve the call while waiting for it; "
+                "call it from your own thread"
             )
-        return generate_rows(self._lm, self.engine, input_ids, attention_mask, options)
 
     def close(self, cancel: bool = False) -> None:
         """:meth:`GenerationServer.close`. Each step below may run again: a close cut short (Ctrl-C while it waits
