@@ -637,6 +637,120 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(split_lm, monkeypat
     split_lm.server().close()  # the caches' turn was given back
 
 
+class _TurnWaits(threading.Condition):
+    """A CompiledLM's caches' turn that notes each thread that waits for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiters: set[threading.Thread] = set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiters.add(threading.current_thread())
+        return super().wait(timeout)
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + 60  # a bound on a hang, not a timing
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+class _StepsClosedWhenLetGo(_StepsInThisProcess):
+    """Steps whose server's close, once begun, waits for the test to let it go on."""
+
+    def __init__(self, lm: moirai.CompiledLM) -> None:
+        super().__init__(lm)
+        self.closing, self.let_go = threading.Event(), threading.Event()
+
+    def close(self) -> None:
+        self.closing.set()
+        assert self.let_go.wait(60)
+
+
+def _in_a_thread(results: dict, name: str, call) -> threading.Thread:
+    def run() -> None:
+        try:
+            results[name] = call()
+        except BaseException as error:
+            results[name] = error
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    return thread
+
+
+def test_a_generate_or_a_server_that_meets_a_closing_server_waits_for_its_close(split_lm, monkeypatch):
+    """[Note: one user of the caches at a time] lm.generate that met a server closing raised "this generation server
+    is closed" (the user never called that server), and lm.server() then was a UsageError."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    expected = split_lm.generate(prompt[None], max_new_tokens=3)
+    turn, steps, chosen = _TurnWaits(), _StepsClosedWhenLetGo(split_lm), threading.Event()
+    monkeypatch.setattr(split_lm, "_turn", turn, raising=False)
+    monkeypatch.setattr(split_lm.compiled, "server", lambda **options: steps)
+    server = split_lm.server()
+
+    def chosen_then_closed(call: str) -> None:  # a generate chose the server; its close begins before the rows go in
+        chosen.set()
+        assert steps.closing.wait(60)
+
+    monkeypatch.setattr(server._serving, "check_outside_loop", chosen_then_closed)
+    results: dict[str, object] = {}
+    threads = [_in_a_thread(results, "chose it", lambda: split_lm.generate(prompt[None], max_new_tokens=3))]
+    try:
+        assert chosen.wait(60)
+        closing = threading.Thread(target=server.close)
+        closing.start()
+        assert steps.closing.wait(60)  # the ranks are stopping: the server holds the caches still
+        threads.append(_in_a_thread(results, "came after", lambda: split_lm.generate(prompt[None], max_new_tokens=3)))
+        threads.append(_in_a_thread(results, "opens", split_lm.server))
+        _until(lambda: set(threads) <= turn.waiters, "each waits for the close")
+    finally:
+        steps.let_go.set()
+    for thread in [*threads, closing]:
+        thread.join(60)
+    assert torch.equal(results["chose it"], expected) and torch.equal(results["came after"], expected)
+    assert isinstance(results["opens"], GenerationServer)
+    results["opens"].close()
+
+
+def test_a_generate_during_a_servers_opening_runs_through_it_and_a_second_server_is_a_usage_error(
+    split_lm, monkeypatch
+):
+    """[Note: one user of the caches at a time] A generate waited for the caches' turn while a server opened, then
+    for the server's whole life; a second lm.server() then waited for the first to close and opened."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    expected = split_lm.generate(prompt[None], max_new_tokens=3)
+    turn, opening, let_open = _TurnWaits(), threading.Event(), threading.Event()
+    monkeypatch.setattr(split_lm, "_turn", turn, raising=False)
+
+    def slow_to_open(**options):
+        opening.set()
+        assert let_open.wait(60)
+        return _StepsInThisProcess(split_lm)
+
+    monkeypatch.setattr(split_lm.compiled, "server", slow_to_open)
+    results: dict[str, object] = {}
+    opener = _in_a_thread(results, "opened", split_lm.server)
+    try:
+        assert opening.wait(60)
+        second = _in_a_thread(results, "second", split_lm.server)
+        second.join(60)
+        assert isinstance(results.get("second"), moirai.UsageError), results.get("second")
+        assert "has a server open already" in str(results["second"])
+        generating = _in_a_thread(results, "generated", lambda: split_lm.generate(prompt[None], max_new_tokens=3))
+        _until(lambda: generating in turn.waiters, "the generate waits for the server to open")
+    finally:
+        let_open.set()
+    opener.join(60)
+    server = results["opened"]
+    try:
+        generating.join(60)  # while the server is open, holding the caches: it ran through the server
+        assert torch.equal(results["generated"], expected)
+    finally:
+        server.close()
+
+
 class _StepsThatSayClosed(_StepsInThisProcess):
     def __init__(self, lm: moirai.CompiledLM) -> None:
         super().__init__(lm)

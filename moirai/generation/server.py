@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import queue
 import threading
@@ -35,6 +36,11 @@ from moirai.runtime.server import close_when_dropped
 
 if TYPE_CHECKING:
     from moirai.generation.lm import CompiledLM
+
+
+class ServerClosing(Exception):
+    """The open server a :meth:`CompiledLM.generate` chose began to close before any of its rows went in: the
+    generate waits for the close and runs in the calling process (never reaches a user)."""
 
 
 class GenerationServer:
@@ -200,6 +206,9 @@ class Serving:
         self.engine = lm.engine(step_server.submit_flat, depth, step_server.worlds)
         self._stopped = threading.Event()
         self._closed = False  # a close has finished: the ranks are stopped and the caches given back
+        # A generate of the LM's puts its rows in under it, and close marks the engine closed under it: all of
+        # them are served, or none and it runs in the calling process (re-entrant: a streamer may close).
+        self._admitting = threading.RLock()
         self._thread = threading.Thread(target=self._serve, name="moirai-generation", daemon=True)
         self._thread.start()
 
@@ -209,6 +218,26 @@ class Serving:
         """:meth:`GenerationServer.generate` with its options read."""
         self.check_outside_loop("generate")
         return generate_rows(self._lm, self.engine, input_ids, attention_mask, options)
+
+    def generate_for_lm(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, options: GenerateOptions
+    ) -> Any:
+        """:meth:`CompiledLM.generate` through this server: :class:`ServerClosing` where its close has begun before
+        the rows went in ([Note: one user of the caches at a time])."""
+        self.check_outside_loop("generate")
+        return generate_rows(self._lm, self.engine, input_ids, attention_mask, options, admitting=self._admitting_rows)
+
+    @contextlib.contextmanager
+    def _admitting_rows(self) -> Iterator[None]:
+        with self._admitting:
+            if self.closing:
+                raise ServerClosing
+            yield
+
+    @property
+    def closing(self) -> bool:
+        """Its close has begun: sequences submitted before are served, later ones refused."""
+        return self.engine.closed
 
     def check_outside_loop(self, call: str) -> None:
         """A :class:`UsageError` where ``call``, which waits for tokens, runs in the loop's own thread (a callback
@@ -234,7 +263,8 @@ class Serving:
             self.engine.cancel_all()
         if self._closed:
             return
-        self.engine.close()  # before the loop may end: a submit racing this close is served, or refused
+        with self._admitting:  # a generate's rows all go in, or none
+            self.engine.close()  # before the loop may end: a submit racing this close is served, or refused
         self._stopped.set()
         self._thread.join()
         self._step_server.close()  # finishes a close of its own that was cut short
