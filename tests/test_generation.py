@@ -751,6 +751,59 @@ def test_a_generate_during_a_servers_opening_runs_through_it_and_a_second_server
         server.close()
 
 
+class _StepsClosedOnceAtATime(_StepsClosedWhenLetGo):
+    """As the step server's close: one called while another runs returns at once."""
+
+    def __init__(self, lm: moirai.CompiledLM) -> None:
+        super().__init__(lm)
+        self.closed = threading.Event()
+
+    def close(self) -> None:
+        if not self.closing.is_set():
+            super().close()
+            self.closed.set()
+
+
+class _NotedLock:
+    """A lock that notes each thread that comes to take it."""
+
+    def __init__(self) -> None:
+        self.lock, self.takers = threading.Lock(), set()
+
+    def __enter__(self) -> None:
+        self.takers.add(threading.current_thread())
+        self.lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.lock.release()
+
+
+def test_a_close_called_while_another_runs_returns_once_the_server_has_closed(split_lm, monkeypatch):
+    """The second returned before the ranks had stopped and gave the caches back while they still stopped."""
+    steps, closing = _StepsClosedOnceAtATime(split_lm), _NotedLock()
+    monkeypatch.setattr(split_lm.compiled, "server", lambda **options: steps)
+    server = split_lm.server()
+    monkeypatch.setattr(server._serving, "_closing", closing, raising=False)
+    at_return: dict[str, object] = {}
+    first = threading.Thread(target=server.close)
+    first.start()
+    try:
+        assert steps.closing.wait(60)  # the first close stops the ranks
+
+        def close_again() -> tuple[bool, object]:
+            server.close()
+            return steps.closed.is_set(), split_lm._open_server
+
+        second = _in_a_thread(at_return, "second", close_again)
+        _until(lambda: second in closing.takers or not second.is_alive(), "the second close runs")
+    finally:
+        steps.let_go.set()
+    for thread in (first, second):
+        thread.join(60)
+    assert at_return["second"] == (True, None)  # the ranks had stopped, and only then were the caches given back
+    split_lm.server().close()
+
+
 class _StepsThatSayClosed(_StepsInThisProcess):
     def __init__(self, lm: moirai.CompiledLM) -> None:
         super().__init__(lm)

@@ -206,6 +206,9 @@ class Serving:
         self.engine = lm.engine(step_server.submit_flat, depth, step_server.worlds)
         self._stopped = threading.Event()
         self._closed = False  # a close has finished: the ranks are stopped and the caches given back
+        # Held by the close under way: another waits for it to finish (it returned at once and gave the caches
+        # back while the ranks still stopped); one cut short releases it, leaving its work to the next.
+        self._closing = threading.Lock()
         # A generate of the LM's puts its rows in under it, and close marks the engine closed under it: all of
         # them are served, or none and it runs in the calling process (re-entrant: a streamer may close).
         self._admitting = threading.RLock()
@@ -251,7 +254,8 @@ class Serving:
 
     def close(self, cancel: bool = False) -> None:
         """:meth:`GenerationServer.close`. Each step below may run again: a close cut short (Ctrl-C while it waits
-        for the sequences) is finished by the next, which joins the loop if it still runs and closes what is left."""
+        for the sequences) is finished by the next, which joins the loop if it still runs and closes what is left.
+        One called while another runs returns once that one has finished (it cancels first, when asked to)."""
         if threading.current_thread() is self._thread:
             raise UsageError(
                 "the server was closed from a done callback of a sequence's future (or a streamer): it runs in the "
@@ -259,17 +263,18 @@ class Serving:
                 "there; close the server from your own thread (the callback can set a threading.Event that thread "
                 "waits for)"
             )
-        if cancel:
+        if cancel:  # before waiting for a close under way: it waits for these sequences
             self.engine.cancel_all()
-        if self._closed:
-            return
-        with self._admitting:  # a generate's rows all go in, or none
-            self.engine.close()  # before the loop may end: a submit racing this close is served, or refused
-        self._stopped.set()
-        self._thread.join()
-        self._step_server.close()  # finishes a close of its own that was cut short
-        self._lm.server_closed(self)
-        self._closed = True
+        with self._closing:
+            if self._closed:
+                return
+            with self._admitting:  # a generate's rows all go in, or none
+                self.engine.close()  # before the loop may end: a submit racing this close is served, or refused
+            self._stopped.set()
+            self._thread.join()
+            self._step_server.close()  # finishes a close of its own that was cut short
+            self._lm.server_closed(self)
+            self._closed = True
 
     def _serve(self) -> None:
         try:
