@@ -576,6 +576,29 @@ def test_done_callbacks_may_submit_and_are_told_not_to_close(split_lm):
         server.submit(prompt, max_new_tokens=2)
 
 
+def test_a_callback_that_streams_or_generates_is_told_to_call_from_its_own_thread(split_lm, monkeypatch):
+    """A stream read in on_token waited for ever, in the server's thread, for tokens only that thread makes: the
+    server hung, and a plain close with it."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    expected = hf_like(split_lm, prompt, 3)
+    monkeypatch.setattr(split_lm.compiled, "server", lambda **options: _StepsInThisProcess(split_lm))
+    server = split_lm.server()
+    try:  # a failure below closes with cancel=True, which ends a callback stuck in the stream it reads
+        made_here = server.stream(prompt, max_new_tokens=2)
+        callbacks = [
+            ("stream", lambda _: list(server.stream(prompt, max_new_tokens=2))),
+            ("stream", lambda _: next(made_here)),  # a stream made elsewhere, read in the callback
+            ("generate", lambda _: server.generate(prompt[None], max_new_tokens=2)),
+            ("generate", lambda _: split_lm.generate(prompt[None], max_new_tokens=2)),  # through the server
+        ]
+        for call, on_token in callbacks:
+            with pytest.raises(moirai.UsageError, match=f"{call} .*from a callback of a sequence.*your own thread"):
+                server.submit(prompt, max_new_tokens=3, on_token=on_token).result(timeout=60)
+        assert server.submit(prompt, max_new_tokens=3).result(timeout=60) == expected
+    finally:
+        server.close(cancel=True)
+
+
 class _StepsClosedOnce(_SlowStepsInThisProcess):
     """Slow steps whose server's close is cut short by a Ctrl-C the first time it stops them."""
 
@@ -612,6 +635,173 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(split_lm, monkeypat
     server.close()
     assert not loop.is_alive() and steps.closes == 2 and future.result() == expected
     split_lm.server().close()  # the caches' turn was given back
+
+
+class _TurnWaits(threading.Condition):
+    """A CompiledLM's caches' turn that notes each thread that waits for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiters: set[threading.Thread] = set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiters.add(threading.current_thread())
+        return super().wait(timeout)
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + 60  # a bound on a hang, not a timing
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+class _StepsClosedWhenLetGo(_StepsInThisProcess):
+    """Steps whose server's close, once begun, waits for the test to let it go on."""
+
+    def __init__(self, lm: moirai.CompiledLM) -> None:
+        super().__init__(lm)
+        self.closing, self.let_go = threading.Event(), threading.Event()
+
+    def close(self) -> None:
+        self.closing.set()
+        assert self.let_go.wait(60)
+
+
+def _in_a_thread(results: dict, name: str, call) -> threading.Thread:
+    def run() -> None:
+        try:
+            results[name] = call()
+        except BaseException as error:
+            results[name] = error
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    return thread
+
+
+def test_a_generate_or_a_server_that_meets_a_closing_server_waits_for_its_close(split_lm, monkeypatch):
+    """[Note: one user of the caches at a time] lm.generate that met a server closing raised "this generation server
+    is closed" (the user never called that server), and lm.server() then was a UsageError."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    expected = split_lm.generate(prompt[None], max_new_tokens=3)
+    turn, steps, chosen = _TurnWaits(), _StepsClosedWhenLetGo(split_lm), threading.Event()
+    monkeypatch.setattr(split_lm, "_turn", turn, raising=False)
+    monkeypatch.setattr(split_lm.compiled, "server", lambda **options: steps)
+    server = split_lm.server()
+
+    def chosen_then_closed(call: str) -> None:  # a generate chose the server; its close begins before the rows go in
+        chosen.set()
+        assert steps.closing.wait(60)
+
+    monkeypatch.setattr(server._serving, "check_outside_loop", chosen_then_closed)
+    results: dict[str, object] = {}
+    threads = [_in_a_thread(results, "chose it", lambda: split_lm.generate(prompt[None], max_new_tokens=3))]
+    try:
+        assert chosen.wait(60)
+        closing = threading.Thread(target=server.close)
+        closing.start()
+        assert steps.closing.wait(60)  # the ranks are stopping: the server holds the caches still
+        threads.append(_in_a_thread(results, "came after", lambda: split_lm.generate(prompt[None], max_new_tokens=3)))
+        threads.append(_in_a_thread(results, "opens", split_lm.server))
+        _until(lambda: set(threads) <= turn.waiters, "each waits for the close")
+    finally:
+        steps.let_go.set()
+    for thread in [*threads, closing]:
+        thread.join(60)
+    assert torch.equal(results["chose it"], expected) and torch.equal(results["came after"], expected)
+    assert isinstance(results["opens"], GenerationServer)
+    results["opens"].close()
+
+
+def test_a_generate_during_a_servers_opening_runs_through_it_and_a_second_server_is_a_usage_error(
+    split_lm, monkeypatch
+):
+    """[Note: one user of the caches at a time] A generate waited for the caches' turn while a server opened, then
+    for the server's whole life; a second lm.server() then waited for the first to close and opened."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    expected = split_lm.generate(prompt[None], max_new_tokens=3)
+    turn, opening, let_open = _TurnWaits(), threading.Event(), threading.Event()
+    monkeypatch.setattr(split_lm, "_turn", turn, raising=False)
+
+    def slow_to_open(**options):
+        opening.set()
+        assert let_open.wait(60)
+        return _StepsInThisProcess(split_lm)
+
+    monkeypatch.setattr(split_lm.compiled, "server", slow_to_open)
+    results: dict[str, object] = {}
+    opener = _in_a_thread(results, "opened", split_lm.server)
+    try:
+        assert opening.wait(60)
+        second = _in_a_thread(results, "second", split_lm.server)
+        second.join(60)
+        assert isinstance(results.get("second"), moirai.UsageError), results.get("second")
+        assert "has a server open already" in str(results["second"])
+        generating = _in_a_thread(results, "generated", lambda: split_lm.generate(prompt[None], max_new_tokens=3))
+        _until(lambda: generating in turn.waiters, "the generate waits for the server to open")
+    finally:
+        let_open.set()
+    opener.join(60)
+    server = results["opened"]
+    try:
+        generating.join(60)  # while the server is open, holding the caches: it ran through the server
+        assert torch.equal(results["generated"], expected)
+    finally:
+        server.close()
+
+
+class _StepsClosedOnceAtATime(_StepsClosedWhenLetGo):
+    """As the step server's close: one called while another runs returns at once."""
+
+    def __init__(self, lm: moirai.CompiledLM) -> None:
+        super().__init__(lm)
+        self.closed = threading.Event()
+
+    def close(self) -> None:
+        if not self.closing.is_set():
+            super().close()
+            self.closed.set()
+
+
+class _NotedLock:
+    """A lock that notes each thread that comes to take it."""
+
+    def __init__(self) -> None:
+        self.lock, self.takers = threading.Lock(), set()
+
+    def __enter__(self) -> None:
+        self.takers.add(threading.current_thread())
+        self.lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.lock.release()
+
+
+def test_a_close_called_while_another_runs_returns_once_the_server_has_closed(split_lm, monkeypatch):
+    """The second returned before the ranks had stopped and gave the caches back while they still stopped."""
+    steps, closing = _StepsClosedOnceAtATime(split_lm), _NotedLock()
+    monkeypatch.setattr(split_lm.compiled, "server", lambda **options: steps)
+    server = split_lm.server()
+    monkeypatch.setattr(server._serving, "_closing", closing, raising=False)
+    at_return: dict[str, object] = {}
+    first = threading.Thread(target=server.close)
+    first.start()
+    try:
+        assert steps.closing.wait(60)  # the first close stops the ranks
+
+        def close_again() -> tuple[bool, object]:
+            server.close()
+            return steps.closed.is_set(), split_lm._open_server
+
+        second = _in_a_thread(at_return, "second", close_again)
+        _until(lambda: second in closing.takers or not second.is_alive(), "the second close runs")
+    finally:
+        steps.let_go.set()
+    for thread in (first, second):
+        thread.join(60)
+    assert at_return["second"] == (True, None)  # the ranks had stopped, and only then were the caches given back
+    split_lm.server().close()
 
 
 class _StepsThatSayClosed(_StepsInThisProcess):
@@ -663,6 +853,44 @@ def test_a_callback_that_raises_fails_its_own_sequence_alone_even_with_system_ex
         assert [future.result(timeout=60) for future in others] == [expected, expected]
         assert server.submit(prompt, max_new_tokens=5).result(timeout=60) == expected
     assert "exception calling callback" in caplog.text and "a done callback's exit" in caplog.text
+
+
+def test_a_keyboard_interrupt_from_a_callback_fails_its_own_sequence_alone_in_the_servers_thread(split_lm, caplog):
+    """[Note: whose KeyboardInterrupt] One from an on_token, a done callback or a streamer in the server's thread (no
+    Ctrl-C reaches it) ended the loop: every sequence failed with it, and every later submit was refused. Where the
+    loop runs in the caller's thread (a local generate), it stops the call, as the user's Ctrl-C must."""
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
+    expected = hf_like(split_lm, prompt, 5)
+    callback_added = threading.Event()
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    class InterruptingStreamer:
+        def put(self, value: torch.Tensor) -> None:
+            if value.dim() == 1:  # a token, not the prompt
+                interrupt()
+
+        def end(self) -> None:
+            pass
+
+    with GenerationServer(split_lm, _StepsInThisProcess(split_lm), depth=2) as server:
+        interrupted = server.submit(prompt, max_new_tokens=5, on_token=interrupt)
+        others = [server.submit(prompt, max_new_tokens=5, on_token=lambda _: callback_added.wait(60))]
+        others[0].add_done_callback(interrupt)
+        callback_added.set()
+        others.append(server.submit(prompt, max_new_tokens=5))
+        with pytest.raises(moirai.RequestError, match="on_token callback raised KeyboardInterrupt") as failed:
+            interrupted.result(timeout=60)
+        assert isinstance(failed.value.__cause__, KeyboardInterrupt)
+        assert [future.result(timeout=60) for future in others] == [expected, expected]
+        with pytest.raises(moirai.RequestError, match="on_token callback raised KeyboardInterrupt"):
+            server.generate(prompt[None], max_new_tokens=5, streamer=InterruptingStreamer())
+        assert server.submit(prompt, max_new_tokens=5).result(timeout=60) == expected
+    assert "exception calling callback" in caplog.text and "KeyboardInterrupt" in caplog.text
+    with pytest.raises(KeyboardInterrupt):
+        split_lm.generate(prompt[None], max_new_tokens=5, streamer=InterruptingStreamer())
+    assert split_lm.generate(prompt[None], max_new_tokens=5)[0, 6:].tolist() == expected
 
 
 def hf_like(lm: moirai.CompiledLM, prompt: torch.Tensor, new_tokens: int) -> list[int]:

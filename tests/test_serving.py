@@ -274,6 +274,32 @@ def test_done_callbacks_may_submit_and_are_told_not_to_close(chain) -> None:
             torch.testing.assert_close(outcome.result(timeout=60.0)[0], _eager(model, y))
 
 
+@pytest.mark.slow
+def test_a_keyboard_interrupt_from_a_done_callback_in_the_servers_thread_is_logged_and_the_server_serves_on(
+    chain, caplog
+) -> None:
+    """[Note: whose KeyboardInterrupt] No Ctrl-C reaches the server's threads: one from a done callback there is
+    user code's. It ended the completer's loop, failing the requests in flight and the driver with them."""
+    model, compiled = chain
+    x, y = torch.randn(4, 64), torch.randn(4, 64)
+    caller, interrupted = threading.current_thread(), threading.Event()
+
+    def interrupt(_: Future) -> None:
+        if threading.current_thread() is not caller:  # in the caller's thread (settled already): not what is tested
+            interrupted.set()
+            raise KeyboardInterrupt
+
+    with compiled.server(timeout_s=10.0) as server:
+        while not interrupted.is_set():
+            first = server.submit(x)
+            first.add_done_callback(interrupt)
+            behind = server.submit(y)  # in flight when the callback raises, or submitted after
+            torch.testing.assert_close(first.result(timeout=60.0), _eager(model, x))
+            torch.testing.assert_close(behind.result(timeout=60.0), _eager(model, y))
+        torch.testing.assert_close(server.submit(x).result(timeout=60.0), _eager(model, x))
+    assert "exception calling callback" in caplog.text and "KeyboardInterrupt" in caplog.text
+
+
 def close_in_a_done_callback(server, submit: Callable[[], Future]) -> object:
     """What ``server.close()`` raised in a done callback of a request ``submit()`` made, run in the server's own
     thread (a request that finished before its callback was added runs it here: it is submitted again), or

@@ -169,6 +169,7 @@ class Engine:
         self._unsettled_lock = threading.Lock()
         self.failure: BaseException | None = None  # what ended a serving loop: every later sequence fails with it
         self.closed = False  # its server is closing: sequences added so far are served, later ones refused
+        self._in_callers_thread = False  # the loop runs in its caller's thread ([Note: whose KeyboardInterrupt])
 
     def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         """:class:`InputError` unless a sequence of this prompt and length fits a slot and its tokens are the
@@ -270,7 +271,8 @@ class Engine:
             self._unsettled.discard(future)
 
     def run_until_idle(self) -> None:
-        """Serve every sequence added so far (and any added meanwhile) to its end."""
+        """Serve every sequence added so far (and any added meanwhile) to its end, in the calling thread."""
+        self._in_callers_thread = True
         while self._admit(block=False) or self._active or self._in_flight:
             self._round()
 
@@ -455,9 +457,9 @@ class Engine:
         if sequence.on_token is not None:
             try:
                 sequence.on_token(token)
-            except KeyboardInterrupt:
-                raise  # the user's Ctrl-C, where the loop runs in their thread (a local generate)
             except BaseException as error:  # a caller's callback failing ends its own sequence only
+                if self._in_callers_thread and isinstance(error, KeyboardInterrupt):
+                    raise  # [Note: whose KeyboardInterrupt]
                 self._end(sequence, _callback_failure(error))
                 return
         if sequence.finished:
@@ -472,7 +474,7 @@ class Engine:
         if sequence in self._active:
             self._active.remove(sequence)
             self._free_slots.append(sequence.slot)
-        settle_future(sequence.future, list(sequence.tokens), error)
+        settle_future(sequence.future, list(sequence.tokens), error, self._in_callers_thread)
 
     def _drain_waiting(self) -> list[SequenceState]:
         drained = []
@@ -485,8 +487,9 @@ class Engine:
 
 def _callback_failure(error: BaseException) -> BaseException:
     """What a sequence whose ``on_token`` raised ``error`` fails with: the error itself, but a BaseException that
-    is no Exception (a ``sys.exit()``) as the cause of a :class:`RequestError`, as ``future.result()`` would raise it
-    in the waiting thread (exiting it) and it ended the server's loop, every sequence with it."""
+    is no Exception (a ``sys.exit()``, a KeyboardInterrupt in a server's thread) as the cause of a
+    :class:`RequestError`, as ``future.result()`` would raise it in the waiting thread (exiting it) and it ended the
+    server's loop, every sequence with it."""
     if isinstance(error, Exception):
         return error
     failed = RequestError(f"the sequence's on_token callback raised {error!r}")

@@ -25,7 +25,7 @@ import re
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -75,7 +75,7 @@ from moirai.generation.requests import (
     prompt_rows,
     unapplied_settings,
 )
-from moirai.generation.server import GenerationServer, Serving
+from moirai.generation.server import GenerationServer, ServerClosing, Serving
 from moirai.generation.step import (
     STEP_CALL,
     CacheShape,
@@ -130,8 +130,15 @@ class CompiledLM:
     # [Note: one user of the caches at a time] The KV caches are buffers of the one step program, and every local
     # generate and the part an open server runs in this process write them, each engine handing out slots from 0.
     # So they take turns: a generate waits for another thread's, or runs through the open server; a server holds
-    # the turn until it closes, and one is open at a time.
-    _cache_turn: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    # the turn from its opening until its close has finished, and one is open at a time. Every choice between
+    # these is made under one condition, and made again after each wait: a generate read the open server outside
+    # any lock and then waited for the turn, so it waited out the whole life of a server opened meanwhile, or ran
+    # into one closing and raised that "this generation server is closed" (the user never called it); two
+    # server() calls both passed the check and the second opened once the first had closed. A server whose close
+    # has begun is open no more: a generate or a server() that meets it waits for its close and takes the turn.
+    _turn: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False, compare=False)
+    _turn_taken: bool = field(default=False, init=False, repr=False, compare=False)  # a generate's, or a server's
+    _opening: bool = field(default=False, init=False, repr=False, compare=False)  # a server() starts its ranks
     _open_server: Serving | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -322,47 +329,82 @@ class CompiledLM:
         """
         options = GenerateOptions.of(locals(), others)  # first: locals() is the parameters alone
         input_ids = prompt_rows(input_ids, inputs)
-        server = self._open_server
-        if server is not None:  # [Note: one user of the caches at a time]
-            return server.generate_with(input_ids, attention_mask, options)
-        with self._cache_turn:
-            engine = self.engine(lambda inputs: done_future(lambda: self.compiled(*inputs)), depth=1)
-            return generate_rows(self, engine, input_ids, attention_mask, options, drive=engine.run_until_idle)
+        while True:
+            server = self._open_server_or_turn()  # [Note: one user of the caches at a time]
+            if server is None:
+                try:
+                    engine = self.engine(lambda inputs: done_future(lambda: self.compiled(*inputs)), depth=1)
+                    return generate_rows(self, engine, input_ids, attention_mask, options, drive=engine.run_until_idle)
+                finally:
+                    self._give_turn_back()
+            try:
+                return server.generate_for_lm(input_ids, attention_mask, options)
+            except ServerClosing:
+                continue  # its close began after it was chosen, before any row went in: wait for it, run here
+
+    def _open_server_or_turn(self) -> Serving | None:
+        """The open server a generate runs through, or None with the caches' turn taken (waiting for another
+        thread's generate, or for a server's opening or close to finish)."""
+        with self._turn:
+            while True:
+                server = self._open_server
+                if server is not None and not server.closing:
+                    return server
+                if not self._turn_taken:
+                    self._turn_taken = True
+                    return None
+                self._turn.wait()
+
+    def _give_turn_back(self) -> None:
+        with self._turn:
+            self._turn_taken = False
+            self._turn.notify_all()
 
     def server(self, timeout_s: float = DEFAULT_TIMEOUT_S, max_in_flight: int | None = None) -> GenerationServer:
         """A server that generates for many sequences at once, one process per device (see
         :class:`GenerationServer`); ``max_in_flight`` steps in flight (default: one per stage, at least 2). One is
-        open at a time, and :meth:`generate` runs through it while it is."""
-        if self._open_server is not None:  # [Note: one user of the caches at a time]
-            raise UsageError(
-                "this CompiledLM has a server open already, and its caches serve one at a time: submit to that "
-                "server (lm.generate runs through it too), or close it before opening another"
-            )
+        open at a time (a second is a :class:`UsageError`; one whose close has begun is waited for), and
+        :meth:`generate` runs through it while it is."""
         depth = max(2, self.stages) if max_in_flight is None else max_in_flight
-        with self._cache_turn_held_on_failure():
+        self._take_turn_to_open()
+        try:
             # The caches are each sequence's own, cleared by its first chunk: nothing of them need outlive the server.
             step_server = self.compiled.server(timeout_s=timeout_s, max_in_flight=depth, warn_state_left=False)
             server = GenerationServer(self, step_server, depth)
+        except BaseException:
+            with self._turn:
+                self._opening = False
+            self._give_turn_back()
+            raise
+        with self._turn:
             # What it runs, not the server itself: a server dropped unclosed must be collected to be closed.
-            self._open_server = server._serving
+            self._open_server, self._opening = server._serving, False
+            self._turn.notify_all()  # the generates waiting for its opening run through it
         return server
 
-    @contextlib.contextmanager
-    def _cache_turn_held_on_failure(self) -> Iterator[None]:
-        """Take the caches' turn (waiting for a generate in another thread) and give it back should the block
-        raise; otherwise the server that opened in it holds the turn until :meth:`server_closed`."""
-        self._cache_turn.acquire()
-        try:
-            yield
-        except BaseException:
-            self._cache_turn.release()
-            raise
+    def _take_turn_to_open(self) -> None:
+        """Take the caches' turn for a server about to open, waiting for a generate in another thread or a server's
+        close to finish; a :class:`UsageError` where a server is open or opening ([Note: one user of the caches at a
+        time]). The server holds the turn until :meth:`server_closed`."""
+        with self._turn:
+            while True:
+                server = self._open_server
+                if self._opening or (server is not None and not server.closing):
+                    raise UsageError(
+                        "this CompiledLM has a server open already, and its caches serve one at a time: submit to "
+                        "that server (lm.generate runs through it too), or close it before opening another"
+                    )
+                if not self._turn_taken:
+                    self._turn_taken = self._opening = True
+                    return
+                self._turn.wait()
 
     def server_closed(self, server: Serving) -> None:
         """``server`` (what this LM's open server runs) has closed: the caches are free for the next user."""
-        if self._open_server is server:
-            self._open_server = None
-            self._cache_turn.release()
+        with self._turn:
+            if self._open_server is server:
+                self._open_server, self._turn_taken = None, False
+                self._turn.notify_all()
 
     def save(self, path: str | Path) -> None:
         """Write :meth:`plan_record` to ``path``, from which :func:`load_lm` rebuilds this LM without planning again."""

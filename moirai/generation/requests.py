@@ -3,6 +3,7 @@ tokens put back as ``model.generate`` returns them."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
@@ -10,6 +11,7 @@ import reprlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -645,9 +647,11 @@ def generate_rows(
     attention_mask: torch.Tensor | None,
     options: GenerateOptions,
     drive: Callable[[], None] | None = None,
+    admitting: Callable[[], AbstractContextManager] = contextlib.nullcontext,
 ) -> Any:
     """A ``generate`` call through ``engine`` (``drive``: what runs the engine until the rows are done, when no
-    thread of its own serves it): its rows as sequences, their tokens as Hugging Face returns them."""
+    thread of its own serves it; ``admitting``: what the rows go in under): its rows as sequences, their tokens as
+    Hugging Face returns them."""
     lm.check_generation_config()  # the model's generation_config as it is now, as model.generate reads it
     defaults = lm.defaults.overridden_by(options.generation_config)
     request = GenerateRequest.of(lm, input_ids, attention_mask, options, defaults)
@@ -661,7 +665,8 @@ def generate_rows(
         repetition_penalty=options.repetition_penalty,
         min_p=options.min_p,
     )
-    futures = request.submit(engine, sampling, options.streamer)
+    with admitting():
+        futures = request.submit(engine, sampling, options.streamer)
     try:
         if drive is not None:
             drive()

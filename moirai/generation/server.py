@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import queue
 import threading
@@ -35,6 +36,11 @@ from moirai.runtime.server import close_when_dropped
 
 if TYPE_CHECKING:
     from moirai.generation.lm import CompiledLM
+
+
+class ServerClosing(Exception):
+    """The open server a :meth:`CompiledLM.generate` chose began to close before any of its rows went in: the
+    generate waits for the close and runs in the calling process (never reaches a user)."""
 
 
 class GenerationServer:
@@ -77,7 +83,10 @@ class GenerationServer:
         the model's ``generation_config``'s, as in :meth:`CompiledLM.generate` (``max_length`` counts the prompt
         too), and ``bans`` are the settings that ban tokens (:class:`~moirai.generation.bans.TokenBans`:
         ``min_new_tokens``, ``no_repeat_ngram_size``, ``bad_words_ids``...). ``future.cancel()`` ends the sequence
-        after its step in flight and frees its slot."""
+        after its step in flight and frees its slot. ``on_token`` and the future's done callbacks run in the
+        server's thread, which makes every sequence's tokens: they may submit, but must not wait for a sequence
+        (``other_future.result()`` there waits for ever; ``stream`` and ``generate`` there are a
+        :class:`UsageError`)."""
         if on_token is not None and not callable(on_token):  # else a TypeError in the server's thread, tokens later
             raise InputError(f"on_token must be a function called with each new token, or None; got {on_token!r}")
         if self._engine.closed:  # checked early too, before the work below (engine.add has the last word)
@@ -116,9 +125,17 @@ class GenerationServer:
         self, prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int | None = None, **options: Any
     ) -> Iterator[int]:
         """The new tokens of one sequence, each as soon as the last stage has sampled it; ``options`` as
-        :meth:`submit` takes them, but ``on_token``, which is this iterator's."""
+        :meth:`submit` takes them, but ``on_token``, which is this iterator's. Not from a callback of a sequence (in
+        the server's thread, which must go on to make the tokens): a :class:`UsageError`."""
         if "on_token" in options:  # else Python's "got multiple values for keyword argument 'on_token'"
             raise InputError("stream yields each token itself and takes no on_token; use submit(..., on_token=f)")
+        self._serving.check_outside_loop("stream")  # at the call: what follows runs at the first next()
+        return self._streamed(prompt_ids, max_new_tokens, options)
+
+    def _streamed(
+        self, prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int | None, options: dict[str, Any]
+    ) -> Iterator[int]:
+        """:meth:`stream`'s tokens, its arguments checked."""
         tokens: queue.Queue[int] = queue.Queue()
         future = self.submit(prompt_ids, max_new_tokens, on_token=tokens.put, **options)
         try:
@@ -127,7 +144,7 @@ class GenerationServer:
                     yield tokens.get(timeout=0.05)
                     continue
                 except queue.Empty:
-                    pass
+                    self._serving.check_outside_loop("stream")  # one made elsewhere may be read in a callback
                 if future.done():
                     sequence_tokens(future)  # a failed or cancelled sequence raises here
                     while not tokens.empty():
@@ -189,6 +206,12 @@ class Serving:
         self.engine = lm.engine(step_server.submit_flat, depth, step_server.worlds)
         self._stopped = threading.Event()
         self._closed = False  # a close has finished: the ranks are stopped and the caches given back
+        # Held by the close under way: another waits for it to finish (it returned at once and gave the caches
+        # back while the ranks still stopped); one cut short releases it, leaving its work to the next.
+        self._closing = threading.Lock()
+        # A generate of the LM's puts its rows in under it, and close marks the engine closed under it: all of
+        # them are served, or none and it runs in the calling process (re-entrant: a streamer may close).
+        self._admitting = threading.RLock()
         self._thread = threading.Thread(target=self._serve, name="moirai-generation", daemon=True)
         self._thread.start()
 
@@ -196,16 +219,43 @@ class Serving:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, options: GenerateOptions
     ) -> Any:
         """:meth:`GenerationServer.generate` with its options read."""
+        self.check_outside_loop("generate")
+        return generate_rows(self._lm, self.engine, input_ids, attention_mask, options)
+
+    def generate_for_lm(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, options: GenerateOptions
+    ) -> Any:
+        """:meth:`CompiledLM.generate` through this server: :class:`ServerClosing` where its close has begun before
+        the rows went in ([Note: one user of the caches at a time])."""
+        self.check_outside_loop("generate")
+        return generate_rows(self._lm, self.engine, input_ids, attention_mask, options, admitting=self._admitting_rows)
+
+    @contextlib.contextmanager
+    def _admitting_rows(self) -> Iterator[None]:
+        with self._admitting:
+            if self.closing:
+                raise ServerClosing
+            yield
+
+    @property
+    def closing(self) -> bool:
+        """Its close has begun: sequences submitted before are served, later ones refused."""
+        return self.engine.closed
+
+    def check_outside_loop(self, call: str) -> None:
+        """A :class:`UsageError` where ``call``, which waits for tokens, runs in the loop's own thread (a callback
+        of a sequence): it would wait for ever for tokens only that thread makes."""
         if threading.current_thread() is self._thread:
             raise UsageError(
-                "generate was called from a done callback of a sequence's future (or a streamer), in the server's "
-                "own thread, which would have to serve the call while waiting for it; call it from your own thread"
+                f"{call} was called from a callback of a sequence (an on_token, a done callback of its future or a "
+                "streamer), in the server's own thread, which would have to serve the call while waiting for it; "
+                "call it from your own thread"
             )
-        return generate_rows(self._lm, self.engine, input_ids, attention_mask, options)
 
     def close(self, cancel: bool = False) -> None:
         """:meth:`GenerationServer.close`. Each step below may run again: a close cut short (Ctrl-C while it waits
-        for the sequences) is finished by the next, which joins the loop if it still runs and closes what is left."""
+        for the sequences) is finished by the next, which joins the loop if it still runs and closes what is left.
+        One called while another runs returns once that one has finished (it cancels first, when asked to)."""
         if threading.current_thread() is self._thread:
             raise UsageError(
                 "the server was closed from a done callback of a sequence's future (or a streamer): it runs in the "
@@ -213,16 +263,18 @@ class Serving:
                 "there; close the server from your own thread (the callback can set a threading.Event that thread "
                 "waits for)"
             )
-        if cancel:
+        if cancel:  # before waiting for a close under way: it waits for these sequences
             self.engine.cancel_all()
-        if self._closed:
-            return
-        self.engine.close()  # before the loop may end: a submit racing this close is served, or refused
-        self._stopped.set()
-        self._thread.join()
-        self._step_server.close()  # finishes a close of its own that was cut short
-        self._lm.server_closed(self)
-        self._closed = True
+        with self._closing:
+            if self._closed:
+                return
+            with self._admitting:  # a generate's rows all go in, or none
+                self.engine.close()  # before the loop may end: a submit racing this close is served, or refused
+            self._stopped.set()
+            self._thread.join()
+            self._step_server.close()  # finishes a close of its own that was cut short
+            self._lm.server_closed(self)
+            self._closed = True
 
     def _serve(self) -> None:
         try:

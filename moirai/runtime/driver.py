@@ -467,13 +467,13 @@ def _thread_count(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def settle_future(future: Future, result: Any, error: BaseException | None) -> None:
+def settle_future(future: Future, result: Any, error: BaseException | None, in_callers_thread: bool = False) -> None:
     """Set ``future``'s result (or ``error``) unless it has settled: its caller may cancel it from another thread at
     any moment (nothing marks it running), even between a check and the set. Its done callbacks run here, so call
     it holding no lock they might take. A callback that raises is logged, as concurrent.futures logs an Exception,
     also where it raises a BaseException (a ``sys.exit()``), which concurrent.futures lets out: here it ended the
     server's thread and failed every other request; the future's callbacks after it do not run. A
-    KeyboardInterrupt goes on: where this runs in the caller's thread (a local generate), it is the user's Ctrl-C."""
+    KeyboardInterrupt goes on ``in_callers_thread`` alone ([Note: whose KeyboardInterrupt])."""
     try:
         if error is None:
             future.set_result(result)
@@ -481,7 +481,15 @@ def settle_future(future: Future, result: Any, error: BaseException | None) -> N
             future.set_exception(error)
     except InvalidStateError:
         pass  # cancelled (or settled) first: nobody waits for this result
-    except KeyboardInterrupt:
-        raise
-    except BaseException:
+    except BaseException as raised:
+        if in_callers_thread and isinstance(raised, KeyboardInterrupt):
+            raise
         _futures_log.exception("exception calling callback for %r", future)
+
+
+# [Note: whose KeyboardInterrupt]
+# Python delivers a real Ctrl-C to the main thread alone. Where a loop runs in its caller's thread (the engine of a
+# local generate), a KeyboardInterrupt out of a callback may be that Ctrl-C, and must stop the call: it goes on. In a
+# server's own threads (the generation loop, the driver's completer) it can only be user code's (an on_token, a done
+# callback, a streamer's put that raised it): letting it out ended the thread, failing every user's requests and
+# refusing every later one, so there it is handled as a sys.exit() is, failing or logged for its own request alone.
