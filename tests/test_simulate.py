@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -434,3 +436,43 @@ def test_an_order_that_lists_a_task_on_a_device_it_is_not_placed_on_is_refused()
     plan = Plan(np.array([0, 1]), problem.device_names, order=((0, 1), ()))
     with pytest.raises(PlanError, match="plan order lists a task on device 0 that is placed elsewhere"):
         simulate(problem, plan)
+
+
+def test_a_plan_with_too_few_or_too_many_device_orders_or_fractional_devices_is_a_plan_error():
+    """An order of fewer lists than devices was a raw IndexError in the simulator (through with_plan too), one of
+    more lists was accepted, and a device index 1.9 was device 1."""
+    from moirai.testing import random_problem
+
+    problem = random_problem(0, num_tasks=4, num_devices=2)
+    for order in (((0, 1, 2, 3),), ((0, 1, 2, 3), (), ())):
+        with pytest.raises(PlanError, match=r"plan order lists \d devices, the problem has 2"):
+            simulate(problem, Plan([0, 0, 0, 0], problem.device_names, order=order))
+    with pytest.raises(PlanError, match=r"'placement' must be whole device indices, got \[0.0, 0.0, 0.0, 1.9\]"):
+        Plan([0, 0, 0, 1.9], problem.device_names)
+    assert Plan([0.0, 1.0, 0, 1], problem.device_names).placement.tolist() == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda d: d.pop("placement"), "a plan needs 'placement'"),
+        (lambda d: d.update(placement=["x"] * 4), "'placement' must be whole device indices"),
+        (lambda d: d.update(transfer_order=[[0, 1]]), "'transfer_order' must be a list of [source device"),
+        (lambda d: d.update(order=[[0, 1], "ab"]), "'order' must be a list of task lists"),
+        (lambda d: d.update(makespan_s="fast"), "'makespan_s' must be a number"),
+        (lambda d: d.update(report=[1]), "'report' must be a table"),
+        (lambda d: d.update(device_names="ab"), "'device_names' must be a list of names"),
+    ],
+)
+def test_plan_from_dict_names_the_field_that_is_wrong(edit, words):
+    """Each was a raw KeyError, ValueError, IndexError or AttributeError."""
+    from moirai.planning.placers import place
+    from moirai.testing import random_problem
+
+    problem = random_problem(0, num_tasks=4, num_devices=2)
+    plan = place(problem, "heft")
+    record = plan.to_dict()
+    assert simulate(problem, Plan.from_dict(record)).makespan_s == simulate(problem, plan).makespan_s
+    edit(record)
+    with pytest.raises(PlanError, match=re.escape(words)):
+        Plan.from_dict(record)
