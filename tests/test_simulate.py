@@ -476,3 +476,16 @@ def test_plan_from_dict_names_the_field_that_is_wrong(edit, words):
     edit(record)
     with pytest.raises(PlanError, match=re.escape(words)):
         Plan.from_dict(record)
+
+
+def test_a_tensor_listed_twice_in_a_transfer_order_is_named():
+    """It said 'missing [], not sent []', naming nothing."""
+    from moirai.planning.placers import place
+    from moirai.testing import random_problem
+
+    problem = random_problem(1, num_tasks=6, num_devices=2)
+    plan = place(problem, "round_robin")  # a split: tensors cross
+    (link, tensors), *_ = simulate(problem, plan).transfer_order().items()
+    twice = Plan(plan.placement, plan.device_names, transfer_order={link: (*tensors, tensors[0])})
+    with pytest.raises(PlanError, match=rf"listed twice \[{tensors[0]}\]"):
+        simulate(problem, twice)

@@ -185,9 +185,11 @@ def _link_sequences(problem: Problem, plan: Plan, transfers: ImpliedTransfers) -
         if sorted(tensors) != sorted(expected):
             missing = sorted(set(expected) - set(tensors))
             extra = sorted(set(tensors) - set(expected))
+            twice = sorted({t for t in tensors if list(tensors).count(t) > 1})
             raise PlanError(
                 f"transfer_order for link {problem.device_names[a]!r} -> {problem.device_names[b]!r} must list "
-                f"exactly the tensors the placement sends over it once each (missing {missing}, not sent {extra})"
+                f"exactly the tensors the placement sends over it once each (missing {missing}, not sent {extra}"
+                + (f", listed twice {twice})" if twice else ")")
             )
         sequences[a * k + b] = [expected[t] for t in tensors]
     return sequences
