@@ -496,7 +496,9 @@ def _solve_whole(
     info: SolverReport,
     objective: Objective,
 ) -> tuple[Plan, Timeline]:
-    """The full MILP, warm-started from ``start_plan``; falls back to it if the solver finds nothing better."""
+    """The full MILP, warm-started from ``start_plan``; falls back to it if the solver finds nothing better or
+    nothing ``objective`` accepts (the model need not hold its limit: TTFT), and raises InfeasibleError when there
+    is no start plan to fall back to."""
     if start_plan is not None and formulation_named(info.formulation).breaks_symmetry:
         start_plan, timeline = _relabeled(problem, start_plan)
     horizon = _horizon_s(problem, timeline, objective)
@@ -533,6 +535,8 @@ def _solve_whole(
     start = np.array([solution.start_s[i] for i in range(problem.num_tasks)])
     plan = plan_from_times(problem, placement, start, solution.transfer_start_s, "milp")
     solved = simulate(problem, plan)
+    if not objective.acceptable(solved):  # a limit the model does not hold (TTFT): the start, else none
+        return _fallback(problem, start_plan, timeline, objective)
     if timeline is not None and objective.improves(timeline, solved):
         return start_plan, timeline
     return plan, solved
