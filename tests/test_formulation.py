@@ -8,6 +8,7 @@ import numpy as np
 import pyomo.environ as pyo
 import pytest
 
+from moirai.errors import InfeasibleError
 from moirai.planning.bounds import lower_bound
 from moirai.planning.highs import run_highs
 from moirai.planning.placers import place
@@ -167,3 +168,11 @@ def test_the_papers_optimal_schedule_satisfies_every_strong_row():
         for horizon in (optimum.makespan_s, start.makespan_s):  # a horizon above the optimum keeps more devices
             strong = build_model(problem, whole_problem(problem, horizon), "strong")
             assert violated_rows(strong, optimum) == [], seed
+
+
+def test_a_horizon_that_narrowing_leaves_a_task_no_device_under_is_infeasible():
+    """A round of narrowing can empty a task's devices; the next round must not run (it took a minimum over none)."""
+    problem = random_problem(47, num_tasks=5, num_devices=2, slowdown=1.5)  # latency optimum about 5.82 s
+    for horizon in np.linspace(2.5, 5.8, 34):
+        with pytest.raises(InfeasibleError, match="cannot finish on any device within the horizon"):
+            build_model(problem, whole_problem(problem, horizon), "strong")

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from moirai.errors import InfeasibleError
 from moirai.planning.objective import OBJECTIVES, Throughput
 from moirai.planning.placers import get_placer, place
 from moirai.planning.placers.contiguous import place_contiguous
@@ -133,3 +134,20 @@ def test_loads_without_every_task_leave_only_what_every_request_costs(seed: int)
     np.testing.assert_allclose(link_s, 0.0, atol=1e-12)
     assert tensors == list(range(problem.num_tensors))  # each made by a task
     assert inputs == [j for j, readers in enumerate(problem.costs.input_readers) if readers]
+
+
+def test_a_latency_limit_below_every_heuristic_is_met_from_the_latency_searchs_plan() -> None:
+    """No heuristic meets 0.965 of HEFT's makespan here, the latency search does: the period search starts from its
+    plan. It once raised 'no heuristic found a placement that ... meets max_latency_s' where milp for latency met it."""
+    problem = random_layered_problem(76, 2, seed=0, communication_ratio=0.3, cpu_ratio=0.0)
+    limit_s = 0.965 * simulate(problem, place(problem, "heft")).makespan_s
+    plan = place(problem, "milp", objective=Throughput(max_latency_s=limit_s), time_limit_s=10)
+    assert simulate(problem, plan).makespan_s <= limit_s * (1 + 1e-9)
+    assert plan.report.strategy == "period search" and "latency search" in plan.report.heuristics
+
+
+def test_a_latency_limit_the_latency_search_does_not_reach_in_time_says_so() -> None:
+    problem = random_layered_problem(76, 2, seed=0, communication_ratio=0.3, cpu_ratio=0.0)
+    limit_s = 0.5 * simulate(problem, place(problem, "heft")).makespan_s
+    with pytest.raises(InfeasibleError, match=r"no plan found within the time limit .* raise the limit or the time"):
+        place(problem, "milp", objective=Throughput(max_latency_s=limit_s), time_limit_s=3)

@@ -423,3 +423,52 @@ def test_a_plan_over_memory_is_not_acceptable_and_ranks_after_a_slower_plan_that
         assert objective.acceptable(fits) and not objective.acceptable(over)
         assert sorted([over, fits], key=objective.rank) == [fits, over]
         assert not objective.improves(over, fits)
+
+
+def _ttft_limited(seed: int) -> tuple[Problem, Generation]:
+    """A decode problem and a Generation whose TTFT limit is 0.7 of the single device plan's, whose prefill is 2-6
+    times its compute and 5 times its transfers: where the decode step's best plan misses the limit."""
+    rng = np.random.default_rng(seed)
+    num_tasks, num_devices = int(rng.integers(4, 7)), int(rng.integers(2, 4))
+    decode = random_problem(seed, num_tasks=num_tasks, num_devices=num_devices, slowdown=1.5, header_s=0.3)
+    spec = decode.to_dict()
+    for task in spec["tasks"]:
+        task["compute_s"] = [c * float(rng.uniform(2, 6)) for c in task["compute_s"]]
+    for edge in spec["edges"]:
+        edge["transfer_s"] = [[x * 5 for x in row] for row in edge["transfer_s"]]
+    prefill, new_tokens = Problem.from_dict(spec), int(rng.choice([1, 8, 64]))
+    single = simulate(decode, place(decode, "single", "latency"))
+    limit_s = 0.7 * Generation(prefill=prefill, new_tokens=new_tokens).ttft_s(single)
+    return decode, Generation(prefill=prefill, new_tokens=new_tokens, max_ttft_s=limit_s)
+
+
+@pytest.mark.parametrize("seed", [1, 4])
+def test_milp_under_a_ttft_limit_never_returns_a_plan_that_misses_it(seed):
+    """The whole model holds no TTFT limit: its plan may miss it. milp once returned that plan over an acceptable
+    start (seed 4: HEFT's, TTFT 32.58 s of 32.68 s, became 35.06 s), and one over the limit where no start met it
+    (seed 1), with a warning to use milp."""
+    decode, objective = _ttft_limited(seed)
+    starts = [simulate(decode, place(decode, name)) for name in ("heft", "pieces")]
+    acceptable = [timeline for timeline in starts if objective.acceptable(timeline)]
+    try:
+        plan = place(decode, "milp", objective, time_limit_s=8)
+    except InfeasibleError as error:
+        assert not acceptable
+        assert "max_ttft_s" in str(error)
+        return
+    timeline = simulate(decode, plan)
+    assert objective.acceptable(timeline)
+    assert all(objective.value_s(timeline) <= objective.value_s(start) * (1 + 1e-9) for start in acceptable)
+
+
+def test_the_warning_for_a_plan_over_the_limit_recommends_milp_to_other_placers_alone():
+    from moirai.planning.placers import _warn_if_over_the_limit
+
+    decode, objective = _ttft_limited(1)
+    for placer in ("heft", "milp"):
+        plan = Plan(np.zeros(decode.num_tasks, dtype=int), decode.device_names, placer=placer)
+        with pytest.warns(moirai.MoiraiWarning) as caught:
+            _warn_if_over_the_limit(plan, simulate(decode, plan), objective)
+        message = str(caught[0].message)
+        assert message.endswith("raise the limit")
+        assert ("use placer='milp'" in message) == (placer != "milp"), message

@@ -429,10 +429,11 @@ def _warn_if_over_the_limit(plan: Plan, timeline: Timeline, objective: Objective
     if objective.limit is None or not timeline.fits_memory or objective.acceptable(timeline):
         return
     plan.report.notes["over_the_limit"] = objective.limit
+    ignores = f"{plan.placer!r} does not take the limit into account: use placer='milp', which keeps it, or "
     warnings.warn(
         MoiraiWarning(
-            f"the {plan.placer!r} plan does not meet {objective.limit}; {plan.placer!r} does not take the limit "
-            "into account: use placer='milp', which keeps it, or raise the limit"
+            f"the {plan.placer!r} plan does not meet {objective.limit}; "
+            f"{ignores if plan.placer != 'milp' else ''}raise the limit"
         ),
         stacklevel=user_stacklevel(),
     )

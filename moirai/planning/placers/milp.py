@@ -79,6 +79,8 @@ _CONTIGUOUS_MEASURED_DEVICES = 4  # its measured time is for this many devices; 
 # Of what the lookahead left, at most, for chain moves before the first descent ([Note: chain moves] in docs/design.md).
 _CHAIN_SHARE = 0.3
 _WINDOW_STARTS = 4  # the most start plans the latency window search starts from ([Note: window restarts])
+# Of the time left, at most, for the latency search that looks for a start plan under a latency limit no heuristic met.
+_LATENCY_START_SHARE = 0.5
 
 
 def _solves_whole(problem: Problem, options: dict[str, Any]) -> bool:
@@ -134,7 +136,9 @@ def place_milp(
             plan, timeline = _solve_whole(problem, start_plan, timeline, settings, finish_by, info, objective)
         elif not objective.windows_apply:
             # Lookahead rounds and windows shorten a schedule's critical path: the period gets its own search.
-            plan, timeline = _search_period(problem, starts, finish_by, settings, report, bound_s, info, objective)
+            plan, timeline = _search_period(
+                problem, starts, finish_by, settings, window_tasks, report, bound_s, info, objective
+            )
         elif start_plan is None:
             raise InfeasibleError(
                 f"no heuristic found a placement that {_acceptable_words(objective)} and the graph is too large "
@@ -296,6 +300,7 @@ def _search_period(
     starts: dict[str, tuple[Plan, Timeline]],
     deadline: float,
     settings: SolverSettings,
+    window_tasks: int,
     report: Any,
     bound_s: float,
     info: SolverReport,
@@ -303,8 +308,11 @@ def _search_period(
 ) -> tuple[Plan, Timeline]:
     """The period search (:mod:`moirai.planning.solve.period_search`) from the start plans, ``contiguous`` among
     them where its predicted time fits its share of the budget, best first, each distinct placement in turn with an
-    equal share of the time left (a search that stops early leaves its time to the others). The best plan wins."""
+    equal share of the time left (a search that stops early leaves its time to the others). The best plan wins.
+    Under a latency limit no start meets, the latency search first looks for one (:func:`_start_under_the_limit`)."""
     starts = _with_contiguous(problem, starts, deadline, report, info, objective)
+    if not starts and objective.latency_limit_s is not None:
+        starts = _start_under_the_limit(problem, deadline, settings, window_tasks, report, info, objective)
     if not starts:
         raise InfeasibleError(
             f"no heuristic found a placement that {_acceptable_words(objective)}; {_remedy(objective)}"
@@ -339,6 +347,50 @@ def _search_period(
         stopped_by_time = search.stop_reason is StopReason.TIME_LIMIT
     info.stop_reason = StopReason.TIME_LIMIT if stopped_by_time else StopReason.NO_IMPROVING_MOVE
     return best
+
+
+def _start_under_the_limit(
+    problem: Problem,
+    deadline: float,
+    settings: SolverSettings,
+    window_tasks: int,
+    report: Any,
+    info: SolverReport,
+    objective: Objective,
+) -> dict[str, tuple[Plan, Timeline]]:
+    """A start plan that meets ``objective``'s latency limit where no heuristic's does: the latency search the milp
+    placer runs for objective latency (lookahead, chain moves, windows), with ``_LATENCY_START_SHARE`` of the time
+    left, stopping once its makespan is within the limit. Raises InfeasibleError when it finds none: the limit may
+    still be reachable, with more time."""
+    limit_s = float(objective.latency_limit_s)
+    search_by = time.perf_counter() + _LATENCY_START_SHARE * (deadline - time.perf_counter())
+    start_plan, timeline, _, starts = _best_heuristic(problem, search_by, report, LATENCY)
+    if start_plan is not None and not objective.acceptable(timeline):
+        # A makespan within the limit closes the gap to this "bound" (value - bound <= gap * value: value <= limit).
+        stop_at_s = limit_s * (1.0 - settings.mip_gap)
+        latency_info = SolverReport(solver=info.solver, formulation=info.formulation)
+        start_plan, timeline = _search_large(
+            problem,
+            starts,
+            start_plan,
+            timeline,
+            search_by,
+            settings,
+            window_tasks,
+            report,
+            stop_at_s,
+            latency_info,
+            LATENCY,
+        )
+        info.heuristics["latency search"] = objective.value_s(timeline)
+    if start_plan is None or not objective.acceptable(timeline):
+        raise InfeasibleError(
+            f"no plan found within the time limit that {_acceptable_words(objective)} (the latency search's "
+            f"shortest: {timeline.makespan_s:g} s); raise the limit or the time limit"
+            if timeline is not None
+            else f"no heuristic found a placement that fits memory; {_remedy(objective)}"
+        )
+    return {"latency search": (start_plan, timeline)}
 
 
 def _shorter_of(
@@ -496,7 +548,9 @@ def _solve_whole(
     info: SolverReport,
     objective: Objective,
 ) -> tuple[Plan, Timeline]:
-    """The full MILP, warm-started from ``start_plan``; falls back to it if the solver finds nothing better."""
+    """The full MILP, warm-started from ``start_plan``; falls back to it if the solver finds nothing better or
+    nothing ``objective`` accepts (the model need not hold its limit: TTFT), and raises InfeasibleError when there
+    is no start plan to fall back to."""
     if start_plan is not None and formulation_named(info.formulation).breaks_symmetry:
         start_plan, timeline = _relabeled(problem, start_plan)
     horizon = _horizon_s(problem, timeline, objective)
@@ -533,6 +587,8 @@ def _solve_whole(
     start = np.array([solution.start_s[i] for i in range(problem.num_tasks)])
     plan = plan_from_times(problem, placement, start, solution.transfer_start_s, "milp")
     solved = simulate(problem, plan)
+    if not objective.acceptable(solved):  # a limit the model does not hold (TTFT): the start, else none
+        return _fallback(problem, start_plan, timeline, objective)
     if timeline is not None and objective.improves(timeline, solved):
         return start_plan, timeline
     return plan, solved

@@ -111,6 +111,8 @@ class StrongFormulation(Formulation):
             if narrowed == c.allowed:
                 break
             c.allowed = narrowed
+            if any(not narrowed[i] for i in c.free):  # the next round's heads would take a minimum over no device
+                break
         stuck = [i for i in c.free if not c.allowed[i]]
         if stuck:
             raise InfeasibleError(
