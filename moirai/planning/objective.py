@@ -10,8 +10,9 @@ its latency limit (:attr:`Objective.latency_limit_s`), the makespan its MILP may
 (:meth:`Objective.milp_rows`, a :class:`moirai.planning.solve.rows.MilpRows`) and how a report names its value and
 its bound (:attr:`Objective.value_label`, :attr:`Objective.bound_label`).
 
-:class:`Latency` minimises the time of one request; :class:`Throughput` the steady-state period of a
-stream of pipelined requests (the busiest device or link per request), optionally under ``max_latency_s``.
+:class:`Latency` minimises the time of one request; :class:`Throughput` the steady-state period the runtime serves
+a stream of pipelined requests at (the busiest device or link per request, or a longer round trip a part holds its
+device for), optionally under ``max_latency_s``.
 Another objective is one more subclass here plus its rows in the MILP (:mod:`moirai.planning.solve.rows`).
 """
 
@@ -47,8 +48,10 @@ class Objective(ABC):
     rate_unit: ClassVar[str] = "req/s"
 
     def rate_per_s(self, timeline: Timeline) -> float:
-        """What the plan serves per second, in :attr:`rate_unit`: requests pipelined, one per period (0: none)."""
-        return 1 / timeline.period_s if timeline.period_s > 0 else 0.0
+        """What the plan serves per second, in :attr:`rate_unit`: requests pipelined, one per served period, the
+        period or a longer round trip a part holds its device for (0: none)."""
+        served_s = timeline.served_period_s
+        return 1 / served_s if served_s > 0 else 0.0
 
     @property
     def latency_limit_s(self) -> float | None:
@@ -76,9 +79,14 @@ class Objective(ABC):
 
     @property
     def milp_models_value(self) -> bool:
-        """Whether the variable the MILP minimises is this objective's value (else its bound and its optimality say
-        nothing of the value)."""
+        """Whether the variable the MILP minimises is this objective's value (else its optimality says nothing of
+        the value, and its bound nothing unless :attr:`milp_bounds_value`)."""
         return True
+
+    @property
+    def milp_bounds_value(self) -> bool:
+        """Whether the MILP's lower bound of its variable bounds this objective's value (so where it models it)."""
+        return self.milp_models_value
 
     @abstractmethod
     def value_s(self, timeline: Timeline) -> float:
@@ -144,11 +152,15 @@ class Latency(Objective):
 
 @dataclass(frozen=True)
 class Throughput(Objective):
-    """The period of a stream of requests pipelined through the plan (1 / requests per second): the busiest
-    device's or link's time per request (:attr:`moirai.planning.simulate.Timeline.period_s`). A plan whose latency
-    exceeds ``max_latency_s`` is not acceptable. Not counted yet: a round trip a part holds its device for
-    (:attr:`~moirai.planning.simulate.Timeline.served_period_s` counts it; the MILP's rows, the DPs and the period
-    search do not); it breaks ties between plans of one period."""
+    """The period the runtime serves a stream of requests pipelined through the plan at (1 / requests per second):
+    the busiest device's or link's time per request, or the longest round trip a part holds its device for, whichever
+    is longer (:attr:`moirai.planning.simulate.Timeline.served_period_s`: the runtime runs a part whole, request after
+    request, so a plan that goes to another device and back cannot pipeline). Between plans of one served period, the
+    one of the shorter period (less busy) is better. A plan whose latency exceeds ``max_latency_s`` is not acceptable.
+
+    The MILP's rows, the DPs and the period search price the period alone, a lower bound of the value: the period
+    bound and a solver's bound stay bounds of it, but a solver's optimality is not the value's
+    (:attr:`milp_models_value`)."""
 
     name: ClassVar[str] = "throughput"
     value_label: ClassVar[str | None] = "period"
@@ -164,11 +176,19 @@ class Throughput(Objective):
         return self.max_latency_s
 
     def value_s(self, timeline: Timeline) -> float:
-        return timeline.period_s
+        return timeline.served_period_s
 
     def tie_break_s(self, timeline: Timeline) -> float:
-        # Of two plans of one period, the one no part holds its device longer for a round trip serves faster.
-        return timeline.served_period_s
+        # Of two plans one round trip holds to one served period, the less busy one.
+        return timeline.period_s
+
+    @property
+    def milp_models_value(self) -> bool:  # type: ignore[override]
+        return False  # the MILP minimises the period; a round trip it does not price may hold a part longer
+
+    @property
+    def milp_bounds_value(self) -> bool:  # type: ignore[override]
+        return True  # no plan serves faster than its period, so the solver's bound of the period bounds the value
 
     def milp_rows(self) -> MilpRows:
         from moirai.planning.solve.rows import THROUGHPUT_ROWS

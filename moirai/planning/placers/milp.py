@@ -170,10 +170,12 @@ def place_milp(
     final = _with_transfer_order(problem, plan, timeline)
     final.placer = "milp"
     final.lower_bound_s = bound_s
-    solver_bound_s = info.solver_bound_s if objective.milp_models_value else None  # else not a bound of the value
+    solver_bound_s = info.solver_bound_s if objective.milp_bounds_value else None  # else not a bound of the value
     if solver_bound_s is not None and solver_bound_s > bound_s:
         final.lower_bound_s, info.bound_source = solver_bound_s, BoundSource.SOLVER
-    if info.stop_reason is StopReason.PART_SOLVED and gap_closed(objective.value_s(timeline), bound_s, mip_gap):
+    if info.stop_reason is StopReason.PART_SOLVED and gap_closed(
+        objective.value_s(timeline), final.lower_bound_s, mip_gap
+    ):
         info.stop_reason = StopReason.GAP_CLOSED  # closed by the objective's own bound
     info.keep_gap_claim_true(objective.value_s(timeline), final.lower_bound_s, mip_gap)
     info.time_limit_s, info.elapsed_s = time_limit_s, time.perf_counter() - (deadline - time_limit_s)
