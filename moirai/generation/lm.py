@@ -356,8 +356,9 @@ class CompiledLM:
                 self._turn.wait()
 
     def _give_turn_back(self) -> None:
+        """A generate's turn, or that of a server that failed to open (only the turn's holder opens one)."""
         with self._turn:
-            self._turn_taken = False
+            self._turn_taken = self._opening = False
             self._turn.notify_all()
 
     def server(self, timeout_s: float = DEFAULT_TIMEOUT_S, max_in_flight: int | None = None) -> GenerationServer:
@@ -372,8 +373,6 @@ class CompiledLM:
             step_server = self.compiled.server(timeout_s=timeout_s, max_in_flight=depth, warn_state_left=False)
             server = GenerationServer(self, step_server, depth)
         except BaseException:
-            with self._turn:
-                self._opening = False
             self._give_turn_back()
             raise
         with self._turn:

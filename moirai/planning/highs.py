@@ -253,14 +253,15 @@ def run_highs(
     if start is not None:
         known = [(c, value) for var, value in start.items() if (c := column_of(var)) is not None]
     _run_from(highs, known, time_limit_s - (time.perf_counter() - started))
-    if known and not _incumbent_within_gap(highs, mip_gap):
+    consistent = _incumbent_within_gap(highs, mip_gap)
+    if known and not consistent:
         # [Note: HiGHS's presolve and a start] in docs/design.md: solved again without presolve, from the start.
         highs.clearSolver()
         highs.setOptionValue("presolve", "off")
         _run_from(highs, known, time_limit_s - (time.perf_counter() - started))
+        consistent = _incumbent_within_gap(highs, mip_gap)
     info = highs.getInfo()
     status = highs.modelStatusToString(highs.getModelStatus())
-    consistent = _incumbent_within_gap(highs, mip_gap)
     optimal = highs.getModelStatus() == highspy.HighsModelStatus.kOptimal and consistent
     # A bound that its own incumbent contradicts proves nothing.
     bound = float(info.mip_dual_bound) if info.mip_dual_bound is not None and consistent else None

@@ -207,10 +207,7 @@ class _LocalTransport:
         self._delivered: dict[int, torch.Tensor] = {}
 
     def send(self, tensor: torch.Tensor, transfer_index: int) -> None:
-        """``.to`` keeps a tensor on its own device as it is; one moved to another device keeps its strides
-        ([Note: a received tensor keeps its traced strides], split.py)."""
-        moved = tensor.to(self._devices[self._transfers[transfer_index].dst])
-        self._delivered[transfer_index] = moved if moved is tensor else with_strides(moved, tensor.stride())
+        self._delivered[transfer_index] = _to(tensor, self._devices[self._transfers[transfer_index].dst])
 
     def post_recv(self, transfer_index: int) -> int:
         return transfer_index
@@ -223,8 +220,8 @@ class _LocalTransport:
 
 
 def _to(value: object, device: torch.device) -> object:
-    """``value`` on ``device``; a tensor moved there keeps its strides, as a message's does ([Note: a received tensor
-    keeps its traced strides], split.py)."""
+    """``value`` on ``device``: a tensor already there as it is (``.to`` copies nothing), one moved there with its
+    strides, as a message's keeps them ([Note: a received tensor keeps its traced strides], split.py)."""
     if not isinstance(value, torch.Tensor):
         return value
     moved = value.to(device)
