@@ -401,13 +401,17 @@ def test_schedule_respects_precedence_and_exclusivity(case):
 
 
 def test_part_0_holds_the_driver_from_the_request_start_to_its_last_finish():
-    # The driver runs part 0 right after sending a request's inputs and sends the next request only after it:
-    # a plan whose second stage is device 0 holds device 0 for the whole request, the first stage only for its own.
+    # The driver runs part 0 right after sending a request's inputs: where no later request is queued, a plan whose
+    # second stage is device 0 holds the driver for the whole request, the first stage only for its own. Neither
+    # is a round trip: queued requests pipeline through both ([Note: end on rank 0]).
     problem = two_devices({"a": [1.0, 1.0], "b": [1.0, 1.0]}, [{"src": "a", "dst": "b", "transfer_s": link(0.5)}])
     first_on_driver = simulate(problem, place(problem, {"a": 0, "b": 1}))
     last_on_driver = simulate(problem, place(problem, {"a": 1, "b": 0}))
-    assert first_on_driver.round_trip_s.tolist() == [0.0, 0.0]  # the first stage waits for nothing
-    assert last_on_driver.round_trip_s[0] == last_on_driver.makespan_s == 2.5
+    assert first_on_driver.driver_hold_s == 0.0  # the first stage waits for nothing
+    assert last_on_driver.driver_hold_s == last_on_driver.makespan_s == 2.5
+    for timeline in (first_on_driver, last_on_driver):
+        assert timeline.round_trip_s.tolist() == [0.0, 0.0]
+        assert timeline.served_period_s == timeline.period_s == 1.0
 
 
 def test_a_links_busy_time_counts_the_drivers_input_and_output_messages_with_the_transfers():

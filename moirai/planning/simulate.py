@@ -113,8 +113,9 @@ class Timeline:
 
     @property
     def served_period_s(self) -> float:
-        """The period the runtime serves this plan at, at best: :attr:`period_s`, or the longest round trip a part
-        holds its device for (:attr:`round_trip_s`: the next request's part waits for it), whichever is longer."""
+        """The period the runtime serves a stream of queued requests at, at best: :attr:`period_s`, or the longest
+        round trip a part holds its device for (:attr:`round_trip_s`: the next request's part waits for it),
+        whichever is longer."""
         return max(self.period_s, float(self.round_trip_s.max(initial=0.0)))
 
     @functools.cached_property
@@ -124,6 +125,12 @@ class Timeline:
         if self.problem is None:
             return np.zeros(len(self.busy_s))
         return round_trip_s(self.problem, self)
+
+    @property
+    def driver_hold_s(self) -> float:
+        """How long part 0 holds the driver for one request where it waits for another device at all
+        (:func:`driver_hold_s`; 0 for a timeline made without its problem)."""
+        return 0.0 if self.problem is None else driver_hold_s(self.problem, self)
 
     @property
     def utilisation(self) -> np.ndarray:
@@ -375,10 +382,10 @@ def round_trip_s(problem: Problem, timeline: Timeline) -> np.ndarray:
 
     The runtime runs a part whole, request after request, so such a part holds its device for that long whatever
     its busy time: a pipeline's period is at least the longest round trip. A part that only waits for its inputs
-    (a pipeline stage) has none: the wait is the pipeline filling. Except on device 0: the driver sends a request's
-    inputs and then runs part 0 in the same thread, and sends no later request until part 0 is done, so a part 0
-    that waits for another device holds device 0 from the request's start to its last finish (a plan whose later
-    stage was device 0's ran two decode steps in flight no faster than one).
+    (a pipeline stage) has none: the wait is the pipeline filling. On device 0 too, where requests are queued: the
+    driver sends every queued request's inputs before it runs part 0 of the oldest, so a later stage on device 0
+    finds the earlier stages busy with the next requests ([Note: end on rank 0]; :func:`driver_hold_s` is the
+    exception, a driver that has no next request to send).
     """
     placement = timeline.placement
     order = problem.topological_order
@@ -398,7 +405,19 @@ def round_trip_s(problem: Problem, timeline: Timeline) -> np.ndarray:
                 earliest[task] = min(earliest[task], timeline.task_start[task])
                 if np.isfinite(returning[task]):
                     held[device] = max(held[device], timeline.task_finish[task] - returning[task])
-    on_driver = np.flatnonzero(placement == 0)
-    if any(placement[p] != 0 for task in on_driver for p in problem.predecessors[task]):
-        held[0] = max(held[0], float(timeline.task_finish[on_driver].max()))
     return held
+
+
+def driver_hold_s(problem: Problem, timeline: Timeline) -> float:
+    """How long part 0 holds device 0 for one request where some task of it waits for another device: from the
+    request's start to part 0's last finish (0 where part 0 waits for nothing but the request's inputs).
+
+    The driver sends a request's inputs and then runs part 0 in the same thread; a request that arrives meanwhile
+    waits for part 0 to finish before its inputs go out. Where each request is made only after an earlier one's
+    result came back (a sequence's next decode step), the earlier stages therefore wait for device 0's later stage:
+    a plan whose later stage was device 0's ran two decode steps in flight no faster than one.
+    """
+    on_driver = np.flatnonzero(timeline.placement == 0)
+    if any(timeline.placement[p] != 0 for task in on_driver for p in problem.predecessors[task]):
+        return float(timeline.task_finish[on_driver].max())
+    return 0.0
