@@ -140,6 +140,7 @@ def test_dead_middle_rank_is_named_not_the_rank_waiting_for_it(chain) -> None:
 
 TORCHRUN_SCRIPT = """
 import os, signal, threading, time
+from pathlib import Path
 import torch
 import moirai
 
@@ -148,13 +149,22 @@ model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)]).eval()
 x = torch.randn(2, 32)
 compiled = moirai.compile(model, ["cpu"] * 3, example_inputs=(x,), placer="round_robin")
 rank = int(os.environ["RANK"])
+
+
+def stop_once_serving():  # rank 1 stops itself once rank 0 has had an answer: the ranks are serving
+    while not Path("served").exists():
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 if rank == 1:
-    threading.Timer(4.0, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+    threading.Thread(target=stop_once_serving, daemon=True).start()
 try:
     if rank == 0:
         with compiled.server(timeout_s=3) as server:
             while True:
                 server.submit(x).result()
+                Path("served").touch()
                 time.sleep(0.05)
     else:
         moirai.serve_rank(compiled, timeout_s=3)
