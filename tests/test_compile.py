@@ -291,7 +291,7 @@ def test_saved_plan_serves_under_torchrun(tmp_path, monkeypatch) -> None:
 
     script, plan = tmp_path / "serve.py", tmp_path / "plan.json"
     script.write_text(SERVE_SCRIPT)
-    # The plan is made here (its compile starts no ranks), not in an interpreter of its own that imports torch again.
+    # The plan is made and saved in this process, not in an interpreter of its own that imports torch again.
     with torch.random.fork_rng(), monkeypatch.context() as patch:
         patch.setattr(sys, "argv", [str(script), "plan", str(plan)])
         runpy.run_path(str(script))
