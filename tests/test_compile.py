@@ -284,13 +284,17 @@ else:
 
 
 @pytest.mark.slow
-def test_saved_plan_serves_under_torchrun(tmp_path) -> None:
+def test_saved_plan_serves_under_torchrun(tmp_path, monkeypatch) -> None:
+    import runpy
     import subprocess
     import sys
 
     script, plan = tmp_path / "serve.py", tmp_path / "plan.json"
     script.write_text(SERVE_SCRIPT)
-    subprocess.run([sys.executable, str(script), "plan", str(plan)], check=True, timeout=300)
+    # The plan is made and saved in this process, not in an interpreter of its own that imports torch again.
+    with torch.random.fork_rng(), monkeypatch.context() as patch:
+        patch.setattr(sys, "argv", [str(script), "plan", str(plan)])
+        runpy.run_path(str(script))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     result = subprocess.run(
         [*torchrun, str(script), "serve", str(plan)], capture_output=True, text=True, timeout=120, check=True

@@ -109,13 +109,18 @@ def test_hung_rank_is_named_by_the_driver_and_by_the_rank_waiting_for_it(chain, 
                     future.result(timeout=120.0)
                 errors.append(str(failure.value))
             elapsed_s = time.monotonic() - started
-            time.sleep(5.0)  # rank 2 gives up on rank 1 a little after rank 0 does: let it name rank 1 first
+            # Rank 2 gives up on rank 1 a little after rank 0 does: let it name rank 1 first, before the close.
+            deadline, said = time.monotonic() + 30.0, ""
+            while "moirai rank 2:" not in said and time.monotonic() < deadline:
+                time.sleep(0.1)
+                said += capfd.readouterr().err
         finally:
             with contextlib.suppress(ProcessLookupError):  # the restart after the failure kills the hung rank
                 os.kill(hung, signal.SIGCONT)
     assert all(error.startswith("rank 1 (cpu) hung or died") for error in errors), errors[0]
     assert elapsed_s < timeout_s + 15.0
-    rank_2 = [line for line in capfd.readouterr().err.splitlines() if line.startswith("moirai rank 2:")]
+    said += capfd.readouterr().err
+    rank_2 = [line for line in said.splitlines() if line.startswith("moirai rank 2:")]
     assert rank_2 and all(re.search(r"rank 1 \(cpu\) hung or died", line) for line in rank_2), rank_2
 
 
@@ -135,6 +140,7 @@ def test_dead_middle_rank_is_named_not_the_rank_waiting_for_it(chain) -> None:
 
 TORCHRUN_SCRIPT = """
 import os, signal, threading, time
+from pathlib import Path
 import torch
 import moirai
 
@@ -143,13 +149,22 @@ model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)]).eval()
 x = torch.randn(2, 32)
 compiled = moirai.compile(model, ["cpu"] * 3, example_inputs=(x,), placer="round_robin")
 rank = int(os.environ["RANK"])
+
+
+def stop_once_serving():  # rank 1 stops itself once rank 0 has had an answer: the ranks are serving
+    while not Path("served").exists():
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 if rank == 1:
-    threading.Timer(4.0, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+    threading.Thread(target=stop_once_serving, daemon=True).start()
 try:
     if rank == 0:
         with compiled.server(timeout_s=3) as server:
             while True:
                 server.submit(x).result()
+                Path("served").touch()
                 time.sleep(0.05)
     else:
         moirai.serve_rank(compiled, timeout_s=3)
