@@ -123,6 +123,11 @@ class Objective(ABC):
             return self.tie_break_s(candidate) < self.tie_break_s(current) * (1.0 - 1e-9)
         return value < other * (1.0 - relative)
 
+    def worsens(self, candidate: Timeline, current: Timeline) -> bool:
+        """Whether ``candidate``'s value is above ``current``'s by more than a part in 10^9 (a search's step may
+        keep the value and still be taken for what else it lowers)."""
+        return self.value_s(candidate) > self.value_s(current) * (1.0 + 1e-9)
+
 
 @dataclass(frozen=True)
 class Latency(Objective):

@@ -390,7 +390,7 @@ def round_trip_s(problem: Problem, timeline: Timeline) -> np.ndarray:
     placement = timeline.placement
     order = problem.topological_order
     held = np.zeros(problem.num_devices)
-    for device in range(problem.num_devices):
+    for device in devices_with_round_trips(problem, placement):
         # earliest[i]: the earliest start of a task on ``device`` from which task i is reached (itself included);
         # returning[i]: the same over paths that pass through another device's tasks on the way to task i.
         earliest = np.full(problem.num_tasks, np.inf)
@@ -406,6 +406,26 @@ def round_trip_s(problem: Problem, timeline: Timeline) -> np.ndarray:
                 if np.isfinite(returning[task]):
                     held[device] = max(held[device], timeline.task_finish[task] - returning[task])
     return held
+
+
+def devices_with_round_trips(problem: Problem, placement: np.ndarray) -> list[int]:
+    """The devices some path of tasks leaves and re-enters under ``placement``, in order: those
+    :func:`round_trip_s` may hold (one pass over the edges, where timing each device's round trips takes one per
+    device; a search asks it of every placement it judges)."""
+    on = np.asarray(placement, int).tolist()
+    # reached[i]: devices with a task from which a path reaches task i (its own included); left[i]: devices such a
+    # path has left (passed through another device's task) on its way to task i, bit d for device d.
+    reached, left = [0] * problem.num_tasks, [0] * problem.num_tasks
+    returned = 0
+    for task in problem.topological_order:
+        own, came, came_left = 1 << on[task], 0, 0
+        for predecessor in problem.predecessors[task]:
+            came |= reached[predecessor]
+            came_left |= left[predecessor]
+        returned |= came_left & own
+        reached[task] = came | own
+        left[task] = came_left | (came & ~own)
+    return [device for device in range(problem.num_devices) if returned >> device & 1]
 
 
 def driver_hold_s(problem: Problem, timeline: Timeline) -> float:
