@@ -316,7 +316,7 @@ def test_of_two_mirror_images_of_one_period_throughput_keeps_the_one_without_a_r
     """Input read by the first task, output made by the last, priced alike both ways: [0, 1] and its mirror image
     [1, 0] tie in period, served period and latency. For latency the plan ending on rank 0 is kept ([Note: end on
     rank 0]); for throughput the one starting there, by the tie-break: a part 0 that waits for another device
-    served 8-10% slower."""
+    served 8-10% slower across two hosts."""
     from moirai.planning.costs import RequestCosts
     from moirai.planning.placers import _as_the_runtime_prefers
 

@@ -268,8 +268,8 @@ def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) 
       ``plan`` unless the model predicts it worse. The model charges outputs sent back to rank 0
       (:attr:`RequestCosts.output_s`), inputs sent from it and headers; where they tie (no outputs, no headers),
       ending on rank 0 saves the driver a receive ([Note: end on rank 0] in docs/design.md), unless the objective
-      prefers the other (throughput: a part 0 that waits for another device served 8-10% slower, which its
-      tie-break counts).
+      prefers the other (throughput: a part 0 that waits for another device served 8-10% slower across two
+      hosts, which its tie-break counts).
     * A plan that puts every task on one device runs them in the graph's own order, the one eager runs ([Note:
       one device, traced order]), unless the model predicts that order worse: the driver's messages (an output's
       way to rank 0, a model input's or a header's) make the order count on one device too.

@@ -1,11 +1,13 @@
-"""Large-neighbourhood search for the throughput objective: moves of tasks between devices, judged by the period.
+"""Large-neighbourhood search for the throughput objective: moves of tasks between devices, priced by the period and
+judged by the objective's value.
 
 A plan's period (:attr:`moirai.planning.simulate.Timeline.period_s`) depends on its placement alone: every device's
 tasks with their sends and receives (:mod:`moirai.planning.schedule.transfers`), the runtime's charges
 (:attr:`moirai.planning.costs.RequestCosts.charges`), and every directed link's transfers, a tensor crossing once to
 each device that reads it. :class:`Loads` keeps those per device and link for one placement and prices a move from
 the tensors its tasks touch, so a move costs time in the tasks' degree, not a simulation; the search's result is
-simulated, and with a latency limit every kept move is.
+simulated, and so is every move the loads would keep where they do not price what the objective judges (a latency
+limit, or a value past the period: :func:`judges_by_simulation`).
 
 The neighbourhoods, tried in turn, a pass each:
 
@@ -17,18 +19,28 @@ The neighbourhoods, tried in turn, a pass each:
 - **swap**: the tasks of two devices exchanged (a stage on a faster or better-linked device).
 
 A move is kept when it shortens the period, or keeps it and lowers the sum of squared loads (so load leaves the
-busiest device even where another is as busy), and, where the objective's value is not the period alone, when the
-simulated value is no worse ([Note: moves judged by the value]
+busiest device even where another is as busy), and, where the move is simulated, when :func:`judged_no_worse` keeps
+it ([Note: moves judged by the value]). The search stops when the value reaches the bound (within the relative gap),
+when a full pass over every neighbourhood keeps nothing (:attr:`StopReason.NO_IMPROVING_MOVE`), or at the deadline.
+
+From such a local optimum :func:`kicked_search` goes on (iterated local search): a kick moves a random run of a
+device's tasks (the busiest's, most often), in topological order, to another device, the search descends from
+there, and the result is kept when its value is better. It stops at the deadline, the bound, or once as many kicks
+as it took to find its last improvement (and at least :data:`KICKS_BEFORE_STALL`) have found nothing
+([Note: kicks]). The milp placer alternates kicks with windows (:mod:`moirai.planning.solve.period_windows`: many
+tasks' devices chosen at once by a small integer program of these same loads) while either gains.
+
+[Note: moves judged by the value]
 The throughput objective values a plan by the period it is served at (a round trip a part holds its device for may
 be longer than the period, :attr:`moirai.planning.simulate.Timeline.served_period_s`), which the loads do not price.
 Priced by the period alone, a descent kept moves that sent work to another device and back, and its result was
 thrown away at the end when it served slower than its start, so kick after kick came to nothing. Each move the loads
 would keep is now simulated and kept only if the value is no worse, and, where it is the same, only if the move does
 not make the value exceed the period (a round trip is timed only on a device some path leaves and re-enters,
-:func:`moirai.planning.simulate.devices_with_round_trips`). A kick's descent takes 2-3
-times as long, and the search uses its budget where it used to stall: on six random layered graphs of 120-200 tasks
-(4 devices, kicked searches of 10 s from one descent) its served periods were 0.05% longer to 0.5% shorter, and
-milp's throughput plans (10 s) on the bench's zoo rows 0-3.2% shorter (bench/RESULTS.md, section 3).
+:func:`moirai.planning.simulate.devices_with_round_trips`). A kick's descent takes 2-3 times as long, and the search
+uses its budget where it used to stall: on six random layered graphs of 120-200 tasks (4 devices, kicked searches of
+10 s from one descent) its served periods were 0.05% longer to 0.5% shorter, and milp's throughput plans (10 s) on
+the bench's zoo rows 0-3.2% shorter (bench/RESULTS.md, section 3).
 """
 
 from __future__ import annotations
@@ -255,8 +267,8 @@ class PeriodSearchResult:
     passes: int = 0
     moves_tried: int = 0
     moves_kept: int = 0
-    history: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, period)
-    kicks: int = 0  # kicked_search's kicks, and those whose descent gave a shorter period
+    history: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, value)
+    kicks: int = 0  # kicked_search's kicks, and those whose descent gave a better value
     kicks_kept: int = 0
     windows: int = 0  # period_windows.window_search's programs, and those whose placement was kept
     windows_kept: int = 0
@@ -270,32 +282,44 @@ def improve_period(
     bound_s: float,
     mip_gap: float,
     objective: Objective,
+    escapes: bool = False,
 ) -> PeriodSearchResult:
     """The neighbourhood search from ``plan`` (simulated as ``timeline``) until ``deadline`` (a
-    ``time.perf_counter`` value), the bound, or a pass that keeps nothing; never worse than its start."""
+    ``time.perf_counter`` value), the bound, or a pass that keeps nothing; never worse than its start. ``escapes``:
+    whether it runs escape passes from a round trip, which simulate every move they try (the milp placer's best
+    start does; a kick's descent does not: most kicks make a round trip, and the kicks are many)."""
     started = time.perf_counter()
     loads = Loads(problem, timeline.placement)
     best_key = loads.current_key
     result = PeriodSearchResult(plan, timeline, StopReason.TIME_LIMIT, history=[(0.0, objective.value_s(timeline))])
-    # The simulator judges each move the loads would keep where they do not price the value: a latency limit, or a
-    # value past the period (a round trip, [Note: moves judged by the value]).
-    judged = objective.latency_limit_s is not None or not objective.milp_models_value
+    judged = judges_by_simulation(objective)
     current = timeline
+
+    def value_s() -> float:  # what the gap is closed on: the period the loads price, or the judged value
+        return objective.value_s(current) if judged else best_key[0]
+
+    # A pass keeps moves that lighten the loads; where none does and the value is above the period (a round trip
+    # holds it), an escape pass tries the moves to a period below the value that the loads would not keep, each
+    # simulated, and keeps the first that lowers the value ([Note: moves judged by the value]).
+    escaping = False
     while result.stop_reason is StopReason.TIME_LIMIT and time.perf_counter() < deadline:
-        if gap_closed(best_key[0], bound_s, mip_gap):
+        if gap_closed(value_s(), bound_s, mip_gap):
             result.stop_reason = StopReason.GAP_CLOSED
             break
         result.passes += 1
         kept = 0
         for tasks, target, swap in _moves(problem, loads):
-            if time.perf_counter() >= deadline or gap_closed(best_key[0], bound_s, mip_gap):
+            if time.perf_counter() >= deadline or gap_closed(value_s(), bound_s, mip_gap):
                 break
             result.moves_tried += 1
             priced = loads.relabelled(*swap) if swap else loads.priced(tasks, target)
             if priced is None:
                 continue
             key = Loads.key(*priced)
-            if not Loads.improves(key, best_key):
+            if escaping:
+                if Loads.improves(key, best_key) or key[0] >= value_s() * (1 - _IMPROVEMENT):
+                    continue
+            elif not Loads.improves(key, best_key):
                 continue
             placement = loads.placement.copy()
             if swap:
@@ -305,23 +329,46 @@ def improve_period(
                 placement[tasks] = target
             if judged:
                 candidate = simulate(problem, Plan(placement, problem.device_names, placer=plan.placer))
-                if not _judged_no_worse(objective, candidate, current):
+                kept_by_value = objective_improves if escaping else judged_no_worse
+                if not kept_by_value(objective, candidate, current):
                     continue
                 current = candidate
             loads.apply(placement, *priced)
             best_key = key
             kept += 1
             result.moves_kept += 1
-            result.history.append((time.perf_counter() - started, key[0]))
+            result.history.append((time.perf_counter() - started, value_s()))
+            if escaping:
+                break  # back to the passes that price their moves
         else:
             if kept == 0:
-                result.stop_reason = StopReason.NO_IMPROVING_MOVE
+                above_period = escapes and judged and value_s() > best_key[0] * (1 + _IMPROVEMENT)
+                if escaping or not above_period:
+                    result.stop_reason = StopReason.NO_IMPROVING_MOVE
+                escaping = not escaping and above_period
+                continue
+        escaping = False
     if result.moves_kept:
         adopt_final(result, problem, plan, timeline, loads.placement, current if judged else None, objective)
     return result
 
 
-def _judged_no_worse(objective: Objective, candidate: Timeline, current: Timeline) -> bool:
+def judges_by_simulation(objective: Objective) -> bool:
+    """Whether a search simulates each move its loads would keep, as they do not price what ``objective`` judges: a
+    latency limit, or a value past the period (a round trip, [Note: moves judged by the value])."""
+    return objective.latency_limit_s is not None or not objective.milp_models_value
+
+
+def objective_improves(objective: Objective, candidate: Timeline, current: Timeline) -> bool:
+    """Whether ``candidate`` is acceptable and of a better value than ``current``: a move the loads would not keep is
+    kept only so (each such move lowers the value, each other lowers the loads at no worse a value: the search
+    ends)."""
+    return objective.acceptable(candidate) and objective.value_s(candidate) < objective.value_s(current) * (
+        1 - _IMPROVEMENT
+    )
+
+
+def judged_no_worse(objective: Objective, candidate: Timeline, current: Timeline) -> bool:
     """Whether a move the loads would keep is kept by the simulator ([Note: moves judged by the value]): acceptable,
     and a better value, or the same value without one above the period where ``current``'s was not (a move that
     sends work there and back for a shorter period, its round trip as long as the old period, is a dead end)."""

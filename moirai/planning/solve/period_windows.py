@@ -18,7 +18,8 @@ most the period (two devices evened out where a third holds the period, which a 
 as progress), and to **any** device, minimising the period. Links loaded below :data:`WATCHED_LINK_SHARE` of the
 period are left out (the crossings are most of a program's columns). The program starts from the current placement;
 each result is priced again by :class:`Loads`, links included, and kept when it lowers the period or, at the same
-period, the sum of squared loads (the descent's rule).
+period, the sum of squared loads, and where the value is not the period alone, when the simulator keeps it (the
+descent's rules, [Note: moves judged by the value]).
 
 A window of more tasks than :data:`MAX_WINDOW_TASKS` (adjusted as programs finish in time or not) takes the pair's
 tasks in a run of the topological order. The search stops at the deadline, the bound, or when a round over every
@@ -42,7 +43,13 @@ from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.report import StopReason
 from moirai.planning.simulate import Timeline, simulate
-from moirai.planning.solve.period_search import Loads, PeriodSearchResult, adopt_final
+from moirai.planning.solve.period_search import (
+    Loads,
+    PeriodSearchResult,
+    adopt_final,
+    judged_no_worse,
+    judges_by_simulation,
+)
 from moirai.planning.solve.search import gap_closed
 
 MAX_WINDOW_TASKS = 120  # free tasks in a window at first; shrinks when a program runs out of time, grows when not
@@ -276,7 +283,7 @@ def window_search(
         kept = False
         for pair, between in _round(state.loads):
             left = deadline - time.perf_counter()
-            if left <= 0 or gap_closed(state.key[0], bound_s, mip_gap):
+            if left <= 0 or gap_closed(state.value_s(objective), bound_s, mip_gap):
                 result.stop_reason = StopReason.TIME_LIMIT if left <= 0 else StopReason.GAP_CLOSED
                 return _finished(result, problem, plan, timeline, state, objective)
             window = _window(state.loads, pair, between, size[between], rng)
@@ -290,14 +297,14 @@ def window_search(
             if state.take(problem, found[0], objective, plan.placer):
                 kept = True
                 result.windows_kept += 1
-                result.history.append((time.perf_counter() - started, state.key[0]))
+                result.history.append((time.perf_counter() - started, state.value_s(objective)))
     result.stop_reason = StopReason.NO_IMPROVING_MOVE
     return _finished(result, problem, plan, timeline, state, objective)
 
 
 @dataclass
 class _State:
-    """The search's placement: its loads, their key, and (with a latency limit) its simulated timeline."""
+    """The search's placement: its loads, their key, and (where the search judges by simulation) its timeline."""
 
     loads: Loads
     timeline: Timeline
@@ -306,16 +313,20 @@ class _State:
     def __post_init__(self) -> None:
         self.key = self.loads.current_key
 
+    def value_s(self, objective: Objective) -> float:
+        """What the gap is closed on: the period the loads price, or the value where the search judges by simulation."""
+        return objective.value_s(self.timeline) if judges_by_simulation(objective) else self.key[0]
+
     def take(self, problem: Problem, placement: np.ndarray, objective: Objective, placer: str) -> bool:
-        """Move to ``placement`` when its loads improve on the current ones (the descent's rule) and, with a latency
-        limit, its simulated latency is within it."""
+        """Move to ``placement`` when its loads improve on the current ones and the simulator keeps it where the
+        search judges by simulation (the descent's rules, :func:`judged_no_worse`)."""
         fresh = Loads(problem, placement)
         key = fresh.current_key
         if not Loads.improves(key, self.key):
             return False
-        if objective.latency_limit_s is not None:  # only the simulator knows the latency
+        if judges_by_simulation(objective):
             candidate = simulate(problem, Plan(placement, problem.device_names, placer=placer))
-            if not objective.acceptable(candidate):
+            if not judged_no_worse(objective, candidate, self.timeline):
                 return False
             self.timeline = candidate
         self.loads, self.key = fresh, key
@@ -358,6 +369,6 @@ def _finished(
     result: PeriodSearchResult, problem: Problem, plan: Plan, timeline: Timeline, state: _State, objective: Objective
 ) -> PeriodSearchResult:
     if result.windows_kept:
-        simulated = state.timeline if objective.latency_limit_s is not None else None
+        simulated = state.timeline if judges_by_simulation(objective) else None
         adopt_final(result, problem, plan, timeline, state.loads.placement, simulated, objective)
     return result
