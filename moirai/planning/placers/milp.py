@@ -310,9 +310,11 @@ def _search_period(
     objective: Objective,
 ) -> tuple[Plan, Timeline]:
     """The period search (:mod:`moirai.planning.solve.period_search`) from the start plans, ``contiguous`` among
-    them where its predicted time fits its share of the budget, best first, each distinct placement in turn with an
-    equal share of the time left (a search that stops early leaves its time to the others). The best plan wins.
-    Under a latency limit no start meets, the latency search first looks for one (:func:`_start_under_the_limit`)."""
+    them where its predicted time fits its share of the budget, best first, each distinct placement within
+    :data:`FAR_START` of the best start's value in turn with an equal share of the time left (a search that stops
+    early leaves its time to the others; the best start's alone runs escape passes), then windows and kicks from the
+    best while time is left. The best plan wins. Under a latency limit no start meets, the latency search first
+    looks for one (:func:`_start_under_the_limit`)."""
     starts = _with_contiguous(problem, starts, deadline, report, info, objective)
     if not starts and objective.latency_limit_s is not None:
         starts = _start_under_the_limit(problem, deadline, settings, window_tasks, report, info, objective)

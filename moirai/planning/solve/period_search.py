@@ -20,8 +20,11 @@ The neighbourhoods, tried in turn, a pass each:
 
 A move is kept when it shortens the period, or keeps it and lowers the sum of squared loads (so load leaves the
 busiest device even where another is as busy), and, where the move is simulated, when :func:`judged_no_worse` keeps
-it ([Note: moves judged by the value]). The search stops when the value reaches the bound (within the relative gap),
-when a full pass over every neighbourhood keeps nothing (:attr:`StopReason.NO_IMPROVING_MOVE`), or at the deadline.
+it ([Note: moves judged by the value]). Where a full pass keeps nothing and the value is above the period, an escape
+pass (with ``escapes``) tries the moves to a period below the value that the loads would not keep, and keeps the
+first that lowers the value. The search stops when the value reaches the bound (within the relative gap), when a
+full pass over every neighbourhood (and the escape pass after it) keeps nothing
+(:attr:`StopReason.NO_IMPROVING_MOVE`), or at the deadline.
 
 From such a local optimum :func:`kicked_search` goes on (iterated local search): a kick moves a random run of a
 device's tasks (the busiest's, most often), in topological order, to another device, the search descends from
@@ -61,6 +64,8 @@ from moirai.planning.simulate import Timeline, simulate
 from moirai.planning.solve.search import gap_closed
 
 _IMPROVEMENT = 1e-12  # relative: a period this much shorter counts as progress
+# Relative: an escape pass's move lowers the value by more than this (a normal move raises it by 1e-9 at most).
+_ESCAPE_GAIN = 1e-6
 KICKS_BEFORE_STALL = 200  # kicks without a shorter period, at least, before the kicked search gives up
 KICK_BUSIEST = 0.7  # how often a kick takes its tasks from the busiest device (else from a random one)
 KICK_SHARE = 0.5  # a kick moves at most this share of its device's tasks
@@ -296,11 +301,14 @@ def improve_period(
     current = timeline
 
     def value_s() -> float:  # what the gap is closed on: the period the loads price, or the judged value
-        return objective.value_s(current) if judged else best_key[0]
+        return current_value_s if judged else best_key[0]
 
+    current_value_s = objective.value_s(current)
     # A pass keeps moves that lighten the loads; where none does and the value is above the period (a round trip
-    # holds it), an escape pass tries the moves to a period below the value that the loads would not keep, each
-    # simulated, and keeps the first that lowers the value ([Note: moves judged by the value]).
+    # holds it, or for generation a step's latency shared by the steps in flight), an escape pass tries the moves to
+    # a period below the value that the loads would not keep, each simulated, and keeps the first that lowers the
+    # value by more than a normal move may raise it (so no two moves undo each other; [Note: moves judged by the
+    # value]).
     escaping = False
     while result.stop_reason is StopReason.TIME_LIMIT and time.perf_counter() < deadline:
         if gap_closed(value_s(), bound_s, mip_gap):
@@ -329,10 +337,12 @@ def improve_period(
                 placement[tasks] = target
             if judged:
                 candidate = simulate(problem, Plan(placement, problem.device_names, placer=plan.placer))
-                kept_by_value = objective_improves if escaping else judged_no_worse
-                if not kept_by_value(objective, candidate, current):
+                if escaping:
+                    if not objective.improves(candidate, current, relative=_ESCAPE_GAIN):
+                        continue
+                elif not judged_no_worse(objective, candidate, current):
                     continue
-                current = candidate
+                current, current_value_s = candidate, objective.value_s(candidate)
             loads.apply(placement, *priced)
             best_key = key
             kept += 1
@@ -357,15 +367,6 @@ def judges_by_simulation(objective: Objective) -> bool:
     """Whether a search simulates each move its loads would keep, as they do not price what ``objective`` judges: a
     latency limit, or a value past the period (a round trip, [Note: moves judged by the value])."""
     return objective.latency_limit_s is not None or not objective.milp_models_value
-
-
-def objective_improves(objective: Objective, candidate: Timeline, current: Timeline) -> bool:
-    """Whether ``candidate`` is acceptable and of a better value than ``current``: a move the loads would not keep is
-    kept only so (each such move lowers the value, each other lowers the loads at no worse a value: the search
-    ends)."""
-    return objective.acceptable(candidate) and objective.value_s(candidate) < objective.value_s(current) * (
-        1 - _IMPROVEMENT
-    )
 
 
 def judged_no_worse(objective: Objective, candidate: Timeline, current: Timeline) -> bool:
@@ -440,7 +441,7 @@ def kicked_search(
     seed: int = 0,
 ) -> PeriodSearchResult:
     """Iterated local search from ``plan`` (a local optimum of :func:`improve_period`): kick, descend, keep the
-    shorter, until ``deadline``, the bound, or a stall; never worse than its start."""
+    better, until ``deadline``, the bound, or a stall; never worse than its start."""
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
     result = PeriodSearchResult(plan, timeline, StopReason.TIME_LIMIT, history=[(0.0, objective.value_s(timeline))])
