@@ -133,8 +133,13 @@ def place_milp(
         info = SolverReport(solver=solver, formulation=formulation, heuristics=heuristics)
         if whole and timeline is not None and gap_closed(objective.value_s(timeline), bound_s, mip_gap):
             plan, info.strategy, info.stop_reason = start_plan, "full", StopReason.GAP_CLOSED
-        elif whole:
+        elif whole and (objective.milp_models_value or problem.colocated):
+            # (Colocated sets: the whole MILP keeps them itself, which neither contiguous nor the period search do.)
             plan, timeline = _solve_whole(problem, start_plan, timeline, settings, finish_by, info, objective)
+        elif whole:
+            plan, timeline = _solve_whole_then_judge(
+                problem, starts, start_plan, timeline, settings, finish_by, report, bound_s, info, objective
+            )
         elif not objective.windows_apply:
             # Lookahead rounds and windows shorten a schedule's critical path: the period gets its own search.
             plan, timeline = _search_period(
@@ -546,6 +551,35 @@ def _distinct_first(plans: list[tuple[Plan, Timeline]]) -> list[tuple[Plan, Time
             seen.add(timeline.placement.tobytes())
             distinct.append((plan, timeline))
     return distinct
+
+
+def _solve_whole_then_judge(
+    problem: Problem,
+    starts: dict[str, tuple[Plan, Timeline]],
+    start_plan: Plan | None,
+    timeline: Timeline | None,
+    settings: SolverSettings,
+    deadline: float,
+    report: Any,
+    bound_s: float,
+    info: SolverReport,
+    objective: Objective,
+) -> tuple[Plan, Timeline]:
+    """The full MILP for an objective whose value its rows do not price (the served period: they price the period),
+    from the best start by the value, ``contiguous`` among the starts, then the period search from the better of
+    the two while time is left: the MILP's optimum may send work there and back, and a start or a move from it may
+    serve faster (on 7-task problems, milp once returned pipeline's 4.80 s where contiguous served at 3.64)."""
+    starts = _with_contiguous(problem, starts, deadline, report, info, objective)
+    if starts:
+        start_plan, timeline = _distinct_best_first(list(starts.values()), objective)[0]
+    plan, timeline = _solve_whole(problem, start_plan, timeline, settings, deadline, info, objective)
+    if time.perf_counter() >= deadline or gap_closed(objective.value_s(timeline), bound_s, settings.mip_gap):
+        return plan, timeline
+    search = improve_period(problem, plan, timeline, deadline, bound_s, settings.mip_gap, objective, escapes=True)
+    if objective.improves(search.timeline, timeline):
+        info.moves_tried, info.moves_kept = search.moves_tried, search.moves_kept
+        return search.plan, search.timeline
+    return plan, timeline
 
 
 def _solve_whole(
