@@ -298,12 +298,11 @@ def improve_period(
     best_key = loads.current_key
     result = PeriodSearchResult(plan, timeline, StopReason.TIME_LIMIT, history=[(0.0, objective.value_s(timeline))])
     judged = judges_by_simulation(objective)
-    current = timeline
+    current, current_value_s = timeline, objective.value_s(timeline)
 
     def value_s() -> float:  # what the gap is closed on: the period the loads price, or the judged value
         return current_value_s if judged else best_key[0]
 
-    current_value_s = objective.value_s(current)
     # A pass keeps moves that lighten the loads; where none does and the value is above the period (a round trip
     # holds it, or for generation a step's latency shared by the steps in flight), an escape pass tries the moves to
     # a period below the value that the loads would not keep, each simulated, and keeps the first that lowers the
@@ -352,7 +351,7 @@ def improve_period(
                 break  # back to the passes that price their moves
         else:
             if kept == 0:
-                above_period = escapes and judged and value_s() > best_key[0] * (1 + _IMPROVEMENT)
+                above_period = escapes and judged and _value_above_period(objective, current)
                 if escaping or not above_period:
                     result.stop_reason = StopReason.NO_IMPROVING_MOVE
                 escaping = not escaping and above_period
@@ -377,11 +376,13 @@ def judged_no_worse(objective: Objective, candidate: Timeline, current: Timeline
         return False
     if objective.worsens(current, candidate):
         return True
+    return _value_above_period(objective, current) or not _value_above_period(objective, candidate)
 
-    def above_period(timeline: Timeline) -> bool:
-        return objective.value_s(timeline) > timeline.period_s * (1 + 1e-9)
 
-    return above_period(current) or not above_period(candidate)
+def _value_above_period(objective: Objective, timeline: Timeline) -> bool:
+    """Whether ``objective`` values ``timeline`` above its period (by more than a part in 10^9): a round trip holds
+    it, or for generation a step's latency shared by the steps in flight."""
+    return objective.value_s(timeline) > timeline.period_s * (1 + 1e-9)
 
 
 def adopt_final(
