@@ -21,10 +21,10 @@ from fuzz_models import FuzzModel, fuzz_case
 from models_for_tests import random_assignment
 
 import moirai
-from moirai.frontend.trace import TracedModel, trace
+from moirai.frontend.trace import ALIGNMENT_BYTES, TracedModel, trace
 from moirai.runtime import DistributedRunner, run_local
 from moirai.runtime.local import _to as local_runner_to
-from moirai.runtime.split import SplitProgram, split_module, with_strides
+from moirai.runtime.split import SplitProgram, split_module, with_layout
 
 FUZZ_MODELS = int(os.environ.get("MOIRAI_FUZZ_MODELS", "500"))
 BLOCK = 50
@@ -158,13 +158,14 @@ def test_received_tensor_gets_its_traced_strides_back_before_a_view():
     [lambda y: y.t(), lambda y: y[:, None, :].expand(4, 3, 4), lambda y: y[1::2, ::2]],
     ids=["transposed", "expanded", "sliced"],
 )
-def test_with_strides_lays_a_contiguous_tensor_out_as_the_original(make):
+def test_with_layout_lays_a_contiguous_tensor_out_as_the_original(make):
     original = make(torch.randn(4, 4))
-    laid_out = with_strides(original.contiguous(), original.stride())
-    assert laid_out.stride() == original.stride()
+    offset_bytes = original.data_ptr() % ALIGNMENT_BYTES
+    laid_out = with_layout(original.contiguous(), original.stride(), offset_bytes)
+    assert laid_out.stride() == original.stride() and laid_out.data_ptr() % ALIGNMENT_BYTES == offset_bytes
     assert torch.equal(laid_out, original)
-    assert with_strides(original, original.stride()) is original
-    assert with_strides(original, None) is original
+    assert with_layout(original, original.stride(), offset_bytes) is original
+    assert with_layout(original, None, offset_bytes) is original
     # The local runner's move of an output to device 0 keeps them too (.to another device lays it out contiguous).
     moved = local_runner_to(original, torch.device("meta"))
     assert moved.device.type == "meta" and moved.stride() == original.stride()

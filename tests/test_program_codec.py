@@ -227,6 +227,9 @@ _UNCHECKED = (
         (lambda d: _first_node(d, "call_function").update(op="call_module", target="x"), "op 'call_module'"),
         (lambda d: _first_node(d, "call_function").update(args={"pickle": "x"}), "unknown tag 'pickle'"),
         (lambda d: d.update(format=0), "format is 0"),
+        # A received tensor is laid out this far past its buffer's start: within the buffer's padding only.
+        (lambda d: d["transfers"][0][4].__setitem__(4, 1 << 40), "offset of 1099511627776 bytes is not"),
+        (lambda d: d["transfers"][0][4].__setitem__(4, 2), "offset of 2 bytes is not a whole number of float32"),
         (lambda d: d["storages"][0].__setitem__(0, 1 << 40), "runs past the payload"),
         (lambda d: d["parts"][1]["graph_module"]["attributes"][0]["tensor"].update(offset=1 << 30), "runs past"),
         (lambda d: d["parts"][1]["graph_module"]["attributes"][0].update(target="__class__"), "dotted identifier"),

@@ -55,6 +55,10 @@ from moirai.frontend.trace_checks import (
 )
 from moirai.progress import stage
 
+# The alignment of every allocation on CPU (c10's) and within CUDA's caching allocator's blocks: a tensor's first
+# element's offset past it is what a kernel's alignment checks see.
+ALIGNMENT_BYTES = 64
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -65,21 +69,26 @@ class TensorSpec:
     dynamic input dimensions (``"s0"``, ``"s0*s1"``, ``"16"``); :func:`concrete_shape` evaluates it.
     ``stride`` is the traced strides of a tensor that is not contiguous and whose sizes and strides are all static;
     None for a contiguous tensor or a symbolic layout: a tensor that crosses devices gets its strides back
-    ([Note: a received tensor keeps its traced strides], moirai.runtime.split).
+    ([Note: a received tensor keeps its traced strides], moirai.runtime.split). ``offset_bytes``: where its first
+    element lies past an :data:`ALIGNMENT_BYTES` boundary as traced (its storage offset times its element size, modulo
+    that; 0 where the offset is symbolic), which a received tensor keeps too, for the same reason.
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     symbolic_shape: tuple[str, ...] | None = None
     stride: tuple[int, ...] | None = None
+    offset_bytes: int = 0
 
 
 def tensor_spec(value: torch.Tensor) -> TensorSpec:
     """The spec of a traced tensor: example shape, and symbolic shape when a dimension is symbolic."""
     shape = tuple(example_int(size) for size in value.shape)
+    offset = value.storage_offset()
+    offset_bytes = offset * value.element_size() % ALIGNMENT_BYTES if isinstance(offset, int) else 0
     if all(isinstance(size, int) for size in value.shape):
-        return TensorSpec(shape, value.dtype, stride=_static_stride(value))
-    return TensorSpec(shape, value.dtype, tuple(symbolic_expression(size) for size in value.shape))
+        return TensorSpec(shape, value.dtype, stride=_static_stride(value), offset_bytes=offset_bytes)
+    return TensorSpec(shape, value.dtype, tuple(symbolic_expression(size) for size in value.shape), None, offset_bytes)
 
 
 def _static_stride(value: torch.Tensor) -> tuple[int, ...] | None:

@@ -23,8 +23,8 @@ import torch
 import torch.fx as fx
 
 from moirai.errors import InputError, PlanError
-from moirai.frontend.trace import retarget_devices
-from moirai.runtime.split import DevicePart, SplitProgram, TensorTransfer, symbol_values, with_strides
+from moirai.frontend.trace import ALIGNMENT_BYTES, retarget_devices
+from moirai.runtime.split import DevicePart, SplitProgram, TensorTransfer, symbol_values, with_layout
 from moirai.runtime.written_state import written_inputs
 
 
@@ -221,8 +221,8 @@ class _LocalTransport:
 
 def _to(value: object, device: torch.device) -> object:
     """``value`` on ``device``: a tensor already there as it is (``.to`` copies nothing), one moved there with its
-    strides, as a message's keeps them ([Note: a received tensor keeps its traced strides], split.py)."""
+    strides and alignment, as a message's keeps them ([Note: a received tensor keeps its traced strides], split.py)."""
     if not isinstance(value, torch.Tensor):
         return value
     moved = value.to(device)
-    return moved if moved is value else with_strides(moved, value.stride())
+    return moved if moved is value else with_layout(moved, value.stride(), value.data_ptr() % ALIGNMENT_BYTES)

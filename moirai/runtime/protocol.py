@@ -56,7 +56,7 @@ from moirai.runtime.split import (
     TensorTransfer,
     concrete_shape,
     symbol_values,
-    with_strides,
+    with_layout,
 )
 from moirai.runtime.store import derived_key
 
@@ -106,6 +106,7 @@ class PendingReceive:
     what: str
     src: int
     stride: tuple[int, ...] | None = None  # the strides the received tensor gets back (TensorSpec.stride)
+    offset_bytes: int = 0  # and how far past an alignment boundary it starts (TensorSpec.offset_bytes)
 
     def __repr__(self) -> str:
         return f"PendingReceive({self.what})"
@@ -167,18 +168,20 @@ class Messages:
         index: int,
         what: str,
         stride: tuple[int, ...] | None = None,
+        offset_bytes: int = 0,
     ) -> PendingReceive:
         wire = self._wire(src)
         buffer = torch.empty(shape, dtype=dtype, device=wire)
         what = f"receiving {what} from rank {src}"
         with self._naming_peer(what, src):
             work = self.group.link(wire, src, self.control).recv([buffer], src, self._tag_base | index)
-        return PendingReceive(work, buffer, what, src, stride)
+        return PendingReceive(work, buffer, what, src, stride, offset_bytes)
 
     def post_recv_spec(self, spec: TensorSpec, src: int, index: int, what: str) -> PendingReceive:
-        """A receive of a tensor of ``spec`` that gets the traced strides back when waited for
+        """A receive of a tensor of ``spec`` that gets the traced layout back when waited for
         ([Note: a received tensor keeps its traced strides])."""
-        return self.post_recv(concrete_shape(spec, self.values), spec.dtype, src, index, what, spec.stride)
+        shape = concrete_shape(spec, self.values)
+        return self.post_recv(shape, spec.dtype, src, index, what, spec.stride, spec.offset_bytes)
 
     def wait_recv(self, pending: PendingReceive) -> torch.Tensor:
         """The received tensor: on this rank's device with its traced strides, or on the host for a control message
@@ -186,7 +189,8 @@ class Messages:
         self._wait(pending.work, pending.what, pending.buffer.device, pending.src)
         if self.control:
             return pending.buffer
-        return with_strides(pending.buffer.to(self.group.devices[self.group.rank]), pending.stride)
+        received = pending.buffer.to(self.group.devices[self.group.rank])
+        return with_layout(received, pending.stride, pending.offset_bytes)
 
     def wait_sends(self) -> None:
         for work, staged, what, dst in self._sends:

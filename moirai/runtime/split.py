@@ -72,6 +72,7 @@ from moirai.frontend.symbolic_shapes import (
     concrete_shape as concrete_shape,  # part of this module's interface for the runtimes
 )
 from moirai.frontend.trace import (
+    ALIGNMENT_BYTES,
     TensorSpec,
     TracedModel,
     check_flat_inputs,
@@ -567,20 +568,27 @@ class _PartBuilder:
 # or read other elements (fuzz seed 63). So every receive of a tensor whose traced layout is static gives it its traced
 # strides back (TensorSpec.stride; the transfers between parts and the outputs rank 0 gathers, in
 # moirai.runtime.protocol), and the local runner, whose ``.to`` keeps a tensor on its own device as it is, gives one
-# moved to another device the strides it had. Done by the transports rather than by nodes in the part's graph, so that
-# the local runner copies nothing it passes as it is; a contiguous tensor, nearly all, costs nothing. A layout with a
-# symbolic size or stride, and a flat input (its strides are the caller's, which the header does not carry), cross
-# contiguous.
-def with_strides(tensor: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
-    """``tensor``'s values laid out with ``stride`` (a spec's, or the sent tensor's), or ``tensor`` itself where it
-    has them already or ``stride`` is None ([Note: a received tensor keeps its traced strides]).
+# moved to another device the strides it had. The same holds for where the first element lies: every allocation starts
+# on a 64-byte boundary, and a kernel may vectorise differently where its input does not (on an AMD EPYC, a linear on
+# rows 1, 3 and 5 of another linear's output, 24 bytes past the boundary, rounds 1 ulp off the same rows received at
+# 0), so a received tensor is placed as far past the boundary as it was traced (TensorSpec.offset_bytes). Done by the
+# transports rather than by nodes in the part's graph, so that the local runner copies nothing it passes as it is; a
+# contiguous tensor at a boundary, nearly all, costs nothing. A layout with a symbolic size or stride, and a flat
+# input (its strides are the caller's, which the header does not carry), cross contiguous.
+def with_layout(tensor: torch.Tensor, stride: tuple[int, ...] | None, offset_bytes: int = 0) -> torch.Tensor:
+    """``tensor``'s values laid out with ``stride`` (a spec's, or the sent tensor's; None: ``tensor``'s own) and their
+    first element ``offset_bytes`` past an alignment boundary, or ``tensor`` itself where it is laid out so already
+    ([Note: a received tensor keeps its traced strides]).
 
     A dimension of stride 0 (``expand``) holds one element in memory, written once; a layout whose elements overlap
     otherwise (``as_strided``) cannot be written into and stays as received.
     """
-    if stride is None or tensor.stride() == stride:
+    stride = tensor.stride() if stride is None else stride
+    if tensor.stride() == stride and tensor.data_ptr() % ALIGNMENT_BYTES == offset_bytes or tensor.numel() == 0:
         return tensor
-    laid_out = tensor.new_empty_strided(tensor.shape, stride)
+    offset = offset_bytes // tensor.element_size()
+    extent = 1 + sum((size - 1) * step for size, step in zip(tensor.shape, stride, strict=True))
+    laid_out = tensor.new_empty(offset + extent).as_strided(tensor.shape, stride, offset)
     target, source = laid_out, tensor
     for dim, step in enumerate(stride):
         if step == 0:
