@@ -1,4 +1,4 @@
-"""Random models (``fuzz_models.py``) split at random across 2-4 devices give the model's outputs exactly.
+"""Random models (``fuzz_models.py``) split at random across 2-4 devices give the model's outputs bit for bit.
 
 Each seed makes one model (a random DAG of linear, conv, attention, norms, elementwise, shape and
 in-place ops with tuple/dict outputs, tied parameters, buffers and constants), traces it, puts every
@@ -46,8 +46,29 @@ def num_devices(seed: int) -> int:
 
 
 def expected_outputs(model: FuzzModel, args: tuple, kwargs: dict) -> object:
-    with torch.no_grad():
-        return model(*args, **kwargs)
+    """The model's outputs, with MultiheadAttention on its decomposed path: torch.export traces that path (linears and
+    ``scaled_dot_product_attention``), where eager's fused kernel rounds an ulp off it, so a split, which runs the
+    traced ops, is bitwise equal to the eager model only on that path (73 of 1,500 seeds differed without it)."""
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad():
+            return model(*args, **kwargs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
+
+
+def assert_bitwise(outputs: object, expected: object) -> None:
+    """``outputs`` has ``expected``'s structure and every tensor equals its counterpart bit for bit."""
+    leaves, spec = pytree.tree_flatten(outputs)
+    expected_leaves, expected_spec = pytree.tree_flatten(expected)
+    assert spec == expected_spec, f"outputs {spec} where the model gives {expected_spec}"
+    for index, (got, want) in enumerate(zip(leaves, expected_leaves, strict=True)):
+        if isinstance(want, torch.Tensor):
+            difference = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else None
+            assert torch.equal(got, want), f"output {index} differs from the model's (largest difference {difference})"
+        else:
+            assert got == want, f"output {index} is {got!r} where the model gives {want!r}"
 
 
 def random_split(seed: int) -> tuple[TracedModel, SplitProgram, list[torch.Tensor], object]:
@@ -63,7 +84,7 @@ def random_split(seed: int) -> tuple[TracedModel, SplitProgram, list[torch.Tenso
 def check_local(seed: int) -> SplitProgram:
     traced, program, flat_inputs, expected = random_split(seed)
     outputs = run_local(program, flat_inputs, ["cpu"] * program.num_devices)
-    torch.testing.assert_close(traced.unflatten_outputs(outputs), expected)
+    assert_bitwise(traced.unflatten_outputs(outputs), expected)
     return program
 
 
@@ -89,6 +110,15 @@ def test_random_models_split_exactly_locally(block):
     seeds = range(block * BLOCK, min(FUZZ_MODELS, (block + 1) * BLOCK))
     failures = failures_of(seeds, check_local)
     assert not failures, reproduce_hint(failures)
+
+
+@pytest.fixture
+def one_thread():
+    """The model and rank 0's part computing with one thread, as every other rank does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("seed", sorted(REGRESSION_SEEDS))
@@ -214,21 +244,22 @@ def test_random_models_compile_with_coarsening_and_placers_and_match():
         compiled = moirai.compile(
             model, ["cpu"] * num_devices(seed), args, kwargs, placer=placer, target_nodes=target_nodes, **options
         )
-        torch.testing.assert_close(compiled(*args, **kwargs), expected)
+        assert_bitwise(compiled(*args, **kwargs), expected)
 
     failures = failures_of(COMPILE_SEEDS, check)
     assert not failures, reproduce_hint(failures)
 
 
 @pytest.mark.slow
-def test_random_models_split_exactly_through_one_distributed_runner():
+def test_random_models_split_exactly_through_one_distributed_runner(one_thread):
+    """Bit for bit: each rank computes with one thread, as the model does here (``one_thread``; a 1x1 conv's kernel
+    rounds otherwise with two threads than with one)."""
     with DistributedRunner(["cpu"] * WORLD_SIZE, timeout_s=120.0) as runner:
 
         def check(seed: int) -> None:
             traced, program, flat_inputs, expected = random_split(seed)
             outputs = runner.run(program, flat_inputs)
-            torch.testing.assert_close(traced.unflatten_outputs(outputs), expected)
-            torch.testing.assert_close(outputs, pytree.tree_leaves(expected))
+            assert_bitwise(traced.unflatten_outputs(outputs), expected)
 
         failures = failures_of(DISTRIBUTED_SEEDS, check)
         # A transfer delivers a contiguous tensor: without the traced strides back, the view fails.

@@ -457,6 +457,36 @@ def test_a_strided_tensor_crosses_devices_with_its_strides_bitwise(name, runner)
             assert all(torch.equal(got, want) for got, want in zip(outputs, expected, strict=True))
 
 
+class _ParameterSliceIntoLinear(torch.nn.Module):
+    """A linear whose weight is a slice of a parameter (MultiheadAttention's ``in_proj_weight``, split three ways)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(24, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.transpose(0, 1), self.weight[8:16])
+
+
+def test_a_slice_of_a_parameter_crosses_devices_requiring_grad_as_in_the_model_bitwise(runner):
+    """Under no_grad a view of a parameter still requires grad, and ``matmul`` folds a batch into one ``mm`` only
+    then: received without it, the linear took ``bmm`` and was 1 ulp off (TensorSpec.requires_grad)."""
+    torch.manual_seed(0)
+    model = _ParameterSliceIntoLinear().eval()
+    traced = trace(model, (torch.randn(2, 3, 8),))
+    ops = [node.name for node in traced.graph_module.graph.nodes if node.op == "call_function"]
+    program = split_module(traced, {name: int("slice" not in name) for name in ops}, 2)
+    (transfer,) = program.transfers
+    assert transfer.spec.requires_grad
+    for seed in range(4):
+        torch.manual_seed(seed)
+        x = torch.randn(2, 3, 8)
+        with torch.no_grad():
+            expected = model(x)
+        for (output,) in (runner.run(program, [x]), run_local(program, [x], ["cpu", "cpu"])):
+            assert torch.equal(output, expected)
+
+
 @pytest.mark.slow
 def test_run_distributed_and_server_give_a_strided_tensor_its_strides_bitwise():
     """The user's entry points, which start ranks of their own, on a plan that sends ``x.t() * 2`` across."""

@@ -71,7 +71,9 @@ class TensorSpec:
     None for a contiguous tensor or a symbolic layout: a tensor that crosses devices gets its strides back
     ([Note: a received tensor keeps its traced strides], moirai.runtime.split). ``offset_bytes``: where its first
     element lies past an :data:`ALIGNMENT_BYTES` boundary as traced (its storage offset times its element size, modulo
-    that; 0 where the offset is symbolic), which a received tensor keeps too, for the same reason.
+    that; 0 where the offset is symbolic), which a received tensor keeps too, for the same reason. ``requires_grad``:
+    whether the model's tensor requires grad even under ``no_grad`` (a view of a parameter), which changes the path
+    ``matmul`` takes (set by the splitter, which sees the parameter; a trace's values never require grad).
     """
 
     shape: tuple[int, ...]
@@ -79,6 +81,7 @@ class TensorSpec:
     symbolic_shape: tuple[str, ...] | None = None
     stride: tuple[int, ...] | None = None
     offset_bytes: int = 0
+    requires_grad: bool = False
 
 
 def tensor_spec(value: torch.Tensor) -> TensorSpec:

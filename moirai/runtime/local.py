@@ -221,8 +221,11 @@ class _LocalTransport:
 
 def _to(value: object, device: torch.device) -> object:
     """``value`` on ``device``: a tensor already there as it is (``.to`` copies nothing), one moved there with its
-    strides and alignment, as a message's keeps them ([Note: a received tensor keeps its traced strides], split.py)."""
+    strides, alignment and need of grad, as a message's keeps them ([Note: a received tensor keeps its traced strides],
+    split.py)."""
     if not isinstance(value, torch.Tensor):
         return value
     moved = value.to(device)
-    return moved if moved is value else with_layout(moved, value.stride(), value.data_ptr() % ALIGNMENT_BYTES)
+    if moved is value:
+        return value
+    return with_layout(moved, value.stride(), value.data_ptr() % ALIGNMENT_BYTES, value.requires_grad)

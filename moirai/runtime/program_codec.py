@@ -52,7 +52,7 @@ from moirai.frontend.trace import ALIGNMENT_BYTES, TensorSpec
 from moirai.runtime.split import DevicePart, OutputLocation, SplitProgram, TensorTransfer, Transport
 from moirai.runtime.zero_pages import written_runs, zeros_on_demand
 
-FORMAT_VERSION = 4  # 3: a tensor spec holds its strides; 4: and its offset past an alignment boundary
+FORMAT_VERSION = 4  # 3: a tensor spec holds its strides; 4: and its offset past an alignment boundary and its grad
 _LENGTH = struct.Struct("<Q")
 _IDENTIFIER = re.compile(r"(?!__)[A-Za-z_][A-Za-z0-9_]*")  # always fullmatch: "$" would let a newline through
 _OPERATOR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -429,7 +429,7 @@ def _encode_value(value: Any, where: str) -> Any:
 def _encode_spec(spec: TensorSpec) -> list[Any]:
     symbolic = None if spec.symbolic_shape is None else list(spec.symbolic_shape)
     stride = None if spec.stride is None else list(spec.stride)
-    return [list(spec.shape), _dtype_name(spec.dtype), symbolic, stride, spec.offset_bytes]
+    return [list(spec.shape), _dtype_name(spec.dtype), symbolic, stride, spec.offset_bytes, spec.requires_grad]
 
 
 def _encode_transfer(transfer: TensorTransfer) -> list[Any]:
@@ -726,7 +726,7 @@ def _decode_dtype(name: Any) -> torch.dtype:
 
 
 def _decode_spec(spec: list[Any]) -> TensorSpec:
-    shape, dtype, symbolic, stride, offset_bytes = spec
+    shape, dtype, symbolic, stride, offset_bytes, requires_grad = spec
     symbolic_shape = None if symbolic is None else tuple(str(s) for s in symbolic)
     strides = None if stride is None else tuple(int(s) for s in stride)
     decoded_dtype = _decode_dtype(dtype)
@@ -736,7 +736,8 @@ def _decode_spec(spec: list[Any]) -> TensorSpec:
             f"a tensor spec's offset of {offset_bytes} bytes is not a whole number of "
             f"{_dtype_name(decoded_dtype)} elements below {ALIGNMENT_BYTES}"
         )
-    return TensorSpec(tuple(int(s) for s in shape), decoded_dtype, symbolic_shape, strides, offset_bytes)
+    shape = tuple(int(s) for s in shape)
+    return TensorSpec(shape, decoded_dtype, symbolic_shape, strides, offset_bytes, requires_grad is True)
 
 
 def _decode_transfer(transfer: list[Any]) -> TensorTransfer:

@@ -107,6 +107,7 @@ class PendingReceive:
     src: int
     stride: tuple[int, ...] | None = None  # the strides the received tensor gets back (TensorSpec.stride)
     offset_bytes: int = 0  # and how far past an alignment boundary it starts (TensorSpec.offset_bytes)
+    requires_grad: bool = False  # and whether it requires grad (TensorSpec.requires_grad)
 
     def __repr__(self) -> str:
         return f"PendingReceive({self.what})"
@@ -169,19 +170,20 @@ class Messages:
         what: str,
         stride: tuple[int, ...] | None = None,
         offset_bytes: int = 0,
+        requires_grad: bool = False,
     ) -> PendingReceive:
         wire = self._wire(src)
         buffer = torch.empty(shape, dtype=dtype, device=wire)
         what = f"receiving {what} from rank {src}"
         with self._naming_peer(what, src):
             work = self.group.link(wire, src, self.control).recv([buffer], src, self._tag_base | index)
-        return PendingReceive(work, buffer, what, src, stride, offset_bytes)
+        return PendingReceive(work, buffer, what, src, stride, offset_bytes, requires_grad)
 
     def post_recv_spec(self, spec: TensorSpec, src: int, index: int, what: str) -> PendingReceive:
         """A receive of a tensor of ``spec`` that gets the traced layout back when waited for
         ([Note: a received tensor keeps its traced strides])."""
         shape = concrete_shape(spec, self.values)
-        return self.post_recv(shape, spec.dtype, src, index, what, spec.stride, spec.offset_bytes)
+        return self.post_recv(shape, spec.dtype, src, index, what, spec.stride, spec.offset_bytes, spec.requires_grad)
 
     def wait_recv(self, pending: PendingReceive) -> torch.Tensor:
         """The received tensor: on this rank's device with its traced strides, or on the host for a control message
@@ -190,7 +192,7 @@ class Messages:
         if self.control:
             return pending.buffer
         received = pending.buffer.to(self.group.devices[self.group.rank])
-        return with_layout(received, pending.stride, pending.offset_bytes)
+        return with_layout(received, pending.stride, pending.offset_bytes, pending.requires_grad)
 
     def wait_sends(self) -> None:
         for work, staged, what, dst in self._sends:

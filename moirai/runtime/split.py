@@ -59,7 +59,7 @@ import heapq
 import numbers
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import sympy
@@ -432,7 +432,7 @@ def _transfers(global_order: list[fx.Node], node_device: Mapping[str, int]) -> l
                 f"{', '.join(consumers)} on device(s) {remote}; only tensors can cross devices: put the ops that "
                 f"unpack it (getitem) on device {src}"
             )
-        spec = tensor_spec(value)
+        spec = _spec_of(node)
         transfers += [TensorTransfer(len(transfers) + i, node.name, src, dst, spec) for i, dst in enumerate(remote)]
     return transfers
 
@@ -574,16 +574,27 @@ class _PartBuilder:
 # 0), so a received tensor is placed as far past the boundary as it was traced (TensorSpec.offset_bytes). Done by the
 # transports rather than by nodes in the part's graph, so that the local runner copies nothing it passes as it is; a
 # contiguous tensor at a boundary, nearly all, costs nothing. A layout with a symbolic size or stride, and a flat
-# input (its strides are the caller's, which the header does not carry), cross contiguous.
-def with_layout(tensor: torch.Tensor, stride: tuple[int, ...] | None, offset_bytes: int = 0) -> torch.Tensor:
+# input (its strides are the caller's, which the header does not carry), cross contiguous. And a view of a parameter
+# requires grad in the model, also under no_grad, which ``matmul`` asks (it folds a batch into one ``mm`` only then:
+# a linear on a received slice of MultiheadAttention's ``in_proj_weight`` was 1 ulp off), so a received tensor
+# requires grad where the model's did (TensorSpec.requires_grad).
+def with_layout(
+    tensor: torch.Tensor, stride: tuple[int, ...] | None, offset_bytes: int = 0, requires_grad: bool = False
+) -> torch.Tensor:
     """``tensor``'s values laid out with ``stride`` (a spec's, or the sent tensor's; None: ``tensor``'s own) and their
-    first element ``offset_bytes`` past an alignment boundary, or ``tensor`` itself where it is laid out so already
-    ([Note: a received tensor keeps its traced strides]).
+    first element ``offset_bytes`` past an alignment boundary, requiring grad if ``requires_grad`` (a leaf: no graph
+    is recorded), or ``tensor`` itself where it is so already ([Note: a received tensor keeps its traced strides]).
 
     A dimension of stride 0 (``expand``) holds one element in memory, written once; a layout whose elements overlap
     otherwise (``as_strided``) cannot be written into and stays as received.
     """
-    stride = tensor.stride() if stride is None else stride
+    laid_out = _laid_out(tensor, tensor.stride() if stride is None else stride, offset_bytes)
+    if requires_grad and not laid_out.requires_grad:
+        laid_out = laid_out.detach().requires_grad_(True)
+    return laid_out
+
+
+def _laid_out(tensor: torch.Tensor, stride: tuple[int, ...], offset_bytes: int) -> torch.Tensor:
     if tensor.stride() == stride and tensor.data_ptr() % ALIGNMENT_BYTES == offset_bytes or tensor.numel() == 0:
         return tensor
     offset = offset_bytes // tensor.element_size()
@@ -614,8 +625,18 @@ def _overlaps(shape: Sequence[int], stride: Sequence[int]) -> bool:
 
 
 def _spec_of(value: object) -> TensorSpec | None:
+    """The spec of a node's tensor, which requires grad where the model's does ([Note: a received tensor keeps its
+    traced strides]): a view of a parameter that requires grad, which a trace's value does not say."""
     meta = value.meta.get("val") if isinstance(value, fx.Node) else value
-    return tensor_spec(meta) if isinstance(meta, torch.Tensor) else None
+    if not isinstance(meta, torch.Tensor):
+        return None
+    spec = tensor_spec(meta)
+    base = view_base(value) if isinstance(value, fx.Node) else None
+    if base is not None and base.op == "get_attr" and isinstance(base.target, str):
+        attribute = _fetch_attribute(base.graph.owning_module, base.target)
+        if isinstance(attribute, torch.Tensor) and attribute.requires_grad:
+            return replace(spec, requires_grad=True)
+    return spec
 
 
 def _fetch_attribute(module: torch.nn.Module, target: str) -> torch.Tensor | torch.nn.Module:
