@@ -31,8 +31,9 @@ from models_for_tests import (
 
 import moirai
 from moirai.errors import DistributedError, InputError, PlanError, RequestError
-from moirai.frontend.trace import TracedModel, trace
+from moirai.frontend.trace import TensorSpec, TracedModel, trace
 from moirai.runtime import DistributedRunner, run_distributed, run_local
+from moirai.runtime.protocol import InputLayout
 from moirai.runtime.split import SplitProgram, split_module
 
 WORLD_SIZE = 4
@@ -485,6 +486,36 @@ def test_a_slice_of_a_parameter_crosses_devices_requiring_grad_as_in_the_model_b
             expected = model(x)
         for (output,) in (runner.run(program, [x]), run_local(program, [x], ["cpu", "cpu"])):
             assert torch.equal(output, expected)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: torch.randn(31)[1:].view(5, 6), lambda: torch.randn(6, 5).t(), lambda: torch.randn(5, 6)],
+    ids=["4 bytes past the boundary", "transposed", "new"],
+)
+def test_a_flat_input_read_off_rank_0_keeps_the_callers_layout_bitwise(make, runner):
+    """The header carries the caller's layout of a flat input another rank reads (protocol.InputLayout): a linear on
+    rows that start 4 bytes past the alignment boundary was 1 ulp off the same rows received into a new buffer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6)).eval()
+    traced = trace(model, (torch.randn(5, 6),))
+    program = split_module(traced, {n.name: 1 for n in traced.graph_module.graph.nodes if n.op == "call_function"}, 2)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        x = make()
+        with torch.no_grad():
+            expected = model(x)
+        assert torch.equal(runner.run(program, [x])[0], expected)
+
+
+@pytest.mark.parametrize(
+    "value", [[[6], 0, False], [[6, -1], 0, False], [None, 2, False], [None, 64, False], [None, 0], "x"]
+)
+def test_a_flat_inputs_layout_that_does_not_fit_its_spec_is_refused(value):
+    spec = TensorSpec((5, 6), torch.float32)
+    with pytest.raises(DistributedError, match="is not a layout of a 2-d torch.float32 tensor"):
+        InputLayout.from_wire(value, spec, "rank 1")
+    assert InputLayout.from_wire([[1, 5], 8, True], spec, "rank 1") == InputLayout((1, 5), 8, True)
 
 
 @pytest.mark.slow

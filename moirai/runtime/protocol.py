@@ -34,7 +34,7 @@ import math
 import queue
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, NamedTuple
@@ -44,7 +44,7 @@ import torch.fx as fx
 
 from moirai.cluster.kinds import host_device, kind_of
 from moirai.errors import DistributedError, PlanError
-from moirai.frontend.trace import TensorSpec
+from moirai.frontend.trace import ALIGNMENT_BYTES, TensorSpec
 from moirai.runtime import isolation
 from moirai.runtime.blame import PeerFailure
 from moirai.runtime.groups import Group, Work, placed_part
@@ -135,11 +135,13 @@ class Messages:
         timeout: datetime.timedelta,
         values: dict[str, int] | None = None,
         control: bool = False,
+        input_layouts: Mapping[int, InputLayout] | None = None,
     ) -> None:
         self.group = group
         self.control = control  # request headers: over gloo, a connection of their own
         self.request = sequence
         self.timeout = timeout
+        self.input_layouts = input_layouts or {}  # by flat input index: the caller's layout where not a new tensor's
         self.values = values or {}
         self._tag_base = (sequence % _TAG_WINDOW) << _TAG_BITS
         self._sends: list[_PostedSend] = []
@@ -336,11 +338,13 @@ class Preposted(NamedTuple):
 
 
 def _post_input_recv(messages: Messages, program: SplitProgram, index: int) -> PendingReceive:
-    """A flat input arrives contiguous: its strides are the caller's, not the traced ones ([Note: a received tensor
-    keeps its traced strides])."""
+    """A flat input gets the layout the caller's tensor had, which the request's header says where it is not a new
+    tensor's ([Note: a received tensor keeps its traced strides])."""
     spec = program.input_specs[index]
     shape = concrete_shape(spec, messages.values)
-    return messages.post_recv(shape, spec.dtype, 0, _FIRST_DATA_TAG + index, f"flat input {index}")
+    layout = messages.input_layouts.get(index, InputLayout())
+    what = f"flat input {index}"
+    return messages.post_recv(shape, spec.dtype, 0, _FIRST_DATA_TAG + index, what, *layout)
 
 
 def _post_transfer_recv(messages: Messages, transfer: TensorTransfer, first_tag: int) -> PendingReceive:
@@ -442,7 +446,14 @@ def serve(group: Group, programs: dict[int, SplitProgram], timeout_s: float) -> 
             program = programs[header.program_id]
             if preposted is None:
                 request_timeout = datetime.timedelta(milliseconds=header.timeout_ms)
-                preposted = Preposted(Messages(group, header.request, request_timeout, header.symbol_values), {}, {})
+                messages = Messages(
+                    group,
+                    header.request,
+                    request_timeout,
+                    header.symbol_values,
+                    input_layouts=header.input_layouts(program, group.rank),
+                )
+                preposted = Preposted(messages, {}, {})
             part = placed_part(program, group)
             finish = run_part(program, group, part, preposted.messages, None, preposted)
             if previous is not None:
@@ -501,7 +512,8 @@ def _post_receives(group: Group, programs: dict[int, SplitProgram], header: Head
     if any(matches_by_order(group, source) for source in sources):
         return None  # NCCL pairs sends and receives in the order both ends post them: posted in turn
     timeout = datetime.timedelta(milliseconds=header.timeout_ms)
-    messages = Messages(group, header.request, timeout, header.symbol_values)
+    layouts = header.input_layouts(program, group.rank)
+    messages = Messages(group, header.request, timeout, header.symbol_values, input_layouts=layouts)
     first_tag = _FIRST_DATA_TAG + len(program.input_specs)
     inputs = {index: _post_input_recv(messages, program, index) for index in part.input_indices}
     transfers = {t.index: _post_transfer_recv(messages, t, first_tag) for t in part.receives}
@@ -525,11 +537,41 @@ def matches_by_order(group: Group, peer: int) -> bool:
     return kind_of(group.wire_device(peer)).messages_in_device_memory
 
 
+class InputLayout(NamedTuple):
+    """How a caller's flat input is laid out, where a rank other than 0 reads it ([Note: a received tensor keeps its
+    traced strides]): its strides (None: contiguous), how far past an alignment boundary it starts, and whether it
+    requires grad."""
+
+    stride: tuple[int, ...] | None = None
+    offset_bytes: int = 0
+    requires_grad: bool = False
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> InputLayout:
+        stride = None if tensor.is_contiguous() else tuple(tensor.stride())
+        return cls(stride, tensor.data_ptr() % ALIGNMENT_BYTES, tensor.requires_grad)
+
+    @classmethod
+    def from_wire(cls, value: Any, spec: TensorSpec, where: str) -> InputLayout:
+        """A layout as a header's payload holds it, ``[stride or null, offset_bytes, requires_grad]``, checked."""
+        stride, offset_bytes, requires_grad = value if isinstance(value, list) and len(value) == 3 else (0, -1, 0)
+        strides_fit = stride is None or (
+            isinstance(stride, list)
+            and len(stride) == len(spec.shape)
+            and all(type(step) is int and step >= 0 for step in stride)
+        )
+        offset_fits = type(offset_bytes) is int and 0 <= offset_bytes < ALIGNMENT_BYTES
+        if not (strides_fit and offset_fits and offset_bytes % spec.dtype.itemsize == 0):
+            raise DistributedError(f"{where}: {value!r} is not a layout of a {len(spec.shape)}-d {spec.dtype} tensor")
+        return cls(None if stride is None else tuple(stride), offset_bytes, requires_grad is True)
+
+
 @dataclass(frozen=True)
 class Header:
     """What rank 0 tells a rank before each message of the protocol: run a request, load a program, heartbeat, close.
 
-    A run's payload holds the request's symbolic dimension values (JSON), a load's the program
+    A run's payload holds the request's symbolic dimension values and the layouts of the flat inputs other ranks read
+    where they are not a new tensor's (JSON, :class:`InputLayout`), a load's the program
     (:func:`moirai.runtime.program_codec.encode_program`).
     """
 
@@ -544,12 +586,32 @@ class Header:
         cls, program: SplitProgram, program_id: int, request: int, flat_inputs: Sequence[torch.Tensor], timeout_s: float
     ) -> Header:
         values = symbol_values(program, flat_inputs)
-        payload = json.dumps(values).encode() if values else b""
+        read_elsewhere = sorted({index for part in program.parts[1:] for index in part.input_indices})
+        layouts = {index: InputLayout.of(flat_inputs[index]) for index in read_elsewhere}
+        unusual = {str(index): list(layout) for index, layout in layouts.items() if layout != InputLayout()}
+        payload = json.dumps({"values": values, "layouts": unusual}).encode() if values or unusual else b""
         return cls(HeaderKind.RUN, program_id, request, round(timeout_s * 1000), payload)
 
     @property
-    def symbol_values(self) -> dict[str, int]:
+    def _run_payload(self) -> dict[str, Any]:
         return json.loads(self.payload) if self.kind == HeaderKind.RUN and self.payload else {}
+
+    @property
+    def symbol_values(self) -> dict[str, int]:
+        return self._run_payload.get("values", {})
+
+    def input_layouts(self, program: SplitProgram, rank: int) -> dict[int, InputLayout]:
+        """The layouts of the flat inputs that differ from a new tensor's, checked against ``program``'s specs."""
+        layouts = self._run_payload.get("layouts", {})
+        where = f"rank {rank}: request {self.request}'s header"
+        if not isinstance(layouts, dict) or not all(
+            key.isdigit() and int(key) < len(program.input_specs) for key in layouts
+        ):
+            raise DistributedError(f"{where} gives layouts of {sorted(layouts)!r:.80}, not of flat inputs")
+        return {
+            int(key): InputLayout.from_wire(value, program.input_specs[int(key)], f"{where}, flat input {key}")
+            for key, value in layouts.items()
+        }
 
     def __repr__(self) -> str:
         # A load's payload is a program: its size says enough.

@@ -573,11 +573,12 @@ class _PartBuilder:
 # rows 1, 3 and 5 of another linear's output, 24 bytes past the boundary, rounds 1 ulp off the same rows received at
 # 0), so a received tensor is placed as far past the boundary as it was traced (TensorSpec.offset_bytes). Done by the
 # transports rather than by nodes in the part's graph, so that the local runner copies nothing it passes as it is; a
-# contiguous tensor at a boundary, nearly all, costs nothing. A layout with a symbolic size or stride, and a flat
-# input (its strides are the caller's, which the header does not carry), cross contiguous. And a view of a parameter
-# requires grad in the model, also under no_grad, which ``matmul`` asks (it folds a batch into one ``mm`` only then:
-# a linear on a received slice of MultiheadAttention's ``in_proj_weight`` was 1 ulp off), so a received tensor
-# requires grad where the model's did (TensorSpec.requires_grad).
+# contiguous tensor at a boundary, nearly all, costs nothing. A layout with a symbolic size or stride crosses
+# contiguous. A flat input's layout is the caller's, not the trace's: the request's header carries it where it is not a
+# new tensor's (moirai.runtime.protocol.InputLayout; rows 4 bytes past the boundary were 1 ulp off too). And a view of
+# a parameter requires grad in the model, also under no_grad, which ``matmul`` asks (it folds a batch into one ``mm``
+# only then: a linear on a received slice of MultiheadAttention's ``in_proj_weight`` was 1 ulp off), so a received
+# tensor requires grad where the model's did (TensorSpec.requires_grad; a flat input's, InputLayout's).
 def with_layout(
     tensor: torch.Tensor, stride: tuple[int, ...] | None, offset_bytes: int = 0, requires_grad: bool = False
 ) -> torch.Tensor:
