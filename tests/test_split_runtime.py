@@ -575,3 +575,12 @@ def test_outputs_gathered_keep_their_identity_and_strides(runner):
         expected = model(x)
     for outputs in (runner.run(program, [x]), run_local(program, [x], ["cpu", "cpu"])):
         _assert_outputs_as_the_model_returns_them(tuple(outputs), expected)
+
+
+def test_the_layout_of_a_tensor_at_an_address_no_new_tensor_can_have_starts_at_the_boundary():
+    buffer = bytearray(4 * 7)
+    odd = next(
+        t for at in range(4) if (t := torch.frombuffer(buffer, dtype=torch.float32, offset=at, count=6)).data_ptr() % 4
+    )
+    assert InputLayout.of(odd).offset_bytes == 0
+    assert InputLayout.of(torch.randn(31)[3:]) == InputLayout(None, 12, False)

@@ -549,7 +549,10 @@ class InputLayout(NamedTuple):
     @classmethod
     def of(cls, tensor: torch.Tensor) -> InputLayout:
         stride = None if tensor.is_contiguous() else tuple(tensor.stride())
-        return cls(stride, tensor.data_ptr() % ALIGNMENT_BYTES, tensor.requires_grad)
+        offset_bytes = tensor.data_ptr() % ALIGNMENT_BYTES
+        if offset_bytes % tensor.element_size():  # a buffer's bytes at an odd address: no tensor can start there
+            offset_bytes = 0
+        return cls(stride, offset_bytes, tensor.requires_grad)
 
     @classmethod
     def from_wire(cls, value: Any, spec: TensorSpec, where: str) -> InputLayout:
