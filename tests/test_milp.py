@@ -291,9 +291,11 @@ def test_whole_model_progress_is_in_milliseconds_of_the_problem():
 @pytest.mark.slow
 def test_window_search_improves_on_the_best_heuristic():
     problem = random_layered_problem(300, 4, seed=5)
-    plan = place(problem, "milp", time_limit_s=8, strategy="windows")
+    # The start plans and the lookahead take about 3 s of the budget on an idle machine and the first window that
+    # improves comes 0.4-1 s after them; with 8 s a full suite run once kept none (alone, 8 s keeps 3-9).
+    plan = place(problem, "milp", time_limit_s=15, strategy="windows")
     assert plan.makespan_s < min(plan.report.heuristics.values())
-    assert plan.report.windows_improved >= 1
+    assert plan.report.windows_improved >= 1, plan.report
 
 
 def test_solver_failure_falls_back_to_the_best_heuristic_with_a_warning(monkeypatch):
