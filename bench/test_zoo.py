@@ -233,6 +233,9 @@ def test_runner_rows_show_results_misfits_and_errors_and_go_to_a_markdown_file(m
     period_bound = run.objective_bound_s(problem, "throughput")
     streamed = run.run_placer(problem, "contiguous", "gpt3:small", "inter", "throughput", 1.0, period_bound)
     assert streamed.objective == "throughput" and period_bound <= streamed.objective_s < streamed.latency_s
+    # --period-bound's bound: never below the load bound, never above a plan's period.
+    program_bound = run.period_bound_s(problem, 2.0)
+    assert period_bound * (1 - 1e-12) <= program_bound <= streamed.objective_s * (1 + 1e-12)
 
     # Device 0 holds almost nothing; round_robin, which ignores memory, still gives it a chunk.
     capacity = np.full(problem.num_devices, problem.memory_bytes.sum())

@@ -17,7 +17,7 @@ from moirai.planning.report import StopReason
 from moirai.planning.simulate import simulate
 from moirai.planning.solve import period_windows
 from moirai.planning.solve.period_search import Loads
-from moirai.planning.solve.period_windows import Window, window_placement, window_search
+from moirai.planning.solve.period_windows import Window, period_lower_bound, window_placement, window_search
 from moirai.testing import EVERY_COST, random_layered_problem, random_problem
 
 THROUGHPUT = OBJECTIVES["throughput"]
@@ -51,9 +51,39 @@ def test_a_window_of_every_task_finds_the_shortest_period(seed: int, monkeypatch
     loads = Loads(problem, start)
     everything = list(range(problem.num_tasks))
     best_s = min(Loads(problem, p).period_s for p in _placements(problem, everything, [0, 1, 2], start))
-    placement, optimal = window_placement(loads, Window(tuple(everything), None), time_limit_s=30.0)
-    assert optimal
-    assert Loads(problem, placement).period_s == pytest.approx(best_s, rel=1e-7)
+    found = window_placement(loads, Window(tuple(everything), None), time_limit_s=30.0)
+    assert found.optimal
+    assert Loads(problem, found.placement).period_s == pytest.approx(best_s, rel=1e-7)
+    assert found.cost_bound * loads.period_s == pytest.approx(best_s, rel=1e-5)  # _TIE is 0 here
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_period_bound_is_never_above_the_shortest_period_and_equals_it_where_proven(seed: int) -> None:
+    # The program's tie weight on the loads stays in: the bound divides it out ([Note: the period bound]).
+    problem = _small(seed)
+    start = get_placer("heft")(problem).placement
+    everything = list(range(problem.num_tasks))
+    best_s = min(
+        simulate(problem, Plan(p, problem.device_names)).period_s
+        for p in _placements(problem, everything, [0, 1, 2], start)
+    )
+    found = period_lower_bound(problem, start, time_limit_s=30.0)
+    assert found.optimal
+    assert THROUGHPUT.lower_bound_s(problem) * (1 - 1e-12) <= found.bound_s <= best_s * (1 + 1e-12)
+    assert found.bound_s == pytest.approx(best_s, rel=1e-3)  # 3 devices: the tie costs at most 0.03%
+    assert found.period_s == pytest.approx(best_s, rel=1e-5)
+
+
+def test_a_period_bound_stopped_by_its_time_limit_still_holds() -> None:
+    problem = random_layered_problem(120, 4, seed=1, cpu_ratio=0.5)
+    start = get_placer("pipeline")(problem).placement
+    stopped = period_lower_bound(problem, start, time_limit_s=0.05)
+    longer = period_lower_bound(problem, start, time_limit_s=3.0)
+    plans = [place(problem, placer, objective="throughput") for placer in ("pipeline", "contiguous", "heft")]
+    shortest_s = min(simulate(problem, plan).period_s for plan in plans)
+    assert stopped.bound_s >= THROUGHPUT.lower_bound_s(problem) * (1 - 1e-12)
+    assert stopped.bound_s <= longer.bound_s * (1 + 1e-9) <= min(shortest_s, longer.period_s) * (1 + 1e-9)
+    assert longer.period_s <= simulate(problem, Plan(start, problem.device_names)).period_s * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -79,7 +109,7 @@ def test_a_window_between_two_devices_evens_them_and_holds_the_third(
 
     values = [pair_s(p) for p in _placements(problem, free, [a, b], start)]
     best_s = min(v for v in values if v is not None)
-    placement, optimal = window_placement(loads, Window(tuple(free), (a, b)), time_limit_s=30.0)
+    placement, optimal, _ = window_placement(loads, Window(tuple(free), (a, b)), time_limit_s=30.0)
     assert optimal
     assert set(placement[free].tolist()) <= {a, b} and np.array_equal(
         np.delete(placement, free), np.delete(start, free)

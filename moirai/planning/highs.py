@@ -77,6 +77,15 @@ def set_gaps(highs: highspy.Highs, mip_gap: float) -> None:
     highs.setOptionValue("mip_abs_gap", 0.0)
 
 
+class MipResult(NamedTuple):
+    """What :meth:`SparseLinearProgram.solve_mip` found: the best point, whether it is proved optimal, and the
+    solver's proven lower bound on the cost (``-inf`` where it proved none)."""
+
+    values: np.ndarray
+    optimal: bool
+    bound: float
+
+
 class SparseLinearProgram:
     """``minimise cost @ x`` subject to ``lower <= A x <= upper`` and variable bounds."""
 
@@ -125,20 +134,26 @@ class SparseLinearProgram:
         time_limit_s: float,
         start: dict[int, float] | None = None,
         mip_gap: float = 1e-6,
-    ) -> tuple[np.ndarray, bool] | None:
+    ) -> MipResult | None:
         """The best values found within ``time_limit_s`` from ``start`` (values of some variables; HiGHS completes
-        them) and whether they are proved optimal within the relative ``mip_gap``; None when HiGHS found no feasible
-        point (or reports a numerical failure)."""
+        them), whether they are proved optimal within the relative ``mip_gap``, and the proven lower bound on the
+        cost; None when HiGHS found no feasible point (or reports a numerical failure)."""
         highs = self._loaded(integer_vars, time_limit_s, "choose")
         set_gaps(highs, mip_gap)
         if start:
             columns = np.fromiter(start, np.int32, len(start))
             highs.setSolution(len(columns), columns, np.fromiter(start.values(), float, len(start)))
         highs.run()
-        if highs.getInfo().primal_solution_status != 2:  # 2: a feasible point exists
+        info = highs.getInfo()
+        if info.primal_solution_status != 2:  # 2: a feasible point exists
             return None
         optimal = highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
-        return np.asarray(highs.getSolution().col_value, float), optimal
+        values = np.asarray(highs.getSolution().col_value, float)
+        bound = float(info.mip_dual_bound)
+        if not np.isfinite(bound):  # none reported (a MIP solved in presolve): an optimal point is within the gap
+            cost = float(self.cost @ values)
+            bound = cost - mip_gap * abs(cost) if optimal else -np.inf
+        return MipResult(values, optimal, bound)
 
     def _loaded(self, integer_vars: Sequence[int], time_limit_s: float | None, method: str) -> highspy.Highs:
         highs = new_highs(threads=1)

@@ -34,11 +34,12 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from moirai.planning.highs import SparseLinearProgram
-from moirai.planning.objective import Objective
+from moirai.planning.objective import Objective, Throughput
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.report import StopReason
@@ -112,11 +113,21 @@ class _Program:
         self.rows.append((cols, vals, lower, math.inf))
 
 
+class WindowResult(NamedTuple):
+    """A window program's answer: the placement, whether the program proved it optimal, and its proven lower bound
+    on the program's cost (in units of the period it started from; ``-inf`` where it proved none)."""
+
+    placement: np.ndarray
+    optimal: bool
+    cost_bound: float
+
+
 def window_placement(
-    loads: Loads, window: Window, time_limit_s: float, mip_gap: float = 1e-6
-) -> tuple[np.ndarray, bool] | None:
-    """The placement the window's program finds within ``time_limit_s`` (the other tasks where ``loads`` has them)
-    and whether it is proved optimal; None when the solver found no point (never the case from its start).
+    loads: Loads, window: Window, time_limit_s: float, mip_gap: float = 1e-6, watched_link_share: float | None = None
+) -> WindowResult | None:
+    """The placement the window's program finds within ``time_limit_s`` (the other tasks where ``loads`` has them);
+    None when the solver found no point (never the case from its start). ``watched_link_share``: links loaded below
+    this share of the period are left out of the program (:data:`WATCHED_LINK_SHARE` when None; 0 counts them all).
 
     The program is built from what the window's tasks touch (:meth:`Loads.without` gives the rest as constants),
     so its cost is in the window's size and degree, not the graph's."""
@@ -124,7 +135,8 @@ def window_placement(
     placement = loads.placement.tolist()
     among = range(k) if window.devices is None else sorted({*window.devices, *(placement[i] for i in window.tasks)})
     allowed = {i: [d for d in among if math.isfinite(loads.compute_s.item(i, d))] for i in window.tasks}
-    program = _Program(k, loads.link_s >= WATCHED_LINK_SHARE * loads.period_s, loads.period_s or 1.0)
+    share = WATCHED_LINK_SHARE if watched_link_share is None else watched_link_share
+    program = _Program(k, loads.link_s >= share * loads.period_s, loads.period_s or 1.0)
     device, link, tensors, inputs = loads.without(window.tasks)
     program.constant[:k] = np.array(device) / program.unit_s
     program.constant[k:] = np.where(program.watched.ravel(), np.array(link) / program.unit_s, 0.0)
@@ -150,11 +162,44 @@ def window_placement(
     solution = lp.solve_mip(binaries, time_limit_s, start, mip_gap)
     if solution is None:
         return None
-    values, optimal = solution
     chosen = loads.placement.copy()
     for i in window.tasks:
-        chosen[i] = max(allowed[i], key=lambda d: values[program.columns["x", i, d]])
-    return chosen, optimal
+        chosen[i] = max(allowed[i], key=lambda d: solution.values[program.columns["x", i, d]])
+    return WindowResult(chosen, solution.optimal, solution.bound)
+
+
+class PeriodBound(NamedTuple):
+    """What :func:`period_lower_bound` proved and found."""
+
+    bound_s: float  # no placement that fits memory has a shorter period (never below the objective's load bound)
+    period_s: float  # the shortest period of a placement the program found
+    optimal: bool  # whether the program proved ``period_s`` the shortest (within its gap)
+
+
+def period_lower_bound(problem: Problem, start: np.ndarray, time_limit_s: float = 60.0) -> PeriodBound:
+    """A lower bound on the period of every placement of ``problem`` that fits memory: the window program over every
+    task and every link, from ``start``, solved for up to ``time_limit_s``. A bench's bound, like the cut-task bound
+    of latency: the milp placer does not compute it.
+
+    [Note: the period bound]
+    The program minimises the period plus ``_TIE`` times the devices' loads that depend on the tasks (each at most
+    the period), in units of ``start``'s period ``u``: a placement of period ``P`` costs at most ``P / u * (1 + _TIE
+    * k)`` on ``k`` devices, so the solver's proven bound ``c`` on the cost gives ``P >= c * u / (1 + _TIE * k)``
+    for every placement. Colocation is not in the program: leaving a constraint out only lowers the bound. The
+    served period (:attr:`moirai.planning.simulate.Timeline.served_period_s`) is never below the period, so the
+    bound is one on the throughput objective too; the placement the program finds may hold a round trip and serve
+    slower than its period."""
+    loads = Loads(problem, np.asarray(start, int))
+    if problem.num_devices < 2:
+        return PeriodBound(loads.period_s, loads.period_s, True)
+    floor_s = Throughput().lower_bound_s(problem)
+    everything = Window(tuple(range(problem.num_tasks)), None)
+    found = window_placement(loads, everything, time_limit_s, WINDOW_GAP, watched_link_share=0.0)
+    if found is None:
+        return PeriodBound(floor_s, loads.period_s, False)
+    proven_s = found.cost_bound * loads.period_s / (1 + _TIE * problem.num_devices)
+    period_s = min(loads.period_s, Loads(problem, found.placement).period_s)
+    return PeriodBound(min(max(floor_s, proven_s), period_s), period_s, found.optimal)
 
 
 def _task_terms(loads: Loads, program: _Program, allowed: dict[int, list[int]]) -> None:
@@ -293,8 +338,8 @@ def window_search(
             result.windows += 1
             if found is None:
                 continue
-            size[between] = _resized(size[between], found[1], len(window.tasks))
-            if state.take(problem, found[0], objective, plan.placer):
+            size[between] = _resized(size[between], found.optimal, len(window.tasks))
+            if state.take(problem, found.placement, objective, plan.placer):
                 kept = True
                 result.windows_kept += 1
                 result.history.append((time.perf_counter() - started, state.value_s(objective)))
