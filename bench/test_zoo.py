@@ -269,6 +269,15 @@ def test_every_zoo_model_coarsens_to_a_dag_of_at_most_the_target(name: str):
     assert math.isclose(result.graph.total_flops, graph.total_flops)
 
 
+def test_the_period_bound_bench_orders_its_bounds_and_periods() -> None:
+    from bench import period_bound
+
+    (row,) = period_bound.main(["--time-limit", "2", "gpt3:small@moirai-inter-server"])
+    assert row.tasks > 0 and row.model == "gpt3:small" and row.cluster == "moirai-inter-server"
+    assert row.load_bound_s * (1 - 1e-12) <= row.bound_s <= row.period_s * (1 + 1e-12)
+    assert row.period_s <= row.contiguous_s * (1 + 1e-12) and row.period_s <= row.served_s * (1 + 1e-12)
+
+
 @pytest.mark.slow
 def test_the_generation_bench_runs_and_every_row_generates_the_models_tokens() -> None:
     from bench import generate

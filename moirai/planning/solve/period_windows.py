@@ -172,8 +172,9 @@ class PeriodBound(NamedTuple):
     """What :func:`period_lower_bound` proved and found."""
 
     bound_s: float  # no placement that fits memory has a shorter period (never below the objective's load bound)
-    period_s: float  # the shortest period of a placement the program found
+    period_s: float  # the shortest period of a placement the program found: ``placement``'s
     optimal: bool  # whether the program proved ``period_s`` the shortest (within its gap)
+    placement: np.ndarray  # the program's placement, or the start where that is no shorter
 
 
 def period_lower_bound(problem: Problem, start: np.ndarray, time_limit_s: float = 60.0) -> PeriodBound:
@@ -191,15 +192,18 @@ def period_lower_bound(problem: Problem, start: np.ndarray, time_limit_s: float 
     slower than its period."""
     loads = Loads(problem, np.asarray(start, int))
     if problem.num_devices < 2:
-        return PeriodBound(loads.period_s, loads.period_s, True)
+        return PeriodBound(loads.period_s, loads.period_s, True, loads.placement)
     floor_s = Throughput().lower_bound_s(problem)
     everything = Window(tuple(range(problem.num_tasks)), None)
     found = window_placement(loads, everything, time_limit_s, WINDOW_GAP, watched_link_share=0.0)
     if found is None:
-        return PeriodBound(floor_s, loads.period_s, False)
+        return PeriodBound(floor_s, loads.period_s, False, loads.placement)
     proven_s = found.cost_bound * loads.period_s / (1 + _TIE * problem.num_devices)
-    period_s = min(loads.period_s, Loads(problem, found.placement).period_s)
-    return PeriodBound(min(max(floor_s, proven_s), period_s), period_s, found.optimal)
+    program_s = Loads(problem, found.placement).period_s
+    period_s, placement = (
+        (program_s, found.placement) if program_s < loads.period_s else (loads.period_s, loads.placement)
+    )
+    return PeriodBound(min(max(floor_s, proven_s), period_s), period_s, found.optimal, placement)
 
 
 def _task_terms(loads: Loads, program: _Program, allowed: dict[int, list[int]]) -> None:
