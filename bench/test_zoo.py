@@ -269,6 +269,8 @@ def test_every_zoo_model_coarsens_to_a_dag_of_at_most_the_target(name: str):
     assert math.isclose(result.graph.total_flops, graph.total_flops)
 
 
+@pytest.mark.slow
+@pytest.mark.in_process  # two 2 s programs; every check holds however far they get
 def test_the_period_bound_bench_orders_its_bounds_and_periods() -> None:
     from bench import period_bound
 
@@ -276,6 +278,8 @@ def test_the_period_bound_bench_orders_its_bounds_and_periods() -> None:
     assert row.tasks > 0 and row.model == "gpt3:small" and row.cluster == "moirai-inter-server"
     assert row.load_bound_s * (1 - 1e-12) <= row.bound_s <= row.period_s * (1 + 1e-12)
     assert row.period_s <= row.contiguous_s * (1 + 1e-12) and row.period_s <= row.served_s * (1 + 1e-12)
+    assert row.bound_s * (1 - 1e-9) <= row.acyclic_bound_s <= row.acyclic_period_s * (1 + 1e-12)
+    assert row.acyclic_period_s <= row.contiguous_s * (1 + 1e-12)  # contiguous's split has no cycle
 
 
 @pytest.mark.slow

@@ -17,7 +17,13 @@ from moirai.planning.report import StopReason
 from moirai.planning.simulate import simulate
 from moirai.planning.solve import period_windows
 from moirai.planning.solve.period_search import Loads
-from moirai.planning.solve.period_windows import Window, period_lower_bound, window_placement, window_search
+from moirai.planning.solve.period_windows import (
+    Window,
+    devices_acyclic,
+    period_lower_bound,
+    window_placement,
+    window_search,
+)
 from moirai.testing import EVERY_COST, random_layered_problem, random_problem
 
 THROUGHPUT = OBJECTIVES["throughput"]
@@ -72,6 +78,37 @@ def test_the_period_bound_is_never_above_the_shortest_period_and_equals_it_where
     assert THROUGHPUT.lower_bound_s(problem) * (1 - 1e-12) <= found.bound_s <= best_s * (1 + 1e-12)
     assert found.bound_s == pytest.approx(best_s, rel=1e-3)  # 3 devices: the tie costs at most 0.03%
     assert found.period_s == pytest.approx(best_s, rel=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_acyclic_period_bound_is_the_shortest_period_without_a_cycle_between_devices(seed: int) -> None:
+    problem = _small(seed)
+    start = place(problem, "contiguous", objective="throughput").placement
+    assert devices_acyclic(problem, start)
+    everything = list(range(problem.num_tasks))
+    acyclic = [p for p in _placements(problem, everything, [0, 1, 2], start) if devices_acyclic(problem, p)]
+    best_s = min(simulate(problem, Plan(p, problem.device_names)).period_s for p in acyclic)
+    found = period_lower_bound(problem, start, time_limit_s=30.0, acyclic=True)
+    assert found.optimal and devices_acyclic(problem, found.placement)
+    assert found.bound_s <= best_s * (1 + 1e-12) and found.bound_s == pytest.approx(best_s, rel=1e-3)
+    timeline = simulate(problem, Plan(found.placement, problem.device_names))
+    assert timeline.period_s == pytest.approx(best_s, rel=1e-5)
+    assert timeline.served_period_s == timeline.period_s  # no path leaves a device and comes back
+    assert found.bound_s >= period_lower_bound(problem, start, time_limit_s=30.0).bound_s * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_devices_acyclic_is_whether_tensors_cross_both_ways_between_two_devices(seed: int) -> None:
+    problem = random_problem(seed, 9, 2)
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        placement = rng.integers(0, 2, problem.num_tasks)
+        crossings = {
+            (int(placement[problem.tensor_producer[t]]), int(placement[c]))
+            for t, consumers in enumerate(problem.tensor_consumers)
+            for c in consumers
+        }
+        assert devices_acyclic(problem, placement) is not ({(0, 1), (1, 0)} <= crossings)
 
 
 def test_a_period_bound_stopped_by_its_time_limit_still_holds() -> None:

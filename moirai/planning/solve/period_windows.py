@@ -36,8 +36,10 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import networkx as nx
 import numpy as np
 
+from moirai.errors import MoiraiError
 from moirai.planning.highs import SparseLinearProgram
 from moirai.planning.objective import Objective, Throughput
 from moirai.planning.plan import Plan
@@ -123,15 +125,24 @@ class WindowResult(NamedTuple):
 
 
 def window_placement(
-    loads: Loads, window: Window, time_limit_s: float, mip_gap: float = 1e-6, watched_link_share: float | None = None
+    loads: Loads,
+    window: Window,
+    time_limit_s: float,
+    mip_gap: float = 1e-6,
+    watched_link_share: float | None = None,
+    acyclic: bool = False,
 ) -> WindowResult | None:
     """The placement the window's program finds within ``time_limit_s`` (the other tasks where ``loads`` has them);
     None when the solver found no point (never the case from its start). ``watched_link_share``: links loaded below
     this share of the period are left out of the program (:data:`WATCHED_LINK_SHARE` when None; 0 counts them all).
+    ``acyclic`` (a window of every task only): the devices also take an order, and a tensor goes only from a device
+    to a later one, so no path leaves a device and comes back (:func:`_device_order_rows`).
 
     The program is built from what the window's tasks touch (:meth:`Loads.without` gives the rest as constants),
     so its cost is in the window's size and degree, not the graph's."""
     k = loads.problem.num_devices
+    if acyclic and len(window.tasks) != loads.problem.num_tasks:
+        raise ValueError("an acyclic window frees every task: a tensor between fixed tasks would have no order")
     placement = loads.placement.tolist()
     among = range(k) if window.devices is None else sorted({*window.devices, *(placement[i] for i in window.tasks)})
     allowed = {i: [d for d in among if math.isfinite(loads.compute_s.item(i, d))] for i in window.tasks}
@@ -152,12 +163,14 @@ def window_placement(
     _tensor_terms(loads, program, options, tensors)
     _input_terms(loads, program, options, inputs)
     _memory_rows(loads, program, allowed)
+    if acyclic:
+        _device_order_rows(program)
     cost = _load_rows(program, set(among))
     upper = np.array([math.inf if key[0] == "period" else 1.0 for key in program.columns])
     lp = SparseLinearProgram(len(program.columns), 0.0, upper, cost)
     for row in program.rows:
         lp.add_row(*row)
-    binaries = [c for key, c in program.columns.items() if key[0] == "x"]
+    binaries = [c for key, c in program.columns.items() if key[0] in ("x", "o")]
     start = {program.columns["x", i, d]: float(d == placement[i]) for i in window.tasks for d in allowed[i]}
     solution = lp.solve_mip(binaries, time_limit_s, start, mip_gap)
     if solution is None:
@@ -177,10 +190,14 @@ class PeriodBound(NamedTuple):
     placement: np.ndarray  # the program's placement, or the start where that is no shorter
 
 
-def period_lower_bound(problem: Problem, start: np.ndarray, time_limit_s: float = 60.0) -> PeriodBound:
+def period_lower_bound(
+    problem: Problem, start: np.ndarray, time_limit_s: float = 60.0, acyclic: bool = False
+) -> PeriodBound:
     """A lower bound on the period of every placement of ``problem`` that fits memory: the window program over every
     task and every link, from ``start``, solved for up to ``time_limit_s``. A bench's bound, like the cut-task bound
-    of latency: the milp placer does not compute it.
+    of latency: the milp placer does not compute it. ``acyclic``: of every such placement whose devices' graph of
+    tensors has no cycle (none leaves a device and comes back, so the runtime serves it at its period), and the
+    placement returned is one.
 
     [Note: the period bound]
     The program minimises the period plus ``_TIE`` times the devices' loads that depend on the tasks (each at most
@@ -195,15 +212,30 @@ def period_lower_bound(problem: Problem, start: np.ndarray, time_limit_s: float 
         return PeriodBound(loads.period_s, loads.period_s, True, loads.placement)
     floor_s = Throughput().lower_bound_s(problem)
     everything = Window(tuple(range(problem.num_tasks)), None)
-    found = window_placement(loads, everything, time_limit_s, WINDOW_GAP, watched_link_share=0.0)
+    found = window_placement(loads, everything, time_limit_s, WINDOW_GAP, watched_link_share=0.0, acyclic=acyclic)
+    start_counts = not acyclic or devices_acyclic(problem, loads.placement)
     if found is None:
+        if not start_counts:
+            raise MoiraiError("the acyclic period program found no placement: give it a start without a cycle")
         return PeriodBound(floor_s, loads.period_s, False, loads.placement)
     proven_s = found.cost_bound * loads.period_s / (1 + _TIE * problem.num_devices)
     program_s = Loads(problem, found.placement).period_s
     period_s, placement = (
-        (program_s, found.placement) if program_s < loads.period_s else (loads.period_s, loads.placement)
+        (loads.period_s, loads.placement)
+        if start_counts and loads.period_s <= program_s
+        else (program_s, found.placement)
     )
     return PeriodBound(min(max(floor_s, proven_s), period_s), period_s, found.optimal, placement)
+
+
+def devices_acyclic(problem: Problem, placement: np.ndarray) -> bool:
+    """Whether ``placement``'s devices' graph of tensors (a -> b where a tensor made on a is read on b) has no
+    cycle."""
+    tensor, consumer = problem.consumer_pairs
+    src, dst = placement[problem.tensor_producer[tensor]], placement[consumer]
+    crossing = src != dst
+    graph = nx.DiGraph(zip(src[crossing].tolist(), dst[crossing].tolist(), strict=True))
+    return nx.is_directed_acyclic_graph(graph)
 
 
 def _task_terms(loads: Loads, program: _Program, allowed: dict[int, list[int]]) -> None:
@@ -251,6 +283,20 @@ def _tensor_terms(loads: Loads, program: _Program, options, tensors: list[int]) 
                 program.charge(None, (a, b), y, loads.transfer_s.item(t, a, b))
                 program.charge(a, None, y, loads.send_s.item(t, a, b))
                 program.charge(b, None, y, loads.recv_s.item(t, a, b))
+
+
+def _device_order_rows(program: _Program) -> None:
+    """``o[a, b]``: device ``a`` comes before ``b``; a tensor's crossing ``y[t, a, b] <= o[a, b]``, at most one of
+    ``o[a, b]`` and ``o[b, a]``, and the order transitive, so the devices' graph of crossings has no cycle."""
+    k = program.num_devices
+    order = {(a, b): program.column(("o", a, b)) for a, b in itertools.permutations(range(k), 2)}
+    for key, y in list(program.columns.items()):
+        if key[0] == "y":
+            program.rows.append(([y, order[key[2], key[3]]], [1.0, -1.0], -math.inf, 0.0))
+    for a, b in itertools.combinations(range(k), 2):
+        program.rows.append(([order[a, b], order[b, a]], [1.0, 1.0], -math.inf, 1.0))
+    for a, b, c in itertools.permutations(range(k), 3):
+        program.rows.append(([order[a, b], order[b, c], order[a, c]], [1.0, 1.0, -1.0], -math.inf, 1.0))
 
 
 def _costs_devices(loads: Loads, t: int, a: int, b: int) -> bool:
