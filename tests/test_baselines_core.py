@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -151,6 +152,16 @@ def test_critical_path_bound_runs_every_ancestor_kept_on_the_device_one_at_a_tim
     edges = [("s", f"b{i}") for i in range(3)] + [(f"b{i}", f"c{i}") for i in range(3)]
     problem = problem_of(tasks, edges + [(f"c{i}", "j") for i in range(3)], transfer=10.0)
     assert lower_bounds(problem).critical_path_s == 8.0 == brute_force_optimum(problem)
+
+
+def test_a_bound_cut_short_by_its_deadline_counts_producers_only_and_is_not_kept():
+    tasks = {name: ([1.0, 1.0], 0.0) for name in ["s", "b0", "c0", "b1", "c1", "b2", "c2", "j"]}
+    edges = [("s", f"b{i}") for i in range(3)] + [(f"b{i}", f"c{i}") for i in range(3)]
+    problem = problem_of(tasks, edges + [(f"c{i}", "j") for i in range(3)], transfer=10.0)
+    # As in the test above: 6 s from j's producers, 8 s from every ancestor; a deadline gone counts producers only.
+    assert lower_bounds(problem, deadline=time.perf_counter() - 1).critical_path_s == 6.0
+    assert lower_bounds(problem).critical_path_s == 8.0  # the cut bound was not kept for the next caller
+    assert lower_bounds(problem, deadline=time.perf_counter() - 1).critical_path_s == 8.0  # the whole one is
 
 
 @pytest.mark.parametrize("seed", range(24))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import time
 import warnings
 from dataclasses import replace
 
@@ -193,7 +194,7 @@ def test_budget_is_honoured_on_a_large_problem_and_the_plan_is_no_worse_than_hef
     # The placer's own accounting: it stopped for its budget, and by its clock within it (a solver that ignored
     # its limit would overrun by far more than the margin a loaded machine needs).
     assert plan.report.stop_reason == StopReason.TIME_LIMIT
-    assert plan.report.elapsed_s <= plan.report.time_limit_s * 1.25
+    assert plan.report.elapsed_s <= plan.report.time_limit_s * 1.25, plan.report.phases_s
     assert plan.report.strategy == "windows"
     assert plan.makespan_s <= min(plan.report.heuristics.values()) * (1 + 1e-12)
     assert plan.makespan_s == simulate(problem, plan).makespan_s
@@ -216,6 +217,26 @@ class _RecordedStatus:
 
 
 @pytest.mark.slow
+def test_the_budget_holds_when_the_lower_bound_runs_slow(monkeypatch):
+    # A loaded machine, injected: each task of the bound's ancestor counting takes two milliseconds (3 s in all,
+    # more than the budget); the search cuts it short and still has time for its plan.
+    bounds = importlib.import_module("moirai.planning.bounds")
+    slow = bounds._Ancestors.head_s
+
+    def head_s(self, *args):
+        time.sleep(0.002)
+        return slow(self, *args)
+
+    monkeypatch.setattr(bounds._Ancestors, "head_s", head_s)
+    problem = random_layered_problem(1500, 4, seed=5)
+    started = time.perf_counter()
+    plan = place(problem, "milp", time_limit_s=2)
+    assert time.perf_counter() - started <= 2 * 1.25, plan.report.phases_s  # place's own bound included
+    assert plan.report.phases_s["bound"] < 1.0, plan.report.phases_s
+    assert plan.makespan_s <= min(plan.report.heuristics.values()) * (1 + 1e-12)
+    assert plan.lower_bound_s <= plan.makespan_s
+
+
 def test_window_search_uses_its_budget_and_beats_every_start_plan_above_the_exact_size(monkeypatch):
     status = _RecordedStatus()
     import moirai.planning.placers.milp as milp_placer

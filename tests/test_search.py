@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moirai.planning.placers import get_placer, place
-from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
+from moirai.planning.schedule.heft import DeadlinePassed, heft_schedule, upward_rank_mean_costs
 from moirai.planning.simulate import simulate, upward_rank
 from moirai.planning.solve.chain_moves import ChainResult
 from moirai.planning.solve.start_plans import improve_start_plan, placement_tail, schedule_tail
@@ -68,6 +68,35 @@ def test_lookahead_rounds_stop_at_the_deadline():
     result = improve_start_plan(problem, heft, simulate(problem, heft), time.perf_counter())
     assert result.rounds == 0
     assert result.plan is heft
+
+
+def test_a_lookahead_round_that_runs_past_the_deadline_is_abandoned(monkeypatch):
+    # A loaded machine, injected: every HEFT choice takes a millisecond, so one round takes seconds where the
+    # measured cost predicts a tenth of that.
+    problem = random_layered_problem(600, 4, seed=3)
+    heft = get_placer("heft")(problem)
+    builder = importlib.import_module("moirai.planning.schedule.builder")
+    slow = builder.ScheduleBuilder.book
+
+    def book(self, *args, **kwargs):
+        time.sleep(0.001)
+        return slow(self, *args, **kwargs)
+
+    monkeypatch.setattr(builder.ScheduleBuilder, "book", book)
+    started = time.perf_counter()
+    result = improve_start_plan(problem, heft, simulate(problem, heft), started + 0.25)
+    assert time.perf_counter() - started < 0.25 + 0.2  # one round alone takes 0.6 s here
+    assert result.rounds == 1
+    assert result.plan is heft
+
+
+def test_heft_with_a_deadline_gone_stops_and_without_one_finishes():
+    problem = random_layered_problem(300, 3, seed=1)
+    priority = upward_rank_mean_costs(problem)
+    with pytest.raises(DeadlinePassed, match="of 300 tasks scheduled"):
+        heft_schedule(problem, priority, deadline=time.perf_counter() - 1)
+    done = heft_schedule(problem, priority, deadline=time.perf_counter() + 60)
+    assert done.placement.tolist() == heft_schedule(problem, priority).placement.tolist()
 
 
 @pytest.mark.slow

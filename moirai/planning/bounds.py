@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import weakref
 from typing import NamedTuple
 
@@ -48,17 +49,23 @@ class LowerBounds(NamedTuple):
 _CACHE: weakref.WeakKeyDictionary[Problem, LowerBounds] = weakref.WeakKeyDictionary()
 
 
-def lower_bound(problem: Problem) -> float:
-    """A makespan no plan that respects memory can beat (seconds)."""
+def lower_bound(problem: Problem, deadline: float | None = None) -> float:
+    """A makespan no plan that respects memory can beat (seconds); ``deadline`` as :func:`lower_bounds` takes it."""
     check_problem(problem, "moirai.lower_bound's problem")
-    return lower_bounds(problem).best_s
+    return lower_bounds(problem, deadline).best_s
 
 
-def lower_bounds(problem: Problem) -> LowerBounds:
-    """Both bounds, computed once per problem."""
-    if problem not in _CACHE:
-        _CACHE[problem] = LowerBounds(_critical_path_bound(problem), _load_bound(problem))
-    return _CACHE[problem]
+def lower_bounds(problem: Problem, deadline: float | None = None) -> LowerBounds:
+    """Both bounds, computed once per problem. Where ``deadline`` (a ``time.perf_counter`` value) passes before the
+    critical path's ancestors are all counted, the tasks left count their producers only: a bound still, maybe a
+    weaker one, and not kept (a search's budget, not the problem, made it)."""
+    if problem in _CACHE:
+        return _CACHE[problem]
+    finish, complete = _earliest_finish(problem, deadline)
+    bounds = LowerBounds(_critical_path_bound(problem, finish), _load_bound(problem))
+    if complete:
+        _CACHE[problem] = bounds
+    return bounds
 
 
 def placement_bound_s(problem: Problem, placement: np.ndarray) -> float:
@@ -240,9 +247,9 @@ def _fastest_holding_device_time(problem: Problem) -> np.ndarray:
 _EXACT_SPLIT_MAX_PRODUCERS = 12  # beyond this many producers a task's head takes each one's cheaper way alone
 
 
-def _critical_path_bound(problem: Problem) -> float:
-    """The latest, over tasks, of the least head + compute + model-output time on any device that can hold it."""
-    finish = earliest_finish_s(problem)
+def _critical_path_bound(problem: Problem, finish: np.ndarray) -> float:
+    """The latest, over tasks, of the least head + compute + model-output time on any device that can hold it
+    (``finish``: :func:`earliest_finish_s`'s numbers)."""
     output = np.asarray(problem.costs.output_s, float)
     return max(0.0, float(np.max(np.min(finish + output, axis=1), initial=0.0)))
 
@@ -250,6 +257,16 @@ def _critical_path_bound(problem: Problem) -> float:
 def earliest_finish_s(problem: Problem) -> np.ndarray:
     """``[task, device]``: no plan finishes the task's compute on the device earlier (head + compute; ``inf`` where
     it cannot run), the critical-path bound's numbers; the sends and receives it books come on top."""
+    return _earliest_finish(problem)[0]
+
+
+_DEADLINE_CHECK_TASKS = 64  # tasks bounded between looks at the clock
+
+
+def _earliest_finish(problem: Problem, deadline: float | None = None) -> tuple[np.ndarray, bool]:
+    """:func:`earliest_finish_s`'s numbers, and whether every ancestor counted (``False``: ``deadline`` passed first
+    and the tasks after it count their producers only: each head is a bound given its producers' bounds, so every
+    number is still one)."""
     _fastest_holding_device_time(problem)  # raises for a task no device can hold
     n, k = problem.num_tasks, problem.num_devices
     compute = np.where(problem.fits, problem.compute_s, np.inf)
@@ -257,7 +274,15 @@ def earliest_finish_s(problem: Problem) -> np.ndarray:
     head = np.full((n, k), np.inf)
     finish = np.full((n, k), np.inf)  # head + compute: the earliest each task can finish on each device
     ancestors = _Ancestors(problem, compute) if n <= _ANCESTORS_MAX_TASKS else None
-    for v in problem.topological_order:
+    complete = True
+    for bounded, v in enumerate(problem.topological_order):
+        if (
+            ancestors is not None
+            and deadline is not None
+            and bounded % _DEADLINE_CHECK_TASKS == 0
+            and time.perf_counter() > deadline
+        ):
+            ancestors, complete = None, False
         producers = problem.predecessors[v]
         head[v] = release[v] if not producers else np.maximum(release[v], _head_s(problem, v, producers, head, finish))
         if ancestors is not None:
@@ -265,7 +290,7 @@ def earliest_finish_s(problem: Problem) -> np.ndarray:
         finish[v] = head[v] + compute[v]
         if ancestors is not None:
             ancestors.finished(v, finish[v])
-    return finish
+    return finish, complete
 
 
 _ANCESTORS_MAX_TASKS = 3000  # the ancestor sets are an n x n matrix; beyond this the producers alone are counted

@@ -93,8 +93,9 @@ class Objective(ABC):
         """The plan's figure of merit, from its simulated timeline."""
 
     @abstractmethod
-    def lower_bound_s(self, problem: Problem) -> float:
-        """A value no plan that respects memory can beat."""
+    def lower_bound_s(self, problem: Problem, deadline: float | None = None) -> float:
+        """A value no plan that respects memory can beat; by ``deadline`` (a ``time.perf_counter`` value), where
+        one is given, perhaps a weaker one (:func:`moirai.planning.bounds.lower_bounds`)."""
 
     def acceptable(self, timeline: Timeline) -> bool:
         """Whether the plan meets the objective's side conditions (memory always; a latency limit, say)."""
@@ -149,10 +150,10 @@ class Latency(Objective):
 
         return LATENCY_ROWS
 
-    def lower_bound_s(self, problem: Problem) -> float:
+    def lower_bound_s(self, problem: Problem, deadline: float | None = None) -> float:
         from moirai.planning.bounds import lower_bound
 
-        return lower_bound(problem)
+        return lower_bound(problem, deadline)
 
 
 @dataclass(frozen=True)
@@ -207,12 +208,12 @@ class Throughput(Objective):
         latency_ok = self.max_latency_s is None or timeline.makespan_s <= self.max_latency_s * (1 + 1e-9)
         return timeline.fits_memory and latency_ok
 
-    def lower_bound_s(self, problem: Problem) -> float:
+    def lower_bound_s(self, problem: Problem, deadline: float | None = None) -> float:
         # Every request's work must run somewhere: the busiest device does at least the load bound's share; the
         # driver on device 0 works on every request.
         from moirai.planning.bounds import lower_bounds
 
-        return max(lower_bounds(problem).load_s, problem.costs.charges.driver_floor_s())
+        return max(lower_bounds(problem, deadline).load_s, problem.costs.charges.driver_floor_s())
 
 
 @dataclass(frozen=True, eq=False)
@@ -320,11 +321,11 @@ class Generation(Objective):
     def makespan_horizon_s(self, start: Timeline | None) -> float | None:
         return LATENCY.makespan_horizon_s(start) if self.sequences == 1 else None
 
-    def lower_bound_s(self, problem: Problem) -> float:
+    def lower_bound_s(self, problem: Problem, deadline: float | None = None) -> float:
         if self.sequences > 1:
-            return Throughput().lower_bound_s(problem)
-        prefill_s = 0.0 if self.prefill is None else self.prefill_chunks * LATENCY.lower_bound_s(self.prefill)
-        return prefill_s + self.new_tokens * LATENCY.lower_bound_s(problem)
+            return Throughput().lower_bound_s(problem, deadline)
+        prefill_s = 0.0 if self.prefill is None else self.prefill_chunks * LATENCY.lower_bound_s(self.prefill, deadline)
+        return prefill_s + self.new_tokens * LATENCY.lower_bound_s(problem, deadline)
 
 
 def time_limit_s(value: float | None, owner: str, field: str) -> float | None:

@@ -216,8 +216,11 @@ def _place(problem: Problem, placer: str, objective: str | Objective, **options:
         plan, timeline = no_worse_than_one_device(problem, plan, timeline, chosen)
     plan.makespan_s = timeline.makespan_s
     plan.objective, plan.objective_s = chosen.name, chosen.value_s(timeline)
-    # A placer may prove a stronger bound (the MILP's); keep the better of the two.
-    plan.lower_bound_s = max(plan.lower_bound_s or 0.0, chosen.lower_bound_s(problem))
+    # A placer may prove a stronger bound (the MILP's); keep the better of the two. A placer with a budget has
+    # spent it: the bound here gets no more time than was left of it (none: the quick, maybe weaker bound).
+    time_limit_s = _option_value(traits.function, options, "time_limit_s")
+    bound_by = start + time_limit_s if is_number(time_limit_s) else None
+    plan.lower_bound_s = max(plan.lower_bound_s or 0.0, chosen.lower_bound_s(problem, bound_by))
     mip_gap = _option_value(traits.function, options, "mip_gap")
     if isinstance(plan.report, SolverReport) and is_number(mip_gap):
         plan.report.keep_gap_claim_true(plan.objective_s, plan.lower_bound_s, mip_gap)

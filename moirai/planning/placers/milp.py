@@ -66,6 +66,8 @@ _SIMULATE_S_PER_TASK = measured_costs().simulate_s_per_task
 FULL_MODEL_MAX_TASKS = 24
 STRATEGIES = ("auto", "full", "windows")
 _HEURISTIC_SHARE = 0.3  # of the budget, at most, for start plans on a large problem
+# Of what is left after them, at most, for the lower bound's ancestor counting (beyond it the bound is weaker).
+_BOUND_SHARE = 0.25
 # Of what is left after the heuristics, at most, for lookahead rounds, which stop earlier when they stall: on large
 # graphs they gain more than windows do ([Note: lookahead share] in docs/design.md).
 _LOOKAHEAD_SHARE = 0.9
@@ -126,11 +128,14 @@ def place_milp(
     with status if status is not None else nullcontext():
         report = status.update if status is not None else progress_lines.update if show else (lambda _: None)
         settings = SolverSettings(solver, time_limit_s, mip_gap, threads, report if show else None)
+        phases_s: dict[str, float] = {}
         start_plan, timeline, heuristics, starts = _best_heuristic(problem, deadline, report, objective)
+        lap = _lap(phases_s, "start plans", deadline - time_limit_s)
         finish_by = deadline - _finishing_time(problem)
-        bound_s = objective.lower_bound_s(problem)
+        bound_s = objective.lower_bound_s(problem, deadline=lap + _BOUND_SHARE * (finish_by - lap))
+        lap = _lap(phases_s, "bound", lap)
         whole = _solves_whole(problem, {"strategy": strategy})
-        info = SolverReport(solver=solver, formulation=formulation, heuristics=heuristics)
+        info = SolverReport(solver=solver, formulation=formulation, heuristics=heuristics, phases_s=phases_s)
         if whole and timeline is not None and gap_closed(objective.value_s(timeline), bound_s, mip_gap):
             plan, info.strategy, info.stop_reason = start_plan, "full", StopReason.GAP_CLOSED
         elif whole and (objective.milp_models_value or problem.colocated):
@@ -166,6 +171,7 @@ def place_milp(
                 info,
                 objective,
             )
+    lap = _lap(phases_s, "search", lap)
     if not timeline.fits_memory:
         # The model and the search enforce memory; this guards the promise, never a silent overflow.
         warnings.warn(
@@ -184,6 +190,7 @@ def place_milp(
     ):
         info.stop_reason = StopReason.GAP_CLOSED  # closed by the objective's own bound
     info.keep_gap_claim_true(objective.value_s(timeline), final.lower_bound_s, mip_gap)
+    _lap(phases_s, "finishing", lap)
     info.time_limit_s, info.elapsed_s = time_limit_s, time.perf_counter() - (deadline - time_limit_s)
     final.report = info
     logger.info(
@@ -196,6 +203,13 @@ def place_milp(
         final.lower_bound_s,
     )
     return final
+
+
+def _lap(phases_s: dict[str, float], phase: str, since: float) -> float:
+    """Add the seconds from ``since`` (a ``time.perf_counter`` value) to now to ``phases_s[phase]``; returns now."""
+    now = time.perf_counter()
+    phases_s[phase] = phases_s.get(phase, 0.0) + now - since
+    return now
 
 
 def _status_line(progress: bool | None) -> tuple[bool, Any]:
@@ -450,9 +464,12 @@ def _search_large(
     graph ([Note: windows from both starts] in docs/design.md).
     """
     report("start plan: HEFT with lookahead")
-    lookahead_by = time.perf_counter() + _LOOKAHEAD_SHARE * (deadline - time.perf_counter())
+    lap = time.perf_counter()
+    lookahead_by = lap + _LOOKAHEAD_SHARE * (deadline - lap)
     lookahead = improve_start_plan(problem, start_plan, timeline, lookahead_by, objective)
+    lap = _lap(info.phases_s, "lookahead", lap)
     others = _with_contiguous(problem, starts, deadline, report, info, objective)
+    lap = _lap(info.phases_s, "contiguous", lap)
     firsts = [(lookahead.plan, lookahead.timeline), (start_plan, timeline)]
     ranked = _distinct_best_first(list(others.values()), objective)
     if "contiguous" in others:  # a different shape of plan from the list schedulers': always among the starts
@@ -476,6 +493,7 @@ def _search_large(
         info.moves_tried += chains.moves_tried
         info.moves_kept += chains.moves_kept
         pending[0] = (chains.plan, chains.timeline, None)
+        _lap(info.phases_s, "chains", lap)
     gap_is_closed = False
     can_grow = len(window_sizes(window_tasks, problem.num_tasks)) > 1
     while (pending or later) and not gap_is_closed and deadline - time.perf_counter() > _MIN_SEARCH_S:

@@ -4,6 +4,7 @@ placer's start plans (:mod:`moirai.planning.solve.start_plans`) use the same sch
 from __future__ import annotations
 
 import heapq
+import time
 
 import numpy as np
 
@@ -12,6 +13,12 @@ from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.report import PlacerReport
 from moirai.planning.schedule.builder import ScheduleBuilder
+
+_DEADLINE_CHECK_TASKS = 64  # tasks scheduled between looks at the clock (each look costs about a microsecond)
+
+
+class DeadlinePassed(Exception):  # noqa: N818 - not an error: the caller's budget ran out first
+    """:func:`heft_schedule` stopped part way because its ``deadline`` passed."""
 
 
 def upward_rank_mean_costs(problem: Problem) -> np.ndarray:
@@ -26,12 +33,15 @@ def heft_schedule(
     lookahead_s: np.ndarray | None = None,
     contention: bool = True,
     placer: str = "heft",
+    deadline: float | None = None,
 ) -> Plan:
     """Insertion list scheduling: the ready task (all its producers placed) of highest ``priority`` first
     (ties: topological position), each on the device, among those with room for it, minimising its finish
     time plus ``lookahead_s[task, device]`` (none: HEFT's choice).
 
-    Raises :class:`InfeasibleError` when a task fits on no device any more (memory only fills up).
+    Raises :class:`InfeasibleError` when a task fits on no device any more (memory only fills up), and
+    :class:`DeadlinePassed` when ``deadline`` (a ``time.perf_counter`` value) passes before the schedule is done: a
+    search's round on a loaded machine can take several times its usual time, and its budget is the caller's.
     """
     n, k = problem.num_tasks, problem.num_devices
     position = problem.topological_position
@@ -40,7 +50,11 @@ def heft_schedule(
     missing_inputs = [len(p) for p in problem.predecessors]
     ready = [(-priority[u], position[u], u) for u in range(n) if not missing_inputs[u]]
     heapq.heapify(ready)
+    scheduled = 0
     while ready:
+        scheduled += 1
+        if deadline is not None and scheduled % _DEADLINE_CHECK_TASKS == 0 and time.perf_counter() > deadline:
+            raise DeadlinePassed(f"{scheduled - 1} of {n} tasks scheduled")
         u = heapq.heappop(ready)[2]
         best: tuple[float, int] | None = None
         for d in range(k):

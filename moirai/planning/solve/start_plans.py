@@ -34,7 +34,7 @@ from moirai.errors import InfeasibleError
 from moirai.planning.objective import LATENCY, Objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
-from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
+from moirai.planning.schedule.heft import DeadlinePassed, heft_schedule, upward_rank_mean_costs
 from moirai.planning.schedule.transfers import transfer_duration_s
 from moirai.planning.simulate import Timeline, simulate, upward_rank
 from moirai.planning.solve.costs import measured_costs
@@ -86,14 +86,15 @@ def improve_start_plan(
     """Lookahead rounds from ``plan`` (simulated as ``timeline``), cycling through :data:`TAIL_WEIGHTS`, each
     from the best plan so far, with :func:`placement_tail` until a whole cycle improves nothing, then with
     :func:`schedule_tail`, and so on, until neither improves the plan or the next round would end after
-    ``deadline`` (a ``time.perf_counter`` value). Returns the best acceptable plan (``plan`` if none is
-    better), as ``objective`` judges the simulated plans.
+    ``deadline`` (a ``time.perf_counter`` value; a round that passes it all the same is abandoned). Returns the
+    best acceptable plan (``plan`` if none is better), as ``objective`` judges the simulated plans.
     """
     result = StartPlanResult(plan, timeline)
     if problem.num_devices < 2 or problem.num_tasks == 0:
         return result
     priority = upward_rank_mean_costs(problem)
-    # A round predicted to end after the deadline is not started.
+    # A round predicted to end after the deadline is not started: predicted by the measured cost, or by the
+    # longest round so far where this machine runs slower now; one that overruns all the same is abandoned.
     round_s = measured_costs().lookahead_round_s_per_1000_tasks * problem.num_tasks / 1000
     tails = (lambda best: placement_tail(problem, best.placement), lambda best: schedule_tail(problem, best))
     kind, since_improvement, stalled_kinds = 0, 0, 0
@@ -101,11 +102,17 @@ def improve_start_plan(
         weight = TAIL_WEIGHTS[since_improvement]
         result.rounds += 1
         since_improvement += 1
+        round_started = time.perf_counter()
         try:
-            candidate = heft_schedule(problem, priority, weight * tails[kind](result.timeline), placer=plan.placer)
+            candidate = heft_schedule(
+                problem, priority, weight * tails[kind](result.timeline), placer=plan.placer, deadline=deadline
+            )
         except InfeasibleError:  # this round's greedy choices filled memory: keep the plan we have
             logger.debug("lookahead round %d (weight %g) filled memory; plan kept", result.rounds, weight)
             candidate = None
+        except DeadlinePassed as stopped:
+            logger.debug("lookahead round %d abandoned at the deadline (%s)", result.rounds, stopped)
+            break
         if candidate is not None:
             candidate_timeline = simulate(problem, candidate)
             result.history.append(objective.value_s(candidate_timeline))
@@ -113,6 +120,7 @@ def improve_start_plan(
                 result.plan, result.timeline = candidate, candidate_timeline
                 result.improved += 1
                 since_improvement, stalled_kinds = 0, 0
+        round_s = max(round_s, time.perf_counter() - round_started)
         if since_improvement == len(TAIL_WEIGHTS):
             kind, since_improvement, stalled_kinds = (kind + 1) % len(tails), 0, stalled_kinds + 1
     logger.debug(
