@@ -223,16 +223,18 @@ def test_the_budget_holds_when_the_lower_bound_runs_slow(monkeypatch):
     bounds = importlib.import_module("moirai.planning.bounds")
     slow = bounds._Ancestors.head_s
 
+    counted = []
+
     def head_s(self, *args):
+        counted.append(args[0])
         time.sleep(0.002)
         return slow(self, *args)
 
     monkeypatch.setattr(bounds._Ancestors, "head_s", head_s)
     problem = random_layered_problem(1500, 4, seed=5)
-    started = time.perf_counter()
     plan = place(problem, "milp", time_limit_s=2)
-    assert time.perf_counter() - started <= 2 * 1.25, plan.report.phases_s  # place's own bound included
-    assert plan.report.phases_s["bound"] < 1.0, plan.report.phases_s
+    assert len(counted) < problem.num_tasks  # cut short, here and in place's own bound
+    assert plan.report.elapsed_s <= plan.report.time_limit_s * 1.25, plan.report.phases_s
     assert plan.makespan_s <= min(plan.report.heuristics.values()) * (1 + 1e-12)
     assert plan.lower_bound_s <= plan.makespan_s
 
