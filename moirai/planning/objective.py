@@ -211,9 +211,9 @@ class Throughput(Objective):
     def lower_bound_s(self, problem: Problem, deadline: float | None = None) -> float:
         # Every request's work must run somewhere: the busiest device does at least the load bound's share; the
         # driver on device 0 works on every request.
-        from moirai.planning.bounds import lower_bounds
+        from moirai.planning.bounds import load_bound_s
 
-        return max(lower_bounds(problem, deadline).load_s, problem.costs.charges.driver_floor_s())
+        return max(load_bound_s(problem), problem.costs.charges.driver_floor_s())
 
 
 @dataclass(frozen=True, eq=False)
