@@ -58,14 +58,20 @@ def lower_bound(problem: Problem, deadline: float | None = None) -> float:
 def lower_bounds(problem: Problem, deadline: float | None = None) -> LowerBounds:
     """Both bounds, computed once per problem. Where ``deadline`` (a ``time.perf_counter`` value) passes before the
     critical path's ancestors are all counted, the tasks left count their producers only: a bound still, maybe a
-    weaker one, and not kept (a search's budget, not the problem, made it)."""
+    weaker one, kept only for callers whose deadline has passed too (a search's budget, not the problem, made it)."""
     if problem in _CACHE:
         return _CACHE[problem]
+    if deadline is not None and time.perf_counter() > deadline and problem in _CUT_SHORT:
+        return _CUT_SHORT[problem]  # no time to count more than the last caller cut short did
     finish, complete = _earliest_finish(problem, deadline)
     bounds = LowerBounds(_critical_path_bound(problem, finish), load_bound_s(problem))
-    if complete:
-        _CACHE[problem] = bounds
+    (_CACHE if complete else _CUT_SHORT)[problem] = bounds
     return bounds
+
+
+# The last bound cut short per problem: for a caller whose own deadline has passed too (place, after a placer that
+# spent its budget), never for one with time to count every ancestor.
+_CUT_SHORT: weakref.WeakKeyDictionary[Problem, LowerBounds] = weakref.WeakKeyDictionary()
 
 
 _LOAD_CACHE: weakref.WeakKeyDictionary[Problem, float] = weakref.WeakKeyDictionary()
