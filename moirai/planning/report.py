@@ -114,7 +114,8 @@ class SolverReport(PlacerReport):
     windows: int = 0  # the period search's window programs (moirai.planning.solve.period_windows), and those kept
     windows_kept: int = 0
     history: list[tuple[float, float]] = field(default_factory=list)  # (seconds, objective) of the winning search
-    # Seconds each phase of the search took, in order (start plans, bound, lookahead, ...): where a budget went.
+    # Seconds each phase took, where a budget went: "start plans", "bound", "search" and "finishing" in turn, and
+    # within the latency search on a large problem its "lookahead", "contiguous" and first "chains".
     phases_s: dict[str, float] = field(default_factory=dict)
 
     def keep_gap_claim_true(self, value_s: float, lower_bound_s: float, mip_gap: float) -> None:
