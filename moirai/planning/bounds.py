@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import weakref
 from typing import NamedTuple
 
@@ -31,6 +30,7 @@ import highspy
 import numpy as np
 
 from moirai.errors import InfeasibleError
+from moirai.planning.clock import deadline_passed
 from moirai.planning.colocation import Contraction, colocated_sets, contract, names_of, no_common_device
 from moirai.planning.highs import new_highs
 from moirai.planning.problem import Problem, check_problem
@@ -47,6 +47,10 @@ class LowerBounds(NamedTuple):
 
 
 _CACHE: weakref.WeakKeyDictionary[Problem, LowerBounds] = weakref.WeakKeyDictionary()
+# The last bound cut short per problem: for a caller whose own deadline has passed too (place, after a placer that
+# spent its budget), never for one with time to count every ancestor.
+_CUT_SHORT: weakref.WeakKeyDictionary[Problem, LowerBounds] = weakref.WeakKeyDictionary()
+_LOAD_CACHE: weakref.WeakKeyDictionary[Problem, float] = weakref.WeakKeyDictionary()
 
 
 def lower_bound(problem: Problem, deadline: float | None = None) -> float:
@@ -61,20 +65,12 @@ def lower_bounds(problem: Problem, deadline: float | None = None) -> LowerBounds
     weaker one, kept only for callers whose deadline has passed too (a search's budget, not the problem, made it)."""
     if problem in _CACHE:
         return _CACHE[problem]
-    if deadline is not None and time.perf_counter() > deadline and problem in _CUT_SHORT:
+    if problem in _CUT_SHORT and deadline_passed(deadline, 0):
         return _CUT_SHORT[problem]  # no time to count more than the last caller cut short did
     finish, complete = _earliest_finish(problem, deadline)
     bounds = LowerBounds(_critical_path_bound(problem, finish), load_bound_s(problem))
     (_CACHE if complete else _CUT_SHORT)[problem] = bounds
     return bounds
-
-
-# The last bound cut short per problem: for a caller whose own deadline has passed too (place, after a placer that
-# spent its budget), never for one with time to count every ancestor.
-_CUT_SHORT: weakref.WeakKeyDictionary[Problem, LowerBounds] = weakref.WeakKeyDictionary()
-
-
-_LOAD_CACHE: weakref.WeakKeyDictionary[Problem, float] = weakref.WeakKeyDictionary()
 
 
 def load_bound_s(problem: Problem) -> float:
@@ -277,9 +273,6 @@ def earliest_finish_s(problem: Problem) -> np.ndarray:
     return _earliest_finish(problem)[0]
 
 
-_DEADLINE_CHECK_TASKS = 64  # tasks bounded between looks at the clock
-
-
 def _earliest_finish(problem: Problem, deadline: float | None = None) -> tuple[np.ndarray, bool]:
     """:func:`earliest_finish_s`'s numbers, and whether every ancestor counted (``False``: ``deadline`` passed first
     and the tasks after it count their producers only: each head is a bound given its producers' bounds, so every
@@ -293,12 +286,7 @@ def _earliest_finish(problem: Problem, deadline: float | None = None) -> tuple[n
     ancestors = _Ancestors(problem, compute) if n <= _ANCESTORS_MAX_TASKS else None
     complete = True
     for bounded, v in enumerate(problem.topological_order):
-        if (
-            ancestors is not None
-            and deadline is not None
-            and bounded % _DEADLINE_CHECK_TASKS == 0
-            and time.perf_counter() > deadline
-        ):
+        if ancestors is not None and deadline_passed(deadline, bounded):
             ancestors, complete = None, False
         producers = problem.predecessors[v]
         head[v] = release[v] if not producers else np.maximum(release[v], _head_s(problem, v, producers, head, finish))

@@ -4,17 +4,15 @@ placer's start plans (:mod:`moirai.planning.solve.start_plans`) use the same sch
 from __future__ import annotations
 
 import heapq
-import time
 
 import numpy as np
 
 from moirai.planning.bounds import memory_error
+from moirai.planning.clock import deadline_passed
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.report import PlacerReport
 from moirai.planning.schedule.builder import ScheduleBuilder
-
-_DEADLINE_CHECK_TASKS = 64  # tasks scheduled between looks at the clock (each look costs about a microsecond)
 
 
 class DeadlinePassed(Exception):  # noqa: N818 - not an error: the caller's budget ran out first
@@ -53,7 +51,7 @@ def heft_schedule(
     scheduled = 0
     while ready:
         scheduled += 1
-        if deadline is not None and scheduled % _DEADLINE_CHECK_TASKS == 0 and time.perf_counter() > deadline:
+        if deadline_passed(deadline, scheduled):
             raise DeadlinePassed(f"{scheduled - 1} of {n} tasks scheduled")
         u = heapq.heappop(ready)[2]
         best: tuple[float, int] | None = None
