@@ -394,6 +394,9 @@ def trace(
             _views_as_reshapes(exported.graph_module.graph)
         graph_module = exported.module()
         _give_write_backs_values(graph_module)
+        from moirai.frontend.write_backs import put_writes_back_in_place  # it reads this module's view rules
+
+        put_writes_back_in_place(graph_module)  # [Note: writes put back in place]
         out_spec = exported.call_spec.out_spec
         _drop_guard_calls(graph_module)
         _drop_metadata_asserts(graph_module)

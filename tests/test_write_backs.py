@@ -1,0 +1,120 @@
+"""Writes that functionalization made out of place, put back in place ([Note: writes put back in place]): a step of a
+split LLM writes its tokens' rows of the KV cache, not a copy of the whole cache, and no plan sees another value."""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import moirai
+from moirai.frontend.write_backs import put_writes_back_in_place
+from moirai.generation.engine import SamplingParams
+from moirai.generation.lm import trace_step
+from moirai.generation.step import CausalLMStep
+
+aten = torch.ops.aten
+
+
+class Cache(torch.nn.Module):
+    """A cache of rows written at given positions and read back (the pattern of a static KV cache)."""
+
+    def __init__(self, reads_before: bool = False) -> None:
+        super().__init__()
+        self.project = torch.nn.Linear(8, 8)
+        self.register_buffer("rows", torch.zeros(16, 8))
+        self.reads_before = reads_before
+
+    def forward(self, x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        # Read before the write, not on the way to it: the old value's sum, which no data edge orders before the write.
+        before = self.rows.sum(0) if self.reads_before else 0
+        self.rows.index_put_((where,), self.project(x))
+        return self.rows.index_select(0, where).sum(0) + self.rows.mean(0) + before
+
+
+class ReadsOnTheWay(Cache):
+    """Reads the old value to compute what it writes: a data edge orders the read first."""
+
+    def forward(self, x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        self.rows.index_put_((where,), self.project(x) + self.rows.index_select(0, where))
+        return self.rows.sum(0)
+
+
+def calls() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(2, 8, generator=generator), torch.tensor([k, 15 - k])) for k in range(4)]
+
+
+def compiled_and_reference(model_class, **options) -> tuple[moirai.CompiledModel, torch.nn.Module]:
+    torch.manual_seed(0)
+    model, reference = model_class(**options).eval(), model_class(**options).eval()
+    reference.load_state_dict(model.state_dict())
+    compiled = moirai.compile(model, ["cpu", "cpu"], calls()[0], placer="round_robin", progress=False)
+    return compiled, reference
+
+
+def test_a_write_that_only_its_readers_follow_is_made_in_place_and_every_call_equals_the_model() -> None:
+    # The old value read on the way to the write: torch's functionalization made it index_put and a copy_ back.
+    compiled, reference = compiled_and_reference(ReadsOnTheWay)
+    targets = [n.target for n in compiled.traced.graph_module.graph.nodes]
+    assert aten.index_put_.default in targets and aten.index_put.default not in targets
+    with torch.no_grad():
+        for x, where in calls():
+            torch.testing.assert_close(compiled(x, where), reference(x, where))
+
+
+def test_a_write_with_a_read_of_the_old_value_that_no_edge_orders_stays_out_of_place() -> None:
+    compiled, reference = compiled_and_reference(Cache, reads_before=True)
+    targets = [n.target for n in compiled.traced.graph_module.graph.nodes]
+    assert aten.index_put.default in targets and aten.index_put_.default not in targets
+    with torch.no_grad():
+        for x, where in calls():
+            torch.testing.assert_close(compiled(x, where), reference(x, where))
+
+
+def test_the_pass_leaves_a_graph_without_write_backs_as_it_is() -> None:
+    graph_module = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    before = graph_module.code
+    assert put_writes_back_in_place(graph_module) == [] and graph_module.code == before
+
+
+class _CacheSizedWork(TorchDispatchMode):
+    """Counts the ops that make or copy a tensor of at least ``numel`` elements other than in place."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.seen = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if isinstance(result, torch.Tensor) and result.numel() >= self.numel:
+            storages = [a.untyped_storage().data_ptr() for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+            made = result.untyped_storage().data_ptr() not in storages  # not a view or an in-place write
+            copied = func is aten.copy_.default and storages[0] != storages[1]
+            if made or copied:
+                self.seen.append(func)
+        return result
+
+
+def test_a_decode_step_writes_its_tokens_rows_of_the_cache_and_copies_no_layers_whole_cache() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    step = CausalLMStep(LlamaForCausalLM(config).eval(), slots=4, max_seq_len=64).eval()
+    traced = trace_step(step, max_batch_size=4, max_prefill=8)
+    layer_cache_numel = step.cache_shape.slots * 2 * step.cache_shape.max_seq_len * 8  # [slots, heads, len, dim]
+    assert traced.graph_module.key_cache_0.numel() == layer_cache_numel
+    decode = (
+        torch.tensor([[3], [5]]),
+        torch.tensor([[7], [9]]),
+        torch.tensor([0, 2]),
+        torch.tensor([SamplingParams().row(0.0)] * 2),
+        torch.full((2, 1), -1),
+    )
+    with torch.no_grad(), _CacheSizedWork(layer_cache_numel) as work:
+        traced.graph_module(*decode)
+    assert work.seen == [], work.seen  # before: index_put and copy_ of each of the 4 layer caches, every step
