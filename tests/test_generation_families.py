@@ -22,6 +22,7 @@ import moirai
 from moirai.errors import InputError
 from moirai.frontend.state import mutable_buffers
 from moirai.frontend.trace import TracedModel
+from moirai.frontend.write_backs import IN_PLACE
 from moirai.generation.step import AttentionSpan, attention_mask, check_positions, embedding_rows, layer_spans
 from moirai.planning.plan import Plan
 
@@ -526,6 +527,10 @@ def test_hugging_faces_static_cache_export_wrapper_splits_and_runs_stepwise():
     assert len(buffers) == 2 * 2, [b.name for b in buffers]  # keys and values of two layers: the cache is state
     for buffer in buffers:
         assert len({compiled.node_device[op] for op in buffer.op_names}) == 1, buffer.name
+    # Each cache written in place, not copied whole and copied back ([Note: writes put back in place]).
+    graph = compiled.traced.graph_module.graph
+    out_of_place = [n.name for n in graph.nodes if n.target in IN_PLACE and "cache" in str(n.args[0])]
+    assert not out_of_place, out_of_place
     token = torch.tensor([[5]])
     with torch.no_grad():
         for position in range(12):
