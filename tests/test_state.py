@@ -16,7 +16,7 @@ from models_for_tests import DoublesAndReturns
 import moirai
 from moirai.errors import InputError, PlanError, StateLeftBehindWarning
 from moirai.frontend.state import mutable_buffers
-from moirai.frontend.trace import written_operands
+from moirai.frontend.writes import written_operands
 from moirai.planning.plan import Plan
 from moirai.runtime.local import run_local
 from moirai.runtime.rank_processes import started_ranks

@@ -34,7 +34,8 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from moirai.errors import TraceError
 from moirai.frontend.symbolic_shapes import example_int, shape_scalars
-from moirai.frontend.trace import TracedModel, is_view_node, writes_its_output
+from moirai.frontend.trace import TracedModel
+from moirai.frontend.writes import is_view_node, writes_its_output
 from moirai.progress import stage
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from moirai.frontend.graph import OpGraph
-from moirai.frontend.trace import is_view_node, written_operands
+from moirai.frontend.writes import is_view_node, written_operands
 
 
 @dataclass(frozen=True)
@@ -88,5 +88,5 @@ def _ops_touching(attribute: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
 
 def _writes(op: fx.Node, value: fx.Node) -> bool:
     """Whether ``op`` writes ``value`` in place (an argument its schema marks as written, or one a block wrapped in a
-    higher-order op writes: :func:`moirai.frontend.trace.written_operands`)."""
+    higher-order op writes: :func:`moirai.frontend.writes.written_operands`)."""
     return any(written is value for written in written_operands(op))

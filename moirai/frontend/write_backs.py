@@ -15,7 +15,7 @@ buffer or input (one ``get_attr`` or placeholder node) written back by exactly o
 and every other op that takes that tensor reads it before the write by a data edge (it is an ancestor of the op),
 and is no view of it (a view's readers could run later). The write-back ``copy_`` then copies the buffer onto
 itself, which torch returns from at once; it stays, so what a part writes is still found where it was
-(:func:`moirai.frontend.trace.written_operands`), and readers of the result now read the buffer's value in place
+(:func:`moirai.frontend.writes.written_operands`), and readers of the result now read the buffer's value in place
 (they are colocated with it, :mod:`moirai.frontend.state`).
 """
 
@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from moirai.frontend.trace import is_view_node, written_operands
+from moirai.frontend.writes import is_view_node, written_operands
 
 aten = torch.ops.aten
 

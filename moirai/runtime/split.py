@@ -71,16 +71,8 @@ from moirai.frontend.symbolic_shapes import SHAPE_OPERATORS, DynamicDim, shape_s
 from moirai.frontend.symbolic_shapes import (
     concrete_shape as concrete_shape,  # part of this module's interface for the runtimes
 )
-from moirai.frontend.trace import (
-    ALIGNMENT_BYTES,
-    TensorSpec,
-    TracedModel,
-    check_flat_inputs,
-    is_view_node,
-    tensor_spec,
-    view_base,
-    written_operands,
-)
+from moirai.frontend.trace import ALIGNMENT_BYTES, TensorSpec, TracedModel, check_flat_inputs, tensor_spec
+from moirai.frontend.writes import is_view_node, view_base, written_operands
 from moirai.progress import stage
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
