@@ -138,3 +138,23 @@ class DoublesAndReturns(nn.Module):
         y = self.linear(x).relu()
         x.mul_(2)
         return x, y + x
+
+
+TINY_LLAMA_VOCAB = 512
+
+
+def tiny_llama(layers: int = 2, seed: int = 0, hidden_size: int = 64) -> nn.Module:
+    """A Hugging Face Llama of random weights, small enough to trace, split and generate with in seconds."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=TINY_LLAMA_VOCAB,
+        hidden_size=hidden_size,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return transformers.LlamaForCausalLM(config).eval()

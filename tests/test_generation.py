@@ -20,6 +20,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from models_for_tests import TINY_LLAMA_VOCAB, tiny_llama
 
 import moirai
 import moirai.generation.requests
@@ -34,21 +35,7 @@ from tests.test_serving import close_in_a_done_callback
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 512
-
-
-def tiny_llama(layers: int = 2, seed: int = 0, hidden_size: int = 64) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden_size,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+VOCAB = TINY_LLAMA_VOCAB
 
 
 def compile_tiny(model: torch.nn.Module, devices=("cpu", "cpu"), **options) -> moirai.CompiledLM:
@@ -1251,6 +1238,7 @@ def _worker_pids(server) -> list[int]:
 TORCHRUN_SCRIPT = """
 import os
 import torch
+from models_for_tests import TINY_LLAMA_VOCAB, tiny_llama
 import transformers
 import moirai
 

@@ -3,8 +3,10 @@ split LLM writes its tokens' rows of the KV cache, not a copy of the whole cache
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.utils._pytree as pytree
+from models_for_tests import tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moirai
@@ -53,20 +55,23 @@ def compiled_and_reference(model_class, **options) -> tuple[moirai.CompiledModel
     return compiled, reference
 
 
-def test_a_write_that_only_its_readers_follow_is_made_in_place_and_every_call_equals_the_model() -> None:
-    # The old value read on the way to the write: torch's functionalization made it index_put and a copy_ back.
-    compiled, reference = compiled_and_reference(ReadsOnTheWay)
+@pytest.mark.parametrize(
+    ("model_class", "options", "in_place"),
+    [
+        # The old value read on the way to the write: torch's functionalization made it index_put and a copy_ back.
+        (ReadsOnTheWay, {}, True),
+        # The old value read with no data edge to the write: a plan could run the write first, so it stays.
+        (Cache, {"reads_before": True}, False),
+    ],
+)
+def test_a_write_is_made_in_place_where_only_data_edges_order_its_reads_and_every_call_equals_the_model(
+    model_class, options, in_place
+) -> None:
+    compiled, reference = compiled_and_reference(model_class, **options)
     targets = [n.target for n in compiled.traced.graph_module.graph.nodes]
-    assert aten.index_put_.default in targets and aten.index_put.default not in targets
-    with torch.no_grad():
-        for x, where in calls():
-            torch.testing.assert_close(compiled(x, where), reference(x, where))
-
-
-def test_a_write_with_a_read_of_the_old_value_that_no_edge_orders_stays_out_of_place() -> None:
-    compiled, reference = compiled_and_reference(Cache, reads_before=True)
-    targets = [n.target for n in compiled.traced.graph_module.graph.nodes]
-    assert aten.index_put.default in targets and aten.index_put_.default not in targets
+    written = aten.index_put_.default if in_place else aten.index_put.default
+    left = aten.index_put.default if in_place else aten.index_put_.default
+    assert written in targets and left not in targets
     with torch.no_grad():
         for x, where in calls():
             torch.testing.assert_close(compiled(x, where), reference(x, where))
@@ -97,16 +102,10 @@ class _CacheSizedWork(TorchDispatchMode):
 
 
 def test_a_decode_step_writes_its_tokens_rows_of_the_cache_and_copies_no_layers_whole_cache() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    step = CausalLMStep(LlamaForCausalLM(config).eval(), slots=4, max_seq_len=64).eval()
+    step = CausalLMStep(tiny_llama(), slots=4, max_seq_len=64).eval()
     traced = trace_step(step, max_batch_size=4, max_prefill=8)
-    layer_cache_numel = step.cache_shape.slots * 2 * step.cache_shape.max_seq_len * 8  # [slots, heads, len, dim]
+    layer = step.cache_shape.layers[0]
+    layer_cache_numel = step.cache_shape.slots * layer.key_heads * step.cache_shape.max_seq_len * layer.key_dim
     assert traced.graph_module.key_cache_0.numel() == layer_cache_numel
     decode = (
         torch.tensor([[3], [5]]),

@@ -4,7 +4,7 @@
 torch's functionalization (trace's ``run_decompositions``, for a model whose in-place writes other ops see) turns
 ``cache.index_put_(where, new)`` into ``updated = index_put(cache, where, new)``, which copies the whole buffer, and a
 ``copy_(cache, updated)`` at the end, which copies it back: every decode step of a split LLM copied every layer's
-whole KV cache twice (a step of 4 sequences of a 8-layer model with 8 slots of 64 tokens spent 40% of its time so,
+whole KV cache twice (a step of 4 sequences of an 8-layer model with 8 slots of 64 tokens spent 40% of its time so,
 and the cost grows with slots times ``max_seq_len``, not with the tokens written), and held a second copy of each
 layer's cache while it ran. torch's own ``fx.passes.reinplace`` leaves writes to a program's inputs and buffers
 alone (its "future optimization" for a ``copy_`` at the end); inductor's does this for its own graphs.
