@@ -10,6 +10,7 @@ from models_for_tests import tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moirai
+from moirai.frontend.graph import build_op_graph
 from moirai.frontend.write_backs import put_writes_back_in_place
 from moirai.generation.engine import SamplingParams
 from moirai.generation.lm import trace_step
@@ -117,3 +118,19 @@ def test_a_decode_step_writes_its_tokens_rows_of_the_cache_and_copies_no_layers_
     with torch.no_grad(), _CacheSizedWork(layer_cache_numel) as work:
         traced.graph_module(*decode)
     assert work.seen == [], work.seen  # before: index_put and copy_ of each of the 4 layer caches, every step
+
+
+def test_the_cost_model_prices_a_cache_write_by_its_rows_and_the_write_back_at_nothing() -> None:
+    # Analytic costs (the default) read bytes_moved: a write of a step's rows charged the whole cache, and the
+    # write-back copy_ of the cache onto itself twice the cache, though torch returns from it at once.
+    step = CausalLMStep(tiny_llama(), slots=4, max_seq_len=64).eval()
+    traced = trace_step(step, max_batch_size=4, max_prefill=8)
+    cache_bytes = traced.graph_module.key_cache_0.numel() * 4
+    graph = build_op_graph(traced)
+    by_name = {node.fx_names[0]: node for node in graph.nodes if len(node.fx_names) == 1}
+    fx_nodes = {n.name: n for n in traced.graph_module.graph.nodes}
+    writes = [by_name[n] for n, f in fx_nodes.items() if f.target is aten.index_put_.default and n in by_name]
+    write_backs = [by_name[n] for n, f in fx_nodes.items() if f.target is aten.copy_.default and n in by_name]
+    assert len(writes) == len(write_backs) == 2 * 2 + 1  # keys and values of two layers, and the seen tokens
+    assert all(0 < node.bytes_moved < cache_bytes / 4 for node in writes), [n.bytes_moved for n in writes]
+    assert all(node.bytes_moved == 0 for node in write_backs)

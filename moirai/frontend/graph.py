@@ -35,7 +35,8 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from moirai.errors import TraceError
 from moirai.frontend.symbolic_shapes import example_int, shape_scalars
 from moirai.frontend.trace import TracedModel
-from moirai.frontend.writes import is_view_node, writes_its_output
+from moirai.frontend.write_backs import ROW_WRITES
+from moirai.frontend.writes import is_view_node, writes_its_output, written_operands
 from moirai.progress import stage
 
 
@@ -46,7 +47,9 @@ class OpNode:
     ``output_bytes`` is the memory its outputs allocate: a view (``transpose``, ``view``,
     ``expand``...) allocates none, nor does an op that writes in place (``copy_``: its output is the tensor it
     wrote). ``bytes_moved`` is what it reads and writes: a view nothing, an embedding lookup the rows it gathers
-    (not the table), any other op its inputs and outputs (an in-place op's output counted once, as its input).
+    (not the table), a write of rows in place (a KV cache's) its indices and values and the rows it writes, a
+    ``copy_`` of a tensor onto itself nothing, any other op its inputs and outputs (an in-place op's output counted
+    once, as its input).
     """
 
     name: str
@@ -215,10 +218,38 @@ def _bytes_moved(node: fx.Node, output_bytes: int) -> float:
         index = node.args[1] if target._schema.name == "aten::embedding" else node.args[2]
         index_bytes = _nbytes(index.meta.get("val")) if isinstance(index, fx.Node) else 0
         return float(2 * output_bytes + index_bytes)
+    if target in ROW_WRITES:
+        return _row_write_bytes(node)
+    if target is torch.ops.aten.copy_.default and _copies_onto_itself(node):
+        return 0.0
     written_in_place = writes_its_output(node)  # its output is an input it writes: counted once, as that input
     return float(
         sum(_nbytes(n.meta.get("val")) for n in node.all_input_nodes) + (0 if written_in_place else output_bytes)
     )
+
+
+def _row_write_bytes(node: fx.Node) -> float:
+    """A write of rows in place (``index_put_``, ``index_copy_``...): it reads its indices and values and writes as
+    many elements of the tensor, not the whole tensor (a KV cache's write is its tokens' rows)."""
+    written, operands = node.args[0], [n for n in node.all_input_nodes if n is not node.args[0]]
+    written_value = written.meta.get("val") if isinstance(written, fx.Node) else None
+    if not isinstance(written_value, torch.Tensor):
+        return float(sum(_nbytes(n.meta.get("val")) for n in operands))
+    values = [n for n in operands if getattr(n.meta.get("val"), "dtype", None) == written_value.dtype]
+    indices = [n for n in operands if n not in values]
+    read = sum(_nbytes(n.meta.get("val")) for n in operands)
+    if values:
+        return float(read + sum(_nbytes(n.meta.get("val")) for n in values))
+    # Written with a scalar (scatter_'s value): as many elements as it has indices.
+    count = sum(_nbytes(n.meta.get("val")) // max(n.meta["val"].element_size(), 1) for n in indices)
+    return float(read + count * written_value.element_size())
+
+
+def _copies_onto_itself(node: fx.Node) -> bool:
+    """A ``copy_`` of a tensor's own in-place written value into it (a write-back after a write put back in place,
+    [Note: writes put back in place]): torch returns from it at once."""
+    destination, source = node.args[0], node.args[1]
+    return source is destination or (isinstance(source, fx.Node) and destination in written_operands(source))
 
 
 def _target_name(node: fx.Node) -> str:

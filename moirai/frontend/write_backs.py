@@ -39,6 +39,9 @@ IN_PLACE: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {
     aten.scatter.value: aten.scatter_.value,
     aten.scatter_add.default: aten.scatter_add_.default,
 }
+# The in-place writes of rows: what they read and write is their indices' and values' worth, not the tensor
+# (frontend/graph.py prices them so).
+ROW_WRITES = frozenset(IN_PLACE.values())
 
 
 def put_writes_back_in_place(graph_module: fx.GraphModule) -> list[str]:
