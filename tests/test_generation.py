@@ -1238,7 +1238,6 @@ def _worker_pids(server) -> list[int]:
 TORCHRUN_SCRIPT = """
 import os
 import torch
-from models_for_tests import TINY_LLAMA_VOCAB, tiny_llama
 import transformers
 import moirai
 
