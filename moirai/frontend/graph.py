@@ -231,18 +231,15 @@ def _bytes_moved(node: fx.Node, output_bytes: int) -> float:
 def _row_write_bytes(node: fx.Node) -> float:
     """A write of rows in place (``index_put_``, ``index_copy_``...): it reads its indices and values and writes as
     many elements of the tensor, not the whole tensor (a KV cache's write is its tokens' rows)."""
-    written, operands = node.args[0], [n for n in node.all_input_nodes if n is not node.args[0]]
-    written_value = written.meta.get("val") if isinstance(written, fx.Node) else None
-    if not isinstance(written_value, torch.Tensor):
-        return float(sum(_nbytes(n.meta.get("val")) for n in operands))
-    values = [n for n in operands if getattr(n.meta.get("val"), "dtype", None) == written_value.dtype]
-    indices = [n for n in operands if n not in values]
-    read = sum(_nbytes(n.meta.get("val")) for n in operands)
-    if values:
-        return float(read + sum(_nbytes(n.meta.get("val")) for n in values))
-    # Written with a scalar (scatter_'s value): as many elements as it has indices.
-    count = sum(_nbytes(n.meta.get("val")) // max(n.meta["val"].element_size(), 1) for n in indices)
-    return float(read + count * written_value.element_size())
+    written = node.args[0].meta.get("val")
+    operands = [n.meta.get("val") for n in node.all_input_nodes if n is not node.args[0]]
+    read = sum(_nbytes(value) for value in operands)
+    values = [v for v in operands if getattr(v, "dtype", None) == getattr(written, "dtype", 0)]
+    if values or not isinstance(written, torch.Tensor):
+        return float(read + sum(_nbytes(value) for value in values))
+    # Written with a scalar (scatter_'s value): one element for each index.
+    indices = sum(_nbytes(value) // value.element_size() for value in operands if isinstance(value, torch.Tensor))
+    return float(read + indices * written.element_size())
 
 
 def _copies_onto_itself(node: fx.Node) -> bool:

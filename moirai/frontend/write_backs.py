@@ -92,8 +92,7 @@ def _same_layout(state: fx.Node, update: fx.Node) -> bool:
     before, after = state.meta.get("val"), update.meta.get("val")
     if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
         return False
-    same_shape = len(before.shape) == len(after.shape) and statically_known_true(sym_eq(before.shape, after.shape))
-    return before.dtype == after.dtype and same_shape
+    return before.dtype == after.dtype and statically_known_true(sym_eq(tuple(before.shape), tuple(after.shape)))
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:

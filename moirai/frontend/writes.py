@@ -36,8 +36,8 @@ def written_operands(node: fx.Node) -> list[fx.Node]:
     """The arguments ``node`` writes in place: those its op's schema marks as written (``add_``'s self, ``copy_``'s
     destination), or, for a block torch.export wraps in a higher-order op with a body module (``with torch.no_grad():``
     as ``wrap_with_set_grad_enabled``, ``torch.autocast`` as ``wrap_with_autocast``), the operands whose placeholders
-    the body writes (itself or a view of them; nested blocks too). The one answer to "what does this op write" that
-    the functionalization check here and :mod:`moirai.frontend.state` both ask."""
+    the body writes (itself or a view of them; nested blocks too): the one answer to "what does this op write" (this
+    module's doc says who asks)."""
     target = node.target
     if node.op != "call_function":
         return []
