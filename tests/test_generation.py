@@ -285,8 +285,9 @@ def test_the_cache_counts_in_the_memory_of_the_devices_that_hold_it(split_lm):
     cache = split_lm.cache
     problem = split_lm.compiled.problem
     timeline = simulate(problem, split_lm.compiled.plan)
-    # 2 layers' keys and values, 4 slots x 64 tokens x 2 heads x 16 dims of 4 bytes; a seen flag a token a slot
-    assert cache.total_bytes == 2 * 2 * 4 * 64 * 2 * 16 * 4 + 4 * VOCAB
+    # 2 layers' keys and values, 4 slots x (64 tokens and a spare position) x 2 heads x 16 dims of 4 bytes; a seen
+    # flag a token a slot
+    assert cache.total_bytes == 2 * 2 * 4 * 65 * 2 * 16 * 4 + 4 * VOCAB
     weights = sum(p.numel() * p.element_size() for p in split_lm.compiled.traced.graph_module.parameters())
     assert timeline.memory_bytes.sum() >= weights + cache.total_bytes
 
@@ -1019,7 +1020,8 @@ def _resident_bytes() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
 def test_the_calling_process_commits_no_kv_cache_memory_until_sequences_write_it(llama):
     before = _resident_bytes()
-    step = moirai.generation.step.CausalLMStep(llama, slots=16, max_seq_len=131072)  # 1 GiB of keys and values
+    # 1 GiB of keys and values: 16 slots of 131,071 positions and a spare one
+    step = moirai.generation.step.CausalLMStep(llama, slots=16, max_seq_len=131071)
     cache_bytes = step.cache_shape.total_bytes
     assert cache_bytes == 2**30 + 16 * VOCAB  # and a seen flag a token a slot
     keys, values = step.cache_buffers(0)
@@ -1061,6 +1063,17 @@ def test_max_prefill_left_out_fits_a_max_seq_len_under_64(llama):
     prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(2))
     assert lm.generate(prompt[None], max_new_tokens=4)[0, 20:].tolist() == hf_new_tokens(llama, prompt, 4)
     assert compile_tiny(llama, ["cpu"], max_prefill=None, max_seq_len=128).max_prefill == 64
+
+
+def test_a_max_seq_len_too_short_for_a_dynamic_context_attends_over_whole_slots_and_gives_the_models_tokens(llama):
+    # The context is traced at a size unlike the batch's (2), the tokens' (3) and the bans' (4): max_seq_len 4
+    # leaves none, so it is static and every step attends over whole slots ([Note: the context a step attends over]).
+    lm = compile_tiny(llama, ["cpu", "cpu"], max_seq_len=4, max_prefill=3)
+    assert "context" not in {dim.name for dim in lm.compiled.traced.dynamic_dims}
+    longer = compile_tiny(llama, ["cpu"], max_seq_len=5, max_prefill=3)
+    assert "context" in {dim.name for dim in longer.compiled.traced.dynamic_dims}
+    prompt = torch.randint(0, VOCAB, (3,), generator=torch.Generator().manual_seed(4))
+    assert lm.generate(prompt[None], max_new_tokens=1)[0, 3:].tolist() == hf_new_tokens(llama, prompt, 1)
 
 
 def test_compile_lm_names_each_phase_on_its_progress_lines(llama, capfd):

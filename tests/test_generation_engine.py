@@ -26,8 +26,10 @@ class FakeSteps:
         self.fail_next: BaseException | None = None
 
     def submit(self, inputs: tuple[torch.Tensor, ...]) -> Future:
-        ids, positions, slots, sampling, banned = inputs
+        ids, positions, slots, sampling, banned, context = inputs
         assert ids.shape == positions.shape and ids.shape[0] == slots.shape[0] == sampling.shape[0] == banned.shape[0]
+        # every row's positions lie in the context the step attends over, the longest row's ending it exactly
+        assert context.shape == (int(positions[:, -1].max()) + 1,), (context.shape, positions)
         self.submitted.append(inputs)
         future: Future = Future()
         self.pending.append((future, ids[:, -1] + 1))

@@ -306,7 +306,7 @@ def test_deepseek_v3_whose_attention_caches_a_latent_generates_its_tokens_with_a
     lm = two_device_lm(model)
     assert len(cache_devices(lm)) == 2, "the test needs the layers' caches apart"
     step = lm.compiled.traced.graph_module
-    slots, length = 2, PROMPT_TOKENS + 12
+    slots, length = 2, PROMPT_TOKENS + 12 + 1  # max_seq_len and a spare position (CacheShape.positions)
     for layer in range(2):
         assert tuple(getattr(step, f"key_cache_{layer}").shape) == (slots, 1, length, 16)  # the latent
         assert tuple(getattr(step, f"value_cache_{layer}").shape) == (slots, 1, length, 8)  # the rotary key

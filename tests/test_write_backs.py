@@ -14,7 +14,7 @@ from moirai.frontend.graph import build_op_graph
 from moirai.frontend.write_backs import put_writes_back_in_place
 from moirai.generation.engine import SamplingParams
 from moirai.generation.lm import trace_step
-from moirai.generation.step import CausalLMStep
+from moirai.generation.step import CausalLMStep, context_input
 
 aten = torch.ops.aten
 
@@ -106,18 +106,67 @@ def test_a_decode_step_writes_its_tokens_rows_of_the_cache_and_copies_no_layers_
     step = CausalLMStep(tiny_llama(), slots=4, max_seq_len=64).eval()
     traced = trace_step(step, max_batch_size=4, max_prefill=8)
     layer = step.cache_shape.layers[0]
-    layer_cache_numel = step.cache_shape.slots * layer.key_heads * step.cache_shape.max_seq_len * layer.key_dim
+    layer_cache_numel = step.cache_shape.slots * layer.key_heads * step.cache_shape.positions * layer.key_dim
     assert traced.graph_module.key_cache_0.numel() == layer_cache_numel
-    decode = (
+    with torch.no_grad(), _CacheSizedWork(layer_cache_numel) as work:
+        traced.graph_module(*_decode_inputs(context=64))  # whole slots: the gathers are as large as a cache can be
+    assert work.seen == [], work.seen  # before: index_put and copy_ of each of the 4 layer caches, every step
+
+
+def _decode_inputs(context: int) -> tuple[torch.Tensor, ...]:
+    """A decode step of two sequences at positions 7 and 9 of slots 0 and 2, attending over ``context`` positions."""
+    return (
         torch.tensor([[3], [5]]),
         torch.tensor([[7], [9]]),
         torch.tensor([0, 2]),
         torch.tensor([SamplingParams().row(0.0)] * 2),
         torch.full((2, 1), -1),
+        context_input(context),
     )
-    with torch.no_grad(), _CacheSizedWork(layer_cache_numel) as work:
-        traced.graph_module(*decode)
-    assert work.seen == [], work.seen  # before: index_put and copy_ of each of the 4 layer caches, every step
+
+
+class _Gathers(TorchDispatchMode):
+    """The shapes of the tensors ``index_select`` makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is aten.index_select.default:
+            self.shapes.append(tuple(result.shape))
+        return result
+
+
+def test_a_decode_step_gathers_only_the_positions_it_attends_over_and_equals_a_step_over_whole_slots() -> None:
+    # A step over a slot's first 11 positions (of 64) gathered every slot's 64 a layer ([Note: the context a step
+    # attends over]); its tokens are those of the same step over whole slots, after the same prefill.
+    step = CausalLMStep(tiny_llama(), slots=4, max_seq_len=64).eval()
+    traced = trace_step(step, max_batch_size=4, max_prefill=16)
+    module = traced.graph_module
+    prefill = (
+        torch.arange(1, 11).repeat(2, 1),
+        torch.arange(10).repeat(2, 1),
+        torch.tensor([0, 2]),
+        torch.tensor([SamplingParams().row(0.0)] * 2),
+        torch.full((2, 1), -1),
+        context_input(10),
+    )
+    tokens = {}
+    with torch.no_grad():
+        module(*prefill)
+        prefilled = {name: tensor.clone() for name, tensor in module.named_buffers()}
+        for context in (11, 64):
+            for name, tensor in module.named_buffers():
+                tensor.copy_(prefilled[name])
+            decode = (*_decode_inputs(context)[:1], torch.tensor([[10], [10]]), *_decode_inputs(context)[2:])
+            with _Gathers() as gathers:
+                tokens[context] = module(*decode)
+            layer = step.cache_shape.layers[0]
+            assert (2, layer.key_heads, context, layer.key_dim) in gathers.shapes
+            assert all(shape[2] == context for shape in gathers.shapes if len(shape) == 4), gathers.shapes
+    assert all(torch.equal(short, whole) for short, whole in zip(tokens[11], tokens[64], strict=True))
 
 
 def test_the_cost_model_prices_a_cache_write_by_its_rows_and_the_write_back_at_nothing() -> None:

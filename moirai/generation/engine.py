@@ -31,7 +31,7 @@ import torch
 
 from moirai.errors import DistributedError, InputError, MoiraiError, MoiraiWarning, RequestError, user_stacklevel
 from moirai.generation.bans import SequenceBans
-from moirai.generation.step import SAMPLING_CANDIDATES, SAMPLING_FIELDS
+from moirai.generation.step import SAMPLING_CANDIDATES, SAMPLING_FIELDS, context_input
 from moirai.runtime.driver import settle_future
 
 if TYPE_CHECKING:
@@ -147,14 +147,17 @@ class Engine:
         vocab_size: int | None = None,
         logits_width: int | None = None,
         worlds: Worlds | None = None,
+        min_context: int = 1,
     ) -> None:
-        """``worlds``: the ranks' restarts, where ``submit`` runs steps on ranks that restart after a failure."""
+        """``worlds``: the ranks' restarts, where ``submit`` runs steps on ranks that restart after a failure;
+        ``min_context``: the least context a step is given (max_seq_len where the step's context is static)."""
         self._submit = submit
         self._worlds = worlds
         self._free_slots = list(range(slots))
         self.max_seq_len, self.max_prefill, self.max_batch, self.depth = max_seq_len, max_prefill, max_batch, depth
         self.vocab_size = vocab_size  # None: token ids are not checked
         self.logits_width = logits_width  # the token ids a step can ban (None: any)
+        self.min_context = min_context
         self._waiting: queue.Queue[SequenceState] = queue.Queue()  # added, not yet given a slot
         self._active: list[SequenceState] = []  # in a slot (the loop thread's only)
         self._in_flight: dict[Future, _Step] = {}
@@ -411,6 +414,8 @@ class Engine:
             banned.append(self._banned(sequence, step))
         slots = [s.slot for s in step.sequences]
         width = max(1, *map(len, banned))
+        # Each row attends over its slot up to its last position ([Note: the context a step attends over]).
+        context = max(self.min_context, 1 + max(row[-1] for row in positions))
         # On the host: each part moves the inputs it reads to its own device.
         return (
             torch.tensor(ids, dtype=torch.long),
@@ -418,6 +423,7 @@ class Engine:
             torch.tensor(slots, dtype=torch.long),
             torch.tensor(rows, dtype=torch.float32),
             torch.tensor([b + [-1] * (width - len(b)) for b in banned], dtype=torch.long),
+            context_input(context),
         )
 
     def _finish_step(self, step: _Step, future: Future) -> None:

@@ -80,6 +80,8 @@ from moirai.generation.step import (
     STEP_CALL,
     CacheShape,
     CausalLMStep,
+    context_example,
+    context_input,
     embedding_rows,
     grouped_query_attention,
 )
@@ -205,8 +207,19 @@ class CompiledLM:
         """The loop that steps this LM's sequences through ``submit``, ``depth`` steps in flight (``worlds``: the
         restarts of the ranks that hold the caches, as :class:`Engine` takes them)."""
         slots = self.cache.slots
+        dynamic = {dim.name for dim in self.compiled.traced.dynamic_dims}
+        min_context = 1 if "context" in dynamic else self.max_seq_len  # [Note: the context a step attends over]
         return Engine(
-            submit, slots, self.max_seq_len, self.max_prefill, slots, depth, self.vocab_size, self.logits_width, worlds
+            submit,
+            slots,
+            self.max_seq_len,
+            self.max_prefill,
+            slots,
+            depth,
+            self.vocab_size,
+            self.logits_width,
+            worlds,
+            min_context,
         )
 
     def __repr__(self) -> str:
@@ -478,11 +491,32 @@ def compile_lm(
     # Several steps in flight: the stages compute at once, so each is profiled beside the others computing
     # (Generation.steady_state; [Note: steady-state profile]).
     steady_state = steps_in_flight > 1
+    prefill_context, decode_context = phase_contexts(prompt_tokens, prompt_chunk, new_tokens, max_seq_len)
     prefill = phase_problem(
-        traced, coarse, cluster, colocated, cost, 1, prompt_chunk, remote_alike, steady_state, phase="prefill"
+        traced,
+        coarse,
+        cluster,
+        colocated,
+        cost,
+        1,
+        prompt_chunk,
+        remote_alike,
+        steady_state,
+        phase="prefill",
+        context=prefill_context,
     )
     decode = phase_problem(
-        traced, coarse, cluster, colocated, cost, decode_batch, 1, remote_alike, steady_state, phase="decode"
+        traced,
+        coarse,
+        cluster,
+        colocated,
+        cost,
+        decode_batch,
+        1,
+        remote_alike,
+        steady_state,
+        phase="decode",
+        context=decode_context,
     )
     objective = _generation(prefill, new_tokens, steps_in_flight, max_ttft_s, prompt_tokens, max_prefill)
     if handover is not None and not handover.plans:
@@ -544,7 +578,7 @@ def _generation(
     max_prefill: int,
 ) -> Generation:
     """The objective the plan is made for (and judged by: summary's TTFT and TPOT)."""
-    # A chunk's cost depends on its tokens only (attention spans the whole slot): a long prompt is whole chunks.
+    # Every chunk is priced as one at the chunks' mean context (phase_contexts): a long prompt is whole chunks.
     prompt_chunk = min(prompt_tokens, max_prefill)
     return Generation(prefill, new_tokens, steps_in_flight, max_ttft_s, math.ceil(prompt_tokens / prompt_chunk))
 
@@ -688,7 +722,7 @@ def _saved_lm(record: dict[str, Any], path: str | Path) -> dict[str, Any]:
 
 def _traced_limits(record: dict[str, Any]) -> dict[str, set[int]]:
     """The limits the record's own trace was made for: its cache buffers' slots and positions
-    (``[slots, heads, max_seq_len, dim]``, ``seen_tokens`` ``[slots, width]``) and its batch and token dimensions'
+    (``[slots, heads, max_seq_len + 1, dim]``, ``seen_tokens`` ``[slots, width]``) and its batch and token dimensions'
     ranges. Checked before the step is built: a ``max_seq_len`` edited to 10**9 would allocate its cache first."""
     limits: dict[str, set[int]] = {"max_batch_size": set(), "max_seq_len": set(), "max_prefill": set()}
     weights = (record.get("tensors") or {}).get("weights", {})
@@ -696,7 +730,7 @@ def _traced_limits(record: dict[str, Any]) -> dict[str, set[int]]:
         shape = tensor["shape"]
         if re.fullmatch(r"(key|value)_cache_\d+", name) and len(shape) == 4:
             limits["max_batch_size"].add(shape[0])
-            limits["max_seq_len"].add(shape[2])
+            limits["max_seq_len"].add(shape[2] - 1)  # a slot's spare position (CacheShape.positions)
         elif name == "seen_tokens" and len(shape) == 2:
             limits["max_batch_size"].add(shape[0])
     for dim in (record.get("dynamic_dims") or {}).get("dims", []):
@@ -712,17 +746,21 @@ def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> Tra
     tokens = _dim("tokens", max_prefill)
     banned = _dim("banned", max(step.logits_width, 2))  # a row's banned token ids ([Note: banned tokens])
     # torch.export takes an example size of 1 for a constant, and two dimensions of one example size for one
-    # symbol: trace at sizes 2, 3 and 4 where the ranges allow.
-    b, t = min(2, max_batch_size), min(3, max_prefill)
+    # symbol: trace at sizes 2, 3 and 4 where the ranges allow, and the context at a size of its own.
+    b, t, k = min(2, max_batch_size), min(3, max_prefill), min(4, step.logits_width)
+    max_seq_len = step.cache_shape.max_seq_len
+    c = context_example(t, max_seq_len, taken={b, t, k})
+    context = _dim("context", max_seq_len) if c is not None else getattr(torch.export.Dim, "STATIC", None)
     device = step.seen_tokens.device
     example = (
         torch.zeros(b, t, dtype=torch.long, device=device),
         torch.arange(t, device=device).repeat(b, 1),
         torch.arange(b, device=device),
         torch.tensor(SamplingParams().row(0.0), device=device).repeat(b, 1),  # greedy, no penalty
-        torch.full((b, min(4, step.logits_width)), -1, device=device),  # nothing banned
+        torch.full((b, k), -1, device=device),  # nothing banned
+        context_input(c or max_seq_len, device),
     )
-    shapes = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch}, {0: batch, 1: banned})
+    shapes = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch}, {0: batch, 1: banned}, {0: context})
     with grouped_query_attention():
         try:
             return trace(step, example, dynamic_shapes=shapes)
@@ -737,6 +775,17 @@ def _dim(name: str, upper: int) -> Any:
     return getattr(torch.export.Dim, "STATIC", None)  # a range of one size: static (None before torch 2.6)
 
 
+def phase_contexts(prompt_tokens: int, prompt_chunk: int, new_tokens: int, max_seq_len: int) -> tuple[int, int]:
+    """The contexts the prefill and decode phases are priced at ([Note: the context a step attends over]): a
+    step's cost grows with its context about in proportion, so each phase is priced at its steps' mean context, the
+    prompt's chunks' (the k-th of ``prompt_chunk`` tokens attends over k chunks) and the decode steps' (the prompt
+    and half the new tokens)."""
+    chunks = math.ceil(prompt_tokens / prompt_chunk)
+    prefill = min(max_seq_len, round(prompt_chunk * (chunks + 1) / 2))
+    decode = min(max_seq_len, prompt_tokens + math.ceil(new_tokens / 2))
+    return prefill, decode
+
+
 def phase_problem(
     traced: TracedModel,
     coarse: OpGraph,
@@ -748,11 +797,13 @@ def phase_problem(
     remote_alike: bool = False,
     steady_state: bool = False,
     phase: str = "decode",
+    context: int | None = None,
 ) -> Problem:
-    """The placement problem of the step's coarse graph priced at ``batch`` sequences of ``tokens`` tokens
-    (``remote_alike`` and ``steady_state`` as :func:`moirai.cluster.cost.build_problem`'s); ``phase`` names it on
-    the progress line."""
-    wanted = {"batch": batch, "tokens": tokens, "banned": 1}
+    """The placement problem of the step's coarse graph priced at ``batch`` sequences of ``tokens`` tokens attending
+    over ``context`` positions of their slots (default: ``tokens``; [Note: the context a step attends over])
+    (``remote_alike`` and ``steady_state`` as :func:`moirai.cluster.cost.build_problem`'s); ``phase`` names it on the
+    progress line."""
+    wanted = {"batch": batch, "tokens": tokens, "banned": 1, "context": max(tokens, context or tokens)}
     sizes = {dim.symbol: wanted[dim.name] for dim in traced.dynamic_dims if dim.name in wanted}
     # One line per phase: its op graph and costs inside showed as a second and third "op graph" and "cost".
     with _progress.stage(f"cost ({phase})"), sizes_at(sizes):

@@ -1,18 +1,19 @@
 """One generation step of a causal LM as a module moirai can trace once and split: prefill and decode alike.
 
 :class:`CausalLMStep` wraps a Hugging Face-style causal LM. Its KV cache is registered buffers, one key and one
-value buffer per attention layer, each ``[slots, heads, max_seq_len, dim]`` as that layer writes them (the
+value buffer per attention layer, each ``[slots, heads, max_seq_len + 1, dim]`` as that layer writes them (the
 attention's own layout, so a batch's slots are gathered without a transpose): a sequence owns a slot for its life,
 and a step writes its new keys and values at ``(slot, :, position)`` in place (``index_put_``) and attends over its
-slot. The step's inputs are plain tensors, so torch.export traces it once with the batch and token dimensions dynamic::
+slot's first C positions. The step's inputs are plain tensors, so torch.export traces it once with the batch, token
+and context dimensions dynamic::
 
-    step(input_ids[B, T], positions[B, T], slots[B], sampling[B, 6], banned[B, K]) -> tokens[B]
+    step(input_ids[B, T], positions[B, T], slots[B], sampling[B, 6], banned[B, K], context[C]) -> tokens[B]
 
 A prefill chunk is ``B = 1, T = n``, a decode step ``B = sequences, T = 1``. Positions come in and an attention
-mask over the slot is built from them, so no cache length is read from the cache itself and nothing but the
-buffers is state. The last op samples (:func:`sample_tokens`), so the step's output is token ids, not logits; the
-tokens a row may not take next come in as ``banned`` (:func:`ban_tokens`, [Note: banned tokens] in
-:mod:`moirai.generation.bans`).
+mask over the slot's first C positions is built from them (C is ``context``'s length, [Note: the context a step
+attends over]), so no cache length is read from the cache itself and nothing but the buffers is state. The last op
+samples (:func:`sample_tokens`), so the step's output is token ids, not logits; the tokens a row may not take next
+come in as ``banned`` (:func:`ban_tokens`, [Note: banned tokens] in :mod:`moirai.generation.bans`).
 
 Nothing here names a model family: the cache's shape comes from what the layers write (:class:`CacheShape`), the
 masks from the Hugging Face config (:func:`layer_spans`: a sliding window hides positions older than it, a chunk
@@ -60,8 +61,9 @@ class LayerCache:
 
 @dataclass(frozen=True)
 class CacheShape:
-    """What the KV cache holds: for each attention layer a key buffer ``[slots, key_heads, max_seq_len, key_dim]``
-    and a value buffer ``[slots, value_heads, max_seq_len, value_dim]`` of ``dtype``.
+    """What the KV cache holds: for each attention layer a key buffer ``[slots, key_heads, positions, key_dim]``
+    and a value buffer ``[slots, value_heads, positions, value_dim]`` of ``dtype``, ``positions`` one more than
+    ``max_seq_len`` ([Note: the context a step attends over]).
 
     [Note: the cache's shape from what the layers write]
     The shapes are those the model's attention layers hand ``cache.update`` on a one-token probe
@@ -86,14 +88,20 @@ class CacheShape:
     def slot_bytes(self) -> int:
         """Bytes one sequence's state takes: its keys and values over all layers, and its seen-token flags."""
         element_bytes = torch.empty((), dtype=self.dtype).element_size()
-        kv_bytes = self.max_seq_len * sum(layer.elements_per_token for layer in self.layers) * element_bytes
+        kv_bytes = self.positions * sum(layer.elements_per_token for layer in self.layers) * element_bytes
         return kv_bytes + self.seen_width  # a bool flag is a byte
+
+    @property
+    def positions(self) -> int:
+        """A slot's positions: ``max_seq_len`` and one never written, so that the positions a step attends over
+        are never the whole slot ([Note: the context a step attends over])."""
+        return self.max_seq_len + 1
 
     def buffer_sizes(self, layer: LayerCache) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The sizes of ``layer``'s key and value buffers."""
         return (
-            (self.slots, layer.key_heads, self.max_seq_len, layer.key_dim),
-            (self.slots, layer.value_heads, self.max_seq_len, layer.value_dim),
+            (self.slots, layer.key_heads, self.positions, layer.key_dim),
+            (self.slots, layer.value_heads, self.positions, layer.value_dim),
         )
 
 
@@ -134,8 +142,8 @@ class SlotCache:
 
     is_compileable = True
 
-    def __init__(self, step: CausalLMStep, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        self._step, self._slots, self._positions = step, slots, positions
+    def __init__(self, step: CausalLMStep, slots: torch.Tensor, positions: torch.Tensor, context: int) -> None:
+        self._step, self._slots, self._positions, self._context = step, slots, positions, context
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
@@ -145,13 +153,15 @@ class SlotCache:
         where = [self._slots.view(-1, 1), None, self._positions]
         torch.ops.aten.index_put_(keys, where, key_states.transpose(1, 2).to(keys.dtype))
         torch.ops.aten.index_put_(values, where, value_states.transpose(1, 2).to(values.dtype))
+        # Only the positions the step attends over are gathered ([Note: the context a step attends over]).
+        keys, values = keys[:, :, : self._context], values[:, :, : self._context]
         return keys.index_select(0, self._slots), values.index_select(0, self._slots)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed in; nothing reads a length from the cache
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self._step.cache_shape.max_seq_len
+        return self._context  # the keys update returns: its mask's width
 
 
 class CausalLMStep(torch.nn.Module):
@@ -210,13 +220,29 @@ class CausalLMStep(torch.nn.Module):
         slots: torch.Tensor,
         sampling: torch.Tensor,
         banned: torch.Tensor,
+        context: torch.Tensor,
     ) -> torch.Tensor:
-        logits = self.last_logits(input_ids, positions, SlotCache(self, slots, positions), self.cache_shape.max_seq_len)
+        width = context.shape[0]  # [Note: the context a step attends over]
+        logits = self.last_logits(input_ids, positions, SlotCache(self, slots, positions, width), width)
         column = dict(zip(SAMPLING_FIELDS, sampling.unbind(dim=-1), strict=True))
         seen = self.seen(input_ids, positions, slots)
         penalized = penalize_repetitions(logits.float(), seen[:, : self._logits_width], column["repetition_penalty"])
         allowed = ban_tokens(penalized, banned)
         return sample_tokens(allowed, sampling[:, :4], min_p=column["min_p"])  # the first four are its own
+
+    # [Note: the context a step attends over]
+    # A slot holds max_seq_len positions, but a step's rows have written only the first few of them: attending
+    # over the whole slot gathered every slot's max_seq_len keys and values a layer a step (index_select copies
+    # them: at 2,048 positions half of a 4-sequence decode step) and masked most of them away. The step takes a
+    # ``context`` input whose length (a dimension traced dynamic, 1..max_seq_len) is how many of a slot's first
+    # positions it attends over, at least each row's last position plus one; the engine passes the longest row's
+    # (Engine._inputs), so a step's cost grows with its sequences' lengths, not max_seq_len. The cache is written
+    # in place at each row's positions as before, and the mask hides a shorter row's positions past its own.
+    # Its values are never read (what torch.export traces is its length), and a ``max_seq_len`` too short to
+    # trace it at a size of its own leaves it static, at max_seq_len (context_example). A slot has one position
+    # more than max_seq_len, never written: torch.export guards on whether the slice of the first C positions is
+    # contiguous, which it is where C is the whole slot, and refuses a dimension one of whose values (C =
+    # max_seq_len) fails the guard; with the spare position no value does.
 
     def seen(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Each row's seen-token flags ``[B, seen_width]`` after this step's tokens, kept in the slot.
@@ -241,7 +267,7 @@ class CausalLMStep(torch.nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: object, cache_length: int
     ) -> torch.Tensor:
         """The model's logits at each row's last token, its attention reading and writing ``cache`` under masks
-        over ``cache_length`` positions."""
+        over a slot's first ``cache_length`` positions (those ``cache.update`` returns)."""
         spans = self.spans.items()
         masks = {kind: attention_mask(positions, cache_length, self._dtype, span) for kind, span in spans}
         # one mask per kind of layer, as models whose layers differ take it; else the one 4D mask every model takes
@@ -267,6 +293,19 @@ STEP_CALL = (
     "and a cache object of its own; a model that needs a 2D attention mask, as Bloom's ALiBi does, cannot generate "
     "through it"
 )
+
+
+def context_input(width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The step's ``context`` input for a step that attends over its slots' first ``width`` positions: only its
+    length is read ([Note: the context a step attends over])."""
+    return torch.zeros(width, dtype=torch.bool, device=device)
+
+
+def context_example(tokens: int, max_seq_len: int, taken: set[int]) -> int | None:
+    """The context width to trace the step at: at least the example's ``tokens`` and 2, and unlike the other
+    dimensions' example sizes (``taken``), as torch.export takes equal example sizes for one symbol; None where
+    ``max_seq_len`` leaves no such width (the context is then static, every step attending over whole slots)."""
+    return next((size for size in range(max(2, tokens), max_seq_len + 1) if size not in taken), None)
 
 
 def probe_step(step: CausalLMStep, device: torch.device) -> tuple[tuple[LayerCache, ...], int]:
@@ -503,13 +542,14 @@ def layer_spans(config: object) -> dict[str, AttentionSpan]:
 
 
 def attention_mask(
-    positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype, span: AttentionSpan = FULL_SPAN
+    positions: torch.Tensor, width: int, dtype: torch.dtype, span: AttentionSpan = FULL_SPAN
 ) -> torch.Tensor:
-    """The additive mask ``[B, 1, T, max_seq_len]``: a token at position p sees the slot's positions 0..p, or with
+    """The additive mask ``[B, 1, T, width]`` over a slot's first ``width`` positions: a token at position p sees
+    the slot's positions 0..p, or with
     a sliding window only the last ``span.window`` of them (p - window + 1..p, as Hugging Face's sliding masks),
     or with a chunk only those of its own chunk (as Hugging Face's chunked masks, counted from the sequence's first
     token, which is a slot's position 0)."""
-    slot_positions = torch.arange(max_seq_len, device=positions.device).view(1, 1, -1)
+    slot_positions = torch.arange(width, device=positions.device).view(1, 1, -1)
     seen = slot_positions <= positions.unsqueeze(-1)
     if span.window is not None:
         seen = seen & (slot_positions > positions.unsqueeze(-1) - span.window)
