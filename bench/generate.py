@@ -1,7 +1,8 @@
 """Generation across the split: tokens/s, TTFT and TPOT of a Llama-style model on two devices, predicted next to
 measured, against Hugging Face's generate with the same cores and an even layer split through the same runtime.
 
-Run: ``python -m bench.generate [--quick] [--layers 8] [--hidden 1024] [--new-tokens 32] [--devices cpu cpu]``.
+Run: ``python -m bench.generate [--quick] [--layers 8] [--hidden 1024] [--new-tokens 32] [--max-seq-len N]
+[--devices cpu cpu]``.
 
 The model is a ``LlamaConfig`` with random weights (8 layers, hidden 1024 by default: a decode step of tens of ms on
 one core). Two logical CPU devices of one core each (``["cpu", "cpu"]``: each rank pinned to its core, one thread);
@@ -261,6 +262,9 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--max-seq-len", type=int, default=None, help="each cache slot's positions (default: the prompt and new tokens)"
+    )
     parser.add_argument("--devices", nargs="+", default=["cpu", "cpu"])
     parser.add_argument("--placer", default="milp")
     parser.add_argument("--cost", default="measured", choices=COST_MODES)
@@ -277,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         ]
     stages = len(args.devices)
     options = {
-        "max_seq_len": PROMPT_TOKENS + args.new_tokens,
+        "max_seq_len": args.max_seq_len or PROMPT_TOKENS + args.new_tokens,
         "max_prefill": PROMPT_TOKENS,
         "prompt_tokens": PROMPT_TOKENS,
         "new_tokens": args.new_tokens,

@@ -1065,6 +1065,18 @@ def test_max_prefill_left_out_fits_a_max_seq_len_under_64(llama):
     assert compile_tiny(llama, ["cpu"], max_prefill=None, max_seq_len=128).max_prefill == 64
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_sequence_generated_alone_in_half_precision_gives_the_models_tokens(dtype):
+    # A step attended over the whole slot, whose masked positions rounded otherwise than Hugging Face's growing
+    # cache: in bfloat16 2 of these 6 prompts parted from the model's tokens ([Note: the context a step attends
+    # over]). A sequence alone attends over exactly its own positions now, as the model's cache does.
+    model = tiny_llama().to(dtype)
+    lm = compile_tiny(model, max_seq_len=128, max_prefill=16)
+    for seed in range(6):
+        prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(seed))
+        assert lm.generate(prompt[None], max_new_tokens=32)[0, 20:].tolist() == hf_new_tokens(model, prompt, 32), seed
+
+
 def test_a_max_seq_len_too_short_for_a_dynamic_context_attends_over_whole_slots_and_gives_the_models_tokens(llama):
     # The context is traced at a size unlike the batch's (2), the tokens' (3) and the bans' (4): max_seq_len 4
     # leaves none, so it is static and every step attends over whole slots ([Note: the context a step attends over]).
