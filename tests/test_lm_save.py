@@ -142,6 +142,18 @@ def test_a_model_of_another_class_is_refused_before_it_is_traced(saved, tmp_path
         moirai.load_lm(path, tiny_llama(), progress=False)
 
 
+def test_a_plan_saved_before_a_step_attended_over_its_context_is_refused_with_what_to_do(llama, saved, tmp_path):
+    # Such a file's caches have max_seq_len positions, no spare one; it was refused as "traced for 31".
+    def whole_slots(record):
+        for name, tensor in record["tensors"]["weights"].items():
+            if "_cache_" in name:
+                tensor["shape"][2] = record["lm"]["max_seq_len"]
+
+    path = edited(saved[1], tmp_path, whole_slots)
+    with pytest.raises(moirai.PlanError, match="saved by an earlier moirai.*compile the LM again"):
+        moirai.load_lm(path, llama, progress=False)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "traced"), [("max_seq_len", 16, "32"), ("max_batch_size", 1, "2"), ("max_prefill", 4, "8")]
 )

@@ -711,7 +711,14 @@ def _saved_lm(record: dict[str, Any], path: str | Path) -> dict[str, Any]:
     ]
     if over:
         raise PlanError(f"{subject}: {over[0][0]} is over {over[0][1]}, which compile_lm never saves; {again}")
-    for name, traced in _traced_limits(record).items():
+    limits = _traced_limits(record)
+    if saved["max_seq_len"] - 1 in limits["max_seq_len"]:  # slots of max_seq_len positions: no spare one
+        raise PlanError(
+            f"{subject} was saved by an earlier moirai, whose generation step attended over whole cache slots (this "
+            "one's attends over its sequences' positions, [Note: the context a step attends over]); its plan is of "
+            f"another step: compile the LM again with moirai.compile_lm and save it"
+        )
+    for name, traced in limits.items():
         if traced and saved[name] not in traced:
             raise PlanError(
                 f"{subject}: '{LM_KEY}.{name}' is {saved[name]}, but the plan's step was traced for "
