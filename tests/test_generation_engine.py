@@ -23,6 +23,7 @@ class FakeSteps:
         self.submitted: list[tuple[torch.Tensor, ...]] = []
         self.pending: list[tuple[Future, torch.Tensor]] = []
         self.most_in_flight = 0
+        self.in_flight_at_submit: list[int] = []  # steps in flight once each step was submitted
         self.fail_next: BaseException | None = None
 
     def submit(self, inputs: tuple[torch.Tensor, ...]) -> Future:
@@ -31,6 +32,7 @@ class FakeSteps:
         # every row's positions lie in the context the step attends over, the longest row's ending it exactly
         assert context.shape == (int(positions[:, -1].max()) + 1,), (context.shape, positions)
         self.submitted.append(inputs)
+        self.in_flight_at_submit.append(len(self.pending) + 1)
         future: Future = Future()
         self.pending.append((future, ids[:, -1] + 1))
         self.most_in_flight = max(self.most_in_flight, len(self.pending))
@@ -143,6 +145,21 @@ def test_as_many_steps_as_the_depth_are_in_flight_and_sequences_share_them() -> 
     assert steps.most_in_flight == 2
     decode_batches = [inputs[0].shape[0] for inputs in steps.submitted if inputs[0].shape[1] == 1]
     assert max(decode_batches) == 2  # four sequences in two steps of two
+
+
+def test_groups_that_drift_apart_as_sequences_end_are_balanced_so_steps_stay_in_flight_together() -> None:
+    # Slots 0 and 2 join decode group 0, slots 1 and 3 group 1; 0 and 2 end with their first token. The two left
+    # decoded together, one step at a time, as one stage would; now one moves to the empty group.
+    steps = FakeSteps()
+    engine = Engine(steps.submit, slots=4, max_seq_len=64, max_prefill=8, max_batch=4, depth=2)
+    sequences = [sequence([10 * i], 1 if i % 2 == 0 else 12) for i in range(4)]
+    run(engine, steps, sequences)
+    assert [s.future.result() for s in sequences] == [[1], list(range(11, 23)), [21], list(range(31, 43))]
+    slots = [set(inputs[2].tolist()) for inputs in steps.submitted]
+    last_early = max(k for k, step in enumerate(slots) if step & {0, 2})
+    later = range(last_early + 1, len(slots))
+    assert sum(slots[k] == {1, 3} for k in later) <= 1  # the step in flight when group 0 emptied, at most
+    assert any(steps.in_flight_at_submit[k] == 2 for k in later)
 
 
 def test_sequences_beyond_the_slots_wait_and_take_a_slot_as_one_leaves() -> None:

@@ -6,7 +6,8 @@ distributed server (steps pipelined through the ranks). Every round it fills the
 
 - a sequence whose prompt is not yet in its slot sends its next chunk of at most ``max_prefill`` tokens alone
   (``B = 1``); the token of its last chunk is its first new token;
-- every sequence belongs to one of ``depth`` decode groups (the smallest when it joins); a group's sequences that
+- every sequence belongs to one of ``depth`` decode groups (the smallest when it joins; an idle one moves to the
+  smallest where groups drift two apart as sequences leave, :meth:`Engine._balance_groups`); a group's sequences that
   wait for their next token go in one step (``T = 1``, at most the step's batch), one step of a group in flight at a
   time, so that as many steps as stages are in flight, each as large as its group: stage k decodes one group while
   stage k + 1 decodes another (steps cut from whoever was idle would stay as small as the first ones were);
@@ -309,6 +310,7 @@ class Engine:
         self._end_cancelled()
         self._end_lost_caches()
         self._admit(block=False)
+        self._balance_groups()
         self._fill_pipeline()
         if self._in_flight:
             try:
@@ -333,6 +335,22 @@ class Engine:
             self._active.append(sequence)
             admitted = True
         return admitted or not self._waiting.empty()
+
+    def _balance_groups(self) -> None:
+        """Move idle sequences from the largest decode group to the smallest while their sizes differ by two or more.
+
+        Sequences leave whenever they end, so groups filled evenly drift apart: two stages whose groups held 2 and 0
+        sequences decoded one step at a time, as one stage would. A sequence that is not in a step in flight may
+        step with any group: its slot and tokens are its own."""
+        while True:
+            sizes = [0] * self.depth
+            for sequence in self._active:
+                sizes[sequence.group] += 1
+            largest, smallest = sizes.index(max(sizes)), sizes.index(min(sizes))
+            idle = [s for s in self._active if s.group == largest and not s.busy]
+            if sizes[largest] - sizes[smallest] < 2 or not idle:
+                return
+            idle[-1].group = smallest  # the latest to join: the earlier keep the steps they were in
 
     def _fill_pipeline(self) -> None:
         while len(self._in_flight) < self.depth:

@@ -716,7 +716,7 @@ def _saved_lm(record: dict[str, Any], path: str | Path) -> dict[str, Any]:
         raise PlanError(
             f"{subject} was saved by an earlier moirai, whose generation step attended over whole cache slots (this "
             "one's attends over its sequences' positions, [Note: the context a step attends over]); its plan is of "
-            f"another step: compile the LM again with moirai.compile_lm and save it"
+            "another step: compile the LM again with moirai.compile_lm and save it"
         )
     for name, traced in limits.items():
         if traced and saved[name] not in traced:
