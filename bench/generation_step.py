@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.generate import make_model
+from bench.realized import median_time_s
 from moirai.generation.engine import SamplingParams
 from moirai.generation.lm import trace_step
 from moirai.generation.step import CausalLMStep, context_input
@@ -38,17 +37,6 @@ def step_inputs(rows: int, context: int) -> tuple[torch.Tensor, ...]:
         torch.full((rows, 4), -1),
         context_input(context),
     )
-
-
-def median_s(run, repeats: int) -> float:
-    for _ in range(2):
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int], float]:
@@ -73,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[int, int], float]:
         for rows in args.sequences:
             for context in args.contexts:
                 flat = traced.flatten_inputs(step_inputs(rows, min(context, args.max_seq_len)), {})
-                times[rows, context] = median_s(lambda flat=flat: module(*flat), args.repeats)
+                times[rows, context] = median_time_s(lambda flat=flat: module(*flat), 2, args.repeats)
     table = Table(title=f"Traced step, slots of {args.max_seq_len} positions, one core: ms (median of {args.repeats})")
     table.add_column("context")
     for rows in args.sequences:

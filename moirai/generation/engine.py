@@ -330,7 +330,7 @@ class Engine:
             if sequence.future.cancelled():  # cancelled while it waited: it never takes a slot
                 continue
             sequence.slot = self._free_slots.pop(0)
-            sizes = [sum(1 for s in self._active if s.group == group) for group in range(self.depth)]
+            sizes = self._group_sizes()
             sequence.group = sizes.index(min(sizes))  # the smallest decode group
             self._active.append(sequence)
             admitted = True
@@ -343,14 +343,19 @@ class Engine:
         sequences decoded one step at a time, as one stage would. A sequence that is not in a step in flight may
         step with any group: its slot and tokens are its own."""
         while True:
-            sizes = [0] * self.depth
-            for sequence in self._active:
-                sizes[sequence.group] += 1
+            sizes = self._group_sizes()
             largest, smallest = sizes.index(max(sizes)), sizes.index(min(sizes))
             idle = [s for s in self._active if s.group == largest and not s.busy]
             if sizes[largest] - sizes[smallest] < 2 or not idle:
                 return
             idle[-1].group = smallest  # the latest to join: the earlier keep the steps they were in
+
+    def _group_sizes(self) -> list[int]:
+        """How many sequences in a slot each decode group holds."""
+        sizes = [0] * self.depth
+        for sequence in self._active:
+            sizes[sequence.group] += 1
+        return sizes
 
     def _fill_pipeline(self) -> None:
         while len(self._in_flight) < self.depth:

@@ -757,7 +757,7 @@ def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> Tra
     b, t, k = min(2, max_batch_size), min(3, max_prefill), min(4, step.logits_width)
     max_seq_len = step.cache_shape.max_seq_len
     c = context_example(t, max_seq_len, taken={b, t, k})
-    context = _dim("context", max_seq_len) if c is not None else getattr(torch.export.Dim, "STATIC", None)
+    context = _dim("context", max_seq_len) if c is not None else _STATIC
     device = step.seen_tokens.device
     example = (
         torch.zeros(b, t, dtype=torch.long, device=device),
@@ -776,10 +776,13 @@ def trace_step(step: CausalLMStep, max_batch_size: int, max_prefill: int) -> Tra
             raise TraceError(f"{error} ({STEP_CALL})") from error
 
 
+_STATIC = getattr(torch.export.Dim, "STATIC", None)  # a dimension traced at its example's size (None before torch 2.6)
+
+
 def _dim(name: str, upper: int) -> Any:
     if upper > 1:
         return torch.export.Dim(name, min=1, max=upper)
-    return getattr(torch.export.Dim, "STATIC", None)  # a range of one size: static (None before torch 2.6)
+    return _STATIC  # a range of one size
 
 
 def phase_contexts(prompt_tokens: int, prompt_chunk: int, new_tokens: int, max_seq_len: int) -> tuple[int, int]:
