@@ -849,6 +849,38 @@ def test_a_worker_killed_or_stopped_at_start_up_fails_the_start_naming_it_and_th
 
 
 @pytest.mark.slow
+def test_a_worker_stopped_after_it_reported_ready_fails_the_start_naming_it_and_the_next_call_starts_again(
+    rows, monkeypatch
+) -> None:
+    """Rank 0 joins the groups once every rank reported ready: a rank halted in between failed the start with torch's
+    raw DistStoreError, or held it in gloo's connect for five times the timeout (the signal of the test above lands
+    there when the fork server starts the rank fast)."""
+    _, example, compiled = rows
+    start_timeout_s = 6.0
+    joined_groups = runner_module.local_group
+    stopped_pids = []
+
+    def stop_rank_1_then_join(*args, **kwargs):
+        if not stopped_pids:
+            stopped_pids.append(runner._workers[0].pid)
+            os.kill(stopped_pids[0], signal.SIGSTOP)
+        return joined_groups(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "local_group", stop_rank_1_then_join)
+    with DistributedRunner(["cpu", "cpu"], timeout_s=_FAULT_TIMEOUT_S, start_timeout_s=start_timeout_s) as runner:
+        started = time.monotonic()
+        with pytest.raises(DistributedError) as failure:
+            runner.run(compiled.program, list(example))
+        assert time.monotonic() - started < start_timeout_s + _FAULT_SLACK_S
+        message = str(failure.value)
+        assert re.match(r"rank\(s\) \[1\] reported ready but did not join .*rank 1 \(cpu\) is stopped", message), (
+            message
+        )
+        assert not psutil.pid_exists(stopped_pids[0]) or psutil.Process(stopped_pids[0]).status() == "zombie"
+        _assert_serves(runner, rows, example[0])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sent", _SIGNALS, ids=lambda s: s.name)
 def test_a_worker_killed_or_stopped_while_idle_fails_the_next_requests_naming_it_then_the_server_restarts(
     rows, sent

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, NoReturn
 
+import psutil
 import torch
 
 from moirai.cluster.devices import Device
@@ -48,7 +49,7 @@ from moirai.runtime.driver import (
     check_max_in_flight,
     check_timeout,
 )
-from moirai.runtime.groups import local_group
+from moirai.runtime.groups import Group, local_group
 from moirai.runtime.local import check_inputs
 from moirai.runtime.protocol import load_bytes, request_message_bytes, serve
 from moirai.runtime.rank_processes import RankInheritance, RankStarter, become_rank, flush_standard_streams
@@ -68,6 +69,8 @@ __all__ = ["DistributedRunner", "Worlds", "torch_device"]
 
 _log = logging.getLogger(__name__)
 _START_POLL_S = 0.05
+# How long past the join timeout rank 0 waits for its joining thread to report torch's own timeout error.
+_JOIN_SLACK_S = 1.0
 # Exit code of a spawned rank that found the user's script re-imported without a __main__ guard.
 _NO_MAIN_GUARD_EXIT_CODE = 86
 # How long a stop waits for the ranks to exit on their own (after a failure, the time they have to report it).
@@ -114,6 +117,7 @@ class DistributedRunner:
         self._starting = threading.Lock()  # submit may be called from several threads, and a restart runs in one
         self._closing = False
         self._restarting: threading.Thread | None = None
+        self._joining: threading.Thread | None = None  # a join rank 0 gave up waiting for (see _join)
         self.worlds = Worlds()
         self._state_on_ranks = state_on_ranks
         self._state_lost: BaseException | None = None  # the failure that ended the ranks' state (state_on_ranks)
@@ -214,6 +218,8 @@ class DistributedRunner:
                 self._stop()
             if self._restarting is not None:  # [Note: no thread of ours outlives close]
                 self._restarting.join()
+            if self._joining is not None:  # ends with gloo's connect, its ranks killed
+                self._joining.join()
         finally:
             self._closing = False
 
@@ -283,7 +289,7 @@ class DistributedRunner:
         self._await_ready(abandon_on_close)
         # The process's cores only: rank 0 computes in the driver's threads, which set its thread count themselves.
         self._restore = apply_resources(resources[0], self._names()[0], own_process=False, set_threads=False)
-        group = local_group(0, self.torch_devices, self._store, self.start_timeout_s, self._shared_memory)
+        group = self._join()
         pin_io_threads(resources[0])
         self._driver = Driver(
             group,
@@ -317,6 +323,43 @@ class DistributedRunner:
             if waiting and time.monotonic() > deadline:
                 self._fail_start(f"rank(s) {sorted(waiting)} did not start within {self.start_timeout_s:.0f} s")
             time.sleep(_START_POLL_S if waiting else 0)
+
+    def _join(self) -> Group:
+        """Rank 0's side of the groups, once every rank reported ready.
+
+        A rank that halts in between (stopped, dead) fails the join; but where gloo already took its address, gloo's
+        connect gives up only after about five join timeouts (17 s of a 3 s one, 32 s of 6 s, measured), and killing
+        the rank does not end it sooner. So the join runs in a thread rank 0 waits on for the join timeout: past it,
+        the start fails naming the halted ranks, which are killed, and the thread is left to end on its own."""
+        outcome: dict[str, Any] = {}
+        joined = threading.Event()
+
+        def join() -> None:
+            try:
+                outcome["group"] = local_group(
+                    0, self.torch_devices, self._store, self.start_timeout_s, self._shared_memory
+                )
+            except Exception as error:  # torch's DistError, for the start to report
+                outcome["error"] = error
+            joined.set()
+
+        joining = threading.Thread(target=join, name="moirai-join", daemon=True)
+        joining.start()
+        joined.wait(self.start_timeout_s + _JOIN_SLACK_S)
+        if "group" in outcome:
+            return outcome["group"]
+        error = outcome.get("error")
+        if error is None:
+            self._joining = joining  # close() joins it ([Note: no thread of ours outlives close])
+        halted = {rank: state for rank, worker in enumerate(self._workers, 1) if (state := _halted(worker))}
+        named = sorted(halted) or list(range(1, len(self._workers) + 1))
+        states = "; ".join(f"rank {rank} ({self._names()[rank]}) {halted[rank]}" for rank in sorted(halted))
+        cause = f"{type(error).__name__}: {error}" if error is not None else "rank 0 was still waiting for them"
+        self._fail_start(
+            f"rank(s) {named} reported ready but did not join rank 0's process groups within "
+            f"{self.start_timeout_s:.0f} s{f' ({states})' if states else ''}: {cause}",
+            grace_s=0.0 if halted or error is None else None,  # a stopped rank cannot exit on its own
+        )
 
     def _start_death(self, rank: int) -> str:
         code = self._workers[rank - 1].exitcode
@@ -399,8 +442,9 @@ class Worlds:
 # [Note: no thread of ours outlives close]
 # A daemon thread that drops the last reference to a gloo process group while the interpreter finalizes aborts the
 # process ("terminate called without an active exception": the group's destructor gives up the GIL and cannot take
-# it back). So close() joins the restart thread and the failed driver's threads (which hold the failed groups), and
-# runners a script never closed are closed at its exit, while threads can still run.
+# it back). So close() joins the restart thread, a join rank 0 gave up waiting for, and the failed driver's threads
+# (which hold the failed groups), and runners a script never closed are closed at its exit, while threads can still
+# run.
 _LIVE_RUNNERS: weakref.WeakSet[DistributedRunner] = weakref.WeakSet()
 
 
@@ -485,6 +529,19 @@ def _checked_resources(store: RunStore, rank: int) -> dict[str, Any]:
         return isinstance(resources, dict) and isinstance(resources.get("threads"), int)
 
     return get_json(store, f"moirai/resources/{rank}", "resources report", valid, '{"threads": an int, ...}')
+
+
+def _halted(worker: multiprocessing.process.BaseProcess) -> str | None:
+    """How a rank's process stopped running (exited, stopped by a signal), or None while it runs."""
+    if not worker.is_alive():
+        return f"exited with code {worker.exitcode}"
+    try:
+        status = psutil.Process(worker.pid).status()
+    except psutil.Error:
+        return None
+    return (
+        f"is {status}" if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE) else None
+    )
 
 
 def _worker_main(
