@@ -1,6 +1,7 @@
 """Model families from configs with random weights generate across the split exactly as their own ``generate``:
 Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2, Gemma2 and Gemma3 (text), greedy, 32 new tokens for two rows (one
-left-padded), on 2 and 3 logical CPU devices, local and distributed, and MPT locally; sliding windows (per kind of
+left-padded), on 2 and 3 logical CPU devices, local and distributed, and MPT, DeepSeek-V3, Qwen3, GPT-NeoX, OPT,
+Falcon and Mixtral locally; sliding windows (per kind of
 layer where they differ) are masked as the config says; ALiBi from a 2D mask is refused. Hugging Face's own
 export wrapper over a ``StaticCache`` compiles with plain ``moirai.compile`` and runs stepwise."""
 
@@ -318,6 +319,43 @@ def test_deepseek_v3_whose_attention_caches_a_latent_generates_its_tokens_with_a
     assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), expected)
 
 
+# More families, each once, locally over two devices: what each adds to the eight above.
+MORE_FAMILIES = {
+    # query and key norms, a sliding layer after a full one
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {**COMMON, "head_dim": 16, "use_sliding_window": True,
+              "sliding_window": WINDOW, "max_window_layers": 1}),
+    # rotary over a quarter of each head, one fused query-key-value projection, parallel residual
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {**COMMON, "rotary_pct": 0.25, "max_position_embeddings": 64}),
+    # learned positions offset by two, from the attention mask's cumulative sum
+    "opt": ("OPTForCausalLM", "OPTConfig", {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+            "ffn_dim": 128, "num_attention_heads": 4, "word_embed_proj_dim": 64, "max_position_embeddings": 64,
+            "tie_word_embeddings": False, "eos_token_id": None, "bos_token_id": None, "pad_token_id": 1}),
+    # grouped key-value heads in Falcon's own fused layout
+    "falcon": ("FalconForCausalLM", "FalconConfig", {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_kv_heads": 2, "new_decoder_architecture": True,
+               "tie_word_embeddings": False, "eos_token_id": None, "bos_token_id": None}),
+    # experts picked per token by a router
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", {**COMMON, "num_local_experts": 4, "num_experts_per_tok": 2}),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.in_process
+@pytest.mark.parametrize("name", MORE_FAMILIES)
+def test_more_families_generate_their_tokens_with_their_caches_apart(name):
+    model_class, config_class, options = MORE_FAMILIES[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**options)).eval()
+    lm = two_device_lm(model)
+    lm = dataclasses.replace(lm, compiled=lm.compiled.with_plan(layers_apart(lm, 2)))
+    assert len(cache_devices(lm)) == 2
+    ids, mask = prompts()
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert len(set(expected[:, PROMPT_TOKENS:].flatten().tolist())) >= 6
+    assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), expected)
+
+
 class _NoCacheLM(torch.nn.Module):
     """A causal LM by its signature whose forward never writes to the cache it is given."""
 
@@ -357,10 +395,11 @@ def test_a_model_that_writes_nothing_to_its_cache_or_cannot_run_a_token_is_refus
 def test_alibi_from_a_2d_mask_is_refused_saying_why():
     falcon = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
     falcon.alibi = True
-    with pytest.raises(InputError, match="FalconForCausalLM's config asks for ALiBi"):
+    with pytest.raises(InputError, match=r"FalconForCausalLM computes its config's ALiBi position biases \(alibi"):
         moirai.compile_lm(transformers.FalconForCausalLM(falcon).eval(), ["cpu"], progress=False, calibration="none")
+    # Bloom's config has no alibi field: it always computes its biases so (it failed in a probe, a ValueError first)
     bloom = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)
-    with pytest.raises(moirai.TraceError, match="compile_lm calls the model with input_ids, position_ids, a 4D"):
+    with pytest.raises(InputError, match="BloomForCausalLM computes Bloom's ALiBi position biases from a 2D"):
         moirai.compile_lm(transformers.BloomForCausalLM(bloom).eval(), ["cpu"], progress=False, calibration="none")
 
 

@@ -382,12 +382,14 @@ def _zeros(size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 def _check_alibi(name: str, config: object) -> None:
     """:class:`InputError` for a model whose config asks for ALiBi biases computed from a 2D attention mask
-    (Falcon's ``alibi``): the step's mask is 4D, over the whole slot. (MPT's ALiBi, a bias by key index over the
-    whole slot, needs no mask and generates as it should.)"""
-    if getattr(config, "alibi", False):
+    (Falcon's ``alibi``, and Bloom's always): the step's mask is 4D, over the whole slot. (MPT's ALiBi, a bias by
+    key index over the whole slot, needs no mask and generates as it should.)"""
+    bloom = getattr(config, "model_type", None) == "bloom"
+    if getattr(config, "alibi", False) or bloom:
+        asks = "Bloom's ALiBi position biases" if bloom else "its config's ALiBi position biases (alibi=True)"
         raise InputError(
-            f"{name}'s config asks for ALiBi position biases (alibi=True), which it computes from a 2D attention "
-            "mask; compile_lm masks with a 4D mask over each sequence's KV cache slot, so it cannot generate with it"
+            f"{name} computes {asks} from a 2D attention mask; compile_lm masks with a 4D mask over each sequence's "
+            "KV cache slot, so it cannot generate with this model"
         )
 
 
