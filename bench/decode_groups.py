@@ -1,8 +1,6 @@
-"""Decode groups as sequences leave, and as their contexts differ: a split LLM's server after half its sequences,
-all of one decode group, ended; and with long prompts and short ones joining the groups alike.
+"""Decode groups as sequences leave: a split LLM's server after half its sequences, all of one decode group, ended.
 
-Run: ``python -m bench.decode_groups [--layers 8] [--hidden 1024] [--sequences 8] [--new-tokens 48] [--runs 3]
-[--mixed LONG]``.
+Run: ``python -m bench.decode_groups [--layers 8] [--hidden 1024] [--sequences 8] [--new-tokens 48] [--runs 3]``.
 
 bench/generate.py's Llama (random weights) split evenly over two logical CPU devices (``even_split``, analytic
 costs) and served with ``sequences`` slots and as many sequences: the even-numbered ones, which join decode group
@@ -10,11 +8,6 @@ costs) and served with ``sequences`` slots and as many sequences: the even-numbe
 after, one group holds every sequence left. Decode tokens/s of the long sequences (tokens stamped from when each had
 its first to when the first of them ended), with the engine's group balancing (``Engine._balance_groups``) and with
 it switched off, alternating, ``runs`` each; every long sequence's tokens are checked against HF's greedy ones.
-
-With ``--mixed LONG`` every sequence generates ``new-tokens`` tokens, and the first two of every four have prompts of
-LONG tokens, the others the usual short ones, so that each decode group holds long and short ones as they join:
-decode tokens/s of all of them with the engine regrouping them by context (``Engine._groups_by_context``, [Note:
-decode groups by context]) and with that switched off (sizes balanced only), alternating.
 """
 
 from __future__ import annotations
@@ -33,13 +26,8 @@ from bench.generate import PROMPT_TOKENS, even_split, make_model, prompts_for
 from moirai.generation.engine import Engine
 
 
-def served_tokens_per_s(
-    lm: moirai.CompiledLM, prompts: list[torch.Tensor], new_tokens: int, expected, every: bool = False
-) -> float:
-    """Decode tokens/s of the odd-numbered sequences (the even ones end with their first token), or of ``every``
-    one, each generating ``new_tokens``."""
-    timed = range(len(prompts)) if every else range(1, len(prompts), 2)
-    stamps: dict[int, list[float]] = {i: [] for i in timed}
+def served_tokens_per_s(lm: moirai.CompiledLM, prompts: list[torch.Tensor], new_tokens: int, expected) -> float:
+    stamps: dict[int, list[float]] = {i: [] for i in range(1, len(prompts), 2)}
 
     def stamp(index: int):
         return lambda _token: stamps[index].append(time.perf_counter())
@@ -47,13 +35,13 @@ def served_tokens_per_s(
     with lm.server() as server:
         futures = [
             server.submit(p, max_new_tokens=1)
-            if i not in stamps
+            if i % 2 == 0
             else server.submit(p, max_new_tokens=new_tokens, on_token=stamp(i))
             for i, p in enumerate(prompts)
         ]
         tokens = [future.result() for future in futures]
-    if [tokens[i] for i in timed] != expected:
-        raise AssertionError("a sequence's tokens differ from HF's greedy tokens")
+    if tokens[1::2] != expected:
+        raise AssertionError("a long sequence's tokens differ from HF's greedy tokens")
     start = max(times[0] for times in stamps.values())
     end = min(times[-1] for times in stamps.values())
     return sum(start < t <= end for times in stamps.values() for t in times) / (end - start)
@@ -67,23 +55,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[float]]:
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--mixed", type=int, default=0, metavar="LONG", help="two of every four prompts this long")
     args = parser.parse_args(argv)
     model = make_model(args.layers, args.hidden, args.vocab)
     prompts = prompts_for(args.sequences, args.vocab)
-    if args.mixed:
-        long_prompts = iter(
-            torch.randint(0, args.vocab, (args.sequences, args.mixed), generator=torch.Generator().manual_seed(1))
-        )
-        prompts = [next(long_prompts) if i % 4 < 2 else p for i, p in enumerate(prompts)]
-    longest = max(len(p) for p in prompts)
     lm = moirai.compile_lm(
         model,
         ["cpu", "cpu"],
         max_batch_size=args.sequences,
         sequences=args.sequences,
-        max_seq_len=longest + args.new_tokens,
-        max_prefill=longest,
+        max_seq_len=PROMPT_TOKENS + args.new_tokens,
+        max_prefill=PROMPT_TOKENS,
         prompt_tokens=PROMPT_TOKENS,
         new_tokens=args.new_tokens,
         cost="analytic",
@@ -91,14 +72,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[float]]:
         progress=False,
     )
     lm = even_split(lm)
-    timed = prompts if args.mixed else prompts[1::2]
     with torch.no_grad():
         expected = [
-            model.generate(p[None], max_new_tokens=args.new_tokens, do_sample=False)[0, len(p) :].tolist()
-            for p in timed
+            model.generate(p[None], max_new_tokens=args.new_tokens, do_sample=False)[0, PROMPT_TOKENS:].tolist()
+            for p in prompts[1::2]
         ]
-    if args.mixed:
-        return compare_regrouping(lm, prompts, args, expected)
     balance = Engine._balance_groups
     results: dict[str, list[float]] = {"balanced": [], "not balanced": []}
     try:
@@ -116,29 +94,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[float]]:
     Console().print(table)
     ratio = statistics.median(results["balanced"]) / statistics.median(results["not balanced"])
     Console().print(f"balanced / not balanced: {ratio:.2f}")
-    return results
-
-
-def compare_regrouping(lm: moirai.CompiledLM, prompts: list[torch.Tensor], args, expected) -> dict[str, list[float]]:  # noqa: ANN001
-    by_context = Engine._groups_by_context
-    results: dict[str, list[float]] = {"by context": [], "sizes only": []}
-    try:
-        for _ in range(args.runs):
-            for name in results:
-                Engine._groups_by_context = by_context if name == "by context" else (lambda self: None)
-                results[name].append(served_tokens_per_s(lm, prompts, args.new_tokens, expected, every=True))
-    finally:
-        Engine._groups_by_context = by_context
-    table = Table(
-        title=f"{args.sequences} sequences, half with prompts of {args.mixed} tokens, half of {PROMPT_TOKENS}: tokens/s"
-    )
-    for column in ("groups", "median", "runs"):
-        table.add_column(column)
-    for name, values in results.items():
-        table.add_row(name, f"{statistics.median(values):.1f}", ", ".join(f"{v:.1f}" for v in values))
-    Console().print(table)
-    ratio = statistics.median(results["by context"]) / statistics.median(results["sizes only"])
-    Console().print(f"by context / sizes only: {ratio:.2f}")
     return results
 
 

@@ -162,39 +162,6 @@ def test_groups_that_drift_apart_as_sequences_end_are_balanced_so_steps_stay_in_
     assert any(steps.in_flight_at_submit[k] == 2 for k in later)
 
 
-def test_sequences_of_like_context_are_regrouped_to_decode_together() -> None:
-    """[Note: decode groups by context]: two long prompts and two short ones join the groups alternately, a long and
-    a short in each, and every step of either would attend over a long one's context; the idle ones regroup, so
-    that after a step or two in flight the short ones decode together over their own few positions."""
-    steps = FakeSteps()
-    engine = Engine(steps.submit, slots=4, max_seq_len=64, max_prefill=64, max_batch=4, depth=2)
-    long_prompt, short_prompt = list(range(40)), [7, 8]
-    sequences = [
-        sequence(long_prompt, 12),
-        sequence(long_prompt, 12),
-        sequence(short_prompt, 12),
-        sequence(short_prompt, 12),
-    ]
-    run(engine, steps, sequences)
-    assert [s.future.result() for s in sequences] == [list(range(40, 52))] * 2 + [list(range(9, 21))] * 2
-    decode = [(set(inputs[2].tolist()), inputs[5].shape[0]) for inputs in steps.submitted if inputs[0].shape[1] == 1]
-    mixed = [slots for slots, _context in decode if slots & {0, 1} and slots & {2, 3}]
-    assert len(mixed) <= 2, decode  # the steps in flight as the groups were cut anew, at most
-    short = [context for slots, context in decode if slots <= {2, 3}]
-    assert len(short) >= 10 and max(short) <= len(short_prompt) + 12, decode
-
-
-def test_sequences_of_one_context_are_not_regrouped() -> None:
-    """Regrouping sequences whose contexts differ by a position or two saves nothing: the groups stay as they
-    joined, each step as large as its group."""
-    steps = FakeSteps()
-    engine = Engine(steps.submit, slots=4, max_seq_len=64, max_prefill=64, max_batch=4, depth=2)
-    sequences = [sequence(list(range(20 + i)), 10) for i in range(4)]
-    run(engine, steps, sequences)
-    decode = [set(inputs[2].tolist()) for inputs in steps.submitted if inputs[0].shape[1] == 1]
-    assert all(slots in ({0, 2}, {1, 3}) for slots in decode[2:]), decode
-
-
 def test_sequences_beyond_the_slots_wait_and_take_a_slot_as_one_leaves() -> None:
     steps = FakeSteps()
     engine = Engine(steps.submit, slots=2, max_seq_len=64, max_prefill=8, max_batch=2, depth=2)

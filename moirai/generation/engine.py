@@ -6,9 +6,8 @@ distributed server (steps pipelined through the ranks). Every round it fills the
 
 - a sequence whose prompt is not yet in its slot sends its next chunk of at most ``max_prefill`` tokens alone
   (``B = 1``); the token of its last chunk is its first new token;
-- every sequence belongs to one of ``depth`` decode groups (the smallest when it joins; idle ones move where groups
-  drift two apart as sequences leave, or where sequences of like context apart would attend over far fewer
-  positions, :meth:`Engine._arrange_groups`); a group's sequences that
+- every sequence belongs to one of ``depth`` decode groups (the smallest when it joins; an idle one moves to the
+  smallest where groups drift two apart as sequences leave, :meth:`Engine._balance_groups`); a group's sequences that
   wait for their next token go in one step (``T = 1``, at most the step's batch), one step of a group in flight at a
   time, so that as many steps as stages are in flight, each as large as its group: stage k decodes one group while
   stage k + 1 decodes another (steps cut from whoever was idle would stay as small as the first ones were);
@@ -41,9 +40,6 @@ if TYPE_CHECKING:
 
 # A top_k at least this large keeps every token of any vocabulary; float32 (the step's sampling input) holds it exactly.
 _TOP_K_ALL = 2**24
-# Decode groups are regrouped by context only where their steps would attend over at most this share of the positions
-# they do as they are ([Note: decode groups by context]).
-_REGROUP_SHARE = 0.9
 
 SubmitStep = Callable[[tuple[torch.Tensor, ...]], "Future[torch.Tensor]"]
 
@@ -105,11 +101,6 @@ class SequenceState:
     @property
     def next_position(self) -> int:
         return self.prefilled + max(len(self.tokens) - 1, 0) if self.tokens else self.prefilled
-
-    @property
-    def decode_context(self) -> int:
-        """The positions its next decode step attends over: its prompt's and new tokens' so far, and the next."""
-        return max(self.next_position, len(self.prompt)) + 1
 
     @property
     def finished(self) -> bool:
@@ -319,7 +310,7 @@ class Engine:
         self._end_cancelled()
         self._end_lost_caches()
         self._admit(block=False)
-        self._arrange_groups()
+        self._balance_groups()
         self._fill_pipeline()
         if self._in_flight:
             try:
@@ -344,52 +335,6 @@ class Engine:
             self._active.append(sequence)
             admitted = True
         return admitted or not self._waiting.empty()
-
-    def _arrange_groups(self) -> None:
-        """Regroup idle sequences by context where that pays ([Note: decode groups by context]), else balance the
-        groups' sizes (:meth:`_balance_groups`)."""
-        arranged = self._groups_by_context()
-        if arranged is None:
-            self._balance_groups()
-            return
-        for sequence, group in zip(self._active, arranged, strict=True):
-            if not sequence.busy:  # one in a step in flight moves once it is back
-                sequence.group = group
-
-    def _groups_by_context(self) -> list[int] | None:
-        """Each active sequence's decode group (in ``_active``'s order) where the sequences sorted by context are
-        cut into groups of even sizes, if those steps would attend over at most ``_REGROUP_SHARE`` of the positions
-        the present groups' steps do; else None.
-
-        [Note: decode groups by context]
-        A decode step attends over its longest row's context for every row (``Engine._inputs``: each row gathers
-        that many positions of its slot), so a group holding one long sequence and three short ones costs what four
-        long ones would. Sequences sorted by context and cut into contiguous groups attend over the fewest positions
-        a step of each group's size can (a group's cost is its size times its longest context); the larger groups,
-        where sizes differ, take the shorter contexts. Each cut is given the group it shares most sequences with, so
-        that a regrouping moves few sequences, and only idle ones move: one in a step in flight follows once that
-        step is back, a step or two of uneven sizes meanwhile, which is why a regrouping must save a share of the
-        positions and not a few. Contexts grow one position a step in every group, so sequences once sorted stay
-        sorted until others join or leave.
-        """
-        active = self._active
-        if self.depth < 2 or len(active) < 2:
-            return None
-        order = sorted(range(len(active)), key=lambda k: (active[k].decode_context, active[k].group))
-        cuts: list[list[int]] = []
-        for depth_index in range(self.depth):  # the first (shortest) cuts take the extra sequences
-            size = len(order) // self.depth + (depth_index < len(order) % self.depth)
-            taken = sum(map(len, cuts))
-            cuts.append(order[taken : taken + size])
-        group_of_cut = _matched_groups(cuts, active, self.depth)
-        arranged = [0] * len(active)
-        for cut, group in zip(cuts, group_of_cut, strict=True):
-            for k in cut:
-                arranged[k] = group
-        present = [sequence.group for sequence in active]
-        if _attended_positions(active, arranged) > _REGROUP_SHARE * _attended_positions(active, present):
-            return None
-        return arranged
 
     def _balance_groups(self) -> None:
         """Move idle sequences from the largest decode group to the smallest while their sizes differ by two or more.
@@ -567,38 +512,6 @@ class Engine:
                 drained.append(self._waiting.get_nowait())
             except queue.Empty:
                 return drained
-
-
-def _attended_positions(sequences: Sequence[SequenceState], groups: Sequence[int]) -> int:
-    """The positions one decode step of each group attends over, all rows together: each group's size times its
-    longest context ([Note: decode groups by context])."""
-    longest: dict[int, int] = {}
-    size: dict[int, int] = {}
-    for sequence, group in zip(sequences, groups, strict=True):
-        longest[group] = max(longest.get(group, 0), sequence.decode_context)
-        size[group] = size.get(group, 0) + 1
-    return sum(size[group] * longest[group] for group in size)
-
-
-def _matched_groups(cuts: list[list[int]], sequences: Sequence[SequenceState], depth: int) -> list[int]:
-    """The decode group each cut takes: pairs of a cut and a group by the sequences they share, most first, each cut
-    and group taken once (the lower cut and group first where they tie)."""
-    shared = sorted(
-        (
-            (sum(sequences[k].group == group for k in cut), -index, -group)
-            for index, cut in enumerate(cuts)
-            for group in range(depth)
-        ),
-        reverse=True,
-    )
-    group_of_cut: list[int | None] = [None] * len(cuts)
-    taken: set[int] = set()
-    for _count, negative_index, negative_group in shared:
-        index, group = -negative_index, -negative_group
-        if group_of_cut[index] is None and group not in taken:
-            group_of_cut[index] = group
-            taken.add(group)
-    return [int(group) for group in group_of_cut]  # type: ignore[arg-type]
 
 
 def _callback_failure(error: BaseException) -> BaseException:
