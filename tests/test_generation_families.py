@@ -1,9 +1,9 @@
 """Model families from configs with random weights generate across the split exactly as their own ``generate``:
 Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2, Gemma2 and Gemma3 (text), greedy, 32 new tokens for two rows (one
 left-padded), on 2 and 3 logical CPU devices, local and distributed, and MPT, DeepSeek-V3, Qwen3, GPT-NeoX, OPT,
-Falcon and Mixtral locally; sliding windows (per kind of
-layer where they differ) are masked as the config says; ALiBi from a 2D mask is refused. Hugging Face's own
-export wrapper over a ``StaticCache`` compiles with plain ``moirai.compile`` and runs stepwise."""
+Falcon and Mixtral locally; sliding windows (per kind of layer where they differ) are masked as the config says;
+ALiBi from a 2D mask is refused. Hugging Face's own export wrapper over a ``StaticCache`` compiles with plain
+``moirai.compile`` and runs stepwise."""
 
 from __future__ import annotations
 
@@ -322,20 +322,22 @@ def test_deepseek_v3_whose_attention_caches_a_latent_generates_its_tokens_with_a
 # More families, each once, locally over two devices: what each adds to the eight above.
 MORE_FAMILIES = {
     # query and key norms, a sliding layer after a full one
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {**COMMON, "head_dim": 16, "use_sliding_window": True,
-              "sliding_window": WINDOW, "max_window_layers": 1}),
+    "qwen3": Family("Qwen3ForCausalLM", _config("Qwen3Config", **COMMON, head_dim=16, use_sliding_window=True,
+                    sliding_window=WINDOW, max_window_layers=1), windowed=True),
     # rotary over a quarter of each head, one fused query-key-value projection, parallel residual
-    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {**COMMON, "rotary_pct": 0.25, "max_position_embeddings": 64}),
+    "gpt_neox": Family("GPTNeoXForCausalLM", _config("GPTNeoXConfig", **COMMON, rotary_pct=0.25,
+                       max_position_embeddings=64)),
     # learned positions offset by two, from the attention mask's cumulative sum
-    "opt": ("OPTForCausalLM", "OPTConfig", {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
-            "ffn_dim": 128, "num_attention_heads": 4, "word_embed_proj_dim": 64, "max_position_embeddings": 64,
-            "tie_word_embeddings": False, "eos_token_id": None, "bos_token_id": None, "pad_token_id": 1}),
+    "opt": Family("OPTForCausalLM", _config("OPTConfig", vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                  ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=64,
+                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=1)),
     # grouped key-value heads in Falcon's own fused layout
-    "falcon": ("FalconForCausalLM", "FalconConfig", {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_kv_heads": 2, "new_decoder_architecture": True,
-               "tie_word_embeddings": False, "eos_token_id": None, "bos_token_id": None}),
+    "falcon": Family("FalconForCausalLM", _config("FalconConfig", vocab_size=256, hidden_size=64,
+                     num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                     tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)),
     # experts picked per token by a router
-    "mixtral": ("MixtralForCausalLM", "MixtralConfig", {**COMMON, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral": Family("MixtralForCausalLM", _config("MixtralConfig", **COMMON, num_local_experts=4,
+                      num_experts_per_tok=2)),
 }  # fmt: skip
 
 
@@ -343,9 +345,9 @@ MORE_FAMILIES = {
 @pytest.mark.in_process
 @pytest.mark.parametrize("name", MORE_FAMILIES)
 def test_more_families_generate_their_tokens_with_their_caches_apart(name):
-    model_class, config_class, options = MORE_FAMILIES[name]
+    family = MORE_FAMILIES[name]
     torch.manual_seed(0)
-    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**options)).eval()
+    model = getattr(transformers, family.model_class)(family.make_config()).eval()
     lm = two_device_lm(model)
     lm = dataclasses.replace(lm, compiled=lm.compiled.with_plan(layers_apart(lm, 2)))
     assert len(cache_devices(lm)) == 2

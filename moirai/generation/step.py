@@ -290,8 +290,7 @@ _NO_LOGITS = (
 # What the step hands the model, said where a model cannot take it: the cause may be there.
 STEP_CALL = (
     "compile_lm calls the model with input_ids, position_ids, a 4D attention mask over each sequence's KV cache slot "
-    "and a cache object of its own; a model that needs a 2D attention mask, as Bloom's ALiBi does, cannot generate "
-    "through it"
+    "and a cache object of its own; a model that needs a 2D attention mask cannot generate through it"
 )
 
 
