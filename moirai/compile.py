@@ -17,7 +17,6 @@ import dataclasses
 import inspect
 import json
 import logging
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from moirai.frontend.coarsen import CoarseningResult, coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
 from moirai.frontend.state import MutableBuffer, colocated_groups, mutable_buffers
 from moirai.frontend.symbolic_shapes import dynamic_dims_to_json, dynamic_shapes_from_json
-from moirai.frontend.trace import TracedModel, trace
+from moirai.frontend.trace import TracedModel, op_kind, trace
 from moirai.plan_records import (
     LM_KEY,
     PLAN_FORMAT_VERSION,
@@ -740,11 +739,6 @@ _LAYOUT_TARGETS = {
 _LAYOUT_NAMES = frozenset(str(target.overloadpacket.__name__) for target in _LAYOUT_TARGETS)
 
 
-def _base_name(op_name: str) -> str:
-    """The name torch gives the op's kind: ``contiguous_1`` -> ``contiguous``."""
-    return re.sub(r"_\d+$", "", op_name)
-
-
 def _matched_layout_ops(record: dict[str, Any], traced: TracedModel, source: str | Path) -> dict[str, Any]:
     """``record`` with its layout ops matched to ``traced``'s, where the two traces differ in them (a plan made on
     ``meta`` weights, loaded with the real ones): every op of such a kind in the file is dropped, and every one in the
@@ -753,9 +747,9 @@ def _matched_layout_ops(record: dict[str, Any], traced: TracedModel, source: str
     traced_ops = [node for node in traced.graph_module.graph.nodes if _is_op_node(node)]
     here = {node.name for node in traced_ops}
     planned = set(record["node_device"])
-    kinds = {_base_name(name) for name in here ^ planned} & _LAYOUT_NAMES
-    moved = [node for node in traced_ops if _base_name(node.name) in kinds and node.target in _LAYOUT_TARGETS]
-    dropped = {name for name in planned if _base_name(name) in kinds}
+    kinds = {op_kind(name) for name in here ^ planned} & _LAYOUT_NAMES
+    moved = [node for node in traced_ops if op_kind(node.name) in kinds and node.target in _LAYOUT_TARGETS]
+    dropped = {name for name in planned if op_kind(name) in kinds}
     if not moved and not dropped:
         return record
     # Every op of a differing kind moves, not just the unmatched ones: the names after the first difference shift.

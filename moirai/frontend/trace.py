@@ -18,6 +18,7 @@ import logging
 import math
 import operator
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -410,7 +411,7 @@ def trace(
     graph_module.graph.set_codegen(fx.graph.CodeGen())
     _bake_constant_inputs(graph_module, constant_inputs)
     _flatten_output(graph_module)
-    graph_module.recompile()
+    graph_module = _ops_numbered_in_order(graph_module)
     check_operand_dtypes(graph_module, name, tensor_input_names(args, kwargs))
     warn_if_training(model, name, graph_module)
     warn_of_random_ops(model, name, graph_module)
@@ -535,6 +536,43 @@ def _bake_constant_inputs(graph_module: fx.GraphModule, constant_inputs: dict[in
 def _flatten_output(graph_module: fx.GraphModule) -> None:
     (output_node,) = graph_module.graph.find_nodes(op="output")
     output_node.args = (tuple(pytree.tree_leaves(output_node.args[0])),)
+
+
+def op_kind(op_name: str) -> str:
+    """The kind an op's name gives: ``contiguous_1`` -> ``contiguous``, ``sym_size_int_43`` -> ``sym_size_int``."""
+    return re.sub(r"_\d+$", "", op_name)
+
+
+def _ops_numbered_in_order(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """The module with its ops renamed ``add``, ``add_1``, ``add_2``... in graph order, kind by kind.
+
+    [Note: op names numbered in order]
+    A saved plan names its ops, and a load finds them by name in a fresh trace. torch.export numbers an op's name by
+    every op of its kind it ever made, symbolic size arithmetic it later dropped included, so a trace that differs
+    in one op numbers every later op of other kinds differently: a step traced on ``meta`` weights has a ``clone``
+    after attention that the real weights' trace has not, and its later ``add``s were ``add_285`` where the real
+    trace's were ``add_280``, so a plan made on ``meta`` named ops the real model's trace did not have. Numbered in
+    order, the two traces' names differ only in the layout ops themselves, which a load matches
+    (moirai/compile.py's ``_matched_layout_ops``).
+    """
+    graph = fx.Graph()
+    graph.set_codegen(graph_module.graph._codegen)
+    counts: dict[str, int] = {}
+    values: dict[fx.Node, fx.Node] = {}
+    for node in graph_module.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            kind = op_kind(node.name)
+            number = counts.get(kind, 0)
+            counts[kind] = number + 1
+            name = kind if number == 0 else f"{kind}_{number}"
+            args = fx.node.map_arg(node.args, values.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
+            copy = graph.create_node(node.op, node.target, args, kwargs, name, node.type)
+            copy.meta = dict(node.meta)
+        else:
+            copy = graph.node_copy(node, values.__getitem__)
+        values[node] = copy
+    return fx.GraphModule(graph_module, graph, class_name=type(graph_module).__name__)
 
 
 def _flatten_attributes(graph_module: fx.GraphModule) -> fx.GraphModule:
