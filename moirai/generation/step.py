@@ -325,9 +325,18 @@ def probe_step(step: CausalLMStep, device: torch.device) -> tuple[tuple[LayerCac
             "free memory there, or build the model on the meta device to plan without weights"
         ) from None
     except Exception as error:  # whatever the model's own code raises: said with what it was called with
+        # On meta the cause is more often an op without a meta kernel, or one stricter than the real one (torch's
+        # grouped matrix product of mixture-of-experts layers wants bfloat16 there), than how the model is called.
+        on_meta = (
+            f"on the meta device, where an op of the model may have no meta kernel or one stricter than the real one "
+            f"(mixture-of-experts layers' grouped matrix product in torch {torch.__version__}): build the model with "
+            "its weights on the CPU to plan it, and see whether it runs there; else "
+            if device.type == "meta"
+            else ""
+        )
         raise TraceError(
             f"{name} did not run one token with compile_lm's cache, which sizes the KV cache by what each attention "
-            f"layer writes: {type(error).__name__}: {error} ({STEP_CALL})"
+            f"layer writes: {type(error).__name__}: {error} ({on_meta}{STEP_CALL})"
         ) from error
     if not recorder.layers:
         raise InputError(
