@@ -562,6 +562,8 @@ def test_done_callbacks_may_submit_and_are_told_not_to_close(split_lm):
         server.generate(prompt[None], max_new_tokens=2)  # waited for ever: nothing serves it after close
     with pytest.raises(moirai.InputError, match="this generation server is closed"):
         server.submit(prompt, max_new_tokens=2)
+    with pytest.raises(moirai.InputError, match="this generation server is closed"), server:
+        pass  # entered again: said at the with, not at the block's first submit
 
 
 def test_a_callback_that_streams_or_generates_is_told_to_call_from_its_own_thread(split_lm, monkeypatch):
@@ -1103,8 +1105,10 @@ def test_a_misspelt_generate_argument_offers_the_one_meant(split_lm):
     with pytest.raises(moirai.InputError, match=r"does not take num_beams; num_beams would change"):
         split_lm.generate(prompt, num_beams=2)  # model.generate's own argument, not a misspelling
     with split_lm.server() as server:  # refused before any worker starts
-        with pytest.raises(moirai.InputError, match=r"does not take max_new_token \(did you mean 'max_new_tokens'"):
+        misspelt = r"does not take max_new_token \(did you mean 'max_new_tokens'"
+        with pytest.raises(moirai.InputError, match=misspelt) as e:
             server.submit(prompt[0], max_new_token=3)
+        assert "max_new_tokens, do_sample, temperature, top_k, top_p" in str(e.value)  # what it takes, each named
 
 
 def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
@@ -1172,6 +1176,10 @@ def test_what_a_user_can_get_wrong_is_a_moirai_error(split_lm, llama):
         split_lm.generate({"input_ids": torch.zeros(1, 5, dtype=torch.long), "attention_mask": None})
     with pytest.raises(moirai.InputError, match="lists of one length .*: pad rows to one length"):
         split_lm.generate([[3, 4], [5]], max_new_tokens=2)
+    # Text, not token ids: said to tokenize it (it was torch's "invalid data type 'str'" and advice to pad)
+    for text in ("Hello world", ["Hello", "world"]):
+        with pytest.raises(moirai.InputError, match=r"input_ids is text \(.*Hello.*: tokenize it first"):
+            split_lm.generate(text, max_new_tokens=2)
     # A token id the embedding has no row for: named at once, before any step runs (it was an IndexError).
     with pytest.raises(moirai.InputError, match=rf"token {VOCAB} \(position 1\).*ids 0 to {VOCAB - 1}"):
         split_lm.generate(torch.tensor([[3, VOCAB, 4]]), max_new_tokens=2)

@@ -448,6 +448,8 @@ def test_a_submit_racing_close_is_queued_before_close_waits_or_refused() -> None
     assert events == ["queued x", "closed"]
     with pytest.raises(moirai.InputError, match="this server is closed"):
         server.submit("y")
+    with pytest.raises(moirai.InputError, match="this server is closed"), server:
+        pass  # entered again: said at the with
 
 
 @pytest.mark.slow

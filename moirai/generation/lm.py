@@ -374,16 +374,21 @@ class CompiledLM:
             self._turn_taken = self._opening = False
             self._turn.notify_all()
 
-    def server(self, timeout_s: float = DEFAULT_TIMEOUT_S, max_in_flight: int | None = None) -> GenerationServer:
+    def server(
+        self, timeout_s: float = DEFAULT_TIMEOUT_S, max_in_flight: int | None = None, *, progress: bool | None = None
+    ) -> GenerationServer:
         """A server that generates for many sequences at once, one process per device (see
         :class:`GenerationServer`); ``max_in_flight`` steps in flight (default: one per stage, at least 2). One is
         open at a time (a second is a :class:`UsageError`; one whose close has begun is waited for), and
-        :meth:`generate` runs through it while it is."""
+        :meth:`generate` runs through it while it is. ``progress``: whether starting the workers reports, by
+        default as the model was compiled (as :meth:`CompiledModel.server`'s)."""
         depth = max(2, self.stages) if max_in_flight is None else max_in_flight
         self._take_turn_to_open()
         try:
             # The caches are each sequence's own, cleared by its first chunk: nothing of them need outlive the server.
-            step_server = self.compiled.server(timeout_s=timeout_s, max_in_flight=depth, warn_state_left=False)
+            step_server = self.compiled.server(
+                timeout_s=timeout_s, max_in_flight=depth, warn_state_left=False, progress=progress
+            )
             server = GenerationServer(self, step_server, depth)
         except BaseException:
             self._give_turn_back()

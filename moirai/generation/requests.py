@@ -512,6 +512,11 @@ def token_tensor(value: Any, what: str) -> torch.Tensor:
             f"{what} is a {type(value).__name__} with {', '.join(map(str, value))}: pass its fields, "
             "lm.generate(**inputs), as to model.generate"
         )
+    if isinstance(value, (str, bytes)) or (isinstance(value, Sequence) and value and isinstance(value[0], str)):
+        raise InputError(
+            f"{what} is text ({str(value)[:40]!r}), not token ids: tokenize it first, e.g. "
+            "tokenizer(text, return_tensors='pt').input_ids, as model.generate takes"
+        )
     try:
         tensor = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as error:

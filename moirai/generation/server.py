@@ -56,6 +56,8 @@ class GenerationServer:
         self._unclosed = close_when_dropped(self, self._serving.close, "lm.server()")
 
     def __enter__(self) -> GenerationServer:
+        if self._engine.closed:  # else the block's first submit would say so
+            raise InputError("this generation server is closed; open a new one with lm.server()")
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
@@ -93,11 +95,11 @@ class GenerationServer:
             raise InputError("this generation server is closed; open a new one with lm.server()")
         unknown = sorted(set(bans) - set(TokenBans.settings()))
         if unknown:
-            taken = [*inspect.signature(self.submit).parameters, *TokenBans.settings()]
-            words = ", ".join(name + did_you_mean(name, taken) for name in unknown)
+            named = [p for p in inspect.signature(self.submit).parameters if p not in ("prompt_ids", "bans")]
+            words = ", ".join(name + did_you_mean(name, [*named, *TokenBans.settings()]) for name in unknown)
             raise InputError(
-                f"submit does not take {words}; of model.generate's settings it takes the sampling "
-                f"arguments it names and {', '.join(TokenBans.settings())}"
+                f"submit does not take {words}: it takes the prompt and {', '.join(named)}, "
+                f"{', '.join(TokenBans.settings())}"
             )
         prompt = prompt_tokens(prompt_ids)
         self._lm.check_generation_config()

@@ -67,6 +67,8 @@ class Server:
         self._unclosed = close_when_dropped(self, close, "compiled.server()")
 
     def __enter__(self) -> Server:
+        if self._closed:  # else the block's first submit would say so
+            raise InputError("this server is closed; open a new one with compiled.server()")
         return self
 
     def __exit__(self, *exc_info: object) -> None:
