@@ -68,7 +68,7 @@ from moirai.planning.simulate import simulate
 from moirai.runtime import distributed
 from moirai.runtime.distributed import DistributedRunner, check_timeout, run_distributed, run_rank, torchrun_driver
 from moirai.runtime.driver import DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT_S
-from moirai.runtime.local import check_inputs, run_local
+from moirai.runtime.local import check_inputs, refuse_meta_weights, run_local
 from moirai.runtime.server import Server
 from moirai.runtime.split import SplitProgram, split_module
 from moirai.runtime.written_state import kept_on_ranks, warning_at_close
@@ -162,6 +162,8 @@ class CompiledModel:
         request) reports, by default as the model was compiled.
         """
         timeout_s = check_timeout(timeout_s)
+        for part in self.program.parts:  # said here, not by every rank in its log at the first request
+            refuse_meta_weights(part)
         if torchrun_world() is not None:  # a world of one rank is a local run
             _check_devices_here(self.cluster, [0])  # rank 0 runs device 0; each other rank checks its own
             driver = torchrun_driver(self.program, self.cluster.devices, timeout_s, max_in_flight)

@@ -72,6 +72,10 @@ def test_an_lm_planned_on_meta_weights_loads_with_the_real_ones_and_generates_th
         meta_llama, ["cpu", "cpu"], max_batch_size=2, max_seq_len=32, max_prefill=8, placer="round_robin",
         calibration="none", progress=False,
     )  # fmt: skip
+    with pytest.raises(moirai.InputError, match=r"on the meta device; .*\(moirai.load, or moirai.load_lm"):
+        lm.generate(torch.tensor([[3, 4]]), max_new_tokens=2)  # it says how to run it: the steps below
+    with pytest.raises(moirai.InputError, match=r"on the meta device; .*moirai.load_lm"):
+        lm.server()  # at once, not by each rank in its log at the first request
     path = tmp_path / "meta-plan.json"
     lm.save(path)
     loaded = moirai.load_lm(path, llama, progress=False)
@@ -100,7 +104,7 @@ def test_a_loaded_lm_predicts_and_describes_what_the_compiled_one_did(saved, loa
 
 def test_a_loaded_lms_server_generates_as_the_model(llama, loaded):
     prompt = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(2))
-    with loaded.server() as server:
+    with loaded.server(progress=False) as server:
         assert server.submit(prompt, max_new_tokens=5).result(timeout=120) == hf_new_tokens(llama, prompt, 5)
 
 

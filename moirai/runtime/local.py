@@ -74,12 +74,8 @@ def place_part(part: DevicePart, device: torch.device) -> fx.GraphModule:
     module = part.graph_module
     if _PLACED.get(module) == device:
         return module
-    on_meta = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    if on_meta and device.type != "meta":
-        raise InputError(
-            f"part {part.device} holds {', '.join(on_meta[:3])} on the meta device; a program split from a "
-            "model with meta weights can be inspected but not run: load real weights and split again"
-        )
+    if device.type != "meta":
+        refuse_meta_weights(part)
     module.to(device)
     retarget_devices(module, device)
     _PLACED[module] = device
@@ -87,6 +83,18 @@ def place_part(part: DevicePart, device: torch.device) -> fx.GraphModule:
 
 
 _PLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def refuse_meta_weights(part: DevicePart) -> None:
+    """An :class:`InputError` where ``part`` holds a weight or buffer on the meta device, saying how to run it."""
+    module = part.graph_module
+    on_meta = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if on_meta:
+        raise InputError(
+            f"part {part.device} holds {', '.join(on_meta[:3])} on the meta device; a program split from a "
+            "model with meta weights can be inspected but not run: save its plan (.save(path)) and load that with the "
+            "model of real weights (moirai.load, or moirai.load_lm for compile_lm's)"
+        )
 
 
 class _OwnCopies:
