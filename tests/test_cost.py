@@ -67,6 +67,26 @@ def test_analytic_uses_the_dtype_peak() -> None:
     assert compute[1, 0] == pytest.approx(1e-2 / 0.5 + 2 * 5e-6)  # memory bound: dtype does not matter
 
 
+def test_a_scalar_of_the_input_shapes_launches_nothing_and_costs_nothing() -> None:
+    """Priced at a launch each, shape scalars (nodes without out-edges) were moved to an idle device to "save" their
+    launches, and the server started a process for them (a Cohere2 step planned by milp)."""
+
+    class Flatten(nn.Module):
+        def forward(self, x):
+            return torch.relu(x.reshape(x.shape[0], -1))
+
+    batch = torch.export.Dim("batch", min=2, max=8)
+    graph = build_op_graph(trace(Flatten(), (torch.randn(3, 4, 5),), dynamic_shapes=({0: batch},)))
+    shape_nodes = [i for i, node in enumerate(graph.nodes) if node.shape_ops]
+    assert shape_nodes and all(graph.nodes[i].targets == ("aten.sym_size.int",) for i in shape_nodes)
+    compute = analytic_compute_s(graph, two_device_cluster())
+    assert (compute[shape_nodes] == 0).all()
+    assert (np.delete(compute, shape_nodes, axis=0) > 0).all()
+    merged = graph.merge([list(range(len(graph.nodes)))])  # a group keeps its count of them
+    assert merged.nodes[0].shape_ops == len(shape_nodes)
+    assert analytic_compute_s(merged, two_device_cluster())[0] == pytest.approx(compute.sum(axis=0))
+
+
 def test_problem_transfers_and_memory() -> None:
     problem = build_problem(hand_graph(), two_device_cluster())
     assert problem.tensor_names == ("mm",)

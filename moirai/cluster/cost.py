@@ -301,7 +301,9 @@ def analytic_compute_s(graph: OpGraph, cluster: Cluster, dtypes: Sequence[str] |
     dtypes = ["float32"] * len(graph.nodes) if dtypes is None else list(dtypes)
     flops = np.array([n.flops for n in graph.nodes], float)
     moved = np.array([n.bytes_moved for n in graph.nodes], float)
-    op_count = np.array([len(n.targets) for n in graph.nodes], float)
+    # A scalar of the input shapes launches nothing: priced at a launch each, a plan moved three such ops to
+    # another device to "save" 30 us, and the server started a process for them.
+    op_count = np.array([len(n.targets) - n.shape_ops for n in graph.nodes], float)
     peak = np.array([[d.peak_flops_for(dtype) for d in cluster.devices] for dtype in dtypes]).reshape(len(flops), -1)
     memory_bandwidth = np.array([d.memory_bandwidth_bytes_per_s for d in cluster.devices])
     efficiency = np.array([d.efficiency for d in cluster.devices])

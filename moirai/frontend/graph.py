@@ -60,6 +60,9 @@ class OpNode:
     output_bytes: float
     param_names: frozenset[str]
     param_bytes: float
+    # Of its ops, those that compute a scalar of the input shapes (``sym_size`` and arithmetic on it): a read of
+    # a tensor's metadata, made again by every device that reads the scalar, so no op a device launches.
+    shape_ops: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,7 @@ class OpGraph:
                     output_bytes=sum(self.nodes[i].output_bytes for i in ops),
                     param_names=params,
                     param_bytes=sum(self.parameter_bytes.get(p, 0.0) for p in params),
+                    shape_ops=sum(self.nodes[i].shape_ops for i in ops),
                 )
             )
         edges: dict[tuple[int, int, str], OpEdge] = {}
@@ -183,10 +187,11 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
                 targets=(_target_name(fx_node),),
                 fx_names=(fx_node.name,),
                 flops=count_flops(fx_node),
-                bytes_moved=_bytes_moved(fx_node, output_bytes),
+                bytes_moved=0.0 if fx_node in scalars else _bytes_moved(fx_node, output_bytes),  # reads metadata
                 output_bytes=float(allocated_bytes),
                 param_names=params,
                 param_bytes=float(sum(parameter_bytes[p] for p in params)),
+                shape_ops=int(fx_node in scalars),
             )
         )
         node_of[fx_node.name] = index

@@ -272,7 +272,7 @@ class CompiledLM:
         table.caption += (
             f"\ngeneration: TTFT {viz.format_seconds(p.ttft_s)} ({p.prompt_tokens}-token prompt), TPOT "
             f"{viz.format_seconds(p.tpot_s)} (one sequence), {viz.format_rate(p.tokens_per_s)} tokens/s with "
-            f"{self.stages} decode steps of {p.decode_batch} in flight; KV cache "
+            f"{self.stages} decode step{'s' if self.stages > 1 else ''} of {p.decode_batch} in flight; KV cache "
             f"{viz.format_bytes_compact(self.cache.slot_bytes)} per sequence, {self.cache.slots} slots"
         )
         viz.widen_to_caption(table)
