@@ -7,7 +7,7 @@ number the placers report.
 * :func:`gantt`: one lane per device and one per directed link in use; op groups are bars
   coloured by kind (the group's main aten op) or by layer (the model's top-level module), transfers
   are bars on their link's lane, the critical path is underlined in black; the title gives the
-  predicted latency, the lower bound and the gap. Needs matplotlib (``pip install 'moirai[plot]'``).
+  predicted latency, the lower bound and the gap. Needs matplotlib (a dependency).
 * :func:`text_gantt`: the same lanes as coloured characters for a terminal.
 * :func:`summary_table`: one row per device that fits an 80-column terminal.
 """
@@ -285,7 +285,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib.pyplot as plt
     except ImportError:
-        raise MoiraiError("the Gantt picture needs matplotlib: pip install 'moirai[plot]'") from None
+        raise MoiraiError("the Gantt picture needs matplotlib (moirai depends on it): pip install matplotlib") from None
     return plt
 
 
