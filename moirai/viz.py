@@ -97,7 +97,7 @@ def headline(problem: Problem, plan: Plan, timeline: Timeline, objective: Object
     latency = predicted_latency_s(timeline)
     objective = objective or as_objective(plan.objective)
     value = objective.value_s(timeline)
-    words = [f"predicted {format_seconds(latency)}"]
+    words = [f"{objective.latency_label} {format_seconds(latency)}"]
     rate_per_s = objective.rate_per_s(timeline)
     rate = f"{format_rate(rate_per_s)} {objective.rate_unit}" if rate_per_s > 0 else None
     if objective.value_label is not None:

@@ -1342,6 +1342,8 @@ def test_the_summary_and_the_gantt_show_the_predicted_ttft_tpot_and_tokens_per_s
     text = console.export_text()
     prediction = split_lm.prediction()
     assert "TTFT" in text and "TPOT" in text and "tokens/s" in text and "per sequence" in text
+    # The first figure is one decode step's latency, named so: "predicted" read as the value the bound is of.
+    assert f"decode step {moirai.viz.format_seconds(prediction.tpot_s)} · TTFT + " in text
     assert prediction.ttft_s > prediction.tpot_s > 0 and prediction.tokens_per_s > 0
     for phase in ("decode", "prefill"):
         figure = split_lm.gantt(tmp_path / f"{phase}.png", phase=phase)

@@ -46,6 +46,9 @@ class Objective(ABC):
     steady_state: ClassVar[bool] = False
     # What a report's rate counts (rate_per_s): requests, or for generation decode steps, each its own thing.
     rate_unit: ClassVar[str] = "req/s"
+    # How a report names the plan's simulated latency, shown first: one request's, or for generation one decode
+    # step's (a reader took generation's "predicted" for the value the bound and gap after it are of).
+    latency_label: ClassVar[str] = "predicted"
 
     def rate_per_s(self, timeline: Timeline) -> float:
         """What the plan serves per second, in :attr:`rate_unit`: requests pipelined, one per served period, the
@@ -235,6 +238,7 @@ class Generation(Objective):
 
     name: ClassVar[str] = "generation"
     rate_unit: ClassVar[str] = "decode steps/s"  # a step is not a request: one token for each sequence in it
+    latency_label: ClassVar[str] = "decode step"
     prefill: Problem | None = None
     new_tokens: int = 64
     sequences: int = 1
