@@ -164,7 +164,7 @@ class CompiledModel:
         timeout_s = check_timeout(timeout_s)
         if torchrun_world() is not None:  # a world of one rank is a local run
             _check_devices_here(self.cluster, [0])  # rank 0 runs device 0; each other rank checks its own
-            _refuse_meta_weights(self.program)
+            refuse_meta_weights(self.program.parts)  # at open, not by each rank at the first request
             driver = torchrun_driver(self.program, self.cluster.devices, timeout_s, max_in_flight)
 
             def submit(flat: list[torch.Tensor], finish: Any) -> Any:
@@ -175,7 +175,7 @@ class CompiledModel:
             worlds = None  # torchrun restarts no rank: its world is the one it started with
         else:
             _check_local_run(self.cluster, "server()")  # every device's process starts here
-            _refuse_meta_weights(self.program)
+            refuse_meta_weights(self.program.parts)  # at open, not by each rank at the first request
             # A server that warns of state left behind keeps that state: refused after a restart would lose it.
             kept = kept_on_ranks(self.program) if warn_state_left else None
             runner = DistributedRunner(
@@ -428,12 +428,6 @@ def load(
             raise PlanError(f"{path}: 'dynamic_dims': {error}") from None
     traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     return from_plan_record(record, path, traced, cluster, progress)
-
-
-def _refuse_meta_weights(program: SplitProgram) -> None:
-    """A server's check, made when it opens: not by every rank in its log at the first request."""
-    for part in program.parts:
-        refuse_meta_weights(part)
 
 
 def saved_cluster(record: dict[str, Any], calibration: str | Path) -> Cluster:

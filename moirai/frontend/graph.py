@@ -180,6 +180,7 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
         index = len(nodes)
         params = frozenset(n.name for n in inputs if n.op == "get_attr")
         output_bytes = _nbytes(fx_node.meta.get("val"))
+        shape_scalar = fx_node in scalars  # reads metadata: no bytes, no launch
         allocated_bytes = 0 if is_view_node(fx_node) or writes_its_output(fx_node) else output_bytes
         nodes.append(
             OpNode(
@@ -187,11 +188,11 @@ def build_op_graph(traced: TracedModel) -> OpGraph:
                 targets=(_target_name(fx_node),),
                 fx_names=(fx_node.name,),
                 flops=count_flops(fx_node),
-                bytes_moved=0.0 if fx_node in scalars else _bytes_moved(fx_node, output_bytes),  # reads metadata
+                bytes_moved=0.0 if shape_scalar else _bytes_moved(fx_node, output_bytes),
                 output_bytes=float(allocated_bytes),
                 param_names=params,
                 param_bytes=float(sum(parameter_bytes[p] for p in params)),
-                shape_ops=int(fx_node in scalars),
+                shape_ops=int(shape_scalar),
             )
         )
         node_of[fx_node.name] = index

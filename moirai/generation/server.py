@@ -56,9 +56,12 @@ class GenerationServer:
         self._unclosed = close_when_dropped(self, self._serving.close, "lm.server()")
 
     def __enter__(self) -> GenerationServer:
-        if self._engine.closed:  # else the block's first submit would say so
-            raise InputError("this generation server is closed; open a new one with lm.server()")
+        self._check_open()  # else the block's first submit would say so
         return self
+
+    def _check_open(self) -> None:
+        if self._engine.closed:
+            raise InputError("this generation server is closed; open a new one with lm.server()")
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         # A block that raised (a KeyboardInterrupt among them) does not wait for its sequences to finish.
@@ -91,8 +94,7 @@ class GenerationServer:
         :class:`UsageError`)."""
         if on_token is not None and not callable(on_token):  # else a TypeError in the server's thread, tokens later
             raise InputError(f"on_token must be a function called with each new token, or None; got {on_token!r}")
-        if self._engine.closed:  # checked early too, before the work below (engine.add has the last word)
-            raise InputError("this generation server is closed; open a new one with lm.server()")
+        self._check_open()  # early too, before the work below (engine.add has the last word)
         unknown = sorted(set(bans) - set(TokenBans.settings()))
         if unknown:
             named = [p for p in inspect.signature(self.submit).parameters if p not in ("prompt_ids", "bans")]

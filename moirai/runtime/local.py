@@ -75,7 +75,7 @@ def place_part(part: DevicePart, device: torch.device) -> fx.GraphModule:
     if _PLACED.get(module) == device:
         return module
     if device.type != "meta":
-        refuse_meta_weights(part)
+        refuse_meta_weights([part])
     module.to(device)
     retarget_devices(module, device)
     _PLACED[module] = device
@@ -85,16 +85,17 @@ def place_part(part: DevicePart, device: torch.device) -> fx.GraphModule:
 _PLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def refuse_meta_weights(part: DevicePart) -> None:
-    """An :class:`InputError` where ``part`` holds a weight or buffer on the meta device, saying how to run it."""
-    module = part.graph_module
-    on_meta = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    if on_meta:
-        raise InputError(
-            f"part {part.device} holds {', '.join(on_meta[:3])} on the meta device; a program split from a "
-            "model with meta weights can be inspected but not run: save its plan (.save(path)) and load that with the "
-            "model of real weights (moirai.load, or moirai.load_lm for compile_lm's)"
-        )
+def refuse_meta_weights(parts: Sequence[DevicePart]) -> None:
+    """An :class:`InputError` where a part holds a weight or buffer on the meta device, saying how to run it."""
+    for part in parts:
+        module = part.graph_module
+        on_meta = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+        if on_meta:
+            raise InputError(
+                f"part {part.device} holds {', '.join(on_meta[:3])} on the meta device; a program split from a "
+                "model with meta weights can be inspected but not run: save its plan (.save(path)) and load that "
+                "with the model of real weights (moirai.load, or moirai.load_lm for compile_lm's)"
+            )
 
 
 class _OwnCopies:

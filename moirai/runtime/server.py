@@ -67,8 +67,7 @@ class Server:
         self._unclosed = close_when_dropped(self, close, "compiled.server()")
 
     def __enter__(self) -> Server:
-        if self._closed:  # else the block's first submit would say so
-            raise InputError("this server is closed; open a new one with compiled.server()")
+        self._check_open()  # else the block's first submit would say so
         return self
 
     def __exit__(self, *exc_info: object) -> None:
