@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import time
 import warnings
 from dataclasses import replace
@@ -267,6 +268,11 @@ def test_window_search_uses_its_budget_and_beats_every_start_plan_above_the_exac
     assert f"bound {plan.lower_bound_s * 1e3:.4f} ms" in last
     gap = (plan.makespan_s - plan.lower_bound_s) / plan.makespan_s
     assert f"gap {gap:.2%}" in last
+    # The time left is the whole search's: it never grows from one line to the next, as it did when each start
+    # plan's turn counted down its own share.
+    left_s = [int(m.group(1)) for line in status.lines if (m := re.search(r"(\d+) s left", line))]
+    assert len(left_s) >= 2
+    assert left_s == sorted(left_s, reverse=True), left_s
 
 
 @pytest.mark.parametrize("seed", range(3))

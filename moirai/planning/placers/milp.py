@@ -512,7 +512,7 @@ def _search_large(
             until,
             settings,
             window_tasks,
-            report,
+            lambda text: report(f"{text}; {max(0.0, deadline - time.perf_counter()):.0f} s left"),
             bound_s,
             objective,
             resume_tasks,
