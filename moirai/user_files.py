@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -141,6 +142,13 @@ def check_output_path(
         raise error(f"{where}: folder {str(folder)!r} does not exist; create it or name a file in another folder")
     if target.is_dir():
         raise error(f"{where}: it is a folder; name a file instead (one inside it, say)")
+    try:
+        mode = os.lstat(target).st_mode
+    except OSError:
+        mode = None  # nothing there yet (or nothing this user may see): the write says what is wrong
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        # The write replaces the path by a new file in one step: a pipe or a device node there would be destroyed.
+        raise error(f"{where}: it is a device, a pipe or a socket, not a file; name a file")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise error(f"{where}: folder {str(folder)!r} may not be written by this user; name a file in another folder")
 

@@ -257,6 +257,19 @@ def test_heft_says_how_much_memory_the_model_needs():
         place(too_big, "heft")
 
 
+def test_memory_kept_for_activations_is_named_where_a_model_does_not_fit():
+    """A compiled model's devices keep its activations' peak free: '1.6 kB in total' of two 10 kB devices said
+    nothing of where the rest went."""
+    devices = [{"name": n, "memory_bytes": 1e9, "reserve_bytes": 1e9} for n in ("gpu0", "gpu1")]
+    problem = problem_of({n: ([1.0, 1.0], 0.9e9) for n in "abc"}, [], devices=devices)
+    words = r"cluster has 2\.0 GB free in total \(2\.0 GB of its 4\.0 GB kept for activations\)"
+    with pytest.raises(InfeasibleError, match=words):
+        place(problem, "heft")
+    too_big = problem_of({"a": ([1.0, 1.0], 1.5e9)}, [], devices=devices)
+    with pytest.raises(InfeasibleError, match=r"largest free: 1\.0 GB; 1\.0 GB of its 2\.0 GB kept for activations"):
+        place(too_big, "heft")
+
+
 def test_heft_out_of_memory_midway_names_the_task():
     # 2.5 GB free in total, but 3 x 0.8 GB + 0.1 GB: the last fits nowhere after greedy choices.
     devices = [{"name": "gpu0", "memory_bytes": 1.0e9}, {"name": "gpu1", "memory_bytes": 1.5e9}]

@@ -10,6 +10,7 @@ import os
 import pickle
 import re
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -632,6 +633,10 @@ def test_saving_into_a_missing_directory_is_a_plan_error(rows, tmp_path) -> None
         compiled.save(None)  # was a TypeError
     with pytest.raises(PlanError, match="it is a folder"):
         compiled.save(tmp_path)
+    os.mkfifo(tmp_path / "pipe")  # saving replaced it by a file (as root, save("/dev/null") would replace that)
+    with pytest.raises(PlanError, match="it is a device, a pipe or a socket, not a file"):
+        compiled.save(tmp_path / "pipe")
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe").st_mode)
 
 
 @pytest.mark.parametrize(

@@ -127,8 +127,9 @@ def check_memory_feasible(problem: Problem, grouped: bool = True) -> None:
     capacity = problem.memory_capacity_bytes
     if needed > capacity.sum():
         raise InfeasibleError(
-            f"model needs {format_bytes(needed)}, cluster has {format_bytes(float(capacity.sum()))} in total; "
-            "add devices or memory, or use a smaller data type"
+            f"model needs {format_bytes(needed)}, cluster has {format_bytes(float(capacity.sum()))} free in total"
+            f"{_reserve_words(capacity.sum(), problem.memory_reserve_bytes.sum(), ' ({})')}; add devices or memory, or "
+            "use a smaller data type"
         )
     _fastest_holding_device_time(problem)
     if problem.colocated and grouped:
@@ -239,6 +240,16 @@ def _check_groups_fit(contraction: Contraction) -> None:
         raise _too_large_together(contraction.describe(c), needed, largest, _milp_remedy(contraction, c))
 
 
+def _reserve_words(capacity_bytes: float, reserve_bytes: float, form: str) -> str:
+    """What a capacity in a memory message leaves out: the memory kept free beside the tasks' (the activations'
+    peak a compiled model is priced with), which the devices' own sizes include, put in ``form``; '' where none is
+    kept."""
+    if reserve_bytes <= 0:
+        return ""
+    memory = format_bytes(float(capacity_bytes + reserve_bytes))
+    return form.format(f"{format_bytes(float(reserve_bytes))} of its {memory} kept for activations")
+
+
 def _fastest_holding_device_time(problem: Problem) -> np.ndarray:
     """Each task's time on its fastest device that could hold it alone; raise if there is none."""
     holds = problem.fits
@@ -250,9 +261,12 @@ def _fastest_holding_device_time(problem: Problem) -> np.ndarray:
                 f"task {problem.task_names[i]!r} can run on no device (its compute_s is Infinity on every one); give "
                 "it a finite time on at least one device"
             )
+        largest = int(np.argmax(problem.memory_capacity_bytes))
+        free_bytes, reserve_bytes = problem.memory_capacity_bytes[largest], problem.memory_reserve_bytes[largest]
         raise InfeasibleError(
             f"task {problem.task_names[i]!r} needs {format_bytes(float(problem.memory_bytes[i]))}, but no device "
-            f"that can run it has that much (largest: {format_bytes(float(problem.memory_capacity_bytes.max()))})"
+            f"that can run it has that much (largest free: {format_bytes(float(free_bytes))}"
+            f"{_reserve_words(free_bytes, reserve_bytes, '; {}')})"
         )
     return np.where(holds, problem.compute_s, np.inf).min(axis=1)
 
