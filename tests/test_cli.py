@@ -191,6 +191,11 @@ def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factor
             ["calibrate", "--world-size", "100000", "--output", "{tmp}/c.toml"],
             "calibration runs 100000 local gloo ranks",
         ),
+        # Twenty seconds of measuring nothing, then an error naming neither option.
+        (["calibrate", "--max-size-mb", "0", "--output", "{tmp}/c.toml"], "--max-size-mb 0: give a number of MiB"),
+        (["calibrate", "--max-size-mb", "nan", "--output", "{tmp}/c.toml"], "--max-size-mb nan: give a number"),
+        (["calibrate", "--max-size-mb", "1e6", "--output", "{tmp}/c.toml"], "--max-size-mb 1e+06: give a number"),
+        (["calibrate", "--repeats", "0", "--output", "{tmp}/c.toml"], "--repeats 0: give at least 1"),
     ],
 )
 def test_errors_are_one_red_line_without_traceback(args, message, factory_file: Path, capsys) -> None:

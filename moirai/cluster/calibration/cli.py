@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,6 +73,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# The largest message a sweep may send: each rank holds a few of them at once.
+_MAX_SWEEP_MB = 4096
+
+
+def _sweep_sizes(max_size_mb: float, repeats: int) -> tuple[int, ...]:
+    """The sweep's sizes for ``--max-size-mb``, checked before any rank starts: at least two sizes (a latency and a
+    bandwidth need both), no message larger than :data:`_MAX_SWEEP_MB`, and ``--repeats`` at least one."""
+    if repeats < 1:
+        raise ClusterError(f"--repeats {repeats}: give at least 1 (timings per size; default {DEFAULT_REPEATS})")
+    sizes = sizes_up_to(max_size_mb * 2**20) if math.isfinite(max_size_mb) else ()
+    if len(sizes) < 2 or max_size_mb > _MAX_SWEEP_MB:
+        raise ClusterError(
+            f"--max-size-mb {max_size_mb:g}: give a number of MiB from {4 * 1024 / 2**20:g} (two message sizes, "
+            f"1 and 4 KiB: the fit needs a latency and a bandwidth) to {_MAX_SWEEP_MB}"
+        )
+    return sizes
+
+
 class _Measured(NamedTuple):
     """What one calibration run measured: the ranks' devices, the cost of every pair of ranks, the local link
     kinds' and the host links' costs, and a row (label, cost) per measured pair."""
@@ -98,7 +117,7 @@ def _calibrate(args: argparse.Namespace, console: Console) -> int:
         check_output_path(args.output, "the cluster file", ClusterError)
         if args.save is not None:  # --save "" too: refused, not a calibration measured and dropped
             check_output_path(args.save, "the calibration", ClusterError, folder_made=True)
-    sizes = sizes_up_to(args.max_size_mb * 2**20)
+    sizes = _sweep_sizes(args.max_size_mb, args.repeats)
     base, base_name = read_cluster_devices(args.base) if args.base else (None, "")
     if world is not None and args.world_size not in (None, world.world_size):
         raise ClusterError(f"--world-size {args.world_size}, but torchrun runs {world.world_size} ranks: leave it out")
