@@ -584,6 +584,12 @@ def test_a_callback_that_streams_or_generates_is_told_to_call_from_its_own_threa
         for call, on_token in callbacks:
             with pytest.raises(moirai.UsageError, match=f"{call} .*from a callback of a sequence.*your own thread"):
                 server.submit(prompt, max_new_tokens=3, on_token=on_token).result(timeout=60)
+
+        def wait_for_another(_: int) -> None:  # hung the server: only its thread makes that sequence's tokens
+            server.submit(prompt, max_new_tokens=2).result()
+
+        with pytest.raises(moirai.UsageError, match=r"future\.result\(\) of a request not yet served .*own thread"):
+            server.submit(prompt, max_new_tokens=3, on_token=wait_for_another).result(timeout=60)
         assert server.submit(prompt, max_new_tokens=3).result(timeout=60) == expected
     finally:
         server.close(cancel=True)

@@ -244,6 +244,16 @@ def test_done_callbacks_may_submit_and_are_told_not_to_close(chain) -> None:
         server.submit(x).add_done_callback(submit_follow_up)
         torch.testing.assert_close(follow_ups.get(timeout=60.0).result(timeout=60.0), _eager(model, y))
         assert "close from your own thread" in str(close_in_a_done_callback(server, lambda: server.submit(x)))
+        waited: queue.SimpleQueue = queue.SimpleQueue()
+
+        def wait_for_the_next(_: Future) -> None:  # hung the server, and its close, for ever
+            try:
+                waited.put(server.submit(y).result())
+            except moirai.UsageError as error:
+                waited.put(error)
+
+        server.submit(x).add_done_callback(wait_for_the_next)
+        assert "in the server's own thread" in str(waited.get(timeout=60.0))
         torch.testing.assert_close(server.submit(x).result(timeout=60.0), _eager(model, x))
         (rank_2,) = [p for p in multiprocessing.active_children() if p.name == orphans.rank_process_name(2)]
         os.kill(rank_2.pid, signal.SIGKILL)  # the next request fails, and its callback submits again

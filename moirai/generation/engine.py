@@ -33,7 +33,7 @@ import torch
 from moirai.errors import DistributedError, InputError, MoiraiError, MoiraiWarning, RequestError, user_stacklevel
 from moirai.generation.bans import SequenceBans
 from moirai.generation.step import SAMPLING_CANDIDATES, SAMPLING_FIELDS, context_input
-from moirai.runtime.driver import settle_future
+from moirai.runtime.driver import ServedFuture, settle_future
 
 if TYPE_CHECKING:
     from moirai.runtime.runner import Worlds
@@ -87,7 +87,7 @@ class SequenceState:
     max_new_tokens: int
     sampling: SamplingParams
     eos_token_ids: frozenset[int]
-    future: Future = field(default_factory=Future)
+    future: ServedFuture = field(default_factory=ServedFuture)
     on_token: Callable[[int], None] | None = None
     slot: int = -1
     prefilled: int = 0  # prompt tokens already in the slot
@@ -174,6 +174,7 @@ class Engine:
         self.failure: BaseException | None = None  # what ended a serving loop: every later sequence fails with it
         self.closed = False  # its server is closing: sequences added so far are served, later ones refused
         self._in_callers_thread = False  # the loop runs in its caller's thread ([Note: whose KeyboardInterrupt])
+        self._loop_thread: threading.Thread | None = None  # the thread that serves the sequences, once it began
 
     def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         """:class:`InputError` unless a sequence of this prompt and length fits a slot and its tokens are the
@@ -212,6 +213,7 @@ class Engine:
             self._unsettled.add(sequence.future)
             self._waiting.put(sequence)
         sequence.future.add_done_callback(self._settle)  # at its result, its failure or its cancelling
+        sequence.future.forbid_waits_where(self.in_loop_thread)
         return sequence.future
 
     def _check_bans(self, bans: SequenceBans | None) -> None:
@@ -274,14 +276,20 @@ class Engine:
         with self._unsettled_lock:
             self._unsettled.discard(future)
 
+    def in_loop_thread(self) -> bool:
+        """The caller runs in the thread that serves the sequences (where their callbacks run)."""
+        return threading.current_thread() is self._loop_thread
+
     def run_until_idle(self) -> None:
         """Serve every sequence added so far (and any added meanwhile) to its end, in the calling thread."""
         self._in_callers_thread = True
+        self._loop_thread = threading.current_thread()
         while self._admit(block=False) or self._active or self._in_flight:
             self._round()
 
     def serve_forever(self, stopped: threading.Event) -> None:
         """Serve sequences as they are added until ``stopped`` is set and nothing is left (a server's thread)."""
+        self._loop_thread = threading.current_thread()
         while not (stopped.is_set() and not self._active and not self._in_flight and self._waiting.empty()):
             if not self._active and not self._in_flight:
                 self._admit(block=True)

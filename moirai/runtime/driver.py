@@ -203,7 +203,7 @@ class Driver:
         finish: Callable[[list[torch.Tensor]], Any],
         timeout_s: float,
     ) -> Future:
-        future: Future = Future()
+        future = ServedFuture(self.in_own_thread)
         # The request's own copy: its inputs are read when it runs, after submit has returned, and a caller may
         # refill the same tensor for its next request meanwhile (copied first: a copy that fails leaves nothing).
         inputs = [value.clone() if isinstance(value, torch.Tensor) else value for value in flat_inputs]
@@ -233,7 +233,7 @@ class Driver:
     ) -> Any:
         """``submit(...).result()``; when no other request is unfinished, run in the caller's thread (no hand-offs)."""
         timeout_s = check_timeout(timeout_s)
-        future: Future = Future()
+        future = ServedFuture(self.in_own_thread)
         with self._lock:
             self._check_open()
             inline = self.failure is None and not self._pending
@@ -285,10 +285,14 @@ class Driver:
                 continue  # a done callback of a request this failure failed (it ends when the callback returns)
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
+    def in_own_thread(self) -> bool:
+        """The caller runs in the dispatcher or the completer (a done callback of a request's future)."""
+        return threading.current_thread() in (self._dispatcher, self._completer)
+
     def check_close_allowed(self) -> None:
         """:class:`UsageError` where the caller runs in the driver's dispatcher or completer (a done callback of a
         request's future): close would wait there for the thread it runs in."""
-        if threading.current_thread() in (self._dispatcher, self._completer):
+        if self.in_own_thread():
             raise UsageError(
                 "close() was called from a done callback of a request's future: the callback runs in the server's "
                 "own thread, which must go on to finish the requests behind it, so close cannot wait for them there; "
@@ -465,6 +469,37 @@ def _thread_count(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+class ServedFuture(Future):
+    """A future a server settles in threads of its own, where its done callbacks (and a sequence's ``on_token``)
+    run: waiting there for one not yet settled is a :class:`UsageError`, not a hang. Those threads would have to
+    settle it while they wait for it (a callback that chains the next request through ``submit(x).result()`` hung
+    the server and its close for ever). ``forbid_waits_where(check)``: ``check()`` says the calling thread is one
+    of them; until it is given, waits are allowed (a sequence's future exists before its engine takes it)."""
+
+    def __init__(self, waits_forbidden: Callable[[], bool] | None = None) -> None:
+        super().__init__()
+        self._waits_forbidden = waits_forbidden
+
+    def forbid_waits_where(self, waits_forbidden: Callable[[], bool]) -> None:
+        self._waits_forbidden = waits_forbidden
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._check_wait("result")
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._check_wait("exception")
+        return super().exception(timeout)
+
+    def _check_wait(self, call: str) -> None:
+        if self._waits_forbidden is not None and not self.done() and self._waits_forbidden():
+            raise UsageError(
+                f"future.{call}() of a request not yet served was called in the server's own thread (from a done "
+                "callback of a future, or an on_token), which is the thread that would serve it: it would wait for "
+                "ever. Wait from your own thread, or chain the next step with future.add_done_callback"
+            )
 
 
 def settle_future(future: Future, result: Any, error: BaseException | None, in_callers_thread: bool = False) -> None:
