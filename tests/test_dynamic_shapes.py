@@ -111,6 +111,38 @@ def test_a_tensor_where_a_number_was_traced_is_an_input_error() -> None:
         compiled(torch.ones(3, 8), 3.0)
 
 
+class ScaledSum(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: float, y: torch.Tensor, flag: bool = True) -> torch.Tensor:
+        return self.a(x) * scale + (self.b(y) if flag else 0)
+
+
+def test_dynamic_shapes_beside_number_and_flag_inputs() -> None:
+    """A number or a flag among the inputs (None in dynamic_shapes, as torch.export takes it) was an
+    AttributeError: the dimensions were read from every input of the graph, the number's too."""
+    torch.manual_seed(0)
+    model = ScaledSum().eval()
+    batch = torch.export.Dim("batch", min=2, max=16)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    compiled = moirai.compile(
+        model,
+        ["cpu", "cpu"],
+        (x, 2.0),
+        example_kwargs={"y": y, "flag": True},
+        dynamic_shapes={"x": {0: batch}, "scale": None, "y": {0: batch}, "flag": None},
+        placer="round_robin",
+        progress=False,
+        calibration="none",
+    )
+    assert [(dim.name, dim.where) for dim in compiled.traced.dynamic_dims] == [("batch", "input 0 dimension 0")]
+    for rows in (3, 9):
+        x, y = torch.randn(rows, 8), torch.randn(rows, 8)
+        assert torch.equal(compiled(x, 2.0, y=y, flag=True), model(x, 2.0, y=y, flag=True))
+
+
 def test_symbol_values_and_concrete_shapes(compiled: moirai.CompiledModel) -> None:
     batch, seq = (dim.symbol for dim in compiled.traced.dynamic_dims)
     values = symbol_values(compiled.program, [torch.randn(3, 5, 16)])

@@ -201,7 +201,12 @@ def exported_dynamic_dims(
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     user_names = _user_dim_names(model, args, kwargs, dynamic_shapes, tensors)
     dims: dict[str, DynamicDim] = {}
-    placeholders = graph_module.graph.find_nodes(op="placeholder")
+    # Tensor inputs only, counted as the user's tensors are: a number or a flag is an input of the graph too.
+    placeholders = [
+        node
+        for node in graph_module.graph.find_nodes(op="placeholder")
+        if isinstance(node.meta.get("val"), torch.Tensor)
+    ]
     for position, node in enumerate(placeholders):
         for axis, size in enumerate(node.meta["val"].shape):
             symbol = symbolic_expression(size)
