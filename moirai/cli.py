@@ -220,7 +220,7 @@ def _time_limit_option(args: argparse.Namespace) -> dict[str, Any]:
         )
     options = {"time_limit_s": args.time_limit}
     try:
-        check_options(args.placer, traits.function, options)
+        check_options(traits, options)
     except PlacerOptionError:
         raise PlacerOptionError(
             f"--time-limit {args.time_limit}: give a non-negative number of seconds (0: no search, the start plan)"

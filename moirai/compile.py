@@ -665,7 +665,7 @@ def check_placer_options(
                 f"its own ({', '.join(own)}) go to the placer as its options"
             )
     if placer is not None:
-        check_options(placer, placer_spec(placer).function, placer_options)
+        check_options(placer_spec(placer), placer_options)
 
 
 def _check_devices_here(cluster: Cluster, indices: Sequence[int]) -> None:

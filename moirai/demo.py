@@ -119,7 +119,7 @@ def run_demo(placer: str = "milp", console: Console | None = None, time_limit_s:
     if time_limit_s is None and placer == "milp":
         time_limit_s = DEMO_TIME_LIMIT_S
     options = {} if time_limit_s is None else {"time_limit_s": time_limit_s}
-    check_options(placer, traits.function, options)  # a limit the placer does not take is refused, not dropped
+    check_options(traits, options)  # a limit the placer does not take is refused, not dropped
     torch.manual_seed(0)
     model = TinyDecoder().eval()
     tokens = torch.randint(0, 4096, (2, 64))

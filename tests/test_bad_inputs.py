@@ -389,6 +389,10 @@ def test_option_to_a_placer_without_options(problem):
         ("threads", 0, "integer of at least 1"),
         ("threads", 2.5, "integer of at least 1"),
         ("window_tasks", 0, "integer of at least 1"),
+        # A plain MoiraiError, raised after the trace and the costs.
+        ("formulation", "weak", "one of 'strong', 'paper'"),
+        ("solver", "cplex", "one of 'highs', 'gurobi'"),
+        ("strategy", None, "one of 'auto', 'full', 'windows'"),
     ],
 )
 def test_milp_option_out_of_range(problem, option, value, words):
@@ -499,7 +503,7 @@ def test_a_device_filled_exactly_to_its_capacity_is_not_over_memory_and_one_byte
 
 
 def test_memory_aware_placer_refuses_what_cannot_fit(problem):
-    with raises(moirai.InfeasibleError, "needs 24 B", "20 B in total", "add devices or memory"):
+    with raises(moirai.InfeasibleError, "needs 24 B", "20 B free in total", "add devices or memory"):
         moirai.place(problem, "heft")
 
 

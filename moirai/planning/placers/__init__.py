@@ -56,7 +56,9 @@ class PlacerSpec:
     plan only for these. ``start_plan``: its rank among the milp placer's start plans (lower first), None if
     never one; how long it takes is measured, in ``moirai/data/start_plan_costs.toml``. ``keeps_sets``: where it
     says so for a problem and the options, the placer keeps every colocated set on one device itself and is given the
-    problem as it is (None: always the contracted problem, :mod:`moirai.planning.colocation`).
+    problem as it is (None: always the contracted problem, :mod:`moirai.planning.colocation`). ``choices``: the
+    values an option of its own may take, by option (``{"solver": ("highs", "gurobi")}``), checked with the others
+    before any work (:func:`check_options`).
     """
 
     name: str
@@ -66,6 +68,7 @@ class PlacerSpec:
     objectives: frozenset[str] | None = None
     start_plan: int | None = None
     keeps_sets: Callable[[Problem, dict[str, Any]], bool] | None = None
+    choices: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def takes(self, option: str) -> bool:
         """Whether its function takes the option ``option`` (``"time_limit_s"``)."""
@@ -111,12 +114,15 @@ def register(
     objectives: Iterable[str] | None = None,
     start_plan: int | None = None,
     keeps_sets: Callable[[Problem, dict[str, Any]], bool] | None = None,
+    choices: dict[str, tuple[str, ...]] | None = None,
 ) -> Callable[[Placer], Placer]:
     """Register the decorated function as placer ``name`` with its traits (:class:`PlacerSpec`)."""
 
     def add(function: Placer) -> Placer:
         chosen = None if objectives is None else frozenset(objectives)
-        _SPECS[name] = PlacerSpec(name, function, minimises, respects_memory, chosen, start_plan, keeps_sets)
+        _SPECS[name] = PlacerSpec(
+            name, function, minimises, respects_memory, chosen, start_plan, keeps_sets, dict(choices or {})
+        )
         return function
 
     return add
@@ -169,7 +175,7 @@ def place(problem: Problem, placer: str = "heft", objective: str | Objective = "
     """
     check_problem(problem, "moirai.place's problem")
     traits = spec(placer)
-    check_options(placer, traits.function, options)  # before the stage opens: no progress line before the error
+    check_options(traits, options)  # before the stage opens: no progress line before the error
     as_objective(objective)  # likewise
     with stage("place", _long_placement(placer, options)):
         return _place(problem, placer, objective, **options)
@@ -379,9 +385,11 @@ def option_names(function: Placer) -> tuple[list[str], bool]:
     return named, len(named) < len(parameters)
 
 
-def check_options(name: str, function: Placer, options: dict[str, Any]) -> None:
-    """Raise :class:`PlacerOptionError` for an option ``function`` does not take or a value out of its range."""
-    valid, any_option = option_names(function)
+def check_options(traits: PlacerSpec, options: dict[str, Any]) -> None:
+    """Raise :class:`PlacerOptionError` for an option the placer does not take or a value out of its range (the
+    rules every placer shares, and its own choices)."""
+    name = traits.name
+    valid, any_option = option_names(traits.function)
     if any_option:
         return
     for option, value in options.items():
@@ -394,6 +402,11 @@ def check_options(name: str, function: Placer, options: dict[str, Any]) -> None:
         rule = _OPTION_RULES.get(option)
         if rule is not None and not rule[0](value):
             raise PlacerOptionError(f"placer {name!r}: option {option}={value!r} must be {rule[1]}")
+        choices = traits.choices.get(option)
+        if choices is not None and not (isinstance(value, str) and value in choices):
+            raise PlacerOptionError(
+                f"placer {name!r}: option {option}={value!r} must be one of {', '.join(map(repr, choices))}"
+            )
 
 
 def devices_over_memory(problem: Problem, plan: Plan) -> list[int]:

@@ -93,7 +93,13 @@ def _solves_whole(problem: Problem, options: dict[str, Any]) -> bool:
     return strategy == "full" or (strategy == "auto" and problem.num_tasks <= FULL_MODEL_MAX_TASKS)
 
 
-@register("milp", minimises=True, respects_memory=True, keeps_sets=_solves_whole)
+@register(
+    "milp",
+    minimises=True,
+    respects_memory=True,
+    keeps_sets=_solves_whole,
+    choices={"solver": SOLVERS, "formulation": FORMULATIONS, "strategy": STRATEGIES},
+)
 def place_milp(
     problem: Problem,
     solver: str = "highs",
@@ -118,12 +124,6 @@ def place_milp(
     the plan minimises (:func:`moirai.place` passes it).
     """
     deadline = time.perf_counter() + time_limit_s
-    if solver not in SOLVERS:
-        raise MoiraiError(f"unknown solver {solver!r}; choose one of {SOLVERS}")
-    if formulation not in FORMULATIONS:
-        raise MoiraiError(f"unknown formulation {formulation!r}; choose one of {FORMULATIONS}")
-    if strategy not in STRATEGIES:
-        raise MoiraiError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     show, status = _status_line(progress)
     with status if status is not None else nullcontext():
         report = status.update if status is not None else progress_lines.update if show else (lambda _: None)
