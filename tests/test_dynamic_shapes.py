@@ -392,3 +392,29 @@ def test_fifty_pipelined_requests_of_mixed_shapes_equal_eager_through_the_server
     with torch.no_grad():
         for x, y in zip(requests, outputs, strict=True):
             torch.testing.assert_close(y, model(x))
+
+
+class _Sum(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+
+def test_dynamic_shapes_of_the_wrong_form_are_told_their_form_not_control_flow_advice() -> None:
+    batch = torch.export.Dim("batch", min=2, max=16)
+    with pytest.raises(moirai.TraceError, match="refuses the form of the dynamic_shapes given") as error:
+        moirai.compile(_Sum(), ["cpu"], (torch.randn(4, 8), torch.randn(4, 8)), dynamic_shapes=({0: batch},))
+    assert "They mirror the inputs" in str(error.value) and "torch.cond" not in str(error.value)
+
+
+def test_an_example_of_size_one_along_a_dynamic_dimension_is_named() -> None:
+    """torch.export makes an example size of 0 or 1 static: the error said to give examples inside the declared
+    range, which 1 in 1..8 was; with Dim.AUTO the plan came out static without a word."""
+    model = torch.nn.Linear(8, 8).eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    with pytest.raises(moirai.TraceError, match=r"at least 2 .*here example_inputs\[0\] dimension 0 is 1"):
+        moirai.compile(model, ["cpu"], (torch.randn(1, 8),), dynamic_shapes=({0: batch},), calibration="none")
+    with pytest.warns(moirai.MoiraiWarning, match=r"made every one static .*example_inputs\[0\] dimension 0 is 1"):
+        compiled = moirai.compile(
+            model, ["cpu"], (torch.randn(1, 8),), dynamic_shapes=({0: torch.export.Dim.AUTO},), calibration="none"
+        )
+    assert compiled.traced.dynamic_dims == ()

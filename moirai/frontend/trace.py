@@ -51,6 +51,7 @@ from moirai.frontend.trace_checks import (
     meta_weights_error,
     tensor_input_names,
     trace_error,
+    warn_if_all_static,
     warn_if_training,
     warn_of_random_ops,
 )
@@ -403,6 +404,7 @@ def trace(
         _drop_metadata_asserts(graph_module)
         if dynamic_shapes is not None:
             dynamic_dims = exported_dynamic_dims(exported, graph_module, model, args, kwargs, dynamic_shapes)
+            warn_if_all_static(name, dynamic_shapes, dynamic_dims, args, kwargs)
         check_static_shapes(graph_module, name)
     in_spec = pytree.tree_structure((args, kwargs))
     flat_inputs = pytree.tree_leaves((args, kwargs))

@@ -11,6 +11,7 @@ import inspect
 import re
 import traceback
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, free_unbacked_symbols
 
-from moirai.errors import RandomOpsWarning, TraceError, TrainingModeWarning, user_stacklevel
+from moirai.errors import MoiraiWarning, RandomOpsWarning, TraceError, TrainingModeWarning, user_stacklevel
 from moirai.frontend.symbolic_shapes import is_export_dim
 
 _MOIRAI_DIRECTORY = str(Path(__file__).parent)
@@ -282,6 +283,15 @@ def dynamic_shapes_error(
     range, or a dimension the model fixes declared dynamic), naming the declared ranges; None for another error."""
     from torch._dynamo.exc import UserError, UserErrorType
 
+    if dynamic_shapes is None:
+        return None
+    if isinstance(error, UserError) and error.error_type is UserErrorType.INVALID_INPUT:
+        return TraceError(
+            f"could not trace {model_name} with example inputs {_describe_tensors(args, kwargs)}: torch.export "
+            f"refuses the form of the dynamic_shapes given ({_first_line(error)}). They mirror the inputs: a tuple "
+            "with an entry per positional input, or a dict by forward's parameter names; for each tensor a dict "
+            "{axis: torch.export.Dim(...)} (or None: static), None for an input that is no tensor"
+        )
     violated = isinstance(error, UserError) and error.error_type is UserErrorType.CONSTRAINT_VIOLATION
     if not (violated or isinstance(error, ConstraintViolationError)):
         return None
@@ -291,8 +301,45 @@ def dynamic_shapes_error(
         f"could not trace {model_name} with example inputs {_describe_tensors(args, kwargs)} and the dynamic_shapes "
         f"given (declared: {declared}): torch.export refuses them ({_first_line(error)}; its ranges show a declared "
         "lower end of 0 or 1 as 2). Give example inputs whose every dynamic dimension lies inside its declared "
-        "range, and declare dynamic only dimensions the model lets vary (a Linear fixes its input features, a "
-        "reshape may fix others)"
+        f"range{_small_sizes_words(args, kwargs)}, and declare dynamic only dimensions the model lets vary (a Linear "
+        "fixes its input features, a reshape may fix others)"
+    )
+
+
+def warn_if_all_static(
+    model_name: str, dynamic_shapes: Any, dynamic_dims: Sequence[Any], args: tuple, kwargs: dict[str, Any]
+) -> None:
+    """A :class:`MoiraiWarning` where ``dynamic_shapes`` declares a dimension (a Dim, ``Dim.AUTO``, ``Dim.DYNAMIC``)
+    but torch.export made every one static: the plan then serves the example's shapes only, and a call of another
+    size was refused with advice to declare the dimension dynamic, which the user had done."""
+    if dynamic_dims or not any(leaf is not None for leaf in pytree.tree_leaves(dynamic_shapes)):
+        return
+    warnings.warn(
+        MoiraiWarning(
+            f"{model_name}: dynamic_shapes declares dimensions, but torch.export made every one static"
+            f"{_small_sizes_words(args, kwargs, '')}: the plan serves the example's shapes only. Give an example of "
+            "at least 2 along each dimension that should vary (Dim.AUTO lets torch.export fix a dimension the model "
+            "fixes; a torch.export.Dim makes it say why)"
+        ),
+        stacklevel=user_stacklevel(),
+    )
+
+
+def _small_sizes_words(args: tuple, kwargs: dict[str, Any], lead: str = " and at least 2") -> str:
+    """Where an example tensor has a dimension of size 0 or 1, which torch.export always makes static (so a Dim
+    declared there, whatever its range, is violated): the words that say so, else ''."""
+    small = [
+        f"{_input_path(path)} dimension {axis} is {size}"
+        for path, value in pytree.tree_flatten_with_path((args, kwargs))[0]
+        if isinstance(value, torch.Tensor)
+        for axis, size in enumerate(value.shape)
+        if size in (0, 1)
+    ]
+    if not small:
+        return ""
+    return (
+        f"{lead} (torch.export makes a dimension of example size 0 or 1 static, whatever its Dim says; "
+        f"here {', '.join(small[:3])})"
     )
 
 
