@@ -136,6 +136,7 @@ class CompiledModel:
         views where the parts ran on one device)."""
         flat_inputs = self.traced.flatten_inputs(args, kwargs)
         _check_local_run(self.cluster, "run_distributed")
+        refuse_meta_weights(self.program.parts)  # before the ranks start: each printed its own traceback first
         outputs = run_distributed(self.program, flat_inputs, self.cluster.devices, timeout_s=timeout_s)
         return self.traced.unflatten_outputs(outputs)
 

@@ -7,6 +7,7 @@ seconds on a small machine. The failure test spawns its own 2 processes.
 from __future__ import annotations
 
 import functools
+import importlib
 import operator
 import pickle
 import re
@@ -320,6 +321,19 @@ def test_meta_weights_split_for_inspection_but_do_not_run():
     assert all(p.is_meta for part in program.parts for p in part.graph_module.parameters())
     with pytest.raises(InputError, match="meta device"):
         run_local(program, [torch.randn(4, 16)], ["cpu", "cpu"])
+
+
+def test_run_distributed_of_meta_weights_is_refused_before_a_rank_starts(monkeypatch):
+    """Each rank printed its own traceback before the driver's InputError."""
+    with torch.device("meta"):
+        model = MLP()
+    compiled = moirai.compile(
+        model, ["cpu", "cpu"], (torch.empty(4, 16, device="meta"),), placer="round_robin", calibration="none"
+    )
+    compile_module = importlib.import_module("moirai.compile")  # the module, not moirai.compile the function
+    monkeypatch.setattr(compile_module, "run_distributed", lambda *a, **k: pytest.fail("ranks started"))
+    with pytest.raises(InputError, match="on the meta device; a program split from a model with meta weights"):
+        compiled.run_distributed(torch.randn(4, 16))
 
 
 def test_local_runner_follows_a_part_edited_and_recompiled_between_calls():
