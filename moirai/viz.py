@@ -60,6 +60,8 @@ _TRANSFER_COLOUR = "0.45"
 _MAX_LEGEND_GROUPS = 11  # more kinds than this: the ones with the least time share one grey "other"
 _OTHER, _TRANSFER, _CRITICAL, _CRITICAL_LABEL = "other", "transfer", "black", "critical path"
 _TASK_HEIGHT, _TRANSFER_HEIGHT, _UNDERLINE_HEIGHT = 0.7, 0.5, 0.1
+# A legend line in "small" type, and what the title and the axis label take besides (inches).
+_LEGEND_LINE_IN, _LEGEND_MARGIN_IN = 0.2, 1.0
 
 
 def predicted_latency_s(timeline: Timeline) -> float:
@@ -355,7 +357,10 @@ def gantt(
     critical = critical_path(problem, timeline)
     unit, scale = _time_unit(predicted_latency_s(timeline))
 
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * len(lane.labels)), layout="constrained")
+    # Tall enough for the lanes, and for the legend beside them: one line per colour, the transfers, the critical path.
+    legend_lines = len(ordered) + bool(timeline.transfers) + 1
+    height_in = max(1.2 + 0.45 * len(lane.labels), _LEGEND_MARGIN_IN + _LEGEND_LINE_IN * legend_lines)
+    fig, ax = plt.subplots(figsize=(11, height_in), layout="constrained")
     plt.close(fig)  # not pyplot's to show: Jupyter shows the returned figure once, scripts save it
     for group in ordered:
         tasks = [i for i in range(problem.num_tasks) if colour_group[groups[i]] == group]

@@ -71,6 +71,25 @@ def test_gantt_writes_a_png_with_one_lane_per_device_and_per_link_in_use(problem
     assert svg.read_text().lstrip().startswith("<?xml")
 
 
+def test_the_legend_of_many_kinds_fits_in_the_picture() -> None:
+    """A 2-layer BERT's 12 kinds, the transfers and the critical path: the legend ran off the picture's bottom."""
+    problem_of_many = moirai.Problem.from_dict(
+        {
+            "devices": PROBLEM["devices"],
+            "tasks": [{"name": f"op{k}", "compute_s": [0.001, 0.002]} for k in range(14)],
+            "edges": [{"src": f"op{k}", "dst": f"op{k + 1}", "bytes": 1e6} for k in range(13)],
+            "links": PROBLEM["links"],
+        }
+    )
+    plan = moirai.Plan(np.array([k % 2 for k in range(14)]), problem_of_many.device_names, placer="by hand")
+    drawn = moirai.gantt(problem_of_many, plan, groups=[f"kind {k}" for k in range(14)])
+    drawn.canvas.draw()
+    (legend,) = [axes.get_legend() for axes in drawn.axes]
+    assert len(legend.get_texts()) >= 14
+    box = legend.get_window_extent()
+    assert 0 <= box.y0 and box.y1 <= drawn.bbox.height, (box, drawn.bbox)
+
+
 def test_critical_path_is_a_gapless_chain_from_zero_to_the_latency(problem) -> None:
     plan = split_plan(problem)
     timeline = moirai.simulate(problem, plan)
