@@ -438,6 +438,11 @@ class Driver:
                 if isinstance(error, InputError | PlanError)
                 else DistributedError(f"rank 0 ({self.group.devices[0]}) failed during {what}: {describe_error(error)}")
             )
+        self.fail_named(failure)
+
+    def fail_named(self, failure: BaseException) -> None:
+        """Fail every pending request with ``failure``, which names its guilty rank already (a rank the runner saw
+        dead while no request was in flight; :meth:`_fail`'s own, once named), and end both threads."""
         with self._lock:
             if self.failure is not None:
                 return  # the other thread failed first, while this one named its guilty rank

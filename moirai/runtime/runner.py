@@ -171,6 +171,8 @@ class DistributedRunner:
                     "this runner is closing: a request submitted after close() began is not served; submit it "
                     "before closing, or to a new runner"
                 )
+            if self._driver is not None and self._driver.failure is None:
+                self._fail_on_a_dead_rank()
             if self._driver is not None and self._driver.failure is not None:
                 self._stop()
             if self._driver is None:
@@ -182,6 +184,21 @@ class DistributedRunner:
             if self._shared_memory:
                 _check_room_for_messages(program, flat_inputs)
             return self._driver
+
+    def _fail_on_a_dead_rank(self) -> None:
+        """Fail the driver where a rank's process has exited while no request was in flight, so that this call
+        starts new ranks and is served by them: sent to the dead rank, it failed (and the requests after it), though
+        the process's exit was known. A rank that is alive but stopped is found by the request's own timeout."""
+        for rank, worker in enumerate(self._workers, start=1):
+            if not worker.is_alive():
+                _log.info("rank %d exited while no request was in flight: starting new ranks", rank)
+                self._driver.fail_named(
+                    DistributedError(
+                        f"rank {rank} ({self._names()[rank]}) died while no request was in flight"
+                        f"{self._describe_process(rank)}"
+                    )
+                )
+                return
 
     def _refuse_lost_state(self) -> None:
         """A :class:`DistributedError` where the state the ranks kept ended with a failed world (``state_on_ranks``)."""
