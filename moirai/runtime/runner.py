@@ -136,10 +136,13 @@ class DistributedRunner:
         self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor], timeout_s: float | None = None
     ) -> list[torch.Tensor]:
         """The flat outputs; every wait of this call is bounded by ``timeout_s`` (default: the runner's)."""
-        driver = self._driver_for(program, flat_inputs)
-        return driver.run(
-            program, flat_inputs, lambda outputs: outputs, self.timeout_s if timeout_s is None else timeout_s
-        )
+        driver, spill_bytes = self._driver_for(program, flat_inputs)
+        try:
+            return driver.run(
+                program, flat_inputs, lambda outputs: outputs, self.timeout_s if timeout_s is None else timeout_s
+            )
+        finally:
+            _SPILLS_AHEAD.release(spill_bytes)
 
     def submit(
         self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor], timeout_s: float | None = None
@@ -155,11 +158,19 @@ class DistributedRunner:
         timeout_s: float | None = None,
     ) -> Future:
         """Like :meth:`submit`, the future holding ``finish(flat_outputs)``."""
-        driver = self._driver_for(program, flat_inputs)
-        return driver.submit(program, flat_inputs, finish, self.timeout_s if timeout_s is None else timeout_s)
+        driver, spill_bytes = self._driver_for(program, flat_inputs)
+        try:
+            future = driver.submit(program, flat_inputs, finish, self.timeout_s if timeout_s is None else timeout_s)
+        except BaseException:
+            _SPILLS_AHEAD.release(spill_bytes)
+            raise
+        if spill_bytes:
+            future.add_done_callback(lambda _: _SPILLS_AHEAD.release(spill_bytes))
+        return future
 
-    def _driver_for(self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> Driver:
-        """The running driver (workers started, or restarted after a failure) once the call is checked."""
+    def _driver_for(self, program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> tuple[Driver, int]:
+        """The running driver (workers started, or restarted after a failure) once the call is checked, and the
+        bytes of spill files the request's messages were given (:data:`_SPILLS_AHEAD`, released when it ends)."""
         if program.num_devices > len(self.torch_devices):
             raise InputError(
                 f"the program has {program.num_devices} parts but this runner has {len(self.torch_devices)} devices"
@@ -181,9 +192,8 @@ class DistributedRunner:
             elif self._shared_memory and not any(p is program for p in self._driver.loaded):
                 _check_room_to_load(program)
             self._refuse_lost_state()
-            if self._shared_memory:
-                _check_room_for_messages(program, flat_inputs)
-            return self._driver
+            spill_bytes = _take_room_for_messages(program, flat_inputs) if self._shared_memory else 0
+            return self._driver, spill_bytes
 
     def _fail_on_a_dead_rank(self) -> None:
         """Fail the driver where a rank's process has exited while no request was in flight, so that this call
@@ -508,23 +518,55 @@ def _check_room_to_load(program: SplitProgram) -> None:
 _SPILLS_NOTHING: weakref.WeakSet[SplitProgram] = weakref.WeakSet()
 
 
-def _check_room_for_messages(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> None:
+class _SpillsAhead:
+    """The bytes of spill files that requests accepted and not yet ended may still write: a request is given room
+    only beside them. Each request submitted at once saw the same free space and passed, and then the ranks ran out
+    of it while sending, which failed every request in flight and restarted them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes = 0
+
+    def take(self, message_bytes: Sequence[int]) -> int:
+        """Room for ``message_bytes``' spills beside those ahead (their bytes, to release), else an InputError."""
+        with self._lock:
+            shortfall = shm.room_shortfall(
+                message_bytes,
+                needing="this request",
+                spilled="for messages too large for a ring",
+                taken_bytes=self._bytes,
+            )
+            if shortfall is not None:
+                raise InputError(
+                    f"{shortfall}: the request is refused and the ranks serve on; send smaller requests or fewer at "
+                    f"once, enlarge {shm_dir()} (e.g. docker --shm-size) or point {shm.DIR_ENV} at a larger tmpfs, "
+                    f"or set {shm.ENV_SWITCH}=0 to send through gloo"
+                )
+            taken = sum(nbytes for nbytes in message_bytes if shm.spills(nbytes))
+            self._bytes += taken
+            return taken
+
+    def release(self, nbytes: int) -> None:
+        if nbytes:
+            with self._lock:
+                self._bytes -= nbytes
+
+
+_SPILLS_AHEAD = _SpillsAhead()  # one per process: every runner's spill files share one directory
+
+
+def _take_room_for_messages(program: SplitProgram, flat_inputs: Sequence[torch.Tensor]) -> int:
     """Before a request is sent: an :class:`InputError` where the messages it spills into files (too large for a
-    ring) do not fit in the shared-memory directory now. Refused here, the request fails alone; a spill that failed
-    inside a rank failed that rank, every request in flight with it, and restarted the ranks."""
+    ring) do not fit in the shared-memory directory beside those of the requests ahead of it; else the bytes taken.
+    Refused here, the request fails alone; a spill that failed inside a rank failed that rank, every request in
+    flight with it, and restarted the ranks."""
     if not program.dynamic_dims and program in _SPILLS_NOTHING:  # the common case: nothing to count per request
-        return
+        return 0
     message_bytes = request_message_bytes(program, flat_inputs)
     if not program.dynamic_dims and not any(map(shm.spills, message_bytes)):
         _SPILLS_NOTHING.add(program)
-        return
-    shortfall = shm.room_shortfall(message_bytes, needing="this request", spilled="for messages too large for a ring")
-    if shortfall is not None:
-        raise InputError(
-            f"{shortfall}: the request is refused and the ranks serve on; send smaller requests, enlarge "
-            f"{shm_dir()} (e.g. docker --shm-size) or point {shm.DIR_ENV} at a larger tmpfs, or set "
-            f"{shm.ENV_SWITCH}=0 to send through gloo"
-        )
+        return 0
+    return _SPILLS_AHEAD.take(message_bytes)
 
 
 def torch_device(device: str | Device) -> str:

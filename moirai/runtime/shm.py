@@ -103,15 +103,19 @@ def spills(nbytes: int) -> bool:
 
 
 def room_shortfall(
-    message_bytes: Sequence[int], world_size: int = 0, needing: str = "the plan", spilled: str = "to load the parts"
+    message_bytes: Sequence[int],
+    world_size: int = 0,
+    needing: str = "the plan",
+    spilled: str = "to load the parts",
+    taken_bytes: int = 0,
 ) -> str | None:
     """Why the shared-memory directory cannot hold the rings of a world of ``world_size`` ranks (0: they exist) and
     a spill file for each of ``message_bytes`` that spills, all at once (what ``needing`` needs, the spill files
-    ``spilled``); None where it can."""
+    ``spilled``), beside ``taken_bytes`` that others will write and are not written yet; None where it can."""
     directory = shm_files.shm_dir()
     rings = world_size * (world_size - 1) * ring_file_bytes()
     spilled_bytes = sum(nbytes for nbytes in message_bytes if spills(nbytes))
-    free = shm_files.free_bytes(directory)
+    free = max(0, shm_files.free_bytes(directory) - taken_bytes)
     if free >= rings + spilled_bytes:
         return None
     free_mb, needed_mb = shm_files.free_and_needed_mb(free, rings + spilled_bytes)
