@@ -42,8 +42,10 @@ from moirai.errors import (
     InputError,
     MoiraiError,
     PlanError,
+    PlanVersionWarning,
     ProblemError,
     closest_name,
+    user_stacklevel,
 )
 from moirai.frontend.coarsen import CoarseningResult, coarsen
 from moirai.frontend.graph import OpGraph, build_op_graph
@@ -576,7 +578,8 @@ def planned_problem(
         warnings.warn(
             f"{path} does not hold the planned problem (saved by an older moirai); rebuilding it with analytic "
             "costs, so summary() and gantt() may differ from the compiled model's: save the plan again to keep them",
-            stacklevel=4,  # the caller of load, past its progress wrapper
+            PlanVersionWarning,
+            stacklevel=user_stacklevel(),
         )
         return build_problem(coarse, cluster, "analytic", traced=traced)  # as the warning says, whatever the default
     saved = record["problem"]

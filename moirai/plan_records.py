@@ -16,7 +16,7 @@ import torch
 
 from moirai.cluster.devices import Cluster
 from moirai.environment import torchrun_world
-from moirai.errors import DistributedError, PlanError, PlanVersionWarning
+from moirai.errors import DistributedError, PlanError, PlanVersionWarning, user_stacklevel
 from moirai.file_numbers import float_fault, int_fault
 from moirai.planning.objective import OBJECTIVE_NAMES
 from moirai.runtime import distributed
@@ -436,5 +436,5 @@ def _warn_on_other_versions(saved: Any, path: str | Path) -> None:
             f"plan file {str(path)!r} was saved with {', '.join(other)}; if loading fails or the split differs, "
             "compile the model again",
             PlanVersionWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )

@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 
 import moirai
-from moirai.errors import InputError, PlanError
+from moirai.errors import InputError, PlanError, PlanVersionWarning
 from moirai.frontend.coarsen import RuleSet
 from moirai.frontend.graph import build_op_graph
 
@@ -149,8 +149,9 @@ def test_load_keeps_the_planned_problem_and_its_summary(calibrated_cluster, tmp_
     old = json.loads(path.read_text())
     del old["problem"]  # a plan file written before the problem was saved
     path.write_text(json.dumps(old))
-    with pytest.warns(UserWarning, match="does not hold the planned problem"):
+    with pytest.warns(PlanVersionWarning, match="does not hold the planned problem") as warned:
         rebuilt = moirai.load(path, Residual().eval(), example_inputs=(x,))
+    assert [w.filename for w in warned if w.category is PlanVersionWarning] == [__file__]  # the user's line
     assert rebuilt.problem.to_dict() != compiled.problem.to_dict(), "the test's cluster must differ from the default"
     np.testing.assert_array_equal(rebuilt.plan.placement, compiled.plan.placement)
 

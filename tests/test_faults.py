@@ -750,8 +750,9 @@ def test_a_plan_from_another_torch_warns(rows, tmp_path) -> None:
     assert plan["versions"]["torch"] == torch.__version__
     plan["versions"]["torch"] = "1.0.0"
     path.write_text(json.dumps(plan))
-    with pytest.warns(moirai.MoiraiWarning, match=r"saved with torch 1\.0\.0 \(here "):
+    with pytest.warns(moirai.MoiraiWarning, match=r"saved with torch 1\.0\.0 \(here ") as warned:
         moirai.load(path, model, example)
+    assert [w.filename for w in warned if issubclass(w.category, moirai.MoiraiWarning)] == [__file__]
 
 
 @pytest.mark.parametrize(
