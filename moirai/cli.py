@@ -32,7 +32,7 @@ from moirai.cluster.calibration.cache import check_calibration
 from moirai.cluster.cost import COST_MODES, DEFAULT_COST_MODE
 from moirai.errors import ClusterError, MoiraiError, MoiraiWarning, PlacerOptionError, PlanError
 from moirai.planning.placers import check_options, spec, specs
-from moirai.user_files import check_output_path, write_output
+from moirai.user_files import check_output_path, same_file, write_output
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,25 +235,17 @@ def _check_outputs(args: argparse.Namespace, inputs: dict[str, str]) -> None:
         check_output_path(args.output, "the plan", PlanError)
     if args.gantt is not None:
         viz.check_picture_path(args.gantt)
-    if args.output is not None and args.gantt is not None and _same_file(args.output, args.gantt):
+    if args.output is not None and args.gantt is not None and same_file(args.output, args.gantt):
         raise MoiraiError(
             f"--output {args.output!r} and --gantt {args.gantt!r} name one file: the picture would replace the plan; "
             "name two files"
         )
     for flag, path in (("--output", args.output), ("--gantt", args.gantt)):
         for what, read in inputs.items():
-            if path is not None and _same_file(path, read):
+            if path is not None and same_file(path, read):
                 raise MoiraiError(
                     f"{flag} {path!r} is {what} this command reads: writing it would replace it; name another file"
                 )
-
-
-def _same_file(a: str, b: str) -> bool:
-    """Whether paths ``a`` and ``b`` name one file (through links, where both exist)."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one does not exist (yet): compare where they lead
-        return Path(a).resolve() == Path(b).resolve()
 
 
 def _compile_inputs(args: argparse.Namespace) -> dict[str, str]:

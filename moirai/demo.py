@@ -97,6 +97,8 @@ def compare_placers(problem: moirai.Problem, plan: moirai.Plan, console: Console
         table.add_column(column, justify="left" if column == "placer" else "right")
     table.add_row(plan.placer, f"{plan.makespan_s * 1e3:.3f} ms", "")
     for name in baselines():
+        if name == plan.placer:
+            continue  # the row above
         try:
             baseline = moirai.place(problem, placer=name)
         except moirai.InfeasibleError:

@@ -153,6 +153,14 @@ def check_output_path(
         raise error(f"{where}: folder {str(folder)!r} may not be written by this user; name a file in another folder")
 
 
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (through links, where both exist)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist (yet): compare where they lead
+        return Path(a).resolve() == Path(b).resolve()
+
+
 def write_output(path: str | Path, text: str, what: str, error: Callable[[str], MoiraiError]) -> None:
     """Write ``text``, ``what`` it is (``"the plan"``), to ``path`` the user named, in one step; a path that cannot
     take it is ``error(message)`` naming it, never an OSError."""

@@ -196,6 +196,8 @@ def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factor
         (["calibrate", "--max-size-mb", "nan", "--output", "{tmp}/c.toml"], "--max-size-mb nan: give a number"),
         (["calibrate", "--max-size-mb", "1e6", "--output", "{tmp}/c.toml"], "--max-size-mb 1e+06: give a number"),
         (["calibrate", "--repeats", "0", "--output", "{tmp}/c.toml"], "--repeats 0: give at least 1"),
+        # Fifty seconds of measuring, then the calibration in place of the cluster file.
+        (["calibrate", "--output", "{tmp}/c.toml", "--save", "{tmp}/./c.toml"], "name one file: the calibration"),
     ],
 )
 def test_errors_are_one_red_line_without_traceback(args, message, factory_file: Path, capsys) -> None:

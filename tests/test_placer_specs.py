@@ -13,6 +13,7 @@ from moirai.planning import placers
 from moirai.planning.placers import get_placer, list_placers, place, register, spec, specs, start_plans
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
+from moirai.testing import random_problem
 
 
 def two_device_chain(memory_bytes: float = 1e9) -> Problem:
@@ -90,6 +91,18 @@ def test_the_demo_compares_against_the_start_plans_that_respect_memory(registry)
     register("blind_toy", minimises=True, respects_memory=False, start_plan=101)(on_the_last_device)
     assert demo.baselines()[-1] == "toy"
     assert "blind_toy" not in demo.baselines() and "round_robin" not in demo.baselines()
+
+
+def test_the_demos_table_lists_the_chosen_placer_once():
+    """``moirai demo --placer heft`` listed heft twice: its row, then again as a baseline at 1.00x."""
+    demo = pytest.importorskip("moirai.demo")
+    import rich.console
+
+    problem = random_problem(3, 8, 2)
+    console = rich.console.Console(record=True, width=100)
+    demo.compare_placers(problem, place(problem, "heft"), console)
+    rows = [line.split()[1] for line in console.export_text().splitlines() if line.startswith("│ ")]
+    assert rows.count("heft") == 1 and set(demo.baselines()) <= set(rows), rows
 
 
 def test_every_real_placer_declares_its_traits_and_memory_blind_ones_are_rule_based():

@@ -32,7 +32,7 @@ from moirai.cluster.hardware import Device
 from moirai.cluster.kinds import CPU, backends, kind_for_backend
 from moirai.environment import torchrun_world
 from moirai.errors import ClusterError
-from moirai.user_files import check_output_path
+from moirai.user_files import check_output_path, same_file
 
 
 def _transport(backend: str) -> str:
@@ -117,6 +117,11 @@ def _calibrate(args: argparse.Namespace, console: Console) -> int:
         check_output_path(args.output, "the cluster file", ClusterError)
         if args.save is not None:  # --save "" too: refused, not a calibration measured and dropped
             check_output_path(args.save, "the calibration", ClusterError, folder_made=True)
+            if same_file(args.save, args.output):
+                raise ClusterError(
+                    f"--output {args.output!r} and --save {args.save!r} name one file: the calibration would replace "
+                    "the cluster file; name two files"
+                )
     sizes = _sweep_sizes(args.max_size_mb, args.repeats)
     base, base_name = read_cluster_devices(args.base) if args.base else (None, "")
     if world is not None and args.world_size not in (None, world.world_size):
