@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from moirai.cli import main
 
@@ -333,3 +334,11 @@ def test_a_missing_folder_is_named_as_the_folder_not_as_a_missing_file(tmp_path:
     assert message == f"no such folder: {tmp_path / 'missing'} (for {into_missing})"
     missing_file = str(tmp_path / "plan.json")
     assert _os_error_message(FileNotFoundError(2, "No such file", missing_file)) == f"no such file: {missing_file}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="two GPUs: NCCL calibration can run here")
+def test_calibrating_nccl_without_two_gpus_says_what_the_machine_lacks(tmp_path, capsys) -> None:
+    """It said to give a world size of 0 or fewer, where calibration needs at least two ranks."""
+    assert main(["calibrate", "--backend", "nccl", "--output", str(tmp_path / "c.toml")]) == 2
+    error = capsys.readouterr().err
+    assert "at least 2 local nccl ranks" in error and "--backend gloo" in error and "or fewer" not in error

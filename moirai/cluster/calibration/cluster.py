@@ -25,7 +25,7 @@ from moirai.cluster.calibration.measure import DEFAULT_REPEATS, DEFAULT_SIZES_BY
 from moirai.cluster.calibration.request_cost import RequestCost
 from moirai.cluster.devices import Cluster, Device, Link, warn_if_oversubscribed_here
 from moirai.cluster.host import available_cores
-from moirai.cluster.kinds import kind_for_backend
+from moirai.cluster.kinds import CPU, kind_for_backend
 from moirai.errors import ClusterError, MoiraiWarning, user_stacklevel
 
 
@@ -111,6 +111,11 @@ def rank_devices(
     most = kind.count() if kind.accelerator else max(2, len(available_cores()))
     if local and world_size > most:
         unit = f"{kind.name} device" if kind.accelerator else "core"
+        if most < 2:  # no world size fits: say what the machine lacks, not a size below the least
+            raise ClusterError(
+                f"calibration runs at least 2 local {backend} ranks, one a {unit}, but this machine has {most}; "
+                f"run it where two {unit}s are, or with --backend {CPU.backend} for the host's links"
+            )
         raise ClusterError(
             f"calibration runs {world_size} local {backend} ranks, one a {unit}, but this machine hosts at most "
             f"{most}; give a world size (--world-size, or the base cluster's devices) of {most} or fewer"
