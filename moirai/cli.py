@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                 warnings.showwarning = _show_warning
             return _run(args, console)
     except (MoiraiError, OSError) as error:
-        if args.debug:
-            raise
+        if args.debug:  # the traceback, and the exit code an error has without --debug
+            traceback.print_exc()
+            return 2
         message = str(error) if isinstance(error, MoiraiError) else _os_error_message(error)
         Console(stderr=True).print(f"[red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)
         return 2
@@ -118,10 +120,11 @@ def _parser() -> argparse.ArgumentParser:
     calibrate_command.add_arguments(
         commands.add_parser("calibrate", help="measure links between local ranks, write a cluster file")
     )
-    for command in commands.choices.values():
+    for command in commands.choices.values():  # after the command as before it, as on every command
         command.add_argument(
             "--quiet", action="store_true", help="no progress lines on stderr (results and errors only)"
         )
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return parser
 
 
@@ -132,7 +135,6 @@ def _placement_arguments(parser: argparse.ArgumentParser, default_placer: str) -
     parser.add_argument("--output", help="write the plan as JSON here")
     parser.add_argument("--gantt", help="draw the schedule into this picture (.png, .svg, .pdf; needs matplotlib)")
     parser.add_argument("--timeline", action="store_true", help="print the schedule as a text timeline")
-    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
 
 def _compile(args: argparse.Namespace, console: Console) -> int:

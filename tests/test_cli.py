@@ -305,7 +305,10 @@ def test_missing_file_from_the_shell_is_one_line_and_debug_shows_the_traceback(t
     result = moirai_cli("plan", "missing.json", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.strip() == "error: problem file 'missing.json' does not exist"
     result = moirai_cli("--debug", "plan", "missing.json", cwd=tmp_path)
-    assert result.returncode != 0 and "Traceback" in result.stderr
+    assert result.returncode == 2 and "Traceback" in result.stderr  # was 1: the error raised out of main
+    for command in ("demo", "placers", "calibrate"):  # after the command too, as after compile and plan
+        result = moirai_cli(command, "--debug", "--help", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
 
 
 def test_version() -> None:
