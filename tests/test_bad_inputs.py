@@ -37,7 +37,7 @@ from moirai.errors import (
 )
 from moirai.frontend.fusion_rules import load_rules
 from moirai.planning.placers import devices_over_memory
-from moirai.viz import text_gantt
+from moirai.viz import summary_table, text_gantt
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
@@ -494,6 +494,15 @@ def test_memory_ignoring_placer_over_memory_warns_with_the_numbers_and_marks_the
     assert devices_over_memory(problem, plan) == [0]
 
 
+def test_the_over_memory_warning_counts_the_memory_kept_for_activations_as_the_summary_does(problem):
+    """It said 'a holds 198.9 kB of 89.8 kB' where the summary's row read '209 kB / 100 kB'."""
+    kept = dataclasses.replace(problem, memory_reserve_bytes=np.array([5.0, 5.0]))
+    with pytest.warns(OverMemoryWarning, match=r"a holds 21 B of 15 B"):
+        plan = moirai.place(kept, "round_robin")
+    memory = [column for column in summary_table(kept, plan).columns if column.header == "memory / capacity"]
+    assert str(memory[0]._cells[0]).startswith("21 B / 15 B"), memory[0]._cells
+
+
 def test_a_device_filled_exactly_to_its_capacity_is_not_over_memory_and_one_byte_more_is(problem):
     plan = moirai.Plan(np.array([0, 1, 1]), problem.device_names)
     full = dataclasses.replace(problem, memory_bytes=np.array([10.0, 4.0, 6.0]))
@@ -524,7 +533,10 @@ def test_summary_shows_devices_over_memory_in_red(compiled):
             "links": [{"src": "A", "dst": "B", "bandwidth_gbps": 10, "both_directions": True}],
         }
     )
-    with pytest.warns(OverMemoryWarning, match="A holds 160 B of 100 B.*ignores memory") as caught:
+    # The device's own size, as the summary shows it: the activations' reserve counts on both sides.
+    reserve = round(reserve_gb * 1e9)
+    words = f"A holds {160 + reserve} B of {100 + reserve} B.*ignores memory"
+    with pytest.warns(OverMemoryWarning, match=words) as caught:
         cm = moirai.compile(tiny(), cluster, (X,), placer="round_robin")
     assert [w.filename for w in caught if w.category is OverMemoryWarning] == [__file__], "the user's line"
     output = io.StringIO()

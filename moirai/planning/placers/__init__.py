@@ -424,9 +424,11 @@ def _warn_if_over_memory(problem: Problem, plan: Plan, timeline: Timeline) -> No
     if not over:
         return
     plan.report.notes["over_memory_devices"] = [problem.device_names[k] for k in over]
+    # As the summary shows them: the memory kept for activations counts on both sides (the device's own size).
+    reserve = problem.memory_reserve_bytes
     amounts = ", ".join(
-        f"{problem.device_names[k]} holds {format_bytes(float(held[k]))} of "
-        f"{format_bytes(float(problem.memory_capacity_bytes[k]))}"
+        f"{problem.device_names[k]} holds {format_bytes(float(held[k] + reserve[k]))} of "
+        f"{format_bytes(float(problem.memory_capacity_bytes[k] + reserve[k]))}"
         for k in over
     )
     respecting = ", ".join(repr(s.name) for s in specs() if s.respects_memory and s.minimises)
