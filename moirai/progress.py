@@ -114,7 +114,9 @@ def progress_wanted(arguments: dict[str, Any]) -> bool:
     also quiets its ``run_distributed`` and its server's start), else True."""
     given = arguments.get("progress")
     if given is not None:
-        return bool(given)
+        if not isinstance(given, bool):  # "no" is true: a word would switch reporting on, not off
+            raise InputError(f"progress={given!r} ({type(given).__name__}): give True, False or None")
+        return given
     return bool(getattr(arguments.get("self"), "progress", True))
 
 

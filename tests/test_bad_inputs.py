@@ -1113,3 +1113,10 @@ def test_every_report_field_has_a_json_type_that_load_checks() -> None:
         assert not unknown, f"add these types to moirai.planning.report._FIELD_TYPES: {unknown}"
         round_trip = PlacerReport.from_dict(kind().to_dict())
         assert type(round_trip) is kind
+
+
+@pytest.mark.parametrize("value", ["no", "yes", 0, 1])
+def test_progress_other_than_true_false_or_none_is_an_input_error(value):
+    """``progress="no"`` switched reporting on: any word is true."""
+    with pytest.raises(InputError, match=rf"progress={value!r} \(\w+\): give True, False or None"):
+        moirai.compile(torch.nn.Linear(4, 4), ["cpu"], (torch.randn(2, 4),), progress=value)

@@ -185,6 +185,8 @@ def test_a_folder_named_as_the_calibration_is_called_a_folder(tmp_path: Path, mo
     (tmp_path / "results").mkdir()
     with pytest.raises(ClusterError, match=r"calibration='results' is a folder, not a calibration file"):
         check_calibration("results")
+    with pytest.raises(ClusterError, match=r"calibration='' is empty; pass 'auto'"):
+        check_calibration("")  # was called a folder: Path("") is "."
 
 
 def test_compile_on_local_devices_uses_this_machines_calibration_by_default(fake_measurement: list) -> None:

@@ -68,6 +68,8 @@ def check_calibration(calibration: object) -> None:
         )
     if calibration in _CALIBRATION_WORDS or Path(calibration).is_file():
         return
+    if not os.fspath(calibration).strip():  # Path("") is ".", a folder
+        raise ClusterError(f"calibration={calibration!r} is empty; {_CALIBRATION_CHOICES}")
     if Path(calibration).is_dir():  # a folder exists: "does not exist" sent the user looking for a typo
         raise ClusterError(
             f"calibration={str(calibration)!r} is a folder, not a calibration file; {_CALIBRATION_CHOICES}"
