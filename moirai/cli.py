@@ -97,7 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     compile_ = commands.add_parser("compile", help="compile a model from a factory, print the plan")
-    compile_.add_argument("factory", metavar="MODULE:FACTORY", help="FACTORY() returns (model, example_inputs)")
+    compile_.add_argument(
+        "factory", metavar="MODULE:FACTORY", help="FACTORY() returns (model, example_inputs[, example_kwargs])"
+    )
     where = compile_.add_mutually_exclusive_group(required=True)
     where.add_argument("--devices", help="comma-separated torch devices, e.g. cpu,cpu or cuda:0,cuda:1,cpu")
     where.add_argument("--cluster", help="a cluster file (TOML) or a preset name (see moirai.Cluster.presets())")
@@ -144,11 +146,12 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
     # `is not None`: --devices "" is a list of no devices (refused as such), not --cluster left out.
     devices = _device_list(args.devices) if args.devices is not None else _cluster(args.cluster)
     check_calibration(args.calibration)  # before the factory builds the model, which may take minutes
-    model, example_inputs = _load_factory(args.factory)
+    model, example_inputs, example_kwargs = _load_factory(args.factory)
     compiled = moirai.compile(
         model,
         devices,
         example_inputs=example_inputs,
+        example_kwargs=example_kwargs,
         placer=args.placer,
         cost=args.cost,
         calibration=args.calibration,
@@ -165,7 +168,8 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
         console.print(f"schedule drawn in {args.gantt}", highlight=False)
     if args.check:
         with torch.no_grad():
-            expected, actual = model(*example_inputs), compiled(*example_inputs)
+            expected = model(*example_inputs, **example_kwargs)
+            actual = compiled(*example_inputs, **example_kwargs)
         try:
             torch.testing.assert_close(actual, expected)
         except AssertionError as mismatch:
@@ -300,8 +304,9 @@ def _cluster(name_or_path: str) -> moirai.Cluster:
     return moirai.Cluster.from_file(name_or_path)
 
 
-def _load_factory(spec: str) -> tuple[torch.nn.Module, tuple]:
-    """Import ``MODULE:FACTORY``, call it, and return ``(model, example_inputs)``."""
+def _load_factory(spec: str) -> tuple[torch.nn.Module, tuple, dict[str, Any]]:
+    """Import ``MODULE:FACTORY``, call it, and return ``(model, example_inputs, example_kwargs)``: it returns the
+    first two, all three (a model with keyword inputs), or a model with an ``example_inputs`` attribute."""
     module_name, _, factory_name = spec.rpartition(":")
     if not module_name or not factory_name:
         raise MoiraiError(f"{spec!r} is not MODULE:FACTORY (e.g. mymodels.py:make_model or mypackage.models:make)")
@@ -319,14 +324,22 @@ def _load_factory(spec: str) -> tuple[torch.nn.Module, tuple]:
         made = factory()
     except Exception as error:  # the user's code: report it on one line like our own errors
         raise MoiraiError(f"{spec}() raised {type(error).__name__}: {error}") from error
-    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
-        model, example_inputs = made
+    example_kwargs: Any = {}
+    if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], torch.nn.Module):
+        model, example_inputs, *rest = made
+        example_kwargs = rest[0] if rest else {}
     elif isinstance(made, torch.nn.Module) and hasattr(made, "example_inputs"):
         model, example_inputs = made, made.example_inputs
     else:
+        shape = f"a tuple of {len(made)}" if isinstance(made, tuple) else type(made).__name__
         raise MoiraiError(
-            f"{spec}() must return (model, example_inputs) or a model with an example_inputs attribute, "
-            f"not {type(made).__name__}"
+            f"{spec}() must return (model, example_inputs), (model, example_inputs, example_kwargs) or a model with "
+            f"an example_inputs attribute, not {shape}"
+        )
+    if not isinstance(example_kwargs, dict):
+        raise MoiraiError(
+            f"{spec}() gave example_kwargs of type {type(example_kwargs).__name__}; give a dict of the model's keyword "
+            "inputs, e.g. (model, (x,), {'mask': mask})"
         )
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
@@ -336,7 +349,7 @@ def _load_factory(spec: str) -> tuple[torch.nn.Module, tuple]:
             "model's inputs, e.g. (model, (torch.randn(4, 32),))"
         )
     example_inputs = tuple(example_inputs)
-    return model.eval(), example_inputs
+    return model.eval(), example_inputs, example_kwargs
 
 
 def _import(module_name: str) -> Any:

@@ -36,6 +36,21 @@ NOT_CALLABLE = 5
 
 def gives_text():
     return torch.nn.Linear(2, 2), "abc"
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, *, scale):
+        return self.linear(x) * scale
+
+def with_keywords():
+    torch.manual_seed(0)
+    return Scaled(), (torch.randn(2, 8),), {"scale": torch.full((1,), 3.0)}
+
+def keywords_not_a_dict():
+    return Scaled(), (torch.randn(2, 8),), [3.0]
 """
 
 
@@ -184,6 +199,7 @@ def test_compile_a_py_path_whose_model_carries_example_inputs_on_a_preset(factor
         (["plan", "{factory}", "--output", "{factory}/x.json"], "'{factory}' is a file, not a folder"),
         (["compile", "{factory}:NOT_CALLABLE", "--devices", "cpu"], ":NOT_CALLABLE is not callable (it is int 5)"),
         (["compile", "{factory}:gives_text", "--devices", "cpu"], "gave example inputs of type str; give a tensor"),
+        (["compile", "{factory}:keywords_not_a_dict", "--devices", "cpu"], "gave example_kwargs of type list"),
         (["compile", "{tmp}:make", "--devices", "cpu"], "cannot import {tmp}: it is a folder; name the .py file"),
         (["compile", "{tmp}/tiny.txt:make", "--devices", "cpu"], "there is no file '{tmp}/tiny.txt'"),
         # A minute of measuring, then nothing saved; a world of 100000 ranks hung.
@@ -345,3 +361,10 @@ def test_calibrating_nccl_without_two_gpus_says_what_the_machine_lacks(tmp_path,
     assert main(["calibrate", "--backend", "nccl", "--output", str(tmp_path / "c.toml")]) == 2
     error = capsys.readouterr().err
     assert "at least 2 local nccl ranks" in error and "--backend gloo" in error and "or fewer" not in error
+
+
+def test_a_factory_gives_keyword_inputs_as_a_third_item(factory_file: Path, capsys) -> None:
+    """A model with keyword inputs could not be compiled from the shell: the error said to pass example_kwargs."""
+    code = main(["compile", f"{factory_file}:with_keywords", "--devices", "cpu", "--placer", "heft", "--check"])
+    assert code == 0, capsys.readouterr().err
+    assert "match" in capsys.readouterr().out
