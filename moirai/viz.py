@@ -59,6 +59,7 @@ _PALETTE = "tab20"
 _TRANSFER_COLOUR = "0.45"
 _MAX_LEGEND_GROUPS = 11  # more kinds than this: the ones with the least time share one grey "other"
 _OTHER, _TRANSFER, _CRITICAL, _CRITICAL_LABEL = "other", "transfer", "black", "critical path"
+_DRIVER, _DRIVER_COLOUR, _DRIVER_HEIGHT = "the driver's messages", "0.6", 0.12
 _TASK_HEIGHT, _TRANSFER_HEIGHT, _UNDERLINE_HEIGHT = 0.7, 0.5, 0.1
 # A legend line in "small" type, and what the title and the axis label take besides (inches).
 _LEGEND_LINE_IN, _LEGEND_MARGIN_IN = 0.2, 1.0
@@ -303,6 +304,25 @@ def check_picture_path(path: str | Path) -> None:
         raise MoiraiError(f"cannot draw into {str(path)!r}: name a picture file, one of .{', .'.join(supported)}")
 
 
+def _driver_messages(problem: Problem, timeline: Timeline) -> list[tuple[int, float, float]]:
+    """(device, start, finish) of the driver's messages a request waits for, on the device that waits: until a
+    device's header and inputs have come (its tasks' earliest release), and from a task that makes a model output
+    until that output is with the driver on device 0. The latency counts them; without them the picture's bars end
+    before it does."""
+    costs = problem.costs
+    bars = []
+    for k in np.unique(timeline.placement):
+        on = np.flatnonzero(timeline.placement == k)
+        first = float(costs.release_s[on, k].min())
+        if first > 0:
+            bars.append((int(k), 0.0, first))
+    for i in range(problem.num_tasks):
+        k = int(timeline.placement[i])
+        if costs.output_s[i, k] > 0:
+            bars.append((k, float(timeline.task_finish[i]), float(timeline.task_finish[i] + costs.output_s[i, k])))
+    return bars
+
+
 def gantt(
     problem: Problem,
     plan: Plan,
@@ -358,7 +378,7 @@ def gantt(
     unit, scale = _time_unit(predicted_latency_s(timeline))
 
     # Tall enough for the lanes, and for the legend beside them: one line per colour, the transfers, the critical path.
-    legend_lines = len(ordered) + bool(timeline.transfers) + 1
+    legend_lines = len(ordered) + bool(timeline.transfers) + bool(_driver_messages(problem, timeline)) + 1
     height_in = max(1.2 + 0.45 * len(lane.labels), _LEGEND_MARGIN_IN + _LEGEND_LINE_IN * legend_lines)
     fig, ax = plt.subplots(figsize=(11, height_in), layout="constrained")
     plt.close(fig)  # not pyplot's to show: Jupyter shows the returned figure once, scripts save it
@@ -385,6 +405,17 @@ def gantt(
             linewidth=0.3,
             label=_TRANSFER,
         )
+    driver = _driver_messages(problem, timeline)
+    if driver:
+        ax.barh(  # a strip above the lane's bars: an output's message goes while later tasks run
+            [lane_y - _TASK_HEIGHT / 2 - _DRIVER_HEIGHT / 2 for lane_y, _, _ in driver],
+            [(finish - start) / scale for _, start, finish in driver],
+            left=[start / scale for _, start, _ in driver],
+            height=_DRIVER_HEIGHT,
+            color=_DRIVER_COLOUR,
+            linewidth=0,
+            label=_DRIVER,
+        )
     # The critical path underlines its tasks and transfers (outlines would hide short bars).
     on_path = [
         (int(timeline.placement[i]), _TASK_HEIGHT, timeline.task_start[i], timeline.task_finish[i])
@@ -410,9 +441,10 @@ def gantt(
         ax.axhline(problem.num_devices - 0.5, color="0.8", linewidth=0.8)
     ax.grid(axis="x", color="0.92")
     ax.set_axisbelow(True)
-    labels = [*ordered, *([_TRANSFER] if timeline.transfers else []), _CRITICAL_LABEL]
+    labels = [*ordered, *([_TRANSFER] if timeline.transfers else []), *([_DRIVER] if driver else []), _CRITICAL_LABEL]
     handles = [Patch(facecolor=colour[g]) for g in ordered]
     handles += [Patch(facecolor=_TRANSFER_COLOUR)] if timeline.transfers else []
+    handles += [Patch(facecolor=_DRIVER_COLOUR)] if driver else []
     handles.append(Patch(facecolor=_CRITICAL))
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
     ax.set_title(title or f"{plan.placer or 'plan'}: {headline(problem, plan, timeline, objective)}", loc="left")

@@ -71,6 +71,27 @@ def test_gantt_writes_a_png_with_one_lane_per_device_and_per_link_in_use(problem
     assert svg.read_text().lstrip().startswith("<?xml")
 
 
+def test_the_driver_messages_fill_the_picture_to_the_latency(problem) -> None:
+    """The latency counts the header's way to a device and a model output's way back to device 0: the bars ended
+    before the latency did, with nothing drawn in between."""
+    import dataclasses
+
+    costs = dataclasses.replace(
+        problem.costs, header_s=np.array([0.0, 0.003]), output_s=np.array([[0.0, 0.0]] * 3 + [[0.0, 0.004]])
+    )
+    costed = dataclasses.replace(problem, costs=costs)
+    plan = moirai.Plan(np.array([0, 0, 1, 1]), costed.device_names, placer="by hand")  # the output made on gpu1
+    timeline = moirai.simulate(costed, plan)
+    figure = moirai.gantt(costed, plan)
+    (axes,) = figure.axes
+    (driver,) = [c for c in axes.containers if c.get_label() == "the driver's messages"]
+    spans = sorted((b.get_x(), b.get_x() + b.get_width()) for b in driver.patches)
+    head = costed.task_index("head")
+    expected = [(0.0, 3.0), (timeline.task_finish[head] * 1e3, timeline.makespan_s * 1e3)]  # ms
+    np.testing.assert_allclose(np.array(spans), np.array(expected))
+    assert "the driver's messages" in [t.get_text() for t in axes.get_legend().get_texts()]
+
+
 def test_the_legend_of_many_kinds_fits_in_the_picture() -> None:
     """A 2-layer BERT's 12 kinds, the transfers and the critical path: the legend ran off the picture's bottom."""
     problem_of_many = moirai.Problem.from_dict(
