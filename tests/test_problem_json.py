@@ -91,6 +91,8 @@ EDITS = [
     (("tasks", 0, "compute_s", 1), NAN, ["tasks[0].compute_s[1] is NaN", "non-negative number of seconds"]),
     (("tasks", 0, "compute_s", 1), -1, ["tasks[0].compute_s[1] is -1.0", "Infinity (the task cannot run"]),
     (("tasks", 0, "memory_bytes"), -1, ["tasks[0].memory_bytes is -1.0", "finite non-negative number of bytes"]),
+    # Planned, with sums that overflowed: 'busy inf', 'gap nan%' and numpy's overflow warnings.
+    (("tasks", 0, "compute_s", 0), 1e308, ["tasks[0].compute_s[0] is 1e+308", "seconds up to 1e+18, or Infinity"]),
     (("tasks", 0, "memory_bytes"), INF, ["tasks[0].memory_bytes is Infinity", "finite"]),
     (("devices", 0, "memory_bytes"), NAN, ["devices[0].memory_bytes is NaN", "Infinity (unlimited memory)"]),
     (("devices", 0, "memory_bytes"), -8e9, ["devices[0].memory_bytes is -8000000000.0"]),

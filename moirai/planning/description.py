@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -26,18 +26,20 @@ class Quantity:
 
     unit: str
     infinite: str = ""  # what Infinity means in this field; "" where it means nothing and is refused
+    # Larger finite values are refused: sums of them overflowed to inf and the plan's figures read inf and nan.
+    largest: ClassVar[float] = 1e18
 
     def wrong(self, values: Any) -> np.ndarray:
         """Where ``values`` (a number or an array) break the rule."""
         values = np.asarray(values, float)
-        wrong = np.isnan(values) | (values < 0)
+        wrong = np.isnan(values) | (values < 0) | (np.isfinite(values) & (values > self.largest))
         return wrong if self.infinite else wrong | np.isinf(values)
 
     def rule(self) -> str:
         """The rule in words, for the end of an error message."""
         if self.infinite:
-            return f"a non-negative number of {self.unit}, or Infinity ({self.infinite})"
-        return f"a finite non-negative number of {self.unit}"
+            return f"a non-negative number of {self.unit} up to {self.largest:g}, or Infinity ({self.infinite})"
+        return f"a finite non-negative number of {self.unit} up to {self.largest:g}"
 
 
 SECONDS = Quantity("seconds")  # a time that always passes: CPU time, a per-request cost, a latency
