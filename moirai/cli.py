@@ -177,7 +177,7 @@ def _compile(args: argparse.Namespace, console: Console) -> int:
             Console(stderr=True).print(f"[red]outputs differ[/] from the model's: {escape(first_line)}", soft_wrap=True)
             return 1
         used = len(set(compiled.node_device.values()))
-        console.print(f"[green]match[/]: the split model on {used} device(s) gives the model's outputs")
+        console.print(f"[green]match[/]: the split model on {used} device{'s' * (used != 1)} gives the model's outputs")
     return 0
 
 

@@ -86,7 +86,8 @@ def describe_plan(plan: Plan) -> str:
     """A plan in a few words: its placer, the devices it uses and what it predicts."""
     used = sorted(set(plan.placement.tolist()))
     names = ", ".join(plan.device_names[k] for k in used)
-    words = f"{plan.placer or 'a plan'}'s plan of {len(plan.placement)} op groups on {names}"
+    groups = len(plan.placement)
+    words = f"{plan.placer or 'a plan'}'s plan of {groups} op group{'s' * (groups != 1)} on {names}"
     if plan.objective_s is not None:
         value_ms = f"{plan.objective_s * 1e3:.3g} ms"
         words += {"latency": f", {value_ms} a request", "throughput": f", a request every {value_ms}"}.get(
