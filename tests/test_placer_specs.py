@@ -3,6 +3,7 @@ and the demo's baselines read them, and the registry applies the memory precondi
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -137,6 +138,16 @@ def test_every_placer_names_the_tensor_no_link_can_carry_where_no_plan_exists(na
     problem = _linked_chain([[True, False, False], [True, True, True], [False, False, True]], [(0, 1), (2, 1)])
     with pytest.raises(InfeasibleError, match=r"no plan exists: tensor 't\d' goes from task 'x\d'"):
         place(problem, placer=name, **({"time_limit_s": 2} if spec(name).takes("time_limit_s") else {}))
+
+
+@pytest.mark.parametrize("name", list_placers())
+def test_every_placers_plan_is_written_as_json_and_read_back(name):
+    """m_sct's orders held numpy integers: Plan.to_dict() was no JSON, and `moirai plan --output` crashed."""
+    problem = random_problem(1, 6, 2)
+    plan = place(problem, placer=name, **({"time_limit_s": 1} if spec(name).takes("time_limit_s") else {}))
+    back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert back.placement.tolist() == plan.placement.tolist() and back.order == plan.order
+    assert back.transfer_order == plan.transfer_order
 
 
 def test_links_that_leave_one_way_through_are_no_refusal():

@@ -83,10 +83,11 @@ class Plan:
         return {
             "placement": self.placement.tolist(),
             "device_names": list(self.device_names),
-            "order": None if self.order is None else [list(o) for o in self.order],
+            # Python ints: a placer's orders may hold numpy's (m_sct's did), which json cannot write.
+            "order": None if self.order is None else [[int(i) for i in o] for o in self.order],
             "transfer_order": None
             if self.transfer_order is None
-            else [[a, b, list(tensors)] for (a, b), tensors in self.transfer_order.items()],
+            else [[int(a), int(b), [int(t) for t in tensors]] for (a, b), tensors in self.transfer_order.items()],
             "placer": self.placer,
             "makespan_s": self.makespan_s,
             "objective": self.objective,
