@@ -169,6 +169,19 @@ def test_pesto_finds_the_optimum_of_a_tiny_two_device_instance():
     assert simulate(problem, plan).makespan_s == pytest.approx(brute_force_optimum(problem), abs=1e-6)
 
 
+@pytest.mark.parametrize("slow_s", [1e3, 1e9])
+def test_pesto_finds_the_optimum_where_one_device_is_far_slower_or_takes_no_time(slow_s):
+    """A task of no time on one device made the horizon 1e-12 s and the other device's time a coefficient of 1e15,
+    which HiGHS does not read: a raw RuntimeError (found by a fuzz of the planning core)."""
+    free = make_problem({"a": [0.0, slow_s]}, [])
+    plan = get_placer("pesto")(free, time_limit_s=5.0)
+    assert plan.placement.tolist() == [0] and simulate(free, plan).makespan_s == 0.0
+    times = {"a": [1e-9, slow_s], "b": [1.0, 1e-9], "c": [slow_s, 0.5]}
+    problem = make_problem(times, [("a", "b", 0.1), ("b", "c", 0.1)])
+    plan = get_placer("pesto")(problem, time_limit_s=5.0)
+    assert simulate(problem, plan).makespan_s == pytest.approx(brute_force_optimum(problem), abs=1e-6)
+
+
 def test_pesto_falls_back_to_heft_where_its_m_etf_warm_start_finds_no_room():
     # m-ETF puts t0 (3 GB) on d0 (3 GB), and then t2, which runs only on d0, fits nowhere; HEFT keeps d0 for t2. Pesto
     # passed on m-ETF's "cannot fit" though a plan exists.
@@ -214,14 +227,17 @@ def test_pesto_coarsening_merges_the_heaviest_edge_and_keeps_a_dag():
 
 def test_pesto_starts_from_its_warm_start_and_falls_back_to_it(monkeypatch):
     problem = gigabyte_tasks(20, 3, seed=2)
-    # With no time to search, the incumbent is the m-ETF warm start handed to HiGHS.
+    # With no time to search, the incumbent is the warm start handed to HiGHS: the shorter of m-ETF's schedule and
+    # HEFT's (here HEFT's, 15.2 against 19.2 s), whose simulated times meet the ILP's rows.
     plan = get_placer("pesto")(problem, time_limit_s=0.0)
     assert plan.report.solver_status.startswith("ILP feasible")
     monkeypatch.setattr(pesto, "solve_pesto_ilp", lambda *args: None)
     fallback = get_placer("pesto")(problem, time_limit_s=0.0)
-    assert fallback.report.solver_status.startswith("m_etf warm start")
+    assert fallback.report.solver_status.startswith("HEFT warm start")
     groups = coarsen(problem, target_tasks=200)
-    warm_start = m_etf_schedule(merge_tasks(problem, groups))
+    coarse = merge_tasks(problem, groups)
+    warm_start = pesto._heft_of(coarse)
+    assert warm_start.makespan_s < m_etf_schedule(coarse).makespan_s
     for group, members in enumerate(groups):
         assert set(fallback.placement[members]) == {warm_start.placement[group]}
 

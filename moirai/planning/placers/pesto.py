@@ -32,8 +32,11 @@ share the device (or link): ``S_i >= C_j - M delta - M (1 - same)`` and
 docs/design.md (eq. (10) prints ``+M_s delta``).
 
 HiGHS (through Pyomo) starts from the m-ETF schedule of the coarse graph, which is feasible
-for the ILP (the coarse graph has one tensor per edge, like the augmented graph); its
-makespan is the horizon and so the big-M. The solver stops at the placer's wall-clock
+for the ILP (the coarse graph has one tensor per edge, like the augmented graph), or from HEFT's where that is
+shorter (simulated: the simulator prices more than the ILP, so its times meet the ILP's rows); its
+makespan is the horizon and so the big-M. A task or an edge that alone takes longer than the horizon is
+forbidden where it would run, not priced (its scaled time can be more than HiGHS reads), and a start that takes
+no time is the plan. The solver stops at the placer's wall-clock
 budget ``time_limit_s`` (building the model counts) and its best incumbent is used; if it
 returns none, the warm start stands in; where m-ETF's greedy placement finds no room for a task, HEFT's
 plan of the whole graph stands in for pesto's (the report says so). Members of a group run on its device, groups in
@@ -43,10 +46,10 @@ the order of their start times.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import networkx as nx
 import numpy as np
@@ -62,6 +65,7 @@ from moirai.planning.problem import Problem
 from moirai.planning.report import SolverReport
 from moirai.planning.schedule import ScheduleBuilder, transfer_duration_s
 from moirai.planning.schedule.heft import heft_schedule, upward_rank_mean_costs
+from moirai.planning.simulate import simulate
 
 
 @register("pesto", minimises=True, respects_memory=True)
@@ -75,11 +79,22 @@ def place_pesto(problem: Problem, target_tasks: int = 200, time_limit_s: float =
         heuristic = m_etf_schedule(coarse)
     except InfeasibleError as error:  # its greedy choices left a task no room, where another placer may find one
         return _heft_fallback(problem, f"m_etf found no warm start: {error}")
-    solution = solve_pesto_ilp(coarse, heuristic, deadline)
+    # The ILP starts from the shorter of m-ETF's and HEFT's schedules, whose makespan is its horizon (big-M and time
+    # unit): m-ETF starts each task where it can start soonest, and on a chain whose fast devices alternate took
+    # 1e9 s where 0.6 s would do; scaled by that, better plans differed by less than the solver's tolerances and one
+    # of 1.6 s came back as optimal.
+    start, name = heuristic, "m_etf"
+    heft = _heft_of(coarse)
+    if heft is not None and heft.makespan_s < heuristic.makespan_s:
+        start, name = heft, "HEFT"
+    # A start that takes no time is optimal, and a horizon of zero would scale every time to infinity.
+    solution = solve_pesto_ilp(coarse, start, deadline) if start.makespan_s > 0 else None
     report = SolverReport(solver="highs", notes={"coarse_tasks": coarse.num_tasks, "time_limit_s": time_limit_s})
     if solution is None:
-        group_device, group_start = heuristic.placement, heuristic.start_s
-        report.solver_status = "m_etf warm start (the solver returned no incumbent)"
+        group_device, group_start = start.placement, start.start_s
+        report.solver_status = f"{name} warm start (" + (
+            "it takes no time: optimal)" if start.makespan_s <= 0 else "the solver returned no incumbent)"
+        )
     else:
         group_device, group_start, report.solver_status = solution
     placement = np.empty(problem.num_tasks, int)
@@ -95,6 +110,29 @@ def place_pesto(problem: Problem, target_tasks: int = 200, time_limit_s: float =
     for task in order:
         per_device[placement[task]].append(task)
     return Plan(placement, problem.device_names, order=tuple(map(tuple, per_device)), placer="pesto", report=report)
+
+
+class _SimulatedStart(NamedTuple):
+    """A simulated schedule as the ILP's warm start reads one (a :class:`ScheduleBuilder`'s fields): the simulator
+    prices more than the ILP (the runtime's sends and receives), so its times meet every row of the ILP's."""
+
+    placement: np.ndarray
+    start_s: np.ndarray
+    finish_s: np.ndarray
+    arrival_s: np.ndarray  # [tensor, device]: when the tensor is there (NaN where it never goes)
+    makespan_s: float
+
+
+def _heft_of(coarse: Problem) -> _SimulatedStart | None:
+    """HEFT's schedule of the coarse graph, simulated (None where it finds no room)."""
+    try:
+        timeline = simulate(coarse, heft_schedule(coarse, upward_rank_mean_costs(coarse)))
+    except InfeasibleError:
+        return None
+    arrival = np.full((coarse.num_tensors, coarse.num_devices), np.nan)
+    for transfer in timeline.transfers:
+        arrival[transfer.tensor, transfer.dst] = transfer.finish
+    return _SimulatedStart(timeline.placement, timeline.task_start, timeline.task_finish, arrival, timeline.makespan_s)
 
 
 def _heft_fallback(problem: Problem, reason: str) -> Plan:
@@ -243,7 +281,7 @@ class PestoIlp:
 
 
 def solve_pesto_ilp(
-    problem: Problem, warm_start: ScheduleBuilder, deadline: float
+    problem: Problem, warm_start: ScheduleBuilder | _SimulatedStart, deadline: float
 ) -> tuple[np.ndarray, np.ndarray, str] | None:
     """Device and start time of every task from the Pesto ILP's best incumbent, or None if there is none.
 
@@ -268,6 +306,9 @@ def solve_pesto_ilp(
     return placement, start, f"ILP {'optimal' if outcome.optimal else 'feasible'} ({outcome.status})"
 
 
+_PAST_HORIZON = 1 + 1e-9  # a scaled time above this is longer than the horizon (rounding aside)
+
+
 def build_pesto_ilp(problem: Problem, horizon_s: float) -> PestoIlp:
     """The Pesto ILP for ``problem``, times scaled so that ``horizon_s`` (a bound on the optimum; the big-M) is 1."""
     n, k = problem.num_tasks, problem.num_devices
@@ -279,10 +320,12 @@ def build_pesto_ilp(problem: Problem, horizon_s: float) -> PestoIlp:
         for e, (u, v) in enumerate(edges)
         for a, b in links
     }
-    # An edge over a pair of devices with no link (infinite transfer time) is forbidden by a row, not priced.
-    unlinked = [key for key, seconds in edge_s.items() if not math.isfinite(seconds)]
+    # An edge over a pair of devices with no link (infinite transfer time) is forbidden by a row, not priced; so is
+    # one, and a task on a device, that alone takes longer than the horizon: no plan within it has them, and their
+    # scaled times (1e15 where a fast device made the horizon tiny) are more than HiGHS reads.
+    unlinked = [key for key, scaled in edge_s.items() if not scaled <= _PAST_HORIZON]
     edge_s.update(dict.fromkeys(unlinked, 0.0))
-    runnable = problem.fits
+    runnable = problem.fits & (problem.compute_s / horizon <= _PAST_HORIZON)
     compute = np.where(runnable, problem.compute_s, 0.0) / horizon
     reach = problem.reachable()
     task_pairs = [(i, j) for i, j in itertools.combinations(range(n), 2) if not (reach[i, j] or reach[j, i])]
@@ -352,7 +395,7 @@ def _ordered_by_a_path(before: tuple[int, int], after: tuple[int, int], reach: n
     return before[1] == after[0] or bool(reach[before[1], after[0]])
 
 
-def _warm_start_values(problem: Problem, ilp: PestoIlp, schedule: ScheduleBuilder) -> ComponentMap:
+def _warm_start_values(problem: Problem, ilp: PestoIlp, schedule: ScheduleBuilder | _SimulatedStart) -> ComponentMap:
     """Values of every variable of ``ilp`` for the list schedule ``schedule``."""
     m, unit = ilp.model, ilp.horizon_s
     placement = schedule.placement
