@@ -78,6 +78,9 @@ class _Label(NamedTuple):
     state: int
     parent: _Label | None
     device: int
+    # throughput: by device, the load its stage's outputs put on its link to device 0, open while a later stage may
+    # still go to device 0 and receive tensors on that link too (the simulator adds the two; Timeline.link_busy_s)
+    to_zero_s: tuple[float, ...] = ()
 
 
 class _Pricing:
@@ -218,6 +221,7 @@ def _search(
         0,
         None,
         -1,
+        (0.0,) * len(p.always) if throughput else (),
     )
     buckets[0][0] = [start]
     best: _Label | None = None
@@ -249,7 +253,7 @@ def _search(
                             break  # a prefix's stage only grows, by at least what the rest loses
                         if throughput and remaining[target] > 0 and remaining[target] >= limit_s * free:
                             continue
-                        new = _close(p, space, label, stage, target, used, throughput)
+                        new = _close(p, space, label, stage, target, used, throughput, devices.may_take(used, 0))
                         if new is None:
                             continue
                         if new.value_s >= limit_s:
@@ -339,9 +343,17 @@ def _supersets(space: _Space, s: int) -> tuple[tuple[int, tuple[int, ...]], ...]
 
 
 def _close(
-    p: _Pricing, space: _Space, label: _Label, stage: _Stage, target: int, used: int, throughput: bool
+    p: _Pricing,
+    space: _Space,
+    label: _Label,
+    stage: _Stage,
+    target: int,
+    used: int,
+    throughput: bool,
+    zero_may_follow: bool = False,
 ) -> _Label | None:
-    """The label of ``label`` followed by ``stage`` up to state ``target``, or None if a link is missing."""
+    """The label of ``label`` followed by ``stage`` up to state ``target``, or None if a link is missing.
+    ``zero_may_follow``: a later stage may still go to device 0 (``used`` leaves it free)."""
     d = stage.device
     holding = {t: stage.pending.get(t, d) for t in space.crossing[target]}
     pending = tuple(sorted(holding.items()))
@@ -351,13 +363,23 @@ def _close(
             loads[a] += seconds
         loads[0] += stage.driver_s + p.driver_taking_part[d]
         loads[d] = loads.get(d, p.always[d]) + p.taking_part[d] + stage.busy_s + stage.own_s
-        # The outputs' link to device 0 is taken apart from the tensors a later stage there receives on it.
         from_driver = stage.link_s.get(0, 0.0) + stage.input_link_s
-        closed = max(label.closed_s, stage.output_link_s, from_driver, max(stage.link_s.values(), default=0.0))
+        links = dict(stage.link_s)
+        to_zero = list(label.to_zero_s)
+        if d == 0:  # the tensors it receives from a share a's link to device 0 with a's outputs: the loads add
+            for a, seconds in enumerate(to_zero):
+                links[a] = links.get(a, 0.0) + seconds
+            to_zero = [0.0] * len(to_zero)
+        elif zero_may_follow:
+            to_zero[d] = stage.output_link_s
+        closed = max(label.closed_s, from_driver, max(links.values(), default=0.0))
+        if d != 0 and not zero_may_follow:
+            closed = max(closed, stage.output_link_s)
         holders = tuple(sorted({0, *holding.values()}))
         closed = max([closed, *(load for a, load in loads.items() if a not in holders)])
         open_s = tuple(loads[a] for a in holders)
-        value = max(closed, *open_s)
+        value = max(closed, *open_s, *to_zero)
+        return _Label(value, closed, open_s, holders, pending, used, target, label, d, tuple(to_zero))
     else:
         ready = max((label.closed_s + stage.link_s[a] + stage.sent_s[a] for a in stage.link_s), default=0.0)
         finish = max(label.closed_s, ready, stage.release_s) + stage.busy_s
@@ -373,11 +395,11 @@ def _keep(bucket: dict[int, list[_Label]], new: _Label, limit: int | None) -> No
     """Add ``new`` to its state's labels of the same used devices unless one as good in every load holds the same
     tensors; drop those it beats so; keep the ``limit`` best by value (None: all)."""
     labels = bucket.setdefault(new.used, [])
-    vector = (new.closed_s, *new.open_s)
+    vector = (new.closed_s, *new.open_s, *new.to_zero_s)
     kept = []
     for old in labels:
         if old.pending == new.pending:
-            other = (old.closed_s, *old.open_s)
+            other = (old.closed_s, *old.open_s, *old.to_zero_s)
             if all(a <= b for a, b in zip(other, vector, strict=True)):
                 return
             if all(b <= a for a, b in zip(other, vector, strict=True)):
@@ -420,6 +442,10 @@ class _Devices:
 
     def use(self, used: int, device: int) -> int:
         return used | 1 << device if self.subsets else self.order.index(device) + 1
+
+    def may_take(self, used: int, device: int) -> bool:
+        """Whether ``device`` may still take a stage after ``used``."""
+        return not used >> device & 1 if self.subsets else self.order.index(device) >= used
 
 
 def _plan(problem: Problem, space: _Space, best: _Label, throughput: bool, exact: bool, searches: int) -> Plan:
