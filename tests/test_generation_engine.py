@@ -14,6 +14,7 @@ import moirai
 from moirai.errors import DistributedError, InputError, RequestError
 from moirai.generation.bans import TokenBans
 from moirai.generation.engine import Engine, SamplingParams, SequenceState, done_future
+from moirai.runtime.driver import ServedFuture
 
 
 class FakeSteps:
@@ -196,7 +197,7 @@ def test_a_cancelled_sequence_stops_at_its_next_step_and_frees_its_slot() -> Non
     assert engine.unfinished == 0
 
 
-class _CancelledAsItEnds(Future):
+class _CancelledAsItEnds(ServedFuture):
     """A future its caller cancels from another thread just as the engine settles it."""
 
     def set_result(self, result: object) -> None:
