@@ -200,7 +200,7 @@ def brute_force_optimum(problem: Problem, contention: bool = True) -> float:
     reaches the best found."""
     k = problem.num_devices
     topological_orders = list(nx.all_topological_sorts(problem.graph))
-    placements = [np.array(p) for p in itertools.product(range(k), repeat=problem.num_tasks)]
+    placements = [np.array(p, int) for p in itertools.product(range(k), repeat=problem.num_tasks)]  # () too
     placements = [
         p
         for p in placements

@@ -63,6 +63,12 @@ def topcuoglu_example() -> Problem:
 # --- lower bounds -----------------------------------------------------------------------
 
 
+def test_the_brute_force_optimum_of_no_tasks_is_zero():
+    """numpy read the empty placement as floats, and bincount refused them (found by a fuzz)."""
+    empty = Problem.from_dict({"devices": [{"name": "a"}, {"name": "b"}], "tasks": [], "edges": []})
+    assert brute_force_optimum(empty) == 0.0 == place(empty, "heft").makespan_s
+
+
 @pytest.mark.parametrize("seed", range(16))
 def test_lower_bound_never_exceeds_the_brute_force_optimum(seed):
     rng = np.random.default_rng(seed)
