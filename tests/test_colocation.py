@@ -329,3 +329,56 @@ def test_the_milp_with_sets_meets_the_brute_force_optimum():
             assert plan.makespan_s <= optimum * (1 + MIN_SPLIT_GAIN) + 1e-9, seed
         else:
             assert plan.makespan_s == pytest.approx(optimum, rel=1e-6), seed
+
+
+def _colocated_pair_heft_beats_milp_on() -> Problem:
+    """Found by a fuzz of the planning core (random_problem(10006, 15, 2, header_s=0.5, forbid_fraction=0.2) with a
+    colocated pair, shrunk): 7 tasks, 2 devices, task5 and task6 on one device, a header to dev1."""
+    inf = float("inf")
+    times = {
+        "task0": [1.29, 2.67], "task1": [1.16, 1.43], "task2": [2.44, 1.96], "task3": [inf, 0.81],
+        "task5": [0.92, 1.62], "task6": [inf, 2.57], "task8": [2.47, inf],
+    }  # fmt: skip
+    links = [
+        ("task2", "task3", 0.12, 0.95), ("task1", "task3", 1.38, 1.5), ("task3", "task6", 0.83, 1.81),
+        ("task0", "task5", 1.25, 1.27), ("task6", "task8", 1.73, 1.09),
+    ]  # fmt: skip
+    zeros = [[0.0, 0.0]] * len(times)
+    return Problem.from_dict(
+        {
+            "devices": [{"name": "dev0"}, {"name": "dev1"}],
+            "tasks": [{"name": name, "compute_s": seconds} for name, seconds in times.items()],
+            "edges": [
+                {"src": a, "dst": b, "bytes": 0.0, "transfer_s": [[0.0, there], [back, 0.0]]}
+                for a, b, there, back in links
+            ],
+            "colocated": [["task5", "task6"]],
+            "request_costs": {
+                "header_s": [0.0, 0.42],
+                "request_cpu_s": [0.0, 0.0],
+                "driver_part_cpu_s": [0.0, 0.0],
+                "output_s": zeros,
+                "output_send_cpu_s": zeros,
+                "output_recv_cpu_s": zeros,
+                "output_link_s": zeros,
+                "input_s": [],
+                "input_send_cpu_s": [],
+                "input_recv_cpu_s": [],
+                "input_link_s": [],
+                "input_readers": [],
+            },  # fmt: skip
+        }
+    )
+
+
+@pytest.mark.xfail(
+    strict=False,  # a faster machine's search might reach heft's plan by another way: no CI failure for that
+    reason="known, not fixed: place() list-schedules a placer's plan of the contracted problem (_groups_unbundled), "
+    "which takes heft's plan from a served period of 11.54 s to 9.48, but milp's start plans reach it through the "
+    "contraction without that step, and milp stays at 11.06 whatever its time limit (brute force: 8.39)",
+)
+def test_milp_is_no_worse_than_heft_where_colocated_tasks_are_list_scheduled() -> None:
+    problem = _colocated_pair_heft_beats_milp_on()
+    heft = place(problem, "heft", objective="throughput")
+    milp = place(problem, "milp", objective="throughput", time_limit_s=2.0, threads=1)
+    assert milp.objective_s <= heft.objective_s * (1 + 1e-9), (milp.objective_s, heft.objective_s)
