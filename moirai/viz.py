@@ -378,7 +378,8 @@ def gantt(
     unit, scale = _time_unit(predicted_latency_s(timeline))
 
     # Tall enough for the lanes, and for the legend beside them: one line per colour, the transfers, the critical path.
-    legend_lines = len(ordered) + bool(timeline.transfers) + bool(_driver_messages(problem, timeline)) + 1
+    driver = _driver_messages(problem, timeline)
+    legend_lines = len(ordered) + bool(timeline.transfers) + bool(driver) + 1
     height_in = max(1.2 + 0.45 * len(lane.labels), _LEGEND_MARGIN_IN + _LEGEND_LINE_IN * legend_lines)
     fig, ax = plt.subplots(figsize=(11, height_in), layout="constrained")
     plt.close(fig)  # not pyplot's to show: Jupyter shows the returned figure once, scripts save it
@@ -405,7 +406,6 @@ def gantt(
             linewidth=0.3,
             label=_TRANSFER,
         )
-    driver = _driver_messages(problem, timeline)
     if driver:
         ax.barh(  # a strip above the lane's bars: an output's message goes while later tasks run
             [lane_y - _TASK_HEIGHT / 2 - _DRIVER_HEIGHT / 2 for lane_y, _, _ in driver],

@@ -283,9 +283,7 @@ def dynamic_shapes_error(
     range, or a dimension the model fixes declared dynamic), naming the declared ranges; None for another error."""
     from torch._dynamo.exc import UserError, UserErrorType
 
-    if dynamic_shapes is None:
-        return None
-    if isinstance(error, UserError) and error.error_type is UserErrorType.INVALID_INPUT:
+    if dynamic_shapes is not None and isinstance(error, UserError) and error.error_type is UserErrorType.INVALID_INPUT:
         return TraceError(
             f"could not trace {model_name} with example inputs {_describe_tensors(args, kwargs)}: torch.export "
             f"refuses the form of the dynamic_shapes given ({_first_line(error)}). They mirror the inputs: a tuple "

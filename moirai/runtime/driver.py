@@ -285,6 +285,11 @@ class Driver:
                 continue  # a done callback of a request this failure failed (it ends when the callback returns)
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
+    @property
+    def idle(self) -> bool:
+        """No request is in flight (read without the lock: a hint, as a request may come or end at once)."""
+        return not self._pending
+
     def in_own_thread(self) -> bool:
         """The caller runs in the dispatcher or the completer (a done callback of a request's future)."""
         return threading.current_thread() in (self._dispatcher, self._completer)

@@ -182,8 +182,8 @@ class DistributedRunner:
                     "this runner is closing: a request submitted after close() began is not served; submit it "
                     "before closing, or to a new runner"
                 )
-            if self._driver is not None and self._driver.failure is None:
-                self._fail_on_a_dead_rank()
+            if self._driver is not None and self._driver.failure is None and self._driver.idle:
+                self._fail_on_a_dead_rank()  # only when idle: a death under load fails the requests in flight
             if self._driver is not None and self._driver.failure is not None:
                 self._stop()
             if self._driver is None:
