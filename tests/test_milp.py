@@ -191,11 +191,15 @@ def test_memory_infeasible_says_how_much_is_needed_and_available():
 @pytest.mark.slow
 def test_budget_is_honoured_on_a_large_problem_and_the_plan_is_no_worse_than_heft():
     problem = random_layered_problem(3000, 4, seed=5)
+    cpu_before_s = time.process_time()
     plan = place(problem, "milp", time_limit_s=5)
-    # The placer's own accounting: it stopped for its budget, and by its clock within it (a solver that ignored
-    # its limit would overrun by far more than the margin a loaded machine needs).
+    cpu_s = time.process_time() - cpu_before_s
+    # The placer's own accounting: it stopped for its budget, and by its clock within it; or, where other processes
+    # kept this one off the cores (a CI run's other tests: its clock ran on while it waited, and a step between
+    # looks at the clock took seconds), within it by the CPU time it got. A solver that ignored its limit would
+    # overrun both by far more than this margin.
     assert plan.report.stop_reason == StopReason.TIME_LIMIT
-    assert plan.report.elapsed_s <= plan.report.time_limit_s * 1.25, plan.report.phases_s
+    assert min(plan.report.elapsed_s, cpu_s) <= plan.report.time_limit_s * 1.25, (cpu_s, plan.report.phases_s)
     assert plan.report.strategy == "windows"
     assert plan.makespan_s <= min(plan.report.heuristics.values()) * (1 + 1e-12)
     assert plan.makespan_s == simulate(problem, plan).makespan_s
