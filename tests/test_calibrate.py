@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -774,3 +776,32 @@ def test_moirai_calibrate_sweeps_and_repeats_as_every_other_calibration(monkeypa
         == measure_module.DEFAULT_SIZES_BYTES
         == tuple(1024 * 4**k for k in range(8))
     )
+
+
+@pytest.mark.slow  # its ranks start on cores that spinning processes keep busy (10 s)
+def test_a_calibration_whose_ranks_share_their_cores_with_other_processes_says_so() -> None:
+    """A calibration on a busy machine measures its links slower than they are when quiet, and compile caches it for
+    the machine: one process spinning on each core (injected here) is said, with what to do."""
+    spin = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin, str(core)]) for core in os.sched_getaffinity(0)]
+    try:
+        with pytest.warns(moirai.MoiraiWarning, match=r"its ranks ran \d+% of the time .*calibration='remeasure'"):
+            timings = measure_module.measure_transfers(["cpu", "cpu"], (1024, 4096), repeats=2, warmup=0)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert all(t.core_share < measure_module.BUSY_CORE_SHARE for t in timings.values()), timings
+
+
+def test_a_calibration_warns_of_busy_cores_by_its_least_share_and_not_where_it_was_not_measured() -> None:
+    sizes = (1024, 4096)
+    quiet = TransferTimings(sizes, (1e-4, 2e-4), (1e-5, 1e-5), (1e-5, 1e-5), core_share=0.97)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        measure_module.warn_if_cores_were_busy(["cpu", "cpu"], {(0, 1): quiet, (1, 0): quiet})
+        unmeasured = dataclasses.replace(quiet, core_share=None)  # between hosts: not measured
+        measure_module.warn_if_cores_were_busy(["cpu", "cpu"], {(0, 1): unmeasured})
+    busy = dataclasses.replace(quiet, core_share=0.5)
+    with pytest.warns(moirai.MoiraiWarning, match=r"between cpu, cpu: its ranks ran 50% of the time they computed"):
+        measure_module.warn_if_cores_were_busy(["cpu", "cpu"], {(0, 1): quiet, (1, 0): busy})

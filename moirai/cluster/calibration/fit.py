@@ -53,6 +53,9 @@ class TransferTimings:
     receiver_cpu_s: tuple[float, ...]
     # Between hosts: the rate messages of the largest size sent back to back crossed at (None: not measured).
     stream_bytes_per_s: float | None = None
+    # The median share of its core the sender ran while it computed between messages (None: not measured): below 1,
+    # other processes took turns on it ([Note: a calibration on a busy machine]).
+    core_share: float | None = None
 
     def fit(self) -> TransferCost:
         latency, seconds_per_byte = fit_line(self.sizes_bytes, self.delay_s, "transfer delay")

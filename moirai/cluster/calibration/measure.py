@@ -26,7 +26,7 @@ import torch
 
 from moirai.cluster.calibration.fit import TransferCost, TransferTimings, costs_by_kind
 from moirai.cluster.kinds import CPU, kind_of
-from moirai.errors import ClusterError, DistributedError
+from moirai.errors import ClusterError, DistributedError, MoiraiWarning, user_stacklevel
 from moirai.safe_path import python_command
 
 if TYPE_CHECKING:
@@ -82,13 +82,40 @@ def measure_transfers(
         settings = [devices, listener.getsockname()[1], list(sizes), repeats, warmup, timeout_s, results_dir]
         run_ranks(settings, len(devices), timeout_s, entry=_rank_main, store_listener=listener, environment=transport)
         reports = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("rank*.json"))]
-    return {
+    timings = {
         (pair["src"], pair["dst"]): TransferTimings(
-            sizes, tuple(pair["delay_s"]), tuple(pair["sender_cpu_s"]), tuple(pair["receiver_cpu_s"])
+            sizes,
+            tuple(pair["delay_s"]),
+            tuple(pair["sender_cpu_s"]),
+            tuple(pair["receiver_cpu_s"]),
+            core_share=pair.get("core_share"),
         )
         for report in reports
         for pair in report
     }
+    warn_if_cores_were_busy(devices, timings)
+    return timings
+
+
+# Below this median share of its core, a sender computing between its messages shared the core with other
+# processes: a message then waits for the receiver's turn on its core too, and delays grow by whole time slices.
+BUSY_CORE_SHARE = 0.8
+
+
+def warn_if_cores_were_busy(devices: Sequence[str], timings: dict[tuple[int, int], TransferTimings]) -> None:
+    """Warn where the ranks of a calibration shared their cores with other processes (:data:`BUSY_CORE_SHARE`):
+    what it measured is the links of a busy machine, and it is cached for this one."""
+    shares = [t.core_share for t in timings.values() if t.core_share is not None]
+    if not shares or min(shares) >= BUSY_CORE_SHARE:
+        return
+    warnings.warn(
+        f"calibrating links between {', '.join(devices)}: its ranks ran {min(shares):.0%} of the time they computed "
+        "(other processes took turns on their cores), so the link costs it measured are higher than this machine's "
+        "when quiet, and plans made with them split less; measure again when the machine is quiet "
+        "(calibration='remeasure', or moirai calibrate --update-cache)",
+        MoiraiWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def measure_transfer_costs(
@@ -265,11 +292,14 @@ def measure_pairs(
 
     block = torch.ones(64, 64)
 
-    def compute_for(seconds: float) -> None:
-        """Keep this rank's core busy, as a part computing around its sends keeps it."""
-        deadline = time.perf_counter() + seconds
+    def compute_for(seconds: float) -> float:
+        """Keep this rank's core busy, as a part computing around its sends keeps it; returns the share of those
+        seconds this thread ran (below 1: other processes took turns on its core)."""
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        deadline = started + seconds
         while time.perf_counter() < deadline:
             block @ block
+        return (time.thread_time() - cpu_started) / max(time.perf_counter() - started, 1e-9)
 
     with _one_compute_thread():
         results = []
@@ -289,6 +319,7 @@ def measure_pairs(
                 offset_s = _clock_offset_s(group, src, dst, exchange, timeout)
             exchange += _CLOCK_PINGS
             medians: dict[str, list[float]] = {"delay_s": [], "sender_cpu_s": [], "receiver_cpu_s": []}
+            core_shares: list[float] = []
             for size in sizes:
                 shape = (max(1, size // 4),)
                 message = torch.ones(shape, device=device)
@@ -308,12 +339,12 @@ def measure_pairs(
                         messages.wait_sends()
                         continue
                     pending_reply = messages.post_recv((2,), torch.float64, dst, 1, "calibration reply")
-                    compute_for(_SENDER_PAUSE_S)
+                    share_before = compute_for(_SENDER_PAUSE_S)
                     synchronize()
                     cpu_before, sent_at = time.process_time(), time.perf_counter()
                     messages.send(message, dst, 0, "calibration message")
                     cpu_spent = time.process_time() - cpu_before
-                    compute_for(_SENDER_COMPUTES_ON_S)
+                    share_after = compute_for(_SENDER_COMPUTES_ON_S)
                     cpu_before = time.process_time()
                     messages.wait_sends()
                     synchronize()
@@ -323,6 +354,7 @@ def measure_pairs(
                         delays.append(held_at - offset_s - sent_at)
                         sender_cpu.append(cpu_spent)
                         receiver_cpu.append(waited_cpu)
+                        core_shares += [share_before, share_after]
                 if rank == src:
                     for key, values in zip(medians, (delays, sender_cpu, receiver_cpu), strict=True):
                         medians[key].append(statistics.median(values))
@@ -330,7 +362,10 @@ def measure_pairs(
             if across_hosts:
                 stream = _stream_bytes_per_s(group, src, dst, exchange, max(sizes), timeout, synchronize)
             if rank == src:
-                results.append((index, {"src": src, "dst": dst, **medians, "stream_bytes_per_s": stream}))
+                share = statistics.median(core_shares) if core_shares else None
+                results.append(
+                    (index, {"src": src, "dst": dst, **medians, "stream_bytes_per_s": stream, "core_share": share})
+                )
                 store.set(f"{prefix}/pair/{index}", "1")
         return results
 
