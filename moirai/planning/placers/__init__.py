@@ -32,6 +32,7 @@ from moirai.errors import (
     user_stacklevel,
 )
 from moirai.file_numbers import is_integer, is_number
+from moirai.planning.colocation import unbundled_if_better
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem, check_problem
@@ -214,7 +215,7 @@ def _place(problem: Problem, placer: str, objective: str | Objective, **options:
         plan.placer = plan.placer or placer
         plan.check(problem)
         if traits.minimises and problem.colocated:
-            plan = _groups_unbundled(problem, plan, chosen)
+            plan = unbundled_if_better(problem, plan, chosen)
         if traits.minimises:
             plan = _as_the_runtime_prefers(problem, plan, chosen)
         timeline = simulate(problem, plan)
@@ -249,23 +250,6 @@ def _placers_plan_refused(placer: str) -> Iterator[None]:
             f"the devices it runs on and every tensor to the links there are ({others}), or give the problem the "
             "missing links"
         ) from None
-
-
-def _groups_unbundled(problem: Problem, plan: Plan, objective: Objective) -> Plan:
-    """``plan`` or, if the objective prefers it, its placement list-scheduled by the simulator.
-
-    The placer ordered every colocation group as one task (:mod:`moirai.planning.colocation`), which waits for all
-    of the group's inputs; list-scheduled, each member runs as soon as its own inputs are there, between other tasks.
-    """
-    from moirai.planning.simulate import simulate
-
-    if plan.order is None:
-        return plan
-    unbundled = dataclasses.replace(plan, order=None, transfer_order=None)
-    if objective.improves(simulate(problem, unbundled), simulate(problem, plan)):
-        logger.debug("%s plan: colocated tasks list-scheduled, between other tasks", plan.placer)
-        return unbundled
-    return plan
 
 
 def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) -> Plan:

@@ -43,6 +43,7 @@ import numpy as np
 from moirai import progress as progress_lines
 from moirai.errors import InfeasibleError, MoiraiError, MoiraiWarning, user_stacklevel
 from moirai.planning.bounds import format_bytes
+from moirai.planning.colocation import unbundled_if_better
 from moirai.planning.objective import LATENCY, Objective
 from moirai.planning.placers import register, start_plans
 from moirai.planning.plan import Plan
@@ -259,6 +260,7 @@ def _best_heuristic(
             # The registry's memory check has passed for the milp placer; colocated sets here (the milp keeps them
             # itself) need the registry's contraction for a heuristic.
             plan = (heuristic.checked if problem.colocated else heuristic.function)(problem)
+            plan = unbundled_if_better(problem, plan, objective)  # as place() makes of the heuristic's own plan
             timeline = simulate(problem, plan)
         except MoiraiError as error:
             logger.debug("start plan %s skipped: %s", name, error)  # e.g. a heuristic that cannot respect memory here
