@@ -592,3 +592,35 @@ def test_a_dropped_server_gives_back_its_ranks_and_cores_and_still_answers_its_r
     closers = [thread for thread in threading.enumerate() if thread.name == "moirai-close-dropped"]
     for thread in closers:
         thread.join(30.0)
+
+
+def _parameter_on(compiled: moirai.CompiledModel, model: torch.nn.Module, device: int) -> torch.nn.Parameter:
+    """A parameter of ``model`` that part ``device`` reads (its tensor shares the parameter's storage)."""
+    part = compiled.program.parts[device]
+    pointers = {getattr(part.graph_module, name).data_ptr() for name in part.attribute_names}
+    return next(p for p in model.parameters() if p.data_ptr() in pointers)
+
+
+def test_a_server_refuses_a_request_after_the_model_changed_a_weight_another_rank_holds() -> None:
+    """Rank 0 runs part 0 on the model's own tensors, the other ranks on the copies they were sent: a weight changed
+    in place would have been served old on rank 1 and new on rank 0, a silent mix."""
+    model = _chain_model()
+    compiled = moirai.compile(
+        model, ["cpu", "cpu"], example_inputs=(torch.randn(4, 64),), placer="round_robin", progress=False
+    )
+    x = torch.randn(4, 64)
+    with compiled.server(timeout_s=60.0) as server:
+        torch.testing.assert_close(server.submit(x).result(), _eager(model, x), rtol=0, atol=0)
+        with torch.no_grad():
+            _parameter_on(compiled, model, 0).mul_(2)  # rank 0's own: it follows
+        torch.testing.assert_close(server.submit(x).result(), _eager(model, x), rtol=0, atol=0)
+        with torch.no_grad():
+            _parameter_on(compiled, model, 1).add_(1)
+        with pytest.raises(
+            moirai.InputError,
+            match=r"changed in place after this server's ranks were sent them \(.* on cpu_1\).*open a new one",
+        ):
+            server.submit(x)
+    torch.testing.assert_close(compiled(x), _eager(model, x), rtol=0, atol=0)  # the local run reads them where they are
+    with compiled.server(timeout_s=60.0) as server:  # a new server is sent the new weights
+        torch.testing.assert_close(server.submit(x).result(), _eager(model, x), rtol=0, atol=0)

@@ -64,6 +64,7 @@ from moirai.runtime.resources import (
 from moirai.runtime.shm_files import shm_dir
 from moirai.runtime.split import SplitProgram
 from moirai.runtime.store import RunStore, get_json, join_store, start_store
+from moirai.runtime.weights_sent import WeightsSent
 
 __all__ = ["DistributedRunner", "Worlds", "torch_device"]
 
@@ -121,6 +122,7 @@ class DistributedRunner:
         self.worlds = Worlds()
         self._state_on_ranks = state_on_ranks
         self._state_lost: BaseException | None = None  # the failure that ended the ranks' state (state_on_ranks)
+        self._weights_sent: dict[SplitProgram, WeightsSent] = {}  # per program, what the running ranks were sent
         # The workers start at the first request, after the call that made this runner (run_distributed, server)
         # has returned: they report as it would have (its progress).
         self._reporting = carried()
@@ -192,6 +194,7 @@ class DistributedRunner:
             elif self._shared_memory and not any(p is program for p in self._driver.loaded):
                 _check_room_to_load(program)
             self._refuse_lost_state()
+            self._refuse_changed_weights(program)
             spill_bytes = _take_room_for_messages(program, flat_inputs) if self._shared_memory else 0
             return self._driver, spill_bytes
 
@@ -209,6 +212,15 @@ class DistributedRunner:
                     )
                 )
                 return
+
+    def _refuse_changed_weights(self, program: SplitProgram) -> None:
+        """An :class:`InputError` where the model changed in place a weight the running ranks were sent
+        (:mod:`moirai.runtime.weights_sent`); a program's first request here takes note of what they hold."""
+        sent = self._weights_sent.get(program)
+        if sent is None:
+            self._weights_sent[program] = WeightsSent.of(program)
+        else:
+            sent.refuse_changed(self._names())
 
     def _refuse_lost_state(self) -> None:
         """A :class:`DistributedError` where the state the ranks kept ended with a failed world (``state_on_ranks``)."""
@@ -290,6 +302,7 @@ class DistributedRunner:
             os._exit(_NO_MAIN_GUARD_EXIT_CODE)
         world_size = len(self.torch_devices)
         resources = rank_resources(self.devices)
+        self._weights_sent = {}  # new ranks: each program is sent (as it is then) at its first request
         # Joining (store and groups) may take as long as start-up; each message waits with its request's timeout.
         self._shared_memory = shm.enabled() and _room_for_shared_memory(world_size, programs)
         self._starter = RankStarter()  # first: a bad MOIRAI_RANK_START leaves no store open
