@@ -19,17 +19,16 @@ The simulator refuses a plan that separates a set (:func:`check_colocated`).
 The price: the placer sees a group as one task that starts once all of its inputs are there and sends its outputs
 once it has finished. The expanded plan runs each member as soon as its own inputs are there, so it simulates no
 slower than the placer predicted with the orders it gave, and :func:`moirai.place` also tries the placement
-list-scheduled (:func:`unbundled_if_better`, as the milp placer does with its start plans); but placements are
-judged by the contracted problem, which misses what interleaving a group's members with other tasks would gain.
+list-scheduled (:func:`moirai.planning.placers.unbundled_if_better`, as the milp placer does with its start
+plans); but placements are judged by the contracted problem, which misses what interleaving a group's members with
+other tasks would gain.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import networkx as nx
 import numpy as np
@@ -39,11 +38,6 @@ from moirai.errors import InfeasibleError, PlanError, ProblemError
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.report import BoundSource, StopReason
-
-if TYPE_CHECKING:
-    from moirai.planning.objective import Objective
-
-logger = logging.getLogger(__name__)
 
 _SHOWN_NAMES = 6  # names listed in a message before "and N more"
 
@@ -286,22 +280,3 @@ def check_colocated(problem: Problem, placement: np.ndarray) -> None:
                 f"{[problem.device_names[d] for d in devices]}; a colocated set (a mutable buffer and the tasks that "
                 "use it) must run on one device: place the problem with moirai.place, which keeps every set together"
             )
-
-
-def unbundled_if_better(problem: Problem, plan: Plan, objective: Objective) -> Plan:
-    """``plan`` or, if ``objective`` prefers it, its placement list-scheduled by the simulator: what
-    :func:`moirai.place` makes of a minimising placer's plan, and the milp placer of each heuristic start plan.
-
-    A placer of the contracted problem ordered every colocation group as one task (:func:`contract`), which waits
-    for all of the group's inputs; list-scheduled, each member runs as soon as its own inputs are there, between
-    other tasks.
-    """
-    from moirai.planning.simulate import simulate
-
-    if not problem.colocated or plan.order is None:
-        return plan
-    unbundled = dataclasses.replace(plan, order=None, transfer_order=None)
-    if objective.improves(simulate(problem, unbundled), simulate(problem, plan)):
-        logger.debug("%s plan: colocated tasks list-scheduled, between other tasks", plan.placer)
-        return unbundled
-    return plan

@@ -32,7 +32,6 @@ from moirai.errors import (
     user_stacklevel,
 )
 from moirai.file_numbers import is_integer, is_number
-from moirai.planning.colocation import unbundled_if_better
 from moirai.planning.objective import Objective, as_objective
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem, check_problem
@@ -250,6 +249,25 @@ def _placers_plan_refused(placer: str) -> Iterator[None]:
             f"the devices it runs on and every tensor to the links there are ({others}), or give the problem the "
             "missing links"
         ) from None
+
+
+def unbundled_if_better(problem: Problem, plan: Plan, objective: Objective) -> Plan:
+    """``plan`` or, if ``objective`` prefers it, its placement list-scheduled by the simulator: what
+    :func:`moirai.place` makes of a minimising placer's plan, and the milp placer of each heuristic start plan.
+
+    A placer of the contracted problem (:func:`moirai.planning.colocation.contract`) ordered every colocation group
+    as one task, which waits for all of its inputs; list-scheduled, each member runs as soon as its own inputs are
+    there, between other tasks.
+    """
+    from moirai.planning.simulate import simulate
+
+    if not problem.colocated or plan.order is None:
+        return plan
+    unbundled = dataclasses.replace(plan, order=None, transfer_order=None)
+    if objective.improves(simulate(problem, unbundled), simulate(problem, plan)):
+        logger.debug("%s plan: colocated tasks list-scheduled, between other tasks", plan.placer)
+        return unbundled
+    return plan
 
 
 def _as_the_runtime_prefers(problem: Problem, plan: Plan, objective: Objective) -> Plan:

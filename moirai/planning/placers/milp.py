@@ -43,9 +43,8 @@ import numpy as np
 from moirai import progress as progress_lines
 from moirai.errors import InfeasibleError, MoiraiError, MoiraiWarning, user_stacklevel
 from moirai.planning.bounds import format_bytes
-from moirai.planning.colocation import unbundled_if_better
 from moirai.planning.objective import LATENCY, Objective
-from moirai.planning.placers import register, start_plans
+from moirai.planning.placers import register, start_plans, unbundled_if_better
 from moirai.planning.plan import Plan
 from moirai.planning.problem import Problem
 from moirai.planning.report import BoundSource, SolverReport, StopReason
