@@ -46,31 +46,46 @@ def test_readme_problem_example_plans_as_documented(tmp_path) -> None:
 FENCED_BLOCK = re.compile(r"(?:<!-- (?P<marker>[^\n]*?) -->\n)?```(?P<language>\w*)\n(?P<code>.*?)\n```", re.DOTALL)
 
 
+BLOCKS = list(FENCED_BLOCK.finditer(README))
+PYTHON_BLOCKS = [number for number, block in enumerate(BLOCKS) if block["language"] == "python"]
+# What a block leaves in its folder for the reader to look at.
+LEAVES = {
+    "plan.png": 'compiled.gantt("plan.png")',
+    "plan.json": 'compiled.save("plan.json")',
+    "stream.png": 'compiled.gantt("stream.png"',
+}
+
+
+def test_the_readme_has_five_python_blocks_to_run_and_one_that_needs_torchrun() -> None:
+    markers = [BLOCKS[number]["marker"] or "" for number in PYTHON_BLOCKS]
+    skipped = [number for number, marker in zip(PYTHON_BLOCKS, markers, strict=True) if marker.startswith("not run")]
+    assert len(PYTHON_BLOCKS) - len(skipped) == 5 and len(skipped) == 1
+    for number in skipped:
+        assert BLOCKS[number]["marker"] == "not run by tests/test_readme.py: needs torchrun"
+        assert "torchrun" in BLOCKS[number]["code"]
+    assert all(any(text in BLOCKS[number]["code"] for number in PYTHON_BLOCKS) for text in LEAVES.values())
+
+
+# One test per block, so that the two workers share them: each runs as pasted, after the file blocks before it.
 @pytest.mark.slow
-def test_every_readme_python_block_runs_as_pasted_in_a_script_of_its_own(tmp_path) -> None:
-    ran = skipped = 0
-    for number, block in enumerate(FENCED_BLOCK.finditer(README)):
+@pytest.mark.parametrize("number", [n for n in PYTHON_BLOCKS if not (BLOCKS[n]["marker"] or "").startswith("not run")])
+def test_every_readme_python_block_runs_as_pasted_in_a_script_of_its_own(tmp_path, number: int) -> None:
+    for block in BLOCKS[:number]:
         marker = block["marker"] or ""
         if marker.startswith("file: "):
             (tmp_path / marker.removeprefix("file: ")).write_text(block["code"] + "\n")
-        if block["language"] != "python":
-            continue
-        if marker.startswith("not run"):
-            assert marker == "not run by tests/test_readme.py: needs torchrun" and "torchrun" in block["code"]
-            skipped += 1
-            continue
-        script = tmp_path / f"readme_block_{number}.py"
-        shows = SHOWS_ITS_SPLIT if "compiled = moirai.compile(" in block["code"] else ""
-        shows += SHOWS_ITS_LM_SPLIT if "lm = moirai.compile_lm(" in block["code"] else ""
-        script.write_text(block["code"] + "\n" + shows)
-        result = subprocess.run(
-            [sys.executable, script.name], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env()
-        )
-        assert result.returncode == 0, f"README python block {number} failed:\n{result.stdout}\n{result.stderr}"
-        ran += 1
-    assert ran == 5 and skipped == 1
-    assert (tmp_path / "plan.png").stat().st_size > 0 and (tmp_path / "plan.json").exists()
-    assert (tmp_path / "stream.png").stat().st_size > 0
+    code = BLOCKS[number]["code"]
+    script = tmp_path / f"readme_block_{number}.py"
+    shows = SHOWS_ITS_SPLIT if "compiled = moirai.compile(" in code else ""
+    shows += SHOWS_ITS_LM_SPLIT if "lm = moirai.compile_lm(" in code else ""
+    script.write_text(code + "\n" + shows)
+    result = subprocess.run(
+        [sys.executable, script.name], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env()
+    )
+    assert result.returncode == 0, f"README python block {number} failed:\n{result.stdout}\n{result.stderr}"
+    for name, text in LEAVES.items():
+        if text in code:
+            assert (tmp_path / name).stat().st_size > 0, name
 
 
 # Appended to a block that compiles a model for two devices: the plan it shows uses both and is predicted better
