@@ -59,9 +59,8 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import numpy as np
 import torch
 
@@ -82,6 +81,9 @@ from moirai.cluster.host import available_cores, core_shares, device_index
 from moirai.cluster.kinds import CPU, accelerator_kinds, detect_device, kind_of, local_link
 from moirai.errors import ClusterError, OversubscriptionWarning, user_stacklevel
 from moirai.user_files import write_output
+
+if TYPE_CHECKING:  # imported where links are routed: ranks import this module ([Note: what a rank imports])
+    import networkx as nx
 
 # The CPU time a transfer takes from its two ends: fixed seconds and seconds per byte.
 _CPU_TIME_MATRICES = ("send_cpu_s", "send_cpu_s_per_byte", "recv_cpu_s", "recv_cpu_s_per_byte")
@@ -388,6 +390,8 @@ def warn_if_oversubscribed_here(cluster: Cluster) -> None:
 
 
 def _link_graph(names: Sequence[str], links: Iterable[Link]) -> nx.DiGraph:
+    import networkx as nx
+
     graph = nx.DiGraph()
     graph.add_nodes_from(names)
     for link in links:
@@ -397,6 +401,8 @@ def _link_graph(names: Sequence[str], links: Iterable[Link]) -> nx.DiGraph:
 
 def _widest_path(graph: nx.DiGraph, src: str, dst: str) -> list[str]:
     """The path ``src -> dst`` with the widest bottleneck, lowest latency among the widest."""
+    import networkx as nx
+
     for width in sorted({w for _, _, w in graph.edges(data="bandwidth")}, reverse=True):
         wide_enough = nx.subgraph_view(graph, filter_edge=lambda u, v, w=width: graph.edges[u, v]["bandwidth"] >= w)
         if nx.has_path(wide_enough, src, dst):
@@ -407,6 +413,8 @@ def _widest_path(graph: nx.DiGraph, src: str, dst: str) -> list[str]:
 
 
 def _route_matrices(names: Sequence[str], links: Sequence[Link]) -> tuple[np.ndarray, np.ndarray]:
+    import networkx as nx
+
     k = len(names)
     graph = _link_graph(names, links)
     bandwidth, latency = np.full((k, k), np.inf), np.zeros((k, k))

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
-from moirai.frontend.graph import OpGraph
 from moirai.frontend.writes import is_view_node, written_operands
+
+if TYPE_CHECKING:  # the runtime's ranks import this module, and the op graph brings networkx (0.3 s)
+    from moirai.frontend.graph import OpGraph
 
 
 @dataclass(frozen=True)

@@ -19,18 +19,19 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.utils._sympy.functions import FloorDiv, Max, Min, PythonMod
-from torch.utils._sympy.numbers import int_oo
-from torch.utils._sympy.printers import PythonPrinter
 
 from moirai.errors import PlanError, TraceError
 
 if TYPE_CHECKING:  # trace imports this module; these are only annotations here
+    import sympy
+
     from moirai.frontend.trace import TensorSpec, TracedModel
+
+# sympy is imported where a symbolic size is met, not with this module: the runtime's ranks import it through
+# moirai.frontend.trace, and sympy alone took 0.56-0.68 s of a rank's 3.2 s start ([Note: what a rank imports]).
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class DynamicDim:
 def symbolic_expression(value: int | torch.SymInt | torch.SymBool | torch.SymFloat) -> str:
     """A Python expression for a traced scalar over the input dimensions' symbols (``"s0*s1"``)."""
     if isinstance(value, (torch.SymInt, torch.SymBool, torch.SymFloat)):
+        from torch.utils._sympy.printers import PythonPrinter
+
         return PythonPrinter().doprint(value.node.expr)
     return repr(value)
 
@@ -139,35 +142,42 @@ def shape_scalars(traced: TracedModel) -> dict[fx.Node, sympy.Expr]:
     return scalars
 
 
-# The sympy expressions of shape scalars, as Python operators (what a part computes them with).
-SHAPE_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
-    sympy.Add: operator.add,
-    sympy.Mul: operator.mul,
-    FloorDiv: operator.floordiv,
-    PythonMod: operator.mod,
-    sympy.Mod: operator.mod,
-    sympy.Eq: operator.eq,
-    sympy.Ne: operator.ne,
-    sympy.StrictLessThan: operator.lt,
-    sympy.LessThan: operator.le,
-    sympy.StrictGreaterThan: operator.gt,
-    sympy.GreaterThan: operator.ge,
-    # torch's own Max and Min (what torch.sym_max makes, as MPT's attention does) and sympy's
-    Max: torch.sym_max,
-    Min: torch.sym_min,
-    sympy.Max: torch.sym_max,
-    sympy.Min: torch.sym_min,
-}
+@functools.cache
+def shape_operators() -> dict[type, Callable[[Any, Any], Any]]:
+    """The sympy expressions of shape scalars, as Python operators (what a part computes them with)."""
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv, Max, Min, PythonMod
+
+    return {
+        sympy.Add: operator.add,
+        sympy.Mul: operator.mul,
+        FloorDiv: operator.floordiv,
+        PythonMod: operator.mod,
+        sympy.Mod: operator.mod,
+        sympy.Eq: operator.eq,
+        sympy.Ne: operator.ne,
+        sympy.StrictLessThan: operator.lt,
+        sympy.LessThan: operator.le,
+        sympy.StrictGreaterThan: operator.gt,
+        sympy.GreaterThan: operator.ge,
+        # torch's own Max and Min (what torch.sym_max makes, as MPT's attention does) and sympy's
+        Max: torch.sym_max,
+        Min: torch.sym_min,
+        sympy.Max: torch.sym_max,
+        sympy.Min: torch.sym_min,
+    }
 
 
 def _is_shape_arithmetic(expr: sympy.Basic, symbols: set[str]) -> bool:
+    import sympy
+
     if expr.is_Symbol:
         return str(expr) in symbols
     if expr.is_Integer or expr in (sympy.true, sympy.false):
         return True
     if isinstance(expr, sympy.Pow):
         return bool(expr.exp.is_Integer and expr.exp > 0) and _is_shape_arithmetic(expr.base, symbols)
-    return type(expr) in SHAPE_OPERATORS and all(_is_shape_arithmetic(arg, symbols) for arg in expr.args)
+    return type(expr) in shape_operators() and all(_is_shape_arithmetic(arg, symbols) for arg in expr.args)
 
 
 def shape_with_dim_names(spec: TensorSpec, dynamic_dims: Sequence[DynamicDim]) -> str:
@@ -197,6 +207,9 @@ def exported_dynamic_dims(
     dynamic_shapes: Any,
 ) -> tuple[DynamicDim, ...]:
     """The dynamic input dimensions of an exported model, with their ranges and the user's Dim names."""
+    import sympy
+    from torch.utils._sympy.numbers import int_oo
+
     ranges = {str(symbol): bounds for symbol, bounds in exported.range_constraints.items()}
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     user_names = _user_dim_names(model, args, kwargs, dynamic_shapes, tensors)

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, free_unbacked_symbols
 
 from moirai.errors import MoiraiWarning, RandomOpsWarning, TraceError, TrainingModeWarning, user_stacklevel
 from moirai.frontend.symbolic_shapes import is_export_dim
@@ -290,6 +289,8 @@ def dynamic_shapes_error(
             "with an entry per positional input, or a dict by forward's parameter names; for each tensor a dict "
             "{axis: torch.export.Dim(...)} (or None: static), None for an input that is no tensor"
         )
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError  # sympy: [Note: what a rank imports]
+
     violated = isinstance(error, UserError) and error.error_type is UserErrorType.CONSTRAINT_VIOLATION
     if not (violated or isinstance(error, ConstraintViolationError)):
         return None
@@ -373,6 +374,8 @@ def _unknown_output_error(model_name: str, output_class: str, args: tuple, kwarg
 
 def check_static_shapes(graph_module: fx.GraphModule, name: str) -> None:
     """Refuse ops whose output shape depends on tensor values (``t[t > 0]``, ``nonzero``): plans fix every shape."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols  # sympy: [Note: what a rank imports]
+
     for node in graph_module.graph.nodes:
         tensors = [t for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
         if node.op == "call_function" and any(free_unbacked_symbols(t) for t in tensors):

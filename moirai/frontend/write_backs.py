@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from moirai.frontend.writes import is_view_node, written_operands
 
@@ -89,6 +88,8 @@ def _nodes_naming(graph: fx.Graph, state: fx.Node) -> int:
 
 def _same_layout(state: fx.Node, update: fx.Node) -> bool:
     """Whether the op's result has the written tensor's shape and dtype, so writing in place changes no value."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq  # sympy, imported late
+
     before, after = state.meta.get("val"), update.meta.get("val")
     if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
         return False

@@ -60,20 +60,22 @@ import numbers
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import sympy
 import torch
 import torch.fx as fx
 
 from moirai.errors import PlanError
-from moirai.frontend.symbolic_shapes import SHAPE_OPERATORS, DynamicDim, shape_scalars
+from moirai.frontend.symbolic_shapes import DynamicDim, shape_operators, shape_scalars
 from moirai.frontend.symbolic_shapes import (
     concrete_shape as concrete_shape,  # part of this module's interface for the runtimes
 )
 from moirai.frontend.trace import ALIGNMENT_BYTES, TensorSpec, TracedModel, check_flat_inputs, tensor_spec
 from moirai.frontend.writes import is_view_node, view_base, written_operands
 from moirai.progress import stage
+
+if TYPE_CHECKING:
+    import sympy
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
@@ -481,6 +483,8 @@ class _PartBuilder:
         return self.env[node.name]
 
     def _emit_shape_arithmetic(self, expr: sympy.Basic) -> Any:
+        import sympy  # where a program has symbolic sizes only ([Note: what a rank imports])
+
         if expr.is_Integer:
             return int(expr)
         if expr in (sympy.true, sympy.false):
@@ -498,7 +502,7 @@ class _PartBuilder:
             return self.graph.create_node(
                 "call_function", operator.pow, (self._emit_shape_arithmetic(expr.base), int(expr.exp))
             )
-        function = SHAPE_OPERATORS[type(expr)]
+        function = shape_operators()[type(expr)]
         result, *rest = (self._emit_shape_arithmetic(arg) for arg in expr.args)
         for operand in rest:  # Add, Mul, Max and Min take any number of terms
             result = self.graph.create_node("call_function", function, (result, operand))
