@@ -37,6 +37,17 @@ def test_every_planning_module_leaves_torch_unimported():
     assert result.returncode == 0, result.stderr
 
 
+def test_a_rank_imports_neither_sympy_nor_networkx():
+    """They took 1.1 s of every rank's start ([Note: what a rank imports] in docs/design.md)."""
+    code = (
+        "import sys\n"
+        "import moirai.runtime.runner\n"
+        "assert not {'sympy', 'networkx'} & set(sys.modules), sorted({'sympy', 'networkx'} & set(sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def _imported_modules(path: Path, known: set[str]) -> set[str]:
     """The moirai modules ``path`` imports, at its top level or inside functions (lazy imports count too;
     imports for type checkers only do not)."""
