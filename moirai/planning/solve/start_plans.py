@@ -113,6 +113,9 @@ def improve_start_plan(
         except DeadlinePassed as stopped:
             logger.debug("lookahead round %d abandoned at the deadline (%s)", result.rounds, stopped)
             break
+        if time.perf_counter() > deadline:  # done past it: simulating the plan would overrun further
+            logger.debug("lookahead round %d finished past the deadline; its plan is not judged", result.rounds)
+            break
         if candidate is not None:
             candidate_timeline = simulate(problem, candidate)
             result.history.append(objective.value_s(candidate_timeline))
