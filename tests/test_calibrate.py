@@ -800,7 +800,7 @@ def test_a_calibration_warns_of_busy_cores_by_its_least_share_and_not_where_it_w
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         measure_module.warn_if_cores_were_busy(["cpu", "cpu"], {(0, 1): quiet, (1, 0): quiet})
-        unmeasured = dataclasses.replace(quiet, core_share=None)  # between hosts: not measured
+        unmeasured = dataclasses.replace(quiet, core_share=None)  # timings made by hand, say
         measure_module.warn_if_cores_were_busy(["cpu", "cpu"], {(0, 1): unmeasured})
     busy = dataclasses.replace(quiet, core_share=0.5)
     with pytest.warns(moirai.MoiraiWarning, match=r"between cpu, cpu: its ranks ran 50% of the time they computed"):

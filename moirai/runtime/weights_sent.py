@@ -6,7 +6,8 @@ other rank holds the copies it was sent when it started (or loaded the program):
 model would compute with new weights on device 0 and old ones elsewhere, a silent mix. A :class:`WeightsSent` taken
 when the ranks got the program says which weight has changed since, by the version counters alone (about 0.1 us a
 tensor). A buffer a part writes in place (a KV cache, a counter) is the ranks' own state, not a weight sent, and is
-left out ([Note: weights a server was sent] in docs/design.md).
+left out ([Note: weights a server was sent] in docs/design.md). What no version counter sees is not caught: a write
+through ``.data`` (``p.data.add_(1)``, as some EMA updates and loaders do) and a change to an inference tensor.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class WeightsSent:
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         raise InputError(
             f"the model's weights were changed in place after this server's ranks were sent them ({shown}{more}): "
-            "its other ranks would compute with the old values and device 0 with the new ones, so the request is "
-            "refused; close this server and open a new one to serve the new weights (compiled(...) and "
-            "run_distributed read them where they are)"
+            "the ranks other than 0 hold the copies they were sent and would compute with the old values beside "
+            "the new ones, so the request is refused; close this server and open a new one to serve the new weights "
+            "(compiled(...) and run_distributed read them where they are)"
         )

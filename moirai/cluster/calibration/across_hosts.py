@@ -27,6 +27,7 @@ from moirai.cluster.calibration.measure import (
     DEFAULT_WARMUP,
     leave_together,
     measure_pairs,
+    warn_if_cores_were_busy,
 )
 from moirai.errors import DistributedError
 from moirai.progress import stage
@@ -115,8 +116,11 @@ def measure_across_hosts(
     timings = {}
     for index, pair in enumerate(pairs):
         medians = _medians(group.store, f"{prefix}/result/{index}", pair, len(sizes))
-        stream = medians.get("stream_bytes_per_s")
-        timings[pair] = TransferTimings(sizes, *(tuple(medians[key]) for key in _MEDIANS), stream_bytes_per_s=stream)
+        stream, share = medians.get("stream_bytes_per_s"), medians.get("core_share")
+        timings[pair] = TransferTimings(
+            sizes, *(tuple(medians[key]) for key in _MEDIANS), stream_bytes_per_s=stream, core_share=share
+        )
+    warn_if_cores_were_busy([str(d) for d in torch_devices], timings)
     return HostsCalibration(tuple(str(d) for d in torch_devices), tuple(hosts), timings)
 
 
@@ -172,12 +176,16 @@ def _medians(store: object, key: str, pair: tuple[int, int], num_sizes: int) -> 
     def valid(medians: Any) -> bool:
         if not (isinstance(medians, dict) and [medians.get("src"), medians.get("dst")] == list(pair)):
             return False
-        stream = medians.get("stream_bytes_per_s")
-        return all(
-            isinstance(medians.get(k), list)
-            and len(medians[k]) == num_sizes
-            and all(type(v) in (int, float) for v in medians[k])
-            for k in _MEDIANS
-        ) and (stream is None or (type(stream) in (int, float) and 0 < stream < float("inf")))
+        stream, share = medians.get("stream_bytes_per_s"), medians.get("core_share")
+        return (
+            (share is None or (type(share) in (int, float) and 0 <= share <= 2))
+            and all(
+                isinstance(medians.get(k), list)
+                and len(medians[k]) == num_sizes
+                and all(type(v) in (int, float) for v in medians[k])
+                for k in _MEDIANS
+            )
+            and (stream is None or (type(stream) in (int, float) and 0 < stream < float("inf")))
+        )
 
     return get_json(store, key, f"timings of ranks {pair[0]} -> {pair[1]}", valid)
