@@ -55,6 +55,7 @@ so an asymmetric cluster keeps different numbers per direction.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -413,8 +414,6 @@ def _widest_path(graph: nx.DiGraph, src: str, dst: str) -> list[str]:
 
 
 def _route_matrices(names: Sequence[str], links: Sequence[Link]) -> tuple[np.ndarray, np.ndarray]:
-    import networkx as nx
-
     k = len(names)
     graph = _link_graph(names, links)
     bandwidth, latency = np.full((k, k), np.inf), np.zeros((k, k))
@@ -423,7 +422,7 @@ def _route_matrices(names: Sequence[str], links: Sequence[Link]) -> tuple[np.nda
             if a == b:
                 continue
             path = [src, dst] if graph.has_edge(src, dst) else _widest_path(graph, src, dst)
-            hops = [graph.edges[u, v] for u, v in nx.utils.pairwise(path)]
+            hops = [graph.edges[u, v] for u, v in itertools.pairwise(path)]
             bandwidth[a, b] = min(hop["bandwidth"] for hop in hops)
             latency[a, b] = sum(hop["latency"] for hop in hops)
     return bandwidth, latency

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from moirai.frontend.writes import is_view_node, written_operands
 
-if TYPE_CHECKING:  # the runtime's ranks import this module, and the op graph brings networkx (0.3 s)
+if TYPE_CHECKING:  # the runtime's ranks import this module, and the op graph brings networkx with it
     from moirai.frontend.graph import OpGraph
 
 

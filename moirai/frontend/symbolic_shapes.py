@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # trace imports this module; these are only annotations here
 
     from moirai.frontend.trace import TensorSpec, TracedModel
 
-# sympy is imported where a symbolic size is met, not with this module: the runtime's ranks import it through
-# moirai.frontend.trace, and sympy alone took 0.56-0.68 s of a rank's 3.2 s start ([Note: what a rank imports]).
+# sympy is imported where a symbolic size is met, not with this module: the runtime's ranks import this module
+# through moirai.frontend.trace, and would pay for sympy at every start ([Note: what a rank imports]).
 
 
 @dataclass(frozen=True)

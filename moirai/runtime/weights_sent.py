@@ -3,11 +3,12 @@
 Rank 0 runs part 0 on the program's own tensors, which are the model's (detached aliases that share their version
 counters), so a change made in place there (``load_state_dict``, ``weight.mul_(2)``) reaches its next request. Every
 other rank holds the copies it was sent when it started (or loaded the program): changed in place afterwards, the
-model would compute with new weights on device 0 and old ones elsewhere, a silent mix. A :class:`WeightsSent` taken
-when the ranks got the program says which weight has changed since, by the version counters alone (about 0.1 us a
-tensor). A buffer a part writes in place (a KV cache, a counter) is the ranks' own state, not a weight sent, and is
-left out ([Note: weights a server was sent] in docs/design.md). What no version counter sees is not caught: a write
-through ``.data`` (``p.data.add_(1)``, as some EMA updates and loaders do) and a change to an inference tensor.
+model would compute with the old weights there beside the new ones, a silent mix. A :class:`WeightsSent` taken when
+the ranks got the program says which weight has changed since, by the version counters alone (a cheap look per
+tensor and request). A buffer a part writes in place (a KV cache, a counter) is the ranks' own state, not a weight
+sent, and is left out ([Note: weights a server was sent] in docs/design.md). What no version counter sees is not
+caught: a write through ``.data`` (``p.data.add_(1)``, as some EMA updates and loaders do) and a change to an
+inference tensor.
 """
 
 from __future__ import annotations
