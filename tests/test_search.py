@@ -110,8 +110,9 @@ def test_milp_placer_at_scale_is_better_than_every_heuristic_within_its_budget()
     assert plan.makespan_s == simulate(problem, plan).makespan_s
 
 
+# Runs alone (not in_process): how many turns the searches get depends on the core's speed, and beside another test
+# on a busy CI machine the lookahead left the window search one turn (the check wants three).
 @pytest.mark.slow
-@pytest.mark.in_process  # every turn's length is checked against the time left when it began
 def test_every_turn_of_the_window_searches_is_long_enough_to_solve_a_window(monkeypatch):
     """Equal shares of a budget's last second among the pending searches are too short to solve a window: each
     search gets at least _MIN_TURN_S (or all that is left) instead of taking turns doing nothing until the
