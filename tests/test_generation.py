@@ -515,17 +515,21 @@ def test_generate_calls_from_several_threads_and_beside_a_server_each_get_their_
 
 
 class _SlowStepsInThisProcess(_StepsInThisProcess):
-    """Steps of 20 ms at least: 50 tokens take a second, far longer than a test needs to act before they end."""
+    """Steps of ``step_s`` at least (20 ms: 20 tokens are in flight for 0.4 s, longer than a test needs to act)."""
+
+    step_s = 0.02
 
     def submit_flat(self, inputs):
-        time.sleep(0.02)
+        time.sleep(self.step_s)
         return super().submit_flat(inputs)
 
 
 def test_a_stream_and_a_generate_cut_short_by_a_cancelling_close_say_so(split_lm):
     """Each raised concurrent.futures' bare CancelledError."""
     prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8))
-    server = GenerationServer(split_lm, _SlowStepsInThisProcess(split_lm), depth=2)
+    steps = _SlowStepsInThisProcess(split_lm)
+    steps.step_s = 0.1  # 50 tokens take 5 s: the close below comes long before, however busy the machine
+    server = GenerationServer(split_lm, steps, depth=2)
     stream = server.stream(prompt, max_new_tokens=50)
     next(stream)
     rows: list[BaseException] = []
